@@ -1,0 +1,96 @@
+"""Gradient buckets: flat per-dtype buffers whose slices are the parameters' `.grad` tensors.
+
+A bucket is the unit of communication. Reducing one 25 MB buffer costs about as much as reducing one
+tiny tensor plus the bytes, so gradients are packed into few large flat buffers; but a bucket can only
+be sent once its last gradient is ready, so buckets must not be so large that communication starts
+late. PyTorch's choice, which we keep: 25 MB buckets, and a small (1 MB) first bucket so that the
+first all-reduce starts almost as soon as backward does.
+
+Each parameter's `.grad` is a view into its bucket (`gradient_as_bucket_view`): autograd accumulates
+straight into the buffer that is sent, so there is no copy into the bucket and none back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+__all__ = ["Bucket", "assign_buckets", "allocate_buckets"]
+
+MB = 1024 * 1024
+
+
+@dataclass
+class Bucket:
+    """One flat gradient buffer and the parameters whose gradients live in it.
+
+    Attributes:
+        index: position in launch order (every rank launches bucket i before bucket i + 1).
+        param_indices: indices (into the strategy's parameter list) of the parameters in this bucket.
+        buffer: the flat 1-D gradient buffer (one dtype, one device).
+        views: for each parameter, the slice of `buffer` shaped like that parameter.
+    """
+
+    index: int
+    param_indices: list[int]
+    buffer: torch.Tensor
+    views: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+def assign_buckets(
+    params: Sequence[torch.Tensor],
+    order: Sequence[int],
+    cap_bytes: int,
+    first_cap_bytes: int | None = None,
+) -> list[list[int]]:
+    """Group parameter indices into buckets, walking `order` (the expected gradient-ready order).
+
+    Each bucket holds one (device, dtype). A bucket is closed once it reaches its cap; the first
+    bucket closed uses `first_cap_bytes`. A parameter larger than the cap gets a bucket of its own.
+    Buckets are returned in the order they were closed, which is the order they become ready when
+    gradients arrive in `order`.
+    """
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    first_cap = cap_bytes if first_cap_bytes is None else min(first_cap_bytes, cap_bytes)
+    open_buckets: dict[tuple, tuple[list[int], int]] = {}
+    closed: list[list[int]] = []
+    for i in order:
+        p = params[i]
+        key = (p.device, p.dtype)
+        members, size = open_buckets.get(key, ([], 0))
+        members.append(i)
+        size += p.numel() * p.element_size()
+        cap = first_cap if not closed else cap_bytes
+        if size >= cap:
+            closed.append(members)
+            open_buckets.pop(key, None)
+        else:
+            open_buckets[key] = (members, size)
+    # Whatever is still open closes in the order its last parameter arrived.
+    position = {i: k for k, i in enumerate(order)}
+    rest = sorted(open_buckets.values(), key=lambda entry: position[entry[0][-1]])
+    closed.extend(members for members, _ in rest)
+    return closed
+
+
+def allocate_buckets(params: Sequence[torch.Tensor], groups: list[list[int]]) -> list[Bucket]:
+    """Allocate one zeroed flat buffer per group and carve it into per-parameter views."""
+    buckets = []
+    for b, members in enumerate(groups):
+        first = params[members[0]]
+        total = sum(params[i].numel() for i in members)
+        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+        views, offset = [], 0
+        for i in members:
+            n = params[i].numel()
+            views.append(buffer[offset : offset + n].view(params[i].shape))
+            offset += n
+        buckets.append(Bucket(index=b, param_indices=list(members), buffer=buffer, views=views))
+    return buckets

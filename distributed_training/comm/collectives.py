@@ -1,0 +1,100 @@
+"""Small collective helpers shared by the strategies: coalesced broadcast and cross-rank checks."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["broadcast_coalesced", "check_same_across_ranks", "describe_module"]
+
+_BROADCAST_CHUNK_BYTES = 256 * 1024 * 1024
+
+
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor],
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk_bytes: int = _BROADCAST_CHUNK_BYTES,
+) -> None:
+    """Broadcast `tensors` in place from global rank `src`, packed into few flat messages.
+
+    Tensors are grouped by (device, dtype) and packed into chunks of at most `chunk_bytes`, so a
+    model with hundreds of small buffers costs a handful of collectives, and a huge model never
+    needs a second full copy of itself.
+    """
+    if dist.get_world_size(group) == 1 or not tensors:
+        return
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for members in groups.values():
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for t in members:
+            chunk.append(t)
+            size += t.numel() * t.element_size()
+            if size >= chunk_bytes:
+                _broadcast_chunk(chunk, src, group)
+                chunk, size = [], 0
+        if chunk:
+            _broadcast_chunk(chunk, src, group)
+
+
+def _broadcast_chunk(chunk: list[torch.Tensor], src: int, group) -> None:
+    if len(chunk) == 1 and chunk[0].is_contiguous():
+        dist.broadcast(chunk[0].data, src=src, group=group)
+        return
+    flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+    dist.broadcast(flat, src=src, group=group)
+    offset = 0
+    with torch.no_grad():
+        for t in chunk:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def describe_module(module: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(kind, name, shape, dtype) for every parameter and buffer, in registration order."""
+    entries = [("parameter", n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+    entries += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
+    return entries
+
+
+def check_same_across_ranks(
+    entries: Iterable[tuple], what: str, group: dist.ProcessGroup | None = None
+) -> None:
+    """Raise the same ValueError on every rank if `entries` differ between ranks.
+
+    One all-gather of the (small) descriptions; every rank then finds the same first difference, so
+    every rank raises together and nobody is left waiting in a later collective.
+    """
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return
+    mine = list(entries)
+    gathered: list[list[tuple] | None] = [None] * world_size
+    dist.all_gather_object(gathered, mine, group=group)
+    reference = gathered[0]
+    for rank in range(1, world_size):
+        other = gathered[rank]
+        if other == reference:
+            continue
+        for k in range(max(len(reference), len(other))):
+            a = reference[k] if k < len(reference) else None
+            b = other[k] if k < len(other) else None
+            if a != b:
+                raise ValueError(
+                    f"{what} differs across ranks at entry {k}: rank 0 has {_fmt(a)}, rank {rank} has {_fmt(b)}. "
+                    "Every rank must build the same model (same parameter names, shapes and dtypes)."
+                )
+    return
+
+
+def _fmt(entry) -> str:
+    if entry is None:
+        return "nothing (fewer entries)"
+    kind, name, shape, dtype = entry
+    return f"{kind} '{name}' shape {list(shape)} dtype {dtype}"

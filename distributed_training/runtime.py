@@ -1,0 +1,180 @@
+"""The process group and device for one training process, read from torchrun's environment.
+
+torchrun (and every launcher that follows its contract: Kubeflow, SLURM wrappers, our own test
+harness) describes a process through environment variables:
+
+    RANK, WORLD_SIZE              this process among all of them
+    LOCAL_RANK, LOCAL_WORLD_SIZE  this process among those on its node
+    MASTER_ADDR, MASTER_PORT      where rank 0's TCP store listens
+
+`init_distributed()` reads them, picks NCCL with one GPU per process when CUDA is present and gloo
+otherwise, and returns a `DistributedContext`. Without those variables (a plain `python script.py`)
+the process runs as a world of one, on an in-memory store, through the very same code path.
+
+Nothing here is module-level state: the context owns its process group and is passed explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistributedContext", "init_distributed", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class DistributedContext:
+    """Where this process stands in the job.
+
+    Attributes:
+        rank: global rank of this process.
+        world_size: number of processes in the job.
+        local_rank: rank among the processes of this node (selects the GPU).
+        local_world_size: number of processes on this node.
+        device: the device this process computes on (``cuda:<local_rank>`` or ``cpu``).
+        backend: ``"nccl"`` or ``"gloo"``.
+        group: the process group collectives use (``None`` means the default group).
+        owns_process_group: whether `shutdown()` destroys the default group (False when the
+            caller initialised it before us).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    group: dist.ProcessGroup | None = None
+    owns_process_group: bool = field(default=False, repr=False)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            if self.backend == "nccl":
+                dist.barrier(group=self.group, device_ids=[self.device.index])
+            else:
+                dist.barrier(group=self.group)
+
+    def shutdown(self) -> None:
+        """Destroy the process group if this context created it. Safe to call twice."""
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_process_group = False
+
+    def __enter__(self) -> "DistributedContext":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def init_distributed(
+    backend: str | None = None,
+    timeout: timedelta | float | None = None,
+    device: str | torch.device | None = None,
+) -> DistributedContext:
+    """Join (or create) the job's default process group and choose this process's device.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"`` or ``None`` to choose: NCCL when CUDA is available, else gloo.
+        timeout: how long any collective may wait before it fails (a `timedelta` or seconds).
+            Defaults to 10 minutes.
+        device: force a device (``"cpu"`` runs gloo even on a GPU machine).
+
+    If the default group already exists (the caller initialised it), it is reused and left alone
+    at shutdown.
+    """
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT
+    elif not isinstance(timeout, timedelta):
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        timeout = timedelta(seconds=float(timeout))
+
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        owns = False
+        backend = dist.get_backend()
+    else:
+        rank = _env_int("RANK", 0)
+        world_size = _env_int("WORLD_SIZE", 1)
+        owns = True
+    # Without the LOCAL_* variables, assume one node holds the whole job.
+    local_rank = _env_int("LOCAL_RANK", rank)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    if not 0 <= local_rank < max(local_world_size, 1):
+        raise ValueError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size}")
+
+    if device is not None:
+        dev = torch.device(device)
+    elif backend in (None, "nccl") and torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"rank {rank}: LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA "
+                "device(s) are visible; start at most one process per GPU"
+            )
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+
+    if backend is None:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if backend == "nccl" and dev.type != "cuda":
+        raise ValueError("backend 'nccl' needs a CUDA device")
+
+    if owns:
+        kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+        if dev.type == "cuda":
+            # Binding the group to the device lets NCCL create its communicator eagerly.
+            kwargs["device_id"] = dev
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+            # A plain `python script.py`: a world of one needs no TCP rendezvous.
+            kwargs["store"] = dist.HashStore()
+        else:
+            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+            if missing:
+                raise RuntimeError(
+                    f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: start the job with torchrun "
+                    f"(expected variables: {', '.join(_TORCHRUN_VARS)})"
+                )
+        dist.init_process_group(**kwargs)
+
+    return DistributedContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        device=dev,
+        backend=backend,
+        group=None,
+        owns_process_group=owns,
+    )

@@ -1,0 +1,80 @@
+"""The interface every parallelism strategy implements, so the trainer never needs to know which one runs.
+
+A strategy answers six questions: how to wrap the model (`setup_module`), how to build the optimizer
+over what the wrapper exposes (`setup_optimizer`), how to skip gradient synchronisation during
+accumulation (`no_sync`), how to clip by the *global* gradient norm (`clip_grad_norm`), and how to
+save and restore model and optimizer state (`state_dict` / `load_state_dict`). The defaults below
+are those of a replicated model (every rank holds every parameter); sharded strategies override
+what differs.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any, Callable, ContextManager, Iterable
+
+import torch
+from torch import nn
+
+from ..runtime import DistributedContext
+
+__all__ = ["Strategy", "OptimizerFactory"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Strategy(abc.ABC):
+    """Base class of DDP, FSDP and ZeRO strategies."""
+
+    name: str = "strategy"
+
+    @abc.abstractmethod
+    def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
+        """Wrap `module` (already on `context.device`) for training; return the wrapper."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside the wrapper."""
+        return getattr(model, "module", model)
+
+    def setup_optimizer(
+        self, optimizer: torch.optim.Optimizer | OptimizerFactory, model: nn.Module
+    ) -> torch.optim.Optimizer:
+        """Build the optimizer from a factory over `model.parameters()`, or accept a built one."""
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if not callable(optimizer):
+            raise TypeError(
+                "optimizer must be a torch.optim.Optimizer or a callable taking parameters, "
+                f"got {type(optimizer).__name__}"
+            )
+        built = optimizer(model.parameters())
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+        return built
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        """Skip gradient synchronisation for the backward passes inside the block."""
+        no_sync = getattr(model, "no_sync", None)
+        return no_sync() if no_sync is not None else contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip gradients in place by their global 2-norm; return the norm before clipping."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The full model state, with the same keys as the user's module's `state_dict()`."""
+        return self.unwrap(model).state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        self.unwrap(model).load_state_dict(state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def teardown(self, model: nn.Module) -> None:
+        """Release what `setup_module` attached (hooks, buffers)."""

@@ -1,0 +1,300 @@
+"""Data-parallel training with bucketed gradient all-reduce overlapped with backward.
+
+The algorithm, for one iteration:
+
+1. `forward` first broadcasts rank 0's buffers (BatchNorm statistics) when `broadcast_buffers`,
+   then runs the wrapped module unchanged.
+2. During `loss.backward()`, autograd accumulates each parameter's gradient into `.grad`, which is a
+   view into a flat bucket buffer. A post-accumulate-grad hook then marks the parameter ready.
+3. When a bucket's last parameter is ready, the bucket is handed to the *bucket reducer* (by default
+   one asynchronous all-reduce). Buckets launch strictly in index order on every rank, as NCCL
+   requires the same collective order everywhere; a bucket that is ready early waits for its
+   predecessors, which is why buckets are ordered by expected gradient arrival.
+4. A callback queued on the autograd engine runs when backward finishes: it deals with parameters
+   that got no gradient, launches what is left, and waits once for all buckets. On CUDA that wait is
+   stream-ordered, so the host never blocks.
+
+After the first synchronised iteration the buckets are rebuilt in the order gradients actually
+arrived on rank 0 (broadcast so that every rank agrees), which is what lets communication start early.
+
+Under `no_sync()` the hooks only keep `.grad` pointing into the buckets, so gradients accumulate
+locally; the first backward outside `no_sync()` reduces the accumulated sum.
+
+`NaiveDDP` in `naive.py` is the same contract done the obvious way: the test oracle for this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.bucket import MB, Bucket, allocate_buckets, assign_buckets
+from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module
+from ..comm.reduce import AllReduceMean, BucketReducer
+
+__all__ = ["DDP"]
+
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class DDP(nn.Module):
+    """Wrap `module` so that after `loss.backward()` every rank's `.grad` is the mean over ranks.
+
+    Args:
+        module: the model, already on this rank's device.
+        process_group: the group to average over (default: the whole job).
+        bucket_cap_mb: cap of a gradient bucket in MiB (default 25).
+        first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early
+            (default 1).
+        find_unused_parameters: allow parameters that get no gradient in some iterations, on some or
+            all ranks. Costs one tiny extra all-reduce per iteration. With it off, such a parameter
+            raises an error naming it.
+        broadcast_buffers: broadcast rank 0's buffers before each forward that will be followed by a
+            synchronised backward.
+        bucket_reducer: how one bucket is averaged (see `comm.reduce`); default `AllReduceMean()`.
+        rebuild_buckets: re-bucket after the first iteration in the observed gradient order.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        first_bucket_cap_mb: float = 1.0,
+        bucket_reducer: BucketReducer | None = None,
+        rebuild_buckets: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DDP wraps an nn.Module, got {type(module).__name__}")
+        if isinstance(module, DDP):
+            raise TypeError("module is already wrapped in DDP")
+        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "DDP needs an initialised process group: call distributed_training.init_distributed() first"
+            )
+        if bucket_reducer is not None and not callable(bucket_reducer):
+            raise TypeError(f"bucket_reducer must be callable, got {type(bucket_reducer).__name__}")
+
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.bucket_reducer: BucketReducer = bucket_reducer or AllReduceMean()
+        self._cap_bytes = int(bucket_cap_mb * MB)
+        self._first_cap_bytes = int(first_bucket_cap_mb * MB)
+
+        check_same_across_ranks(describe_module(module), "model", process_group)
+
+        # named_parameters() yields a shared (tied) parameter once: it is bucketed and reduced once.
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._param_names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        for name, p in named:
+            if p.is_sparse or p.layout != torch.strided:
+                raise ValueError(f"DDP supports dense parameters only; '{name}' has layout {p.layout}")
+
+        with torch.no_grad():
+            broadcast_coalesced(
+                [p.data for p in module.parameters()] + [b for b in module.buffers()], 0, process_group
+            )
+
+        # Reverse registration order approximates the order gradients become ready in backward.
+        self._build_buckets(list(reversed(range(len(self._params)))))
+        self._rebuild_pending = bool(rebuild_buckets)
+        self._arrival_order: list[int] | None = [] if rebuild_buckets else None
+
+        self._sync_enabled = True
+        self._reset_iteration()
+        self._hook_handles = []
+        self_ref = weakref.ref(self)
+        for index, p in enumerate(self._params):
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(_make_hook(self_ref, index)))
+
+    # ----------------------------------------------------------------- public
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self._sync_enabled:
+            if self._rebuild_pending and self._arrival_order:
+                self._rebuild_buckets_in_arrival_order()
+            if self.broadcast_buffers and self.world_size > 1:
+                buffers = list(self.module.buffers())
+                if buffers:
+                    broadcast_coalesced(buffers, self._global_rank(0), self.process_group)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block averages the sum."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def bucket_layout(self) -> list[list[str]]:
+        """The parameter names of each bucket, in launch order (for inspection and tests)."""
+        return [[self._param_names[i] for i in b.param_indices] for b in self._buckets]
+
+    def remove_hooks(self) -> None:
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
+
+    def __del__(self):  # hooks hold only a weak reference, but do not leave them behind
+        try:
+            self.remove_hooks()
+        except Exception:
+            pass
+
+    # --------------------------------------------------------------- buckets
+    def _build_buckets(self, order: list[int]) -> None:
+        groups = assign_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes)
+        self._buckets: list[Bucket] = allocate_buckets(self._params, groups)
+        self._bucket_of = [0] * len(self._params)
+        self._view_of: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
+        for bucket in self._buckets:
+            for i, view in zip(bucket.param_indices, bucket.views):
+                self._bucket_of[i] = bucket.index
+                self._view_of[i] = view
+
+    def _rebuild_buckets_in_arrival_order(self) -> None:
+        arrived = self._arrival_order or []
+        seen = set(arrived)
+        order = arrived + [i for i in reversed(range(len(self._params))) if i not in seen]
+        if self.world_size > 1:
+            # Every rank must bucket identically: take rank 0's observed order.
+            device = self._buckets[0].buffer.device if self._buckets else torch.device("cpu")
+            if dist.get_backend(self.process_group) == "nccl" and device.type != "cuda":
+                device = torch.device("cuda", torch.cuda.current_device())
+            order_t = torch.tensor(order, dtype=torch.int64, device=device)
+            dist.broadcast(order_t, src=self._global_rank(0), group=self.process_group)
+            order = order_t.tolist()
+        self._rebuild_pending = False
+        self._arrival_order = None
+        old_groups = [b.param_indices for b in self._buckets]
+        new_groups = assign_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes)
+        if new_groups == old_groups:
+            return
+        old_views = self._view_of
+        self._build_buckets(order)
+        self._reset_iteration()
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                grad = p.grad
+                if grad is not None and grad.data_ptr() == old_views[i].data_ptr():
+                    self._view_of[i].copy_(grad)
+                    p.grad = self._view_of[i]
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.process_group is None:
+            return group_rank
+        return dist.get_global_rank(self.process_group, group_rank)
+
+    # ------------------------------------------------------------- iteration
+    def _reset_iteration(self) -> None:
+        self._ready = [False] * len(self._params)
+        self._pending = [len(b.param_indices) for b in self._buckets]
+        self._next_to_launch = 0
+        self._handles: list = []
+        self._callback_queued = False
+
+    def _attach_grad_to_bucket(self, index: int) -> None:
+        """Make `.grad` the bucket view, copying in a gradient autograd allocated elsewhere."""
+        p = self._params[index]
+        view = self._view_of[index]
+        grad = p.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"parameter '{self._param_names[index]}' produced a sparse gradient; DDP supports dense "
+                    "gradients only (use nn.Embedding(sparse=False))"
+                )
+            view.copy_(grad)
+        p.grad = view
+
+    def _on_grad_ready(self, index: int) -> None:
+        self._attach_grad_to_bucket(index)
+        if not self._sync_enabled:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            _queue_callback(self._finish_backward)
+        if self._ready[index]:
+            raise RuntimeError(
+                f"parameter '{self._param_names[index]}' was marked ready twice in one backward pass. "
+                "Reentrant activation checkpointing runs backward twice: use use_reentrant=False."
+            )
+        self._ready[index] = True
+        if self._arrival_order is not None:
+            self._arrival_order.append(index)
+        bucket = self._bucket_of[index]
+        self._pending[bucket] -= 1
+        if self._pending[bucket] == 0:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_to_launch < len(self._buckets) and self._pending[self._next_to_launch] == 0:
+            bucket = self._buckets[self._next_to_launch]
+            self._handles.append(self.bucket_reducer(bucket.buffer, self.process_group))
+            self._next_to_launch += 1
+
+    def _finish_backward(self) -> None:
+        try:
+            unready = [i for i, ready in enumerate(self._ready) if not ready]
+            had_no_grad = {i for i in unready if self._params[i].grad is None}
+            for i in unready:
+                # An absent gradient contributes zeros; an accumulated one (from no_sync steps) counts.
+                self._attach_grad_to_bucket(i)
+                self._pending[self._bucket_of[i]] -= 1
+            self._launch_ready_buckets()
+            used_work = used = None
+            if self.find_unused_parameters and self.world_size > 1:
+                # Which parameters got a gradient on *some* rank: those untouched everywhere keep
+                # `.grad = None`, as if DDP were not there.
+                device = self._buckets[0].buffer.device if self._buckets else torch.device("cpu")
+                used = torch.tensor(self._ready, dtype=torch.int32, device=device)
+                used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+            for handle in self._handles:
+                handle.wait()
+            if used_work is not None:
+                used_work.wait()
+            if unready and not self.find_unused_parameters:
+                names = [self._param_names[i] for i in unready]
+                shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+                raise RuntimeError(
+                    f"rank {self.rank}: {len(names)} parameter(s) received no gradient in this backward pass: "
+                    f"{shown}. If they are unused in some iterations or on some ranks, pass "
+                    "find_unused_parameters=True; if they are never used, set requires_grad=False or remove them."
+                )
+            if self.find_unused_parameters and had_no_grad:
+                globally_used = used.tolist() if used is not None else self._ready
+                for i in had_no_grad:
+                    if not globally_used[i]:
+                        self._params[i].grad = None
+        finally:
+            self._reset_iteration()
+
+
+def _make_hook(self_ref: "weakref.ReferenceType[DDP]", index: int):
+    def hook(_param: torch.Tensor) -> None:
+        ddp = self_ref()
+        if ddp is not None:
+            ddp._on_grad_ready(index)
+
+    return hook

@@ -1,0 +1,392 @@
+"""`DistributedTrainer`: the object a training script imports.
+
+It owns the distributed context, moves the model to this rank's device, wraps it with a strategy,
+builds the optimizer over what the strategy exposes, and runs steps:
+
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="ddp")
+    metrics = trainer.train_step((inputs, targets), nn.functional.cross_entropy)
+    trainer.fit(dataset, epochs=3, criterion=nn.functional.cross_entropy, batch_size=32)
+
+The trainer is the only module that knows all the others; strategies never import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from .data import ShardedSampler
+from .runtime import DistributedContext, init_distributed
+from .strategies.base import OptimizerFactory, Strategy
+from .strategies.ddp_strategy import DDPStrategy
+
+__all__ = ["DistributedTrainer"]
+
+Criterion = Callable[[Any, Any], torch.Tensor]
+
+_STRATEGIES: dict[str, Callable[[], Strategy]] = {"ddp": DDPStrategy}
+
+
+class DistributedTrainer:
+    """Train a model data-parallel across the processes of a torchrun job.
+
+    Args:
+        model: the user's `nn.Module`, on any device (it is moved to this rank's device).
+        optimizer: a `torch.optim.Optimizer` built over `model.parameters()`, or a callable that
+            takes parameters and returns one (needed by sharded strategies, which build the
+            optimizer over their shards).
+        strategy: ``"ddp"`` or a `Strategy` object (e.g. ``DDPStrategy(bucket_cap_mb=50)``).
+        gradient_accumulation_steps: micro-batches per optimizer step. `train_step` splits its batch
+            into this many chunks; all but the last run under `no_sync`.
+        gradient_clip_val: clip gradients to this global 2-norm before each step (None: no clipping).
+        lr_scheduler: optional callable taking the optimizer and returning a scheduler, stepped
+            once per optimizer step.
+        context: a `DistributedContext`; by default one is created from torchrun's environment.
+        timeout: collective timeout in seconds when the trainer creates the context.
+        seed: seed of the data sharding permutation (the same on every rank).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        strategy: str | Strategy = "ddp",
+        gradient_accumulation_steps: int = 1,
+        gradient_clip_val: float | None = None,
+        *,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        context: DistributedContext | None = None,
+        timeout: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
+        if gradient_clip_val is not None and not gradient_clip_val > 0:
+            raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}")
+        if isinstance(strategy, str):
+            if strategy not in _STRATEGIES:
+                raise ValueError(f"strategy must be one of {sorted(_STRATEGIES)} or a Strategy object, got {strategy!r}")
+            strategy = _STRATEGIES[strategy]()
+        elif not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy must be a name or a Strategy object, got {type(strategy).__name__}")
+
+        self._owns_context = context is None
+        self.context = context if context is not None else init_distributed(timeout=timeout)
+        self.strategy = strategy
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.gradient_clip_val = gradient_clip_val
+        self.seed = seed
+        self.device = self.context.device
+
+        model.to(self.device)
+        self.model = strategy.setup_module(model, self.context)
+        self.optimizer = strategy.setup_optimizer(optimizer, self.model)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.step = 0
+        self.epoch = 0
+
+    # ------------------------------------------------------------------ steps
+    @property
+    def module(self) -> nn.Module:
+        """The user's model, unwrapped."""
+        return self.strategy.unwrap(self.model)
+
+    def train_step(self, batch: Any, criterion: Criterion | None = None) -> dict[str, torch.Tensor]:
+        """One optimizer step on `batch`; returns ``{"loss", "lr"[, "grad_norm"]}``.
+
+        `batch` is ``(inputs, targets)`` when a `criterion` is given (the loss is
+        ``criterion(model(inputs), targets)``); without one, `batch` is the model's input and the
+        model returns the loss (a tensor, a dict with ``"loss"``, or an object with ``.loss``).
+        Inputs that are tuples are unpacked as positional arguments, dicts as keyword arguments.
+
+        The loss values are 0-dim tensors on the device: reading one (``float(...)``) waits for the
+        GPU, so do it only when logging.
+        """
+        self.model.train()
+        batch = _to_device(batch, self.device)
+        micro_batches = _split_batch(batch, self.gradient_accumulation_steps)
+        total = sum(size for _, size in micro_batches)
+        loss_sum = torch.zeros((), device=self.device)
+        for k, (micro, size) in enumerate(micro_batches):
+            last = k == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
+                loss = self._loss(micro, criterion)
+                # Weight by the micro-batch's share so that the accumulated gradient is the gradient of
+                # the mean loss over the whole batch, even when the batch does not split evenly.
+                (loss * (size / total)).backward()
+            loss_sum += loss.detach().float() * (size / total)
+
+        metrics: dict[str, torch.Tensor] = {"loss": loss_sum}
+        if self.gradient_clip_val is not None:
+            metrics["grad_norm"] = self.strategy.clip_grad_norm(self.model, self.gradient_clip_val)
+        metrics["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.step += 1
+        return metrics
+
+    def _loss(self, batch: Any, criterion: Criterion | None) -> torch.Tensor:
+        if criterion is None:
+            return _extract_loss(_call(self.model, batch))
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError("with a criterion, each batch must be an (inputs, targets) pair")
+        inputs, targets = batch
+        return criterion(_call(self.model, inputs), targets)
+
+    # ------------------------------------------------------------------ loops
+    def fit(
+        self,
+        data: Dataset | DataLoader | Iterable,
+        epochs: int = 1,
+        criterion: Criterion | None = None,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        max_steps: int | None = None,
+        log_every: int = 50,
+        on_step: Callable[[int, dict[str, float]], None] | None = None,
+    ) -> list[dict[str, float]]:
+        """Train for `epochs` passes over `data`; return one summary per epoch.
+
+        A map-style `Dataset` (or a `DataLoader` over one) is sharded across ranks with
+        `ShardedSampler`: each rank sees distinct samples, reshuffled every epoch, and every rank runs
+        the same number of steps. An iterable dataset is used as given (shard it yourself).
+        `on_step(step, metrics)` is called every `log_every` steps with float metrics.
+        """
+        if not isinstance(epochs, int) or epochs < 0:
+            raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
+        loader = self._train_loader(data, batch_size, shuffle, drop_last, num_workers)
+        history = []
+        start_epoch = self.epoch
+        for epoch in range(start_epoch, start_epoch + epochs):
+            self.epoch = epoch
+            sampler = getattr(loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            started = time.perf_counter()
+            loss_sum, steps = None, 0
+            for batch in loader:
+                metrics = self.train_step(batch, criterion)
+                loss_sum = metrics["loss"] if loss_sum is None else loss_sum + metrics["loss"]
+                steps += 1
+                if on_step is not None and self.step % log_every == 0:
+                    on_step(self.step, {k: float(v) for k, v in metrics.items()})
+                if max_steps is not None and self.step >= max_steps:
+                    break
+            summary = {
+                "epoch": epoch,
+                "steps": steps,
+                "train_loss": float(loss_sum / steps) if steps else float("nan"),
+                "seconds": time.perf_counter() - started,
+            }
+            history.append(summary)
+            self.epoch = epoch + 1
+            if max_steps is not None and self.step >= max_steps:
+                break
+        return history
+
+    def _train_loader(self, data, batch_size, shuffle, drop_last, num_workers):
+        ctx = self.context
+        if isinstance(data, DataLoader):
+            if isinstance(data.dataset, IterableDataset) or isinstance(data.sampler, ShardedSampler):
+                return data
+            if data.batch_size is None:
+                raise ValueError("fit() needs a DataLoader with a batch_size (batch_sampler loaders are used as given)")
+            sampler = ShardedSampler(data.dataset, ctx.world_size, ctx.rank, shuffle=shuffle, seed=self.seed,
+                                     drop_last=drop_last)
+            return DataLoader(
+                data.dataset, batch_size=data.batch_size, sampler=sampler, collate_fn=data.collate_fn,
+                num_workers=data.num_workers, pin_memory=data.pin_memory, drop_last=data.drop_last,
+            )
+        if isinstance(data, IterableDataset) or not isinstance(data, Dataset):
+            return data
+        if batch_size is None or batch_size < 1:
+            raise ValueError(f"fit() on a Dataset needs batch_size >= 1, got {batch_size!r}")
+        sampler = ShardedSampler(data, ctx.world_size, ctx.rank, shuffle=shuffle, seed=self.seed, drop_last=drop_last)
+        return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                          pin_memory=self.device.type == "cuda")
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        data: Dataset | DataLoader,
+        criterion: Criterion | None = None,
+        *,
+        batch_size: int | None = None,
+        metrics: Mapping[str, Callable[[Any, Any], torch.Tensor]] | None = None,
+    ) -> dict[str, float]:
+        """Mean loss (and optional per-sample metrics) over the whole dataset, across all ranks.
+
+        Each rank evaluates its exact shard (no padding, nothing counted twice) with the unwrapped
+        module, so uneven shard sizes cannot stall a collective; one all-reduce sums the results.
+        `metrics` maps a name to ``fn(outputs, targets) -> per-batch mean``, weighted by batch size.
+        """
+        ctx = self.context
+        if isinstance(data, DataLoader):
+            dataset, bs, collate = data.dataset, data.batch_size, data.collate_fn
+        else:
+            dataset, bs, collate = data, batch_size, None
+        if bs is None:
+            raise ValueError("evaluate() needs batch_size (or a DataLoader with one)")
+        sampler = ShardedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False, pad=False)
+        loader = DataLoader(dataset, batch_size=bs, sampler=sampler, collate_fn=collate)
+        module = self.module
+        was_training = module.training
+        module.eval()
+        names = ["loss", *(metrics or {})]
+        sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
+        try:
+            for batch in loader:
+                batch = _to_device(batch, self.device)
+                n = _batch_size(batch)
+                if criterion is None:
+                    values = [_extract_loss(_call(module, batch))]
+                else:
+                    inputs, targets = batch
+                    outputs = _call(module, inputs)
+                    values = [criterion(outputs, targets)]
+                    values += [fn(outputs, targets) for fn in (metrics or {}).values()]
+                for k, v in enumerate(values):
+                    sums[k] += v.detach().double() * n
+                sums[-1] += n
+        finally:
+            module.train(was_training)
+        if ctx.world_size > 1:
+            dist.all_reduce(sums, group=ctx.group)
+        count = sums[-1].item()
+        return {name: (sums[k].item() / count if count else float("nan")) for k, name in enumerate(names)}
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Write model, optimizer, scheduler, step and epoch to `path` (rank 0 writes; all ranks wait).
+
+        The file is written to a temporary name and renamed, so a crash never leaves half a file
+        under `path`.
+        """
+        state = {
+            "model": self.strategy.model_state_dict(self.model),
+            "optimizer": self.strategy.optimizer_state_dict(self.optimizer),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "step": self.step,
+            "epoch": self.epoch,
+        }
+        if self.context.is_main:
+            path = os.fspath(path)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            tmp = f"{path}.tmp.{os.getpid()}"
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        self.context.barrier()
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore what `save_checkpoint` wrote. Every rank reads the file."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"rank {self.context.rank}: checkpoint file {path!r} does not exist")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        missing = [k for k in ("model", "optimizer", "step") if k not in state]
+        if missing:
+            raise ValueError(f"checkpoint {path!r} lacks {', '.join(missing)}: not written by save_checkpoint")
+        try:
+            self.strategy.load_model_state_dict(self.model, state["model"])
+        except RuntimeError as err:
+            raise RuntimeError(f"checkpoint {path!r} does not fit this model: {err}") from None
+        self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
+        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.step = int(state["step"])
+        self.epoch = int(state.get("epoch", 0))
+
+    # -------------------------------------------------------------- teardown
+    def close(self) -> None:
+        """Remove the strategy's hooks and, if the trainer created it, destroy the process group."""
+        self.strategy.teardown(self.model)
+        if self._owns_context:
+            self.context.shutdown()
+
+    def __enter__(self) -> "DistributedTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- batch helpers
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        for item in batch:
+            size = _batch_size(item)
+            if size:
+                return size
+    return 0
+
+
+def _split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
+    """Split every tensor of `batch` into `parts` chunks along dim 0; return (chunk, size) pairs."""
+    if parts == 1:
+        return [(batch, _batch_size(batch))]
+    n = _batch_size(batch)
+    if n < parts:
+        raise ValueError(
+            f"a batch of {n} samples cannot be split into gradient_accumulation_steps={parts} micro-batches"
+        )
+
+    def chunk(x, k):
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n:
+            return torch.tensor_split(x, parts)[k]
+        if isinstance(x, Mapping):
+            return {key: chunk(v, k) for key, v in x.items()}
+        if isinstance(x, (tuple, list)):
+            return type(x)(chunk(v, k) for v in x)
+        return x
+
+    pieces = [chunk(batch, k) for k in range(parts)]
+    return [(piece, _batch_size(piece)) for piece in pieces]
+
+
+def _call(module: nn.Module, inputs: Any):
+    if isinstance(inputs, Mapping):
+        return module(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return module(*inputs)
+    return module(inputs)
+
+
+def _extract_loss(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and "loss" in output:
+        return output["loss"]
+    if hasattr(output, "loss"):
+        return output.loss
+    raise TypeError(
+        "without a criterion the model must return the loss (a tensor, a dict with 'loss', or an object with .loss); "
+        f"it returned {type(output).__name__}"
+    )

@@ -1,0 +1,74 @@
+"""Small models for the parity tests, each exercising one thing DDP must get right."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed_training.models import GPT, GPTConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 16, hidden: int = 32, d_out: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class ConvBN(nn.Module):
+    """A CNN whose BatchNorm running statistics are buffers DDP must broadcast."""
+
+    def __init__(self, classes: int = 5) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class Branchy(nn.Module):
+    """`forward(x, use_b)`: branch b is used only when asked (locally unused on some ranks), and
+    `never` is never used (globally unused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.branch_a = nn.Linear(16, 4)
+        self.branch_b = nn.Linear(16, 4)
+        self.never = nn.Linear(16, 4)
+
+    def forward(self, x, use_b: bool):
+        h = torch.tanh(self.trunk(x))
+        out = self.branch_a(h)
+        if use_b:
+            out = out + self.branch_b(h)
+        return out
+
+
+class Reordered(nn.Module):
+    """Registration order differs from execution order, so gradient arrival order is not the
+    reverse of registration order: the bucket rebuild has something to fix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = nn.Linear(32, 4)
+        self.middle = nn.Linear(32, 32)
+        self.first = nn.Linear(8, 32)
+
+    def forward(self, x):
+        return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))
+
+
+def tiny_gpt() -> GPT:
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
