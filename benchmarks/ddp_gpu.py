@@ -1,0 +1,246 @@
+"""GPU benchmark: our DDP against torch's DistributedDataParallel on a GPT-style model.
+
+One process per GPU (start it with torchrun). In one process the same model and the same fused
+AdamW are wrapped in turn by each implementation, phase after phase, interleaved over several rounds,
+so that both see the same GPU, clocks and neighbours:
+
+    torch      torch.nn.parallel.DistributedDataParallel, default options
+    torch_gav  the same with gradient_as_bucket_view=True (what ours always does)
+    ours       distributed_training.DDP
+    plain      the bare model, no wrapper (the 1-GPU baseline)
+
+For each, a `*_nosync` phase runs the same steps under `no_sync()`: its step time is the compute-only
+time, so `step_time - nosync_step_time` is the communication left exposed after overlap.
+
+Writes one JSON object per world size to --out. `--summarize` merges such files into the results
+file and a markdown table.
+
+    torchrun --nproc_per_node=2 benchmarks/ddp_gpu.py --model gpt2-124m --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from distributed_training import DDP, init_distributed  # noqa: E402
+from distributed_training.models import GPT, GPT_PRESETS  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt2-124m", choices=sorted(GPT_PRESETS))
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU per step")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per phase")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--impls", default="torch,torch_gav,ours", help="comma-separated; 'plain' on one GPU")
+    p.add_argument("--nosync", action="store_true", help="also time compute-only (no_sync) phases")
+    p.add_argument("--out", default=None)
+    p.add_argument("--summarize", nargs="*", default=None, help="merge result JSON files and print a table")
+    p.add_argument("--results", default=None, help="with --summarize: where the merged JSON goes")
+    return p.parse_args(argv)
+
+
+def wrap(impl: str, model: torch.nn.Module, device: torch.device):
+    if impl == "plain":
+        return model
+    if impl == "ours":
+        return DDP(model)
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=(impl == "torch_gav"),
+    )
+
+
+def unwrap(impl: str, wrapped) -> None:
+    if impl == "ours":
+        wrapped.remove_hooks()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_phase(impl, model, opt, batches, args, device, nosync=False):
+    wrapped = wrap(impl, model, device)
+    sync_ctx = (lambda: wrapped.no_sync()) if nosync and impl != "plain" else contextlib.nullcontext
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(args.warmup + args.steps):
+        x, y = batches[step % len(batches)]
+        synchronize(device)
+        t0 = time.perf_counter()
+        with sync_ctx():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = wrapped(x, y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        synchronize(device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    unwrap(impl, wrapped)
+    del wrapped
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return times, peak, loss.item()
+
+
+def bench(args):
+    ctx = init_distributed()
+    device = ctx.device
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    cfg = GPT_PRESETS[args.model]
+    if args.seq > cfg.block_size:
+        raise SystemExit(f"--seq {args.seq} exceeds the {args.model} block size {cfg.block_size}")
+    micro = args.micro_batch or (16 if args.model == "gpt2-124m" else 8)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(cfg)
+    n_params = model.num_parameters()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    g = torch.Generator(device=device).manual_seed(1234 + ctx.rank)
+    batches = []
+    for _ in range(4):
+        idx = torch.randint(0, cfg.vocab_size, (micro, args.seq + 1), device=device, generator=g)
+        batches.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
+
+    impls = [i for i in args.impls.split(",") if i]
+    if ctx.world_size == 1:
+        impls = ["plain"]  # the 1-GPU baseline: no wrapper, no communication
+    phases: dict[str, dict] = {}
+    for rnd in range(args.rounds):
+        order = impls if rnd % 2 == 0 else list(reversed(impls))
+        for impl in order:
+            times, peak, loss = run_phase(impl, model, opt, batches, args, device)
+            ph = phases.setdefault(impl, {"step_times": [], "peak_bytes": 0})
+            ph["step_times"] += times
+            ph["peak_bytes"] = max(ph["peak_bytes"], peak)
+            ph["last_loss"] = loss
+    if args.nosync and ctx.world_size > 1:
+        for impl in impls:
+            if impl == "plain":
+                continue
+            times, peak, _ = run_phase(impl, model, opt, batches, args, device, nosync=True)
+            phases[impl + "_nosync"] = {"step_times": times, "peak_bytes": peak}
+
+    # Every rank's median; the job is as slow as its slowest rank.
+    tokens_per_step = micro * args.seq
+    summary = {}
+    for name, ph in phases.items():
+        med = torch.tensor([statistics.median(ph["step_times"])], device=device)
+        peak = torch.tensor([float(ph["peak_bytes"])], device=device)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        summary[name] = {
+            "median_step_s": med.item(),
+            "tokens_per_s_per_gpu": tokens_per_step / med.item(),
+            "peak_mem_gib": peak.item() / 2**30,
+            "rank0_step_times_s": ph["step_times"],
+        }
+    result = {
+        "model": args.model,
+        "params": n_params,
+        "world_size": ctx.world_size,
+        "micro_batch": micro,
+        "seq": args.seq,
+        "tokens_per_step_per_gpu": tokens_per_step,
+        "steps_per_phase": args.steps,
+        "rounds": args.rounds,
+        "precision": "bf16 autocast, fp32 master weights, fused AdamW",
+        "phases": summary,
+        **environment(),
+    }
+    if ctx.is_main:
+        text = json.dumps(result, indent=1)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        for name, s in summary.items():
+            print(f"{args.model} world={ctx.world_size} {name:12s} step {s['median_step_s']*1e3:8.1f} ms  "
+                  f"{s['tokens_per_s_per_gpu']:9.0f} tok/s/gpu  peak {s['peak_mem_gib']:.1f} GiB", flush=True)
+    ctx.shutdown()
+
+
+def environment() -> dict:
+    env = {
+        "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    try:
+        env["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        ).stdout.split()[0]
+    except Exception:
+        pass
+    return env
+
+
+def summarize(paths: list[str], results_path: str | None) -> None:
+    runs = [json.load(open(p)) for p in paths]
+    table = ["| model | GPUs | impl | step ms | tokens/s/GPU | vs torch DDP | peak GiB | scaling vs 1 GPU |",
+             "|---|---|---|---|---|---|---|---|"]
+    baseline = {r["model"]: r["phases"]["plain"]["tokens_per_s_per_gpu"] for r in runs if r["world_size"] == 1}
+    derived = []
+    for r in sorted(runs, key=lambda r: (r["params"], r["world_size"])):
+        torch_tps = r["phases"].get("torch", {}).get("tokens_per_s_per_gpu")
+        for impl, s in r["phases"].items():
+            tps = s["tokens_per_s_per_gpu"]
+            vs = f"{tps / torch_tps:.3f}x" if torch_tps and not impl.endswith("nosync") else ""
+            base = baseline.get(r["model"])
+            scaling = f"{100 * tps / base:.1f}%" if base and r["world_size"] > 1 and not impl.endswith("nosync") else ""
+            table.append(f"| {r['model']} | {r['world_size']} | {impl} | {s['median_step_s']*1e3:.1f} | {tps:,.0f} "
+                         f"| {vs} | {s['peak_mem_gib']:.1f} | {scaling} |")
+            if r["world_size"] > 1 and f"{impl}_nosync" in r["phases"]:
+                exposed = s["median_step_s"] - r["phases"][f"{impl}_nosync"]["median_step_s"]
+                derived.append(f"{r['model']} {impl}: exposed communication {exposed*1e3:.1f} ms per step "
+                               f"({100*exposed/s['median_step_s']:.1f}% of the step)")
+    text = "\n".join(table)
+    card = runs[0].get("card") if runs else "?"
+    header = (f"Card: {card}; torch {runs[0].get('torch')}, CUDA {runs[0].get('cuda')}, NCCL {runs[0].get('nccl')}, "
+              f"driver {runs[0].get('driver')}; {runs[0].get('precision')}; median of "
+              f"{runs[0].get('steps_per_phase')} steps x {runs[0].get('rounds')} interleaved rounds.")
+    print(header)
+    print(text)
+    for line in derived:
+        print("-", line)
+    if results_path:
+        with open(results_path, "w") as f:
+            json.dump({"runs": runs, "table_markdown": text, "header": header, "exposed": derived}, f, indent=1)
+
+
+if __name__ == "__main__":
+    a = parse_args()
+    if a.summarize is not None:
+        summarize(a.summarize, a.results)
+    else:
+        bench(a)
