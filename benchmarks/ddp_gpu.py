@@ -46,9 +46,11 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU per step")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per phase")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per phase (timed as one block)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--impls", default="torch,torch_gav,ours", help="comma-separated; 'plain' on one GPU")
+    p.add_argument("--impls", default="torch,torch_gav,ours",
+                   help="comma-separated: torch, torch_gav (gradient_as_bucket_view), ours; suffix _hp for a "
+                        "high-priority NCCL stream (torch_hp, ours_hp); one GPU always runs plain")
     p.add_argument("--nosync", action="store_true", help="also time compute-only (no_sync) phases")
     p.add_argument("--out", default=None)
     p.add_argument("--summarize", nargs="*", default=None, help="merge result JSON files and print a table")
@@ -56,23 +58,23 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def wrap(impl: str, model: torch.nn.Module, device: torch.device):
-    if impl == "plain":
+def wrap(impl: str, model: torch.nn.Module, device: torch.device, groups: dict):
+    """`impl` is a name, optionally suffixed `_hp`: then it uses the NCCL group whose streams have
+    high priority, so communication kernels get SMs ahead of the backward's compute kernels."""
+    base, _, variant = impl.partition("_")
+    group = groups["hp"] if variant.endswith("hp") else None
+    if base == "plain":
         return model
-    if impl == "ours":
-        return DDP(model)
+    if base == "ours":
+        return DDP(model, process_group=group)
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        gradient_as_bucket_view=(impl == "torch_gav"),
+        gradient_as_bucket_view=variant.startswith("gav"),
+        process_group=group,
     )
-
-
-def unwrap(impl: str, wrapped) -> None:
-    if impl == "ours":
-        wrapped.remove_hooks()
 
 
 def synchronize(device: torch.device) -> None:
@@ -80,33 +82,39 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_phase(impl, model, opt, batches, args, device, nosync=False):
-    wrapped = wrap(impl, model, device)
-    sync_ctx = (lambda: wrapped.no_sync()) if nosync and impl != "plain" else contextlib.nullcontext
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for step in range(args.warmup + args.steps):
+def train_steps(wrapped, opt, batches, start, count, device, no_sync: bool):
+    for step in range(start, start + count):
         x, y = batches[step % len(batches)]
-        synchronize(device)
-        t0 = time.perf_counter()
-        with sync_ctx():
+        with wrapped.no_sync() if no_sync else contextlib.nullcontext():
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = wrapped(x, y)
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        synchronize(device)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    return loss
+
+
+def run_phase(impl, model, opt, batches, args, device, groups, nosync=False):
+    """Warm up, then time `args.steps` steps as one block (one host sync at each end, so the CPU
+    runs ahead as in real training). Returns (mean step seconds, peak bytes, last loss)."""
+    wrapped = wrap(impl, model, device, groups)
+    no_sync = nosync and not impl.startswith("plain")
+    train_steps(wrapped, opt, batches, 0, args.warmup, device, no_sync)
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    loss = train_steps(wrapped, opt, batches, args.warmup, args.steps, device, no_sync)
+    synchronize(device)
+    elapsed = (time.perf_counter() - t0) / args.steps
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    unwrap(impl, wrapped)
+    if isinstance(wrapped, DDP):
+        wrapped.remove_hooks()
     del wrapped
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return times, peak, loss.item()
+    return elapsed, peak, loss.item()
 
 
 def bench(args):
@@ -132,21 +140,25 @@ def bench(args):
     impls = [i for i in args.impls.split(",") if i]
     if ctx.world_size == 1:
         impls = ["plain"]  # the 1-GPU baseline: no wrapper, no communication
+    groups = {"hp": None}
+    if ctx.world_size > 1 and any(i.endswith("hp") for i in impls):
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
+        groups["hp"] = dist.new_group(backend="nccl", pg_options=options)
     phases: dict[str, dict] = {}
     for rnd in range(args.rounds):
         order = impls if rnd % 2 == 0 else list(reversed(impls))
         for impl in order:
-            times, peak, loss = run_phase(impl, model, opt, batches, args, device)
+            step_s, peak, loss = run_phase(impl, model, opt, batches, args, device, groups)
             ph = phases.setdefault(impl, {"step_times": [], "peak_bytes": 0})
-            ph["step_times"] += times
+            ph["step_times"].append(step_s)
             ph["peak_bytes"] = max(ph["peak_bytes"], peak)
             ph["last_loss"] = loss
     if args.nosync and ctx.world_size > 1:
         for impl in impls:
-            if impl == "plain":
-                continue
-            times, peak, _ = run_phase(impl, model, opt, batches, args, device, nosync=True)
-            phases[impl + "_nosync"] = {"step_times": times, "peak_bytes": peak}
+            if impl != "plain" and not impl.endswith("_hp"):  # no communication: stream priority is moot
+                step_s, peak, _ = run_phase(impl, model, opt, batches, args, device, groups, nosync=True)
+                phases[impl + "_nosync"] = {"step_times": [step_s], "peak_bytes": peak}
 
     # Every rank's median; the job is as slow as its slowest rank.
     tokens_per_step = micro * args.seq
@@ -160,7 +172,7 @@ def bench(args):
             "median_step_s": med.item(),
             "tokens_per_s_per_gpu": tokens_per_step / med.item(),
             "peak_mem_gib": peak.item() / 2**30,
-            "rank0_step_times_s": ph["step_times"],
+            "rank0_phase_mean_step_s": ph["step_times"],
         }
     result = {
         "model": args.model,
@@ -207,28 +219,29 @@ def environment() -> dict:
 
 def summarize(paths: list[str], results_path: str | None) -> None:
     runs = [json.load(open(p)) for p in paths]
-    table = ["| model | GPUs | impl | step ms | tokens/s/GPU | vs torch DDP | peak GiB | scaling vs 1 GPU |",
-             "|---|---|---|---|---|---|---|---|"]
-    baseline = {r["model"]: r["phases"]["plain"]["tokens_per_s_per_gpu"] for r in runs if r["world_size"] == 1}
+    table = ["| model | GPUs | micro-batch | impl | step ms | tokens/s/GPU | vs torch DDP | peak GiB | scaling vs 1 GPU |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    baseline = {(r["model"], r["micro_batch"]): r["phases"]["plain"]["tokens_per_s_per_gpu"]
+                for r in runs if r["world_size"] == 1}
     derived = []
-    for r in sorted(runs, key=lambda r: (r["params"], r["world_size"])):
+    for r in sorted(runs, key=lambda r: (r["params"], r["micro_batch"], r["world_size"])):
         torch_tps = r["phases"].get("torch", {}).get("tokens_per_s_per_gpu")
         for impl, s in r["phases"].items():
             tps = s["tokens_per_s_per_gpu"]
             vs = f"{tps / torch_tps:.3f}x" if torch_tps and not impl.endswith("nosync") else ""
-            base = baseline.get(r["model"])
+            base = baseline.get((r["model"], r["micro_batch"]))
             scaling = f"{100 * tps / base:.1f}%" if base and r["world_size"] > 1 and not impl.endswith("nosync") else ""
-            table.append(f"| {r['model']} | {r['world_size']} | {impl} | {s['median_step_s']*1e3:.1f} | {tps:,.0f} "
+            table.append(f"| {r['model']} | {r['world_size']} | {r['micro_batch']} | {impl} | {s['median_step_s']*1e3:.1f} | {tps:,.0f} "
                          f"| {vs} | {s['peak_mem_gib']:.1f} | {scaling} |")
             if r["world_size"] > 1 and f"{impl}_nosync" in r["phases"]:
                 exposed = s["median_step_s"] - r["phases"][f"{impl}_nosync"]["median_step_s"]
-                derived.append(f"{r['model']} {impl}: exposed communication {exposed*1e3:.1f} ms per step "
+                derived.append(f"{r['model']} b={r['micro_batch']} {impl}: exposed communication {exposed*1e3:.1f} ms per step "
                                f"({100*exposed/s['median_step_s']:.1f}% of the step)")
     text = "\n".join(table)
     card = runs[0].get("card") if runs else "?"
     header = (f"Card: {card}; torch {runs[0].get('torch')}, CUDA {runs[0].get('cuda')}, NCCL {runs[0].get('nccl')}, "
-              f"driver {runs[0].get('driver')}; {runs[0].get('precision')}; median of "
-              f"{runs[0].get('steps_per_phase')} steps x {runs[0].get('rounds')} interleaved rounds.")
+              f"driver {runs[0].get('driver')}; {runs[0].get('precision')}; each figure is the median over "
+              f"interleaved rounds of the mean step time of {runs[0].get('steps_per_phase')} steps.")
     print(header)
     print(text)
     for line in derived:

@@ -1,0 +1,100 @@
+"""examples/train_gpt.py runs end to end on CPU: under torchrun with two real processes, and as a plain script.
+
+The example is started exactly as a user would start it, in fresh processes, so these tests also
+cover what the in-process harness cannot: torchrun's rendezvous, the env:// process group, and a
+world of one with no launcher at all. `--standalone` is race-free: torchrun binds its store to
+port 0 (the OS picks a free port) and hands that store to the workers, so no port is chosen first
+and bound later.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = "examples/train_gpt.py"
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+
+TRAIN_LOSS = re.compile(r"^train loss: ([\d.]+) \(step (\d+)\) -> ([\d.]+) \(step (\d+)\)$", re.M)
+VAL_LOSS = re.compile(r"^val loss: ([\d.]+) before training -> ([\d.]+) after$", re.M)
+
+
+def _env() -> dict[str, str]:
+    """This environment without any launcher's variables, on CPU, one thread per process."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        # Two processes on a one-GPU machine would both want cuda:0's NCCL rank; this test is about CPU.
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    )
+    return env
+
+
+def _run(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
+    """Run a command at the repository root; on timeout kill its whole process group and fail.
+
+    `subprocess.run(timeout=...)` would kill only torchrun itself and could leave its workers behind.
+    """
+    proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(args)} did not finish within {timeout}s\n--- stdout ---\n{out}\n--- stderr ---\n{err}")
+    result = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    assert result.returncode == 0, (
+        f"{' '.join(args)} exited with {result.returncode}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
+    )
+    return result
+
+
+def _losses(out: str) -> tuple[float, float, float, float]:
+    """(first logged train loss, last logged train loss, val loss before, val loss after)."""
+    train, val = TRAIN_LOSS.search(out), VAL_LOSS.search(out)
+    assert train and val, f"loss summary lines missing from the output:\n{out}"
+    return float(train[1]), float(train[3]), float(val[1]), float(val[2])
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_two_processes(tmp_path):
+    ckpt = tmp_path / "ckpt" / "gpt.pt"  # a directory that does not exist yet
+    result = _run([
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        SCRIPT, "--steps", "5", "--grad-accum", "2", "--checkpoint", str(ckpt),
+    ])
+    out = result.stdout
+    assert "world size 2 on cpu (gloo)" in out, out
+    # Only rank 0 prints.
+    assert out.count("train loss:") == 1 and len(re.findall(r"^step ", out, re.M)) == 5, out
+    first, last, val_before, val_after = _losses(out)
+    assert last < first, out
+    assert val_after < val_before, out
+
+    assert ckpt.is_file(), f"no checkpoint at {ckpt}:\n{out}"
+    assert not list(ckpt.parent.glob("*.tmp.*")), "a temporary checkpoint file was left behind"
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert state["step"] == 5
+    assert "wte.weight" in state["model"] and not any(k.startswith("module.") for k in state["model"])
+
+
+@pytest.mark.timeout(180)
+def test_plain_python_world_of_one():
+    result = _run([sys.executable, SCRIPT, "--steps", "3"])
+    out = result.stdout
+    assert "world size 1 on cpu (gloo)" in out, out
+    first, last, val_before, val_after = _losses(out)
+    assert last < first, out
+    assert val_after < val_before, out
