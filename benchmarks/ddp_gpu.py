@@ -96,7 +96,20 @@ def train_steps(wrapped, opt, batches, start, count, device, no_sync: bool):
 
 def run_phase(impl, model, opt, batches, args, device, groups, nosync=False):
     """Warm up, then time `args.steps` steps as one block (one host sync at each end, so the CPU
-    runs ahead as in real training). Returns (mean step seconds, peak bytes, last loss)."""
+    runs ahead as in real training). Returns (mean step seconds, peak bytes, last loss).
+
+    `solo`: rank 0 trains the bare model while the other ranks wait on a CPU barrier, so the 1-GPU
+    baseline is measured in the same job, interleaved with the others. The peak is counted from what
+    was allocated before any wrapper existed, so memory an earlier phase failed to free is not
+    charged to this one."""
+    if impl == "solo":
+        if dist.get_rank() == 0:
+            result = run_phase("plain", model, opt, batches, args, device, groups)
+        else:
+            result = (0.0, 0, 0.0)
+        dist.barrier(group=groups["cpu"])
+        return result
+    stale = torch.cuda.memory_allocated() - groups["base_bytes"] if device.type == "cuda" else 0
     wrapped = wrap(impl, model, device, groups)
     no_sync = nosync and not impl.startswith("plain")
     train_steps(wrapped, opt, batches, 0, args.warmup, device, no_sync)
@@ -107,7 +120,7 @@ def run_phase(impl, model, opt, batches, args, device, groups, nosync=False):
     loss = train_steps(wrapped, opt, batches, args.warmup, args.steps, device, no_sync)
     synchronize(device)
     elapsed = (time.perf_counter() - t0) / args.steps
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    peak = torch.cuda.max_memory_allocated() - stale if device.type == "cuda" else 0
     if isinstance(wrapped, DDP):
         wrapped.remove_hooks()
     del wrapped
@@ -115,6 +128,27 @@ def run_phase(impl, model, opt, batches, args, device, groups, nosync=False):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return elapsed, peak, loss.item()
+
+
+def comm_only_seconds(model, batches, device, reps: int = 5) -> float:
+    """Time of reducing all of our DDP's buckets with no compute beside it: the communication that
+    overlap has to hide."""
+    ddp = DDP(model)
+    x, y = batches[0]
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = ddp(x, y)
+    loss.backward()
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for handle in [ddp.bucket_reducer(b.buffer, None) for b in ddp._buckets]:
+            handle.wait()
+    synchronize(device)
+    elapsed = (time.perf_counter() - t0) / reps
+    ddp.remove_hooks()
+    for p in model.parameters():
+        p.grad = None
+    return elapsed
 
 
 def bench(args):
@@ -140,7 +174,10 @@ def bench(args):
     impls = [i for i in args.impls.split(",") if i]
     if ctx.world_size == 1:
         impls = ["plain"]  # the 1-GPU baseline: no wrapper, no communication
-    groups = {"hp": None}
+    synchronize(device)
+    groups = {"hp": None, "cpu": None, "base_bytes": torch.cuda.memory_allocated() if device.type == "cuda" else 0}
+    if ctx.world_size > 1:
+        groups["cpu"] = dist.new_group(backend="gloo")
     if ctx.world_size > 1 and any(i.endswith("hp") for i in impls):
         options = dist.ProcessGroupNCCL.Options()
         options.is_high_priority_stream = True
@@ -156,9 +193,12 @@ def bench(args):
             ph["last_loss"] = loss
     if args.nosync and ctx.world_size > 1:
         for impl in impls:
-            if impl != "plain" and not impl.endswith("_hp"):  # no communication: stream priority is moot
+            if impl not in ("plain", "solo") and not impl.endswith("_hp"):  # no comm: stream priority is moot
                 step_s, peak, _ = run_phase(impl, model, opt, batches, args, device, groups, nosync=True)
                 phases[impl + "_nosync"] = {"step_times": [step_s], "peak_bytes": peak}
+
+    if ctx.world_size > 1:
+        phases["ours_comm_only"] = {"step_times": [comm_only_seconds(model, batches, device)], "peak_bytes": 0}
 
     # Every rank's median; the job is as slow as its slowest rank.
     tokens_per_step = micro * args.seq
@@ -228,9 +268,12 @@ def summarize(paths: list[str], results_path: str | None) -> None:
         torch_tps = r["phases"].get("torch", {}).get("tokens_per_s_per_gpu")
         for impl, s in r["phases"].items():
             tps = s["tokens_per_s_per_gpu"]
-            vs = f"{tps / torch_tps:.3f}x" if torch_tps and not impl.endswith("nosync") else ""
+            vs = f"{tps / torch_tps:.3f}x" if torch_tps and impl.startswith(("torch", "ours")) and not impl.endswith(("nosync", "comm_only")) else ""
             base = baseline.get((r["model"], r["micro_batch"]))
-            scaling = f"{100 * tps / base:.1f}%" if base and r["world_size"] > 1 and not impl.endswith("nosync") else ""
+            if "solo" in r["phases"]:  # the 1-GPU baseline measured inside this job, interleaved
+                base = r["phases"]["solo"]["tokens_per_s_per_gpu"]
+            comparable = r["world_size"] > 1 and impl not in ("solo", "ours_comm_only") and not impl.endswith("nosync")
+            scaling = f"{100 * tps / base:.1f}%" if base and comparable else ""
             table.append(f"| {r['model']} | {r['world_size']} | {r['micro_batch']} | {impl} | {s['median_step_s']*1e3:.1f} | {tps:,.0f} "
                          f"| {vs} | {s['peak_mem_gib']:.1f} | {scaling} |")
             if r["world_size"] > 1 and f"{impl}_nosync" in r["phases"]:
