@@ -93,6 +93,7 @@ def init_distributed(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
     device: str | torch.device | None = None,
+    init_method: str | None = None,
 ) -> DistributedContext:
     """Join (or create) the job's default process group and choose this process's device.
 
@@ -101,6 +102,8 @@ def init_distributed(
         timeout: how long any collective may wait before it fails (a `timedelta` or seconds).
             Defaults to 10 minutes.
         device: force a device (``"cpu"`` runs gloo even on a GPU machine).
+        init_method: rendezvous URL (``"file:///shared/rdzv"``, ``"tcp://host:port"``); by default
+            torchrun's MASTER_ADDR/MASTER_PORT.
 
     If the default group already exists (the caller initialised it), it is reused and left alone
     at shutdown.
@@ -156,7 +159,9 @@ def init_distributed(
         if dev.type == "cuda":
             # Binding the group to the device lets NCCL create its communicator eagerly.
             kwargs["device_id"] = dev
-        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        if init_method is not None:
+            kwargs["init_method"] = init_method
+        elif world_size == 1 and "MASTER_ADDR" not in os.environ:
             # A plain `python script.py`: a world of one needs no TCP rendezvous.
             kwargs["store"] = dist.HashStore()
         else:
