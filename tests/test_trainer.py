@@ -1,0 +1,186 @@
+"""DistributedTrainer: accumulation, clipping, fit, evaluate and checkpoints against one process."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from distributed_training import DistributedTrainer, DDPStrategy
+from distributed_training.data import ShardedSampler
+from distributed_training.testing import run_distributed
+
+from _models import MLP
+
+TOL = 1e-5
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _dataset(n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g))
+
+
+def _max_param_diff(a, b) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+# --------------------------------------------------------- train_step parity
+def train_step_worker(rank, world, accumulation, clip):
+    torch.manual_seed(0)
+    base = MLP()
+    trainer = DistributedTrainer(copy.deepcopy(base), _sgd, gradient_accumulation_steps=accumulation,
+                                 gradient_clip_val=clip)
+    reference = copy.deepcopy(base)
+    opt = _sgd(reference.parameters())
+    per_rank = 6  # splits unevenly into 4 micro-batches: the weighting must still be exact
+    worst, norms = 0.0, []
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(per_rank * world, 16, generator=g), torch.randn(per_rank * world, 4, generator=g)
+        sl = slice(rank * per_rank, (rank + 1) * per_rank)
+        metrics = trainer.train_step((x[sl], y[sl]), F.mse_loss)
+        F.mse_loss(reference(x), y).backward()
+        if clip is not None:
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            norms.append((float(metrics["grad_norm"]), float(ref_norm)))
+        opt.step()
+        opt.zero_grad()
+        worst = max(worst, _max_param_diff(trainer.module, reference))
+    trainer.close()
+    return worst, norms
+
+
+@pytest.mark.parametrize("world, accumulation, clip", [(2, 1, None), (3, 4, 0.05), (1, 3, 0.05)])
+def test_train_step_matches_single_process(world, accumulation, clip):
+    for worst, norms in run_distributed(train_step_worker, world, args=(accumulation, clip), timeout=120):
+        assert worst <= TOL, worst
+        for ours, ref in norms:
+            assert abs(ours - ref) <= 1e-5 * max(1.0, ref), norms
+        if clip is not None:
+            assert any(ref > clip for _, ref in norms), "the clip threshold must actually clip"
+
+
+# ------------------------------------------------------------------ sampler
+def test_sharded_sampler_distinct_and_reshuffled():
+    data = range(23)
+    world = 3
+    samplers = [ShardedSampler(data, world, r, seed=7) for r in range(world)]
+    epochs = []
+    for epoch in range(2):
+        shards = []
+        for s in samplers:
+            s.set_epoch(epoch)
+            shards.append(list(s))
+        assert len({len(x) for x in shards}) == 1, "every rank must run the same number of samples"
+        flat = [i for shard in shards for i in shard]
+        assert set(flat) == set(data), "every sample is seen"
+        assert len(flat) - len(set(flat)) == (-len(data)) % world, "only the padding repeats"
+        epochs.append(shards)
+    assert epochs[0] != epochs[1], "each epoch reshuffles"
+    exact = [list(ShardedSampler(data, world, r, shuffle=False, pad=False)) for r in range(world)]
+    assert sorted(i for shard in exact for i in shard) == list(data)
+    dropped = [list(ShardedSampler(data, world, r, drop_last=True)) for r in range(world)]
+    assert sum(len(d) for d in dropped) == 21 and len({i for d in dropped for i in d}) == 21
+    with pytest.raises(ValueError, match="rank"):
+        ShardedSampler(data, 2, 2)
+
+
+# ---------------------------------------------------------------- fit + evaluate
+def fit_worker(rank, world):
+    torch.manual_seed(0)
+    base = MLP()
+    dataset = _dataset(22)
+    trainer = DistributedTrainer(copy.deepcopy(base), _sgd, seed=3)
+    history = trainer.fit(dataset, epochs=2, criterion=F.mse_loss, batch_size=3)
+
+    # The same steps in one process: at each step, the union of every rank's batch.
+    reference = copy.deepcopy(base)
+    opt = _sgd(reference.parameters())
+    for epoch in range(2):
+        shards = []
+        for r in range(world):
+            sampler = ShardedSampler(dataset, world, r, seed=3)
+            sampler.set_epoch(epoch)
+            shards.append(list(sampler))
+        for start in range(0, len(shards[0]), 3):
+            per_rank = [shard[start:start + 3] for shard in shards]
+            # Each rank's loss is a mean over its own batch; DDP averages the ranks' gradients.
+            loss = sum(F.mse_loss(reference(dataset[idx][0]), dataset[idx][1]) for idx in per_rank) / world
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    fit_diff = _max_param_diff(trainer.module, reference)
+
+    eval_set = _dataset(31, seed=1)  # 31 does not divide by 2, 3 or 4: shards are uneven
+    ours = trainer.evaluate(eval_set, F.mse_loss, batch_size=4, metrics={"mae": F.l1_loss})
+    with torch.no_grad():
+        x, y = eval_set.tensors
+        out = reference(x)
+        expected = {"loss": F.mse_loss(out, y).item(), "mae": F.l1_loss(out, y).item()}
+    trainer.close()
+    return fit_diff, history, ours, expected
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fit_and_evaluate_match_single_process(world):
+    for fit_diff, history, ours, expected in run_distributed(fit_worker, world, timeout=120):
+        assert fit_diff <= TOL, fit_diff
+        assert [h["epoch"] for h in history] == [0, 1]
+        assert history[0]["steps"] == -(-(-(-22 // world)) // 3)
+        for key in ("loss", "mae"):
+            assert abs(ours[key] - expected[key]) <= 1e-5, (ours, expected)
+
+
+# ------------------------------------------------------------------ checkpoints
+def checkpoint_worker(rank, world, path):
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(MLP(), _sgd, strategy=DDPStrategy(bucket_cap_mb=0.001))
+    batches = []
+    for step in range(6):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        batches.append((torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)))
+    for b in batches[:3]:
+        trainer.train_step(b, F.mse_loss)
+    trainer.save_checkpoint(path)
+    for b in batches[3:]:
+        trainer.train_step(b, F.mse_loss)
+    uninterrupted = [p.detach().clone() for p in trainer.module.parameters()]
+
+    torch.manual_seed(1)  # a different initialisation: everything must come from the file
+    resumed = DistributedTrainer(MLP(), _sgd)
+    resumed.load_checkpoint(path)
+    assert resumed.step == 3
+    for b in batches[3:]:
+        resumed.train_step(b, F.mse_loss)
+    exact = all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed.module.parameters()))
+
+    errors = {}
+    try:
+        resumed.load_checkpoint(path + ".missing")
+    except FileNotFoundError as err:
+        errors["missing"] = str(err)
+    other = DistributedTrainer(torch.nn.Linear(16, 4), _sgd)
+    try:
+        other.load_checkpoint(path)
+    except RuntimeError as err:
+        errors["other_model"] = str(err)
+    for t in (trainer, resumed, other):
+        t.close()
+    return exact, errors, sorted(os.listdir(os.path.dirname(path)))
+
+
+def test_checkpoint_resume_is_exact(tmp_path):
+    path = str(tmp_path / "ckpt" / "last.pt")
+    for exact, errors, files in run_distributed(checkpoint_worker, 2, args=(path,), timeout=120):
+        assert exact, "resumed training must equal uninterrupted training bit for bit"
+        assert "last.pt.missing" in errors["missing"]
+        assert "fc1.weight" in errors["other_model"] and "last.pt" in errors["other_model"]
+        assert files == ["last.pt"], files  # no temporary file left behind
