@@ -164,10 +164,14 @@ class DistributedTrainer:
         A map-style `Dataset` (or a `DataLoader` over one) is sharded across ranks with
         `ShardedSampler`: each rank sees distinct samples, reshuffled every epoch, and every rank runs
         the same number of steps. An iterable dataset is used as given (shard it yourself).
-        `on_step(step, metrics)` is called every `log_every` steps with float metrics.
+        `on_step(step, metrics)` is called every `log_every` steps, and after the last step, with float
+        metrics. Losses (in `on_step` and in the returned summaries) are this rank's own, not averaged
+        across ranks: averaging would cost a collective per step; `evaluate` gives the global figure.
         """
         if not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
+        if not isinstance(log_every, int) or log_every < 1:
+            raise ValueError(f"log_every must be a positive integer, got {log_every!r}")
         loader = self._train_loader(data, batch_size, shuffle, drop_last, num_workers)
         history = []
         start_epoch = self.epoch
@@ -177,15 +181,18 @@ class DistributedTrainer:
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
             started = time.perf_counter()
-            loss_sum, steps = None, 0
+            loss_sum, steps, metrics, logged = None, 0, None, True
             for batch in loader:
                 metrics = self.train_step(batch, criterion)
                 loss_sum = metrics["loss"] if loss_sum is None else loss_sum + metrics["loss"]
                 steps += 1
-                if on_step is not None and self.step % log_every == 0:
+                logged = self.step % log_every == 0
+                if on_step is not None and logged:
                     on_step(self.step, {k: float(v) for k, v in metrics.items()})
                 if max_steps is not None and self.step >= max_steps:
                     break
+            if on_step is not None and not logged:
+                on_step(self.step, {k: float(v) for k, v in metrics.items()})
             summary = {
                 "epoch": epoch,
                 "steps": steps,
@@ -209,7 +216,7 @@ class DistributedTrainer:
                                      drop_last=drop_last)
             return DataLoader(
                 data.dataset, batch_size=data.batch_size, sampler=sampler, collate_fn=data.collate_fn,
-                num_workers=data.num_workers, pin_memory=data.pin_memory, drop_last=data.drop_last,
+                num_workers=data.num_workers, pin_memory=data.pin_memory, drop_last=data.drop_last or drop_last,
             )
         if isinstance(data, IterableDataset) or not isinstance(data, Dataset):
             return data
@@ -217,7 +224,7 @@ class DistributedTrainer:
             raise ValueError(f"fit() on a Dataset needs batch_size >= 1, got {batch_size!r}")
         sampler = ShardedSampler(data, ctx.world_size, ctx.rank, shuffle=shuffle, seed=self.seed, drop_last=drop_last)
         return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                          pin_memory=self.device.type == "cuda")
+                          pin_memory=self.device.type == "cuda", drop_last=drop_last)
 
     @torch.no_grad()
     def evaluate(
@@ -241,6 +248,8 @@ class DistributedTrainer:
             dataset, bs, collate = data, batch_size, None
         if bs is None:
             raise ValueError("evaluate() needs batch_size (or a DataLoader with one)")
+        if metrics and criterion is None:
+            raise ValueError("evaluate(metrics=...) needs a criterion: metrics are computed from (outputs, targets)")
         sampler = ShardedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False, pad=False)
         loader = DataLoader(dataset, batch_size=bs, sampler=sampler, collate_fn=collate)
         module = self.module
@@ -349,14 +358,15 @@ def _batch_size(batch: Any) -> int:
 
 
 def _split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
-    """Split every tensor of `batch` into `parts` chunks along dim 0; return (chunk, size) pairs."""
-    if parts == 1:
-        return [(batch, _batch_size(batch))]
+    """Split every tensor of `batch` into `parts` chunks along dim 0; return (chunk, size) pairs.
+
+    A batch smaller than `parts` (the short last batch of an epoch) is split into one chunk per sample:
+    accumulation only bounds memory, so fewer micro-batches give the same gradient.
+    """
     n = _batch_size(batch)
-    if n < parts:
-        raise ValueError(
-            f"a batch of {n} samples cannot be split into gradient_accumulation_steps={parts} micro-batches"
-        )
+    parts = min(parts, n) if n else 1
+    if parts == 1:
+        return [(batch, n)]
 
     def chunk(x, k):
         if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n:

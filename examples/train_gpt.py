@@ -4,7 +4,7 @@ The corpus needs no download: it is this repository's own Python source (``distr
 plus README.md when there is one, read as raw bytes, so the vocabulary is the 256 byte values.
 Ten percent of the text is held out and evaluated before and after training.
 
-Run it
+Run it from a checkout, after ``pip install -e .``:
 
     # one process (a world of one; no torchrun needed)
     python examples/train_gpt.py
@@ -150,7 +150,6 @@ def main(argv: list[str] | None = None) -> None:
 
     tokens = load_corpus()
     train_starts, val_starts = split_windows(tokens, cfg.block_size)
-    train_set = CharWindows(tokens, cfg.block_size, train_starts)
     val_set = CharWindows(tokens, cfg.block_size, val_starts)
 
     def optimizer(params):
@@ -176,9 +175,20 @@ def main(argv: list[str] | None = None) -> None:
             torch.set_num_threads(max(1, cores // ctx.local_world_size))
 
         global_batch = args.batch_size * ctx.world_size
-        # fit() shards the windows across ranks and pads the shards to equal length, so every rank
-        # runs the same number of steps; each window is seen once per epoch by one rank.
-        steps_per_epoch = math.ceil(len(train_set) / global_batch)
+        # Keep a whole number of global batches. fit() would otherwise end each epoch on a short
+        # batch, and a short batch with fewer samples than --grad-accum cannot be split into
+        # micro-batches (the trainer raises). It also keeps every step's gradient over the same
+        # number of tokens. At most global_batch - 1 windows go unused.
+        usable = len(train_starts) - len(train_starts) % global_batch
+        if usable == 0:
+            raise SystemExit(
+                f"the corpus has {len(train_starts)} training windows, fewer than one global batch of "
+                f"{global_batch}: lower --batch-size or --block-size"
+            )
+        train_set = CharWindows(tokens, cfg.block_size, train_starts[:usable])
+        # fit() shards the windows across ranks (each window goes to one rank per epoch, reshuffled
+        # every epoch), so an epoch is len(train_set) / global_batch steps.
+        steps_per_epoch = len(train_set) // global_batch
         epochs = math.ceil(args.steps / steps_per_epoch)
 
         if ctx.is_main:
