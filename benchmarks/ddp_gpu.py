@@ -45,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default="gpt2-124m", choices=sorted(GPT_PRESETS))
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU per step")
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (no_sync on all but the last)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps per phase (timed as one block)")
     p.add_argument("--rounds", type=int, default=3)
@@ -82,13 +83,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_steps(wrapped, opt, batches, start, count, device, no_sync: bool):
+def train_steps(wrapped, opt, batches, start, count, device, no_sync: bool, accum: int = 1):
+    """`count` optimizer steps of `accum` micro-batches each; all but the last skip the gradient sync."""
+    can_skip = hasattr(wrapped, "no_sync")
     for step in range(start, start + count):
-        x, y = batches[step % len(batches)]
-        with wrapped.no_sync() if no_sync else contextlib.nullcontext():
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = wrapped(x, y)
-            loss.backward()
+        for micro in range(accum):
+            x, y = batches[(step * accum + micro) % len(batches)]
+            skip = can_skip and (no_sync or micro < accum - 1)
+            with wrapped.no_sync() if skip else contextlib.nullcontext():
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = wrapped(x, y) / accum
+                loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return loss
@@ -112,12 +117,12 @@ def run_phase(impl, model, opt, batches, args, device, groups, nosync=False):
     stale = torch.cuda.memory_allocated() - groups["base_bytes"] if device.type == "cuda" else 0
     wrapped = wrap(impl, model, device, groups)
     no_sync = nosync and not impl.startswith("plain")
-    train_steps(wrapped, opt, batches, 0, args.warmup, device, no_sync)
+    train_steps(wrapped, opt, batches, 0, args.warmup, device, no_sync, args.accum)
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    loss = train_steps(wrapped, opt, batches, args.warmup, args.steps, device, no_sync)
+    loss = train_steps(wrapped, opt, batches, args.warmup, args.steps, device, no_sync, args.accum)
     synchronize(device)
     elapsed = (time.perf_counter() - t0) / args.steps
     peak = torch.cuda.max_memory_allocated() - stale if device.type == "cuda" else 0
@@ -201,7 +206,7 @@ def bench(args):
         phases["ours_comm_only"] = {"step_times": [comm_only_seconds(model, batches, device)], "peak_bytes": 0}
 
     # Every rank's median; the job is as slow as its slowest rank.
-    tokens_per_step = micro * args.seq
+    tokens_per_step = micro * args.seq * args.accum
     summary = {}
     for name, ph in phases.items():
         med = torch.tensor([statistics.median(ph["step_times"])], device=device)
@@ -219,6 +224,7 @@ def bench(args):
         "params": n_params,
         "world_size": ctx.world_size,
         "micro_batch": micro,
+        "accum": args.accum,
         "seq": args.seq,
         "tokens_per_step_per_gpu": tokens_per_step,
         "steps_per_phase": args.steps,
@@ -259,26 +265,26 @@ def environment() -> dict:
 
 def summarize(paths: list[str], results_path: str | None) -> None:
     runs = [json.load(open(p)) for p in paths]
-    table = ["| model | GPUs | micro-batch | impl | step ms | tokens/s/GPU | vs torch DDP | peak GiB | scaling vs 1 GPU |",
+    table = ["| model | GPUs | micro-batch x accum | impl | step ms | tokens/s/GPU | vs torch DDP | peak GiB | scaling vs 1 GPU |",
              "|---|---|---|---|---|---|---|---|---|"]
-    baseline = {(r["model"], r["micro_batch"]): r["phases"]["plain"]["tokens_per_s_per_gpu"]
+    baseline = {(r["model"], r["micro_batch"], r.get("accum", 1)): r["phases"]["plain"]["tokens_per_s_per_gpu"]
                 for r in runs if r["world_size"] == 1}
     derived = []
-    for r in sorted(runs, key=lambda r: (r["params"], r["micro_batch"], r["world_size"])):
+    for r in sorted(runs, key=lambda r: (r["params"], r["micro_batch"], r.get("accum", 1), r["world_size"])):
         torch_tps = r["phases"].get("torch", {}).get("tokens_per_s_per_gpu")
         for impl, s in r["phases"].items():
             tps = s["tokens_per_s_per_gpu"]
             vs = f"{tps / torch_tps:.3f}x" if torch_tps and impl.startswith(("torch", "ours")) and not impl.endswith(("nosync", "comm_only")) else ""
-            base = baseline.get((r["model"], r["micro_batch"]))
+            base = baseline.get((r["model"], r["micro_batch"], r.get("accum", 1)))
             if "solo" in r["phases"]:  # the 1-GPU baseline measured inside this job, interleaved
                 base = r["phases"]["solo"]["tokens_per_s_per_gpu"]
             comparable = r["world_size"] > 1 and impl not in ("solo", "ours_comm_only") and not impl.endswith("nosync")
             scaling = f"{100 * tps / base:.1f}%" if base and comparable else ""
-            table.append(f"| {r['model']} | {r['world_size']} | {r['micro_batch']} | {impl} | {s['median_step_s']*1e3:.1f} | {tps:,.0f} "
+            table.append(f"| {r['model']} | {r['world_size']} | {r['micro_batch']} x {r.get('accum', 1)} | {impl} | {s['median_step_s']*1e3:.1f} | {tps:,.0f} "
                          f"| {vs} | {s['peak_mem_gib']:.1f} | {scaling} |")
             if r["world_size"] > 1 and f"{impl}_nosync" in r["phases"]:
                 exposed = s["median_step_s"] - r["phases"][f"{impl}_nosync"]["median_step_s"]
-                derived.append(f"{r['model']} b={r['micro_batch']} {impl}: exposed communication {exposed*1e3:.1f} ms per step "
+                derived.append(f"{r['model']} b={r['micro_batch']}x{r.get('accum', 1)} {impl}: exposed communication {exposed*1e3:.1f} ms per step "
                                f"({100*exposed/s['median_step_s']:.1f}% of the step)")
     text = "\n".join(table)
     card = runs[0].get("card") if runs else "?"
