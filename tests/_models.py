@@ -72,3 +72,19 @@ class Reordered(nn.Module):
 
 def tiny_gpt() -> GPT:
     return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+
+
+class MixedDtypeFrozen(nn.Module):
+    """A channels-last convolution, a frozen layer and a bf16 head: buckets per dtype, frozen
+    parameters left alone, gradient strides that differ from the bucket views'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.frozen = nn.Linear(64, 64)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(64, 2).to(torch.bfloat16)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x)).flatten(1)
+        return self.head(self.frozen(h).bfloat16()).float()

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from distributed_training import DDP, NaiveDDP
 from distributed_training.testing import run_distributed
 
-from _models import MLP, Branchy, ConvBN, Reordered, tiny_gpt
+from _models import MLP, Branchy, ConvBN, MixedDtypeFrozen, Reordered, tiny_gpt
 
 TOL = 1e-5
 STEPS = 5
@@ -179,3 +179,25 @@ def test_parity_every_step(world):
     layout = reports[0]["reordered"]["layout"]
     assert layout[-1][-1].startswith("first."), layout
     assert layout[0][0].startswith("last."), layout
+
+
+def mixed_worker(rank: int, world: int) -> float:
+    torch.manual_seed(0)
+    base = MixedDtypeFrozen().to(memory_format=torch.channels_last)
+    ours, ref = DDP(copy.deepcopy(base), bucket_cap_mb=1e-4), TorchDDP(copy.deepcopy(base), bucket_cap_mb=1e-4)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, ref)]
+    worst = 0.0
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        x = torch.randn(2, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
+        for model, opt in zip((ours, ref), opts):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        worst = max(worst, _max_diff(ours.module, ref.module))
+    assert ours.module.frozen.weight.grad is None
+    return worst
+
+
+def test_mixed_dtypes_frozen_layers_channels_last():
+    assert max(run_distributed(mixed_worker, 3, timeout=120)) <= TOL
