@@ -1,7 +1,7 @@
 """distributed_training: data-parallel training from scratch on torch.distributed collectives."""
 
 from .runtime import DistributedContext, init_distributed
-from .strategies import DDP, DDPStrategy, NaiveDDP, Strategy
+from .strategies import DDP, FSDP, DDPStrategy, MixedPrecision, NaiveDDP, Strategy
 from .trainer import DistributedTrainer
 
 __all__ = [
@@ -9,6 +9,8 @@ __all__ = [
     "DDPStrategy",
     "DistributedContext",
     "DistributedTrainer",
+    "FSDP",
+    "MixedPrecision",
     "NaiveDDP",
     "Strategy",
     "init_distributed",

@@ -6,3 +6,6 @@ from .ddp_strategy import DDPStrategy
 from .naive import NaiveDDP
 
 __all__ = ["DDP", "DDPStrategy", "NaiveDDP", "Strategy"]
+from .fsdp import FSDP, MixedPrecision  # noqa: E402
+
+__all__ += ["FSDP", "MixedPrecision"]
