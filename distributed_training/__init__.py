@@ -1,7 +1,7 @@
 """distributed_training: data-parallel training from scratch on torch.distributed collectives."""
 
 from .runtime import DistributedContext, init_distributed
-from .strategies import DDP, FSDP, DDPStrategy, MixedPrecision, NaiveDDP, Strategy
+from .strategies import DDP, FSDP, DDPStrategy, FSDPStrategy, MixedPrecision, NaiveDDP, Strategy, Zero1Strategy
 from .trainer import DistributedTrainer
 
 __all__ = [
@@ -10,9 +10,11 @@ __all__ = [
     "DistributedContext",
     "DistributedTrainer",
     "FSDP",
+    "FSDPStrategy",
     "MixedPrecision",
     "NaiveDDP",
     "Strategy",
+    "Zero1Strategy",
     "init_distributed",
 ]
 

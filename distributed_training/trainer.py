@@ -26,12 +26,19 @@ from .data import ShardedSampler
 from .runtime import DistributedContext, init_distributed
 from .strategies.base import OptimizerFactory, Strategy
 from .strategies.ddp_strategy import DDPStrategy
+from .strategies.zero import FSDPStrategy, Zero1Strategy
 
 __all__ = ["DistributedTrainer"]
 
 Criterion = Callable[[Any, Any], torch.Tensor]
 
-_STRATEGIES: dict[str, Callable[[], Strategy]] = {"ddp": DDPStrategy}
+_STRATEGIES: dict[str, Callable[[], Strategy]] = {
+    "ddp": DDPStrategy,
+    "zero1": Zero1Strategy,
+    "zero2": lambda: FSDPStrategy(reshard_after_forward=False),
+    "zero3": FSDPStrategy,
+    "fsdp": FSDPStrategy,
+}
 
 
 class DistributedTrainer:
@@ -42,7 +49,9 @@ class DistributedTrainer:
         optimizer: a `torch.optim.Optimizer` built over `model.parameters()`, or a callable that
             takes parameters and returns one (needed by sharded strategies, which build the
             optimizer over their shards).
-        strategy: ``"ddp"`` or a `Strategy` object (e.g. ``DDPStrategy(bucket_cap_mb=50)``).
+        strategy: ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` / ``"fsdp"``, or a `Strategy`
+            object (e.g. ``DDPStrategy(bucket_cap_mb=50)``, ``FSDPStrategy(mixed_precision=...)``).
+            Sharded strategies need `optimizer` as a callable.
         gradient_accumulation_steps: micro-batches per optimizer step. `train_step` splits its batch
             into this many chunks; all but the last run under `no_sync`.
         gradient_clip_val: clip gradients to this global 2-norm before each step (None: no clipping).
@@ -280,40 +289,75 @@ class DistributedTrainer:
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write model, optimizer, scheduler, step and epoch to `path` (rank 0 writes; all ranks wait).
+        """Write model, optimizer, scheduler, step and epoch to `path`; every rank must call it.
 
-        The file is written to a temporary name and renamed, so a crash never leaves half a file
-        under `path`.
+        Replicated strategies (DDP): rank 0 writes one file. Sharded strategies (ZeRO, FSDP): `path`
+        is a directory where each rank writes ``rank<r>.pt`` with its shards, and rank 0 writes
+        ``meta.pt`` last, once every shard is on disk; `load_checkpoint` re-shards for any world size.
+        Every file is written to a temporary name and renamed, so a crash never leaves half a file.
         """
-        state = {
-            "model": self.strategy.model_state_dict(self.model),
-            "optimizer": self.strategy.optimizer_state_dict(self.optimizer),
+        path = os.fspath(path)
+        extra = {
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "step": self.step,
             "epoch": self.epoch,
         }
-        if self.context.is_main:
-            path = os.fspath(path)
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            tmp = f"{path}.tmp.{os.getpid()}"
-            torch.save(state, tmp)
-            os.replace(tmp, path)
+        if self.strategy.sharded_checkpoint:
+            os.makedirs(path, exist_ok=True)
+            state = self.strategy.sharded_state(self.model, self.optimizer)
+            _atomic_save(state, os.path.join(path, f"rank{self.context.rank}.pt"))
+            self.context.barrier()
+            if self.context.is_main:
+                meta = {**extra, "world_size": self.context.world_size, "strategy": self.strategy.name}
+                _atomic_save(meta, os.path.join(path, "meta.pt"))
+        else:
+            state = {
+                "model": self.strategy.model_state_dict(self.model),
+                "optimizer": self.strategy.optimizer_state_dict(self.optimizer),
+                **extra,
+            }
+            if self.context.is_main:
+                _atomic_save(state, path)
         self.context.barrier()
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore what `save_checkpoint` wrote. Every rank reads the file."""
+        """Restore what `save_checkpoint` wrote (sharded checkpoints at any world size)."""
         path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"rank {self.context.rank}: checkpoint file {path!r} does not exist")
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        missing = [k for k in ("model", "optimizer", "step") if k not in state]
-        if missing:
-            raise ValueError(f"checkpoint {path!r} lacks {', '.join(missing)}: not written by save_checkpoint")
-        try:
-            self.strategy.load_model_state_dict(self.model, state["model"])
-        except RuntimeError as err:
-            raise RuntimeError(f"checkpoint {path!r} does not fit this model: {err}") from None
-        self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
+        if self.strategy.sharded_checkpoint:
+            meta_path = os.path.join(path, "meta.pt")
+            if not os.path.isfile(meta_path):
+                raise FileNotFoundError(
+                    f"rank {self.context.rank}: {meta_path!r} does not exist: not a complete sharded checkpoint"
+                )
+            meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+
+            def read(k: int) -> dict:
+                file = os.path.join(path, f"rank{k}.pt")
+                if not os.path.isfile(file):
+                    raise FileNotFoundError(f"sharded checkpoint {path!r} lacks {file!r}")
+                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+
+            cache: dict[int, dict] = {}
+            try:
+                self.strategy.load_sharded_state(
+                    self.model, self.optimizer, lambda k: cache[k] if k in cache else cache.setdefault(k, read(k)),
+                    int(meta["world_size"]),
+                )
+            except (RuntimeError, ValueError) as err:
+                raise type(err)(f"checkpoint {path!r} does not fit this model: {err}") from None
+            state = meta
+        else:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"rank {self.context.rank}: checkpoint file {path!r} does not exist")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            missing = [k for k in ("model", "optimizer", "step") if k not in state]
+            if missing:
+                raise ValueError(f"checkpoint {path!r} lacks {', '.join(missing)}: not written by save_checkpoint")
+            try:
+                self.strategy.load_model_state_dict(self.model, state["model"])
+            except RuntimeError as err:
+                raise RuntimeError(f"checkpoint {path!r} does not fit this model: {err}") from None
+            self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step = int(state["step"])
@@ -331,6 +375,13 @@ class DistributedTrainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _atomic_save(obj: Any, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- batch helpers

@@ -3,9 +3,8 @@
 from .base import Strategy
 from .ddp import DDP
 from .ddp_strategy import DDPStrategy
+from .fsdp import FSDP, MixedPrecision
 from .naive import NaiveDDP
+from .zero import FSDPStrategy, Zero1Strategy
 
-__all__ = ["DDP", "DDPStrategy", "NaiveDDP", "Strategy"]
-from .fsdp import FSDP, MixedPrecision  # noqa: E402
-
-__all__ += ["FSDP", "MixedPrecision"]
+__all__ = ["DDP", "DDPStrategy", "FSDP", "FSDPStrategy", "MixedPrecision", "NaiveDDP", "Strategy", "Zero1Strategy"]

@@ -28,6 +28,9 @@ class Strategy(abc.ABC):
     """Base class of DDP, FSDP and ZeRO strategies."""
 
     name: str = "strategy"
+    #: True when each rank saves its own part of the state (`sharded_state`); False when rank 0 saves
+    #: the full model and optimizer state (`model_state_dict` / `optimizer_state_dict`).
+    sharded_checkpoint: bool = False
 
     @abc.abstractmethod
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
@@ -75,6 +78,15 @@ class Strategy(abc.ABC):
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's part of the checkpoint (sharded strategies)."""
+        raise TypeError(f"strategy '{self.name}' writes full checkpoints, not sharded ones")
+
+    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                           read: Callable[[int], dict[str, Any]], old_world: int) -> None:
+        """Load a sharded checkpoint written by `old_world` ranks; `read(k)` returns rank k's part."""
+        raise TypeError(f"strategy '{self.name}' reads full checkpoints, not sharded ones")
 
     def teardown(self, model: nn.Module) -> None:
         """Release what `setup_module` attached (hooks, buffers)."""

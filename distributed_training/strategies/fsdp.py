@@ -468,11 +468,11 @@ class FSDP(nn.Module):
         return [u.name for u in self._units]
 
     # ------------------------------------------------------------ state dicts
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded state on rank 0 (on the CPU; other ranks get `{}`), with the same keys as the
-        plain module's `state_dict()`. Units are gathered one at a time, so peak memory grows by one
-        unit, not by the model. Collective: call on every rank."""
-        is_main = dist.get_rank(self.process_group) == 0
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The unsharded state on rank 0 (on the CPU; other ranks get `{}` unless `rank0_only=False`),
+        with the same keys as the plain module's `state_dict()`. Units are gathered one at a time, so
+        peak memory grows by one unit, not by the model. Collective: call on every rank."""
+        is_main = dist.get_rank(self.process_group) == 0 or not rank0_only
         values: dict[str, torch.Tensor] = {}
         for unit in self._units:
             if unit.padded == 0:

@@ -1,0 +1,181 @@
+"""ZeRO stages 1, 2 and 3 as trainer strategies.
+
+* **Stage 1** (`Zero1Strategy`): every rank holds the whole model and, after our bucketed DDP
+  all-reduce, the averaged gradients. The trainable parameters are re-homed into one flat buffer per
+  (device, dtype), padded to a multiple of the world size W; rank r's optimizer holds only slice r
+  of each buffer (a view, no copy), so optimizer state is 1/W per rank. Around `optimizer.step()` two
+  hooks do the rest: before, slice r of the gradients becomes the shards' `.grad`; after, one
+  `all_gather_into_tensor` per buffer writes every rank's updated slice back into the parameters.
+* **Stage 2** (`FSDPStrategy(reshard_after_forward=False)`): gradients are reduce-scattered, so
+  gradients and optimizer state are 1/W; parameters are gathered for forward and kept until backward.
+* **Stage 3** (`FSDPStrategy()`): parameters are sharded too and gathered per unit when needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.sharded import all_gather_flat, shard_size
+from ..runtime import DistributedContext
+from .base import OptimizerFactory, Strategy
+from .ddp import DDP
+from .fsdp import FSDP
+from .sharded_optim import load_sharded_optimizer_state, sharded_optimizer_state
+
+__all__ = ["FSDPStrategy", "Zero1Strategy"]
+
+
+def _require_factory(optimizer, name: str) -> OptimizerFactory:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"strategy '{name}' builds the optimizer over this rank's shards: pass a callable that takes "
+            "parameters (e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)), not an optimizer"
+        )
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a callable taking parameters, got {type(optimizer).__name__}")
+    return optimizer
+
+
+class FSDPStrategy(Strategy):
+    """ZeRO-3 (default) or ZeRO-2 (`reshard_after_forward=False`) through our `FSDP` wrapper.
+
+    Keyword arguments go to `FSDP` (``auto_wrap_policy``, ``mixed_precision``, ``cpu_offload``,
+    ``sharding_strategy``, ``ranks_per_node``, ...). Checkpoints are sharded and re-shardable.
+    """
+
+    name = "fsdp"
+    sharded_checkpoint = True
+
+    def __init__(self, **fsdp_kwargs: Any) -> None:
+        self.fsdp_kwargs = fsdp_kwargs
+
+    def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
+        return FSDP(module, process_group=context.group, **self.fsdp_kwargs)
+
+    def setup_optimizer(self, optimizer, model: FSDP) -> torch.optim.Optimizer:
+        built = _require_factory(optimizer, self.name)(model.parameters())
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+        return built
+
+    def clip_grad_norm(self, model: FSDP, max_norm: float) -> torch.Tensor:
+        return model.clip_grad_norm_(max_norm)
+
+    def model_state_dict(self, model: FSDP) -> dict[str, Any]:
+        return model.full_state_dict()
+
+    def load_model_state_dict(self, model: FSDP, state: dict[str, Any]) -> None:
+        model.load_full_state_dict(state)
+
+    def _keys(self, model: FSDP) -> tuple[list[str], list[int]]:
+        units = [u for u in model._units if u.padded]
+        return [u.name for u in units], [u.numel for u in units]
+
+    def sharded_state(self, model: FSDP, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        keys, _ = self._keys(model)
+        return {"model": model.sharded_state_dict(), "optimizer": sharded_optimizer_state(optimizer, keys)}
+
+    def load_sharded_state(self, model: FSDP, optimizer, read: Callable[[int], dict], old_world: int) -> None:
+        model.load_sharded_state_dict(lambda k: read(k)["model"])
+        keys, numels = self._keys(model)
+        load_sharded_optimizer_state(optimizer, keys, numels, lambda k: read(k)["optimizer"],
+                                     read(0)["model"]["world_size"], model.shard_world, model.shard_rank)
+
+
+class _FlatGroup:
+    """One (device, dtype) group of parameters re-homed into a flat padded buffer."""
+
+    def __init__(self, params: list[nn.Parameter], world: int, rank: int) -> None:
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.size = shard_size(self.numel, world)
+        self.flat = torch.zeros(self.size * world, dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        self.offsets = []
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
+                p.data = self.flat[offset : offset + n].view_as(p)  # the parameter now lives in the buffer
+                self.offsets.append(offset)
+                offset += n
+        self.lo, self.hi = rank * self.size, (rank + 1) * self.size
+        self.shard = nn.Parameter(self.flat[self.lo : self.hi])  # a view: the optimizer updates in place
+
+    def gather_grad(self) -> torch.Tensor:
+        """Slice [lo, hi) of the concatenated (already averaged) gradients."""
+        grad = torch.zeros(self.size, dtype=self.flat.dtype, device=self.flat.device)
+        for p, start in zip(self.params, self.offsets):
+            end = start + p.numel()
+            lo, hi = max(start, self.lo), min(end, self.hi)
+            if lo < hi and p.grad is not None:
+                grad[lo - self.lo : hi - self.lo].copy_(p.grad.reshape(-1)[lo - start : hi - start])
+        return grad
+
+
+class Zero1Strategy(Strategy):
+    """ZeRO stage 1: replicated parameters and gradients, optimizer state sharded 1/W.
+
+    Keyword arguments go to our `DDP` (``bucket_cap_mb``, ...).
+    """
+
+    name = "zero1"
+    sharded_checkpoint = True
+
+    def __init__(self, **ddp_kwargs: Any) -> None:
+        self.ddp_kwargs = ddp_kwargs
+        self.groups: list[_FlatGroup] = []
+
+    def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
+        self.context = context
+        return DDP(module, process_group=context.group, **self.ddp_kwargs)
+
+    def setup_optimizer(self, optimizer, model: DDP) -> torch.optim.Optimizer:
+        factory = _require_factory(optimizer, self.name)
+        world, rank = dist.get_world_size(model.process_group), dist.get_rank(model.process_group)
+        by_key: dict[tuple, list[nn.Parameter]] = {}
+        for p in model.module.parameters():
+            if p.requires_grad:
+                by_key.setdefault((p.device, p.dtype), []).append(p)
+        self.groups = [_FlatGroup(ps, world, rank) for ps in by_key.values()]
+        self.process_group = model.process_group
+        built = factory([g.shard for g in self.groups])
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+        built.register_step_pre_hook(lambda opt, args, kwargs: self._before_step())
+        built.register_step_post_hook(lambda opt, args, kwargs: self._after_step())
+        return built
+
+    def _before_step(self) -> None:
+        for g in self.groups:
+            g.shard.grad = g.gather_grad()
+
+    @torch.no_grad()
+    def _after_step(self) -> None:
+        works = []
+        for g in self.groups:
+            # Gather from a copy of our slice: the output buffer contains the input otherwise.
+            works.append(all_gather_flat(g.flat, g.shard.detach().clone(), self.process_group, async_op=True))
+            for p in g.params:
+                p.grad = None  # consumed; the next backward starts from zero as with any optimizer
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def sharded_state(self, model: DDP, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        keys = [str(i) for i in range(len(self.groups))]
+        state = {"optimizer": sharded_optimizer_state(optimizer, keys), "world_size": dist.get_world_size(self.process_group)}
+        if dist.get_rank(self.process_group) == 0:
+            state["model"] = self.model_state_dict(model)
+        return state
+
+    def load_sharded_state(self, model: DDP, optimizer, read: Callable[[int], dict], old_world: int) -> None:
+        self.load_model_state_dict(model, read(0)["model"])
+        keys = [str(i) for i in range(len(self.groups))]
+        load_sharded_optimizer_state(optimizer, keys, [g.numel for g in self.groups], lambda k: read(k)["optimizer"],
+                                     read(0)["world_size"], dist.get_world_size(self.process_group),
+                                     dist.get_rank(self.process_group))
