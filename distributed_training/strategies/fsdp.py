@@ -200,7 +200,7 @@ class FSDP(nn.Module):
         self._recording_order = True
         self._sync_enabled = True
         self._callback_queued = False
-        self._pending: list[tuple[_Unit, torch.Tensor, Any, torch.Tensor]] = []
+        self._pending: list[tuple[_Unit, torch.Tensor, Any]] = []
         for unit in self._units:
             self._register_hooks(unit)
 
@@ -392,19 +392,22 @@ class FSDP(nn.Module):
             grad = grad.to(self._reduce_dtype)
         out = torch.empty(unit.padded // self.shard_world, dtype=grad.dtype, device=grad.device)
         work = reduce_scatter_flat(out, grad, self.shard_group, async_op=True)
-        self._pending.append((unit, out, work, grad))  # keep `grad` alive until the reduction is done
+        # The collective keeps its input alive until it completes (NCCL stashes it, gloo's work owns
+        # it): dropping our reference here frees each unit's full gradient as soon as it is reduced.
+        self._pending.append((unit, out, work))
         unit.full.grad = None
+        del grad
         if not unit.is_root:
             self._reshard(unit)
 
     def _finish_backward(self) -> None:
         try:
-            for _, out, work, _ in self._pending:
+            for _, out, work in self._pending:
                 if work is not None:
                     work.wait()
             if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
                 works = []
-                for _, out, _, _ in self._pending:
+                for _, out, _ in self._pending:
                     if dist.get_backend(self.replicate_group) == "nccl":
                         works.append(dist.all_reduce(out, op=dist.ReduceOp.AVG, group=self.replicate_group, async_op=True))
                     else:
@@ -412,7 +415,7 @@ class FSDP(nn.Module):
                         works.append(dist.all_reduce(out, group=self.replicate_group, async_op=True))
                 for w in works:
                     w.wait()
-            for unit, out, _, _ in self._pending:
+            for unit, out, _ in self._pending:
                 grad = out.to(unit.shard.device, unit.shard.dtype, non_blocking=True)
                 if unit.shard.grad is None:
                     unit.shard.grad = grad

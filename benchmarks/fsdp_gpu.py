@@ -1,0 +1,186 @@
+"""GPU benchmark: our ZeRO-1/2/3 against torch FSDP2 (`fully_shard` per block) and torch DDP.
+
+Every implementation trains a freshly built copy of the same GPT (seeded) in the same processes,
+phase after phase, interleaved over rounds; bf16 compute, fp32 master weights, fused AdamW:
+
+    torch_ddp   torch.nn.parallel.DistributedDataParallel, bf16 autocast
+    ours_ddp    distributed_training.DDP, bf16 autocast
+    torch_fsdp2 fully_shard per block and root, MixedPrecisionPolicy(bf16 params, fp32 reduce)
+    zero3       our FSDP, MixedPrecision(bf16, fp32), reshard_after_forward=True
+    zero2       the same with reshard_after_forward=False
+    zero1       our DDP + optimizer state sharded (Zero1Strategy)
+
+    torchrun --nproc_per_node=2 benchmarks/fsdp_gpu.py --model gpt-1.3b --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ddp_gpu import environment, synchronize, train_steps  # noqa: E402
+
+from distributed_training import DDP, FSDP, MixedPrecision, Zero1Strategy, init_distributed  # noqa: E402
+from distributed_training.models import GPT, GPT_PRESETS  # noqa: E402
+
+GIB = 2**30
+
+
+def build(impl: str, cfg, device, ctx):
+    """(wrapped model, optimizer, autocast?) for one implementation, from a freshly seeded model."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(cfg)
+    fused = device.type == "cuda"
+    if impl == "torch_ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if fused else None)
+        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=fused), True
+    if impl == "ours_ddp":
+        wrapped = DDP(model)
+        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=fused), True
+    if impl == "zero1":
+        strategy = Zero1Strategy()
+        wrapped = strategy.setup_module(model, ctx)
+        return wrapped, strategy.setup_optimizer(lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=fused), wrapped), True
+    if impl in ("zero2", "zero3"):
+        wrapped = FSDP(model, mixed_precision=MixedPrecision(torch.bfloat16, torch.float32),
+                       reshard_after_forward=impl == "zero3")
+        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=fused), True
+    if impl == "torch_fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused), True
+    raise ValueError(impl)
+
+
+def run_phase(impl, cfg, batches, args, device, ctx):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    wrapped, opt, _ = build(impl, cfg, device, ctx)
+    train_steps(wrapped, opt, batches, 0, args.warmup, device, no_sync=False)
+    synchronize(device)
+    t0 = time.perf_counter()
+    loss = train_steps(wrapped, opt, batches, args.warmup, args.steps, device, no_sync=False)
+    synchronize(device)
+    step_s = (time.perf_counter() - t0) / args.steps
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    value = loss.item()
+    if isinstance(wrapped, DDP):
+        wrapped.remove_hooks()
+    del wrapped, opt, loss
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return step_s, peak, value
+
+
+def model_state_gib(impl: str, params: int, world: int, largest_unit: int) -> float:
+    """Bytes per rank the ZeRO formulas predict for fp32 master weights, gradients and Adam's two
+    moments (4 + 4 + 8 bytes a parameter), plus what each scheme keeps unsharded in bf16."""
+    p = params
+    if impl in ("torch_ddp", "ours_ddp"):
+        b = 16 * p
+    elif impl == "zero1":
+        b = 4 * p + 4 * p + 8 * p / world
+    elif impl == "zero2":
+        b = 16 * p / world + 2 * p  # bf16 parameters kept from forward to backward
+    else:  # zero3 / fsdp2: shards + about two gathered units in bf16
+        b = 16 * p / world + 2 * 2 * largest_unit
+    return b / GIB
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gpt-1.3b", choices=sorted(GPT_PRESETS))
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--impls", default="torch_ddp,ours_ddp,torch_fsdp2,zero3,zero2,zero1")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    ctx = init_distributed()
+    device = ctx.device
+    torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = GPT_PRESETS[args.model]
+    g = torch.Generator(device=device).manual_seed(1234 + ctx.rank)
+    batches = []
+    for _ in range(4):
+        idx = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq + 1), device=device, generator=g)
+        batches.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    params = meta.num_parameters()
+    largest_unit = max(sum(p.numel() for p in b.parameters()) for b in meta.blocks)
+    largest_unit = max(largest_unit, params - sum(sum(p.numel() for p in b.parameters()) for b in meta.blocks))
+
+    impls = [i for i in args.impls.split(",") if i]
+    results: dict[str, dict] = {}
+    for rnd in range(args.rounds):
+        for impl in (impls if rnd % 2 == 0 else impls[::-1]):
+            step_s, peak, loss = run_phase(impl, cfg, batches, args, device, ctx)
+            r = results.setdefault(impl, {"step_s": [], "peak": 0, "loss": loss})
+            r["step_s"].append(step_s)
+            r["peak"] = max(r["peak"], peak)
+            if ctx.is_main:
+                print(f"round {rnd} {impl:12s} {step_s * 1e3:8.1f} ms  peak {peak / GIB:6.1f} GiB  loss {loss:.4f}",
+                      flush=True)
+    tokens = args.micro_batch * args.seq
+    summary = {}
+    for impl, r in results.items():
+        t = torch.tensor([statistics.median(r["step_s"]), float(r["peak"])], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        summary[impl] = {
+            "median_step_s": t[0].item(),
+            "tokens_per_s_per_gpu": tokens / t[0].item(),
+            "peak_mem_gib": t[1].item() / GIB,
+            "model_state_formula_gib": model_state_gib(impl, params, ctx.world_size, largest_unit),
+            "rank0_round_step_s": r["step_s"],
+            "last_loss": r["loss"],
+        }
+    base = summary.get("torch_ddp", {}).get("tokens_per_s_per_gpu")
+    fsdp2 = summary.get("torch_fsdp2", {})
+    lines = ["| impl | step ms | tokens/s/GPU | vs torch DDP | peak GiB | model-state formula GiB |", "|---|---|---|---|---|---|"]
+    for impl, s in summary.items():
+        vs = f"{s['tokens_per_s_per_gpu'] / base:.3f}x" if base else ""
+        lines.append(f"| {impl} | {s['median_step_s'] * 1e3:.1f} | {s['tokens_per_s_per_gpu']:,.0f} | {vs} | "
+                     f"{s['peak_mem_gib']:.1f} | {s['model_state_formula_gib']:.1f} |")
+    table = "\n".join(lines)
+    result = {"model": args.model, "params": params, "world_size": ctx.world_size, "micro_batch": args.micro_batch,
+              "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
+              "precision": "bf16 compute (autocast for DDP; bf16 params, fp32 reduce for FSDP/ZeRO-2/3), fp32 master, fused AdamW",
+              "phases": summary, "table_markdown": table, **environment()}
+    if ctx.is_main:
+        print(table)
+        if fsdp2:
+            z3 = summary.get("zero3", {})
+            print(f"zero3 peak {z3.get('peak_mem_gib', 0):.1f} GiB vs torch FSDP2 {fsdp2['peak_mem_gib']:.1f} GiB")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    ctx.shutdown()
+
+
+if __name__ == "__main__":
+    main()
