@@ -70,11 +70,17 @@ def build(impl: str, cfg, device, ctx):
     raise ValueError(impl)
 
 
-def run_phase(impl, cfg, batches, args, device, ctx):
+def run_phase(impl, cfg, batches, args, device, ctx, base_bytes: int):
+    """Returns (step seconds, peak bytes of this phase, leftover bytes after teardown, last loss).
+
+    The peak is counted from the memory in use before the phase, so anything an earlier phase
+    failed to free is not charged to this one (and is reported as that phase's leftover)."""
     gc.collect()
+    stale = 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        stale = torch.cuda.memory_allocated() - base_bytes
     wrapped, opt, _ = build(impl, cfg, device, ctx)
     train_steps(wrapped, opt, batches, 0, args.warmup, device, no_sync=False)
     synchronize(device)
@@ -82,15 +88,17 @@ def run_phase(impl, cfg, batches, args, device, ctx):
     loss = train_steps(wrapped, opt, batches, args.warmup, args.steps, device, no_sync=False)
     synchronize(device)
     step_s = (time.perf_counter() - t0) / args.steps
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    peak = torch.cuda.max_memory_allocated() - stale if device.type == "cuda" else 0
     value = loss.item()
     if isinstance(wrapped, DDP):
         wrapped.remove_hooks()
     del wrapped, opt, loss
     gc.collect()
+    leftover = 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return step_s, peak, value
+        leftover = torch.cuda.memory_allocated() - base_bytes - stale
+    return step_s, peak, leftover, value
 
 
 def model_state_gib(impl: str, params: int, world: int, largest_unit: int) -> float:
@@ -136,20 +144,23 @@ def main():
     largest_unit = max(largest_unit, params - sum(sum(p.numel() for p in b.parameters()) for b in meta.blocks))
 
     impls = [i for i in args.impls.split(",") if i]
+    synchronize(device)
+    base_bytes = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     results: dict[str, dict] = {}
     for rnd in range(args.rounds):
         for impl in (impls if rnd % 2 == 0 else impls[::-1]):
-            step_s, peak, loss = run_phase(impl, cfg, batches, args, device, ctx)
-            r = results.setdefault(impl, {"step_s": [], "peak": 0, "loss": loss})
+            step_s, peak, leftover, loss = run_phase(impl, cfg, batches, args, device, ctx, base_bytes)
+            r = results.setdefault(impl, {"step_s": [], "peaks": [], "leftover": [], "loss": loss})
             r["step_s"].append(step_s)
-            r["peak"] = max(r["peak"], peak)
+            r["peaks"].append(peak)
+            r["leftover"].append(leftover)
             if ctx.is_main:
-                print(f"round {rnd} {impl:12s} {step_s * 1e3:8.1f} ms  peak {peak / GIB:6.1f} GiB  loss {loss:.4f}",
-                      flush=True)
+                print(f"round {rnd} {impl:12s} {step_s * 1e3:8.1f} ms  peak {peak / GIB:6.1f} GiB  "
+                      f"left {leftover / GIB:5.2f} GiB  loss {loss:.4f}", flush=True)
     tokens = args.micro_batch * args.seq
     summary = {}
     for impl, r in results.items():
-        t = torch.tensor([statistics.median(r["step_s"]), float(r["peak"])], device=device)
+        t = torch.tensor([statistics.median(r["step_s"]), float(max(r["peaks"]))], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         summary[impl] = {
             "median_step_s": t[0].item(),
@@ -157,6 +168,8 @@ def main():
             "peak_mem_gib": t[1].item() / GIB,
             "model_state_formula_gib": model_state_gib(impl, params, ctx.world_size, largest_unit),
             "rank0_round_step_s": r["step_s"],
+            "rank0_round_peak_gib": [p / GIB for p in r["peaks"]],
+            "rank0_leftover_gib": [b / GIB for b in r["leftover"]],
             "last_loss": r["loss"],
         }
     base = summary.get("torch_ddp", {}).get("tokens_per_s_per_gpu")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -280,11 +281,21 @@ class FSDP(nn.Module):
         return units
 
     def _register_hooks(self, unit: _Unit) -> None:
+        # Hooks hold FSDP and the unit weakly: autograd's C++ nodes keep `unit.full` (and so its hooks)
+        # alive, out of the garbage collector's sight, and a strong reference would leak the model.
+        me, index = weakref.ref(self), self._units.index(unit) if unit in self._units else len(self._units)
+
+        def call(method: str, *args):
+            fsdp = me()
+            if fsdp is not None:
+                return getattr(fsdp, method)(fsdp._units[index], *args)
+            return args[-1] if args else None
+
         if not unit.is_root:
-            unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u)))
-            unit.hooks.append(unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out)))
+            unit.hooks.append(unit.module.register_forward_pre_hook(lambda m, a: call("_pre_forward")))
+            unit.hooks.append(unit.module.register_forward_hook(lambda m, a, out: call("_post_forward", out)))
         if unit.full.requires_grad:
-            unit.hooks.append(unit.full.register_post_accumulate_grad_hook(lambda t, u=unit: self._on_unit_grad(u)))
+            unit.hooks.append(unit.full.register_post_accumulate_grad_hook(lambda t: call("_on_unit_grad")))
 
     # ------------------------------------------------------------ gather / free
     def _set_views(self, unit: _Unit) -> None:
@@ -366,7 +377,10 @@ class FSDP(nn.Module):
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             # Fires when the first gradient w.r.t. the unit's outputs is computed: before its backward.
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads, u=unit: self._pre_backward(u), mode="any")
+            me = weakref.ref(self)
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads, u=unit: me() is not None and me()._pre_backward(u), mode="any"
+            )
         return output
 
     # ------------------------------------------------------------ backward
