@@ -55,6 +55,7 @@ class ShardedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.pad = pad
         self.epoch = 0
+        self.start = 0
         if drop_last:
             self.total = (self.dataset_len // num_replicas) * num_replicas
         elif pad:
@@ -62,8 +63,12 @@ class ShardedSampler(Sampler[int]):
         else:
             self.total = self.dataset_len
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch's permutation; skip this rank's first `start` samples (resuming mid-epoch)."""
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
         self.epoch = epoch
+        self.start = start
 
     def _indices(self) -> list[int]:
         if self.shuffle:
@@ -78,7 +83,7 @@ class ShardedSampler(Sampler[int]):
         return order[: self.total]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._indices()[self.rank :: self.num_replicas])
+        return iter(self._indices()[self.rank :: self.num_replicas][self.start :])
 
     def __len__(self) -> int:
-        return len(range(self.rank, self.total, self.num_replicas))
+        return max(0, len(range(self.rank, self.total, self.num_replicas)) - self.start)

@@ -89,6 +89,21 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def _attempt_store(rank: int, world_size: int, timeout: timedelta, restart: str) -> dist.Store:
+    """The rendezvous store of this torchrun attempt, under a prefix of its own.
+
+    After `--max-restarts` restarts the workers, the store can still hold the previous attempt's keys
+    (among them the addresses gloo connects to), and the new workers would dial dead peers. A prefix
+    per attempt keeps each attempt's keys apart.
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=not agent_hosts_store and rank == 0, timeout=timeout,
+    )
+    return dist.PrefixStore(f"distributed_training/attempt_{restart}", store)
+
+
 def init_distributed(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
@@ -171,6 +186,9 @@ def init_distributed(
                     f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: start the job with torchrun "
                     f"(expected variables: {', '.join(_TORCHRUN_VARS)})"
                 )
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            if restart is not None:
+                kwargs["store"] = _attempt_store(rank, world_size, timeout, restart)
         dist.init_process_group(**kwargs)
 
     return DistributedContext(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -22,13 +23,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from .checkpoint import CheckpointManager, load_file, rng_state, save_file, set_rng_state
 from .data import ShardedSampler
+from .strategies.ddp import DDP
 from .runtime import DistributedContext, init_distributed
 from .strategies.base import OptimizerFactory, Strategy
 from .strategies.ddp_strategy import DDPStrategy
 from .strategies.zero import FSDPStrategy, Zero1Strategy
 
-__all__ = ["DistributedTrainer"]
+__all__ = ["DistributedTrainer", "CollectiveTimeoutError"]
 
 Criterion = Callable[[Any, Any], torch.Tensor]
 
@@ -60,6 +63,12 @@ class DistributedTrainer:
         context: a `DistributedContext`; by default one is created from torchrun's environment.
         timeout: collective timeout in seconds when the trainer creates the context.
         seed: seed of the data sharding permutation (the same on every rank).
+        checkpoint_dir: where `fit` writes numbered checkpoints (``step_*/``) and, with `resume`,
+            where it resumes from the latest good one: what torchrun's ``--max-restarts`` needs.
+        checkpoint_every: save every this many optimizer steps during `fit` (and at its end).
+        keep_last: how many recent checkpoints to keep; `best_metric` / `best_mode`: the checkpoint
+            with the best value of this metric (from `train_step`'s metrics) is kept too.
+        resume: resume `fit` from the latest good checkpoint in `checkpoint_dir`, if there is one.
     """
 
     def __init__(
@@ -74,6 +83,12 @@ class DistributedTrainer:
         context: DistributedContext | None = None,
         timeout: float | None = None,
         seed: int = 0,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
+        keep_last: int = 3,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        resume: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -81,6 +96,12 @@ class DistributedTrainer:
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
             raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}")
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
+        self.checkpoints = (CheckpointManager(checkpoint_dir, keep_last=keep_last, best_metric=best_metric,
+                                              best_mode=best_mode) if checkpoint_dir is not None else None)
         if isinstance(strategy, str):
             if strategy not in _STRATEGIES:
                 raise ValueError(f"strategy must be one of {sorted(_STRATEGIES)} or a Strategy object, got {strategy!r}")
@@ -102,6 +123,18 @@ class DistributedTrainer:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.step = 0
         self.epoch = 0
+        self.batch_in_epoch = 0  # batches of the current epoch already trained (the data position)
+        self.checkpoint_every = checkpoint_every
+        self.resume = resume
+        self.config = {
+            "strategy": strategy.name,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "gradient_clip_val": gradient_clip_val,
+            "seed": seed,
+            "world_size": self.context.world_size,
+            "model": type(self.module).__name__,
+            "optimizer": type(self.optimizer).__name__,
+        }
 
     # ------------------------------------------------------------------ steps
     @property
@@ -120,6 +153,15 @@ class DistributedTrainer:
         The loss values are 0-dim tensors on the device: reading one (``float(...)``) waits for the
         GPU, so do it only when logging.
         """
+        self._heartbeat()
+        try:
+            return self._train_step(batch, criterion)
+        except RuntimeError as err:
+            if _is_timeout(err):
+                raise CollectiveTimeoutError(self._diagnose_timeout(err)) from err
+            raise
+
+    def _train_step(self, batch: Any, criterion: Criterion | None) -> dict[str, torch.Tensor]:
         self.model.train()
         batch = _to_device(batch, self.device)
         micro_batches = _split_batch(batch, self.gradient_accumulation_steps)
@@ -168,11 +210,17 @@ class DistributedTrainer:
         log_every: int = 50,
         on_step: Callable[[int, dict[str, float]], None] | None = None,
     ) -> list[dict[str, float]]:
-        """Train for `epochs` passes over `data`; return one summary per epoch.
+        """Train until `epochs` epochs (or `max_steps` optimizer steps) are done in total; return one
+        summary per epoch trained by this call.
+
+        Both limits count from the start of training, not from this call, so a restarted job that
+        resumes from a checkpoint (see `checkpoint_dir`) finishes the same run instead of a longer one.
 
         A map-style `Dataset` (or a `DataLoader` over one) is sharded across ranks with
         `ShardedSampler`: each rank sees distinct samples, reshuffled every epoch, and every rank runs
-        the same number of steps. An iterable dataset is used as given (shard it yourself).
+        the same number of steps; a resumed epoch skips the samples already trained. Any other
+        iterable is used as given; ranks that run out of batches early stop everyone at the shortest
+        (one tiny all-reduce per step), so uneven inputs never hang the job.
         `on_step(step, metrics)` is called every `log_every` steps, and after the last step, with float
         metrics. Losses (in `on_step` and in the returned summaries) are this rank's own, not averaged
         across ranks: averaging would cost a collective per step; `evaluate` gives the global figure.
@@ -181,38 +229,76 @@ class DistributedTrainer:
             raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
         if not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every must be a positive integer, got {log_every!r}")
+        if self.checkpoints is not None and self.resume:
+            found = self.checkpoints.latest_good()
+            if found is not None and int(found[1]["step"]) > self.step:
+                self.load_checkpoint(found[0])
         loader = self._train_loader(data, batch_size, shuffle, drop_last, num_workers)
+        sampler = getattr(loader, "sampler", None)
+        sharded = isinstance(sampler, ShardedSampler)
         history = []
-        start_epoch = self.epoch
-        for epoch in range(start_epoch, start_epoch + epochs):
-            self.epoch = epoch
-            sampler = getattr(loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
+        done = lambda: max_steps is not None and self.step >= max_steps  # noqa: E731
+        while self.epoch < epochs and not done():
+            skip = self.batch_in_epoch
+            if sharded:
+                sampler.set_epoch(self.epoch, start=skip * loader.batch_size)
+                skip = 0
+            elif hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
             started = time.perf_counter()
-            loss_sum, steps, metrics, logged = None, 0, None, True
-            for batch in loader:
+            loss_sum, steps, metrics, logged, exhausted = None, 0, None, True, False
+            # A DataLoader draws a base seed from the global RNG when iterated; keep that draw off the
+            # stream training uses, so that a resumed epoch sees the same random numbers as an unbroken one.
+            with torch.random.fork_rng(devices=[]):
+                batches = iter(loader)
+            for _ in range(skip):  # a resumed epoch over a loader we cannot seek: replay its start
+                next(batches, None)
+            while not done():
+                batch = next(batches, None)
+                has_batch = batch is not None if sharded else self._every_rank_has(batch is not None)
+                if not has_batch:
+                    exhausted = True
+                    break
                 metrics = self.train_step(batch, criterion)
+                self.batch_in_epoch += 1
                 loss_sum = metrics["loss"] if loss_sum is None else loss_sum + metrics["loss"]
                 steps += 1
                 logged = self.step % log_every == 0
                 if on_step is not None and logged:
                     on_step(self.step, {k: float(v) for k, v in metrics.items()})
-                if max_steps is not None and self.step >= max_steps:
-                    break
-            if on_step is not None and not logged:
+                if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+                    self._save_numbered(metrics)
+            if on_step is not None and not logged and metrics is not None:
                 on_step(self.step, {k: float(v) for k, v in metrics.items()})
-            summary = {
-                "epoch": epoch,
+            history.append({
+                "epoch": self.epoch,
                 "steps": steps,
                 "train_loss": float(loss_sum / steps) if steps else float("nan"),
                 "seconds": time.perf_counter() - started,
-            }
-            history.append(summary)
-            self.epoch = epoch + 1
-            if max_steps is not None and self.step >= max_steps:
-                break
+            })
+            if not exhausted:
+                break  # max_steps reached inside the epoch: it stays the current one
+            self.epoch += 1
+            self.batch_in_epoch = 0
+        if self.checkpoints is not None and (not self.checkpoint_every or self.step % self.checkpoint_every):
+            self._save_numbered(metrics)
         return history
+
+    def _every_rank_has(self, has_batch: bool) -> bool:
+        """Whether every rank still has a batch (one tiny all-reduce): stop together, never hang."""
+        if self.context.world_size == 1:
+            return has_batch
+        device = self.device if self.context.backend == "nccl" else torch.device("cpu")
+        flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.context.group)
+        return bool(flag.item())
+
+    def _save_numbered(self, metrics: dict[str, torch.Tensor] | None) -> None:
+        values = {k: float(v) for k, v in (metrics or {}).items()}
+        self.save_checkpoint(self.checkpoints.path_for(self.step), metrics=values)
+        if self.context.is_main:
+            self.checkpoints.finalize(self.step, values)
+        self.context.barrier()
 
     def _train_loader(self, data, batch_size, shuffle, drop_last, num_workers):
         ctx = self.context
@@ -288,80 +374,115 @@ class DistributedTrainer:
         return {name: (sums[k].item() / count if count else float("nan")) for k, name in enumerate(names)}
 
     # ------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write model, optimizer, scheduler, step and epoch to `path`; every rank must call it.
+    def save_checkpoint(self, path: str | os.PathLike, metrics: dict[str, float] | None = None) -> None:
+        """Write a checkpoint directory at `path` (see `distributed_training.checkpoint`); every rank
+        must call it.
 
-        Replicated strategies (DDP): rank 0 writes one file. Sharded strategies (ZeRO, FSDP): `path`
-        is a directory where each rank writes ``rank<r>.pt`` with its shards, and rank 0 writes
-        ``meta.pt`` last, once every shard is on disk; `load_checkpoint` re-shards for any world size.
-        Every file is written to a temporary name and renamed, so a crash never leaves half a file.
+        Each rank writes ``rank<r>.pt`` (its RNG states; its shards under ZeRO/FSDP; the model and
+        optimizer on rank 0 under DDP), then rank 0 writes ``meta.pt`` (step, epoch, data position,
+        scheduler, config, metrics, checksums) last. Files are written atomically.
         """
         path = os.fspath(path)
-        extra = {
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "step": self.step,
-            "epoch": self.epoch,
-        }
+        ctx = self.context
+        part: dict[str, Any] = {"rng": rng_state()}
         if self.strategy.sharded_checkpoint:
-            os.makedirs(path, exist_ok=True)
-            state = self.strategy.sharded_state(self.model, self.optimizer)
-            _atomic_save(state, os.path.join(path, f"rank{self.context.rank}.pt"))
-            self.context.barrier()
-            if self.context.is_main:
-                meta = {**extra, "world_size": self.context.world_size, "strategy": self.strategy.name}
-                _atomic_save(meta, os.path.join(path, "meta.pt"))
-        else:
-            state = {
-                "model": self.strategy.model_state_dict(self.model),
-                "optimizer": self.strategy.optimizer_state_dict(self.optimizer),
-                **extra,
+            part.update(self.strategy.sharded_state(self.model, self.optimizer))
+        elif ctx.is_main:
+            part["model"] = self.strategy.model_state_dict(self.model)
+            part["optimizer"] = self.strategy.optimizer_state_dict(self.optimizer)
+        digest = save_file(part, os.path.join(path, f"rank{ctx.rank}.pt"))
+        digests = [digest]
+        if ctx.world_size > 1:
+            digests = [None] * ctx.world_size
+            dist.all_gather_object(digests, digest, group=ctx.group)
+        if ctx.is_main:
+            meta = {
+                "step": self.step,
+                "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch,
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "world_size": ctx.world_size,
+                "strategy": self.strategy.name,
+                "config": self.config,
+                "metrics": dict(metrics or {}),
+                "checksums": {f"rank{k}.pt": d for k, d in enumerate(digests)},
             }
-            if self.context.is_main:
-                _atomic_save(state, path)
-        self.context.barrier()
+            if isinstance(self.model, DDP):
+                meta["ddp_bucket_groups"] = self.model.bucket_groups()
+            save_file(meta, os.path.join(path, "meta.pt"))
+        ctx.barrier()
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore what `save_checkpoint` wrote (sharded checkpoints at any world size)."""
+        """Restore what `save_checkpoint` wrote, at this world size or (ZeRO/FSDP) any other.
+
+        Every file read is checked against its checksum. RNG states are restored when the world size
+        is unchanged (a different world draws different random streams anyway).
+        """
         path = os.fspath(path)
-        if self.strategy.sharded_checkpoint:
-            meta_path = os.path.join(path, "meta.pt")
-            if not os.path.isfile(meta_path):
-                raise FileNotFoundError(
-                    f"rank {self.context.rank}: {meta_path!r} does not exist: not a complete sharded checkpoint"
-                )
-            meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+        ctx = self.context
+        meta_path = os.path.join(path, "meta.pt")
+        if not os.path.isfile(meta_path):
+            raise FileNotFoundError(f"rank {ctx.rank}: {meta_path!r} does not exist: not a complete checkpoint")
+        meta = load_file(meta_path)
+        cache: dict[int, dict] = {}
 
-            def read(k: int) -> dict:
-                file = os.path.join(path, f"rank{k}.pt")
-                if not os.path.isfile(file):
-                    raise FileNotFoundError(f"sharded checkpoint {path!r} lacks {file!r}")
-                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        def read(k: int) -> dict:
+            if k not in cache:
+                name = f"rank{k}.pt"
+                cache[k] = load_file(os.path.join(path, name), meta["checksums"].get(name))
+            return cache[k]
 
-            cache: dict[int, dict] = {}
-            try:
-                self.strategy.load_sharded_state(
-                    self.model, self.optimizer, lambda k: cache[k] if k in cache else cache.setdefault(k, read(k)),
-                    int(meta["world_size"]),
-                )
-            except (RuntimeError, ValueError) as err:
-                raise type(err)(f"checkpoint {path!r} does not fit this model: {err}") from None
-            state = meta
-        else:
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"rank {self.context.rank}: checkpoint file {path!r} does not exist")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            missing = [k for k in ("model", "optimizer", "step") if k not in state]
-            if missing:
-                raise ValueError(f"checkpoint {path!r} lacks {', '.join(missing)}: not written by save_checkpoint")
-            try:
+        try:
+            if self.strategy.sharded_checkpoint:
+                self.strategy.load_sharded_state(self.model, self.optimizer, read, int(meta["world_size"]))
+            else:
+                state = read(0)
+                if "model" not in state:
+                    raise ValueError("rank0.pt holds no model: the checkpoint was written by a sharded strategy")
                 self.strategy.load_model_state_dict(self.model, state["model"])
-            except RuntimeError as err:
-                raise RuntimeError(f"checkpoint {path!r} does not fit this model: {err}") from None
-            self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
-        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.step = int(state["step"])
-        self.epoch = int(state.get("epoch", 0))
+                self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise type(err)(f"checkpoint {path!r} does not fit this model: {err}") from None
+        if isinstance(self.model, DDP) and "ddp_bucket_groups" in meta and int(meta["world_size"]) == ctx.world_size:
+            self.model.set_bucket_groups(meta["ddp_bucket_groups"])
+        if int(meta["world_size"]) == ctx.world_size:
+            set_rng_state(read(ctx.rank)["rng"])
+        else:
+            warnings.warn(f"checkpoint {path!r} was written by {meta['world_size']} ranks: RNG states not restored")
+        if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        self.step = int(meta["step"])
+        self.epoch = int(meta.get("epoch", 0))
+        self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
+
+    # ----------------------------------------------------------- hang diagnosis
+    def _heartbeat(self) -> None:
+        """Publish this rank's step in the rendezvous store, so a timeout can name who is missing."""
+        store = _store()
+        if store is not None and self.context.world_size > 1:
+            store.set(f"distributed_training/heartbeat/{self.context.rank}", str(self.step))
+
+    def _diagnose_timeout(self, err: Exception) -> str:
+        ctx = self.context
+        where = f"rank {ctx.rank}: a collective timed out during training step {self.step + 1}"
+        op = _operation_of(err)
+        if op:
+            where += f" in {op}"
+        store = _store()
+        if store is None:
+            return f"{where}: {err}"
+        behind = []
+        for r in range(ctx.world_size):
+            key = f"distributed_training/heartbeat/{r}"
+            try:
+                seen = int(store.get(key)) if store.check([key]) else None
+            except Exception:
+                seen = None
+            if seen is None or seen < self.step:
+                behind.append(f"rank {r} (last seen at step {seen + 1 if seen is not None else 'none'})")
+        if behind:
+            return f"{where}; missing: {', '.join(behind)} never reached step {self.step + 1}. Cause: {err}"
+        return f"{where}; every rank reached step {self.step + 1}, so a rank is stuck inside it. Cause: {err}"
 
     # -------------------------------------------------------------- teardown
     def close(self) -> None:
@@ -377,11 +498,28 @@ class DistributedTrainer:
         self.close()
 
 
-def _atomic_save(obj: Any, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within the configured timeout; the message names the missing ranks."""
+
+
+def _is_timeout(err: Exception) -> bool:
+    text = str(err).lower()
+    return "timeout" in text or "timed out" in text
+
+
+def _operation_of(err: Exception) -> str:
+    text = str(err)
+    for marker in ("DDP ", "FSDP "):
+        if marker in text:
+            return text[text.index(marker):].split(":")[0]
+    return ""
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:
+        return None
 
 
 # ---------------------------------------------------------------- batch helpers

@@ -174,13 +174,13 @@ def checkpoint_worker(rank, world, path):
         errors["other_model"] = str(err)
     for t in (trainer, resumed, other):
         t.close()
-    return exact, errors, sorted(os.listdir(os.path.dirname(path)))
+    return exact, errors, sorted(os.listdir(path))
 
 
 def test_checkpoint_resume_is_exact(tmp_path):
-    path = str(tmp_path / "ckpt" / "last.pt")
+    path = str(tmp_path / "ckpt" / "last")
     for exact, errors, files in run_distributed(checkpoint_worker, 2, args=(path,), timeout=120):
         assert exact, "resumed training must equal uninterrupted training bit for bit"
-        assert "last.pt.missing" in errors["missing"]
-        assert "fc1.weight" in errors["other_model"] and "last.pt" in errors["other_model"]
-        assert files == ["last.pt"], files  # no temporary file left behind
+        assert "last.missing" in errors["missing"]
+        assert "fc1.weight" in errors["other_model"] and "last" in errors["other_model"]
+        assert files == ["meta.pt", "rank0.pt", "rank1.pt"], files  # no temporary file left behind

@@ -160,8 +160,40 @@ class DDP(nn.Module):
             pass
 
     # --------------------------------------------------------------- buckets
+    def bucket_groups(self) -> list[list[int]]:
+        """Parameter indices of each bucket, in launch order (saved in checkpoints)."""
+        return [list(b.param_indices) for b in self._buckets]
+
+    def set_bucket_groups(self, groups: list[list[int]]) -> None:
+        """Adopt a saved bucket layout (every rank must pass the same), keeping current gradients.
+
+        Resuming with the buckets of the interrupted run keeps the reduction order, and so the
+        floating-point result, identical."""
+        flat = sorted(i for g in groups for i in g)
+        if flat != list(range(len(self._params))):
+            raise ValueError(f"bucket layout does not cover this model's {len(self._params)} parameters exactly once")
+        self._rebuild_pending = False
+        self._arrival_order = None
+        self._install_buckets([list(g) for g in groups])
+
     def _build_buckets(self, order: list[int]) -> None:
-        groups = assign_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes)
+        self._place_buckets(assign_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes))
+
+    def _install_buckets(self, groups: list[list[int]]) -> None:
+        """Switch to new buckets, copying live gradients into their new views."""
+        if groups == [b.param_indices for b in self._buckets]:
+            return
+        old_views = self._view_of
+        self._place_buckets(groups)
+        self._reset_iteration()
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                grad = p.grad
+                if grad is not None and grad.data_ptr() == old_views[i].data_ptr():
+                    self._view_of[i].copy_(grad)
+                    p.grad = self._view_of[i]
+
+    def _place_buckets(self, groups: list[list[int]]) -> None:
         self._buckets: list[Bucket] = allocate_buckets(self._params, groups)
         self._bucket_of = [0] * len(self._params)
         self._view_of: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
@@ -184,19 +216,7 @@ class DDP(nn.Module):
             order = order_t.tolist()
         self._rebuild_pending = False
         self._arrival_order = None
-        old_groups = [b.param_indices for b in self._buckets]
-        new_groups = assign_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes)
-        if new_groups == old_groups:
-            return
-        old_views = self._view_of
-        self._build_buckets(order)
-        self._reset_iteration()
-        with torch.no_grad():
-            for i, p in enumerate(self._params):
-                grad = p.grad
-                if grad is not None and grad.data_ptr() == old_views[i].data_ptr():
-                    self._view_of[i].copy_(grad)
-                    p.grad = self._view_of[i]
+        self._install_buckets(assign_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes))
 
     def _global_rank(self, group_rank: int) -> int:
         if self.process_group is None:
@@ -269,8 +289,13 @@ class DDP(nn.Module):
                 device = self._buckets[0].buffer.device if self._buckets else torch.device("cpu")
                 used = torch.tensor(self._ready, dtype=torch.int32, device=device)
                 used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
-            for handle in self._handles:
-                handle.wait()
+            for index, handle in enumerate(self._handles):
+                try:
+                    handle.wait()
+                except RuntimeError as err:
+                    raise RuntimeError(
+                        f"DDP gradient all-reduce of bucket {index + 1}/{len(self._buckets)} failed: {err}"
+                    ) from err
             if used_work is not None:
                 used_work.wait()
             if unready and not self.find_unused_parameters:

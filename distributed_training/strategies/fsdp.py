@@ -321,7 +321,10 @@ class FSDP(nn.Module):
             return
         self._start_gather(unit)
         if unit.gather_work is not None:
-            unit.gather_work.wait()
+            try:
+                unit.gather_work.wait()
+            except RuntimeError as err:
+                raise RuntimeError(f"FSDP all-gather of unit '{unit.name or '<root>'}' failed: {err}") from err
         unit.gather_work = unit.gather_src = None
         unit.gathered = True
 
@@ -416,9 +419,14 @@ class FSDP(nn.Module):
 
     def _finish_backward(self) -> None:
         try:
-            for _, out, work in self._pending:
+            for unit, out, work in self._pending:
                 if work is not None:
-                    work.wait()
+                    try:
+                        work.wait()
+                    except RuntimeError as err:
+                        raise RuntimeError(
+                            f"FSDP reduce-scatter of unit '{unit.name or '<root>'}' failed: {err}"
+                        ) from err
             if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
                 works = []
                 for _, out, _ in self._pending:

@@ -50,15 +50,19 @@ def load_sharded_optimizer_state(
     if saved_keys != set(keys):
         missing, unexpected = sorted(set(keys) - saved_keys), sorted(saved_keys - set(keys))
         raise ValueError(f"optimizer state does not match this model: missing {missing}, unexpected {unexpected}")
+    # Scalars (Adam's step) are the same on every rank; take them from this rank's own file if it has one.
+    own = read(new_rank) if new_rank < old_world else first
     state = {}
     for index, (key, numel) in enumerate(zip(keys, numels)):
-        saved = first["state"].get(key)
+        saved = own["state"].get(key)
         if saved is None:
             continue
         old_size = shard_size(numel, old_world)
         entry = {}
         for name, value in saved.items():
-            if torch.is_tensor(value) and value.dim() == 1 and value.numel() == old_size and old_world != new_world:
+            if torch.is_tensor(value) and value.dim() == 1 and value.numel() == old_size:
+                # This rank's slice, assembled from the saved shards that overlap it (its own when
+                # the world size is unchanged).
                 entry[name] = reshard_flat(numel, old_world, lambda k, key=key, name=name: read(k)["state"][key][name],
                                            new_world, new_rank)
             else:

@@ -1,0 +1,11 @@
+"""Monitoring for training runs: per-rank TensorBoard/JSONL logs, throughput, stragglers, GPU state.
+
+`Monitor` records each step's metrics and timings, writing every `log_every` steps; `NullMonitor`
+has the same methods and does nothing; `SystemStats` reads host and GPU figures on demand.
+``python -m distributed_training.monitor.plot LOG_DIR -o run.png`` draws a run's curves.
+"""
+
+from .monitor import Monitor, NullMonitor, StragglerWarning
+from .system import SystemStats
+
+__all__ = ["Monitor", "NullMonitor", "StragglerWarning", "SystemStats"]

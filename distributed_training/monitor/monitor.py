@@ -1,0 +1,513 @@
+"""Training-run monitor: per-rank TensorBoard and JSONL logs, throughput, a cluster-wide straggler check.
+
+    monitor = Monitor("runs/exp1", rank=ctx.rank, world_size=ctx.world_size, log_every=50)
+    monitor.start(total_steps=10_000)
+    for step in range(1, 10_001):
+        t0 = time.perf_counter()
+        batch = next(loader)
+        t1 = time.perf_counter()
+        metrics = trainer.train_step(batch, criterion)
+        t2 = time.perf_counter()
+        monitor.record_step(step, metrics, samples=len(batch[0]), step_time=t2 - t0, data_time=t1 - t0)
+    monitor.close()
+
+Every rank writes its own directory, ``log_dir/rank_<r>/``, holding TensorBoard event files and
+``metrics.jsonl`` (one JSON object per logged step). Point ``tensorboard --logdir log_dir`` at the
+parent to see the ranks side by side, or draw a PNG with
+``python -m distributed_training.monitor.plot log_dir -o run.png``.
+
+What a step costs. On most steps `record_step` adds a few numbers to running sums and returns: it
+does not look at the metrics (reading a CUDA tensor would wait for the GPU), writes nothing and talks
+to no other rank. Every `log_every` steps (``step % log_every == 0``) it converts the metrics to
+floats, averages the timings over the steps since the previous log, reads the system figures, runs
+**one all-gather** of each rank's mean step time, and writes and flushes everything.
+
+That all-gather makes log steps collective: **every rank of the group must call `record_step` with
+the same step numbers** (ranks that skip a log step leave the others waiting in the all-gather until
+the process group's timeout). To switch monitoring off, use `NullMonitor` on every rank rather than
+calling the monitor on some ranks only.
+
+Timings are the caller's to measure, since only the caller knows where data loading ends and where
+communication is exposed; the monitor only aggregates them. Values logged for user metrics are those
+passed at the log step (not window means: averaging them would touch every step's tensors).
+Steps after the last log step count in `get_performance_metrics` but are not written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import sys
+import time
+import warnings
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .system import SystemStats
+
+__all__ = ["Monitor", "NullMonitor", "StragglerWarning"]
+
+
+class StragglerWarning(UserWarning):
+    """A rank's mean step time exceeded `straggler_threshold` times the median of all ranks'."""
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+class Monitor:
+    """Log one rank's training metrics, timings and system figures; compare step times across ranks.
+
+    Args:
+        log_dir: directory of the run; this rank writes under ``log_dir/rank_<rank>``. JSONL files
+            are appended to, so give each run a fresh directory.
+        rank: this process's global rank.
+        world_size: number of processes in `group` (the whole job by default). When
+            torch.distributed is initialised, both must match what it reports.
+        group: process group of the cluster view's all-gather (None: the default group). Its first
+            member (group rank 0) writes the ``cluster/*`` figures.
+        log_every: log on steps where ``step % log_every == 0``.
+        straggler_threshold: flag a straggler when the slowest rank's mean step time exceeds this
+            multiple of the median (for an even number of ranks the lower of the two middle values, so
+            that in a world of two the slower rank is compared with the faster one). Must be > 1.
+        tensorboard: write TensorBoard event files.
+        jsonl: append to ``metrics.jsonl``.
+        system_stats: log host CPU and memory, and the GPU's utilisation, memory, power and
+            temperature when NVML is available (see `SystemStats`).
+        progress: on rank 0, draw a one-line progress bar on stderr (redrawn on log steps).
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike,
+        *,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+        log_every: int = 10,
+        straggler_threshold: float = 1.5,
+        tensorboard: bool = True,
+        jsonl: bool = True,
+        system_stats: bool = True,
+        progress: bool = True,
+    ) -> None:
+        if not isinstance(log_dir, (str, os.PathLike)) or os.fspath(log_dir) == "":
+            raise ValueError(f"log_dir must be a non-empty path, got {log_dir!r}")
+        if not _is_int(world_size) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        if not _is_int(rank) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
+        if not _is_int(log_every) or log_every < 1:
+            raise ValueError(f"log_every must be an integer >= 1, got {log_every!r}")
+        if (
+            not isinstance(straggler_threshold, numbers.Real)
+            or isinstance(straggler_threshold, bool)
+            or not math.isfinite(straggler_threshold)
+            or straggler_threshold <= 1
+        ):
+            raise ValueError(f"straggler_threshold must be a finite number > 1, got {straggler_threshold!r}")
+        for name, flag in (("tensorboard", tensorboard), ("jsonl", jsonl),
+                           ("system_stats", system_stats), ("progress", progress)):
+            _check_flag(name, flag)
+
+        initialised = dist.is_available() and dist.is_initialized()
+        if group is not None and not initialised:
+            raise ValueError("group was given but torch.distributed is not initialised")
+        group_rank = 0
+        if initialised:
+            dist_world = dist.get_world_size(group)
+            if world_size != dist_world:
+                raise ValueError(
+                    f"world_size={world_size} but the process group has {dist_world} ranks"
+                )
+            if rank != dist.get_rank():
+                raise ValueError(f"rank={rank} but torch.distributed says this is rank {dist.get_rank()}")
+            group_rank = dist.get_rank(group)
+
+        self.log_dir = os.fspath(log_dir)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.group = group
+        self.log_every = int(log_every)
+        self.straggler_threshold = float(straggler_threshold)
+        self.rank_dir = os.path.join(self.log_dir, f"rank_{self.rank}")
+        os.makedirs(self.rank_dir, exist_ok=True)
+
+        # Cluster view: one all-gather of the mean step time on every log step.
+        self._cluster_on = initialised and self.world_size > 1
+        self._writes_cluster = group_rank == 0
+        self._group_ranks: list[int] = list(range(self.world_size))
+        self._gather_in = self._gather_out = None
+        if self._cluster_on:
+            if group is not None:
+                self._group_ranks = [dist.get_global_rank(group, i) for i in range(self.world_size)]
+            device = torch.device("cpu")
+            if str(dist.get_backend(group)) == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._gather_in = torch.zeros(1, dtype=torch.float64, device=device)
+            self._gather_out = torch.zeros(self.world_size, dtype=torch.float64, device=device)
+
+        self._writer = None
+        self._jsonl = None
+        self._system = None
+        self._closed = False
+        try:
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(log_dir=self.rank_dir)
+            if jsonl:
+                self._jsonl = open(os.path.join(self.rank_dir, "metrics.jsonl"), "a", encoding="utf-8")
+            if system_stats:
+                self._system = SystemStats()
+        except BaseException:
+            self.close()
+            raise
+        self._bar = _ProgressBar(sys.stderr) if progress and self.rank == 0 else None
+
+        self._started = False
+        self._t0 = 0.0           # time.time() at start
+        self._mono0 = 0.0        # perf_counter() at start
+        self._last_log_mono = 0.0
+        self._total_steps: int | None = None
+        self._last_step: int | None = None
+        # Window sums (since the last log step).
+        self._w_n = 0
+        self._w_step = 0.0
+        self._w_data = 0.0
+        self._w_samples = 0
+        self._w_comm = 0.0
+        self._w_comm_n = 0
+        self._w_comm_step = 0.0   # step time of the steps that gave comm_time
+        self._w_tokens = 0
+        self._w_tok_step = 0.0    # step time of the steps that gave tokens
+        # Run sums, folded in from the windows at each log step.
+        self._r = dict(n=0, step=0.0, data=0.0, samples=0, comm=0.0, comm_n=0, comm_step=0.0, tokens=0, tok_step=0.0)
+        self._cluster_last: dict[str, float] = {}
+        self._straggler_events = 0
+
+    # ----------------------------------------------------------------- public
+    def start(self, total_steps: int | None = None) -> None:
+        """Start the run clock (and, on rank 0, the progress bar). Called by the first `record_step`
+        if you do not; calling it again restarts the clock and sets a new total."""
+        if self._closed:
+            raise RuntimeError("Monitor is closed")
+        if total_steps is not None and (not _is_int(total_steps) or total_steps < 0):
+            raise ValueError(f"total_steps must be a non-negative integer or None, got {total_steps!r}")
+        self._started = True
+        self._total_steps = None if total_steps is None else int(total_steps)
+        self._t0 = time.time()
+        self._mono0 = self._last_log_mono = time.perf_counter()
+        if self._bar is not None:
+            self._bar.draw(0 if self._last_step is None else self._last_step, self._total_steps, None, None)
+
+    def record_step(
+        self,
+        step: int,
+        metrics: Mapping[str, float | torch.Tensor],
+        *,
+        samples: int,
+        tokens: int | None = None,
+        step_time: float,
+        data_time: float = 0.0,
+        comm_time: float | None = None,
+    ) -> None:
+        """Account for one training step; on log steps, write and compare across ranks.
+
+        Args:
+            step: the step number; strictly increasing, and the same sequence on every rank.
+            metrics: name -> float or 0-dim tensor (``{"loss": ..., "lr": ..., "grad_norm": ...}``);
+                only read on log steps. Names without ``/`` are logged as ``train/<name>``.
+            samples: samples this rank processed in the step.
+            tokens: tokens this rank processed in the step, if the notion applies.
+            step_time: seconds the whole step took on this rank (data loading included).
+            data_time: seconds of it spent waiting for data.
+            comm_time: seconds of it spent in communication not hidden behind compute, if known.
+
+        Collective on log steps (``step % log_every == 0``) when torch.distributed is initialised and
+        world_size > 1: every rank must make the call.
+        """
+        if self._closed:
+            raise RuntimeError("Monitor is closed")
+        last = self._last_step
+        if last is not None and step <= last:
+            raise ValueError(f"step must increase from call to call: got {step} after {last}")
+        self._last_step = step
+        if not self._started:
+            self.start()
+        self._w_n += 1
+        self._w_step += step_time
+        self._w_data += data_time
+        self._w_samples += samples
+        if comm_time is not None:
+            self._w_comm += comm_time
+            self._w_comm_n += 1
+            self._w_comm_step += step_time
+        if tokens is not None:
+            self._w_tokens += tokens
+            self._w_tok_step += step_time
+        if step % self.log_every == 0:
+            self._log(step, metrics)
+
+    def get_performance_metrics(self) -> dict[str, Any]:
+        """Summary of the whole run so far (this rank; ``cluster_*`` from the last log step).
+
+        Keys: steps, elapsed_s, mean_step_time_s, mean_data_time_s, samples_per_s_per_gpu,
+        tokens_per_s_per_gpu, communication_overhead_pct (exposed communication time over step
+        time), data_loading_pct, cluster_step_time_min_s / _mean_s / _max_s, cluster_slowest_rank,
+        cluster_straggler, straggler_events. Figures that were never given are None.
+        """
+        r = self._r
+        n = r["n"] + self._w_n
+        step = r["step"] + self._w_step
+        data = r["data"] + self._w_data
+        samples = r["samples"] + self._w_samples
+        comm = r["comm"] + self._w_comm
+        comm_step = r["comm_step"] + self._w_comm_step
+        comm_n = r["comm_n"] + self._w_comm_n
+        tokens = r["tokens"] + self._w_tokens
+        tok_step = r["tok_step"] + self._w_tok_step
+        cl = self._cluster_last
+        return {
+            "steps": n,
+            "elapsed_s": (time.perf_counter() - self._mono0) if self._started else 0.0,
+            "mean_step_time_s": step / n if n else None,
+            "mean_data_time_s": data / n if n else None,
+            "samples_per_s_per_gpu": samples / step if step > 0 else None,
+            "tokens_per_s_per_gpu": tokens / tok_step if tok_step > 0 else None,
+            "communication_overhead_pct": 100.0 * comm / comm_step if comm_n and comm_step > 0 else None,
+            "data_loading_pct": 100.0 * data / step if step > 0 else None,
+            "cluster_step_time_min_s": cl.get("cluster/step_time_min_s"),
+            "cluster_step_time_mean_s": cl.get("cluster/step_time_mean_s"),
+            "cluster_step_time_max_s": cl.get("cluster/step_time_max_s"),
+            "cluster_slowest_rank": None if not cl else int(cl["cluster/slowest_rank"]),
+            "cluster_straggler": None if not cl else bool(cl["cluster/straggler"]),
+            "straggler_events": self._straggler_events,
+        }
+
+    def close(self) -> None:
+        """Finish the progress bar, flush and close the files. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        bar, self._bar = getattr(self, "_bar", None), None
+        if bar is not None:
+            bar.finish()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.flush()
+            writer.close()
+        f, self._jsonl = self._jsonl, None
+        if f is not None:
+            f.close()
+        system, self._system = self._system, None
+        if system is not None:
+            system.close()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- private
+    def _log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        now = time.time()
+        mono = time.perf_counter()
+        scalars: dict[str, float] = {}
+        for name, value in metrics.items():
+            scalars[name if "/" in name else f"train/{name}"] = float(value)
+
+        n = self._w_n
+        step_mean = self._w_step / n
+        data_mean = self._w_data / n
+        scalars["perf/step_time_s"] = step_mean
+        scalars["perf/data_time_s"] = data_mean
+        if self._w_comm_n:
+            comm_mean = self._w_comm / self._w_comm_n
+            scalars["perf/compute_time_s"] = step_mean - data_mean - comm_mean
+            scalars["perf/comm_time_s"] = comm_mean
+            if self._w_comm_step > 0:
+                scalars["perf/exposed_comm_pct"] = 100.0 * self._w_comm / self._w_comm_step
+        if self._w_step > 0:
+            scalars["perf/samples_per_s"] = self._w_samples / self._w_step
+        if self._w_tok_step > 0:
+            scalars["perf/tokens_per_s"] = self._w_tokens / self._w_tok_step
+        if self._system is not None:
+            scalars.update(self._system.read())
+        if self._cluster_on:
+            view = self._cluster_view(step, step_mean)
+            if self._writes_cluster:
+                scalars.update(view)
+
+        if self._writer is not None:
+            add = self._writer.add_scalar
+            for tag, value in scalars.items():
+                add(tag, value, global_step=step, walltime=now)
+            self._writer.flush()
+        if self._jsonl is not None:
+            record = {"step": step, "time": now, "rank": self.rank}
+            record.update(scalars)
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        if self._bar is not None:
+            elapsed = mono - self._last_log_mono
+            rate = n / elapsed if elapsed > 0 else None
+            loss = scalars.get("train/loss")
+            self._bar.draw(step, self._total_steps, rate, loss)
+        self._last_log_mono = mono
+        self._fold_window()
+
+    def _cluster_view(self, step: int, step_mean: float) -> dict[str, float]:
+        self._gather_in.fill_(step_mean)
+        dist.all_gather_into_tensor(self._gather_out, self._gather_in, group=self.group)
+        times = self._gather_out.tolist()
+        slowest = max(range(len(times)), key=times.__getitem__)
+        t_max = times[slowest]
+        median = sorted(times)[(len(times) - 1) // 2]
+        ratio = t_max / median if median > 0 else (math.inf if t_max > 0 else 1.0)
+        straggler = ratio > self.straggler_threshold
+        slowest_rank = self._group_ranks[slowest]
+        view = {
+            "cluster/step_time_min_s": min(times),
+            "cluster/step_time_mean_s": sum(times) / len(times),
+            "cluster/step_time_max_s": t_max,
+            "cluster/slowest_rank": float(slowest_rank),
+            "cluster/straggler_ratio": ratio,
+            "cluster/straggler": 1.0 if straggler else 0.0,
+        }
+        self._cluster_last = view
+        if straggler:
+            self._straggler_events += 1
+            if self._writes_cluster:
+                if self._bar is not None:
+                    self._bar.clear()
+                warnings.warn(
+                    f"straggler at step {step}: rank {slowest_rank} averages {t_max:.4g} s per step, "
+                    f"{ratio:.2f}x the median rank's {median:.4g} s (threshold {self.straggler_threshold:g}x)",
+                    StragglerWarning,
+                    stacklevel=4,
+                )
+        return view
+
+    def _fold_window(self) -> None:
+        r = self._r
+        r["n"] += self._w_n
+        r["step"] += self._w_step
+        r["data"] += self._w_data
+        r["samples"] += self._w_samples
+        r["comm"] += self._w_comm
+        r["comm_n"] += self._w_comm_n
+        r["comm_step"] += self._w_comm_step
+        r["tokens"] += self._w_tokens
+        r["tok_step"] += self._w_tok_step
+        self._w_n = self._w_samples = self._w_comm_n = self._w_tokens = 0
+        self._w_step = self._w_data = self._w_comm = self._w_comm_step = self._w_tok_step = 0.0
+
+
+class NullMonitor:
+    """A `Monitor` that does nothing: same methods, no files, no collectives.
+
+    Use it on every rank to switch monitoring off without touching the training loop.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def start(self, total_steps: int | None = None) -> None:
+        pass
+
+    def record_step(
+        self,
+        step: int,
+        metrics: Mapping[str, float | torch.Tensor],
+        *,
+        samples: int,
+        tokens: int | None = None,
+        step_time: float,
+        data_time: float = 0.0,
+        comm_time: float | None = None,
+    ) -> None:
+        pass
+
+    def get_performance_metrics(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "NullMonitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class _ProgressBar:
+    """``step 120/1000 [###-------] 12.0% | 8.31 steps/s | ETA 0:01:45 | loss 2.31``, redrawn in place."""
+
+    _WIDTH = 20
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._last_len = 0
+        self._drawn = False
+
+    def draw(self, step: int, total: int | None, rate: float | None, loss: float | None) -> None:
+        parts = []
+        if total:
+            frac = min(max(step / total, 0.0), 1.0)
+            filled = int(round(frac * self._WIDTH))
+            parts.append(f"step {step}/{total} [{'#' * filled}{'-' * (self._WIDTH - filled)}] {100 * frac:5.1f}%")
+        else:
+            parts.append(f"step {step}")
+        parts.append(f"{rate:.2f} steps/s" if rate else "-- steps/s")
+        if total:
+            if rate:
+                eta = max(total - step, 0) / rate
+                parts.append(f"ETA {_format_seconds(eta)}")
+            else:
+                parts.append("ETA --")
+        if loss is not None:
+            parts.append(f"loss {loss:.4g}")
+        line = " | ".join(parts)
+        pad = max(self._last_len - len(line), 0)
+        self._write("\r" + line + " " * pad)
+        self._last_len = len(line)
+        self._drawn = True
+
+    def clear(self) -> None:
+        if self._drawn:
+            self._write("\r" + " " * self._last_len + "\r")
+            self._last_len = 0
+
+    def finish(self) -> None:
+        if self._drawn:
+            self._write("\n")
+            self._drawn = False
+
+    def _write(self, text: str) -> None:
+        try:
+            self._stream.write(text)
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _format_seconds(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "--"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}"

@@ -1,0 +1,109 @@
+"""Draw a run's per-rank curves from the monitor's JSONL files into one PNG.
+
+    python -m distributed_training.monitor.plot runs/exp1 -o run.png
+
+reads every ``runs/exp1/rank_*/metrics.jsonl`` and draws, one line per rank: the training loss, the
+throughput (samples/s), the exposed communication time (% of the step) and the step time. A panel
+whose metric no rank logged is left out. Needs matplotlib (the ``dev`` extra); no display is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+from typing import Sequence
+
+__all__ = ["load_run", "plot_run", "main"]
+
+# (JSONL key, panel title, y label)
+PANELS = [
+    ("train/loss", "Training loss", "loss"),
+    ("perf/samples_per_s", "Throughput per rank", "samples / s"),
+    ("perf/exposed_comm_pct", "Exposed communication", "% of step time"),
+    ("perf/step_time_s", "Step time per rank", "s"),
+]
+
+
+def load_run(log_dir: str | os.PathLike) -> dict[int, list[dict]]:
+    """rank -> its JSONL records in file order. Lines that do not parse (one being written) are skipped."""
+    runs: dict[int, list[dict]] = {}
+    for path in glob.glob(os.path.join(os.fspath(log_dir), "rank_*", "metrics.jsonl")):
+        match = re.fullmatch(r"rank_(\d+)", os.path.basename(os.path.dirname(path)))
+        if match is None:
+            continue
+        records = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and "step" in record:
+                    records.append(record)
+        runs[int(match.group(1))] = records
+    return dict(sorted(runs.items()))
+
+
+def plot_run(runs: dict[int, list[dict]], output: str | os.PathLike, *, title: str | None = None) -> list[str]:
+    """Write the figure to `output`; return the metric keys that got a panel (raises if none did)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    present = [p for p in PANELS if any(p[0] in r for records in runs.values() for r in records)]
+    if not present:
+        raise ValueError(f"none of {', '.join(p[0] for p in PANELS)} was logged")
+    fig, axes = plt.subplots(len(present), 1, figsize=(9, 2.8 * len(present)), sharex=True, squeeze=False)
+    for ax, (key, panel_title, ylabel) in zip(axes[:, 0], present):
+        for rank, records in runs.items():
+            points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="." if len(points) < 50 else None, label=f"rank {rank}")
+        ax.set_title(panel_title)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if len(runs) <= 16:
+            ax.legend(loc="best", fontsize="small")
+    axes[-1, 0].set_xlabel("step")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(os.fspath(output), format="png", dpi=100)
+    plt.close(fig)
+    return [p[0] for p in present]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m distributed_training.monitor.plot",
+        description="Plot loss, throughput and communication overhead per rank from a monitor log directory.",
+    )
+    parser.add_argument("log_dir", help="the Monitor's log_dir (holding rank_*/metrics.jsonl)")
+    parser.add_argument("-o", "--output", default="run.png", help="PNG file to write (default: run.png)")
+    parser.add_argument("--title", default=None, help="figure title (default: the log directory)")
+    args = parser.parse_args(argv)
+
+    runs = load_run(args.log_dir)
+    if not runs:
+        print(f"error: no rank_*/metrics.jsonl under {args.log_dir!r}", file=sys.stderr)
+        return 2
+    try:
+        drawn = plot_run(runs, args.output, title=args.title or os.path.basename(os.path.normpath(args.log_dir)))
+    except ValueError as err:
+        print(f"error: nothing to plot in {args.log_dir!r}: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output} ({len(runs)} rank(s); panels: {', '.join(drawn)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""A small training job for the fault-injection test, started by torchrun.
+
+With --kill-at K, rank 1 kills itself with SIGKILL after step K on the first attempt only
+(TORCHELASTIC_RESTART_COUNT == 0); torchrun --max-restarts restarts every worker, and the trainer
+resumes from the latest good checkpoint in --ckpt. Rank 0 saves the final full model state to --out.
+"""
+
+import argparse
+import os
+import signal
+
+import torch
+from torch.utils.data import TensorDataset
+
+from distributed_training import DistributedTrainer
+from distributed_training.models import GPT, GPTConfig
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    torch.manual_seed(0)
+    # Dropout draws from the RNG: resuming must restore every rank's generator to be bit-exact.
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (48, 17), generator=g)
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), strategy=args.strategy,
+                                 checkpoint_dir=args.ckpt, checkpoint_every=3, keep_last=2, seed=7)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+    def on_step(step: int, metrics: dict) -> None:
+        if args.kill_at and step == args.kill_at and first_attempt and trainer.context.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer.fit(data, epochs=args.epochs, batch_size=4, log_every=1, on_step=on_step)
+    state = trainer.strategy.model_state_dict(trainer.model)
+    if trainer.context.is_main:
+        torch.save({"state": state, "step": trainer.step, "restarts": os.environ.get("TORCHELASTIC_RESTART_COUNT")},
+                   args.out)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
