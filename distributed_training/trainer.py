@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .checkpoint import CheckpointManager, load_file, rng_state, save_file, set_rng_state
 from .data import ShardedSampler
+from .monitor import Monitor, NullMonitor
 from .strategies.ddp import DDP
 from .runtime import DistributedContext, init_distributed
 from .strategies.base import OptimizerFactory, Strategy
@@ -69,6 +70,9 @@ class DistributedTrainer:
         keep_last: how many recent checkpoints to keep; `best_metric` / `best_mode`: the checkpoint
             with the best value of this metric (from `train_step`'s metrics) is kept too.
         resume: resume `fit` from the latest good checkpoint in `checkpoint_dir`, if there is one.
+        log_dir: write per-rank TensorBoard and JSONL metrics under ``log_dir/rank_<i>`` during `fit`
+            (see `distributed_training.monitor.Monitor`); `log_every` steps apart; ranks slower than
+            `straggler_threshold` times the median are flagged; `progress` draws a bar on rank 0.
     """
 
     def __init__(
@@ -89,6 +93,10 @@ class DistributedTrainer:
         best_metric: str | None = None,
         best_mode: str = "min",
         resume: bool = True,
+        log_dir: str | os.PathLike | None = None,
+        log_every: int = 10,
+        straggler_threshold: float = 1.5,
+        progress: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -126,6 +134,10 @@ class DistributedTrainer:
         self.batch_in_epoch = 0  # batches of the current epoch already trained (the data position)
         self.checkpoint_every = checkpoint_every
         self.resume = resume
+        self.monitor = (Monitor(os.fspath(log_dir), rank=self.context.rank, world_size=self.context.world_size,
+                                group=self.context.group, log_every=log_every,
+                                straggler_threshold=straggler_threshold, progress=progress)
+                        if log_dir is not None else NullMonitor())
         self.config = {
             "strategy": strategy.name,
             "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -238,6 +250,13 @@ class DistributedTrainer:
         sharded = isinstance(sampler, ShardedSampler)
         history = []
         done = lambda: max_steps is not None and self.step >= max_steps  # noqa: E731
+        total = max_steps
+        if sharded:
+            per_epoch = len(range(0, sampler.total // self.context.world_size, loader.batch_size))
+            by_epochs = epochs * per_epoch
+            total = by_epochs if max_steps is None else min(max_steps, by_epochs)
+        self.monitor.start(total)
+        ddp = self.model if isinstance(self.model, DDP) else None
         while self.epoch < epochs and not done():
             skip = self.batch_in_epoch
             if sharded:
@@ -253,14 +272,24 @@ class DistributedTrainer:
                 batches = iter(loader)
             for _ in range(skip):  # a resumed epoch over a loader we cannot seek: replay its start
                 next(batches, None)
+            last_end = time.perf_counter()
             while not done():
                 batch = next(batches, None)
+                fetched = time.perf_counter()
                 has_batch = batch is not None if sharded else self._every_rank_has(batch is not None)
                 if not has_batch:
                     exhausted = True
                     break
                 metrics = self.train_step(batch, criterion)
                 self.batch_in_epoch += 1
+                now = time.perf_counter()
+                comm = None
+                if ddp is not None and self.step % self.monitor_log_every == 0 and self._monitoring:
+                    seconds, count = ddp.pop_exposed_comm_seconds()
+                    comm = seconds / count if count else None
+                self.monitor.record_step(self.step, metrics, samples=_batch_size(batch), tokens=_token_count(batch),
+                                         step_time=now - last_end, data_time=fetched - last_end, comm_time=comm)
+                last_end = now
                 loss_sum = metrics["loss"] if loss_sum is None else loss_sum + metrics["loss"]
                 steps += 1
                 logged = self.step % log_every == 0
@@ -283,6 +312,18 @@ class DistributedTrainer:
         if self.checkpoints is not None and (not self.checkpoint_every or self.step % self.checkpoint_every):
             self._save_numbered(metrics)
         return history
+
+    @property
+    def _monitoring(self) -> bool:
+        return not isinstance(self.monitor, NullMonitor)
+
+    @property
+    def monitor_log_every(self) -> int:
+        return getattr(self.monitor, "log_every", 1)
+
+    def get_performance_metrics(self) -> dict[str, Any]:
+        """Throughput, communication overhead and the cluster view over the run (see `Monitor`)."""
+        return self.monitor.get_performance_metrics()
 
     def _every_rank_has(self, has_batch: bool) -> bool:
         """Whether every rank still has a batch (one tiny all-reduce): stop together, never hang."""
@@ -487,6 +528,7 @@ class DistributedTrainer:
     # -------------------------------------------------------------- teardown
     def close(self) -> None:
         """Remove the strategy's hooks and, if the trainer created it, destroy the process group."""
+        self.monitor.close()
         self.strategy.teardown(self.model)
         if self._owns_context:
             self.context.shutdown()
@@ -544,6 +586,14 @@ def _batch_size(batch: Any) -> int:
             if size:
                 return size
     return 0
+
+
+def _token_count(batch: Any) -> int | None:
+    """Tokens in a language-model batch: the elements of an integer input tensor."""
+    inputs = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() and inputs.dim() >= 2:
+        return inputs.numel()
+    return None
 
 
 def _split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:

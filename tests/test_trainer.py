@@ -184,3 +184,27 @@ def test_checkpoint_resume_is_exact(tmp_path):
         assert "last.missing" in errors["missing"]
         assert "fc1.weight" in errors["other_model"] and "last" in errors["other_model"]
         assert files == ["meta.pt", "rank0.pt", "rank1.pt"], files  # no temporary file left behind
+
+
+# ------------------------------------------------------------------ monitoring
+def monitored_fit_worker(rank, world, log_dir):
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(MLP(), _sgd, log_dir=log_dir, log_every=2, progress=False)
+    trainer.fit(_dataset(24), epochs=2, criterion=F.mse_loss, batch_size=3)
+    summary = trainer.get_performance_metrics()
+    trainer.close()
+    return summary
+
+
+def test_fit_writes_per_rank_metrics(tmp_path):
+    import json
+
+    summaries = run_distributed(monitored_fit_worker, 2, args=(str(tmp_path),), timeout=120)
+    for rank, summary in enumerate(summaries):
+        lines = [json.loads(l) for l in (tmp_path / f"rank_{rank}" / "metrics.jsonl").read_text().splitlines()]
+        assert [l["step"] for l in lines] == [2, 4, 6, 8], lines
+        assert all("train/loss" in l and "perf/samples_per_s" in l and "perf/comm_time_s" in l for l in lines), lines[0]
+        assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / f"rank_{rank}"))
+        assert summary["steps"] == 8 and summary["samples_per_s_per_gpu"] > 0
+        assert summary["communication_overhead_pct"] is not None
+    assert any("cluster/step_time_max_s" in json.loads(l) for l in (tmp_path / "rank_0" / "metrics.jsonl").read_text().splitlines())

@@ -26,6 +26,7 @@ locally; the first backward outside `no_sync()` reduces the accumulated sum.
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from typing import Iterator
 
@@ -119,6 +120,7 @@ class DDP(nn.Module):
         self._arrival_order: list[int] | None = [] if rebuild_buckets else None
 
         self._sync_enabled = True
+        self._comm_host_seconds, self._comm_count, self._comm_events = 0.0, 0, []
         self._reset_iteration()
         self._hook_handles = []
         self_ref = weakref.ref(self)
@@ -131,7 +133,8 @@ class DDP(nn.Module):
             if self._rebuild_pending and self._arrival_order:
                 self._rebuild_buckets_in_arrival_order()
             if self.broadcast_buffers and self.world_size > 1 and self._buffers:
-                broadcast_coalesced(self._buffers, self._global_rank(0), self.process_group)
+                with _labelled("DDP broadcast of buffers"):
+                    broadcast_coalesced(self._buffers, self._global_rank(0), self.process_group)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -212,7 +215,8 @@ class DDP(nn.Module):
             if dist.get_backend(self.process_group) == "nccl" and device.type != "cuda":
                 device = torch.device("cuda", torch.cuda.current_device())
             order_t = torch.tensor(order, dtype=torch.int64, device=device)
-            dist.broadcast(order_t, src=self._global_rank(0), group=self.process_group)
+            with _labelled("DDP broadcast of the bucket order"):
+                dist.broadcast(order_t, src=self._global_rank(0), group=self.process_group)
             order = order_t.tolist()
         self._rebuild_pending = False
         self._arrival_order = None
@@ -222,6 +226,36 @@ class DDP(nn.Module):
         if self.process_group is None:
             return group_rank
         return dist.get_global_rank(self.process_group, group_rank)
+
+    # ------------------------------------------------------------- timing
+    def _start_comm_timer(self):
+        if self._buckets and self._buckets[0].buffer.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return time.perf_counter()
+
+    def _stop_comm_timer(self, start) -> None:
+        if isinstance(start, float):
+            self._comm_host_seconds += time.perf_counter() - start
+            self._comm_count += 1
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._comm_events.append((start, end))
+
+    def pop_exposed_comm_seconds(self) -> tuple[float, int]:
+        """(seconds, backward passes) of communication left exposed since the last call: the time the
+        compute stream (or, on CPU, the host) waited for buckets after backward's last gradient.
+
+        On CUDA this waits for the recorded events: call it when logging, not every step."""
+        seconds, count = self._comm_host_seconds, self._comm_count
+        for start, end in self._comm_events:
+            end.synchronize()
+            seconds += start.elapsed_time(end) / 1e3
+            count += 1
+        self._comm_host_seconds, self._comm_count, self._comm_events = 0.0, 0, []
+        return seconds, count
 
     # ------------------------------------------------------------- iteration
     def _reset_iteration(self) -> None:
@@ -282,6 +316,7 @@ class DDP(nn.Module):
                 self._attach_grad_to_bucket(i)
                 self._pending[self._bucket_of[i]] -= 1
             self._launch_ready_buckets()
+            timing = self._start_comm_timer()
             used_work = used = None
             if self.find_unused_parameters and self.world_size > 1:
                 # Which parameters got a gradient on *some* rank: those untouched everywhere keep
@@ -298,6 +333,7 @@ class DDP(nn.Module):
                     ) from err
             if used_work is not None:
                 used_work.wait()
+            self._stop_comm_timer(timing)
             if unready and not self.find_unused_parameters:
                 names = [self._param_names[i] for i in unready]
                 shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
@@ -313,6 +349,15 @@ class DDP(nn.Module):
                         self._params[i].grad = None
         finally:
             self._reset_iteration()
+
+
+@contextlib.contextmanager
+def _labelled(operation: str) -> Iterator[None]:
+    """Name the collective in any error it raises (a timeout then says what was waited for)."""
+    try:
+        yield
+    except RuntimeError as err:
+        raise RuntimeError(f"{operation} failed: {err}") from err
 
 
 def _make_hook(self_ref: "weakref.ReferenceType[DDP]", index: int):

@@ -1,0 +1,515 @@
+"""The training monitor: per-rank logs, the cluster view, system figures, the plot command, its cost."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import types
+import warnings
+
+import pytest
+import torch
+
+from distributed_training.monitor import Monitor, NullMonitor, StragglerWarning, SystemStats
+from distributed_training.testing import run_distributed
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+GPU_KEYS = ("system/gpu_util_pct", "system/gpu_mem_used_gib", "system/gpu_power_w", "system/gpu_temp_c")
+
+# The two-rank run of test (a): 20 steps, a log every 5. Ranks are even for steps 1-10; from step 11
+# rank 1 takes 3x as long per step, so the logs at 15 and 20 must flag it.
+STEPS, LOG_EVERY, SAMPLES, TOKENS = 20, 5, 8, 8 * 16
+FAST, DATA = 0.010, 0.002
+
+
+def step_time_of(rank: int, step: int) -> float:
+    return FAST * 3 if rank == 1 and step > 10 else FAST
+
+
+def comm_time_of(rank: int) -> float:
+    return 0.001 * (rank + 1)
+
+
+def loss_of(rank: int, step: int) -> float:
+    return 1.0 / step + rank
+
+
+def event_scalars(rank_dir: str) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(rank_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def read_jsonl(rank_dir: str) -> list[dict]:
+    with open(os.path.join(rank_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------------ (a) two ranks, gloo
+def two_rank_worker(rank: int, world: int, log_dir: str) -> dict:
+    # A monitor whose world_size disagrees with the process group is refused.
+    with pytest.raises(ValueError, match="world_size"):
+        Monitor(log_dir, rank=rank, world_size=world + 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Monitor(log_dir, rank=rank, world_size=world, log_every=LOG_EVERY, progress=False) as mon:
+            mon.start(total_steps=STEPS)
+            for step in range(1, STEPS + 1):
+                metrics = {
+                    "loss": torch.tensor(loss_of(rank, step)),
+                    "lr": 0.1,
+                    "grad_norm": torch.tensor(2.0 * step),
+                    "loss_scale": 1024.0,
+                }
+                mon.record_step(step, metrics, samples=SAMPLES, tokens=TOKENS, step_time=step_time_of(rank, step),
+                                data_time=DATA, comm_time=comm_time_of(rank))
+            perf = mon.get_performance_metrics()
+    stragglers = [str(w.message) for w in caught if issubclass(w.category, StragglerWarning)]
+    return {"perf": perf, "stragglers": stragglers}
+
+
+def test_two_ranks_event_files_jsonl_and_cluster_view(tmp_path):
+    log_dir = str(tmp_path / "run")
+    results = run_distributed(two_rank_worker, 2, args=(log_dir,), timeout=180)
+    log_steps = list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+
+    for rank in (0, 1):
+        rank_dir = os.path.join(log_dir, f"rank_{rank}")
+        assert any(name.startswith("events.out.tfevents") for name in os.listdir(rank_dir)), os.listdir(rank_dir)
+        scalars = event_scalars(rank_dir)
+        for tag in ("train/loss", "train/lr", "train/grad_norm", "train/loss_scale", "perf/step_time_s",
+                    "perf/samples_per_s", "perf/tokens_per_s", "perf/data_time_s", "perf/comm_time_s",
+                    "perf/compute_time_s", "perf/exposed_comm_pct", "system/cpu_pct", "system/rss_gib"):
+            assert tag in scalars, (rank, tag, sorted(scalars))
+            assert [s for s, _ in scalars[tag]] == log_steps, (rank, tag)
+        assert [v for _, v in scalars["train/loss"]] == pytest.approx([loss_of(rank, s) for s in log_steps], rel=1e-6)
+        assert [v for _, v in scalars["train/grad_norm"]] == pytest.approx([2.0 * s for s in log_steps], rel=1e-6)
+        assert [v for _, v in scalars["train/lr"]] == pytest.approx([0.1] * 4, rel=1e-6)
+        # Window means: the window ending at step s covers steps s-4..s (all one speed here).
+        want_step = [step_time_of(rank, s) for s in log_steps]
+        assert [v for _, v in scalars["perf/step_time_s"]] == pytest.approx(want_step, rel=1e-6)
+        assert [v for _, v in scalars["perf/samples_per_s"]] == pytest.approx([SAMPLES / t for t in want_step], rel=1e-6)
+        assert [v for _, v in scalars["perf/exposed_comm_pct"]] == pytest.approx(
+            [100 * comm_time_of(rank) / t for t in want_step], rel=1e-6)
+        assert [v for _, v in scalars["perf/compute_time_s"]] == pytest.approx(
+            [t - DATA - comm_time_of(rank) for t in want_step], rel=1e-5)
+        cluster_tags = {t for t in scalars if t.startswith("cluster/")}
+        if rank == 0:
+            assert {"cluster/step_time_min_s", "cluster/step_time_mean_s", "cluster/step_time_max_s",
+                    "cluster/slowest_rank", "cluster/straggler"} <= cluster_tags
+            assert [v for _, v in scalars["cluster/straggler"]] == [0.0, 0.0, 1.0, 1.0]
+            assert [v for _, v in scalars["cluster/slowest_rank"][2:]] == [1.0, 1.0]
+            assert [v for _, v in scalars["cluster/step_time_max_s"]] == pytest.approx([FAST, FAST, 3 * FAST, 3 * FAST])
+            assert [v for _, v in scalars["cluster/step_time_min_s"]] == pytest.approx([FAST] * 4)
+            assert [v for _, v in scalars["cluster/step_time_mean_s"]] == pytest.approx([FAST, FAST, 2 * FAST, 2 * FAST])
+        else:
+            assert not cluster_tags, cluster_tags
+
+        lines = read_jsonl(rank_dir)
+        assert [line["step"] for line in lines] == log_steps
+        assert all(line["rank"] == rank for line in lines)
+        assert all(isinstance(line["time"], float) and line["time"] > 1e9 for line in lines)
+        # JSONL keeps the exact float of the tensor passed (float32 here).
+        assert [line["train/loss"] for line in lines] == [float(torch.tensor(loss_of(rank, s))) for s in log_steps]
+        assert [line["perf/samples_per_s"] for line in lines] == pytest.approx([SAMPLES / t for t in want_step])
+        assert ("cluster/straggler" in lines[-1]) == (rank == 0)
+        if rank == 0:
+            assert [line["cluster/straggler"] for line in lines] == [0.0, 0.0, 1.0, 1.0]
+            assert lines[-1]["cluster/slowest_rank"] == 1.0
+
+        perf = results[rank]["perf"]
+        total_time = sum(step_time_of(rank, s) for s in range(1, STEPS + 1))
+        assert perf["steps"] == STEPS
+        assert perf["mean_step_time_s"] == pytest.approx(total_time / STEPS)
+        assert perf["samples_per_s_per_gpu"] == pytest.approx(SAMPLES * STEPS / total_time)
+        assert perf["tokens_per_s_per_gpu"] == pytest.approx(TOKENS * STEPS / total_time)
+        assert perf["communication_overhead_pct"] == pytest.approx(100 * comm_time_of(rank) * STEPS / total_time)
+        assert perf["data_loading_pct"] == pytest.approx(100 * DATA * STEPS / total_time)
+        # Every rank receives the all-gather, so every rank knows the cluster view.
+        assert perf["cluster_slowest_rank"] == 1 and perf["cluster_straggler"] is True
+        assert perf["cluster_step_time_max_s"] == pytest.approx(3 * FAST)
+        assert perf["straggler_events"] == 2
+
+    # Only the writer of the cluster view warns, naming the slow rank.
+    assert len(results[0]["stragglers"]) == 2 and all("rank 1" in m for m in results[0]["stragglers"])
+    assert results[1]["stragglers"] == []
+
+
+# ------------------------------------------------------------------ one process, no process group
+def test_single_process_without_process_group(tmp_path):
+    assert not torch.distributed.is_initialized()
+    with Monitor(tmp_path, rank=0, world_size=1, log_every=2, progress=False, system_stats=False) as mon:
+        for step in range(1, 5):
+            mon.record_step(step, {"loss": 1.0 * step}, samples=4, step_time=0.5)
+        perf = mon.get_performance_metrics()
+    scalars = event_scalars(str(tmp_path / "rank_0"))
+    assert [v for _, v in scalars["train/loss"]] == [2.0, 4.0]
+    assert not any(t.startswith(("cluster/", "system/")) for t in scalars)
+    # No comm_time / tokens given: those figures are absent, not invented.
+    assert "perf/exposed_comm_pct" not in scalars and "perf/tokens_per_s" not in scalars
+    assert perf["samples_per_s_per_gpu"] == pytest.approx(8.0)
+    assert perf["communication_overhead_pct"] is None and perf["tokens_per_s_per_gpu"] is None
+    assert perf["cluster_slowest_rank"] is None and perf["straggler_events"] == 0
+
+
+class CountingScalar:
+    """A metric that counts how often it is read."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.reads = value, 0
+
+    def __float__(self) -> float:
+        self.reads += 1
+        return self.value
+
+
+def test_non_log_steps_read_nothing_and_write_nothing(tmp_path):
+    metric = CountingScalar(3.0)
+    mon = Monitor(tmp_path, rank=0, world_size=1, log_every=5, progress=False, system_stats=False, tensorboard=False)
+    jsonl = tmp_path / "rank_0" / "metrics.jsonl"
+    for step in range(1, 5):
+        mon.record_step(step, {"loss": metric}, samples=1, step_time=0.1)
+    assert metric.reads == 0 and jsonl.stat().st_size == 0
+    mon.record_step(5, {"loss": metric}, samples=1, step_time=0.1)
+    assert metric.reads == 1 and len(jsonl.read_text().splitlines()) == 1
+    # Steps must increase; a closed monitor refuses more steps; close twice is fine.
+    with pytest.raises(ValueError, match="step"):
+        mon.record_step(5, {}, samples=1, step_time=0.1)
+    mon.close()
+    mon.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        mon.record_step(6, {}, samples=1, step_time=0.1)
+
+
+def test_progress_bar_on_stderr(tmp_path, capsys):
+    with Monitor(tmp_path, rank=0, world_size=1, log_every=5, system_stats=False, tensorboard=False) as mon:
+        mon.start(total_steps=10)
+        for step in range(1, 11):
+            mon.record_step(step, {"loss": 0.5}, samples=1, step_time=0.01)
+    err = capsys.readouterr().err
+    assert "\r" in err and err.endswith("\n")
+    assert "step 10/10" in err and "steps/s" in err and "ETA" in err and "loss 0.5" in err
+    # Not on other ranks.
+    with Monitor(tmp_path, rank=1, world_size=2, log_every=5, system_stats=False, tensorboard=False) as mon:
+        mon.start(total_steps=10)
+        mon.record_step(5, {"loss": 0.5}, samples=1, step_time=0.01)
+    assert capsys.readouterr().err == ""
+
+
+def test_null_monitor_has_the_same_methods_and_does_nothing(tmp_path):
+    public = lambda cls: {n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n))}
+    assert public(NullMonitor) == public(Monitor)
+    with NullMonitor(tmp_path, rank=0, world_size=1) as mon:
+        mon.start(total_steps=3)
+        for step in range(1, 4):
+            mon.record_step(step, {"loss": 1.0}, samples=1, step_time=0.1)
+        assert mon.get_performance_metrics() == {}
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ (e) bad arguments
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"log_every": 0}, "log_every"),
+        ({"log_every": -3}, "log_every"),
+        ({"log_every": 2.5}, "log_every"),
+        ({"straggler_threshold": 1.0}, "straggler_threshold"),
+        ({"straggler_threshold": 0.5}, "straggler_threshold"),
+        ({"straggler_threshold": float("nan")}, "straggler_threshold"),
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"rank": -1}, "rank"),
+        ({"world_size": 0}, "world_size"),
+        ({"tensorboard": "yes"}, "tensorboard"),
+    ],
+)
+def test_bad_arguments_name_the_field(tmp_path, kwargs, field):
+    args = {"rank": 0, "world_size": 1, **kwargs}
+    with pytest.raises(ValueError, match=field):
+        Monitor(tmp_path, **args)
+
+
+def test_bad_total_steps(tmp_path):
+    with Monitor(tmp_path, rank=0, world_size=1, system_stats=False, tensorboard=False, progress=False) as mon:
+        with pytest.raises(ValueError, match="total_steps"):
+            mon.start(total_steps=-1)
+
+
+# ------------------------------------------------------------------ (b) system figures
+def assert_host_only(stats: dict) -> None:
+    assert set(stats) == {"system/cpu_pct", "system/rss_gib"}, stats
+    assert stats["system/cpu_pct"] >= 0 and 0 < stats["system/rss_gib"] < 1024
+
+
+def test_system_stats_without_nvml_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` now fails
+    with SystemStats(device=0) as stats:
+        assert_host_only(stats.read())
+        assert_host_only(stats.read())
+
+
+def test_system_stats_without_gpu(monkeypatch):
+    # Without CUDA in this process and no device named, NVML is not even asked.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    with SystemStats() as stats:
+        assert_host_only(stats.read())
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_nvml(*, init_fails=False, failing=()):
+    """A stand-in `pynvml` module recording the handles asked for."""
+    calls = []
+
+    def maybe_fail(name):
+        calls.append(name)
+        if name in failing:
+            raise FakeNVMLError(name)
+
+    def init():
+        if init_fails:
+            raise FakeNVMLError("NVML Shared Library Not Found")
+
+    def by_index(i):
+        maybe_fail("index")
+        return ("index", i)
+
+    def by_uuid(u):
+        maybe_fail("uuid")
+        return ("uuid", u)
+
+    def util(h):
+        maybe_fail("util")
+        return types.SimpleNamespace(gpu=87, memory=40)
+
+    def mem(h):
+        maybe_fail("mem")
+        return types.SimpleNamespace(used=3 << 30, total=80 << 30, free=77 << 30)
+
+    def power(h):
+        maybe_fail("power")
+        return 312_500  # milliwatts
+
+    def temp(h, sensor):
+        maybe_fail("temp")
+        return 61
+
+    module = types.SimpleNamespace(
+        NVMLError=FakeNVMLError, NVML_TEMPERATURE_GPU=0, nvmlInit=init, nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetHandleByIndex=by_index, nvmlDeviceGetHandleByUUID=by_uuid,
+        nvmlDeviceGetUtilizationRates=util, nvmlDeviceGetMemoryInfo=mem, nvmlDeviceGetPowerUsage=power,
+        nvmlDeviceGetTemperature=temp,
+    )
+    return module, calls
+
+
+@pytest.fixture
+def no_torch_cuda(monkeypatch):
+    # Resolve devices through CUDA_VISIBLE_DEVICES, as when torch cannot name the UUID.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+
+
+def test_system_stats_nvml_init_error(monkeypatch, no_torch_cuda):
+    module, _ = fake_nvml(init_fails=True)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    with SystemStats(device=0) as stats:
+        assert_host_only(stats.read())
+
+
+def test_system_stats_reads_and_converts_gpu_figures(monkeypatch, no_torch_cuda):
+    module, calls = fake_nvml()
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    stats = SystemStats(device=1)
+    out = stats.read()
+    assert out["system/gpu_util_pct"] == 87.0
+    assert out["system/gpu_mem_used_gib"] == pytest.approx(3.0)
+    assert out["system/gpu_mem_total_gib"] == pytest.approx(80.0)
+    assert out["system/gpu_power_w"] == pytest.approx(312.5)
+    assert out["system/gpu_temp_c"] == 61.0
+    assert "system/cpu_pct" in out and "system/rss_gib" in out
+    assert calls[0] == "index"
+    stats.close()
+    stats.close()
+    assert calls.count("shutdown") == 1
+
+
+def test_system_stats_maps_through_cuda_visible_devices(monkeypatch, no_torch_cuda):
+    seen = []
+    module, _ = fake_nvml()
+    module.nvmlDeviceGetHandleByIndex = lambda i: seen.append(("index", i)) or ("index", i)
+    module.nvmlDeviceGetHandleByUUID = lambda u: seen.append(("uuid", u)) or ("uuid", u)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,2")
+    SystemStats(device=1).read()
+    assert seen == [("index", 2)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa,GPU-bbbb")
+    SystemStats(device=torch.device("cuda", 1)).read()
+    assert seen[-1] == ("uuid", "GPU-bbbb")
+    # An ordinal this process cannot see: no GPU figures, no error.
+    assert_host_only(SystemStats(device=2).read())
+
+
+def test_system_stats_skips_only_the_failing_query(monkeypatch, no_torch_cuda):
+    module, _ = fake_nvml(failing=("power",))
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    out = SystemStats(device=0).read()
+    assert "system/gpu_power_w" not in out
+    assert {"system/gpu_util_pct", "system/gpu_mem_used_gib", "system/gpu_temp_c"} <= set(out)
+    # A failing handle lookup drops every GPU figure.
+    module, _ = fake_nvml(failing=("index",))
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    assert_host_only(SystemStats(device=0).read())
+
+
+def test_monitor_without_nvml_logs_host_figures(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with Monitor(tmp_path, rank=0, world_size=1, log_every=1, progress=False, tensorboard=False) as mon:
+        mon.record_step(1, {"loss": 1.0}, samples=1, step_time=0.1)
+    (line,) = read_jsonl(str(tmp_path / "rank_0"))
+    assert "system/cpu_pct" in line and "system/rss_gib" in line
+    assert not any(k.startswith("system/gpu") for k in line)
+
+
+# ------------------------------------------------------------------ (c) the plot command
+def write_fake_run(log_dir, ranks=2, with_comm=True):
+    for rank in range(ranks):
+        d = log_dir / f"rank_{rank}"
+        d.mkdir(parents=True)
+        with open(d / "metrics.jsonl", "w") as f:
+            for step in range(10, 110, 10):
+                rec = {"step": step, "time": 1.7e9 + step, "rank": rank, "train/loss": 3.0 / step + rank,
+                       "perf/samples_per_s": 100.0 + rank, "perf/step_time_s": 0.1}
+                if with_comm:
+                    rec["perf/exposed_comm_pct"] = 5.0 + rank
+                f.write(json.dumps(rec) + "\n")
+            f.write('{"step": 110, "train/lo')  # a line still being written
+
+
+def test_plot_writes_png(tmp_path):
+    from distributed_training.monitor import plot
+
+    write_fake_run(tmp_path / "run")
+    out = tmp_path / "run.png"
+    assert plot.main([str(tmp_path / "run"), "-o", str(out)]) == 0
+    data = out.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 10_000
+    runs = plot.load_run(tmp_path / "run")
+    assert sorted(runs) == [0, 1] and len(runs[0]) == 10
+
+
+def test_plot_command_line_and_missing_panel(tmp_path):
+    write_fake_run(tmp_path / "run", with_comm=False)
+    out = tmp_path / "run.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "distributed_training.monitor.plot", str(tmp_path / "run"), "-o", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "perf/exposed_comm_pct" not in proc.stdout and "train/loss" in proc.stdout
+    assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_empty_directory_fails_cleanly(tmp_path):
+    from distributed_training.monitor import plot
+
+    assert plot.main([str(tmp_path), "-o", str(tmp_path / "x.png")]) == 2
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_of_a_real_monitor_run(tmp_path):
+    from distributed_training.monitor import plot
+
+    with Monitor(tmp_path / "run", rank=0, world_size=1, log_every=2, progress=False, tensorboard=False) as mon:
+        for step in range(1, 11):
+            mon.record_step(step, {"loss": torch.tensor(1.0 / step)}, samples=4, step_time=0.02, comm_time=0.002)
+    out = tmp_path / "run.png"
+    assert plot.main([str(tmp_path / "run"), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+# ------------------------------------------------------------------ (d) cost per step
+def time_calls(mon: Monitor, first_step: int, calls: int, metrics: dict) -> float:
+    """Mean seconds per record_step over `calls` consecutive steps."""
+    t0 = time.perf_counter()
+    for step in range(first_step, first_step + calls):
+        mon.record_step(step, metrics, samples=32, tokens=32 * 1024, step_time=0.1, data_time=0.01, comm_time=0.005)
+    return (time.perf_counter() - t0) / calls
+
+
+def test_record_step_overhead(tmp_path):
+    calls = 2000
+    metrics = {"loss": torch.tensor(2.5), "lr": torch.tensor(3e-4), "grad_norm": torch.tensor(1.1)}
+
+    # Non-log steps only: log_every larger than any step recorded.
+    with Monitor(tmp_path / "quiet", rank=0, world_size=1, log_every=10**9, progress=False) as mon:
+        time_calls(mon, 1, 200, metrics)  # warm up
+        non_log = min(time_calls(mon, 1000 + k * calls, calls, metrics) for k in range(3))
+
+    # log_every=10, with TensorBoard, JSONL and system figures: the amortised cost per step.
+    with Monitor(tmp_path / "logging", rank=0, world_size=1, log_every=10, progress=False) as mon:
+        time_calls(mon, 1, 100, metrics)
+        amortised = min(time_calls(mon, 1000 + k * calls, calls, metrics) for k in range(3))
+
+    print(f"\nrecord_step: {non_log * 1e6:.2f} us per non-log step; "
+          f"{amortised * 1e6:.1f} us per step amortised at log_every=10 "
+          f"(~{(amortised * 10 - non_log * 9) * 1e3:.2f} ms per log step) with tensorboard+jsonl+system stats")
+    assert non_log < 50e-6, f"non-log record_step costs {non_log * 1e6:.1f} us"
+    assert amortised < non_log * 10 + 5e-3  # sanity: a log step must not cost tens of milliseconds on CPU
+
+
+# ------------------------------------------------------------------ (f) GPU: NVML figures in the event file
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nvml_metrics_in_event_files(tmp_path):
+    x = torch.randn(2048, 2048, device="cuda")
+    with Monitor(tmp_path, rank=0, world_size=1, log_every=2, progress=False) as mon:
+        for step in range(1, 7):
+            y = x @ x
+            torch.cuda.synchronize()
+            mon.record_step(step, {"loss": y.mean()}, samples=1, step_time=0.01)
+    scalars = event_scalars(str(tmp_path / "rank_0"))
+    for tag in GPU_KEYS:
+        assert tag in scalars, (tag, sorted(scalars))
+        assert [s for s, _ in scalars[tag]] == [2, 4, 6]
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    mem_total = [v for _, v in scalars["system/gpu_mem_total_gib"]]
+    assert mem_total[0] == pytest.approx(total, rel=0.05)
+    assert all(0 <= v <= 100 for _, v in scalars["system/gpu_util_pct"])
+    assert all(0 < v < 2000 for _, v in scalars["system/gpu_power_w"])
+    assert all(0 < v < 120 for _, v in scalars["system/gpu_temp_c"])
+    assert all(0 < v <= total * 1.05 for _, v in scalars["system/gpu_mem_used_gib"])
+
+
+def nccl_worker(rank: int, world: int, log_dir: str) -> dict:
+    from distributed_training import init_distributed
+
+    ctx = init_distributed()  # joins the harness's NCCL group and sets this rank's GPU
+    x = torch.randn(1024, 1024, device=ctx.device)
+    with Monitor(log_dir, rank=rank, world_size=world, log_every=2, progress=False) as mon:
+        assert mon._gather_out.device == ctx.device  # NCCL needs the all-gather's tensors on the GPU
+        for step in range(1, 5):
+            loss = (x @ x).mean()
+            mon.record_step(step, {"loss": loss}, samples=4, step_time=0.01 * (1 + 2 * rank))
+        perf = mon.get_performance_metrics()
+    stats = SystemStats().read()
+    return {"perf": perf, "gpu_keys": sorted(k for k in stats if k.startswith("system/gpu"))}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_cluster_view_over_nccl(tmp_path):
+    results = run_distributed(nccl_worker, 2, args=(str(tmp_path),), backend="nccl", timeout=300)
+    for res in results:
+        assert res["perf"]["cluster_slowest_rank"] == 1 and res["perf"]["cluster_straggler"] is True
+        assert res["perf"]["cluster_step_time_max_s"] == pytest.approx(0.03)
+        assert set(GPU_KEYS) <= set(res["gpu_keys"])
+    assert "cluster/straggler" in event_scalars(str(tmp_path / "rank_0"))
+    assert not any(t.startswith("cluster/") for t in event_scalars(str(tmp_path / "rank_1")))

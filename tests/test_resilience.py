@@ -1,0 +1,199 @@
+"""Crash-proof training: bit-exact resume, a SIGKILLed rank under torchrun, corrupted checkpoints,
+uneven inputs that must not hang, and timeouts that name the missing rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset, TensorDataset
+
+from distributed_training import DistributedTrainer
+from distributed_training.checkpoint import CheckpointManager
+from distributed_training.models import GPT, GPTConfig
+from distributed_training.testing import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _gpt(dropout=0.1):
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=dropout))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (54, 17), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+
+
+# ------------------------------------------------------------------ in-process resume
+def resume_worker(rank, world, directory, strategy, interrupt_at):
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(_gpt(), _sgd, strategy=strategy, checkpoint_dir=directory, checkpoint_every=2, seed=3)
+    if interrupt_at:
+        trainer.fit(_data(), epochs=2, batch_size=3, max_steps=interrupt_at)  # "crashes" after this step
+        trainer.close()
+        torch.manual_seed(0)  # a fresh process would start from the same seed; resume must undo the rest
+        trainer = DistributedTrainer(_gpt(), _sgd, strategy=strategy, checkpoint_dir=directory,
+                                     checkpoint_every=2, seed=3)
+    trainer.fit(_data(), epochs=2, batch_size=3)
+    state = trainer.strategy.model_state_dict(trainer.model)
+    step = trainer.step
+    trainer.close()
+    return state, step
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "zero1"])
+def test_resume_mid_epoch_is_bit_identical_at_world_3(tmp_path, strategy):
+    full, steps = run_distributed(resume_worker, 3, args=(str(tmp_path / "a"), strategy, 0), timeout=180)[0]
+    # Interrupted at step 5: the checkpoint at step 4 is resumed and step 5 is redone.
+    resumed, steps2 = run_distributed(resume_worker, 3, args=(str(tmp_path / "b"), strategy, 5), timeout=180)[0]
+    assert steps == steps2 == 12
+    assert list(full) == list(resumed)
+    for key in full:
+        assert torch.equal(full[key], resumed[key]), f"{strategy}: {key} differs after resume"
+
+
+# ------------------------------------------------------------------ fault injection
+def _torchrun(args, timeout=240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun did not finish in {timeout}s:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigkilled_rank_restarts_and_matches_an_unbroken_run(tmp_path, strategy):
+    job = str(REPO / "tests" / "jobs" / "fault_job.py")
+    _torchrun([job, "--strategy", strategy, "--ckpt", str(tmp_path / "clean"), "--out", str(tmp_path / "clean.pt")])
+    log = _torchrun(["--max-restarts=2", job, "--strategy", strategy, "--ckpt", str(tmp_path / "faulty"),
+                     "--out", str(tmp_path / "faulty.pt"), "--kill-at", "5"])
+    clean, faulty = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "faulty.pt")
+    assert int(faulty["restarts"]) >= 1, f"the job should have been restarted:\n{log[-3000:]}"
+    assert "exitcode: -9" in log, "rank 1 should have died of SIGKILL"
+    assert clean["step"] == faulty["step"] == 12
+    for key, value in clean["state"].items():
+        assert torch.equal(value, faulty["state"][key]), f"{key} differs from the unbroken run"
+    kept = sorted(os.listdir(tmp_path / "faulty"))
+    assert kept == ["step_000000009", "step_000000012"], kept  # keep_last=2
+
+
+# ------------------------------------------------------------------ corrupted checkpoints
+def corrupt_worker(rank, world, directory):
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(_gpt(0.0), _sgd, checkpoint_dir=directory, checkpoint_every=2, keep_last=2,
+                                 best_metric="loss")
+    trainer.fit(_data(), epochs=2, batch_size=9, max_steps=6)
+    trainer.close()
+    return sorted(os.listdir(directory))
+
+
+def resume_after_corruption_worker(rank, world, directory):
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(_gpt(0.0), _sgd, checkpoint_dir=directory)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = trainer.checkpoints.latest_good()
+    step = int(found[1]["step"])
+    trainer.load_checkpoint(found[0])
+    trainer.close()
+    return step, [str(w.message) for w in caught], trainer.step
+
+
+def test_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    files = run_distributed(corrupt_worker, 2, args=(directory,))[0]
+    manager = CheckpointManager(directory)
+    best = manager.best()
+    # keep_last=2 keeps steps 4 and 6, and the best one by loss is kept as well.
+    assert {"step_000000004", "step_000000006", "best.json"} <= set(files), files
+    assert best is not None and os.path.isdir(best[0]) and best[1]["metric"] == "loss"
+    # Truncate the newest checkpoint's rank-1 file: it must be detected and skipped.
+    victim = tmp_path / "ckpt" / "step_000000006" / "rank1.pt"
+    victim.write_bytes(victim.read_bytes()[:100])
+    step, messages, restored = run_distributed(resume_after_corruption_worker, 2, args=(directory,))[0]
+    assert step == 4 and restored == 4
+    assert any("step_000000006" in m and "rank1.pt" in m for m in messages), messages
+    # A save interrupted before meta.pt counts as no checkpoint at all.
+    os.remove(tmp_path / "ckpt" / "step_000000004" / "meta.pt")
+    with pytest.warns(UserWarning, match="incomplete"):
+        found = manager.latest_good()
+    assert found is None or "step_000000004" not in found[0]
+
+
+# ------------------------------------------------------------------ uneven inputs
+class RankDependent(IterableDataset):
+    """Rank r yields 3 + 2r batches: without evening out, the last ranks would wait forever."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.rank)
+        for _ in range(3 + 2 * self.rank):
+            idx = torch.randint(0, 64, (2, 17), generator=g)
+            yield idx[:, :-1], idx[:, 1:]
+
+
+def uneven_worker(rank, world, strategy):
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(_gpt(0.0), _sgd, strategy=strategy, timeout=60)
+    started = time.monotonic()
+    history = trainer.fit(RankDependent(rank), epochs=2)
+    elapsed = time.monotonic() - started
+    trainer.close()
+    return [h["steps"] for h in history], elapsed
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_uneven_inputs_never_hang(strategy):
+    for steps, elapsed in run_distributed(uneven_worker, 3, args=(strategy,), timeout=120, collective_timeout=60):
+        assert steps == [3, 3], steps  # everyone stops with the rank that has the fewest batches
+        assert elapsed < 30
+
+
+# ------------------------------------------------------------------ timeouts name the missing rank
+def timeout_worker(rank, world, strategy):
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(_gpt(0.0), _sgd, strategy=strategy)
+    batch = next(iter(RankDependent(0)))
+    trainer.train_step(batch)  # everyone takes part in step 1
+    if rank == 1:
+        time.sleep(8)  # rank 1 never reaches step 2's collectives in time
+        return None
+    started = time.monotonic()
+    try:
+        trainer.train_step(batch)
+    except RuntimeError as err:
+        return type(err).__name__, str(err), time.monotonic() - started
+    return None
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_collective_timeout_names_operation_and_missing_rank(strategy):
+    results = run_distributed(timeout_worker, 2, args=(strategy,), timeout=90, collective_timeout=3)
+    kind, message, elapsed = results[0]
+    assert kind == "CollectiveTimeoutError", message
+    assert "rank 1" in message and "never reached step 2" in message, message
+    assert ("DDP " in message) if strategy == "ddp" else ("FSDP " in message), message
+    assert elapsed < 3 * 3, elapsed
