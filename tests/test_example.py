@@ -70,7 +70,7 @@ def _losses(out: str) -> tuple[float, float, float, float]:
 
 @pytest.mark.timeout(180)
 def test_torchrun_two_processes(tmp_path):
-    ckpt = tmp_path / "ckpt" / "gpt.pt"  # a directory that does not exist yet
+    ckpt = tmp_path / "ckpt" / "gpt"  # a checkpoint directory that does not exist yet
     result = _run([
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         SCRIPT, "--steps", "5", "--grad-accum", "2", "--checkpoint", str(ckpt),
@@ -83,10 +83,11 @@ def test_torchrun_two_processes(tmp_path):
     assert last < first, out
     assert val_after < val_before, out
 
-    assert ckpt.is_file(), f"no checkpoint at {ckpt}:\n{out}"
-    assert not list(ckpt.parent.glob("*.tmp.*")), "a temporary checkpoint file was left behind"
-    state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    assert state["step"] == 5
+    assert ckpt.is_dir(), f"no checkpoint at {ckpt}:\n{out}"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt", "rank0.pt", "rank1.pt"], "temporary files left behind?"
+    meta = torch.load(ckpt / "meta.pt", map_location="cpu", weights_only=True)
+    assert meta["step"] == 5 and meta["world_size"] == 2
+    state = torch.load(ckpt / "rank0.pt", map_location="cpu", weights_only=True)
     assert "wte.weight" in state["model"] and not any(k.startswith("module.") for k in state["model"])
 
 
