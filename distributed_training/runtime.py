@@ -67,8 +67,15 @@ class DistributedContext:
                 dist.barrier(group=self.group)
 
     def shutdown(self) -> None:
-        """Destroy the process group if this context created it. Safe to call twice."""
+        """Destroy the process group if this context created it. Safe to call twice.
+
+        Ranks meet at a barrier first: a rank that tears its connections down while a peer is still
+        finishing a collective makes the peer's communication thread abort the process."""
         if self.owns_process_group and dist.is_initialized():
+            try:
+                self.barrier()
+            except RuntimeError:
+                pass  # a peer is already gone: nothing left to wait for
             dist.destroy_process_group()
         self.owns_process_group = False
 
