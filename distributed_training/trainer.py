@@ -325,6 +325,9 @@ class DistributedTrainer:
         """Throughput, communication overhead and the cluster view over the run (see `Monitor`)."""
         return self.monitor.get_performance_metrics()
 
+    def _any_rank_has(self, has_batch: bool) -> bool:
+        return not self._every_rank_has(not has_batch)
+
     def _every_rank_has(self, has_batch: bool) -> bool:
         """Whether every rank still has a batch (one tiny all-reduce): stop together, never hang."""
         if self.context.world_size == 1:
@@ -388,15 +391,32 @@ class DistributedTrainer:
             raise ValueError("evaluate(metrics=...) needs a criterion: metrics are computed from (outputs, targets)")
         sampler = ShardedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False, pad=False)
         loader = DataLoader(dataset, batch_size=bs, sampler=sampler, collate_fn=collate)
-        module = self.module
+        # Sharded models gather parameters inside forward, a collective: every rank must run as many
+        # forwards as the others, so a rank whose shard is exhausted repeats a batch with weight 0.
+        # Replicated models evaluate the bare module, with no collective per batch.
+        lockstep = self.strategy.collective_forward and ctx.world_size > 1
+        module = self.model if lockstep else self.module
         was_training = module.training
         module.eval()
         names = ["loss", *(metrics or {})]
         sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
+        batches, previous = iter(loader), None
         try:
-            for batch in loader:
+            while True:
+                batch = next(batches, None)
+                if lockstep:
+                    if not self._any_rank_has(batch is not None):
+                        break
+                    if batch is None and previous is None:
+                        batch = next(iter(DataLoader(dataset, batch_size=1, collate_fn=collate)))
+                elif batch is None:
+                    break
+                weight = 1.0
+                if batch is None:
+                    batch, weight = previous, 0.0
+                previous = batch
                 batch = _to_device(batch, self.device)
-                n = _batch_size(batch)
+                n = _batch_size(batch) * weight
                 if criterion is None:
                     values = [_extract_loss(_call(module, batch))]
                 else:

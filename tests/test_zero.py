@@ -264,3 +264,22 @@ def test_sharded_strategies_need_an_optimizer_factory():
 def test_fsdp_strategy_object_accepts_options():
     strategy = FSDPStrategy(reshard_after_forward=False, auto_wrap_policy={nn.Linear})
     assert strategy.fsdp_kwargs["reshard_after_forward"] is False
+
+
+def fsdp_evaluate_worker(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(31, 8, generator=g), torch.randint(0, 3, (31,), generator=g))
+    trainer = DistributedTrainer(model, _opt("sgd"), strategy="zero3")
+    ours = trainer.evaluate(data, F.cross_entropy, batch_size=4)  # shards of 11/10/10: 3 vs 3 batches, uneven sizes
+    trainer.close()
+    x, y = data.tensors
+    with torch.no_grad():
+        return ours["loss"], F.cross_entropy(reference(x), y).item()
+
+
+def test_sharded_evaluate_with_uneven_shards_is_exact():
+    for ours, expected in run_distributed(fsdp_evaluate_worker, 3, timeout=60):
+        assert abs(ours - expected) <= 1e-6, (ours, expected)

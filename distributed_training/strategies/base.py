@@ -31,6 +31,9 @@ class Strategy(abc.ABC):
     #: True when each rank saves its own part of the state (`sharded_state`); False when rank 0 saves
     #: the full model and optimizer state (`model_state_dict` / `optimizer_state_dict`).
     sharded_checkpoint: bool = False
+    #: True when the wrapped model's forward runs collectives (FSDP gathers parameters): every rank must
+    #: then run the same number of forwards, evaluation included.
+    collective_forward: bool = False
 
     @abc.abstractmethod
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:

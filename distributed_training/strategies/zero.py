@@ -49,6 +49,7 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     sharded_checkpoint = True
+    collective_forward = True
 
     def __init__(self, **fsdp_kwargs: Any) -> None:
         self.fsdp_kwargs = fsdp_kwargs
