@@ -1,0 +1,710 @@
+"""Deployment files: the Dockerfile, docker/entrypoint.sh and docker/probe.sh, and the manifests in k8s/.
+
+No Docker engine or cluster is needed. The files are checked with the tools the `dev` extra installs
+(`hadolint`, `kubernetes-validate --strict`) and with structural assertions, and the image's two
+steps that matter at run time are replayed on this machine:
+
+* the install: the build context that .dockerignore lets through is copied to a temporary directory
+  and `pip install`ed, non-editable, into a fresh virtual environment that already sees torch (as the
+  base image does, so pip must not install it again);
+* the entrypoint: docker/entrypoint.sh runs real torchrun jobs with that environment's Python, on one
+  node with two processes and on two "nodes" (two entrypoints on this host) with one process each; the
+  two runs must produce bit-identical models. A rerun after completion must idle instead of training.
+
+Fast cases drive the entrypoint with a stand-in Python that prints the torchrun command it was given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "Dockerfile"
+ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
+PROBE = ROOT / "docker" / "probe.sh"
+K8S = ROOT / "k8s"
+K8S_VERSIONS = ("1.30.0", "1.37.0")  # oldest cluster we claim to support; newest schema the validator ships
+
+# Variables of launchers and of our entrypoint that must not leak from the caller into these runs.
+_SCRUB = re.compile(r"^(DT_|PET_|TORCHELASTIC_)|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
+                    r"ROLE_RANK|MASTER_ADDR|MASTER_PORT)$")
+
+TINY_CONFIG = """\
+model: {{preset: tiny}}
+data: {{dataset: repo_text, block_size: 32}}
+training: {{strategy: ddp, epochs: 1, max_steps: 4, batch_size: 4, lr: 0.002, seed: 0}}
+checkpoint: {{dir: {ckpt}, every: 2}}
+logging: {{dir: null}}
+output: {output}
+"""
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def _tool(name: str) -> str:
+    """A command-line tool of the `dev` extra: next to this Python first, then on PATH; fail if absent."""
+    here = Path(sys.executable).parent / name
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"`{name}` not found: install the dev extra (pip install -e '.[dev]')")
+    return found
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not _SCRUB.match(k)}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    env.update(extra)
+    return env
+
+
+def _run(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _address_in_use(output: str) -> bool:
+    return bool(re.search(r"address already in use|EADDRINUSE|errno: 98", output, re.I))
+
+
+class Node:
+    """One docker/entrypoint.sh process (a "container"), in its own process group."""
+
+    def __init__(self, env: dict[str, str], args: tuple[str, ...] = ()) -> None:
+        self.proc = subprocess.Popen([str(ENTRYPOINT), *args], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.out = self.err = ""
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit status, or None after killing the whole group when `timeout` passes."""
+        try:
+            self.out, self.err = self.proc.communicate(timeout=timeout)
+            return self.proc.returncode
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.out, self.err = self.proc.communicate()
+
+    def report(self) -> str:
+        return f"--- stdout ---\n{self.out}\n--- stderr ---\n{self.err}"
+
+
+def _run_nodes(envs: list[dict[str, str]], timeout: float) -> list[Node]:
+    """Start one entrypoint per env together, wait for all (killing every group at the deadline)."""
+    nodes = [Node(env) for env in envs]
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        if node.wait(max(0.1, deadline - time.monotonic())) is None:
+            for other in nodes:
+                if other.proc.returncode is None:
+                    other.kill()
+            pytest.fail(f"entrypoint(s) still running after {timeout}s:\n" + "\n".join(n.report() for n in nodes))
+    return nodes
+
+
+def _run_job(make_envs, timeout: float = 180) -> list[Node]:
+    """Run a job on a fresh rendezvous port; once more on another port if the first was taken meanwhile."""
+    for attempt in range(2):
+        nodes = _run_nodes(make_envs(f"127.0.0.1:{_free_port()}"), timeout)
+        failed = any(n.proc.returncode != 0 for n in nodes)
+        if not failed or attempt == 1 or not any(_address_in_use(n.out + n.err) for n in nodes):
+            return nodes
+    raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------------------ the build context
+def _dockerignore() -> list[tuple[bool, re.Pattern, str]]:
+    """(negated, regex, pattern) per .dockerignore line, with Docker's matching rules: patterns are
+    cleaned paths relative to the context, `*` and `?` stay within one path element, `**` spans any."""
+    rules = []
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        pattern = os.path.normpath(line[1:].strip() if negated else line).lstrip("/")
+        rx, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                rx, i = rx + "(?:.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                rx, i = rx + ".*", i + 2
+            elif pattern[i] == "*":
+                rx, i = rx + "[^/]*", i + 1
+            elif pattern[i] == "?":
+                rx, i = rx + "[^/]", i + 1
+            elif pattern[i] == "[" and "]" in pattern[i:]:
+                j = pattern.index("]", i)
+                rx, i = rx + pattern[i : j + 1].replace("[!", "[^"), j + 1
+            else:
+                rx, i = rx + re.escape(pattern[i]), i + 1
+        rules.append((negated, re.compile(rx + r"\Z"), pattern))
+    return rules
+
+
+def _excluded(rel: str, rules) -> bool:
+    """Docker: the last rule that matches the path or one of its parent directories decides."""
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[: k + 1]) for k in range(len(parts))]
+    excluded = False
+    for negated, rx, _ in rules:
+        if any(rx.match(p) for p in prefixes):
+            excluded = not negated
+    return excluded
+
+
+def _build_context() -> list[str]:
+    """Files of the repository that `docker build .` would send (relative paths, sorted)."""
+    rules = _dockerignore()
+    files = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        rel_dir = os.path.relpath(dirpath, ROOT)
+        rel_dir = "" if rel_dir == "." else rel_dir
+        keep = []
+        for d in dirnames:
+            rel = f"{rel_dir}/{d}" if rel_dir else d
+            # Skip an excluded directory unless a negated rule could re-include something inside it.
+            reopens = any(neg and (p.startswith(rel + "/") or p.startswith("*")) for neg, _, p in rules)
+            if not _excluded(rel, rules) or reopens:
+                keep.append(d)
+        dirnames[:] = keep
+        for f in filenames:
+            rel = f"{rel_dir}/{f}" if rel_dir else f
+            if not _excluded(rel, rules):
+                files.append(rel)
+    return sorted(files)
+
+
+# ----------------------------------------------------------------------------------- Dockerfile
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined, comments dropped."""
+    out, pending = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        full = pending + line
+        pending = ""
+        name, _, rest = full.partition(" ")
+        out.append((name.upper(), rest.strip()))
+    return out
+
+
+def test_hadolint_passes():
+    result = _run([_tool("hadolint"), "--no-color", "--failure-threshold", "info", str(DOCKERFILE)], timeout=60)
+    assert result.returncode == 0, f"hadolint found problems:\n{result.stdout}{result.stderr}"
+
+
+def test_dockerfile_structure():
+    ins = _instructions()
+    froms = [args for name, args in ins if name == "FROM"]
+    assert len(froms) == 1, froms
+    image = froms[0].split()[0]
+    assert "$" not in image and "@" not in image, image
+    repo, _, tag = image.rpartition(":")
+    assert repo == "pytorch/pytorch", image
+    assert re.fullmatch(r"\d+\.\d+\.\d+-cuda\d+\.\d+-cudnn\d+-runtime", tag), f"not an exact version tag: {image}"
+
+    users = [args for name, args in ins if name == "USER"]
+    assert users, "no USER: the image would run as root"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0") and user.isdigit(), f"last USER must be a numeric non-root id: {users[-1]}"
+    user_index = max(i for i, (name, _) in enumerate(ins) if name == "USER")
+    assert all(name != "RUN" for name, _ in ins[user_index:]), "RUN after USER would run as the non-root user"
+
+    assert any(name == "WORKDIR" for name, _ in ins)
+    exposed = {p.split("/")[0] for name, args in ins if name == "EXPOSE" for p in args.split()}
+    assert {"6006", "29400"} <= exposed, exposed
+
+    entry = [json.loads(args) for name, args in ins if name == "ENTRYPOINT"]
+    assert len(entry) == 1 and isinstance(entry[0], list), "ENTRYPOINT must be in exec (JSON) form"
+    target = entry[0][0]
+    assert target.endswith("docker/entrypoint.sh"), target
+    copies = [args for name, args in ins if name == "COPY" and "docker/entrypoint.sh" in args]
+    assert copies and any(args.split()[-1].rstrip("/") == str(Path(target).parent) for args in copies), \
+        f"entrypoint.sh is not copied to {Path(target).parent}"
+
+    installs = [args for name, args in ins if name == "RUN" and re.search(r"\bpip install\b", args)]
+    assert len(installs) == 1, installs
+    assert "--no-cache-dir" in installs[0]
+    assert not re.search(r"\btorch\b(?!\.)", installs[0].split("&&")[0]), "must not reinstall torch: the base has it"
+    assert any(name == "LABEL" for name, _ in ins)
+    assert any(name == "HEALTHCHECK" for name, _ in ins)
+
+
+def test_scripts_are_executable_bash():
+    for script in (ENTRYPOINT, PROBE):
+        assert script.stat().st_mode & stat.S_IXUSR, f"{script} is not executable"
+        assert script.read_text().startswith("#!/usr/bin/env bash\n")
+        assert "set -euo pipefail" in script.read_text()
+        result = _run(["bash", "-n", str(script)], timeout=30)
+        assert result.returncode == 0, result.stderr
+
+
+def test_dockerignore_context():
+    context = _build_context()
+    for needed in ("pyproject.toml", "README.md", "LICENSE", "distributed_training/__init__.py",
+                   "distributed_training/__main__.py", "distributed_training/cli.py",
+                   "distributed_training/datasets/digits.csv.gz", "docker/entrypoint.sh", "docker/probe.sh"):
+        assert needed in context, f"{needed} is not in the build context"
+    for path in context:
+        top = path.split("/")[0]
+        assert top in ("pyproject.toml", "README.md", "LICENSE", "distributed_training", "docker"), path
+        assert "__pycache__" not in path and not path.endswith(".pyc"), path
+
+
+# -------------------------------------------------------------------------------------- k8s
+def _manifests() -> dict[tuple[str, str], dict]:
+    docs = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                docs[(doc["kind"], doc["metadata"]["name"])] = doc
+    return docs
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_kubernetes_validate_strict(version):
+    files = sorted(str(p) for p in K8S.glob("*.yaml"))
+    assert {Path(f).name for f in files} >= {"service.yaml", "statefulset.yaml", "configmap.yaml",
+                                             "tensorboard.yaml", "networkpolicy.yaml"}
+    result = _run([_tool("kubernetes-validate"), "--strict", "-k", version, *files], timeout=120)
+    assert result.returncode == 0, f"kubernetes-validate failed:\n{result.stdout}{result.stderr}"
+    assert result.stdout.count("passed") == len(files), result.stdout
+
+
+def _env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_k8s_structure():
+    docs = _manifests()
+    sts = next(d for (kind, _), d in docs.items() if kind == "StatefulSet")
+    headless = docs[("Service", sts["spec"]["serviceName"])]
+    pod = sts["spec"]["template"]
+    pod_labels = pod["metadata"]["labels"]
+    spec = pod["spec"]
+
+    # Headless Service: stable DNS for the pods, names published before readiness, rendezvous port.
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"].get("publishNotReadyAddresses") is True
+    assert headless["spec"]["selector"].items() <= pod_labels.items()
+    assert 29400 in [p["port"] for p in headless["spec"]["ports"]]
+
+    # StatefulSet.
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    trainer = next(c for c in spec["containers"] if c["name"] == "trainer")
+    env = _env_of(trainer)
+    assert int(env["DT_NNODES"]["value"]) == sts["spec"]["replicas"] == 2
+    assert env["DT_MASTER_HOST"]["value"] == (
+        f"{sts['metadata']['name']}-0.{headless['metadata']['name']}.$(POD_NAMESPACE).svc.cluster.local")
+    names = list(env)
+    assert names.index("POD_NAMESPACE") < names.index("DT_MASTER_HOST"), "$(POD_NAMESPACE) must be defined first"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["DT_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert 29400 in [p["containerPort"] for p in trainer["ports"]]
+
+    res = trainer["resources"]
+    assert int(res["limits"]["nvidia.com/gpu"]) >= 1
+    assert {"cpu", "memory"} <= res["requests"].keys() and {"cpu", "memory"} <= res["limits"].keys()
+
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in trainer["volumeMounts"]}
+    shm = volumes[mounts["/dev/shm"]["name"]]
+    assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"].get("sizeLimit")
+    config_volume = volumes[mounts["/config"]["name"]]
+    assert mounts["/config"].get("readOnly") is True
+    configmap = docs[("ConfigMap", config_volume["configMap"]["name"])]
+    assert env["DT_CONFIG"]["value"] == "/config/config.yaml" and "config.yaml" in configmap["data"]
+    claims = {t["metadata"]["name"]: t for t in sts["spec"]["volumeClaimTemplates"]}
+    assert mounts["/checkpoints"]["name"] in claims and mounts["/checkpoints"]["name"] not in volumes
+    assert env["DT_CHECKPOINT_DIR"]["value"] == "/checkpoints"
+
+    # Non-root, no privilege escalation, no capabilities; the image's USER is the pod's runAsUser.
+    psc = spec["securityContext"]
+    assert psc["runAsNonRoot"] is True and psc["runAsUser"] == 1000 and psc["fsGroup"] == 1000
+    image_user = [a for n, a in _instructions() if n == "USER"][-1].split(":")[0]
+    assert str(psc["runAsUser"]) == image_user
+    for c in spec["containers"]:
+        csc = c["securityContext"]
+        assert csc["allowPrivilegeEscalation"] is False and csc["capabilities"]["drop"] == ["ALL"], c["name"]
+        assert csc.get("runAsNonRoot", psc["runAsNonRoot"]) is True
+        assert c["resources"]["requests"] and c["resources"]["limits"], c["name"]
+
+    # Probes: exec probes through probe.sh, at the path the Dockerfile copies it to.
+    entry_dir = str(Path(json.loads([a for n, a in _instructions() if n == "ENTRYPOINT"][0])[0]).parent)
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = trainer[kind]["exec"]["command"]
+        assert command[0] == f"{entry_dir}/probe.sh" and command[1] in ("started", "alive"), (kind, command)
+    assert trainer["livenessProbe"]["exec"]["command"][1] == "alive"
+
+    # The job's config: valid for the CLI, and what the brief of the deployment says.
+    from distributed_training.config import load_config
+
+    cfg = load_config(yaml.safe_load(configmap["data"]["config.yaml"]))
+    assert cfg.training.strategy == "zero3" and cfg.model.preset == "gpt2-124m"
+    assert cfg.checkpoint.dir == "/checkpoints" and cfg.logging.dir == "/checkpoints/runs"
+    assert env["DT_LOG_DIR"]["value"] == cfg.logging.dir
+
+    # TensorBoard: a sidecar on the checkpoint volume, a Service in front of pod 0's.
+    tb = next(c for c in spec["containers"] if c["name"] == "tensorboard")
+    assert any(a == f"--logdir={cfg.logging.dir}" for a in tb["args"])
+    tb_port = next(p for p in tb["ports"] if p["containerPort"] == 6006)
+    tb_service = next(d for (kind, _), d in docs.items() if kind == "Service" and d is not headless)
+    port = tb_service["spec"]["ports"][0]
+    assert port["port"] == 6006 and port["targetPort"] == tb_port["name"]
+    selector = dict(tb_service["spec"]["selector"])
+    assert selector.pop("statefulset.kubernetes.io/pod-name") == f"{sts['metadata']['name']}-0"
+    assert selector.items() <= pod_labels.items()
+
+    # NetworkPolicy: rendezvous + the pinned ephemeral range from the job's pods, 6006 from the namespace.
+    policy = next(d for (kind, _), d in docs.items() if kind == "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    rules = policy["spec"]["ingress"]
+    job_rule = next(r for r in rules if any(p["port"] == 29400 for p in r["ports"]))
+    assert [f["podSelector"]["matchLabels"] for f in job_rule["from"]] == [policy["spec"]["podSelector"]["matchLabels"]]
+    ranges = [(p["port"], p["endPort"]) for p in job_rule["ports"] if "endPort" in p]
+    sysctl = {s["name"]: s["value"] for s in psc["sysctls"]}["net.ipv4.ip_local_port_range"]
+    assert ranges == [tuple(int(x) for x in sysctl.split())], (ranges, sysctl)
+    tb_rule = next(r for r in rules if any(p["port"] == 6006 for p in r["ports"]))
+    assert tb_rule["from"] == [{"podSelector": {}}]
+    assert all(p["port"] != 6006 for p in job_rule["ports"])
+
+
+# --------------------------------------------------------------- the image's install, replayed
+@pytest.fixture(scope="module")
+def image_python(tmp_path_factory) -> Path:
+    """A fresh virtual environment holding the package as the Dockerfile installs it; its Python.
+
+    The base image has torch installed; here the environment is given this interpreter's packages
+    (torch among them) through a .pth file, the way --system-site-packages would if torch were
+    installed system-wide, and has no pip of its own. `pip install` then resolves the package's
+    dependencies against them, offline (--no-index), and must install nothing but the package.
+    """
+    base = tmp_path_factory.mktemp("image")
+    src = base / "dtrain-src"  # COPY . /tmp/dtrain-src
+    for rel in _build_context():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, src / rel)
+    venv = base / "venv"
+    result = _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], timeout=120)
+    assert result.returncode == 0, result.stderr
+    python = venv / "bin" / "python"
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                     timeout=60).stdout.strip())
+    outer = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    (site / "_image_base.pth").write_text("".join(f"{p}\n" for p in outer))
+    result = _run([str(python), "-m", "pip", "install", "--no-cache-dir", "--no-index", "--no-build-isolation",
+                   str(src)], timeout=300, env=_clean_env(PIP_DISABLE_PIP_VERSION_CHECK="1"), cwd=base)
+    assert result.returncode == 0, f"pip install failed:\n{result.stdout}\n{result.stderr}"
+    installed = re.search(r"^Successfully installed (.*)$", result.stdout, re.M)
+    assert installed and installed.group(1).split() == ["distributed_training-0.1.0"], result.stdout
+    return python
+
+
+def test_image_install(image_python, tmp_path):
+    code = ("import distributed_training, torch\n"
+            "from distributed_training.datasets import digits\n"
+            "print(distributed_training.__file__)\n"
+            "print(len(digits()))\n")
+    result = _run([str(image_python), "-c", code], timeout=120, cwd=tmp_path, env=_clean_env())
+    assert result.returncode == 0, result.stderr
+    location, n_digits = result.stdout.split()
+    assert Path(location).is_relative_to(image_python.parents[1]), f"imported from {location}, not the venv"
+    assert n_digits == "1797", "package data (digits.csv.gz) missing from the installed package"
+
+
+# ------------------------------------------------------------------------- the entrypoint, real runs
+def _node_env(python: Path, root: Path, name: str, **extra: str) -> dict[str, str]:
+    return _clean_env(
+        DT_PYTHON=str(python),
+        PATH=f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        DT_STATE_DIR=str(root / f"state-{name}"),
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def single_node(image_python, tmp_path_factory):
+    """One node, two processes (world size 2): the reference run. Probes are polled while it trains."""
+    root = tmp_path_factory.mktemp("single")
+    config = root / "job.yaml"
+    config.write_text(TINY_CONFIG.format(ckpt=root / "ckpt", output=root / "final.pt"))
+    probe_env: dict[str, str] = {}
+    started_seen: list[bool] = []
+
+    def make_envs(endpoint):
+        env = _node_env(image_python, root, "node", DT_NNODES="1", DT_NPROC_PER_NODE="2",
+                        DT_RDZV_ENDPOINT=endpoint, DT_CONFIG=str(config), DT_CHECKPOINT_DIR=str(root / "ckpt"),
+                        HOSTNAME="dtrain-0")
+        probe_env.update(env)
+        return [env]
+
+    for attempt in range(2):
+        envs = make_envs(f"127.0.0.1:{_free_port()}")
+        before = _run([str(PROBE), "started"], timeout=30, env=envs[0])
+        node = Node(envs[0])
+        deadline = time.monotonic() + 180
+        while node.proc.poll() is None and time.monotonic() < deadline:
+            probe = _run([str(PROBE), "alive"], timeout=30, env=envs[0])
+            started_seen.append(probe.returncode == 0)
+            time.sleep(0.2)
+        if node.wait(max(0.1, deadline - time.monotonic())) is None:
+            pytest.fail(f"single-node run did not finish within 180s\n{node.report()}")
+        if node.proc.returncode == 0 or attempt == 1 or not _address_in_use(node.out + node.err):
+            break
+    return {"root": root, "config": config, "node": node, "env": probe_env, "probe_before": before,
+            "probe_during": started_seen}
+
+
+def test_single_node_run(single_node):
+    node, root = single_node["node"], single_node["root"]
+    assert node.proc.returncode == 0, node.report()
+    assert "node 0 of 1, 2 process(es)" in node.err, "node rank not derived from HOSTNAME=dtrain-0"
+    assert (root / "ckpt" / "COMPLETED").is_file()
+    assert sorted(p.name for p in (root / "ckpt").glob("step_*")) == ["step_000000002", "step_000000004"]
+    state = torch.load(root / "final.pt", map_location="cpu", weights_only=True)
+    assert state and all(isinstance(v, torch.Tensor) for v in state.values())
+    # probe.sh: not started before the launch, healthy while torchrun ran, healthy (complete) after.
+    assert single_node["probe_before"].returncode == 1 and "not launched" in single_node["probe_before"].stdout
+    assert any(single_node["probe_during"]), "probe.sh never saw the trainer running"
+    after = _run([str(PROBE), "alive"], timeout=30, env=single_node["env"])
+    assert after.returncode == 0, after.stdout
+
+
+def test_completed_run_idles(single_node):
+    assert single_node["node"].proc.returncode == 0, single_node["node"].report()
+    root = single_node["root"]
+    final = root / "final.pt"
+    mtime = final.stat().st_mtime_ns
+    env = dict(single_node["env"], DT_IDLE_CMD="echo idling-now", DT_RDZV_ENDPOINT="127.0.0.1:1")
+    node = Node(env)
+    assert node.wait(60) == 0, node.report()
+    assert "run complete" in node.err and str(root / "ckpt" / "COMPLETED") in node.err, node.report()
+    assert node.out.strip() == "idling-now", node.report()
+    assert "torch.distributed.run" not in node.err, "trained again"
+    assert final.stat().st_mtime_ns == mtime
+
+
+def test_default_idle_stops_on_sigterm(tmp_path):
+    """Without DT_IDLE_CMD a completed node sleeps until stopped, and stops at once on SIGTERM (PID 1)."""
+    (tmp_path / "COMPLETED").touch()
+    node = Node(_clean_env(DT_CHECKPOINT_DIR=str(tmp_path), DT_STATE_DIR=str(tmp_path / "state")))
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in node.proc.stderr], daemon=True).start()
+    try:
+        first = lines.get(timeout=30)  # logged once the SIGTERM trap is in place
+        assert "run complete" in first and "idling until stopped" in first, first
+        time.sleep(0.5)
+        assert node.proc.poll() is None, "the entrypoint should idle, not exit"
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(timeout=10) == 0
+    finally:
+        if node.proc.poll() is None:
+            os.killpg(node.proc.pid, signal.SIGKILL)
+            node.proc.wait(timeout=30)
+
+
+def test_two_nodes_match_one_node(single_node, image_python, tmp_path):
+    assert single_node["node"].proc.returncode == 0, single_node["node"].report()
+    config = single_node["config"]
+    shared = tmp_path / "shared"
+
+    def make_envs(endpoint):
+        # A shared checkpoint.dir and output (as a ReadWriteMany volume would be), a marker dir per node.
+        extra = f"--set checkpoint.dir={shared / 'ckpt'} --set output={shared / 'final.pt'}"
+        return [_node_env(image_python, tmp_path, f"node{r}", DT_NNODES="2", DT_NODE_RANK=str(r),
+                          DT_NPROC_PER_NODE="1", DT_RDZV_ENDPOINT=endpoint, DT_CONFIG=str(config),
+                          DT_CHECKPOINT_DIR=str(tmp_path / f"node{r}"), DT_EXTRA_ARGS=extra,
+                          HOSTNAME=f"dtrain-{r}")
+                for r in range(2)]
+
+    nodes = _run_job(make_envs, timeout=180)
+    for r, node in enumerate(nodes):
+        assert node.proc.returncode == 0, f"node {r}:\n{node.report()}"
+        assert f"node {r} of 2, 1 process(es)" in node.err
+        assert (tmp_path / f"node{r}" / "COMPLETED").is_file(), f"node {r} did not mark the run complete"
+    assert (shared / "ckpt" / "COMPLETED").is_file(), "rank 0 did not write checkpoint.dir/COMPLETED"
+    assert sorted(p.name for p in (shared / "ckpt" / "step_000000004").iterdir()) == ["meta.pt", "rank0.pt", "rank1.pt"]
+
+    two = torch.load(shared / "final.pt", map_location="cpu", weights_only=True)
+    one = torch.load(single_node["root"] / "final.pt", map_location="cpu", weights_only=True)
+    assert two.keys() == one.keys()
+    for name in one:
+        assert torch.equal(two[name], one[name]), f"{name} differs between 2x1 and 1x2 processes"
+
+
+# --------------------------------------------------------- the entrypoint's command line, stubbed
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Stand-in for DT_PYTHON: runs `-c` snippets with the real Python, prints any other command line.
+if [ "$1" = "-c" ]; then exec {python} "$@"; fi
+printf '%s\\n' "$@" > "$FAKE_ARGV"
+if [ -n "${{FAKE_SLEEP:-}}" ]; then
+    trap 'kill $!; exit 143' TERM
+    sleep "$FAKE_SLEEP" > /dev/null 2>&1 &
+    wait
+fi
+exit "${{FAKE_RC:-0}}"
+"""
+
+
+@pytest.fixture
+def fake(tmp_path):
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(FAKE_PYTHON.format(python=sys.executable))
+    python.chmod(0o755)
+    config = tmp_path / "job.yaml"
+    config.write_text("model: {preset: tiny}\n")
+
+    def run(*args: str, timeout: float = 30, **env: str):
+        full = _clean_env(DT_PYTHON=str(python), DT_CONFIG=str(config), DT_CHECKPOINT_DIR=str(tmp_path / "ckpt"),
+                          DT_STATE_DIR=str(tmp_path / "state"), FAKE_ARGV=str(tmp_path / "argv"),
+                          PATH=f"{python.parent}{os.pathsep}/usr/bin:/bin")
+        full.update(env)
+        (tmp_path / "ckpt" / "COMPLETED").unlink(missing_ok=True)  # each call is a fresh run
+        node = Node(full, args)
+        rc = node.wait(timeout)
+        argv_file = tmp_path / "argv"
+        argv = argv_file.read_text().splitlines() if argv_file.exists() else None
+        if argv_file.exists():
+            argv_file.unlink()
+        return rc, argv, node
+
+    run.dir = tmp_path
+    run.config = config
+    run.python = python
+    return run
+
+
+def test_entrypoint_command_defaults(fake):
+    smi = fake.python.parent / "nvidia-smi"  # present but failing, as on a node without a driver: 1 process
+    smi.write_text("#!/usr/bin/env bash\nexit 9\n")
+    smi.chmod(0o755)
+    rc, argv, node = fake(HOSTNAME="dtrain-3")
+    assert rc == 0, node.report()
+    assert argv == ["-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--node-rank=3",
+                    "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:29400", "--rdzv-id=dtrain",
+                    "--max-restarts=3", "-m", "distributed_training", str(fake.config)]
+    assert (fake.dir / "ckpt" / "COMPLETED").is_file(), "a successful torchrun must mark the run complete"
+
+
+def test_entrypoint_command_from_env(fake):
+    smi = fake.python.parent / "nvidia-smi"
+    smi.write_text("#!/usr/bin/env bash\nfor i in 0 1 2 3; do echo \"GPU $i: NVIDIA H100 (UUID: GPU-$i)\"; done\n")
+    smi.chmod(0o755)
+    rc, argv, node = fake("--set", "training.seed=7", HOSTNAME="worker", DT_NNODES="2", DT_MASTER_HOST="dtrain-0.dtrain",
+                          DT_JOB_ID="job-9", DT_MAX_RESTARTS="0",
+                          DT_EXTRA_ARGS="--set training.max_steps=10 --set 'output=/tmp/a b.pt'")
+    assert rc == 0, node.report()
+    assert argv[2:10] == ["--nnodes=2", "--nproc-per-node=4", "--node-rank=0", "--rdzv-backend=c10d",
+                          "--rdzv-endpoint=dtrain-0.dtrain:29400", "--rdzv-id=job-9", "--max-restarts=0", "-m"]
+    assert argv[11:] == [str(fake.config), "--set", "training.max_steps=10", "--set", "output=/tmp/a b.pt",
+                         "--set", "training.seed=7"]
+
+    # torchrun's own PET_* variables come next after ours.
+    rc, argv, node = fake(PET_NNODES="1:4", PET_NPROC_PER_NODE="2", PET_NODE_RANK="5", PET_RDZV_ENDPOINT="h:1234",
+                          PET_MAX_RESTARTS="9", PET_RDZV_ID="pet", DT_NODE_RANK="1")
+    assert rc == 0, node.report()
+    assert argv[2:9] == ["--nnodes=1:4", "--nproc-per-node=2", "--node-rank=1", "--rdzv-backend=c10d",
+                         "--rdzv-endpoint=h:1234", "--rdzv-id=pet", "--max-restarts=9"]
+
+
+def test_entrypoint_failures(fake):
+    rc, argv, node = fake(FAKE_RC="7")
+    assert rc == 7 and argv is not None, node.report()
+    assert not (fake.dir / "ckpt" / "COMPLETED").exists(), "a failed run must not be marked complete"
+    assert "torchrun exited with status 7" in node.err
+
+    rc, argv, node = fake(DT_CONFIG=str(fake.dir / "missing.yaml"))
+    assert rc == 2 and argv is None and "missing.yaml" in node.err, node.report()
+
+    rc, argv, node = fake(DT_EXTRA_ARGS="--set 'unbalanced")
+    assert rc == 2 and argv is None and "DT_EXTRA_ARGS" in node.err, node.report()
+
+
+def test_entrypoint_forwards_sigterm(fake):
+    full_env = _clean_env(DT_PYTHON=str(fake.python), DT_CONFIG=str(fake.config), FAKE_SLEEP="60",
+                          DT_CHECKPOINT_DIR=str(fake.dir / "ckpt"), DT_STATE_DIR=str(fake.dir / "state"),
+                          FAKE_ARGV=str(fake.dir / "argv"))
+    node = Node(full_env)
+    try:
+        deadline = time.monotonic() + 30
+        while not (fake.dir / "state" / "trainer.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pid = int((fake.dir / "state" / "trainer.pid").read_text())
+        time.sleep(0.3)
+        node.proc.send_signal(signal.SIGTERM)
+        rc = node.wait(15)
+    finally:
+        if node.proc.returncode is None:
+            node.kill()
+    assert rc == 143, node.report()
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    assert not (fake.dir / "ckpt" / "COMPLETED").exists()
+
+
+def test_probe_detects_a_stall(tmp_path):
+    """A live torchrun whose logs stopped moving for DT_STALL_SECONDS fails `probe.sh alive`."""
+    fake_torchrun = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "torch.distributed.run"])
+    try:
+        state, logs = tmp_path / "state", tmp_path / "runs" / "rank_0"
+        state.mkdir()
+        logs.mkdir(parents=True)
+        (state / "trainer.pid").write_text(f"{fake_torchrun.pid}\n")
+        (logs / "metrics.jsonl").write_text("{}\n")
+        env = _clean_env(DT_CHECKPOINT_DIR=str(tmp_path / "ckpt"), DT_STATE_DIR=str(state),
+                         DT_LOG_DIR=str(tmp_path / "runs"), DT_STALL_SECONDS="600")
+        assert _run([str(PROBE), "alive"], timeout=30, env=env).returncode == 0
+        old = time.time() - 3600
+        for f in (state / "trainer.pid", logs / "metrics.jsonl"):
+            os.utime(f, (old, old))
+        stalled = _run([str(PROBE), "alive"], timeout=30, env=env)
+        assert stalled.returncode == 1 and "no progress" in stalled.stdout
+        assert _run([str(PROBE), "started"], timeout=30, env=env).returncode == 0, "started ignores stalls"
+        (logs / "metrics.jsonl").touch()
+        assert _run([str(PROBE), "alive"], timeout=30, env=env).returncode == 0
+        (state / "trainer.pid").write_text(f"{os.getpid()}\n")  # alive, but not torchrun
+        assert _run([str(PROBE), "started"], timeout=30, env=env).returncode == 1
+        (tmp_path / "ckpt").mkdir()
+        (tmp_path / "ckpt" / "COMPLETED").touch()
+        assert _run([str(PROBE), "alive"], timeout=30, env=env).returncode == 0, "a completed run is healthy"
+    finally:
+        fake_torchrun.kill()
+        fake_torchrun.wait(timeout=30)
