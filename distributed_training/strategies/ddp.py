@@ -243,6 +243,8 @@ class DDP(nn.Module):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._comm_events.append((start, end))
+            if len(self._comm_events) > 256:  # nobody is reading them: keep a bounded recent window
+                del self._comm_events[:128]
 
     def pop_exposed_comm_seconds(self) -> tuple[float, int]:
         """(seconds, backward passes) of communication left exposed since the last call: the time the
