@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from .amp import DynamicLossScaler
 from .checkpoint import CheckpointManager, load_file, rng_state, save_file, set_rng_state
 from .data import ShardedSampler
 from .monitor import Monitor, NullMonitor
@@ -73,6 +74,9 @@ class DistributedTrainer:
         log_dir: write per-rank TensorBoard and JSONL metrics under ``log_dir/rank_<i>`` during `fit`
             (see `distributed_training.monitor.Monitor`); `log_every` steps apart; ranks slower than
             `straggler_threshold` times the median are flagged; `progress` draws a bar on rank 0.
+        mixed_precision: ``"bf16"``, ``"fp16"`` or None: autocast for forward and loss, fp32 master
+            weights. fp16 uses a `DynamicLossScaler` (ours; pass one to tune it), agreed across ranks.
+            bf16 has fp32's exponent range and needs no scaler: passing one with bf16 is an error.
     """
 
     def __init__(
@@ -97,6 +101,8 @@ class DistributedTrainer:
         log_every: int = 10,
         straggler_threshold: float = 1.5,
         progress: bool = True,
+        mixed_precision: str | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -104,6 +110,13 @@ class DistributedTrainer:
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
             raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}")
+        if mixed_precision not in (None, "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be 'bf16', 'fp16' or None, got {mixed_precision!r}")
+        if loss_scaler is not None and mixed_precision != "fp16":
+            raise ValueError(
+                f"a loss scaler is for fp16 only: with mixed_precision={mixed_precision!r} gradients keep fp32's "
+                "exponent range (bf16 has the same 8 exponent bits), so there is nothing to rescue from underflow"
+            )
         if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
             raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
         if checkpoint_every is not None and checkpoint_dir is None:
@@ -134,6 +147,9 @@ class DistributedTrainer:
         self.batch_in_epoch = 0  # batches of the current epoch already trained (the data position)
         self.checkpoint_every = checkpoint_every
         self.resume = resume
+        self.mixed_precision = mixed_precision
+        self.loss_scaler = loss_scaler if loss_scaler is not None else (
+            DynamicLossScaler(group=self.context.group) if mixed_precision == "fp16" else None)
         self.monitor = (Monitor(os.fspath(log_dir), rank=self.context.rank, world_size=self.context.world_size,
                                 group=self.context.group, log_every=log_every,
                                 straggler_threshold=straggler_threshold, progress=progress)
@@ -182,22 +198,37 @@ class DistributedTrainer:
         for k, (micro, size) in enumerate(micro_batches):
             last = k == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
-                loss = self._loss(micro, criterion)
+                with self._autocast():
+                    loss = self._loss(micro, criterion)
                 # Weight by the micro-batch's share so that the accumulated gradient is the gradient of
                 # the mean loss over the whole batch, even when the batch does not split evenly.
-                (loss * (size / total)).backward()
+                weighted = loss * (size / total)
+                (self.loss_scaler.scale_loss(weighted) if self.loss_scaler else weighted).backward()
             loss_sum += loss.detach().float() * (size / total)
 
         metrics: dict[str, torch.Tensor] = {"loss": loss_sum}
+        if self.loss_scaler is not None:
+            metrics["loss_scale"] = torch.tensor(self.loss_scaler.scale)
+            # Unscale before clipping, so the threshold applies to the true gradients.
+            self.loss_scaler.unscale_(p.grad for p in self.model.parameters())
         if self.gradient_clip_val is not None:
             metrics["grad_norm"] = self.strategy.clip_grad_norm(self.model, self.gradient_clip_val)
         metrics["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
+        if self.loss_scaler is not None:
+            self.loss_scaler.step(self.optimizer, (p.grad for p in self.model.parameters()))
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
         return metrics
+
+    def _autocast(self):
+        if self.mixed_precision is None:
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
 
     def _loss(self, batch: Any, criterion: Criterion | None) -> torch.Tensor:
         if criterion is None:
@@ -462,6 +493,7 @@ class DistributedTrainer:
                 "epoch": self.epoch,
                 "batch_in_epoch": self.batch_in_epoch,
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
                 "world_size": ctx.world_size,
                 "strategy": self.strategy.name,
                 "config": self.config,
@@ -512,6 +544,8 @@ class DistributedTrainer:
             warnings.warn(f"checkpoint {path!r} was written by {meta['world_size']} ranks: RNG states not restored")
         if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
         self.step = int(meta["step"])
         self.epoch = int(meta.get("epoch", 0))
         self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
