@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from .activation import apply_activation_checkpointing
 from .amp import DynamicLossScaler
 from .checkpoint import CheckpointManager, load_file, rng_state, save_file, set_rng_state
 from .data import ShardedSampler
@@ -77,6 +78,9 @@ class DistributedTrainer:
         mixed_precision: ``"bf16"``, ``"fp16"`` or None: autocast for forward and loss, fp32 master
             weights. fp16 uses a `DynamicLossScaler` (ours; pass one to tune it), agreed across ranks.
             bf16 has fp32's exponent range and needs no scaler: passing one with bf16 is an error.
+        activation_checkpointing: module classes (e.g. the transformer block class) or a callable
+            ``(module, name) -> bool`` whose modules are recomputed in backward instead of keeping
+            their activations (non-reentrant).
     """
 
     def __init__(
@@ -103,6 +107,7 @@ class DistributedTrainer:
         progress: bool = True,
         mixed_precision: str | None = None,
         loss_scaler: DynamicLossScaler | None = None,
+        activation_checkpointing: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -139,6 +144,8 @@ class DistributedTrainer:
         self.device = self.context.device
 
         model.to(self.device)
+        if activation_checkpointing is not None:
+            apply_activation_checkpointing(model, activation_checkpointing)
         self.model = strategy.setup_module(model, self.context)
         self.optimizer = strategy.setup_optimizer(optimizer, self.model)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None

@@ -102,3 +102,33 @@ def test_scaler_with_bf16_is_refused():
                            loss_scaler=DynamicLossScaler())
     with pytest.raises(ValueError, match="mixed_precision"):
         DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.1), mixed_precision="fp8")
+
+
+def checkpointing_worker(rank, world, strategy):
+    from distributed_training.models.gpt import Block
+
+    from _models import tiny_gpt
+
+    torch.manual_seed(0)
+    base = tiny_gpt()
+    plain = DistributedTrainer(copy.deepcopy(base), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), strategy=strategy)
+    recompute = DistributedTrainer(copy.deepcopy(base), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                   strategy=strategy, activation_checkpointing={Block})
+    worst = 0.0
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        idx = torch.randint(0, 64, (4, 16), generator=g)
+        for t in (plain, recompute):
+            t.train_step((idx, torch.roll(idx, -1, 1)))
+        a = plain.strategy.model_state_dict(plain.model)
+        b = recompute.strategy.model_state_dict(recompute.model)
+        if a:
+            worst = max(worst, max((a[k] - b[k]).abs().max().item() for k in a))
+    for t in (plain, recompute):
+        t.close()
+    return worst
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_activation_checkpointing_gives_the_same_training(strategy):
+    assert max(run_distributed(checkpointing_worker, 2, args=(strategy,), timeout=120)) <= 1e-6
