@@ -58,6 +58,8 @@ class DDP(nn.Module):
         broadcast_buffers: broadcast rank 0's buffers before each forward that will be followed by a
             synchronised backward.
         bucket_reducer: how one bucket is averaged (see `comm.reduce`); default `AllReduceMean()`.
+        communication: a `CommunicationOptimizer` (compression, ring/tree, hierarchical); it is the
+            bucket reducer then.
         rebuild_buckets: re-bucket after the first iteration in the observed gradient order.
     """
 
@@ -72,6 +74,7 @@ class DDP(nn.Module):
         first_bucket_cap_mb: float = 1.0,
         bucket_reducer: BucketReducer | None = None,
         rebuild_buckets: bool = True,
+        communication: BucketReducer | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -85,6 +88,9 @@ class DDP(nn.Module):
             raise RuntimeError(
                 "DDP needs an initialised process group: call distributed_training.init_distributed() first"
             )
+        if communication is not None and bucket_reducer is not None:
+            raise ValueError("pass either communication= (a CommunicationOptimizer) or bucket_reducer=, not both")
+        bucket_reducer = communication if communication is not None else bucket_reducer
         if bucket_reducer is not None and not callable(bucket_reducer):
             raise TypeError(f"bucket_reducer must be callable, got {type(bucket_reducer).__name__}")
 
@@ -95,6 +101,9 @@ class DDP(nn.Module):
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.bucket_reducer: BucketReducer = bucket_reducer or AllReduceMean()
+        if hasattr(self.bucket_reducer, "setup"):
+            self.bucket_reducer.setup(process_group)  # e.g. node groups for hierarchical all-reduce
+        self._pass_index = getattr(self.bucket_reducer, "wants_bucket_index", False)
         self._cap_bytes = int(bucket_cap_mb * MB)
         self._first_cap_bytes = int(first_bucket_cap_mb * MB)
 
@@ -306,7 +315,10 @@ class DDP(nn.Module):
     def _launch_ready_buckets(self) -> None:
         while self._next_to_launch < len(self._buckets) and self._pending[self._next_to_launch] == 0:
             bucket = self._buckets[self._next_to_launch]
-            self._handles.append(self.bucket_reducer(bucket.buffer, self.process_group))
+            if self._pass_index:
+                self._handles.append(self.bucket_reducer(bucket.buffer, self.process_group, index=bucket.index))
+            else:
+                self._handles.append(self.bucket_reducer(bucket.buffer, self.process_group))
             self._next_to_launch += 1
 
     def _finish_backward(self) -> None:

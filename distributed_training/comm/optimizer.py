@@ -1,0 +1,226 @@
+"""`CommunicationOptimizer`: how DDP's buckets travel — compressed, by hand-built patterns, or hierarchically.
+
+It is a bucket reducer (see `comm/reduce.py`): pass it as `DDP(module, communication=...)`, or call
+`all_reduce_compressed(tensor)` / `hierarchical_all_reduce(tensor, ...)` directly. Compression:
+
+* ``"topk"``: each rank sends only the k = ratio x n largest-magnitude entries of (gradient + residual)
+  as (index, value) pairs. Supports differ between ranks, so the pairs are all-gathered and
+  scatter-added, not all-reduced. With error feedback what was not sent stays in a per-bucket residual
+  and is added to the next step's gradient (sent + residual = accumulated input, exactly). An optional
+  warm-up starts dense and decays the density to `compression_ratio`.
+* ``"bf16"`` / ``"fp16"``: cast, all-reduce, cast back (fp16 divides by the world size first).
+* ``"powersgd"``: rank-r approximation P Q^T of the bucket seen as a matrix, two small all-reduces,
+  warm-started Q, error feedback.
+
+Residuals and PowerSGD's Q are state: `state_dict()` / `load_state_dict()` put them in checkpoints.
+`bytes_sent` counts what this rank put on the wire.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .patterns import hierarchical_all_reduce, ring_all_reduce, tree_all_reduce
+from .reduce import CompletedWork
+
+__all__ = ["CommunicationOptimizer"]
+
+_COMPRESSIONS = (None, "topk", "bf16", "fp16", "powersgd")
+_PATTERNS = ("nccl", "ring", "tree")
+
+
+class CommunicationOptimizer:
+    """Compression, all-reduce pattern and hierarchy for gradient buckets (see the module docstring)."""
+
+    wants_bucket_index = True
+
+    def __init__(self, compression: str | None = None, compression_ratio: float = 0.01, error_feedback: bool = True,
+                 hierarchical: bool = False, ranks_per_node: int | None = None, pattern: str = "nccl",
+                 bucket_size_mb: float = 25.0, enable_overlap: bool = True, powersgd_rank: int = 4,
+                 warmup_steps: int = 0) -> None:
+        if compression not in _COMPRESSIONS:
+            raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}, got {compression!r}")
+        if pattern not in _PATTERNS:
+            raise ValueError(f"pattern must be one of {list(_PATTERNS)}, got {pattern!r}")
+        if not 0 < compression_ratio <= 1:
+            raise ValueError(f"compression_ratio must be in (0, 1], got {compression_ratio!r}")
+        if not isinstance(powersgd_rank, int) or powersgd_rank < 1:
+            raise ValueError(f"powersgd_rank must be an integer >= 1, got {powersgd_rank!r}")
+        if not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
+        if hierarchical and compression is not None:
+            raise ValueError("hierarchical all-reduce and compression cannot be combined yet: choose one")
+        self.compression = compression
+        self.compression_ratio = compression_ratio
+        self.error_feedback = error_feedback
+        self.hierarchical = hierarchical
+        self.ranks_per_node = ranks_per_node
+        self.pattern = pattern
+        self.bucket_size_mb = bucket_size_mb
+        self.enable_overlap = enable_overlap
+        self.powersgd_rank = powersgd_rank
+        self.warmup_steps = warmup_steps
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.powersgd_q: dict[int, torch.Tensor] = {}
+        self.bytes_sent = 0
+        self.steps = 0
+        self._groups: tuple | None = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, group: dist.ProcessGroup | None) -> None:
+        """Create the node groups for hierarchical all-reduce (collective: every rank calls it)."""
+        if self.hierarchical and self._groups is None:
+            from ..strategies.fsdp import make_hybrid_groups
+
+            per_node = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(group)))
+            self._groups = make_hybrid_groups(per_node, group)
+
+    # ------------------------------------------------------------------ DDP's reducer
+    def __call__(self, bucket: torch.Tensor, group: dist.ProcessGroup | None, index: int = 0):
+        world = dist.get_world_size(group)
+        if index == 0:
+            self.steps += 1
+        if world == 1 and self.compression is None:
+            return CompletedWork()
+        if self.compression is None:
+            if self.hierarchical:
+                if self._groups is None:
+                    raise RuntimeError("hierarchical all-reduce needs setup(group) first (DDP calls it)")
+                self.bytes_sent += bucket.numel() * bucket.element_size()
+                hierarchical_all_reduce(bucket, *self._groups)
+                bucket.div_(world)
+                return CompletedWork()
+            if self.pattern == "nccl":
+                from .reduce import AllReduceMean
+
+                self.bytes_sent += bucket.numel() * bucket.element_size()
+                return AllReduceMean()(bucket, group)
+            self.bytes_sent += bucket.numel() * bucket.element_size()
+            (ring_all_reduce if self.pattern == "ring" else tree_all_reduce)(bucket, group)
+            bucket.div_(world)
+            return CompletedWork()
+        self._compressed_mean(bucket, group, index)
+        return CompletedWork()
+
+    def all_reduce_compressed(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                              key: int = -1) -> torch.Tensor:
+        """The mean of `tensor` over `group`, in place, through this optimizer's compression."""
+        if self.compression is None:
+            self(tensor.view(-1), group, key).wait()
+        else:
+            self._compressed_mean(tensor.view(-1), group, key)
+        return tensor
+
+    def hierarchical_all_reduce(self, tensor: torch.Tensor, intra_node_group=None, inter_node_group=None) -> torch.Tensor:
+        """The sum over every rank, through intra-node reduce-scatter, inter-node all-reduce, all-gather."""
+        if intra_node_group is None and inter_node_group is None:
+            if self._groups is None:
+                self.setup(None)
+            intra_node_group, inter_node_group = self._groups
+        return hierarchical_all_reduce(tensor, intra_node_group, inter_node_group)
+
+    # ------------------------------------------------------------------ compression
+    def density(self) -> float:
+        """Fraction of entries Top-K sends now: 1 at the start of warm-up, decaying to the target ratio."""
+        if self.warmup_steps and self.steps <= self.warmup_steps:
+            progress = self.steps / self.warmup_steps
+            return math.exp(math.log(self.compression_ratio) * progress)
+        return self.compression_ratio
+
+    def _compressed_mean(self, flat: torch.Tensor, group, key: int) -> None:
+        world = dist.get_world_size(group)
+        if self.compression in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if self.compression == "bf16" else torch.float16
+            low = (flat / world).to(dtype)  # divide first: fp16 sums of many ranks overflow otherwise
+            self.bytes_sent += low.numel() * low.element_size()
+            if world > 1:
+                dist.all_reduce(low, group=group)
+            flat.copy_(low)
+            return
+        if self.compression == "topk":
+            self._topk_mean(flat, group, key, world)
+        else:
+            self._powersgd_mean(flat, group, key, world)
+
+    def compress_topk(self, flat: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, values) this rank sends for `flat`, updating the error-feedback residual."""
+        acc = flat.float()
+        if self.error_feedback:
+            residual = self.residuals.get(key)
+            if residual is None or residual.shape != acc.shape:
+                residual = torch.zeros_like(acc)
+            acc = acc + residual
+        k = max(1, min(acc.numel(), math.ceil(self.density() * acc.numel())))
+        indices = acc.abs().topk(k, sorted=False).indices
+        values = acc[indices]
+        if self.error_feedback:
+            leftover = acc.clone()
+            leftover[indices] = 0
+            self.residuals[key] = leftover
+        return indices, values
+
+    def _topk_mean(self, flat: torch.Tensor, group, key: int, world: int) -> None:
+        indices, values = self.compress_topk(flat, key)
+        self.bytes_sent += indices.numel() * 4 + values.numel() * values.element_size()  # int32 indices on the wire
+        idx32 = indices.to(torch.int32)
+        if world > 1:
+            all_idx = torch.empty(world * idx32.numel(), dtype=torch.int32, device=flat.device)
+            all_val = torch.empty(world * values.numel(), dtype=values.dtype, device=flat.device)
+            dist.all_gather_into_tensor(all_idx, idx32, group=group)
+            dist.all_gather_into_tensor(all_val, values, group=group)
+        else:
+            all_idx, all_val = idx32, values
+        total = torch.zeros(flat.numel(), dtype=values.dtype, device=flat.device)
+        total.index_add_(0, all_idx.long(), all_val)
+        flat.copy_(total / world)
+
+    def _powersgd_mean(self, flat: torch.Tensor, group, key: int, world: int) -> None:
+        n = flat.numel()
+        cols = max(1, int(math.sqrt(n)))
+        rows = -(-n // cols)
+        r = min(self.powersgd_rank, rows, cols)
+        matrix = torch.zeros(rows * cols, dtype=torch.float32, device=flat.device)
+        matrix[:n] = flat.float()
+        if self.error_feedback:
+            residual = self.residuals.get(key)
+            if residual is not None and residual.numel() == rows * cols:
+                matrix += residual
+        m = matrix.view(rows, cols)
+        q = self.powersgd_q.get(key)
+        if q is None or q.shape != (cols, r):
+            g = torch.Generator(device="cpu").manual_seed(1234 + key)  # same start on every rank
+            q = torch.randn(cols, r, generator=g).to(flat.device)
+        p = m @ q
+        if world > 1:
+            dist.all_reduce(p, group=group)
+        p, _ = torch.linalg.qr(p)
+        q = m.t() @ p
+        if world > 1:
+            dist.all_reduce(q, group=group)
+        q = q / world
+        self.bytes_sent += (p.numel() + q.numel()) * 4
+        approx = p @ q.t()  # the mean over ranks of the rank-r approximation
+        if self.error_feedback:
+            # What the rank-r subspace misses of this rank's own matrix is fed back next step.
+            self.residuals[key] = (m - p @ (p.t() @ m)).reshape(-1)
+        self.powersgd_q[key] = q
+        flat.copy_(approx.reshape(-1)[:n])
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {k: v.cpu() for k, v in self.residuals.items()},
+                "powersgd_q": {k: v.cpu() for k, v in self.powersgd_q.items()},
+                "steps": self.steps, "bytes_sent": self.bytes_sent}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = {int(k): v for k, v in state.get("residuals", {}).items()}
+        self.powersgd_q = {int(k): v for k, v in state.get("powersgd_q", {}).items()}
+        self.steps = int(state.get("steps", 0))
+        self.bytes_sent = int(state.get("bytes_sent", 0))

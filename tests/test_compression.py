@@ -1,0 +1,111 @@
+"""CommunicationOptimizer: exact where it must be exact, within tolerance where it compresses."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed_training import DDP, CommunicationOptimizer
+from distributed_training.testing import run_distributed
+
+from _models import MLP
+
+
+def ddp_compare_worker(rank, world, options):
+    torch.manual_seed(0)
+    base = MLP()
+    dense = DDP(copy.deepcopy(base))
+    comm = CommunicationOptimizer(**options)
+    compressed = DDP(copy.deepcopy(base), communication=comm, bucket_cap_mb=0.001)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (dense, compressed)]
+    worst = 0.0
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        x, y = torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
+        for model, opt in zip((dense, compressed), opts):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        worst = max(worst, max((a - b).abs().max().item() for a, b in zip(dense.parameters(), compressed.parameters())))
+    return worst, comm.bytes_sent
+
+
+@pytest.mark.parametrize(
+    "world, options, tol",
+    [
+        (3, {"compression": "topk", "compression_ratio": 1.0}, 1e-6),   # k = n: the dense mean, exactly
+        (3, {"pattern": "ring"}, 1e-6),
+        (2, {"pattern": "tree"}, 1e-6),
+        (4, {"hierarchical": True, "ranks_per_node": 2}, 1e-6),
+        (2, {"compression": "bf16"}, 2e-2),
+        (2, {"compression": "fp16"}, 5e-3),
+    ],
+)
+def test_ddp_with_communication_optimizer_matches_dense(world, options, tol):
+    for worst, sent in run_distributed(ddp_compare_worker, world, args=(options,), timeout=120):
+        assert worst <= tol, (options, worst)
+        assert sent > 0
+
+
+def test_error_feedback_invariant():
+    comm = CommunicationOptimizer("topk", compression_ratio=0.05)
+    g = torch.Generator().manual_seed(0)
+    total_in = torch.zeros(1000, dtype=torch.float64)
+    total_sent = torch.zeros(1000, dtype=torch.float64)
+    for _ in range(60):
+        grad = torch.randn(1000, generator=g)
+        before = comm.residuals.get(7, torch.zeros(1000)).clone()
+        idx, vals = comm.compress_topk(grad, key=7)
+        sent = torch.zeros(1000).index_add_(0, idx, vals)
+        assert idx.numel() == 50
+        # Each step: what was sent plus what is kept equals the input plus what was kept before.
+        assert torch.equal(sent + comm.residuals[7], grad + before)
+        total_in += grad.double()
+        total_sent += sent.double()
+    assert torch.allclose(total_sent + comm.residuals[7].double(), total_in, atol=1e-4)
+
+
+def test_topk_bytes_and_warmup():
+    comm = CommunicationOptimizer("topk", compression_ratio=0.01, warmup_steps=4)
+    x = torch.randn(10000)
+    densities = []
+    for _ in range(6):
+        comm.steps += 1
+        densities.append(comm.density())
+    assert densities[0] > 0.3 and abs(densities[3] - 0.01) < 1e-9 and densities[-1] == 0.01
+    comm = CommunicationOptimizer("topk", compression_ratio=0.01)
+    comm._topk_mean(x.clone(), None, 0, 1)
+    assert comm.bytes_sent == 100 * (4 + 4)
+
+
+def powersgd_worker(rank, world):
+    torch.manual_seed(0)
+    model = DDP(MLP(), communication=CommunicationOptimizer("powersgd", powersgd_rank=2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+    losses = []
+    for _ in range(30):
+        loss = F.mse_loss(model(x[rank::world]), y[rank::world])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    replicas_equal = [p.detach().clone() for p in model.parameters()]
+    return losses, replicas_equal
+
+
+def test_powersgd_trains_and_keeps_replicas_identical():
+    (l0, p0), (l1, p1) = run_distributed(powersgd_worker, 2, timeout=90)
+    assert l0[-1] < l0[0] * 0.8, l0
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+@pytest.mark.parametrize("kwargs, field", [({"compression": "gzip"}, "compression"), ({"pattern": "star"}, "pattern"),
+                                           ({"compression_ratio": 0}, "compression_ratio")])
+def test_bad_arguments(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        CommunicationOptimizer(**kwargs)
