@@ -27,7 +27,8 @@ config sections (every field optional; see distributed_training/config.py):
   data:           dataset (repo_text|digits), block_size, val_fraction
   training:       strategy (ddp|zero1|zero2|zero3|fsdp), epochs, max_steps, batch_size, lr,
                   weight_decay, gradient_accumulation_steps, gradient_clip_val, precision, seed, timeout_s
-  communication:  bucket_cap_mb, compression, pattern
+  communication:  bucket_cap_mb, compression (none|topk|bf16|fp16|powersgd), compression_ratio,
+                  error_feedback, pattern (nccl|ring|tree), hierarchical, ranks_per_node
   checkpoint:     dir, every, keep_last        (a restarted job resumes from dir)
   logging:        dir, every, progress
   output:         path where rank 0 saves the final model state
@@ -94,10 +95,20 @@ def run_job(cfg: JobConfig) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     t = cfg.training
     strategy = t.strategy
-    if strategy == "ddp":
-        from .strategies import DDPStrategy
+    c = cfg.communication
+    communication = None
+    if c.compression != "none" or c.pattern != "nccl" or c.hierarchical:
+        from .comm.optimizer import CommunicationOptimizer
 
-        strategy = DDPStrategy(bucket_cap_mb=cfg.communication.bucket_cap_mb)
+        communication = CommunicationOptimizer(
+            None if c.compression == "none" else c.compression, compression_ratio=c.compression_ratio,
+            error_feedback=c.error_feedback, pattern=c.pattern, hierarchical=c.hierarchical,
+            ranks_per_node=c.ranks_per_node)
+    if strategy in ("ddp", "zero1"):
+        from .strategies import DDPStrategy, Zero1Strategy
+
+        cls = DDPStrategy if strategy == "ddp" else Zero1Strategy
+        strategy = cls(bucket_cap_mb=c.bucket_cap_mb, communication=communication)
     lr, wd = t.lr, t.weight_decay
     trainer = DistributedTrainer(
         model, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=wd), strategy=strategy,

@@ -65,9 +65,14 @@ class TrainingConfig:
 @dataclass
 class CommunicationConfig:
     bucket_cap_mb: float = 25.0
-    compression: Literal["none"] = "none"
-    """Only "none" until the CommunicationOptimizer lands."""
-    pattern: Literal["nccl"] = "nccl"
+    compression: Literal["none", "topk", "bf16", "fp16", "powersgd"] = "none"
+    """Gradient compression for the DDP-based strategies (ddp, zero1)."""
+    compression_ratio: float = 0.01
+    """Top-K density."""
+    error_feedback: bool = True
+    pattern: Literal["nccl", "ring", "tree"] = "nccl"
+    hierarchical: bool = False
+    ranks_per_node: int | None = None
 
 
 @dataclass
@@ -111,7 +116,14 @@ class JobConfig:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.data.val_fraction!r}")
         if not 0.0 <= self.model.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.model.dropout!r}")
-        _positive_float("communication.bucket_cap_mb", self.communication.bucket_cap_mb)
+        c = self.communication
+        _positive_float("communication.bucket_cap_mb", c.bucket_cap_mb)
+        if not 0 < c.compression_ratio <= 1:
+            raise ConfigError(f"communication.compression_ratio must be in (0, 1], got {c.compression_ratio!r}")
+        custom = c.compression != "none" or c.pattern != "nccl" or c.hierarchical
+        if custom and t.strategy not in ("ddp", "zero1"):
+            raise ConfigError(f"communication.compression / pattern / hierarchical apply to training.strategy ddp or "
+                              f"zero1, not {t.strategy!r}")
         if self.checkpoint.every is not None:
             _positive_int("checkpoint.every", self.checkpoint.every)
             if self.checkpoint.dir is None:

@@ -81,6 +81,8 @@ class DistributedTrainer:
         activation_checkpointing: module classes (e.g. the transformer block class) or a callable
             ``(module, name) -> bool`` whose modules are recomputed in backward instead of keeping
             their activations (non-reentrant).
+        communication: a `CommunicationOptimizer` (Top-K, bf16/fp16, PowerSGD, ring/tree, hierarchical)
+            for the DDP-based strategies ``"ddp"`` and ``"zero1"``; its residuals are checkpointed.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class DistributedTrainer:
         mixed_precision: str | None = None,
         loss_scaler: DynamicLossScaler | None = None,
         activation_checkpointing: Any = None,
+        communication: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -128,6 +131,16 @@ class DistributedTrainer:
             raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
         self.checkpoints = (CheckpointManager(checkpoint_dir, keep_last=keep_last, best_metric=best_metric,
                                               best_mode=best_mode) if checkpoint_dir is not None else None)
+        if communication is not None:
+            if strategy == "ddp":
+                strategy = DDPStrategy(communication=communication)
+            elif strategy == "zero1":
+                strategy = Zero1Strategy(communication=communication)
+            else:
+                raise ValueError(
+                    f"communication= applies to strategy 'ddp' or 'zero1' (gradient all-reduce), got {strategy!r}; "
+                    "for a Strategy object, pass communication= to it"
+                )
         if isinstance(strategy, str):
             if strategy not in _STRATEGIES:
                 raise ValueError(f"strategy must be one of {sorted(_STRATEGIES)} or a Strategy object, got {strategy!r}")
@@ -484,6 +497,9 @@ class DistributedTrainer:
         path = os.fspath(path)
         ctx = self.context
         part: dict[str, Any] = {"rng": rng_state()}
+        reducer = getattr(self.model, "bucket_reducer", None)
+        if hasattr(reducer, "state_dict"):
+            part["communication"] = reducer.state_dict()  # per-rank: error-feedback residuals differ by rank
         if self.strategy.sharded_checkpoint:
             part.update(self.strategy.sharded_state(self.model, self.optimizer))
         elif ctx.is_main:
@@ -547,6 +563,9 @@ class DistributedTrainer:
             self.model.set_bucket_groups(meta["ddp_bucket_groups"])
         if int(meta["world_size"]) == ctx.world_size:
             set_rng_state(read(ctx.rank)["rng"])
+            reducer = getattr(self.model, "bucket_reducer", None)
+            if hasattr(reducer, "load_state_dict") and "communication" in read(ctx.rank):
+                reducer.load_state_dict(read(ctx.rank)["communication"])
         else:
             warnings.warn(f"checkpoint {path!r} was written by {meta['world_size']} ranks: RNG states not restored")
         if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:

@@ -33,7 +33,8 @@ def _run(args, timeout=180, **kw):
         ({"model": {"preset": "gpt-7b"}}, "model.preset"),
         ({"data": {"val_fraction": 1.5}}, "data.val_fraction"),
         ({"checkpoint": {"every": 10}}, "checkpoint.every"),
-        ({"communication": {"compression": "topk"}}, "communication.compression"),
+        ({"communication": {"compression": "gzip"}}, "communication.compression"),
+        ({"training": {"strategy": "zero3"}, "communication": {"compression": "topk"}}, "communication.compression"),
         ({"training": "fast"}, "training"),
     ],
 )

@@ -143,3 +143,31 @@ def test_topk_one_percent_converges_with_error_feedback():
            for mode in ("dense", "topk_ef", "topk_no_ef")}
     assert acc["topk_ef"] >= acc["dense"] - 0.01, acc
     assert acc["topk_no_ef"] <= acc["topk_ef"] - 0.01, acc
+
+
+def residual_checkpoint_worker(rank, world, path):
+    from distributed_training import DistributedTrainer
+
+    def make():
+        torch.manual_seed(0)
+        return DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="ddp",
+                                  communication=CommunicationOptimizer("topk", compression_ratio=0.1))
+
+    trainer = make()
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        trainer.train_step((torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)), F.mse_loss)
+    trainer.save_checkpoint(path)
+    saved = {k: v.clone() for k, v in trainer.model.bucket_reducer.residuals.items()}
+    trainer.close()
+    resumed = make()
+    resumed.load_checkpoint(path)
+    loaded = resumed.model.bucket_reducer.residuals
+    same = saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    resumed.close()
+    return same, sum(v.abs().sum().item() for v in saved.values())
+
+
+def test_error_feedback_residuals_are_checkpointed(tmp_path):
+    for same, magnitude in run_distributed(residual_checkpoint_worker, 2, args=(str(tmp_path / "ck"),), timeout=90):
+        assert same and magnitude > 0
