@@ -66,24 +66,26 @@ class DistributedContext:
             else:
                 dist.barrier(group=self.group)
 
-    def shutdown(self) -> None:
+    def shutdown(self, barrier: bool = True) -> None:
         """Destroy the process group if this context created it. Safe to call twice.
 
         Ranks meet at a barrier first: a rank that tears its connections down while a peer is still
         finishing a collective makes the peer's communication thread abort the process."""
         if self.owns_process_group and dist.is_initialized():
-            try:
-                self.barrier()
-            except RuntimeError:
-                pass  # a peer is already gone: nothing left to wait for
+            if barrier:
+                try:
+                    self.barrier()
+                except RuntimeError:
+                    pass  # a peer is already gone: nothing left to wait for
             dist.destroy_process_group()
         self.owns_process_group = False
 
     def __enter__(self) -> "DistributedContext":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type, *exc) -> None:
+        # Leaving on an error, peers may never reach the barrier: do not wait for them.
+        self.shutdown(barrier=exc_type is None)
 
 
 def _env_int(name: str, default: int) -> int:

@@ -606,18 +606,18 @@ class DistributedTrainer:
         return f"{where}; every rank reached step {self.step + 1}, so a rank is stuck inside it. Cause: {err}"
 
     # -------------------------------------------------------------- teardown
-    def close(self) -> None:
+    def close(self, barrier: bool = True) -> None:
         """Remove the strategy's hooks and, if the trainer created it, destroy the process group."""
         self.monitor.close()
         self.strategy.teardown(self.model)
         if self._owns_context:
-            self.context.shutdown()
+            self.context.shutdown(barrier=barrier)
 
     def __enter__(self) -> "DistributedTrainer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(barrier=exc_type is None)
 
 
 class CollectiveTimeoutError(RuntimeError):
