@@ -83,6 +83,8 @@ class DistributedTrainer:
             their activations (non-reentrant).
         communication: a `CommunicationOptimizer` (Top-K, bf16/fp16, PowerSGD, ring/tree, hierarchical)
             for the DDP-based strategies ``"ddp"`` and ``"zero1"``; its residuals are checkpointed.
+        memory_budget_bytes: with ``strategy="auto"``, the per-rank memory to plan for (default: the
+            GPU's total memory, or the host's on CPU). The chosen plan and its reason are in `self.plan`.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class DistributedTrainer:
         loss_scaler: DynamicLossScaler | None = None,
         activation_checkpointing: Any = None,
         communication: Any = None,
+        memory_budget_bytes: float | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -141,9 +144,12 @@ class DistributedTrainer:
                     f"communication= applies to strategy 'ddp' or 'zero1' (gradient all-reduce), got {strategy!r}; "
                     "for a Strategy object, pass communication= to it"
                 )
+        self.plan = None
+        if strategy == "auto":
+            strategy, self.plan = _auto_strategy(model, memory_budget_bytes)
         if isinstance(strategy, str):
             if strategy not in _STRATEGIES:
-                raise ValueError(f"strategy must be one of {sorted(_STRATEGIES)} or a Strategy object, got {strategy!r}")
+                raise ValueError(f"strategy must be one of {sorted(_STRATEGIES) + ['auto']} or a Strategy object, got {strategy!r}")
             strategy = _STRATEGIES[strategy]()
         elif not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a name or a Strategy object, got {type(strategy).__name__}")
@@ -618,6 +624,31 @@ class DistributedTrainer:
 
     def __exit__(self, exc_type, *exc) -> None:
         self.close(barrier=exc_type is None)
+
+
+def _auto_strategy(model: nn.Module, budget: float | None):
+    """Pick a strategy from the planner's memory estimates (see `distributed_training.planner`)."""
+    import logging
+
+    from .planner import choose_strategy
+
+    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    if budget is None:
+        if torch.cuda.is_available():
+            budget = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
+        else:
+            import psutil
+
+            budget = psutil.virtual_memory().total / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    params = sum(p.numel() for p in model.parameters())
+    blocks = [sum(p.numel() for p in child.parameters()) for m in model.modules() if isinstance(m, nn.ModuleList)
+              for child in m]
+    plan = choose_strategy(params, world, budget, largest_unit_params=max(blocks) if blocks else params)
+    logging.getLogger("distributed_training").info("strategy='auto' chose %s%s: %s", plan.strategy,
+                                                    " with CPU offload" if plan.cpu_offload else "", plan.reason)
+    if plan.strategy == "ddp":
+        return DDPStrategy(), plan
+    return FSDPStrategy(reshard_after_forward=plan.strategy == "zero3", cpu_offload=plan.cpu_offload), plan
 
 
 class CollectiveTimeoutError(RuntimeError):

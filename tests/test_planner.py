@@ -57,3 +57,29 @@ def test_batch_search_recovers_from_out_of_memory():
 
     assert find_max_batch_size(try_batch) == 37
     assert max(tried) <= 64
+
+
+def auto_worker(rank, world, budget):
+    from distributed_training import DistributedTrainer
+
+    from _models import tiny_gpt
+
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="auto",
+                                 memory_budget_bytes=budget)
+    idx = torch.randint(0, 64, (2, 16))
+    trainer.train_step((idx, idx))
+    result = (trainer.plan.strategy, trainer.plan.cpu_offload, trainer.strategy.name, trainer.plan.reason)
+    trainer.close()
+    return result
+
+
+def test_trainer_auto_strategy_follows_the_plan():
+    from distributed_training.testing import run_distributed
+
+    params = 64 * 32 + 16 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32  # about 30k parameters: 0.5 MB of state
+    roomy = run_distributed(auto_worker, 2, args=(1e9,))[0]
+    assert roomy[:3] == ("ddp", False, "ddp"), roomy
+    tight = run_distributed(auto_worker, 2, args=(16 * params * 0.6,))[0]
+    assert tight[0] in ("zero2", "zero3") and tight[2] == "fsdp", tight
