@@ -31,6 +31,16 @@ def _segments(t: torch.Tensor, segment_bytes: int) -> list[torch.Tensor]:
     return [t[i : i + per] for i in range(0, t.numel(), per)] if t.numel() else []
 
 
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
+
+
+def _write_back(flat: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    if flat.data_ptr() != tensor.data_ptr():  # a non-contiguous input was reduced in a copy
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                     segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> torch.Tensor:
     """Sum `tensor` over `group` in place with a ring of point-to-point messages."""
@@ -38,7 +48,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     if world == 1 or tensor.numel() == 0:
         return tensor
     rank = dist.get_rank(group)
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
+    flat = _flat(tensor)
     chunks = list(torch.tensor_split(flat, world))  # uneven lengths are fine: sizes differ by at most one
     nxt, prv = _global(group, (rank + 1) % world), _global(group, (rank - 1) % world)
     # Reduce-scatter: after W-1 steps rank r holds the full sum of chunk (r + 1) % W.
@@ -53,9 +63,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         send_c = chunks[(rank + 1 - step) % world]
         recv_c = chunks[(rank - step) % world]
         _exchange(send_c, nxt, recv_c, prv, group, segment_bytes)
-    if flat.data_ptr() != tensor.data_ptr():
-        tensor.copy_(flat.view_as(tensor))
-    return tensor
+    return _write_back(flat, tensor)
 
 
 def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group, segment_bytes: int) -> None:
@@ -82,7 +90,7 @@ def tree_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     if world == 1 or tensor.numel() == 0:
         return tensor
     rank = dist.get_rank(group)
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
+    flat = _flat(tensor)
     children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < world]
     parent = (rank - 1) // 2 if rank else None
     for seg in _segments(flat, segment_bytes):
@@ -97,9 +105,7 @@ def tree_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         sends = [dist.isend(seg, _global(group, c), group) for c in children]
         for w in sends:
             w.wait()
-    if flat.data_ptr() != tensor.data_ptr():
-        tensor.copy_(flat.view_as(tensor))
-    return tensor
+    return _write_back(flat, tensor)
 
 
 def hierarchical_all_reduce(tensor: torch.Tensor, intra_node_group: dist.ProcessGroup | None,
