@@ -1,7 +1,5 @@
 """`python -m distributed_training CONFIG.yaml`: the same as the `dtrain` command."""
 
-import sys
+from .cli import entry
 
-from .cli import main
-
-sys.exit(main())
+entry()

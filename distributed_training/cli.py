@@ -164,5 +164,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """The `dtrain` command: `main`, then leave without running the interpreter's finalizers.
+
+    By the time `main` returns, the checkpoint, the output and the logs are written and closed and the
+    process group is destroyed. What remains is interpreter and C++ static teardown, where a
+    communication library's background thread can still be joinable and abort the process
+    ("terminate called without an active exception"). Under torchrun such an abort after a finished
+    job makes the agent restart the worker, which then waits for peers that have already left.
+    """
+    code = 1
+    try:
+        code = main()
+    except SystemExit as stop:  # argparse errors and --help
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
