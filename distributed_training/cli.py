@@ -25,8 +25,9 @@ _EPILOG = """\
 config sections (every field optional; see distributed_training/config.py):
   model:          preset (tiny|small|gpt2-124m|gpt-1.3b|classifier), n_layer, n_embd, dropout
   data:           dataset (repo_text|digits), block_size, val_fraction
-  training:       strategy (ddp|zero1|zero2|zero3|fsdp), epochs, max_steps, batch_size, lr,
-                  weight_decay, gradient_accumulation_steps, gradient_clip_val, precision, seed, timeout_s
+  training:       strategy (ddp|zero1|zero2|zero3|fsdp|auto), epochs, max_steps, batch_size (or auto), lr,
+                  weight_decay, gradient_accumulation_steps, gradient_clip_val, precision (fp32|bf16|fp16),
+                  activation_checkpointing, memory_budget_gb, seed, timeout_s
   communication:  bucket_cap_mb, compression (none|topk|bf16|fp16|powersgd), compression_ratio,
                   error_feedback, pattern (nccl|ring|tree), hierarchical, ranks_per_node
   checkpoint:     dir, every, keep_last        (a restarted job resumes from dir)
@@ -116,6 +117,9 @@ def run_job(cfg: JobConfig) -> dict:
         timeout=t.timeout_s, seed=t.seed, checkpoint_dir=cfg.checkpoint.dir, checkpoint_every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last, log_dir=cfg.logging.dir, log_every=cfg.logging.every,
         progress=cfg.logging.progress and cfg.logging.dir is not None,
+        mixed_precision=None if t.precision == "fp32" else t.precision,
+        activation_checkpointing=_block_classes(model) if t.activation_checkpointing else None,
+        memory_budget_bytes=t.memory_budget_gb * 2**30 if t.memory_budget_gb is not None else None,
     )
     ctx = trainer.context
     try:
@@ -123,11 +127,19 @@ def run_job(cfg: JobConfig) -> dict:
             print(f"dtrain: {type(trainer.module).__name__} with {n_params:,} "
                   f"parameters, strategy {trainer.strategy.name}, world size {ctx.world_size} on {ctx.device}, "
                   f"{len(train):,} training samples", flush=True)
+        if t.batch_size == "auto" and trainer.batch_size is None and not _resuming(trainer):
+            trainer.auto_batch_size(train, criterion)
+            if ctx.is_main:
+                print(f"dtrain: batch_size auto -> {trainer.batch_size} per rank ({trainer.batch_size_reason})", flush=True)
+        if trainer.plan is not None and ctx.is_main:
+            print(f"dtrain: strategy auto -> {trainer.plan.strategy}"
+                  f"{' with CPU offload' if trainer.plan.cpu_offload else ''} ({trainer.plan.reason})", flush=True)
         trainer.fit(train, epochs=t.epochs, criterion=criterion, batch_size=t.batch_size, max_steps=t.max_steps,
                     log_every=cfg.logging.every,
                     on_step=(lambda step, m: print(f"step {step:6d} | loss {m['loss']:.4f}", flush=True))
                     if ctx.is_main else None)
-        metrics = trainer.evaluate(val, criterion, batch_size=t.batch_size) if len(val) else {}
+        eval_batch = trainer.batch_size if t.batch_size == "auto" else t.batch_size
+        metrics = trainer.evaluate(val, criterion, batch_size=eval_batch) if len(val) else {}
         state = trainer.strategy.model_state_dict(trainer.model)
         if ctx.is_main:
             print(f"dtrain: finished at step {trainer.step}, validation loss {metrics.get('loss', math.nan):.4f}",
@@ -142,6 +154,18 @@ def run_job(cfg: JobConfig) -> dict:
         return metrics if ctx.is_main else {}
     finally:
         trainer.close()
+
+
+def _block_classes(model: nn.Module) -> tuple[type, ...]:
+    """The classes of the repeated blocks (children of any ModuleList): what activation checkpointing wraps."""
+    found = {type(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
+    if not found:
+        raise ConfigError(f"training.activation_checkpointing: {type(model).__name__} has no repeated blocks to checkpoint")
+    return tuple(found)
+
+
+def _resuming(trainer) -> bool:
+    return trainer.checkpoints is not None and trainer.resume and trainer.checkpoints.latest_good() is not None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,17 +46,24 @@ class DataConfig:
 
 @dataclass
 class TrainingConfig:
-    strategy: Literal["ddp", "zero1", "zero2", "zero3", "fsdp"] = "ddp"
+    strategy: Literal["ddp", "zero1", "zero2", "zero3", "fsdp", "auto"] = "ddp"
+    """``auto``: the planner picks DDP, ZeRO-2 or ZeRO-3 (+ CPU offload) from memory estimates."""
     epochs: int = 1
     max_steps: int | None = None
-    batch_size: int = 16
-    """Samples per rank per optimizer step."""
+    batch_size: int | Literal["auto"] = 16
+    """Samples per rank per optimizer step; ``auto``: the largest that fits (probed on GPUs, estimated
+    against ``memory_budget_gb`` on CPU and for sharded strategies)."""
     lr: float = 2e-3
     weight_decay: float = 0.0
     gradient_accumulation_steps: int = 1
     gradient_clip_val: float | None = 1.0
-    precision: Literal["fp32"] = "fp32"
-    """Only fp32 until the mixed-precision trainer lands."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """bf16 / fp16: autocast with fp32 master weights; fp16 adds our dynamic loss scaler."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in backward instead of keeping its activations."""
+    memory_budget_gb: float | None = None
+    """Per-rank memory that strategy=auto and batch_size=auto plan for (default: the GPU's, or this
+    process's share of the host's)."""
     seed: int = 0
     timeout_s: float = 600.0
     """Collective timeout."""
@@ -103,7 +110,11 @@ class JobConfig:
     def __post_init__(self) -> None:
         t = self.training
         _positive_int("training.epochs", t.epochs, allow_zero=True)
-        _positive_int("training.batch_size", t.batch_size)
+        if t.batch_size != "auto" and (not isinstance(t.batch_size, int) or isinstance(t.batch_size, bool)
+                                       or t.batch_size < 1):
+            raise ConfigError(f"training.batch_size must be an integer >= 1 or 'auto', got {t.batch_size!r}")
+        if t.memory_budget_gb is not None:
+            _positive_float("training.memory_budget_gb", t.memory_budget_gb)
         _positive_int("training.gradient_accumulation_steps", t.gradient_accumulation_steps)
         if t.max_steps is not None:
             _positive_int("training.max_steps", t.max_steps)
@@ -121,7 +132,7 @@ class JobConfig:
         if not 0 < c.compression_ratio <= 1:
             raise ConfigError(f"communication.compression_ratio must be in (0, 1], got {c.compression_ratio!r}")
         custom = c.compression != "none" or c.pattern != "nccl" or c.hierarchical
-        if custom and t.strategy not in ("ddp", "zero1"):
+        if custom and t.strategy not in ("ddp", "zero1"):  # "auto" may pick a sharded strategy
             raise ConfigError(f"communication.compression / pattern / hierarchical apply to training.strategy ddp or "
                               f"zero1, not {t.strategy!r}")
         if self.checkpoint.every is not None:

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["Plan", "choose_strategy", "activation_bytes_per_sample", "max_batch_size_for_budget",
+__all__ = ["Plan", "choose_strategy", "state_bytes", "activation_bytes_per_sample", "max_batch_size_for_budget",
            "find_max_batch_size"]
 
 GIB = 2**30
@@ -46,15 +46,11 @@ def choose_strategy(num_params: int, world_size: int, device_bytes: float, *, ac
         raise ValueError("num_params, world_size and device_bytes must be positive")
     if not 0 < headroom <= 1:
         raise ValueError(f"headroom must be in (0, 1], got {headroom}")
-    p, n = float(num_params), float(world_size)
-    unit = float(largest_unit_params if largest_unit_params is not None else max(1, num_params // 12))
     usable = headroom * device_bytes
-    estimates = {
-        "ddp": 16 * p + activation_bytes,
-        "zero2": 16 * p / n + param_dtype_bytes * p + activation_bytes,
-        "zero3": 16 * p / n + 2 * param_dtype_bytes * unit + activation_bytes,
-        "zero3_offload": 2 * param_dtype_bytes * unit + activation_bytes,
-    }
+    estimates = {name: state_bytes(name, num_params, world_size, largest_unit_params=largest_unit_params,
+                                   param_dtype_bytes=param_dtype_bytes) + activation_bytes
+                 for name in ("ddp", "zero2", "zero3", "zero3_offload")}
+    p, n = float(num_params), float(world_size)
     for name in ("ddp", "zero2", "zero3"):
         if estimates[name] <= usable:
             return Plan(name, False, f"{name} needs {estimates[name] / GIB:.1f} GiB per rank of {usable / GIB:.1f} "
@@ -69,6 +65,24 @@ def choose_strategy(num_params: int, world_size: int, device_bytes: float, *, ac
         f"(activations {activation_bytes / GIB:.1f} GiB) of {usable / GIB:.1f} usable; use more ranks, a smaller "
         "batch or activation checkpointing"
     )
+
+
+def state_bytes(strategy: str, num_params: int, world_size: int, *, largest_unit_params: int | None = None,
+                param_dtype_bytes: int = 2) -> float:
+    """Per-rank bytes of weights, gradients and Adam state (the table above; ``zero1`` shards only the
+    optimizer state: 4P + 4P + 8P/N). Without `largest_unit_params`, a unit is taken as 1/12 of the model."""
+    p, n = float(num_params), float(world_size)
+    unit = float(largest_unit_params if largest_unit_params is not None else max(1, num_params // 12))
+    table = {
+        "ddp": 16 * p,
+        "zero1": 8 * p + 8 * p / n,
+        "zero2": 16 * p / n + param_dtype_bytes * p,
+        "zero3": 16 * p / n + 2 * param_dtype_bytes * unit,
+        "zero3_offload": 2 * param_dtype_bytes * unit,
+    }
+    if strategy not in table:
+        raise ValueError(f"strategy must be one of {sorted(table)}, got {strategy!r}")
+    return table[strategy]
 
 
 def _why_not_earlier(chosen: str, estimates: dict[str, float], usable: float) -> str:

@@ -83,8 +83,9 @@ class DistributedTrainer:
             their activations (non-reentrant).
         communication: a `CommunicationOptimizer` (Top-K, bf16/fp16, PowerSGD, ring/tree, hierarchical)
             for the DDP-based strategies ``"ddp"`` and ``"zero1"``; its residuals are checkpointed.
-        memory_budget_bytes: with ``strategy="auto"``, the per-rank memory to plan for (default: the
-            GPU's total memory, or the host's on CPU). The chosen plan and its reason are in `self.plan`.
+        memory_budget_bytes: with ``strategy="auto"`` (and ``fit(batch_size="auto")`` where it
+            estimates), the per-rank memory to plan for (default: the GPU's total memory, or this
+            process's share of the host's on CPU). The chosen plan and its reason are in `self.plan`.
     """
 
     def __init__(
@@ -145,6 +146,8 @@ class DistributedTrainer:
                     "for a Strategy object, pass communication= to it"
                 )
         self.plan = None
+        self.memory_budget_bytes = memory_budget_bytes
+        self._model_sizes = _model_sizes(model)  # before any wrapper shards the parameters
         if strategy == "auto":
             strategy, self.plan = _auto_strategy(model, memory_budget_bytes)
         if isinstance(strategy, str):
@@ -171,6 +174,8 @@ class DistributedTrainer:
         self.step = 0
         self.epoch = 0
         self.batch_in_epoch = 0  # batches of the current epoch already trained (the data position)
+        self.batch_size: int | None = None  # what batch_size="auto" chose (kept in checkpoints)
+        self.batch_size_reason = ""
         self.checkpoint_every = checkpoint_every
         self.resume = resume
         self.mixed_precision = mixed_precision
@@ -271,7 +276,7 @@ class DistributedTrainer:
         epochs: int = 1,
         criterion: Criterion | None = None,
         *,
-        batch_size: int | None = None,
+        batch_size: int | str | None = None,
         shuffle: bool = True,
         drop_last: bool = False,
         num_workers: int = 0,
@@ -293,15 +298,23 @@ class DistributedTrainer:
         `on_step(step, metrics)` is called every `log_every` steps, and after the last step, with float
         metrics. Losses (in `on_step` and in the returned summaries) are this rank's own, not averaged
         across ranks: averaging would cost a collective per step; `evaluate` gives the global figure.
+        ``batch_size="auto"`` picks the largest batch that fits (see `auto_batch_size`) once; a run
+        resumed from a checkpoint keeps the batch size it started with.
         """
         if not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
+        if isinstance(batch_size, str) and batch_size != "auto":
+            raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
         if not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every must be a positive integer, got {log_every!r}")
         if self.checkpoints is not None and self.resume:
             found = self.checkpoints.latest_good()
             if found is not None and int(found[1]["step"]) > self.step:
                 self.load_checkpoint(found[0])
+        if batch_size == "auto":
+            if self.batch_size is None:  # not restored from a checkpoint: a resumed run keeps its batch size
+                self.auto_batch_size(data, criterion)
+            batch_size = self.batch_size
         loader = self._train_loader(data, batch_size, shuffle, drop_last, num_workers)
         sampler = getattr(loader, "sampler", None)
         sharded = isinstance(sampler, ShardedSampler)
@@ -422,6 +435,113 @@ class DistributedTrainer:
         return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                           pin_memory=self.device.type == "cuda", drop_last=drop_last)
 
+    # ------------------------------------------------------------------ batch size
+    def auto_batch_size(self, data: Dataset, criterion: Criterion | None = None, *, method: str | None = None,
+                        headroom: float = 0.9) -> int:
+        """The largest batch per rank (samples per optimizer step) that fits in memory; every rank agrees.
+
+        Two methods (`method=None` chooses):
+
+        * ``"probe"`` (GPUs, with strategies whose forward runs no collective: DDP, ZeRO-1): forward and
+          backward on real batches from `data` under ``no_sync``, doubling the micro-batch until the
+          first out-of-memory error, then bisecting; each failure frees the cache. The optimizer state
+          that the first step will create (Adam's two fp32 moments, unless it exists already) and
+          ``1 - headroom`` of the device are held back during the search.
+        * ``"estimate"`` (CPU, and sharded strategies, whose per-rank search could leave peers waiting
+          in a collective): `headroom` of the memory budget (``memory_budget_bytes``, else the GPU's
+          memory or this process's share of host memory), less the per-rank weights, gradients and Adam
+          state of this strategy (`distributed_training.planner.state_bytes`), divided by the
+          activation bytes autograd saves per sample (measured on two real batches).
+
+        Each rank's answer is all-reduced with MIN. With gradient accumulation the search is over the
+        micro-batch, and the batch is that times `gradient_accumulation_steps`. The result (also in
+        `self.batch_size`, its explanation in `self.batch_size_reason`) never exceeds this rank's share
+        of `data`.
+        """
+        import logging
+
+        from .planner import activation_bytes_per_sample, find_max_batch_size, max_batch_size_for_budget, state_bytes
+
+        if isinstance(data, DataLoader) or isinstance(data, IterableDataset) or not isinstance(data, Dataset):
+            raise TypeError("batch_size='auto' needs a map-style Dataset (it builds trial batches from it), got "
+                            f"{type(data).__name__}")
+        if not 0 < headroom <= 1:
+            raise ValueError(f"headroom must be in (0, 1], got {headroom}")
+        ctx, accum = self.context, self.gradient_accumulation_steps
+        if len(data) == 0:
+            raise ValueError("batch_size='auto' got an empty dataset")
+        limit = max(1, len(data) // ctx.world_size // accum)  # micro-batches never larger than a rank's share
+        collective_forward = getattr(self.strategy, "collective_forward", False)
+        if method is None:
+            method = "probe" if self.device.type == "cuda" and not collective_forward else "estimate"
+        if method not in ("probe", "estimate"):
+            raise ValueError(f"method must be 'probe', 'estimate' or None, got {method!r}")
+        if method == "probe" and collective_forward:
+            raise ValueError(f"method='probe' cannot be used with strategy {self.strategy.name!r}: its forward runs "
+                             "collectives, and a rank that runs out of memory would leave its peers waiting")
+
+        def make(b: int) -> Any:
+            return _to_device(torch.utils.data.default_collate([data[i % len(data)] for i in range(b)]), self.device)
+
+        def loss_of(_model: nn.Module, batch: Any) -> torch.Tensor:
+            with self._autocast():
+                return self._loss(batch, criterion)
+
+        self.model.train()
+        if method == "probe":
+            reserve = self._optimizer_state_reserve()
+            if self.device.type == "cuda":
+                reserve += (1 - headroom) * torch.cuda.get_device_properties(self.device).total_memory
+            held = torch.empty(int(reserve), dtype=torch.uint8, device=self.device)
+
+            def try_batch(b: int) -> None:
+                try:
+                    with self.strategy.no_sync(self.model):
+                        loss_of(self.model, make(b)).float().backward()
+                finally:
+                    self.optimizer.zero_grad(set_to_none=True)
+
+            try:
+                micro = find_max_batch_size(try_batch, limit=limit)
+            finally:
+                del held
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            why = (f"probed: micro-batches up to {micro} fit (search limit {limit}) with "
+                   f"{reserve / 2**30:.2f} GiB held back for optimizer state and headroom")
+        else:
+            budget = self.memory_budget_bytes if self.memory_budget_bytes is not None else _default_budget()
+            params, unit = self._model_sizes
+            fixed = state_bytes(_planner_kind(self.strategy), params, ctx.world_size, largest_unit_params=unit,
+                                param_dtype_bytes=2 if self.mixed_precision else 4)
+            per_sample = activation_bytes_per_sample(self.model, make, loss_of)
+            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                micro = min(limit, max_batch_size_for_budget(headroom * budget, fixed, per_sample))
+            except ValueError as err:
+                raise ValueError(f"rank {ctx.rank}: batch_size='auto' with memory_budget_bytes={budget:.0f}: {err}") from None
+            why = (f"estimated: {headroom:.0%} of {budget / 2**30:.2f} GiB, less {fixed / 2**30:.2f} GiB of "
+                   f"{_planner_kind(self.strategy)} model state, at {per_sample / 2**20:.2f} MiB of activations "
+                   f"per sample gives micro-batches of {micro} (limit {limit})")
+        if ctx.world_size > 1:
+            agreed = torch.tensor([micro], dtype=torch.int64, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ctx.group)
+            if int(agreed) != micro:
+                why += f"; another rank fits only {int(agreed)}"
+            micro = int(agreed)
+        self.batch_size = micro * accum
+        self.batch_size_reason = why + (f"; x {accum} accumulation steps" if accum > 1 else "")
+        logging.getLogger("distributed_training").info("batch_size='auto' chose %d per rank: %s", self.batch_size,
+                                                        self.batch_size_reason)
+        return self.batch_size
+
+    def _optimizer_state_reserve(self) -> float:
+        """Bytes the optimizer's first step will allocate: Adam's two fp32 moments per trainable
+        parameter, unless the state exists already (after a step or a resume)."""
+        if any(len(v) for v in self.optimizer.state.values()):
+            return 0.0
+        return float(sum(8 * p.numel() for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad))
+
     @torch.no_grad()
     def evaluate(
         self,
@@ -521,6 +641,7 @@ class DistributedTrainer:
                 "step": self.step,
                 "epoch": self.epoch,
                 "batch_in_epoch": self.batch_in_epoch,
+                "batch_size": self.batch_size,
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
                 "world_size": ctx.world_size,
@@ -581,6 +702,8 @@ class DistributedTrainer:
         self.step = int(meta["step"])
         self.epoch = int(meta.get("epoch", 0))
         self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
+        if meta.get("batch_size") is not None:
+            self.batch_size = int(meta["batch_size"])
 
     # ----------------------------------------------------------- hang diagnosis
     def _heartbeat(self) -> None:
@@ -626,24 +749,46 @@ class DistributedTrainer:
         self.close(barrier=exc_type is None)
 
 
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+
+
+def _default_budget() -> float:
+    """Per-rank memory: the GPU's total, or this process's share of the host's."""
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory)
+    import psutil
+
+    return psutil.virtual_memory().total / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", _world_size())))
+
+
+def _model_sizes(model: nn.Module) -> tuple[int, int]:
+    """Parameter count (shared tensors once) and the largest block's (a child of any ModuleList)."""
+    params = sum(p.numel() for p in model.parameters())
+    blocks = [sum(p.numel() for p in child.parameters()) for m in model.modules() if isinstance(m, nn.ModuleList)
+              for child in m]
+    return params, max(blocks) if blocks else params
+
+
+def _planner_kind(strategy: Strategy) -> str:
+    """The planner's name for a strategy's memory layout (unknown strategies are taken as DDP, the largest)."""
+    if isinstance(strategy, FSDPStrategy):
+        kw = strategy.fsdp_kwargs
+        if not kw.get("reshard_after_forward", True):
+            return "zero2"
+        return "zero3_offload" if kw.get("cpu_offload") else "zero3"
+    return "zero1" if isinstance(strategy, Zero1Strategy) else "ddp"
+
+
 def _auto_strategy(model: nn.Module, budget: float | None):
     """Pick a strategy from the planner's memory estimates (see `distributed_training.planner`)."""
     import logging
 
     from .planner import choose_strategy
 
-    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-    if budget is None:
-        if torch.cuda.is_available():
-            budget = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
-        else:
-            import psutil
-
-            budget = psutil.virtual_memory().total / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    params = sum(p.numel() for p in model.parameters())
-    blocks = [sum(p.numel() for p in child.parameters()) for m in model.modules() if isinstance(m, nn.ModuleList)
-              for child in m]
-    plan = choose_strategy(params, world, budget, largest_unit_params=max(blocks) if blocks else params)
+    params, unit = _model_sizes(model)
+    plan = choose_strategy(params, _world_size(), budget if budget is not None else _default_budget(),
+                           largest_unit_params=unit)
     logging.getLogger("distributed_training").info("strategy='auto' chose %s%s: %s", plan.strategy,
                                                     " with CPU offload" if plan.cpu_offload else "", plan.reason)
     if plan.strategy == "ddp":

@@ -26,6 +26,9 @@ def _run(args, timeout=180, **kw):
     "raw, field",
     [
         ({"training": {"batch_size": 0}}, "training.batch_size"),
+        ({"training": {"batch_size": "big"}}, "training.batch_size"),
+        ({"training": {"precision": "fp8"}}, "training.precision"),
+        ({"training": {"memory_budget_gb": 0}}, "training.memory_budget_gb"),
         ({"training": {"strategy": "zero9"}}, "training.strategy"),
         ({"training": {"lr": -1}}, "training.lr"),
         ({"training": {"bogus": 1}}, "training.bogus"),
@@ -84,6 +87,25 @@ def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path):
     assert "finished at step 4" in out, out[-2000:]
     assert (tmp_path / "ckpt" / "COMPLETED").is_file() and (tmp_path / "final.pt").is_file()
     assert {"step_000000002", "step_000000004"} <= set(os.listdir(tmp_path / "ckpt"))
+
+
+@pytest.mark.timeout(240)
+def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(tmp_path):
+    config = {
+        "model": {"preset": "tiny"},
+        "data": {"dataset": "repo_text", "block_size": 32},
+        "training": {"strategy": "auto", "batch_size": "auto", "precision": "bf16", "activation_checkpointing": True,
+                     "memory_budget_gb": 0.02, "epochs": 1, "max_steps": 3, "seed": 0},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code, out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                      "-m", "distributed_training", str(path)])
+    assert code == 0, out[-3000:]
+    assert re.search(r"strategy auto -> ddp \(", out), out[-3000:]
+    match = re.search(r"batch_size auto -> (\d+) per rank \(estimated", out)
+    assert match and int(match.group(1)) >= 1, out[-3000:]
+    assert "finished at step 3" in out, out[-2000:]
 
 
 @pytest.mark.timeout(240)
