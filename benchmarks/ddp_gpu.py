@@ -21,20 +21,19 @@ file and a markdown table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import environment, synchronize, train_steps  # noqa: E402
 
 from distributed_training import DDP, init_distributed  # noqa: E402
 from distributed_training.models import GPT, GPT_PRESETS  # noqa: E402
@@ -76,27 +75,6 @@ def wrap(impl: str, model: torch.nn.Module, device: torch.device, groups: dict):
         gradient_as_bucket_view=variant.startswith("gav"),
         process_group=group,
     )
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def train_steps(wrapped, opt, batches, start, count, device, no_sync: bool, accum: int = 1):
-    """`count` optimizer steps of `accum` micro-batches each; all but the last skip the gradient sync."""
-    can_skip = hasattr(wrapped, "no_sync")
-    for step in range(start, start + count):
-        for micro in range(accum):
-            x, y = batches[(step * accum + micro) % len(batches)]
-            skip = can_skip and (no_sync or micro < accum - 1)
-            with wrapped.no_sync() if skip else contextlib.nullcontext():
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    loss = wrapped(x, y) / accum
-                loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return loss
 
 
 def run_phase(impl, model, opt, batches, args, device, groups, nosync=False):
@@ -242,25 +220,6 @@ def bench(args):
             print(f"{args.model} world={ctx.world_size} {name:12s} step {s['median_step_s']*1e3:8.1f} ms  "
                   f"{s['tokens_per_s_per_gpu']:9.0f} tok/s/gpu  peak {s['peak_mem_gib']:.1f} GiB", flush=True)
     ctx.shutdown()
-
-
-def environment() -> dict:
-    env = {
-        "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    try:
-        env["driver"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20,
-        ).stdout.split()[0]
-    except Exception:
-        pass
-    return env
 
 
 def summarize(paths: list[str], results_path: str | None) -> None:

@@ -16,12 +16,10 @@ phase after phase, interleaved over rounds; bf16 compute, fp32 master weights, f
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,76 +27,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ddp_gpu import environment, synchronize, train_steps  # noqa: E402
+from common import GIB, environment, run_phase, synchronize  # noqa: E402
 
-from distributed_training import DDP, FSDP, MixedPrecision, Zero1Strategy, init_distributed  # noqa: E402
+from distributed_training import init_distributed  # noqa: E402
 from distributed_training.models import GPT, GPT_PRESETS  # noqa: E402
-
-GIB = 2**30
-
-
-def build(impl: str, cfg, device, ctx):
-    """(wrapped model, optimizer, autocast?) for one implementation, from a freshly seeded model."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = GPT(cfg)
-    fused = device.type == "cuda"
-    if impl == "torch_ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if fused else None)
-        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=fused), True
-    if impl == "ours_ddp":
-        wrapped = DDP(model)
-        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=fused), True
-    if impl == "zero1":
-        strategy = Zero1Strategy()
-        wrapped = strategy.setup_module(model, ctx)
-        return wrapped, strategy.setup_optimizer(lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=fused), wrapped), True
-    if impl in ("zero2", "zero3"):
-        wrapped = FSDP(model, mixed_precision=MixedPrecision(torch.bfloat16, torch.float32),
-                       reshard_after_forward=impl == "zero3")
-        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=fused), True
-    if impl == "torch_fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused), True
-    raise ValueError(impl)
-
-
-def run_phase(impl, cfg, batches, args, device, ctx, base_bytes: int):
-    """Returns (step seconds, peak bytes of this phase, leftover bytes after teardown, last loss).
-
-    The peak is counted from the memory in use before the phase, so anything an earlier phase
-    failed to free is not charged to this one (and is reported as that phase's leftover)."""
-    gc.collect()
-    stale = 0
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        stale = torch.cuda.memory_allocated() - base_bytes
-    wrapped, opt, _ = build(impl, cfg, device, ctx)
-    train_steps(wrapped, opt, batches, 0, args.warmup, device, no_sync=False)
-    synchronize(device)
-    t0 = time.perf_counter()
-    loss = train_steps(wrapped, opt, batches, args.warmup, args.steps, device, no_sync=False)
-    synchronize(device)
-    step_s = (time.perf_counter() - t0) / args.steps
-    peak = torch.cuda.max_memory_allocated() - stale if device.type == "cuda" else 0
-    value = loss.item()
-    if isinstance(wrapped, DDP):
-        wrapped.remove_hooks()
-    del wrapped, opt, loss
-    gc.collect()
-    leftover = 0
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        leftover = torch.cuda.memory_allocated() - base_bytes - stale
-    return step_s, peak, leftover, value
 
 
 def model_state_gib(impl: str, params: int, world: int, largest_unit: int) -> float:
@@ -149,7 +81,8 @@ def main():
     results: dict[str, dict] = {}
     for rnd in range(args.rounds):
         for impl in (impls if rnd % 2 == 0 else impls[::-1]):
-            step_s, peak, leftover, loss = run_phase(impl, cfg, batches, args, device, ctx, base_bytes)
+            ph = run_phase(impl, cfg, batches, args.warmup, args.steps, device, ctx, base_bytes)
+            step_s, peak, leftover, loss = ph["step_s"], ph["peak_bytes"], ph["leftover_bytes"], ph["loss"]
             r = results.setdefault(impl, {"step_s": [], "peaks": [], "leftover": [], "loss": loss})
             r["step_s"].append(step_s)
             r["peaks"].append(peak)

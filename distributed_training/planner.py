@@ -15,7 +15,6 @@ measures activations by counting what autograd saves for backward, on any device
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 

@@ -17,6 +17,7 @@ Nothing here is module-level state: the context owns its process group and is pa
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -78,6 +79,7 @@ class DistributedContext:
                 except RuntimeError:
                     pass  # a peer is already gone: nothing left to wait for
             dist.destroy_process_group()
+            _let_gloo_threads_settle()
         self.owns_process_group = False
 
     def __enter__(self) -> "DistributedContext":
@@ -86,6 +88,36 @@ class DistributedContext:
     def __exit__(self, exc_type, *exc) -> None:
         # Leaving on an error, peers may never reach the barrier: do not wait for them.
         self.shutdown(barrier=exc_type is None)
+
+
+def _let_gloo_threads_settle(timeout: float = 2.0) -> None:
+    """Wait (GIL released) until gloo's worker threads are all asleep, for at most `timeout` seconds.
+
+    A gloo worker drops its reference to a finished collective's tensors *after* `wait()` has
+    returned in Python. When that reference is a tensor's last, freeing it needs the GIL; if the
+    interpreter is already finalizing by then, the thread is unwound mid-destructor and the process
+    aborts ("terminate called without an active exception"), after a job that had succeeded. On a
+    loaded machine a worker can lag that long. Linux only (it reads /proc); elsewhere a no-op.
+    """
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)  # releases the GIL: a worker waiting for it can finish and go back to sleep
+        busy = False
+        for tid in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{tid}/comm") as f:
+                    if not f.read().startswith("pt_gloo"):
+                        continue
+                with open(f"{tasks}/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue  # the thread has exited
+            busy = busy or state not in ("S", "D", "Z", "X")
+        quiet = 0 if busy else quiet + 1
 
 
 def _env_int(name: str, default: int) -> int:

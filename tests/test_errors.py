@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distributed_training import DDP, DistributedTrainer, init_distributed
-from distributed_training.testing import DistributedTestError, run_distributed
+from distributed_training.testing import run_distributed
 
 from _models import MLP, Branchy
 

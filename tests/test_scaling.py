@@ -1,0 +1,130 @@
+"""The scaling model: collective formulas, calibration, the step simulation, projections; and the
+benchmark suite's CPU smoke mode end to end (what `.ci/run` runs of it)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distributed_training.scaling import (Cluster, Link, StepProfile, all_reduce, calibrate_link,
+                                          hierarchical_all_reduce, project, ring_all_gather, ring_all_reduce,
+                                          step_time, tree_all_reduce)
+
+REPO = Path(__file__).resolve().parents[1]
+NVLINK = Link(alpha=5e-6, bandwidth=300e9)
+IB = Link(alpha=10e-6, bandwidth=50e9)
+
+
+def test_collective_formulas():
+    m = 1e9
+    assert ring_all_reduce(4, m, NVLINK) == pytest.approx(6 * 5e-6 + 1.5 * m / 300e9)
+    assert tree_all_reduce(8, m, NVLINK) == pytest.approx(6 * 5e-6 + 2 * m / 300e9)
+    assert ring_all_gather(4, m, NVLINK) == pytest.approx(3 * 5e-6 + 0.75 * m / 300e9)
+    assert ring_all_reduce(1, m, NVLINK) == tree_all_reduce(1, m, NVLINK) == 0.0
+    one_node = Cluster(8, 8, NVLINK, IB)
+    # In one node, hierarchical = reduce-scatter + all-gather = a ring all-reduce.
+    assert hierarchical_all_reduce(one_node, m) == pytest.approx(ring_all_reduce(8, m, NVLINK))
+    # Across nodes a flat ring runs at InfiniBand speed; the hierarchy sends only 1/8 of it there.
+    four_nodes = Cluster(32, 8, NVLINK, IB)
+    assert all_reduce(four_nodes, m, "ring") == pytest.approx(ring_all_reduce(32, m, Link(10e-6, 50e9)))
+    assert all_reduce(four_nodes, m, "hierarchical") < all_reduce(four_nodes, m, "ring")
+    assert all_reduce(four_nodes, m) == min(all_reduce(four_nodes, m, a) for a in ("ring", "tree", "hierarchical"))
+    # Small messages: the tree's log-depth latency wins at scale.
+    many = Cluster(256, 8, NVLINK, IB)
+    assert all_reduce(many, 1e3, "tree") < all_reduce(many, 1e3, "ring")
+
+
+@pytest.mark.parametrize("op, formula", [("ring_all_reduce", ring_all_reduce), ("all_gather", ring_all_gather),
+                                         ("tree_all_reduce", tree_all_reduce)])
+def test_calibration_recovers_the_link(op, formula):
+    truth = Link(alpha=12e-6, bandwidth=180e9)
+    sizes = [2.0**k for k in range(20, 31, 2)]
+    times = [formula(4, s, truth) for s in sizes]
+    fitted = calibrate_link(4, sizes, times, op)
+    assert fitted.alpha == pytest.approx(truth.alpha, rel=1e-6)
+    assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
+    with pytest.raises(ValueError, match="do not grow"):
+        calibrate_link(4, sizes, [1.0] * len(sizes), op)
+
+
+def test_ddp_pipeline_by_hand():
+    # 2 buckets of 1 GB each; backward 1 s, forward 0.5 s; each bucket takes 0.6 s on the link.
+    link = Link(alpha=0.0, bandwidth=2 * 1 / 2 * 1e9 / 0.6)  # ring of 2: 1 GB costs 0.6 s
+    prof = StepProfile(params=int(0.5e9), compute_s=1.5, optimizer_s=0.1, backward_fraction=2 / 3,
+                       bucket_bytes=1e9, grad_bytes=4)
+    t = step_time(prof, Cluster(2, 2, link, link), "ddp")
+    # Bucket 1 ready at 1.0, done 1.6; bucket 2 ready at 1.5, starts 1.6, done 2.2; backward ends 1.5.
+    assert t["comm"] == pytest.approx(1.2)
+    assert t["exposed"] == pytest.approx(0.7)
+    assert t["total"] == pytest.approx(1.5 + 0.7 + 0.1)
+    # Without overlap everything is exposed.
+    prof.overlap = 0.0
+    assert step_time(prof, Cluster(2, 2, link, link), "ddp")["exposed"] == pytest.approx(1.2)
+
+
+def test_step_model_limits_and_orderings():
+    prof = StepProfile(params=int(1.3e9), compute_s=0.28, optimizer_s=0.01, units=24)
+    fast = Link(0.0, 1e18)
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "ddp_bf16"):
+        t = step_time(prof, Cluster(8, 8, fast, fast), strategy)
+        expected_opt = 0.01 if strategy.startswith("ddp") else 0.01 / 8
+        assert t["total"] == pytest.approx(0.28 + expected_opt, rel=1e-6), strategy
+    slow = Cluster(64, 8, NVLINK, Link(10e-6, 5e9))
+    ddp, bf16, zero3 = (step_time(prof, slow, s) for s in ("ddp", "ddp_bf16", "zero3"))
+    assert bf16["comm"] < ddp["comm"] and bf16["total"] <= ddp["total"]
+    assert zero3["comm"] > ddp["comm"]  # two gathers and a reduce-scatter move 1.5x DDP's bytes
+    assert step_time(prof, Cluster(1, 8, NVLINK, IB), "ddp")["total"] == pytest.approx(0.29)
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        step_time(prof, slow, "zero4")
+
+
+def test_projection_chooses_and_explains():
+    compute_bound = StepProfile(params=int(124e6), compute_s=0.05, optimizer_s=0.002)
+    rows = project(compute_bound, [8, 64, 256], 8, NVLINK, IB)
+    assert [r["gpus"] for r in rows] == [8, 64, 256]
+    # Compute-bound: a lossless strategy, nearly linear (ZeRO may win by sharding the optimizer step).
+    assert rows[0]["choice"] in ("ddp", "zero1", "zero2", "zero3") and rows[0]["efficiency"] > 0.9, rows[0]
+    assert all(r["reason"] and r["choice"] in r["reason"] for r in rows)
+    # Above 1 only by what sharding the optimizer step saves (weak scaling against the bare model).
+    assert all(r["efficiency"] <= (0.05 + 0.002) / 0.05 for r in rows)
+    # A model whose 16 bytes/parameter do not fit one GPU: DDP and ZeRO-1 are ruled out.
+    big = StepProfile(params=int(13e9), compute_s=2.0, optimizer_s=0.1, units=40)
+    rows = project(big, [8], 8, NVLINK, IB, memory_bytes=80e9, largest_unit_params=int(13e9 / 40))
+    assert rows[0]["choice"] in ("zero2", "zero3"), rows[0]
+    # A very slow network makes compression worth it, and the reason says so.
+    slow = project(compute_bound, [256], 8, NVLINK, Link(50e-6, 0.5e9))[0]
+    assert slow["choice"].startswith("ddp_") and "faster than" in slow["reason"], slow
+
+
+@pytest.mark.timeout(600)
+def test_suite_smoke_mode_end_to_end(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "benchmarks/suite.py", "--smoke", "--out", str(tmp_path)], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=540)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [p["world"] for p in results["parts"]] == [1, 2]
+    two = results["parts"][1]
+    ops = {r["op"] for r in two["collectives"]}
+    assert {"nccl_all_reduce", "ring_all_reduce", "tree_all_reduce", "hierarchical_all_reduce", "all_gather",
+            "reduce_scatter", "topk_reduce", "bf16_reduce", "powersgd_reduce"} <= ops
+    phases = two["training"]["tiny"]["phases"]
+    assert {"torch_ddp", "ours_ddp", "zero1", "zero2", "zero3", "torch_fsdp2", "ddp_bf16", "ddp_topk",
+            "ddp_powersgd", "ours_ddp_nosync"} <= set(phases)
+    assert phases["ddp_topk"]["bytes_sent_per_step"] < phases["ddp_bf16"]["bytes_sent_per_step"]
+    checks = results["model"]["checks"]
+    assert {c["strategy"] for c in checks} >= {"ours_ddp", "zero3", "ddp_topk"}
+    assert all(math.isfinite(c["error"]) for c in checks)
+    rows = results["projections"]["models"]["tiny"]
+    assert [r["gpus"] for r in rows] == [1, 2, 8, 16, 32, 64, 128, 256] and all(r["choice"] for r in rows)
+    md = (tmp_path / "results.md").read_text()
+    assert "Projections (model output, not measurements)" in md and "Largest error" in md
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "collectives_world2.png").is_file() and (tmp_path / "projection_tiny.png").is_file()
+    assert (tmp_path / "model_vs_measured.png").is_file()
