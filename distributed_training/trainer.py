@@ -170,6 +170,8 @@ class DistributedTrainer:
             apply_activation_checkpointing(model, activation_checkpointing)
         self.model = strategy.setup_module(model, self.context)
         self.optimizer = strategy.setup_optimizer(optimizer, self.model)
+        if isinstance(self.model, DDP) and log_dir is not None:
+            self.model.measure_overlap = True  # logged as comm_hidden_pct / comm_wire_ms
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.step = 0
         self.epoch = 0
@@ -357,6 +359,10 @@ class DistributedTrainer:
                 if ddp is not None and self.step % self.monitor_log_every == 0 and self._monitoring:
                     seconds, count = ddp.pop_exposed_comm_seconds()
                     comm = seconds / count if count else None
+                    overlap = ddp.pop_overlap_stats()
+                    if overlap["passes"]:
+                        metrics = {**metrics, "comm_hidden_pct": torch.tensor(100.0 * overlap["hidden_fraction"]),
+                                   "comm_wire_ms": torch.tensor(1e3 * overlap["comm_s"] / overlap["passes"])}
                 self.monitor.record_step(self.step, metrics, samples=_batch_size(batch), tokens=_token_count(batch),
                                          step_time=now - last_end, data_time=fetched - last_end, comm_time=comm)
                 last_end = now

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from distributed_training import DDP, CommunicationOptimizer
 from distributed_training.testing import run_distributed
@@ -171,3 +173,64 @@ def residual_checkpoint_worker(rank, world, path):
 def test_error_feedback_residuals_are_checkpointed(tmp_path):
     for same, magnitude in run_distributed(residual_checkpoint_worker, 2, args=(str(tmp_path / "ck"),), timeout=90):
         assert same and magnitude > 0
+
+
+def deferred_worker(rank, world, compression):
+    comm = CommunicationOptimizer(compression, compression_ratio=1.0, error_feedback=False)
+    x = torch.full((4096,), float(rank + 1))
+    handle = comm(x, None, 0)
+    untouched = bool((x == rank + 1).all())  # launched, not yet decoded: the hook did not block on it
+    handle.wait()
+    return untouched, float((x - (world + 1) / 2).abs().max())
+
+
+@pytest.mark.parametrize("compression", ["bf16", "topk", "powersgd"])
+def test_compressed_reduction_is_launched_then_finished_at_wait(compression):
+    for untouched, err in run_distributed(deferred_worker, 2, args=(compression,), timeout=60):
+        assert untouched and err < 1e-5
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes `seconds`: compute for communication to hide behind."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _SlowStart(nn.Module):
+    def __init__(self, seconds):
+        super().__init__()
+        self.first, self.rest, self.seconds = nn.Linear(64, 64), nn.Sequential(nn.Linear(64, 512), nn.Linear(512, 64)), seconds
+
+    def forward(self, x):
+        # The slow part sits between the first layer and the rest: in backward the rest's buckets
+        # are launched, then 0.2 s of "compute" runs, then the first layer's gradient arrives.
+        return self.rest(_SlowBackward.apply(self.first(x), self.seconds))
+
+
+def overlap_worker(rank, world, pattern, seconds):
+    torch.manual_seed(0)
+    comm = None if pattern == "nccl" else CommunicationOptimizer(pattern=pattern)
+    ddp = DDP(_SlowStart(seconds), bucket_cap_mb=0.05, first_bucket_cap_mb=0.05, communication=comm,
+              measure_overlap=True)
+    for _ in range(3):
+        ddp(torch.randn(8, 64)).sum().backward()
+    return ddp.pop_overlap_stats(), ddp.pop_overlap_stats()
+
+
+def test_overlap_metric_sees_hidden_and_blocking_communication():
+    # Asynchronous all-reduce launched before 0.2 s of backward compute: nearly all of it hidden.
+    stats, empty = run_distributed(overlap_worker, 2, args=("nccl", 0.2), timeout=60)[0]
+    assert stats["passes"] == 3 and stats["comm_s"] > 0 and empty["passes"] == 0
+    assert stats["hidden_fraction"] > 0.5, stats
+    assert stats["exposed_s"] <= stats["comm_s"] and abs(stats["hidden_s"] + stats["exposed_s"] - stats["comm_s"]) < 1e-9
+    # The ring pattern runs inside the hook: it holds backward up, so none of it counts as hidden.
+    stats, _ = run_distributed(overlap_worker, 2, args=("ring", 0.2), timeout=60)[0]
+    assert stats["passes"] == 3 and stats["comm_s"] > 0 and stats["hidden_fraction"] == 0.0, stats

@@ -30,6 +30,23 @@ from .reduce import CompletedWork
 
 __all__ = ["CommunicationOptimizer"]
 
+
+class _Finish:
+    """A reduction in flight: `wait()` waits for its collectives, then runs `finish` (decode, copy
+    back) once. What DDP's single wait at the end of backward calls."""
+
+    def __init__(self, works: list, finish) -> None:
+        self.works = [w for w in works if w is not None]
+        self._finish = finish
+
+    def wait(self) -> bool:
+        if self._finish is not None:
+            for work in self.works:
+                work.wait()
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
 _COMPRESSIONS = (None, "topk", "bf16", "fp16", "powersgd")
 _PATTERNS = ("nccl", "ring", "tree")
 
@@ -106,8 +123,7 @@ class CommunicationOptimizer:
             (ring_all_reduce if self.pattern == "ring" else tree_all_reduce)(bucket, group)
             bucket.div_(world)
             return CompletedWork()
-        self._compressed_mean(bucket, group, index)
-        return CompletedWork()
+        return self._compressed_mean(bucket, group, index)
 
     def all_reduce_compressed(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                               key: int = -1) -> torch.Tensor:
@@ -115,7 +131,7 @@ class CommunicationOptimizer:
         if self.compression is None:
             self(tensor.view(-1), group, key).wait()
         else:
-            self._compressed_mean(tensor.view(-1), group, key)
+            self._compressed_mean(tensor.view(-1), group, key).wait()
         return tensor
 
     def hierarchical_all_reduce(self, tensor: torch.Tensor, intra_node_group=None, inter_node_group=None) -> torch.Tensor:
@@ -134,20 +150,23 @@ class CommunicationOptimizer:
             return math.exp(math.log(self.compression_ratio) * progress)
         return self.compression_ratio
 
-    def _compressed_mean(self, flat: torch.Tensor, group, key: int) -> None:
+    def _compressed_mean(self, flat: torch.Tensor, group, key: int) -> "_Finish":
+        """Start the compressed mean of `flat`; the returned handle's `wait()` finishes it in place.
+
+        Compression runs now, the collectives are launched asynchronously, and decoding waits for
+        `wait()`: under DDP the transfer overlaps the rest of backward like a dense bucket's.
+        PowerSGD's second all-reduce depends on the first (through a QR), so it completes in `wait()`.
+        """
         world = dist.get_world_size(group)
         if self.compression in ("bf16", "fp16"):
             dtype = torch.bfloat16 if self.compression == "bf16" else torch.float16
             low = (flat / world).to(dtype)  # divide first: fp16 sums of many ranks overflow otherwise
             self.bytes_sent += low.numel() * low.element_size()
-            if world > 1:
-                dist.all_reduce(low, group=group)
-            flat.copy_(low)
-            return
+            work = dist.all_reduce(low, group=group, async_op=True) if world > 1 else None
+            return _Finish([work], lambda: flat.copy_(low))
         if self.compression == "topk":
-            self._topk_mean(flat, group, key, world)
-        else:
-            self._powersgd_mean(flat, group, key, world)
+            return self._topk_mean(flat, group, key, world)
+        return self._powersgd_mean(flat, group, key, world)
 
     def compress_topk(self, flat: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, values) this rank sends for `flat`, updating the error-feedback residual."""
@@ -166,22 +185,27 @@ class CommunicationOptimizer:
             self.residuals[key] = leftover
         return indices, values
 
-    def _topk_mean(self, flat: torch.Tensor, group, key: int, world: int) -> None:
+    def _topk_mean(self, flat: torch.Tensor, group, key: int, world: int) -> "_Finish":
         indices, values = self.compress_topk(flat, key)
         self.bytes_sent += indices.numel() * 4 + values.numel() * values.element_size()  # int32 indices on the wire
         idx32 = indices.to(torch.int32)
+        works = []
         if world > 1:
             all_idx = torch.empty(world * idx32.numel(), dtype=torch.int32, device=flat.device)
             all_val = torch.empty(world * values.numel(), dtype=values.dtype, device=flat.device)
-            dist.all_gather_into_tensor(all_idx, idx32, group=group)
-            dist.all_gather_into_tensor(all_val, values, group=group)
+            works.append(dist.all_gather_into_tensor(all_idx, idx32, group=group, async_op=True))
+            works.append(dist.all_gather_into_tensor(all_val, values, group=group, async_op=True))
         else:
             all_idx, all_val = idx32, values
-        total = torch.zeros(flat.numel(), dtype=values.dtype, device=flat.device)
-        total.index_add_(0, all_idx.long(), all_val)
-        flat.copy_(total / world)
 
-    def _powersgd_mean(self, flat: torch.Tensor, group, key: int, world: int) -> None:
+        def decode() -> None:
+            total = torch.zeros(flat.numel(), dtype=values.dtype, device=flat.device)
+            total.index_add_(0, all_idx.long(), all_val)
+            flat.copy_(total / world)
+
+        return _Finish(works, decode)
+
+    def _powersgd_mean(self, flat: torch.Tensor, group, key: int, world: int) -> "_Finish":
         n = flat.numel()
         cols = max(1, int(math.sqrt(n)))
         rows = -(-n // cols)
@@ -198,8 +222,12 @@ class CommunicationOptimizer:
             g = torch.Generator(device="cpu").manual_seed(1234 + key)  # same start on every rank
             q = torch.randn(cols, r, generator=g).to(flat.device)
         p = m @ q
-        if world > 1:
-            dist.all_reduce(p, group=group)
+        work = dist.all_reduce(p, group=group, async_op=True) if world > 1 else None
+        return _Finish([work], lambda: self._powersgd_finish(flat, m, p, group, key, world))
+
+    def _powersgd_finish(self, flat: torch.Tensor, m: torch.Tensor, p: torch.Tensor, group, key: int,
+                         world: int) -> None:
+        n = flat.numel()
         p, _ = torch.linalg.qr(p)
         q = m.t() @ p
         if world > 1:

@@ -61,6 +61,9 @@ class DDP(nn.Module):
         communication: a `CommunicationOptimizer` (compression, ring/tree, hierarchical); it is the
             bucket reducer then.
         rebuild_buckets: re-bucket after the first iteration in the observed gradient order.
+        measure_overlap: time every bucket's communication (CUDA events on a side stream, or
+            completion callbacks on CPU) so that `pop_overlap_stats()` can say how much of it was
+            hidden behind backward. Off by default; the trainer turns it on when it logs metrics.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class DDP(nn.Module):
         bucket_reducer: BucketReducer | None = None,
         rebuild_buckets: bool = True,
         communication: BucketReducer | None = None,
+        measure_overlap: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -130,6 +134,8 @@ class DDP(nn.Module):
 
         self._sync_enabled = True
         self._comm_host_seconds, self._comm_count, self._comm_events = 0.0, 0, []
+        self.measure_overlap = bool(measure_overlap)
+        self._overlap = _OverlapTimeline()
         self._reset_iteration()
         self._hook_handles = []
         self_ref = weakref.ref(self)
@@ -268,6 +274,13 @@ class DDP(nn.Module):
         self._comm_host_seconds, self._comm_count, self._comm_events = 0.0, 0, []
         return seconds, count
 
+    def pop_overlap_stats(self) -> dict[str, float]:
+        """How much bucket communication backward hid, over the backward passes since the last call
+        (needs ``measure_overlap=True``): ``comm_s`` (time some bucket was on the wire), ``exposed_s``
+        (of it, after backward's last gradient), ``hidden_s`` and ``hidden_fraction``, ``passes``.
+        On CUDA this waits for the recorded events: call it when logging, not every step."""
+        return self._overlap.pop()
+
     # ------------------------------------------------------------- iteration
     def _reset_iteration(self) -> None:
         self._ready = [False] * len(self._params)
@@ -315,10 +328,14 @@ class DDP(nn.Module):
     def _launch_ready_buckets(self) -> None:
         while self._next_to_launch < len(self._buckets) and self._pending[self._next_to_launch] == 0:
             bucket = self._buckets[self._next_to_launch]
+            launched = self._overlap.launch(bucket.buffer) if self.measure_overlap else None
             if self._pass_index:
-                self._handles.append(self.bucket_reducer(bucket.buffer, self.process_group, index=bucket.index))
+                handle = self.bucket_reducer(bucket.buffer, self.process_group, index=bucket.index)
             else:
-                self._handles.append(self.bucket_reducer(bucket.buffer, self.process_group))
+                handle = self.bucket_reducer(bucket.buffer, self.process_group)
+            if launched is not None:
+                self._overlap.track(launched, handle)
+            self._handles.append(handle)
             self._next_to_launch += 1
 
     def _finish_backward(self) -> None:
@@ -331,6 +348,8 @@ class DDP(nn.Module):
                 self._pending[self._bucket_of[i]] -= 1
             self._launch_ready_buckets()
             timing = self._start_comm_timer()
+            if self.measure_overlap:
+                self._overlap.backward_done(timing)
             used_work = used = None
             if self.find_unused_parameters and self.world_size > 1:
                 # Which parameters got a gradient on *some* rank: those untouched everywhere keep
@@ -363,6 +382,102 @@ class DDP(nn.Module):
                         self._params[i].grad = None
         finally:
             self._reset_iteration()
+
+
+class _OverlapTimeline:
+    """Per-bucket [launch, done] intervals and the end of backward, for `DDP.pop_overlap_stats`.
+
+    CUDA: an event on the compute stream when a bucket is handed over (its gradients are ready), and
+    one on a side stream made to wait for the bucket's collectives, which therefore fires when they
+    finish; nothing is added to the compute stream's dependencies. CPU: host clocks, with the end
+    taken in the work's completion callback. Communication time is the union of the intervals;
+    what lies after backward's end is exposed, the rest hidden, except for a reducer that ran
+    synchronously inside the hook (no work returned): all of its time held backward up, so it counts
+    as exposed.
+    """
+
+    def __init__(self) -> None:
+        self._side: torch.cuda.Stream | None = None
+        self._current: list = []      # [(start, end-holder)] of the backward in progress
+        self._backward_end = None
+        self._passes: list = []       # finished backwards: (intervals, backward_end)
+
+    def launch(self, buffer: torch.Tensor):
+        if buffer.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return time.perf_counter()
+
+    def track(self, start, handle) -> None:
+        works = getattr(handle, "works", None)
+        works = [handle] if works is None else works
+        works = [w for w in works if hasattr(w, "get_future")]
+        # A reducer that returns no work (ring, tree, hierarchical) ran inside the hook: it blocked backward.
+        blocking = not works
+        if isinstance(start, torch.cuda.Event):
+            end = torch.cuda.Event(enable_timing=True)
+            if blocking:
+                end.record()
+            else:
+                if self._side is None:
+                    self._side = torch.cuda.Stream()
+                with torch.cuda.stream(self._side):
+                    for w in works:
+                        w.wait()  # a stream-side wait: the side stream, not the host, waits for the transfer
+                    end.record()
+            self._current.append((start, end, blocking))
+            return
+        holder = [time.perf_counter() if blocking else None]
+        if works:
+            remaining = [len(works)]
+
+            def done(_fut, holder=holder, remaining=remaining) -> None:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    holder[0] = time.perf_counter()
+
+            for w in works:
+                w.get_future().then(done)
+        self._current.append((start, holder, blocking))
+
+    def backward_done(self, timing) -> None:
+        self._passes.append((self._current, timing))
+        self._current = []
+        if len(self._passes) > 256:  # nobody is reading them: keep a bounded recent window
+            del self._passes[:128]
+
+    def pop(self) -> dict[str, float]:
+        comm = exposed = 0.0
+        passes = 0
+        for intervals, end_of_backward in self._passes:
+            if not intervals:
+                continue
+            if isinstance(end_of_backward, torch.cuda.Event):
+                end_of_backward.synchronize()
+                intervals[-1][1].synchronize()
+                origin = intervals[0][0]
+                spans = [(origin.elapsed_time(a) / 1e3, origin.elapsed_time(b) / 1e3, blocking)
+                         for a, b, blocking in intervals]
+                backward = origin.elapsed_time(end_of_backward) / 1e3
+            else:
+                spans = [(a, b[0], blocking) for a, b, blocking in intervals if b[0] is not None]
+                backward = end_of_backward
+            exposed += sum(b - a for a, b, blocking in spans if blocking)
+            spans = [(a, b) for a, b, _ in spans]
+            busy, last = 0.0, None
+            for a, b in sorted(spans):
+                a = a if last is None else max(a, last)
+                if b > a:
+                    busy += b - a
+                last = b if last is None else max(last, b)
+            comm += busy
+            exposed += max(0.0, max(b for _, b in spans) - backward) if spans else 0.0
+            passes += 1
+        self._passes = []
+        exposed = min(exposed, comm)
+        return {"comm_s": comm, "exposed_s": exposed, "hidden_s": comm - exposed,
+                "hidden_fraction": (comm - exposed) / comm if comm > 0 else 0.0, "passes": passes}
 
 
 @contextlib.contextmanager
