@@ -128,3 +128,17 @@ def test_suite_smoke_mode_end_to_end(tmp_path):
     pytest.importorskip("matplotlib")
     assert (tmp_path / "collectives_world2.png").is_file() and (tmp_path / "projection_tiny.png").is_file()
     assert (tmp_path / "model_vs_measured.png").is_file()
+
+
+def test_model_on_the_recorded_h200_ddp_runs():
+    """The model against the 2x H200 DDP runs on file (benchmarks/results/ddp_2026-11-26_h200.json): within
+    10% whatever the overlap, since at 2 GPUs the gradient all-reduce is small next to compute."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from model_check import check
+
+    runs = json.loads((REPO / "benchmarks/results/ddp_2026-11-26_h200.json").read_text())["runs"]
+    rows = check(runs)
+    assert {(r["model"], r["micro_batch"]) for r in rows} == {("gpt-1.3b", 16), ("gpt-1.3b", 8), ("gpt2-124m", 16)}
+    for r in rows:
+        assert abs(r["error_overlap1"]) < 0.10 and abs(r["error_overlap0"]) < 0.10, r
+        assert r["predicted_overlap1_s"] <= r["measured_s"] <= r["predicted_overlap0_s"], r

@@ -1,0 +1,74 @@
+"""The scaling model against the 2-GPU DDP runs already on file (`ddp_gpu.py` results), before the suite's
+own GPU run exists. It checks the model's structure on real GPU data, with what those runs measured:
+
+* compute + optimizer: the bare model on one GPU, timed in the same job (``solo``);
+* our DDP's own cost with nothing sent: its ``no_sync`` phase less ``solo``;
+* the link: ``ours_comm_only`` (every bucket of the gradient all-reduced with no compute beside it),
+  which for 2 ranks moves the gradient's bytes once: bandwidth = bytes / seconds;
+* overlap: not measured by those runs, so the prediction is given for both bounds, 1 (everything
+  the schedule hides is free) and 0 (communication and compute serialise).
+
+    python benchmarks/model_check.py benchmarks/results/ddp_2026-11-26_h200.json --out benchmarks/results/model_check_2026-11-26_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from distributed_training.scaling import Cluster, Link, StepProfile, step_time  # noqa: E402
+
+
+def check(runs: list[dict]) -> list[dict]:
+    rows = []
+    for r in runs:
+        ph = r["phases"]
+        if r["world_size"] != 2 or not {"ours", "ours_nosync", "ours_comm_only", "solo"} <= set(ph):
+            continue
+        grad_bytes = 4 * r["params"]
+        solo, nosync = ph["solo"]["median_step_s"], ph["ours_nosync"]["median_step_s"]
+        link = Link(0.0, grad_bytes / ph["ours_comm_only"]["median_step_s"])
+        measured = ph["ours"]["median_step_s"]
+        row = {"model": r["model"], "micro_batch": r["micro_batch"], "card": r["card"], "measured_s": measured,
+               "solo_s": solo, "overhead_s": nosync - solo, "link_gbs": link.bandwidth / 1e9}
+        for overlap in (1.0, 0.0):
+            prof = StepProfile(params=r["params"], compute_s=solo, optimizer_s=0.0, overhead_s={"ddp": nosync - solo},
+                               overlap=overlap)
+            predicted = step_time(prof, Cluster(2, 2, link, link), "ddp")["total"]
+            row[f"predicted_overlap{int(overlap)}_s"] = predicted
+            row[f"error_overlap{int(overlap)}"] = predicted / measured - 1
+        # The overlap that would make the model exact, for the record.
+        full = row["predicted_overlap1_s"]
+        comm = ph["ours_comm_only"]["median_step_s"]
+        row["implied_overlap"] = max(0.0, min(1.0, 1 - (measured - full) / comm))
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="+", help="ddp_gpu.py --summarize results files")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    runs = [run for path in args.results for run in json.load(open(path))["runs"]]
+    rows = check(runs)
+    lines = ["| model | micro-batch | measured ms | model, overlap 1 | model, overlap 0 | implied overlap |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['micro_batch']} | {r['measured_s'] * 1e3:.1f} | "
+                     f"{r['predicted_overlap1_s'] * 1e3:.1f} ({100 * r['error_overlap1']:+.1f}%) | "
+                     f"{r['predicted_overlap0_s'] * 1e3:.1f} ({100 * r['error_overlap0']:+.1f}%) | "
+                     f"{r['implied_overlap']:.2f} |")
+    table = "\n".join(lines)
+    print(f"Card: {rows[0]['card'] if rows else '?'}; 2 GPUs, our DDP\n{table}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"sources": args.results, "rows": rows, "table_markdown": table}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
