@@ -49,6 +49,28 @@ def check(runs: list[dict]) -> list[dict]:
     return rows
 
 
+PROJECT_GPUS = [2, 8, 16, 32, 64, 128, 256]
+INTER_NODE = Link(10e-6, 50e9)  # 400 Gb/s InfiniBand per GPU, 10 us a message: a stated assumption
+
+
+def project_ddp(runs: list[dict], rows: list[dict]) -> list[dict]:
+    """DDP's projected weak-scaling efficiency (the 1-GPU step over the N-GPU one), 8 GPUs a node:
+    NVLink at the bandwidth measured inside the node, InfiniBand between nodes, both overlap bounds."""
+    out = []
+    for row in rows:
+        intra = Link(0.0, row["link_gbs"] * 1e9)
+        params = next(r["params"] for r in runs if r["model"] == row["model"])
+        for n in PROJECT_GPUS:
+            entry = {"model": row["model"], "micro_batch": row["micro_batch"], "gpus": n, "nodes": -(-n // 8)}
+            for overlap in (1.0, 0.0):
+                prof = StepProfile(params=params, compute_s=row["solo_s"], optimizer_s=0.0,
+                                   overhead_s={"ddp": row["overhead_s"]}, overlap=overlap)
+                t = step_time(prof, Cluster(n, 8, intra, INTER_NODE), "ddp")
+                entry[f"efficiency_overlap{int(overlap)}"] = row["solo_s"] / t["total"]
+            out.append(entry)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", help="ddp_gpu.py --summarize results files")
@@ -65,9 +87,18 @@ def main() -> None:
                      f"{r['implied_overlap']:.2f} |")
     table = "\n".join(lines)
     print(f"Card: {rows[0]['card'] if rows else '?'}; 2 GPUs, our DDP\n{table}")
+    projection = project_ddp(runs, rows)
+    plines = ["| model | micro-batch | GPUs (nodes of 8) | DDP efficiency, overlap 1 | overlap 0 |", "|---|---|---|---|---|"]
+    for e in projection:
+        plines.append(f"| {e['model']} | {e['micro_batch']} | {e['gpus']} ({e['nodes']}) | "
+                      f"{100 * e['efficiency_overlap1']:.1f}% | {100 * e['efficiency_overlap0']:.1f}% |")
+    ptable = "\n".join(plines)
+    print("Projection (model output, not measurement): 400 Gb/s InfiniBand per GPU between nodes\n" + ptable)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"sources": args.results, "rows": rows, "table_markdown": table}, f, indent=1)
+            json.dump({"sources": args.results, "rows": rows, "table_markdown": table,
+                       "projection": {"inter_node": {"alpha_s": INTER_NODE.alpha, "bandwidth_gbs": INTER_NODE.bandwidth / 1e9},
+                                      "rows": projection, "table_markdown": ptable}}, f, indent=1)
 
 
 if __name__ == "__main__":
