@@ -75,6 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", help="ddp_gpu.py --summarize results files")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plots", default=None, help="write <prefix>_check.png and <prefix>_projection.png")
     args = ap.parse_args()
     runs = [run for path in args.results for run in json.load(open(path))["runs"]]
     rows = check(runs)
@@ -99,6 +100,45 @@ def main() -> None:
             json.dump({"sources": args.results, "rows": rows, "table_markdown": table,
                        "projection": {"inter_node": {"alpha_s": INTER_NODE.alpha, "bandwidth_gbs": INTER_NODE.bandwidth / 1e9},
                                       "rows": projection, "table_markdown": ptable}}, f, indent=1)
+    if args.plots:
+        plot(rows, projection, args.plots)
+
+
+def plot(rows: list[dict], projection: list[dict], prefix: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    card = rows[0]["card"] if rows else "?"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['model']}\nmicro-batch {r['micro_batch']}" for r in rows]
+    xs = list(range(len(rows)))
+    ax.bar([x - 0.27 for x in xs], [r["measured_s"] * 1e3 for r in rows], width=0.27, label="measured, 2 GPUs")
+    ax.bar(xs, [r["predicted_overlap1_s"] * 1e3 for r in rows], width=0.27, label="model, overlap 1")
+    ax.bar([x + 0.27 for x in xs], [r["predicted_overlap0_s"] * 1e3 for r in rows], width=0.27, label="model, overlap 0")
+    ax.set_xticks(xs, labels, fontsize=8)
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(f"Scaling model vs measured DDP steps, 2x {card}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(f"{prefix}_check.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in dict.fromkeys((e["model"], e["micro_batch"]) for e in projection):
+        pts = [e for e in projection if (e["model"], e["micro_batch"]) == key]
+        line, = ax.plot([e["gpus"] for e in pts], [100 * e["efficiency_overlap1"] for e in pts], marker="o",
+                        label=f"{key[0]} mb {key[1]}, overlap 1")
+        ax.plot([e["gpus"] for e in pts], [100 * e["efficiency_overlap0"] for e in pts], marker="x", linestyle="--",
+                color=line.get_color(), label=f"{key[0]} mb {key[1]}, overlap 0")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs (8 a node, 400 Gb/s InfiniBand between nodes)")
+    ax.set_ylabel("DDP weak-scaling efficiency (%)")
+    ax.set_title(f"PROJECTION (model output), calibrated on 2x {card}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{prefix}_projection.png", dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
