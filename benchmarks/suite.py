@@ -96,7 +96,9 @@ def collectives(ctx, sizes: list[int], smoke: bool) -> list[dict]:
     from distributed_training.strategies.fsdp import make_hybrid_groups
 
     n, device = ctx.world_size, ctx.device
-    per_node = max(1, n // 2)  # two "nodes" of n/2: the hierarchical path with both levels exercised
+    # Two emulated "nodes" of n/2 so both levels run (at n = 2 each "node" is one rank: the inter-node
+    # all-reduce alone); an odd world is n nodes of one.
+    per_node = n // 2 if n % 2 == 0 else 1
     intra, inter = make_hybrid_groups(per_node, None)
     reducers = {name: CommunicationOptimizer(**kw) for name, kw in
                 (("topk", dict(compression="topk", compression_ratio=0.01)), ("bf16", dict(compression="bf16")),
@@ -120,10 +122,12 @@ def collectives(ctx, sizes: list[int], smoke: bool) -> list[dict]:
         budget = 2e8 if smoke else 2e10  # bytes per op and size: more repetitions for small messages
         reps = int(max(3, min(50, budget / size)))
         for op, fn in ops.items():
+            x.normal_()  # the summing all-reduces grow it by n per call: start every op from the same scale
             seconds = torch.tensor([_time_collective(fn, device, reps)], device=device)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             s = seconds.item()
-            factor = 2 * (n - 1) / n if "all_reduce" in op else (n - 1) / n
+            # Compressed reductions stand in for an all-reduce of the same tensor: the same bus factor.
+            factor = 2 * (n - 1) / n if op.endswith("_reduce") else (n - 1) / n
             rows.append({"op": op, "bytes": size, "world": n, "seconds": s, "algbw_gbs": size / s / 1e9,
                          "busbw_gbs": size / s / 1e9 * factor})
     return rows
@@ -151,7 +155,12 @@ def overlap_efficiency(ctx, nbytes: int) -> dict:
 
     timed(lambda: dist.all_reduce(x))
     comm = min(timed(lambda: dist.all_reduce(x)) for _ in range(3))
-    one = min(timed(lambda: a @ a) for _ in range(3))
+
+    def twenty():
+        for _ in range(20):
+            a @ a
+
+    one = min(timed(twenty) for _ in range(3)) / 20  # a loop, so launch and sync overheads do not count
     reps = max(1, round(comm / max(one, 1e-9)))
 
     def compute():

@@ -200,15 +200,20 @@ def entry() -> None:
     code = 1
     try:
         code = main()
-    except SystemExit as stop:  # argparse errors and --help
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
+    except SystemExit as stop:  # argparse errors and --help; sys.exit("message") means status 1
         if isinstance(stop.code, str):
             print(stop.code, file=sys.stderr)
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except KeyboardInterrupt:
+        code = 130
     except BaseException:
         import traceback
 
         traceback.print_exc()
     finally:
+        import logging
+
+        logging.shutdown()  # flush and close every logging handler, as a normal exit would
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -62,8 +62,8 @@ class TrainingConfig:
     activation_checkpointing: bool = False
     """Recompute each transformer block in backward instead of keeping its activations."""
     memory_budget_gb: float | None = None
-    """Per-rank memory that strategy=auto and batch_size=auto plan for (default: the GPU's, or this
-    process's share of the host's)."""
+    """Per-rank memory in GiB (2^30 bytes) that strategy=auto and batch_size=auto plan for (default: the
+    GPU's, or this process's share of the host's)."""
     seed: int = 0
     timeout_s: float = 600.0
     """Collective timeout."""

@@ -125,17 +125,22 @@ def all_gather(cluster: Cluster, nbytes: float) -> float:
 
 
 def calibrate_link(n: int, sizes: list[float], seconds: list[float], op: str = "ring_all_reduce") -> Link:
-    """Least-squares fit of ``t = a + b * size`` to measured times of `op` over `n` ranks, turned into
-    the link's alpha and bandwidth through that op's formula."""
+    """Fit ``t = a + b * size`` to measured times of `op` over `n` ranks (least squares on relative
+    error), turned into the link's alpha and bandwidth through that op's formula."""
     if n < 2:
         raise ValueError("a link is calibrated from a collective over at least 2 ranks")
     if len(sizes) != len(seconds) or len(sizes) < 2:
         raise ValueError("calibrate_link needs at least two (size, seconds) points of equal count")
-    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
-    var = sum((x - mean_x) ** 2 for x in sizes)
+    # Weighted by 1/t^2, i.e. least squares on relative errors: otherwise the largest messages' noise
+    # decides the intercept and alpha comes out meaningless.
+    w = [1.0 / max(t, 1e-12) ** 2 for t in seconds]
+    sw = sum(w)
+    mean_x = sum(wi * x for wi, x in zip(w, sizes)) / sw
+    mean_y = sum(wi * y for wi, y in zip(w, seconds)) / sw
+    var = sum(wi * (x - mean_x) ** 2 for wi, x in zip(w, sizes))
     if var == 0:
         raise ValueError("calibrate_link needs at least two different sizes")
-    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds)) / var
+    b = sum(wi * (x - mean_x) * (y - mean_y) for wi, x, y in zip(w, sizes, seconds)) / var
     a = max(0.0, mean_y - b * mean_x)
     if not b > 0:
         raise ValueError(f"the measured times do not grow with size (slope {b:.3g} s/byte): cannot calibrate")
@@ -210,7 +215,7 @@ def step_time(profile: StepProfile, cluster: Cluster, strategy: str = "ddp", alg
                 profile.powersgd_bytes if profile.powersgd_bytes is not None else 0.01 * grad}.get(strategy)
         nb = max(1, math.ceil(grad / profile.bucket_bytes))
         if strategy == "ddp_topk":  # (int32 index, fp32 value) pairs all-gathered from every rank
-            cost = [all_gather(cluster, n * 8 * profile.topk_ratio * p / profile.grad_bytes / nb)] * nb
+            cost = [all_gather(cluster, n * 8 * profile.topk_ratio * p / nb)] * nb
         else:
             cost = [all_reduce(cluster, wire / nb, algorithm)] * nb
         ready = [fwd + bwd * (i + 1) / nb for i in range(nb)]

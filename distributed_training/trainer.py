@@ -443,7 +443,7 @@ class DistributedTrainer:
 
     # ------------------------------------------------------------------ batch size
     def auto_batch_size(self, data: Dataset, criterion: Criterion | None = None, *, method: str | None = None,
-                        headroom: float = 0.9) -> int:
+                        headroom: float = 0.9, max_batch_size: int | None = None) -> int:
         """The largest batch per rank (samples per optimizer step) that fits in memory; every rank agrees.
 
         Two methods (`method=None` chooses):
@@ -462,11 +462,10 @@ class DistributedTrainer:
         Each rank's answer is all-reduced with MIN. With gradient accumulation the search is over the
         micro-batch, and the batch is that times `gradient_accumulation_steps`. The result (also in
         `self.batch_size`, its explanation in `self.batch_size_reason`) never exceeds this rank's share
-        of `data`.
+        of `data` (nor `max_batch_size`). Dropout's RNG and BatchNorm's statistics are restored after the
+        search; if it fails on one rank, every rank raises.
         """
         import logging
-
-        from .planner import activation_bytes_per_sample, find_max_batch_size, max_batch_size_for_budget, state_bytes
 
         if isinstance(data, DataLoader) or isinstance(data, IterableDataset) or not isinstance(data, Dataset):
             raise TypeError("batch_size='auto' needs a map-style Dataset (it builds trial batches from it), got "
@@ -477,6 +476,11 @@ class DistributedTrainer:
         if len(data) == 0:
             raise ValueError("batch_size='auto' got an empty dataset")
         limit = max(1, len(data) // ctx.world_size // accum)  # micro-batches never larger than a rank's share
+        if max_batch_size is not None:
+            if not isinstance(max_batch_size, int) or max_batch_size < accum:
+                raise ValueError(f"max_batch_size must be an integer >= gradient_accumulation_steps ({accum}), "
+                                 f"got {max_batch_size!r}")
+            limit = min(limit, max_batch_size // accum)
         collective_forward = getattr(self.strategy, "collective_forward", False)
         if method is None:
             method = "probe" if self.device.type == "cuda" and not collective_forward else "estimate"
@@ -493,60 +497,94 @@ class DistributedTrainer:
             with self._autocast():
                 return self._loss(batch, criterion)
 
+        # The search must leave no trace: dropout's RNG and BatchNorm's statistics are put back.
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         self.model.train()
-        if method == "probe":
-            reserve = self._optimizer_state_reserve()
-            if self.device.type == "cuda":
-                reserve += (1 - headroom) * torch.cuda.get_device_properties(self.device).total_memory
-            held = torch.empty(int(reserve), dtype=torch.uint8, device=self.device)
-
-            def try_batch(b: int) -> None:
-                try:
-                    with self.strategy.no_sync(self.model):
-                        loss_of(self.model, make(b)).float().backward()
-                finally:
-                    self.optimizer.zero_grad(set_to_none=True)
-
-            try:
-                micro = find_max_batch_size(try_batch, limit=limit)
-            finally:
-                del held
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-            why = (f"probed: micro-batches up to {micro} fit (search limit {limit}) with "
-                   f"{reserve / 2**30:.2f} GiB held back for optimizer state and headroom")
-        else:
-            budget = self.memory_budget_bytes if self.memory_budget_bytes is not None else _default_budget()
-            params, unit = self._model_sizes
-            fixed = state_bytes(_planner_kind(self.strategy), params, ctx.world_size, largest_unit_params=unit,
-                                param_dtype_bytes=2 if self.mixed_precision else 4)
-            per_sample = activation_bytes_per_sample(self.model, make, loss_of)
-            self.optimizer.zero_grad(set_to_none=True)
-            try:
-                micro = min(limit, max_batch_size_for_budget(headroom * budget, fixed, per_sample))
-            except ValueError as err:
-                raise ValueError(f"rank {ctx.rank}: batch_size='auto' with memory_budget_bytes={budget:.0f}: {err}") from None
-            why = (f"estimated: {headroom:.0%} of {budget / 2**30:.2f} GiB, less {fixed / 2**30:.2f} GiB of "
-                   f"{_planner_kind(self.strategy)} model state, at {per_sample / 2**20:.2f} MiB of activations "
-                   f"per sample gives micro-batches of {micro} (limit {limit})")
+        failure, micro, why = None, 0, ""
+        try:
+            if method == "probe":
+                micro, why = self._probe_batch(make, loss_of, limit, headroom)
+            else:
+                micro, why = self._estimate_batch(make, loss_of, limit, headroom)
+        except Exception as err:  # every rank must still reach the agreement below, or its peers wait there
+            failure = err
+        finally:
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1], self.device)
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
         if ctx.world_size > 1:
             agreed = torch.tensor([micro], dtype=torch.int64, device=self.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ctx.group)
-            if int(agreed) != micro:
+            if failure is None and 0 < int(agreed) != micro:
                 why += f"; another rank fits only {int(agreed)}"
             micro = int(agreed)
+        if failure is not None:
+            raise failure
+        if micro < 1:
+            raise RuntimeError(f"rank {ctx.rank}: batch_size='auto' failed on another rank (its error says why)")
         self.batch_size = micro * accum
         self.batch_size_reason = why + (f"; x {accum} accumulation steps" if accum > 1 else "")
         logging.getLogger("distributed_training").info("batch_size='auto' chose %d per rank: %s", self.batch_size,
                                                         self.batch_size_reason)
         return self.batch_size
 
-    def _optimizer_state_reserve(self) -> float:
-        """Bytes the optimizer's first step will allocate: Adam's two fp32 moments per trainable
-        parameter, unless the state exists already (after a step or a resume)."""
-        if any(len(v) for v in self.optimizer.state.values()):
-            return 0.0
-        return float(sum(8 * p.numel() for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad))
+    def _probe_batch(self, make, loss_of, limit: int, headroom: float) -> tuple[int, str]:
+        from .planner import find_max_batch_size
+
+        reserve = self._first_step_reserve()
+        if self.device.type == "cuda":
+            reserve += (1 - headroom) * torch.cuda.get_device_properties(self.device).total_memory
+        held = torch.empty(int(reserve), dtype=torch.uint8, device=self.device)
+
+        def try_batch(b: int) -> None:
+            try:
+                with self.strategy.no_sync(self.model):
+                    loss_of(self.model, make(b)).float().backward()
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
+
+        try:
+            micro = find_max_batch_size(try_batch, limit=limit)
+        finally:
+            del held
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return micro, (f"probed: micro-batches up to {micro} fit (search limit {limit}) with {reserve / 2**30:.2f} "
+                       "GiB held back for optimizer state, compression residuals and headroom")
+
+    def _estimate_batch(self, make, loss_of, limit: int, headroom: float) -> tuple[int, str]:
+        from .planner import activation_bytes_per_sample, max_batch_size_for_budget, state_bytes
+
+        ctx = self.context
+        budget = self.memory_budget_bytes if self.memory_budget_bytes is not None else _default_budget()
+        params, unit = self._model_sizes
+        kind = _planner_kind(self.strategy)
+        fixed = state_bytes(kind, params, ctx.world_size, largest_unit_params=unit,
+                            param_dtype_bytes=2 if self.mixed_precision else 4)
+        per_sample = activation_bytes_per_sample(self.model, make, loss_of)
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            micro = min(limit, max_batch_size_for_budget(headroom * budget, fixed, per_sample))
+        except ValueError as err:
+            raise ValueError(f"rank {ctx.rank}: batch_size='auto' with memory_budget_bytes={budget:.0f}: {err}") from None
+        return micro, (f"estimated: {headroom:.0%} of {budget / 2**30:.2f} GiB, less {fixed / 2**30:.2f} GiB of {kind} "
+                       f"model state, at {per_sample / 2**20:.2f} MiB of activations per sample gives micro-batches "
+                       f"of {micro} (limit {limit})")
+
+    def _first_step_reserve(self) -> float:
+        """Bytes the first real step will allocate that a forward/backward does not: Adam's two fp32
+        moments per trainable parameter (unless the optimizer state exists, after a step or a resume),
+        and the fp32 error-feedback residuals of Top-K or PowerSGD compression."""
+        trainable = sum(p.numel() for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad)
+        reserve = 0.0 if any(len(v) for v in self.optimizer.state.values()) else 8.0 * trainable
+        reducer = getattr(self.model, "bucket_reducer", None)
+        if getattr(reducer, "compression", None) in ("topk", "powersgd") and getattr(reducer, "error_feedback", False):
+            reserve += 4.0 * trainable
+        return reserve
 
     @torch.no_grad()
     def evaluate(

@@ -172,3 +172,29 @@ def test_resumed_run_keeps_its_batch_size(tmp_path):
     # A bigger budget after the restart must not change the batch size (the data position depends on it).
     second = run_distributed(resume_worker, 2, args=(str(tmp_path), 20.5), timeout=120)
     assert second[0] == (6, 6)
+
+
+def one_rank_fails_worker(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.BatchNorm1d(64), nn.Linear(64, 4))
+    params = sum(p.numel() for p in model.parameters())
+    # Rank 1's budget cannot hold even the model state: it fails, and rank 0 must not wait for it.
+    budget = 10 * state_bytes("ddp", params, world) if rank == 0 else 1000.0
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), memory_budget_bytes=budget)
+    rng = torch.get_rng_state()
+    stats = trainer.module[2].running_mean.clone()
+    try:
+        trainer.auto_batch_size(_data(), F.mse_loss)
+        error = None
+    except (ValueError, RuntimeError) as err:
+        error = f"{type(err).__name__}: {err}"
+    untouched = torch.equal(rng, torch.get_rng_state()) and torch.equal(stats, trainer.module[2].running_mean)
+    trainer.close()
+    return error, untouched
+
+
+def test_a_failure_on_one_rank_raises_everywhere_and_leaves_no_trace():
+    (err0, untouched0), (err1, untouched1) = run_distributed(one_rank_fails_worker, 2, timeout=60)
+    assert err1 and err1.startswith("ValueError") and "rank 1" in err1 and "memory_budget_bytes" in err1
+    assert err0 and err0.startswith("RuntimeError") and "another rank" in err0
+    assert untouched0 and untouched1, "dropout's RNG and BatchNorm statistics must be restored"

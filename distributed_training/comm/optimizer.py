@@ -35,9 +35,10 @@ class _Finish:
     """A reduction in flight: `wait()` waits for its collectives, then runs `finish` (decode, copy
     back) once. What DDP's single wait at the end of backward calls."""
 
-    def __init__(self, works: list, finish) -> None:
+    def __init__(self, works: list, finish, keep: tuple = ()) -> None:
         self.works = [w for w in works if w is not None]
         self._finish = finish
+        self._keep = keep  # every tensor the collectives read or write lives until wait()
 
     def wait(self) -> bool:
         if self._finish is not None:
@@ -45,6 +46,7 @@ class _Finish:
                 work.wait()
             finish, self._finish = self._finish, None
             finish()
+            self._keep = ()
         return True
 
 _COMPRESSIONS = (None, "topk", "bf16", "fp16", "powersgd")
@@ -163,7 +165,7 @@ class CommunicationOptimizer:
             low = (flat / world).to(dtype)  # divide first: fp16 sums of many ranks overflow otherwise
             self.bytes_sent += low.numel() * low.element_size()
             work = dist.all_reduce(low, group=group, async_op=True) if world > 1 else None
-            return _Finish([work], lambda: flat.copy_(low))
+            return _Finish([work], lambda: flat.copy_(low), keep=(low,))
         if self.compression == "topk":
             return self._topk_mean(flat, group, key, world)
         return self._powersgd_mean(flat, group, key, world)
@@ -203,7 +205,7 @@ class CommunicationOptimizer:
             total.index_add_(0, all_idx.long(), all_val)
             flat.copy_(total / world)
 
-        return _Finish(works, decode)
+        return _Finish(works, decode, keep=(idx32, values, all_idx, all_val))
 
     def _powersgd_mean(self, flat: torch.Tensor, group, key: int, world: int) -> "_Finish":
         n = flat.numel()
@@ -223,7 +225,7 @@ class CommunicationOptimizer:
             q = torch.randn(cols, r, generator=g).to(flat.device)
         p = m @ q
         work = dist.all_reduce(p, group=group, async_op=True) if world > 1 else None
-        return _Finish([work], lambda: self._powersgd_finish(flat, m, p, group, key, world))
+        return _Finish([work], lambda: self._powersgd_finish(flat, m, p, group, key, world), keep=(p, m))
 
     def _powersgd_finish(self, flat: torch.Tensor, m: torch.Tensor, p: torch.Tensor, group, key: int,
                          world: int) -> None:

@@ -26,6 +26,7 @@ locally; the first backward outside `no_sync()` reduces the accumulated sum.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import weakref
 from typing import Iterator
@@ -36,6 +37,7 @@ from torch import nn
 
 from ..comm.bucket import MB, Bucket, allocate_buckets, assign_buckets
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module
+from ..comm.optimizer import CommunicationOptimizer
 from ..comm.reduce import AllReduceMean, BucketReducer
 
 __all__ = ["DDP"]
@@ -136,6 +138,9 @@ class DDP(nn.Module):
         self._comm_host_seconds, self._comm_count, self._comm_events = 0.0, 0, []
         self.measure_overlap = bool(measure_overlap)
         self._overlap = _OverlapTimeline()
+        # Reducers whose collectives read only tensors that outlive the handle (the bucket itself, or
+        # what a CommunicationOptimizer handle keeps): their transfers may be timed on a side stream.
+        self._reducer_owns_tensors = isinstance(self.bucket_reducer, (AllReduceMean, CommunicationOptimizer))
         self._reset_iteration()
         self._hook_handles = []
         self_ref = weakref.ref(self)
@@ -311,6 +316,8 @@ class DDP(nn.Module):
             return
         if not self._callback_queued:
             self._callback_queued = True
+            if self.measure_overlap:
+                self._overlap.begin()  # drop what a backward that raised half-way left behind
             _queue_callback(self._finish_backward)
         if self._ready[index]:
             raise RuntimeError(
@@ -334,7 +341,7 @@ class DDP(nn.Module):
             else:
                 handle = self.bucket_reducer(bucket.buffer, self.process_group)
             if launched is not None:
-                self._overlap.track(launched, handle)
+                self._overlap.track(launched, handle, owned=self._reducer_owns_tensors)
             self._handles.append(handle)
             self._next_to_launch += 1
 
@@ -390,10 +397,13 @@ class _OverlapTimeline:
     CUDA: an event on the compute stream when a bucket is handed over (its gradients are ready), and
     one on a side stream made to wait for the bucket's collectives, which therefore fires when they
     finish; nothing is added to the compute stream's dependencies. CPU: host clocks, with the end
-    taken in the work's completion callback. Communication time is the union of the intervals;
+    taken in the work's completion callback (which takes the GIL on gloo's thread: a small cost, paid
+    only while measuring). Communication time is the union of the intervals;
     what lies after backward's end is exposed, the rest hidden, except for a reducer that ran
     synchronously inside the hook (no work returned): all of its time held backward up, so it counts
-    as exposed.
+    as exposed. For a `CommunicationOptimizer` the interval starts before its compression kernels and
+    ends with its collectives; work done in its `wait()` (decoding, PowerSGD's second all-reduce) is
+    not in it, so the hidden share is an upper bound there.
     """
 
     def __init__(self) -> None:
@@ -409,7 +419,10 @@ class _OverlapTimeline:
             return start
         return time.perf_counter()
 
-    def track(self, start, handle) -> None:
+    def begin(self) -> None:
+        self._current = []
+
+    def track(self, start, handle, owned: bool = True) -> None:
         works = getattr(handle, "works", None)
         works = [handle] if works is None else works
         works = [w for w in works if hasattr(w, "get_future")]
@@ -420,6 +433,12 @@ class _OverlapTimeline:
             if blocking:
                 end.record()
             else:
+                # NCCL's wait() orders the *current* stream after the collective and then lets go of
+                # the tensors it was holding for it; only do it on the side stream when those tensors
+                # outlive the handle (never a custom reducer's temporaries), and not when the wait
+                # would block the host (TORCH_NCCL_BLOCKING_WAIT).
+                if not owned or os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") not in ("", "0"):
+                    return
                 if self._side is None:
                     self._side = torch.cuda.Stream()
                 with torch.cuda.stream(self._side):
