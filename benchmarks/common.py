@@ -36,6 +36,21 @@ COMPRESSED = {
 IMPLS = ("plain", "torch_ddp", "ours_ddp", "zero1", "zero2", "zero3", "torch_fsdp2", *COMPRESSED)
 
 
+def save_figure(fig, ax, path, *, xlabel: str, ylabel: str, title: str, log2x: bool = False) -> None:
+    """Label, lay out, write and close a matplotlib figure (the suite's and model_check's plots)."""
+    import matplotlib.pyplot as plt
+
+    if log2x:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def environment() -> dict:
     env = {
         "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

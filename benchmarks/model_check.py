@@ -19,6 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from distributed_training.scaling import Cluster, Link, StepProfile, step_time  # noqa: E402
 
@@ -109,6 +110,8 @@ def plot(rows: list[dict], projection: list[dict], prefix: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from common import save_figure
+
     card = rows[0]["card"] if rows else "?"
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{r['model']}\nmicro-batch {r['micro_batch']}" for r in rows]
@@ -117,12 +120,8 @@ def plot(rows: list[dict], projection: list[dict], prefix: str) -> None:
     ax.bar(xs, [r["predicted_overlap1_s"] * 1e3 for r in rows], width=0.27, label="model, overlap 1")
     ax.bar([x + 0.27 for x in xs], [r["predicted_overlap0_s"] * 1e3 for r in rows], width=0.27, label="model, overlap 0")
     ax.set_xticks(xs, labels, fontsize=8)
-    ax.set_ylabel("step time (ms)")
-    ax.set_title(f"Scaling model vs measured DDP steps, 2x {card}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(f"{prefix}_check.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, f"{prefix}_check.png", xlabel="", ylabel="step time (ms)",
+                title=f"Scaling model vs measured DDP steps, 2x {card}")
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in dict.fromkeys((e["model"], e["micro_batch"]) for e in projection):
         pts = [e for e in projection if (e["model"], e["micro_batch"]) == key]
@@ -130,14 +129,9 @@ def plot(rows: list[dict], projection: list[dict], prefix: str) -> None:
                         label=f"{key[0]} mb {key[1]}, overlap 1")
         ax.plot([e["gpus"] for e in pts], [100 * e["efficiency_overlap0"] for e in pts], marker="x", linestyle="--",
                 color=line.get_color(), label=f"{key[0]} mb {key[1]}, overlap 0")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("GPUs (8 a node, 400 Gb/s InfiniBand between nodes)")
-    ax.set_ylabel("DDP weak-scaling efficiency (%)")
-    ax.set_title(f"PROJECTION (model output), calibrated on 2x {card}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(f"{prefix}_projection.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, f"{prefix}_projection.png", xlabel="GPUs (8 a node, 400 Gb/s InfiniBand between nodes)",
+                ylabel="DDP weak-scaling efficiency (%)", title=f"PROJECTION (model output), calibrated on 2x {card}",
+                log2x=True)
 
 
 if __name__ == "__main__":

@@ -450,6 +450,8 @@ def plots(results: dict, folder: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from common import save_figure
+
     card = results["card"]
     for part in results["parts"]:
         if not part["collectives"]:
@@ -458,14 +460,8 @@ def plots(results: dict, folder: Path) -> None:
         for op in dict.fromkeys(r["op"] for r in part["collectives"]):
             rows = [r for r in part["collectives"] if r["op"] == op]
             ax.plot([r["bytes"] for r in rows], [r["busbw_gbs"] for r in rows], marker="o", label=op)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("message bytes")
-        ax.set_ylabel("bus bandwidth (GB/s)")
-        ax.set_title(f"Collectives, {part['world']} ranks, {card}")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(folder / f"collectives_world{part['world']}.png", dpi=110)
-        plt.close(fig)
+        save_figure(fig, ax, folder / f"collectives_world{part['world']}.png", xlabel="message bytes",
+                    ylabel="bus bandwidth (GB/s)", title=f"Collectives, {part['world']} ranks, {card}", log2x=True)
     proj = results.get("projections", {}).get("models", {})
     for name, rows in proj.items():
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -473,14 +469,8 @@ def plots(results: dict, folder: Path) -> None:
         for strategy in rows[0]["step_s"]:
             ax.plot([r["gpus"] for r in rows], [100 * base / r["step_s"][strategy] for r in rows], marker=".",
                     label=strategy)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("GPUs")
-        ax.set_ylabel("projected scaling efficiency (%)")
-        ax.set_title(f"{name}: projection, not measurement ({card} compute)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(folder / f"projection_{name}.png", dpi=110)
-        plt.close(fig)
+        save_figure(fig, ax, folder / f"projection_{name}.png", xlabel="GPUs", ylabel="projected scaling efficiency (%)",
+                    title=f"{name}: projection, not measurement ({card} compute)", log2x=True)
     checks = results.get("model", {}).get("checks", [])
     if checks:
         fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -489,12 +479,8 @@ def plots(results: dict, folder: Path) -> None:
         ax.bar([x - 0.2 for x in xs], [c["measured_s"] * 1e3 for c in checks], width=0.4, label="measured")
         ax.bar([x + 0.2 for x in xs], [c["predicted_s"] * 1e3 for c in checks], width=0.4, label="model")
         ax.set_xticks(list(xs), labels, rotation=60, fontsize=6)
-        ax.set_ylabel("step ms")
-        ax.set_title(f"Scaling model vs measurement, {card}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(folder / "model_vs_measured.png", dpi=110)
-        plt.close(fig)
+        save_figure(fig, ax, folder / "model_vs_measured.png", xlabel="", ylabel="step ms",
+                    title=f"Scaling model vs measurement, {card}")
 
 
 if __name__ == "__main__":

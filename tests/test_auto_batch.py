@@ -91,17 +91,20 @@ def test_probe_agrees_on_the_smallest_fit_and_training_matches():
         assert na == nb == 5 and worst == 0.0
 
 
-def estimate_worker(rank, world, strategy, slack):
+def _mlp_and_its_activations():
+    """(data, model, parameter count, activation bytes per sample measured on a plain copy)."""
     torch.manual_seed(0)
     data = _data()
     model = MLP(16, 256, 4)
-    params = sum(p.numel() for p in model.parameters())
-    # Independent measurement on a plain copy of the model.
     per_sample = activation_bytes_per_sample(
         copy.deepcopy(model), lambda b: (data.tensors[0][:b], data.tensors[1][:b]),
         lambda m, batch: F.mse_loss(m(batch[0]), batch[1]))
-    kind = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3"}[strategy]
-    fixed = state_bytes(kind, params, world, largest_unit_params=params, param_dtype_bytes=4)
+    return data, model, sum(p.numel() for p in model.parameters()), per_sample
+
+
+def estimate_worker(rank, world, strategy, slack):
+    data, model, params, per_sample = _mlp_and_its_activations()
+    fixed = state_bytes(strategy, params, world, largest_unit_params=params, param_dtype_bytes=4)
     fits = 7 if rank == 0 else 5
     budget = (fixed + (fits + slack) * per_sample) / 0.9
     trainer = DistributedTrainer(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), strategy=strategy,
@@ -149,13 +152,7 @@ def test_errors_name_what_is_wrong():
 
 
 def resume_worker(rank, world, ckpt, budget_scale):
-    torch.manual_seed(0)
-    data = _data()
-    model = MLP(16, 256, 4)
-    params = sum(p.numel() for p in model.parameters())
-    per_sample = activation_bytes_per_sample(
-        copy.deepcopy(model), lambda b: (data.tensors[0][:b], data.tensors[1][:b]),
-        lambda m, batch: F.mse_loss(m(batch[0]), batch[1]))
+    data, model, params, per_sample = _mlp_and_its_activations()
     budget = (state_bytes("ddp", params, world) + budget_scale * per_sample) / 0.9
     trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.05), memory_budget_bytes=budget,
                                  checkpoint_dir=ckpt, checkpoint_every=2)
