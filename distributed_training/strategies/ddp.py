@@ -64,8 +64,9 @@ class DDP(nn.Module):
             bucket reducer then.
         rebuild_buckets: re-bucket after the first iteration in the observed gradient order.
         measure_overlap: time every bucket's communication (CUDA events on a side stream, or
-            completion callbacks on CPU) so that `pop_overlap_stats()` can say how much of it was
-            hidden behind backward. Off by default; the trainer turns it on when it logs metrics.
+            completion callbacks on CPU) and the wait after backward, so that `pop_overlap_stats()`
+            and `pop_exposed_comm_seconds()` can say how much was hidden and how much exposed. Off by
+            default (no timing on the hot path); the trainer turns it on when it logs metrics.
     """
 
     def __init__(
@@ -249,6 +250,8 @@ class DDP(nn.Module):
 
     # ------------------------------------------------------------- timing
     def _start_comm_timer(self):
+        if not self.measure_overlap:  # nobody will read it: keep the hot path free of events
+            return None
         if self._buckets and self._buckets[0].buffer.is_cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -256,6 +259,8 @@ class DDP(nn.Module):
         return time.perf_counter()
 
     def _stop_comm_timer(self, start) -> None:
+        if start is None:
+            return
         if isinstance(start, float):
             self._comm_host_seconds += time.perf_counter() - start
             self._comm_count += 1
@@ -268,7 +273,8 @@ class DDP(nn.Module):
 
     def pop_exposed_comm_seconds(self) -> tuple[float, int]:
         """(seconds, backward passes) of communication left exposed since the last call: the time the
-        compute stream (or, on CPU, the host) waited for buckets after backward's last gradient.
+        compute stream (or, on CPU, the host) waited for buckets after backward's last gradient
+        (needs ``measure_overlap=True``).
 
         On CUDA this waits for the recorded events: call it when logging, not every step."""
         seconds, count = self._comm_host_seconds, self._comm_count
