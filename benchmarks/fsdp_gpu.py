@@ -30,22 +30,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import GIB, environment, run_phase, synchronize  # noqa: E402
 
 from distributed_training import init_distributed  # noqa: E402
+from distributed_training.planner import state_bytes  # noqa: E402
 from distributed_training.models import GPT, GPT_PRESETS  # noqa: E402
 
 
 def model_state_gib(impl: str, params: int, world: int, largest_unit: int) -> float:
-    """Bytes per rank the ZeRO formulas predict for fp32 master weights, gradients and Adam's two
-    moments (4 + 4 + 8 bytes a parameter), plus what each scheme keeps unsharded in bf16."""
-    p = params
-    if impl in ("torch_ddp", "ours_ddp"):
-        b = 16 * p
-    elif impl == "zero1":
-        b = 4 * p + 4 * p + 8 * p / world
-    elif impl == "zero2":
-        b = 16 * p / world + 2 * p  # bf16 parameters kept from forward to backward
-    else:  # zero3 / fsdp2: shards + about two gathered units in bf16
-        b = 16 * p / world + 2 * 2 * largest_unit
-    return b / GIB
+    """Per-rank GiB of fp32 weights, gradients and Adam's two moments as each scheme divides them, plus
+    what it keeps unsharded in bf16 (the planner's formulas)."""
+    kind = "ddp" if impl in ("torch_ddp", "ours_ddp") else "zero3" if impl == "torch_fsdp2" else impl
+    return state_bytes(kind, params, world, largest_unit_params=largest_unit) / GIB
 
 
 def main():
