@@ -1,16 +1,24 @@
-"""Where our DDP loses time on third-party models: step time of variants, interleaved, plus a profile.
+"""Our DDP and trainer against torch DDP on third-party models: step time of variants, interleaved.
 
     torchrun --nproc_per_node=2 benchmarks/profile_models.py --models resnet50,bert --out prof.json
 
 For each model (timm ResNet-50 / ViT-B/16, Hugging Face BERT-base MLM / GPT-2, built from configs,
-no weights) and each variant below, the median step time over interleaved rounds (bf16 autocast,
-fused AdamW, ``zero_grad(set_to_none=True)``), then one profiled window of ours and torch's: the CPU
-operators with the most self time (host cost on the autograd thread shows up here) and GPU kernel
-time by category. Rank 0 prints a table and writes the JSON.
+no weights), every variant gets its own copy of the model (same seed) and optimizer (fused AdamW,
+bf16 autocast, ``zero_grad(set_to_none=True)``); variants take turns for `--rounds` rounds of
+`--steps` steps, and the median step time is reported with the host time spent issuing the steps,
+each thread's CPU time per step (from /proc), peak memory per variant, and (with `--profile`) a
+torch.profiler window of the first few variants: CPU operators by self time and GPU kernel time by
+category. Rank 0 prints a table and writes the JSON.
 
-Variants: plain (no wrapper), torch (DistributedDataParallel), torch_view (gradient_as_bucket_view),
-ours, ours_nobcast (broadcast_buffers=False), ours_keepgrad (zero_grad(set_to_none=False)),
-ours_nosync (our hooks, no communication).
+Variants (`--variants`; default: plain,torch,ours,trainer,trainer_monitor,ours_nosync):
+  plain            the bare model, no communication
+  torch            torch.nn.parallel.DistributedDataParallel (torch_view: gradient_as_bucket_view)
+  ours             our DDP (ours_nobcast: broadcast_buffers=False; ours_nosync: our hooks under no_sync,
+                   no communication; ours_noop: the synchronised hook path with a reducer that sends
+                   nothing; ours_timed: host time of each method of the hook path)
+  trainer          DistributedTrainer(strategy="ddp", mixed_precision="bf16").train_step
+  trainer_monitor  the same with a Monitor (log_dir, log_every=10), recorded as fit records each step
+  trainer_zero3    DistributedTrainer(strategy="zero3").train_step
 """
 
 from __future__ import annotations
@@ -22,22 +30,35 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from distributed_training import DDP, init_distributed  # noqa: E402
+from distributed_training import DDP, DistributedTrainer, init_distributed  # noqa: E402
 
-VARIANTS = ("plain", "torch", "torch_view", "ours", "ours_nobcast", "ours_keepgrad", "ours_nosync", "ours_noop",
-            "ours_timed", "ours_noop_nobcast", "plain_bcast")
+DEFAULT_VARIANTS = "plain,torch,ours,trainer,trainer_monitor,ours_nosync"
 TIMERS: dict = defaultdict(lambda: [0.0, 0, 0.0])  # name -> [seconds, calls, max seconds] (ours_timed)
 
 
-THREAD_CPU = defaultdict(lambda: defaultdict(float))  # variant -> thread -> CPU ms per step
+def _timed(name, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            dt = time.perf_counter() - t0
+            entry = TIMERS[name]
+            entry[0] += dt
+            entry[1] += 1
+            entry[2] = max(entry[2], dt)
+
+    return wrapper
 
 
 def _thread_cpu() -> dict:
@@ -56,44 +77,17 @@ def _thread_cpu() -> dict:
     return out
 
 
-GC_SECONDS = defaultdict(float)  # variant -> seconds in Python's cyclic garbage collector
-_gc_state = {"variant": None, "start": 0.0}
-
-
-def _gc_callback(phase, info):
-    if phase == "start":
-        _gc_state["start"] = time.perf_counter()
-    elif _gc_state["variant"] is not None:
-        GC_SECONDS[_gc_state["variant"]] += time.perf_counter() - _gc_state["start"]
-
-
-def _timed(name, fn):
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        c0 = time.thread_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            dt = time.perf_counter() - t0
-            entry = TIMERS[name]
-            entry[0] += dt
-            entry[1] += 1
-            entry[2] = max(entry[2], dt)
-            TIMERS[name + " (thread cpu)"][0] += time.thread_time() - c0
-
-    return wrapper
-
-
 def build(name: str, device):
-    """(model, make_batch, loss_fn) for a model built from its config, with no downloaded weights."""
+    """(model, batch, criterion) for a model built from its config, with no downloaded weights.
+
+    `criterion` is None for the Hugging Face models, whose forward returns the loss from `labels`."""
     if name in ("resnet50", "vit"):
         import timm
 
         model = timm.create_model("resnet50" if name == "resnet50" else "vit_base_patch16_224", pretrained=False)
-        batch = 64
-        x = torch.randn(batch, 3, 224, 224, device=device)
-        y = torch.randint(0, 1000, (batch,), device=device)
-        return model.to(device), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+        x = torch.randn(64, 3, 224, 224, device=device)
+        y = torch.randint(0, 1000, (64,), device=device)
+        return model.to(device), (x, y), F.cross_entropy
     import transformers
 
     if name == "bert":
@@ -103,69 +97,68 @@ def build(name: str, device):
         cfg = transformers.GPT2Config()
         model = transformers.GPT2LMHeadModel(cfg)
     ids = torch.randint(0, cfg.vocab_size, (16, 512), device=device)
-    return model.to(device), (ids,), lambda m, b: m(input_ids=b[0], labels=b[0]).loss
+    return model.to(device), {"input_ids": ids, "labels": ids}, None
 
 
-def wrap(variant: str, model, device):
-    if variant == "plain":
-        return model
-    if variant.startswith("torch"):
-        return torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index], gradient_as_bucket_view=variant == "torch_view")
-    if variant.startswith("ours_noop"):  # the synchronised hook path with a reducer that sends nothing
-        from distributed_training.comm.reduce import CompletedWork
-
-        return DDP(model, bucket_reducer=lambda bucket, group: CompletedWork(),
-                   broadcast_buffers=variant == "ours_noop")
-    if variant == "plain_bcast":  # no wrapper, but rank 0's buffers broadcast before each forward
-        from distributed_training.comm.collectives import broadcast_coalesced
-
-        buffers = list(model.buffers())
-
-        class Bcast(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.inner = model
-
-            def forward(self, *a, **k):
-                broadcast_coalesced(buffers, 0)
-                return self.inner(*a, **k)
-
-        return Bcast()
-    ddp = DDP(model, broadcast_buffers=variant != "ours_nobcast")
-    # ours_gcoff / ours_switch: the same wrapper, run with Python's cyclic GC off / a 0.1 ms GIL switch
-    # interval (see `conditions`), to tell garbage collection and GIL hand-offs apart.
-    if variant == "ours_timed":  # host time of each piece of our hook path
-        for name in ("_on_grad_ready", "_attach_grad_to_bucket", "_launch_ready_buckets", "_finish_backward",
-                     "forward"):
-            setattr(ddp, name, _timed(name, getattr(ddp, name)))
-        ddp.bucket_reducer = _timed("bucket_reducer", ddp.bucket_reducer)
-    return ddp
+def loss_of(model, batch, criterion):
+    if criterion is None:
+        return model(**batch).loss
+    return criterion(model(batch[0]), batch[1])
 
 
-@contextlib.contextmanager
-def conditions(variant: str):
-    import gc as gc_module
+class Variant:
+    """One way of running a step: a wrapper + optimizer, or a trainer."""
 
-    interval = sys.getswitchinterval()
-    if variant == "ours_gcoff":
-        gc_module.disable()
-    if variant == "ours_switch":
-        sys.setswitchinterval(1e-4)
-    try:
-        yield
-    finally:
-        gc_module.enable()
-        sys.setswitchinterval(interval)
+    def __init__(self, name: str, model, ctx, log_dir: str):
+        self.name = name
+        self.trainer = None
+        factory = lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)  # noqa: E731
+        if name.startswith("trainer"):
+            self.trainer = DistributedTrainer(
+                model, factory, strategy="zero3" if name == "trainer_zero3" else "ddp", mixed_precision="bf16",
+                context=ctx, log_dir=os.path.join(log_dir, name) if name == "trainer_monitor" else None,
+                log_every=10, progress=False)
+            return
+        self.wrapped = self._wrap(model, ctx.device)
+        self.opt = factory(model.parameters())
 
+    def _wrap(self, model, device):
+        v = self.name
+        if v == "plain":
+            return model
+        if v.startswith("torch"):
+            return torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index], gradient_as_bucket_view=v == "torch_view")
+        if v == "ours_noop":
+            from distributed_training.comm.reduce import CompletedWork
 
-def step(wrapped, opt, batch, loss_fn, variant):
-    with wrapped.no_sync() if variant == "ours_nosync" else contextlib.nullcontext():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(wrapped, batch)
-        loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=variant != "ours_keepgrad")
+            return DDP(model, bucket_reducer=lambda bucket, group: CompletedWork())
+        ddp = DDP(model, broadcast_buffers=v != "ours_nobcast")
+        if v == "ours_timed":
+            for method in ("_on_grad_ready", "_attach_grad_to_bucket", "_launch_ready_buckets", "_finish_backward"):
+                setattr(ddp, method, _timed(method, getattr(ddp, method)))
+            ddp.bucket_reducer = _timed("bucket_reducer", ddp.bucket_reducer)
+        return ddp
+
+    def step(self, batch, criterion) -> None:
+        if self.trainer is not None:
+            start = time.perf_counter()
+            metrics = self.trainer.train_step(batch, criterion)
+            if self.name == "trainer_monitor":
+                self.trainer._record_step(batch, metrics, step_time=time.perf_counter() - start, data_time=0.0)
+            return
+        with self.wrapped.no_sync() if self.name == "ours_nosync" else contextlib.nullcontext():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = loss_of(self.wrapped, batch, criterion)
+            loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.close()
+        elif isinstance(self.wrapped, DDP):
+            self.wrapped.remove_hooks()
 
 
 def category(name: str) -> str:
@@ -179,56 +172,54 @@ def category(name: str) -> str:
     return "other"
 
 
-def measure(model_name, device, rounds, steps, is_main):
-    # One model, optimizer and wrapper per variant (same seed, so the same weights): no variant's hooks
-    # can fire in another's backward.
-    runs = {}
-    for v in VARIANTS:
+def measure(model_name, variants, ctx, args, log_dir):
+    # Peak memory of a variant alone = what it keeps between steps (model, wrapper buffers, optimizer
+    # state, gradients left set) + the most a step adds on top; every variant's model stays resident.
+    runs, resident, peak = {}, {}, {}
+    for v in variants:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
         torch.manual_seed(0)
-        model, batch, loss_fn = build(model_name, device)
-        runs[v] = (wrap(v, model, device), torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
-    times = defaultdict(list)
-    host = defaultdict(list)
-    GC_SECONDS.clear()
-    THREAD_CPU.clear()
-    for _ in range(rounds):
-        for v in VARIANTS:
-            w, opt = runs[v]
+        model, batch, criterion = build(model_name, ctx.device)
+        runs[v] = Variant(v, model, ctx, log_dir)
+        for _ in range(3):
+            runs[v].step(batch, criterion)
+        torch.cuda.synchronize()
+        resident[v] = torch.cuda.memory_allocated() - before
+    times, host = defaultdict(list), defaultdict(list)
+    thread_cpu = defaultdict(lambda: defaultdict(float))
+    TIMERS.clear()
+    for _ in range(args.rounds):
+        for v in variants:
+            run = runs[v]
             for _ in range(3):
-                step(w, opt, batch, loss_fn, v)
+                run.step(batch, criterion)
             torch.cuda.synchronize()
-            if v == "ours_timed":
-                TIMERS.clear()
-            _gc_state["variant"] = v
+            torch.cuda.reset_peak_memory_stats()
+            allocated = torch.cuda.memory_allocated()
             before = _thread_cpu()
-            with conditions(v):
-                t0 = time.perf_counter()
-                hsum = 0.0
-                for _ in range(steps):
-                    h0 = time.perf_counter()
-                    step(w, opt, batch, loss_fn, v)
-                    hsum += time.perf_counter() - h0
-                torch.cuda.synchronize()
-            _gc_state["variant"] = None
-            after = _thread_cpu()
-            for tid, (name, cpu) in after.items():
+            t0 = time.perf_counter()
+            issued = 0.0
+            for _ in range(args.steps):
+                h0 = time.perf_counter()
+                run.step(batch, criterion)
+                issued += time.perf_counter() - h0
+            torch.cuda.synchronize()
+            times[v].append((time.perf_counter() - t0) / args.steps * 1e3)
+            host[v].append(issued / args.steps * 1e3)
+            transient = torch.cuda.max_memory_allocated() - allocated
+            peak[v] = max(peak.get(v, 0.0), (resident[v] + transient) / 2**30)
+            for tid, (name, cpu) in _thread_cpu().items():
                 used = cpu - before.get(tid, (name, 0.0))[1]
                 if used > 0:
-                    THREAD_CPU[v][f"{name}:{tid}"] += used / steps * 1e3
-            times[v].append((time.perf_counter() - t0) / steps * 1e3)
-            host[v].append(hsum / steps * 1e3)
-            if v == "ours_timed":
-                timers = {k: {"ms_per_step": e[0] / steps * 1e3, "calls_per_step": e[1] / steps,
-                              "max_ms": e[2] * 1e3} for k, e in TIMERS.items()}
+                    thread_cpu[v][name] += used / args.steps / args.rounds * 1e3
     profiles = {}
-    for v in ("ours", "torch", "ours_nosync", "plain"):
-        if v not in runs:
-            continue
-        w, opt = runs[v]
+    for v in variants[: args.profile]:
+        run = runs[v]
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                step(w, opt, batch, loss_fn, v)
+                run.step(batch, criterion)
             torch.cuda.synchronize()
         cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:18]
         kernels = defaultdict(float)
@@ -239,37 +230,30 @@ def measure(model_name, device, rounds, steps, is_main):
             "cpu_self_ms_top": {e.key[:70]: [round(e.self_cpu_time_total / 1e3 / 3, 3), e.count // 3] for e in cpu},
             "kernel_ms": {k: round(x, 3) for k, x in kernels.items()},
         }
-    model = runs["plain"][0]
-    n_params = sum(1 for p in model.parameters() if p.requires_grad)
-    out = {"params_tensors": n_params, "buffers": sum(1 for _ in model.buffers()),
-           "step_ms_median": {v: statistics.median(t) for v, t in times.items()},
-           "step_ms_all": dict(times), "host_ms_median": {v: statistics.median(t) for v, t in host.items()},
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "profiles": profiles, "timers": timers,
-           "thread_cpu_ms_per_step": {v: dict(t) for v, t in THREAD_CPU.items()},
-           "gc_ms_per_step": {v: 1e3 * t / (rounds * steps) for v, t in GC_SECONDS.items()},
-           "buckets": [len(g) for g in runs["ours"][0].bucket_groups()]}
-    if is_main:
-        import threading
-
-        print("python threads:", [(t.name, t.daemon) for t in threading.enumerate()])
-        print(f"\n== {model_name}: {n_params} parameter tensors, {out['buffers']} buffers", flush=True)
-        for v in VARIANTS:
-            print(f"  {v:14s} step {out['step_ms_median'][v]:7.2f} ms   host {out['host_ms_median'][v]:7.2f} ms")
-        print("  affinity:", sorted(os.sched_getaffinity(0))[:8], "... of", len(os.sched_getaffinity(0)))
-        for v in ("plain", "torch", "ours", "ours_nosync", "ours_noop_nobcast", "plain_bcast"):
-            busy = {k: round(x, 1) for k, x in sorted(THREAD_CPU[v].items(), key=lambda kv: -kv[1])[:6]}
-            print(f"  thread cpu ms/step {v}: {busy}")
-        print("  gc ms/step:", {v: round(t, 2) for v, t in out["gc_ms_per_step"].items()})
-        print(f"  buckets (params each): {out['buckets']}")
-        for k, e in timers.items():
-            print(f"  timer {k:24s} {e['ms_per_step']:7.3f} ms/step  {e['calls_per_step']:6.1f} calls  max {e['max_ms']:.3f} ms")
+    median = {v: statistics.median(t) for v, t in times.items()}
+    out = {"step_ms_median": median, "step_ms_all": dict(times),
+           "host_ms_median": {v: statistics.median(t) for v, t in host.items()},
+           "thread_cpu_ms_per_step": {v: dict(t) for v, t in thread_cpu.items()},
+           "peak_gib_per_variant": peak, "profiles": profiles,
+           "timers": {k: {"ms_per_step": e[0] / (args.steps * args.rounds) * 1e3,
+                          "calls_per_step": e[1] / (args.steps * args.rounds), "max_ms": e[2] * 1e3}
+                      for k, e in TIMERS.items()}}
+    if "torch" in median:
+        out["speed_vs_torch"] = {v: median["torch"] / t for v, t in median.items()}
+    if ctx.is_main:
+        print(f"\n== {model_name} (world {ctx.world_size})", flush=True)
+        for v in variants:
+            ratio = f"  x{out['speed_vs_torch'][v]:.3f} of torch" if "speed_vs_torch" in out else ""
+            print(f"  {v:16s} step {median[v]:7.2f} ms   host {out['host_ms_median'][v]:7.2f} ms   "
+                  f"peak {peak[v]:5.1f} GiB{ratio}")
+        for k, e in out["timers"].items():
+            print(f"  timer {k:24s} {e['ms_per_step']:7.3f} ms/step  {e['calls_per_step']:6.1f} calls")
         for v, p in profiles.items():
             print(f"  -- {v} kernels: {json.dumps(p['kernel_ms'])}")
-            print(f"     cpu self: {json.dumps(dict(list(p['cpu_self_ms_top'].items())[:12]))}", flush=True)
-    for w, _ in runs.values():
-        if isinstance(w, DDP):
-            w.remove_hooks()
-    del runs, model
+            print(f"     cpu self: {json.dumps(dict(list(p['cpu_self_ms_top'].items())[:10]))}", flush=True)
+    for run in runs.values():
+        run.close()
+    del runs
     gc.collect()
     torch.cuda.empty_cache()
     return out
@@ -278,20 +262,21 @@ def measure(model_name, device, rounds, steps, is_main):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="resnet50,bert,vit,gpt2")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile", type=int, default=0, help="profile the first N variants")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     ctx = init_distributed()
-    import gc as gc_module
-
-    gc_module.callbacks.append(_gc_callback)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+    variants = args.variants.split(",")
     result = {"card": torch.cuda.get_device_name(), "world_size": ctx.world_size, "torch": torch.__version__,
-              "nccl": ".".join(map(str, torch.cuda.nccl.version())), "models": {}}
+              "nccl": ".".join(map(str, torch.cuda.nccl.version())), "variants": variants, "models": {}}
+    log_dir = tempfile.mkdtemp(prefix="profile-models-")
     for name in args.models.split(","):
-        result["models"][name] = measure(name, ctx.device, args.rounds, args.steps, ctx.is_main)
+        result["models"][name] = measure(name, variants, ctx, args, log_dir)
     if ctx.is_main and args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import pytest
@@ -78,9 +79,33 @@ def test_topk_bytes_and_warmup():
         comm.steps += 1
         densities.append(comm.density())
     assert densities[0] > 0.3 and abs(densities[3] - 0.01) < 1e-9 and densities[-1] == 0.01
-    comm = CommunicationOptimizer("topk", compression_ratio=0.01)
+    comm = CommunicationOptimizer("topk", compression_ratio=0.01, topk_chunk=None)  # exact: k = 100
     comm._topk_mean(x.clone(), None, 0, 1)
     assert comm.bytes_sent == 100 * (4 + 4)
+
+
+def test_chunked_topk_selects_the_largest_of_every_chunk_and_keeps_the_rest():
+    """Per-chunk selection (long buckets): the ratio x chunk largest magnitudes of each chunk and the
+    tail's share, a count fixed by the length alone, and error feedback still exact."""
+    n, chunk, ratio = 10 * 64 + 23, 64, 0.05
+    comm = CommunicationOptimizer("topk", compression_ratio=ratio, topk_chunk=chunk)
+    g = torch.Generator().manual_seed(3)
+    for step in range(5):
+        grad = torch.randn(n, generator=g)
+        before = comm.residuals.get(1, torch.zeros(n)).clone()
+        acc = grad + before
+        idx, vals = comm.compress_topk(grad, key=1)
+        per_row, tail_k = math.ceil(ratio * chunk), math.ceil(ratio * 23)
+        assert idx.numel() == 10 * per_row + tail_k and idx.unique().numel() == idx.numel()
+        for r in range(10):
+            row = acc[r * chunk:(r + 1) * chunk].abs()
+            mine = idx[(idx >= r * chunk) & (idx < (r + 1) * chunk)] - r * chunk
+            assert mine.numel() == per_row
+            assert row[mine].min() >= row.topk(per_row).values.min()  # exactly the row's top per_row
+        tail = idx[idx >= 10 * chunk] - 10 * chunk
+        assert torch.equal(acc[10 * chunk:].abs()[tail].sort().values, acc[10 * chunk:].abs().topk(tail_k).values.sort().values)
+        sent = torch.zeros(n).index_add_(0, idx, vals)
+        assert torch.equal(sent + comm.residuals[1], acc), step
 
 
 def powersgd_worker(rank, world):

@@ -4,7 +4,10 @@ It is a bucket reducer (see `comm/reduce.py`): pass it as `DDP(module, communica
 `all_reduce_compressed(tensor)` / `hierarchical_all_reduce(tensor, ...)` directly. Compression:
 
 * ``"topk"``: each rank sends only the k = ratio x n largest-magnitude entries of (gradient + residual)
-  as (index, value) pairs. Supports differ between ranks, so the pairs are all-gathered and
+  as (index, value) pairs. Above `topk_chunk` entries the selection is per chunk (the ratio x chunk
+  largest of every `topk_chunk` consecutive entries, plus the tail's share), because one exact top-k
+  over tens of millions of values is slow on a GPU while a batch of small row-wise top-k's is not;
+  error feedback keeps whatever a chunk did not send. Supports differ between ranks, so the pairs are all-gathered and
   scatter-added, not all-reduced. With error feedback what was not sent stays in a per-bucket residual
   and is added to the next step's gradient (sent + residual = accumulated input, exactly). An optional
   warm-up starts dense and decays the density to `compression_ratio`.
@@ -61,7 +64,7 @@ class CommunicationOptimizer:
     def __init__(self, compression: str | None = None, compression_ratio: float = 0.01, error_feedback: bool = True,
                  hierarchical: bool = False, ranks_per_node: int | None = None, pattern: str = "nccl",
                  bucket_size_mb: float = 25.0, enable_overlap: bool = True, powersgd_rank: int = 4,
-                 warmup_steps: int = 0) -> None:
+                 warmup_steps: int = 0, topk_chunk: int | None = 4096) -> None:
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}, got {compression!r}")
         if pattern not in _PATTERNS:
@@ -74,6 +77,8 @@ class CommunicationOptimizer:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
+        if topk_chunk is not None and (not isinstance(topk_chunk, int) or topk_chunk < 1):
+            raise ValueError(f"topk_chunk must be a positive integer or None (exact top-k), got {topk_chunk!r}")
         if hierarchical and compression is not None:
             raise ValueError("hierarchical all-reduce and compression cannot be combined yet: choose one")
         self.compression = compression
@@ -86,6 +91,7 @@ class CommunicationOptimizer:
         self.enable_overlap = enable_overlap
         self.powersgd_rank = powersgd_rank
         self.warmup_steps = warmup_steps
+        self.topk_chunk = topk_chunk
         self.residuals: dict[int, torch.Tensor] = {}
         self.powersgd_q: dict[int, torch.Tensor] = {}
         self.bytes_sent = 0
@@ -178,14 +184,32 @@ class CommunicationOptimizer:
             if residual is None or residual.shape != acc.shape:
                 residual = torch.zeros_like(acc)
             acc = acc + residual
-        k = max(1, min(acc.numel(), math.ceil(self.density() * acc.numel())))
-        indices = acc.abs().topk(k, sorted=False).indices
+        indices = self._select(acc.abs(), self.density())
         values = acc[indices]
         if self.error_feedback:
             leftover = acc.clone()
             leftover[indices] = 0
             self.residuals[key] = leftover
         return indices, values
+
+    def _select(self, magnitude: torch.Tensor, density: float) -> torch.Tensor:
+        """Indices of the entries to send: the exact top-k, or per-chunk top-k for long tensors.
+
+        The count depends only on the length and the density, never on the values, so every rank
+        sends the same number of pairs (the all-gather needs equal sizes) without a host sync."""
+        n = magnitude.numel()
+        chunk = self.topk_chunk
+        if chunk is None or n <= chunk:
+            return magnitude.topk(max(1, min(n, math.ceil(density * n))), sorted=False).indices
+        rows, tail = divmod(n, chunk)
+        per_row = max(1, min(chunk, math.ceil(density * chunk)))
+        picked = magnitude[: rows * chunk].view(rows, chunk).topk(per_row, dim=1, sorted=False).indices
+        picked += torch.arange(0, rows * chunk, chunk, device=magnitude.device).unsqueeze(1)
+        parts = [picked.reshape(-1)]
+        if tail:
+            last = magnitude[rows * chunk:]
+            parts.append(last.topk(max(1, min(tail, math.ceil(density * tail))), sorted=False).indices + rows * chunk)
+        return torch.cat(parts)
 
     def _topk_mean(self, flat: torch.Tensor, group, key: int, world: int) -> "_Finish":
         indices, values = self.compress_topk(flat, key)
