@@ -124,10 +124,10 @@ class DDP(nn.Module):
             if p.is_sparse or p.layout != torch.strided:
                 raise ValueError(f"DDP supports dense parameters only; '{name}' has layout {p.layout}")
 
-        self._buffers = list(module.buffers())
+        self._synced_buffers = list(module.buffers())
         with torch.no_grad():
             broadcast_coalesced(
-                [p.data for p in module.parameters()] + self._buffers, self._global_rank(0), process_group
+                [p.data for p in module.parameters()] + self._synced_buffers, self._global_rank(0), process_group
             )
 
         # Reverse registration order approximates the order gradients become ready in backward.
@@ -156,9 +156,9 @@ class DDP(nn.Module):
         if torch.is_grad_enabled() and self._pass.sync_enabled:
             if self._rebuild_pending and self._arrival_order:
                 self._rebuild_buckets_in_arrival_order()
-            if self.broadcast_buffers and self.world_size > 1 and self._buffers:
+            if self.broadcast_buffers and self.world_size > 1 and self._synced_buffers:
                 with _labelled("DDP broadcast of buffers"):
-                    broadcast_coalesced(self._buffers, self._global_rank(0), self.process_group)
+                    broadcast_coalesced(self._synced_buffers, self._global_rank(0), self.process_group)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
