@@ -168,9 +168,13 @@ class CommunicationOptimizer:
         world = dist.get_world_size(group)
         if self.compression in ("bf16", "fp16"):
             dtype = torch.bfloat16 if self.compression == "bf16" else torch.float16
-            low = (flat / world).to(dtype)  # divide first: fp16 sums of many ranks overflow otherwise
+            op = dist.ReduceOp.SUM
+            if dtype == torch.bfloat16 and world > 1 and dist.get_backend(group) == "nccl":
+                low, op = flat.to(dtype), dist.ReduceOp.AVG  # bf16 has fp32's range: NCCL averages in one pass
+            else:
+                low = (flat / world).to(dtype)  # divide first: fp16 sums of many ranks overflow otherwise
             self.bytes_sent += low.numel() * low.element_size()
-            work = dist.all_reduce(low, group=group, async_op=True) if world > 1 else None
+            work = dist.all_reduce(low, op=op, group=group, async_op=True) if world > 1 else None
             return _Finish([work], lambda: flat.copy_(low), keep=(low,))
         if self.compression == "topk":
             return self._topk_mean(flat, group, key, world)
