@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import queue
 import re
 import shutil
@@ -405,6 +406,68 @@ def test_k8s_structure():
     tb_rule = next(r for r in rules if any(p["port"] == 6006 for p in r["ports"]))
     assert tb_rule["from"] == [{"podSelector": {}}]
     assert all(p["port"] != 6006 for p in job_rule["ports"])
+
+
+def _volume_paths() -> list[str]:
+    """The paths the Dockerfile declares as VOLUMEs (JSON or plain form)."""
+    paths = []
+    for name, args in _instructions():
+        if name == "VOLUME":
+            paths += json.loads(args) if args.startswith("[") else args.split()
+    return paths
+
+
+def _under(path: str, root: str) -> bool:
+    path, root = posixpath.normpath(path), posixpath.normpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def test_relative_paths_land_on_writable_volumes():
+    """The root filesystem is read-only (Kubernetes' readOnlyRootFilesystem, `docker run --read-only`):
+    the example configs' relative checkpoint/log/output paths must resolve, from the container's working
+    directory, onto a writable volume, and checkpoints onto the persistent one (or nothing resumes)."""
+    workdir = [args for name, args in _instructions() if name == "WORKDIR"][-1]
+    assert posixpath.isabs(workdir), workdir
+    # docker run --read-only: only volumes are writable; a declared VOLUME is one even without -v.
+    assert any(_under(workdir, v) for v in _volume_paths()), f"WORKDIR {workdir} is not under a VOLUME"
+
+    docs = _manifests()
+    sts = next(d for (kind, _), d in docs.items() if kind == "StatefulSet")
+    spec = sts["spec"]["template"]["spec"]
+    trainer = next(c for c in spec["containers"] if c["name"] == "trainer")
+    assert trainer["securityContext"]["readOnlyRootFilesystem"] is True
+    cwd = trainer.get("workingDir", workdir)
+    assert cwd == workdir, f"the pod's workingDir {cwd} differs from the image's WORKDIR {workdir}"
+    claims = {t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]}
+    mounts = sorted(trainer["volumeMounts"], key=lambda m: -len(m["mountPath"]))
+
+    def mount_of(path: str) -> dict | None:
+        return next((m for m in mounts if _under(path, m["mountPath"])), None)
+
+    from distributed_training.config import load_config
+
+    configs = {p.name: yaml.safe_load(p.read_text()) for p in sorted((ROOT / "examples" / "configs").glob("*.yaml"))}
+    configs["configmap"] = yaml.safe_load(next(d for (kind, _), d in docs.items()
+                                               if kind == "ConfigMap")["data"]["config.yaml"])
+    relative = 0
+    for name, raw in configs.items():
+        cfg = load_config(raw)
+        for field, value in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir),
+                             ("output", cfg.output)):
+            if value is None:
+                continue
+            relative += not posixpath.isabs(value)
+            where = posixpath.normpath(posixpath.join(cwd, value))
+            mount = mount_of(where)
+            assert mount is not None, f"{name}: {field}={value} resolves to {where}, on the read-only root filesystem"
+            assert not mount.get("readOnly", False), f"{name}: {field}={value} resolves to read-only {mount}"
+            if field == "checkpoint.dir":
+                assert mount["name"] in claims, f"{name}: checkpoints at {where} are not on the persistent volume"
+            if field == "logging.dir":  # where TensorBoard and the liveness probe look
+                assert _under(where, _env_of(trainer)["DT_LOG_DIR"]["value"]), f"{name}: logs at {where}"
+    assert relative, "no example config uses relative paths: this test would check nothing relative"
+    home = _env_of(trainer)["HOME"]["value"]
+    assert mount_of(home) is not None and not mount_of(home).get("readOnly", False), f"HOME={home} is read-only"
 
 
 # --------------------------------------------------------------- the image's install, replayed
