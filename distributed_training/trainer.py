@@ -761,7 +761,8 @@ class DistributedTrainer:
         def read(k: int) -> dict:
             if k not in cache:
                 name = f"rank{k}.pt"
-                cache[k] = load_file(os.path.join(path, name), meta["checksums"].get(name))
+                # rank_checksums (a directory per node) also covers rank files fetched from other nodes.
+                cache[k] = load_file(os.path.join(path, name), meta.get("rank_checksums", meta["checksums"]).get(name))
             return cache[k]
 
         try:

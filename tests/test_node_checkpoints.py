@@ -66,7 +66,8 @@ def node_resume_worker(rank, world, base, strategy, interrupt_at, swap, damage):
     def make(node):
         torch.manual_seed(0)  # a fresh process starts from the same seed; resuming must undo the rest
         return DistributedTrainer(_gpt(), _sgd, strategy=strategy, context=_context(rank, world), seed=3,
-                                  checkpoint_dir=dirs[node], checkpoint_every=2, keep_last=2)
+                                  checkpoint_dir=dirs[node], checkpoint_every=2, keep_last=2,
+                                  best_metric="loss")
 
     node = rank // PER_NODE
     trainer = make(node)
@@ -93,9 +94,10 @@ def node_resume_worker(rank, world, base, strategy, interrupt_at, swap, damage):
     trainer.close()
     torch.distributed.barrier()
     listing = {os.path.basename(d): sorted(os.listdir(d)) for d in dirs}
+    best = {os.path.basename(d): CheckpointManager(d).best() for d in dirs}
     steps = {os.path.basename(d): {s: sorted(os.listdir(CheckpointManager(d).path_for(s)))
                                    for s in CheckpointManager(d).steps()} for d in dirs}
-    return states, resumed_steps, step, listing, steps, [str(w.message) for w in caught]
+    return states, resumed_steps, step, listing, steps, [str(w.message) for w in caught], best
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +122,18 @@ def unbroken(tmp_path_factory):
     ("zero3", False, "meta", 4),
 ])
 def test_per_node_directories_resume_and_prune(tmp_path, unbroken, strategy, swap, damage, resumed_from):
-    full_states, _, full_step, _, _, _ = unbroken(strategy)
+    full_states, _, full_step, *_ = unbroken(strategy)
     results = run_distributed(node_resume_worker, 4, args=(str(tmp_path), strategy, 5, swap, damage), timeout=240)
-    states, _, step, listing, steps, _ = results[0]
+    states, _, step, listing, steps, _, best = results[0]
     assert full_step == step == 10  # 54 samples / 4 ranks / 3 per batch: 5 steps per epoch
-    # Every node's directory got complete checkpoints (its own meta.pt) and was pruned to keep_last=2.
+    # Both nodes track the same best checkpoint (by rank 0's loss, not each node's own).
+    assert best["node0"] is not None and best["node0"][1] == best["node1"][1], best
+    best_dir = os.path.basename(best["node0"][0])
+    # Every node's directory got complete checkpoints (its own meta.pt) and was pruned to keep_last=2
+    # (and the best one).
     for node in ("node0", "node1"):
-        assert [n for n in listing[node] if n.startswith("step_")] == ["step_000000008", "step_000000010"], listing
+        kept = [n for n in listing[node] if n.startswith("step_")]
+        assert kept == sorted({"step_000000008", "step_000000010", best_dir}), listing
         for s, files in steps[node].items():
             assert "meta.pt" in files, f"{node}/step {s} has no meta.pt: {files}"
     first, second = (["meta.pt", "rank0.pt", "rank1.pt"], ["meta.pt", "rank2.pt", "rank3.pt"])
