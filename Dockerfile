@@ -5,8 +5,14 @@
 # command (see that script for every variable it reads).
 #
 #   docker build -t distributed-training:0.1.0 .
-#   docker run --rm --gpus all -v "$PWD/my.yaml:/config/config.yaml:ro" -v "$PWD/ckpt:/checkpoints" \
-#       distributed-training:0.1.0 --set training.max_steps=100
+#   docker run --rm --gpus all --read-only --tmpfs /tmp -v "$PWD/my.yaml:/config/config.yaml:ro" \
+#       -v "$PWD/ckpt:/checkpoints" distributed-training:0.1.0 --set training.max_steps=100
+#
+# The working directory is the checkpoint volume, /checkpoints: a config with relative paths
+# (`checkpoint.dir: checkpoints/run1`, `logging.dir: runs/run1`, as in examples/configs) writes onto the
+# volume, which stays writable and persistent when the root filesystem is read-only (Kubernetes'
+# readOnlyRootFilesystem, `docker run --read-only`). Relative logs land under /checkpoints/runs, where the
+# TensorBoard sidecar and the liveness probe (DT_LOG_DIR) look.
 #
 # The base image's torch (2.11.0, CUDA 12.8: drivers >= 570) satisfies the package's `torch>=2.4`, so
 # pip keeps it; the build fails if the torch left in the image has lost its CUDA build.
@@ -31,8 +37,8 @@ ENV PYTHONUNBUFFERED=1 \
 # keeps the build working on bases that already have a user or group with id 1000.
 RUN groupadd --gid 1000 --non-unique dtrain \
     && useradd --uid 1000 --gid 1000 --non-unique --create-home --shell /bin/bash dtrain \
-    && mkdir -p /config /checkpoints /workspace \
-    && chown 1000:1000 /checkpoints /workspace
+    && mkdir -p /config /checkpoints \
+    && chown 1000:1000 /checkpoints
 
 # The build context is what .dockerignore lets through: pyproject.toml, README.md, LICENSE, the
 # package and docker/. Installed as a regular (non-editable) package; the sources are then removed.
@@ -44,7 +50,9 @@ RUN python -m pip install --no-cache-dir /tmp/dtrain-src \
 COPY --chmod=0755 docker/entrypoint.sh docker/probe.sh /opt/dtrain/docker/
 
 USER 1000:1000
-WORKDIR /workspace
+# Declared a volume so that, with no -v for it, Docker still gives the job a writable (anonymous) one.
+VOLUME ["/checkpoints"]
+WORKDIR /checkpoints
 
 # 6006: TensorBoard (a sidecar reading the job's logging.dir); 29400: torchrun's c10d rendezvous.
 EXPOSE 6006 29400

@@ -178,7 +178,8 @@ class CheckpointManager:
         return None
 
     def finalize(self, step: int, metrics: dict[str, float] | None = None) -> None:
-        """After a save (rank 0 only): record the best and delete what is no longer kept."""
+        """After a save (by the directory's writer: rank 0, or each node's first rank when each node has a
+        directory of its own): record the best and delete what is no longer kept."""
         best = self._read_best()
         if self.best_metric is not None and metrics and self.best_metric in metrics:
             value = float(metrics[self.best_metric])

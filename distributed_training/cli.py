@@ -165,7 +165,8 @@ def _block_classes(model: nn.Module) -> tuple[type, ...]:
 
 
 def _resuming(trainer) -> bool:
-    return trainer.checkpoints is not None and trainer.resume and trainer.checkpoints.latest_good() is not None
+    # Collective (every rank agrees), so no rank runs the batch size search while another skips it.
+    return trainer.checkpoints is not None and trainer.resume and trainer.latest_checkpoint() is not None
 
 
 def main(argv: list[str] | None = None) -> int:

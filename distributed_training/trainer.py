@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from .activation import apply_activation_checkpointing
 from .amp import DynamicLossScaler
 from .checkpoint import CheckpointManager, load_file, rng_state, save_file, set_rng_state
+from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
 from .data import ShardedSampler
 from .monitor import Monitor, NullMonitor
 from .strategies.ddp import DDP
@@ -72,6 +73,10 @@ class DistributedTrainer:
         keep_last: how many recent checkpoints to keep; `best_metric` / `best_mode`: the checkpoint
             with the best value of this metric (from `train_step`'s metrics) is kept too.
         resume: resume `fit` from the latest good checkpoint in `checkpoint_dir`, if there is one.
+        checkpoint_shared: whether `checkpoint_dir` is one directory seen by every node (True) or one
+            per node (False); None (default) finds out with marker files on a multi-node job. With a
+            directory per node, each node writes, verifies and prunes its own, and a resume picks the
+            newest step complete on every node (see `distributed_training.checkpoint_layout`).
         log_dir: write per-rank TensorBoard and JSONL metrics under ``log_dir/rank_<i>`` during `fit`
             (see `distributed_training.monitor.Monitor`); `log_every` steps apart; ranks slower than
             `straggler_threshold` times the median are flagged; `progress` draws a bar on rank 0.
@@ -106,6 +111,7 @@ class DistributedTrainer:
         best_metric: str | None = None,
         best_mode: str = "min",
         resume: bool = True,
+        checkpoint_shared: bool | None = None,
         log_dir: str | os.PathLike | None = None,
         log_every: int = 10,
         straggler_threshold: float = 1.5,
@@ -180,6 +186,8 @@ class DistributedTrainer:
         self.batch_size_reason = ""
         self.checkpoint_every = checkpoint_every
         self.resume = resume
+        self.checkpoint_shared = checkpoint_shared
+        self._layouts: dict[str, DirectoryLayout] = {}
         self.mixed_precision = mixed_precision
         self.loss_scaler = loss_scaler if loss_scaler is not None else (
             DynamicLossScaler(group=self.context.group) if mixed_precision == "fp16" else None)
@@ -310,8 +318,10 @@ class DistributedTrainer:
         if not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every must be a positive integer, got {log_every!r}")
         if self.checkpoints is not None and self.resume:
-            found = self.checkpoints.latest_good()
+            found = self._resume_point()
             if found is not None and int(found[1]["step"]) > self.step:
+                if found[2] is not None:
+                    fetch_missing_files(found[0], self.context, self._layout(found[0]), found[2])
                 self.load_checkpoint(found[0])
         if batch_size == "auto":
             if self.batch_size is None:  # not restored from a checkpoint: a resumed run keeps its batch size
@@ -415,10 +425,42 @@ class DistributedTrainer:
 
     def _save_numbered(self, metrics: dict[str, torch.Tensor] | None) -> None:
         values = {k: float(v) for k, v in (metrics or {}).items()}
-        self.save_checkpoint(self.checkpoints.path_for(self.step), metrics=values)
-        if self.context.is_main:
+        path = self.checkpoints.path_for(self.step)
+        layout = self._layout(path)
+        if not layout.shared and self.checkpoints.best_metric is not None:
+            # Losses are each rank's own: every directory must rank checkpoints by the same (rank 0's) values.
+            box = [values]
+            dist.broadcast_object_list(box, src=0, group=self.context.group)
+            values = box[0]
+        self.save_checkpoint(path, metrics=values)
+        if layout.writer_of[self.context.rank] == self.context.rank:
             self.checkpoints.finalize(self.step, values)
         self.context.barrier()
+
+    def _layout(self, path: str | os.PathLike) -> DirectoryLayout:
+        """Which ranks share the directory that checkpoint `path` goes into (found once per directory;
+        a collective the first time)."""
+        parent = os.path.dirname(os.path.abspath(os.fspath(path)))
+        if parent not in self._layouts:
+            self._layouts[parent] = detect_layout(parent, self.context, self.checkpoint_shared)
+        return self._layouts[parent]
+
+    def latest_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
+        """(path, meta) of the checkpoint `fit` resumes from, or None; every rank must call it.
+
+        With one shared directory this is `CheckpointManager.latest_good`. With one directory per node,
+        the newest step that is complete and intact on every node, so that no two nodes load different
+        steps.
+        """
+        found = self._resume_point() if self.checkpoints is not None else None
+        return found[:2] if found is not None else None
+
+    def _resume_point(self) -> tuple[str, dict[str, Any], dict | None] | None:
+        layout = self._layout(self.checkpoints.path_for(0))
+        if layout.shared:
+            found = self.checkpoints.latest_good()
+            return (*found, None) if found is not None else None
+        return agree_on_checkpoint(self.checkpoints, self.context, layout)
 
     def _train_loader(self, data, batch_size, shuffle, drop_last, num_workers):
         ctx = self.context
@@ -662,7 +704,9 @@ class DistributedTrainer:
 
         Each rank writes ``rank<r>.pt`` (its RNG states; its shards under ZeRO/FSDP; the model and
         optimizer on rank 0 under DDP), then rank 0 writes ``meta.pt`` (step, epoch, data position,
-        scheduler, config, metrics, checksums) last. Files are written atomically.
+        scheduler, config, metrics, checksums) last. Files are written atomically. When each node has
+        a directory of its own (see `checkpoint_shared`), each node's first rank writes a ``meta.pt``
+        there, listing that node's files.
         """
         path = os.fspath(path)
         ctx = self.context
@@ -680,7 +724,8 @@ class DistributedTrainer:
         if ctx.world_size > 1:
             digests = [None] * ctx.world_size
             dist.all_gather_object(digests, digest, group=ctx.group)
-        if ctx.is_main:
+        layout = self._layout(path)
+        if layout.writer_of[ctx.rank] == ctx.rank:  # rank 0, or each node's first rank with a directory per node
             meta = {
                 "step": self.step,
                 "epoch": self.epoch,
@@ -692,7 +737,7 @@ class DistributedTrainer:
                 "strategy": self.strategy.name,
                 "config": self.config,
                 "metrics": dict(metrics or {}),
-                "checksums": {f"rank{k}.pt": d for k, d in enumerate(digests)},
+                **layout.checksums(ctx.rank, digests),
             }
             if isinstance(self.model, DDP):
                 meta["ddp_bucket_groups"] = self.model.bucket_groups()
@@ -716,7 +761,8 @@ class DistributedTrainer:
         def read(k: int) -> dict:
             if k not in cache:
                 name = f"rank{k}.pt"
-                cache[k] = load_file(os.path.join(path, name), meta["checksums"].get(name))
+                # rank_checksums (a directory per node) also covers rank files fetched from other nodes.
+                cache[k] = load_file(os.path.join(path, name), meta.get("rank_checksums", meta["checksums"]).get(name))
             return cache[k]
 
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import queue
 import re
 import shutil
@@ -407,6 +408,68 @@ def test_k8s_structure():
     assert all(p["port"] != 6006 for p in job_rule["ports"])
 
 
+def _volume_paths() -> list[str]:
+    """The paths the Dockerfile declares as VOLUMEs (JSON or plain form)."""
+    paths = []
+    for name, args in _instructions():
+        if name == "VOLUME":
+            paths += json.loads(args) if args.startswith("[") else args.split()
+    return paths
+
+
+def _under(path: str, root: str) -> bool:
+    path, root = posixpath.normpath(path), posixpath.normpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def test_relative_paths_land_on_writable_volumes():
+    """The root filesystem is read-only (Kubernetes' readOnlyRootFilesystem, `docker run --read-only`):
+    the example configs' relative checkpoint/log/output paths must resolve, from the container's working
+    directory, onto a writable volume, and checkpoints onto the persistent one (or nothing resumes)."""
+    workdir = [args for name, args in _instructions() if name == "WORKDIR"][-1]
+    assert posixpath.isabs(workdir), workdir
+    # docker run --read-only: only volumes are writable; a declared VOLUME is one even without -v.
+    assert any(_under(workdir, v) for v in _volume_paths()), f"WORKDIR {workdir} is not under a VOLUME"
+
+    docs = _manifests()
+    sts = next(d for (kind, _), d in docs.items() if kind == "StatefulSet")
+    spec = sts["spec"]["template"]["spec"]
+    trainer = next(c for c in spec["containers"] if c["name"] == "trainer")
+    assert trainer["securityContext"]["readOnlyRootFilesystem"] is True
+    cwd = trainer.get("workingDir", workdir)
+    assert cwd == workdir, f"the pod's workingDir {cwd} differs from the image's WORKDIR {workdir}"
+    claims = {t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]}
+    mounts = sorted(trainer["volumeMounts"], key=lambda m: -len(m["mountPath"]))
+
+    def mount_of(path: str) -> dict | None:
+        return next((m for m in mounts if _under(path, m["mountPath"])), None)
+
+    from distributed_training.config import load_config
+
+    configs = {p.name: yaml.safe_load(p.read_text()) for p in sorted((ROOT / "examples" / "configs").glob("*.yaml"))}
+    configs["configmap"] = yaml.safe_load(next(d for (kind, _), d in docs.items()
+                                               if kind == "ConfigMap")["data"]["config.yaml"])
+    relative = 0
+    for name, raw in configs.items():
+        cfg = load_config(raw)
+        for field, value in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir),
+                             ("output", cfg.output)):
+            if value is None:
+                continue
+            relative += not posixpath.isabs(value)
+            where = posixpath.normpath(posixpath.join(cwd, value))
+            mount = mount_of(where)
+            assert mount is not None, f"{name}: {field}={value} resolves to {where}, on the read-only root filesystem"
+            assert not mount.get("readOnly", False), f"{name}: {field}={value} resolves to read-only {mount}"
+            if field == "checkpoint.dir":
+                assert mount["name"] in claims, f"{name}: checkpoints at {where} are not on the persistent volume"
+            if field == "logging.dir":  # where TensorBoard and the liveness probe look
+                assert _under(where, _env_of(trainer)["DT_LOG_DIR"]["value"]), f"{name}: logs at {where}"
+    assert relative, "no example config uses relative paths: this test would check nothing relative"
+    home = _env_of(trainer)["HOME"]["value"]
+    assert mount_of(home) is not None and not mount_of(home).get("readOnly", False), f"HOME={home} is read-only"
+
+
 # --------------------------------------------------------------- the image's install, replayed
 @pytest.fixture(scope="module")
 def image_python(tmp_path_factory) -> Path:
@@ -568,6 +631,88 @@ def test_two_nodes_match_one_node(single_node, image_python, tmp_path):
     assert two.keys() == one.keys()
     for name in one:
         assert torch.equal(two[name], one[name]), f"{name} differs between 2x1 and 1x2 processes"
+
+
+# Loaded by every Python of a node whose PYTHONPATH names its directory; in torchrun's worker of global
+# rank DT_TEST_CRASH_RANK it kills the process (no cleanup, like a node lost) right after the numbered
+# checkpoint of step DT_TEST_CRASH_STEP is complete.
+CRASH_HOOK = """\
+import os
+if os.environ.get("RANK") is not None and os.environ.get("RANK") == os.environ.get("DT_TEST_CRASH_RANK"):
+    import distributed_training.trainer as _trainer
+
+    _save = _trainer.DistributedTrainer._save_numbered
+
+    def _save_then_crash(self, metrics):
+        _save(self, metrics)
+        if self.step == int(os.environ["DT_TEST_CRASH_STEP"]):
+            os._exit(17)
+
+    _trainer.DistributedTrainer._save_numbered = _save_then_crash
+"""
+
+
+def test_per_node_volumes_resume_after_a_crash(single_node, image_python, tmp_path):
+    """The StatefulSet's layout: each node has its own checkpoint volume (checkpoint.dir = its mount).
+
+    A two-node job crashes (rank 1 dies hard) right after the checkpoint of step 2; both nodes are
+    started again, this time with the nodes in the other order (torchrun sorts them by address), so
+    each node holds the files of the rank it no longer runs. The job must resume at step 2 on both
+    nodes, finish equal to the unbroken one-node run, and each volume must be pruned to keep_last.
+    """
+    assert single_node["node"].proc.returncode == 0, single_node["node"].report()
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(CRASH_HOOK)
+    volumes = [tmp_path / f"volume{r}" for r in range(2)]
+
+    def job(addresses, **extra_env):
+        def make_envs(endpoint):
+            envs = []
+            for r in range(2):
+                args = (f"--set checkpoint.dir={volumes[r]} --set output={volumes[r] / 'final.pt'} "
+                        "--set checkpoint.keep_last=1 --set logging.every=1 --set training.timeout_s=60")
+                envs.append(_node_env(image_python, tmp_path, f"node{r}", DT_NNODES="2", DT_NODE_RANK=str(r),
+                                      DT_NPROC_PER_NODE="1", DT_RDZV_ENDPOINT=endpoint,
+                                      DT_CONFIG=str(single_node["config"]), DT_CHECKPOINT_DIR=str(volumes[r]),
+                                      DT_EXTRA_ARGS=args, HOSTNAME=f"dtrain-{r}", PET_LOCAL_ADDR=addresses[r],
+                                      **extra_env))
+            return envs
+
+        return _run_job(make_envs, timeout=180)
+
+    def steps_trained(nodes):
+        return sorted(int(m) for n in nodes for m in re.findall(r"^step +(\d+) \|", n.out, re.M))
+
+    # 1. Node 0 runs rank 0 (127.0.0.1 sorts first); rank 1 dies right after the checkpoint of step 2.
+    crashed = job(["127.0.0.1", "127.0.0.2"], PYTHONPATH=str(hook), DT_TEST_CRASH_RANK="1",
+                  DT_TEST_CRASH_STEP="2", DT_MAX_RESTARTS="0")
+    report = "\n".join(n.report() for n in crashed)
+    assert all(n.proc.returncode != 0 for n in crashed), f"the crash did not stop the job:\n{report}"
+    assert steps_trained(crashed) == [1, 2], report
+    for r, volume in enumerate(volumes):
+        assert not (volume / "COMPLETED").exists(), report
+        assert sorted(p.name for p in (volume / "step_000000002").iterdir()) == ["meta.pt", f"rank{r}.pt"], report
+
+    # 2. Both nodes start again, now node 1 first (127.0.0.2 < 127.0.0.3): it runs rank 0 on a volume
+    #    that holds rank 1's files, and the other way round.
+    resumed = job(["127.0.0.3", "127.0.0.2"])
+    report = "\n".join(n.report() for n in resumed)
+    for r, node in enumerate(resumed):
+        assert node.proc.returncode == 0, f"node {r}:\n{report}"
+        assert (volumes[r] / "COMPLETED").is_file(), report
+    assert steps_trained(resumed) == [3, 4], f"did not resume from step 2:\n{report}"
+    # keep_last=1 on every volume: step 2 is gone everywhere; step 4 has each node's own files.
+    for r, volume in enumerate(volumes):
+        assert sorted(p.name for p in volume.glob("step_*")) == ["step_000000004"], report
+        files = sorted(p.name for p in (volume / "step_000000004").iterdir())
+        assert files == ["meta.pt", f"rank{1 - r}.pt"], (r, files)
+
+    two = torch.load(volumes[1] / "final.pt", map_location="cpu", weights_only=True)  # rank 0 ran on node 1
+    one = torch.load(single_node["root"] / "final.pt", map_location="cpu", weights_only=True)
+    assert two.keys() == one.keys()
+    for name in one:
+        assert torch.equal(two[name], one[name]), f"{name} differs between the resumed run and an unbroken one"
 
 
 # --------------------------------------------------------- the entrypoint's command line, stubbed

@@ -1,0 +1,235 @@
+"""Checkpoints on one shared directory or on one directory per node, found out at run time.
+
+A checkpoint directory is either *shared* by every rank (one ReadWriteMany volume, NFS, a single
+machine) or private to each node (one volume per Kubernetes pod, a node's local disk). The trainer
+does not ask which: `detect_layout` lets every node's local rank 0 drop a marker file named after a
+random token into the directory, and every rank looks for every node's marker. Ranks that see the
+same markers share a directory; the lowest rank among them is the directory's *writer*. On a shared
+directory that is rank 0 alone, and everything works as on one machine.
+
+With a directory per node, each writer does for its own directory what rank 0 does for a shared one:
+
+* it writes ``meta.pt`` last, listing (under ``checksums``) the rank files of its own node, so that
+  `CheckpointManager.latest_good` on that node verifies what is there and nothing else, and keeping
+  every rank's digest under ``rank_checksums``;
+* it records the best checkpoint and prunes old ones (`CheckpointManager.finalize`), so no node keeps
+  every checkpoint forever.
+
+On resume the directories may disagree (a node died halfway through a save; a volume was restored from
+an older snapshot), so `agree_on_checkpoint` lets the writers exchange which steps they have and picks
+the newest one that verifies in *every* directory. Then `fetch_missing_files` copies over the network
+the rank files a directory lacks: ``rank0.pt`` (the replicated model and optimizer of DDP, and the
+layout header of sharded strategies, which every rank reads) and the files of ranks that now run on a
+different node than when they saved (torchrun orders nodes by host name, then process id). After that
+every rank loads from its own directory with `DistributedTrainer.load_checkpoint`, unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import CheckpointManager, atomic_write_bytes, load_file
+
+__all__ = ["DirectoryLayout", "detect_layout", "agree_on_checkpoint", "fetch_missing_files"]
+
+
+@dataclass(frozen=True)
+class DirectoryLayout:
+    """Which ranks write into the same physical directory.
+
+    Attributes:
+        writer_of: for every global rank, the rank that writes ``meta.pt`` into (and prunes) the
+            directory that rank's files go to: the lowest rank sharing that directory.
+    """
+
+    writer_of: tuple[int, ...]
+
+    @property
+    def writers(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.writer_of)))
+
+    @property
+    def shared(self) -> bool:
+        """One directory for the whole job."""
+        return len(self.writers) == 1
+
+    def ranks_of(self, writer: int) -> tuple[int, ...]:
+        """The ranks whose files go to `writer`'s directory."""
+        return tuple(r for r, w in enumerate(self.writer_of) if w == writer)
+
+    def checksums(self, rank: int, digests: list[str]) -> dict[str, Any]:
+        """The checksum entries of the ``meta.pt`` that `rank` (a writer) puts in its directory."""
+        every = {f"rank{k}.pt": d for k, d in enumerate(digests)}
+        if self.shared:
+            return {"checksums": every}
+        mine = {f"rank{k}.pt": digests[k] for k in self.ranks_of(rank)}
+        return {"checksums": mine, "rank_checksums": every}
+
+
+def single_directory(world_size: int) -> DirectoryLayout:
+    return DirectoryLayout(writer_of=(0,) * world_size)
+
+
+def detect_layout(directory: str, context, shared: bool | None = None) -> DirectoryLayout:
+    """Find out which ranks share `directory` (every rank must call this; it creates the directory).
+
+    `shared=True` declares one directory for all ranks, `shared=False` one per node (the ranks with the
+    same ``rank - local_rank``); None detects it with marker files, written by each node's local rank 0.
+    A job on one node (``local_world_size == world_size``) needs no detection.
+    """
+    rank, world = context.rank, context.world_size
+    if shared is True or world == 1 or (shared is None and context.local_world_size >= world):
+        return single_directory(world)
+    os.makedirs(directory, exist_ok=True)
+    token = uuid.uuid4().hex if rank == 0 else None
+    node_leader = rank - context.local_rank  # torchrun gives a node's processes consecutive ranks
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (node_leader, token), group=context.group)
+    leaders = sorted({leader for leader, _ in gathered})
+    if shared is False:
+        return DirectoryLayout(writer_of=tuple(leader for leader, _ in gathered))
+    token = gathered[0][1]
+
+    def marker(leader: int) -> str:
+        # A fresh name every time: a lookup of a name never seen before is not answered from a network
+        # file system's cache of the directory's old contents.
+        return os.path.join(directory, f".dtrain-node-{token}-{leader}")
+
+    if context.local_rank == 0:
+        with open(marker(rank), "x") as f:
+            f.write(f"written by rank {rank}\n")
+            f.flush()
+            os.fsync(f.fileno())
+    context.barrier()
+    seen = tuple(leader for leader in leaders if os.path.exists(marker(leader)))
+    seen_by: list[Any] = [None] * world
+    dist.all_gather_object(seen_by, seen, group=context.group)  # every rank has looked once this returns
+    if context.local_rank == 0:
+        try:
+            os.remove(marker(rank))
+        except OSError:
+            pass
+    writer_of = []
+    for r, (leader, _) in enumerate(gathered):
+        if leader not in seen_by[r]:
+            raise RuntimeError(
+                f"checkpoint directory {directory!r}: rank {r} does not see the marker file that its node's local "
+                f"rank 0 (rank {leader}) wrote there; the processes of one node must see the same directory")
+        writer_of.append(min(seen_by[r]))
+    for r, w in enumerate(writer_of):
+        if seen_by[r] != seen_by[w]:
+            raise RuntimeError(
+                f"checkpoint directory {directory!r} is shared by some nodes and not others in a way that does not "
+                f"split them into groups: rank {r} sees the markers of nodes led by ranks {list(seen_by[r])}, rank {w} "
+                f"those of ranks {list(seen_by[w])}; give the job one shared directory or one per node")
+    return DirectoryLayout(writer_of=tuple(writer_of))
+
+
+def _gather(value: Any, context) -> list[Any]:
+    out: list[Any] = [None] * context.world_size
+    dist.all_gather_object(out, value, group=context.group)
+    return out
+
+
+def agree_on_checkpoint(manager: CheckpointManager, context,
+                        layout: DirectoryLayout) -> tuple[str, dict[str, Any], dict[int, dict]] | None:
+    """The newest checkpoint that is complete and intact in every directory (every rank must call this).
+
+    Returns ``(path, meta, inventory)`` with this rank's path and its directory's metadata, and, for each
+    writer, ``{"files": the rank files its directory holds, "rank_checksums": every rank file's digest,
+    "world_size": the saving world size}``; None when no step is good everywhere. Only writers read
+    their directories; each round costs one small all-gather, and only a step every directory has
+    complete (``meta.pt`` present) is verified, newest first.
+    """
+    rank = context.rank
+    writers = layout.writers
+    is_writer = layout.writer_of[rank] == rank
+    complete = ([s for s in manager.steps() if os.path.isfile(os.path.join(manager.path_for(s), "meta.pt"))]
+                if is_writer else None)
+    candidates = {w: set(steps) for w, steps in enumerate(_gather(complete, context)) if w in writers}
+    while True:
+        common = set.intersection(*candidates.values())
+        if not common:
+            held = {w: sorted(s) for w, s in candidates.items() if s}
+            if held and rank == 0:
+                warnings.warn(
+                    "no checkpoint is complete and intact in every node's checkpoint directory (complete steps by "
+                    f"the rank writing each directory: {held}); training starts from step 0", stacklevel=3)
+            return None
+        step = max(common)
+        path = manager.path_for(step)
+        answer: Any = None
+        if is_writer:
+            try:
+                meta = manager.verify(path)
+                answer = {"files": sorted(meta["checksums"]),
+                          "rank_checksums": meta.get("rank_checksums", meta["checksums"]),
+                          "world_size": int(meta["world_size"])}
+            except (ValueError, RuntimeError, OSError, EOFError) as err:
+                warnings.warn(f"rank {rank}: skipping checkpoint {path}: {err}; falling back to an earlier one",
+                              stacklevel=3)
+                answer = str(err)
+        answers = {w: a for w, a in enumerate(_gather(answer, context)) if w in writers}
+        if all(isinstance(a, dict) for a in answers.values()):
+            meta = load_file(os.path.join(path, "meta.pt"))
+            return path, meta, answers
+        for w in candidates:
+            candidates[w].discard(step)
+
+
+def _needed_files(layout: DirectoryLayout, writer: int, world_size: int, saved_world: int) -> set[str]:
+    """Rank files `load_checkpoint` may read in `writer`'s directory: rank 0's (every rank reads it) and
+    its own ranks' at the same world size; every file when the world size changed (re-sharding)."""
+    if saved_world != world_size:
+        return {f"rank{k}.pt" for k in range(saved_world)}
+    return {"rank0.pt"} | {f"rank{r}.pt" for r in layout.ranks_of(writer)}
+
+
+def fetch_missing_files(path: str, context, layout: DirectoryLayout, inventory: dict[int, dict]) -> list[tuple]:
+    """Copy into each directory the rank files of checkpoint `path` it lacks (every rank must call this).
+
+    Each missing file is sent by the lowest writer that has it to the writer of the directory that
+    needs it, checked against the digest in ``rank_checksums`` and written atomically. The transfers
+    run in one order that every rank computes alike, so they cannot deadlock. Returns the transfers as
+    ``(source rank, destination rank, file name)``.
+    """
+    rank = context.rank
+    transfers = []
+    for writer in layout.writers:
+        entry = inventory[writer]
+        for name in sorted(_needed_files(layout, writer, context.world_size, entry["world_size"]) - set(entry["files"])):
+            sources = [w for w in layout.writers if name in inventory[w]["files"]]
+            if not sources:
+                raise RuntimeError(
+                    f"checkpoint {path!r}: no node's directory holds {name} (the ranks writing the directories have "
+                    f"{ {w: inventory[w]['files'] for w in layout.writers} }); it cannot be resumed")
+            transfers.append((sources[0], writer, name))
+    device = context.device if context.backend == "nccl" else torch.device("cpu")
+    for src, dst, name in transfers:
+        if rank == src:
+            with open(os.path.join(path, name), "rb") as f:
+                data = f.read()
+            dist.send(torch.tensor([len(data)], dtype=torch.int64, device=device), dst, group=context.group)
+            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst, group=context.group)
+        elif rank == dst:
+            size = torch.zeros(1, dtype=torch.int64, device=device)
+            dist.recv(size, src, group=context.group)
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+            dist.recv(buffer, src, group=context.group)
+            data = buffer.cpu().numpy().tobytes()
+            expected = inventory[dst]["rank_checksums"].get(name)
+            if hashlib.sha256(data).hexdigest() != expected:
+                raise ValueError(f"rank {rank}: {name} of checkpoint {path!r}, received from rank {src}, does not "
+                                 "match the checksum in meta.pt")
+            atomic_write_bytes(data, os.path.join(path, name))
+    if transfers:
+        context.barrier()  # the other ranks of a node read what its writer received
+    return transfers

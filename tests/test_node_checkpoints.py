@@ -1,0 +1,170 @@
+"""Checkpoints with one directory per node (a Kubernetes pod's own volume): every node writes, verifies
+and prunes its own directory, and a resumed job agrees on one step and equals an unbroken run.
+
+Four real processes play two nodes of two processes each: each builds its `DistributedContext` with
+``local_rank = rank % 2`` (what torchrun would set on two nodes), and each "node" gets a directory of
+its own that the other node's processes never open. The two-agents-on-one-host version of this, through
+docker/entrypoint.sh and torchrun, is `tests/test_deploy.py::test_per_node_volumes_resume_after_a_crash`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from distributed_training import DistributedContext, DistributedTrainer
+from distributed_training.checkpoint import CheckpointManager
+from distributed_training.checkpoint_layout import detect_layout
+from distributed_training.models import GPT, GPTConfig
+from distributed_training.testing import run_distributed
+
+PER_NODE = 2
+
+
+def _context(rank: int, world: int) -> DistributedContext:
+    return DistributedContext(rank=rank, world_size=world, local_rank=rank % PER_NODE, local_world_size=PER_NODE,
+                              device=torch.device("cpu"), backend="gloo")
+
+
+def _gpt():
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (54, 17), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+
+
+def node_resume_worker(rank, world, base, strategy, interrupt_at, swap, damage):
+    """Train 10 steps (2 epochs); with `interrupt_at`, stop there and resume in a new trainer.
+
+    `swap`: on resume the two nodes trade directories (torchrun ordered them the other way round).
+    `damage`: before resuming, node 1's newest checkpoint loses its meta.pt (``"meta"``: the node died
+    while saving it) or gets a truncated rank file (``"truncate"``), so every node must fall back to the
+    checkpoint before. Returns the full model state after every step, the steps the resumed trainer ran,
+    what each node directory holds at the end, and the warnings of the resume.
+    """
+    nodes = world // PER_NODE
+    dirs = [os.path.join(base, f"node{k}") for k in range(nodes)]
+    states: dict[int, dict] = {}
+    resumed_steps: list[int] = []
+    trainer = None
+
+    def record(step, _metrics):
+        states[step] = {k: v.clone() for k, v in trainer.strategy.model_state_dict(trainer.model).items()}
+        resumed_steps.append(step)
+
+    def make(node):
+        torch.manual_seed(0)  # a fresh process starts from the same seed; resuming must undo the rest
+        return DistributedTrainer(_gpt(), _sgd, strategy=strategy, context=_context(rank, world), seed=3,
+                                  checkpoint_dir=dirs[node], checkpoint_every=2, keep_last=2,
+                                  best_metric="loss")
+
+    node = rank // PER_NODE
+    trainer = make(node)
+    caught = []
+    if interrupt_at:
+        trainer.fit(_data(), epochs=2, batch_size=3, max_steps=interrupt_at, log_every=1, on_step=record)
+        trainer.close()
+        resumed_steps.clear()
+        if damage and rank == PER_NODE:  # node 1's first rank: the writer of its directory
+            manager = CheckpointManager(dirs[1])
+            newest = manager.path_for(manager.steps()[-1])
+            if damage == "meta":
+                os.remove(os.path.join(newest, "meta.pt"))
+            else:
+                victim = os.path.join(newest, f"rank{world - 1}.pt")
+                with open(victim, "r+b") as f:
+                    f.truncate(100)
+        torch.distributed.barrier()
+        trainer = make((node + 1) % nodes if swap else node)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_data(), epochs=2, batch_size=3, log_every=1, on_step=record)
+    step = trainer.step
+    trainer.close()
+    torch.distributed.barrier()
+    listing = {os.path.basename(d): sorted(os.listdir(d)) for d in dirs}
+    best = {os.path.basename(d): CheckpointManager(d).best() for d in dirs}
+    steps = {os.path.basename(d): {s: sorted(os.listdir(CheckpointManager(d).path_for(s)))
+                                   for s in CheckpointManager(d).steps()} for d in dirs}
+    return states, resumed_steps, step, listing, steps, [str(w.message) for w in caught], best
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    """Reference runs per strategy, never interrupted."""
+    cache = {}
+
+    def get(strategy):
+        if strategy not in cache:
+            base = str(tmp_path_factory.mktemp(f"unbroken-{strategy}"))
+            cache[strategy] = run_distributed(node_resume_worker, 4, args=(base, strategy, 0, False, None),
+                                              timeout=240)[0]
+        return cache[strategy]
+
+    return get
+
+
+@pytest.mark.parametrize("strategy,swap,damage,resumed_from", [
+    ("ddp", False, None, 5),  # fit(max_steps=5) stops with a checkpoint at step 5
+    ("zero3", True, None, 5),
+    ("ddp", True, "truncate", 4),
+    ("zero3", False, "meta", 4),
+])
+def test_per_node_directories_resume_and_prune(tmp_path, unbroken, strategy, swap, damage, resumed_from):
+    full_states, _, full_step, *_ = unbroken(strategy)
+    results = run_distributed(node_resume_worker, 4, args=(str(tmp_path), strategy, 5, swap, damage), timeout=240)
+    states, _, step, listing, steps, _, best = results[0]
+    assert full_step == step == 10  # 54 samples / 4 ranks / 3 per batch: 5 steps per epoch
+    # Both nodes track the same best checkpoint (by rank 0's loss, not each node's own).
+    assert best["node0"] is not None and best["node0"][1] == best["node1"][1], best
+    best_dir = os.path.basename(best["node0"][0])
+    # Every node's directory got complete checkpoints (its own meta.pt) and was pruned to keep_last=2
+    # (and the best one).
+    for node in ("node0", "node1"):
+        kept = [n for n in listing[node] if n.startswith("step_")]
+        assert kept == sorted({"step_000000008", "step_000000010", best_dir}), listing
+        for s, files in steps[node].items():
+            assert "meta.pt" in files, f"{node}/step {s} has no meta.pt: {files}"
+    first, second = (["meta.pt", "rank0.pt", "rank1.pt"], ["meta.pt", "rank2.pt", "rank3.pt"])
+    assert steps["node0"][10] == (second if swap else first), steps  # after a swap, ranks 0-1 run on node 1
+    assert steps["node1"][10] == (first if swap else second), steps
+    # Every rank resumed from the same step (the newest that is good on both nodes) and then matched
+    # the unbroken run after every step, every parameter bit for bit.
+    for rank, result in enumerate(results):
+        assert result[1] == list(range(resumed_from + 1, 11)), f"rank {rank} resumed at {result[1][:1]}"
+    if damage == "truncate":
+        # Warned by the rank that verifies node 1's directory (rank 0 after the swap).
+        warned = [m for result in results for m in result[5] if "skipping checkpoint" in m]
+        assert len(warned) == 1 and "step_000000005" in warned[0] and "node1" in warned[0], warned
+    for s in range(1, 11):
+        assert list(states[s]) == list(full_states[s])
+        for key in full_states[s]:
+            assert torch.equal(states[s][key], full_states[s][key]), f"step {s}: {key} differs from the unbroken run"
+
+
+def layout_worker(rank, world, shared_dir, node_base):
+    ctx = _context(rank, world)
+    shared = detect_layout(shared_dir, ctx)
+    per_node = detect_layout(os.path.join(node_base, f"node{rank // PER_NODE}"), ctx)
+    forced = detect_layout(shared_dir, ctx, shared=False)
+    return shared.writer_of, per_node.writer_of, forced.writer_of, sorted(os.listdir(shared_dir))
+
+
+def test_layout_is_detected(tmp_path):
+    results = run_distributed(layout_worker, 4, args=(str(tmp_path / "shared"), str(tmp_path / "nodes")), timeout=120)
+    for shared, per_node, forced, leftover in results:
+        assert shared == (0, 0, 0, 0)
+        assert per_node == (0, 0, 2, 2)
+        assert forced == (0, 0, 2, 2)
+        assert leftover == [], f"marker files left behind: {leftover}"
