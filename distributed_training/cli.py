@@ -257,7 +257,7 @@ def entry() -> None:
         code = main()
     except SystemExit as stop:  # argparse errors and --help; sys.exit("message") means status 1
         if isinstance(stop.code, str):
-            print(stop.code, file=sys.stderr)
+            sys.stderr.write(f"{stop.code}\n")  # what the interpreter itself does with sys.exit("message")
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except KeyboardInterrupt:
         code = 130
