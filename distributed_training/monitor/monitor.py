@@ -71,7 +71,8 @@ class Monitor:
 
     Args:
         log_dir: directory of the run; this rank writes under ``log_dir/rank_<rank>``. JSONL files
-            are appended to, so give each run a fresh directory.
+            are appended to: a resumed run adds the steps after its checkpoint again, and
+            `plot.load_run` keeps, from each step a run restarted at, the later run's records.
         rank: this process's global rank.
         world_size: number of processes in `group` (the whole job by default). When
             torch.distributed is initialised, both must match what it reports.
