@@ -180,6 +180,8 @@ from _models import tiny_gpt
 from distributed_training import DistributedTrainer
 trainer = DistributedTrainer(tiny_gpt(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="auto", memory_budget_bytes=1e9)
 logging.getLogger("distributed_training.user_code").warning("a warning on rank %d", trainer.context.rank)
+tokens = torch.randint(0, 64, (32, 16))
+trainer.fit(torch.utils.data.TensorDataset(tokens, tokens), epochs=1, max_steps=1000, batch_size=8)
 trainer.close()
 """
 
@@ -193,6 +195,8 @@ def test_messages_go_through_logging_rank_zero_by_default(tmp_path):
                           str(script), "default"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=200)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.count("strategy auto -> ddp (") == 1, out.stderr
+    # fit() says when its epochs end training before max_steps (2 ranks x 2 steps of 8 = 32 samples per epoch).
+    assert out.stderr.count("epochs=1 of 2 steps end training at step 2, before max_steps=1000") == 1, out.stderr
     assert "[rank 0] WARNING: a warning on rank 0" in out.stderr and "[rank 1] WARNING: a warning on rank 1" in out.stderr
     assert out.stdout == ""
     # An application that configured logging gets the messages through its own handlers, once each.
