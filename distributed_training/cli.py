@@ -132,6 +132,8 @@ def run_job(cfg: JobConfig) -> dict:
         if t.batch_size == "auto" and trainer.batch_size is None and not _resuming(trainer):
             trainer.auto_batch_size(train, criterion)  # logs what it chose and why
         batch_size = t.batch_size if t.batch_size != "auto" else trainer.batch_size
+        if batch_size is None and _resuming(trainer):  # fit() restores the batch size "auto" chose before
+            batch_size = trainer.checkpoints.latest_good()[1].get("batch_size")
         epochs = _epochs_for(t.epochs, t.max_steps, train, batch_size, ctx.world_size)
         trainer.fit(train, epochs=epochs, criterion=criterion, batch_size=t.batch_size, max_steps=t.max_steps,
                     log_every=cfg.logging.every,
