@@ -24,30 +24,55 @@ __all__ = ["main", "run_job"]
 
 log = get_logger("cli")
 
-_EPILOG = """\
-config sections (every field optional; see distributed_training/config.py):
-  model:          preset (tiny|small|gpt2-124m|gpt-1.3b|classifier), n_layer, n_embd, dropout
-  data:           dataset (repo_text|digits), block_size, val_fraction
-  training:       strategy (ddp|zero1|zero2|zero3|fsdp|auto), epochs, max_steps, batch_size (or auto), lr,
-                  weight_decay, gradient_accumulation_steps, gradient_clip_val, precision (fp32|bf16|fp16),
-                  activation_checkpointing, memory_budget_gb, seed, timeout_s
-  communication:  bucket_cap_mb, compression (none|topk|bf16|fp16|powersgd), compression_ratio,
-                  error_feedback, pattern (nccl|ring|tree), hierarchical, ranks_per_node
-  checkpoint:     dir, every, keep_last        (a restarted job resumes from dir)
-  logging:        dir, every, progress
-  output:         path where rank 0 saves the final model state
-
+_EXAMPLES = """
 examples:
   torchrun --nproc_per_node=2 -m distributed_training examples/configs/gpt_cpu.yaml
-  dtrain job.yaml --set training.strategy=zero3 --set training.max_steps=200
+  dtrain job.yaml --set training.strategy=zero3 --set training.max_steps=200 --set training.lr=3e-4
 """
+
+
+def _sections_help() -> str:
+    """The config's sections and fields, read from the config's own models (a new field shows up here)."""
+    import textwrap
+    import types
+    import typing
+
+    def choices(annotation) -> str:
+        """`` (a|b)`` for a field of fixed choices, `` (or a)`` for a number that may also be a word."""
+        literals, others, stack = [], False, [annotation]
+        while stack:
+            a = stack.pop()
+            origin = typing.get_origin(a)
+            if origin is typing.Literal:
+                literals += typing.get_args(a)
+            elif origin is typing.Annotated:
+                stack.append(typing.get_args(a)[0])
+            elif origin in (typing.Union, types.UnionType):
+                stack += typing.get_args(a)
+            elif a is not type(None):
+                others = True
+        if not literals:
+            return ""
+        return f" (or {'|'.join(literals)})" if others else f" ({'|'.join(literals)})"
+
+    lines = ["config sections (every field optional; `dtrain --print-config` prints each one's default and meaning):"]
+    for name, info in JobConfig.model_fields.items():
+        fields = getattr(info.annotation, "model_fields", None)
+        if fields is None:
+            lines.append(f"  {name + ':':<16}{info.description or ''}")
+            continue
+        text = ", ".join(field + choices(finfo.annotation) for field, finfo in fields.items())
+        wrapped = textwrap.wrap(text, width=96) or [""]
+        lines.append(f"  {name + ':':<16}{wrapped[0]}")
+        lines += [" " * 18 + line for line in wrapped[1:]]
+    return "\n".join(lines) + "\n"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dtrain",
         description="Train a model data-parallel from a YAML config (run it under torchrun for several processes).",
-        epilog=_EPILOG,
+        epilog=_sections_help() + _EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", nargs="?", help="the job's YAML file")

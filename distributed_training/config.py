@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from .models import GPT_PRESETS
+
 __all__ = ["JobConfig", "ConfigError", "load_config", "dump_config"]
 
 
@@ -53,6 +55,7 @@ Float = Annotated[float, BeforeValidator(_number)]
 PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_whole)]
 PositiveFloat = Annotated[float, Field(gt=0), BeforeValidator(_number)]
 PathStr = Annotated[str, Field(min_length=1)]
+Preset = Literal[tuple(GPT_PRESETS) + ("classifier",)]  # type: ignore[valid-type]
 
 
 class _Section(BaseModel):
@@ -63,7 +66,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    preset: str = "small"
+    preset: Preset = "small"
     """A GPT preset (tiny, small, gpt2-124m, gpt-1.3b) or "classifier" (an MLP for the digits data)."""
     n_layer: Optional[PositiveInt] = None
     """Override the preset's number of blocks."""
@@ -158,11 +161,7 @@ class JobConfig(_Section):
     @model_validator(mode="after")
     def _fields_agree(self) -> "JobConfig":
         # Rules between fields; each error still starts with the path of the field to change.
-        from .models import GPT_PRESETS
-
         t, c, m = self.training, self.communication, self.model
-        if m.preset != "classifier" and m.preset not in GPT_PRESETS:
-            raise ConfigError(f"model.preset must be one of {sorted(GPT_PRESETS) + ['classifier']}, got {m.preset!r}")
         if (m.preset == "classifier") != (self.data.dataset == "digits"):
             raise ConfigError("model.preset 'classifier' goes with data.dataset 'digits' (and GPT presets with 'repo_text')")
         if m.n_embd is not None and m.preset in GPT_PRESETS and m.n_embd % GPT_PRESETS[m.preset].n_head:
