@@ -17,34 +17,62 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ConfigError, JobConfig, load_config
+from .config import ConfigError, JobConfig, dump_config, load_config
+from .logs import get_logger, install_default_handler
 
 __all__ = ["main", "run_job"]
 
-_EPILOG = """\
-config sections (every field optional; see distributed_training/config.py):
-  model:          preset (tiny|small|gpt2-124m|gpt-1.3b|classifier), n_layer, n_embd, dropout
-  data:           dataset (repo_text|digits), block_size, val_fraction
-  training:       strategy (ddp|zero1|zero2|zero3|fsdp|auto), epochs, max_steps, batch_size (or auto), lr,
-                  weight_decay, gradient_accumulation_steps, gradient_clip_val, precision (fp32|bf16|fp16),
-                  activation_checkpointing, memory_budget_gb, seed, timeout_s
-  communication:  bucket_cap_mb, compression (none|topk|bf16|fp16|powersgd), compression_ratio,
-                  error_feedback, pattern (nccl|ring|tree), hierarchical, ranks_per_node
-  checkpoint:     dir, every, keep_last        (a restarted job resumes from dir)
-  logging:        dir, every, progress
-  output:         path where rank 0 saves the final model state
+log = get_logger("cli")
 
+_EXAMPLES = """
 examples:
   torchrun --nproc_per_node=2 -m distributed_training examples/configs/gpt_cpu.yaml
-  dtrain job.yaml --set training.strategy=zero3 --set training.max_steps=200
+  dtrain job.yaml --set training.strategy=zero3 --set training.max_steps=200 --set training.lr=3e-4
 """
+
+
+def _sections_help() -> str:
+    """The config's sections and fields, read from the config's own models (a new field shows up here)."""
+    import textwrap
+    import types
+    import typing
+
+    def choices(annotation) -> str:
+        """`` (a|b)`` for a field of fixed choices, `` (or a)`` for a number that may also be a word."""
+        literals, others, stack = [], False, [annotation]
+        while stack:
+            a = stack.pop()
+            origin = typing.get_origin(a)
+            if origin is typing.Literal:
+                literals += typing.get_args(a)
+            elif origin is typing.Annotated:
+                stack.append(typing.get_args(a)[0])
+            elif origin in (typing.Union, types.UnionType):
+                stack += typing.get_args(a)
+            elif a is not type(None):
+                others = True
+        if not literals:
+            return ""
+        return f" (or {'|'.join(literals)})" if others else f" ({'|'.join(literals)})"
+
+    lines = ["config sections (every field optional; `dtrain --print-config` prints each one's default and meaning):"]
+    for name, info in JobConfig.model_fields.items():
+        fields = getattr(info.annotation, "model_fields", None)
+        if fields is None:
+            lines.append(f"  {name + ':':<16}{info.description or ''}")
+            continue
+        text = ", ".join(field + choices(finfo.annotation) for field, finfo in fields.items())
+        wrapped = textwrap.wrap(text, width=96) or [""]
+        lines.append(f"  {name + ':':<16}{wrapped[0]}")
+        lines += [" " * 18 + line for line in wrapped[1:]]
+    return "\n".join(lines) + "\n"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dtrain",
         description="Train a model data-parallel from a YAML config (run it under torchrun for several processes).",
-        epilog=_EPILOG,
+        epilog=_sections_help() + _EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", nargs="?", help="the job's YAML file")
@@ -123,27 +151,22 @@ def run_job(cfg: JobConfig) -> dict:
     )
     ctx = trainer.context
     try:
-        if ctx.is_main:
-            print(f"dtrain: {type(trainer.module).__name__} with {n_params:,} "
-                  f"parameters, strategy {trainer.strategy.name}, world size {ctx.world_size} on {ctx.device}, "
-                  f"{len(train):,} training samples", flush=True)
+        log.info("dtrain: %s with %s parameters, strategy %s, world size %d on %s, %s training samples",
+                 type(trainer.module).__name__, f"{n_params:,}", trainer.strategy.name, ctx.world_size, ctx.device,
+                 f"{len(train):,}")
         if t.batch_size == "auto" and trainer.batch_size is None and not _resuming(trainer):
-            trainer.auto_batch_size(train, criterion)
-            if ctx.is_main:
-                print(f"dtrain: batch_size auto -> {trainer.batch_size} per rank ({trainer.batch_size_reason})", flush=True)
-        if trainer.plan is not None and ctx.is_main:
-            print(f"dtrain: strategy auto -> {trainer.plan.strategy}"
-                  f"{' with CPU offload' if trainer.plan.cpu_offload else ''} ({trainer.plan.reason})", flush=True)
-        trainer.fit(train, epochs=t.epochs, criterion=criterion, batch_size=t.batch_size, max_steps=t.max_steps,
+            trainer.auto_batch_size(train, criterion)  # logs what it chose and why
+        batch_size = t.batch_size if t.batch_size != "auto" else trainer.batch_size
+        if batch_size is None and _resuming(trainer):  # fit() restores the batch size "auto" chose before
+            batch_size = trainer.checkpoints.latest_good()[1].get("batch_size")
+        epochs = _epochs_for(t.epochs, t.max_steps, train, batch_size, ctx.world_size)
+        trainer.fit(train, epochs=epochs, criterion=criterion, batch_size=t.batch_size, max_steps=t.max_steps,
                     log_every=cfg.logging.every,
-                    on_step=(lambda step, m: print(f"step {step:6d} | loss {m['loss']:.4f}", flush=True))
-                    if ctx.is_main else None)
-        eval_batch = trainer.batch_size if t.batch_size == "auto" else t.batch_size
-        metrics = trainer.evaluate(val, criterion, batch_size=eval_batch) if len(val) else {}
+                    on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main else None)
+        metrics = trainer.evaluate(val, criterion, batch_size=trainer.batch_size or batch_size) if len(val) else {}
         state = trainer.strategy.model_state_dict(trainer.model)
+        log.info("dtrain: finished at step %d, validation loss %.4f", trainer.step, metrics.get("loss", math.nan))
         if ctx.is_main:
-            print(f"dtrain: finished at step {trainer.step}, validation loss {metrics.get('loss', math.nan):.4f}",
-                  flush=True)
             if cfg.output:
                 Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
                 torch.save(state, cfg.output)
@@ -164,6 +187,26 @@ def _block_classes(model: nn.Module) -> tuple[type, ...]:
     return tuple(found)
 
 
+def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | None, world_size: int) -> int:
+    """`epochs`, or more when `max_steps` asks for more steps than `epochs` passes hold.
+
+    A dtrain user who writes ``max_steps`` means that many steps, so it wins over ``epochs`` (whose
+    default, 1, would otherwise stop a short dataset's run early); the change is logged."""
+    if max_steps is None or not batch_size:
+        return epochs
+    from .data import ShardedSampler
+
+    per_rank = len(ShardedSampler(train, world_size, 0))  # what fit() gives each rank per epoch
+    per_epoch = max(1, math.ceil(per_rank / batch_size))
+    needed = math.ceil(max_steps / per_epoch)
+    if needed > epochs:
+        log.info("dtrain: training.max_steps=%d needs %d epochs of %d steps (%d samples per rank, batch %d): "
+                 "training for %d epochs instead of training.epochs=%d", max_steps, needed, per_epoch, per_rank,
+                 batch_size, needed, epochs)
+        return needed
+    return epochs
+
+
 def _resuming(trainer) -> bool:
     # Collective (every rank agrees), so no rank runs the batch size search while another skips it.
     return trainer.checkpoints is not None and trainer.resume and trainer.latest_checkpoint() is not None
@@ -172,21 +215,60 @@ def _resuming(trainer) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    install_default_handler()
     try:
         if args.print_config:
-            import yaml
-
             cfg = load_config(args.config if args.config else {}, args.overrides)
-            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            sys.stdout.write(dump_config(cfg))
             return 0
         if not args.config:
             parser.error("a config file is required (or --print-config)")
+        # Validated before the process group exists: a bad config costs no rendezvous, and no rank waits.
         cfg = load_config(args.config, args.overrides)
+        run_job(cfg)
     except ConfigError as err:
-        print(f"dtrain: invalid config: {err}", file=sys.stderr)
+        _report_config_error(err)
         return 2
-    run_job(cfg)
     return 0
+
+
+def _report_config_error(err: ConfigError) -> None:
+    """Say it once: every rank reads the same config and fails the same way, so only rank 0 speaks.
+
+    Under torchrun, rank 0 writes the message to the agent's error file (TORCHELASTIC_ERROR_FILE)
+    instead of stderr: torchrun's failure summary then shows it as the root cause, where it would
+    otherwise point to a traceback that does not exist. The other ranks wait (up to
+    `_PEER_GRACE_S`) for the agent to stop them after rank 0 has failed: a rank that exited first
+    would be taken as the root cause, and rank 0 killed before its message is out.
+    """
+    import time
+
+    message = f"dtrain: invalid config: {err}"
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        if under_torchrun:
+            time.sleep(_PEER_GRACE_S)
+        return
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") if under_torchrun else None
+    if error_file and _write_elastic_error(error_file, message):
+        return
+    log.error(message)
+
+
+_PEER_GRACE_S = 20.0
+
+
+def _write_elastic_error(path: str, message: str) -> bool:
+    """The error file torchrun's agent reads for its failure summary (a plain-text message)."""
+    import json
+    import time
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+        return True
+    except OSError:
+        return False
 
 
 def entry() -> None:
@@ -203,7 +285,7 @@ def entry() -> None:
         code = main()
     except SystemExit as stop:  # argparse errors and --help; sys.exit("message") means status 1
         if isinstance(stop.code, str):
-            print(stop.code, file=sys.stderr)
+            sys.stderr.write(f"{stop.code}\n")  # what the interpreter itself does with sys.exit("message")
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except KeyboardInterrupt:
         code = 130

@@ -1,208 +1,272 @@
-"""Job configuration for the `dtrain` command: nested dataclasses read from YAML, validated on load.
+"""Job configuration for the `dtrain` command: typed sections read from YAML, validated on load.
 
     model:      {preset: small}                 # a GPT preset, or "classifier"
     data:       {dataset: repo_text, block_size: 64}
-    training:   {strategy: ddp, epochs: 1, max_steps: 100, batch_size: 16, lr: 0.002}
+    training:   {strategy: ddp, epochs: 1, max_steps: 100, batch_size: 16, lr: 2e-3}
     checkpoint: {dir: checkpoints, every: 50, keep_last: 3}
     logging:    {dir: runs/exp, every: 10}
 
-Every field has a default a user would choose; an unknown or invalid field is an error that names it
-(``training.batch_size must be an integer >= 1, got 0``).
+Each section is a pydantic model: a field is one annotated line (type, bounds, default) and the
+docstring under it, which is also its description (``JobConfig.model_fields``). Validation is strict:
+a value of the wrong type is an error, never coerced (``"no"`` is not a boolean, ``5`` is not a
+path); numbers may be written in scientific notation (``1e-3``, which YAML 1.1 would read as a
+string), and whole numbers such as ``1e4`` are accepted where an integer is expected. Every error
+names the field's path (``training.lr``); an unknown field is an error too.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Literal, get_args, get_type_hints
+import re
+from typing import Annotated, Any, Literal, Optional
 
-__all__ = ["JobConfig", "ConfigError", "load_config"]
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from .models import GPT_PRESETS
+
+__all__ = ["JobConfig", "ConfigError", "load_config", "dump_config"]
 
 
 class ConfigError(ValueError):
     """A configuration field is unknown or invalid; the message names it."""
 
 
-@dataclass
-class ModelConfig:
-    preset: str = "small"
+# A decimal number, with or without a fraction or an exponent: what YAML 1.2 reads as a float.
+_NUMBER = re.compile(r"[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)(?:[eE][-+]?\d+)?")
+
+
+def _number(value: Any) -> Any:
+    """Numbers written as text (``"3e-4"``: YAML 1.1 has no float without a dot) become floats."""
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value.replace("_", ""))
+    return value
+
+
+def _whole(value: Any) -> Any:
+    """``1e4`` or ``"1e4"`` where an integer is expected: the integer, when it has no fraction."""
+    value = _number(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Strict types (no bool for a number, no number for a string) that still take scientific notation.
+Int = Annotated[int, BeforeValidator(_whole)]
+Float = Annotated[float, BeforeValidator(_number)]
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_whole)]
+PositiveFloat = Annotated[float, Field(gt=0), BeforeValidator(_number)]
+PathStr = Annotated[str, Field(min_length=1)]
+Preset = Literal[tuple(GPT_PRESETS) + ("classifier",)]  # type: ignore[valid-type]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+class ModelConfig(_Section):
+    preset: Preset = "small"
     """A GPT preset (tiny, small, gpt2-124m, gpt-1.3b) or "classifier" (an MLP for the digits data)."""
-    n_layer: int | None = None
+    n_layer: Optional[PositiveInt] = None
     """Override the preset's number of blocks."""
-    n_embd: int | None = None
-    """Override the preset's width."""
-    dropout: float = 0.0
+    n_embd: Optional[PositiveInt] = None
+    """Override the preset's width (a multiple of the preset's number of heads)."""
+    dropout: Annotated[Float, Field(ge=0, lt=1)] = 0.0
+    """Dropout probability, in [0, 1)."""
 
 
-@dataclass
-class DataConfig:
+class DataConfig(_Section):
     dataset: Literal["repo_text", "digits"] = "repo_text"
     """repo_text: this package's own source as bytes (language model); digits: 8x8 handwritten digits
     shipped with the package (classification)."""
-    block_size: int = 64
-    """Tokens per language-model sample."""
-    val_fraction: float = 0.1
+    block_size: Annotated[PositiveInt, Field(le=8192)] = 64
+    """Tokens per language-model sample, 1 to 8192 (the corpus is about 280k bytes)."""
+    val_fraction: Annotated[Float, Field(ge=0, lt=1)] = 0.1
+    """Share of the samples held out for validation, in [0, 1)."""
 
 
-@dataclass
-class TrainingConfig:
+class TrainingConfig(_Section):
     strategy: Literal["ddp", "zero1", "zero2", "zero3", "fsdp", "auto"] = "ddp"
     """``auto``: the planner picks DDP, ZeRO-2 or ZeRO-3 (+ CPU offload) from memory estimates."""
-    epochs: int = 1
-    max_steps: int | None = None
-    batch_size: int | Literal["auto"] = 16
+    epochs: Annotated[Int, Field(ge=0)] = 1
+    """Passes over the training set; with ``max_steps``, as many more as those steps need."""
+    max_steps: Optional[PositiveInt] = None
+    """Optimizer steps to train for; when given, it wins over ``epochs`` (more epochs are run if needed)."""
+    batch_size: PositiveInt | Literal["auto"] = 16
     """Samples per rank per optimizer step; ``auto``: the largest that fits (probed on GPUs, estimated
-    against ``memory_budget_gb`` on CPU and for sharded strategies)."""
-    lr: float = 2e-3
-    weight_decay: float = 0.0
-    gradient_accumulation_steps: int = 1
-    gradient_clip_val: float | None = 1.0
+    against ``memory_budget_gb`` on CPU and for sharded strategies), at most a quarter of a rank's
+    share of the data and 1024."""
+    lr: PositiveFloat = 2e-3
+    """AdamW's learning rate."""
+    weight_decay: Annotated[Float, Field(ge=0)] = 0.0
+    gradient_accumulation_steps: PositiveInt = 1
+    gradient_clip_val: Optional[PositiveFloat] = 1.0
+    """Clip gradients to this global 2-norm (null: no clipping)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """bf16 / fp16: autocast with fp32 master weights; fp16 adds our dynamic loss scaler."""
+    """bf16 / fp16: autocast with fp32 master weights; fp16 adds our dynamic loss scaler (GPUs: on CPUs
+    fp16 is several times slower than fp32)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block in backward instead of keeping its activations."""
-    memory_budget_gb: float | None = None
+    memory_budget_gb: Optional[PositiveFloat] = None
     """Per-rank memory in GiB (2^30 bytes) that strategy=auto and batch_size=auto plan for (default: the
     GPU's, or this process's share of the host's)."""
-    seed: int = 0
-    timeout_s: float = 600.0
-    """Collective timeout."""
+    seed: Annotated[Int, Field(ge=0, lt=2**63)] = 0
+    timeout_s: PositiveFloat = 600.0
+    """Collective timeout in seconds."""
 
 
-@dataclass
-class CommunicationConfig:
-    bucket_cap_mb: float = 25.0
+class CommunicationConfig(_Section):
+    bucket_cap_mb: PositiveFloat = 25.0
     compression: Literal["none", "topk", "bf16", "fp16", "powersgd"] = "none"
     """Gradient compression for the DDP-based strategies (ddp, zero1)."""
-    compression_ratio: float = 0.01
-    """Top-K density."""
+    compression_ratio: Annotated[Float, Field(gt=0, le=1)] = 0.01
+    """Top-K density, in (0, 1]."""
     error_feedback: bool = True
     pattern: Literal["nccl", "ring", "tree"] = "nccl"
     hierarchical: bool = False
-    ranks_per_node: int | None = None
+    ranks_per_node: Optional[PositiveInt] = None
 
 
-@dataclass
-class CheckpointConfig:
-    dir: str | None = None
-    every: int | None = None
-    keep_last: int = 3
+class CheckpointConfig(_Section):
+    dir: Optional[PathStr] = None
+    every: Optional[PositiveInt] = None
+    keep_last: PositiveInt = 3
 
 
-@dataclass
-class LoggingConfig:
-    dir: str | None = None
-    every: int = 10
+class LoggingConfig(_Section):
+    dir: Optional[PathStr] = None
+    every: PositiveInt = 10
     progress: bool = True
 
 
-@dataclass
-class JobConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    communication: CommunicationConfig = field(default_factory=CommunicationConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    output: str | None = None
+class JobConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    output: Optional[PathStr] = None
     """Where rank 0 writes the final model state (a torch file); optional."""
 
-    def __post_init__(self) -> None:
-        t = self.training
-        _positive_int("training.epochs", t.epochs, allow_zero=True)
-        if t.batch_size != "auto" and (not isinstance(t.batch_size, int) or isinstance(t.batch_size, bool)
-                                       or t.batch_size < 1):
-            raise ConfigError(f"training.batch_size must be an integer >= 1 or 'auto', got {t.batch_size!r}")
-        if t.memory_budget_gb is not None:
-            _positive_float("training.memory_budget_gb", t.memory_budget_gb)
-        _positive_int("training.gradient_accumulation_steps", t.gradient_accumulation_steps)
-        if t.max_steps is not None:
-            _positive_int("training.max_steps", t.max_steps)
-        _positive_float("training.lr", t.lr)
-        _positive_float("training.timeout_s", t.timeout_s)
-        if t.gradient_clip_val is not None:
-            _positive_float("training.gradient_clip_val", t.gradient_clip_val)
-        _positive_int("data.block_size", self.data.block_size)
-        if not 0.0 <= self.data.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.data.val_fraction!r}")
-        if not 0.0 <= self.model.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.model.dropout!r}")
-        c = self.communication
-        _positive_float("communication.bucket_cap_mb", c.bucket_cap_mb)
-        if not 0 < c.compression_ratio <= 1:
-            raise ConfigError(f"communication.compression_ratio must be in (0, 1], got {c.compression_ratio!r}")
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, values: Any) -> Any:
+        # `training:` with nothing under it reads as None in YAML: the section's defaults.
+        if isinstance(values, dict):
+            return {k: ({} if v is None and k in cls.model_fields and k != "output" else v) for k, v in values.items()}
+        return values
+
+    @model_validator(mode="after")
+    def _fields_agree(self) -> "JobConfig":
+        # Rules between fields; each error still starts with the path of the field to change.
+        t, c, m = self.training, self.communication, self.model
+        if (m.preset == "classifier") != (self.data.dataset == "digits"):
+            raise ConfigError("model.preset 'classifier' goes with data.dataset 'digits' (and GPT presets with 'repo_text')")
+        if m.n_embd is not None and m.preset in GPT_PRESETS and m.n_embd % GPT_PRESETS[m.preset].n_head:
+            raise ConfigError(f"model.n_embd must be a multiple of preset {m.preset!r}'s "
+                              f"{GPT_PRESETS[m.preset].n_head} attention heads, got {m.n_embd}")
         custom = c.compression != "none" or c.pattern != "nccl" or c.hierarchical
         if custom and t.strategy not in ("ddp", "zero1"):  # "auto" may pick a sharded strategy
             raise ConfigError(f"communication.compression / pattern / hierarchical apply to training.strategy ddp or "
                               f"zero1, not {t.strategy!r}")
-        if self.checkpoint.every is not None:
-            _positive_int("checkpoint.every", self.checkpoint.every)
-            if self.checkpoint.dir is None:
-                raise ConfigError("checkpoint.every needs checkpoint.dir")
-        _positive_int("checkpoint.keep_last", self.checkpoint.keep_last)
-        _positive_int("logging.every", self.logging.every)
-        from .models import GPT_PRESETS
-
-        if self.model.preset != "classifier" and self.model.preset not in GPT_PRESETS:
-            raise ConfigError(f"model.preset must be one of {sorted(GPT_PRESETS) + ['classifier']}, got {self.model.preset!r}")
-        if (self.model.preset == "classifier") != (self.data.dataset == "digits"):
-            raise ConfigError("model.preset 'classifier' goes with data.dataset 'digits' (and GPT presets with 'repo_text')")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        if self.checkpoint.every is not None and self.checkpoint.dir is None:
+            raise ConfigError("checkpoint.every needs checkpoint.dir")
+        return self
 
 
-def _positive_int(name: str, value: Any, allow_zero: bool = False) -> None:
-    low = 0 if allow_zero else 1
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+def _field_path(loc: tuple) -> str:
+    """The dotted path of the field an error is about, leaving out pydantic's union-member tags."""
+    model: Any = JobConfig
+    parts: list[str] = []
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if not isinstance(part, str) or fields is None or part not in fields:
+            break
+        parts.append(part)
+        annotation = fields[part].annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return ".".join(parts)
 
 
-def _positive_float(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{name} must be a positive number, got {value!r}")
-
-
-def _build(cls, values: Any, path: str):
-    if values is None:
-        return cls()
-    if not isinstance(values, dict):
-        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(values).__name__}")
-    hints = get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown field {path + '.' if path else ''}{unknown[0]} (known: {', '.join(sorted(known))})")
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in values:
+def _describe(err: ValidationError) -> str:
+    """One line per field: ``training.lr: input should be a valid number, got 'fast'``."""
+    by_field: dict[str, list[str]] = {}
+    got: dict[str, Any] = {}
+    for e in err.errors(include_url=False):
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigError):
+            by_field.setdefault("", []).append(str(cause))
             continue
-        name = f"{path}.{f.name}" if path else f.name
-        value, hint = values[f.name], hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[f.name] = _build(hint, value, name)
+        loc = tuple(e["loc"])
+        path = _field_path(loc)
+        if e["type"] == "extra_forbidden":
+            parent = _field_path(loc[:-1])
+            section = JobConfig
+            for part in parent.split(".") if parent else []:
+                section = JobConfig.model_fields[part].annotation
+            name = f"{parent}.{loc[-1]}" if parent else str(loc[-1])
+            by_field.setdefault("", []).append(
+                f"unknown field {name} (known: {', '.join(section.model_fields)})")
             continue
-        choices = get_args(hint) if getattr(hint, "__origin__", None) is Literal else None
-        if choices and value not in choices:
-            raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
-        kwargs[f.name] = value
-    return cls(**kwargs)
+        msg = e["msg"]
+        by_field.setdefault(path or "config", []).append(msg[:1].lower() + msg[1:])
+        got.setdefault(path or "config", e.get("input"))
+    lines = []
+    for path, messages in by_field.items():
+        unique = list(dict.fromkeys(messages))
+        if path == "":
+            lines.extend(unique)
+        else:
+            value = got[path]
+            shown = f"a {type(value).__name__}" if isinstance(value, dict) else repr(value)
+            lines.append(f"{path}: {' or '.join(unique)}, got {shown}")
+    return "; ".join(lines)
+
+
+def _yaml_loader():
+    """PyYAML's safe loader, reading ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
+    return Loader
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text as Python values, scientific notation included (for config files and ``--set``)."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())
 
 
 def load_config(source: str | dict, overrides: list[str] | None = None) -> JobConfig:
     """Read a YAML file (or a dict), apply ``section.field=value`` overrides, validate."""
+    import copy
+
     import yaml
 
     if isinstance(source, dict):
-        raw = source
+        raw = copy.deepcopy(source)
     else:
         try:
             with open(source) as f:
-                raw = yaml.safe_load(f) or {}
+                raw = parse_yaml(f.read())
         except FileNotFoundError:
             raise ConfigError(f"config file {source!r} does not exist") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {source!r} is not valid YAML: {err}") from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {source!r} must hold a mapping of sections, got {type(raw).__name__}")
     for item in overrides or []:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -211,7 +275,37 @@ def load_config(source: str | dict, overrides: list[str] | None = None) -> JobCo
         parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
+            if node is None:
+                node = raw[part] = {}
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = yaml.safe_load(text)
-    return _build(JobConfig, raw, "")
+        try:
+            node[parts[-1]] = parse_yaml(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML: {err}") from None
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def dump_config(cfg: JobConfig) -> str:
+    """The config as YAML, every field with its value and, as a comment, its description."""
+    import yaml
+
+    def scalar(value: Any) -> str:
+        return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+    def doc(info) -> str:
+        return f"  # {' '.join(info.description.split())}" if info.description else ""
+
+    lines = []
+    for name, info in JobConfig.model_fields.items():
+        value = getattr(cfg, name)
+        if isinstance(value, BaseModel):
+            lines.append(f"{name}:")
+            for field, finfo in type(value).model_fields.items():
+                lines.append(f"  {field}: {scalar(getattr(value, field))}{doc(finfo)}")
+        else:
+            lines.append(f"{name}: {scalar(value)}{doc(info)}")
+    return "\n".join(lines) + "\n"

@@ -28,6 +28,7 @@ from .amp import DynamicLossScaler
 from .checkpoint import CheckpointManager, load_file, rng_state, save_file, set_rng_state
 from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
 from .data import ShardedSampler
+from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
 from .strategies.ddp import DDP
 from .runtime import DistributedContext, init_distributed
@@ -38,6 +39,14 @@ from .strategies.zero import FSDPStrategy, Zero1Strategy
 __all__ = ["DistributedTrainer", "CollectiveTimeoutError"]
 
 Criterion = Callable[[Any, Any], torch.Tensor]
+
+log = get_logger()
+
+#: ``fit(batch_size="auto")`` never picks more samples per rank than this, nor more than leaves
+#: `AUTO_BATCH_MIN_STEPS` optimizer steps per epoch: the largest batch that fits in memory is seldom
+#: the one that trains best, and on a CPU host (or for a small model) it is the whole shard.
+AUTO_BATCH_MAX = 1024
+AUTO_BATCH_MIN_STEPS = 4
 
 _STRATEGIES: dict[str, Callable[[], Strategy]] = {
     "ddp": DDPStrategy,
@@ -159,12 +168,17 @@ class DistributedTrainer:
         if isinstance(strategy, str):
             if strategy not in _STRATEGIES:
                 raise ValueError(f"strategy must be one of {sorted(_STRATEGIES) + ['auto']} or a Strategy object, got {strategy!r}")
-            strategy = _STRATEGIES[strategy]()
+            name, strategy = strategy, _STRATEGIES[strategy]()
+            strategy.name = name  # "zero3" stays "zero3" in messages and checkpoints, not its class's "fsdp"
         elif not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a name or a Strategy object, got {type(strategy).__name__}")
 
         self._owns_context = context is None
         self.context = context if context is not None else init_distributed(timeout=timeout)
+        install_default_handler(self.context.rank)
+        if self.plan is not None:
+            log.info("strategy auto -> %s%s (%s)", self.plan.strategy, " with CPU offload" if self.plan.cpu_offload
+                     else "", self.plan.reason)
         self.strategy = strategy
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.gradient_clip_val = gradient_clip_val
@@ -189,6 +203,9 @@ class DistributedTrainer:
         self.checkpoint_shared = checkpoint_shared
         self._layouts: dict[str, DirectoryLayout] = {}
         self.mixed_precision = mixed_precision
+        if mixed_precision == "fp16" and self.device.type == "cpu" and self.context.is_main:
+            log.warning("mixed_precision='fp16' on CPU: CPUs have no fast fp16 arithmetic, so training runs several "
+                        "times slower than in fp32 (about 7x for a small GPT); use 'bf16' or fp32 on CPUs")
         self.loss_scaler = loss_scaler if loss_scaler is not None else (
             DynamicLossScaler(group=self.context.group) if mixed_precision == "fp16" else None)
         self.monitor = (Monitor(os.fspath(log_dir), rank=self.context.rank, world_size=self.context.world_size,
@@ -273,7 +290,7 @@ class DistributedTrainer:
 
     def _loss(self, batch: Any, criterion: Criterion | None) -> torch.Tensor:
         if criterion is None:
-            return _extract_loss(_call(self.model, batch))
+            return _model_loss(self.model, batch)
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError("with a criterion, each batch must be an (inputs, targets) pair")
         inputs, targets = batch
@@ -337,6 +354,9 @@ class DistributedTrainer:
             per_epoch = len(range(0, sampler.total // self.context.world_size, loader.batch_size))
             by_epochs = epochs * per_epoch
             total = by_epochs if max_steps is None else min(max_steps, by_epochs)
+            if max_steps is not None and by_epochs < max_steps:
+                log.info("fit: epochs=%d of %d steps end training at step %d, before max_steps=%d (pass more epochs "
+                         "to reach it)", epochs, per_epoch, by_epochs, max_steps)
         self.monitor.start(total)
         ddp = self.model if isinstance(self.model, DDP) else None
         while self.epoch < epochs and not done():
@@ -485,7 +505,8 @@ class DistributedTrainer:
 
     # ------------------------------------------------------------------ batch size
     def auto_batch_size(self, data: Dataset, criterion: Criterion | None = None, *, method: str | None = None,
-                        headroom: float = 0.9, max_batch_size: int | None = None) -> int:
+                        headroom: float = 0.9, max_batch_size: int | None = AUTO_BATCH_MAX,
+                        min_steps_per_epoch: int = AUTO_BATCH_MIN_STEPS) -> int:
         """The largest batch per rank (samples per optimizer step) that fits in memory; every rank agrees.
 
         Two methods (`method=None` chooses):
@@ -503,12 +524,12 @@ class DistributedTrainer:
 
         Each rank's answer is all-reduced with MIN. With gradient accumulation the search is over the
         micro-batch, and the batch is that times `gradient_accumulation_steps`. The result (also in
-        `self.batch_size`, its explanation in `self.batch_size_reason`) never exceeds this rank's share
-        of `data` (nor `max_batch_size`). Dropout's RNG and BatchNorm's statistics are restored after the
+        `self.batch_size`, its explanation in `self.batch_size_reason`) never exceeds `max_batch_size`
+        (default `AUTO_BATCH_MAX`, 1024; None: no such cap) nor what leaves `min_steps_per_epoch`
+        optimizer steps per epoch of this rank's share of `data` (default `AUTO_BATCH_MIN_STEPS`, 4).
+        The reason says which bound applied. Dropout's RNG and BatchNorm's statistics are restored after the
         search; if it fails on one rank, every rank raises.
         """
-        import logging
-
         if isinstance(data, DataLoader) or isinstance(data, IterableDataset) or not isinstance(data, Dataset):
             raise TypeError("batch_size='auto' needs a map-style Dataset (it builds trial batches from it), got "
                             f"{type(data).__name__}")
@@ -517,12 +538,17 @@ class DistributedTrainer:
         ctx, accum = self.context, self.gradient_accumulation_steps
         if len(data) == 0:
             raise ValueError("batch_size='auto' got an empty dataset")
-        limit = max(1, len(data) // ctx.world_size // accum)  # micro-batches never larger than a rank's share
+        if not isinstance(min_steps_per_epoch, int) or min_steps_per_epoch < 1:
+            raise ValueError(f"min_steps_per_epoch must be an integer >= 1, got {min_steps_per_epoch!r}")
+        share = -(-len(data) // ctx.world_size)  # a rank's samples per epoch (the sampler pads the last ones)
+        limit = max(1, share // (min_steps_per_epoch * accum))
+        limit_why = f"{min_steps_per_epoch} steps per epoch over this rank's {share} samples"
         if max_batch_size is not None:
             if not isinstance(max_batch_size, int) or max_batch_size < accum:
                 raise ValueError(f"max_batch_size must be an integer >= gradient_accumulation_steps ({accum}), "
                                  f"got {max_batch_size!r}")
-            limit = min(limit, max_batch_size // accum)
+            if max_batch_size // accum < limit:
+                limit, limit_why = max_batch_size // accum, f"max_batch_size={max_batch_size}"
         collective_forward = getattr(self.strategy, "collective_forward", False)
         if method is None:
             method = "probe" if self.device.type == "cuda" and not collective_forward else "estimate"
@@ -569,9 +595,10 @@ class DistributedTrainer:
         if micro < 1:
             raise RuntimeError(f"rank {ctx.rank}: batch_size='auto' failed on another rank (its error says why)")
         self.batch_size = micro * accum
+        if micro == limit:
+            why += f"; capped at {limit} by {limit_why}"
         self.batch_size_reason = why + (f"; x {accum} accumulation steps" if accum > 1 else "")
-        logging.getLogger("distributed_training").info("batch_size='auto' chose %d per rank: %s", self.batch_size,
-                                                        self.batch_size_reason)
+        log.info("batch_size auto -> %d per rank (%s)", self.batch_size, self.batch_size_reason)
         return self.batch_size
 
     def _probe_batch(self, make, loss_of, limit: int, headroom: float) -> tuple[int, str]:
@@ -681,7 +708,7 @@ class DistributedTrainer:
                 batch = _to_device(batch, self.device)
                 n = _batch_size(batch) * weight
                 if criterion is None:
-                    values = [_extract_loss(_call(module, batch))]
+                    values = [_model_loss(module, batch)]
                 else:
                     inputs, targets = batch
                     outputs = _call(module, inputs)
@@ -872,18 +899,16 @@ def _planner_kind(strategy: Strategy) -> str:
 
 def _auto_strategy(model: nn.Module, budget: float | None):
     """Pick a strategy from the planner's memory estimates (see `distributed_training.planner`)."""
-    import logging
-
     from .planner import choose_strategy
 
     params, unit = _model_sizes(model)
     plan = choose_strategy(params, _world_size(), budget if budget is not None else _default_budget(),
                            largest_unit_params=unit)
-    logging.getLogger("distributed_training").info("strategy='auto' chose %s%s: %s", plan.strategy,
-                                                    " with CPU offload" if plan.cpu_offload else "", plan.reason)
     if plan.strategy == "ddp":
         return DDPStrategy(), plan
-    return FSDPStrategy(reshard_after_forward=plan.strategy == "zero3", cpu_offload=plan.cpu_offload), plan
+    strategy = FSDPStrategy(reshard_after_forward=plan.strategy == "zero3", cpu_offload=plan.cpu_offload)
+    strategy.name = plan.strategy
+    return strategy, plan
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -974,8 +999,28 @@ def _call(module: nn.Module, inputs: Any):
     return module(inputs)
 
 
+_NO_CRITERION = ("without a criterion, each batch is the model's input and the model must return the loss; for a "
+                 "model that returns outputs (logits), pass criterion=..., e.g. criterion=torch.nn.functional."
+                 "cross_entropy, and batches of (inputs, targets)")
+
+
+def _model_loss(module: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss a model computes itself (no criterion), with an error that says what to do otherwise."""
+    try:
+        output = _call(module, batch)
+    except TypeError as err:
+        # The usual cause: an (inputs, targets) batch unpacked into a forward that takes only inputs.
+        if isinstance(batch, (tuple, list)) and "argument" in str(err):
+            raise TypeError(f"{err}: {_NO_CRITERION}") from err
+        raise
+    return _extract_loss(output)
+
+
 def _extract_loss(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
+        if output.numel() != 1:
+            raise ValueError(f"the model returned a tensor of shape {tuple(output.shape)}, not a scalar loss: "
+                             f"{_NO_CRITERION}")
         return output
     if isinstance(output, Mapping) and "loss" in output:
         return output["loss"]

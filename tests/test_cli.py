@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,149 @@ def test_digits_example_learns():
     assert match, out[-2000:]
     before, after = map(float, match.groups())
     assert after > 0.85 and after > before + 0.5, (before, after)
+
+
+# ------------------------------------------------------------------ config errors under torchrun
+@pytest.mark.timeout(120)
+def test_config_error_under_torchrun_is_said_once(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("training:\n  lr: fast\n")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "distributed_training", str(path)],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=100)
+    assert out.returncode != 0
+    both = out.stdout + out.stderr
+    assert both.count("invalid config") == 1 and both.count("training.lr") == 1, both
+    # torchrun's summary names it as the root cause, rather than pointing to a traceback that does not exist.
+    root = out.stderr[out.stderr.index("Root Cause"):]
+    assert "traceback : dtrain: invalid config: training.lr" in root, out.stderr
+
+
+# ------------------------------------------------------------------ what dtrain chooses, and says
+@pytest.mark.timeout(240)
+def test_auto_batch_max_steps_fp16_and_strategy_name_are_sensible_and_said(tmp_path):
+    config = {
+        "model": {"preset": "classifier"},
+        "data": {"dataset": "digits", "val_fraction": 0.1},
+        "training": {"strategy": "zero3", "epochs": 1, "max_steps": 10, "batch_size": "auto", "precision": "fp16"},
+        "logging": {"every": 1},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code, out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                      "-m", "distributed_training", str(path)])
+    assert code == 0, out[-3000:]
+    # The strategy is called what the user called it.
+    assert re.search(r"strategy zero3, world size 2", out), out[-3000:]
+    # On CPU the memory estimate allows the whole shard (810 samples per rank): capped so an epoch has 4+ steps.
+    match = re.search(r"batch_size auto -> (\d+) per rank \(.*capped at \d+ by 4 steps per epoch over this "
+                      r"rank's (\d+) samples", out)
+    assert match, out[-3000:]
+    batch, share = map(int, match.groups())
+    assert share == 809 and batch == share // 4, out[-3000:]
+    # max_steps is what the user asked for: epochs are extended to reach it, and that is said.
+    assert re.search(r"training.max_steps=10 needs 2 epochs of 5 steps .* training for 2 epochs", out), out[-3000:]
+    assert "finished at step 10" in out and out.count("| loss") == 10, out[-3000:]
+    # fp16 on a CPU: one warning, from rank 0, naming the slowdown and the alternatives.
+    warnings = [line for line in out.splitlines() if "mixed_precision='fp16' on CPU" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("[rank 0] WARNING") and "bf16" in warnings[0], out[-3000:]
+
+
+# ------------------------------------------------------------------ logging
+LOGGING_SCRIPT = """
+import logging, sys, torch
+mode = sys.argv[1]
+if mode == "user":
+    logging.basicConfig(level=logging.INFO, format="USER %(name)s: %(message)s", stream=sys.stdout)
+elif mode == "quiet":
+    logging.getLogger("distributed_training").setLevel(logging.WARNING)
+sys.path.insert(0, "tests")
+from _models import tiny_gpt
+from distributed_training import DistributedTrainer
+trainer = DistributedTrainer(tiny_gpt(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="auto", memory_budget_bytes=1e9)
+logging.getLogger("distributed_training.user_code").warning("a warning on rank %d", trainer.context.rank)
+tokens = torch.randint(0, 64, (32, 16))
+trainer.fit(torch.utils.data.TensorDataset(tokens, tokens), epochs=1, max_steps=1000, batch_size=8)
+trainer.close()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_messages_go_through_logging_rank_zero_by_default(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(LOGGING_SCRIPT)
+    # Default: INFO from rank 0 only, warnings from every rank with the rank in front; on stderr.
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script), "default"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("strategy auto -> ddp (") == 1, out.stderr
+    # fit() says when its epochs end training before max_steps (2 ranks x 2 steps of 8 = 32 samples per epoch).
+    assert out.stderr.count("epochs=1 of 2 steps end training at step 2, before max_steps=1000") == 1, out.stderr
+    assert "[rank 0] WARNING: a warning on rank 0" in out.stderr and "[rank 1] WARNING: a warning on rank 1" in out.stderr
+    assert out.stdout == ""
+    # An application that configured logging gets the messages through its own handlers, once each.
+    user = subprocess.run([sys.executable, str(script), "user"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert user.returncode == 0, user.stderr[-3000:]
+    assert user.stdout.count("USER distributed_training: strategy auto -> ddp (") == 1, user.stdout
+    assert "strategy auto" not in user.stderr and "[rank" not in user.stderr, user.stderr
+    # ... and one that silenced the package's INFO messages does not see them.
+    quiet = subprocess.run([sys.executable, str(script), "quiet"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                           timeout=120)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert "strategy auto" not in quiet.stdout + quiet.stderr and "a warning on rank 0" in quiet.stderr
+
+
+def test_library_code_never_prints():
+    import ast
+
+    allowed = {("monitor/plot.py", "main")}  # a command's own output: the file it wrote
+    found = []
+    for path in sorted((REPO / "distributed_training").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module))]:
+            name = getattr(func, "name", "<module>")
+            for node in ast.walk(func):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+                    where = (str(path.relative_to(REPO / "distributed_training")), name)
+                    if where not in allowed and name != "<module>":
+                        found.append(f"{where[0]}:{node.lineno} in {name}")
+    assert not found, found
+
+
+# ------------------------------------------------------------------ progress bar in a real terminal
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (apt-get install tmux)")
+def test_progress_bar_and_step_lines_share_a_terminal(tmp_path):
+    """Run dtrain in a tmux pane and read the screen: log lines above, the bar alone on its line."""
+    socket = f"dtrain-test-{os.getpid()}"
+    done = tmp_path / "done"
+    command = (f"cd {REPO} && OMP_NUM_THREADS=1 PYTHONPATH={os.environ.get('PYTHONPATH', '')} {sys.executable} "
+               f"-m distributed_training examples/configs/gpt_cpu.yaml --set model.preset=tiny "
+               f"--set training.max_steps=30 --set logging.every=3 --set checkpoint.dir={tmp_path}/ckpt "
+               f"--set logging.dir={tmp_path}/runs; echo EXIT=$? > {done}; sleep 300")
+    tmux = ["tmux", "-L", socket]
+    subprocess.run(tmux + ["new-session", "-d", "-s", "t", "-x", "150", "-y", "60", command], check=True, env=ENV)
+    screens = []
+    try:
+        deadline = time.monotonic() + 240
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+            screens.append(subprocess.run(tmux + ["capture-pane", "-p", "-t", "t"], capture_output=True,
+                                          text=True).stdout)
+        assert done.exists(), screens[-1]
+        time.sleep(0.5)
+        screens.append(subprocess.run(tmux + ["capture-pane", "-p", "-t", "t"], capture_output=True, text=True).stdout)
+    finally:
+        subprocess.run(tmux + ["kill-server"], capture_output=True)
+    assert done.read_text().strip() == "EXIT=0", screens[-1]
+    bar = re.compile(r"^step \d+/\d+ \|.*\| +\d+% \|.*steps/s")
+    line_kinds = [re.compile(r"^dtrain: "), re.compile(r"^step +\d+ \| loss \d+\.\d+$"), bar, re.compile(r"^EXIT=0$")]
+    for screen in screens:
+        lines = [line.rstrip() for line in screen.splitlines() if line.strip()]
+        for line in lines:
+            assert any(kind.match(line) for kind in line_kinds), f"garbled line {line!r} in:\n{screen}"
+        assert sum(1 for line in lines if bar.match(line)) <= 1, screen
+    final = [line.rstrip() for line in screens[-1].splitlines() if line.strip()]
+    assert sum(1 for line in final if re.match(r"^step +\d+ \| loss", line)) == 10, screens[-1]
+    assert any(bar.match(line) and line.startswith("step 30/30") for line in final), screens[-1]

@@ -512,3 +512,36 @@ def test_cluster_view_over_nccl(tmp_path):
         assert set(GPU_KEYS) <= set(res["gpu_keys"])
     assert "cluster/straggler" in event_scalars(str(tmp_path / "rank_0"))
     assert not any(t.startswith("cluster/") for t in event_scalars(str(tmp_path / "rank_1")))
+
+
+# ------------------------------------------------------------------ (g) re-used log directories, the plot extra
+def test_a_resumed_run_continues_its_series(tmp_path):
+    """Runs appended to one log directory: the plot's series is the latest run's, steps increasing."""
+    from distributed_training.monitor import plot
+
+    def run(first, last, loss):
+        with Monitor(tmp_path, rank=0, world_size=1, log_every=1, progress=False, tensorboard=False,
+                     system_stats=False) as mon:
+            for step in range(first, last + 1):
+                mon.record_step(step, {"loss": loss(step)}, samples=1, step_time=0.01)
+
+    run(1, 6, lambda s: 10.0 - s)          # crashed after step 6; its last checkpoint was step 4
+    run(5, 10, lambda s: 100.0 + s)        # resumed from step 4: logs 5 and 6 again
+    records = plot.load_run(tmp_path)[0]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert [r["train/loss"] for r in records] == [10.0 - s for s in range(1, 5)] + [100.0 + s for s in range(5, 11)]
+    run(1, 3, lambda s: -s)                # a new run in the same directory replaces the old one
+    records = plot.load_run(tmp_path)[0]
+    assert [(r["step"], r["train/loss"]) for r in records] == [(1, -1), (2, -2), (3, -3)]
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path):
+    write_fake_run(tmp_path / "run")
+    code = ("import sys; sys.modules['matplotlib'] = None\n"  # as if it were not installed
+            "from distributed_training.monitor.plot import main\n"
+            f"sys.exit(main([{str(tmp_path / 'run')!r}, '-o', {str(tmp_path / 'x.png')!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "matplotlib" in proc.stderr and 'pip install -e ".[plot]"' in proc.stderr, proc.stderr
+    assert not (tmp_path / "x.png").exists()

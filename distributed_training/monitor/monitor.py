@@ -35,6 +35,7 @@ Steps after the last log step count in `get_performance_metrics` but are not wri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -70,7 +71,8 @@ class Monitor:
 
     Args:
         log_dir: directory of the run; this rank writes under ``log_dir/rank_<rank>``. JSONL files
-            are appended to, so give each run a fresh directory.
+            are appended to: a resumed run adds the steps after its checkpoint again, and
+            `plot.load_run` keeps, from each step a run restarted at, the later run's records.
         rank: this process's global rank.
         world_size: number of processes in `group` (the whole job by default). When
             torch.distributed is initialised, both must match what it reports.
@@ -390,14 +392,10 @@ class Monitor:
         if straggler:
             self._straggler_events += 1
             if self._writes_cluster:
-                if self._bar is not None:
-                    self._bar.clear()
-                warnings.warn(
-                    f"straggler at step {step}: rank {slowest_rank} averages {t_max:.4g} s per step, "
-                    f"{ratio:.2f}x the median rank's {median:.4g} s (threshold {self.straggler_threshold:g}x)",
-                    StragglerWarning,
-                    stacklevel=4,
-                )
+                message = (f"straggler at step {step}: rank {slowest_rank} averages {t_max:.4g} s per step, "
+                           f"{ratio:.2f}x the median rank's {median:.4g} s (threshold {self.straggler_threshold:g}x)")
+                with self._bar.lifted() if self._bar is not None else contextlib.nullcontext():
+                    warnings.warn(message, StragglerWarning, stacklevel=4)
         return view
 
     def _fold_window(self) -> None:
@@ -454,60 +452,44 @@ class NullMonitor:
 
 
 class _ProgressBar:
-    """``step 120/1000 [###-------] 12.0% | 8.31 steps/s | ETA 0:01:45 | loss 2.31``, redrawn in place."""
+    """``step 120/1000 |####      | 12% | 8.31 steps/s | ETA 01:45, loss 2.31`` on one line, through tqdm.
 
-    _WIDTH = 20
+    tqdm keeps the bar on the last line: whatever is written through `tqdm.write` (the package's log
+    handler does so, see `distributed_training.logs`) appears above it instead of being overwritten.
+    The bar moves on log steps only, so a step that does not log pays nothing for it.
+    """
+
+    _KNOWN = "step {n_fmt}/{total_fmt} |{bar:20}| {percentage:3.0f}% | {rate_fmt} | ETA {remaining}{postfix}"
+    _OPEN = "step {n_fmt} | {rate_fmt}{postfix}"
 
     def __init__(self, stream) -> None:
         self._stream = stream
-        self._last_len = 0
-        self._drawn = False
+        self._bar = None
 
     def draw(self, step: int, total: int | None, rate: float | None, loss: float | None) -> None:
-        parts = []
-        if total:
-            frac = min(max(step / total, 0.0), 1.0)
-            filled = int(round(frac * self._WIDTH))
-            parts.append(f"step {step}/{total} [{'#' * filled}{'-' * (self._WIDTH - filled)}] {100 * frac:5.1f}%")
-        else:
-            parts.append(f"step {step}")
-        parts.append(f"{rate:.2f} steps/s" if rate else "-- steps/s")
-        if total:
-            if rate:
-                eta = max(total - step, 0) / rate
-                parts.append(f"ETA {_format_seconds(eta)}")
-            else:
-                parts.append("ETA --")
-        if loss is not None:
-            parts.append(f"loss {loss:.4g}")
-        line = " | ".join(parts)
-        pad = max(self._last_len - len(line), 0)
-        self._write("\r" + line + " " * pad)
-        self._last_len = len(line)
-        self._drawn = True
+        from tqdm import tqdm
 
-    def clear(self) -> None:
-        if self._drawn:
-            self._write("\r" + " " * self._last_len + "\r")
-            self._last_len = 0
+        if self._bar is None or self._bar.total != total:
+            self.finish()
+            self._bar = tqdm(total=total, initial=step, file=self._stream, unit=" steps", dynamic_ncols=True,
+                             bar_format=self._KNOWN if total else self._OPEN, mininterval=0.0)
+        if loss is not None:
+            self._bar.set_postfix_str(f"loss {loss:.4g}", refresh=False)
+        if step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+        else:
+            self._bar.refresh()
+
+    def lifted(self):
+        """A context in which writing to the terminal does not mix with the bar (redrawn after it)."""
+        from tqdm import tqdm
+
+        return tqdm.external_write_mode(file=self._stream)
 
     def finish(self) -> None:
-        if self._drawn:
-            self._write("\n")
-            self._drawn = False
-
-    def _write(self, text: str) -> None:
-        try:
-            self._stream.write(text)
-            self._stream.flush()
-        except (OSError, ValueError):
-            pass
-
-
-def _format_seconds(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "--"
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}"
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            try:
+                bar.close()
+            except (OSError, ValueError):
+                pass

@@ -4,7 +4,13 @@
 
 reads every ``runs/exp1/rank_*/metrics.jsonl`` and draws, one line per rank: the training loss, the
 throughput (samples/s), the exposed communication time (% of the step) and the step time. A panel
-whose metric no rank logged is left out. Needs matplotlib (the ``dev`` extra); no display is used.
+whose metric no rank logged is left out. Needs matplotlib (the ``plot`` extra:
+``pip install "distributed_training[plot]"``); no display is used.
+
+A log directory used by several runs holds them all, appended: a run resumed from a checkpoint
+logs again the steps after that checkpoint, a new run starts again from its first step. Each
+rank's series is the latest run's: a record whose step does not follow the one before starts a
+new run, which replaces the records of earlier runs from its first step on.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from typing import Sequence
 
 __all__ = ["load_run", "plot_run", "main"]
 
+MISSING_MATPLOTLIB = ("plotting needs matplotlib, which is not installed: pip install "
+                      "\"distributed_training[plot]\" (in a checkout: pip install -e \".[plot]\")")
+
 # (JSONL key, panel title, y label)
 PANELS = [
     ("train/loss", "Training loss", "loss"),
@@ -29,7 +38,9 @@ PANELS = [
 
 
 def load_run(log_dir: str | os.PathLike) -> dict[int, list[dict]]:
-    """rank -> its JSONL records in file order. Lines that do not parse (one being written) are skipped."""
+    """rank -> its JSONL records, steps increasing: where a later run (a resumed or a new one) logged a
+    step again, its records replace the earlier run's from there on. Lines that do not parse (one
+    being written) are skipped."""
     runs: dict[int, list[dict]] = {}
     for path in glob.glob(os.path.join(os.fspath(log_dir), "rank_*", "metrics.jsonl")):
         match = re.fullmatch(r"rank_(\d+)", os.path.basename(os.path.dirname(path)))
@@ -45,7 +56,9 @@ def load_run(log_dir: str | os.PathLike) -> dict[int, list[dict]]:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if isinstance(record, dict) and "step" in record:
+                if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+                    while records and records[-1]["step"] >= record["step"]:
+                        records.pop()  # a run restarted at this step: what came after it is superseded
                     records.append(record)
         runs[int(match.group(1))] = records
     return dict(sorted(runs.items()))
@@ -53,7 +66,10 @@ def load_run(log_dir: str | os.PathLike) -> dict[int, list[dict]]:
 
 def plot_run(runs: dict[int, list[dict]], output: str | os.PathLike, *, title: str | None = None) -> list[str]:
     """Write the figure to `output`; return the metric keys that got a panel (raises if none did)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(MISSING_MATPLOTLIB) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -98,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         drawn = plot_run(runs, args.output, title=args.title or os.path.basename(os.path.normpath(args.log_dir)))
+    except ImportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except ValueError as err:
         print(f"error: nothing to plot in {args.log_dir!r}: {err}", file=sys.stderr)
         return 1
