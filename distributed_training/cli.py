@@ -30,7 +30,9 @@ config sections (every field optional; see distributed_training/config.py):
                   activation_checkpointing, memory_budget_gb, seed, timeout_s
   communication:  bucket_cap_mb, compression (none|topk|bf16|fp16|powersgd), compression_ratio,
                   error_feedback, pattern (nccl|ring|tree), hierarchical, ranks_per_node
-  checkpoint:     dir, every, keep_last        (a restarted job resumes from dir)
+  checkpoint:     dir, every, keep_last, resume, save_on_preemption
+                  (a restarted job resumes from dir unless resume is false or --no-resume is given;
+                  SIGTERM saves a checkpoint and stops, SIGINT stops)
   logging:        dir, every, progress
   output:         path where rank 0 saves the final model state
 
@@ -51,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one config field (repeatable), e.g. --set training.lr=3e-4")
     p.add_argument("--print-config", action="store_true", help="print the effective config as YAML and exit")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start from step 0 even if checkpoint.dir holds checkpoints (they are moved into "
+                        "checkpoint.dir/previous_run_<k>/); the same as --set checkpoint.resume=false")
     return p
 
 
@@ -115,7 +120,8 @@ def run_job(cfg: JobConfig) -> dict:
         model, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=wd), strategy=strategy,
         gradient_accumulation_steps=t.gradient_accumulation_steps, gradient_clip_val=t.gradient_clip_val,
         timeout=t.timeout_s, seed=t.seed, checkpoint_dir=cfg.checkpoint.dir, checkpoint_every=cfg.checkpoint.every,
-        keep_last=cfg.checkpoint.keep_last, log_dir=cfg.logging.dir, log_every=cfg.logging.every,
+        keep_last=cfg.checkpoint.keep_last, resume=cfg.checkpoint.resume,
+        save_on_preemption=cfg.checkpoint.save_on_preemption, log_dir=cfg.logging.dir, log_every=cfg.logging.every,
         progress=cfg.logging.progress and cfg.logging.dir is not None,
         mixed_precision=None if t.precision == "fp32" else t.precision,
         activation_checkpointing=_block_classes(model) if t.activation_checkpointing else None,
@@ -171,16 +177,17 @@ def _resuming(trainer) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    overrides = args.overrides + (["checkpoint.resume=false"] if args.no_resume else [])
     try:
         if args.print_config:
             import yaml
 
-            cfg = load_config(args.config if args.config else {}, args.overrides)
+            cfg = load_config(args.config if args.config else {}, overrides)
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
         if not args.config:
             parser.error("a config file is required (or --print-config)")
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
     except ConfigError as err:
         print(f"dtrain: invalid config: {err}", file=sys.stderr)
         return 2

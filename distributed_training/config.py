@@ -87,6 +87,11 @@ class CheckpointConfig:
     dir: str | None = None
     every: int | None = None
     keep_last: int = 3
+    resume: bool = True
+    """Resume from the latest good checkpoint in ``dir``; false (or ``dtrain --no-resume``): start from
+    step 0, after moving the checkpoints already in ``dir`` into ``dir/previous_run_<k>/``."""
+    save_on_preemption: bool = True
+    """On SIGTERM (a pod or batch job being stopped), save a checkpoint at the step where training stops."""
 
 
 @dataclass
@@ -140,6 +145,9 @@ class JobConfig:
             if self.checkpoint.dir is None:
                 raise ConfigError("checkpoint.every needs checkpoint.dir")
         _positive_int("checkpoint.keep_last", self.checkpoint.keep_last)
+        for name in ("resume", "save_on_preemption"):
+            if not isinstance(getattr(self.checkpoint, name), bool):
+                raise ConfigError(f"checkpoint.{name} must be true or false, got {getattr(self.checkpoint, name)!r}")
         _positive_int("logging.every", self.logging.every)
         from .models import GPT_PRESETS
 
