@@ -587,6 +587,10 @@ class FSDP(nn.Module):
             for unit in self._units:
                 saved = first["units"][unit.name]
                 mine = [(i.fqns, tuple(i.shape), i.offset) for i in unit.infos]
+                for (fqns, shape, _), (_, my_shape, _) in zip(saved["params"], mine):
+                    if tuple(shape) != my_shape:
+                        raise ValueError(f"'{fqns[0]}': the checkpoint has shape {list(shape)}, this model "
+                                         f"{list(my_shape)}")
                 if saved["numel"] != unit.numel or [tuple(p[1]) for p in saved["params"]] != [p[1] for p in mine]:
                     raise ValueError(
                         f"FSDP unit '{unit.name or '<root>'}' does not match the checkpoint: saved parameters "
