@@ -16,6 +16,7 @@ import contextlib
 import copy
 import logging
 import os
+import signal
 import time
 import warnings
 from typing import Any, Callable, Iterable, Mapping
@@ -27,8 +28,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .activation import apply_activation_checkpointing
 from .amp import DynamicLossScaler
-from .checkpoint import (CheckpointCorruptError, CheckpointManager, load_file, read_meta, rng_state, save_file, set_rng_state,
-                         write_meta)
+from .checkpoint import (CheckpointCorruptError, CheckpointManager, load_file, read_meta, rng_state, save_file,
+                         set_rng_state, write_meta)
 from .data import ShardedSampler
 from .monitor import Monitor, NullMonitor
 from .strategies.ddp import DDP
@@ -442,8 +443,6 @@ class DistributedTrainer:
 
     def _stop_on_signal(self, sig, metrics: dict[str, torch.Tensor] | None) -> None:
         """Every rank, at the step boundary they agreed on: save on SIGTERM if asked, and say why we stop."""
-        import signal
-
         ctx = self.context
         if sig == signal.SIGTERM and self.save_on_preemption and self.checkpoints is not None:
             if self._last_saved_step != self.step:
@@ -796,7 +795,6 @@ class DistributedTrainer:
                 "strategy": self.strategy.name,
                 "config": self.config,
                 "optimizer_hparams": self._configured_hparams,
-                "lr_schedule": self._configured_schedule,
                 "fit": dict(self._fit_limits),
                 "metrics": dict(metrics or {}),
                 "checksums": {f"rank{k}.pt": d for k, d in enumerate(digests)},
@@ -866,8 +864,9 @@ class DistributedTrainer:
         else:
             warnings.warn(f"checkpoint {path!r} was written by {meta['world_size']} ranks: RNG states not restored")
         changes = self._apply_changed_hyperparameters(meta)
-        if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
-            changes += self._restore_schedule(meta["lr_scheduler"])
+        if self.lr_scheduler is not None:
+            # A schedule added since the checkpoint starts where it would be after the saved steps.
+            changes += self._restore_schedule(meta.get("lr_scheduler") or {"last_epoch": int(meta["step"])})
         changes += [f"{key}: {meta['fit'].get(key)} -> {value}" for key, value in self._fit_limits.items()
                     if "fit" in meta and key in meta["fit"] and meta["fit"][key] != value]
         changes += [f"{key}: {meta['config'][key]} -> {value}" for key, value in self.config.items()

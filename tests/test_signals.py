@@ -222,3 +222,33 @@ def test_fit_outside_the_main_thread_trains_without_handlers(tmp_path):
     results, untouched = run_distributed(thread_worker, 1, args=(str(tmp_path / "ckpt"),), timeout=120)[0]
     assert results == {"step": 2}, results
     assert untouched
+
+
+def self_signal_worker(rank, world, directory, sig, save_on_preemption):
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(_gpt(), _sgd, checkpoint_dir=directory, checkpoint_every=2,
+                                 save_on_preemption=save_on_preemption)
+
+    def on_step(step, metrics):
+        if step == 3:
+            os.kill(os.getpid(), sig)
+
+    try:
+        trainer.fit(_data(), epochs=2, batch_size=9, log_every=1, on_step=on_step)
+        outcome = "returned"
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    except SystemExit as stop:
+        outcome = f"SystemExit({stop.code})"
+    step = trainer.step
+    trainer.close()
+    return outcome, step, sorted(os.listdir(directory))
+
+
+@pytest.mark.parametrize("sig,save,expected", [(signal.SIGINT, True, "KeyboardInterrupt"),
+                                               (signal.SIGTERM, False, "SystemExit(143)")])
+def test_sigint_and_unsaved_sigterm_stop_without_writing_a_checkpoint(tmp_path, sig, save, expected):
+    directory = str(tmp_path / "ckpt")
+    outcome, step, files = run_distributed(self_signal_worker, 1, args=(directory, sig, save), timeout=120)[0]
+    assert outcome == expected and step == 3, (outcome, step)  # world 1: nobody to agree with, stops at once
+    assert files == ["step_000000002"], files  # nothing written for the stop at step 3
