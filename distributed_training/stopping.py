@@ -88,7 +88,7 @@ class StopSignals:
         if self.context.world_size == 1:
             code = self.received
         else:
-            flag = torch.tensor([self.received], dtype=torch.int32, device=self.device)
+            flag = torch.full((1,), self.received, dtype=torch.int32, device=self.device)  # no host-to-device copy
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.context.group, async_op=True)
             previous, self._pending = self._pending, (work, flag)
             code = self._read(previous)
@@ -105,7 +105,7 @@ class StopSignals:
             code = self.received
         else:
             code = max(self._drain(), self.received)
-            flag = torch.tensor([code], dtype=torch.int32, device=self.device)
+            flag = torch.full((1,), code, dtype=torch.int32, device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.context.group)
             code = int(flag.item())
         self.signal = _BY_PRIORITY.get(code)
