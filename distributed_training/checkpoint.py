@@ -5,18 +5,27 @@ Layout of one checkpoint (a directory):
     step_000000120/
         rank0.pt ... rank{W-1}.pt   each rank's part: its RNG states, and its shards (ZeRO/FSDP) or,
                                     on rank 0 of a replicated strategy, the model and optimizer
+        meta.pt.sha256              the SHA-256 of meta.pt, written by rank 0 just before it
         meta.pt                     written last by rank 0: step, epoch, data position, config,
                                     metrics, world size, and the SHA-256 of every rank file
 
-A checkpoint counts only once `meta.pt` exists and every file matches its checksum, so a crash while
-saving, a truncated file or a flipped bit makes `latest_good()` fall back to the previous one, with a
-warning. Every file is written to a temporary name, flushed, fsync'ed and renamed (and the directory
-fsync'ed), so a file under its final name is always complete. Everything loads with
+A checkpoint counts only once `meta.pt` exists and every file, `meta.pt` included, matches its
+checksum, so a crash while saving, a truncated file, a flipped bit or a file overwritten with anything
+else makes `latest_good()` fall back to the previous one, with a warning. No byte of a file is
+unpickled before its checksum matches; a file that still fails to load is reported as a corrupt
+checkpoint file (`CheckpointCorruptError`, naming it), never with torch's advice to load untrusted
+data with ``weights_only=False``. Every file is written to a temporary name, flushed, fsync'ed and
+renamed (and the directory fsync'ed), so a file under its final name is always complete; a write that
+fails or is interrupted removes its temporary file. Everything loads with
 `torch.load(weights_only=True)`: RNG states are stored as tensors and plain Python values.
+
+A checkpoint is a directory, so give `save_checkpoint` a directory name (``checkpoints/last``), not a
+file name (``last.pt``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -30,9 +39,18 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CheckpointManager", "atomic_write_bytes", "save_file", "load_file", "rng_state", "set_rng_state"]
+__all__ = ["CheckpointManager", "CheckpointCorruptError", "atomic_write_bytes", "save_file", "load_file",
+           "read_meta", "write_meta", "rng_state", "set_rng_state"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+META = "meta.pt"
+META_SHA256 = "meta.pt.sha256"
+#: What `meta.pt` must hold for the checkpoint to be usable at all.
+_META_KEYS = ("step", "world_size", "checksums")
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint file is missing, incomplete, fails its checksum or does not load; the message names it."""
 
 
 # ------------------------------------------------------------------ files
@@ -41,11 +59,16 @@ def atomic_write_bytes(data: bytes, path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # an error, or KeyboardInterrupt mid-write: leave no half-written file behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     _fsync_dir(directory)
 
 
@@ -62,11 +85,15 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def save_file(obj: Any, path: str) -> str:
-    """`torch.save` `obj` atomically; return the SHA-256 of the bytes written."""
+def _serialize(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    data = buffer.getvalue()
+    return buffer.getvalue()
+
+
+def save_file(obj: Any, path: str) -> str:
+    """`torch.save` `obj` atomically; return the SHA-256 of the bytes written."""
+    data = _serialize(obj)
     atomic_write_bytes(data, path)
     return hashlib.sha256(data).hexdigest()
 
@@ -79,13 +106,56 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def load_file(path: str, expected_sha256: str | None = None) -> Any:
-    """Load a checkpoint file on the CPU (weights only), checking its checksum when one is given."""
+def load_file(path: str, expected_sha256: str | None = None, *, recorded_in: str = "meta.pt") -> Any:
+    """Load a checkpoint file on the CPU (weights only), checking its checksum when one is given.
+
+    A file that does not match its checksum or does not load raises `CheckpointCorruptError` naming it.
+    """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file {path!r} does not exist")
     if expected_sha256 is not None and sha256_file(path) != expected_sha256:
-        raise ValueError(f"checkpoint file {path!r} is corrupted: its SHA-256 does not match meta.pt")
-    return torch.load(path, map_location="cpu", weights_only=True)
+        raise CheckpointCorruptError(f"checkpoint file {path!r} is corrupted: its SHA-256 does not match "
+                                     f"{recorded_in}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        # torch's own message for a file that is not a weights-only pickle advises weights_only=False,
+        # i.e. executing whatever the file contains: never pass that on for a file that is corrupt.
+        raise CheckpointCorruptError(
+            f"checkpoint file {path!r} is corrupted or is not a checkpoint file: it does not load "
+            f"({type(err).__name__})"
+        ) from None
+
+
+def write_meta(meta: dict[str, Any], directory: str) -> None:
+    """Write `meta.pt` into a checkpoint directory, its checksum first (see the module docstring)."""
+    data = _serialize(meta)
+    # The checksum goes first: a crash between the two leaves no meta.pt, an incomplete checkpoint.
+    atomic_write_bytes(hashlib.sha256(data).hexdigest().encode(), os.path.join(directory, META_SHA256))
+    atomic_write_bytes(data, os.path.join(directory, META))
+
+
+def read_meta(directory: str) -> dict[str, Any]:
+    """The verified metadata of a checkpoint directory; `CheckpointCorruptError` (naming the file) if it
+    is incomplete, corrupt or not a checkpoint. Checkpoints written before `meta.pt.sha256` existed are
+    checked by loading alone."""
+    meta_path = os.path.join(directory, META)
+    if os.path.isfile(directory):
+        raise CheckpointCorruptError(
+            f"{directory!r} is a file, not a checkpoint directory: save_checkpoint writes a directory (one file "
+            "per rank plus meta.pt); a file saved with torch.save loads with torch.load and load_state_dict")
+    if not os.path.isfile(meta_path):
+        raise CheckpointCorruptError(f"{directory!r} is incomplete: no meta.pt (the save did not finish)")
+    expected = None
+    sidecar = os.path.join(directory, META_SHA256)
+    if os.path.isfile(sidecar):
+        with open(sidecar, "rb") as f:
+            expected = f.read().decode("ascii", errors="replace").strip()
+    meta = load_file(meta_path, expected, recorded_in=META_SHA256)
+    if not isinstance(meta, dict) or any(key not in meta for key in _META_KEYS):
+        raise CheckpointCorruptError(f"checkpoint file {meta_path!r} is corrupted or is not a checkpoint's meta.pt: "
+                                     f"it must hold {', '.join(_META_KEYS)}")
+    return meta
 
 
 # ------------------------------------------------------------------ RNG
@@ -154,17 +224,15 @@ class CheckpointManager:
 
     @staticmethod
     def verify(path: str) -> dict[str, Any]:
-        """Return the checkpoint's metadata if it is complete and intact; raise ValueError otherwise."""
-        meta_path = os.path.join(path, "meta.pt")
-        if not os.path.isfile(meta_path):
-            raise ValueError(f"{path!r} is incomplete: no meta.pt (the save did not finish)")
-        meta = torch.load(meta_path, map_location="cpu", weights_only=True)
-        for name, digest in meta.get("checksums", {}).items():
+        """Return the checkpoint's metadata if every file is present and intact (`meta.pt` against
+        `meta.pt.sha256`, each rank file against `meta.pt`); raise `CheckpointCorruptError` otherwise."""
+        meta = read_meta(path)
+        for name, digest in meta["checksums"].items():
             file = os.path.join(path, name)
             if not os.path.isfile(file):
-                raise ValueError(f"{path!r} is incomplete: {name} is missing")
+                raise CheckpointCorruptError(f"{path!r} is incomplete: {name} is missing")
             if sha256_file(file) != digest:
-                raise ValueError(f"{path!r} is corrupted: {name} does not match its checksum")
+                raise CheckpointCorruptError(f"{path!r} is corrupted: {name} does not match its checksum")
         return meta
 
     def latest_good(self) -> tuple[str, dict[str, Any]] | None:
@@ -173,9 +241,32 @@ class CheckpointManager:
             path = self.path_for(step)
             try:
                 return path, self.verify(path)
-            except (ValueError, RuntimeError, OSError, EOFError) as err:
+            except Exception as err:  # whatever is wrong with a checkpoint, an older good one is better
                 warnings.warn(f"skipping checkpoint {path}: {err}; falling back to an earlier one", stacklevel=2)
         return None
+
+    def set_aside(self) -> str | None:
+        """Move this directory's checkpoints (``step_*``, ``best.json``, ``COMPLETED``) into a new
+        ``previous_run_<k>/`` inside it and return that path (None if there was nothing to move).
+
+        For a run that must not resume (``resume=False``) in a directory an earlier run used: leaving
+        them would mix the two runs, and `finalize`'s keep-last-N (by step number) would delete the new
+        run's checkpoints in favour of the old run's later ones. Nothing is deleted. Rank 0 only.
+        """
+        if not os.path.isdir(self.directory):
+            return None
+        names = [n for n in os.listdir(self.directory) if _STEP_DIR.match(n) or n in ("best.json", "COMPLETED")]
+        if not names:
+            return None
+        k = 1
+        while os.path.exists(os.path.join(self.directory, f"previous_run_{k}")):
+            k += 1
+        target = os.path.join(self.directory, f"previous_run_{k}")
+        os.makedirs(target)
+        for name in names:
+            os.replace(os.path.join(self.directory, name), os.path.join(target, name))
+        _fsync_dir(self.directory)
+        return target
 
     def finalize(self, step: int, metrics: dict[str, float] | None = None) -> None:
         """After a save (by the directory's writer: rank 0, or each node's first rank when each node has a

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one config field (repeatable), e.g. --set training.lr=3e-4")
     p.add_argument("--print-config", action="store_true", help="print the effective config as YAML and exit")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start from step 0 even if checkpoint.dir holds checkpoints (they are moved into "
+                        "checkpoint.dir/previous_run_<k>/); the same as --set checkpoint.resume=false")
     return p
 
 
@@ -143,7 +146,8 @@ def run_job(cfg: JobConfig) -> dict:
         model, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=wd), strategy=strategy,
         gradient_accumulation_steps=t.gradient_accumulation_steps, gradient_clip_val=t.gradient_clip_val,
         timeout=t.timeout_s, seed=t.seed, checkpoint_dir=cfg.checkpoint.dir, checkpoint_every=cfg.checkpoint.every,
-        keep_last=cfg.checkpoint.keep_last, log_dir=cfg.logging.dir, log_every=cfg.logging.every,
+        keep_last=cfg.checkpoint.keep_last, resume=cfg.checkpoint.resume,
+        save_on_preemption=cfg.checkpoint.save_on_preemption, log_dir=cfg.logging.dir, log_every=cfg.logging.every,
         progress=cfg.logging.progress and cfg.logging.dir is not None,
         mixed_precision=None if t.precision == "fp32" else t.precision,
         activation_checkpointing=_block_classes(model) if t.activation_checkpointing else None,
@@ -216,15 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     install_default_handler()
+    overrides = args.overrides + (["checkpoint.resume=false"] if args.no_resume else [])
     try:
         if args.print_config:
-            cfg = load_config(args.config if args.config else {}, args.overrides)
+            cfg = load_config(args.config if args.config else {}, overrides)
             sys.stdout.write(dump_config(cfg))
             return 0
         if not args.config:
             parser.error("a config file is required (or --print-config)")
         # Validated before the process group exists: a bad config costs no rendezvous, and no rank waits.
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
         run_job(cfg)
     except ConfigError as err:
         _report_config_error(err)

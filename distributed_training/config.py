@@ -132,6 +132,11 @@ class CheckpointConfig(_Section):
     dir: Optional[PathStr] = None
     every: Optional[PositiveInt] = None
     keep_last: PositiveInt = 3
+    resume: bool = True
+    """Resume from the latest good checkpoint in ``dir``; false (or ``dtrain --no-resume``): start from
+    step 0, after moving the checkpoints already in ``dir`` into ``dir/previous_run_<k>/``."""
+    save_on_preemption: bool = True
+    """On SIGTERM (a pod or batch job being stopped), save a checkpoint at the step where training stops."""
 
 
 class LoggingConfig(_Section):

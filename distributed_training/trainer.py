@@ -13,7 +13,10 @@ The trainer is the only module that knows all the others; strategies never impor
 from __future__ import annotations
 
 import contextlib
+import copy
+import logging
 import os
+import signal
 import time
 import warnings
 from typing import Any, Callable, Iterable, Mapping
@@ -25,8 +28,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .activation import apply_activation_checkpointing
 from .amp import DynamicLossScaler
-from .checkpoint import CheckpointManager, load_file, rng_state, save_file, set_rng_state
 from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
+from .checkpoint import (CheckpointCorruptError, CheckpointManager, load_file, read_meta, rng_state, save_file,
+                         set_rng_state, write_meta)
 from .data import ShardedSampler
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
@@ -35,8 +39,14 @@ from .runtime import DistributedContext, init_distributed
 from .strategies.base import OptimizerFactory, Strategy
 from .strategies.ddp_strategy import DDPStrategy
 from .strategies.zero import FSDPStrategy, Zero1Strategy
+from .stopping import StopSignals
 
 __all__ = ["DistributedTrainer", "CollectiveTimeoutError"]
+
+_log = logging.getLogger("distributed_training")
+
+# Suffixes of single-file checkpoints, which a checkpoint directory's name should not look like.
+_FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
 
 Criterion = Callable[[Any, Any], torch.Tensor]
 
@@ -86,6 +96,16 @@ class DistributedTrainer:
             per node (False); None (default) finds out with marker files on a multi-node job. With a
             directory per node, each node writes, verifies and prunes its own, and a resume picks the
             newest step complete on every node (see `distributed_training.checkpoint_layout`).
+        resume: resume `fit` from the latest good checkpoint in `checkpoint_dir`, if there is one (it
+            says so: "resumed from step N (path)"). Hyperparameters that changed since the checkpoint
+            (learning rate and the other optimizer settings, the LR schedule, `max_steps`, `epochs`)
+            take their new values, and the run logs what changed; what cannot change (parameter shapes,
+            the optimizer class) is an error that names it. With ``resume=False`` an earlier run's
+            checkpoints in `checkpoint_dir` are moved into ``previous_run_<k>/`` there, not mixed in.
+        save_on_preemption: on SIGTERM (what Kubernetes and batch schedulers send before killing a
+            job) `fit` stops at the next step boundary that every rank agrees on, writes a checkpoint
+            there (with `checkpoint_dir`), and exits; SIGINT (Ctrl-C) stops the same way without the
+            save. See `fit`.
         log_dir: write per-rank TensorBoard and JSONL metrics under ``log_dir/rank_<i>`` during `fit`
             (see `distributed_training.monitor.Monitor`); `log_every` steps apart; ranks slower than
             `straggler_threshold` times the median are flagged; `progress` draws a bar on rank 0.
@@ -121,6 +141,7 @@ class DistributedTrainer:
         best_mode: str = "min",
         resume: bool = True,
         checkpoint_shared: bool | None = None,
+        save_on_preemption: bool = True,
         log_dir: str | os.PathLike | None = None,
         log_every: int = 10,
         straggler_threshold: float = 1.5,
@@ -202,6 +223,15 @@ class DistributedTrainer:
         self.resume = resume
         self.checkpoint_shared = checkpoint_shared
         self._layouts: dict[str, DirectoryLayout] = {}
+        self.save_on_preemption = save_on_preemption
+        # What the optimizer and the schedule were configured with, before any step or resume: compared
+        # with what a checkpoint was configured with, to apply (and report) changed hyperparameters.
+        self._configured_hparams = _hyperparameters(self.optimizer)
+        self._configured_schedule = (copy.deepcopy(self.lr_scheduler.state_dict())
+                                     if self.lr_scheduler is not None else None)
+        self._fit_limits: dict[str, Any] = {}
+        self._last_saved_step: int | None = None
+        self._set_aside = False
         self.mixed_precision = mixed_precision
         if mixed_precision == "fp16" and self.device.type == "cpu" and self.context.is_main:
             log.warning("mixed_precision='fp16' on CPU: CPUs have no fast fp16 arithmetic, so training runs several "
@@ -327,6 +357,14 @@ class DistributedTrainer:
         across ranks: averaging would cost a collective per step; `evaluate` gives the global figure.
         ``batch_size="auto"`` picks the largest batch that fits (see `auto_batch_size`) once; a run
         resumed from a checkpoint keeps the batch size it started with.
+
+        Resuming (see `resume`) is logged on rank 0 ("resumed from step N (path)"); a run that the
+        checkpoint shows complete logs so and returns ``[]`` without training. SIGINT and SIGTERM during
+        `fit` stop every rank at the same step boundary shortly after either reaches any of them (a step
+        or a checkpoint write in progress finishes first); on SIGTERM, with `save_on_preemption`, a
+        checkpoint is written at that step. The signal then goes to the handler that was in place
+        before `fit` (restored on return): by default SIGINT raises `KeyboardInterrupt` and SIGTERM
+        ``SystemExit(143)``, so a preempted job exits with nothing lost and resumes where it stopped.
         """
         if not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
@@ -334,17 +372,24 @@ class DistributedTrainer:
             raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
         if not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every must be a positive integer, got {log_every!r}")
-        if self.checkpoints is not None and self.resume:
-            found = self._resume_point()
-            if found is not None and int(found[1]["step"]) > self.step:
-                if found[2] is not None:
-                    fetch_missing_files(found[0], self.context, self._layout(found[0]), found[2])
-                self.load_checkpoint(found[0])
+        self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
+        resumed_from = self._resume_or_start_fresh()
+        if resumed_from is not None and (self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)):
+            if self.context.is_main:
+                _log.info("training is already complete at step %d (%s): nothing to do", self.step, resumed_from)
+            return []
         if batch_size == "auto":
             if self.batch_size is None:  # not restored from a checkpoint: a resumed run keeps its batch size
                 self.auto_batch_size(data, criterion)
             batch_size = self.batch_size
         loader = self._train_loader(data, batch_size, shuffle, drop_last, num_workers)
+        with StopSignals(self.context, self.device, self._every_rank_has) as stop:
+            history = self._train_epochs(loader, epochs, criterion, max_steps, log_every, on_step, stop)
+        stop.deliver()  # after a stop on a signal: raises (by default), with the handlers of before restored
+        return history
+
+    def _train_epochs(self, loader, epochs, criterion, max_steps, log_every, on_step,
+                      stop: StopSignals) -> list[dict[str, float]]:
         sampler = getattr(loader, "sampler", None)
         sharded = isinstance(sampler, ShardedSampler)
         history = []
@@ -403,6 +448,8 @@ class DistributedTrainer:
                     on_step(self.step, {k: float(v) for k, v in metrics.items()})
                 if self.checkpoint_every and self.step % self.checkpoint_every == 0:
                     self._save_numbered(metrics)
+                if stop.agreed() is not None:
+                    break
             if on_step is not None and not logged and metrics is not None:
                 on_step(self.step, {k: float(v) for k, v in metrics.items()})
             history.append({
@@ -415,9 +462,55 @@ class DistributedTrainer:
                 break  # max_steps reached inside the epoch: it stays the current one
             self.epoch += 1
             self.batch_in_epoch = 0
-        if self.checkpoints is not None and (not self.checkpoint_every or self.step % self.checkpoint_every):
-            self._save_numbered(metrics)
+        if stop.signal is None:
+            if self.checkpoints is not None and (not self.checkpoint_every or self.step % self.checkpoint_every):
+                self._save_numbered(metrics)
+            stop.finish()  # a signal during the last steps: acted on by every rank or by none
+        if stop.signal is not None:
+            self._stop_on_signal(stop.signal, metrics)
         return history
+
+    def _stop_on_signal(self, sig, metrics: dict[str, torch.Tensor] | None) -> None:
+        """Every rank, at the step boundary they agreed on: save on SIGTERM if asked, and say why we stop."""
+        ctx = self.context
+        if sig == signal.SIGTERM and self.save_on_preemption and self.checkpoints is not None:
+            if self._last_saved_step != self.step:
+                self._save_numbered(metrics)
+            if ctx.is_main:
+                _log.warning("stopping at step %d on %s: checkpoint saved to %s", self.step, sig.name,
+                             self.checkpoints.path_for(self.step))
+        elif ctx.is_main:
+            saved = (f"; the last checkpoint is at step {self._last_saved_step}" if self._last_saved_step is not None
+                     else "")
+            _log.warning("stopping at step %d on %s (no checkpoint written for the stop%s)", self.step, sig.name,
+                         saved)
+
+    def _resume_or_start_fresh(self) -> str | None:
+        """Load the latest good checkpoint if resuming (returning its path), or, with ``resume=False``
+        at the start of training, move an earlier run's checkpoints aside."""
+        if self.checkpoints is None:
+            return None
+        ctx = self.context
+        if not self.resume:
+            if self.step == 0 and not self._set_aside:
+                self._set_aside = True
+                layout = self._layout(self.checkpoints.path_for(0))
+                # Each directory's writer (rank 0, or each node's first rank with a directory per node).
+                moved = self.checkpoints.set_aside() if layout.writer_of[ctx.rank] == ctx.rank else None
+                if moved is not None:
+                    _log.warning("resume is off: moved the checkpoints already in %s to %s; training starts "
+                                 "from step 0", self.checkpoints.directory, moved)
+                ctx.barrier()  # nobody writes into a directory before its writer has cleared it
+            return None
+        found = self._resume_point()
+        if found is None or int(found[1]["step"]) <= self.step:
+            return None
+        if found[2] is not None:  # a directory per node: bring each node the rank files it lacks
+            fetch_missing_files(found[0], self.context, self._layout(found[0]), found[2])
+        self.load_checkpoint(found[0])
+        if ctx.is_main:
+            _log.info("resumed from step %d (%s)", self.step, found[0])
+        return found[0]
 
     @property
     def _monitoring(self) -> bool:
@@ -456,6 +549,7 @@ class DistributedTrainer:
         if layout.writer_of[self.context.rank] == self.context.rank:
             self.checkpoints.finalize(self.step, values)
         self.context.barrier()
+        self._last_saved_step = self.step
 
     def _layout(self, path: str | os.PathLike) -> DirectoryLayout:
         """Which ranks share the directory that checkpoint `path` goes into (found once per directory;
@@ -726,17 +820,25 @@ class DistributedTrainer:
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike, metrics: dict[str, float] | None = None) -> None:
-        """Write a checkpoint directory at `path` (see `distributed_training.checkpoint`); every rank
-        must call it.
+        """Write a checkpoint *directory* at `path`, e.g. ``"checkpoints/last"`` (see
+        `distributed_training.checkpoint`); every rank must call it.
 
-        Each rank writes ``rank<r>.pt`` (its RNG states; its shards under ZeRO/FSDP; the model and
-        optimizer on rank 0 under DDP), then rank 0 writes ``meta.pt`` (step, epoch, data position,
-        scheduler, config, metrics, checksums) last. Files are written atomically. When each node has
-        a directory of its own (see `checkpoint_shared`), each node's first rank writes a ``meta.pt``
-        there, listing that node's files.
+        Each rank writes ``rank<r>.pt`` (its RNG states and buffers; its shards under ZeRO/FSDP; the
+        model and optimizer on rank 0 under DDP), then rank 0 writes ``meta.pt`` (step, epoch, data
+        position, scheduler, configured hyperparameters, config, metrics, checksums) last, after its own
+        checksum ``meta.pt.sha256``. Files are written atomically. A path that looks like a file name
+        (``last.pt``) still becomes a directory, with a warning. When each node has a directory of its
+        own (see `checkpoint_shared`), each node's first rank writes a ``meta.pt`` there, listing that
+        node's files.
         """
         path = os.fspath(path)
         ctx = self.context
+        suffix = os.path.splitext(path.rstrip("/\\"))[1]
+        if suffix.lower() in _FILE_SUFFIXES and not os.path.isdir(path) and ctx.is_main:
+            message = (f"save_checkpoint({path!r}) writes a directory named {os.path.basename(path)!r} (one file per "
+                       f"rank plus meta.pt), not a single {suffix} file; name it without a suffix, e.g. "
+                       f"{path[:-len(suffix)]!r}, and load it with load_checkpoint")
+            warnings.warn(message, stacklevel=2)
         part: dict[str, Any] = {"rng": rng_state()}
         reducer = getattr(self.model, "bucket_reducer", None)
         if hasattr(reducer, "state_dict"):
@@ -746,6 +848,10 @@ class DistributedTrainer:
         elif ctx.is_main:
             part["model"] = self.strategy.model_state_dict(self.model)
             part["optimizer"] = self.strategy.optimizer_state_dict(self.optimizer)
+        if "model" not in part:
+            # Buffers (BatchNorm's running statistics) are updated by each rank from its own data: the
+            # other ranks' are state too. (Rank 0's are in the model; FSDP's shards carry every rank's.)
+            part["buffers"] = {k: b.detach().cpu().clone() for k, b in self.module.named_buffers()}
         digest = save_file(part, os.path.join(path, f"rank{ctx.rank}.pt"))
         digests = [digest]
         if ctx.world_size > 1:
@@ -763,26 +869,39 @@ class DistributedTrainer:
                 "world_size": ctx.world_size,
                 "strategy": self.strategy.name,
                 "config": self.config,
+                "optimizer_hparams": self._configured_hparams,
+                "fit": dict(self._fit_limits),
                 "metrics": dict(metrics or {}),
                 **layout.checksums(ctx.rank, digests),
             }
             if isinstance(self.model, DDP):
                 meta["ddp_bucket_groups"] = self.model.bucket_groups()
-            save_file(meta, os.path.join(path, "meta.pt"))
+            write_meta(meta, path)
         ctx.barrier()
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore what `save_checkpoint` wrote, at this world size or (ZeRO/FSDP) any other.
 
-        Every file read is checked against its checksum. RNG states are restored when the world size
-        is unchanged (a different world draws different random streams anyway).
+        Every file read, ``meta.pt`` included, is checked against its checksum before it is loaded; a
+        corrupt one raises `CheckpointCorruptError` naming it. RNG states are restored when the world
+        size is unchanged (a different world draws different random streams anyway). Each rank gets
+        back its own buffers (BatchNorm statistics); when the world size changed, ranks that did not
+        exist before take rank 0's. Hyperparameters configured differently from the checkpoint's keep
+        their new values, and the changes are logged (see `resume`); a different optimizer class or
+        parameter shape is an error that names it.
         """
         path = os.fspath(path)
         ctx = self.context
         meta_path = os.path.join(path, "meta.pt")
-        if not os.path.isfile(meta_path):
+        if not os.path.isfile(meta_path) and not os.path.isfile(path):
             raise FileNotFoundError(f"rank {ctx.rank}: {meta_path!r} does not exist: not a complete checkpoint")
-        meta = load_file(meta_path)
+        meta = read_meta(path)
+        saved_optimizer = (meta.get("config") or {}).get("optimizer")
+        if saved_optimizer is not None and saved_optimizer != self.config["optimizer"]:
+            raise ValueError(f"checkpoint {path!r} holds the state of a {saved_optimizer} optimizer, and this trainer's "
+                             f"is a {self.config['optimizer']}: optimizer state cannot carry over to another class "
+                             "(start a new run: another checkpoint directory, or resume=False)")
+        old_world = int(meta["world_size"])
         cache: dict[int, dict] = {}
 
         def read(k: int) -> dict:
@@ -801,6 +920,14 @@ class DistributedTrainer:
                     raise ValueError("rank0.pt holds no model: the checkpoint was written by a sharded strategy")
                 self.strategy.load_model_state_dict(self.model, state["model"])
                 self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
+            own = read(ctx.rank) if ctx.rank < old_world else {}
+            if "buffers" in own:
+                buffers = dict(self.module.named_buffers())
+                with torch.no_grad():
+                    for key, value in own["buffers"].items():
+                        buffers[key].copy_(value)
+        except CheckpointCorruptError:
+            raise
         except (RuntimeError, ValueError, KeyError) as err:
             raise type(err)(f"checkpoint {path!r} does not fit this model: {err}") from None
         if isinstance(self.model, DDP) and "ddp_bucket_groups" in meta and int(meta["world_size"]) == ctx.world_size:
@@ -812,8 +939,18 @@ class DistributedTrainer:
                 reducer.load_state_dict(read(ctx.rank)["communication"])
         else:
             warnings.warn(f"checkpoint {path!r} was written by {meta['world_size']} ranks: RNG states not restored")
-        if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        changes = self._apply_changed_hyperparameters(meta)
+        if self.lr_scheduler is not None:
+            # A schedule added since the checkpoint starts where it would be after the saved steps.
+            changes += self._restore_schedule(meta.get("lr_scheduler") or {"last_epoch": int(meta["step"])})
+        changes += [f"{key}: {meta['fit'].get(key)} -> {value}" for key, value in self._fit_limits.items()
+                    if "fit" in meta and key in meta["fit"] and meta["fit"][key] != value]
+        changes += [f"{key}: {meta['config'][key]} -> {value}" for key, value in self.config.items()
+                    if key not in ("world_size", "optimizer") and key in meta.get("config", {})
+                    and meta["config"][key] != value]
+        if changes and ctx.is_main:
+            _log.warning("the configuration changed since checkpoint %s was written; the new values apply: %s", path,
+                         "; ".join(changes))
         if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
         self.step = int(meta["step"])
@@ -821,6 +958,54 @@ class DistributedTrainer:
         self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
         if meta.get("batch_size") is not None:
             self.batch_size = int(meta["batch_size"])
+
+    def _apply_changed_hyperparameters(self, meta: dict[str, Any]) -> list[str]:
+        """Loading the optimizer's state brings back the saved param groups' hyperparameters: where this
+        trainer was configured differently from the run that wrote the checkpoint, put the new value
+        back, and describe the change. Values the run itself changed (a schedule's lr) are left alone."""
+        saved = meta.get("optimizer_hparams")
+        groups = self.optimizer.param_groups
+        if saved is None or len(saved) != len(groups):
+            return []  # a checkpoint from before hyperparameters were recorded
+        changes = []
+        for i, (old, new, group) in enumerate(zip(saved, self._configured_hparams, groups)):
+            for key, value in new.items():
+                if self.lr_scheduler is not None and key in ("lr", "initial_lr"):
+                    continue  # the schedule is rebuilt from its new configuration (see _restore_schedule)
+                if key in old and not _same(old[key], value):
+                    group[key] = copy.deepcopy(value)
+                    where = f"param_groups[{i}]." if len(groups) > 1 else ""
+                    changes.append(f"optimizer {where}{key}: {_show(old[key])} -> {_show(value)}")
+        return changes
+
+    def _restore_schedule(self, saved: dict[str, Any]) -> list[str]:
+        """Bring the LR scheduler to the checkpoint's step *as it is configured now*.
+
+        Loading the saved scheduler state would bring back the old run's base learning rates and
+        schedule parameters. Instead the scheduler is reset to its state at construction and stepped
+        as many times as the saved one was (microseconds per step); with an unchanged configuration that
+        reproduces the saved state exactly, and with a changed one (lr, warmup, decay, a schedule given
+        as a function) the new schedule applies from here on. Returns what differs from the saved state.
+        """
+        sched, fresh = self.lr_scheduler, self._configured_schedule
+        for group, configured in zip(self.optimizer.param_groups, self._configured_hparams):
+            for key in ("lr", "initial_lr"):
+                if key in configured:
+                    group[key] = copy.deepcopy(configured[key])
+        sched.load_state_dict(copy.deepcopy(fresh))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": we only replay
+            for _ in range(int(saved.get("last_epoch", 0)) - int(fresh.get("last_epoch", 0))):
+                sched.step()
+        now = sched.state_dict()
+        counters = {"last_epoch", "_step_count", "_last_lr", "_is_initial", "_get_lr_called_within_step"}
+        changes = [f"lr_scheduler {key}: {_show(saved.get(key))} -> {_show(now.get(key))}"
+                   for key in sorted(set(saved) | set(now), key=str)
+                   if key not in counters and not _same(saved.get(key), now.get(key))]
+        if "_last_lr" in saved and not _same(saved["_last_lr"], now.get("_last_lr")):
+            changes.append(f"learning rate at step {saved.get('last_epoch')}: "
+                           f"{_show(saved['_last_lr'])} -> {_show(now.get('_last_lr'))}")
+        return changes
 
     # ----------------------------------------------------------- hang diagnosis
     def _heartbeat(self) -> None:
@@ -864,6 +1049,32 @@ class DistributedTrainer:
 
     def __exit__(self, exc_type, *exc) -> None:
         self.close(barrier=exc_type is None)
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """A copy of each param group's settings (lr, betas, weight decay, ...), without the parameters."""
+    return [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    return repr(value)
 
 
 def _world_size() -> int:

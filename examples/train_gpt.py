@@ -17,7 +17,7 @@ Run it from a checkout, after ``pip install -e .``:
 
     # more: a bigger model, gradient accumulation, a checkpoint at the end
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --n-layer 6 --n-embd 192 \\
-        --grad-accum 2 --checkpoint checkpoints/gpt.pt
+        --grad-accum 2 --checkpoint checkpoints/gpt
 
 The same script runs unchanged in all of these: nothing below names a device or a backend.
 `--batch-size` is per process and per optimizer step, so the global batch is
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
     p.add_argument("--log-every", type=int, help="log every N steps (default: 10 lines per run)")
-    p.add_argument("--checkpoint", type=Path, help="save model and optimizer state here at the end")
+    p.add_argument("--checkpoint", type=Path, help="checkpoint directory to save model and optimizer state to at the end")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.steps < 1:

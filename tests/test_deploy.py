@@ -624,7 +624,7 @@ def test_two_nodes_match_one_node(single_node, image_python, tmp_path):
         assert f"node {r} of 2, 1 process(es)" in node.err
         assert (tmp_path / f"node{r}" / "COMPLETED").is_file(), f"node {r} did not mark the run complete"
     assert (shared / "ckpt" / "COMPLETED").is_file(), "rank 0 did not write checkpoint.dir/COMPLETED"
-    assert sorted(p.name for p in (shared / "ckpt" / "step_000000004").iterdir()) == ["meta.pt", "rank0.pt", "rank1.pt"]
+    assert sorted(p.name for p in (shared / "ckpt" / "step_000000004").iterdir()) == ["meta.pt", "meta.pt.sha256", "rank0.pt", "rank1.pt"]
 
     two = torch.load(shared / "final.pt", map_location="cpu", weights_only=True)
     one = torch.load(single_node["root"] / "final.pt", map_location="cpu", weights_only=True)

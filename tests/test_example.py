@@ -84,7 +84,7 @@ def test_torchrun_two_processes(tmp_path):
     assert val_after < val_before, out
 
     assert ckpt.is_dir(), f"no checkpoint at {ckpt}:\n{out}"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt", "rank0.pt", "rank1.pt"], "temporary files left behind?"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt", "meta.pt.sha256", "rank0.pt", "rank1.pt"], "temporary files left behind?"
     meta = torch.load(ckpt / "meta.pt", map_location="cpu", weights_only=True)
     assert meta["step"] == 5 and meta["world_size"] == 2
     state = torch.load(ckpt / "rank0.pt", map_location="cpu", weights_only=True)

@@ -183,7 +183,7 @@ def test_checkpoint_resume_is_exact(tmp_path):
         assert exact, "resumed training must equal uninterrupted training bit for bit"
         assert "last.missing" in errors["missing"]
         assert "fc1.weight" in errors["other_model"] and "last" in errors["other_model"]
-        assert files == ["meta.pt", "rank0.pt", "rank1.pt"], files  # no temporary file left behind
+        assert files == ["meta.pt", "meta.pt.sha256", "rank0.pt", "rank1.pt"], files  # no temporary file left behind
 
 
 # ------------------------------------------------------------------ monitoring

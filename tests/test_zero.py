@@ -145,7 +145,7 @@ def load_worker(rank, world, directory, stage):
 @pytest.mark.parametrize("stage", ["zero3", "zero1"])
 def test_checkpoint_saved_at_2_loads_at_3_and_1(tmp_path, stage):
     files = run_distributed(save_worker, 2, args=(str(tmp_path), stage))[0]
-    assert files == ["meta.pt", "rank0.pt", "rank1.pt"], files
+    assert files == ["meta.pt", "meta.pt.sha256", "rank0.pt", "rank1.pt"], files
     results = {}
     for world in (3, 1):
         identical, step, after, errors = run_distributed(load_worker, world, args=(str(tmp_path), stage), timeout=120)[0]

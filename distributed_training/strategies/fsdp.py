@@ -560,11 +560,17 @@ class FSDP(nn.Module):
             "buffers": {k: b.detach().cpu().clone() for k, b in self.module.named_buffers()},
         }
 
-    def load_sharded_state_dict(self, states: dict | Sequence[dict] | Callable[[int], dict]) -> None:
+    def load_sharded_state_dict(self, states: dict | Sequence[dict] | Callable[[int], dict], *,
+                                buffers: dict[str, torch.Tensor] | None = None) -> None:
         """Load shards saved by `sharded_state_dict`, at this world size or any other.
 
         `states` is this rank's saved dict (same world size), or every saved rank's dict in rank
         order (a list, or a function rank -> dict that is called only for the ranks needed).
+
+        Buffers (BatchNorm's running statistics) are broadcast once at wrapping and then updated by
+        each rank from its own data, so they are per-rank state: each rank loads the buffers saved by
+        the rank of its own number, or rank 0's when the saved job had no such rank (it grew). Pass
+        `buffers` to choose them yourself (hybrid sharding, where shard ranks repeat across nodes).
         """
         read = _reader(states)
         first = read(0)
@@ -581,6 +587,10 @@ class FSDP(nn.Module):
             for unit in self._units:
                 saved = first["units"][unit.name]
                 mine = [(i.fqns, tuple(i.shape), i.offset) for i in unit.infos]
+                for (fqns, shape, _), (_, my_shape, _) in zip(saved["params"], mine):
+                    if tuple(shape) != my_shape:
+                        raise ValueError(f"'{fqns[0]}': the checkpoint has shape {list(shape)}, this model "
+                                         f"{list(my_shape)}")
                 if saved["numel"] != unit.numel or [tuple(p[1]) for p in saved["params"]] != [p[1] for p in mine]:
                     raise ValueError(
                         f"FSDP unit '{unit.name or '<root>'}' does not match the checkpoint: saved parameters "
@@ -595,10 +605,12 @@ class FSDP(nn.Module):
                     shard = reshard_flat(unit.numel, old_world, lambda k, n=unit.name: read(k)["units"][n]["shard"],
                                          self.shard_world, self.shard_rank)
                 unit.shard.copy_(shard)
-            buffers = dict(self.module.named_buffers())
-            _check_keys(set(first["buffers"]), set(buffers), "buffers")
-            for key, buf in buffers.items():
-                buf.copy_(first["buffers"][key])
+            if buffers is None:
+                buffers = read(self.shard_rank if self.shard_rank < old_world else 0)["buffers"]
+            mine = dict(self.module.named_buffers())
+            _check_keys(set(buffers), set(mine), "buffers")
+            for key, buf in mine.items():
+                buf.copy_(buffers[key])
 
 
 # ------------------------------------------------------------------ helpers

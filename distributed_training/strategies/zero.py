@@ -81,7 +81,11 @@ class FSDPStrategy(Strategy):
         return {"model": model.sharded_state_dict(), "optimizer": sharded_optimizer_state(optimizer, keys)}
 
     def load_sharded_state(self, model: FSDP, optimizer, read: Callable[[int], dict], old_world: int) -> None:
-        model.load_sharded_state_dict(lambda k: read(k)["model"])
+        # Buffers are per-rank state (see FSDP.load_sharded_state_dict); `read` is indexed by global
+        # rank, which under hybrid sharding is not the shard rank.
+        rank = dist.get_rank(model.process_group)
+        buffers = read(rank if rank < old_world else 0)["model"]["buffers"]
+        model.load_sharded_state_dict(lambda k: read(k)["model"], buffers=buffers)
         keys, numels = self._keys(model)
         load_sharded_optimizer_state(optimizer, keys, numels, lambda k: read(k)["optimizer"],
                                      read(0)["model"]["world_size"], model.shard_world, model.shard_rank)

@@ -1,0 +1,136 @@
+"""Stopping a training loop cleanly on SIGINT (Ctrl-C) and SIGTERM (preemption), with every rank agreeing.
+
+A signal may reach only some ranks (one process killed by hand, a node drained) or reach them while
+they are at different steps. A rank that simply stopped would leave its peers waiting in the next
+collective until the timeout, and a rank interrupted in the middle of a checkpoint write would leave
+a half-written file. So the handlers only record the signal; at each step boundary the ranks
+all-reduce (MAX) what they have received, and stop together at the step where any of them had.
+
+The all-reduce of step k is started without waiting and read at step k + 1's boundary, so the host
+never waits for the device's current step: a signal stops the loop one or two steps after it arrives.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .runtime import DistributedContext
+
+__all__ = ["StopSignals"]
+
+# All-reduced as a MAX, so SIGTERM (stop and save) wins over SIGINT (stop) when ranks got different ones.
+_PRIORITY = {signal.SIGINT: 1, signal.SIGTERM: 2}
+_BY_PRIORITY = {code: sig for sig, code in _PRIORITY.items()}
+
+
+class StopSignals:
+    """Within ``with``: SIGINT and SIGTERM set a flag instead of interrupting; `agreed()` at each step
+    boundary says, identically on every rank, whether and on which signal to stop.
+
+    Handlers are installed only in the main thread (Python delivers signals there), only when every
+    rank can install them (one all-reduce on entry, `every_rank`), never over a signal that was ignored
+    (``SIG_IGN``), and the previous handlers are restored on exit. After a stop, `deliver()` hands the
+    signal to the previous handler: Python's default turns SIGINT into `KeyboardInterrupt`; SIGTERM's
+    default (terminate) becomes ``SystemExit(128 + SIGTERM)`` so that ``finally`` blocks and ``with``
+    statements still run.
+    """
+
+    def __init__(self, context: DistributedContext, device: torch.device, every_rank: Callable[[bool], bool],
+                 enabled: bool = True) -> None:
+        self.context = context
+        self.device = device if context.backend == "nccl" else torch.device("cpu")
+        self.every_rank = every_rank
+        self.enabled = enabled
+        self.received = 0  # priority code of the strongest signal this rank got
+        self.signal: signal.Signals | None = None  # what the ranks agreed to stop on
+        self._previous: dict[signal.Signals, object] = {}
+        self._pending = None
+
+    # ------------------------------------------------------------ handlers
+    def __enter__(self) -> "StopSignals":
+        main = threading.current_thread() is threading.main_thread()
+        # A collective per step needs every rank: agree once whether all of them can take part.
+        self.active = self.every_rank(self.enabled and main) if self.enabled else False
+        if self.active:
+            for sig in _PRIORITY:
+                previous = signal.getsignal(sig)
+                if previous is signal.SIG_IGN:
+                    continue  # the launcher wants this signal ignored (nohup, a background job): respect it
+                self._previous[sig] = previous
+                signal.signal(sig, self._record)
+        return self
+
+    def _record(self, signum, frame) -> None:
+        # Only a flag: raising here could abandon a checkpoint write or a collective half done.
+        self.received = max(self.received, _PRIORITY[signal.Signals(signum)])
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.restore()
+        if exc_type is None:
+            self._drain()
+        # On an error, a pending all-reduce is abandoned: a peer may be gone, and waiting could hang.
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    # ------------------------------------------------------------ agreement
+    def agreed(self) -> signal.Signals | None:
+        """At a step boundary, on every rank alike: the signal to stop on, or None to go on."""
+        if not self.active or self.signal is not None:
+            return self.signal
+        if self.context.world_size == 1:
+            code = self.received
+        else:
+            flag = torch.full((1,), self.received, dtype=torch.int32, device=self.device)  # no host-to-device copy
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.context.group, async_op=True)
+            previous, self._pending = self._pending, (work, flag)
+            code = self._read(previous)
+        self.signal = _BY_PRIORITY.get(code)
+        return self.signal
+
+    def finish(self) -> signal.Signals | None:
+        """After the last step (and its checkpoint): a last, waited-for agreement, so a signal that
+        arrived during the final steps is not acted on by some ranks only."""
+        if not self.active or self.signal is not None:
+            self._drain()
+            return self.signal
+        if self.context.world_size == 1:
+            code = self.received
+        else:
+            code = max(self._drain(), self.received)
+            flag = torch.full((1,), code, dtype=torch.int32, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.context.group)
+            code = int(flag.item())
+        self.signal = _BY_PRIORITY.get(code)
+        return self.signal
+
+    def _drain(self) -> int:
+        pending, self._pending = self._pending, None
+        return self._read(pending)
+
+    @staticmethod
+    def _read(pending) -> int:
+        if pending is None:
+            return 0
+        work, flag = pending
+        work.wait()
+        return int(flag.item())
+
+    # ------------------------------------------------------------ after the stop
+    def deliver(self) -> None:
+        """Once the handlers are restored: pass the agreed signal on as if it had just arrived."""
+        sig = self.signal
+        if sig is None:
+            return
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            handler(sig, None)  # Python's default for SIGINT raises KeyboardInterrupt; a user's own runs
+            return
+        raise SystemExit(128 + int(sig))

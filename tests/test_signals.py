@@ -1,0 +1,257 @@
+"""SIGTERM and SIGINT during `fit`: every rank stops at the same step within seconds, SIGTERM saves a
+checkpoint there first, nothing half-written is left, and the resumed run equals an unbroken one."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from distributed_training import DistributedTrainer
+from distributed_training.checkpoint import CheckpointManager
+from distributed_training.models import GPT, GPTConfig
+from distributed_training.testing import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = str(REPO / "tests" / "jobs" / "signal_job.py")
+
+
+def _tmp_files(directory) -> list[str]:
+    return glob.glob(os.path.join(str(directory), "**", "*.tmp.*"), recursive=True)
+
+
+# ------------------------------------------------------------------ under torchrun
+class _Job:
+    """torchrun with two workers in its own session, its output in a file."""
+
+    def __init__(self, tmp_path: Path, name: str, args: list[str]) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+        self.log_path = tmp_path / f"{name}.log"
+        self.log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", JOB, *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait(self, timeout: float) -> float:
+        started = time.monotonic()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"the job did not end within {timeout}s:\n{self.output()[-4000:]}")
+        finally:
+            self.log.close()
+        return time.monotonic() - started
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _wait_for(predicate, job: _Job, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if job.proc.poll() is not None:
+            raise AssertionError(f"the job ended before it could be signalled:\n{job.output()[-4000:]}")
+        if time.monotonic() > deadline:
+            job.kill()
+            raise AssertionError(f"the job did not get there within {timeout}s:\n{job.output()[-4000:]}")
+        time.sleep(0.05)
+
+
+def _progress(out: Path) -> int:
+    try:
+        return int((out / "progress").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def _trajectory(out: Path, n: int) -> dict:
+    return torch.load(out / f"trajectory_{n}.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path, strategy):
+    base = ["--strategy", strategy]
+    clean = _Job(tmp_path, "clean", base + ["--ckpt", str(tmp_path / "clean"), "--out", str(tmp_path / "clean_out")])
+    clean.wait(300)
+    unbroken = _trajectory(tmp_path / "clean_out", 0)
+    assert clean.proc.returncode == 0 and unbroken["step"] == 24, clean.output()[-3000:]
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    # No periodic checkpoints (every 100 steps): the only one can come from the stop.
+    job = _Job(tmp_path, "preempted", base + ["--ckpt", str(ckpt), "--out", str(out), "--every", "100",
+                                              "--step-sleep", "0.3"])
+    _wait_for(lambda: _progress(out) >= 6, job)
+    job.proc.send_signal(signal.SIGTERM)  # what Kubernetes does to the pod's main process: torchrun forwards it
+    elapsed = job.wait(60)
+    log = job.output()
+    stopped = _trajectory(out, 0)["step"]
+    assert elapsed < 10, f"took {elapsed:.1f}s to stop:\n{log[-3000:]}"
+    assert "forcefully exiting" not in log, log[-3000:]  # torchrun never had to SIGKILL a worker
+    assert 6 <= stopped < 24, (stopped, log[-3000:])
+    assert sorted(os.listdir(ckpt)) == [f"step_{stopped:09d}"], os.listdir(ckpt)
+    assert f"stopping at step {stopped} on SIGTERM" in log, log[-3000:]
+    found = CheckpointManager(str(ckpt)).latest_good()
+    assert found is not None and found[1]["step"] == stopped, "the checkpoint must be at the step where it stopped"
+    assert not _tmp_files(ckpt), _tmp_files(ckpt)
+
+    resumed = _Job(tmp_path, "resumed", base + ["--ckpt", str(ckpt), "--out", str(out), "--every", "100"])
+    resumed.wait(300)
+    assert resumed.proc.returncode == 0, resumed.output()[-3000:]
+    after = _trajectory(out, 1)
+    assert after["step"] == 24 and sorted(after["trajectory"]) == list(range(stopped + 1, 25))
+    for step, state in after["trajectory"].items():
+        for key, value in unbroken["trajectory"][step].items():
+            assert torch.equal(value, state[key]), f"step {step}: {key} differs from the unbroken run"
+
+
+@pytest.mark.timeout(600)
+def test_sigint_during_a_slow_checkpoint_write_exits_within_seconds_and_leaves_no_tmp(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    job = _Job(tmp_path, "ctrl_c", ["--ckpt", str(ckpt), "--out", str(out), "--step-sleep", "0.1",
+                                    "--slow-fsync-from", "8", "--fsync-sleep", "1.0"])
+    _wait_for(lambda: (out / "writing").exists(), job)
+    os.killpg(job.proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground process group
+    elapsed = job.wait(60)
+    log = job.output()
+    assert elapsed < 15, f"took {elapsed:.1f}s to stop:\n{log[-3000:]}"
+    assert "forcefully exiting" not in log, log[-3000:]
+    assert not _tmp_files(ckpt), _tmp_files(ckpt)
+    stopped = _trajectory(out, 0)["step"]
+    assert 8 <= stopped < 24, (stopped, log[-3000:])
+    assert f"stopping at step {stopped} on SIGINT" in log, log[-3000:]
+    assert CheckpointManager.verify(str(ckpt / "step_000000004"))["step"] == 4  # the previous one is intact
+    found = CheckpointManager(str(ckpt)).latest_good()
+    assert found is not None and found[1]["step"] in (4, 8), found  # the write in progress was finished, or not
+
+
+# ------------------------------------------------------------------ a signal that reaches one rank only
+def _gpt():
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (54, 17), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+
+
+def one_rank_signalled_worker(rank, world, directory, strategy):
+    own_calls = []
+
+    def own_handler(signum, frame):
+        own_calls.append(signum)
+
+    if rank == 0:  # rank 0's script has its own SIGTERM handler: fit must hand the signal on to it
+        signal.signal(signal.SIGTERM, own_handler)
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(_gpt(), _sgd, strategy=strategy, checkpoint_dir=directory, checkpoint_every=100)
+    sent = {}
+
+    def on_step(step, metrics):
+        if rank == 1 and step == 3:
+            sent["at"] = time.monotonic()
+            os.kill(os.getpid(), signal.SIGTERM)  # only rank 1 is told
+
+    outcome = "returned"
+    try:
+        trainer.fit(_data(), epochs=3, batch_size=3, log_every=1, on_step=on_step)
+    except SystemExit as stop:
+        outcome = f"SystemExit({stop.code})"
+    elapsed = time.monotonic() - sent["at"] if sent else None
+    handler = signal.getsignal(signal.SIGTERM)
+    restored = handler is own_handler if rank == 0 else handler == signal.SIG_DFL
+    step = trainer.step
+    trainer.close()
+    return outcome, step, elapsed, own_calls, restored
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_a_signal_reaching_one_rank_stops_every_rank_at_the_same_step(tmp_path, strategy):
+    directory = str(tmp_path / "ckpt")
+    (out0, step0, _, calls0, restored0), (out1, step1, elapsed, calls1, restored1) = run_distributed(
+        one_rank_signalled_worker, 2, args=(directory, strategy), timeout=120, collective_timeout=60)
+    assert step0 == step1 and 3 <= step1 <= 5, (step0, step1)  # the same step, one or two after the signal
+    assert out1 == "SystemExit(143)" and out0 == "returned", (out0, out1)
+    assert calls0 == [signal.SIGTERM] and calls1 == []  # rank 0's own handler got the agreed signal
+    assert restored0 and restored1, "the handlers in place before fit must be back"
+    assert elapsed < 5, elapsed
+    assert sorted(os.listdir(directory)) == [f"step_{step1:09d}"], os.listdir(directory)  # saved where it stopped
+    assert CheckpointManager(directory).latest_good()[1]["step"] == step1
+    assert not _tmp_files(directory)
+
+
+def thread_worker(rank, world, directory):
+    results = {}
+
+    def train():
+        trainer = DistributedTrainer(_gpt(), _sgd, checkpoint_dir=directory)
+        try:
+            trainer.fit(_data(), epochs=1, batch_size=9, max_steps=2)
+            results["step"] = trainer.step
+        except BaseException as err:  # noqa: BLE001 - signal.signal outside the main thread raises ValueError
+            results["error"] = repr(err)
+        finally:
+            trainer.close()
+
+    before = signal.getsignal(signal.SIGTERM)
+    thread = threading.Thread(target=train)
+    thread.start()
+    thread.join(120)
+    return results, signal.getsignal(signal.SIGTERM) is before
+
+
+def test_fit_outside_the_main_thread_trains_without_handlers(tmp_path):
+    results, untouched = run_distributed(thread_worker, 1, args=(str(tmp_path / "ckpt"),), timeout=120)[0]
+    assert results == {"step": 2}, results
+    assert untouched
+
+
+def self_signal_worker(rank, world, directory, sig, save_on_preemption):
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(_gpt(), _sgd, checkpoint_dir=directory, checkpoint_every=2,
+                                 save_on_preemption=save_on_preemption)
+
+    def on_step(step, metrics):
+        if step == 3:
+            os.kill(os.getpid(), sig)
+
+    try:
+        trainer.fit(_data(), epochs=2, batch_size=9, log_every=1, on_step=on_step)
+        outcome = "returned"
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    except SystemExit as stop:
+        outcome = f"SystemExit({stop.code})"
+    step = trainer.step
+    trainer.close()
+    return outcome, step, sorted(os.listdir(directory))
+
+
+@pytest.mark.parametrize("sig,save,expected", [(signal.SIGINT, True, "KeyboardInterrupt"),
+                                               (signal.SIGTERM, False, "SystemExit(143)")])
+def test_sigint_and_unsaved_sigterm_stop_without_writing_a_checkpoint(tmp_path, sig, save, expected):
+    directory = str(tmp_path / "ckpt")
+    outcome, step, files = run_distributed(self_signal_worker, 1, args=(directory, sig, save), timeout=120)[0]
+    assert outcome == expected and step == 3, (outcome, step)  # world 1: nobody to agree with, stops at once
+    assert files == ["step_000000002"], files  # nothing written for the stop at step 3
