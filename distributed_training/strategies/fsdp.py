@@ -202,6 +202,7 @@ class FSDP(nn.Module):
         self._sync_enabled = True
         self._callback_queued = False
         self._pending: list[tuple[_Unit, torch.Tensor, Any]] = []
+        self._join_state = None  # the `join()` context while one is open
         for unit in self._units:
             self._register_hooks(unit)
 
@@ -459,10 +460,20 @@ class FSDP(nn.Module):
         finally:
             self._sync_enabled = previous
 
+    def join(self, optimizer: torch.optim.Optimizer | None = None, *, lr_scheduler=None):
+        """A context in which ranks that run out of data keep answering the others' collectives (and
+        keep stepping `optimizer`, which owns their shards): ``with model.join(optimizer=opt): ...``.
+        See `distributed_training.join`."""
+        from .join import Join
+
+        return Join(self, optimizer, lr_scheduler=lr_scheduler)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the shards' gradients by the global 2-norm over all shards; return the norm."""
         if norm_type != 2.0:
             raise ValueError("FSDP.clip_grad_norm_ supports the 2-norm only")
+        if self._join_state is not None:
+            self._join_state.announce_clip(max_norm)  # ranks out of data join this all-reduce
         grads = [u.shard.grad for u in self._units if u.shard.grad is not None]
         comm_device = self.device if dist.get_backend(self.shard_group) == "nccl" else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float32, device=comm_device)
