@@ -89,17 +89,20 @@ class FSDPStrategy(Strategy):
     def load_model_state_dict(self, model: FSDP, state: dict[str, Any]) -> None:
         model.load_full_state_dict(state)
 
-    def _keys(self, model: FSDP) -> tuple[list[str], list[int]]:
-        units = [u for u in model._units if u.padded]
-        return [u.name for u in units], [u.numel for u in units]
+    def _keys(self, model: FSDP, optimizer: torch.optim.Optimizer) -> tuple[list[str], list[int]]:
+        """Unit names and lengths of the shards the optimizer holds, in its order (a factory may leave
+        out frozen shards)."""
+        units = {id(u.shard): u for u in model._units if u.padded}
+        held = [units[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        return [u.name for u in held], [u.numel for u in held]
 
     def sharded_state(self, model: FSDP, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        keys, _ = self._keys(model)
+        keys, _ = self._keys(model, optimizer)
         return {"model": model.sharded_state_dict(), "optimizer": sharded_optimizer_state(optimizer, keys)}
 
     def load_sharded_state(self, model: FSDP, optimizer, read: Callable[[int], dict], old_world: int) -> None:
         model.load_sharded_state_dict(lambda k: read(k)["model"])
-        keys, numels = self._keys(model)
+        keys, numels = self._keys(model, optimizer)
         load_sharded_optimizer_state(optimizer, keys, numels, lambda k: read(k)["optimizer"],
                                      read(0)["model"]["world_size"], model.shard_world, model.shard_rank)
 
