@@ -219,3 +219,45 @@ def fsdp_without_optimizer_worker(rank, world):
 def test_fsdp_join_requires_the_optimizer():
     msg = run_distributed(fsdp_without_optimizer_worker, 1, timeout=60)[0]
     assert "needs optimizer=" in msg, msg
+
+
+def unused_worker(rank, world):
+    """find_unused_parameters: branch_b runs on even steps only, `never` never. A rank that is done must
+    report its parameters unused, or the others' optimizer would see zero gradients (and momentum would
+    move branch_b) where one process sees none."""
+    from _models import Branchy
+
+    torch.manual_seed(0)
+    model = DDP(Branchy().double(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    records = []
+    opt.register_step_post_hook(lambda *_: records.append([p.detach().clone() for p in model.module.parameters()]))
+    with model.join(optimizer=opt):
+        for i in range(_steps(rank)):
+            x, _ = _batch(rank, i)
+            y = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(rank * 7 + i), dtype=torch.float64)
+            F.mse_loss(model(x, i % 2 == 0), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return records
+
+
+def test_ddp_find_unused_parameters_with_ranks_done():
+    from _models import Branchy
+
+    world = 2
+    results = run_distributed(unused_worker, world, timeout=120, collective_timeout=60)
+    torch.manual_seed(0)
+    reference = Branchy().double()
+    opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    steps = [_steps(r) for r in range(world)]
+    for i in range(max(steps)):
+        for r in [r for r in range(world) if i < steps[r]]:
+            x, _ = _batch(r, i)
+            y = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(r * 7 + i), dtype=torch.float64)
+            (F.mse_loss(reference(x, i % 2 == 0), y) / world).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for r in range(world):
+            for (name, p), mine in zip(reference.named_parameters(), results[r][i]):
+                assert (mine - p.detach()).abs().max().item() <= TOL, f"rank {r}, step {i + 1}, {name}"
