@@ -2,7 +2,8 @@
 
 from .comm.optimizer import CommunicationOptimizer
 from .runtime import DistributedContext, init_distributed
-from .strategies import DDP, FSDP, DDPStrategy, FSDPStrategy, MixedPrecision, NaiveDDP, Strategy, Zero1Strategy
+from .strategies import (DDP, FSDP, DDPStrategy, FSDPStrategy, Join, MixedPrecision, NaiveDDP, Strategy, Zero1Strategy,
+                         join)
 from .trainer import DistributedTrainer
 
 __all__ = [
@@ -13,11 +14,13 @@ __all__ = [
     "DistributedTrainer",
     "FSDP",
     "FSDPStrategy",
+    "Join",
     "MixedPrecision",
     "NaiveDDP",
     "Strategy",
     "Zero1Strategy",
     "init_distributed",
+    "join",
 ]
 
 __version__ = "0.1.0"

@@ -6,6 +6,9 @@ reshuffled between epochs. For training, the permutation is padded (by wrapping 
 of the world size so that every rank runs the same number of steps and no rank waits forever in a
 collective; with ``drop_last`` the tail is dropped instead. For evaluation, ``pad=False`` gives each
 rank its exact share and nothing is counted twice.
+
+Every rank must see a dataset of the same length for the step counts to agree; `DistributedTrainer.fit`
+checks that with one all-gather and, if lengths differ, runs every rank for the smallest count.
 """
 
 from __future__ import annotations

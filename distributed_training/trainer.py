@@ -396,7 +396,7 @@ class DistributedTrainer:
         done = lambda: max_steps is not None and self.step >= max_steps  # noqa: E731
         total = max_steps
         if sharded:
-            per_epoch = len(range(0, sampler.total // self.context.world_size, loader.batch_size))
+            per_epoch = self._agree_steps_per_epoch(loader, sampler)
             by_epochs = epochs * per_epoch
             total = by_epochs if max_steps is None else min(max_steps, by_epochs)
             if max_steps is not None and by_epochs < max_steps:
@@ -421,6 +421,9 @@ class DistributedTrainer:
                 next(batches, None)
             last_end = time.perf_counter()
             while not done():
+                if sharded and self.batch_in_epoch >= per_epoch:
+                    exhausted = True  # a rank with a longer dataset stops with the others
+                    break
                 batch = next(batches, None)
                 fetched = time.perf_counter()
                 has_batch = batch is not None if sharded else self._every_rank_has(batch is not None)
@@ -535,6 +538,35 @@ class DistributedTrainer:
         flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.context.group)
         return bool(flag.item())
+
+    def _agree_steps_per_epoch(self, loader: DataLoader, sampler: ShardedSampler) -> int:
+        """Steps per epoch of a sharded loader, the same on every rank.
+
+        Every rank shards the dataset *it* was given; if their lengths differ (each rank read its own
+        file, say), so do their step counts, and a rank that stopped early would leave the others
+        waiting in a collective forever. One small all-gather at the start of `fit` finds out, and
+        every rank then runs the smallest count (with a warning naming each rank's length)."""
+        samples = len(range(sampler.rank, sampler.total, sampler.num_replicas))
+        steps = samples // loader.batch_size if loader.drop_last else -(-samples // loader.batch_size)
+        ctx = self.context
+        if ctx.world_size == 1:
+            return steps
+        device = self.device if ctx.backend == "nccl" else torch.device("cpu")
+        mine = torch.tensor([sampler.dataset_len, steps], dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+        dist.all_gather(gathered, mine, group=ctx.group)
+        lengths = [int(t[0]) for t in gathered]
+        counts = [int(t[1]) for t in gathered]
+        if len(set(lengths)) > 1 or len(set(counts)) > 1:
+            warnings.warn(
+                "fit(): the dataset's length differs across ranks ("
+                + ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
+                + f"), which gives {counts} steps per epoch; every rank runs {min(counts)} so that none waits for "
+                "the others forever. fit() shards a map-style dataset as one dataset seen by every rank: for data "
+                "of your own per rank, pass an IterableDataset (ranks then stop together at the shortest)",
+                RuntimeWarning, stacklevel=3,
+            )
+        return min(counts)
 
     def _save_numbered(self, metrics: dict[str, torch.Tensor] | None) -> None:
         values = {k: float(v) for k, v in (metrics or {}).items()}

@@ -4,7 +4,10 @@ from .base import Strategy
 from .ddp import DDP
 from .ddp_strategy import DDPStrategy
 from .fsdp import FSDP, MixedPrecision
+from .join import Join, join
 from .naive import NaiveDDP
 from .zero import FSDPStrategy, Zero1Strategy
 
-__all__ = ["DDP", "DDPStrategy", "FSDP", "FSDPStrategy", "MixedPrecision", "NaiveDDP", "Strategy", "Zero1Strategy"]
+__all__ = [
+    "DDP", "DDPStrategy", "FSDP", "FSDPStrategy", "Join", "MixedPrecision", "NaiveDDP", "Strategy", "Zero1Strategy", "join",
+]

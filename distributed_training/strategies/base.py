@@ -12,16 +12,57 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable, ContextManager, Iterable
+import weakref
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from ..runtime import DistributedContext
 
-__all__ = ["Strategy", "OptimizerFactory"]
+__all__ = ["Strategy", "OptimizerFactory", "check_optimizer_params", "ParamNames"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class ParamNames:
+    """Names of a module's parameters, remembered weakly so that they can still be given once a
+    wrapper has taken the tensors out of the module (FSDP) or re-homed them (ZeRO-1)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._refs = [(weakref.ref(p), name) for name, p in module.named_parameters()]
+
+    def name_of(self, tensor: torch.Tensor) -> str | None:
+        for ref, name in self._refs:
+            if ref() is tensor:
+                return name
+        return None
+
+
+def check_optimizer_params(
+    optimizer: torch.optim.Optimizer,
+    expected: Iterable[torch.Tensor],
+    *,
+    strategy: str,
+    expected_what: str,
+    names: ParamNames | None = None,
+    consequence: str,
+) -> None:
+    """Raise if `optimizer` holds a tensor outside `expected`: the optimizer a factory returned must
+    hold what the strategy handed it, or its steps update tensors that never receive gradients."""
+    allowed = {id(t) for t in expected}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in held if id(p) not in allowed]
+    if not foreign:
+        return
+    first = foreign[0]
+    name = names.name_of(first) if names is not None else None
+    shown = f"'{name}' of shape {tuple(first.shape)}" if name else f"a tensor of shape {tuple(first.shape)}"
+    raise ValueError(
+        f"strategy '{strategy}': the optimizer holds {len(foreign)} tensor(s) that are not {expected_what} "
+        f"(first: {shown}); {consequence}. Build the optimizer over the parameters the factory is given, "
+        "e.g. lambda params: torch.optim.SGD(params, lr=0.1), not over model.parameters()"
+    )
 
 
 class Strategy(abc.ABC):
@@ -57,6 +98,11 @@ class Strategy(abc.ABC):
         built = optimizer(model.parameters())
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+        # A replicated model's parameters are the user's own tensors, so a factory that ignores its
+        # argument and uses model.parameters() is fine; anything else gets no averaged gradient.
+        check_optimizer_params(built, model.parameters(), strategy=self.name,
+                               expected_what="parameters of the wrapped model",
+                               consequence="their gradients are not averaged across ranks, so replicas would diverge")
         return built
 
     def no_sync(self, model: nn.Module) -> ContextManager:

@@ -134,11 +134,19 @@ class DDP(nn.Module):
         self._build_buckets(list(reversed(range(len(self._params)))))
         self._rebuild_pending = bool(rebuild_buckets)
         self._arrival_order: list[int] | None = [] if rebuild_buckets else None
+        # Set by the first synchronised backward on every rank alike (a rank whose parameters all went
+        # unused has an empty arrival order, yet must take part in the rebuild broadcast).
+        self._rebuild_ready = False
 
         # Everything the hooks change during backward lives in `_pass`, a plain object: assigning an
         # attribute of an nn.Module runs Module.__setattr__'s Python body, and on autograd's device
         # thread that measured about 3 ms per assignment (ResNet-50, 2x H200): 30 ms a step.
         self._pass = _BackwardPass()
+        # Inside `join()`: the rank whose buffers are broadcast (the lowest one still training) and the
+        # context itself; outside it, rank 0 and None.
+        self._buffer_src = 0
+        self._join_state = None
+        self._shadowing = False
         self._comm_host_seconds, self._comm_count, self._comm_events = 0.0, 0, []
         self.measure_overlap = bool(measure_overlap)
         self._overlap = _OverlapTimeline()
@@ -154,12 +162,29 @@ class DDP(nn.Module):
     # ----------------------------------------------------------------- public
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and self._pass.sync_enabled:
-            if self._rebuild_pending and self._arrival_order:
-                self._rebuild_buckets_in_arrival_order()
-            if self.broadcast_buffers and self.world_size > 1 and self._synced_buffers:
-                with _labelled("DDP broadcast of buffers"):
-                    broadcast_coalesced(self._synced_buffers, self._global_rank(0), self.process_group)
+            self._collectives_before_forward()
         return self.module(*args, **kwargs)
+
+    def join(self, optimizer: torch.optim.Optimizer | None = None, *, lr_scheduler=None):
+        """A context in which ranks that run out of data keep answering the others' collectives:
+        ``with model.join(optimizer=opt): for batch in my_loader: ...``. See `distributed_training.join`."""
+        from .join import Join
+
+        return Join(self, optimizer, lr_scheduler=lr_scheduler)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the (already averaged, so identical) gradients by their 2-norm; return the norm.
+
+        Equal to `torch.nn.utils.clip_grad_norm_` over the parameters; inside `join()` it also tells
+        ranks that ran out of data to clip, so that their optimizer steps stay identical."""
+        if self._join_state is not None:
+            self._join_state.announce_clip(max_norm)
+        return torch.nn.utils.clip_grad_norm_([p for p in self._params if p.grad is not None], max_norm, norm_type)
+
+    @property
+    def _sync_enabled(self) -> bool:
+        """Whether the next backward synchronises (False inside `no_sync`); what `join` announces."""
+        return self._pass.sync_enabled
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -246,6 +271,28 @@ class DDP(nn.Module):
         self._rebuild_pending = False
         self._arrival_order = None
         self._install_buckets(assign_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes))
+
+    def _collectives_before_forward(self) -> None:
+        """What a forward followed by a synchronised backward communicates before the module runs."""
+        if self._rebuild_pending and self._rebuild_ready:
+            self._rebuild_buckets_in_arrival_order()
+        if self.broadcast_buffers and self.world_size > 1 and self._synced_buffers:
+            with _labelled("DDP broadcast of buffers"):
+                broadcast_coalesced(self._synced_buffers, self._global_rank(self._buffer_src), self.process_group)
+
+    def _shadow_iteration(self) -> None:
+        """Issue exactly the collectives of one synchronised forward and backward, contributing zero
+        gradients and using no parameter: what a rank out of data does inside `join()`. It needs no
+        input and runs no compute; afterwards `.grad` holds the other ranks' average, as theirs does."""
+        self._collectives_before_forward()
+        for p in self._params:
+            p.grad = None  # every bucket slot of this rank is zero
+        self._reset_iteration()
+        self._shadowing = True
+        try:
+            self._finish_backward()
+        finally:
+            self._shadowing = False
 
     def _global_rank(self, group_rank: int) -> int:
         if self.process_group is None:
@@ -354,6 +401,8 @@ class DDP(nn.Module):
             state.next_to_launch += 1
 
     def _finish_backward(self) -> None:
+        if not self._rebuild_ready:  # assign once: module attributes are slow to set on this thread
+            self._rebuild_ready = True
         try:
             state = self._pass
             unready = [i for i, ready in enumerate(state.ready) if not ready]
@@ -383,7 +432,7 @@ class DDP(nn.Module):
             if used_work is not None:
                 used_work.wait()
             self._stop_comm_timer(timing)
-            if unready and not self.find_unused_parameters:
+            if unready and not self.find_unused_parameters and not self._shadowing:
                 names = [self._param_names[i] for i in unready]
                 shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
                 raise RuntimeError(

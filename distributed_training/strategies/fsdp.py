@@ -26,8 +26,10 @@ One step, for one unit:
 backward accumulates into it and reduces once. That trades memory (one full gradient per unit, as in
 DDP) for communication (none per accumulation step). Parameters are still gathered for every micro-batch.
 
-Parameters shared between modules are owned by the innermost unit that contains every use, so tied
-embeddings work wherever the two uses sit. Every unit must receive gradients on all ranks or on none
+Frozen parameters (`requires_grad=False`) in a unit that also trains get a flat vector and shard of
+their own (the unit's name + "#frozen"): they are gathered like the rest but never reduced, and an
+optimizer never gives them a state. Parameters shared between modules are owned by the innermost unit
+that contains every use, so tied embeddings work wherever the two uses sit. Every unit must receive gradients on all ranks or on none
 (as DDP without `find_unused_parameters`).
 """
 
@@ -51,6 +53,8 @@ __all__ = ["FSDP", "MixedPrecision", "make_hybrid_groups"]
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _FORMAT = "distributed_training.fsdp/1"
+#: Name of the part of a unit that holds its frozen parameters, when the unit also has trainable ones.
+FROZEN_SUFFIX = "#frozen"
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,7 @@ class FSDP(nn.Module):
         self._sync_enabled = True
         self._callback_queued = False
         self._pending: list[tuple[_Unit, torch.Tensor, Any]] = []
+        self._join_state = None  # the `join()` context while one is open
         for unit in self._units:
             self._register_hooks(unit)
 
@@ -233,7 +238,6 @@ class FSDP(nn.Module):
             pids = owned[unit_path]
             if not pids and unit_path != "":
                 continue
-            infos, unit_refs, offset = [], [], 0
             dtypes = {params[pid].dtype for pid in pids}
             if len(dtypes) > 1:
                 names = [f"{refs[pid][0][0]}.{refs[pid][0][2]}".lstrip(".") + f" ({params[pid].dtype})" for pid in pids]
@@ -241,44 +245,55 @@ class FSDP(nn.Module):
                     f"FSDP unit '{unit_path or '<root>'}' mixes parameter dtypes: {', '.join(names)}; "
                     "give those modules their own unit (auto_wrap_policy) or one dtype"
                 )
-            flat_pieces = []
-            for pid in pids:
-                p = params[pid]
-                fqns = [f"{path}.{attr}" if path else attr for path, _, attr in refs[pid]]
-                infos.append(_ParamInfo(fqns=fqns, shape=p.shape, offset=offset))
-                for path, mod, attr in refs[pid]:
-                    unit_refs.append((mod, attr, len(infos) - 1))
-                flat_pieces.append(p.detach().reshape(-1))
-                offset += p.numel()
-            numel = offset
-            size = shard_size(numel, self.shard_world) if numel else 0
-            padded = size * self.shard_world
-            dtype = flat_pieces[0].dtype if flat_pieces else torch.float32
-            flat = torch.zeros(padded, dtype=dtype, device=self.device)
-            if flat_pieces:
-                flat[:numel].copy_(torch.cat([t.to(self.device) for t in flat_pieces]))
-            home = torch.device("cpu") if self.cpu_offload else self.device
-            shard_data = flat[self.shard_rank * size : (self.shard_rank + 1) * size].clone().to(home)
-            requires_grad = any(params[pid].requires_grad for pid in pids)
-            if requires_grad and not all(params[pid].requires_grad for pid in pids):
-                frozen = [i.fqns[0] for i, pid in zip(infos, pids) if not params[pid].requires_grad]
-                raise ValueError(
-                    f"FSDP unit '{unit_path or '<root>'}' mixes frozen and trainable parameters ({', '.join(frozen)} "
-                    "frozen): put frozen modules in their own unit"
-                )
-            shard = nn.Parameter(shard_data, requires_grad=requires_grad)
-            compute_dtype = self._param_dtype or dtype
-            full_data = torch.empty(padded, dtype=compute_dtype, device=self.device)
-            full = full_data.data.requires_grad_(requires_grad)  # own version counter: gathers never trip autograd
-            for mod, attr, _ in unit_refs:
-                if attr in mod._parameters:
-                    del mod._parameters[attr]
-                setattr(mod, attr, None)  # views of the gathered buffer are set before each use
-            unit = _Unit(unit_path, modules[unit_path], infos, unit_refs, numel, padded, shard, full_data, full,
-                         is_root=unit_path == "")
-            _free(unit.full_data)
-            units.append(unit)
+            # Frozen parameters of a unit that also trains get a flat vector (and shard) of their own,
+            # gathered beside the trainable one: they never receive a gradient, never enter a
+            # reduce-scatter, and an optimizer never sees them move (no weight decay, no momentum).
+            trainable = [pid for pid in pids if params[pid].requires_grad]
+            frozen = [pid for pid in pids if not params[pid].requires_grad]
+            if trainable and frozen:
+                parts = [(unit_path, trainable), (unit_path + FROZEN_SUFFIX, frozen)]
+            else:
+                parts = [(unit_path, pids)]
+            for name, part in parts:
+                units.append(self._build_unit(name, unit_path, modules[unit_path], part, params, refs))
         return units
+
+    def _build_unit(self, name: str, unit_path: str, module: nn.Module, pids: list[int],
+                    params: dict[int, nn.Parameter], refs: dict[int, list[tuple[str, nn.Module, str]]]) -> "_Unit":
+        """One flat vector over `pids` (all trainable or all frozen), sharded; the modules' attributes
+        are emptied, to be filled with views of the gathered vector before each use."""
+        infos, unit_refs, offset = [], [], 0
+        flat_pieces = []
+        for pid in pids:
+            p = params[pid]
+            fqns = [f"{path}.{attr}" if path else attr for path, _, attr in refs[pid]]
+            infos.append(_ParamInfo(fqns=fqns, shape=p.shape, offset=offset))
+            for path, mod, attr in refs[pid]:
+                unit_refs.append((mod, attr, len(infos) - 1))
+            flat_pieces.append(p.detach().reshape(-1))
+            offset += p.numel()
+        numel = offset
+        size = shard_size(numel, self.shard_world) if numel else 0
+        padded = size * self.shard_world
+        dtype = flat_pieces[0].dtype if flat_pieces else torch.float32
+        flat = torch.zeros(padded, dtype=dtype, device=self.device)
+        if flat_pieces:
+            flat[:numel].copy_(torch.cat([t.to(self.device) for t in flat_pieces]))
+        home = torch.device("cpu") if self.cpu_offload else self.device
+        shard_data = flat[self.shard_rank * size : (self.shard_rank + 1) * size].clone().to(home)
+        requires_grad = any(params[pid].requires_grad for pid in pids)
+        shard = nn.Parameter(shard_data, requires_grad=requires_grad)
+        compute_dtype = self._param_dtype or dtype
+        full_data = torch.empty(padded, dtype=compute_dtype, device=self.device)
+        full = full_data.data.requires_grad_(requires_grad)  # own version counter: gathers never trip autograd
+        for mod, attr, _ in unit_refs:
+            if attr in mod._parameters:
+                del mod._parameters[attr]
+            setattr(mod, attr, None)  # views of the gathered buffer are set before each use
+        unit = _Unit(name, module, infos, unit_refs, numel, padded, shard, full_data, full,
+                     is_root=unit_path == "")
+        _free(unit.full_data)
+        return unit
 
     def _register_hooks(self, unit: _Unit) -> None:
         # Hooks hold FSDP and the unit weakly: autograd's C++ nodes keep `unit.full` (and so its hooks)
@@ -344,13 +359,14 @@ class FSDP(nn.Module):
 
     # ------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
-        root = self._units[0]
         if self._pending:  # a backward left reductions behind (e.g. it raised): settle them first
             self._finish_backward()
         if self._recording_order:
             self._forward_order = []
-        self._unshard(root)
-        self._set_views(root)
+        for root in self._units:  # the root unit, and its frozen part if it has one
+            if root.is_root:
+                self._unshard(root)
+                self._set_views(root)
         if self._param_dtype is not None:
             # Like the weights, floating-point inputs run in the compute dtype.
             args, kwargs = _cast_floats((args, kwargs), self._param_dtype)
@@ -459,10 +475,20 @@ class FSDP(nn.Module):
         finally:
             self._sync_enabled = previous
 
+    def join(self, optimizer: torch.optim.Optimizer | None = None, *, lr_scheduler=None):
+        """A context in which ranks that run out of data keep answering the others' collectives (and
+        keep stepping `optimizer`, which owns their shards): ``with model.join(optimizer=opt): ...``.
+        See `distributed_training.join`."""
+        from .join import Join
+
+        return Join(self, optimizer, lr_scheduler=lr_scheduler)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the shards' gradients by the global 2-norm over all shards; return the norm."""
         if norm_type != 2.0:
             raise ValueError("FSDP.clip_grad_norm_ supports the 2-norm only")
+        if self._join_state is not None:
+            self._join_state.announce_clip(max_norm)  # ranks out of data join this all-reduce
         grads = [u.shard.grad for u in self._units if u.shard.grad is not None]
         comm_device = self.device if dist.get_backend(self.shard_group) == "nccl" else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float32, device=comm_device)

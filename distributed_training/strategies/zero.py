@@ -21,7 +21,7 @@ from torch import nn
 
 from ..comm.sharded import all_gather_flat, shard_size
 from ..runtime import DistributedContext
-from .base import OptimizerFactory, Strategy
+from .base import OptimizerFactory, ParamNames, Strategy, check_optimizer_params
 from .ddp import DDP
 from .fsdp import FSDP
 from .sharded_optim import load_sharded_optimizer_state, sharded_optimizer_state
@@ -55,12 +55,29 @@ class FSDPStrategy(Strategy):
         self.fsdp_kwargs = fsdp_kwargs
 
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
+        self._names = ParamNames(module)  # FSDP takes the parameters out of the module
         return FSDP(module, process_group=context.group, **self.fsdp_kwargs)
 
     def setup_optimizer(self, optimizer, model: FSDP) -> torch.optim.Optimizer:
-        built = _require_factory(optimizer, self.name)(model.parameters())
+        try:
+            built = _require_factory(optimizer, self.name)(model.parameters())
+        except ValueError as err:
+            if "empty parameter list" not in str(err):
+                raise
+            # The usual cause: a factory over model.parameters(), which FSDP has emptied.
+            raise ValueError(
+                f"strategy '{self.name}': the optimizer factory built an optimizer over an empty parameter list. "
+                "FSDP moves the model's parameters into this rank's shards, which are what the factory is "
+                "given: use its argument, e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
+            ) from err
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+        check_optimizer_params(
+            built, model.parameters(), strategy=self.name, expected_what="this rank's shards",
+            names=getattr(self, "_names", None),
+            consequence="the model's parameters now live in the shards, so its steps would update tensors that "
+                        "never receive a gradient and training would silently do nothing",
+        )
         return built
 
     def clip_grad_norm(self, model: FSDP, max_norm: float) -> torch.Tensor:
@@ -72,12 +89,15 @@ class FSDPStrategy(Strategy):
     def load_model_state_dict(self, model: FSDP, state: dict[str, Any]) -> None:
         model.load_full_state_dict(state)
 
-    def _keys(self, model: FSDP) -> tuple[list[str], list[int]]:
-        units = [u for u in model._units if u.padded]
-        return [u.name for u in units], [u.numel for u in units]
+    def _keys(self, model: FSDP, optimizer: torch.optim.Optimizer) -> tuple[list[str], list[int]]:
+        """Unit names and lengths of the shards the optimizer holds, in its order (a factory may leave
+        out frozen shards)."""
+        units = {id(u.shard): u for u in model._units if u.padded}
+        held = [units[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        return [u.name for u in held], [u.numel for u in held]
 
     def sharded_state(self, model: FSDP, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        keys, _ = self._keys(model)
+        keys, _ = self._keys(model, optimizer)
         return {"model": model.sharded_state_dict(), "optimizer": sharded_optimizer_state(optimizer, keys)}
 
     def load_sharded_state(self, model: FSDP, optimizer, read: Callable[[int], dict], old_world: int) -> None:
@@ -86,7 +106,7 @@ class FSDPStrategy(Strategy):
         rank = dist.get_rank(model.process_group)
         buffers = read(rank if rank < old_world else 0)["model"]["buffers"]
         model.load_sharded_state_dict(lambda k: read(k)["model"], buffers=buffers)
-        keys, numels = self._keys(model)
+        keys, numels = self._keys(model, optimizer)
         load_sharded_optimizer_state(optimizer, keys, numels, lambda k: read(k)["optimizer"],
                                      read(0)["model"]["world_size"], model.shard_world, model.shard_rank)
 
@@ -137,6 +157,7 @@ class Zero1Strategy(Strategy):
 
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
         self.context = context
+        self._names = ParamNames(module)
         return DDP(module, process_group=context.group, **self.ddp_kwargs)
 
     def setup_optimizer(self, optimizer, model: DDP) -> torch.optim.Optimizer:
@@ -151,6 +172,12 @@ class Zero1Strategy(Strategy):
         built = factory([g.shard for g in self.groups])
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+        check_optimizer_params(
+            built, [g.shard for g in self.groups], strategy=self.name, expected_what="this rank's shards",
+            names=getattr(self, "_names", None),
+            consequence="it would keep the full optimizer state on every rank (no sharding) while the shards it "
+                        "was given go unused",
+        )
         built.register_step_pre_hook(lambda opt, args, kwargs: self._before_step())
         built.register_step_post_hook(lambda opt, args, kwargs: self._after_step())
         return built
