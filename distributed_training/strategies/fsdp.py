@@ -204,8 +204,9 @@ class FSDP(nn.Module):
         self._forward_order: list[_Unit] = []
         self._recording_order = True
         self._sync_enabled = True
-        self._callback_queued = False
-        self._pending: list[tuple[_Unit, torch.Tensor, Any]] = []
+        # What the hooks change during backward, in a plain object: assigning an nn.Module attribute on
+        # autograd's device thread measured ~3 ms per assignment (see docs/ddp.md).
+        self._backward_state = _BackwardState()
         self._join_state = None  # the `join()` context while one is open
         for unit in self._units:
             self._register_hooks(unit)
@@ -359,7 +360,7 @@ class FSDP(nn.Module):
 
     # ------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
-        if self._pending:  # a backward left reductions behind (e.g. it raised): settle them first
+        if self._backward_state.pending:  # a backward left reductions behind (e.g. it raised): settle them first
             self._finish_backward()
         if self._recording_order:
             self._forward_order = []
@@ -404,8 +405,8 @@ class FSDP(nn.Module):
 
     # ------------------------------------------------------------ backward
     def _queue_finish(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
+        if not self._backward_state.callback_queued:
+            self._backward_state.callback_queued = True
             _queue_callback(self._finish_backward)
 
     def _pre_backward(self, unit: _Unit) -> None:
@@ -427,7 +428,7 @@ class FSDP(nn.Module):
         work = reduce_scatter_flat(out, grad, self.shard_group, async_op=True)
         # The collective keeps its input alive until it completes (NCCL stashes it, gloo's work owns
         # it): dropping our reference here frees each unit's full gradient as soon as it is reduced.
-        self._pending.append((unit, out, work))
+        self._backward_state.pending.append((unit, out, work))
         unit.full.grad = None
         del grad
         if not unit.is_root:
@@ -435,7 +436,7 @@ class FSDP(nn.Module):
 
     def _finish_backward(self) -> None:
         try:
-            for unit, out, work in self._pending:
+            for unit, out, work in self._backward_state.pending:
                 if work is not None:
                     try:
                         work.wait()
@@ -445,7 +446,7 @@ class FSDP(nn.Module):
                         ) from err
             if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
                 works = []
-                for _, out, _ in self._pending:
+                for _, out, _ in self._backward_state.pending:
                     if dist.get_backend(self.replicate_group) == "nccl":
                         works.append(dist.all_reduce(out, op=dist.ReduceOp.AVG, group=self.replicate_group, async_op=True))
                     else:
@@ -453,15 +454,15 @@ class FSDP(nn.Module):
                         works.append(dist.all_reduce(out, group=self.replicate_group, async_op=True))
                 for w in works:
                     w.wait()
-            for unit, out, _ in self._pending:
+            for unit, out, _ in self._backward_state.pending:
                 grad = out.to(unit.shard.device, unit.shard.dtype, non_blocking=True)
                 if unit.shard.grad is None:
                     unit.shard.grad = grad
                 else:
                     unit.shard.grad += grad
         finally:
-            self._pending = []
-            self._callback_queued = False
+            self._backward_state.pending = []
+            self._backward_state.callback_queued = False
             for unit in self._units:
                 self._reshard(unit)
 
@@ -640,6 +641,16 @@ class FSDP(nn.Module):
 
 
 # ------------------------------------------------------------------ helpers
+class _BackwardState:
+    """Per-backward bookkeeping: the queued finishing callback and the reductions in flight."""
+
+    __slots__ = ("callback_queued", "pending")
+
+    def __init__(self) -> None:
+        self.callback_queued = False
+        self.pending: list[tuple[_Unit, torch.Tensor, Any]] = []
+
+
 class _Done:
     def wait(self) -> bool:
         return True
