@@ -211,8 +211,11 @@ class DistributedTrainer:
             apply_activation_checkpointing(model, activation_checkpointing)
         self.model = strategy.setup_module(model, self.context)
         self.optimizer = strategy.setup_optimizer(optimizer, self.model)
-        if isinstance(self.model, DDP) and log_dir is not None:
-            self.model.measure_overlap = True  # logged as comm_hidden_pct / comm_wire_ms
+        # DDP times its buckets (comm_hidden_pct / comm_wire_ms) only on the steps the monitor logs:
+        # `_record_step` arms it for the step before each log step.
+        self._measured_ddp = self.model if isinstance(self.model, DDP) and log_dir is not None else None
+        if self._measured_ddp is not None:
+            self._measured_ddp.measure_overlap = log_every == 1
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.step = 0
         self.epoch = 0
@@ -278,7 +281,8 @@ class DistributedTrainer:
             raise
 
     def _train_step(self, batch: Any, criterion: Criterion | None) -> dict[str, torch.Tensor]:
-        self.model.train()
+        if not self.model.training:  # train() walks every module: not per step, and it would undo a
+            self.model.train()       # submodule the user put in eval mode on purpose (frozen BatchNorm)
         batch = _to_device(batch, self.device)
         micro_batches = _split_batch(batch, self.gradient_accumulation_steps)
         total = sum(size for _, size in micro_batches)
@@ -403,7 +407,6 @@ class DistributedTrainer:
                 log.info("fit: epochs=%d of %d steps end training at step %d, before max_steps=%d (pass more epochs "
                          "to reach it)", epochs, per_epoch, by_epochs, max_steps)
         self.monitor.start(total)
-        ddp = self.model if isinstance(self.model, DDP) else None
         while self.epoch < epochs and not done():
             skip = self.batch_in_epoch
             if sharded:
@@ -433,16 +436,7 @@ class DistributedTrainer:
                 metrics = self.train_step(batch, criterion)
                 self.batch_in_epoch += 1
                 now = time.perf_counter()
-                comm = None
-                if ddp is not None and self.step % self.monitor_log_every == 0 and self._monitoring:
-                    seconds, count = ddp.pop_exposed_comm_seconds()
-                    comm = seconds / count if count else None
-                    overlap = ddp.pop_overlap_stats()
-                    if overlap["passes"]:
-                        metrics = {**metrics, "comm_hidden_pct": torch.tensor(100.0 * overlap["hidden_fraction"]),
-                                   "comm_wire_ms": torch.tensor(1e3 * overlap["comm_s"] / overlap["passes"])}
-                self.monitor.record_step(self.step, metrics, samples=_batch_size(batch), tokens=_token_count(batch),
-                                         step_time=now - last_end, data_time=fetched - last_end, comm_time=comm)
+                metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - last_end)
                 last_end = now
                 loss_sum = metrics["loss"] if loss_sum is None else loss_sum + metrics["loss"]
                 steps += 1
@@ -472,6 +466,32 @@ class DistributedTrainer:
         if stop.signal is not None:
             self._stop_on_signal(stop.signal, metrics)
         return history
+
+    def _record_step(self, batch: Any, metrics: dict[str, torch.Tensor], *, step_time: float,
+                     data_time: float) -> dict[str, torch.Tensor]:
+        """Hand the step just trained to the monitor (with DDP's overlap figures on log steps); returns
+        the metrics with those figures added."""
+        if not self._monitoring:
+            return metrics
+        comm = None
+        ddp = self._measured_ddp
+        log_every = self.monitor_log_every
+        if ddp is not None and self.step % log_every == 0:
+            seconds, count = ddp.pop_exposed_comm_seconds()
+            comm = seconds / count if count else None
+            overlap = ddp.pop_overlap_stats()
+            if overlap["passes"]:
+                metrics = {**metrics, "comm_hidden_pct": torch.tensor(100.0 * overlap["hidden_fraction"]),
+                           "comm_wire_ms": torch.tensor(1e3 * overlap["comm_s"] / overlap["passes"])}
+        if ddp is not None:
+            # Timing every bucket costs events and a side-stream wait per bucket: measure only the step
+            # that will be logged next.
+            measure = (self.step + 1) % log_every == 0
+            if ddp.measure_overlap != measure:
+                ddp.measure_overlap = measure
+        self.monitor.record_step(self.step, metrics, samples=_batch_size(batch), tokens=_token_count(batch),
+                                 step_time=step_time, data_time=data_time, comm_time=comm)
+        return metrics
 
     def _stop_on_signal(self, sig, metrics: dict[str, torch.Tensor] | None) -> None:
         """Every rank, at the step boundary they agreed on: save on SIGTERM if asked, and say why we stop."""
