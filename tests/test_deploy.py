@@ -682,7 +682,7 @@ def test_per_node_volumes_resume_after_a_crash(single_node, image_python, tmp_pa
         return _run_job(make_envs, timeout=180)
 
     def steps_trained(nodes):
-        return sorted(int(m) for n in nodes for m in re.findall(r"^step +(\d+) \|", n.out, re.M))
+        return sorted(int(m) for n in nodes for m in re.findall(r"^step +(\d+) \|", n.out + n.err, re.M))
 
     # 1. Node 0 runs rank 0 (127.0.0.1 sorts first); rank 1 dies right after the checkpoint of step 2.
     crashed = job(["127.0.0.1", "127.0.0.2"], PYTHONPATH=str(hook), DT_TEST_CRASH_RANK="1",
@@ -692,7 +692,7 @@ def test_per_node_volumes_resume_after_a_crash(single_node, image_python, tmp_pa
     assert steps_trained(crashed) == [1, 2], report
     for r, volume in enumerate(volumes):
         assert not (volume / "COMPLETED").exists(), report
-        assert sorted(p.name for p in (volume / "step_000000002").iterdir()) == ["meta.pt", f"rank{r}.pt"], report
+        assert sorted(p.name for p in (volume / "step_000000002").iterdir()) == ["meta.pt", "meta.pt.sha256", f"rank{r}.pt"], report
 
     # 2. Both nodes start again, now node 1 first (127.0.0.2 < 127.0.0.3): it runs rank 0 on a volume
     #    that holds rank 1's files, and the other way round.
@@ -706,7 +706,7 @@ def test_per_node_volumes_resume_after_a_crash(single_node, image_python, tmp_pa
     for r, volume in enumerate(volumes):
         assert sorted(p.name for p in volume.glob("step_*")) == ["step_000000004"], report
         files = sorted(p.name for p in (volume / "step_000000004").iterdir())
-        assert files == ["meta.pt", f"rank{1 - r}.pt"], (r, files)
+        assert files == ["meta.pt", "meta.pt.sha256", f"rank{1 - r}.pt"], (r, files)
 
     two = torch.load(volumes[1] / "final.pt", map_location="cpu", weights_only=True)  # rank 0 ran on node 1
     one = torch.load(single_node["root"] / "final.pt", map_location="cpu", weights_only=True)

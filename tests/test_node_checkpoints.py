@@ -136,7 +136,7 @@ def test_per_node_directories_resume_and_prune(tmp_path, unbroken, strategy, swa
         assert kept == sorted({"step_000000008", "step_000000010", best_dir}), listing
         for s, files in steps[node].items():
             assert "meta.pt" in files, f"{node}/step {s} has no meta.pt: {files}"
-    first, second = (["meta.pt", "rank0.pt", "rank1.pt"], ["meta.pt", "rank2.pt", "rank3.pt"])
+    first, second = (["meta.pt", "meta.pt.sha256", "rank0.pt", "rank1.pt"], ["meta.pt", "meta.pt.sha256", "rank2.pt", "rank3.pt"])
     assert steps["node0"][10] == (second if swap else first), steps  # after a swap, ranks 0-1 run on node 1
     assert steps["node1"][10] == (first if swap else second), steps
     # Every rank resumed from the same step (the newest that is good on both nodes) and then matched
