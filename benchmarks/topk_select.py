@@ -4,8 +4,8 @@
 
 For buckets of 1, 6.5 and 26 M fp32 values (DDP's first bucket, a 25 MiB bucket, a 100 MiB one) at
 1% density: milliseconds of `CommunicationOptimizer.compress_topk` (selection, gather of values,
-error-feedback residual) with ``topk_chunk=None`` (one exact top-k) and with the default chunking,
-and the same for GPT-2 124M's whole gradient split into 25 MiB buckets, the cost per step.
+error-feedback residual) for each `topk_select` method (exact, chunked, sampled), and the same for
+GPT-2 124M's and a 1.3B model's whole gradients split into 25 MiB buckets: the cost per step.
 """
 
 from __future__ import annotations
@@ -44,25 +44,28 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     result = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "ratio": args.ratio, "buckets": {}}
-    default_chunk = CommunicationOptimizer("topk").topk_chunk
+    methods = ("exact", "chunked", "sampled")
     for n in (1 << 20, 25 * (1 << 20) // 4, 100 * (1 << 20) // 4):
         grad = torch.randn(n, device=dev)
         row = {}
-        for label, chunk in (("exact", None), (f"chunk{default_chunk}", default_chunk)):
-            comm = CommunicationOptimizer("topk", compression_ratio=args.ratio, topk_chunk=chunk)
-            row[label] = time_ms(lambda: comm.compress_topk(grad, key=0))
+        for method in methods:
+            comm = CommunicationOptimizer("topk", compression_ratio=args.ratio, topk_select=method)
+            row[method] = time_ms(lambda: comm.compress_topk(grad, key=0))
         result["buckets"][n] = row
         print(f"{n:>10d} values: " + "  ".join(f"{k} {v:7.2f} ms" for k, v in row.items()), flush=True)
-    # A whole GPT-2 124M gradient in 25 MiB buckets: the selection cost of one step.
-    total, bucket = 124_439_808, 25 * (1 << 20) // 4
-    sizes = [bucket] * (total // bucket) + [total % bucket]
-    grads = [torch.randn(s, device=dev) for s in sizes]
-    step = {}
-    for label, chunk in (("exact", None), (f"chunk{default_chunk}", default_chunk)):
-        comm = CommunicationOptimizer("topk", compression_ratio=args.ratio, topk_chunk=chunk)
-        step[label] = time_ms(lambda: [comm.compress_topk(g, key=i) for i, g in enumerate(grads)], repeat=5)
-    result["gpt2_124m_step_ms"] = step
-    print("GPT-2 124M gradient, per step: " + "  ".join(f"{k} {v:7.2f} ms" for k, v in step.items()))
+    # Whole gradients in 25 MiB buckets: the selection cost of one step.
+    for name, total in (("gpt2_124m", 124_439_808), ("gpt_1.3b", 1_315_575_808)):
+        bucket = 25 * (1 << 20) // 4
+        sizes = [bucket] * (total // bucket) + ([total % bucket] if total % bucket else [])
+        grads = [torch.randn(s, device=dev) for s in sizes]
+        step = {}
+        for method in methods:
+            comm = CommunicationOptimizer("topk", compression_ratio=args.ratio, topk_select=method)
+            step[method] = time_ms(lambda: [comm.compress_topk(g, key=i) for i, g in enumerate(grads)], repeat=3)
+        result[f"{name}_step_ms"] = step
+        print(f"{name} gradient, per step: " + "  ".join(f"{k} {v:7.2f} ms" for k, v in step.items()), flush=True)
+        del grads, comm
+        torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

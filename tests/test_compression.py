@@ -79,7 +79,7 @@ def test_topk_bytes_and_warmup():
         comm.steps += 1
         densities.append(comm.density())
     assert densities[0] > 0.3 and abs(densities[3] - 0.01) < 1e-9 and densities[-1] == 0.01
-    comm = CommunicationOptimizer("topk", compression_ratio=0.01, topk_chunk=None)  # exact: k = 100
+    comm = CommunicationOptimizer("topk", compression_ratio=0.01, topk_select="exact")  # k = 100
     comm._topk_mean(x.clone(), None, 0, 1)
     assert comm.bytes_sent == 100 * (4 + 4)
 
@@ -106,6 +106,28 @@ def test_chunked_topk_selects_the_largest_of_every_chunk_and_keeps_the_rest():
         assert torch.equal(acc[10 * chunk:].abs()[tail].sort().values, acc[10 * chunk:].abs().topk(tail_k).values.sort().values)
         sent = torch.zeros(n).index_add_(0, idx, vals)
         assert torch.equal(sent + comm.residuals[1], acc), step
+
+
+def test_sampled_topk_sends_k_pairs_of_large_entries_and_keeps_the_rest():
+    """Sampled threshold selection: exactly k pairs (padding at index n carries 0), the sent entries are
+    among the largest, and error feedback stays exact over steps."""
+    n, ratio = 50_000, 0.01
+    k = math.ceil(ratio * n)
+    comm = CommunicationOptimizer("topk", compression_ratio=ratio, topk_select="sampled")
+    g = torch.Generator().manual_seed(5)
+    for step in range(6):
+        grad = torch.randn(n, generator=g)
+        before = comm.residuals.get(2, torch.zeros(n)).clone()
+        acc = grad + before
+        idx, vals = comm.compress_topk(grad, key=2)
+        assert idx.numel() == k and vals.numel() == k
+        real = idx < n
+        assert torch.all(vals[~real] == 0) and idx[real].unique().numel() == int(real.sum())
+        assert real.float().mean() > 0.5, step  # the threshold is close: most slots carry real entries
+        top2k = set(acc.abs().topk(2 * k).indices.tolist())
+        assert sum(i in top2k for i in idx[real].tolist()) >= 0.9 * int(real.sum()), step
+        sent = torch.zeros(n + 1).index_add_(0, idx, vals)[:n]
+        assert torch.equal(sent + comm.residuals[2], acc), step
 
 
 def powersgd_worker(rank, world):

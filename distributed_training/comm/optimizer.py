@@ -3,14 +3,17 @@
 It is a bucket reducer (see `comm/reduce.py`): pass it as `DDP(module, communication=...)`, or call
 `all_reduce_compressed(tensor)` / `hierarchical_all_reduce(tensor, ...)` directly. Compression:
 
-* ``"topk"``: each rank sends only the k = ratio x n largest-magnitude entries of (gradient + residual)
-  as (index, value) pairs. Above `topk_chunk` entries the selection is per chunk (the ratio x chunk
-  largest of every `topk_chunk` consecutive entries, plus the tail's share), because one exact top-k
-  over tens of millions of values is slow on a GPU while a batch of small row-wise top-k's is not;
-  error feedback keeps whatever a chunk did not send. Supports differ between ranks, so the pairs are all-gathered and
+* ``"topk"``: each rank sends only about k = ratio x n largest-magnitude entries of (gradient +
+  residual) as (index, value) pairs. Supports differ between ranks, so the pairs are all-gathered and
   scatter-added, not all-reduced. With error feedback what was not sent stays in a per-bucket residual
   and is added to the next step's gradient (sent + residual = accumulated input, exactly). An optional
-  warm-up starts dense and decays the density to `compression_ratio`.
+  warm-up starts dense and decays the density to `compression_ratio`. How the entries are chosen is
+  `topk_select`: ``"exact"`` (one top-k over the bucket), ``"chunked"`` (the ratio x `topk_chunk`
+  largest of every `topk_chunk` consecutive entries, plus the tail's share) or ``"sampled"`` (a
+  threshold from the top-k of a strided sample, then the first k entries at or above it, padded).
+  Every method sends a number of pairs fixed by the length and the density, never by the values, so
+  every rank all-gathers the same sizes without a host sync; what a method leaves out stays in the
+  residual.
 * ``"bf16"`` / ``"fp16"``: cast, all-reduce, cast back (fp16 divides by the world size first).
 * ``"powersgd"``: rank-r approximation P Q^T of the bucket seen as a matrix, two small all-reduces,
   warm-started Q, error feedback.
@@ -54,6 +57,7 @@ class _Finish:
 
 _COMPRESSIONS = (None, "topk", "bf16", "fp16", "powersgd")
 _PATTERNS = ("nccl", "ring", "tree")
+_TOPK_SELECTIONS = ("exact", "chunked", "sampled")
 
 
 class CommunicationOptimizer:
@@ -64,7 +68,7 @@ class CommunicationOptimizer:
     def __init__(self, compression: str | None = None, compression_ratio: float = 0.01, error_feedback: bool = True,
                  hierarchical: bool = False, ranks_per_node: int | None = None, pattern: str = "nccl",
                  bucket_size_mb: float = 25.0, enable_overlap: bool = True, powersgd_rank: int = 4,
-                 warmup_steps: int = 0, topk_chunk: int | None = 4096) -> None:
+                 warmup_steps: int = 0, topk_select: str = "chunked", topk_chunk: int = 4096) -> None:
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}, got {compression!r}")
         if pattern not in _PATTERNS:
@@ -77,8 +81,10 @@ class CommunicationOptimizer:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
-        if topk_chunk is not None and (not isinstance(topk_chunk, int) or topk_chunk < 1):
-            raise ValueError(f"topk_chunk must be a positive integer or None (exact top-k), got {topk_chunk!r}")
+        if topk_select not in _TOPK_SELECTIONS:
+            raise ValueError(f"topk_select must be one of {list(_TOPK_SELECTIONS)}, got {topk_select!r}")
+        if not isinstance(topk_chunk, int) or topk_chunk < 1:
+            raise ValueError(f"topk_chunk must be a positive integer, got {topk_chunk!r}")
         if hierarchical and compression is not None:
             raise ValueError("hierarchical all-reduce and compression cannot be combined yet: choose one")
         self.compression = compression
@@ -91,6 +97,7 @@ class CommunicationOptimizer:
         self.enable_overlap = enable_overlap
         self.powersgd_rank = powersgd_rank
         self.warmup_steps = warmup_steps
+        self.topk_select = topk_select
         self.topk_chunk = topk_chunk
         self.residuals: dict[int, torch.Tensor] = {}
         self.powersgd_q: dict[int, torch.Tensor] = {}
@@ -181,30 +188,41 @@ class CommunicationOptimizer:
         return self._powersgd_mean(flat, group, key, world)
 
     def compress_topk(self, flat: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices, values) this rank sends for `flat`, updating the error-feedback residual."""
-        acc = flat.float()
-        if self.error_feedback:
-            residual = self.residuals.get(key)
-            if residual is None or residual.shape != acc.shape:
-                residual = torch.zeros_like(acc)
-            acc = acc + residual
-        indices = self._select(acc.abs(), self.density())
+        """(indices, values) this rank sends for `flat`, updating the error-feedback residual.
+
+        Index ``n`` (one past the end) is padding: it carries the value 0 (see ``"sampled"``)."""
+        n = flat.numel()
+        # One extra slot, always 0, that padding indices point at: no masking pass is needed.
+        acc = torch.empty(n + 1, dtype=torch.float32, device=flat.device)
+        body = acc[:n]
+        residual = self.residuals.get(key) if self.error_feedback else None
+        if residual is not None and residual.shape == body.shape:
+            torch.add(flat, residual, out=body)
+        else:
+            body.copy_(flat)
+        acc[n] = 0
+        indices = self._select(body.abs(), self.density())
         values = acc[indices]
         if self.error_feedback:
-            leftover = acc.clone()
-            leftover[indices] = 0
-            self.residuals[key] = leftover
+            acc[indices] = 0  # what was sent leaves the residual; the rest waits for the next step
+            self.residuals[key] = body
         return indices, values
 
     def _select(self, magnitude: torch.Tensor, density: float) -> torch.Tensor:
-        """Indices of the entries to send: the exact top-k, or per-chunk top-k for long tensors.
-
-        The count depends only on the length and the density, never on the values, so every rank
-        sends the same number of pairs (the all-gather needs equal sizes) without a host sync."""
+        """Indices of the entries to send (see `topk_select`), as many as the length and density say."""
         n = magnitude.numel()
+        k = max(1, min(n, math.ceil(density * n)))
         chunk = self.topk_chunk
-        if chunk is None or n <= chunk:
-            return magnitude.topk(max(1, min(n, math.ceil(density * n))), sorted=False).indices
+        if self.topk_select == "exact" or n <= chunk:
+            return magnitude.topk(k, sorted=False).indices
+        if self.topk_select == "sampled":
+            # The (1 - density) quantile of a strided sample of >= 100 / density values estimates the
+            # k-th largest magnitude; nonzero_static takes the first k entries at or above it (padding
+            # with index n when fewer qualify), with no host sync for the data-dependent count.
+            stride = max(1, n // max(1 << 16, math.ceil(100 / density)))
+            sample = magnitude[::stride]
+            threshold = sample.topk(max(1, math.ceil(density * sample.numel())), sorted=False).values.min()
+            return torch.nonzero_static(magnitude >= threshold, size=k, fill_value=n).view(-1)
         rows, tail = divmod(n, chunk)
         per_row = max(1, min(chunk, math.ceil(density * chunk)))
         picked = magnitude[: rows * chunk].view(rows, chunk).topk(per_row, dim=1, sorted=False).indices
@@ -229,9 +247,9 @@ class CommunicationOptimizer:
             all_idx, all_val = idx32, values
 
         def decode() -> None:
-            total = torch.zeros(flat.numel(), dtype=values.dtype, device=flat.device)
+            total = torch.zeros(flat.numel() + 1, dtype=values.dtype, device=flat.device)  # + the padding slot
             total.index_add_(0, all_idx.long(), all_val)
-            flat.copy_(total / world)
+            flat.copy_(total[:-1] / world)
 
         return _Finish(works, decode, keep=(idx32, values, all_idx, all_val))
 
