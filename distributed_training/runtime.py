@@ -16,6 +16,7 @@ Nothing here is module-level state: the context owns its process group and is pa
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -130,19 +131,26 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+# How many process groups this process has created through torchrun's store. Every rank creates them
+# in the same order, so the count names the same group on every rank.
+_GROUPS_CREATED = itertools.count()
+
+
 def _attempt_store(rank: int, world_size: int, timeout: timedelta, restart: str) -> dist.Store:
-    """The rendezvous store of this torchrun attempt, under a prefix of its own.
+    """The rendezvous store of this torchrun attempt and group, under a prefix of its own.
 
     After `--max-restarts` restarts the workers, the store can still hold the previous attempt's keys
-    (among them the addresses gloo connects to), and the new workers would dial dead peers. A prefix
-    per attempt keeps each attempt's keys apart.
+    (among them the addresses gloo connects to), and the new workers would dial dead peers. Within one
+    attempt, a second group after `shutdown()` (a second trainer in the same script) would meet the
+    first group's keys (its store-based barrier's counter among them) and wait forever. A prefix per
+    attempt and per group keeps them apart.
     """
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
         is_master=not agent_hosts_store and rank == 0, timeout=timeout,
     )
-    return dist.PrefixStore(f"distributed_training/attempt_{restart}", store)
+    return dist.PrefixStore(f"distributed_training/attempt_{restart}/group_{next(_GROUPS_CREATED)}", store)
 
 
 def init_distributed(

@@ -265,3 +265,33 @@ def test_progress_bar_and_step_lines_share_a_terminal(tmp_path):
     final = [line.rstrip() for line in screens[-1].splitlines() if line.strip()]
     assert sum(1 for line in final if re.match(r"^step +\d+ \| loss", line)) == 10, screens[-1]
     assert any(bar.match(line) and line.startswith("step 30/30") for line in final), screens[-1]
+
+
+SECOND_TRAINER = """
+import torch
+from torch import nn
+from distributed_training import DistributedTrainer
+for i in range(2):
+    trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    trainer.train_step((torch.randn(8, 4), torch.randint(0, 2, (8,))), nn.functional.cross_entropy)
+    trainer.close()
+    print("trainer", i, "closed", flush=True)
+"""
+
+
+def test_a_second_trainer_after_close_under_torchrun_does_not_hang(tmp_path):
+    """close() destroys the process group; a second trainer in the same script makes a new one through
+    torchrun's store, whose keys from the first group must not make it wait forever."""
+    script = tmp_path / "two_trainers.py"
+    script.write_text(SECOND_TRAINER)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(script)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # torchrun and its workers: a hang must not outlive the test
+        out, _ = proc.communicate()
+        pytest.fail(f"a second trainer hung:\n{out}")
+    assert proc.returncode == 0, out
+    assert out.count("trainer 1 closed") == 2, out
