@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CheckpointManager", "CheckpointCorruptError", "atomic_write_bytes", "save_file", "load_file",
+__all__ = ["CheckpointManager", "CheckpointCorruptError", "CheckpointMismatchError", "atomic_write_bytes", "save_file", "load_file",
            "read_meta", "write_meta", "rng_state", "set_rng_state"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -51,6 +51,11 @@ _META_KEYS = ("step", "world_size", "checksums")
 
 class CheckpointCorruptError(ValueError):
     """A checkpoint file is missing, incomplete, fails its checksum or does not load; the message names it."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A good checkpoint that this trainer cannot load (another strategy's format, optimizer class or
+    parameter shapes); the message says which and what to do."""
 
 
 # ------------------------------------------------------------------ files

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checkpoint import CheckpointMismatchError
 from .config import ConfigError, JobConfig, dump_config, load_config
 from .logs import get_logger, install_default_handler
 
@@ -232,13 +233,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         run_job(cfg)
     except ConfigError as err:
-        _report_config_error(err)
+        _report_once(f"dtrain: invalid config: {err}")
+        return 2
+    except CheckpointMismatchError as err:  # every rank reads the same checkpoint and fails alike
+        _report_once(f"dtrain: {err}")
         return 2
     return 0
 
 
-def _report_config_error(err: ConfigError) -> None:
-    """Say it once: every rank reads the same config and fails the same way, so only rank 0 speaks.
+def _report_once(message: str) -> None:
+    """Say it once: every rank reads the same config (or checkpoint) and fails the same way, so only
+    rank 0 speaks.
 
     Under torchrun, rank 0 writes the message to the agent's error file (TORCHELASTIC_ERROR_FILE)
     instead of stderr: torchrun's failure summary then shows it as the root cause, where it would
@@ -248,7 +253,6 @@ def _report_config_error(err: ConfigError) -> None:
     """
     import time
 
-    message = f"dtrain: invalid config: {err}"
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     if int(os.environ.get("RANK", "0") or 0) != 0:
         if under_torchrun:

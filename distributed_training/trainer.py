@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from .activation import apply_activation_checkpointing
 from .amp import DynamicLossScaler
 from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
-from .checkpoint import (CheckpointCorruptError, CheckpointManager, load_file, read_meta, rng_state, save_file,
+from .checkpoint import (CheckpointCorruptError, CheckpointManager, CheckpointMismatchError, load_file, read_meta, rng_state, save_file,
                          set_rng_state, write_meta)
 from .data import ShardedSampler
 from .logs import get_logger, install_default_handler
@@ -830,8 +830,9 @@ class DistributedTrainer:
         # Sharded models gather parameters inside forward, a collective: every rank must run as many
         # forwards as the others, so a rank whose shard is exhausted repeats a batch with weight 0.
         # Replicated models evaluate the bare module, with no collective per batch.
+        # (A sharded model keeps its parameters in the wrapper's shards even in a world of one.)
         lockstep = self.strategy.collective_forward and ctx.world_size > 1
-        module = self.model if lockstep else self.module
+        module = self.model if self.strategy.collective_forward else self.module
         was_training = module.training
         module.eval()
         names = ["loss", *(metrics or {})]
@@ -920,6 +921,7 @@ class DistributedTrainer:
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
                 "world_size": ctx.world_size,
                 "strategy": self.strategy.name,
+                "checkpoint_format": _checkpoint_format(self.strategy),
                 "config": self.config,
                 "optimizer_hparams": self._configured_hparams,
                 "fit": dict(self._fit_limits),
@@ -948,9 +950,17 @@ class DistributedTrainer:
         if not os.path.isfile(meta_path) and not os.path.isfile(path):
             raise FileNotFoundError(f"rank {ctx.rank}: {meta_path!r} does not exist: not a complete checkpoint")
         meta = read_meta(path)
+        saved_format = meta.get("checkpoint_format") or _FORMAT_OF_NAME.get(meta.get("strategy"))
+        if saved_format is not None and saved_format != _checkpoint_format(self.strategy):
+            # Until one format serves every strategy (issue 13), say so instead of failing on a missing key.
+            raise CheckpointMismatchError(
+                f"checkpoint {path!r} was written by strategy {meta.get('strategy')!r}, whose checkpoint format "
+                f"({saved_format}) strategy {self.strategy.name!r} cannot read yet: resume with strategy "
+                f"{meta.get('strategy')!r}, or start a new run (another checkpoint directory, or resume=False / "
+                "dtrain --no-resume); trainer.full_state_dict() of the old run loads into any strategy")
         saved_optimizer = (meta.get("config") or {}).get("optimizer")
         if saved_optimizer is not None and saved_optimizer != self.config["optimizer"]:
-            raise ValueError(f"checkpoint {path!r} holds the state of a {saved_optimizer} optimizer, and this trainer's "
+            raise CheckpointMismatchError(f"checkpoint {path!r} holds the state of a {saved_optimizer} optimizer, and this trainer's "
                              f"is a {self.config['optimizer']}: optimizer state cannot carry over to another class "
                              "(start a new run: another checkpoint directory, or resume=False)")
         old_world = int(meta["world_size"])
@@ -1127,6 +1137,18 @@ def _show(value: Any) -> str:
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
     return repr(value)
+
+
+# Checkpoint formats by strategy class: FSDP's (ZeRO-2/3, any world size), ZeRO-1's, the replicated one.
+_FORMAT_OF_NAME = {"ddp": "replicated", "zero1": "zero1", "zero2": "fsdp", "zero3": "fsdp", "fsdp": "fsdp"}
+
+
+def _checkpoint_format(strategy: Strategy) -> str:
+    if isinstance(strategy, FSDPStrategy):
+        return "fsdp"
+    if isinstance(strategy, Zero1Strategy):
+        return "zero1"
+    return "replicated" if not strategy.sharded_checkpoint else type(strategy).__name__
 
 
 def _world_size() -> int:

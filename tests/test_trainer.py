@@ -209,3 +209,51 @@ def test_fit_writes_per_rank_metrics(tmp_path):
         assert summary["steps"] == 8 and summary["samples_per_s_per_gpu"] > 0
         assert summary["communication_overhead_pct"] is not None
     assert any("cluster/step_time_max_s" in json.loads(l) for l in (tmp_path / "rank_0" / "metrics.jsonl").read_text().splitlines())
+
+
+def evaluate_sharded_world_of_one_worker(rank, world, strategy):
+    """evaluate() under a sharded strategy in a world of one: the parameters live in the wrapper's
+    shards, so the bare module must not be called."""
+    torch.manual_seed(0)
+    model = MLP()
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(24, 16, generator=g), torch.randint(0, 4, (24,), generator=g))
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy)
+    trainer.fit(data, epochs=1, criterion=F.cross_entropy, batch_size=8)
+    got = trainer.evaluate(data, F.cross_entropy, batch_size=8)["loss"]
+    reference = MLP()
+    reference.load_state_dict(trainer.strategy.model_state_dict(trainer.model))
+    with torch.no_grad():
+        want = F.cross_entropy(reference(data.tensors[0]), data.tensors[1]).item()
+    trainer.close()
+    return got, want
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_evaluate_under_a_sharded_strategy_in_a_world_of_one(strategy):
+    got, want = run_distributed(evaluate_sharded_world_of_one_worker, 1, args=(strategy,), timeout=120)[0]
+    assert abs(got - want) < 1e-5, (got, want)
+
+
+def other_strategy_checkpoint_worker(rank, world, path, saver, loader):
+    from distributed_training.checkpoint import CheckpointMismatchError
+
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=saver)
+    trainer.train_step((torch.randn(8, 16), torch.randint(0, 4, (8,))), F.cross_entropy)
+    trainer.save_checkpoint(path)
+    other = DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=loader,
+                               context=trainer.context)
+    try:
+        other.load_checkpoint(path)
+    except CheckpointMismatchError as err:
+        return str(err)
+    return "loaded"
+
+
+@pytest.mark.parametrize("saver, loader", [("ddp", "zero3"), ("zero3", "ddp"), ("zero1", "zero2")])
+def test_a_checkpoint_of_another_strategy_format_is_refused_with_what_to_do(tmp_path, saver, loader):
+    for msg in run_distributed(other_strategy_checkpoint_worker, 2, args=(str(tmp_path / "ck"), saver, loader),
+                               timeout=120):
+        assert f"written by strategy '{saver}'" in msg and f"strategy '{loader}' cannot read yet" in msg, msg
+        assert "resume=False" in msg, msg
