@@ -388,7 +388,10 @@ class DistributedTrainer:
             batch_size = self.batch_size
         loader = self._train_loader(data, batch_size, shuffle, drop_last, num_workers)
         with StopSignals(self.context, self.device, self._every_rank_has) as stop:
-            history = self._train_epochs(loader, epochs, criterion, max_steps, log_every, on_step, stop)
+            try:
+                history = self._train_epochs(loader, epochs, criterion, max_steps, log_every, on_step, stop)
+            finally:
+                self.monitor.end_progress()  # what the script prints next gets a line of its own
         stop.deliver()  # after a stop on a signal: raises (by default), with the handlers of before restored
         return history
 

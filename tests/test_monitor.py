@@ -201,6 +201,25 @@ def test_progress_bar_on_stderr(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_end_progress_closes_the_bar_line_at_the_last_step_and_a_new_start_redraws(tmp_path, capsys):
+    """After fit, what the script prints must start on its own line, and the bar shows where training
+    stopped even between log steps (a stop at step 7 with log_every=5)."""
+    with Monitor(tmp_path, rank=0, world_size=1, log_every=5, system_stats=False, tensorboard=False) as mon:
+        mon.start(total_steps=10)
+        for step in range(1, 8):
+            mon.record_step(step, {"loss": 0.5}, samples=1, step_time=0.01)
+        mon.end_progress()
+        first = capsys.readouterr().err
+        assert first.endswith("\n") and "step 7/10" in first.rsplit("\r", 1)[-1], repr(first[-200:])
+        print("the script's own line")
+        mon.start(total_steps=12)  # a second fit
+        mon.record_step(10, {"loss": 0.4}, samples=1, step_time=0.01)
+        mon.end_progress()
+    out = capsys.readouterr()
+    assert out.out == "the script's own line\n" and "step 10/12" in out.err, out
+    assert "step" not in capsys.readouterr().err  # close() after end_progress draws nothing more
+
+
 def test_null_monitor_has_the_same_methods_and_does_nothing(tmp_path):
     public = lambda cls: {n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n))}
     assert public(NullMonitor) == public(Monitor)

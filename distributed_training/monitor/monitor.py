@@ -297,6 +297,14 @@ class Monitor:
             "straggler_events": self._straggler_events,
         }
 
+    def end_progress(self) -> None:
+        """Close the progress bar's line (end of a `fit`), so that what is printed next starts on its own
+        line; a later `start` draws a new bar. The monitor stays open."""
+        if self._bar is not None:
+            if self._last_step is not None and self._started:
+                self._bar.draw(self._last_step, self._total_steps, None, None)  # where training stopped
+            self._bar.finish()
+
     def close(self) -> None:
         """Finish the progress bar, flush and close the files. Safe to call more than once."""
         if self._closed:
@@ -440,6 +448,9 @@ class NullMonitor:
 
     def get_performance_metrics(self) -> dict[str, Any]:
         return {}
+
+    def end_progress(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
