@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 __all__ = ["LOGGER_NAME", "get_logger", "install_default_handler"]
 
@@ -76,3 +77,34 @@ def install_default_handler(rank: int | None = None) -> None:
         return
     package.addHandler(_RankZeroHandler(rank))
     package.setLevel(logging.INFO)
+    _route_package_warnings()
+
+
+def _route_package_warnings() -> None:
+    """Show the `warnings` this package raises (a skipped checkpoint, RNG states not restored, ...) as
+    records of its logger, so they get the rank prefix and obey the logger's level like every other
+    message. Other warnings, and code that records warnings (``warnings.catch_warnings``,
+    ``pytest.warns``, which replace `showwarning`), are untouched."""
+    previous = warnings.showwarning
+    if getattr(previous, "_routes_distributed_training", False):
+        return
+    package_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if os.path.abspath(filename).startswith(package_dir) or _raised_by_package():
+            get_logger().warning("%s", message)
+        else:
+            previous(message, category, filename, lineno, file, line)
+
+    showwarning._routes_distributed_training = True  # type: ignore[attr-defined]
+    warnings.showwarning = showwarning
+
+
+def _raised_by_package() -> bool:
+    """Whether the code that called `warnings.warn` is in this package (a `stacklevel` > 1 names the
+    caller's file, but the message is still ours)."""
+    package_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(2)  # above showwarning: the warnings module, then whoever called warn()
+    while frame is not None and os.path.basename(frame.f_code.co_filename) == "warnings.py":
+        frame = frame.f_back
+    return frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package_dir)

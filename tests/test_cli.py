@@ -295,3 +295,30 @@ def test_a_second_trainer_after_close_under_torchrun_does_not_hang(tmp_path):
         pytest.fail(f"a second trainer hung:\n{out}")
     assert proc.returncode == 0, out
     assert out.count("trainer 1 closed") == 2, out
+
+
+PACKAGE_WARNINGS = """
+import logging, os, sys, tempfile, warnings
+from distributed_training.checkpoint import CheckpointManager
+from distributed_training.logs import install_default_handler
+
+install_default_handler(rank=1)
+d = tempfile.mkdtemp()
+os.makedirs(os.path.join(d, "step_000000005"))
+with open(os.path.join(d, "step_000000005", "meta.pt"), "wb") as f:
+    f.write(b"garbage")
+CheckpointManager(d).latest_good()           # the package warns: a skipped checkpoint
+warnings.warn("the application's own warning")
+logging.getLogger("distributed_training").setLevel(logging.ERROR)
+CheckpointManager(d + "/").latest_good()     # silenced with the rest of the package's messages
+"""
+
+
+def test_the_packages_warnings_go_through_its_logger(tmp_path):
+    script = tmp_path / "warns.py"
+    script.write_text(PACKAGE_WARNINGS)
+    code, out = _run([sys.executable, str(script)], timeout=60)
+    assert code == 0, out
+    assert out.count("[rank 1] WARNING: skipping checkpoint") == 1, out
+    assert "UserWarning: skipping" not in out, out
+    assert "UserWarning: the application's own warning" in out, out
