@@ -70,8 +70,8 @@ class Reordered(nn.Module):
         return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))
 
 
-def tiny_gpt() -> GPT:
-    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+def tiny_gpt(dropout: float = 0.0) -> GPT:
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=dropout))
 
 
 class MixedDtypeFrozen(nn.Module):
@@ -88,3 +88,16 @@ class MixedDtypeFrozen(nn.Module):
     def forward(self, x):
         h = torch.relu(self.conv(x)).flatten(1)
         return self.head(self.frozen(h).bfloat16()).float()
+
+
+def tiny_gpt_data():
+    """54 sequences of 16 tokens for `tiny_gpt` (inputs and next-token targets)."""
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (54, 17), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def sgd_momentum(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)

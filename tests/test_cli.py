@@ -268,6 +268,7 @@ def test_progress_bar_and_step_lines_share_a_terminal(tmp_path):
 
 
 SECOND_TRAINER = """
+import os, sys
 import torch
 from torch import nn
 from distributed_training import DistributedTrainer
@@ -275,7 +276,7 @@ for i in range(2):
     trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1))
     trainer.train_step((torch.randn(8, 4), torch.randint(0, 2, (8,))), nn.functional.cross_entropy)
     trainer.close()
-    print("trainer", i, "closed", flush=True)
+open(os.path.join(sys.argv[1], "closed_" + os.environ["RANK"]), "w").close()  # both trainers done
 """
 
 
@@ -285,7 +286,7 @@ def test_a_second_trainer_after_close_under_torchrun_does_not_hang(tmp_path):
     script = tmp_path / "two_trainers.py"
     script.write_text(SECOND_TRAINER)
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(script)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             str(script), str(tmp_path)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=120)
@@ -294,7 +295,7 @@ def test_a_second_trainer_after_close_under_torchrun_does_not_hang(tmp_path):
         out, _ = proc.communicate()
         pytest.fail(f"a second trainer hung:\n{out}")
     assert proc.returncode == 0, out
-    assert out.count("trainer 1 closed") == 2, out
+    assert sorted(p.name for p in tmp_path.glob("closed_*")) == ["closed_0", "closed_1"], out
 
 
 PACKAGE_WARNINGS = """

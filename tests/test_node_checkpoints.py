@@ -14,13 +14,13 @@ import warnings
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
 from distributed_training import DistributedContext, DistributedTrainer
 from distributed_training.checkpoint import CheckpointManager
 from distributed_training.checkpoint_layout import detect_layout
-from distributed_training.models import GPT, GPTConfig
 from distributed_training.testing import run_distributed
+
+from _models import sgd_momentum, tiny_gpt, tiny_gpt_data
 
 PER_NODE = 2
 
@@ -30,18 +30,6 @@ def _context(rank: int, world: int) -> DistributedContext:
                               device=torch.device("cpu"), backend="gloo")
 
 
-def _gpt():
-    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
-
-
-def _data():
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 64, (54, 17), generator=g)
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
-
-
-def _sgd(ps):
-    return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
 
 
 def node_resume_worker(rank, world, base, strategy, interrupt_at, swap, damage):
@@ -65,7 +53,7 @@ def node_resume_worker(rank, world, base, strategy, interrupt_at, swap, damage):
 
     def make(node):
         torch.manual_seed(0)  # a fresh process starts from the same seed; resuming must undo the rest
-        return DistributedTrainer(_gpt(), _sgd, strategy=strategy, context=_context(rank, world), seed=3,
+        return DistributedTrainer(tiny_gpt(dropout=0.1), sgd_momentum, strategy=strategy, context=_context(rank, world), seed=3,
                                   checkpoint_dir=dirs[node], checkpoint_every=2, keep_last=2,
                                   best_metric="loss")
 
@@ -73,7 +61,7 @@ def node_resume_worker(rank, world, base, strategy, interrupt_at, swap, damage):
     trainer = make(node)
     caught = []
     if interrupt_at:
-        trainer.fit(_data(), epochs=2, batch_size=3, max_steps=interrupt_at, log_every=1, on_step=record)
+        trainer.fit(tiny_gpt_data(), epochs=2, batch_size=3, max_steps=interrupt_at, log_every=1, on_step=record)
         trainer.close()
         resumed_steps.clear()
         if damage and rank == PER_NODE:  # node 1's first rank: the writer of its directory
@@ -89,7 +77,7 @@ def node_resume_worker(rank, world, base, strategy, interrupt_at, swap, damage):
         trainer = make((node + 1) % nodes if swap else node)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(_data(), epochs=2, batch_size=3, log_every=1, on_step=record)
+        trainer.fit(tiny_gpt_data(), epochs=2, batch_size=3, log_every=1, on_step=record)
     step = trainer.step
     trainer.close()
     torch.distributed.barrier()

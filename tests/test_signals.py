@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
 from distributed_training import DistributedTrainer
 from distributed_training.checkpoint import CheckpointManager
-from distributed_training.models import GPT, GPTConfig
 from distributed_training.testing import run_distributed
+
+from _models import sgd_momentum, tiny_gpt, tiny_gpt_data
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = str(REPO / "tests" / "jobs" / "signal_job.py")
@@ -142,18 +142,6 @@ def test_sigint_during_a_slow_checkpoint_write_exits_within_seconds_and_leaves_n
 
 
 # ------------------------------------------------------------------ a signal that reaches one rank only
-def _gpt():
-    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
-
-
-def _data():
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 64, (54, 17), generator=g)
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
-
-
-def _sgd(ps):
-    return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
 
 
 def one_rank_signalled_worker(rank, world, directory, strategy):
@@ -165,7 +153,7 @@ def one_rank_signalled_worker(rank, world, directory, strategy):
     if rank == 0:  # rank 0's script has its own SIGTERM handler: fit must hand the signal on to it
         signal.signal(signal.SIGTERM, own_handler)
     torch.manual_seed(0)
-    trainer = DistributedTrainer(_gpt(), _sgd, strategy=strategy, checkpoint_dir=directory, checkpoint_every=100)
+    trainer = DistributedTrainer(tiny_gpt(dropout=0.1), sgd_momentum, strategy=strategy, checkpoint_dir=directory, checkpoint_every=100)
     sent = {}
 
     def on_step(step, metrics):
@@ -175,7 +163,7 @@ def one_rank_signalled_worker(rank, world, directory, strategy):
 
     outcome = "returned"
     try:
-        trainer.fit(_data(), epochs=3, batch_size=3, log_every=1, on_step=on_step)
+        trainer.fit(tiny_gpt_data(), epochs=3, batch_size=3, log_every=1, on_step=on_step)
     except SystemExit as stop:
         outcome = f"SystemExit({stop.code})"
     elapsed = time.monotonic() - sent["at"] if sent else None
@@ -205,9 +193,9 @@ def thread_worker(rank, world, directory):
     results = {}
 
     def train():
-        trainer = DistributedTrainer(_gpt(), _sgd, checkpoint_dir=directory)
+        trainer = DistributedTrainer(tiny_gpt(dropout=0.1), sgd_momentum, checkpoint_dir=directory)
         try:
-            trainer.fit(_data(), epochs=1, batch_size=9, max_steps=2)
+            trainer.fit(tiny_gpt_data(), epochs=1, batch_size=9, max_steps=2)
             results["step"] = trainer.step
         except BaseException as err:  # noqa: BLE001 - signal.signal outside the main thread raises ValueError
             results["error"] = repr(err)
@@ -229,7 +217,7 @@ def test_fit_outside_the_main_thread_trains_without_handlers(tmp_path):
 
 def self_signal_worker(rank, world, directory, sig, save_on_preemption):
     torch.manual_seed(0)
-    trainer = DistributedTrainer(_gpt(), _sgd, checkpoint_dir=directory, checkpoint_every=2,
+    trainer = DistributedTrainer(tiny_gpt(dropout=0.1), sgd_momentum, checkpoint_dir=directory, checkpoint_every=2,
                                  save_on_preemption=save_on_preemption)
 
     def on_step(step, metrics):
@@ -237,7 +225,7 @@ def self_signal_worker(rank, world, directory, sig, save_on_preemption):
             os.kill(os.getpid(), sig)
 
     try:
-        trainer.fit(_data(), epochs=2, batch_size=9, log_every=1, on_step=on_step)
+        trainer.fit(tiny_gpt_data(), epochs=2, batch_size=9, log_every=1, on_step=on_step)
         outcome = "returned"
     except KeyboardInterrupt:
         outcome = "KeyboardInterrupt"
