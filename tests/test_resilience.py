@@ -13,28 +13,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import IterableDataset, TensorDataset
+from torch.utils.data import IterableDataset
 
 from distributed_training import DistributedTrainer
 from distributed_training.checkpoint import CheckpointManager
-from distributed_training.models import GPT, GPTConfig
 from distributed_training.testing import run_distributed
+
+from _models import sgd_momentum, tiny_gpt, tiny_gpt_data
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _gpt(dropout=0.1):
-    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=dropout))
+    return tiny_gpt(dropout=dropout)
 
 
-def _data():
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 64, (54, 17), generator=g)
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
-
-
-def _sgd(ps):
-    return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+_data, _sgd = tiny_gpt_data, sgd_momentum
 
 
 # ------------------------------------------------------------------ in-process resume
