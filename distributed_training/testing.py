@@ -2,7 +2,9 @@
 
     results = run_distributed(fn, world_size=3, args=(...,))
 
-starts `world_size` fresh Python processes (the ``spawn`` method), each of which
+starts `world_size` processes forked from a server that has already imported torch and this package
+(the ``forkserver`` method with a preload: about 0.07 s for two ranks where fresh interpreters took
+1.9 s, most of a small test), each of which
 
 * sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE),
 * joins a gloo process group through a ``file://`` store in a fresh temporary directory (no port
@@ -37,6 +39,9 @@ class DistributedTestError(AssertionError):
 
 
 def _child(fn, rank, world_size, args, store_path, backend, collective_timeout, result_queue, env):
+    # The fork server's environment is the parent's at the time the server started: take the caller's
+    # current one instead, as a freshly spawned process would have.
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
@@ -81,11 +86,12 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "distributed_training"])  # no-op once started
     result_queue = ctx.Queue()
     tmpdir = tempfile.mkdtemp(prefix="dt-test-")
     store_path = os.path.join(tmpdir, "store")
-    child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
         ctx.Process(
             target=_child,
