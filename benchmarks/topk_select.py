@@ -64,7 +64,7 @@ def main() -> None:
             step[method] = time_ms(lambda: [comm.compress_topk(g, key=i) for i, g in enumerate(grads)], repeat=3)
         result[f"{name}_step_ms"] = step
         print(f"{name} gradient, per step: " + "  ".join(f"{k} {v:7.2f} ms" for k, v in step.items()), flush=True)
-        del grads, comm
+        grads.clear()  # free this model's gradients before the next
         torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

@@ -14,12 +14,16 @@ checks that with one all-gather and, if lengths differ, runs every rank for the 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Iterator, Sized
 
 import torch
-from torch.utils.data import Sampler
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
-__all__ = ["ShardedSampler"]
+from .runtime import DistributedContext
+
+__all__ = ["ShardedSampler", "agree_steps_per_epoch", "train_loader"]
 
 
 class ShardedSampler(Sampler[int]):
@@ -90,3 +94,56 @@ class ShardedSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return max(0, len(range(self.rank, self.total, self.num_replicas)) - self.start)
+
+
+def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: DistributedContext) -> int:
+    """Steps per epoch of a sharded loader, the same on every rank.
+
+    Every rank shards the dataset *it* was given; if their lengths differ (each rank read its own
+    file, say), so do their step counts, and a rank that stopped early would leave the others
+    waiting in a collective forever. One small all-gather at the start of `fit` finds out, and
+    every rank then runs the smallest count (with a warning naming each rank's length)."""
+    samples = len(range(sampler.rank, sampler.total, sampler.num_replicas))
+    steps = samples // loader.batch_size if loader.drop_last else -(-samples // loader.batch_size)
+    if ctx.world_size == 1:
+        return steps
+    device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+    mine = torch.tensor([sampler.dataset_len, steps], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, mine, group=ctx.group)
+    lengths = [int(t[0]) for t in gathered]
+    counts = [int(t[1]) for t in gathered]
+    if len(set(lengths)) > 1 or len(set(counts)) > 1:
+        warnings.warn(
+            "fit(): the dataset's length differs across ranks ("
+            + ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
+            + f"), which gives {counts} steps per epoch; every rank runs {min(counts)} so that none waits for "
+            "the others forever. fit() shards a map-style dataset as one dataset seen by every rank: for data "
+            "of your own per rank, pass an IterableDataset (ranks then stop together at the shortest)",
+            RuntimeWarning, stacklevel=3,
+        )
+    return min(counts)
+
+
+def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, drop_last: bool, num_workers: int,
+                 seed: int):
+    """What `fit` iterates: a map-style dataset (or a DataLoader over one) sharded with `ShardedSampler`,
+    anything else as given."""
+    if isinstance(data, DataLoader):
+        if isinstance(data.dataset, IterableDataset) or isinstance(data.sampler, ShardedSampler):
+            return data
+        if data.batch_size is None:
+            raise ValueError("fit() needs a DataLoader with a batch_size (batch_sampler loaders are used as given)")
+        sampler = ShardedSampler(data.dataset, ctx.world_size, ctx.rank, shuffle=shuffle, seed=seed,
+                                 drop_last=drop_last)
+        return DataLoader(
+            data.dataset, batch_size=data.batch_size, sampler=sampler, collate_fn=data.collate_fn,
+            num_workers=data.num_workers, pin_memory=data.pin_memory, drop_last=data.drop_last or drop_last,
+        )
+    if isinstance(data, IterableDataset) or not isinstance(data, Dataset):
+        return data
+    if batch_size is None or batch_size < 1:
+        raise ValueError(f"fit() on a Dataset needs batch_size >= 1, got {batch_size!r}")
+    sampler = ShardedSampler(data, ctx.world_size, ctx.rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      pin_memory=ctx.device.type == "cuda", drop_last=drop_last)

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["Plan", "choose_strategy", "state_bytes", "activation_bytes_per_sample", "max_batch_size_for_budget",
+__all__ = ["Plan", "choose_strategy", "model_sizes", "default_budget", "state_bytes", "activation_bytes_per_sample", "max_batch_size_for_budget",
            "find_max_batch_size"]
 
 GIB = 2**30
@@ -162,3 +162,20 @@ def find_max_batch_size(try_batch: Callable[[int], None], *, start: int = 1, lim
         else:
             bad = mid
     return good
+
+
+def model_sizes(model: nn.Module) -> tuple[int, int]:
+    """Parameter count (shared tensors once) and the largest block's (a child of any ModuleList)."""
+    params = sum(p.numel() for p in model.parameters())
+    blocks = [sum(p.numel() for p in child.parameters()) for m in model.modules() if isinstance(m, nn.ModuleList)
+              for child in m]
+    return params, max(blocks) if blocks else params
+
+
+def default_budget(local_rank: int, local_world_size: int) -> float:
+    """Per-rank memory: the GPU's total, or this process's share of the host's."""
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(local_rank).total_memory)
+    import psutil
+
+    return psutil.virtual_memory().total / max(1, local_world_size)

@@ -61,6 +61,16 @@ class DistributedContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def every_rank(self, value: bool) -> bool:
+        """Whether `value` is true on every rank (one tiny all-reduce; every rank must call it): how
+        ranks decide together, e.g. to stop when any of them runs out of batches, so none hangs."""
+        if self.world_size == 1:
+            return value
+        device = self.device if self.backend == "nccl" else torch.device("cpu")
+        flag = torch.tensor([1 if value else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
     def barrier(self) -> None:
         if self.world_size > 1:
             if self.backend == "nccl":

@@ -90,7 +90,7 @@ class StopSignals:
         else:
             flag = torch.full((1,), self.received, dtype=torch.int32, device=self.device)  # no host-to-device copy
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.context.group, async_op=True)
-            previous, self._pending = self._pending, (work, flag)
+            previous, self._pending = self._pending, _in_flight(work, flag)
             code = self._read(previous)
         self.signal = _BY_PRIORITY.get(code)
         return self.signal
@@ -119,9 +119,12 @@ class StopSignals:
     def _read(pending) -> int:
         if pending is None:
             return 0
-        work, flag = pending
-        work.wait()
-        return int(flag.item())
+        work, value, copied = pending
+        if copied is not None:
+            copied.synchronize()  # up to this flag's copy only: the steps queued after it keep running
+        else:
+            work.wait()
+        return int(value[0])
 
     # ------------------------------------------------------------ after the stop
     def deliver(self) -> None:
@@ -134,3 +137,17 @@ class StopSignals:
             handler(sig, None)  # Python's default for SIGINT raises KeyboardInterrupt; a user's own runs
             return
         raise SystemExit(128 + int(sig))
+
+
+def _in_flight(work, flag: torch.Tensor):
+    """(work, where the value will be, CUDA event or None) for a flag all-reduce just started. On CUDA
+    the value is copied to pinned host memory behind the all-reduce, so reading it later waits for that
+    copy alone, where ``flag.item()`` would wait for everything queued on the stream since."""
+    if not flag.is_cuda:
+        return work, flag, None
+    work.wait()  # on CUDA, a stream-side wait: the copy below runs after the all-reduce; the host goes on
+    host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
+    host.copy_(flag, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return None, host, copied

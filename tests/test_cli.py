@@ -24,6 +24,14 @@ def _run(args, timeout=180, **kw):
     return out.returncode, out.stdout + out.stderr
 
 
+def _dtrain_on_two_ranks(tmp_path, config: dict):
+    """Write `config` to a YAML file and run `dtrain` on it under torchrun with 2 processes."""
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 "-m", "distributed_training", str(path)])
+
+
 @pytest.mark.parametrize(
     "raw, field",
     [
@@ -81,10 +89,7 @@ def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path):
         "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 2},
         "output": str(tmp_path / "final.pt"),
     }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    code, out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                      "-m", "distributed_training", str(path)])
+    code, out = _dtrain_on_two_ranks(tmp_path, config)
     assert code == 0, out[-3000:]
     assert "finished at step 4" in out, out[-2000:]
     assert (tmp_path / "ckpt" / "COMPLETED").is_file() and (tmp_path / "final.pt").is_file()
@@ -99,10 +104,7 @@ def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(tmp_path):
         "training": {"strategy": "auto", "batch_size": "auto", "precision": "bf16", "activation_checkpointing": True,
                      "memory_budget_gb": 0.02, "epochs": 1, "max_steps": 3, "seed": 0},
     }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    code, out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                      "-m", "distributed_training", str(path)])
+    code, out = _dtrain_on_two_ranks(tmp_path, config)
     assert code == 0, out[-3000:]
     assert re.search(r"strategy auto -> ddp \(", out), out[-3000:]
     match = re.search(r"batch_size auto -> (\d+) per rank \(estimated", out)
@@ -146,10 +148,7 @@ def test_auto_batch_max_steps_fp16_and_strategy_name_are_sensible_and_said(tmp_p
         "training": {"strategy": "zero3", "epochs": 1, "max_steps": 10, "batch_size": "auto", "precision": "fp16"},
         "logging": {"every": 1},
     }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    code, out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                      "-m", "distributed_training", str(path)])
+    code, out = _dtrain_on_two_ranks(tmp_path, config)
     assert code == 0, out[-3000:]
     # The strategy is called what the user called it.
     assert re.search(r"strategy zero3, world size 2", out), out[-3000:]

@@ -84,17 +84,26 @@ def test_topk_bytes_and_warmup():
     assert comm.bytes_sent == 100 * (4 + 4)
 
 
+def _topk_steps(comm, n: int, key: int, steps: int, seed: int):
+    """Feed `steps` random gradients through Top-K; yield (step, accumulated input, indices, values)
+    after checking error feedback exactly: what was sent plus the new residual is the gradient plus the
+    old residual (index n is padding, which carries 0)."""
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        grad = torch.randn(n, generator=g)
+        acc = grad + comm.residuals.get(key, torch.zeros(n))
+        idx, vals = comm.compress_topk(grad, key=key)
+        sent = torch.zeros(n + 1).index_add_(0, idx, vals)[:n]
+        assert torch.equal(sent + comm.residuals[key], acc), step
+        yield step, acc, idx, vals
+
+
 def test_chunked_topk_selects_the_largest_of_every_chunk_and_keeps_the_rest():
     """Per-chunk selection (long buckets): the ratio x chunk largest magnitudes of each chunk and the
     tail's share, a count fixed by the length alone, and error feedback still exact."""
     n, chunk, ratio = 10 * 64 + 23, 64, 0.05
     comm = CommunicationOptimizer("topk", compression_ratio=ratio, topk_chunk=chunk)
-    g = torch.Generator().manual_seed(3)
-    for step in range(5):
-        grad = torch.randn(n, generator=g)
-        before = comm.residuals.get(1, torch.zeros(n)).clone()
-        acc = grad + before
-        idx, vals = comm.compress_topk(grad, key=1)
+    for step, acc, idx, vals in _topk_steps(comm, n, key=1, steps=5, seed=3):
         per_row, tail_k = math.ceil(ratio * chunk), math.ceil(ratio * 23)
         assert idx.numel() == 10 * per_row + tail_k and idx.unique().numel() == idx.numel()
         for r in range(10):
@@ -104,8 +113,6 @@ def test_chunked_topk_selects_the_largest_of_every_chunk_and_keeps_the_rest():
             assert row[mine].min() >= row.topk(per_row).values.min()  # exactly the row's top per_row
         tail = idx[idx >= 10 * chunk] - 10 * chunk
         assert torch.equal(acc[10 * chunk:].abs()[tail].sort().values, acc[10 * chunk:].abs().topk(tail_k).values.sort().values)
-        sent = torch.zeros(n).index_add_(0, idx, vals)
-        assert torch.equal(sent + comm.residuals[1], acc), step
 
 
 def test_sampled_topk_sends_k_pairs_of_large_entries_and_keeps_the_rest():
@@ -114,20 +121,13 @@ def test_sampled_topk_sends_k_pairs_of_large_entries_and_keeps_the_rest():
     n, ratio = 50_000, 0.01
     k = math.ceil(ratio * n)
     comm = CommunicationOptimizer("topk", compression_ratio=ratio, topk_select="sampled")
-    g = torch.Generator().manual_seed(5)
-    for step in range(6):
-        grad = torch.randn(n, generator=g)
-        before = comm.residuals.get(2, torch.zeros(n)).clone()
-        acc = grad + before
-        idx, vals = comm.compress_topk(grad, key=2)
+    for step, acc, idx, vals in _topk_steps(comm, n, key=2, steps=6, seed=5):
         assert idx.numel() == k and vals.numel() == k
         real = idx < n
         assert torch.all(vals[~real] == 0) and idx[real].unique().numel() == int(real.sum())
         assert real.float().mean() > 0.5, step  # the threshold is close: most slots carry real entries
         top2k = set(acc.abs().topk(2 * k).indices.tolist())
         assert sum(i in top2k for i in idx[real].tolist()) >= 0.9 * int(real.sum()), step
-        sent = torch.zeros(n + 1).index_add_(0, idx, vals)[:n]
-        assert torch.equal(sent + comm.residuals[2], acc), step
 
 
 def powersgd_worker(rank, world):

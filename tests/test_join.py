@@ -7,7 +7,6 @@ Every parameter is compared after every step of the longest rank.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

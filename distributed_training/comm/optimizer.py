@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .groups import make_hybrid_groups
 from .patterns import hierarchical_all_reduce, ring_all_reduce, tree_all_reduce
 from .reduce import CompletedWork
 
@@ -109,8 +110,6 @@ class CommunicationOptimizer:
     def setup(self, group: dist.ProcessGroup | None) -> None:
         """Create the node groups for hierarchical all-reduce (collective: every rank calls it)."""
         if self.hierarchical and self._groups is None:
-            from ..strategies.fsdp import make_hybrid_groups
-
             per_node = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(group)))
             self._groups = make_hybrid_groups(per_node, group)
 

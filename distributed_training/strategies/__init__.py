@@ -6,7 +6,8 @@ from .ddp_strategy import DDPStrategy
 from .fsdp import FSDP, MixedPrecision
 from .join import Join, join
 from .naive import NaiveDDP
-from .zero import FSDPStrategy, Zero1Strategy
+from .fsdp_strategy import FSDPStrategy
+from .zero1 import Zero1Strategy
 
 __all__ = [
     "DDP", "DDPStrategy", "FSDP", "FSDPStrategy", "Join", "MixedPrecision", "NaiveDDP", "Strategy", "Zero1Strategy", "join",

@@ -1,11 +1,14 @@
 """The interface every parallelism strategy implements, so the trainer never needs to know which one runs.
 
-A strategy answers six questions: how to wrap the model (`setup_module`), how to build the optimizer
-over what the wrapper exposes (`setup_optimizer`), how to skip gradient synchronisation during
-accumulation (`no_sync`), how to clip by the *global* gradient norm (`clip_grad_norm`), and how to
-save and restore model and optimizer state (`state_dict` / `load_state_dict`). The defaults below
-are those of a replicated model (every rank holds every parameter); sharded strategies override
-what differs.
+A strategy answers: how to wrap the model (`setup_module`), how to build the optimizer over what the
+wrapper exposes (`setup_optimizer`), how to skip gradient synchronisation during accumulation
+(`no_sync`), how to clip by the *global* gradient norm (`clip_grad_norm`), how to save and restore
+model and optimizer state (`model_state_dict`, `sharded_state`, ...) and what else a checkpoint must
+carry (`rank_state`: this rank's, e.g. compression residuals; `shared_state`: the same on every
+rank, e.g. DDP's bucket layout), what its communication cost (`measure_communication`,
+`pop_communication_metrics`), and what its memory layout is to the planner (`planner_kind`,
+`state_reserve_bytes`). The defaults below are those of a replicated model with nothing to report;
+the other strategies override what differs.
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ from __future__ import annotations
 import abc
 import contextlib
 import weakref
-from typing import Any, Callable, ContextManager, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 from torch import nn
 
 from ..runtime import DistributedContext
 
-__all__ = ["Strategy", "OptimizerFactory", "check_optimizer_params", "ParamNames"]
+__all__ = ["Strategy", "OptimizerFactory", "check_optimizer_params", "require_factory", "ParamNames"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -37,6 +40,19 @@ class ParamNames:
             if ref() is tensor:
                 return name
         return None
+
+
+def require_factory(optimizer, name: str) -> OptimizerFactory:
+    """`optimizer` if it is a factory (a callable taking parameters); sharded strategies need one, to
+    build the optimizer over the shards they create."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"strategy '{name}' builds the optimizer over this rank's shards: pass a callable that takes "
+            "parameters (e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)), not an optimizer"
+        )
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a callable taking parameters, got {type(optimizer).__name__}")
+    return optimizer
 
 
 def check_optimizer_params(
@@ -75,6 +91,8 @@ class Strategy(abc.ABC):
     #: True when the wrapped model's forward runs collectives (FSDP gathers parameters): every rank must
     #: then run the same number of forwards, evaluation included.
     collective_forward: bool = False
+    #: Which strategies can read each other's checkpoints (same format: any world size).
+    checkpoint_format: str = "replicated"
 
     @abc.abstractmethod
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
@@ -136,6 +154,37 @@ class Strategy(abc.ABC):
                            read: Callable[[int], dict[str, Any]], old_world: int) -> None:
         """Load a sharded checkpoint written by `old_world` ranks; `read(k)` returns rank k's part."""
         raise TypeError(f"strategy '{self.name}' reads full checkpoints, not sharded ones")
+
+    def rank_state(self, model: nn.Module) -> dict[str, Any]:
+        """What this rank alone must checkpoint besides model and optimizer (keys of ``rank<r>.pt``)."""
+        return {}
+
+    def load_rank_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Restore `rank_state` from this rank's file (only at the same world size)."""
+
+    def shared_state(self, model: nn.Module) -> dict[str, Any]:
+        """What the checkpoint's ``meta.pt`` must carry, the same on every rank."""
+        return {}
+
+    def load_shared_state(self, model: nn.Module, meta: dict[str, Any]) -> None:
+        """Restore `shared_state` from ``meta.pt`` (only at the same world size)."""
+
+    def measure_communication(self, model: nn.Module, on: bool) -> None:
+        """Time (or stop timing) the communication of the coming steps; costs something, so the trainer
+        turns it on only for steps it logs."""
+
+    def pop_communication_metrics(self, model: nn.Module) -> tuple[float | None, dict[str, float]]:
+        """(exposed communication seconds per step or None, extra metrics) since the last call."""
+        return None, {}
+
+    def planner_kind(self) -> str:
+        """The planner's name for this memory layout (`distributed_training.planner`): ``"ddp"``,
+        ``"zero1"``, ``"zero2"``, ``"zero3"`` or ``"zero3_offload"``."""
+        return "ddp"
+
+    def state_reserve_bytes(self, model: nn.Module, trainable_params: int) -> float:
+        """Bytes of state the first step allocates besides the optimizer's (e.g. compression residuals)."""
+        return 0.0
 
     def teardown(self, model: nn.Module) -> None:
         """Release what `setup_module` attached (hooks, buffers)."""

@@ -26,7 +26,6 @@ locally; the first backward outside `no_sync()` reduces the accumulated sum.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import weakref
 from typing import Iterator
@@ -39,6 +38,7 @@ from ..comm.bucket import MB, Bucket, allocate_buckets, assign_buckets
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module
 from ..comm.optimizer import CommunicationOptimizer
 from ..comm.reduce import AllReduceMean, BucketReducer
+from .overlap import OverlapTimeline
 
 __all__ = ["DDP"]
 
@@ -138,10 +138,10 @@ class DDP(nn.Module):
         # unused has an empty arrival order, yet must take part in the rebuild broadcast).
         self._rebuild_ready = False
 
-        # Everything the hooks change during backward lives in `_pass`, a plain object: assigning an
+        # Everything the hooks change during backward lives in `_backward`, a plain object: assigning an
         # attribute of an nn.Module runs Module.__setattr__'s Python body, and on autograd's device
         # thread that measured about 3 ms per assignment (ResNet-50, 2x H200): 30 ms a step.
-        self._pass = _BackwardPass()
+        self._backward = _BackwardPass()
         # Inside `join()`: the rank whose buffers are broadcast (the lowest one still training) and the
         # context itself; outside it, rank 0 and None.
         self._buffer_src = 0
@@ -149,7 +149,7 @@ class DDP(nn.Module):
         self._shadowing = False
         self._comm_host_seconds, self._comm_count, self._comm_events = 0.0, 0, []
         self.measure_overlap = bool(measure_overlap)
-        self._overlap = _OverlapTimeline()
+        self._overlap = OverlapTimeline()
         # Reducers whose collectives read only tensors that outlive the handle (the bucket itself, or
         # what a CommunicationOptimizer handle keeps): their transfers may be timed on a side stream.
         self._reducer_owns_tensors = isinstance(self.bucket_reducer, (AllReduceMean, CommunicationOptimizer))
@@ -161,7 +161,7 @@ class DDP(nn.Module):
 
     # ----------------------------------------------------------------- public
     def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled() and self._pass.sync_enabled:
+        if torch.is_grad_enabled() and self._backward.sync_enabled:
             self._collectives_before_forward()
         return self.module(*args, **kwargs)
 
@@ -184,12 +184,12 @@ class DDP(nn.Module):
     @property
     def _sync_enabled(self) -> bool:
         """Whether the next backward synchronises (False inside `no_sync`); what `join` announces."""
-        return self._pass.sync_enabled
+        return self._backward.sync_enabled
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward after the block averages the sum."""
-        state = self._pass
+        state = self._backward
         previous = state.sync_enabled
         state.sync_enabled = False
         try:
@@ -345,7 +345,7 @@ class DDP(nn.Module):
 
     # ------------------------------------------------------------- iteration
     def _reset_iteration(self) -> None:
-        self._pass.reset(len(self._params), [len(b.param_indices) for b in self._buckets])
+        self._backward.reset(len(self._params), [len(b.param_indices) for b in self._buckets])
 
     def _attach_grad_to_bucket(self, index: int) -> None:
         """Make `.grad` the bucket view, copying in a gradient autograd allocated elsewhere."""
@@ -365,7 +365,7 @@ class DDP(nn.Module):
 
     def _on_grad_ready(self, index: int) -> None:
         self._attach_grad_to_bucket(index)
-        state = self._pass
+        state = self._backward
         if not state.sync_enabled:
             return
         if not state.callback_queued:
@@ -387,7 +387,7 @@ class DDP(nn.Module):
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
-        state = self._pass
+        state = self._backward
         while state.next_to_launch < len(self._buckets) and state.pending[state.next_to_launch] == 0:
             bucket = self._buckets[state.next_to_launch]
             launched = self._overlap.launch(bucket.buffer) if self.measure_overlap else None
@@ -404,7 +404,7 @@ class DDP(nn.Module):
         if not self._rebuild_ready:  # assign once: module attributes are slow to set on this thread
             self._rebuild_ready = True
         try:
-            state = self._pass
+            state = self._backward
             unready = [i for i, ready in enumerate(state.ready) if not ready]
             had_no_grad = {i for i in unready if self._params[i].grad is None}
             for i in unready:
@@ -464,114 +464,6 @@ class _BackwardPass:
         self.next_to_launch = 0               # buckets launch strictly in index order
         self.handles: list = []               # one per launched bucket, waited for at the end
         self.callback_queued = False
-
-
-class _OverlapTimeline:
-    """Per-bucket [launch, done] intervals and the end of backward, for `DDP.pop_overlap_stats`.
-
-    CUDA: an event on the compute stream when a bucket is handed over (its gradients are ready), and
-    one on a side stream made to wait for the bucket's collectives, which therefore fires when they
-    finish; nothing is added to the compute stream's dependencies. CPU: host clocks, with the end
-    taken in the work's completion callback (which takes the GIL on gloo's thread: a small cost, paid
-    only while measuring). Communication time is the union of the intervals;
-    what lies after backward's end is exposed, the rest hidden, except for a reducer that ran
-    synchronously inside the hook (no work returned): all of its time held backward up, so it counts
-    as exposed. For a `CommunicationOptimizer` the interval starts before its compression kernels and
-    ends with its collectives; work done in its `wait()` (decoding, PowerSGD's second all-reduce) is
-    not in it, so the hidden share is an upper bound there.
-    """
-
-    def __init__(self) -> None:
-        self._side: torch.cuda.Stream | None = None
-        self._current: list = []      # [(start, end-holder)] of the backward in progress
-        self._backward_end = None
-        self._passes: list = []       # finished backwards: (intervals, backward_end)
-
-    def launch(self, buffer: torch.Tensor):
-        if buffer.is_cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            return start
-        return time.perf_counter()
-
-    def begin(self) -> None:
-        self._current = []
-
-    def track(self, start, handle, owned: bool = True) -> None:
-        works = getattr(handle, "works", None)
-        works = [handle] if works is None else works
-        works = [w for w in works if hasattr(w, "get_future")]
-        # A reducer that returns no work (ring, tree, hierarchical) ran inside the hook: it blocked backward.
-        blocking = not works
-        if isinstance(start, torch.cuda.Event):
-            end = torch.cuda.Event(enable_timing=True)
-            if blocking:
-                end.record()
-            else:
-                # NCCL's wait() orders the *current* stream after the collective and then lets go of
-                # the tensors it was holding for it; only do it on the side stream when those tensors
-                # outlive the handle (never a custom reducer's temporaries), and not when the wait
-                # would block the host (TORCH_NCCL_BLOCKING_WAIT).
-                if not owned or os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") not in ("", "0"):
-                    return
-                if self._side is None:
-                    self._side = torch.cuda.Stream()
-                with torch.cuda.stream(self._side):
-                    for w in works:
-                        w.wait()  # a stream-side wait: the side stream, not the host, waits for the transfer
-                    end.record()
-            self._current.append((start, end, blocking))
-            return
-        holder = [time.perf_counter() if blocking else None]
-        if works:
-            remaining = [len(works)]
-
-            def done(_fut, holder=holder, remaining=remaining) -> None:
-                remaining[0] -= 1
-                if remaining[0] == 0:
-                    holder[0] = time.perf_counter()
-
-            for w in works:
-                w.get_future().then(done)
-        self._current.append((start, holder, blocking))
-
-    def backward_done(self, timing) -> None:
-        self._passes.append((self._current, timing))
-        self._current = []
-        if len(self._passes) > 256:  # nobody is reading them: keep a bounded recent window
-            del self._passes[:128]
-
-    def pop(self) -> dict[str, float]:
-        comm = exposed = 0.0
-        passes = 0
-        for intervals, end_of_backward in self._passes:
-            if not intervals:
-                continue
-            if isinstance(end_of_backward, torch.cuda.Event):
-                end_of_backward.synchronize()
-                intervals[-1][1].synchronize()
-                origin = intervals[0][0]
-                spans = [(origin.elapsed_time(a) / 1e3, origin.elapsed_time(b) / 1e3, blocking)
-                         for a, b, blocking in intervals]
-                backward = origin.elapsed_time(end_of_backward) / 1e3
-            else:
-                spans = [(a, b[0], blocking) for a, b, blocking in intervals if b[0] is not None]
-                backward = end_of_backward
-            exposed += sum(b - a for a, b, blocking in spans if blocking)
-            spans = [(a, b) for a, b, _ in spans]
-            busy, last = 0.0, None
-            for a, b in sorted(spans):
-                a = a if last is None else max(a, last)
-                if b > a:
-                    busy += b - a
-                last = b if last is None else max(last, b)
-            comm += busy
-            exposed += max(0.0, max(b for _, b in spans) - backward) if spans else 0.0
-            passes += 1
-        self._passes = []
-        exposed = min(exposed, comm)
-        return {"comm_s": comm, "exposed_s": exposed, "hidden_s": comm - exposed,
-                "hidden_fraction": (comm - exposed) / comm if comm > 0 else 0.0, "passes": passes}
 
 
 @contextlib.contextmanager

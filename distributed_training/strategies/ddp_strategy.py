@@ -1,4 +1,5 @@
-"""`DDPStrategy`: the replicated-model strategy, backed by our `DDP` wrapper."""
+"""`DDPStrategy`: the replicated-model strategy, backed by our `DDP` wrapper; and what every strategy
+built on `DDP` (this one and ZeRO-1) reports and checkpoints through it."""
 
 from __future__ import annotations
 
@@ -10,14 +11,55 @@ from ..runtime import DistributedContext
 from .base import Strategy
 from .ddp import DDP
 
-__all__ = ["DDPStrategy"]
+__all__ = ["DDPStrategy", "DDPBacked"]
 
 
-class DDPStrategy(Strategy):
+class DDPBacked:
+    """The `Strategy` methods of a strategy whose wrapper is our `DDP`: the bucket reducer's state
+    (compression residuals, per rank), the bucket layout (the same everywhere: it fixes the reduction
+    order, so a resumed run reduces as the interrupted one did) and the overlap timeline."""
+
+    def rank_state(self, model: DDP) -> dict[str, Any]:
+        reducer = model.bucket_reducer
+        return {"communication": reducer.state_dict()} if hasattr(reducer, "state_dict") else {}
+
+    def load_rank_state(self, model: DDP, state: dict[str, Any]) -> None:
+        reducer = model.bucket_reducer
+        if hasattr(reducer, "load_state_dict") and "communication" in state:
+            reducer.load_state_dict(state["communication"])
+
+    def shared_state(self, model: DDP) -> dict[str, Any]:
+        return {"ddp_bucket_groups": model.bucket_groups()}
+
+    def load_shared_state(self, model: DDP, meta: dict[str, Any]) -> None:
+        if "ddp_bucket_groups" in meta:
+            model.set_bucket_groups(meta["ddp_bucket_groups"])
+
+    def measure_communication(self, model: DDP, on: bool) -> None:
+        if model.measure_overlap != on:
+            model.measure_overlap = on
+
+    def pop_communication_metrics(self, model: DDP) -> tuple[float | None, dict[str, float]]:
+        seconds, count = model.pop_exposed_comm_seconds()
+        overlap = model.pop_overlap_stats()
+        metrics = {}
+        if overlap["passes"]:
+            metrics = {"comm_hidden_pct": 100.0 * overlap["hidden_fraction"],
+                       "comm_wire_ms": 1e3 * overlap["comm_s"] / overlap["passes"]}
+        return (seconds / count if count else None), metrics
+
+    def state_reserve_bytes(self, model: DDP, trainable_params: int) -> float:
+        reducer = model.bucket_reducer
+        keeps_residuals = getattr(reducer, "compression", None) in ("topk", "powersgd") and getattr(
+            reducer, "error_feedback", False)
+        return 4.0 * trainable_params if keeps_residuals else 0.0  # one fp32 residual per gradient
+
+
+class DDPStrategy(DDPBacked, Strategy):
     """Every rank holds the whole model; gradients are averaged by bucketed all-reduce.
 
     Keyword arguments are passed to `DDP` (``bucket_cap_mb``, ``find_unused_parameters``,
-    ``broadcast_buffers``, ``bucket_reducer``, ...).
+    ``broadcast_buffers``, ``bucket_reducer``, ``communication``, ...).
     """
 
     name = "ddp"

@@ -1,0 +1,108 @@
+"""What the trainer does with a batch it does not know the shape of: move it to the device, count its
+samples and tokens, split it into micro-batches, call the model on it and find the loss in what the
+model returned. A batch is a tensor, or a tuple/list/dict of them (nested)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["to_device", "batch_size_of", "token_count", "split_batch", "call_module", "model_loss", "extract_loss"]
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        for item in batch:
+            size = batch_size_of(item)
+            if size:
+                return size
+    return 0
+
+
+def token_count(batch: Any) -> int | None:
+    """Tokens in a language-model batch: the elements of an integer input tensor."""
+    inputs = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() and inputs.dim() >= 2:
+        return inputs.numel()
+    return None
+
+
+def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
+    """Split every tensor of `batch` into `parts` chunks along dim 0; return (chunk, size) pairs.
+
+    A batch smaller than `parts` (the short last batch of an epoch) is split into one chunk per sample:
+    accumulation only bounds memory, so fewer micro-batches give the same gradient.
+    """
+    n = batch_size_of(batch)
+    parts = min(parts, n) if n else 1
+    if parts == 1:
+        return [(batch, n)]
+
+    def chunk(x, k):
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n:
+            return torch.tensor_split(x, parts)[k]
+        if isinstance(x, Mapping):
+            return {key: chunk(v, k) for key, v in x.items()}
+        if isinstance(x, (tuple, list)):
+            return type(x)(chunk(v, k) for v in x)
+        return x
+
+    pieces = [chunk(batch, k) for k in range(parts)]
+    return [(piece, batch_size_of(piece)) for piece in pieces]
+
+
+def call_module(module: nn.Module, inputs: Any):
+    if isinstance(inputs, Mapping):
+        return module(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return module(*inputs)
+    return module(inputs)
+
+
+NO_CRITERION = ("without a criterion, each batch is the model's input and the model must return the loss; for a "
+                 "model that returns outputs (logits), pass criterion=..., e.g. criterion=torch.nn.functional."
+                 "cross_entropy, and batches of (inputs, targets)")
+
+
+def model_loss(module: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss a model computes itself (no criterion), with an error that says what to do otherwise."""
+    try:
+        output = call_module(module, batch)
+    except TypeError as err:
+        # The usual cause: an (inputs, targets) batch unpacked into a forward that takes only inputs.
+        if isinstance(batch, (tuple, list)) and "argument" in str(err):
+            raise TypeError(f"{err}: {NO_CRITERION}") from err
+        raise
+    return extract_loss(output)
+
+
+def extract_loss(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        if output.numel() != 1:
+            raise ValueError(f"the model returned a tensor of shape {tuple(output.shape)}, not a scalar loss: "
+                             f"{NO_CRITERION}")
+        return output
+    if isinstance(output, Mapping) and "loss" in output:
+        return output["loss"]
+    if hasattr(output, "loss"):
+        return output.loss
+    raise TypeError(
+        "without a criterion the model must return the loss (a tensor, a dict with 'loss', or an object with .loss); "
+        f"it returned {type(output).__name__}"
+    )

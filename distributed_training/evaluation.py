@@ -1,0 +1,90 @@
+"""`DistributedTrainer.evaluate`: the exact mean loss (and metrics) over a dataset, across all ranks."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from .batches import batch_size_of, call_module, model_loss, to_device
+from .data import ShardedSampler
+
+__all__ = ["Evaluation"]
+
+Criterion = Callable[[Any, Any], torch.Tensor]
+
+
+class Evaluation:
+    """A mixin of `DistributedTrainer`: evaluation needs its model, strategy and context."""
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        data: Dataset | DataLoader,
+        criterion: Criterion | None = None,
+        *,
+        batch_size: int | None = None,
+        metrics: Mapping[str, Callable[[Any, Any], torch.Tensor]] | None = None,
+    ) -> dict[str, float]:
+        """Mean loss (and optional per-sample metrics) over the whole dataset, across all ranks.
+
+        Each rank evaluates its exact shard (no padding, nothing counted twice) with the unwrapped
+        module, so uneven shard sizes cannot stall a collective; one all-reduce sums the results.
+        `metrics` maps a name to ``fn(outputs, targets) -> per-batch mean``, weighted by batch size.
+        """
+        ctx = self.context
+        if isinstance(data, DataLoader):
+            dataset, bs, collate = data.dataset, data.batch_size, data.collate_fn
+        else:
+            dataset, bs, collate = data, batch_size, None
+        if bs is None:
+            raise ValueError("evaluate() needs batch_size (or a DataLoader with one)")
+        if metrics and criterion is None:
+            raise ValueError("evaluate(metrics=...) needs a criterion: metrics are computed from (outputs, targets)")
+        sampler = ShardedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False, pad=False)
+        loader = DataLoader(dataset, batch_size=bs, sampler=sampler, collate_fn=collate)
+        # Sharded models gather parameters inside forward, a collective: every rank must run as many
+        # forwards as the others, so a rank whose shard is exhausted repeats a batch with weight 0.
+        # Replicated models evaluate the bare module, with no collective per batch.
+        # (A sharded model keeps its parameters in the wrapper's shards even in a world of one.)
+        lockstep = self.strategy.collective_forward and ctx.world_size > 1
+        module = self.model if self.strategy.collective_forward else self.module
+        was_training = module.training
+        module.eval()
+        names = ["loss", *(metrics or {})]
+        sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
+        batches, previous = iter(loader), None
+        try:
+            while True:
+                batch = next(batches, None)
+                if lockstep:
+                    if self.context.every_rank(batch is None):  # no rank has a batch left
+                        break
+                    if batch is None and previous is None:
+                        batch = next(iter(DataLoader(dataset, batch_size=1, collate_fn=collate)))
+                elif batch is None:
+                    break
+                weight = 1.0
+                if batch is None:
+                    batch, weight = previous, 0.0
+                previous = batch
+                batch = to_device(batch, self.device)
+                n = batch_size_of(batch) * weight
+                if criterion is None:
+                    values = [model_loss(module, batch)]
+                else:
+                    inputs, targets = batch
+                    outputs = call_module(module, inputs)
+                    values = [criterion(outputs, targets)]
+                    values += [fn(outputs, targets) for fn in (metrics or {}).values()]
+                for k, v in enumerate(values):
+                    sums[k] += v.detach().double() * n
+                sums[-1] += n
+        finally:
+            module.train(was_training)
+        if ctx.world_size > 1:
+            dist.all_reduce(sums, group=ctx.group)
+        count = sums[-1].item()
+        return {name: (sums[k].item() / count if count else float("nan")) for k, name in enumerate(names)}

@@ -1,0 +1,100 @@
+"""ZeRO stages 2 and 3 as a trainer strategy, through our `FSDP` wrapper.
+
+* **Stage 2** (`FSDPStrategy(reshard_after_forward=False)`, ``"zero2"``): gradients are
+  reduce-scattered, so gradients and optimizer state are 1/W; parameters are gathered for forward and
+  kept until backward.
+* **Stage 3** (`FSDPStrategy()`, ``"zero3"`` / ``"fsdp"``): parameters are sharded too and gathered
+  per unit when needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime import DistributedContext
+from .base import ParamNames, Strategy, check_optimizer_params, require_factory
+from .fsdp import FSDP
+from .sharded_optim import load_sharded_optimizer_state, sharded_optimizer_state
+
+__all__ = ["FSDPStrategy"]
+
+
+class FSDPStrategy(Strategy):
+    """ZeRO-3 (default) or ZeRO-2 (`reshard_after_forward=False`) through our `FSDP` wrapper.
+
+    Keyword arguments go to `FSDP` (``auto_wrap_policy``, ``mixed_precision``, ``cpu_offload``,
+    ``sharding_strategy``, ``ranks_per_node``, ...). Checkpoints are sharded and re-shardable.
+    """
+
+    name = "fsdp"
+    sharded_checkpoint = True
+    collective_forward = True
+    checkpoint_format = "fsdp"
+
+    def __init__(self, **fsdp_kwargs: Any) -> None:
+        self.fsdp_kwargs = fsdp_kwargs
+
+    def planner_kind(self) -> str:
+        if not self.fsdp_kwargs.get("reshard_after_forward", True):
+            return "zero2"
+        return "zero3_offload" if self.fsdp_kwargs.get("cpu_offload") else "zero3"
+
+    def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
+        self._names = ParamNames(module)  # FSDP takes the parameters out of the module
+        return FSDP(module, process_group=context.group, **self.fsdp_kwargs)
+
+    def setup_optimizer(self, optimizer, model: FSDP) -> torch.optim.Optimizer:
+        try:
+            built = require_factory(optimizer, self.name)(model.parameters())
+        except ValueError as err:
+            if "empty parameter list" not in str(err):
+                raise
+            # The usual cause: a factory over model.parameters(), which FSDP has emptied.
+            raise ValueError(
+                f"strategy '{self.name}': the optimizer factory built an optimizer over an empty parameter list. "
+                "FSDP moves the model's parameters into this rank's shards, which are what the factory is "
+                "given: use its argument, e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
+            ) from err
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+        check_optimizer_params(
+            built, model.parameters(), strategy=self.name, expected_what="this rank's shards",
+            names=getattr(self, "_names", None),
+            consequence="the model's parameters now live in the shards, so its steps would update tensors that "
+                        "never receive a gradient and training would silently do nothing",
+        )
+        return built
+
+    def clip_grad_norm(self, model: FSDP, max_norm: float) -> torch.Tensor:
+        return model.clip_grad_norm_(max_norm)
+
+    def model_state_dict(self, model: FSDP) -> dict[str, Any]:
+        return model.full_state_dict()
+
+    def load_model_state_dict(self, model: FSDP, state: dict[str, Any]) -> None:
+        model.load_full_state_dict(state)
+
+    def _keys(self, model: FSDP, optimizer: torch.optim.Optimizer) -> tuple[list[str], list[int]]:
+        """Unit names and lengths of the shards the optimizer holds, in its order (a factory may leave
+        out frozen shards)."""
+        units = {id(u.shard): u for u in model._units if u.padded}
+        held = [units[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        return [u.name for u in held], [u.numel for u in held]
+
+    def sharded_state(self, model: FSDP, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        keys, _ = self._keys(model, optimizer)
+        return {"model": model.sharded_state_dict(), "optimizer": sharded_optimizer_state(optimizer, keys)}
+
+    def load_sharded_state(self, model: FSDP, optimizer, read: Callable[[int], dict], old_world: int) -> None:
+        # Buffers are per-rank state (see FSDP.load_sharded_state_dict); `read` is indexed by global
+        # rank, which under hybrid sharding is not the shard rank.
+        rank = dist.get_rank(model.process_group)
+        buffers = read(rank if rank < old_world else 0)["model"]["buffers"]
+        model.load_sharded_state_dict(lambda k: read(k)["model"], buffers=buffers)
+        keys, numels = self._keys(model, optimizer)
+        load_sharded_optimizer_state(optimizer, keys, numels, lambda k: read(k)["optimizer"],
+                                     read(0)["model"]["world_size"], model.shard_world, model.shard_rank)

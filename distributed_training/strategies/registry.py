@@ -1,0 +1,70 @@
+"""Strategy names (``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"fsdp"``, ``"auto"``) and the
+objects they stand for: the one place the trainer's `strategy=` argument is turned into a `Strategy`.
+
+A new strategy is one file under `strategies/` plus one entry in `STRATEGIES`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+from ..planner import Plan, choose_strategy, default_budget, model_sizes
+from .base import Strategy
+from .ddp_strategy import DDPStrategy
+from .fsdp_strategy import FSDPStrategy
+from .zero1 import Zero1Strategy
+
+__all__ = ["STRATEGIES", "check_strategy_argument", "make_strategy"]
+
+#: name -> factory taking the DDP-backed strategies' keyword arguments (``communication=``).
+STRATEGIES: dict[str, Callable[..., Strategy]] = {
+    "ddp": DDPStrategy,
+    "zero1": Zero1Strategy,
+    "zero2": lambda: FSDPStrategy(reshard_after_forward=False),
+    "zero3": FSDPStrategy,
+    "fsdp": FSDPStrategy,
+}
+_TAKE_COMMUNICATION = ("ddp", "zero1")  # gradient all-reduce: where a CommunicationOptimizer plugs in
+
+
+def check_strategy_argument(strategy: Any, communication: Any = None) -> None:
+    """Raise for a `strategy` / `communication` pair the trainer cannot use (before any rendezvous)."""
+    if isinstance(strategy, Strategy):
+        if communication is not None:
+            raise ValueError("communication= goes to the Strategy object you pass (e.g. DDPStrategy(communication=...)), "
+                             "not to the trainer")
+        return
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy must be a name or a Strategy object, got {type(strategy).__name__}")
+    if strategy not in STRATEGIES and strategy != "auto":
+        raise ValueError(f"strategy must be one of {sorted(STRATEGIES) + ['auto']} or a Strategy object, got {strategy!r}")
+    if communication is not None and strategy not in _TAKE_COMMUNICATION:
+        raise ValueError(f"communication= applies to strategy 'ddp' or 'zero1' (gradient all-reduce), got {strategy!r}; "
+                         "for a Strategy object, pass communication= to it")
+
+
+def make_strategy(strategy: str | Strategy, model: nn.Module, *, world_size: int, local_rank: int = 0,
+                  local_world_size: int | None = None, communication: Any = None,
+                  memory_budget_bytes: float | None = None) -> tuple[Strategy, Plan | None]:
+    """The `Strategy` for the trainer's `strategy` argument, and the planner's `Plan` when it was
+    ``"auto"`` (chosen from `model`'s size, `world_size` and the memory budget). A name keeps its
+    spelling (``"zero3"`` stays ``"zero3"`` in messages and checkpoints)."""
+    check_strategy_argument(strategy, communication)
+    if isinstance(strategy, Strategy):
+        return strategy, None
+    plan = None
+    name = strategy
+    if strategy == "auto":
+        params, unit = model_sizes(model)
+        budget = (memory_budget_bytes if memory_budget_bytes is not None
+                  else default_budget(local_rank, local_world_size or world_size))
+        plan = choose_strategy(params, world_size, budget, largest_unit_params=unit)
+        name = plan.strategy
+        built: Strategy = (DDPStrategy() if name == "ddp" else
+                           FSDPStrategy(reshard_after_forward=name == "zero3", cpu_offload=plan.cpu_offload))
+    else:
+        built = STRATEGIES[name](communication=communication) if communication is not None else STRATEGIES[name]()
+    built.name = name
+    return built, plan

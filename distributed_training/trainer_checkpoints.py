@@ -1,0 +1,320 @@
+"""The trainer's checkpoints: save, load, resume (agreed across nodes), and hyperparameters that changed.
+
+A mixin of `DistributedTrainer`. What each strategy saves is the strategy's business (its model and
+optimizer state, `rank_state`, `shared_state`); this module decides where it goes, checks it, and
+puts the trainer's own position (step, epoch, data position, schedule, RNG streams) next to it.
+The file format and its crash-proofing are in `distributed_training.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, load_file, read_meta, rng_state,
+                         save_file, set_rng_state, write_meta)
+from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
+from .logs import get_logger
+
+__all__ = ["Checkpointing"]
+
+log = get_logger()
+
+# The checkpoint format of each strategy name, for checkpoints written before meta.pt recorded it.
+_FORMAT_OF_NAME = {"ddp": "replicated", "zero1": "zero1", "zero2": "fsdp", "zero3": "fsdp", "fsdp": "fsdp"}
+
+# Suffixes of single-file checkpoints, which a checkpoint directory's name should not look like.
+_FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """A copy of each param group's settings (lr, betas, weight decay, ...), without the parameters."""
+    return [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    return repr(value)
+
+
+class Checkpointing:
+    """`DistributedTrainer`'s checkpoint methods."""
+
+    def _resume_or_start_fresh(self) -> str | None:
+        """Load the latest good checkpoint if resuming (returning its path), or, with ``resume=False``
+        at the start of training, move an earlier run's checkpoints aside."""
+        if self.checkpoints is None:
+            return None
+        ctx = self.context
+        if not self.resume:
+            if self.step == 0 and not self._set_aside:
+                self._set_aside = True
+                layout = self._layout(self.checkpoints.path_for(0))
+                # Each directory's writer (rank 0, or each node's first rank with a directory per node).
+                moved = self.checkpoints.set_aside() if layout.writer_of[ctx.rank] == ctx.rank else None
+                if moved is not None:
+                    log.warning("resume is off: moved the checkpoints already in %s to %s; training starts "
+                                 "from step 0", self.checkpoints.directory, moved)
+                ctx.barrier()  # nobody writes into a directory before its writer has cleared it
+            return None
+        found = self._resume_point()
+        if found is None or int(found[1]["step"]) <= self.step:
+            return None
+        if found[2] is not None:  # a directory per node: bring each node the rank files it lacks
+            fetch_missing_files(found[0], self.context, self._layout(found[0]), found[2])
+        self.load_checkpoint(found[0])
+        if ctx.is_main:
+            log.info("resumed from step %d (%s)", self.step, found[0])
+        return found[0]
+
+    def _save_numbered(self, metrics: dict[str, torch.Tensor] | None) -> None:
+        values = {k: float(v) for k, v in (metrics or {}).items()}
+        path = self.checkpoints.path_for(self.step)
+        layout = self._layout(path)
+        if not layout.shared and self.checkpoints.best_metric is not None:
+            # Losses are each rank's own: every directory must rank checkpoints by the same (rank 0's) values.
+            box = [values]
+            dist.broadcast_object_list(box, src=0, group=self.context.group)
+            values = box[0]
+        self.save_checkpoint(path, metrics=values)
+        if layout.writer_of[self.context.rank] == self.context.rank:
+            self.checkpoints.finalize(self.step, values)
+        self.context.barrier()
+        self._last_saved_step = self.step
+
+    def _layout(self, path: str | os.PathLike) -> DirectoryLayout:
+        """Which ranks share the directory that checkpoint `path` goes into (found once per directory;
+        a collective the first time)."""
+        parent = os.path.dirname(os.path.abspath(os.fspath(path)))
+        if parent not in self._layouts:
+            self._layouts[parent] = detect_layout(parent, self.context, self.checkpoint_shared)
+        return self._layouts[parent]
+
+    def latest_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
+        """(path, meta) of the checkpoint `fit` resumes from, or None; every rank must call it.
+
+        With one shared directory this is `CheckpointManager.latest_good`. With one directory per node,
+        the newest step that is complete and intact on every node, so that no two nodes load different
+        steps.
+        """
+        found = self._resume_point() if self.checkpoints is not None else None
+        return found[:2] if found is not None else None
+
+    def _resume_point(self) -> tuple[str, dict[str, Any], dict | None] | None:
+        layout = self._layout(self.checkpoints.path_for(0))
+        if layout.shared:
+            found = self.checkpoints.latest_good()
+            return (*found, None) if found is not None else None
+        return agree_on_checkpoint(self.checkpoints, self.context, layout)
+
+    def save_checkpoint(self, path: str | os.PathLike, metrics: dict[str, float] | None = None) -> None:
+        """Write a checkpoint *directory* at `path`, e.g. ``"checkpoints/last"`` (see
+        `distributed_training.checkpoint`); every rank must call it.
+
+        Each rank writes ``rank<r>.pt`` (its RNG states and buffers; its shards under ZeRO/FSDP; the
+        model and optimizer on rank 0 under DDP), then rank 0 writes ``meta.pt`` (step, epoch, data
+        position, scheduler, configured hyperparameters, config, metrics, checksums) last, after its own
+        checksum ``meta.pt.sha256``. Files are written atomically. A path that looks like a file name
+        (``last.pt``) still becomes a directory, with a warning. When each node has a directory of its
+        own (see `checkpoint_shared`), each node's first rank writes a ``meta.pt`` there, listing that
+        node's files.
+        """
+        path = os.fspath(path)
+        ctx = self.context
+        suffix = os.path.splitext(path.rstrip("/\\"))[1]
+        if suffix.lower() in _FILE_SUFFIXES and not os.path.isdir(path) and ctx.is_main:
+            message = (f"save_checkpoint({path!r}) writes a directory named {os.path.basename(path)!r} (one file per "
+                       f"rank plus meta.pt), not a single {suffix} file; name it without a suffix, e.g. "
+                       f"{path[:-len(suffix)]!r}, and load it with load_checkpoint")
+            warnings.warn(message, stacklevel=2)
+        part: dict[str, Any] = {"rng": rng_state()}
+        part.update(self.strategy.rank_state(self.model))  # e.g. error-feedback residuals, which differ by rank
+        if self.strategy.sharded_checkpoint:
+            part.update(self.strategy.sharded_state(self.model, self.optimizer))
+        elif ctx.is_main:
+            part["model"] = self.strategy.model_state_dict(self.model)
+            part["optimizer"] = self.strategy.optimizer_state_dict(self.optimizer)
+        if "model" not in part:
+            # Buffers (BatchNorm's running statistics) are updated by each rank from its own data: the
+            # other ranks' are state too. (Rank 0's are in the model; FSDP's shards carry every rank's.)
+            part["buffers"] = {k: b.detach().cpu().clone() for k, b in self.module.named_buffers()}
+        digest = save_file(part, os.path.join(path, f"rank{ctx.rank}.pt"))
+        digests = [digest]
+        if ctx.world_size > 1:
+            digests = [None] * ctx.world_size
+            dist.all_gather_object(digests, digest, group=ctx.group)
+        layout = self._layout(path)
+        if layout.writer_of[ctx.rank] == ctx.rank:  # rank 0, or each node's first rank with a directory per node
+            meta = {
+                "step": self.step,
+                "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch,
+                "batch_size": self.batch_size,
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+                "world_size": ctx.world_size,
+                "strategy": self.strategy.name,
+                "checkpoint_format": self.strategy.checkpoint_format,
+                "config": self.config,
+                "optimizer_hparams": self._configured_hparams,
+                "fit": dict(self._fit_limits),
+                "metrics": dict(metrics or {}),
+                **layout.checksums(ctx.rank, digests),
+                **self.strategy.shared_state(self.model),  # e.g. DDP's bucket layout
+            }
+            write_meta(meta, path)
+        ctx.barrier()
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore what `save_checkpoint` wrote, at this world size or (ZeRO/FSDP) any other.
+
+        Every file read, ``meta.pt`` included, is checked against its checksum before it is loaded; a
+        corrupt one raises `CheckpointCorruptError` naming it. RNG states are restored when the world
+        size is unchanged (a different world draws different random streams anyway). Each rank gets
+        back its own buffers (BatchNorm statistics); when the world size changed, ranks that did not
+        exist before take rank 0's. Hyperparameters configured differently from the checkpoint's keep
+        their new values, and the changes are logged (see `resume`); a different optimizer class or
+        parameter shape is an error that names it.
+        """
+        path = os.fspath(path)
+        ctx = self.context
+        meta_path = os.path.join(path, "meta.pt")
+        if not os.path.isfile(meta_path) and not os.path.isfile(path):
+            raise FileNotFoundError(f"rank {ctx.rank}: {meta_path!r} does not exist: not a complete checkpoint")
+        meta = read_meta(path)
+        saved_format = meta.get("checkpoint_format") or _FORMAT_OF_NAME.get(meta.get("strategy"))
+        if saved_format is not None and saved_format != self.strategy.checkpoint_format:
+            # Until one format serves every strategy (issue 13), say so instead of failing on a missing key.
+            raise CheckpointMismatchError(
+                f"checkpoint {path!r} was written by strategy {meta.get('strategy')!r}, whose checkpoint format "
+                f"({saved_format}) strategy {self.strategy.name!r} cannot read yet: resume with strategy "
+                f"{meta.get('strategy')!r}, or start a new run (another checkpoint directory, or resume=False / "
+                "dtrain --no-resume); trainer.full_state_dict() of the old run loads into any strategy")
+        saved_optimizer = (meta.get("config") or {}).get("optimizer")
+        if saved_optimizer is not None and saved_optimizer != self.config["optimizer"]:
+            raise CheckpointMismatchError(f"checkpoint {path!r} holds the state of a {saved_optimizer} optimizer, and this trainer's "
+                             f"is a {self.config['optimizer']}: optimizer state cannot carry over to another class "
+                             "(start a new run: another checkpoint directory, or resume=False)")
+        old_world = int(meta["world_size"])
+        cache: dict[int, dict] = {}
+
+        def read(k: int) -> dict:
+            if k not in cache:
+                name = f"rank{k}.pt"
+                # rank_checksums (a directory per node) also covers rank files fetched from other nodes.
+                cache[k] = load_file(os.path.join(path, name), meta.get("rank_checksums", meta["checksums"]).get(name))
+            return cache[k]
+
+        try:
+            if self.strategy.sharded_checkpoint:
+                self.strategy.load_sharded_state(self.model, self.optimizer, read, int(meta["world_size"]))
+            else:
+                state = read(0)
+                if "model" not in state:
+                    raise ValueError("rank0.pt holds no model: the checkpoint was written by a sharded strategy")
+                self.strategy.load_model_state_dict(self.model, state["model"])
+                self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
+            own = read(ctx.rank) if ctx.rank < old_world else {}
+            if "buffers" in own:
+                buffers = dict(self.module.named_buffers())
+                with torch.no_grad():
+                    for key, value in own["buffers"].items():
+                        buffers[key].copy_(value)
+        except CheckpointCorruptError:
+            raise
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise type(err)(f"checkpoint {path!r} does not fit this model: {err}") from None
+        if int(meta["world_size"]) == ctx.world_size:
+            self.strategy.load_shared_state(self.model, meta)
+            set_rng_state(read(ctx.rank)["rng"])
+            self.strategy.load_rank_state(self.model, read(ctx.rank))
+        else:
+            warnings.warn(f"checkpoint {path!r} was written by {meta['world_size']} ranks: RNG states not restored")
+        changes = self._apply_changed_hyperparameters(meta)
+        if self.lr_scheduler is not None:
+            # A schedule added since the checkpoint starts where it would be after the saved steps.
+            changes += self._restore_schedule(meta.get("lr_scheduler") or {"last_epoch": int(meta["step"])})
+        changes += [f"{key}: {meta['fit'].get(key)} -> {value}" for key, value in self._fit_limits.items()
+                    if "fit" in meta and key in meta["fit"] and meta["fit"][key] != value]
+        changes += [f"{key}: {meta['config'][key]} -> {value}" for key, value in self.config.items()
+                    if key not in ("world_size", "optimizer") and key in meta.get("config", {})
+                    and meta["config"][key] != value]
+        if changes and ctx.is_main:
+            log.warning("the configuration changed since checkpoint %s was written; the new values apply: %s", path,
+                         "; ".join(changes))
+        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
+        self.step = int(meta["step"])
+        self.epoch = int(meta.get("epoch", 0))
+        self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
+        if meta.get("batch_size") is not None:
+            self.batch_size = int(meta["batch_size"])
+
+    def _apply_changed_hyperparameters(self, meta: dict[str, Any]) -> list[str]:
+        """Loading the optimizer's state brings back the saved param groups' hyperparameters: where this
+        trainer was configured differently from the run that wrote the checkpoint, put the new value
+        back, and describe the change. Values the run itself changed (a schedule's lr) are left alone."""
+        saved = meta.get("optimizer_hparams")
+        groups = self.optimizer.param_groups
+        if saved is None or len(saved) != len(groups):
+            return []  # a checkpoint from before hyperparameters were recorded
+        changes = []
+        for i, (old, new, group) in enumerate(zip(saved, self._configured_hparams, groups)):
+            for key, value in new.items():
+                if self.lr_scheduler is not None and key in ("lr", "initial_lr"):
+                    continue  # the schedule is rebuilt from its new configuration (see _restore_schedule)
+                if key in old and not _same(old[key], value):
+                    group[key] = copy.deepcopy(value)
+                    where = f"param_groups[{i}]." if len(groups) > 1 else ""
+                    changes.append(f"optimizer {where}{key}: {_show(old[key])} -> {_show(value)}")
+        return changes
+
+    def _restore_schedule(self, saved: dict[str, Any]) -> list[str]:
+        """Bring the LR scheduler to the checkpoint's step *as it is configured now*.
+
+        Loading the saved scheduler state would bring back the old run's base learning rates and
+        schedule parameters. Instead the scheduler is reset to its state at construction and stepped
+        as many times as the saved one was (microseconds per step); with an unchanged configuration that
+        reproduces the saved state exactly, and with a changed one (lr, warmup, decay, a schedule given
+        as a function) the new schedule applies from here on. Returns what differs from the saved state.
+        """
+        sched, fresh = self.lr_scheduler, self._configured_schedule
+        for group, configured in zip(self.optimizer.param_groups, self._configured_hparams):
+            for key in ("lr", "initial_lr"):
+                if key in configured:
+                    group[key] = copy.deepcopy(configured[key])
+        sched.load_state_dict(copy.deepcopy(fresh))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": we only replay
+            for _ in range(int(saved.get("last_epoch", 0)) - int(fresh.get("last_epoch", 0))):
+                sched.step()
+        now = sched.state_dict()
+        counters = {"last_epoch", "_step_count", "_last_lr", "_is_initial", "_get_lr_called_within_step"}
+        changes = [f"lr_scheduler {key}: {_show(saved.get(key))} -> {_show(now.get(key))}"
+                   for key in sorted(set(saved) | set(now), key=str)
+                   if key not in counters and not _same(saved.get(key), now.get(key))]
+        if "_last_lr" in saved and not _same(saved["_last_lr"], now.get("_last_lr")):
+            changes.append(f"learning rate at step {saved.get('last_epoch')}: "
+                           f"{_show(saved['_last_lr'])} -> {_show(now.get('_last_lr'))}")
+        return changes
