@@ -1,4 +1,21 @@
-"""A dynamic loss scaler for fp16 training, agreed across ranks and shards.
+"""Numeric precision of training: the precision objects the trainer drives, and our dynamic loss scaler.
+
+A precision object owns everything that depends on the number format of the forward and backward
+passes, so that the training loop only says *when* (``with precision.autocast()``, then
+``strategy.backward(model, loss, precision)`` and ``strategy.optimizer_step(...)``):
+
+* `Precision` (``"fp32"``): no autocast, the loss goes backward as it is, the optimizer always steps.
+* `BF16Precision` (``"bf16"``): forward and loss under `torch.autocast` in bfloat16. bf16 keeps fp32's
+  8 exponent bits, so gradients cannot underflow where fp32's would not: there is no loss scaler.
+* `FP16Precision` (``"fp16"``): autocast in float16 and our `DynamicLossScaler` (below): the loss is
+  scaled before backward, the gradients are unscaled before clipping (so the threshold applies to the
+  true gradients), and a step whose gradients overflowed on any rank is skipped on every rank.
+
+All three keep fp32 master weights: autocast casts the operands of each operation, not the parameters.
+`make_precision` builds one from the trainer's ``mixed_precision=`` string.
+
+The loss scaler
+---------------
 
 fp16 has 5 exponent bits: small gradients underflow to zero. Multiplying the loss by a large scale S
 lifts them into range; gradients are divided by S again before clipping and the optimizer step. If S is
@@ -12,12 +29,14 @@ single overflowing element on a single rank makes every rank skip.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+from typing import Any, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DynamicLossScaler"]
+__all__ = ["DynamicLossScaler", "Precision", "BF16Precision", "FP16Precision", "check_precision_argument",
+           "make_precision"]
 
 
 class DynamicLossScaler:
@@ -122,3 +141,145 @@ class DynamicLossScaler:
         self._clean_steps = int(state["clean_steps"])
         self._overflows_left = int(state["overflows_left"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+class Precision:
+    """fp32 training (``"fp32"``), and the interface of the mixed-precision modes.
+
+    The order of calls in one optimizer step, for every mode:
+
+        with precision.autocast():
+            loss = compute_loss(model, batch)
+        precision.backward(loss)                # once per micro-batch
+        precision.unscale_(grads)               # before clipping: true gradients from here on
+        ...clip...
+        stepped = precision.step(optimizer, grads)
+
+    `unscale_` and `step` return what every rank agreed on, so the ranks (or shards) never diverge.
+
+    Args:
+        device_type: the device type autocast runs on (``"cuda"``, ``"cpu"``).
+    """
+
+    name: str = "fp32"
+    #: The dtype of autocast regions, or None for no autocast.
+    autocast_dtype: torch.dtype | None = None
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        self.device_type = device_type
+
+    @property
+    def scaler(self) -> DynamicLossScaler | None:
+        """The loss scaler, for the modes that have one."""
+        return None
+
+    def autocast(self) -> ContextManager:
+        """The context for forward and loss."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward from `loss` (scaled first where the mode scales)."""
+        loss.backward()
+
+    def unscale_(self, grads: Iterable[torch.Tensor | None]) -> bool:
+        """Bring the gradients back to their true values in place, once per step; return whether any
+        rank found inf/NaN (always False without a scaler: an fp32 or bf16 step is never skipped)."""
+        return False
+
+    def step(self, optimizer: torch.optim.Optimizer, grads: Iterable[torch.Tensor | None]) -> bool:
+        """Step `optimizer` unless the gradients overflowed on some rank; return whether it stepped."""
+        optimizer.step()
+        return True
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """What the step's metrics report about precision (fp16: the loss scale the step used)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep (the scaler's state; empty without one)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore `state_dict`; an empty or None state (a checkpoint of a run without a scaler) leaves
+        the current state as it is."""
+
+
+class BF16Precision(Precision):
+    """Autocast in bfloat16; no loss scaling (bf16 has fp32's exponent range)."""
+
+    name = "bf16"
+    autocast_dtype = torch.bfloat16
+
+
+class FP16Precision(Precision):
+    """Autocast in float16 with our `DynamicLossScaler`, its overflow decision agreed across ranks.
+
+    Args:
+        device_type: the device type autocast runs on.
+        scaler: the loss scaler (default: ``DynamicLossScaler(group=group)``).
+        group: the process group whose ranks must agree on skipping, for the default scaler.
+    """
+
+    name = "fp16"
+    autocast_dtype = torch.float16
+
+    def __init__(self, device_type: str = "cpu", scaler: DynamicLossScaler | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(device_type)
+        if scaler is not None and not isinstance(scaler, DynamicLossScaler):
+            raise TypeError(f"loss_scaler must be a DynamicLossScaler, got {type(scaler).__name__}")
+        self._scaler = scaler if scaler is not None else DynamicLossScaler(group=group)
+
+    @property
+    def scaler(self) -> DynamicLossScaler:
+        return self._scaler
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._scaler.scale_loss(loss).backward()
+
+    def unscale_(self, grads: Iterable[torch.Tensor | None]) -> bool:
+        return self._scaler.unscale_(grads)
+
+    def step(self, optimizer: torch.optim.Optimizer, grads: Iterable[torch.Tensor | None]) -> bool:
+        return self._scaler.step(optimizer, grads)
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        return {"loss_scale": torch.tensor(self._scaler.scale)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state:
+            self._scaler.load_state_dict(state)
+
+
+_MODES = {"fp32": Precision, "bf16": BF16Precision, "fp16": FP16Precision}
+
+
+def check_precision_argument(mixed_precision: str | None, loss_scaler: DynamicLossScaler | None = None) -> str:
+    """Validate the trainer's ``mixed_precision=`` and ``loss_scaler=`` (before any rendezvous); return
+    the mode's name."""
+    mode = "fp32" if mixed_precision is None else mixed_precision
+    if mode not in _MODES:
+        raise ValueError(f"mixed_precision must be 'bf16', 'fp16', 'fp32' or None, got {mixed_precision!r}")
+    if loss_scaler is not None and mode != "fp16":
+        raise ValueError(
+            f"a loss scaler is for fp16 only: with mixed_precision={mixed_precision!r} gradients keep fp32's "
+            "exponent range (bf16 has the same 8 exponent bits), so there is nothing to rescue from underflow"
+        )
+    if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
+        raise TypeError(f"loss_scaler must be a DynamicLossScaler, got {type(loss_scaler).__name__}")
+    return mode
+
+
+def make_precision(mixed_precision: str | None, device_type: str, *, loss_scaler: DynamicLossScaler | None = None,
+                   group: dist.ProcessGroup | None = None) -> Precision:
+    """The precision object for the trainer's ``mixed_precision=`` (``None`` / ``"fp32"``, ``"bf16"``,
+    ``"fp16"``); `loss_scaler` (fp16 only) replaces the default ``DynamicLossScaler(group=group)``."""
+    mode = check_precision_argument(mixed_precision, loss_scaler)
+    if mode == "fp16":
+        return FP16Precision(device_type, loss_scaler, group=group)
+    return _MODES[mode](device_type)

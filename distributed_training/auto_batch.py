@@ -91,7 +91,7 @@ class AutoBatchSize:
             return to_device(torch.utils.data.default_collate([data[i % len(data)] for i in range(b)]), self.device)
 
         def loss_of(_model: nn.Module, batch: Any) -> torch.Tensor:
-            with self._autocast():
+            with self.precision.autocast():
                 return self._loss(batch, criterion)
 
         # The search must leave no trace: dropout's RNG and BatchNorm's statistics are put back.

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .activation import apply_activation_checkpointing
-from .amp import DynamicLossScaler
+from .amp import DynamicLossScaler, Precision, check_precision_argument, make_precision
 from .auto_batch import AutoBatchSize
 from .batches import batch_size_of, call_module, model_loss, split_batch, to_device, token_count
 from .checkpoint import CheckpointManager
@@ -94,9 +94,10 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         log_dir: write per-rank TensorBoard and JSONL metrics under ``log_dir/rank_<i>`` during `fit`
             (see `distributed_training.monitor.Monitor`); `log_every` steps apart; ranks slower than
             `straggler_threshold` times the median are flagged; `progress` draws a bar on rank 0.
-        mixed_precision: ``"bf16"``, ``"fp16"`` or None: autocast for forward and loss, fp32 master
-            weights. fp16 uses a `DynamicLossScaler` (ours; pass one to tune it), agreed across ranks.
-            bf16 has fp32's exponent range and needs no scaler: passing one with bf16 is an error.
+        mixed_precision: ``"bf16"``, ``"fp16"`` or None (``"fp32"``): autocast for forward and loss, fp32 master
+            weights. fp16 uses a `DynamicLossScaler` (ours; pass one as `loss_scaler` to tune it),
+            agreed across ranks. bf16 has fp32's exponent range and needs no scaler: passing one with
+            bf16 is an error. The trainer drives it through `self.precision` (see `distributed_training.amp`).
         activation_checkpointing: module classes (e.g. the transformer block class) or a callable
             ``(module, name) -> bool`` whose modules are recomputed in backward instead of keeping
             their activations (non-reentrant).
@@ -143,13 +144,7 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
             raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}")
-        if mixed_precision not in (None, "bf16", "fp16"):
-            raise ValueError(f"mixed_precision must be 'bf16', 'fp16' or None, got {mixed_precision!r}")
-        if loss_scaler is not None and mixed_precision != "fp16":
-            raise ValueError(
-                f"a loss scaler is for fp16 only: with mixed_precision={mixed_precision!r} gradients keep fp32's "
-                "exponent range (bf16 has the same 8 exponent bits), so there is nothing to rescue from underflow"
-            )
+        check_precision_argument(mixed_precision, loss_scaler)
         if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
             raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
         if checkpoint_every is not None and checkpoint_dir is None:
@@ -204,12 +199,12 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         self._fit_limits: dict[str, Any] = {}
         self._last_saved_step: int | None = None
         self._set_aside = False
-        self.mixed_precision = mixed_precision
         if mixed_precision == "fp16" and self.device.type == "cpu" and self.context.is_main:
             log.warning("mixed_precision='fp16' on CPU: CPUs have no fast fp16 arithmetic, so training runs several "
                         "times slower than in fp32 (about 7x for a small GPT); use 'bf16' or fp32 on CPUs")
-        self.loss_scaler = loss_scaler if loss_scaler is not None else (
-            DynamicLossScaler(group=self.context.group) if mixed_precision == "fp16" else None)
+        self.precision: Precision = make_precision(mixed_precision, self.device.type, loss_scaler=loss_scaler,
+                                                   group=self.context.group)
+        self.mixed_precision = None if self.precision.name == "fp32" else self.precision.name
         self.monitor = (Monitor(os.fspath(log_dir), rank=self.context.rank, world_size=self.context.world_size,
                                 group=self.context.group, log_every=log_every,
                                 straggler_threshold=straggler_threshold, progress=progress)
@@ -225,6 +220,11 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         }
 
     # ------------------------------------------------------------------ steps
+    @property
+    def loss_scaler(self) -> DynamicLossScaler | None:
+        """The fp16 loss scaler (None in fp32 and bf16): `self.precision` owns it."""
+        return self.precision.scaler
+
     @property
     def module(self) -> nn.Module:
         """The user's model, unwrapped."""
@@ -259,37 +259,25 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         for k, (micro, size) in enumerate(micro_batches):
             last = k == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
-                with self._autocast():
+                with self.precision.autocast():
                     loss = self._loss(micro, criterion)
                 # Weight by the micro-batch's share so that the accumulated gradient is the gradient of
                 # the mean loss over the whole batch, even when the batch does not split evenly.
-                weighted = loss * (size / total)
-                (self.loss_scaler.scale_loss(weighted) if self.loss_scaler else weighted).backward()
+                self.strategy.backward(self.model, loss * (size / total), self.precision)
             loss_sum += loss.detach().float() * (size / total)
 
-        metrics: dict[str, torch.Tensor] = {"loss": loss_sum}
-        if self.loss_scaler is not None:
-            metrics["loss_scale"] = torch.tensor(self.loss_scaler.scale)
-            # Unscale before clipping, so the threshold applies to the true gradients.
-            self.loss_scaler.unscale_(p.grad for p in self.model.parameters())
-        if self.gradient_clip_val is not None:
-            metrics["grad_norm"] = self.strategy.clip_grad_norm(self.model, self.gradient_clip_val)
-        metrics["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
-        if self.loss_scaler is not None:
-            self.loss_scaler.step(self.optimizer, (p.grad for p in self.model.parameters()))
-        else:
-            self.optimizer.step()
+        metrics: dict[str, torch.Tensor] = {"loss": loss_sum, **self.precision.metrics()}
+        lr = torch.tensor(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
+        _, grad_norm = self.strategy.optimizer_step(self.model, self.optimizer, self.precision,
+                                                    self.gradient_clip_val)
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        metrics["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
         return metrics
-
-    def _autocast(self):
-        if self.mixed_precision is None:
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
 
     def _loss(self, batch: Any, criterion: Criterion | None) -> torch.Tensor:
         if criterion is None:

@@ -172,7 +172,7 @@ class Checkpointing:
                 "batch_in_epoch": self.batch_in_epoch,
                 "batch_size": self.batch_size,
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+                "loss_scaler": self.precision.state_dict() or None,  # the fp16 scaler's state
                 "world_size": ctx.world_size,
                 "strategy": self.strategy.name,
                 "checkpoint_format": self.strategy.checkpoint_format,
@@ -263,8 +263,7 @@ class Checkpointing:
         if changes and ctx.is_main:
             log.warning("the configuration changed since checkpoint %s was written; the new values apply: %s", path,
                          "; ".join(changes))
-        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(meta["loss_scaler"])
+        self.precision.load_state_dict(meta.get("loss_scaler"))
         self.step = int(meta["step"])
         self.epoch = int(meta.get("epoch", 0))
         self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))

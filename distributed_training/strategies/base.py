@@ -2,7 +2,10 @@
 
 A strategy answers: how to wrap the model (`setup_module`), how to build the optimizer over what the
 wrapper exposes (`setup_optimizer`), how to skip gradient synchronisation during accumulation
-(`no_sync`), how to clip by the *global* gradient norm (`clip_grad_norm`), how to save and restore
+(`no_sync`), how to run backward and the optimizer step through a precision object (`backward`,
+`optimizer_step`: autocast, loss scaling and skipping on overflow belong to `distributed_training.amp`;
+the step's order, unscale then clip then step, to the strategy), which gradients this rank holds
+(`gradients`), how to clip by the *global* gradient norm (`clip_grad_norm`), how to save and restore
 model and optimizer state (`model_state_dict`, `sharded_state`, ...) and what else a checkpoint must
 carry (`rank_state`: this rank's, e.g. compression residuals; `shared_state`: the same on every
 rank, e.g. DDP's bucket layout), what its communication cost (`measure_communication`,
@@ -16,12 +19,15 @@ from __future__ import annotations
 import abc
 import contextlib
 import weakref
-from typing import Any, Callable, ContextManager, Iterable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 
 import torch
 from torch import nn
 
 from ..runtime import DistributedContext
+
+if TYPE_CHECKING:  # strategies sit below amp: they call a precision object, never build one
+    from ..amp import Precision
 
 __all__ = ["Strategy", "OptimizerFactory", "check_optimizer_params", "require_factory", "ParamNames"]
 
@@ -127,6 +133,30 @@ class Strategy(abc.ABC):
         """Skip gradient synchronisation for the backward passes inside the block."""
         no_sync = getattr(model, "no_sync", None)
         return no_sync() if no_sync is not None else contextlib.nullcontext()
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, precision: Precision) -> None:
+        """Backward from one micro-batch's `loss` (the precision object scales it where it must); the
+        wrapper's hooks synchronise the gradients unless this runs under `no_sync`."""
+        precision.backward(loss)
+
+    def gradients(self, model: nn.Module) -> list[torch.Tensor]:
+        """The gradients this rank holds after backward, that the optimizer step consumes (a
+        replicated model: every parameter's; FSDP: its shards', which are its parameters)."""
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
+                       max_grad_norm: float | None = None) -> tuple[bool, torch.Tensor | None]:
+        """Unscale the gradients, clip them to `max_grad_norm` (`clip_grad_norm`: global over ranks
+        and shards), then step unless some rank overflowed; return (stepped, the norm before
+        clipping or None). Every rank takes the same decision: the precision object agrees on it.
+
+        Clipping runs on a skipped step too (every rank alike, as the decision is agreed): its norm is
+        then inf or NaN, which the step's metrics show."""
+        grads = self.gradients(model)
+        precision.unscale_(grads)  # before clipping, so the threshold applies to the true gradients
+        norm = self.clip_grad_norm(model, max_grad_norm) if max_grad_norm is not None else None
+        stepped = precision.step(optimizer, grads)
+        return stepped, norm
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip gradients in place by their global 2-norm; return the norm before clipping."""
