@@ -321,3 +321,42 @@ def test_fp16_trainer_at_world_2_equals_one_process(strategy, accumulation):
         assert [ours for _, ours, _ in scales] == [ref for _, _, ref in scales], scales
         assert skipped == [0, 0, 1, 1, 1, 1], skipped
         assert [used for used, _, _ in scales] == [2.0**10, 2.0**10, 2.0**11, 2.0**10, 2.0**10, 2.0**11], scales
+
+
+def scaler_checkpoint_worker(rank, world, path):
+    """The fp16 scaler's state goes through a checkpoint (meta's "loss_scaler" entry) and training goes
+    on as if unbroken; a bf16 trainer reads the same checkpoint and ignores the entry."""
+    torch.manual_seed(0)
+    base = MLP()
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+
+    def fp16_trainer():
+        return DistributedTrainer(copy.deepcopy(base), sgd, mixed_precision="fp16",
+                                  loss_scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=3))
+
+    batches = _batches(6, n=4, seed=rank)
+    unbroken, first = fp16_trainer(), fp16_trainer()
+    for x, y in batches[:4]:
+        unbroken.train_step((x, y), F.mse_loss)
+        first.train_step((x, y), F.mse_loss)
+    first.save_checkpoint(path)
+    saved = first.loss_scaler.state_dict()
+    resumed = fp16_trainer()
+    resumed.load_checkpoint(path)
+    restored = resumed.loss_scaler.state_dict() == saved and saved["scale"] == 2.0**11 and saved["clean_steps"] == 1
+    for x, y in batches[4:]:
+        unbroken.train_step((x, y), F.mse_loss)
+        resumed.train_step((x, y), F.mse_loss)
+    same = (resumed.loss_scaler.state_dict() == unbroken.loss_scaler.state_dict()
+            and all(torch.equal(a, b) for a, b in zip(resumed.module.parameters(), unbroken.module.parameters())))
+    bf16 = DistributedTrainer(copy.deepcopy(base), sgd, mixed_precision="bf16")
+    bf16.load_checkpoint(path)
+    for t in (unbroken, first, resumed, bf16):
+        t.close()
+    return restored, same, bf16.loss_scaler is None
+
+
+def test_scaler_state_survives_a_checkpoint(tmp_path):
+    for restored, same, bf16_ignores in run_distributed(scaler_checkpoint_worker, 2, args=(str(tmp_path / "ck"),),
+                                                        timeout=120):
+        assert restored and same and bf16_ignores
