@@ -145,7 +145,10 @@ class FSDP(FSDPStateDict, nn.Module):
         self._reduce_dtype = mp.reduce_dtype or mp.param_dtype
 
         self.shard_group = mesh.group("data_shard")
-        self.replicate_group = mesh.group("data_replicate") if mesh.size("data_replicate") > 1 else None
+        # Hybrid sharding averages the shards over the replicas. Test the size, not the group: `None` is
+        # the default group, as everywhere in torch.distributed (one rank per node: the whole job).
+        self.replicate_world = mesh.size("data_replicate")
+        self.replicate_group = mesh.group("data_replicate") if self.replicate_world > 1 else None
         self.shard_world = dist.get_world_size(self.shard_group)
         self.shard_rank = dist.get_rank(self.shard_group)
 
@@ -320,13 +323,13 @@ class FSDP(FSDPStateDict, nn.Module):
                         raise RuntimeError(
                             f"FSDP reduce-scatter of unit '{unit.name or '<root>'}' failed: {err}"
                         ) from err
-            if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
+            if self.replicate_world > 1:
                 works = []
                 for _, out, _ in self._backward_state.pending:
                     if dist.get_backend(self.replicate_group) == "nccl":
                         works.append(dist.all_reduce(out, op=dist.ReduceOp.AVG, group=self.replicate_group, async_op=True))
                     else:
-                        out.div_(dist.get_world_size(self.replicate_group))
+                        out.div_(self.replicate_world)
                         works.append(dist.all_reduce(out, group=self.replicate_group, async_op=True))
                 for w in works:
                     w.wait()
