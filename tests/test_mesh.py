@@ -265,3 +265,31 @@ def test_dp_rank_shards_data_by_replica():
     assert [(r, n) for r, n, _ in got] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert got[0][2] == got[1][2] and got[2][2] == got[3][2]
     assert sorted(got[0][2] + got[2][2]) == list(range(12))
+
+
+def wrappers_on_a_subgroup_worker(rank, world):
+    """The public wrappers given a process group (no mesh): DDP averages over that group only, and
+    FSDP's hybrid sharding with emulated nodes of one rank replicates over it."""
+    from distributed_training import DDP, FSDP
+
+    sub = dist.new_group([1, 2, 3])
+    if rank == 0:
+        return None
+    torch.manual_seed(0)
+    ddp = DDP(nn.Linear(3, 1), process_group=sub)
+    torch.manual_seed(0)
+    fsdp = FSDP(_Tiny(), process_group=sub, sharding_strategy="hybrid", ranks_per_node=1)
+    x = torch.full((2, 3), float(rank))
+    ddp(x).sum().backward()
+    grad = ddp.module.weight.grad.clone()
+    return grad, fsdp.shard_world, fsdp.replicate_world, _members(fsdp.process_group)
+
+
+def test_public_wrappers_on_a_process_group():
+    got = run_distributed(wrappers_on_a_subgroup_worker, 4, timeout=120)
+    assert got[0] is None
+    for rank in (1, 2, 3):
+        grad, shard_world, replicate_world, members = got[rank]
+        # d(sum(w.x + b))/dw = sum of x's rows = 2 * rank per entry; the mean over ranks 1..3 is 4.
+        assert torch.allclose(grad, torch.full((1, 3), 4.0))
+        assert (shard_world, replicate_world, members) == (1, 3, [1, 2, 3])
