@@ -1,6 +1,7 @@
 """distributed_training: data-parallel training from scratch on torch.distributed collectives."""
 
 from .comm.optimizer import CommunicationOptimizer
+from .mesh import Mesh
 from .runtime import DistributedContext, init_distributed
 from .strategies import (DDP, FSDP, DDPStrategy, FSDPStrategy, Join, MixedPrecision, NaiveDDP, Strategy, Zero1Strategy,
                          join)
@@ -15,6 +16,7 @@ __all__ = [
     "FSDP",
     "FSDPStrategy",
     "Join",
+    "Mesh",
     "MixedPrecision",
     "NaiveDDP",
     "Strategy",

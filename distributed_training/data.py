@@ -1,7 +1,8 @@
-"""Sharding a map-style dataset across ranks.
+"""Sharding a map-style dataset across data-parallel replicas.
 
-Every epoch, all ranks draw the same permutation (seeded by ``seed + epoch``), and rank r takes
-positions r, r + W, r + 2W, ... of it. Samples are therefore distinct across ranks within an epoch and
+Every epoch, all ranks draw the same permutation (seeded by ``seed + epoch``), and the rank feeding
+data-parallel replica r of W (`Mesh.dp_rank` of `Mesh.dp_size`; rank and world size while every rank is
+its own replica) takes positions r, r + W, r + 2W, ... of it. Samples are therefore distinct across ranks within an epoch and
 reshuffled between epochs. For training, the permutation is padded (by wrapping around) to a multiple
 of the world size so that every rank runs the same number of steps and no rank waits forever in a
 collective; with ``drop_last`` the tail is dropped instead. For evaluation, ``pad=False`` gives each
@@ -126,15 +127,18 @@ def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: Dist
 
 
 def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, drop_last: bool, num_workers: int,
-                 seed: int):
-    """What `fit` iterates: a map-style dataset (or a DataLoader over one) sharded with `ShardedSampler`,
-    anything else as given."""
+                 seed: int, dp_rank: int | None = None, dp_world_size: int | None = None):
+    """What `fit` iterates: a map-style dataset (or a DataLoader over one) sharded with `ShardedSampler`
+    over the data-parallel replicas (`dp_world_size` of them, this rank feeding `dp_rank`; default: the
+    context mesh's), anything else as given."""
+    dp_rank = ctx.mesh.dp_rank if dp_rank is None else dp_rank
+    dp_world_size = ctx.mesh.dp_size if dp_world_size is None else dp_world_size
     if isinstance(data, DataLoader):
         if isinstance(data.dataset, IterableDataset) or isinstance(data.sampler, ShardedSampler):
             return data
         if data.batch_size is None:
             raise ValueError("fit() needs a DataLoader with a batch_size (batch_sampler loaders are used as given)")
-        sampler = ShardedSampler(data.dataset, ctx.world_size, ctx.rank, shuffle=shuffle, seed=seed,
+        sampler = ShardedSampler(data.dataset, dp_world_size, dp_rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last)
         return DataLoader(
             data.dataset, batch_size=data.batch_size, sampler=sampler, collate_fn=data.collate_fn,
@@ -144,6 +148,6 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
         return data
     if batch_size is None or batch_size < 1:
         raise ValueError(f"fit() on a Dataset needs batch_size >= 1, got {batch_size!r}")
-    sampler = ShardedSampler(data, ctx.world_size, ctx.rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler = ShardedSampler(data, dp_world_size, dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=ctx.device.type == "cuda", drop_last=drop_last)

@@ -11,12 +11,16 @@ harness) describes a process through environment variables:
 otherwise, and returns a `DistributedContext`. Without those variables (a plain `python script.py`)
 the process runs as a world of one, on an in-memory store, through the very same code path.
 
+The context also holds the job's `Mesh` (`distributed_training.mesh`): the layout of the ranks over the
+parallel dimensions, its node boundaries taken from ``LOCAL_WORLD_SIZE``, and this rank's group along
+each dimension. This module is the only one that reads the launcher's environment: everything after it
+takes the layout from the context.
+
 Nothing here is module-level state: the context owns its process group and is passed explicitly.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -25,7 +29,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedContext", "init_distributed", "DEFAULT_TIMEOUT"]
+from .mesh import Mesh
+
+__all__ = ["DistributedContext", "init_distributed", "DEFAULT_TIMEOUT", "launcher_ranks_per_node"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -46,6 +52,8 @@ class DistributedContext:
         group: the process group collectives use (``None`` means the default group).
         owns_process_group: whether `shutdown()` destroys the default group (False when the
             caller initialised it before us).
+        mesh: the layout of the ranks over the parallel dimensions and this rank's group along each
+            (default: data parallelism over all of `group`, nodes of `local_world_size` ranks).
     """
 
     rank: int
@@ -56,6 +64,14 @@ class DistributedContext:
     backend: str
     group: dist.ProcessGroup | None = None
     owns_process_group: bool = field(default=False, repr=False)
+    mesh: Mesh | None = None
+
+    def __post_init__(self) -> None:
+        if self.mesh is None:
+            self.mesh = Mesh(self.world_size, rank=self.rank, group=self.group,
+                             ranks_per_node=max(self.local_world_size, 1))
+        elif self.mesh.size() != self.world_size:
+            raise ValueError(f"the mesh holds {self.mesh.size()} ranks but world_size is {self.world_size}")
 
     @property
     def is_main(self) -> bool:
@@ -141,9 +157,13 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-# How many process groups this process has created through torchrun's store. Every rank creates them
-# in the same order, so the count names the same group on every rank.
-_GROUPS_CREATED = itertools.count()
+def launcher_ranks_per_node(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks per node as the launcher says (``LOCAL_WORLD_SIZE``; default: all of `group` on one node).
+
+    For the wrappers used on their own, without a `DistributedContext` (``FSDP(...,
+    sharding_strategy="hybrid")`` with neither ``mesh=`` nor ``ranks_per_node=``); everything built
+    from a context takes the node size from its mesh instead."""
+    return _env_int("LOCAL_WORLD_SIZE", dist.get_world_size(group))
 
 
 def _attempt_store(rank: int, world_size: int, timeout: timedelta, restart: str) -> dist.Store:
@@ -153,14 +173,19 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta, restart: str)
     (among them the addresses gloo connects to), and the new workers would dial dead peers. Within one
     attempt, a second group after `shutdown()` (a second trainer in the same script) would meet the
     first group's keys (its store-based barrier's counter among them) and wait forever. A prefix per
-    attempt and per group keeps them apart.
+    attempt and per group keeps them apart. The group's number is how many times this rank has
+    joined in this attempt, counted in the store itself (each rank its own key): every rank joins in
+    the same order, so the count names the same group on every rank, and no counter lives in the
+    process.
     """
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
         is_master=not agent_hosts_store and rank == 0, timeout=timeout,
     )
-    return dist.PrefixStore(f"distributed_training/attempt_{restart}/group_{next(_GROUPS_CREATED)}", store)
+    attempt = dist.PrefixStore(f"distributed_training/attempt_{restart}", store)
+    joined = attempt.add(f"joins/rank_{rank}", 1)
+    return dist.PrefixStore(f"group_{joined}", attempt)
 
 
 def init_distributed(

@@ -230,6 +230,18 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         """The user's model, unwrapped."""
         return self.strategy.unwrap(self.model)
 
+    @property
+    def dp_rank(self) -> int:
+        """Which data-parallel replica this rank feeds (``context.mesh.dp_rank``): ranks that share it
+        (tensor- or pipeline-parallel peers) must see the same batches. `fit` shards by it; so should
+        a loop of your own."""
+        return self.context.mesh.dp_rank
+
+    @property
+    def dp_world_size(self) -> int:
+        """How many data-parallel replicas the job has (``context.mesh.dp_size``)."""
+        return self.context.mesh.dp_size
+
     def train_step(self, batch: Any, criterion: Criterion | None = None) -> dict[str, torch.Tensor]:
         """One optimizer step on `batch`; returns ``{"loss", "lr"[, "grad_norm"]}``.
 
@@ -344,7 +356,8 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
                 self.auto_batch_size(data, criterion)
             batch_size = self.batch_size
         loader = train_loader(data, self.context, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
-                              num_workers=num_workers, seed=self.seed)
+                              num_workers=num_workers, seed=self.seed, dp_rank=self.dp_rank,
+                              dp_world_size=self.dp_world_size)
         with StopSignals(self.context, self.device, self.context.every_rank) as stop:
             try:
                 history = self._train_epochs(loader, epochs, criterion, max_steps, log_every, on_step, stop)

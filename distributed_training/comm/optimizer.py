@@ -25,13 +25,13 @@ Residuals and PowerSGD's Q are state: `state_dict()` / `load_state_dict()` put t
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .groups import make_hybrid_groups
+from ..mesh import Mesh
+from ..runtime import launcher_ranks_per_node
 from .patterns import hierarchical_all_reduce, ring_all_reduce, tree_all_reduce
 from .reduce import CompletedWork
 
@@ -107,11 +107,16 @@ class CommunicationOptimizer:
         self._groups: tuple | None = None
 
     # ------------------------------------------------------------------ setup
-    def setup(self, group: dist.ProcessGroup | None) -> None:
-        """Create the node groups for hierarchical all-reduce (collective: every rank calls it)."""
+    def setup(self, group: dist.ProcessGroup | None, mesh: Mesh | None = None) -> None:
+        """Take the node groups for hierarchical all-reduce from `mesh` (DDP passes its own), over
+        nodes of `ranks_per_node` ranks when that was given (emulated nodes); without a mesh, lay out
+        `group` over the launcher's nodes. Collective: every rank calls it."""
         if self.hierarchical and self._groups is None:
-            per_node = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(group)))
-            self._groups = make_hybrid_groups(per_node, group)
+            if mesh is None:
+                mesh = Mesh(group=group, ranks_per_node=self.ranks_per_node or launcher_ranks_per_node(group))
+            elif self.ranks_per_node:
+                mesh = mesh.with_ranks_per_node(self.ranks_per_node)
+            self._groups = mesh.node_groups()
 
     # ------------------------------------------------------------------ DDP's reducer
     def __call__(self, bucket: torch.Tensor, group: dist.ProcessGroup | None, index: int = 0):

@@ -110,7 +110,9 @@ def tree_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 
 def hierarchical_all_reduce(tensor: torch.Tensor, intra_node_group: dist.ProcessGroup | None,
                             inter_node_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum `tensor` over every rank of both groups in place (see the module docstring)."""
+    """Sum `tensor` over every rank of both groups in place (see the module docstring). As everywhere
+    in torch.distributed, a group of ``None`` is the default group (a mesh whose nodes are single ranks
+    gives ``None`` as the inter-node group of a job-wide mesh)."""
     local = dist.get_world_size(intra_node_group)
     flat = tensor.reshape(-1)
     n = flat.numel()
@@ -122,7 +124,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, intra_node_group: dist.Process
         dist.reduce_scatter_tensor(part, padded, op=dist.ReduceOp.SUM, group=intra_node_group)
     else:
         part.copy_(padded)
-    if inter_node_group is not None and dist.get_world_size(inter_node_group) > 1:
+    if dist.get_world_size(inter_node_group) > 1:
         dist.all_reduce(part, group=inter_node_group)
     if local > 1:
         dist.all_gather_into_tensor(padded, part, group=intra_node_group)

@@ -38,6 +38,7 @@ from ..comm.bucket import MB, Bucket, allocate_buckets, assign_buckets
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module
 from ..comm.optimizer import CommunicationOptimizer
 from ..comm.reduce import AllReduceMean, BucketReducer
+from ..mesh import Mesh
 from .overlap import OverlapTimeline
 
 __all__ = ["DDP"]
@@ -51,6 +52,8 @@ class DDP(nn.Module):
     Args:
         module: the model, already on this rank's device.
         process_group: the group to average over (default: the whole job).
+        mesh: a `Mesh` instead of `process_group`: average over its data-parallel group
+            (``mesh.group("data")``); its node boundaries serve a hierarchical `communication`.
         bucket_cap_mb: cap of a gradient bucket in MiB (default 25).
         first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early
             (default 1).
@@ -74,6 +77,7 @@ class DDP(nn.Module):
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
+        mesh: Mesh | None = None,
         bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
@@ -101,15 +105,19 @@ class DDP(nn.Module):
         if bucket_reducer is not None and not callable(bucket_reducer):
             raise TypeError(f"bucket_reducer must be callable, got {type(bucket_reducer).__name__}")
 
+        if mesh is not None and process_group is not None:
+            raise ValueError("pass either mesh= or process_group=, not both (the mesh's data group is the one used)")
+
         self.module = module
-        self.process_group = process_group
+        self.mesh = mesh if mesh is not None else Mesh(group=process_group)
+        process_group = self.process_group = self.mesh.group("data")
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.bucket_reducer: BucketReducer = bucket_reducer or AllReduceMean()
         if hasattr(self.bucket_reducer, "setup"):
-            self.bucket_reducer.setup(process_group)  # e.g. node groups for hierarchical all-reduce
+            self.bucket_reducer.setup(process_group, mesh=self.mesh)  # e.g. node groups for hierarchical all-reduce
         self._pass_index = getattr(self.bucket_reducer, "wants_bucket_index", False)
         self._cap_bytes = int(bucket_cap_mb * MB)
         self._first_cap_bytes = int(first_bucket_cap_mb * MB)

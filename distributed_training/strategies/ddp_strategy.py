@@ -68,7 +68,7 @@ class DDPStrategy(DDPBacked, Strategy):
         self.ddp_kwargs = ddp_kwargs
 
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
-        return DDP(module, process_group=context.group, **self.ddp_kwargs)
+        return DDP(module, mesh=context.mesh, **self.ddp_kwargs)
 
     def teardown(self, model: nn.Module) -> None:
         if isinstance(model, DDP):

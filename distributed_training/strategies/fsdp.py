@@ -48,6 +48,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module
 from ..comm.groups import make_hybrid_groups
 from ..comm.sharded import all_gather_flat, reduce_scatter_flat
+from ..mesh import Mesh
+from ..runtime import launcher_ranks_per_node
 from .fsdp_state import FSDPStateDict
 from .fsdp_units import Unit, UnitPlacement, alloc_storage, build_units, free_storage, unit_roots
 
@@ -75,6 +77,10 @@ class FSDP(FSDPStateDict, nn.Module):
     Args:
         module: the model, on this rank's device (or on the CPU with `cpu_offload` on a GPU job).
         process_group: the ranks to shard over (default: all).
+        mesh: a `Mesh` instead of `process_group`: FSDP works over its data-parallel ranks
+            (``mesh.group("data")``), sharding over ``"data_shard"`` and averaging the shards over
+            ``"data_replicate"`` of the mesh re-split for `sharding_strategy` (`Mesh.with_data_shard`:
+            all of them; `Mesh.hybrid`: a node's).
         auto_wrap_policy: how units are chosen. ``None``: each element of every `nn.ModuleList` whose
             class repeats (transformer blocks); a set/tuple of module classes; an int: bottom-up, any
             module holding at least that many not-yet-wrapped parameters; or ``fn(module, name) ->
@@ -85,7 +91,8 @@ class FSDP(FSDPStateDict, nn.Module):
         cpu_offload: keep shards, gradients and optimizer state on the CPU; move per unit.
         sharding_strategy: ``"full"`` (shard over the whole group) or ``"hybrid"`` (shard within a
             node, replicate across nodes).
-        ranks_per_node: node size for hybrid sharding (default: LOCAL_WORLD_SIZE).
+        ranks_per_node: node size for hybrid sharding (emulated nodes; default: the mesh's, or
+            without a mesh the launcher's ``LOCAL_WORLD_SIZE``).
         device: compute device (default: the module's device).
     """
 
@@ -94,6 +101,7 @@ class FSDP(FSDPStateDict, nn.Module):
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
+        mesh: Mesh | None = None,
         auto_wrap_policy: Any = None,
         reshard_after_forward: bool = True,
         mixed_precision: MixedPrecision | None = None,
@@ -114,8 +122,18 @@ class FSDP(FSDPStateDict, nn.Module):
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"mixed_precision must be a MixedPrecision, got {type(mixed_precision).__name__}")
 
+        if mesh is not None and process_group is not None:
+            raise ValueError("pass either mesh= or process_group=, not both (the mesh's data group is the one used)")
+        if mesh is None:
+            nodes = ranks_per_node or (launcher_ranks_per_node(process_group) if sharding_strategy == "hybrid" else None)
+            mesh = Mesh(group=process_group, ranks_per_node=nodes)
+        elif ranks_per_node is not None:
+            mesh = mesh.with_ranks_per_node(ranks_per_node)
+        mesh = mesh.hybrid() if sharding_strategy == "hybrid" else mesh.with_data_shard(mesh.dp_size)
+
         self.module = module
-        self.process_group = process_group
+        self.mesh = mesh
+        process_group = self.process_group = mesh.group("data")
         self.reshard_after_forward = bool(reshard_after_forward)
         self.cpu_offload = bool(cpu_offload)
         first = next(module.parameters(), None)
@@ -126,14 +144,11 @@ class FSDP(FSDPStateDict, nn.Module):
         self._param_dtype = mp.param_dtype
         self._reduce_dtype = mp.reduce_dtype or mp.param_dtype
 
-        if sharding_strategy == "hybrid":
-            if ranks_per_node is None:
-                import os
-
-                ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(process_group)))
-            self.shard_group, self.replicate_group = make_hybrid_groups(ranks_per_node, process_group)
-        else:
-            self.shard_group, self.replicate_group = process_group, None
+        self.shard_group = mesh.group("data_shard")
+        # Hybrid sharding averages the shards over the replicas. Test the size, not the group: `None` is
+        # the default group, as everywhere in torch.distributed (one rank per node: the whole job).
+        self.replicate_world = mesh.size("data_replicate")
+        self.replicate_group = mesh.group("data_replicate") if self.replicate_world > 1 else None
         self.shard_world = dist.get_world_size(self.shard_group)
         self.shard_rank = dist.get_rank(self.shard_group)
 
@@ -308,13 +323,13 @@ class FSDP(FSDPStateDict, nn.Module):
                         raise RuntimeError(
                             f"FSDP reduce-scatter of unit '{unit.name or '<root>'}' failed: {err}"
                         ) from err
-            if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
+            if self.replicate_world > 1:
                 works = []
                 for _, out, _ in self._backward_state.pending:
                     if dist.get_backend(self.replicate_group) == "nccl":
                         works.append(dist.all_reduce(out, op=dist.ReduceOp.AVG, group=self.replicate_group, async_op=True))
                     else:
-                        out.div_(dist.get_world_size(self.replicate_group))
+                        out.div_(self.replicate_world)
                         works.append(dist.all_reduce(out, group=self.replicate_group, async_op=True))
                 for w in works:
                     w.wait()

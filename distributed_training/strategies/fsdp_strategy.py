@@ -45,7 +45,7 @@ class FSDPStrategy(Strategy):
 
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
         self._names = ParamNames(module)  # FSDP takes the parameters out of the module
-        return FSDP(module, process_group=context.group, **self.fsdp_kwargs)
+        return FSDP(module, mesh=context.mesh, **self.fsdp_kwargs)
 
     def setup_optimizer(self, optimizer, model: FSDP) -> torch.optim.Optimizer:
         try:

@@ -77,7 +77,7 @@ class Zero1Strategy(DDPBacked, Strategy):
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
         self.context = context
         self._names = ParamNames(module)
-        return DDP(module, process_group=context.group, **self.ddp_kwargs)
+        return DDP(module, mesh=context.mesh, **self.ddp_kwargs)
 
     def setup_optimizer(self, optimizer, model: DDP) -> torch.optim.Optimizer:
         factory = require_factory(optimizer, self.name)
