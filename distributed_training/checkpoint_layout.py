@@ -172,7 +172,7 @@ def agree_on_checkpoint(manager: CheckpointManager, context,
                 meta = manager.verify(path)
                 answer = {"files": sorted(meta["checksums"]),
                           "rank_checksums": meta.get("rank_checksums", meta["checksums"]),
-                          "world_size": int(meta["world_size"])}
+                          "world_size": int(meta["world_size"]), "strategy": meta.get("strategy")}
             except (ValueError, RuntimeError, OSError, EOFError) as err:
                 warnings.warn(f"rank {rank}: skipping checkpoint {path}: {err}; falling back to an earlier one",
                               stacklevel=3)
@@ -185,27 +185,30 @@ def agree_on_checkpoint(manager: CheckpointManager, context,
             candidates[w].discard(step)
 
 
-def _needed_files(layout: DirectoryLayout, writer: int, world_size: int, saved_world: int) -> set[str]:
-    """Rank files `load_checkpoint` may read in `writer`'s directory: rank 0's (every rank reads it) and
-    its own ranks' at the same world size; every file when the world size changed (re-sharding)."""
-    if saved_world != world_size:
+def _needed_files(layout: DirectoryLayout, writer: int, world_size: int, saved_world: int, same_strategy: bool) -> set[str]:
+    """Rank files `load_checkpoint` may read in `writer`'s directory: rank 0's (replicated parameters)
+    and its own ranks' under the same strategy and world size; every file otherwise (re-sharding)."""
+    if saved_world != world_size or not same_strategy:
         return {f"rank{k}.pt" for k in range(saved_world)}
     return {"rank0.pt"} | {f"rank{r}.pt" for r in layout.ranks_of(writer)}
 
 
-def fetch_missing_files(path: str, context, layout: DirectoryLayout, inventory: dict[int, dict]) -> list[tuple]:
+def fetch_missing_files(path: str, context, layout: DirectoryLayout, inventory: dict[int, dict],
+                        strategy: str | None = None) -> list[tuple]:
     """Copy into each directory the rank files of checkpoint `path` it lacks (every rank must call this).
 
     Each missing file is sent by the lowest writer that has it to the writer of the directory that
     needs it, checked against the digest in ``rank_checksums`` and written atomically. The transfers
     run in one order that every rank computes alike, so they cannot deadlock. Returns the transfers as
-    ``(source rank, destination rank, file name)``.
+    ``(source rank, destination rank, file name)``. `strategy` is the loading strategy's name: under
+    another one than the checkpoint's, a rank may need any file.
     """
     rank = context.rank
     transfers = []
     for writer in layout.writers:
         entry = inventory[writer]
-        for name in sorted(_needed_files(layout, writer, context.world_size, entry["world_size"]) - set(entry["files"])):
+        for name in sorted(_needed_files(layout, writer, context.world_size, entry["world_size"],
+                                                entry.get("strategy") == strategy) - set(entry["files"])):
             sources = [w for w in layout.writers if name in inventory[w]["files"]]
             if not sources:
                 raise RuntimeError(

@@ -1,9 +1,12 @@
 """The trainer's checkpoints: save, load, resume (agreed across nodes), and hyperparameters that changed.
 
-A mixin of `DistributedTrainer`. What each strategy saves is the strategy's business (its model and
-optimizer state, `rank_state`, `shared_state`); this module decides where it goes, checks it, and
-puts the trainer's own position (step, epoch, data position, schedule, RNG streams) next to it.
-The file format and its crash-proofing are in `distributed_training.checkpoint`.
+A mixin of `DistributedTrainer`. Every strategy's state is saved in one format: the strategy says
+which pieces of the full parameters and optimizer state this rank holds (`Strategy.state_layout`),
+`distributed_training.checkpoint_shards` writes and reads them, so a checkpoint loads under any
+strategy at any world size. Besides, each rank saves its RNG streams, its buffers and what its
+strategy keeps per rank (`rank_state`, e.g. compression residuals), and rank 0 puts the trainer's
+position (step, epoch, data position, schedule) and the index of the pieces in ``meta.pt``. The
+files and their crash-proofing are in `distributed_training.checkpoint`.
 """
 
 from __future__ import annotations
@@ -19,14 +22,12 @@ import torch.distributed as dist
 from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, load_file, read_meta, rng_state,
                          save_file, set_rng_state, write_meta)
 from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
+from .checkpoint_shards import FORMAT, Sources, build_index, check_shapes, pack, summary, unpack_optimizer, unpack_params
 from .logs import get_logger
 
 __all__ = ["Checkpointing"]
 
 log = get_logger()
-
-# The checkpoint format of each strategy name, for checkpoints written before meta.pt recorded it.
-_FORMAT_OF_NAME = {"ddp": "replicated", "zero1": "zero1", "zero2": "fsdp", "zero3": "fsdp", "fsdp": "fsdp"}
 
 # Suffixes of single-file checkpoints, which a checkpoint directory's name should not look like.
 _FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
@@ -82,7 +83,7 @@ class Checkpointing:
         if found is None or int(found[1]["step"]) <= self.step:
             return None
         if found[2] is not None:  # a directory per node: bring each node the rank files it lacks
-            fetch_missing_files(found[0], self.context, self._layout(found[0]), found[2])
+            fetch_missing_files(found[0], self.context, self._layout(found[0]), found[2], self.strategy.name)
         self.load_checkpoint(found[0])
         if ctx.is_main:
             log.info("resumed from step %d (%s)", self.step, found[0])
@@ -148,22 +149,20 @@ class Checkpointing:
                        f"rank plus meta.pt), not a single {suffix} file; name it without a suffix, e.g. "
                        f"{path[:-len(suffix)]!r}, and load it with load_checkpoint")
             warnings.warn(message, stacklevel=2)
-        part: dict[str, Any] = {"rng": rng_state()}
+        held = self.strategy.state_layout(self.model, self.optimizer)
+        packed = pack(held, self.optimizer)
+        part: dict[str, Any] = {"rng": rng_state(), **packed}
         part.update(self.strategy.rank_state(self.model))  # e.g. error-feedback residuals, which differ by rank
-        if self.strategy.sharded_checkpoint:
-            part.update(self.strategy.sharded_state(self.model, self.optimizer))
-        elif ctx.is_main:
-            part["model"] = self.strategy.model_state_dict(self.model)
-            part["optimizer"] = self.strategy.optimizer_state_dict(self.optimizer)
-        if "model" not in part:
-            # Buffers (BatchNorm's running statistics) are updated by each rank from its own data: the
-            # other ranks' are state too. (Rank 0's are in the model; FSDP's shards carry every rank's.)
-            part["buffers"] = {k: b.detach().cpu().clone() for k, b in self.module.named_buffers()}
+        # Buffers (BatchNorm's running statistics) are updated by each rank from its own data: every
+        # rank's are state.
+        part["buffers"] = {k: b.detach().cpu().clone() for k, b in self.module.named_buffers()}
         digest = save_file(part, os.path.join(path, f"rank{ctx.rank}.pt"))
-        digests = [digest]
+        mine = (digest, summary(packed))
+        every = [mine]
         if ctx.world_size > 1:
-            digests = [None] * ctx.world_size
-            dist.all_gather_object(digests, digest, group=ctx.group)
+            every = [None] * ctx.world_size
+            dist.all_gather_object(every, mine, group=ctx.group)
+        digests = [d for d, _ in every]
         layout = self._layout(path)
         if layout.writer_of[ctx.rank] == ctx.rank:  # rank 0, or each node's first rank with a directory per node
             meta = {
@@ -175,7 +174,9 @@ class Checkpointing:
                 "loss_scaler": self.precision.state_dict() or None,  # the fp16 scaler's state
                 "world_size": ctx.world_size,
                 "strategy": self.strategy.name,
-                "checkpoint_format": self.strategy.checkpoint_format,
+                "checkpoint_format": FORMAT,
+                "shapes": held.shapes,
+                "index": build_index([sm for _, sm in every], packed["param_groups"]),
                 "config": self.config,
                 "optimizer_hparams": self._configured_hparams,
                 "fit": dict(self._fit_limits),
@@ -186,8 +187,21 @@ class Checkpointing:
             write_meta(meta, path)
         ctx.barrier()
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """The model's state for inference or another tool, whatever the strategy: on rank 0 the plain
+        module's ``state_dict()`` (same keys, full tensors on the CPU), ``{}`` on the other ranks.
+        Collective (a sharded strategy gathers the parameters unit by unit): call it on every rank."""
+        state = self.strategy.model_state_dict(self.model)
+        if not self.context.is_main:
+            return {}
+        return {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore what `save_checkpoint` wrote, at this world size or (ZeRO/FSDP) any other.
+        """Restore what `save_checkpoint` wrote, under any strategy at any world size (a DDP checkpoint
+        loads under ZeRO-3 at another world size, and back): each rank reads only the files holding
+        the pieces of parameters and optimizer state it now needs. What only the writing strategy
+        understands (DDP's bucket layout, compression residuals) comes back under the same strategy
+        and world size; otherwise it starts afresh.
 
         Every file read, ``meta.pt`` included, is checked against its checksum before it is loaded; a
         corrupt one raises `CheckpointCorruptError` naming it. RNG states are restored when the world
@@ -203,14 +217,12 @@ class Checkpointing:
         if not os.path.isfile(meta_path) and not os.path.isfile(path):
             raise FileNotFoundError(f"rank {ctx.rank}: {meta_path!r} does not exist: not a complete checkpoint")
         meta = read_meta(path)
-        saved_format = meta.get("checkpoint_format") or _FORMAT_OF_NAME.get(meta.get("strategy"))
-        if saved_format is not None and saved_format != self.strategy.checkpoint_format:
-            # Until one format serves every strategy (issue 13), say so instead of failing on a missing key.
+        if meta.get("checkpoint_format") != FORMAT:
             raise CheckpointMismatchError(
-                f"checkpoint {path!r} was written by strategy {meta.get('strategy')!r}, whose checkpoint format "
-                f"({saved_format}) strategy {self.strategy.name!r} cannot read yet: resume with strategy "
-                f"{meta.get('strategy')!r}, or start a new run (another checkpoint directory, or resume=False / "
-                "dtrain --no-resume); trainer.full_state_dict() of the old run loads into any strategy")
+                f"checkpoint {path!r} was written by an earlier version of distributed_training (format "
+                f"{meta.get('checkpoint_format', 'per strategy')!r}; this version reads {FORMAT!r}): resume it with "
+                "the version that wrote it, or start a new run (another checkpoint directory, or resume=False / "
+                "dtrain --no-resume)")
         saved_optimizer = (meta.get("config") or {}).get("optimizer")
         if saved_optimizer is not None and saved_optimizer != self.config["optimizer"]:
             raise CheckpointMismatchError(f"checkpoint {path!r} holds the state of a {saved_optimizer} optimizer, and this trainer's "
@@ -226,29 +238,31 @@ class Checkpointing:
                 cache[k] = load_file(os.path.join(path, name), meta.get("rank_checksums", meta["checksums"]).get(name))
             return cache[k]
 
+        same_world = old_world == ctx.world_size
         try:
-            if self.strategy.sharded_checkpoint:
-                self.strategy.load_sharded_state(self.model, self.optimizer, read, int(meta["world_size"]))
-            else:
-                state = read(0)
-                if "model" not in state:
-                    raise ValueError("rank0.pt holds no model: the checkpoint was written by a sharded strategy")
-                self.strategy.load_model_state_dict(self.model, state["model"])
-                self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
-            own = read(ctx.rank) if ctx.rank < old_world else {}
-            if "buffers" in own:
-                buffers = dict(self.module.named_buffers())
-                with torch.no_grad():
-                    for key, value in own["buffers"].items():
-                        buffers[key].copy_(value)
+            held = self.strategy.state_layout(self.model, self.optimizer)
+            check_shapes(meta["shapes"], held.shapes)
+            sources = Sources(read, ctx.rank if ctx.rank < old_world else 0)
+            unpack_params(held, meta["index"], sources)
+            unpack_optimizer(held, self.optimizer, meta["index"], sources)
+            # Each rank's own buffers; a rank the saving job did not have takes rank 0's.
+            saved_buffers = sources.pick([ctx.rank] if ctx.rank < old_world else [0])["buffers"]
+            buffers = dict(self.module.named_buffers())
+            if set(saved_buffers) != set(buffers):
+                raise ValueError(f"buffers missing from the checkpoint {sorted(set(buffers) - set(saved_buffers))[:5]}, "
+                                 f"in it but not in this model {sorted(set(saved_buffers) - set(buffers))[:5]}")
+            with torch.no_grad():
+                for key, value in saved_buffers.items():
+                    buffers[key].copy_(value)
         except CheckpointCorruptError:
             raise
         except (RuntimeError, ValueError, KeyError) as err:
             raise type(err)(f"checkpoint {path!r} does not fit this model: {err}") from None
-        if int(meta["world_size"]) == ctx.world_size:
-            self.strategy.load_shared_state(self.model, meta)
+        if same_world:
             set_rng_state(read(ctx.rank)["rng"])
-            self.strategy.load_rank_state(self.model, read(ctx.rank))
+            if meta.get("strategy") == self.strategy.name:  # what only the same strategy understands
+                self.strategy.load_shared_state(self.model, meta)
+                self.strategy.load_rank_state(self.model, read(ctx.rank))
         else:
             warnings.warn(f"checkpoint {path!r} was written by {meta['world_size']} ranks: RNG states not restored")
         changes = self._apply_changed_hyperparameters(meta)

@@ -5,8 +5,9 @@ wrapper exposes (`setup_optimizer`), how to skip gradient synchronisation during
 (`no_sync`), how to run backward and the optimizer step through a precision object (`backward`,
 `optimizer_step`: autocast, loss scaling and skipping on overflow belong to `distributed_training.amp`;
 the step's order, unscale then clip then step, to the strategy), which gradients this rank holds
-(`gradients`), how to clip by the *global* gradient norm (`clip_grad_norm`), how to save and restore
-model and optimizer state (`model_state_dict`, `sharded_state`, ...) and what else a checkpoint must
+(`gradients`), how to clip by the *global* gradient norm (`clip_grad_norm`), what it holds of the
+model and optimizer state (`state_layout`: pieces of the full tensors, which checkpoints save and load
+in one format; `model_state_dict`: the full model) and what else a checkpoint must
 carry (`rank_state`: this rank's, e.g. compression residuals; `shared_state`: the same on every
 rank, e.g. DDP's bucket layout), what its communication cost (`measure_communication`,
 `pop_communication_metrics`), and what its memory layout is to the planner (`planner_kind`,
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 import torch
 from torch import nn
 
+from ..checkpoint_shards import StateLayout, whole_tensors
 from ..runtime import DistributedContext
 
 if TYPE_CHECKING:  # strategies sit below amp: they call a precision object, never build one
@@ -91,14 +93,9 @@ class Strategy(abc.ABC):
     """Base class of DDP, FSDP and ZeRO strategies."""
 
     name: str = "strategy"
-    #: True when each rank saves its own part of the state (`sharded_state`); False when rank 0 saves
-    #: the full model and optimizer state (`model_state_dict` / `optimizer_state_dict`).
-    sharded_checkpoint: bool = False
     #: True when the wrapped model's forward runs collectives (FSDP gathers parameters): every rank must
     #: then run the same number of forwards, evaluation included.
     collective_forward: bool = False
-    #: Which strategies can read each other's checkpoints (same format: any world size).
-    checkpoint_format: str = "replicated"
 
     @abc.abstractmethod
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
@@ -170,20 +167,19 @@ class Strategy(abc.ABC):
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         self.unwrap(model).load_state_dict(state)
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)
-
-    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """This rank's part of the checkpoint (sharded strategies)."""
-        raise TypeError(f"strategy '{self.name}' writes full checkpoints, not sharded ones")
-
-    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                           read: Callable[[int], dict[str, Any]], old_world: int) -> None:
-        """Load a sharded checkpoint written by `old_world` ranks; `read(k)` returns rank k's part."""
-        raise TypeError(f"strategy '{self.name}' reads full checkpoints, not sharded ones")
+    def state_layout(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> StateLayout:
+        """What this rank holds of the parameters and of the optimizer's state, as pieces of the full
+        tensors (see `distributed_training.checkpoint_shards`): what checkpoints save and load, in one
+        format for every strategy. Here: whole replicated tensors, which rank 0 writes."""
+        module = self.unwrap(model)
+        named = list(module.named_parameters())
+        group = getattr(model, "process_group", None)
+        first = not torch.distributed.is_initialized() or torch.distributed.get_rank(group) == 0
+        name_of = {id(p): name for name, p in named}
+        held = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+        return StateLayout(shapes={name: tuple(p.shape) for name, p in named},
+                           params=whole_tensors(named, first),
+                           optimizer=whole_tensors([(name_of[id(p)], p) for p in held], first))
 
     def rank_state(self, model: nn.Module) -> dict[str, Any]:
         """What this rank alone must checkpoint besides model and optimizer (keys of ``rank<r>.pt``)."""

@@ -9,16 +9,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint_shards import Holding, StateLayout, flat_pieces
 from ..runtime import DistributedContext
 from .base import ParamNames, Strategy, check_optimizer_params, require_factory
 from .fsdp import FSDP
-from .sharded_optim import load_sharded_optimizer_state, sharded_optimizer_state
 
 __all__ = ["FSDPStrategy"]
 
@@ -31,9 +30,7 @@ class FSDPStrategy(Strategy):
     """
 
     name = "fsdp"
-    sharded_checkpoint = True
     collective_forward = True
-    checkpoint_format = "fsdp"
 
     def __init__(self, **fsdp_kwargs: Any) -> None:
         self.fsdp_kwargs = fsdp_kwargs
@@ -78,23 +75,19 @@ class FSDPStrategy(Strategy):
     def load_model_state_dict(self, model: FSDP, state: dict[str, Any]) -> None:
         model.load_full_state_dict(state)
 
-    def _keys(self, model: FSDP, optimizer: torch.optim.Optimizer) -> tuple[list[str], list[int]]:
-        """Unit names and lengths of the shards the optimizer holds, in its order (a factory may leave
-        out frozen shards)."""
-        units = {id(u.shard): u for u in model._units if u.padded}
-        held = [units[id(p)] for group in optimizer.param_groups for p in group["params"]]
-        return [u.name for u in held], [u.numel for u in held]
-
-    def sharded_state(self, model: FSDP, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        keys, _ = self._keys(model, optimizer)
-        return {"model": model.sharded_state_dict(), "optimizer": sharded_optimizer_state(optimizer, keys)}
-
-    def load_sharded_state(self, model: FSDP, optimizer, read: Callable[[int], dict], old_world: int) -> None:
-        # Buffers are per-rank state (see FSDP.load_sharded_state_dict); `read` is indexed by global
-        # rank, which under hybrid sharding is not the shard rank.
-        rank = dist.get_rank(model.process_group)
-        buffers = read(rank if rank < old_world else 0)["model"]["buffers"]
-        model.load_sharded_state_dict(lambda k: read(k)["model"], buffers=buffers)
-        keys, numels = self._keys(model, optimizer)
-        load_sharded_optimizer_state(optimizer, keys, numels, lambda k: read(k)["optimizer"],
-                                     read(0)["model"]["world_size"], model.shard_world, model.shard_rank)
+    def state_layout(self, model: FSDP, optimizer: torch.optim.Optimizer | None) -> StateLayout:
+        """Each unit's shard holds a slice of the unit's flat vector: pieces of the parameters it
+        concatenates. Every rank writes its shards (under hybrid sharding, replicas write alike, so
+        that each node's directory holds what its ranks need)."""
+        holdings, shapes = {}, {}
+        for unit in model._units:
+            for info in unit.infos:
+                shapes[info.fqns[0]] = tuple(info.shape)
+            if unit.padded == 0:
+                continue
+            size = unit.padded // model.shard_world
+            lo = model.shard_rank * size
+            members = [(info.fqns[0], info.offset, info.numel) for info in unit.infos]
+            holdings[id(unit.shard)] = Holding(unit.shard, flat_pieces(members, lo, lo + size))
+        held = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+        return StateLayout(shapes=shapes, params=list(holdings.values()), optimizer=[holdings[id(p)] for p in held])

@@ -10,18 +10,18 @@ rank's updated slice back into the parameters.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..comm.sharded import all_gather_flat, shard_size
+from ..checkpoint_shards import Holding, StateLayout, flat_pieces, whole_tensors
 from ..runtime import DistributedContext
 from .base import ParamNames, Strategy, check_optimizer_params, require_factory
 from .ddp import DDP
 from .ddp_strategy import DDPBacked
-from .sharded_optim import load_sharded_optimizer_state, sharded_optimizer_state
 
 __all__ = ["Zero1Strategy"]
 
@@ -64,8 +64,6 @@ class Zero1Strategy(DDPBacked, Strategy):
     """
 
     name = "zero1"
-    sharded_checkpoint = True
-    checkpoint_format = "zero1"
 
     def planner_kind(self) -> str:
         return "zero1"
@@ -117,16 +115,16 @@ class Zero1Strategy(DDPBacked, Strategy):
             if w is not None:
                 w.wait()
 
-    def sharded_state(self, model: DDP, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        keys = [str(i) for i in range(len(self.groups))]
-        state = {"optimizer": sharded_optimizer_state(optimizer, keys), "world_size": dist.get_world_size(self.process_group)}
-        if dist.get_rank(self.process_group) == 0:
-            state["model"] = self.model_state_dict(model)
-        return state
-
-    def load_sharded_state(self, model: DDP, optimizer, read: Callable[[int], dict], old_world: int) -> None:
-        self.load_model_state_dict(model, read(0)["model"])
-        keys = [str(i) for i in range(len(self.groups))]
-        load_sharded_optimizer_state(optimizer, keys, [g.numel for g in self.groups], lambda k: read(k)["optimizer"],
-                                     read(0)["world_size"], dist.get_world_size(self.process_group),
-                                     dist.get_rank(self.process_group))
+    def state_layout(self, model: DDP, optimizer: torch.optim.Optimizer | None) -> StateLayout:
+        """Parameters are replicated (rank 0 writes them whole); each rank's optimizer shard is a slice
+        of a flat group of parameters: pieces of them, which every rank writes."""
+        named = list(model.module.named_parameters())
+        name_of = {id(p): name for name, p in named}
+        first = dist.get_rank(model.process_group) == 0
+        shards = {}
+        for g in self.groups:
+            members = [(name_of[id(p)], offset, p.numel()) for p, offset in zip(g.params, g.offsets)]
+            shards[id(g.shard)] = Holding(g.shard, flat_pieces(members, g.lo, g.hi))
+        held = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
+        return StateLayout(shapes={name: tuple(p.shape) for name, p in named}, params=whole_tensors(named, first),
+                           optimizer=[shards[id(p)] for p in held])
