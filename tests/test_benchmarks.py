@@ -35,7 +35,8 @@ def test_smoke_runs_every_phase(tmp_path):
     for run in results["runs"]:  # every job records its machine and world size, and ran to the end
         assert run["exit"] == 0 and run["card"] == "cpu" and run["backend"] == "gloo" and "torch" in run, run
     assert set(results["phases"]) == ALL_PHASES
-    assert {name: p["status"] for name, p in results["phases"].items()} == dict.fromkeys(ALL_PHASES, "ok")
+    not_ok = {name: p for name, p in results["phases"].items() if p["status"] != "ok"}
+    assert not not_ok, json.dumps(not_ok, indent=1)[-4000:]
     ph = results["phases"]
 
     # Collectives at world 2 only: every op at every size, a finite time, the overlap in [0, 1].
@@ -97,7 +98,7 @@ def test_smoke_runs_every_phase(tmp_path):
     # The scaling model: calibrated once from this run, every multi-GPU strategy predicted, projected.
     mc = ph["model_check"]
     this = mc["this_run"]
-    assert this["status"] == "ok" and this["link"]["world"] == 2
+    assert this["status"] == "ok" and this["link"]["world"] == 2, this
     assert {c["strategy"] for c in this["checks"]} == {"ours_ddp", "zero1", "zero2", "zero3", "ddp_bf16", "ddp_topk",
                                                       "ddp_powersgd"}
     assert all(math.isfinite(c["error"]) for c in this["checks"])

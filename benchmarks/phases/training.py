@@ -64,7 +64,7 @@ def comm_only_seconds(cfg, batches, device, ctx, reps: int = 5) -> float:
 def run(ctx, opts) -> dict:
     device, world = ctx.device, ctx.world_size
     rounds = opts.rounds or (1 if opts.smoke else 2)
-    steps = opts.steps or (2 if opts.smoke else 10)
+    steps = opts.steps or (1 if opts.smoke else 10)
     warmup = 1 if opts.smoke else 3
     accum = opts.accum
     requested = [i for i in (opts.impls or ",".join(DEFAULT_IMPLS)).split(",") if i]
