@@ -1,10 +1,13 @@
-"""What every benchmark here shares: the environment record, one way to build each implementation,
-one training loop and one way to time a phase (so that ours and torch's are measured identically).
+"""What every phase of the suite shares: the environment record, one way to build each GPT
+implementation, one training loop, one way to time a phase, and the small timing helpers, so that ours
+and torch's are measured identically whatever phase measures them.
 
-Implementations (`build`): ``plain`` (no wrapper: the 1-GPU baseline), ``torch_ddp``, ``ours_ddp``,
-``zero1``, ``zero2``, ``zero3`` (ours), ``torch_fsdp2`` (`fully_shard` per block and root), and our DDP
-with a `CommunicationOptimizer`: ``ddp_bf16``, ``ddp_topk`` (1%, error feedback), ``ddp_powersgd``
-(rank 4), ``ddp_ring``, ``ddp_tree``.
+Implementations (`build`): ``plain`` (no wrapper: the 1-GPU baseline), ``torch_ddp`` and
+``torch_ddp_gav`` (torch's DDP, default and with ``gradient_as_bucket_view=True``, which ours always
+does), ``ours_ddp``, ``zero1``, ``zero2``, ``zero3`` (ours), ``torch_fsdp2`` (`fully_shard` per block
+and root), and our DDP with a `CommunicationOptimizer`: ``ddp_bf16``, ``ddp_topk`` (1%, error feedback),
+``ddp_powersgd`` (rank 4), ``ddp_ring``, ``ddp_tree``. A ``_hp`` suffix on a DDP name (``ours_ddp_hp``,
+``torch_ddp_hp``) puts its communication on an NCCL group whose streams have high priority.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import contextlib
 import gc
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -26,6 +31,7 @@ from distributed_training.comm.optimizer import CommunicationOptimizer  # noqa: 
 from distributed_training.models import GPT  # noqa: E402
 
 GIB = 2**30
+MB = 2**20
 COMPRESSED = {
     "ddp_bf16": dict(compression="bf16"),
     "ddp_topk": dict(compression="topk", compression_ratio=0.01),
@@ -33,48 +39,126 @@ COMPRESSED = {
     "ddp_ring": dict(pattern="ring"),
     "ddp_tree": dict(pattern="tree"),
 }
-IMPLS = ("plain", "torch_ddp", "ours_ddp", "zero1", "zero2", "zero3", "torch_fsdp2", *COMPRESSED)
+IMPLS = ("plain", "torch_ddp", "torch_ddp_gav", "ours_ddp", "zero1", "zero2", "zero3", "torch_fsdp2", *COMPRESSED)
 
 
-def save_figure(fig, ax, path, *, xlabel: str, ylabel: str, title: str, log2x: bool = False) -> None:
-    """Label, lay out, write and close a matplotlib figure (the suite's and model_check's plots)."""
-    import matplotlib.pyplot as plt
-
-    if log2x:
-        ax.set_xscale("log", base=2)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def environment() -> dict:
+# ------------------------------------------------------------------------------------ environment
+def environment(world_size: int | None = None) -> dict:
+    """Card, versions and driver: recorded in every results file, so a figure names its machine."""
+    cuda = torch.cuda.is_available()
     env = {
-        "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "card": torch.cuda.get_device_name() if cuda else "cpu",
+        "gpus_visible": torch.cuda.device_count() if cuda else 0,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
+        "driver": None,
     }
-    try:
-        env["driver"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20,
-        ).stdout.split()[0]
-    except Exception:
-        pass
+    if world_size is not None:
+        env["world_size"] = world_size
+    if cuda:
+        try:
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20,
+            ).stdout.split()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            pass
     return env
 
 
+def skipped(reason: str) -> dict:
+    """What a phase returns when it cannot run here (no GPU, a library missing, one rank only)."""
+    return {"status": "skipped", "reason": reason}
+
+
+def missing_modules(*names: str) -> list[str]:
+    import importlib.util
+
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
+# ---------------------------------------------------------------------------------------- timing
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def autocast(device: torch.device):
+    """bf16 autocast on GPUs; CPU runs (the smoke mode) stay in fp32, where CPU kernels are fastest."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def time_best_block(fn, device, reps: int, warmup: int = 2, blocks: int = 3) -> float:
+    """Seconds per call: the fastest of `blocks` timed blocks (noise on a shared machine only adds)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    per_block = max(1, reps // blocks)
+    for _ in range(blocks):
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(per_block):
+            fn()
+        synchronize(device)
+        best = min(best, (time.perf_counter() - t0) / per_block)
+    return best
+
+
+def time_median_ms(fn, device, repeat: int = 10) -> float:
+    """Median milliseconds of one call after one warm-up: CUDA events on a GPU, the wall clock on CPU."""
+    fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def slowest(ctx, values: list[float]) -> list[float]:
+    """Each value's maximum over ranks: a job is as slow (and needs as much memory) as its worst rank."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device(ctx))
+    if ctx.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _collective_device(ctx) -> torch.device:
+    return ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+
+
+def peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------ GPT training
 def make_batches(cfg, micro: int, seq: int, device: torch.device, rank: int, count: int = 4) -> list:
     g = torch.Generator(device=device).manual_seed(1234 + rank)
     batches = []
@@ -82,11 +166,6 @@ def make_batches(cfg, micro: int, seq: int, device: torch.device, rank: int, cou
         idx = torch.randint(0, cfg.vocab_size, (micro, seq + 1), device=device, generator=g)
         batches.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
     return batches
-
-
-def _autocast(device: torch.device):
-    # bf16 autocast on GPUs; CPU runs (the smoke mode) stay in fp32, where CPU kernels are fastest.
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def train_steps(wrapped, opt, batches, start, count, device, no_sync: bool, accum: int = 1):
@@ -98,7 +177,7 @@ def train_steps(wrapped, opt, batches, start, count, device, no_sync: bool, accu
             x, y = batches[(step * accum + micro) % len(batches)]
             skip = can_skip and (no_sync or micro < accum - 1)
             with wrapped.no_sync() if skip else contextlib.nullcontext():
-                with _autocast(device):
+                with autocast(device):
                     loss = wrapped(x, y) / accum
                 loss.backward()
         opt.step()
@@ -106,35 +185,53 @@ def train_steps(wrapped, opt, batches, start, count, device, no_sync: bool, accu
     return loss
 
 
-def build(impl: str, cfg, device, ctx):
-    """(wrapped model, optimizer) for one implementation, from a freshly seeded model."""
+def high_priority_group():
+    """An NCCL group whose streams have high priority: its kernels get SMs ahead of backward's."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return dist.new_group(backend="nccl", pg_options=options)
+
+
+def build(impl: str, cfg, device, ctx, groups: dict | None = None):
+    """(wrapped model, optimizer) for one implementation, from a freshly seeded model.
+
+    `groups` may hold ``"hp"``: the high-priority NCCL group the ``_hp`` variants use."""
+    base, hp = (impl[:-3], True) if impl.endswith("_hp") else (impl, False)
+    group = None
+    if hp:
+        if not groups or groups.get("hp") is None:
+            raise ValueError(f"{impl!r} needs the high-priority NCCL group (groups['hp']): NCCL only")
+        group = groups["hp"]
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(cfg)
     fused = device.type == "cuda"
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=fused)  # noqa: E731
-    if impl == "plain":
+    if base == "plain":
         return model, adamw(model.parameters())
-    if impl == "torch_ddp":
+    if base in ("torch_ddp", "torch_ddp_gav"):
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if fused else None)
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if fused else None,
+                                          gradient_as_bucket_view=base == "torch_ddp_gav", process_group=group)
         return wrapped, adamw(wrapped.parameters())
-    if impl == "ours_ddp":
-        wrapped = DDP(model)
+    if base == "ours_ddp":
+        wrapped = DDP(model, process_group=group)
         return wrapped, adamw(wrapped.parameters())
-    if impl in COMPRESSED:
-        wrapped = DDP(model, communication=CommunicationOptimizer(**COMPRESSED[impl]))
+    if hp:
+        raise ValueError(f"the _hp suffix applies to torch_ddp, torch_ddp_gav and ours_ddp, not {impl!r}")
+    if base in COMPRESSED:
+        wrapped = DDP(model, communication=CommunicationOptimizer(**COMPRESSED[base]))
         return wrapped, adamw(wrapped.parameters())
-    if impl == "zero1":
+    if base == "zero1":
         strategy = Zero1Strategy()
         wrapped = strategy.setup_module(model, ctx)
         return wrapped, strategy.setup_optimizer(adamw, wrapped)
-    if impl in ("zero2", "zero3"):
-        mp = MixedPrecision(torch.bfloat16, torch.float32) if device.type == "cuda" else None
-        wrapped = FSDP(model, mixed_precision=mp, reshard_after_forward=impl == "zero3")
+    if base in ("zero2", "zero3"):
+        mp = MixedPrecision(torch.bfloat16, torch.float32) if fused else None
+        wrapped = FSDP(model, mixed_precision=mp, reshard_after_forward=base == "zero3")
         return wrapped, adamw(wrapped.parameters())
-    if impl == "torch_fsdp2":
+    if base == "torch_fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if fused else \
@@ -143,24 +240,26 @@ def build(impl: str, cfg, device, ctx):
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         return model, adamw(model.parameters())
-    raise ValueError(f"unknown implementation {impl!r} (known: {', '.join(IMPLS)})")
+    raise ValueError(f"unknown implementation {impl!r} (known: {', '.join(IMPLS)}, and *_hp for the DDPs)")
+
+
+def teardown(wrapped) -> None:
+    if isinstance(wrapped, DDP):
+        wrapped.remove_hooks()
 
 
 def run_phase(impl, cfg, batches, warmup: int, steps: int, device, ctx, base_bytes: int, *,
-              no_sync: bool = False, accum: int = 1) -> dict:
+              no_sync: bool = False, accum: int = 1, groups: dict | None = None) -> dict:
     """Build `impl`, warm up, time `steps` steps as one block (one host sync at each end, so the CPU runs
     ahead as in real training). Returns step seconds, peak bytes, bytes left after teardown, the last
     loss and, for a `CommunicationOptimizer`, the bytes this rank sent per step.
 
     The peak is counted from the memory in use before the phase, so anything an earlier phase failed
     to free is not charged to this one (and shows up as that phase's leftover)."""
-    gc.collect()
-    stale = 0
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        stale = torch.cuda.memory_allocated() - base_bytes
-    wrapped, opt = build(impl, cfg, device, ctx)
+    free_memory(device)
+    stale = allocated(device) - base_bytes
+    peak_reset(device)
+    wrapped, opt = build(impl, cfg, device, ctx, groups)
     train_steps(wrapped, opt, batches, 0, warmup, device, no_sync, accum)
     reducer = getattr(wrapped, "bucket_reducer", None)
     sent0 = getattr(reducer, "bytes_sent", None)
@@ -168,32 +267,36 @@ def run_phase(impl, cfg, batches, warmup: int, steps: int, device, ctx, base_byt
     t0 = time.perf_counter()
     loss = train_steps(wrapped, opt, batches, warmup, steps, device, no_sync, accum)
     synchronize(device)
-    step_s = (time.perf_counter() - t0) / steps
-    out = {"step_s": step_s, "peak_bytes": torch.cuda.max_memory_allocated() - stale if device.type == "cuda" else 0,
-           "loss": loss.item()}
+    out = {"step_s": (time.perf_counter() - t0) / steps, "peak_bytes": peak(device) - stale if device.type == "cuda"
+           else 0, "loss": loss.item()}
     if sent0 is not None:
         out["bytes_sent_per_step"] = (reducer.bytes_sent - sent0) / steps
-    if isinstance(wrapped, DDP):
-        wrapped.remove_hooks()
+    teardown(wrapped)
     del wrapped, opt, loss
-    gc.collect()
-    out["leftover_bytes"] = 0
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        out["leftover_bytes"] = torch.cuda.memory_allocated() - base_bytes - stale
+    free_memory(device)
+    out["leftover_bytes"] = allocated(device) - base_bytes - stale
     return out
+
+
+def run_solo(ctx, cpu_group, fn) -> dict | None:
+    """`fn()` on rank 0 alone while the other ranks wait on a CPU barrier: the 1-GPU baseline measured
+    inside a multi-GPU job, interleaved with its other phases. Returns fn's result on rank 0."""
+    result = fn() if ctx.rank == 0 else None
+    if ctx.world_size > 1:
+        dist.barrier(group=cpu_group)
+    return result
 
 
 def time_compute_and_optimizer(cfg, batches, warmup: int, steps: int, device) -> dict:
     """On the bare model: seconds of forward, of backward and of one AdamW step, each timed apart
-    (with a device sync around each), for the scaling model's calibration."""
+    (with a device sync around each): what the scaling model's calibration takes from one GPU."""
     model, opt = build("plain", cfg, device, None)
     fwd = bwd = optim = 0.0
     for i in range(warmup + steps):
         x, y = batches[i % len(batches)]
         synchronize(device)
         t0 = time.perf_counter()
-        with _autocast(device):
+        with autocast(device):
             loss = model(x, y)
         synchronize(device)
         t1 = time.perf_counter()
@@ -207,9 +310,33 @@ def time_compute_and_optimizer(cfg, batches, warmup: int, steps: int, device) ->
         if i >= warmup:
             fwd, bwd, optim = fwd + t1 - t0, bwd + t2 - t1, optim + t3 - t2
     params = sum(p.numel() for p in model.parameters())
-    units = len(model.blocks)
-    largest = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     del model, opt
-    gc.collect()
+    free_memory(device)
     return {"forward_s": fwd / steps, "backward_s": bwd / steps, "optimizer_s": optim / steps, "params": params,
-            "units": units, "largest_unit_params": largest}
+            **gpt_units(cfg)}
+
+
+def gpt_units(cfg) -> dict:
+    """Parameters, ZeRO-3 units (blocks) and the largest unit of a GPT config, counted on the meta device."""
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    params = sum(p.numel() for p in meta.parameters())
+    blocks = [sum(p.numel() for p in b.parameters()) for b in meta.blocks]
+    return {"params": params, "units": len(blocks),
+            "largest_unit_params": max(max(blocks), params - sum(blocks))}
+
+
+# ----------------------------------------------------------------------------------------- plots
+def save_figure(fig, ax, path, *, xlabel: str, ylabel: str, title: str, log2x: bool = False) -> None:
+    """Label, lay out, write and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    if log2x:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,48 +1,43 @@
-"""Our DDP and trainer against torch DDP on third-party models: step time of variants, interleaved.
+"""Third-party models: our DDP and trainer against torch DDP, step time of variants, interleaved.
 
-    torchrun --nproc_per_node=2 benchmarks/profile_models.py --models resnet50,bert --out prof.json
+Models are built from their configs (no downloaded weights): timm ResNet-50 and ViT-B/16 at 64 images of
+224x224 per GPU, Hugging Face BERT-base MLM and GPT-2 at 16x512 tokens per GPU; ``toy_cnn`` (torch only,
+the smoke run's) at 8 images of 32x32. Every variant gets its own copy of the model (same seed) and
+optimizer (AdamW, fused on GPUs, bf16 autocast on GPUs, ``zero_grad(set_to_none=True)``); variants take
+turns for `rounds` rounds of `steps` steps, and the median step time is reported with the host time
+spent issuing the steps, each thread's CPU time per step (from /proc), peak memory per variant, and
+(``--models-profile N``) a torch.profiler window of the first N variants.
 
-For each model (timm ResNet-50 / ViT-B/16, Hugging Face BERT-base MLM / GPT-2, built from configs,
-no weights), every variant gets its own copy of the model (same seed) and optimizer (fused AdamW,
-bf16 autocast, ``zero_grad(set_to_none=True)``); variants take turns for `--rounds` rounds of
-`--steps` steps, and the median step time is reported with the host time spent issuing the steps,
-each thread's CPU time per step (from /proc), peak memory per variant, and (with `--profile`) a
-torch.profiler window of the first few variants: CPU operators by self time and GPU kernel time by
-category. Rank 0 prints a table and writes the JSON.
-
-Variants (`--variants`; default: plain,torch,ours,trainer,trainer_monitor,ours_nosync):
+Variants (``--variants``; default: plain,torch,ours,trainer,trainer_monitor,ours_nosync):
   plain            the bare model, no communication
   torch            torch.nn.parallel.DistributedDataParallel (torch_view: gradient_as_bucket_view)
   ours             our DDP (ours_nobcast: broadcast_buffers=False; ours_nosync: our hooks under no_sync,
                    no communication; ours_noop: the synchronised hook path with a reducer that sends
                    nothing; ours_timed: host time of each method of the hook path)
-  trainer          DistributedTrainer(strategy="ddp", mixed_precision="bf16").train_step
+  trainer          DistributedTrainer(strategy="ddp", mixed_precision="bf16" on GPUs).train_step
   trainer_monitor  the same with a Monitor (log_dir, log_every=10), recorded as fit records each step
   trainer_zero3    DistributedTrainer(strategy="zero3").train_step
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from distributed_training import DDP, DistributedTrainer, init_distributed  # noqa: E402
+from common import GIB, allocated, autocast, free_memory, missing_modules, peak, peak_reset, skipped, synchronize
 
 DEFAULT_VARIANTS = "plain,torch,ours,trainer,trainer_monitor,ours_nosync"
+GPU_MODELS = "resnet50,bert,vit,gpt2"
+SMOKE_MODELS = "toy_cnn"
+NEEDS = {"resnet50": "timm", "vit": "timm", "bert": "transformers", "gpt2": "transformers", "toy_cnn": None}
 TIMERS: dict = defaultdict(lambda: [0.0, 0, 0.0])  # name -> [seconds, calls, max seconds] (ours_timed)
 
 
@@ -62,8 +57,10 @@ def _timed(name, fn):
 
 
 def _thread_cpu() -> dict:
-    """{tid: (name, cpu seconds)} for every thread of this process, from /proc."""
+    """{tid: (name, cpu seconds)} for every thread of this process, from /proc (empty elsewhere)."""
     out = {}
+    if not os.path.isdir("/proc/self/task"):
+        return out
     tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -81,6 +78,13 @@ def build(name: str, device):
     """(model, batch, criterion) for a model built from its config, with no downloaded weights.
 
     `criterion` is None for the Hugging Face models, whose forward returns the loss from `labels`."""
+    if name == "toy_cnn":
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(4),
+            torch.nn.Flatten(), torch.nn.Linear(256, 10))
+        x = torch.randn(8, 3, 32, 32, device=device)
+        return model.to(device), (x, torch.randint(0, 10, (8,), device=device)), F.cross_entropy
     if name in ("resnet50", "vit"):
         import timm
 
@@ -93,9 +97,11 @@ def build(name: str, device):
     if name == "bert":
         cfg = transformers.BertConfig()
         model = transformers.BertForMaskedLM(cfg)
-    else:
+    elif name == "gpt2":
         cfg = transformers.GPT2Config()
         model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        raise ValueError(f"unknown model {name!r} (known: {', '.join(NEEDS)})")
     ids = torch.randint(0, cfg.vocab_size, (16, 512), device=device)
     return model.to(device), {"input_ids": ids, "labels": ids}, None
 
@@ -110,25 +116,33 @@ class Variant:
     """One way of running a step: a wrapper + optimizer, or a trainer."""
 
     def __init__(self, name: str, model, ctx, log_dir: str):
+        from distributed_training import DistributedTrainer
+
         self.name = name
+        self.device = ctx.device
         self.trainer = None
-        factory = lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)  # noqa: E731
+        fused = ctx.device.type == "cuda"
+        factory = lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=fused)  # noqa: E731
         if name.startswith("trainer"):
             self.trainer = DistributedTrainer(
-                model, factory, strategy="zero3" if name == "trainer_zero3" else "ddp", mixed_precision="bf16",
-                context=ctx, log_dir=os.path.join(log_dir, name) if name == "trainer_monitor" else None,
-                log_every=10, progress=False)
+                model, factory, strategy="zero3" if name == "trainer_zero3" else "ddp",
+                mixed_precision="bf16" if fused else None, context=ctx,
+                log_dir=os.path.join(log_dir, name) if name == "trainer_monitor" else None, log_every=10,
+                progress=False)
             return
         self.wrapped = self._wrap(model, ctx.device)
         self.opt = factory(model.parameters())
 
     def _wrap(self, model, device):
+        from distributed_training import DDP
+
         v = self.name
         if v == "plain":
             return model
         if v.startswith("torch"):
             return torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index], gradient_as_bucket_view=v == "torch_view")
+                model, device_ids=[device.index] if device.type == "cuda" else None,
+                gradient_as_bucket_view=v == "torch_view")
         if v == "ours_noop":
             from distributed_training.comm.reduce import CompletedWork
 
@@ -148,13 +162,15 @@ class Variant:
                 self.trainer._record_step(batch, metrics, step_time=time.perf_counter() - start, data_time=0.0)
             return
         with self.wrapped.no_sync() if self.name == "ours_nosync" else contextlib.nullcontext():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with autocast(self.device):
                 loss = loss_of(self.wrapped, batch, criterion)
             loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
     def close(self) -> None:
+        from distributed_training import DDP
+
         if self.trainer is not None:
             self.trainer.close()
         elif isinstance(self.wrapped, DDP):
@@ -172,56 +188,61 @@ def category(name: str) -> str:
     return "other"
 
 
-def measure(model_name, variants, ctx, args, log_dir):
+def measure(model_name, variants, ctx, opts, log_dir, rounds, steps) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    device = ctx.device
     # Peak memory of a variant alone = what it keeps between steps (model, wrapper buffers, optimizer
     # state, gradients left set) + the most a step adds on top; every variant's model stays resident.
-    runs, resident, peak = {}, {}, {}
+    runs, resident, peak_gib = {}, {}, {}
+    batch = criterion = None
     for v in variants:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
+        synchronize(device)
+        before = allocated(device)
         torch.manual_seed(0)
-        model, batch, criterion = build(model_name, ctx.device)
+        model, batch, criterion = build(model_name, device)
         runs[v] = Variant(v, model, ctx, log_dir)
-        for _ in range(3):
+        for _ in range(3 if not opts.smoke else 1):
             runs[v].step(batch, criterion)
-        torch.cuda.synchronize()
-        resident[v] = torch.cuda.memory_allocated() - before
+        synchronize(device)
+        resident[v] = allocated(device) - before
     times, host = defaultdict(list), defaultdict(list)
     thread_cpu = defaultdict(lambda: defaultdict(float))
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for v in variants:
             run = runs[v]
-            for _ in range(3):
+            for _ in range(3 if not opts.smoke else 1):
                 run.step(batch, criterion)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            allocated = torch.cuda.memory_allocated()
+            synchronize(device)
+            peak_reset(device)
+            in_use = allocated(device)
             if v == "ours_timed":
                 TIMERS.clear()  # the timed steps of the last round only
             before = _thread_cpu()
             t0 = time.perf_counter()
             issued = 0.0
-            for _ in range(args.steps):
+            for _ in range(steps):
                 h0 = time.perf_counter()
                 run.step(batch, criterion)
                 issued += time.perf_counter() - h0
-            torch.cuda.synchronize()
-            times[v].append((time.perf_counter() - t0) / args.steps * 1e3)
-            host[v].append(issued / args.steps * 1e3)
-            transient = torch.cuda.max_memory_allocated() - allocated
-            peak[v] = max(peak.get(v, 0.0), (resident[v] + transient) / 2**30)
+            synchronize(device)
+            times[v].append((time.perf_counter() - t0) / steps * 1e3)
+            host[v].append(issued / steps * 1e3)
+            transient = peak(device) - in_use if device.type == "cuda" else 0
+            peak_gib[v] = max(peak_gib.get(v, 0.0), (resident[v] + transient) / GIB)
             for tid, (name, cpu) in _thread_cpu().items():
                 used = cpu - before.get(tid, (name, 0.0))[1]
                 if used > 0:
-                    thread_cpu[v][name] += used / args.steps / args.rounds * 1e3
+                    thread_cpu[v][name] += used / steps / rounds * 1e3
     profiles = {}
-    for v in variants[: args.profile]:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for v in variants[: opts.models_profile]:
         run = runs[v]
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        synchronize(device)
+        with profile(activities=activities) as prof:
             for _ in range(3):
                 run.step(batch, criterion)
-            torch.cuda.synchronize()
+            synchronize(device)
         cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:18]
         kernels = defaultdict(float)
         for e in prof.events():
@@ -235,9 +256,8 @@ def measure(model_name, variants, ctx, args, log_dir):
     out = {"step_ms_median": median, "step_ms_all": dict(times),
            "host_ms_median": {v: statistics.median(t) for v, t in host.items()},
            "thread_cpu_ms_per_step": {v: dict(t) for v, t in thread_cpu.items()},
-           "peak_gib_per_variant": peak, "profiles": profiles,
-           "timers": {k: {"ms_per_step": e[0] / args.steps * 1e3, "calls_per_step": e[1] / args.steps,
-                          "max_ms": e[2] * 1e3}
+           "peak_gib_per_variant": peak_gib, "profiles": profiles,
+           "timers": {k: {"ms_per_step": e[0] / steps * 1e3, "calls_per_step": e[1] / steps, "max_ms": e[2] * 1e3}
                       for k, e in TIMERS.items()}}
     if "torch" in median:
         out["speed_vs_torch"] = {v: median["torch"] / t for v, t in median.items()}
@@ -246,7 +266,7 @@ def measure(model_name, variants, ctx, args, log_dir):
         for v in variants:
             ratio = f"  x{out['speed_vs_torch'][v]:.3f} of torch" if "speed_vs_torch" in out else ""
             print(f"  {v:16s} step {median[v]:7.2f} ms   host {out['host_ms_median'][v]:7.2f} ms   "
-                  f"peak {peak[v]:5.1f} GiB{ratio}")
+                  f"peak {peak_gib[v]:5.1f} GiB{ratio}")
         for k, e in out["timers"].items():
             print(f"  timer {k:24s} {e['ms_per_step']:7.3f} ms/step  {e['calls_per_step']:6.1f} calls")
         for v, p in profiles.items():
@@ -255,34 +275,26 @@ def measure(model_name, variants, ctx, args, log_dir):
     for run in runs.values():
         run.close()
     del runs
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory(device)
     return out
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--models", default="resnet50,bert,vit,gpt2")
-    p.add_argument("--variants", default=DEFAULT_VARIANTS)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--profile", type=int, default=0, help="profile the first N variants")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    ctx = init_distributed()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    variants = args.variants.split(",")
-    result = {"card": torch.cuda.get_device_name(), "world_size": ctx.world_size, "torch": torch.__version__,
-              "nccl": ".".join(map(str, torch.cuda.nccl.version())), "variants": variants, "models": {}}
-    log_dir = tempfile.mkdtemp(prefix="profile-models-")
-    for name in args.models.split(","):
-        result["models"][name] = measure(name, variants, ctx, args, log_dir)
-    if ctx.is_main and args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    ctx.shutdown()
-
-
-if __name__ == "__main__":
-    main()
+def run(ctx, opts) -> dict:
+    if ctx.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    variants = [v for v in (opts.variants or DEFAULT_VARIANTS).split(",") if v]
+    rounds = opts.rounds or (1 if opts.smoke else 3)
+    steps = opts.steps or (2 if opts.smoke else 10)
+    result = {"status": "ok", "variants": variants, "rounds": rounds, "steps": steps,
+              "precision": "bf16 autocast, fused AdamW" if ctx.device.type == "cuda" else "fp32 (CPU)", "models": {}}
+    log_dir = tempfile.mkdtemp(prefix="suite-models-")
+    for name in (opts.third_party or (SMOKE_MODELS if opts.smoke else GPU_MODELS)).split(","):
+        if name not in NEEDS:
+            raise ValueError(f"models: unknown model {name!r} (known: {', '.join(NEEDS)})")
+        missing = missing_modules(NEEDS[name]) if NEEDS[name] else []
+        if missing:
+            result["models"][name] = skipped(f"{missing[0]} is not installed")
+            continue
+        result["models"][name] = measure(name, variants, ctx, opts, log_dir, rounds, steps)
+    return result

@@ -1,0 +1,45 @@
+"""The suite's phases. Each module has `run(ctx, opts) -> dict` (a worker phase, run by every rank of a
+torchrun job; rank 0's dict is recorded) or `run(results, opts) -> dict` (an offline phase, run by the
+orchestrator on what the workers recorded). A phase that cannot run here returns `common.skipped(reason)`.
+
+`WORLDS` says at which world sizes of the suite's run a worker phase runs:
+``one`` (world 1 only: single-device measurements), ``multi`` (every world >= 2), ``all``, ``top``
+(the largest world only); ``offline`` phases run once, after the workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A phase: its module (imported when it runs), where it runs and one line on what it measures."""
+
+    name: str
+    worlds: str
+    summary: str
+
+    def runs_at(self, world: int, top: int) -> bool:
+        return {"one": world == 1, "multi": world >= 2, "all": True, "top": world == top,
+                "offline": False}[self.worlds]
+
+    def module(self):
+        import importlib
+
+        return importlib.import_module(f"phases.{self.name}")
+
+
+PHASES = {p.name: p for p in (
+    Phase("collectives", "multi", "NCCL's all-reduce/all-gather/reduce-scatter vs our ring/tree/hierarchical and "
+          "compressed reductions over a range of sizes; all-reduce beside a matmul (overlap)"),
+    Phase("training", "all", "GPT: our DDP / ZeRO-1/2/3 / compressed DDP vs torch DDP and FSDP2, interleaved in one "
+          "job; the 1-GPU baseline, no_sync (compute-only) and comm-only steps"),
+    Phase("models", "multi", "timm / Hugging Face models: our DDP and trainer vs torch DDP, interleaved"),
+    Phase("precision", "top", "our trainer (DDP) in fp32, bf16 and fp16 (our loss scaler): step time, memory, loss"),
+    Phase("topk", "one", "Top-K compression's selection (exact, chunked, sampled) per bucket and per step"),
+    Phase("profiling", "top", "where a DDP step's time goes: kernel (GPU) or operator (CPU) time by category"),
+    Phase("monitor", "one", "the monitor's cost: the trainer with and without log_dir, interleaved"),
+    Phase("model_check", "offline", "the scaling model calibrated and checked on this run's collectives and "
+          "training, projected to 256 GPUs; and on recorded DDP runs"),
+)}

@@ -1,0 +1,85 @@
+"""Where a DDP step's time goes, under torch.profiler: for ``plain`` (no wrapper, no communication),
+``ours_nosync`` (our hooks, no communication), ``ours`` and ``torch`` (their DDPs), a few steps after
+warm-up, time summed by category (matmul, attention, comm, copy: gradient copies into buckets and other
+copies, optimizer, other). On GPUs the categories sum CUDA kernel time; on CPU (the smoke run), operators'
+self CPU time. Also the host time of our hooks, and the heaviest kernels/operators."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from common import build, free_memory, make_batches, synchronize, teardown, train_steps
+
+CATEGORIES = (
+    ("comm", ("nccl", "gloo", "c10d", "allreduce", "all_reduce", "broadcast")),
+    ("optimizer", ("adam", "multi_tensor", "_foreach")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("copy", ("copy", "memcpy", "cat", "fill")),
+)
+IMPLS = {"plain": ("plain", False), "ours_nosync": ("ours_ddp", True), "ours": ("ours_ddp", False),
+         "torch": ("torch_ddp", False)}
+GPU_MODEL = ("gpt-1.3b", 8, 1024)
+SMOKE_MODEL = ("tiny", 4, 32)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def run(ctx, opts) -> dict:
+    from distributed_training.models import GPT_PRESETS
+
+    device = ctx.device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    preset, micro, seq = (opts.models or [SMOKE_MODEL if opts.smoke else GPU_MODEL])[-1]
+    cfg = GPT_PRESETS[preset]
+    steps = 1 if opts.smoke else 3
+    batches = make_batches(cfg, micro, seq, device, ctx.rank, count=1)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    report = {}
+    for name, (impl, no_sync) in IMPLS.items():
+        wrapped, opt = build(impl, cfg, device, ctx)
+        train_steps(wrapped, opt, batches, 0, 1 if opts.smoke else 3, device, no_sync)
+        synchronize(device)
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            train_steps(wrapped, opt, batches, 0, steps, device, no_sync)
+            synchronize(device)
+            wall = (time.perf_counter() - t0) / steps
+        by_cat: dict[str, float] = defaultdict(float)
+        top: dict[str, float] = defaultdict(float)
+        if cuda:
+            for evt in prof.events():
+                if evt.device_type == torch.autograd.DeviceType.CUDA:
+                    by_cat[category(evt.name)] += evt.device_time_total / 1e3 / steps
+                    top[evt.name[:90]] += evt.device_time_total / 1e3 / steps
+        else:
+            for evt in prof.key_averages():
+                by_cat[category(evt.key)] += evt.self_cpu_time_total / 1e3 / steps
+                top[evt.key[:90]] += evt.self_cpu_time_total / 1e3 / steps
+        hook_cpu = sum(e.cpu_time_total for e in prof.key_averages() if "hook" in e.key.lower()) / 1e3 / steps
+        report[name] = {"wall_ms_profiled": wall * 1e3, "ms_by_category": dict(by_cat),
+                        "top_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:12]), "python_hook_cpu_ms": hook_cpu}
+        teardown(wrapped)
+        del wrapped, opt
+        free_memory(device)
+    if ctx.is_main:
+        cats = ["matmul", "attention", "comm", "copy", "optimizer", "other"]
+        print(f"[profiling] {'impl':12s} {'wall':>7s} " + " ".join(f"{c:>9s}" for c in cats) +
+              f"   (ms per step; {'kernel' if cuda else 'CPU operator self'} time)")
+        for name, r in report.items():
+            k = r["ms_by_category"]
+            print(f"[profiling] {name:12s} {r['wall_ms_profiled']:7.1f} " + " ".join(f"{k.get(c, 0.0):9.1f}" for c in cats))
+    return {"status": "ok", "model": preset, "micro_batch": micro, "seq": seq, "steps": steps,
+            "time_kind": "CUDA kernel time" if cuda else "CPU operator self time", "report": report}

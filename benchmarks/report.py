@@ -1,0 +1,273 @@
+"""The suite's report: ``results.md`` (one section per phase that ran) and PNG plots, from results.json."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from common import MB, save_figure
+
+
+def _size(b: int) -> str:
+    return f"{b // MB} MB" if b >= MB else f"{b // 1024} KB"
+
+
+def _ok_worlds(results: dict, phase: str) -> list[tuple[int, dict]]:
+    worlds = results["phases"].get(phase, {}).get("worlds", {})
+    return sorted(((int(w), r) for w, r in worlds.items() if r.get("status") == "ok"), key=lambda kv: kv[0])
+
+
+def render_markdown(results: dict) -> str:
+    card = results["card"]
+    lines = [f"# Benchmark suite: {card}{' (CPU smoke run: not a performance figure)' if results.get('smoke') else ''}",
+             "", f"torch {results['torch']}, CUDA {results.get('cuda')}, NCCL {results.get('nccl')}, driver "
+             f"{results.get('driver')}, Python {results['python']}; world sizes "
+             f"{', '.join(map(str, results['world_sizes']))}; {results['created']}. Training figures are the median "
+             "over interleaved rounds, the slowest rank's.", ""]
+    for name, entry in results["phases"].items():
+        for w, r in sorted(entry.get("worlds", {}).items()):
+            if r.get("status") != "ok":
+                lines.append(f"- {name}, world {w}: **{r.get('status')}**: {r.get('reason', '').strip()}")
+        if entry.get("status") in ("skipped", "error") and entry.get("reason") and not entry.get("worlds"):
+            lines.append(f"- {name}: **{entry['status']}**: {entry['reason'].strip()}")
+    lines.append("")
+    for section in (_collectives, _training, _models, _precision, _topk, _profiling, _monitor, _model_check):
+        lines += section(results)
+    return "\n".join(lines) + "\n"
+
+
+def _collectives(results):
+    lines = []
+    for w, part in _ok_worlds(results, "collectives"):
+        rows = part["rows"]
+        sizes = sorted({r["bytes"] for r in rows})
+        ops = list(dict.fromkeys(r["op"] for r in rows))
+        table = {(r["op"], r["bytes"]): r for r in rows}
+        lines += [f"## Collectives, {w} ranks: bus bandwidth GB/s (NCCL's all-reduce time / ours at the largest size)",
+                  "", "| op | " + " | ".join(_size(s) for s in sizes) + " | at largest vs NCCL |",
+                  "|---" * (len(sizes) + 2) + "|"]
+        ref = table[("nccl_all_reduce", sizes[-1])]["seconds"]
+        for op in ops:
+            vs = f"{ref / table[(op, sizes[-1])]['seconds']:.2f}x" if op.endswith("_reduce") else ""
+            lines.append(f"| {op} | " + " | ".join(f"{table[(op, s)]['busbw_gbs']:.2f}" for s in sizes) + f" | {vs} |")
+        ov = part["overlap"]
+        lines += ["", f"Overlap: an all-reduce of {_size(ov['bytes'])} beside a matmul loop: efficiency "
+                      f"{ov['efficiency']:.2f} (alone {ov['comm_s'] * 1e3:.2f} + {ov['compute_s'] * 1e3:.2f} ms, "
+                      f"together {ov['both_s'] * 1e3:.2f} ms).", ""]
+    return lines
+
+
+def _training(results):
+    worlds = _ok_worlds(results, "training")
+    if not worlds:
+        return []
+    one = dict(worlds).get(1, {}).get("models", {})
+    lines = ["## Training (GPT)", "", "| model | GPUs | impl | step ms | tokens/s/GPU | vs torch DDP | scaling vs 1 GPU | "
+             "exposed comm | peak GiB | model-state formula GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for w, part in worlds:
+        for name, entry in part["models"].items():
+            ph = entry["phases"]
+            torch_ddp = ph.get("torch_ddp", {}).get("tokens_per_s_per_gpu")
+            base = (ph.get("solo") or one.get(name, {}).get("phases", {}).get("plain") or {}).get("tokens_per_s_per_gpu")
+            for impl, p in ph.items():
+                timed = not impl.endswith("nosync") and impl not in ("solo", "plain")
+                vs = f"{p['tokens_per_s_per_gpu'] / torch_ddp:.3f}x" if torch_ddp and timed else ""
+                scale = f"{100 * p['tokens_per_s_per_gpu'] / base:.1f}%" if base and w > 1 and timed else ""
+                exposed = entry.get("exposed_comm_s", {}).get(impl)
+                exp = f"{exposed * 1e3:.1f} ms ({100 * exposed / p['step_s']:.1f}%)" if exposed is not None else ""
+                formula = p.get("model_state_formula_gib")
+                lines.append(f"| {name} | {w} | {impl} | {p['step_s'] * 1e3:.2f} | {p['tokens_per_s_per_gpu']:,.0f} | "
+                             f"{vs} | {scale} | {exp} | {p['peak_gib']:.2f} | "
+                             f"{'' if formula is None else f'{formula:.1f}'} |")
+            if "ours_comm_only" in entry:
+                c = entry["ours_comm_only"]
+                lines.append(f"| {name} | {w} | ours_comm_only (every bucket, nothing else running) | "
+                             f"{c['step_s'] * 1e3:.2f} | | | | | | |")
+    return lines + [""]
+
+
+def _models(results):
+    lines = []
+    for w, part in _ok_worlds(results, "models"):
+        variants = part["variants"]
+        lines += [f"## Third-party models, {w} GPUs: median step ms (speed vs torch DDP)", "",
+                  "| model | " + " | ".join(variants) + " | peak GiB torch / ours |", "|---" * (len(variants) + 2) + "|"]
+        for name, m in part["models"].items():
+            if m.get("status") == "skipped":
+                lines.append(f"| {name} | skipped: {m['reason']} |")
+                continue
+            vs = m.get("speed_vs_torch", {})
+            cells = [f"{m['step_ms_median'][v]:.1f}" + (f" ({vs[v]:.3f}x)" if v in vs and v != "torch" else "")
+                     for v in variants]
+            pk = m["peak_gib_per_variant"]
+            lines.append(f"| {name} | " + " | ".join(cells) +
+                         f" | {pk.get('torch', 0):.1f} / {pk.get('ours', 0):.1f} |")
+        lines.append("")
+    return lines
+
+
+def _precision(results):
+    lines = []
+    for w, part in _ok_worlds(results, "precision"):
+        lines += [f"## Precision ({part['model']}, micro-batch {part['micro_batch']} x {part['seq']}, our DDP trainer, "
+                  f"{w} ranks)", "", "| precision | step ms | tokens/s/GPU | step peak GiB | max loss diff vs fp32 |",
+                  "|---|---|---|---|---|"]
+        for name, r in part["precisions"].items():
+            lines.append(f"| {name} | {r['step_s'] * 1e3:.2f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+                         f"{r['step_peak_gib']:.2f} | {r['max_abs_loss_diff_vs_fp32']:.2e} |")
+        lines.append("")
+    return lines
+
+
+def _topk(results):
+    lines = []
+    for _, part in _ok_worlds(results, "topk"):
+        lines += [f"## Top-K selection ({100 * part['ratio']:g}%): ms per call", "", "| values | exact | chunked | sampled |",
+                  "|---|---|---|---|"]
+        for n, row in part["buckets"].items():
+            lines.append(f"| {int(n):,} | {row['exact']:.2f} | {row['chunked']:.2f} | {row['sampled']:.2f} |")
+        for name, row in part["step_ms"].items():
+            lines.append(f"| {name}: whole gradient in buckets of {part['bucket_values']:,} | {row['exact']:.2f} | "
+                         f"{row['chunked']:.2f} | {row['sampled']:.2f} |")
+        lines.append("")
+    return lines
+
+
+def _profiling(results):
+    lines = []
+    cats = ["matmul", "attention", "comm", "copy", "optimizer", "other"]
+    for w, part in _ok_worlds(results, "profiling"):
+        lines += [f"## Profile of a DDP step ({part['model']}, {w} ranks): ms per step of {part['time_kind']}", "",
+                  "| impl | wall | " + " | ".join(cats) + " | hook CPU |", "|---" * (len(cats) + 3) + "|"]
+        for name, r in part["report"].items():
+            k = r["ms_by_category"]
+            lines.append(f"| {name} | {r['wall_ms_profiled']:.1f} | " + " | ".join(f"{k.get(c, 0.0):.1f}" for c in cats) +
+                         f" | {r['python_hook_cpu_ms']:.1f} |")
+        lines.append("")
+    return lines
+
+
+def _monitor(results):
+    lines = []
+    for _, part in _ok_worlds(results, "monitor"):
+        med = part["median_step_s"]
+        lines += [f"## Monitor overhead ({part['model']}, batch {part['batch']} x {part['seq']}, log every "
+                  f"{part['log_every']})", "", f"Without {med['without'] * 1e3:.2f} ms/step, with "
+                  f"{med['with'] * 1e3:.2f} ms/step: overhead {part['monitor_overhead_pct']:+.2f}%.", ""]
+    return lines
+
+
+def _model_check(results):
+    mc = results["phases"].get("model_check")
+    if not mc or mc.get("status") != "ok":
+        return []
+    lines = []
+    this = mc["this_run"]
+    if this.get("status") == "ok":
+        lk = this["link"]
+        lines += ["## Scaling model: calibrated on this run, error on the measured points", "",
+                  f"Link from the {lk['world']}-rank NCCL all-reduce: alpha {lk['alpha_s'] * 1e6:.1f} us, bandwidth "
+                  f"{lk['bandwidth_gbs']:.1f} GB/s; overlap {next(iter(this['models'].values()))['overlap']:.2f} "
+                  "(all-reduce beside a matmul loop). Compute, optimizer and each strategy's own overhead from the "
+                  "1-GPU runs.", "", "| model | GPUs | impl | measured ms | predicted ms | error |", "|---|---|---|---|---|---|"]
+        for c in this["checks"]:
+            lines.append(f"| {c['model']} | {c['world']} | {c['strategy']} | {c['measured_s'] * 1e3:.2f} | "
+                         f"{c['predicted_s'] * 1e3:.2f} | {100 * c['error']:+.1f}% |")
+        if this.get("largest_error") is not None:
+            lines += ["", f"Largest error: {100 * this['largest_error']:.1f}%."]
+        proj = this["projections"]
+        lines += ["", "## Projections (model output, not measurements)", "",
+                  f"Inside a node: the calibrated link; between nodes: {proj['inter']['name']} "
+                  f"({proj['inter']['bandwidth_gbs']:.0f} GB/s, {proj['inter']['alpha_s'] * 1e6:.0f} us); "
+                  f"{proj['gpus_per_node']} GPUs a node.", "", "| model | GPUs | choice | efficiency | why |",
+                  "|---|---|---|---|---|"]
+        for name, rows in proj["models"].items():
+            for r in rows:
+                eff = f"{100 * r['efficiency']:.1f}%" if r["efficiency"] is not None else "-"
+                lines.append(f"| {name} | {r['gpus']} | {r['choice']} | {eff} | {r['reason']} |")
+        lines.append("")
+    else:
+        lines += [f"## Scaling model on this run: {this.get('status')} ({this.get('reason')})", ""]
+    for source, data in mc["ddp_runs"].items():
+        if not data["rows"]:
+            continue
+        lines += [f"## Scaling model on DDP runs ({source}): measured vs both overlap bounds", "",
+                  "| model | micro-batch | GPUs | measured ms | model, overlap 1 | model, overlap 0 | implied overlap |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in data["rows"]:
+            lines.append(f"| {r['model']} | {r['micro_batch']} | {r['world']} | {r['measured_s'] * 1e3:.1f} | "
+                         f"{r['predicted_overlap1_s'] * 1e3:.1f} ({100 * r['error_overlap1']:+.1f}%) | "
+                         f"{r['predicted_overlap0_s'] * 1e3:.1f} ({100 * r['error_overlap0']:+.1f}%) | "
+                         f"{r['implied_overlap']:.2f} |")
+        lines.append("")
+    return lines
+
+
+def _slug(source: str) -> str:
+    return "this_run" if source == "this run" else re.sub(r"[^A-Za-z0-9_.-]", "_", Path(source).stem)
+
+
+def plots(results: dict, folder: Path) -> list[str]:
+    """Every plot the results allow; returns the file names written. ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    card, written = results["card"], []
+
+    def save(fig, ax, name, **kw):
+        save_figure(fig, ax, folder / name, **kw)
+        written.append(name)
+
+    for w, part in _ok_worlds(results, "collectives"):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for op in dict.fromkeys(r["op"] for r in part["rows"]):
+            rows = [r for r in part["rows"] if r["op"] == op]
+            ax.plot([r["bytes"] for r in rows], [r["busbw_gbs"] for r in rows], marker="o", label=op)
+        save(fig, ax, f"collectives_world{w}.png", xlabel="message bytes", ylabel="bus bandwidth (GB/s)",
+             title=f"Collectives, {w} ranks, {card}", log2x=True)
+    mc = results["phases"].get("model_check", {})
+    this = mc.get("this_run", {}) if mc.get("status") == "ok" else {}
+    for name, rows in this.get("projections", {}).get("models", {}).items():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        base = rows[0]["step_s"]["ddp"]
+        for strategy in rows[0]["step_s"]:
+            ax.plot([r["gpus"] for r in rows], [100 * base / r["step_s"][strategy] for r in rows], marker=".",
+                    label=strategy)
+        save(fig, ax, f"projection_{name}.png", xlabel="GPUs", ylabel="projected scaling efficiency (%)",
+             title=f"{name}: projection, not measurement ({card} compute)", log2x=True)
+    checks = this.get("checks", [])
+    if checks:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        xs = range(len(checks))
+        ax.bar([x - 0.2 for x in xs], [c["measured_s"] * 1e3 for c in checks], width=0.4, label="measured")
+        ax.bar([x + 0.2 for x in xs], [c["predicted_s"] * 1e3 for c in checks], width=0.4, label="model")
+        ax.set_xticks(list(xs), [f"{c['model']}\n{c['world']}x {c['strategy']}" for c in checks], rotation=60,
+                      fontsize=6)
+        save(fig, ax, "model_vs_measured.png", xlabel="", ylabel="step ms", title=f"Scaling model vs measurement, {card}")
+    for source, data in mc.get("ddp_runs", {}).items() if mc.get("status") == "ok" else ():
+        rows, projection = data["rows"], data["projection"]
+        if not rows:
+            continue
+        src_card = rows[0]["card"]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        xs = list(range(len(rows)))
+        ax.bar([x - 0.27 for x in xs], [r["measured_s"] * 1e3 for r in rows], width=0.27, label="measured")
+        ax.bar(xs, [r["predicted_overlap1_s"] * 1e3 for r in rows], width=0.27, label="model, overlap 1")
+        ax.bar([x + 0.27 for x in xs], [r["predicted_overlap0_s"] * 1e3 for r in rows], width=0.27,
+               label="model, overlap 0")
+        ax.set_xticks(xs, [f"{r['model']}\nmicro-batch {r['micro_batch']}" for r in rows], fontsize=8)
+        save(fig, ax, f"ddp_check_{_slug(source)}.png", xlabel="", ylabel="step time (ms)",
+             title=f"Scaling model vs measured DDP steps, {rows[0]['world']}x {src_card}")
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key in dict.fromkeys((e["model"], e["micro_batch"]) for e in projection):
+            pts = [e for e in projection if (e["model"], e["micro_batch"]) == key]
+            line, = ax.plot([e["gpus"] for e in pts], [100 * e["efficiency_overlap1"] for e in pts], marker="o",
+                            label=f"{key[0]} mb {key[1]}, overlap 1")
+            ax.plot([e["gpus"] for e in pts], [100 * e["efficiency_overlap0"] for e in pts], marker="x",
+                    linestyle="--", color=line.get_color(), label=f"{key[0]} mb {key[1]}, overlap 0")
+        save(fig, ax, f"ddp_projection_{_slug(source)}.png", xlabel="GPUs (8 a node, 400 Gb/s InfiniBand between nodes)",
+             ylabel="DDP weak-scaling efficiency (%)", title=f"PROJECTION (model output), calibrated on {src_card}",
+             log2x=True)
+    return written

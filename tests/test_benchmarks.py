@@ -1,0 +1,158 @@
+"""The benchmark suite (`benchmarks/suite.py`): its CPU smoke mode runs every phase end to end on gloo
+with 2 processes and records what each phase promises; phases that cannot run record why; the one
+calibration of the scaling model reproduces the recorded model check the README quotes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUITE = REPO / "benchmarks" / "suite.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+ALL_PHASES = {"collectives", "training", "models", "precision", "topk", "profiling", "monitor", "model_check"}
+
+
+def _suite(tmp_path, *args, timeout):
+    out = subprocess.run([sys.executable, str(SUITE), "--smoke", "--out", str(tmp_path), *args], cwd=REPO, env=ENV,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+    return json.loads((tmp_path / "results.json").read_text())
+
+
+@pytest.mark.timeout(600)
+def test_smoke_runs_every_phase(tmp_path):
+    results = _suite(tmp_path, timeout=540)
+    assert results["smoke"] and results["card"] == "cpu" and results["world_sizes"] == [1, 2]
+    assert {"torch", "nccl", "cuda", "python"} <= set(results)
+    assert [r["world_size"] for r in results["runs"]] == [1, 2]
+    for run in results["runs"]:  # every job records its machine and world size, and ran to the end
+        assert run["exit"] == 0 and run["card"] == "cpu" and run["backend"] == "gloo" and "torch" in run, run
+    assert set(results["phases"]) == ALL_PHASES
+    not_ok = {name: p for name, p in results["phases"].items() if p["status"] != "ok"}
+    assert not not_ok, json.dumps(not_ok, indent=1)[-4000:]
+    ph = results["phases"]
+
+    # Collectives at world 2 only: every op at every size, a finite time, the overlap in [0, 1].
+    assert set(ph["collectives"]["worlds"]) == {"2"}
+    coll = ph["collectives"]["worlds"]["2"]
+    ops = {r["op"] for r in coll["rows"]}
+    assert ops == {"nccl_all_reduce", "ring_all_reduce", "tree_all_reduce", "hierarchical_all_reduce", "all_gather",
+                   "reduce_scatter", "topk_reduce", "bf16_reduce", "powersgd_reduce"}
+    assert len(coll["rows"]) == len(ops) * len({r["bytes"] for r in coll["rows"]}) >= 2 * len(ops)
+    assert all(r["seconds"] > 0 and r["world"] == 2 for r in coll["rows"])
+    assert 0.0 <= coll["overlap"]["efficiency"] <= 1.0
+
+    # Training: the 1-rank baseline and overheads; at 2 ranks ours vs torch's, interleaved in one job.
+    one = ph["training"]["worlds"]["1"]["models"]["tiny"]
+    assert set(one["phases"]) == {"plain", "ours_ddp", "zero1", "zero2", "zero3", "ddp_bf16", "ddp_topk",
+                                  "ddp_powersgd"}
+    assert {"forward_s", "backward_s", "optimizer_s", "params", "units", "largest_unit_params"} <= set(one["profile"])
+    two = ph["training"]["worlds"]["2"]["models"]["tiny"]
+    assert set(two["phases"]) == {"solo", "torch_ddp", "torch_ddp_gav", "ours_ddp", "zero1", "zero2", "zero3",
+                                  "torch_fsdp2", "ddp_bf16", "ddp_topk", "ddp_powersgd", "torch_ddp_nosync",
+                                  "ours_ddp_nosync"}
+    for impl, p in two["phases"].items():
+        assert p["step_s"] > 0 and math.isfinite(p["last_loss"]) or impl == "solo", (impl, p)
+    assert two["phases"]["ddp_topk"]["bytes_sent_per_step"] < two["phases"]["ddp_bf16"]["bytes_sent_per_step"]
+    assert two["phases"]["ddp_bf16"]["bytes_sent_per_step"] < two["phases"]["ours_ddp"].get("bytes_sent_per_step",
+                                                                                              math.inf)
+    assert set(two["exposed_comm_s"]) == {"torch_ddp", "ours_ddp"}
+    assert two["ours_comm_only"]["step_s"] > 0 and two["ours_comm_only"]["gradient_bytes"] == 4 * two["params"]
+    # The planner's formula: ZeRO-3 holds less model state per rank than ZeRO-2, ZeRO-2 than DDP.
+    f = {i: two["phases"][i]["model_state_formula_gib"] for i in ("ours_ddp", "zero2", "zero3")}
+    assert f["zero3"] < f["zero2"] < f["ours_ddp"]
+
+    # Third-party models: the smoke run's torch-only model, every default variant, relative to torch DDP.
+    models = ph["models"]["worlds"]["2"]
+    toy = models["models"]["toy_cnn"]
+    assert set(toy["step_ms_median"]) == set(models["variants"]) == {"plain", "torch", "ours", "trainer",
+                                                                       "trainer_monitor", "ours_nosync"}
+    assert toy["speed_vs_torch"]["torch"] == 1.0 and all(t > 0 for t in toy["step_ms_median"].values())
+
+    # Precision: three curves from the same seed; fp32 is the reference.
+    prec = ph["precision"]["worlds"]["2"]["precisions"]
+    assert set(prec) == {"fp32", "bf16", "fp16"} and prec["fp32"]["max_abs_loss_diff_vs_fp32"] == 0.0
+    assert all(math.isfinite(p["max_abs_loss_diff_vs_fp32"]) and p["step_s"] > 0 for p in prec.values())
+    assert prec["fp16"]["final_loss_scale"] > 0
+
+    topk = ph["topk"]["worlds"]["1"]
+    assert set(ph["topk"]["worlds"]) == {"1"} and topk["buckets"] and topk["step_ms"]
+    assert all(set(row) >= {"exact", "chunked", "sampled"} for row in [*topk["buckets"].values(),
+                                                                       *topk["step_ms"].values()])
+
+    prof = ph["profiling"]["worlds"]["2"]["report"]
+    assert set(prof) == {"plain", "ours_nosync", "ours", "torch"}
+    assert all(r["ms_by_category"].get("matmul", 0) > 0 for r in prof.values())
+    assert prof["ours"]["ms_by_category"].get("comm", 0) > 0 and prof["torch"]["ms_by_category"].get("comm", 0) > 0
+
+    mon = ph["monitor"]["worlds"]["1"]
+    assert math.isfinite(mon["monitor_overhead_pct"]) and mon["event_files"]
+
+    # The scaling model: calibrated once from this run, every multi-GPU strategy predicted, projected.
+    mc = ph["model_check"]
+    this = mc["this_run"]
+    assert this["status"] == "ok" and this["link"]["world"] == 2, this
+    assert {c["strategy"] for c in this["checks"]} == {"ours_ddp", "zero1", "zero2", "zero3", "ddp_bf16", "ddp_topk",
+                                                      "ddp_powersgd"}
+    assert all(math.isfinite(c["error"]) for c in this["checks"])
+    rows = this["projections"]["models"]["tiny"]
+    assert [r["gpus"] for r in rows] == [1, 2, 8, 16, 32, 64, 128, 256] and all(r["choice"] for r in rows)
+    assert len(mc["ddp_runs"]["this run"]["rows"]) == 1
+    recorded = [v for k, v in mc["ddp_runs"].items() if k.endswith("ddp_2026-11-26_h200.json")]
+    assert len(recorded) == 1 and len(recorded[0]["rows"]) == 3
+
+    md = (tmp_path / "results.md").read_text()
+    for heading in ("## Collectives, 2 ranks", "## Training (GPT)", "## Third-party models, 2 GPUs", "## Precision",
+                    "## Top-K selection", "## Profile of a DDP step", "## Monitor overhead",
+                    "## Projections (model output, not measurements)", "Largest error"):
+        assert heading in md, heading
+    pytest.importorskip("matplotlib")
+    for png in ("collectives_world2.png", "projection_tiny.png", "model_vs_measured.png", "ddp_check_this_run.png",
+                "ddp_projection_ddp_2026-11-26_h200.png"):
+        assert (tmp_path / png).is_file(), png
+
+
+@pytest.mark.timeout(120)
+def test_a_phase_that_cannot_run_records_why(tmp_path):
+    """At world 1 alone there is nothing to all-reduce: collectives are skipped, with the reason, and the
+    model check on this run says what it lacks (no job is started at all)."""
+    results = _suite(tmp_path, "--worlds", "1", "--phases", "collectives,model_check", "--recorded", timeout=100)
+    coll = results["phases"]["collectives"]
+    assert coll["status"] == "skipped" and "multi" in coll["reason"] and coll["worlds"] == {}
+    assert results["runs"] == []
+    mc = results["phases"]["model_check"]
+    assert mc["status"] == "ok" and mc["this_run"]["status"] == "skipped"
+    assert "collectives" in mc["this_run"]["reason"] and mc["ddp_runs"] == {"this run": {"rows": [], "projection": []}}
+    assert "collectives: **skipped**" in (tmp_path / "results.md").read_text()
+
+
+def test_one_calibration_reproduces_the_recorded_model_check():
+    """`calibration.calibrate`, through the model check phase, gives exactly the figures of the committed
+    benchmarks/results/model_check_2026-11-26_h200.json (the README's scaling-model tables)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from phases.model_check import _ddp_points_from_recorded, check_points
+
+    runs = json.loads((REPO / "benchmarks/results/ddp_2026-11-26_h200.json").read_text())["runs"]
+    rows, projection = check_points([p for run in runs for p in _ddp_points_from_recorded(run)])
+    recorded = json.loads((REPO / "benchmarks/results/model_check_2026-11-26_h200.json").read_text())
+    assert len(rows) == len(recorded["rows"]) == 3
+    for new, old in zip(rows, recorded["rows"]):
+        for key, value in old.items():
+            assert new[key] == (pytest.approx(value, rel=1e-12) if isinstance(value, float) else value), key
+    assert len(projection) == len(recorded["projection"]["rows"])
+    for new, old in zip(projection, recorded["projection"]["rows"]):
+        for key, value in old.items():
+            assert new[key] == (pytest.approx(value, rel=1e-12) if isinstance(value, float) else value), key
+
+
+def test_bad_arguments_are_named():
+    out = subprocess.run([sys.executable, str(SUITE), "--smoke", "--phases", "training,nonsense"], cwd=REPO, env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "nonsense" in out.stderr and "collectives" in out.stderr
