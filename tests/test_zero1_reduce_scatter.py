@@ -236,3 +236,62 @@ def test_zero1_fp16_with_skipped_steps_equals_ddp():
     for worst, skipped in run_distributed(fp16_worker, 2, timeout=180):
         assert skipped[0] == skipped[1] and 0 < skipped[0] < 5, skipped
         assert worst <= 1e-3, worst
+
+
+# ------------------------------------------------------------------ checkpoints need the same buckets
+def layout_worker(rank, world, directory, save):
+    torch.manual_seed(0)
+    caps = SMALL_BUCKETS if save else {"bucket_cap_mb": 1.0}  # other caps: other buckets, other shards
+    trainer = DistributedTrainer(Mixed(), _optimizer("sgd"), strategy=Zero1Strategy(**caps))
+    message = None
+    try:
+        if save:
+            trainer.train_step(_batch(rank, world, 0, 4, True), F.mse_loss)
+            trainer.save_checkpoint(directory)
+        else:
+            trainer.load_checkpoint(directory)
+    except ValueError as err:
+        message = str(err)
+    trainer.close()
+    return message
+
+
+def test_zero1_checkpoint_under_other_bucket_caps_is_refused_with_why(tmp_path):
+    assert run_distributed(layout_worker, 2, args=(str(tmp_path / "ck"), True)) == [None, None]
+    for message in run_distributed(layout_worker, 2, args=(str(tmp_path / "ck"), False)):
+        assert message is not None and "bucket_cap_mb" in message and "buckets" in message, message
+
+
+# ------------------------------------------------------------------ NCCL: in-place reduce-scatter and all-gather
+def nccl_worker(rank, world):
+    from distributed_training.models import GPT, GPTConfig
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    base = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=3, n_head=4, n_embd=128)).to(device)
+    ref = TorchDDP(copy.deepcopy(base), device_ids=[rank], bucket_cap_mb=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    trainer = DistributedTrainer(copy.deepcopy(base), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                 strategy=Zero1Strategy(bucket_cap_mb=0.5), gradient_clip_val=1.0)
+    worst = 0.0
+    g = torch.Generator(device=device).manual_seed(rank)
+    for _ in range(6):
+        idx = torch.randint(0, 512, (4, 64), device=device, generator=g)
+        target = torch.roll(idx, -1, 1)
+        trainer.train_step((idx, target))
+        ref(idx, target).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = dict(trainer.module.named_parameters())
+        for name, p in ref.module.named_parameters():
+            worst = max(worst, (mine[name].detach() - p.detach()).abs().max().item())
+    trainer.close()
+    return worst
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_zero1_on_nccl_equals_torch_ddp():
+    assert max(run_distributed(nccl_worker, 2, backend="nccl", timeout=300)) <= 1e-5

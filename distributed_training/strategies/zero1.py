@@ -36,7 +36,8 @@ same layout, at the price of an all-reduce instead of a reduce-scatter: that is 
 (a `CommunicationOptimizer`) and ``bucket_reducer=`` do here. Top-K (all-gathered index/value pairs that
 differ by rank) and PowerSGD (low-rank factors of the whole bucket) have no reduce-scatter form, and the
 bf16/fp16 casts, hierarchical and ring/tree patterns are written as all-reduces, so ZeRO-1 with any
-`CommunicationOptimizer` falls back to all-reduce + all-gather: about 1.5x the bytes of the default.
+`CommunicationOptimizer` falls back to that (compressed) all-reduce followed by the all-gather; uncompressed,
+that is 1.5x the bytes of the default reduce-scatter.
 
 Differences from DDP + a full optimizer:
 
@@ -241,8 +242,9 @@ class Zero1Strategy(DDPBacked, Strategy):
 
     def sharded_state(self, model: Zero1DDP, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         keys = [str(i) for i in range(len(self.groups))]
-        state = {"optimizer": sharded_optimizer_state(optimizer, keys), "world_size": dist.get_world_size(self.process_group),
-                 "bucket_params": model.bucket_layout()}
+        state = {"optimizer": sharded_optimizer_state(optimizer, keys),
+                 "world_size": dist.get_world_size(self.process_group),
+                 "bucket_params": model.bucket_layout()}  # which parameters each shard slices
         if dist.get_rank(self.process_group) == 0:
             state["model"] = self.model_state_dict(model)
         return state
@@ -284,9 +286,11 @@ def _check_same_buckets(saved: list[list[str]] | None, current: list[list[str]])
         where = f"{len(saved)} buckets saved, {len(current)} now"
     else:
         b = next(i for i, (old, new) in enumerate(zip(saved, current)) if old != new)
-        where = f"bucket {b} held {saved[b][:3]}{'...' if len(saved[b]) > 3 else ''}, now {current[b][:3]}" + (
-            "..." if len(current[b]) > 3 else "")
-        where += f" ({len(saved[b])} vs {len(current[b])} parameters)"
-    raise ValueError(f"the ZeRO-1 optimizer shards are slices of gradient buckets, and this checkpoint's buckets differ "
-                     f"from this model's ({where}): resume with the bucket_cap_mb / first_bucket_cap_mb of the run "
-                     "that wrote it")
+
+        def shown(names: list[str]) -> str:
+            return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+        where = f"bucket {b} held {shown(saved[b])}; now {shown(current[b])}"
+    raise ValueError(f"the ZeRO-1 optimizer shards are slices of gradient buckets, and this checkpoint's buckets "
+                     f"differ from this model's ({where}): resume with the bucket_cap_mb / first_bucket_cap_mb of "
+                     "the run that wrote it")
