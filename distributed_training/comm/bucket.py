@@ -80,13 +80,19 @@ def assign_buckets(
     return closed
 
 
-def allocate_buckets(params: Sequence[torch.Tensor], groups: list[list[int]]) -> list[Bucket]:
-    """Allocate one zeroed flat buffer per group and carve it into per-parameter views."""
+def allocate_buckets(params: Sequence[torch.Tensor], groups: list[list[int]], pad_to: int = 1) -> list[Bucket]:
+    """Allocate one zeroed flat buffer per group and carve it into per-parameter views.
+
+    With `pad_to` > 1 each buffer is padded with zeros (after the last view) to a multiple of it, so
+    that it cuts into `pad_to` equal slices: ZeRO-1 reduce-scatters every bucket over the world size.
+    """
+    if not isinstance(pad_to, int) or pad_to < 1:
+        raise ValueError(f"pad_to must be a positive integer, got {pad_to!r}")
     buckets = []
     for b, members in enumerate(groups):
         first = params[members[0]]
         total = sum(params[i].numel() for i in members)
-        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+        buffer = torch.zeros(-(-total // pad_to) * pad_to, dtype=first.dtype, device=first.device)
         views, offset = [], 0
         for i in members:
             n = params[i].numel()

@@ -37,7 +37,7 @@ from torch import nn
 from ..comm.bucket import MB, Bucket, allocate_buckets, assign_buckets
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module
 from ..comm.optimizer import CommunicationOptimizer
-from ..comm.reduce import AllReduceMean, BucketReducer
+from ..comm.reduce import AllReduceMean, BucketReducer, ReduceScatterMean
 from ..mesh import Mesh
 from .overlap import OverlapTimeline
 
@@ -71,6 +71,9 @@ class DDP(nn.Module):
             and `pop_exposed_comm_seconds()` can say how much was hidden and how much exposed. Off by
             default (no timing on the hot path); the trainer turns it on when it logs metrics.
     """
+
+    #: Every bucket buffer is padded to a multiple of this (ZeRO-1 cuts buckets into world-size slices).
+    _bucket_pad_to = 1
 
     def __init__(
         self,
@@ -160,7 +163,8 @@ class DDP(nn.Module):
         self._overlap = OverlapTimeline()
         # Reducers whose collectives read only tensors that outlive the handle (the bucket itself, or
         # what a CommunicationOptimizer handle keeps): their transfers may be timed on a side stream.
-        self._reducer_owns_tensors = isinstance(self.bucket_reducer, (AllReduceMean, CommunicationOptimizer))
+        self._reducer_owns_tensors = isinstance(self.bucket_reducer,
+                                                (AllReduceMean, ReduceScatterMean, CommunicationOptimizer))
         self._reset_iteration()
         self._hook_handles = []
         self_ref = weakref.ref(self)
@@ -255,7 +259,7 @@ class DDP(nn.Module):
                     p.grad = self._view_of[i]
 
     def _place_buckets(self, groups: list[list[int]]) -> None:
-        self._buckets: list[Bucket] = allocate_buckets(self._params, groups)
+        self._buckets: list[Bucket] = allocate_buckets(self._params, groups, pad_to=self._bucket_pad_to)
         self._bucket_of = [0] * len(self._params)
         self._view_of: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
         for bucket in self._buckets:

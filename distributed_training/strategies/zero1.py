@@ -1,11 +1,55 @@
-"""ZeRO stage 1 as a trainer strategy (`Zero1Strategy`, ``"zero1"``).
+"""ZeRO stage 1 as a trainer strategy (`Zero1Strategy`, ``"zero1"``): every rank holds the whole
+model, the optimizer state is sharded 1/W, and gradients are reduce-scattered into the shard each
+rank owns.
 
-Every rank holds the whole model and, after our bucketed DDP all-reduce, the averaged gradients.
-The trainable parameters are re-homed into one flat buffer per (device, dtype), padded to a multiple
-of the world size W; rank r's optimizer holds only slice r of each buffer (a view, no copy), so
-optimizer state is 1/W per rank. Around `optimizer.step()` two hooks do the rest: before, slice r of
-the gradients becomes the shards' `.grad`; after, one `all_gather_into_tensor` per buffer writes every
-rank's updated slice back into the parameters.
+Layout. `Zero1DDP` is our bucketed `DDP` with one change of layout: every gradient bucket (one
+(device, dtype), ``bucket_cap_mb``, parameters in reverse registration order) is padded to a multiple
+of the world size W and cut into W equal slices, and rank r owns slice r of *every* bucket. The
+parameters are re-homed into one flat buffer per bucket laid out like it (``p.data`` is a view), just as
+each ``p.grad`` is a view into the bucket. The optimizer is built over one tensor per bucket: slice r of
+its parameter buffer (a view, so the step updates the model in place), whose ``.grad`` is slice r of
+the gradient bucket (a view too). Optimizer state is therefore 1/W per rank, and there is no copy
+between the model's gradients and the optimizer's.
+
+One step:
+
+1. Backward. When a bucket's last gradient has been accumulated, one asynchronous reduce-scatter
+   (`comm.reduce.ReduceScatterMean`) leaves the mean over ranks in slice r of the bucket. Buckets launch
+   in index order from DDP's hooks, overlapped with the rest of backward; on CUDA the collective is
+   queued after the stream that produced the gradients and the wait at the end of backward is
+   stream-ordered, exactly as DDP's all-reduce. Only slice r is a mean afterwards: the rest of the
+   bucket keeps this rank's own contribution.
+2. Clipping (optional, `Zero1DDP.clip_grad_norm_`): the global norm is the root of the all-reduced sum
+   of squares of every rank's slices; each rank scales its own slices.
+3. ``optimizer.step()`` updates slice r of every parameter buffer; a post-step hook all-gathers each
+   buffer in place, so that every rank's parameters are whole again.
+4. ``optimizer.zero_grad()`` also zeroes the gradient buckets (the model's ``.grad`` views stay, so the
+   next backward accumulates into them with no allocation or copy). A reduce-scatter consumes the
+   gradients it reduces, so gradients cannot accumulate across *synchronised* backwards: accumulate
+   under ``no_sync()``, as the trainer does.
+
+On the wire per step: a reduce-scatter of the gradients and an all-gather of the parameters, each
+(W - 1) / W of the model, which together are the volume of one all-reduce, as under DDP.
+
+Other reducers. A bucket reducer that all-reduces (leaves the mean in the whole bucket) satisfies the
+same layout, at the price of an all-reduce instead of a reduce-scatter: that is what ``communication=``
+(a `CommunicationOptimizer`) and ``bucket_reducer=`` do here. Top-K (all-gathered index/value pairs that
+differ by rank) and PowerSGD (low-rank factors of the whole bucket) have no reduce-scatter form, and the
+bf16/fp16 casts, hierarchical and ring/tree patterns are written as all-reduces, so ZeRO-1 with any
+`CommunicationOptimizer` falls back to that (compressed) all-reduce followed by the all-gather; uncompressed,
+that is 1.5x the bytes of the default reduce-scatter.
+
+Differences from DDP + a full optimizer:
+
+* The bucket layout is fixed when the model is wrapped (reverse registration order, not re-ordered
+  after the first iteration): the optimizer's shards are slices of it. ``rebuild_buckets=True`` is an
+  error, and a checkpoint resumes only under the same bucket caps.
+* A parameter that gets no gradient on any rank (``find_unused_parameters=True``) has a zero gradient
+  inside its shard rather than none, so momentum and weight decay still move it, as in every flat-shard
+  ZeRO. One that is unused on some ranks only is averaged like any other.
+* After backward the model's ``.grad`` is the mean only in this rank's slices (see 1).
+* ``join()`` is not supported: the optimizer step runs a collective that a rank out of data would issue
+  out of order.
 """
 
 from __future__ import annotations
@@ -16,51 +60,137 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.sharded import all_gather_flat, shard_size
+from ..comm.bucket import Bucket
+from ..comm.reduce import ReduceScatterMean
+from ..comm.sharded import all_gather_flat
 from ..checkpoint_shards import Holding, StateLayout, flat_pieces, whole_tensors
 from ..runtime import DistributedContext
 from .base import ParamNames, Strategy, check_optimizer_params, require_factory
 from .ddp import DDP
 from .ddp_strategy import DDPBacked
 
-__all__ = ["Zero1Strategy"]
+__all__ = ["Zero1Strategy", "Zero1DDP"]
 
 
-class _FlatGroup:
-    """One (device, dtype) group of parameters re-homed into a flat padded buffer."""
+class _BucketShard:
+    """One gradient bucket's parameter buffer, and this rank's slices of it and of the bucket.
 
-    def __init__(self, params: list[nn.Parameter], world: int, rank: int) -> None:
-        self.params = params
-        self.numel = sum(p.numel() for p in params)
-        self.size = shard_size(self.numel, world)
-        self.flat = torch.zeros(self.size * world, dtype=params[0].dtype, device=params[0].device)
-        offset = 0
-        self.offsets = []
+    Attributes:
+        numel: elements of the bucket's parameters (the buffers hold `size * world` >= numel).
+        size: elements of one rank's slice.
+        flat: the parameter buffer; the bucket's parameters are views into it.
+        param: slice r of `flat`, what the optimizer holds.
+        grad: slice r of the gradient bucket, `param`'s gradient.
+    """
+
+    def __init__(self, bucket: Bucket, params: list[nn.Parameter], world: int, rank: int) -> None:
+        buffer = bucket.buffer
+        self.numel = sum(v.numel() for v in bucket.views)
+        self.size = buffer.numel() // world
+        self.flat = torch.zeros_like(buffer)
+        self.members: list[tuple[nn.Parameter, int]] = []  # each parameter and where it starts in `flat`
         with torch.no_grad():
-            for p in params:
-                n = p.numel()
-                self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
-                p.data = self.flat[offset : offset + n].view_as(p)  # the parameter now lives in the buffer
-                self.offsets.append(offset)
-                offset += n
-        self.lo, self.hi = rank * self.size, (rank + 1) * self.size
-        self.shard = nn.Parameter(self.flat[self.lo : self.hi])  # a view: the optimizer updates in place
+            for index, view in zip(bucket.param_indices, bucket.views):
+                p = params[index]
+                start = view.storage_offset() - buffer.storage_offset()
+                piece = self.flat[start : start + view.numel()]
+                piece.copy_(p.detach().reshape(-1))
+                p.data = piece.view_as(p)  # the parameter now lives in the buffer, laid out like its gradient
+                self.members.append((p, start))
+        lo, hi = rank * self.size, (rank + 1) * self.size
+        self.lo, self.hi = lo, hi
+        self.param = nn.Parameter(self.flat[lo:hi])
+        self.grad = buffer[lo:hi]
 
-    def gather_grad(self) -> torch.Tensor:
-        """Slice [lo, hi) of the concatenated (already averaged) gradients."""
-        grad = torch.zeros(self.size, dtype=self.flat.dtype, device=self.flat.device)
-        for p, start in zip(self.params, self.offsets):
-            end = start + p.numel()
-            lo, hi = max(start, self.lo), min(end, self.hi)
-            if lo < hi and p.grad is not None:
-                grad[lo - self.lo : hi - self.lo].copy_(p.grad.reshape(-1)[lo - start : hi - start])
-        return grad
+
+class Zero1DDP(DDP):
+    """`DDP` whose buckets are reduce-scattered into the slice each rank owns (see the module docstring).
+
+    Takes `DDP`'s arguments; the default bucket reducer is `ReduceScatterMean`, and buckets are never
+    rebuilt. `shards` holds one `_BucketShard` per bucket, in bucket order.
+    """
+
+    def __init__(self, module: nn.Module, **ddp_kwargs: Any) -> None:
+        if ddp_kwargs.get("rebuild_buckets", False):
+            raise ValueError("ZeRO-1 cannot rebuild_buckets: each rank's optimizer shard is a slice of every bucket, "
+                             "so the bucket layout is fixed when the model is wrapped (pass rebuild_buckets=False "
+                             "or leave it out)")
+        ddp_kwargs["rebuild_buckets"] = False
+        if ddp_kwargs.get("communication") is None and ddp_kwargs.get("bucket_reducer") is None:
+            ddp_kwargs["bucket_reducer"] = ReduceScatterMean()
+        super().__init__(module, **ddp_kwargs)
+        self.shards = [_BucketShard(b, self._params, self.world_size, self.rank) for b in self._buckets]
+
+    @property
+    def _bucket_pad_to(self) -> int:  # read by DDP when it allocates the buckets
+        return self.world_size
+
+    def join(self, optimizer=None, *, lr_scheduler=None):
+        raise RuntimeError("join() is not supported with ZeRO-1: its optimizer step all-gathers the parameters, a "
+                           "collective that a rank out of data would issue out of order; use strategy 'ddp' or "
+                           "'zero3', or give every rank the same number of batches")
+
+    # ------------------------------------------------------------- step
+    def attach_shard_grads(self) -> None:
+        """Point each optimizer shard's `.grad` at its slice of the gradient bucket (before a step)."""
+        for s in self.shards:
+            if s.param.grad is None or s.param.grad.data_ptr() != s.grad.data_ptr():
+                s.param.grad = s.grad
+
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        """All-gather every parameter buffer from the ranks' updated slices (after a step)."""
+        if self.world_size == 1:
+            return
+        in_place = dist.get_backend(self.process_group) == "nccl"  # NCCL's documented in-place all-gather
+        works = []
+        for s in self.shards:
+            # Off NCCL, gather from a copy: in-place aliasing is not part of those backends' contract.
+            works.append(all_gather_flat(s.flat, s.param.detach() if in_place else s.param.detach().clone(),
+                                         self.process_group, async_op=True))
+        for w in works:
+            w.wait()
+
+    @torch.no_grad()
+    def zero_grad_buckets(self) -> None:
+        """Zero every gradient bucket in place: the next backward starts from zero."""
+        for b in self._buckets:
+            b.buffer.zero_()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their global norm over all ranks' slices; return the norm.
+
+        Every rank computes the norm of its own slices, the p-th powers are summed by one all-reduce
+        (the maximum for the inf-norm), and each rank scales its slices: the result equals
+        `torch.nn.utils.clip_grad_norm_` over the averaged full gradients. Collective: every rank calls it."""
+        if self._join_state is not None:
+            self._join_state.announce_clip(max_norm)
+        norm_type = float(norm_type)
+        grads = [s.grad for s in self.shards]
+        device = grads[0].device if grads else torch.device("cpu")
+        if dist.get_backend(self.process_group) == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        if grads:
+            norms = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)]).to(device)
+            local = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
+        else:
+            local = torch.zeros((), device=device)
+        if self.world_size > 1:
+            op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+            dist.all_reduce(local, op=op, group=self.process_group)
+        total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        return total
 
 
 class Zero1Strategy(DDPBacked, Strategy):
-    """ZeRO stage 1: replicated parameters and gradients, optimizer state sharded 1/W.
+    """ZeRO stage 1: replicated parameters, gradients reduce-scattered, optimizer state sharded 1/W.
 
-    Keyword arguments go to our `DDP` (``bucket_cap_mb``, ...).
+    Keyword arguments go to `Zero1DDP`, that is to our `DDP` (``bucket_cap_mb``,
+    ``find_unused_parameters``, ``communication``, ...).
     """
 
     name = "zero1"
@@ -70,61 +200,69 @@ class Zero1Strategy(DDPBacked, Strategy):
 
     def __init__(self, **ddp_kwargs: Any) -> None:
         self.ddp_kwargs = ddp_kwargs
-        self.groups: list[_FlatGroup] = []
+        self.groups: list[_BucketShard] = []
 
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
         self.context = context
         self._names = ParamNames(module)
-        return DDP(module, mesh=context.mesh, **self.ddp_kwargs)
+        return Zero1DDP(module, mesh=context.mesh, **self.ddp_kwargs)
 
-    def setup_optimizer(self, optimizer, model: DDP) -> torch.optim.Optimizer:
+    def setup_optimizer(self, optimizer, model: Zero1DDP) -> torch.optim.Optimizer:
         factory = require_factory(optimizer, self.name)
-        world, rank = dist.get_world_size(model.process_group), dist.get_rank(model.process_group)
-        by_key: dict[tuple, list[nn.Parameter]] = {}
-        for p in model.module.parameters():
-            if p.requires_grad:
-                by_key.setdefault((p.device, p.dtype), []).append(p)
-        self.groups = [_FlatGroup(ps, world, rank) for ps in by_key.values()]
+        self.groups = model.shards
         self.process_group = model.process_group
-        built = factory([g.shard for g in self.groups])
+        shards = [s.param for s in self.groups]
+        built = factory(shards)
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
         check_optimizer_params(
-            built, [g.shard for g in self.groups], strategy=self.name, expected_what="this rank's shards",
+            built, shards, strategy=self.name, expected_what="this rank's shards",
             names=getattr(self, "_names", None),
             consequence="it would keep the full optimizer state on every rank (no sharding) while the shards it "
                         "was given go unused",
         )
-        built.register_step_pre_hook(lambda opt, args, kwargs: self._before_step())
-        built.register_step_post_hook(lambda opt, args, kwargs: self._after_step())
+        model.attach_shard_grads()
+        built.register_step_pre_hook(lambda opt, args, kwargs: model.attach_shard_grads())
+        built.register_step_post_hook(lambda opt, args, kwargs: model.gather_parameters())
+        _zero_grad_clears_buckets(built, model)
         return built
 
-    def _before_step(self) -> None:
-        for g in self.groups:
-            g.shard.grad = g.gather_grad()
+    def clip_grad_norm(self, model: Zero1DDP, max_norm: float) -> torch.Tensor:
+        return model.clip_grad_norm_(max_norm)
 
-    @torch.no_grad()
-    def _after_step(self) -> None:
-        works = []
-        for g in self.groups:
-            # Gather from a copy of our slice: the output buffer contains the input otherwise.
-            works.append(all_gather_flat(g.flat, g.shard.detach().clone(), self.process_group, async_op=True))
-            for p in g.params:
-                p.grad = None  # consumed; the next backward starts from zero as with any optimizer
-        for w in works:
-            if w is not None:
-                w.wait()
+    def teardown(self, model: nn.Module) -> None:
+        if isinstance(model, DDP):
+            model.remove_hooks()
 
-    def state_layout(self, model: DDP, optimizer: torch.optim.Optimizer | None) -> StateLayout:
+    def load_shared_state(self, model: Zero1DDP, meta: dict[str, Any]) -> None:
+        """Nothing to restore: the bucket layout is fixed when the model is wrapped (the optimizer's
+        shards are slices of it), and checkpoints hold pieces of full tensors, whatever the layout."""
+
+    def state_layout(self, model: Zero1DDP, optimizer: torch.optim.Optimizer | None) -> StateLayout:
         """Parameters are replicated (rank 0 writes them whole); each rank's optimizer shard is a slice
-        of a flat group of parameters: pieces of them, which every rank writes."""
+        of a bucket's parameter buffer: pieces of the parameters in it, which every rank writes."""
         named = list(model.module.named_parameters())
         name_of = {id(p): name for name, p in named}
         first = dist.get_rank(model.process_group) == 0
         shards = {}
-        for g in self.groups:
-            members = [(name_of[id(p)], offset, p.numel()) for p, offset in zip(g.params, g.offsets)]
-            shards[id(g.shard)] = Holding(g.shard, flat_pieces(members, g.lo, g.hi))
+        for s in self.groups:
+            members = [(name_of[id(p)], start, p.numel()) for p, start in s.members]
+            shards[id(s.param)] = Holding(s.param, flat_pieces(members, s.lo, s.hi))
         held = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
         return StateLayout(shapes={name: tuple(p.shape) for name, p in named}, params=whole_tensors(named, first),
                            optimizer=[shards[id(p)] for p in held])
+
+
+def _zero_grad_clears_buckets(optimizer: torch.optim.Optimizer, model: Zero1DDP) -> None:
+    """Make ``optimizer.zero_grad()`` also zero the model's gradient buckets.
+
+    The optimizer's gradients are slices of the buckets, and the trainer (like any loop) calls
+    ``zero_grad`` after every step, skipped ones (fp16 overflow) included: that is the moment the
+    reduced gradients are spent. torch offers no zero_grad hook, hence the wrapper on the instance."""
+    zero_own = optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        zero_own(set_to_none)
+        model.zero_grad_buckets()
+
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
