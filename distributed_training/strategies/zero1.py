@@ -114,8 +114,7 @@ class Zero1Strategy(DDPBacked, Strategy):
             for p in g.params:
                 p.grad = None  # consumed; the next backward starts from zero as with any optimizer
         for w in works:
-            if w is not None:
-                w.wait()
+            w.wait()
 
     def sharded_state(self, model: DDP, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         keys = [str(i) for i in range(len(self.groups))]
