@@ -66,6 +66,7 @@ def test_scientific_notation_in_files_and_overrides(tmp_path):
         ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last"),
         ({"logging": {"every": "often"}}, "logging.every"),
         ({"communication": {"ranks_per_node": 0}}, "communication.ranks_per_node"),
+        ({"communication": {"ranks_per_node": 2}}, "communication.ranks_per_node"),
         ({"logging": {"colour": True}}, "logging.colour"),
     ],
 )
