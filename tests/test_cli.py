@@ -86,6 +86,7 @@ def test_help_and_print_config():
     assert code == 2 and "training.batch_size" in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path):
     config = {
@@ -102,6 +103,7 @@ def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path):
     assert {"step_000000002", "step_000000004"} <= set(os.listdir(tmp_path / "ckpt"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(tmp_path):
     config = {
@@ -118,6 +120,7 @@ def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(tmp_path):
     assert "finished at step 3" in out, out[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_digits_example_learns():
     code, out = _torchrun("examples/train_digits.py", ["--epochs", "2"])
@@ -129,6 +132,7 @@ def test_digits_example_learns():
 
 
 # ------------------------------------------------------------------ config errors under torchrun
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_config_error_under_torchrun_is_said_once(tmp_path):
     path = tmp_path / "bad.yaml"
@@ -143,6 +147,7 @@ def test_config_error_under_torchrun_is_said_once(tmp_path):
 
 
 # ------------------------------------------------------------------ what dtrain chooses, and says
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_auto_batch_max_steps_fp16_and_strategy_name_are_sensible_and_said(tmp_path):
     config = {
@@ -188,6 +193,7 @@ trainer.close()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_messages_go_through_logging_rank_zero_by_default(tmp_path):
     script = tmp_path / "script.py"
@@ -231,6 +237,7 @@ def test_library_code_never_prints():
 
 
 # ------------------------------------------------------------------ progress bar in a real terminal
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (apt-get install tmux)")
 def test_progress_bar_and_step_lines_share_a_terminal(tmp_path):
@@ -281,6 +288,7 @@ open(os.path.join(sys.argv[1], "closed_" + os.environ["RANK"]), "w").close()  # 
 """
 
 
+@pytest.mark.slow
 def test_a_second_trainer_after_close_under_torchrun_does_not_hang(tmp_path):
     """close() destroys the process group; a second trainer in the same script makes a new one through
     torchrun's store, whose keys from the first group must not make it wait forever."""
@@ -308,6 +316,7 @@ CheckpointManager(d + "/").latest_good()     # silenced with the rest of the pac
 """
 
 
+@pytest.mark.slow
 def test_the_packages_warnings_go_through_its_logger(tmp_path):
     script = tmp_path / "warns.py"
     script.write_text(PACKAGE_WARNINGS)

@@ -36,6 +36,7 @@ def ddp_compare_worker(rank, world, options):
     return worst, comm.bytes_sent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world, options, tol",
     [
@@ -147,6 +148,7 @@ def powersgd_worker(rank, world):
     return losses, replicas_equal
 
 
+@pytest.mark.slow
 def test_powersgd_trains_and_keeps_replicas_identical():
     (l0, p0), (l1, p1) = run_distributed(powersgd_worker, 2, timeout=90)
     assert l0[-1] < l0[0] * 0.8, l0
@@ -186,6 +188,7 @@ def digits_worker(rank, world, mode, steps):
         return (model(x[val]).argmax(1) == y[val]).float().mean().item(), comm.bytes_sent if comm else None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_topk_one_percent_converges_with_error_feedback():
     """Digits, 800 steps on 2 ranks: Top-K 1% with error feedback within 1 point of dense accuracy;
@@ -219,6 +222,7 @@ def residual_checkpoint_worker(rank, world, path):
     return same, sum(v.abs().sum().item() for v in saved.values())
 
 
+@pytest.mark.slow
 def test_error_feedback_residuals_are_checkpointed(tmp_path):
     for same, magnitude in run_distributed(residual_checkpoint_worker, 2, args=(str(tmp_path / "ck"),), timeout=90):
         assert same and magnitude > 0

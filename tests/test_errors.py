@@ -146,6 +146,7 @@ def test_runtime_bad_environment(monkeypatch):
         init_distributed(timeout=-5)
 
 
+@pytest.mark.slow
 def test_plain_python_runs_as_world_of_one(tmp_path):
     code = (
         "import torch, torch.nn as nn\n"
@@ -181,6 +182,7 @@ def timeout_worker(rank, world, store):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # for the harness to destroy
 
 
+@pytest.mark.slow
 def test_collective_timeout_is_configurable(tmp_path):
     results = run_distributed(timeout_worker, 2, args=(str(tmp_path / "store"),), timeout=90)
     msg, elapsed = results[0]

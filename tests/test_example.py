@@ -56,6 +56,7 @@ def _losses(out: str) -> tuple[float, float, float, float]:
     return float(train[1]), float(train[3]), float(val[1]), float(val[2])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_torchrun_two_processes(tmp_path):
     ckpt = tmp_path / "ckpt" / "gpt"  # a checkpoint directory that does not exist yet
@@ -77,6 +78,7 @@ def test_torchrun_two_processes(tmp_path):
     assert "wte.weight" in state["model"] and not any(k.startswith("module.") for k in state["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_plain_python_world_of_one():
     result = _check(subprocess.run([sys.executable, SCRIPT, "--steps", "3"], cwd=ROOT, env=_env(), capture_output=True,

@@ -45,6 +45,7 @@ def resume_worker(rank, world, directory, strategy, interrupt_at):
     return state, step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero3", "zero1"])
 def test_resume_mid_epoch_is_bit_identical_at_world_3(tmp_path, strategy):
     full, steps = run_distributed(resume_worker, 3, args=(str(tmp_path / "a"), strategy, 0), timeout=180)[0]
@@ -65,6 +66,7 @@ def _torchrun(args, launcher_args=(), timeout=240):
     return log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_sigkilled_rank_restarts_and_matches_an_unbroken_run(tmp_path, strategy):
@@ -173,6 +175,7 @@ def timeout_worker(rank, world, strategy):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_collective_timeout_names_operation_and_missing_rank(strategy):
     results = run_distributed(timeout_worker, 2, args=(strategy,), timeout=90, collective_timeout=3)

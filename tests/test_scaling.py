@@ -102,6 +102,7 @@ def test_projection_chooses_and_explains():
     assert slow["choice"].startswith("ddp_") and "faster than" in slow["reason"], slow
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_suite_smoke_mode_end_to_end(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}

@@ -72,6 +72,7 @@ def _trajectory(out: Path, n: int) -> dict:
     return torch.load(out / f"trajectory_{n}.pt", map_location="cpu", weights_only=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path, strategy, torchrun_job):
@@ -108,6 +109,7 @@ def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path
             assert torch.equal(value, state[key]), f"step {step}: {key} differs from the unbroken run"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigint_during_a_slow_checkpoint_write_exits_within_seconds_and_leaves_no_tmp(tmp_path, torchrun_job):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"

@@ -76,6 +76,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_run_torchrun_runs_a_script_on_n_processes(tmp_path, monkeypatch):
     script = tmp_path / "hello.py"
     script.write_text(HELLO)
@@ -86,6 +87,7 @@ def test_run_torchrun_runs_a_script_on_n_processes(tmp_path, monkeypatch):
     assert lines == [f"rank {r} of 3: sum 6, args ['a', 'b']" for r in range(3)], out.stdout
 
 
+@pytest.mark.slow
 def test_run_torchrun_returns_a_failed_jobs_status_and_output(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text(HELLO)
@@ -107,6 +109,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_hung_torchrun_job_is_killed_with_its_workers(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text(HELLO)
@@ -131,6 +134,7 @@ def test_run_torchrun_refuses_to_be_given_a_rendezvous_port():
 
 
 # ------------------------------------------------------------------ importing the package
+@pytest.mark.slow
 def test_importing_the_package_leaves_warning_filters_alone():
     code = textwrap.dedent("""
         import pkgutil, importlib, warnings
