@@ -176,6 +176,9 @@ class JobConfig(_Section):
         if custom and t.strategy not in ("ddp", "zero1"):  # "auto" may pick a sharded strategy
             raise ConfigError(f"communication.compression / pattern / hierarchical apply to training.strategy ddp or "
                               f"zero1, not {t.strategy!r}")
+        if c.ranks_per_node is not None and not c.hierarchical:
+            raise ConfigError("communication.ranks_per_node is the node size of hierarchical all-reduce: set "
+                              "communication.hierarchical: true with it, or leave it out")
         if self.checkpoint.every is not None and self.checkpoint.dir is None:
             raise ConfigError("checkpoint.every needs checkpoint.dir")
         return self

@@ -1,41 +1,68 @@
-"""A multi-process harness for tests: real processes, a race-free rendezvous, a hard timeout.
+"""Test your own distributed code on several real processes, from pytest or any script.
 
-    results = run_distributed(fn, world_size=3, args=(...,))
+Two tools, both public:
 
-starts `world_size` processes forked from a server that has already imported torch and this package
-(the ``forkserver`` method with a preload: about 0.07 s for two ranks where fresh interpreters took
-1.9 s, most of a small test), each of which
+* `run_distributed(fn, world_size, args=...)` runs ``fn(rank, world_size, *args)`` on `world_size`
+  processes that already share a gloo process group, and returns every rank's return value (or
+  raises `DistributedTestError` with each failing rank's traceback). Fast: the processes are forked
+  from a server that has imported torch and this package once (about 0.07 s for two ranks, where
+  fresh interpreters take about 2 s), so a test can afford many small worlds.
+* `run_torchrun(script, args, nproc=...)` runs a script (or ``module=True``: a module) under
+  ``torchrun --standalone`` exactly as a user would start it, and returns its exit status and
+  output; `start_torchrun` does the same in the background, for a test that signals the job while
+  it runs. Slower (fresh interpreters), but it covers what `run_distributed` cannot: torchrun's
+  rendezvous, the ``env://`` process group, ``--max-restarts``, signal forwarding.
 
-* sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE),
-* joins a gloo process group through a ``file://`` store in a fresh temporary directory (no port
-  can be taken by another test between choosing and binding it),
-* runs ``fn(rank, world_size, *args)`` and sends back its return value or its traceback,
+Both are race-free and cannot hang a test suite: `run_distributed` rendezvouses through a
+``file://`` store in a fresh temporary directory and torchrun ``--standalone`` binds its store to
+port 0 (the OS picks a free port and hands it to the workers), so no port is ever chosen first and
+bound later, where a parallel test could take it in between; both kill what they started (for
+torchrun: torchrun, its workers and theirs) when `timeout` seconds pass, and fail.
+
+How `run_distributed` runs a rank: the child
+
+* sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and the caller's
+  current environment (plus `env`, and OMP_NUM_THREADS=1: several ranks share the CPU),
+* joins a process group (gloo by default) through the ``file://`` store,
+* runs ``fn(rank, world_size, *args)`` and sends back its return value (pickled) or its traceback,
 * destroys its process group in ``finally``.
 
 The parent waits until every rank has answered or `timeout` seconds have passed. A hang is a
-failure: stragglers are killed and a `DistributedTestError` names them, together with every failing
-child's traceback. `fn` must be importable (a module-level function).
+failure: stragglers are killed and the error names them. `fn`, its arguments and its return value
+travel by pickle, so `fn` must be a module-level function of an importable module; in a script,
+put the call under ``if __name__ == "__main__":`` (each rank imports the script as a module).
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
-import multiprocessing as mp
+__all__ = ["run_distributed", "run_torchrun", "start_torchrun", "TorchrunJob", "DistributedTestError"]
 
-__all__ = ["run_distributed", "DistributedTestError"]
+# What a launcher sets in its workers: never inherited by a job started from inside one.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
 
 
 class DistributedTestError(AssertionError):
-    """One or more ranks failed, hung, or died."""
+    """One or more ranks failed, hung, or died; or a torchrun job did not end in time.
+
+    An `AssertionError`, so that pytest reports it as a test failure; its message holds every
+    failing rank's traceback (or the job's output)."""
 
 
 def _child(fn, rank, world_size, args, store_path, backend, collective_timeout, result_queue, env):
@@ -77,12 +104,27 @@ def run_distributed(
     collective_timeout: float | None = None,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` processes; return each rank's result.
+    """Run ``fn(rank, world_size, *args)`` on `world_size` processes; return each rank's result.
 
     Args:
-        timeout: seconds for the whole job before it counts as hung.
-        collective_timeout: the process group's own timeout (default: `timeout`).
-        env: extra environment variables for the children.
+        fn: a module-level function (it travels by pickle); it runs with the process group already
+            initialised, and its return value (picklable) comes back in the list.
+        world_size: how many processes (ranks), each with RANK / WORLD_SIZE / LOCAL_RANK set.
+        args: more positional arguments for `fn` (picklable), the same on every rank.
+        timeout: seconds for the whole job before it counts as hung: then every rank still running
+            is killed and `DistributedTestError` names them.
+        backend: the process group's backend (``"gloo"``, CPU; ``"nccl"`` needs one GPU a rank).
+        collective_timeout: the process group's own timeout, after which a collective that waits
+            for a rank raises in `fn` (default: `timeout`).
+        env: extra environment variables for the ranks.
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+
+    Raises:
+        DistributedTestError: a rank raised (its traceback is in the message), died, or did not
+            finish within `timeout`. When one rank fails, the others get 10 more seconds to fail
+            too (a peer waiting in a collective), so that every traceback is reported.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -146,3 +188,200 @@ def run_distributed(
             parts.append(f"--- rank(s) {missing} did not finish within {timeout:.0f}s (killed) ---")
         raise DistributedTestError("\n".join(parts))
     return [results[r] for r in range(world_size)]
+
+
+# ------------------------------------------------------------------ torchrun
+class TorchrunJob:
+    """A ``torchrun --standalone`` job running in the background; made by `start_torchrun`.
+
+    torchrun runs in a session (process group) of its own; `kill` and a timeout in `wait` end it,
+    its workers (each in a session of its own) and their children, and `signal` reaches torchrun alone (it forwards SIGTERM, SIGINT and
+    SIGHUP to its workers, as it does when a scheduler stops a job). stdout and stderr go to files,
+    so a chatty job never blocks on a full pipe and `output()` can be read while it runs.
+
+    Use it as a context manager: leaving the block kills a job still running and removes its
+    output files.
+
+    Attributes:
+        args: the command line.
+        proc: the `subprocess.Popen` of torchrun itself.
+    """
+
+    def __init__(self, args: list[str], *, env: Mapping[str, str], cwd: str | os.PathLike | None) -> None:
+        self.args = args
+        self._dir = tempfile.mkdtemp(prefix="dt-torchrun-")
+        self._out_path = os.path.join(self._dir, "stdout")
+        self._err_path = os.path.join(self._dir, "stderr")
+        with open(self._out_path, "wb") as out, open(self._err_path, "wb") as err:
+            self.proc = subprocess.Popen(args, cwd=cwd, env=dict(env), stdout=out, stderr=err,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        """torchrun's process id, which is also its process group's id."""
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        """torchrun's exit status, or None while it runs."""
+        return self.proc.poll()
+
+    def stdout(self) -> str:
+        """What the job has written to stdout so far."""
+        return Path(self._out_path).read_text(errors="replace") if os.path.exists(self._out_path) else ""
+
+    def stderr(self) -> str:
+        """What the job has written to stderr so far (torchrun's own messages are there)."""
+        return Path(self._err_path).read_text(errors="replace") if os.path.exists(self._err_path) else ""
+
+    def output(self) -> str:
+        """stdout, then stderr, so far."""
+        return self.stdout() + self.stderr()
+
+    def signal(self, sig: int, *, group: bool = False) -> None:
+        """Send `sig` to torchrun, which forwards SIGTERM / SIGINT / SIGHUP to its workers; with
+        ``group=True`` to torchrun's process group, as Ctrl-C in a terminal does."""
+        if self.proc.poll() is None:
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL torchrun, its workers and theirs (data loader workers, ...), and reap torchrun."""
+        if self.proc.poll() is None:
+            _kill_tree(self.proc.pid)
+        self.proc.wait()
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        """Wait for the job to end; return its ``returncode``, ``stdout`` and ``stderr``.
+
+        Raises:
+            DistributedTestError: it did not end within `timeout` seconds; it has been killed, with
+                its workers, and the message holds the end of its output.
+        """
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise DistributedTestError(
+                f"{' '.join(self.args)} did not finish within {timeout:g}s (killed, workers included)\n"
+                f"--- stdout ---\n{self.stdout()[-4000:]}\n--- stderr ---\n{self.stderr()[-4000:]}"
+            ) from None
+        return subprocess.CompletedProcess(self.args, self.proc.returncode, self.stdout(), self.stderr())
+
+    def close(self) -> None:
+        """Kill the job if it still runs; remove its output files."""
+        self.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "TorchrunJob":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL process `pid`'s process group and every process descended from it.
+
+    torchrun starts each worker in a session of its own (so that it can kill a worker's group), so
+    killing torchrun's group alone would leave the workers running, orphaned. torchrun is stopped
+    first, so that it starts no worker while its tree is walked; then every group found is killed.
+    """
+    import psutil
+
+    try:
+        os.killpg(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    groups = {pid}
+    for child in descendants:
+        try:
+            groups.add(os.getpgid(child.pid))
+        except ProcessLookupError:
+            pass
+    groups.discard(os.getpgrp())  # never our own
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _torchrun_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    base.setdefault("OMP_NUM_THREADS", "1")
+    base["PYTHONUNBUFFERED"] = "1"  # output in the order it was printed, and none lost when killed
+    base.update(env or {})
+    return base
+
+
+def start_torchrun(
+    target: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    nproc: int = 2,
+    module: bool = False,
+    launcher_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> TorchrunJob:
+    """Start ``torchrun --standalone --nproc-per-node=NPROC [launcher_args] TARGET [args]`` in the
+    background and return its `TorchrunJob`; see `run_torchrun` for the arguments."""
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
+    for flag in launcher_args:
+        if str(flag).split("=")[0].replace("_", "-") in ("--rdzv-endpoint", "--master-port", "--nproc-per-node"):
+            raise ValueError(f"launcher_args: {flag!r} is the harness's to choose (the rendezvous is --standalone, "
+                             "on a free port; the number of processes is nproc=)")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           *map(str, launcher_args), *(["-m"] if module else []), os.fspath(target), *map(str, args)]
+    return TorchrunJob(cmd, env=_torchrun_env(env), cwd=cwd)
+
+
+def run_torchrun(
+    target: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    nproc: int = 2,
+    module: bool = False,
+    launcher_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    timeout: float = 300.0,
+) -> subprocess.CompletedProcess:
+    """Run a script (or a module) under ``torchrun --standalone`` on `nproc` processes and wait.
+
+    The rendezvous is torchrun's ``--standalone``: its store binds port 0 and the workers are told
+    the port the OS gave it, so parallel jobs never race for a port.
+
+    Args:
+        target: the script's path, or with ``module=True`` a module name (``python -m`` style).
+        args: the script's own arguments.
+        nproc: processes (ranks) on this machine.
+        launcher_args: more torchrun options, before the script (``["--max-restarts=2"]``).
+        env: environment variables on top of this process's environment, from which any launcher's
+            variables (RANK, MASTER_PORT, ...) are removed; OMP_NUM_THREADS defaults to 1 and
+            PYTHONUNBUFFERED is set. On a GPU machine, ``{"CUDA_VISIBLE_DEVICES": ""}`` keeps a CPU
+            test on the CPU.
+        cwd: the working directory (default: this process's).
+        timeout: seconds before the job counts as hung: then torchrun and all its workers are
+            killed and `DistributedTestError` is raised with the end of their output.
+
+    Returns:
+        A `subprocess.CompletedProcess` with ``returncode`` (torchrun's: 0 when every worker
+        succeeded), ``stdout`` and ``stderr`` (text). A failed job is returned, not raised: check
+        ``returncode`` (torchrun's summary of the failure is at the end of ``stderr``).
+    """
+    with start_torchrun(target, args, nproc=nproc, module=module, launcher_args=launcher_args, env=env,
+                        cwd=cwd) as job:
+        return job.wait(timeout)

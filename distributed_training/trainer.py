@@ -151,6 +151,9 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
         self.checkpoints = (CheckpointManager(checkpoint_dir, keep_last=keep_last, best_metric=best_metric,
                                               best_mode=best_mode) if checkpoint_dir is not None else None)
+        if context is not None and timeout is not None:
+            raise ValueError("timeout= is the collective timeout of the context the trainer creates; with context= "
+                             "given, set it there: init_distributed(timeout=...)")
         check_strategy_argument(strategy, communication)  # before any rendezvous
         self.memory_budget_bytes = memory_budget_bytes
         self._model_sizes = model_sizes(model)  # before any wrapper shards the parameters

@@ -83,6 +83,7 @@ def probe_worker(rank, world):
         ctx.shutdown()
 
 
+@pytest.mark.slow
 def test_probe_agrees_on_the_smallest_fit_and_training_matches():
     for chosen, reason, untouched, no_grads, na, nb, worst in run_distributed(probe_worker, 2, timeout=120):
         assert chosen == 18, reason  # micro-batch 9, times 2 accumulation steps

@@ -26,6 +26,7 @@ def _suite(tmp_path, *args, timeout):
     return json.loads((tmp_path / "results.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_smoke_runs_every_phase(tmp_path):
     results = _suite(tmp_path, timeout=540)

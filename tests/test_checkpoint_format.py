@@ -111,6 +111,7 @@ def test_the_tolerance_would_catch_a_lost_optimizer_state():
 PAIRS = [("ddp", "zero3"), ("zero3", "ddp"), ("zero1", "hybrid"), ("zero2", "zero1")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("worlds", [(2, 3), (3, 1)], ids=lambda w: f"{w[0]}to{w[1]}")
 @pytest.mark.parametrize("saved,loaded", PAIRS, ids=[f"{a}-{b}" for a, b in PAIRS])
 def test_checkpoint_loads_under_another_strategy_and_world_size(tmp_path, saved, loaded, worlds):

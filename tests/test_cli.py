@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from distributed_training.config import ConfigError, JobConfig, load_config
+from distributed_training.testing import run_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -24,12 +25,17 @@ def _run(args, timeout=180, **kw):
     return out.returncode, out.stdout + out.stderr
 
 
+def _torchrun(target, args=(), timeout=180, **kw):
+    """`target` under torchrun with 2 processes at the repository root: (exit status, stdout + stderr)."""
+    out = run_torchrun(target, args, nproc=2, env=ENV, cwd=REPO, timeout=timeout, **kw)
+    return out.returncode, out.stdout + out.stderr
+
+
 def _dtrain_on_two_ranks(tmp_path, config: dict):
     """Write `config` to a YAML file and run `dtrain` on it under torchrun with 2 processes."""
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
-    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                 "-m", "distributed_training", str(path)])
+    return _torchrun("distributed_training", [str(path)], module=True)
 
 
 @pytest.mark.parametrize(
@@ -80,6 +86,7 @@ def test_help_and_print_config():
     assert code == 2 and "training.batch_size" in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path):
     config = {
@@ -96,6 +103,7 @@ def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path):
     assert {"step_000000002", "step_000000004"} <= set(os.listdir(tmp_path / "ckpt"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(tmp_path):
     config = {
@@ -112,10 +120,10 @@ def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(tmp_path):
     assert "finished at step 3" in out, out[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_digits_example_learns():
-    code, out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                      "examples/train_digits.py", "--epochs", "2"])
+    code, out = _torchrun("examples/train_digits.py", ["--epochs", "2"])
     assert code == 0, out[-3000:]
     match = re.search(r"accuracy ([\d.]+) -> ([\d.]+)", out)
     assert match, out[-2000:]
@@ -124,13 +132,12 @@ def test_digits_example_learns():
 
 
 # ------------------------------------------------------------------ config errors under torchrun
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_config_error_under_torchrun_is_said_once(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("training:\n  lr: fast\n")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "distributed_training", str(path)],
-                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=100)
+    out = run_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=REPO, timeout=100)
     assert out.returncode != 0
     both = out.stdout + out.stderr
     assert both.count("invalid config") == 1 and both.count("training.lr") == 1, both
@@ -140,6 +147,7 @@ def test_config_error_under_torchrun_is_said_once(tmp_path):
 
 
 # ------------------------------------------------------------------ what dtrain chooses, and says
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_auto_batch_max_steps_fp16_and_strategy_name_are_sensible_and_said(tmp_path):
     config = {
@@ -185,13 +193,13 @@ trainer.close()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_messages_go_through_logging_rank_zero_by_default(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(LOGGING_SCRIPT)
     # Default: INFO from rank 0 only, warnings from every rank with the rank in front; on stderr.
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script), "default"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=200)
+    out = run_torchrun(script, ["default"], nproc=2, env=ENV, cwd=REPO, timeout=200)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.count("strategy auto -> ddp (") == 1, out.stderr
     # fit() says when its epochs end training before max_steps (2 ranks x 2 steps of 8 = 32 samples per epoch).
@@ -229,6 +237,7 @@ def test_library_code_never_prints():
 
 
 # ------------------------------------------------------------------ progress bar in a real terminal
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (apt-get install tmux)")
 def test_progress_bar_and_step_lines_share_a_terminal(tmp_path):
@@ -279,21 +288,14 @@ open(os.path.join(sys.argv[1], "closed_" + os.environ["RANK"]), "w").close()  # 
 """
 
 
+@pytest.mark.slow
 def test_a_second_trainer_after_close_under_torchrun_does_not_hang(tmp_path):
     """close() destroys the process group; a second trainer in the same script makes a new one through
     torchrun's store, whose keys from the first group must not make it wait forever."""
     script = tmp_path / "two_trainers.py"
     script.write_text(SECOND_TRAINER)
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(script), str(tmp_path)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # torchrun and its workers: a hang must not outlive the test
-        out, _ = proc.communicate()
-        pytest.fail(f"a second trainer hung:\n{out}")
-    assert proc.returncode == 0, out
+    code, out = _torchrun(script, [str(tmp_path)], timeout=120)  # a hang fails, its workers killed with it
+    assert code == 0, out
     assert sorted(p.name for p in tmp_path.glob("closed_*")) == ["closed_0", "closed_1"], out
 
 
@@ -314,6 +316,7 @@ CheckpointManager(d + "/").latest_good()     # silenced with the rest of the pac
 """
 
 
+@pytest.mark.slow
 def test_the_packages_warnings_go_through_its_logger(tmp_path):
     script = tmp_path / "warns.py"
     script.write_text(PACKAGE_WARNINGS)

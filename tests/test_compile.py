@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +26,7 @@ def state_dict_worker(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_ddp_state_dict_and_buffers_like_torch_ddp():
     assert run_distributed(state_dict_worker, 2, timeout=120) == [True, True]
 
@@ -52,6 +54,7 @@ def compile_worker(rank, world, order):
     return True
 
 
+@pytest.mark.slow
 def test_torch_compile_in_either_order_matches_eager():
     for order in ("compile(ddp)", "ddp(compile)"):
         assert run_distributed(compile_worker, 2, args=(order,), timeout=240) == [True, True]

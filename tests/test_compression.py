@@ -36,6 +36,7 @@ def ddp_compare_worker(rank, world, options):
     return worst, comm.bytes_sent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world, options, tol",
     [
@@ -147,6 +148,7 @@ def powersgd_worker(rank, world):
     return losses, replicas_equal
 
 
+@pytest.mark.slow
 def test_powersgd_trains_and_keeps_replicas_identical():
     (l0, p0), (l1, p1) = run_distributed(powersgd_worker, 2, timeout=90)
     assert l0[-1] < l0[0] * 0.8, l0
@@ -154,7 +156,9 @@ def test_powersgd_trains_and_keeps_replicas_identical():
 
 
 @pytest.mark.parametrize("kwargs, field", [({"compression": "gzip"}, "compression"), ({"pattern": "star"}, "pattern"),
-                                           ({"compression_ratio": 0}, "compression_ratio")])
+                                           ({"compression_ratio": 0}, "compression_ratio"),
+                                           ({"bucket_size_mb": 0}, "bucket_size_mb"),
+                                           ({"ranks_per_node": 2}, "ranks_per_node")])
 def test_bad_arguments(kwargs, field):
     with pytest.raises(ValueError, match=field):
         CommunicationOptimizer(**kwargs)
@@ -184,6 +188,7 @@ def digits_worker(rank, world, mode, steps):
         return (model(x[val]).argmax(1) == y[val]).float().mean().item(), comm.bytes_sent if comm else None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_topk_one_percent_converges_with_error_feedback():
     """Digits, 800 steps on 2 ranks: Top-K 1% with error feedback within 1 point of dense accuracy;
@@ -217,6 +222,7 @@ def residual_checkpoint_worker(rank, world, path):
     return same, sum(v.abs().sum().item() for v in saved.values())
 
 
+@pytest.mark.slow
 def test_error_feedback_residuals_are_checkpointed(tmp_path):
     for same, magnitude in run_distributed(residual_checkpoint_worker, 2, args=(str(tmp_path / "ck"),), timeout=90):
         assert same and magnitude > 0
@@ -283,3 +289,67 @@ def test_overlap_metric_sees_hidden_and_blocking_communication():
     # The ring pattern runs inside the hook: it holds backward up, so none of it counts as hidden.
     stats, _ = run_distributed(overlap_worker, 2, args=("ring", 0.2), timeout=60)[0]
     assert stats["passes"] == 3 and stats["comm_s"] > 0 and stats["hidden_fraction"] == 0.0, stats
+
+
+# ------------------------------------------------------------------ bucket size and overlap
+class _LoggingComm(CommunicationOptimizer):
+    """A CommunicationOptimizer that notes, in `log`, when it is asked to reduce a bucket."""
+
+    def __init__(self, log: list, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.log = log
+
+    def __call__(self, bucket, group, index=0):
+        self.log.append("reduce")
+        return super().__call__(bucket, group, index)
+
+
+def overlap_switch_worker(rank, world, enable_overlap):
+    log: list[str] = []
+    torch.manual_seed(0)
+    model = MLP()
+    for p in model.parameters():
+        p.register_hook(lambda grad: log.append("grad"))  # when autograd has computed p's gradient
+    comm = _LoggingComm(log, bucket_size_mb=0.001, enable_overlap=enable_overlap)
+    ddp = DDP(model, communication=comm, first_bucket_cap_mb=0.001)
+    torch.manual_seed(0)
+    reference = DDP(MLP(), bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)  # overlapped, default reducer
+    layouts = (ddp.bucket_layout(), reference.bucket_layout(), DDP(MLP(), communication=CommunicationOptimizer()).bucket_layout())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ddp, reference)]
+    logs, worst = [], 0.0
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        x, y = torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
+        for model_, opt in zip((ddp, reference), opts):
+            log.clear()
+            F.mse_loss(model_(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if model_ is ddp:
+                logs.append(list(log))
+        worst = max(worst, max((a - b).abs().max().item() for a, b in zip(ddp.parameters(), reference.parameters())))
+    return layouts, logs, worst
+
+
+@pytest.mark.parametrize("enable_overlap", [True, False])
+def test_bucket_size_and_overlap_switch_of_the_communication_optimizer(enable_overlap):
+    for (layout, reference_layout, default_layout), logs, worst in run_distributed(
+            overlap_switch_worker, 2, args=(enable_overlap,), timeout=120):
+        # bucket_size_mb is the DDP's bucket cap: the same buckets as DDP(bucket_cap_mb=...) itself,
+        # and without it DDP's default (one 25 MiB bucket for this model).
+        assert layout == reference_layout and len(layout) >= 2, layout
+        assert len(default_layout) == 1, default_layout
+        assert worst == 0.0, worst  # the same mean either way, and the same as the plain DDP's
+        n_params, n_buckets = len(list(MLP().parameters())), len(layout)
+        for log in logs:
+            assert sorted(log) == sorted(["grad"] * n_params + ["reduce"] * n_buckets), log
+            last_grad = len(log) - 1 - log[::-1].index("grad")
+            if enable_overlap:  # buckets go as soon as they are full, while backward still runs
+                assert log.index("reduce") < last_grad, log
+            else:               # every bucket after backward's last gradient
+                assert log == ["grad"] * n_params + ["reduce"] * n_buckets, log
+
+
+def test_enable_overlap_must_be_a_bool():
+    with pytest.raises(TypeError, match="enable_overlap"):
+        CommunicationOptimizer(enable_overlap="no")

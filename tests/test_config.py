@@ -66,6 +66,7 @@ def test_scientific_notation_in_files_and_overrides(tmp_path):
         ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last"),
         ({"logging": {"every": "often"}}, "logging.every"),
         ({"communication": {"ranks_per_node": 0}}, "communication.ranks_per_node"),
+        ({"communication": {"ranks_per_node": 2}}, "communication.ranks_per_node"),
         ({"logging": {"colour": True}}, "logging.colour"),
     ],
 )
@@ -75,6 +76,7 @@ def test_every_field_is_type_checked_and_named(raw, field):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_type_error_fails_before_any_training():
     code, out, err = _dtrain("examples/configs/gpt_cpu.yaml", "--set", "output=5")
     assert code == 2, out + err
@@ -86,6 +88,7 @@ def test_sections_left_empty_keep_their_defaults():
     assert cfg.training == JobConfig().training and cfg.model.preset == "tiny"
 
 
+@pytest.mark.slow
 def test_print_config_prints_every_field_with_its_default():
     code, out, err = _dtrain("--print-config")
     assert code == 0, err

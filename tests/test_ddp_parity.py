@@ -166,7 +166,7 @@ def parity_worker(rank: int, world: int) -> dict:
     return report
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_parity_every_step(world):
     reports = run_distributed(parity_worker, world, timeout=240)
     for rank, report in enumerate(reports):
@@ -199,5 +199,6 @@ def mixed_worker(rank: int, world: int) -> float:
     return worst
 
 
+@pytest.mark.slow
 def test_mixed_dtypes_frozen_layers_channels_last():
     assert max(run_distributed(mixed_worker, 3, timeout=120)) <= TOL

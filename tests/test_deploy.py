@@ -501,6 +501,7 @@ def image_python(tmp_path_factory) -> Path:
     return python
 
 
+@pytest.mark.slow
 def test_image_install(image_python, tmp_path):
     code = ("import distributed_training, torch\n"
             "from distributed_training.datasets import digits\n"
@@ -556,6 +557,7 @@ def single_node(image_python, tmp_path_factory):
             "probe_during": started_seen}
 
 
+@pytest.mark.slow
 def test_single_node_run(single_node):
     node, root = single_node["node"], single_node["root"]
     assert node.proc.returncode == 0, node.report()
@@ -604,6 +606,7 @@ def test_default_idle_stops_on_sigterm(tmp_path):
             node.proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_two_nodes_match_one_node(single_node, image_python, tmp_path):
     assert single_node["node"].proc.returncode == 0, single_node["node"].report()
     config = single_node["config"]
@@ -652,6 +655,7 @@ if os.environ.get("RANK") is not None and os.environ.get("RANK") == os.environ.g
 """
 
 
+@pytest.mark.slow
 def test_per_node_volumes_resume_after_a_crash(single_node, image_python, tmp_path):
     """The StatefulSet's layout: each node has its own checkpoint volume (checkpoint.dir = its mount).
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distributed_training import DDP, DistributedTrainer, init_distributed
+from distributed_training import DDP, FSDP, CommunicationOptimizer, DistributedTrainer, init_distributed
 from distributed_training.testing import run_distributed
 
 from _models import MLP, Branchy
@@ -89,6 +89,16 @@ def test_bad_bucket_cap(cap):
         DDP(MLP(), bucket_cap_mb=cap)
 
 
+def test_bucket_size_given_twice_must_agree():
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=1.*bucket_size_mb=2"):
+        DDP(MLP(), bucket_cap_mb=1, communication=CommunicationOptimizer(bucket_size_mb=2))
+
+
+def test_fsdp_node_size_without_hybrid_sharding_is_an_error():
+    with pytest.raises(ValueError, match="ranks_per_node=2.*hybrid"):
+        FSDP(MLP(), ranks_per_node=2)
+
+
 def test_ddp_rejects_non_modules_and_double_wrapping():
     with pytest.raises(TypeError, match="nn.Module"):
         DDP(lambda x: x)
@@ -106,6 +116,7 @@ def test_ddp_needs_a_process_group():
         ({"gradient_accumulation_steps": 1.5}, "gradient_accumulation_steps"),
         ({"gradient_clip_val": -1.0}, "gradient_clip_val"),
         ({"strategy": "zero9"}, "strategy"),
+        ({"context": object(), "timeout": 5.0}, "timeout"),  # would be ignored: the context has its own
     ],
 )
 def test_trainer_bad_arguments(kwargs, field):
@@ -135,6 +146,7 @@ def test_runtime_bad_environment(monkeypatch):
         init_distributed(timeout=-5)
 
 
+@pytest.mark.slow
 def test_plain_python_runs_as_world_of_one(tmp_path):
     code = (
         "import torch, torch.nn as nn\n"
@@ -170,6 +182,7 @@ def timeout_worker(rank, world, store):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # for the harness to destroy
 
 
+@pytest.mark.slow
 def test_collective_timeout_is_configurable(tmp_path):
     results = run_distributed(timeout_worker, 2, args=(str(tmp_path / "store"),), timeout=90)
     msg, elapsed = results[0]

@@ -2,22 +2,22 @@
 
 The example is started exactly as a user would start it, in fresh processes, so these tests also
 cover what the in-process harness cannot: torchrun's rendezvous, the env:// process group, and a
-world of one with no launcher at all. `--standalone` is race-free: torchrun binds its store to
-port 0 (the OS picks a free port) and hands that store to the workers, so no port is chosen first
-and bound later.
+world of one with no launcher at all. `run_torchrun` starts torchrun `--standalone` (its store on a
+port the OS picks) and kills torchrun and its workers together on a timeout.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from distributed_training.testing import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "examples/train_gpt.py"
@@ -41,22 +41,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
-    """Run a command at the repository root; on timeout kill its whole process group and fail.
-
-    `subprocess.run(timeout=...)` would kill only torchrun itself and could leave its workers behind.
-    """
-    proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(args)} did not finish within {timeout}s\n--- stdout ---\n{out}\n--- stderr ---\n{err}")
-    result = subprocess.CompletedProcess(args, proc.returncode, out, err)
+def _check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, (
-        f"{' '.join(args)} exited with {result.returncode}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
+        f"{' '.join(map(str, result.args))} exited with {result.returncode}\n--- stdout ---\n{result.stdout}\n"
+        f"--- stderr ---\n{result.stderr}"
     )
     return result
 
@@ -68,13 +56,12 @@ def _losses(out: str) -> tuple[float, float, float, float]:
     return float(train[1]), float(train[3]), float(val[1]), float(val[2])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_torchrun_two_processes(tmp_path):
     ckpt = tmp_path / "ckpt" / "gpt"  # a checkpoint directory that does not exist yet
-    result = _run([
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        SCRIPT, "--steps", "5", "--grad-accum", "2", "--checkpoint", str(ckpt),
-    ])
+    result = _check(run_torchrun(SCRIPT, ["--steps", "5", "--grad-accum", "2", "--checkpoint", str(ckpt)], nproc=2,
+                                 env=_env(), cwd=ROOT, timeout=150))
     out = result.stdout
     assert "world size 2 on cpu (gloo)" in out, out
     # Only rank 0 prints.
@@ -91,9 +78,11 @@ def test_torchrun_two_processes(tmp_path):
     assert "wte.weight" in state["model"] and not any(k.startswith("module.") for k in state["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_plain_python_world_of_one():
-    result = _run([sys.executable, SCRIPT, "--steps", "3"])
+    result = _check(subprocess.run([sys.executable, SCRIPT, "--steps", "3"], cwd=ROOT, env=_env(), capture_output=True,
+                                   text=True, timeout=150))
     out = result.stdout
     assert "world size 1 on cpu (gloo)" in out, out
     first, last, val_before, val_after = _losses(out)

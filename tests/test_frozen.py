@@ -124,6 +124,7 @@ def test_frozen_and_trainable_in_one_unit_match_one_process(stage, optim, world)
     assert round_trip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])
 @pytest.mark.parametrize("world, ranks_per_node", [(2, 1), (4, 2)])
 def test_frozen_in_one_unit_with_hybrid_sharding(optim, world, ranks_per_node):
@@ -151,6 +152,7 @@ def checkpoint_worker(rank, world, directory, phase):
     return state
 
 
+@pytest.mark.slow
 def test_frozen_checkpoint_round_trip_and_reshard(tmp_path):
     directory = str(tmp_path / "ckpt")
     run_distributed(checkpoint_worker, 2, args=(directory, "save"), timeout=180)

@@ -159,7 +159,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case, optim, accumulate, clip", CASES, ids=[f"{c[0]}-{c[1]}{'-acc' if c[2] else ''}{'-clip' if c[3] else ''}" for c in CASES])
 def test_fsdp_matches_single_process(world, case, optim, accumulate, clip):
     worst, units = run_distributed(fsdp_parity_worker, world, args=(case, optim, accumulate, clip), timeout=120)[0]

@@ -9,9 +9,9 @@ import torch
 
 from distributed_training.testing import run_distributed
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
-)
+)]
 
 
 def nccl_parity_worker(rank: int, world: int) -> float:

@@ -486,6 +486,7 @@ def test_record_step_overhead(tmp_path):
 
 
 # ------------------------------------------------------------------ (f) GPU: NVML figures in the event file
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_nvml_metrics_in_event_files(tmp_path):
     x = torch.randn(2048, 2048, device="cuda")
@@ -522,6 +523,7 @@ def nccl_worker(rank: int, world: int, log_dir: str) -> dict:
     return {"perf": perf, "gpu_keys": sorted(k for k in stats if k.startswith("system/gpu"))}
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_cluster_view_over_nccl(tmp_path):
     results = run_distributed(nccl_worker, 2, args=(str(tmp_path),), backend="nccl", timeout=300)

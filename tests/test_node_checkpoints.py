@@ -103,6 +103,7 @@ def unbroken(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,swap,damage,resumed_from", [
     ("ddp", False, None, 5),  # fit(max_steps=5) stops with a checkpoint at step 5
     ("zero3", True, None, 5),

@@ -59,10 +59,12 @@ def _commands_dir(tmp: Path) -> Path:
 def test_the_readme_has_snippets_and_a_prelude():
     assert PRELUDE and "class MyModel" in PRELUDE
     assert len(SNIPPETS) >= 4 and any("trainer.fit(" in s for s in SNIPPETS)
+    assert any("run_distributed(" in s for s in SNIPPETS) and any("run_torchrun(" in s for s in SNIPPETS)
     assert any(c.startswith("dtrain --print-config") for c in COMMANDS)
     assert any(c.startswith("python -m distributed_training.monitor.plot") for c in COMMANDS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_readme_snippet_runs_as_written(tmp_path):
     work = tmp_path / "work"

@@ -4,9 +4,6 @@ uneven inputs that must not hang, and timeouts that name the missing rank."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -17,7 +14,7 @@ from torch.utils.data import IterableDataset
 
 from distributed_training import DistributedTrainer
 from distributed_training.checkpoint import CheckpointManager
-from distributed_training.testing import run_distributed
+from distributed_training.testing import run_distributed, run_torchrun
 
 from _models import sgd_momentum, tiny_gpt, tiny_gpt_data
 
@@ -48,6 +45,7 @@ def resume_worker(rank, world, directory, strategy, interrupt_at):
     return state, step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero3", "zero1"])
 def test_resume_mid_epoch_is_bit_identical_at_world_3(tmp_path, strategy):
     full, steps = run_distributed(resume_worker, 3, args=(str(tmp_path / "a"), strategy, 0), timeout=180)[0]
@@ -60,28 +58,22 @@ def test_resume_mid_epoch_is_bit_identical_at_world_3(tmp_path, strategy):
 
 
 # ------------------------------------------------------------------ fault injection
-def _torchrun(args, timeout=240):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"torchrun did not finish in {timeout}s:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
-    return out
+def _torchrun(args, launcher_args=(), timeout=240):
+    out = run_torchrun(args[0], args[1:], nproc=2, launcher_args=launcher_args, cwd=REPO, timeout=timeout,
+                       env={"CUDA_VISIBLE_DEVICES": ""})
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    return log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_sigkilled_rank_restarts_and_matches_an_unbroken_run(tmp_path, strategy):
     job = str(REPO / "tests" / "jobs" / "fault_job.py")
     _torchrun([job, "--strategy", strategy, "--ckpt", str(tmp_path / "clean"), "--out", str(tmp_path / "clean.pt")])
-    log = _torchrun(["--max-restarts=2", job, "--strategy", strategy, "--ckpt", str(tmp_path / "faulty"),
-                     "--out", str(tmp_path / "faulty.pt"), "--kill-at", "5"])
+    log = _torchrun([job, "--strategy", strategy, "--ckpt", str(tmp_path / "faulty"), "--out", str(tmp_path / "faulty.pt"),
+                     "--kill-at", "5"], launcher_args=["--max-restarts=2"])
     clean, faulty = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "faulty.pt")
     assert int(faulty["restarts"]) >= 1, f"the job should have been restarted:\n{log[-3000:]}"
     assert "exitcode: -9" in log, "rank 1 should have died of SIGKILL"
@@ -183,6 +175,7 @@ def timeout_worker(rank, world, strategy):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_collective_timeout_names_operation_and_missing_rank(strategy):
     results = run_distributed(timeout_worker, 2, args=(strategy,), timeout=90, collective_timeout=3)

@@ -171,6 +171,7 @@ def _bn_run(rank, world, directory, strategy, interrupt_at):
     return trajectory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero2", "zero3", "ddp_local_buffers"])
 def test_resume_restores_every_ranks_own_buffers_bit_for_bit(tmp_path, strategy):
     unbroken = run_distributed(_bn_run, 2, args=(str(tmp_path / "a"), strategy, 0), timeout=180)
@@ -205,6 +206,7 @@ def _load_at_world(rank, world, directory):
     return buffers
 
 
+@pytest.mark.slow
 def test_new_world_size_takes_the_matching_ranks_buffers_or_rank_0s(tmp_path):
     directory = str(tmp_path / "ckpt")
     saved = run_distributed(_save_at_world, 2, args=(directory,), timeout=120)
@@ -342,6 +344,7 @@ def _shape_run(rank, world, directory, strategy, width, optimizer):
         trainer.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_what_cannot_change_is_an_error_that_names_it(tmp_path, strategy):
     directory = str(tmp_path / "ckpt")
@@ -390,6 +393,7 @@ def _dtrain(args, cwd):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dtrain_rerun_of_a_finished_job_trains_nothing_and_no_resume_starts_over(tmp_path):
     config = {

@@ -6,8 +6,6 @@ from __future__ import annotations
 import glob
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +15,7 @@ import torch
 
 from distributed_training import DistributedTrainer
 from distributed_training.checkpoint import CheckpointManager
-from distributed_training.testing import run_distributed
+from distributed_training.testing import TorchrunJob, run_distributed, start_torchrun
 
 from _models import sgd_momentum, tiny_gpt, tiny_gpt_data
 
@@ -30,42 +28,32 @@ def _tmp_files(directory) -> list[str]:
 
 
 # ------------------------------------------------------------------ under torchrun
-class _Job:
-    """torchrun with two workers in its own session, its output in a file."""
+@pytest.fixture
+def torchrun_job():
+    """Start tests/jobs/signal_job.py under torchrun with two workers (in a session of their own, so
+    that a signal to torchrun is what a scheduler sends); every job is killed and removed afterwards."""
+    jobs: list[TorchrunJob] = []
 
-    def __init__(self, tmp_path: Path, name: str, args: list[str]) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-        self.log_path = tmp_path / f"{name}.log"
-        self.log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", JOB, *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+    def start(args: list[str]) -> TorchrunJob:
+        jobs.append(start_torchrun(JOB, args, nproc=2, cwd=REPO, env={"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}))
+        return jobs[-1]
 
-    def wait(self, timeout: float) -> float:
-        started = time.monotonic()
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            raise AssertionError(f"the job did not end within {timeout}s:\n{self.output()[-4000:]}")
-        finally:
-            self.log.close()
-        return time.monotonic() - started
-
-    def output(self) -> str:
-        return self.log_path.read_text()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+    yield start
+    for job in jobs:
+        job.close()
 
 
-def _wait_for(predicate, job: _Job, timeout: float = 180.0) -> None:
+def _wait(job: TorchrunJob, timeout: float) -> float:
+    """Seconds until the job ended (it fails, killed, after `timeout`)."""
+    started = time.monotonic()
+    job.wait(timeout)
+    return time.monotonic() - started
+
+
+def _wait_for(predicate, job: TorchrunJob, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        if job.proc.poll() is not None:
+        if job.poll() is not None:
             raise AssertionError(f"the job ended before it could be signalled:\n{job.output()[-4000:]}")
         if time.monotonic() > deadline:
             job.kill()
@@ -84,22 +72,22 @@ def _trajectory(out: Path, n: int) -> dict:
     return torch.load(out / f"trajectory_{n}.pt", map_location="cpu", weights_only=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path, strategy):
+def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path, strategy, torchrun_job):
     base = ["--strategy", strategy]
-    clean = _Job(tmp_path, "clean", base + ["--ckpt", str(tmp_path / "clean"), "--out", str(tmp_path / "clean_out")])
-    clean.wait(300)
+    clean = torchrun_job(base + ["--ckpt", str(tmp_path / "clean"), "--out", str(tmp_path / "clean_out")])
+    _wait(clean, 300)
     unbroken = _trajectory(tmp_path / "clean_out", 0)
-    assert clean.proc.returncode == 0 and unbroken["step"] == 24, clean.output()[-3000:]
+    assert clean.poll() == 0 and unbroken["step"] == 24, clean.output()[-3000:]
 
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     # No periodic checkpoints (every 100 steps): the only one can come from the stop.
-    job = _Job(tmp_path, "preempted", base + ["--ckpt", str(ckpt), "--out", str(out), "--every", "100",
-                                              "--step-sleep", "0.3"])
+    job = torchrun_job(base + ["--ckpt", str(ckpt), "--out", str(out), "--every", "100", "--step-sleep", "0.3"])
     _wait_for(lambda: _progress(out) >= 6, job)
-    job.proc.send_signal(signal.SIGTERM)  # what Kubernetes does to the pod's main process: torchrun forwards it
-    elapsed = job.wait(60)
+    job.signal(signal.SIGTERM)  # what Kubernetes does to the pod's main process: torchrun forwards it
+    elapsed = _wait(job, 60)
     log = job.output()
     stopped = _trajectory(out, 0)["step"]
     assert elapsed < 10, f"took {elapsed:.1f}s to stop:\n{log[-3000:]}"
@@ -111,9 +99,9 @@ def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path
     assert found is not None and found[1]["step"] == stopped, "the checkpoint must be at the step where it stopped"
     assert not _tmp_files(ckpt), _tmp_files(ckpt)
 
-    resumed = _Job(tmp_path, "resumed", base + ["--ckpt", str(ckpt), "--out", str(out), "--every", "100"])
-    resumed.wait(300)
-    assert resumed.proc.returncode == 0, resumed.output()[-3000:]
+    resumed = torchrun_job(base + ["--ckpt", str(ckpt), "--out", str(out), "--every", "100"])
+    _wait(resumed, 300)
+    assert resumed.poll() == 0, resumed.output()[-3000:]
     after = _trajectory(out, 1)
     assert after["step"] == 24 and sorted(after["trajectory"]) == list(range(stopped + 1, 25))
     for step, state in after["trajectory"].items():
@@ -121,14 +109,15 @@ def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path
             assert torch.equal(value, state[key]), f"step {step}: {key} differs from the unbroken run"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigint_during_a_slow_checkpoint_write_exits_within_seconds_and_leaves_no_tmp(tmp_path):
+def test_sigint_during_a_slow_checkpoint_write_exits_within_seconds_and_leaves_no_tmp(tmp_path, torchrun_job):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    job = _Job(tmp_path, "ctrl_c", ["--ckpt", str(ckpt), "--out", str(out), "--step-sleep", "0.1",
-                                    "--slow-fsync-from", "8", "--fsync-sleep", "1.0"])
+    job = torchrun_job(["--ckpt", str(ckpt), "--out", str(out), "--step-sleep", "0.1", "--slow-fsync-from", "8",
+                        "--fsync-sleep", "1.0"])
     _wait_for(lambda: (out / "writing").exists(), job)
-    os.killpg(job.proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground process group
-    elapsed = job.wait(60)
+    job.signal(signal.SIGINT, group=True)  # Ctrl-C in a terminal: the whole foreground process group
+    elapsed = _wait(job, 60)
     log = job.output()
     assert elapsed < 15, f"took {elapsed:.1f}s to stop:\n{log[-3000:]}"
     assert "forcefully exiting" not in log, log[-3000:]

@@ -142,6 +142,7 @@ def load_worker(rank, world, directory, stage):
     return identical, step_after_load, after, errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["zero3", "zero1"])
 def test_checkpoint_saved_at_2_loads_at_3_and_1(tmp_path, stage):
     files = run_distributed(save_worker, 2, args=(str(tmp_path), stage))[0]
@@ -196,6 +197,7 @@ def continue_worker(rank, world, directory):
     return worst
 
 
+@pytest.mark.slow
 def test_resharded_training_continues_exactly(tmp_path):
     run_distributed(save_worker, 2, args=(str(tmp_path), "zero3"))
     assert max(run_distributed(continue_worker, 3, args=(str(tmp_path),), timeout=120)) <= TOL

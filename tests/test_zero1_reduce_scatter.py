@@ -294,6 +294,7 @@ def nccl_worker(rank, world):
     return worst
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_zero1_on_nccl_equals_torch_ddp():
     assert max(run_distributed(nccl_worker, 2, backend="nccl", timeout=300)) <= 1e-5

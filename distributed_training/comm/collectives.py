@@ -7,7 +7,14 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["broadcast_coalesced", "check_same_across_ranks", "describe_module"]
+__all__ = ["all_gather_single", "reduce_scatter_single", "broadcast_coalesced", "check_same_across_ranks",
+           "describe_module"]
+
+# torch 2.12 renamed the flat collectives (`all_gather_into_tensor` -> `all_gather_single`,
+# `reduce_scatter_tensor` -> `reduce_scatter_single`, same arguments) and the old names now warn on
+# every call; older versions have only the old names. Call these, never the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _BROADCAST_CHUNK_BYTES = 256 * 1024 * 1024
 

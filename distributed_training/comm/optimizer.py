@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..mesh import Mesh
 from ..runtime import launcher_ranks_per_node
+from .collectives import all_gather_single
 from .patterns import hierarchical_all_reduce, ring_all_reduce, tree_all_reduce
 from .reduce import CompletedWork
 
@@ -62,13 +63,33 @@ _TOPK_SELECTIONS = ("exact", "chunked", "sampled")
 
 
 class CommunicationOptimizer:
-    """Compression, all-reduce pattern and hierarchy for gradient buckets (see the module docstring)."""
+    """Compression, all-reduce pattern and hierarchy for gradient buckets (see the module docstring).
+
+    Args:
+        compression: ``None``, ``"topk"``, ``"bf16"``, ``"fp16"`` or ``"powersgd"``.
+        compression_ratio: the fraction of entries Top-K sends.
+        error_feedback: keep what compression left out and add it to the next step's gradient.
+        hierarchical: reduce-scatter in a node, all-reduce across nodes, all-gather in a node.
+        ranks_per_node: the node size for `hierarchical` (default: LOCAL_WORLD_SIZE).
+        pattern: ``"nccl"`` (the backend's all-reduce), ``"ring"`` or ``"tree"`` (ours, from
+            point-to-point messages).
+        bucket_size_mb: the bucket cap of the `DDP` it is given to, when that DDP is not given
+            ``bucket_cap_mb`` itself (default: DDP's, 25 MiB). Larger buckets mean fewer, larger
+            messages: fewer Top-K selections and PowerSGD factorisations, each over more entries.
+        enable_overlap: reduce each bucket as soon as its gradients are ready, overlapped with the
+            rest of backward (default), or with ``False`` all buckets after backward, which is
+            slower but keeps communication off backward's critical path (for measuring one against
+            the other, or for reducers that compete with backward for the GPU).
+        powersgd_rank: the rank r of PowerSGD's approximation.
+        warmup_steps: steps over which Top-K's density decays from 1 to `compression_ratio`.
+        topk_select, topk_chunk: how Top-K chooses its entries (see the module docstring).
+    """
 
     wants_bucket_index = True
 
     def __init__(self, compression: str | None = None, compression_ratio: float = 0.01, error_feedback: bool = True,
                  hierarchical: bool = False, ranks_per_node: int | None = None, pattern: str = "nccl",
-                 bucket_size_mb: float = 25.0, enable_overlap: bool = True, powersgd_rank: int = 4,
+                 bucket_size_mb: float | None = None, enable_overlap: bool = True, powersgd_rank: int = 4,
                  warmup_steps: int = 0, topk_select: str = "chunked", topk_chunk: int = 4096) -> None:
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}, got {compression!r}")
@@ -78,8 +99,14 @@ class CommunicationOptimizer:
             raise ValueError(f"compression_ratio must be in (0, 1], got {compression_ratio!r}")
         if not isinstance(powersgd_rank, int) or powersgd_rank < 1:
             raise ValueError(f"powersgd_rank must be an integer >= 1, got {powersgd_rank!r}")
-        if not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        if bucket_size_mb is not None and (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float))
+                                           or not bucket_size_mb > 0):
+            raise ValueError(f"bucket_size_mb must be a positive number of MiB or None, got {bucket_size_mb!r}")
+        if not isinstance(enable_overlap, bool):
+            raise TypeError(f"enable_overlap must be True or False, got {enable_overlap!r}")
+        if ranks_per_node is not None and not hierarchical:
+            raise ValueError(f"ranks_per_node={ranks_per_node!r} is the node size of hierarchical all-reduce: "
+                             "pass hierarchical=True with it, or leave it out")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
         if topk_select not in _TOPK_SELECTIONS:
@@ -245,8 +272,8 @@ class CommunicationOptimizer:
         if world > 1:
             all_idx = torch.empty(world * idx32.numel(), dtype=torch.int32, device=flat.device)
             all_val = torch.empty(world * values.numel(), dtype=values.dtype, device=flat.device)
-            works.append(dist.all_gather_into_tensor(all_idx, idx32, group=group, async_op=True))
-            works.append(dist.all_gather_into_tensor(all_val, values, group=group, async_op=True))
+            works.append(all_gather_single(all_idx, idx32, group=group, async_op=True))
+            works.append(all_gather_single(all_val, values, group=group, async_op=True))
         else:
             all_idx, all_val = idx32, values
 

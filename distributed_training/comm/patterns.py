@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_single, reduce_scatter_single
+
 __all__ = ["ring_all_reduce", "tree_all_reduce", "hierarchical_all_reduce"]
 
 DEFAULT_SEGMENT_BYTES = 4 * 1024 * 1024
@@ -121,13 +123,13 @@ def hierarchical_all_reduce(tensor: torch.Tensor, intra_node_group: dist.Process
     padded[:n].copy_(flat)
     part = torch.empty(size, dtype=tensor.dtype, device=tensor.device)
     if local > 1:
-        dist.reduce_scatter_tensor(part, padded, op=dist.ReduceOp.SUM, group=intra_node_group)
+        reduce_scatter_single(part, padded, op=dist.ReduceOp.SUM, group=intra_node_group)
     else:
         part.copy_(padded)
     if dist.get_world_size(inter_node_group) > 1:
         dist.all_reduce(part, group=inter_node_group)
     if local > 1:
-        dist.all_gather_into_tensor(padded, part, group=intra_node_group)
+        all_gather_single(padded, part, group=intra_node_group)
     else:
         padded.copy_(part)
     tensor.copy_(padded[:n].view_as(tensor))

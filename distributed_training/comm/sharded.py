@@ -8,40 +8,47 @@ anyone can say which saved shards overlap a new shard: that is all re-sharding n
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["shard_size", "all_gather_flat", "reduce_scatter_flat", "reshard_flat"]
+from .collectives import all_gather_single, reduce_scatter_single
+from .reduce import CompletedWork, Waitable
 
-# torch >= 2.12 renames these collectives; the old names work on every version we support.
-warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated")
+__all__ = ["shard_size", "all_gather_flat", "reduce_scatter_flat", "reshard_flat"]
 
 
 def shard_size(numel: int, world_size: int) -> int:
     return math.ceil(numel / world_size) if numel else 0
 
 
-def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
-    """`out` (W * S elements) <- every rank's `shard` (S elements), in rank order."""
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True) -> Waitable:
+    """`out` (W * S elements) <- every rank's `shard` (S elements), in rank order.
+
+    Returns a handle to `wait()` on: the collective's, or a `CompletedWork` when nothing is left in
+    flight (a world of one, or ``async_op=False``)."""
     if dist.get_world_size(group) == 1:
         out.copy_(shard)
-        return None
-    return dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
+        return CompletedWork()
+    work = all_gather_single(out, shard, group=group, async_op=async_op)
+    return work if work is not None else CompletedWork()
 
 
-def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group, async_op: bool = True):
-    """`out` (S elements) <- the mean over ranks of this rank's slice of `full` (W * S elements)."""
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group, async_op: bool = True) -> Waitable:
+    """`out` (S elements) <- the mean over ranks of this rank's slice of `full` (W * S elements).
+
+    Returns a handle to `wait()` on, as `all_gather_flat` does."""
     world = dist.get_world_size(group)
     if world == 1:
         out.copy_(full)
-        return None
+        return CompletedWork()
     if dist.get_backend(group) == "nccl":
-        return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
-    full.div_(world)
-    return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        work = reduce_scatter_single(out, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+    else:
+        full.div_(world)
+        work = reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return work if work is not None else CompletedWork()
 
 
 def reshard_flat(

@@ -48,6 +48,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import all_gather_single
 from .system import SystemStats
 
 __all__ = ["Monitor", "NullMonitor", "StragglerWarning"]
@@ -380,7 +381,7 @@ class Monitor:
 
     def _cluster_view(self, step: int, step_mean: float) -> dict[str, float]:
         self._gather_in.fill_(step_mean)
-        dist.all_gather_into_tensor(self._gather_out, self._gather_in, group=self.group)
+        all_gather_single(self._gather_out, self._gather_in, group=self.group)
         times = self._gather_out.tolist()
         slowest = max(range(len(times)), key=times.__getitem__)
         t_max = times[slowest]

@@ -54,7 +54,8 @@ class DDP(nn.Module):
         process_group: the group to average over (default: the whole job).
         mesh: a `Mesh` instead of `process_group`: average over its data-parallel group
             (``mesh.group("data")``); its node boundaries serve a hierarchical `communication`.
-        bucket_cap_mb: cap of a gradient bucket in MiB (default 25).
+        bucket_cap_mb: cap of a gradient bucket in MiB (default: the `communication` optimizer's
+            ``bucket_size_mb`` when it has one, else 25).
         first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early
             (default 1).
         find_unused_parameters: allow parameters that get no gradient in some iterations, on some or
@@ -64,7 +65,9 @@ class DDP(nn.Module):
             synchronised backward.
         bucket_reducer: how one bucket is averaged (see `comm.reduce`); default `AllReduceMean()`.
         communication: a `CommunicationOptimizer` (compression, ring/tree, hierarchical); it is the
-            bucket reducer then.
+            bucket reducer then. Its ``bucket_size_mb`` sizes the buckets (when `bucket_cap_mb` is not
+            given), and with ``enable_overlap=False`` buckets are reduced after backward instead of
+            while it runs.
         rebuild_buckets: re-bucket after the first iteration in the observed gradient order.
         measure_overlap: time every bucket's communication (CUDA events on a side stream, or
             completion callbacks on CPU) and the wait after backward, so that `pop_overlap_stats()`
@@ -81,7 +84,7 @@ class DDP(nn.Module):
         *,
         process_group: dist.ProcessGroup | None = None,
         mesh: Mesh | None = None,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         first_bucket_cap_mb: float = 1.0,
@@ -95,6 +98,12 @@ class DDP(nn.Module):
             raise TypeError(f"DDP wraps an nn.Module, got {type(module).__name__}")
         if isinstance(module, DDP):
             raise TypeError("module is already wrapped in DDP")
+        if communication is not None and bucket_reducer is not None:
+            raise ValueError("pass either communication= (a CommunicationOptimizer) or bucket_reducer=, not both")
+        bucket_reducer = communication if communication is not None else bucket_reducer
+        if bucket_reducer is not None and not callable(bucket_reducer):
+            raise TypeError(f"bucket_reducer must be callable, got {type(bucket_reducer).__name__}")
+        bucket_cap_mb = _bucket_cap_mb(bucket_cap_mb, bucket_reducer)
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
@@ -102,11 +111,6 @@ class DDP(nn.Module):
             raise RuntimeError(
                 "DDP needs an initialised process group: call distributed_training.init_distributed() first"
             )
-        if communication is not None and bucket_reducer is not None:
-            raise ValueError("pass either communication= (a CommunicationOptimizer) or bucket_reducer=, not both")
-        bucket_reducer = communication if communication is not None else bucket_reducer
-        if bucket_reducer is not None and not callable(bucket_reducer):
-            raise TypeError(f"bucket_reducer must be callable, got {type(bucket_reducer).__name__}")
 
         if mesh is not None and process_group is not None:
             raise ValueError("pass either mesh= or process_group=, not both (the mesh's data group is the one used)")
@@ -122,6 +126,9 @@ class DDP(nn.Module):
         if hasattr(self.bucket_reducer, "setup"):
             self.bucket_reducer.setup(process_group, mesh=self.mesh)  # e.g. node groups for hierarchical all-reduce
         self._pass_index = getattr(self.bucket_reducer, "wants_bucket_index", False)
+        # Launch each bucket as soon as its last gradient arrives (overlapped with the rest of backward),
+        # or all of them once backward is over (`CommunicationOptimizer(enable_overlap=False)`).
+        self._launch_during_backward = bool(getattr(self.bucket_reducer, "enable_overlap", True))
         self._cap_bytes = int(bucket_cap_mb * MB)
         self._first_cap_bytes = int(first_bucket_cap_mb * MB)
 
@@ -395,7 +402,7 @@ class DDP(nn.Module):
             self._arrival_order.append(index)
         bucket = self._bucket_of[index]
         state.pending[bucket] -= 1
-        if state.pending[bucket] == 0:
+        if state.pending[bucket] == 0 and self._launch_during_backward:
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
@@ -476,6 +483,19 @@ class _BackwardPass:
         self.next_to_launch = 0               # buckets launch strictly in index order
         self.handles: list = []               # one per launched bucket, waited for at the end
         self.callback_queued = False
+
+
+def _bucket_cap_mb(given: float | None, reducer) -> float:
+    """The bucket cap: `bucket_cap_mb` if given, else the reducer's ``bucket_size_mb`` if it has one, else 25."""
+    wanted = getattr(reducer, "bucket_size_mb", None)
+    if given is None:
+        return wanted if wanted is not None else 25.0
+    if wanted is not None and wanted != given:
+        raise ValueError(
+            f"DDP(bucket_cap_mb={given!r}) and the communication optimizer's bucket_size_mb={wanted!r} disagree: "
+            "give the bucket size in one place"
+        )
+    return given
 
 
 @contextlib.contextmanager

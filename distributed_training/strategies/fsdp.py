@@ -115,6 +115,9 @@ class FSDP(FSDPStateDict, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
         if isinstance(module, FSDP):
             raise TypeError("module is already wrapped in FSDP")
+        if ranks_per_node is not None and sharding_strategy != "hybrid":
+            raise ValueError(f"ranks_per_node={ranks_per_node!r} is the node size of hybrid sharding: pass "
+                             "sharding_strategy='hybrid' with it, or leave it out")
         if not dist.is_initialized():
             raise RuntimeError("FSDP needs an initialised process group: call distributed_training.init_distributed()")
         if sharding_strategy not in ("full", "hybrid"):
@@ -209,7 +212,7 @@ class FSDP(FSDPStateDict, nn.Module):
         if src.device != self.device or src.dtype != unit.full_data.dtype:
             src = src.to(self.device, unit.full_data.dtype, non_blocking=True)
         unit.gather_src = src
-        unit.gather_work = all_gather_flat(unit.full_data, src, self.shard_group, async_op=True) or _DONE
+        unit.gather_work = all_gather_flat(unit.full_data, src, self.shard_group, async_op=True)
 
     def _unshard(self, unit: Unit) -> None:
         if unit.gathered:
@@ -316,13 +319,12 @@ class FSDP(FSDPStateDict, nn.Module):
     def _finish_backward(self) -> None:
         try:
             for unit, out, work in self._backward_state.pending:
-                if work is not None:
-                    try:
-                        work.wait()
-                    except RuntimeError as err:
-                        raise RuntimeError(
-                            f"FSDP reduce-scatter of unit '{unit.name or '<root>'}' failed: {err}"
-                        ) from err
+                try:
+                    work.wait()
+                except RuntimeError as err:
+                    raise RuntimeError(
+                        f"FSDP reduce-scatter of unit '{unit.name or '<root>'}' failed: {err}"
+                    ) from err
             if self.replicate_world > 1:
                 works = []
                 for _, out, _ in self._backward_state.pending:
@@ -408,14 +410,6 @@ class _BackwardState:
     def __init__(self) -> None:
         self.callback_queued = False
         self.pending: list[tuple[Unit, torch.Tensor, Any]] = []
-
-
-class _Done:
-    def wait(self) -> bool:
-        return True
-
-
-_DONE = _Done()
 
 
 def _cast_floats(tree, dtype: torch.dtype):

@@ -56,9 +56,7 @@ class FSDPStateDict:
             if unit.padded == 0:
                 continue
             full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.device)
-            work = all_gather_flat(full, unit.shard.detach().to(self.device), self.shard_group, async_op=False)
-            if work is not None:
-                work.wait()
+            all_gather_flat(full, unit.shard.detach().to(self.device), self.shard_group, async_op=False).wait()
             if is_main:
                 cpu = full.cpu()
                 for info in unit.infos:
