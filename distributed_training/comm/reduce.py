@@ -25,25 +25,13 @@ import torch
 import torch.distributed as dist
 
 from .sharded import reduce_scatter_flat
+from .work import CompletedWork, Waitable
 
 __all__ = ["BucketReducer", "Waitable", "AllReduceMean", "ReduceScatterMean", "CompletedWork"]
 
 
-class Waitable(Protocol):
-    def wait(self) -> object: ...
-
-
 class BucketReducer(Protocol):
     def __call__(self, bucket: torch.Tensor, group: dist.ProcessGroup | None) -> Waitable: ...
-
-
-class CompletedWork:
-    """The handle of work that finished when it was started (a world of one, a synchronous
-    collective): `wait()` returns at once. The one such type in the package: reducers, the sharded
-    collectives (`comm.sharded`) and the strategies all return it where nothing is left in flight."""
-
-    def wait(self) -> bool:
-        return True
 
 
 class AllReduceMean:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_single, reduce_scatter_single
-from .reduce import CompletedWork, Waitable
+from .work import CompletedWork, Waitable
 
 __all__ = ["shard_size", "all_gather_flat", "reduce_scatter_flat", "reshard_flat"]
 
