@@ -44,3 +44,52 @@ def nccl_parity_worker(rank: int, world: int) -> float:
 def test_nccl_parity_with_torch_ddp():
     worst = run_distributed(nccl_parity_worker, 2, backend="nccl", timeout=300)
     assert max(worst) <= 1e-5, worst
+
+
+def trainer_cross_load_worker(rank: int, world: int, directory: str) -> list[str]:
+    """Every strategy trains on NCCL in bf16 and fp16, saves, and the next strategy loads the checkpoint
+    into a differently seeded model: its full state must equal the saved one exactly."""
+    import os
+
+    from distributed_training import DistributedTrainer, init_distributed
+    from distributed_training.models import GPT, GPTConfig
+
+    ctx = init_distributed()
+    problems = []
+    order = ["ddp", "zero1", "zero2", "zero3", "ddp"]
+    for i, (saver, loader) in enumerate(zip(order, order[1:])):
+        precision = "bf16" if i % 2 == 0 else "fp16"
+        path = os.path.join(directory, f"{saver}_{i}")
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=3, n_head=4, n_embd=128))
+        trainer = DistributedTrainer(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), strategy=saver,
+                                     context=ctx, mixed_precision=precision, gradient_clip_val=1.0, progress=False)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            idx = torch.randint(0, 512, (4, 65), generator=g)
+            trainer.train_step((idx[:, :-1], idx[:, 1:]))
+        trainer.save_checkpoint(path)
+        saved = trainer.full_state_dict()
+        trainer.close()
+        torch.manual_seed(1)
+        model = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=3, n_head=4, n_embd=128))
+        other = DistributedTrainer(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), strategy=loader,
+                                   context=ctx, mixed_precision=precision, progress=False)
+        other.load_checkpoint(path)
+        loaded = other.full_state_dict()
+        idx = torch.randint(0, 512, (4, 65), generator=g)
+        loss = other.train_step((idx[:, :-1], idx[:, 1:]))["loss"]
+        other.close()
+        if not torch.isfinite(loss):
+            problems.append(f"{loader} after loading {saver}: loss {loss}")
+        for key, value in saved.items():
+            if not torch.equal(loaded[key], value):
+                problems.append(f"{saver} -> {loader} ({precision}): {key} differs by "
+                                f"{(loaded[key].float() - value.float()).abs().max().item()}")
+    ctx.shutdown()
+    return problems
+
+
+def test_trainer_on_nccl_every_strategy_saves_and_the_next_loads_exactly(tmp_path):
+    problems = run_distributed(trainer_cross_load_worker, 2, args=(str(tmp_path),), backend="nccl", timeout=300)
+    assert problems == [[], []], problems
