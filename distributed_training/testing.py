@@ -318,9 +318,11 @@ def _kill_tree(pid: int) -> None:
 
 
 def _torchrun_env(env: Mapping[str, str] | None) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and k != "PYTHONUNBUFFERED"}
     base.setdefault("OMP_NUM_THREADS", "1")
-    base["PYTHONUNBUFFERED"] = "1"  # output in the order it was printed, and none lost when killed
+    # Buffered output: the ranks share one output file, and an unbuffered print() is two writes (the
+    # text, then the newline), so two ranks' lines would interleave mid-line. Pass
+    # env={"PYTHONUNBUFFERED": "1"} to see output as it is printed (and keep it when a rank is killed).
     base.update(env or {})
     return base
 

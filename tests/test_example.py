@@ -75,7 +75,7 @@ def test_torchrun_two_processes(tmp_path):
     meta = torch.load(ckpt / "meta.pt", map_location="cpu", weights_only=True)
     assert meta["step"] == 5 and meta["world_size"] == 2
     state = torch.load(ckpt / "rank0.pt", map_location="cpu", weights_only=True)
-    assert "wte.weight" in state["model"] and not any(k.startswith("module.") for k in state["model"])
+    assert "wte.weight" in state["params"] and not any(k.startswith("module.") for k in state["params"])
 
 
 @pytest.mark.slow

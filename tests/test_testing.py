@@ -162,7 +162,8 @@ def flat_collectives_worker(rank, world):
         all_gather_flat(out, torch.tensor([rank, rank + 0.5]), None).wait()
         shard = torch.empty(2)
         reduce_scatter_flat(shard, torch.arange(2.0 * world), None).wait()
-        summed = hierarchical_all_reduce(torch.full((5,), rank + 1.0), None, None)
+        singles = [torch.distributed.new_group([r]) for r in range(world)]  # one node: no inter-node peer
+        summed = hierarchical_all_reduce(torch.full((5,), rank + 1.0), None, singles[rank])
     return out.tolist(), shard.tolist(), summed.tolist(), [str(w.message) for w in caught]
 
 
