@@ -252,9 +252,11 @@ class Zero1DDP(DDP):
     def remove_hooks(self) -> None:
         """Wait for the parameters, then remove DDP's gradient hooks and the all-gather pre-hooks (later
         steps, if any, then wait for their all-gathers inside the step)."""
-        self.wait_for_parameters()
-        self._remove_gather_hooks()
-        super().remove_hooks()
+        try:
+            self.wait_for_parameters()
+        finally:  # a failed all-gather (a peer gone) still leaves no hook behind
+            self._remove_gather_hooks()
+            super().remove_hooks()
 
     def _remove_gather_hooks(self) -> None:
         for h in self._gather_hooks:
