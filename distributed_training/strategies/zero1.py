@@ -21,12 +21,34 @@ One step:
    bucket keeps this rank's own contribution.
 2. Clipping (optional, `Zero1DDP.clip_grad_norm_`): the global norm is the root of the all-reduced sum
    of squares of every rank's slices; each rank scales its own slices.
-3. ``optimizer.step()`` updates slice r of every parameter buffer; a post-step hook all-gathers each
-   buffer in place, so that every rank's parameters are whole again.
+3. ``optimizer.step()`` updates slice r of every parameter buffer; a post-step hook launches one
+   asynchronous all-gather per buffer (in place on NCCL), so that every rank's parameters become whole
+   again, and returns without waiting (see "Overlap" below).
 4. ``optimizer.zero_grad()`` also zeroes the gradient buckets (the model's ``.grad`` views stay, so the
    next backward accumulates into them with no allocation or copy). A reduce-scatter consumes the
    gradients it reduces, so gradients cannot accumulate across *synchronised* backwards: accumulate
    under ``no_sync()``, as the trainer does.
+
+Overlap of the all-gather with the next forward (``overlap_param_gather=True``, the default). The
+post-step hook launches the buffers' all-gathers from the last bucket to the first: buckets are built
+in reverse registration order, so the last one holds the first layers, which the next forward needs
+first. Each module that owns parameters (``module.parameters(recurse=False)``; a tied weight has two
+owners) gets a forward pre-hook that, the first time it runs after a step, waits for the all-gathers of
+the buckets holding its parameters. On NCCL that wait is stream-ordered (the compute stream waits for
+the collective; the host does not block), so the first layers compute while later buckets are still
+on the wire; on gloo it blocks the host until that bucket has arrived. A safety net waits for
+whatever is still in flight before anything else reads or writes the parameters: the next backward
+(`Zero1Strategy.backward`, else the first gradient hook), the next ``optimizer.step()``,
+``state_dict()``/``load_state_dict()``/``parameters()`` of the wrapper, the strategy's checkpoint and
+state-dict methods and ``unwrap`` (so ``DistributedTrainer.module`` is always whole), ``remove_hooks``
+and ``teardown``. What no hook can see: reading ``wrapper.module``'s parameters directly (call
+``wrapper.wait_for_parameters()`` first), and a forward that reads a parameter outside the forward of a
+module that owns it (``F.linear(x, self.head.weight)`` in a parent). The latter raises an error naming
+the parameter when its gradient arrives, if its owner never ran in that forward; if its owner runs
+later in the same forward it goes undetected, so call ``wait_for_parameters()`` before such a forward
+or pass ``overlap_param_gather=False``, which waits for every all-gather inside the step, as before.
+Buffers broadcast at the start of a forward (``broadcast_buffers``, BatchNorm) queue behind the
+all-gathers on NCCL, so a model with buffers gets less of this overlap.
 
 On the wire per step: a reduce-scatter of the gradients and an all-gather of the parameters, each
 (W - 1) / W of the model, which together are the volume of one all-reduce, as under DDP.
@@ -54,6 +76,7 @@ Differences from DDP + a full optimizer:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -103,14 +126,33 @@ class _BucketShard:
         self.grad = buffer[lo:hi]
 
 
+class _Gathers:
+    """The parameter all-gathers launched by the last step and not yet waited for. A plain object,
+    not module attributes: the gradient hook reads and updates it on autograd's thread, where an
+    ``nn.Module`` attribute assignment is slow (see `DDP`)."""
+
+    __slots__ = ("works", "in_flight", "unwaited")
+
+    def __init__(self, buckets: int) -> None:
+        self.works: list = [None] * buckets  # per bucket: its all-gather's handle while in flight
+        self.in_flight = 0                   # how many of `works` are not None
+        self.unwaited: frozenset[int] = frozenset()  # buckets still in flight when the backward began
+
+
 class Zero1DDP(DDP):
     """`DDP` whose buckets are reduce-scattered into the slice each rank owns (see the module docstring).
 
     Takes `DDP`'s arguments; the default bucket reducer is `ReduceScatterMean`, and buckets are never
     rebuilt. `shards` holds one `_BucketShard` per bucket, in bucket order.
+
+    Args:
+        overlap_param_gather: after a step, leave the parameters' all-gathers in flight and let each
+            module's forward pre-hook wait for its own buckets (default); False waits for all of them
+            inside the step. With it on, read ``self.module``'s parameters only after
+            `wait_for_parameters()` (the wrapper's own ``parameters()`` and ``state_dict()`` wait).
     """
 
-    def __init__(self, module: nn.Module, **ddp_kwargs: Any) -> None:
+    def __init__(self, module: nn.Module, *, overlap_param_gather: bool = True, **ddp_kwargs: Any) -> None:
         if ddp_kwargs.get("rebuild_buckets", False):
             raise ValueError("ZeRO-1 cannot rebuild_buckets: each rank's optimizer shard is a slice of every bucket, "
                              "so the bucket layout is fixed when the model is wrapped (pass rebuild_buckets=False "
@@ -120,15 +162,114 @@ class Zero1DDP(DDP):
             ddp_kwargs["bucket_reducer"] = ReduceScatterMean()
         super().__init__(module, **ddp_kwargs)
         self.shards = [_BucketShard(b, self._params, self.world_size, self.rank) for b in self._buckets]
+        self._gathers = _Gathers(len(self.shards))
+        self._overlap_param_gather = bool(overlap_param_gather) and self.world_size > 1
+        self._gather_hooks: list = []
+        if self._overlap_param_gather:
+            self._register_gather_hooks()
 
     @property
     def _bucket_pad_to(self) -> int:  # read by DDP when it allocates the buckets
         return self.world_size
 
+    @property
+    def overlap_param_gather(self) -> bool:
+        """Whether a step leaves the parameters' all-gathers in flight for the next forward to wait for."""
+        return self._overlap_param_gather
+
     def join(self, optimizer=None, *, lr_scheduler=None):
         raise RuntimeError("join() is not supported with ZeRO-1: its optimizer step all-gathers the parameters, a "
                            "collective that a rank out of data would issue out of order; use strategy 'ddp' or "
                            "'zero3', or give every rank the same number of batches")
+
+    # ------------------------------------------------------------- parameter all-gathers
+    def _register_gather_hooks(self) -> None:
+        """A forward pre-hook on every module that owns a bucketed parameter, waiting for its buckets."""
+        bucket_of = {id(p): i for i, s in enumerate(self.shards) for p, _ in s.members}
+        self_ref = weakref.ref(self)
+        for m in self.module.modules():
+            owned = sorted({bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of})
+            if owned:
+                self._gather_hooks.append(m.register_forward_pre_hook(_make_gather_hook(self_ref, tuple(owned))))
+
+    def _wait_for_buckets(self, indices) -> None:
+        gathers = self._gathers
+        for i in indices:
+            work = gathers.works[i]
+            if work is None:
+                continue
+            gathers.works[i] = None
+            gathers.in_flight -= 1
+            try:
+                work.wait()
+            except RuntimeError as err:
+                raise RuntimeError(f"rank {self.rank}: ZeRO-1 all-gather of parameter bucket {i + 1}/"
+                                   f"{len(self.shards)} failed: {err}") from err
+
+    def wait_for_parameters(self) -> None:
+        """Wait for the parameter all-gathers the last step left in flight: afterwards every parameter
+        of ``self.module`` is whole and up to date (on NCCL: for work queued on the current stream).
+
+        Needed before reading or writing ``self.module``'s parameters other than through its forward:
+        the wrapper's ``parameters()``, ``state_dict()`` and the strategy's methods call it already."""
+        gathers = getattr(self, "_gathers", None)  # absent while DDP.__init__ runs
+        if gathers is not None and gathers.in_flight:
+            self._wait_for_buckets(range(len(self.shards) - 1, -1, -1))  # in launch order
+
+    def _settle_before_backward(self) -> None:
+        """Wait for every all-gather still in flight when a backward begins, remembering which: a
+        gradient for a parameter of one of them means the forward read it before it was gathered."""
+        gathers = self._gathers
+        if gathers.in_flight:
+            gathers.unwaited = frozenset(i for i, w in enumerate(gathers.works) if w is not None)
+            self.wait_for_parameters()
+
+    def _on_grad_ready(self, index: int) -> None:
+        gathers = self._gathers
+        if gathers.in_flight:  # a backward the strategy did not start (the user's loss.backward())
+            self._settle_before_backward()
+        if gathers.unwaited and self._bucket_of[index] in gathers.unwaited:
+            raise RuntimeError(
+                f"rank {self.rank}: parameter '{self._param_names[index]}' was used in the forward before its "
+                "ZeRO-1 all-gather was waited for, so it may have held its value from before the last step: the "
+                "forward read it outside the forward of every module that owns it (e.g. a parent module using "
+                "`self.head.weight` while `head` never runs). Call model.wait_for_parameters() before such a "
+                "forward, or use Zero1Strategy(overlap_param_gather=False)")
+        super()._on_grad_ready(index)
+
+    def named_parameters(self, *args, **kwargs):
+        self.wait_for_parameters()
+        return super().named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        self.wait_for_parameters()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        self.wait_for_parameters()
+        return super().load_state_dict(*args, **kwargs)
+
+    def remove_hooks(self) -> None:
+        """Wait for the parameters, then remove DDP's gradient hooks and the all-gather pre-hooks (later
+        steps, if any, then wait for their all-gathers inside the step)."""
+        try:
+            self.wait_for_parameters()
+        finally:  # a failed all-gather (a peer gone) still leaves no hook behind
+            self._remove_gather_hooks()
+            super().remove_hooks()
+
+    def _remove_gather_hooks(self) -> None:
+        for h in self._gather_hooks:
+            h.remove()
+        self._gather_hooks = []
+        self._overlap_param_gather = False
+
+    def __del__(self):  # no collective wait while being collected: only drop the hooks
+        try:
+            self._remove_gather_hooks()
+            DDP.remove_hooks(self)
+        except Exception:
+            pass
 
     # ------------------------------------------------------------- step
     def attach_shard_grads(self) -> None:
@@ -137,19 +278,34 @@ class Zero1DDP(DDP):
             if s.param.grad is None or s.param.grad.data_ptr() != s.grad.data_ptr():
                 s.param.grad = s.grad
 
+    def prepare_step(self) -> None:
+        """Before ``optimizer.step()``: the parameters whole (the step writes the slices that a pending
+        all-gather reads), and each shard's `.grad` attached."""
+        self.wait_for_parameters()
+        self.attach_shard_grads()
+
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        """All-gather every parameter buffer from the ranks' updated slices (after a step)."""
+        """All-gather every parameter buffer from the ranks' updated slices (after a step).
+
+        With `overlap_param_gather` the all-gathers are left in flight, launched from the last bucket
+        to the first (the order the next forward needs them), and each is waited for by the forward
+        pre-hook of a module that owns its parameters or by the safety net (`wait_for_parameters`);
+        otherwise this waits for all of them."""
         if self.world_size == 1:
             return
+        self.wait_for_parameters()  # a previous step's, if nothing has waited for them yet
         in_place = dist.get_backend(self.process_group) == "nccl"  # NCCL's documented in-place all-gather
-        works = []
-        for s in self.shards:
+        gathers = self._gathers
+        gathers.unwaited = frozenset()
+        for i in range(len(self.shards) - 1, -1, -1):
+            s = self.shards[i]
             # Off NCCL, gather from a copy: in-place aliasing is not part of those backends' contract.
-            works.append(all_gather_flat(s.flat, s.param.detach() if in_place else s.param.detach().clone(),
-                                         self.process_group, async_op=True))
-        for w in works:
-            w.wait()
+            gathers.works[i] = all_gather_flat(s.flat, s.param.detach() if in_place else s.param.detach().clone(),
+                                               self.process_group, async_op=True)
+            gathers.in_flight += 1
+        if not self._overlap_param_gather:
+            self.wait_for_parameters()
 
     @torch.no_grad()
     def zero_grad_buckets(self) -> None:
@@ -189,8 +345,11 @@ class Zero1DDP(DDP):
 class Zero1Strategy(DDPBacked, Strategy):
     """ZeRO stage 1: replicated parameters, gradients reduce-scattered, optimizer state sharded 1/W.
 
-    Keyword arguments go to `Zero1DDP`, that is to our `DDP` (``bucket_cap_mb``,
-    ``find_unused_parameters``, ``communication``, ...).
+    Args:
+        overlap_param_gather: overlap the all-gather of the updated parameters with the next forward
+            (default True; see the module docstring); False waits for it inside ``optimizer.step()``.
+        **ddp_kwargs: passed to `Zero1DDP`, that is to our `DDP` (``bucket_cap_mb``,
+            ``find_unused_parameters``, ``communication``, ...).
     """
 
     name = "zero1"
@@ -198,14 +357,27 @@ class Zero1Strategy(DDPBacked, Strategy):
     def planner_kind(self) -> str:
         return "zero1"
 
-    def __init__(self, **ddp_kwargs: Any) -> None:
+    def __init__(self, *, overlap_param_gather: bool = True, **ddp_kwargs: Any) -> None:
+        self.overlap_param_gather = bool(overlap_param_gather)
         self.ddp_kwargs = ddp_kwargs
         self.groups: list[_BucketShard] = []
 
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
         self.context = context
         self._names = ParamNames(module)
-        return Zero1DDP(module, mesh=context.mesh, **self.ddp_kwargs)
+        return Zero1DDP(module, mesh=context.mesh, overlap_param_gather=self.overlap_param_gather, **self.ddp_kwargs)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module, its parameters whole: waits for the all-gathers the last step left in flight
+        (so ``DistributedTrainer.module`` and the default state-dict methods read gathered parameters)."""
+        if isinstance(model, Zero1DDP):
+            model.wait_for_parameters()
+        return getattr(model, "module", model)
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, precision) -> None:
+        if isinstance(model, Zero1DDP):
+            model._settle_before_backward()  # what the forward did not wait for, before autograd reads it
+        super().backward(model, loss, precision)
 
     def setup_optimizer(self, optimizer, model: Zero1DDP) -> torch.optim.Optimizer:
         factory = require_factory(optimizer, self.name)
@@ -222,7 +394,7 @@ class Zero1Strategy(DDPBacked, Strategy):
                         "was given go unused",
         )
         model.attach_shard_grads()
-        built.register_step_pre_hook(lambda opt, args, kwargs: model.attach_shard_grads())
+        built.register_step_pre_hook(lambda opt, args, kwargs: model.prepare_step())
         built.register_step_post_hook(lambda opt, args, kwargs: model.gather_parameters())
         _zero_grad_clears_buckets(built, model)
         return built
@@ -232,7 +404,7 @@ class Zero1Strategy(DDPBacked, Strategy):
 
     def teardown(self, model: nn.Module) -> None:
         if isinstance(model, DDP):
-            model.remove_hooks()
+            model.remove_hooks()  # Zero1DDP's waits for the parameters first
 
     def load_shared_state(self, model: Zero1DDP, meta: dict[str, Any]) -> None:
         """Nothing to restore: the bucket layout is fixed when the model is wrapped (the optimizer's
@@ -241,6 +413,7 @@ class Zero1Strategy(DDPBacked, Strategy):
     def state_layout(self, model: Zero1DDP, optimizer: torch.optim.Optimizer | None) -> StateLayout:
         """Parameters are replicated (rank 0 writes them whole); each rank's optimizer shard is a slice
         of a bucket's parameter buffer: pieces of the parameters in it, which every rank writes."""
+        model.wait_for_parameters()  # checkpoints read the parameters, and loading writes them
         named = list(model.module.named_parameters())
         name_of = {id(p): name for name, p in named}
         first = dist.get_rank(model.process_group) == 0
@@ -266,3 +439,15 @@ def _zero_grad_clears_buckets(optimizer: torch.optim.Optimizer, model: Zero1DDP)
         model.zero_grad_buckets()
 
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+def _make_gather_hook(self_ref: "weakref.ReferenceType[Zero1DDP]", owned: tuple[int, ...]):
+    """A forward pre-hook for a module whose parameters live in buckets `owned`: the first time it runs
+    after a step, it waits for those buckets' all-gathers; afterwards it only reads one counter."""
+
+    def hook(_module: nn.Module, _args) -> None:
+        zero1 = self_ref()
+        if zero1 is not None and zero1._gathers.in_flight:
+            zero1._wait_for_buckets(owned)
+
+    return hook
