@@ -43,7 +43,8 @@ def _collectives(results):
         sizes = sorted({r["bytes"] for r in rows})
         ops = list(dict.fromkeys(r["op"] for r in rows))
         table = {(r["op"], r["bytes"]): r for r in rows}
-        lines += [f"## Collectives, {w} ranks: bus bandwidth GB/s (NCCL's all-reduce time / ours at the largest size)",
+        lines += [f"## Collectives, {w} ranks: bus bandwidth GB/s ({'gloo' if results.get('smoke') else 'NCCL'}'s all-reduce "
+                  "time / ours at the largest size)",
                   "", "| op | " + " | ".join(_size(s) for s in sizes) + " | at largest vs NCCL |",
                   "|---" * (len(sizes) + 2) + "|"]
         ref = table[("nccl_all_reduce", sizes[-1])]["seconds"]
@@ -166,7 +167,7 @@ def _model_check(results):
     if this.get("status") == "ok":
         lk = this["link"]
         lines += ["## Scaling model: calibrated on this run, error on the measured points", "",
-                  f"Link from the {lk['world']}-rank NCCL all-reduce: alpha {lk['alpha_s'] * 1e6:.1f} us, bandwidth "
+                  f"Link from the {lk['world']}-rank {'gloo' if results.get('smoke') else 'NCCL'} all-reduce: alpha {lk['alpha_s'] * 1e6:.1f} us, bandwidth "
                   f"{lk['bandwidth_gbs']:.1f} GB/s; overlap {next(iter(this['models'].values()))['overlap']:.2f} "
                   "(all-reduce beside a matmul loop). Compute, optimizer and each strategy's own overhead from the "
                   "1-GPU runs.", "", "| model | GPUs | impl | measured ms | predicted ms | error |", "|---|---|---|---|---|---|"]
@@ -184,6 +185,8 @@ def _model_check(results):
         for name, rows in proj["models"].items():
             for r in rows:
                 eff = f"{100 * r['efficiency']:.1f}%" if r["efficiency"] is not None else "-"
+                if r["efficiency"] is not None and r["efficiency"] > 1.0:
+                    eff += " (over 100%: the calibration does not fit this run)"
                 lines.append(f"| {name} | {r['gpus']} | {r['choice']} | {eff} | {r['reason']} |")
         lines.append("")
     else:

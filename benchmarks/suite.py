@@ -50,7 +50,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 processes, toy sizes (CI)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of: {', '.join(PHASES)}")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<date>-<card>)")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<date>-<card>; "
+                   "with --smoke benchmarks/out/smoke, ignored by git)")
     p.add_argument("--max-gpus", type=int, default=None, help="the largest world (default: every GPU here)")
     p.add_argument("--worlds", default=None, help="comma-separated world sizes (default 1, 2, 4, ... largest)")
     p.add_argument("--models", default=None,
@@ -146,7 +147,9 @@ def run_all(args) -> int:
     top = worlds[-1]
     env = environment()
     card = "cpu" if args.smoke else env["card"].replace("NVIDIA ", "").replace(" ", "-").lower()
-    out = Path(args.out) if args.out else HERE / "results" / f"{env['date']}-{card}"
+    # A smoke run (CI, a first try) writes where git does not look; a GPU run where results are committed.
+    default = HERE / "out" / "smoke" if args.smoke else HERE / "results" / f"{env['date']}-{card}"
+    out = Path(args.out) if args.out else default
     out.mkdir(parents=True, exist_ok=True)
     results = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "smoke": args.smoke, **env, "world_sizes": worlds,
                "command": " ".join(sys.argv), "runs": [], "phases": {}}

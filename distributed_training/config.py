@@ -81,7 +81,7 @@ class DataConfig(_Section):
     """repo_text: this package's own source as bytes (language model); digits: 8x8 handwritten digits
     shipped with the package (classification)."""
     block_size: Annotated[PositiveInt, Field(le=8192)] = 64
-    """Tokens per language-model sample, 1 to 8192 (the corpus is about 280k bytes)."""
+    """Tokens per language-model sample, 1 to 8192 (the corpus is about 500k bytes)."""
     val_fraction: Annotated[Float, Field(ge=0, lt=1)] = 0.1
     """Share of the samples held out for validation, in [0, 1)."""
 
@@ -100,7 +100,10 @@ class TrainingConfig(_Section):
     lr: PositiveFloat = 2e-3
     """AdamW's learning rate."""
     weight_decay: Annotated[Float, Field(ge=0)] = 0.0
+    """AdamW's decoupled weight decay (0: none)."""
     gradient_accumulation_steps: PositiveInt = 1
+    """Micro-batches per optimizer step: each step's batch is split in this many, gradients
+    synchronised only on the last."""
     gradient_clip_val: Optional[PositiveFloat] = 1.0
     """Clip gradients to this global 2-norm (null: no clipping)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -112,26 +115,37 @@ class TrainingConfig(_Section):
     """Per-rank memory in GiB (2^30 bytes) that strategy=auto and batch_size=auto plan for (default: the
     GPU's, or this process's share of the host's)."""
     seed: Annotated[Int, Field(ge=0, lt=2**63)] = 0
+    """Seed of the model's initialisation, the data order and dropout (the same on every rank)."""
     timeout_s: PositiveFloat = 600.0
     """Collective timeout in seconds."""
 
 
 class CommunicationConfig(_Section):
     bucket_cap_mb: PositiveFloat = 25.0
+    """Size in MiB of the gradient buckets DDP and ZeRO-1 reduce while backward runs."""
     compression: Literal["none", "topk", "bf16", "fp16", "powersgd"] = "none"
     """Gradient compression for the DDP-based strategies (ddp, zero1)."""
     compression_ratio: Annotated[Float, Field(gt=0, le=1)] = 0.01
     """Top-K density, in (0, 1]."""
     error_feedback: bool = True
+    """Top-K / PowerSGD: add what compression dropped to the next step's gradient."""
     pattern: Literal["nccl", "ring", "tree"] = "nccl"
+    """How gradients are all-reduced: NCCL's (or gloo's) own, or our ring or tree of
+    point-to-point messages."""
     hierarchical: bool = False
+    """Reduce-scatter inside each node, all-reduce across nodes, all-gather inside (for slow links
+    between nodes)."""
     ranks_per_node: Optional[PositiveInt] = None
+    """With ``hierarchical``: ranks per node (default: the launcher's LOCAL_WORLD_SIZE)."""
 
 
 class CheckpointConfig(_Section):
     dir: Optional[PathStr] = None
+    """Directory of the run's checkpoints (``step_<N>/`` each); null: no checkpoints."""
     every: Optional[PositiveInt] = None
+    """Save every this many steps (null: only at the end of training)."""
     keep_last: PositiveInt = 3
+    """Checkpoints kept in ``dir``; older ones are deleted."""
     resume: bool = True
     """Resume from the latest good checkpoint in ``dir``; false (or ``dtrain --no-resume``): start from
     step 0, after moving the checkpoints already in ``dir`` into ``dir/previous_run_<k>/``."""
@@ -141,8 +155,11 @@ class CheckpointConfig(_Section):
 
 class LoggingConfig(_Section):
     dir: Optional[PathStr] = None
+    """Directory of the per-rank TensorBoard and JSONL metrics (null: no monitor)."""
     every: PositiveInt = 10
+    """Log metrics every this many steps."""
     progress: bool = True
+    """Show a progress bar on rank 0."""
 
 
 class JobConfig(_Section):

@@ -7,6 +7,10 @@ repository): nothing is downloaded. Run it:
     torchrun --standalone --nproc_per_node=2 examples/train_digits.py # two processes (gloo on CPU)
     torchrun --standalone --nproc_per_node=gpu examples/train_digits.py --strategy zero3
 
+With ``--checkpoint-dir``, `fit` saves every ``--checkpoint-every`` steps and a later run resumes from
+the newest good checkpoint, under any strategy and number of processes (e.g. train under zero3 on two
+processes, stop, go on under ddp on one).
+
 Each rank trains on its own shard of every epoch; evaluation counts every held-out image exactly once.
 """
 
@@ -28,13 +32,18 @@ def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", default="ddp", choices=["ddp", "zero1", "zero2", "zero3"])
+    p.add_argument("--strategy", default="ddp", choices=["ddp", "zero1", "zero2", "zero3", "fsdp", "auto"])
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=32, help="images per process per step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here and resume from the newest")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints "
+                   "(default: only at the end)")
     args = p.parse_args()
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        p.error("--checkpoint-every needs --checkpoint-dir")
 
     data = digits()
     # The same split on every rank: a seeded permutation, 20% held out.
@@ -44,7 +53,8 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-    with DistributedTrainer(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr), strategy=args.strategy) as trainer:
+    with DistributedTrainer(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr), strategy=args.strategy,
+                            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every) as trainer:
         before = trainer.evaluate(val, F.cross_entropy, batch_size=128, metrics={"accuracy": accuracy})
         trainer.fit(train, epochs=args.epochs, criterion=F.cross_entropy, batch_size=args.batch_size,
                     max_steps=args.max_steps)

@@ -131,6 +131,19 @@ def test_digits_example_learns():
     assert after > 0.85 and after > before + 0.5, (before, after)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_digits_example_resumes_a_zero3_run_under_ddp_on_one_process(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    code, out = _torchrun("examples/train_digits.py", ["--strategy", "zero3", "--max-steps", "20",
+                                                       "--checkpoint-dir", ckpt, "--checkpoint-every", "10"])
+    assert code == 0 and "20 steps" in out, out[-3000:]
+    code, out = _run([sys.executable, "examples/train_digits.py", "--strategy", "ddp", "--max-steps", "30",
+                      "--checkpoint-dir", ckpt])
+    assert code == 0, out[-3000:]
+    assert "resumed from step 20" in out and "strategy: zero3 -> ddp" in out and "30 steps" in out, out[-3000:]
+
+
 # ------------------------------------------------------------------ config errors under torchrun
 @pytest.mark.slow
 @pytest.mark.timeout(120)

@@ -19,6 +19,7 @@ SMOKE_SIZES = [2**12, 2**16, 2**20, 2**22]  # up to 4 MB: enough growth to fit a
 def run(ctx, opts) -> dict:
     from distributed_training.comm.optimizer import CommunicationOptimizer
     from distributed_training.comm.patterns import hierarchical_all_reduce, ring_all_reduce, tree_all_reduce
+    from distributed_training.comm.collectives import all_gather_single, reduce_scatter_single
     from distributed_training.strategies.fsdp import make_hybrid_groups
 
     n, device = ctx.world_size, ctx.device
@@ -41,8 +42,8 @@ def run(ctx, opts) -> dict:
             "ring_all_reduce": lambda: ring_all_reduce(x),
             "tree_all_reduce": lambda: tree_all_reduce(x),
             "hierarchical_all_reduce": lambda: hierarchical_all_reduce(x, intra, inter),
-            "all_gather": lambda: dist.all_gather_into_tensor(gathered, shard),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, gathered),
+            "all_gather": lambda: all_gather_single(gathered, shard),
+            "reduce_scatter": lambda: reduce_scatter_single(shard, gathered),
         }
         for name, r in reducers.items():
             ops[f"{name}_reduce"] = (lambda r=r: r.all_reduce_compressed(x, None, key=0))
