@@ -323,11 +323,13 @@ def _kill_tree(pid: int) -> None:
 
 
 def _torchrun_env(env: Mapping[str, str] | None) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and k != "PYTHONUNBUFFERED"}
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     base.setdefault("OMP_NUM_THREADS", "1")
-    # Buffered output: the ranks share one output file, and an unbuffered print() is two writes (the
-    # text, then the newline), so two ranks' lines would interleave mid-line. Pass
-    # env={"PYTHONUNBUFFERED": "1"} to see output as it is printed (and keep it when a rank is killed).
+    # Output in the order it was printed, and none lost when a rank is killed. The ranks share one
+    # output stream and torchrun's workers write through (a print() is two writes: the text, then the
+    # newline), so lines of two ranks printing at once can interleave: look for what a rank printed, do
+    # not expect whole lines in order.
+    base["PYTHONUNBUFFERED"] = "1"
     base.update(env or {})
     return base
 

@@ -241,6 +241,16 @@ def test_make_precision_and_scaler_state():
         make_precision("fp16", "cpu", loss_scaler=torch.amp.GradScaler("cpu"))
 
 
+def _grad_scaler_step(scaler, loss, model, optimizer, clip):
+    """torch's reference recipe: scale, backward, unscale, clip, step (or skip), update, zero."""
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def trainer_vs_autocast_worker(rank, world, mode):
     """World 1: the trainer's step against torch's autocast (and GradScaler for fp16) by hand."""
     torch.manual_seed(0)
@@ -257,12 +267,7 @@ def trainer_vs_autocast_worker(rank, world, mode):
         metrics = trainer.train_step((x, y), F.mse_loss)
         with torch.autocast("cpu", dtype=dtype):
             ref_loss = F.mse_loss(ref(x), y)
-        scaler.scale(ref_loss).backward()
-        scaler.unscale_(ref_opt)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        scaler.step(ref_opt)
-        scaler.update()
-        ref_opt.zero_grad(set_to_none=True)
+        _grad_scaler_step(scaler, ref_loss, ref, ref_opt, clip=0.5)
         exact.append(torch.equal(metrics["loss"], ref_loss.detach().float())
                      and all(torch.equal(a, b) for a, b in zip(trainer.module.parameters(), ref.parameters())))
     trainer.close()
@@ -297,12 +302,7 @@ def fp16_parity_worker(rank, world, strategy, accumulation):
         metrics = trainer.train_step((x[sl], y[sl]), F.mse_loss)
         with torch.autocast("cpu", dtype=torch.float16):
             ref_loss = F.mse_loss(ref(x), y)
-        scaler.scale(ref_loss).backward()
-        scaler.unscale_(ref_opt)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        scaler.step(ref_opt)
-        scaler.update()
-        ref_opt.zero_grad(set_to_none=True)
+        _grad_scaler_step(scaler, ref_loss, ref, ref_opt, clip=0.5)
         full = trainer.strategy.model_state_dict(trainer.model)  # every rank calls it: FSDP gathers to rank 0
         if full or rank == 0:
             worst = max(worst, max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()))

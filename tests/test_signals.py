@@ -35,8 +35,7 @@ def torchrun_job():
     jobs: list[TorchrunJob] = []
 
     def start(args: list[str]) -> TorchrunJob:
-        jobs.append(start_torchrun(JOB, args, nproc=2, cwd=REPO, env={"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO),
-                                                                      "PYTHONUNBUFFERED": "1"}))
+        jobs.append(start_torchrun(JOB, args, nproc=2, cwd=REPO, env={"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}))
         return jobs[-1]
 
     yield start
