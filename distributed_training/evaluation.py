@@ -43,7 +43,8 @@ class Evaluation:
             raise ValueError("evaluate() needs batch_size (or a DataLoader with one)")
         if metrics and criterion is None:
             raise ValueError("evaluate(metrics=...) needs a criterion: metrics are computed from (outputs, targets)")
-        sampler = ShardedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False, pad=False)
+        # One shard per data-parallel replica: tensor- or pipeline-parallel peers evaluate the same one.
+        sampler = ShardedSampler(dataset, self.dp_world_size, self.dp_rank, shuffle=False, pad=False)
         loader = DataLoader(dataset, batch_size=bs, sampler=sampler, collate_fn=collate)
         # Sharded models gather parameters inside forward, a collective: every rank must run as many
         # forwards as the others, so a rank whose shard is exhausted repeats a batch with weight 0.
@@ -84,7 +85,7 @@ class Evaluation:
                 sums[-1] += n
         finally:
             module.train(was_training)
-        if ctx.world_size > 1:
-            dist.all_reduce(sums, group=ctx.group)
+        if self.dp_world_size > 1:  # each replica counted once, whatever shares it
+            dist.all_reduce(sums, group=ctx.mesh.group("data"))
         count = sums[-1].item()
         return {name: (sums[k].item() / count if count else float("nan")) for k, name in enumerate(names)}

@@ -256,15 +256,32 @@ def dp_sharding_worker(rank, world):
     loader = train_loader(data, ctx, batch_size=12, shuffle=True, drop_last=False, num_workers=0, seed=3,
                           dp_rank=trainer.dp_rank, dp_world_size=trainer.dp_world_size)
     seen = sorted(int(v) for (batch,) in loader for v in batch)
+    # evaluate() too: every sample counted once per replica, so the mean is the whole dataset's.
+    xy = torch.utils.data.TensorDataset(torch.arange(10.0).view(10, 1), torch.zeros(10, 1))
+    with torch.no_grad():
+        trainer.module.weight.fill_(1.0)
+        trainer.module.bias.fill_(0.0)
+    evaluated = []
+
+    def criterion(outputs, targets):
+        evaluated.extend(int(v) for v in outputs.flatten())  # the model is the identity here
+        return torch.nn.functional.mse_loss(outputs, targets)
+
+    mean = trainer.evaluate(xy, criterion, batch_size=3)["loss"]
     trainer.close()
-    return trainer.dp_rank, trainer.dp_world_size, seen
+    return trainer.dp_rank, trainer.dp_world_size, seen, (mean, sorted(evaluated))
 
 
 def test_dp_rank_shards_data_by_replica():
     got = run_distributed(dp_sharding_worker, 4, timeout=120)
-    assert [(r, n) for r, n, _ in got] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [(r, n) for r, n, _, _ in got] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert got[0][2] == got[1][2] and got[2][2] == got[3][2]
     assert sorted(got[0][2] + got[2][2]) == list(range(12))
+    want = sum(float(i) ** 2 for i in range(10)) / 10  # (x - 0)^2 averaged over the dataset, each once
+    assert all(abs(mean - want) < 1e-5 for _, _, _, (mean, _) in got), [m for *_, m in got]
+    evaluated = [e for *_, (_, e) in got]
+    assert evaluated[0] == evaluated[1] and evaluated[2] == evaluated[3], evaluated  # peers: the same samples
+    assert sorted(evaluated[0] + evaluated[2]) == list(range(10)), evaluated
 
 
 def wrappers_on_a_subgroup_worker(rank, world):
