@@ -165,7 +165,9 @@ def run_distributed(
             except queue_module.Empty:
                 for rank, p in enumerate(procs):
                     if rank not in results and rank not in failures and not p.is_alive() and p.exitcode not in (0, None):
-                        failures[rank] = f"process exited with code {p.exitcode} without reporting"
+                        failures[rank] = (f"process exited with code {p.exitcode} without reporting (a script that "
+                                          "calls run_distributed at module level must do it under "
+                                          "`if __name__ == '__main__':`: each rank imports the main module)")
                 if failures and grace_deadline is None:
                     grace_deadline = time.monotonic() + 10.0
                 continue
@@ -177,9 +179,10 @@ def run_distributed(
                     # Peers of a failed rank may be stuck in a collective: give them a moment to fail too.
                     grace_deadline = time.monotonic() + 10.0
     finally:
-        for p in procs:
+        started = [p for p in procs if p.pid is not None]  # start() may have failed part-way
+        for p in started:
             p.join(timeout=5)
-        for p in procs:
+        for p in started:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
