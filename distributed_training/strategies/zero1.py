@@ -374,10 +374,14 @@ class Zero1Strategy(DDPBacked, Strategy):
             model.wait_for_parameters()
         return getattr(model, "module", model)
 
-    def backward(self, model: nn.Module, loss: torch.Tensor, precision) -> None:
-        if isinstance(model, Zero1DDP):
-            model._settle_before_backward()  # what the forward did not wait for, before autograd reads it
+    def backward(self, model: Zero1DDP, loss: torch.Tensor, precision) -> None:
+        model._settle_before_backward()  # what the forward did not wait for, before autograd reads it
         super().backward(model, loss, precision)
+
+    def gradients(self, model: Zero1DDP) -> list[torch.Tensor]:
+        """This rank's reduced slice of each bucket: what its optimizer consumes, and all that fp16
+        unscaling and the overflow check need (ranks agree on overflow), not the whole buckets."""
+        return [s.grad for s in model.shards]
 
     def setup_optimizer(self, optimizer, model: Zero1DDP) -> torch.optim.Optimizer:
         factory = require_factory(optimizer, self.name)
