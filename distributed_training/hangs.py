@@ -3,6 +3,9 @@ and a `CollectiveTimeoutError` naming the operation and the ranks that never rea
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch.distributed as dist
 
 from .runtime import DistributedContext
@@ -35,10 +38,47 @@ def _store():
 
 
 def heartbeat(context: DistributedContext, step: int) -> None:
-    """Publish this rank's step in the rendezvous store, so a timeout can name who is missing."""
-    store = _store()
-    if store is not None and context.world_size > 1:
-        store.set(f"distributed_training/heartbeat/{context.rank}", str(step))
+    """Publish this rank's step in the rendezvous store, so a timeout can name who is missing.
+
+    The training thread only records the step: a background thread writes it to the store within
+    `_Heartbeat.PERIOD_S` (a store write is a network round trip, and on a launch-bound model the GPU
+    would wait for it every step). A rank stuck inside a step keeps publishing that step; a dead one
+    stops, and the diagnosis, which runs only after a collective timeout, sees its last step."""
+    if context.world_size <= 1:
+        return
+    beat = _Heartbeat.current
+    if beat is None or beat.context is not context:  # first step, or a new process group
+        store = _store()
+        if store is None:
+            return
+        beat = _Heartbeat.current = _Heartbeat(store, context)
+    beat.step = step
+
+
+class _Heartbeat:
+    """One per process: the latest step of the training thread, written to the store by a daemon thread."""
+
+    PERIOD_S = 0.2
+    current: "_Heartbeat | None" = None
+
+    def __init__(self, store, context: DistributedContext) -> None:
+        self.store, self.context = store, context
+        self.step: int | None = None
+        self._key = f"distributed_training/heartbeat/{context.rank}"
+        self._thread = threading.Thread(target=self._run, name="dt-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        published = None
+        while _Heartbeat.current is self:
+            step = self.step
+            if step is not None and step != published:
+                try:
+                    self.store.set(self._key, str(step))
+                    published = step
+                except Exception:  # the store is gone (shutdown): nothing left to tell
+                    return
+            time.sleep(self.PERIOD_S)
 
 
 def diagnose_timeout(context: DistributedContext, step: int, err: Exception) -> str:

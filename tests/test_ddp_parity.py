@@ -69,6 +69,8 @@ CASES = {
     "gpt_tied": ({}, {}),
     "unused": ({"find_unused_parameters": True}, {"find_unused_parameters": True}),
     "accumulate_no_sync": ({}, {}),
+    # zero_grad(set_to_none=False): `.grad` stays the bucket view and autograd accumulates into it.
+    "keep_grads": ({}, {}),
     "tiny_buckets": ({"bucket_cap_mb": 1e-4, "first_bucket_cap_mb": 1e-4}, {"bucket_cap_mb": 1e-4}),
     "huge_bucket": ({"bucket_cap_mb": 1000.0, "first_bucket_cap_mb": 1000.0}, {"bucket_cap_mb": 1000.0}),
     "reordered": ({"bucket_cap_mb": 1e-3, "first_bucket_cap_mb": 1e-3}, {}),
@@ -142,7 +144,7 @@ def parity_worker(rank: int, world: int) -> dict:
                 else:
                     _loss(case, model, xs, ys, use_b=_uses_b(rank)).backward()
                 opts[name].step()
-                opts[name].zero_grad()
+                opts[name].zero_grad(set_to_none=case != "keep_grads")
             if case == "accumulate_no_sync":
                 # The same total: each rank's two halves weighted 1/2 = the mean over the whole batch.
                 _loss(case, single, x, y).backward()
@@ -160,6 +162,9 @@ def parity_worker(rank: int, world: int) -> dict:
         if case == "unused":
             never = replicas["ours"].module.never.weight
             worst["never_grad_is_none"] = float(never.grad is None)
+        if case == "keep_grads":
+            ours = replicas["ours"]
+            worst["grads_are_views"] = float(all(p.grad is v for p, v in zip(ours._params, ours._view_of)))
         if case == "reordered":
             worst["layout"] = replicas["ours"].bucket_layout()
         report[case] = worst
@@ -173,6 +178,8 @@ def test_parity_every_step(world):
         for case, worst in report.items():
             for name in ("ours", "torch", "naive", "ours_vs_torch"):
                 assert worst[name] <= TOL, f"rank {rank} case {case}: {name} differs from the reference by {worst[name]:.3g}"
+    # With set_to_none=False every `.grad` stays its bucket view (autograd accumulates into the bucket).
+    assert reports[0]["keep_grads"]["grads_are_views"] == 1.0
     unused = reports[0]["unused"]
     assert unused["never_grad_is_none"] == 1.0, "a globally unused parameter must keep grad=None"
     # After the first iteration, buckets follow arrival order: first.* arrives last, so it is in the last bucket.

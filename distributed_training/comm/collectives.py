@@ -6,6 +6,7 @@ from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = ["all_gather_single", "reduce_scatter_single", "broadcast_coalesced", "check_same_across_ranks",
            "describe_module"]
@@ -53,14 +54,13 @@ def _broadcast_chunk(chunk: list[torch.Tensor], src: int, group) -> None:
     if len(chunk) == 1 and chunk[0].is_contiguous():
         dist.broadcast(chunk[0].data, src=src, group=group)
         return
-    flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-    dist.broadcast(flat, src=src, group=group)
-    offset = 0
+    # Packing and unpacking run in C++ and the copy back is one multi-tensor copy: a ResNet's hundred
+    # and fifty BatchNorm buffers are broadcast before every forward, so per-tensor Python adds up.
     with torch.no_grad():
-        for t in chunk:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        flat = _flatten_dense_tensors(chunk)
+        dist.broadcast(flat, src=src, group=group)
+        if dist.get_rank() != src:  # the source's tensors already hold what it sent
+            torch._foreach_copy_(chunk, _unflatten_dense_tensors(flat, chunk))
 
 
 def describe_module(module: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:

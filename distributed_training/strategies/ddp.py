@@ -4,12 +4,14 @@ The algorithm, for one iteration:
 
 1. `forward` first broadcasts rank 0's buffers (BatchNorm statistics) when `broadcast_buffers`,
    then runs the wrapped module unchanged.
-2. During `loss.backward()`, autograd accumulates each parameter's gradient into `.grad`, which is a
-   view into a flat bucket buffer. A post-accumulate-grad hook then marks the parameter ready.
-3. When a bucket's last parameter is ready, the bucket is handed to the *bucket reducer* (by default
-   one asynchronous all-reduce). Buckets launch strictly in index order on every rank, as NCCL
-   requires the same collective order everywhere; a bucket that is ready early waits for its
-   predecessors, which is why buckets are ordered by expected gradient arrival.
+2. During `loss.backward()`, autograd accumulates each parameter's gradient into `.grad`, and a
+   post-accumulate-grad hook marks the parameter ready (bookkeeping only: no tensor work there).
+3. When a bucket's last parameter is ready, its gradients are copied into the bucket's flat buffer
+   with one multi-tensor copy (skipped for a `.grad` that already is its view into the buffer, where
+   autograd accumulated in place), each `.grad` becomes that view, and the bucket is handed to the
+   *bucket reducer* (by default one asynchronous all-reduce). Buckets launch strictly in index order
+   on every rank, as NCCL requires the same collective order everywhere; a bucket that is ready early
+   waits for its predecessors, which is why buckets are ordered by expected gradient arrival.
 4. A callback queued on the autograd engine runs when backward finishes: it deals with parameters
    that got no gradient, launches what is left, and waits once for all buckets. On CUDA that wait is
    stream-ordered, so the host never blocks.
@@ -17,8 +19,8 @@ The algorithm, for one iteration:
 After the first synchronised iteration the buckets are rebuilt in the order gradients actually
 arrived on rank 0 (broadcast so that every rank agrees), which is what lets communication start early.
 
-Under `no_sync()` the hooks only keep `.grad` pointing into the buckets, so gradients accumulate
-locally; the first backward outside `no_sync()` reduces the accumulated sum.
+Under `no_sync()` the hooks do nothing: gradients accumulate locally in `.grad`, and the first
+backward outside `no_sync()` gathers and reduces the accumulated sum.
 
 `NaiveDDP` in `naive.py` is the same contract done the obvious way: the test oracle for this file.
 """
@@ -367,48 +369,86 @@ class DDP(nn.Module):
         self._backward.reset(len(self._params), [len(b.param_indices) for b in self._buckets])
 
     def _attach_grad_to_bucket(self, index: int) -> None:
-        """Make `.grad` the bucket view, copying in a gradient autograd allocated elsewhere."""
+        """Make `.grad` the bucket view, copying in a gradient autograd allocated elsewhere (the slow
+        path, one parameter at a time: for parameters that got no gradient in this backward)."""
         p = self._params[index]
         view = self._view_of[index]
         grad = p.grad
+        if grad is view:
+            return
         if grad is None:
             view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            if grad.is_sparse:
-                raise RuntimeError(
-                    f"parameter '{self._param_names[index]}' produced a sparse gradient; DDP supports dense "
-                    "gradients only (use nn.Embedding(sparse=False))"
-                )
+        else:
+            self._check_dense(index, grad)
             view.copy_(grad)
         p.grad = view
 
+    def _check_dense(self, index: int, grad: torch.Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"parameter '{self._param_names[index]}' produced a sparse gradient; DDP supports dense "
+                "gradients only (use nn.Embedding(sparse=False))"
+            )
+
+    def _gather_bucket(self, bucket: Bucket) -> None:
+        """Bring the bucket's gradients into its buffer before it is reduced.
+
+        A gradient that autograd accumulated into `.grad` in place is already there (`.grad` is the
+        bucket view: ``zero_grad(set_to_none=False)``, ``no_sync`` leftovers, ZeRO-1). One that autograd
+        allocated (after ``zero_grad(set_to_none=True)``, the usual case) is copied in with one
+        multi-tensor copy for the whole bucket, and `.grad` becomes the view. Doing this per bucket
+        rather than in every parameter's hook keeps the hooks to bookkeeping: a copy launched from
+        Python per parameter cost about as much host time as the rest of the hook (BERT, ResNet-50)."""
+        params, views = self._params, self._view_of
+        targets, sources, moved = [], [], []
+        for i in bucket.param_indices:
+            grad = params[i].grad
+            view = views[i]
+            if grad is view:
+                continue
+            if grad is None:  # a hook that cleared it: contributes zeros, like an unused parameter
+                view.zero_()
+            else:
+                if grad.is_sparse:
+                    self._check_dense(i, grad)
+                targets.append(view)
+                sources.append(grad)
+            moved.append(i)
+        if sources:
+            with torch.no_grad():
+                torch._foreach_copy_(targets, sources)
+        for i in moved:
+            params[i].grad = views[i]
+
     def _on_grad_ready(self, index: int) -> None:
-        self._attach_grad_to_bucket(index)
         state = self._backward
         if not state.sync_enabled:
-            return
+            return  # `.grad` accumulates where autograd keeps it; the synchronised backward gathers it
         if not state.callback_queued:
             state.callback_queued = True
             if self.measure_overlap:
                 self._overlap.begin()  # drop what a backward that raised half-way left behind
             _queue_callback(self._finish_backward)
-        if state.ready[index]:
+        ready = state.ready
+        if ready[index]:
             raise RuntimeError(
                 f"parameter '{self._param_names[index]}' was marked ready twice in one backward pass. "
                 "Reentrant activation checkpointing runs backward twice: use use_reentrant=False."
             )
-        state.ready[index] = True
+        ready[index] = True
         if self._arrival_order is not None:
             self._arrival_order.append(index)
         bucket = self._bucket_of[index]
-        state.pending[bucket] -= 1
-        if state.pending[bucket] == 0 and self._launch_during_backward:
+        pending = state.pending
+        pending[bucket] -= 1
+        if pending[bucket] == 0 and self._launch_during_backward:
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         state = self._backward
         while state.next_to_launch < len(self._buckets) and state.pending[state.next_to_launch] == 0:
             bucket = self._buckets[state.next_to_launch]
+            self._gather_bucket(bucket)
             launched = self._overlap.launch(bucket.buffer) if self.measure_overlap else None
             if self._pass_index:
                 handle = self.bucket_reducer(bucket.buffer, self.process_group, index=bucket.index)
