@@ -6,8 +6,11 @@ Implementations (`build`): ``plain`` (no wrapper: the 1-GPU baseline), ``torch_d
 ``torch_ddp_gav`` (torch's DDP, default and with ``gradient_as_bucket_view=True``, which ours always
 does), ``ours_ddp``, ``zero1``, ``zero2``, ``zero3`` (ours), ``torch_fsdp2`` (`fully_shard` per block
 and root), and our DDP with a `CommunicationOptimizer`: ``ddp_bf16``, ``ddp_topk`` (1%, error feedback),
-``ddp_powersgd`` (rank 4), ``ddp_ring``, ``ddp_tree``. A ``_hp`` suffix on a DDP name (``ours_ddp_hp``,
-``torch_ddp_hp``) puts its communication on an NCCL group whose streams have high priority.
+``ddp_powersgd`` (rank 4), ``ddp_ring``, ``ddp_tree``; ``ours_ddp_b100`` (our DDP with 100 MiB buckets) and
+``torch_ddp_bf16`` (torch's DDP with its bf16 compression hook, the reference for ``ddp_bf16``). A suffix on a
+plain DDP name (``ours_ddp``, ``torch_ddp``, ``torch_ddp_gav``) puts its communication on an NCCL group built
+differently (`GROUP_SUFFIXES`): ``_hp`` high-priority streams, ``_ctas8`` at most 8 CTAs per collective (fewer SMs
+taken from the overlapped backward).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ COMPRESSED = {
     "ddp_ring": dict(pattern="ring"),
     "ddp_tree": dict(pattern="tree"),
 }
-IMPLS = ("plain", "torch_ddp", "torch_ddp_gav", "ours_ddp", "zero1", "zero2", "zero3", "torch_fsdp2", *COMPRESSED)
+IMPLS = ("plain", "torch_ddp", "torch_ddp_gav", "torch_ddp_bf16", "ours_ddp", "ours_ddp_b100", "zero1", "zero2", "zero3", "torch_fsdp2", *COMPRESSED)
 
 
 # ------------------------------------------------------------------------------------ environment
@@ -192,16 +195,51 @@ def high_priority_group():
     return dist.new_group(backend="nccl", pg_options=options)
 
 
+def limited_ctas_group(ctas: int):
+    """An NCCL group whose collectives use at most `ctas` CTAs (thread blocks, one SM each)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = ctas
+    return dist.new_group(backend="nccl", pg_options=options)
+
+
+#: implementation-name suffix -> how its NCCL group is made (collective: every rank builds the same, in order)
+GROUP_SUFFIXES = {"_hp": high_priority_group, "_ctas8": lambda: limited_ctas_group(8)}
+
+
+def split_group_suffix(impl: str) -> tuple[str, str | None]:
+    """(base implementation, group suffix or None): ``"ours_ddp_ctas8"`` -> ``("ours_ddp", "_ctas8")``."""
+    for suffix in GROUP_SUFFIXES:
+        if impl.endswith(suffix):
+            return impl[: -len(suffix)], suffix
+    return impl, None
+
+
+def make_groups(impls, backend: str) -> tuple[dict, dict]:
+    """(suffix -> NCCL group for every suffix `impls` use, notes on those that cannot be built here)."""
+    groups, notes = {}, {}
+    for suffix in sorted({split_group_suffix(i)[1] for i in impls} - {None}):
+        if backend != "nccl":
+            notes[suffix] = f"an NCCL group option: not measured on {backend}"
+            continue
+        try:
+            groups[suffix] = GROUP_SUFFIXES[suffix]()
+        except (AttributeError, RuntimeError) as err:  # an option this torch / NCCL lacks
+            notes[suffix] = f"could not build the group: {err}"
+    return groups, notes
+
+
 def build(impl: str, cfg, device, ctx, groups: dict | None = None):
     """(wrapped model, optimizer) for one implementation, from a freshly seeded model.
 
-    `groups` may hold ``"hp"``: the high-priority NCCL group the ``_hp`` variants use."""
-    base, hp = (impl[:-3], True) if impl.endswith("_hp") else (impl, False)
+    `groups` maps a name suffix (``"_hp"``, ``"_ctas8"``) to the NCCL group its variants use."""
+    base, suffix = split_group_suffix(impl)
     group = None
-    if hp:
-        if not groups or groups.get("hp") is None:
-            raise ValueError(f"{impl!r} needs the high-priority NCCL group (groups['hp']): NCCL only")
-        group = groups["hp"]
+    if suffix is not None:
+        if not groups or groups.get(suffix) is None:
+            raise ValueError(f"{impl!r} needs its NCCL group (groups[{suffix!r}]): NCCL only")
+        if base not in ("torch_ddp", "torch_ddp_gav", "ours_ddp"):
+            raise ValueError(f"the {suffix} suffix applies to torch_ddp, torch_ddp_gav and ours_ddp, not {impl!r}")
+        group = groups[suffix]
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(cfg)
@@ -209,17 +247,19 @@ def build(impl: str, cfg, device, ctx, groups: dict | None = None):
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=fused)  # noqa: E731
     if base == "plain":
         return model, adamw(model.parameters())
-    if base in ("torch_ddp", "torch_ddp_gav"):
+    if base in ("torch_ddp", "torch_ddp_gav", "torch_ddp_bf16"):
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if fused else None,
                                           gradient_as_bucket_view=base == "torch_ddp_gav", process_group=group)
+        if base == "torch_ddp_bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+            wrapped.register_comm_hook(None, bf16_compress_hook)
         return wrapped, adamw(wrapped.parameters())
-    if base == "ours_ddp":
-        wrapped = DDP(model, process_group=group)
+    if base in ("ours_ddp", "ours_ddp_b100"):
+        wrapped = DDP(model, process_group=group, bucket_cap_mb=100 if base == "ours_ddp_b100" else None)
         return wrapped, adamw(wrapped.parameters())
-    if hp:
-        raise ValueError(f"the _hp suffix applies to torch_ddp, torch_ddp_gav and ours_ddp, not {impl!r}")
     if base in COMPRESSED:
         wrapped = DDP(model, communication=CommunicationOptimizer(**COMPRESSED[base]))
         return wrapped, adamw(wrapped.parameters())
@@ -240,7 +280,8 @@ def build(impl: str, cfg, device, ctx, groups: dict | None = None):
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         return model, adamw(model.parameters())
-    raise ValueError(f"unknown implementation {impl!r} (known: {', '.join(IMPLS)}, and *_hp for the DDPs)")
+    raise ValueError(f"unknown implementation {impl!r} (known: {', '.join(IMPLS)}, and the DDPs with a suffix "
+                     f"of {', '.join(GROUP_SUFFIXES)})")
 
 
 def teardown(wrapped) -> None:

@@ -20,8 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (GIB, allocated, autocast, build, gpt_units, high_priority_group, make_batches, run_phase, run_solo,
-                    slowest, synchronize, teardown, time_compute_and_optimizer)
+from common import (GIB, allocated, autocast, build, gpt_units, make_batches, make_groups, run_phase, run_solo, slowest,
+                    split_group_suffix, synchronize, teardown, time_compute_and_optimizer)
 
 GPU_MODELS = [("gpt2-124m", 16, 1024), ("gpt-1.3b", 8, 1024)]
 SMOKE_MODELS = [("tiny", 4, 32)]
@@ -70,18 +70,18 @@ def run(ctx, opts) -> dict:
     requested = [i for i in (opts.impls or ",".join(DEFAULT_IMPLS)).split(",") if i]
     notes = {}
     if world == 1:  # the baseline, and each of our strategies' own overhead with nothing to send
-        impls = ["plain"] + [i for i in requested if not i.startswith("torch") and not i.endswith("_hp")]
+        impls = ["plain"] + [i for i in requested if not i.startswith("torch") and split_group_suffix(i)[1] is None]
     else:
         impls = ["solo"] + requested
-    groups = {"hp": None, "cpu": None}
+    groups = {"cpu": None}
     if world > 1:
         groups["cpu"] = dist.new_group(backend="gloo")
-        if any(i.endswith("_hp") for i in impls):
-            if ctx.backend == "nccl":
-                groups["hp"] = high_priority_group()
-            else:
-                notes["_hp"] = "high-priority streams are an NCCL option: not measured on " + ctx.backend
-                impls = [i for i in impls if not i.endswith("_hp")]
+        made, notes = make_groups(impls, ctx.backend)
+        groups.update(made)
+        impls = [i for i in impls if split_group_suffix(i)[1] in (None, *made)]
+        if ctx.backend != "nccl" and "torch_ddp_bf16" in impls:  # torch's bf16 hook needs NCCL
+            notes["torch_ddp_bf16"] = "torch's bf16 compression hook needs NCCL: not measured on " + ctx.backend
+            impls.remove("torch_ddp_bf16")
     models = {}
     for preset, micro, seq in opts.models or (SMOKE_MODELS if opts.smoke else GPU_MODELS):
         models[preset] = _train_model(ctx, preset, micro, seq, impls, rounds, steps, warmup, accum, groups)
