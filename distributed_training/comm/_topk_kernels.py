@@ -23,6 +23,8 @@ import torch
 # The fused kernel holds BLOCK_R x BLOCK_L values per program: rows longer than this (densities below
 # about 1 / 8192) take the eager path.
 MAX_FUSED_ROW = 8192
+# False sends every call down the eager path (to time one against the other, or to rule the kernel out).
+ENABLED = True
 
 
 def blockmax_eager(acc: torch.Tensor, n: int, row: int, base: torch.Tensor,
@@ -82,7 +84,7 @@ def _kernel():
 
 def fused_available(flat: torch.Tensor, row: int) -> bool:
     """Whether `blockmax_fused` can take `flat` (CUDA, a float dtype, rows short enough, Triton)."""
-    return (flat.is_cuda and flat.dtype in (torch.float32, torch.bfloat16, torch.float16) and flat.is_contiguous()
+    return (ENABLED and flat.is_cuda and flat.dtype in (torch.float32, torch.bfloat16, torch.float16) and flat.is_contiguous()
             and row <= MAX_FUSED_ROW and _kernel() is not None)
 
 
