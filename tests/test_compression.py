@@ -103,7 +103,7 @@ def test_chunked_topk_selects_the_largest_of_every_chunk_and_keeps_the_rest():
     """Per-chunk selection (long buckets): the ratio x chunk largest magnitudes of each chunk and the
     tail's share, a count fixed by the length alone, and error feedback still exact."""
     n, chunk, ratio = 10 * 64 + 23, 64, 0.05
-    comm = CommunicationOptimizer("topk", compression_ratio=ratio, topk_chunk=chunk)
+    comm = CommunicationOptimizer("topk", compression_ratio=ratio, topk_select="chunked", topk_chunk=chunk)
     for step, acc, idx, vals in _topk_steps(comm, n, key=1, steps=5, seed=3):
         per_row, tail_k = math.ceil(ratio * chunk), math.ceil(ratio * 23)
         assert idx.numel() == 10 * per_row + tail_k and idx.unique().numel() == idx.numel()
