@@ -123,13 +123,31 @@ def _precision(results):
 def _topk(results):
     lines = []
     for _, part in _ok_worlds(results, "topk"):
-        lines += [f"## Top-K selection ({100 * part['ratio']:g}%): ms per call", "", "| values | exact | chunked | sampled |",
-                  "|---|---|---|---|"]
+        methods = part.get("methods", ["exact", "chunked", "sampled"])  # results from before blockmax
+        head = "| " + " | ".join(methods) + " |"
+        ps = part.get("powersgd", {})
+        lines += [f"## Top-K selection ({100 * part['ratio']:g}%): ms per call", "",
+                  "| values " + head + (" PowerSGD r4 |" if ps else ""), "|---" * (len(methods) + 1 + bool(ps)) + "|"]
+        cell = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         for n, row in part["buckets"].items():
-            lines.append(f"| {int(n):,} | {row['exact']:.2f} | {row['chunked']:.2f} | {row['sampled']:.2f} |")
-        for name, row in part["step_ms"].items():
-            lines.append(f"| {name}: whole gradient in buckets of {part['bucket_values']:,} | {row['exact']:.2f} | "
-                         f"{row['chunked']:.2f} | {row['sampled']:.2f} |")
+            extra = f" {cell(ps['buckets'].get(n))} |" if ps else ""
+            lines.append(f"| {int(n):,} | " + " | ".join(cell(row.get(m)) for m in methods) + " |" + extra)
+        by_bucket = part.get("step_ms_by_bucket") or {str(part["bucket_values"]): part["step_ms"]}
+        gpu_by_bucket = part.get("step_gpu_ms_by_bucket", {})
+        lines += ["", "Per step: the whole gradient in buckets, wall ms (device-only ms where measured: the "
+                  "host's launches hidden, as under a busy backward).", "",
+                  "| model, bucket values | buckets " + head + (" PowerSGD r4 |" if ps else ""),
+                  "|---" * (len(methods) + 2 + bool(ps)) + "|"]
+        for bucket, models in by_bucket.items():
+            for name, row in models.items():
+                gpu = gpu_by_bucket.get(bucket, {}).get(name, {})
+                both = lambda w, g: cell(w) + (f" ({g:.2f})" if g is not None else "")  # noqa: E731
+                extra = ""
+                if ps:
+                    extra = " " + both(ps["step_ms_by_bucket"].get(bucket, {}).get(name),
+                                       ps.get("step_gpu_ms_by_bucket", {}).get(bucket, {}).get(name)) + " |"
+                lines.append(f"| {name}, {int(bucket):,} | {row.get('buckets', '-')} | " +
+                             " | ".join(both(row.get(m), gpu.get(m)) for m in methods) + " |" + extra)
         lines.append("")
     return lines
 

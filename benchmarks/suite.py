@@ -13,7 +13,7 @@ Phases (`--phases`, default all; see `phases/__init__.py` for where each runs):
     training      GPT: our DDP / ZeRO-1/2/3 / compressed DDP vs torch DDP and FSDP2, interleaved in one job
     models        timm / Hugging Face models: our DDP and trainer vs torch DDP
     precision     our trainer in fp32 / bf16 / fp16: step time, memory, loss against fp32's
-    topk          Top-K selection methods, per bucket and per step
+    topk          Top-K selection methods and PowerSGD, per bucket and per step (25 and 100 MiB buckets)
     profiling     where a DDP step's time goes, by kernel (GPU) or operator (CPU) category
     monitor       the monitor's cost on the trainer
     model_check   the scaling model: one calibration, checked on this run and on recorded DDP runs

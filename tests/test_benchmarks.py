@@ -85,8 +85,10 @@ def test_smoke_runs_every_phase(tmp_path):
 
     topk = ph["topk"]["worlds"]["1"]
     assert set(ph["topk"]["worlds"]) == {"1"} and topk["buckets"] and topk["step_ms"]
-    assert all(set(row) >= {"exact", "chunked", "sampled"} for row in [*topk["buckets"].values(),
-                                                                       *topk["step_ms"].values()])
+    assert all(set(row) >= {"blockmax", "exact", "chunked", "sampled"} for row in [*topk["buckets"].values(),
+                                                                                   *topk["step_ms"].values()])
+    assert len(topk["step_ms_by_bucket"]) == 2 and set(topk["powersgd"]["buckets"]) == set(topk["buckets"])
+    assert all(v > 0 for models in topk["powersgd"]["step_ms_by_bucket"].values() for v in models.values())
 
     prof = ph["profiling"]["worlds"]["2"]["report"]
     assert set(prof) == {"plain", "ours_nosync", "ours", "torch"}

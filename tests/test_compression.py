@@ -103,7 +103,7 @@ def test_chunked_topk_selects_the_largest_of_every_chunk_and_keeps_the_rest():
     """Per-chunk selection (long buckets): the ratio x chunk largest magnitudes of each chunk and the
     tail's share, a count fixed by the length alone, and error feedback still exact."""
     n, chunk, ratio = 10 * 64 + 23, 64, 0.05
-    comm = CommunicationOptimizer("topk", compression_ratio=ratio, topk_chunk=chunk)
+    comm = CommunicationOptimizer("topk", compression_ratio=ratio, topk_select="chunked", topk_chunk=chunk)
     for step, acc, idx, vals in _topk_steps(comm, n, key=1, steps=5, seed=3):
         per_row, tail_k = math.ceil(ratio * chunk), math.ceil(ratio * 23)
         assert idx.numel() == 10 * per_row + tail_k and idx.unique().numel() == idx.numel()
@@ -129,6 +129,158 @@ def test_sampled_topk_sends_k_pairs_of_large_entries_and_keeps_the_rest():
         assert real.float().mean() > 0.5, step  # the threshold is close: most slots carry real entries
         top2k = set(acc.abs().topk(2 * k).indices.tolist())
         assert sum(i in top2k for i in idx[real].tolist()) >= 0.9 * int(real.sum()), step
+
+
+SELECTIONS = ("blockmax", "exact", "chunked", "sampled")
+
+
+def _expected_pairs(select: str, n: int, ratio: float, chunk: int = 4096) -> int:
+    """How many pairs the density says each method sends for n values."""
+    if select == "blockmax":
+        return -(-n // max(1, round(1 / ratio)))
+    if select == "chunked" and n > chunk:
+        rows, tail = divmod(n, chunk)
+        return rows * max(1, math.ceil(ratio * chunk)) + (max(1, math.ceil(ratio * tail)) if tail else 0)
+    return max(1, math.ceil(ratio * n))
+
+
+@pytest.mark.parametrize("select", SELECTIONS)
+@pytest.mark.parametrize("n, ratio", [(50_000, 0.01), (10_007, 0.01), (999, 0.3), (4096 * 3 + 5, 0.05)])
+def test_every_selection_keeps_error_feedback_exact_and_sends_what_the_density_says(select, n, ratio):
+    """Sent + new residual == gradient + old residual element for element (`_topk_steps` checks it),
+    over steps that reuse the residual's buffer, with the pair count fixed by length and density."""
+    comm = CommunicationOptimizer("topk", compression_ratio=ratio, topk_select=select)
+    for _, acc, idx, vals in _topk_steps(comm, n, key=3, steps=4, seed=n):
+        assert idx.numel() == vals.numel() == _expected_pairs(select, n, ratio), select
+        assert int(idx.min()) >= 0 and int(idx.max()) <= n  # n: the padding index of "sampled"
+
+
+@pytest.mark.parametrize("n, ratio", [(10_000, 0.01), (10_007, 0.01), (777, 0.2), (64, 1.0)])
+def test_blockmax_sends_each_rows_largest_magnitude(n, ratio):
+    """Block-max against the obvious twin: each row of L = round(1 / ratio) values (the last one
+    short) sends its largest |x|, and the residual is the accumulated input less exactly that entry."""
+    comm = CommunicationOptimizer("topk", compression_ratio=ratio, topk_select="blockmax")
+    row = max(1, round(1 / ratio))
+    for _, acc, idx, vals in _topk_steps(comm, n, key=0, steps=3, seed=1):
+        for r, start in enumerate(range(0, n, row)):
+            part = acc[start:start + row]
+            best = int(part.abs().argmax())
+            assert int(idx[r]) == start + best and vals[r] == part[best], (r, start)
+        expected = acc.clone()
+        expected[idx.long()] = 0
+        assert torch.equal(comm.residuals[0], expected)
+
+
+def test_blockmax_all_zero_tail_row_sends_a_harmless_pair():
+    """A short last row of zeros may pick a padding slot: its pair points inside the bucket and carries 0."""
+    comm = CommunicationOptimizer("topk", compression_ratio=0.01, topk_select="blockmax")
+    grad = torch.randn(250)
+    grad[200:] = 0
+    idx, vals = comm.compress_topk(grad, key=0)
+    assert idx.numel() == 3 and int(idx[2]) < 250 and vals[2] == 0
+
+
+def test_blockmax_warmup_and_without_error_feedback():
+    """The row length follows the warm-up's density (1 at the start: everything is sent), and without
+    error feedback nothing is kept."""
+    comm = CommunicationOptimizer("topk", compression_ratio=0.01, warmup_steps=3, topk_select="blockmax")
+    grad = torch.randn(1000)
+    counts = []
+    for _ in range(5):
+        comm.steps += 1
+        counts.append(comm.compress_topk(grad, key=0)[0].numel())
+    assert counts[-1] == 10 and counts == sorted(counts, reverse=True) and counts[0] > 10, counts
+    comm = CommunicationOptimizer("topk", compression_ratio=0.01, error_feedback=False)
+    idx, vals = comm.compress_topk(grad, key=0)
+    assert not comm.residuals and torch.equal(vals, grad[idx.long()])
+
+
+def test_residual_buffers_survive_a_checkpoint_round_trip():
+    """state_dict copies the residual (the buffer keeps changing); a loaded one is used as the residual."""
+    comm = CommunicationOptimizer("topk", compression_ratio=0.05)
+    for _ in range(2):
+        comm.compress_topk(torch.randn(300), key=4)
+    state = comm.state_dict()
+    saved = state["residuals"][4].clone()
+    comm.compress_topk(torch.randn(300), key=4)
+    assert torch.equal(state["residuals"][4], saved)  # not a view of the live buffer
+    other = CommunicationOptimizer("topk", compression_ratio=0.05)
+    other.load_state_dict(state)
+    grad = torch.randn(300)
+    idx, vals = other.compress_topk(grad, key=4)
+    sent = torch.zeros(301).index_add_(0, idx, vals)[:300]
+    assert torch.equal(sent + other.residuals[4], grad + saved)
+
+
+_FUSED_CHECK = """
+import torch
+from distributed_training.comm._topk_kernels import blockmax_eager, blockmax_fused
+device = "cuda" if torch.cuda.is_available() else "cpu"
+ok = True
+for n, row, keep, dtype in [(10007, 100, True, torch.float32), (4096, 100, True, torch.float32),
+                            (777, 1, True, torch.float32), (5000, 7, False, torch.float32),
+                            (3001, 64, True, torch.bfloat16), (20000, 300, True, torch.float32)]:
+    g = torch.Generator().manual_seed(n)
+    flat, res = torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g)
+    rows = -(-n // row)
+    acc = torch.zeros(rows * row)
+    acc[:n] = res + flat if keep else flat.float()
+    i_ref, v_ref = blockmax_eager(acc, n, row, torch.arange(0, rows * row, row, dtype=torch.int32), keep)
+    r2 = res.to(device)
+    i, v = blockmax_fused(flat.to(device), r2 if keep else None, row, keep)
+    ok &= torch.equal(i.cpu(), i_ref) and torch.equal(v.cpu(), v_ref) and (not keep or torch.equal(r2.cpu(), acc[:n]))
+print("FUSED_OK" if ok else "FUSED_MISMATCH")
+"""
+
+
+def test_fused_blockmax_kernel_matches_the_eager_twin():
+    """The Triton kernel, bit for bit against `blockmax_eager`: on the GPU where there is one, else in
+    Triton's CPU interpreter (a subprocess, TRITON_INTERPRET=1). Skipped without Triton."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    out = subprocess.run([sys.executable, "-c", _FUSED_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert "FUSED_OK" in out.stdout, out.stdout + out.stderr
+
+
+def topk_decode_worker(rank, world, select):
+    """Each rank's decoded mean against the naive reference: every rank's (index, value) pairs,
+    gathered with a plain all_gather_object, summed densely, divided by the world size."""
+    import torch.distributed as dist
+
+    comm = CommunicationOptimizer("topk", compression_ratio=0.02, topk_select=select)
+    n = 5003
+    worst = 0.0
+    for step in range(3):
+        grad = torch.randn(n, generator=torch.Generator().manual_seed(100 * step + rank))
+        probe = CommunicationOptimizer("topk", compression_ratio=0.02, topk_select=select)
+        probe.load_state_dict(comm.state_dict())  # the same residual: the pairs this rank is about to send
+        idx, vals = probe.compress_topk(grad.clone(), key=0)
+        pairs = [None] * world
+        dist.all_gather_object(pairs, (idx.long().tolist(), vals.tolist()))
+        reference = torch.zeros(n + 1)
+        for i, v in pairs:
+            reference.index_add_(0, torch.tensor(i), torch.tensor(v))
+        reference = reference[:n] / world
+        flat = grad.clone()
+        comm._compressed_mean(flat, None, 0).wait()
+        worst = max(worst, float((flat - reference).abs().max()))
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("select", SELECTIONS)
+def test_topk_decoded_mean_matches_naive_sum_of_every_ranks_pairs(world, select):
+    for worst in run_distributed(topk_decode_worker, world, args=(select,), timeout=120):
+        assert worst <= 1e-6, (select, worst)
 
 
 def powersgd_worker(rank, world):

@@ -37,7 +37,8 @@ PHASES = {p.name: p for p in (
           "job; the 1-GPU baseline, no_sync (compute-only) and comm-only steps"),
     Phase("models", "multi", "timm / Hugging Face models: our DDP and trainer vs torch DDP, interleaved"),
     Phase("precision", "top", "our trainer (DDP) in fp32, bf16 and fp16 (our loss scaler): step time, memory, loss"),
-    Phase("topk", "one", "Top-K compression's selection (exact, chunked, sampled) per bucket and per step"),
+    Phase("topk", "one", "Top-K compression's selection (blockmax, exact, chunked, sampled) and PowerSGD, per "
+          "bucket and per step"),
     Phase("profiling", "top", "where a DDP step's time goes: kernel (GPU) or operator (CPU) time by category"),
     Phase("monitor", "one", "the monitor's cost: the trainer with and without log_dir, interleaved"),
     Phase("model_check", "offline", "the scaling model calibrated and checked on this run's collectives and "

@@ -8,12 +8,16 @@ It is a bucket reducer (see `comm/reduce.py`): pass it as `DDP(module, communica
   scatter-added, not all-reduced. With error feedback what was not sent stays in a per-bucket residual
   and is added to the next step's gradient (sent + residual = accumulated input, exactly). An optional
   warm-up starts dense and decays the density to `compression_ratio`. How the entries are chosen is
-  `topk_select`: ``"exact"`` (one top-k over the bucket), ``"chunked"`` (the ratio x `topk_chunk`
+  `topk_select`: ``"blockmax"`` (the default: the bucket seen as rows of L = round(1 / density)
+  values, each row's largest-magnitude entry; on CUDA with Triton one fused kernel reads gradient and
+  residual once and writes the residual once, elsewhere a few eager ops, see `comm/_topk_kernels.py`),
+  ``"exact"`` (one top-k over the bucket), ``"chunked"`` (the ratio x `topk_chunk`
   largest of every `topk_chunk` consecutive entries, plus the tail's share) or ``"sampled"`` (a
   threshold from the top-k of a strided sample, then the first k entries at or above it, padded).
   Every method sends a number of pairs fixed by the length and the density, never by the values, so
   every rank all-gathers the same sizes without a host sync; what a method leaves out stays in the
-  residual.
+  residual. Each bucket's residual lives in a buffer kept from step to step (no allocation of the
+  bucket's size per call).
 * ``"bf16"`` / ``"fp16"``: cast, all-reduce, cast back (fp16 divides by the world size first).
 * ``"powersgd"``: rank-r approximation P Q^T of the bucket seen as a matrix, two small all-reduces,
   warm-started Q, error feedback.
@@ -34,6 +38,7 @@ from ..mesh import Mesh
 from ..runtime import launcher_ranks_per_node
 from .collectives import all_gather_single
 from .patterns import hierarchical_all_reduce, ring_all_reduce, tree_all_reduce
+from ._topk_kernels import blockmax_eager, blockmax_fused, fused_available
 from .reduce import CompletedWork
 
 __all__ = ["CommunicationOptimizer"]
@@ -59,7 +64,7 @@ class _Finish:
 
 _COMPRESSIONS = (None, "topk", "bf16", "fp16", "powersgd")
 _PATTERNS = ("nccl", "ring", "tree")
-_TOPK_SELECTIONS = ("exact", "chunked", "sampled")
+_TOPK_SELECTIONS = ("blockmax", "exact", "chunked", "sampled")
 
 
 class CommunicationOptimizer:
@@ -82,7 +87,8 @@ class CommunicationOptimizer:
             the other, or for reducers that compete with backward for the GPU).
         powersgd_rank: the rank r of PowerSGD's approximation.
         warmup_steps: steps over which Top-K's density decays from 1 to `compression_ratio`.
-        topk_select, topk_chunk: how Top-K chooses its entries (see the module docstring).
+        topk_select, topk_chunk: how Top-K chooses its entries: ``"blockmax"`` (default), ``"exact"``,
+            ``"chunked"`` (rows of `topk_chunk`) or ``"sampled"`` (see the module docstring).
     """
 
     wants_bucket_index = True
@@ -90,7 +96,7 @@ class CommunicationOptimizer:
     def __init__(self, compression: str | None = None, compression_ratio: float = 0.01, error_feedback: bool = True,
                  hierarchical: bool = False, ranks_per_node: int | None = None, pattern: str = "nccl",
                  bucket_size_mb: float | None = None, enable_overlap: bool = True, powersgd_rank: int = 4,
-                 warmup_steps: int = 0, topk_select: str = "chunked", topk_chunk: int = 4096) -> None:
+                 warmup_steps: int = 0, topk_select: str = "blockmax", topk_chunk: int = 4096) -> None:
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}, got {compression!r}")
         if pattern not in _PATTERNS:
@@ -128,6 +134,8 @@ class CommunicationOptimizer:
         self.topk_select = topk_select
         self.topk_chunk = topk_chunk
         self.residuals: dict[int, torch.Tensor] = {}
+        self._topk_buffers: dict[int, torch.Tensor] = {}
+        self._bases: dict[tuple, torch.Tensor] = {}
         self.powersgd_q: dict[int, torch.Tensor] = {}
         self.bytes_sent = 0
         self.steps = 0
@@ -221,23 +229,67 @@ class CommunicationOptimizer:
     def compress_topk(self, flat: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, values) this rank sends for `flat`, updating the error-feedback residual.
 
-        Index ``n`` (one past the end) is padding: it carries the value 0 (see ``"sampled"``)."""
+        Index ``n`` (one past the end) is padding: it carries the value 0 (see ``"sampled"``).
+        Indices are int64, or int32 for ``"blockmax"`` (what goes on the wire). Nothing here waits
+        for the device: the counts depend on the length and the density only."""
         n = flat.numel()
-        # One extra slot, always 0, that padding indices point at: no masking pass is needed.
-        acc = torch.empty(n + 1, dtype=torch.float32, device=flat.device)
-        body = acc[:n]
-        residual = self.residuals.get(key) if self.error_feedback else None
-        if residual is not None and residual.shape == body.shape:
-            torch.add(flat, residual, out=body)
+        density = self.density()
+        keep = self.error_feedback
+        if self.topk_select == "blockmax":
+            row = self._row(density)
+            if fused_available(flat, row):
+                return blockmax_fused(flat, self._topk_buffer(flat, key)[:n] if keep else None, row, keep)
+            if keep:
+                acc = self._topk_buffer(flat, key)
+                acc[:n].add_(flat)  # residual + gradient, in the residual's own buffer
+            else:
+                acc = torch.zeros(n + row, dtype=torch.float32, device=flat.device)
+                acc[:n].copy_(flat)
+            return blockmax_eager(acc, n, row, self._base(-(-n // row), row, torch.int32, flat.device), keep)
+        if keep:
+            acc = self._topk_buffer(flat, key)
+            acc[:n].add_(flat)
         else:
-            body.copy_(flat)
-        acc[n] = 0
-        indices = self._select(body.abs(), self.density())
+            acc = torch.zeros(n + 1, dtype=torch.float32, device=flat.device)  # + the padding slot, 0
+            acc[:n].copy_(flat)
+        indices = self._select(acc[:n].abs(), density)
         values = acc[indices]
-        if self.error_feedback:
-            acc[indices] = 0  # what was sent leaves the residual; the rest waits for the next step
-            self.residuals[key] = body
+        if keep:
+            acc.index_fill_(0, indices, 0)  # what was sent leaves the residual; the rest waits for the next step
         return indices, values
+
+    def _row(self, density: float) -> int:
+        """Block-max's row length: one entry sent per `row` values."""
+        return max(1, round(1 / density))
+
+    def _topk_buffer(self, flat: torch.Tensor, key: int) -> torch.Tensor:
+        """This key's float32 buffer: its first n values hold the residual (zeros at first), the
+        rest, always 0, are the padding slot of ``"sampled"`` and block-max's last-row padding.
+
+        Kept from call to call (no allocation of n values per call): `residuals[key]` is a view of
+        it. A residual that is not (loaded from a checkpoint) is copied in; one of another length
+        (the buckets changed) is dropped, as before."""
+        n = flat.numel()
+        size = n + self._row(self.compression_ratio)  # the longest row any density of the warm-up uses
+        buf = self._topk_buffers.get(key)
+        residual = self.residuals.get(key)
+        if (buf is not None and buf.numel() == size and buf.device == flat.device and residual is not None
+                and residual.numel() == n and residual.data_ptr() == buf.data_ptr()):
+            return buf
+        buf = torch.zeros(size, dtype=torch.float32, device=flat.device)
+        if residual is not None and residual.numel() == n:
+            buf[:n].copy_(residual.reshape(-1))
+        self._topk_buffers[key] = buf
+        self.residuals[key] = buf[:n]
+        return buf
+
+    def _base(self, rows: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``arange(0, rows * step, step)``, cached: where each row of a bucket starts."""
+        cache_key = (rows, step, dtype, device)
+        base = self._bases.get(cache_key)
+        if base is None:
+            base = self._bases[cache_key] = torch.arange(0, rows * step, step, dtype=dtype, device=device)
+        return base
 
     def _select(self, magnitude: torch.Tensor, density: float) -> torch.Tensor:
         """Indices of the entries to send (see `topk_select`), as many as the length and density say."""
@@ -257,7 +309,7 @@ class CommunicationOptimizer:
         rows, tail = divmod(n, chunk)
         per_row = max(1, min(chunk, math.ceil(density * chunk)))
         picked = magnitude[: rows * chunk].view(rows, chunk).topk(per_row, dim=1, sorted=False).indices
-        picked += torch.arange(0, rows * chunk, chunk, device=magnitude.device).unsqueeze(1)
+        picked += self._base(rows, chunk, torch.int64, magnitude.device).unsqueeze(1)
         parts = [picked.reshape(-1)]
         if tail:
             last = magnitude[rows * chunk:]
@@ -278,9 +330,16 @@ class CommunicationOptimizer:
             all_idx, all_val = idx32, values
 
         def decode() -> None:
-            total = torch.zeros(flat.numel() + 1, dtype=values.dtype, device=flat.device)  # + the padding slot
-            total.index_add_(0, all_idx.long(), all_val)
-            flat.copy_(total[:-1] / world)
+            if self.topk_select == "sampled" or flat.dtype != values.dtype:
+                total = torch.zeros(flat.numel() + 1, dtype=values.dtype, device=flat.device)  # + the padding slot
+                total.index_add_(0, all_idx, all_val)
+                flat.copy_(total[:-1] / world)
+                return
+            # No padding index: decode in place, the same sums and division as above.
+            flat.zero_()
+            flat.index_add_(0, all_idx, all_val)
+            if world > 1:
+                flat.div_(world)
 
         return _Finish(works, decode, keep=(idx32, values, all_idx, all_val))
 
@@ -322,7 +381,8 @@ class CommunicationOptimizer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {"residuals": {k: v.cpu() for k, v in self.residuals.items()},
+        # A copy: a residual is a view of a buffer that the next step overwrites.
+        return {"residuals": {k: v.to("cpu", copy=True) for k, v in self.residuals.items()},
                 "powersgd_q": {k: v.cpu() for k, v in self.powersgd_q.items()},
                 "steps": self.steps, "bytes_sent": self.bytes_sent}
 
