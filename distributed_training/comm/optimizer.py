@@ -330,14 +330,21 @@ class CommunicationOptimizer:
             all_idx, all_val = idx32, values
 
         def decode() -> None:
+            # One scatter-add per sending rank, in rank order: a rank's own indices are distinct (bar
+            # padding, whose value is 0), so no two atomic adds meet in one call, and every replica
+            # sums the same values in the same order. One call over all ranks' pairs would let CUDA's
+            # atomics add colliding indices in any order, and replicas would drift apart by rounding.
+            k = idx32.numel()
             if self.topk_select == "sampled" or flat.dtype != values.dtype:
                 total = torch.zeros(flat.numel() + 1, dtype=values.dtype, device=flat.device)  # + the padding slot
-                total.index_add_(0, all_idx, all_val)
+                for r in range(world):
+                    total.index_add_(0, all_idx[r * k:(r + 1) * k], all_val[r * k:(r + 1) * k])
                 flat.copy_(total[:-1] / world)
                 return
             # No padding index: decode in place, the same sums and division as above.
             flat.zero_()
-            flat.index_add_(0, all_idx, all_val)
+            for r in range(world):
+                flat.index_add_(0, all_idx[r * k:(r + 1) * k], all_val[r * k:(r + 1) * k])
             if world > 1:
                 flat.div_(world)
 
