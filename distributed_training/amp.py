@@ -173,6 +173,10 @@ class Precision:
         """The loss scaler, for the modes that have one."""
         return None
 
+    #: Whether `unscale_` and `step` read the gradients (a loss scaler's): without one the strategy
+    #: does not even list them, which on a model of hundreds of tensors is host time every step.
+    reads_gradients = False
+
     def autocast(self) -> ContextManager:
         """The context for forward and loss."""
         if self.autocast_dtype is None:
@@ -235,6 +239,8 @@ class FP16Precision(Precision):
     @property
     def scaler(self) -> DynamicLossScaler:
         return self._scaler
+
+    reads_gradients = True
 
     def backward(self, loss: torch.Tensor) -> None:
         self._scaler.scale_loss(loss).backward()

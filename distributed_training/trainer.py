@@ -270,16 +270,19 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         batch = to_device(batch, self.device)
         micro_batches = split_batch(batch, self.gradient_accumulation_steps)
         total = sum(size for _, size in micro_batches)
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum = None
         for k, (micro, size) in enumerate(micro_batches):
             last = k == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
                 with self.precision.autocast():
                     loss = self._loss(micro, criterion)
                 # Weight by the micro-batch's share so that the accumulated gradient is the gradient of
-                # the mean loss over the whole batch, even when the batch does not split evenly.
-                self.strategy.backward(self.model, loss * (size / total), self.precision)
-            loss_sum += loss.detach().float() * (size / total)
+                # the mean loss over the whole batch, even when the batch does not split evenly. (One
+                # micro-batch: weight 1, and no kernel launched for it.)
+                share = size / total
+                self.strategy.backward(self.model, loss if share == 1 else loss * share, self.precision)
+            weighted = loss.detach().float() if share == 1 else loss.detach().float() * share
+            loss_sum = weighted if loss_sum is None else loss_sum + weighted
 
         metrics: dict[str, torch.Tensor] = {"loss": loss_sum, **self.precision.metrics()}
         lr = torch.tensor(self.optimizer.param_groups[0]["lr"])  # the rate this step uses

@@ -149,7 +149,7 @@ class Strategy(abc.ABC):
 
         Clipping runs on a skipped step too (every rank alike, as the decision is agreed): its norm is
         then inf or NaN, which the step's metrics show."""
-        grads = self.gradients(model)
+        grads = self.gradients(model) if precision.reads_gradients else []
         precision.unscale_(grads)  # before clipping, so the threshold applies to the true gradients
         norm = self.clip_grad_norm(model, max_grad_norm) if max_grad_norm is not None else None
         stepped = precision.step(optimizer, grads)
