@@ -149,7 +149,7 @@ class Variant:
             return DDP(model, bucket_reducer=lambda bucket, group: CompletedWork())
         ddp = DDP(model, broadcast_buffers=v != "ours_nobcast")
         if v == "ours_timed":
-            for method in ("_on_grad_ready", "_attach_grad_to_bucket", "_launch_ready_buckets", "_finish_backward"):
+            for method in ("_on_grad_ready", "_gather_bucket", "_launch_ready_buckets", "_finish_backward"):
                 setattr(ddp, method, _timed(method, getattr(ddp, method)))
             ddp.bucket_reducer = _timed("bucket_reducer", ddp.bucket_reducer)
         return ddp
