@@ -10,7 +10,7 @@ and root), and our DDP with a `CommunicationOptimizer`: ``ddp_bf16``, ``ddp_topk
 ``torch_ddp_bf16`` (torch's DDP with its bf16 compression hook, the reference for ``ddp_bf16``). A suffix on a
 plain DDP name (``ours_ddp``, ``torch_ddp``, ``torch_ddp_gav``) puts its communication on an NCCL group built
 differently (`GROUP_SUFFIXES`): ``_hp`` high-priority streams, ``_ctas8`` at most 8 CTAs per collective (fewer SMs
-taken from the overlapped backward).
+taken from the overlapped backward), ``_ctas32`` exactly 32 (more bandwidth while backward competes).
 """
 
 from __future__ import annotations
@@ -195,15 +195,19 @@ def high_priority_group():
     return dist.new_group(backend="nccl", pg_options=options)
 
 
-def limited_ctas_group(ctas: int):
-    """An NCCL group whose collectives use at most `ctas` CTAs (thread blocks, one SM each)."""
+def limited_ctas_group(max_ctas: int, min_ctas: int | None = None):
+    """An NCCL group whose collectives use at most `max_ctas` CTAs (thread blocks, one SM each), and at
+    least `min_ctas` when given."""
     options = dist.ProcessGroupNCCL.Options()
-    options.config.max_ctas = ctas
+    options.config.max_ctas = max_ctas
+    if min_ctas is not None:
+        options.config.min_ctas = min_ctas
     return dist.new_group(backend="nccl", pg_options=options)
 
 
 #: implementation-name suffix -> how its NCCL group is made (collective: every rank builds the same, in order)
-GROUP_SUFFIXES = {"_hp": high_priority_group, "_ctas8": lambda: limited_ctas_group(8)}
+GROUP_SUFFIXES = {"_hp": high_priority_group, "_ctas8": lambda: limited_ctas_group(8),
+                  "_ctas32": lambda: limited_ctas_group(32, 32)}
 
 
 def split_group_suffix(impl: str) -> tuple[str, str | None]:
