@@ -16,8 +16,9 @@ from common import MB, slowest, synchronize, time_best_block
 
 GPU_SIZES = [MB * s for s in (1, 4, 16, 64, 256, 1024)]
 SMOKE_SIZES = [2**12, 2**16, 2**20, 2**22]  # up to 4 MB: enough growth to fit a line on a loaded CPU
-# The sweep at the largest size: segment sizes (ring and tree) and in-flight depths (ring).
-GPU_SEGMENTS, SMOKE_SEGMENTS = [MB * s for s in (4, 16, 64)], [2**16, 2**18, 2**20]
+# The sweep at the largest size: segment sizes (ring and tree; 256 MiB is a whole chunk of a 1 GB ring
+# at 4 ranks: no pipelining, what it buys) and in-flight depths (ring).
+GPU_SEGMENTS, SMOKE_SEGMENTS = [MB * s for s in (4, 16, 64, 256)], [2**16, 2**18, 2**20]
 IN_FLIGHT = (2, 4)
 
 

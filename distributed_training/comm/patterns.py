@@ -47,10 +47,11 @@ MIB = 1024 * 1024
 DEFAULT_SEGMENT_BYTES = 4 * MIB  # kept for callers that import it; the patterns now size segments themselves
 DEFAULT_IN_FLIGHT = 3
 # Automatic segment sizes: a chunk of the ring in ~4 segments, a tree's half in ~32 (a tree's pipeline
-# takes about 3 log2 W extra steps to fill, so it wants more segments); never so small that launching a
-# message costs more than moving it, never so large that the pipeline has nothing to overlap.
-_RING_SEGMENTS, _RING_MIN, _RING_MAX = 4, 1 * MIB, 64 * MIB
-_TREE_SEGMENTS, _TREE_MIN, _TREE_MAX = 32, 1 * MIB, 16 * MIB
+# takes about 3 log2 W extra ticks to fill, so it wants more segments). Never below a few MiB: a message
+# costs tens of microseconds of host time to post (NVLink moves a few MiB in that time), and the add
+# that pipelining hides is only a fraction of the transfer, so small chunks are better sent whole.
+_RING_SEGMENTS, _RING_MIN, _RING_MAX = 4, 8 * MIB, 64 * MIB
+_TREE_SEGMENTS, _TREE_MIN, _TREE_MAX = 32, 4 * MIB, 16 * MIB
 
 
 def _global(group, r: int) -> int:
@@ -116,7 +117,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     """Sum `tensor` over `group` in place with a pipelined ring of point-to-point messages.
 
     The tensor is split into W chunks (lengths differ by at most one) and each chunk into K segments
-    of at most `segment_bytes` (default: about a quarter of a chunk, between 1 and 64 MiB). Message
+    of at most `segment_bytes` (default: about a quarter of a chunk, between 8 and 64 MiB). Message
     (step s, segment k) of the reduce-scatter sends segment k of chunk r - s to rank r + 1 and receives
     segment k of chunk r - s - 1 from rank r - 1 into a buffer, which is then added into the local
     chunk; after W - 1 steps rank r holds the full sum of chunk r + 1. The all-gather passes the
@@ -198,7 +199,7 @@ def tree_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     """Sum `tensor` over `group` in place: a pipelined double binary tree (see the module docstring).
 
     Each half of the tensor goes through its own tree, cut into K segments of at most `segment_bytes`
-    (default: about 1/32 of a half, between 1 and 16 MiB). Segments go up the tree, summed at each
+    (default: about 1/32 of a half, between 4 and 16 MiB). Segments go up the tree, summed at each
     inner node, and back down from the root; all ranks run in lock-step ticks, every tick one batched
     message per rank holding all its sends and receives of that tick (of both trees). With h the
     height of a node (leaves 0), d its depth and H the root's height, segment j
