@@ -51,6 +51,15 @@ def _collectives(results):
         for op in ops:
             vs = f"{ref / table[(op, sizes[-1])]['seconds']:.2f}x" if op.endswith("_reduce") else ""
             lines.append(f"| {op} | " + " | ".join(f"{table[(op, s)]['busbw_gbs']:.2f}" for s in sizes) + f" | {vs} |")
+        sweep = part.get("sweep")
+        if sweep:
+            lines += ["", f"Segment sweep at {_size(sweep[0]['bytes'])}: bus bandwidth GB/s and NCCL's all-reduce time / "
+                          "ours (auto: the default segment size; p2p_exchange: one ring step moving a whole chunk, "
+                          "the ceiling of any point-to-point ring)", "",
+                      "| op | segment | in flight | bus GB/s | vs NCCL |", "|---|---|---|---|---|"]
+            for r in sweep:
+                seg = _size(r["segment_bytes"]) if r["segment_bytes"] else "auto"
+                lines.append(f"| {r['op']} | {seg} | {r['in_flight'] or ''} | {r['busbw_gbs']:.2f} | {r['vs_nccl']:.2f}x |")
         ov = part["overlap"]
         lines += ["", f"Overlap: an all-reduce of {_size(ov['bytes'])} beside a matmul loop: efficiency "
                       f"{ov['efficiency']:.2f} (alone {ov['comm_s'] * 1e3:.2f} + {ov['compute_s'] * 1e3:.2f} ms, "

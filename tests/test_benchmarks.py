@@ -44,10 +44,16 @@ def test_smoke_runs_every_phase(tmp_path):
     assert set(ph["collectives"]["worlds"]) == {"2"}
     coll = ph["collectives"]["worlds"]["2"]
     ops = {r["op"] for r in coll["rows"]}
-    assert ops == {"nccl_all_reduce", "ring_all_reduce", "tree_all_reduce", "hierarchical_all_reduce", "all_gather",
-                   "reduce_scatter", "topk_reduce", "bf16_reduce", "powersgd_reduce"}
+    assert ops == {"nccl_all_reduce", "ring_all_reduce", "tree_all_reduce", "hierarchical_all_reduce",
+                   "hierarchical_2node_all_reduce", "all_gather", "reduce_scatter", "topk_reduce", "bf16_reduce",
+                   "powersgd_reduce"}
     assert len(coll["rows"]) == len(ops) * len({r["bytes"] for r in coll["rows"]}) >= 2 * len(ops)
     assert all(r["seconds"] > 0 and r["world"] == 2 for r in coll["rows"])
+    # The segment sweep at the largest size: the ring at each segment x depth and by default, the tree, the ceiling.
+    sweep = coll["sweep"]
+    assert [r["op"] for r in sweep].count("ring") == 7 and [r["op"] for r in sweep].count("tree") == 4
+    assert sweep[-1]["op"] == "p2p_exchange" and all(r["seconds"] > 0 and r["vs_nccl"] > 0 for r in sweep)
+    assert {r["bytes"] for r in sweep} == {max(r["bytes"] for r in coll["rows"])}
     assert 0.0 <= coll["overlap"]["efficiency"] <= 1.0
 
     # Training: the 1-rank baseline and overheads; at 2 ranks ours vs torch's, interleaved in one job.

@@ -42,3 +42,159 @@ def patterns_worker(rank, world, ranks_per_node):
 def test_patterns_equal_all_reduce(world, ranks_per_node):
     for failures in run_distributed(patterns_worker, world, args=(ranks_per_node,), timeout=120):
         assert not failures, failures[:5]
+
+
+# Lengths below the world size, not divisible by the world or by any segment, and a 2-D one.
+SHAPES = [(1,), (3,), (5,), (97,), (1031,), (33, 7)]
+# (pattern, keyword arguments): automatic and tiny segments (many messages, several in flight), one
+# message at a time, more buffers than segments, segments that are not a whole number of elements.
+VARIANTS = [("ring", {}), ("ring", {"segment_bytes": 12, "in_flight": 1}), ("ring", {"segment_bytes": 40, "in_flight": 2}),
+            ("ring", {"segment_bytes": 64, "in_flight": 7}), ("ring", {"segment_bytes": 2}),
+            ("tree", {}), ("tree", {"segment_bytes": 12}), ("tree", {"segment_bytes": 100}), ("tree", {"segment_bytes": 2})]
+PATTERNS = {"ring": ring_all_reduce, "tree": tree_all_reduce}
+
+
+def _exact_sum(x: torch.Tensor, group=None) -> tuple[torch.Tensor, float]:
+    """The sum of every rank's `x` in float64 (one all-gather of the inputs), and the largest |input|."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    stacked = torch.stack([p.double() for p in parts])
+    return stacked.sum(0), stacked.abs().max().item()
+
+
+def _same_on_every_rank(t: torch.Tensor, group=None) -> bool:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return all(torch.equal(p, parts[0]) for p in parts)
+
+
+def _check_sum(name, got, x, exact, scale, group, failures):
+    world = dist.get_world_size(group)
+    eps = torch.finfo(x.dtype).eps
+    tol = 2 * world * eps * scale  # each of the W - 1 adds rounds once, to at most the sum of |inputs|
+    err = (got.double() - exact).abs().max().item()
+    if got.shape != x.shape or got.dtype != x.dtype or not err <= tol:
+        failures.append(f"{name} {x.dtype} {tuple(x.shape)}: max error {err:.3g} > {tol:.3g}")
+    if not _same_on_every_rank(got, group):
+        failures.append(f"{name} {x.dtype} {tuple(x.shape)}: ranks disagree")
+
+
+def sums_worker(rank, world):
+    failures = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in SHAPES:
+            g = torch.Generator().manual_seed(7919 * rank + sum(shape))
+            x = (torch.randn(shape, generator=g) * 10).to(dtype)
+            exact, scale = _exact_sum(x)
+            for pattern, kw in VARIANTS:
+                got = x.clone()
+                back = PATTERNS[pattern](got, **kw)
+                if back is not got:
+                    failures.append(f"{pattern} {kw}: did not return its input (in place)")
+                _check_sum(f"{pattern} {kw}", got, x, exact, scale, None, failures)
+            if x.dim() == 2:
+                for pattern in PATTERNS:  # a non-contiguous input is reduced through a copy
+                    got = x.clone().t()
+                    PATTERNS[pattern](got, segment_bytes=20)
+                    _check_sum(f"{pattern} non-contiguous", got, x.t(), exact.t(), scale, None, failures)
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_and_tree_sum_exactly_enough_and_agree(world):
+    """fp32 and bf16, lengths below the world size and not divisible by the world or the segment,
+    every knob: the float64 sum of all inputs within the rounding of W - 1 adds, the same bits on
+    every rank."""
+    for failures in run_distributed(sums_worker, world, timeout=180):
+        assert not failures, failures[:5]
+
+
+def subgroup_worker(rank, world):
+    """A group that is not the world, with ranks out of order: group ranks must map to global ranks."""
+    failures = []
+    members = [3, 1, 0] if world == 4 else [1, 0]
+    group = dist.new_group(members)
+    if rank in members:
+        x = torch.arange(11, dtype=torch.float32) * (rank + 1)
+        exact, scale = _exact_sum(x, group)
+        for pattern, kw in VARIANTS:
+            got = PATTERNS[pattern](x.clone(), group, **kw)
+            _check_sum(f"{pattern} {kw} subgroup", got, x, exact, scale, group, failures)
+    dist.barrier()
+    return failures
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_patterns_on_a_subgroup(world):
+    for failures in run_distributed(subgroup_worker, world, timeout=120):
+        assert not failures, failures[:5]
+
+
+def hierarchical_worker(rank, world):
+    """Every node layout: one node (the flat all-reduce), nodes of one rank, and real splits; odd
+    lengths (padding) and lengths divisible by the node size (no copy)."""
+    failures = []
+    layouts = [n for n in range(1, world + 1) if world % n == 0]
+    for per_node in layouts:
+        intra, inter = make_hybrid_groups(per_node)
+        for dtype in (torch.float32, torch.bfloat16):
+            for shape in [(1,), (5,), (12,), (1031,), (6, 4)]:
+                g = torch.Generator().manual_seed(31 * rank + sum(shape))
+                x = (torch.randn(shape, generator=g) * 10).to(dtype)
+                exact, scale = _exact_sum(x)
+                got = x.clone()
+                if hierarchical_all_reduce(got, intra, inter) is not got:
+                    failures.append("hierarchical: did not return its input")
+                _check_sum(f"hierarchical per_node={per_node}", got, x, exact, scale, None, failures)
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hierarchical_every_node_layout(world):
+    for failures in run_distributed(hierarchical_worker, world, timeout=120):
+        assert not failures, failures[:5]
+
+
+def flat_path_worker(rank, world):
+    """On one node the hierarchical all-reduce is the flat all-reduce itself: it must not call the
+    reduce-scatter / all-gather of the two-level path (what made it cost more than flat)."""
+    import distributed_training.comm.patterns as patterns
+
+    calls = []
+    saved = patterns.reduce_scatter_single, patterns.all_gather_single
+    patterns.reduce_scatter_single = lambda *a, **k: calls.append("reduce_scatter") or saved[0](*a, **k)
+    patterns.all_gather_single = lambda *a, **k: calls.append("all_gather") or saved[1](*a, **k)
+    try:
+        one_node = make_hybrid_groups(world)
+        x = torch.full((7,), rank + 1.0)
+        hierarchical_all_reduce(x, *one_node)
+        two_nodes = make_hybrid_groups(world // 2)
+        y = torch.full((7,), rank + 1.0)
+        hierarchical_all_reduce(y, *two_nodes)
+    finally:
+        patterns.reduce_scatter_single, patterns.all_gather_single = saved
+    total = world * (world + 1) / 2
+    return calls, x.tolist() == [total] * 7, y.tolist() == [total] * 7
+
+
+def test_hierarchical_on_one_node_is_the_flat_all_reduce():
+    for calls, one_ok, two_ok in run_distributed(flat_path_worker, 4, timeout=60):
+        assert one_ok and two_ok
+        assert calls == ["reduce_scatter", "all_gather"]  # from the two-node call only
+
+
+def bad_knobs_worker(rank, world):
+    messages = []
+    for fn, kw in [(ring_all_reduce, {"segment_bytes": 0}), (ring_all_reduce, {"in_flight": 0}),
+                   (tree_all_reduce, {"segment_bytes": -4}), (ring_all_reduce, {"segment_bytes": 1.5})]:
+        try:
+            fn(torch.ones(4), **kw)
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_bad_knobs_name_the_parameter():
+    messages = run_distributed(bad_knobs_worker, 2, timeout=60)[0]
+    assert [m.split(" ")[0] for m in messages] == ["segment_bytes", "in_flight", "segment_bytes", "segment_bytes"]

@@ -1,15 +1,37 @@
 """All-reduce built by hand from point-to-point messages: ring, tree, and hierarchical.
 
 Each works for any world size and any tensor length and returns the sum in place (callers divide for
-the mean). Messages are cut into segments of at most `segment_bytes`; all segments of one ring step
-travel in one `batch_isend_irecv`, so large tensors keep several transfers in flight.
+the mean); every rank ends with the same bits, because each element is summed on one rank and copied
+to the others.
 
-* **ring**: reduce-scatter then all-gather around the ring r -> r+1. With W ranks each sends
-  2 (W - 1) / W of the tensor: bandwidth-optimal, latency 2 (W - 1) steps.
-* **tree**: reduce up a binary tree to rank 0, then broadcast down; latency 2 log2 W steps, each
-  rank sends up to 2x the tensor: better for small messages.
+* **ring**: reduce-scatter then all-gather around the ring r -> r+1, W - 1 steps each. With W ranks
+  each sends 2 (W - 1) / W of the tensor: bandwidth-optimal, latency 2 (W - 1) steps.
+* **tree**: two binary trees over the ranks, the second the mirror image of the first, each carrying
+  half of the tensor (as NCCL's double binary tree): a rank that is an inner node of one tree is
+  mostly a leaf of the other, so the load is spread and, at 4 ranks, every rank moves as many bytes as
+  in the ring. Latency about 3 log2 W steps: better for small messages at large W.
 * **hierarchical**: reduce-scatter inside a node, all-reduce across nodes among ranks with the same
   local rank, all-gather inside the node; slow inter-node links carry 1/(ranks per node) of the tensor.
+  With one node (or nodes of one rank) there is nothing to split: one flat all-reduce.
+
+How the ring and the tree stay near the links' bandwidth
+-------------------------------------------------------
+The tensor is cut into segments and the segments are pipelined: while segment i is on the wire,
+segment i - 1, which has just arrived, is added into the local sum, and is sent on as soon as the add
+is done. Each message (the send to one neighbour and the receive from the other) is one
+`batch_isend_irecv`, so both directions of a link work at once. Receive buffers are allocated once per
+call and reused round-robin (`in_flight` of them in the ring, two per child in the tree).
+
+No host synchronisation anywhere on NCCL: `work.wait()` only makes the current stream wait for the
+message, and NCCL starts a message only after the work queued on the current stream before it. So the
+order in which we *queue* things is the whole schedule: an add is queued right after the wait for the
+message it reads, and the next message that sends its result is queued after that add, so the GPU
+runs add i beside message i + 1. On gloo the same code is correct because `wait()` blocks until the
+message is done (`_sendrecv` is the only place that posts messages).
+
+Segments are cut with `torch.tensor_split` into the same number of pieces on every rank, so a segment
+has the same length on the sender and the receiver even when lengths are not multiples of anything;
+empty pieces send nothing.
 """
 
 from __future__ import annotations
@@ -21,16 +43,19 @@ from .collectives import all_gather_single, reduce_scatter_single
 
 __all__ = ["ring_all_reduce", "tree_all_reduce", "hierarchical_all_reduce"]
 
-DEFAULT_SEGMENT_BYTES = 4 * 1024 * 1024
+MIB = 1024 * 1024
+DEFAULT_SEGMENT_BYTES = 4 * MIB  # kept for callers that import it; the patterns now size segments themselves
+DEFAULT_IN_FLIGHT = 3
+# Automatic segment sizes: a chunk of the ring in ~4 segments, a tree's half in ~32 (a tree's pipeline
+# takes about 3 log2 W extra ticks to fill, so it wants more segments). Never below a few MiB: a message
+# costs tens of microseconds of host time to post (NVLink moves a few MiB in that time), and the add
+# that pipelining hides is only a fraction of the transfer, so small chunks are better sent whole.
+_RING_SEGMENTS, _RING_MIN, _RING_MAX = 4, 8 * MIB, 64 * MIB
+_TREE_SEGMENTS, _TREE_MIN, _TREE_MAX = 32, 4 * MIB, 16 * MIB
 
 
 def _global(group, r: int) -> int:
     return dist.get_global_rank(group, r) if group is not None else r
-
-
-def _segments(t: torch.Tensor, segment_bytes: int) -> list[torch.Tensor]:
-    per = max(1, segment_bytes // max(t.element_size(), 1))
-    return [t[i : i + per] for i in range(0, t.numel(), per)] if t.numel() else []
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -43,70 +68,206 @@ def _write_back(flat: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _check(segment_bytes, in_flight=DEFAULT_IN_FLIGHT) -> None:
+    if segment_bytes is not None and (isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int)
+                                      or segment_bytes < 1):
+        raise ValueError(f"segment_bytes must be a positive integer number of bytes or None (automatic), "
+                         f"got {segment_bytes!r}")
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise ValueError(f"in_flight must be a positive integer, got {in_flight!r}")
+
+
+def _segment_count(piece: int, element_size: int, segment_bytes, auto: tuple[int, int, int]) -> int:
+    """How many segments a piece of `piece` elements is cut into (the same on every rank)."""
+    nbytes = piece * element_size
+    if segment_bytes is None:
+        count, low, high = auto
+        segment_bytes = min(high, max(low, nbytes // count))
+    return max(1, -(-nbytes // max(segment_bytes, element_size)))
+
+
+def _sendrecv(ops: list[tuple[str, torch.Tensor, int]], group) -> list:
+    """Post one message: ("send" | "recv", tensor, group rank) operations in one batch; empty tensors
+    are skipped (the peer skips the matching one: both cut the same pieces)."""
+    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, _global(group, peer), group)
+           for kind, t, peer in ops if t.numel()]
+    return dist.batch_isend_irecv(p2p) if p2p else []
+
+
+class _Messages:
+    """Posted messages by index; `wait(i)` waits for message i once (stream-ordered on NCCL)."""
+
+    def __init__(self) -> None:
+        self.works: dict[int, list] = {}
+
+    def post(self, i: int, ops, group) -> None:
+        self.works[i] = _sendrecv(ops, group)
+
+    def wait(self, i: int) -> None:
+        for work in self.works.pop(i, ()):
+            work.wait()
+
+    def wait_all(self) -> None:
+        for i in sorted(self.works):
+            self.wait(i)
+
+
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                    segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> torch.Tensor:
-    """Sum `tensor` over `group` in place with a ring of point-to-point messages."""
+                    segment_bytes: int | None = None, in_flight: int = DEFAULT_IN_FLIGHT) -> torch.Tensor:
+    """Sum `tensor` over `group` in place with a pipelined ring of point-to-point messages.
+
+    The tensor is split into W chunks (lengths differ by at most one) and each chunk into K segments
+    of at most `segment_bytes` (default: about a quarter of a chunk, between 8 and 64 MiB). Message
+    (step s, segment k) of the reduce-scatter sends segment k of chunk r - s to rank r + 1 and receives
+    segment k of chunk r - s - 1 from rank r - 1 into a buffer, which is then added into the local
+    chunk; after W - 1 steps rank r holds the full sum of chunk r + 1. The all-gather passes the
+    finished chunks on for W - 1 more steps, received straight into place.
+
+    Messages run in the order (step, segment). Message n sends what the add of message n - K produced,
+    and receives into buffer n mod D, which the add of message n - D read; so it is queued right after
+    the add of message n - min(K, D), and D = min(`in_flight`, K) messages are queued ahead of the
+    adds: the add of one segment runs while the next ones are on the wire.
+
+    Args:
+        tensor: any shape and dtype; summed in place (a non-contiguous tensor through a copy).
+        group: the process group (default: the world).
+        segment_bytes: the largest message, in bytes; ``None`` chooses by size.
+        in_flight: receive buffers, i.e. messages queued ahead of the adds (at most K are useful).
+    """
+    _check(segment_bytes, in_flight)
     world = dist.get_world_size(group)
     if world == 1 or tensor.numel() == 0:
         return tensor
     rank = dist.get_rank(group)
     flat = _flat(tensor)
-    chunks = list(torch.tensor_split(flat, world))  # uneven lengths are fine: sizes differ by at most one
-    nxt, prv = _global(group, (rank + 1) % world), _global(group, (rank - 1) % world)
-    # Reduce-scatter: after W-1 steps rank r holds the full sum of chunk (r + 1) % W.
-    for step in range(world - 1):
-        send_c = chunks[(rank - step) % world]
-        recv_c = chunks[(rank - step - 1) % world]
-        incoming = torch.empty_like(recv_c)
-        _exchange(send_c, nxt, incoming, prv, group, segment_bytes)
-        recv_c.add_(incoming)
-    # All-gather: pass the finished chunks around the ring.
-    for step in range(world - 1):
-        send_c = chunks[(rank + 1 - step) % world]
-        recv_c = chunks[(rank - step) % world]
-        _exchange(send_c, nxt, recv_c, prv, group, segment_bytes)
+    chunks = torch.tensor_split(flat, world)  # the first chunks are the longest
+    k = _segment_count(chunks[0].numel(), flat.element_size(), segment_bytes,
+                       (_RING_SEGMENTS, _RING_MIN, _RING_MAX))
+    segs = [torch.tensor_split(c, k) for c in chunks]  # segs[chunk][segment], K pieces on every rank
+    depth = min(in_flight, k)
+    buffers = flat.new_empty((depth, segs[0][0].numel()))  # segs[0][0] is the longest segment
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    steps = (world - 1) * k  # messages per phase
+    total = 2 * steps
+
+    def ops(n: int):
+        """(send, receive, add-into or None) of message n."""
+        phase, rest = divmod(n, steps)
+        s, j = divmod(rest, k)
+        if phase == 0:  # reduce-scatter: receive into a buffer, then add it into chunk r - s - 1
+            into = segs[(rank - s - 1) % world][j]
+            return segs[(rank - s) % world][j], buffers[n % depth, : into.numel()], into
+        return segs[(rank + 1 - s) % world][j], segs[(rank - s) % world][j], None  # all-gather: in place
+
+    messages = _Messages()
+    posted = 0
+
+    def post_until(end: int) -> None:
+        nonlocal posted
+        while posted < min(end, total):
+            # The all-gather forwards what message posted - k received: on gloo, wait for it (on NCCL
+            # the wait only orders the streams, which the NCCL stream already is).
+            messages.wait(posted - k)
+            send, recv, _ = ops(posted)
+            messages.post(posted, [("send", send, nxt), ("recv", recv, prv)], group)
+            posted += 1
+
+    for n in range(steps):  # the adds of the reduce-scatter, each followed by the message it frees
+        post_until(n + depth)
+        messages.wait(n)
+        _, recv, into = ops(n)
+        into.add_(recv)
+    post_until(total)
+    messages.wait_all()
     return _write_back(flat, tensor)
 
 
-def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group, segment_bytes: int) -> None:
-    ops = []
-    for s, r in zip(_segments(send, segment_bytes), _segments(recv, segment_bytes)):
-        ops.append(dist.P2POp(dist.isend, s.contiguous(), dst, group))
-        ops.append(dist.P2POp(dist.irecv, r, src, group))
-    # Chunk sizes of neighbours differ by at most one element; send any leftover segment alone.
-    send_segs, recv_segs = _segments(send, segment_bytes), _segments(recv, segment_bytes)
-    for s in send_segs[len(recv_segs):]:
-        ops.append(dist.P2POp(dist.isend, s.contiguous(), dst, group))
-    for r in recv_segs[len(send_segs):]:
-        ops.append(dist.P2POp(dist.irecv, r, src, group))
-    if not ops:
-        return
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+def _tree(world: int, mirror: bool):
+    """A binary tree over positions 0..W-1 (children of p: 2p+1, 2p+2), rank = position or, for the
+    mirrored tree, W - 1 - position. Returns (rank of position, position of rank, height, depth)."""
+    rank_of = [world - 1 - p if mirror else p for p in range(world)]
+    height = [0] * world
+    for p in reversed(range(world)):
+        kids = [c for c in (2 * p + 1, 2 * p + 2) if c < world]
+        height[p] = 1 + max(height[c] for c in kids) if kids else 0
+    depth = [(p + 1).bit_length() - 1 for p in range(world)]
+    return rank_of, {r: p for p, r in enumerate(rank_of)}, height, depth
 
 
 def tree_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                    segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> torch.Tensor:
-    """Sum `tensor` over `group` in place: reduce up a binary tree rooted at rank 0, broadcast down."""
+                    segment_bytes: int | None = None) -> torch.Tensor:
+    """Sum `tensor` over `group` in place: a pipelined double binary tree (see the module docstring).
+
+    Each half of the tensor goes through its own tree, cut into K segments of at most `segment_bytes`
+    (default: about 1/32 of a half, between 4 and 16 MiB). Segments go up the tree, summed at each
+    inner node, and back down from the root; all ranks run in lock-step ticks, every tick one batched
+    message per rank holding all its sends and receives of that tick (of both trees). With h the
+    height of a node (leaves 0), d its depth and H the root's height, segment j
+
+    * goes from a node to its parent at tick j + 2h: the parent received its children's copies by tick
+      j + 2h - 2 and queued their adds after posting tick j + 2h - 1, so the add of one tick runs
+      beside the next tick's transfers (two ticks per level);
+    * goes from the root down at tick j + 2H, and from a node at depth d to its children at tick
+      j + 2H + d, one tick after it arrived (no add on the way down: it is received in place).
+
+    So K segments take K + 2H + max depth ticks; bandwidth stays flat as the tensor grows.
+
+    Args:
+        tensor: any shape and dtype; summed in place (a non-contiguous tensor through a copy).
+        group: the process group (default: the world).
+        segment_bytes: the largest message per tree and link, in bytes; ``None`` chooses by size.
+    """
+    _check(segment_bytes)
     world = dist.get_world_size(group)
     if world == 1 or tensor.numel() == 0:
         return tensor
     rank = dist.get_rank(group)
     flat = _flat(tensor)
-    children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < world]
-    parent = (rank - 1) // 2 if rank else None
-    for seg in _segments(flat, segment_bytes):
-        buffers = [torch.empty_like(seg) for _ in children]
-        works = [dist.irecv(b, _global(group, c), group) for b, c in zip(buffers, children)]
-        for w, b in zip(works, buffers):
-            w.wait()
-            seg.add_(b)
-        if parent is not None:
-            dist.isend(seg.contiguous(), _global(group, parent), group).wait()
-            dist.irecv(seg, _global(group, parent), group).wait()
-        sends = [dist.isend(seg, _global(group, c), group) for c in children]
-        for w in sends:
-            w.wait()
+    halves = torch.tensor_split(flat, 2)
+    k = _segment_count(halves[0].numel(), flat.element_size(), segment_bytes,
+                       (_TREE_SEGMENTS, _TREE_MIN, _TREE_MAX))
+    longest = torch.tensor_split(halves[0], k)[0].numel()
+    sends: dict[int, list] = {}  # tick -> [(kind, tensor, group rank)] in a fixed order (see below)
+    adds: dict[int, list] = {}  # tick -> [(into, buffer)] for what arrives at that tick
+    plans = []
+    for mirror, half in zip((False, True), halves):
+        rank_of, pos_of, height, depth = _tree(world, mirror)
+        p = pos_of[rank]
+        kids = [c for c in (2 * p + 1, 2 * p + 2) if c < world]
+        plans.append((half, rank_of, p, kids, height, depth))
+    n_kids = sum(len(plan[3]) for plan in plans)
+    buffers = flat.new_empty((max(1, 2 * n_kids), longest))  # two per child: a tick's add frees one
+    slot = 0
+    # Both ranks of a pair list their operations in the same order (tree by tree, segment by segment),
+    # so two messages between the same pair in one tick (one per tree) are matched correctly.
+    for half, rank_of, p, kids, height, depth in plans:
+        top = height[0]
+        segs = torch.tensor_split(half, k)
+        for j, seg in enumerate(segs):
+            for i, c in enumerate(kids):  # up: children's partial sums into buffers, added after a tick
+                buf = buffers[slot + 2 * i + j % 2, : seg.numel()]
+                sends.setdefault(j + 2 * height[c], []).append(("recv", buf, rank_of[c]))
+                adds.setdefault(j + 2 * height[c], []).append((seg, buf))
+            if p:
+                parent = rank_of[(p - 1) // 2]
+                sends.setdefault(j + 2 * height[p], []).append(("send", seg, parent))
+                sends.setdefault(j + 2 * top + depth[p] - 1, []).append(("recv", seg, parent))  # down, in place
+            for c in kids:
+                sends.setdefault(j + 2 * top + depth[p], []).append(("send", seg, rank_of[c]))
+        slot += 2 * len(kids)
+    messages = _Messages()
+    for tick in range(max(sends) + 1):
+        # Sends of this tick may forward what arrived last tick: on gloo wait for it; on NCCL this only
+        # orders the current stream after it (the NCCL stream runs ticks in order anyway).
+        messages.wait(tick - 1)
+        if tick in sends:
+            messages.post(tick, sends[tick], group)
+        for into, buf in adds.pop(tick - 1, ()):  # queued after the next tick: runs beside its transfers
+            into.add_(buf)
+    messages.wait_all()
+    for tick in sorted(adds):  # what arrived at the last tick (none in this schedule, kept for safety)
+        for into, buf in adds[tick]:
+            into.add_(buf)
     return _write_back(flat, tensor)
 
 
@@ -114,23 +275,30 @@ def hierarchical_all_reduce(tensor: torch.Tensor, intra_node_group: dist.Process
                             inter_node_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum `tensor` over every rank of both groups in place (see the module docstring). As everywhere
     in torch.distributed, a group of ``None`` is the default group (a mesh whose nodes are single ranks
-    gives ``None`` as the inter-node group of a job-wide mesh)."""
+    gives ``None`` as the inter-node group of a job-wide mesh).
+
+    With a single node (inter-node group of one) or nodes of one rank (intra-node group of one) it is
+    one all-reduce over the other group: exactly what a flat all-reduce costs. Otherwise the length
+    is padded to a multiple of the node size only when it is not one already (no copy otherwise)."""
     local = dist.get_world_size(intra_node_group)
-    flat = tensor.reshape(-1)
+    across = dist.get_world_size(inter_node_group)
+    if local * across == 1 or tensor.numel() == 0:
+        return tensor
+    flat = _flat(tensor)
+    if across == 1 or local == 1:
+        dist.all_reduce(flat, group=intra_node_group if across == 1 else inter_node_group)
+        return _write_back(flat, tensor)
     n = flat.numel()
-    size = -(-n // local) if n else 0
-    padded = torch.zeros(size * local, dtype=tensor.dtype, device=tensor.device)
-    padded[:n].copy_(flat)
-    part = torch.empty(size, dtype=tensor.dtype, device=tensor.device)
-    if local > 1:
-        reduce_scatter_single(part, padded, op=dist.ReduceOp.SUM, group=intra_node_group)
+    size = -(-n // local)
+    if size * local == n:
+        padded = flat
     else:
-        part.copy_(padded)
-    if dist.get_world_size(inter_node_group) > 1:
-        dist.all_reduce(part, group=inter_node_group)
-    if local > 1:
-        all_gather_single(padded, part, group=intra_node_group)
-    else:
-        padded.copy_(part)
-    tensor.copy_(padded[:n].view_as(tensor))
-    return tensor
+        padded = flat.new_zeros(size * local)
+        padded[:n].copy_(flat)
+    part = flat.new_empty(size)
+    reduce_scatter_single(part, padded, op=dist.ReduceOp.SUM, group=intra_node_group)
+    dist.all_reduce(part, group=inter_node_group)
+    all_gather_single(padded, part, group=intra_node_group)
+    if padded is not flat:
+        flat.copy_(padded[:n])
+    return _write_back(flat, tensor)
