@@ -514,6 +514,19 @@ def test_writer_thread_writes_log_steps_and_hands_back_its_error(tmp_path):
     assert not mon._thread and mon._closed
 
 
+def test_writer_thread_finishes_when_a_script_exits_without_close(tmp_path):
+    code = ("import torch\n"
+            "from distributed_training.monitor import Monitor\n"
+            f"mon = Monitor({str(tmp_path)!r}, rank=0, world_size=1, log_every=2, progress=False, tensorboard=False,\n"
+            "              system_stats=False, background=True)\n"
+            "for step in range(1, 5):\n"
+            "    mon.record_step(step, {'loss': torch.tensor(float(step))}, samples=1, step_time=0.1)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr
+    assert [(line["step"], line["train/loss"]) for line in read_jsonl(str(tmp_path / "rank_0"))] == [(2, 2.0), (4, 4.0)]
+
+
 # What reads a tensor's value (on a GPU: waits for the device), and the collectives torch.distributed
 # offers; counted while the trainer hands a step to the monitor.
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")

@@ -44,7 +44,9 @@ Steps after the last log step count in `get_performance_metrics` but are not wri
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import math
 import numbers
@@ -54,6 +56,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -491,6 +494,9 @@ class Monitor:
             self._thread = threading.Thread(target=self._writer_loop, name=f"monitor-writer-rank{self.rank}",
                                             daemon=True)
             self._thread.start()
+            # A script that ends without closing the monitor still gets its last records written.
+            self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+            atexit.register(self._at_exit)
         self._queue.put(record)
 
     def _writer_loop(self) -> None:
@@ -531,6 +537,7 @@ class Monitor:
     def _stop_writer(self) -> None:
         thread, self._thread = self._thread, None
         if thread is not None:
+            atexit.unregister(self._at_exit)
             self._queue.join()
             self._queue.put(None)
             thread.join()
@@ -569,6 +576,15 @@ class _Record:
         self.rate: float | None = None                 # steps per second since the previous log step
 
 
+def _close_at_exit(ref: "weakref.ReferenceType[Monitor]") -> None:
+    monitor = ref()
+    if monitor is not None:
+        try:
+            monitor.close()
+        except Exception:  # noqa: BLE001 - the interpreter is exiting: nobody to tell
+            pass
+
+
 def _copy_to_host(values: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
     """Queue one copy of CUDA `values` (0-dim metrics and 1-dim buffers, any dtype) into pinned host
     memory, as float64 (which holds every fp32, bf16 and fp16 value, and integers to 2**53, exactly);
@@ -577,7 +593,7 @@ def _copy_to_host(values: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
     flat = torch.cat([v.reshape(-1).to(device=device, dtype=torch.float64) for v in values])
     host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
     host.copy_(flat, non_blocking=True)
-    ready = torch.cuda.Event()
+    ready = torch.cuda.Event(blocking=True)  # the writer sleeps while it waits, rather than spin on a core
     ready.record(torch.cuda.current_stream(device))
     return host, ready
 
