@@ -31,7 +31,7 @@ def render_markdown(results: dict) -> str:
         if entry.get("status") in ("skipped", "error") and entry.get("reason") and not entry.get("worlds"):
             lines.append(f"- {name}: **{entry['status']}**: {entry['reason'].strip()}")
     lines.append("")
-    for section in (_collectives, _training, _models, _precision, _topk, _profiling, _monitor, _model_check):
+    for section in (_collectives, _training, _models, _precision, _topk, _profiling, _monitor, _memory, _model_check):
         lines += section(results)
     return "\n".join(lines) + "\n"
 
@@ -177,11 +177,43 @@ def _profiling(results):
 
 def _monitor(results):
     lines = []
-    for _, part in _ok_worlds(results, "monitor"):
+    rows = _ok_worlds(results, "monitor")
+    if not rows:
+        return lines
+    part = rows[0][1]
+    lines += [f"## Monitor overhead ({part['model']}, batch {part['batch']} x {part['seq']}, log every "
+              f"{part['log_every']})", "", "Per round: (with - without) / without, the slowest rank's step time; "
+              "the median over rounds, its 95% bootstrap interval, quartiles.", "",
+              "| ranks | without ms | with ms | overhead | 95% CI | quartiles | <= 1% | record_step ms per log step |",
+              "|---|---|---|---|---|---|---|---|"]
+    for w, part in rows:
         med = part["median_step_s"]
-        lines += [f"## Monitor overhead ({part['model']}, batch {part['batch']} x {part['seq']}, log every "
-                  f"{part['log_every']})", "", f"Without {med['without'] * 1e3:.2f} ms/step, with "
-                  f"{med['with'] * 1e3:.2f} ms/step: overhead {part['monitor_overhead_pct']:+.2f}%.", ""]
+        ci, q = part.get("overhead_pct_median_ci95"), part.get("overhead_pct_quartiles")
+        host = part.get("rank0_host_ms", {})
+        lines.append(f"| {w} | {med['without'] * 1e3:.2f} | {med['with'] * 1e3:.2f} | "
+                     f"{part['monitor_overhead_pct']:+.2f}% | " + (f"{ci[0]:+.2f} / {ci[1]:+.2f}" if ci else "-") +
+                     " | " + (f"{q[0]:+.2f} / {q[1]:+.2f}" if q else "-") + f" | {part.get('at_most_1pct', '-')} | "
+                     f"{host.get('record_step_per_log_step', float('nan')):.2f} |")
+    lines.append("")
+    return lines
+
+
+def _memory(results):
+    lines = []
+    for w, part in _ok_worlds(results, "memory"):
+        lines += [f"## Memory ({part['model']}, micro-batch {part['micro_batch']} x {part['seq']}, our DDP trainer, "
+                  f"{part['precision']}, {w} ranks)", "",
+                  "| activation checkpointing | step ms | tokens/s/GPU | peak GiB | step peak GiB |", "|---|---|---|---|---|"]
+        for name, r in part["checkpointing"].items():
+            lines.append(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['peak_gib']:.2f} | "
+                         f"{r['step_peak_gib']:.2f} |")
+        a = part["auto_batch"]
+        card = (f" of {part['card_total_gib']:.1f} GiB ({100 * a['train_peak_fraction_of_card']:.0f}%)"
+                if a.get("train_peak_fraction_of_card") is not None else "")
+        lines += ["", f"`fit(batch_size=\"auto\")`: {a['batch_size']} per rank ({a['reason']}); search "
+                  f"{a['search_s']:.1f} s. Then {a['train_steps']} steps at {a['train_step_ms']:.0f} ms "
+                  f"({a['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU), peak {a['train_peak_gib']:.2f} GiB{card}; "
+                  f"no out-of-memory: {a['no_oom']}; loss finite: {a['loss_finite']}.", ""]
     return lines
 
 

@@ -15,7 +15,8 @@ Phases (`--phases`, default all; see `phases/__init__.py` for where each runs):
     precision     our trainer in fp32 / bf16 / fp16: step time, memory, loss against fp32's
     topk          Top-K selection methods and PowerSGD, per bucket and per step (25 and 100 MiB buckets)
     profiling     where a DDP step's time goes, by kernel (GPU) or operator (CPU) category
-    monitor       the monitor's cost on the trainer
+    monitor       the monitor's cost on the trainer, at every world size
+    memory        GPT 1.3B: activation checkpointing off/on, and batch_size="auto"
     model_check   the scaling model: one calibration, checked on this run and on recorded DDP runs
 
 For each world size the orchestrator starts one job on this script (``--worker``; `torchrun` for two
@@ -56,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--worlds", default=None, help="comma-separated world sizes (default 1, 2, 4, ... largest)")
     p.add_argument("--models", default=None,
                    help="GPT presets as preset:micro_batch:seq, comma-separated (training; the first for precision "
-                        "and monitor, the last for profiling)")
+                        "and monitor, the last for profiling and memory)")
     p.add_argument("--impls", default=None, help="training implementations (see common.py), comma-separated")
     p.add_argument("--accum", type=int, default=1, help="training: micro-batches per optimizer step")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds per phase")

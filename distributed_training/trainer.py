@@ -179,10 +179,10 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             apply_activation_checkpointing(model, activation_checkpointing)
         self.model = strategy.setup_module(model, self.context)
         self.optimizer = strategy.setup_optimizer(optimizer, self.model)
-        # Communication is timed (DDP: comm_hidden_pct / comm_wire_ms) only on the steps the monitor
-        # logs: `_record_step` arms it for the step before each log step.
+        # Communication is timed (DDP: comm_hidden_pct / comm_wire_ms) on one step per log window, the
+        # first (`_record_step` arms it after each log step), and read at the window's log step.
         if log_dir is not None:
-            strategy.measure_communication(self.model, log_every == 1)
+            strategy.measure_communication(self.model, True)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.step = 0
         self.epoch = 0
@@ -459,8 +459,10 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             comm, extra = self.strategy.pop_communication_metrics(self.model)
             if extra:
                 metrics = {**metrics, **{k: torch.tensor(v) for k, v in extra.items()}}
-        # Timing communication costs events and waits (DDP: per bucket): only for the step logged next.
-        self.strategy.measure_communication(self.model, (self.step + 1) % log_every == 0)
+        # Timing communication costs events (DDP: per bucket): only for the first step of the next window.
+        # Reading its events at the log step ending that window does not wait for the GPU (they are
+        # long done); reading the log step's own would (with log_every=1 it has to).
+        self.strategy.measure_communication(self.model, self.step % log_every == 0)
         self.monitor.record_step(self.step, metrics, samples=batch_size_of(batch), tokens=token_count(batch),
                                  step_time=step_time, data_time=data_time, comm_time=comm)
         return metrics

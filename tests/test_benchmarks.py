@@ -16,7 +16,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "suite.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-ALL_PHASES = {"collectives", "training", "models", "precision", "topk", "profiling", "monitor", "model_check"}
+ALL_PHASES = {"collectives", "training", "models", "precision", "topk", "profiling", "monitor", "memory",
+              "model_check"}
 
 
 def _suite(tmp_path, *args, timeout):
@@ -101,8 +102,20 @@ def test_smoke_runs_every_phase(tmp_path):
     assert all(r["ms_by_category"].get("matmul", 0) > 0 for r in prof.values())
     assert prof["ours"]["ms_by_category"].get("comm", 0) > 0 and prof["torch"]["ms_by_category"].get("comm", 0) > 0
 
-    mon = ph["monitor"]["worlds"]["1"]
-    assert math.isfinite(mon["monitor_overhead_pct"]) and mon["event_files"]
+    # The monitor at every world: paired rounds, and what the monitored trainer wrote is whole.
+    assert set(ph["monitor"]["worlds"]) == {"1", "2"}
+    for mon in ph["monitor"]["worlds"].values():
+        assert math.isfinite(mon["monitor_overhead_pct"]) and mon["event_files"] and mon["records"]["ok"], mon
+        assert len(mon["paired_overhead_pct"]) == mon["rounds"] and mon["at_most_1pct"]
+    assert ph["monitor"]["worlds"]["2"]["records"]["cluster_view_on_rank0"] is True
+
+    # Memory at the largest world: checkpointing off and on, then batch_size="auto" trains without running out.
+    assert set(ph["memory"]["worlds"]) == {"2"}
+    memory = ph["memory"]["worlds"]["2"]
+    assert set(memory["checkpointing"]) == {"off", "on"}
+    assert all(r["step_ms"] > 0 and math.isfinite(r["rank0_loss"]) for r in memory["checkpointing"].values())
+    auto = memory["auto_batch"]
+    assert auto["batch_size"] >= 1 and auto["no_oom"] and auto["loss_finite"] and auto["reason"], auto
 
     # The scaling model: calibrated once from this run, every multi-GPU strategy predicted, projected.
     mc = ph["model_check"]
@@ -119,7 +132,7 @@ def test_smoke_runs_every_phase(tmp_path):
 
     md = (tmp_path / "results.md").read_text()
     for heading in ("## Collectives, 2 ranks", "## Training (GPT)", "## Third-party models, 2 GPUs", "## Precision",
-                    "## Top-K selection", "## Profile of a DDP step", "## Monitor overhead",
+                    "## Top-K selection", "## Profile of a DDP step", "## Monitor overhead", "## Memory (",
                     "## Projections (model output, not measurements)", "Largest error"):
         assert heading in md, heading
     pytest.importorskip("matplotlib")

@@ -51,13 +51,14 @@ def read_jsonl(rank_dir: str) -> list[dict]:
 
 
 # ------------------------------------------------------------------ (a) two ranks, gloo
-def two_rank_worker(rank: int, world: int, log_dir: str) -> dict:
+def two_rank_worker(rank: int, world: int, log_dir: str, background: bool | None = None) -> dict:
     # A monitor whose world_size disagrees with the process group is refused.
     with pytest.raises(ValueError, match="world_size"):
         Monitor(log_dir, rank=rank, world_size=world + 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with Monitor(log_dir, rank=rank, world_size=world, log_every=LOG_EVERY, progress=False) as mon:
+        with Monitor(log_dir, rank=rank, world_size=world, log_every=LOG_EVERY, progress=False,
+                     background=background) as mon:
             mon.start(total_steps=STEPS)
             for step in range(1, STEPS + 1):
                 metrics = {
@@ -73,9 +74,11 @@ def two_rank_worker(rank: int, world: int, log_dir: str) -> dict:
     return {"perf": perf, "stragglers": stragglers}
 
 
-def test_two_ranks_event_files_jsonl_and_cluster_view(tmp_path):
+@pytest.mark.parametrize("background", [None, True], ids=["inline", "writer_thread"])
+def test_two_ranks_event_files_jsonl_and_cluster_view(tmp_path, background):
+    """Inline (CPU values: written at once) and through the writer thread, the same files and figures."""
     log_dir = str(tmp_path / "run")
-    results = run_distributed(two_rank_worker, 2, args=(log_dir,), timeout=180)
+    results = run_distributed(two_rank_worker, 2, args=(log_dir, background), timeout=180)
     log_steps = list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
 
     for rank in (0, 1):
@@ -245,6 +248,7 @@ def test_null_monitor_has_the_same_methods_and_does_nothing(tmp_path):
         ({"rank": -1}, "rank"),
         ({"world_size": 0}, "world_size"),
         ({"tensorboard": "yes"}, "tensorboard"),
+        ({"background": "yes"}, "background"),
     ],
 )
 def test_bad_arguments_name_the_field(tmp_path, kwargs, field):
@@ -485,6 +489,129 @@ def test_record_step_overhead(tmp_path):
     assert amortised < non_log * 10 + 5e-3  # sanity: a log step must not cost tens of milliseconds on CPU
 
 
+# ------------------------------------------------------------------ (d') off the training thread
+def test_writer_thread_writes_log_steps_and_hands_back_its_error(tmp_path):
+    """background=True: log records are written by the writer thread, complete once the monitor is
+    asked for its figures (or closed); an error of the writer is raised on the training thread."""
+    mon = Monitor(tmp_path, rank=0, world_size=1, log_every=2, progress=False, system_stats=False, background=True)
+    for step in range(1, 4):
+        mon.record_step(step, {"loss": torch.tensor(1.0 / step), "lr": 0.1}, samples=2, step_time=0.5)
+    assert mon._thread is not None and mon._thread.name == "monitor-writer-rank0"
+    assert mon.get_performance_metrics()["steps"] == 3  # waits for the writer
+    (line,) = read_jsonl(str(tmp_path / "rank_0"))
+    assert line["step"] == 2 and line["train/loss"] == float(torch.tensor(0.5)) and line["train/lr"] == 0.1
+    assert line["perf/samples_per_s"] == pytest.approx(4.0)
+
+    def broken(text):
+        raise OSError(28, "No space left on device")
+
+    mon._jsonl.write = broken
+    mon.record_step(4, {"loss": 0.25}, samples=2, step_time=0.5)  # handed over; the writer fails on it
+    with pytest.raises(RuntimeError, match="could not write its log under .*rank_0.*No space left"):
+        mon.get_performance_metrics()
+    mon.close()
+    assert [line["step"] for line in read_jsonl(str(tmp_path / "rank_0"))] == [2]
+    assert not mon._thread and mon._closed
+
+
+def test_writer_thread_finishes_when_a_script_exits_without_close(tmp_path):
+    code = ("import torch\n"
+            "from distributed_training.monitor import Monitor\n"
+            f"mon = Monitor({str(tmp_path)!r}, rank=0, world_size=1, log_every=2, progress=False, tensorboard=False,\n"
+            "              system_stats=False, background=True)\n"
+            "for step in range(1, 5):\n"
+            "    mon.record_step(step, {'loss': torch.tensor(float(step))}, samples=1, step_time=0.1)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr
+    assert [(line["step"], line["train/loss"]) for line in read_jsonl(str(tmp_path / "rank_0"))] == [(2, 2.0), (4, 4.0)]
+
+
+# What reads a tensor's value (on a GPU: waits for the device), and the collectives torch.distributed
+# offers; counted while the trainer hands a step to the monitor.
+READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+               "broadcast", "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv")
+MONITOR_LOG_EVERY, MONITOR_STEPS = 3, 8
+
+
+def monitor_calls_worker(rank: int, world: int, log_dir: str) -> dict:
+    import contextlib
+    import threading
+    from unittest import mock
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+    from torch.utils.tensorboard import SummaryWriter
+
+    import distributed_training.monitor.monitor as monitor_module
+    from distributed_training import DistributedTrainer
+
+    from _models import MLP
+
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.01), log_dir=log_dir,
+                                 log_every=MONITOR_LOG_EVERY, progress=False)
+    calls: list[str] = []
+    inside = threading.local()
+    main = threading.get_ident()
+
+    def counted(label, fn):
+        def wrapper(*args, **kwargs):
+            if getattr(inside, "on", False) and threading.get_ident() == main:
+                calls.append(label)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    targets = [(torch.Tensor, name, f"read:{name}") for name in READS]
+    targets += [(torch.cuda, "synchronize", "sync:cuda.synchronize"),
+                (torch.cuda.Event, "synchronize", "sync:Event.synchronize"),
+                (torch.cuda.Event, "query", "sync:Event.query"),
+                (torch.cuda.Stream, "synchronize", "sync:Stream.synchronize"),
+                (monitor_module, "all_gather_single", "collective:all_gather_single"),
+                (SystemStats, "read", "work:SystemStats.read"),
+                (SummaryWriter, "add_scalar", "work:add_scalar")]
+    targets += [(dist, name, f"collective:{name}") for name in COLLECTIVES if hasattr(dist, name)]
+    per_step: dict[int, list[str]] = {}
+    record = trainer._record_step
+
+    def watched(*args, **kwargs):
+        calls.clear()
+        inside.on = True
+        try:
+            return record(*args, **kwargs)
+        finally:
+            inside.on = False
+            per_step[trainer.step] = sorted(set(calls))
+
+    trainer._record_step = watched
+    g = torch.Generator().manual_seed(rank)
+    data = TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g))
+    with contextlib.ExitStack() as stack:
+        for owner, name, label in targets:
+            stack.enter_context(mock.patch.object(owner, name, counted(label, getattr(owner, name))))
+        trainer.fit(data, epochs=1, criterion=F.mse_loss, batch_size=2, max_steps=MONITOR_STEPS)
+    trainer.close()
+    return per_step
+
+
+def test_trainer_monitor_reads_nothing_and_talks_to_no_rank_between_log_steps(tmp_path):
+    """With log_dir set, what the trainer does for the monitor on a step that is not a logging step
+    reads no tensor (on a GPU, each read waits for the device), runs no collective, reads no system
+    figure and writes nothing. Logging steps do all of that, which shows the counting works."""
+    per_rank = run_distributed(monitor_calls_worker, 2, args=(str(tmp_path),), timeout=180)
+    for rank, per_step in enumerate(per_rank):
+        assert sorted(per_step) == list(range(1, MONITOR_STEPS + 1)), per_step
+        for step, calls in per_step.items():
+            if step % MONITOR_LOG_EVERY:
+                assert calls == [], (rank, step, calls)
+            else:
+                assert {"collective:all_gather_single", "read:tolist", "read:__float__", "work:SystemStats.read",
+                        "work:add_scalar"} <= set(calls), (rank, step, calls)
+
+
 # ------------------------------------------------------------------ (f) GPU: NVML figures in the event file
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -506,6 +633,33 @@ def test_nvml_metrics_in_event_files(tmp_path):
     assert all(0 < v < 2000 for _, v in scalars["system/gpu_power_w"])
     assert all(0 < v < 120 for _, v in scalars["system/gpu_temp_c"])
     assert all(0 < v <= total * 1.05 for _, v in scalars["system/gpu_mem_used_gib"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_log_steps_do_not_wait_for_the_gpu(tmp_path):
+    """With a long kernel queued, a log step's record_step returns long before the GPU is done, and the
+    records still hold the exact values of the metric tensors (fp32, bf16, int) of their step."""
+    x = torch.randn(1024, 1024, device="cuda")
+    kept, took = {}, []
+    with Monitor(tmp_path, rank=0, world_size=1, log_every=2, progress=False) as mon:
+        for step in range(1, 9):
+            loss = (x @ x).mean() + step
+            metrics = {"loss": loss, "grad_norm": loss.to(torch.bfloat16), "count": torch.tensor(step, device="cuda")}
+            torch.cuda._sleep(int(1e9))  # about half a second of GPU time, queued behind the metrics
+            t0 = time.perf_counter()
+            mon.record_step(step, metrics, samples=1, step_time=0.01)
+            if step % 2 == 0:
+                took.append(time.perf_counter() - t0)
+                kept[step] = metrics
+        torch.cuda.synchronize()
+    assert max(took[1:]) < 0.1, took  # the first may set up NVML's and pinned memory's first use
+    lines = read_jsonl(str(tmp_path / "rank_0"))
+    assert [line["step"] for line in lines] == [2, 4, 6, 8]
+    for line in lines:
+        m = kept[line["step"]]
+        assert line["train/loss"] == float(m["loss"]) and line["train/grad_norm"] == float(m["grad_norm"])
+        assert line["train/count"] == line["step"]
 
 
 def nccl_worker(rank: int, world: int, log_dir: str) -> dict:

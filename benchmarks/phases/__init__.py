@@ -40,7 +40,9 @@ PHASES = {p.name: p for p in (
     Phase("topk", "one", "Top-K compression's selection (blockmax, exact, chunked, sampled) and PowerSGD, per "
           "bucket and per step"),
     Phase("profiling", "top", "where a DDP step's time goes: kernel (GPU) or operator (CPU) time by category"),
-    Phase("monitor", "one", "the monitor's cost: the trainer with and without log_dir, interleaved"),
+    Phase("monitor", "all", "the monitor's cost: the trainer with and without log_dir, interleaved, paired by round"),
+    Phase("memory", "top", "GPT 1.3B in our trainer: activation checkpointing off/on (step time, peak memory), and "
+          "fit(batch_size='auto'): the batch chosen, then steps at it without running out of memory"),
     Phase("model_check", "offline", "the scaling model calibrated and checked on this run's collectives and "
           "training, projected to 256 GPUs; and on recorded DDP runs"),
 )}

@@ -18,9 +18,18 @@ parent to see the ranks side by side, or draw a PNG with
 
 What a step costs. On most steps `record_step` adds a few numbers to running sums and returns: it
 does not look at the metrics (reading a CUDA tensor would wait for the GPU), writes nothing and talks
-to no other rank. Every `log_every` steps (``step % log_every == 0``) it converts the metrics to
-floats, averages the timings over the steps since the previous log, reads the system figures, runs
-**one all-gather** of each rank's mean step time, and writes and flushes everything.
+to no other rank. Every `log_every` steps (``step % log_every == 0``) it averages the timings over the
+steps since the previous log, runs **one all-gather** of each rank's mean step time, and hands the
+record to the writer, which reads the system figures and writes and flushes everything.
+
+Nor does a log step wait for the GPU. Metrics that are CUDA tensors (and, over NCCL, the all-gather's
+result) are copied into pinned host memory by one asynchronous copy queued behind the step, and a
+background thread waits for that copy's CUDA event, then reads the system figures and writes the
+TensorBoard and JSONL records and the progress bar, while the training thread goes on queueing work.
+Log records whose values are all on the host already (CPU training) are written at once, on the
+calling thread (see `background`). Whatever the writer still holds is finished before
+`get_performance_metrics`, `end_progress` and `close` return; a straggler warning it found is raised
+on the training thread, at the next call to the monitor; an error it met is raised there too.
 
 That all-gather makes log steps collective: **every rank of the group must call `record_step` with
 the same step numbers** (ranks that skip a log step leave the others waiting in the all-gather until
@@ -35,14 +44,19 @@ Steps after the last log step count in `get_performance_metrics` but are not wri
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import math
 import numbers
 import os
+import queue
 import sys
+import threading
 import time
 import warnings
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -88,6 +102,11 @@ class Monitor:
         system_stats: log host CPU and memory, and the GPU's utilisation, memory, power and
             temperature when NVML is available (see `SystemStats`).
         progress: on rank 0, draw a one-line progress bar on stderr (redrawn on log steps).
+        background: where log records are written. None (default): on a background thread when
+            the record holds values still on a GPU (so that the training thread never waits for the
+            device), at once on the calling thread otherwise; True: always on the background thread
+            (file writes and system readings off the training thread, CPU runs too); False: always on
+            the calling thread, which then waits for the GPU on log steps.
     """
 
     def __init__(
@@ -103,6 +122,7 @@ class Monitor:
         jsonl: bool = True,
         system_stats: bool = True,
         progress: bool = True,
+        background: bool | None = None,
     ) -> None:
         if not isinstance(log_dir, (str, os.PathLike)) or os.fspath(log_dir) == "":
             raise ValueError(f"log_dir must be a non-empty path, got {log_dir!r}")
@@ -122,6 +142,8 @@ class Monitor:
         for name, flag in (("tensorboard", tensorboard), ("jsonl", jsonl),
                            ("system_stats", system_stats), ("progress", progress)):
             _check_flag(name, flag)
+        if background is not None and not isinstance(background, bool):
+            raise ValueError(f"background must be True, False or None, got {background!r}")
 
         initialised = dist.is_available() and dist.is_initialized()
         if group is not None and not initialised:
@@ -164,6 +186,12 @@ class Monitor:
         self._jsonl = None
         self._system = None
         self._closed = False
+        # The writer thread (started by the first record it is given) and what it hands back.
+        self._background = background
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._writer_error: BaseException | None = None
+        self._warnings: list[str] = []  # straggler messages found by the writer, raised by the training thread
         try:
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
@@ -207,6 +235,7 @@ class Monitor:
             raise RuntimeError("Monitor is closed")
         if total_steps is not None and (not _is_int(total_steps) or total_steps < 0):
             raise ValueError(f"total_steps must be a non-negative integer or None, got {total_steps!r}")
+        self._drain()
         self._started = True
         self._total_steps = None if total_steps is None else int(total_steps)
         self._t0 = time.time()
@@ -242,6 +271,8 @@ class Monitor:
         """
         if self._closed:
             raise RuntimeError("Monitor is closed")
+        if self._warnings or self._writer_error is not None:
+            self._surface()
         last = self._last_step
         if last is not None and step <= last:
             raise ValueError(f"step must increase from call to call: got {step} after {last}")
@@ -268,8 +299,10 @@ class Monitor:
         Keys: steps, elapsed_s, mean_step_time_s, mean_data_time_s, samples_per_s_per_gpu,
         tokens_per_s_per_gpu, communication_overhead_pct (exposed communication time over step
         time), data_loading_pct, cluster_step_time_min_s / _mean_s / _max_s, cluster_slowest_rank,
-        cluster_straggler, straggler_events. Figures that were never given are None.
+        cluster_straggler, straggler_events. Figures that were never given are None. Waits for the
+        writer to finish the log steps handed to it.
         """
+        self._drain()
         r = self._r
         n = r["n"] + self._w_n
         step = r["step"] + self._w_step
@@ -300,17 +333,22 @@ class Monitor:
 
     def end_progress(self) -> None:
         """Close the progress bar's line (end of a `fit`), so that what is printed next starts on its own
-        line; a later `start` draws a new bar. The monitor stays open."""
+        line; a later `start` draws a new bar. The monitor stays open. Waits for the writer to finish
+        the log steps handed to it."""
+        self._drain()
         if self._bar is not None:
             if self._last_step is not None and self._started:
                 self._bar.draw(self._last_step, self._total_steps, None, None)  # where training stopped
             self._bar.finish()
 
     def close(self) -> None:
-        """Finish the progress bar, flush and close the files. Safe to call more than once."""
+        """Let the writer finish, finish the progress bar, flush and close the files. Safe to call more
+        than once."""
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "_thread", None) is not None:
+            self._stop_writer()
         bar, self._bar = getattr(self, "_bar", None), None
         if bar is not None:
             bar.finish()
@@ -324,6 +362,8 @@ class Monitor:
         system, self._system = self._system, None
         if system is not None:
             system.close()
+        if getattr(self, "_queue", None) is not None:
+            self._surface(stacklevel=3)  # the writer's last warnings, or its error
 
     def __enter__(self) -> "Monitor":
         return self
@@ -333,56 +373,96 @@ class Monitor:
 
     # ---------------------------------------------------------------- private
     def _log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        now = time.time()
+        """On the training thread: take this log step's figures without waiting for the device, run
+        the all-gather, and write the record (or hand it to the writer thread)."""
+        record = _Record(step=step, now=time.time())
         mono = time.perf_counter()
-        scalars: dict[str, float] = {}
+        device_values: list[torch.Tensor] = []
         for name, value in metrics.items():
-            scalars[name if "/" in name else f"train/{name}"] = float(value)
+            tag = name if "/" in name else f"train/{name}"
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                record.scalars[tag] = None  # filled in from the host copy
+                record.device_tags.append(tag)
+                device_values.append(value.detach().reshape(()))
+            else:
+                record.scalars[tag] = float(value)
 
         n = self._w_n
         step_mean = self._w_step / n
         data_mean = self._w_data / n
-        scalars["perf/step_time_s"] = step_mean
-        scalars["perf/data_time_s"] = data_mean
+        perf = record.perf
+        perf["perf/step_time_s"] = step_mean
+        perf["perf/data_time_s"] = data_mean
         if self._w_comm_n:
             comm_mean = self._w_comm / self._w_comm_n
-            scalars["perf/compute_time_s"] = step_mean - data_mean - comm_mean
-            scalars["perf/comm_time_s"] = comm_mean
+            perf["perf/compute_time_s"] = step_mean - data_mean - comm_mean
+            perf["perf/comm_time_s"] = comm_mean
             if self._w_comm_step > 0:
-                scalars["perf/exposed_comm_pct"] = 100.0 * self._w_comm / self._w_comm_step
+                perf["perf/exposed_comm_pct"] = 100.0 * self._w_comm / self._w_comm_step
         if self._w_step > 0:
-            scalars["perf/samples_per_s"] = self._w_samples / self._w_step
+            perf["perf/samples_per_s"] = self._w_samples / self._w_step
         if self._w_tok_step > 0:
-            scalars["perf/tokens_per_s"] = self._w_tokens / self._w_tok_step
+            perf["perf/tokens_per_s"] = self._w_tokens / self._w_tok_step
+        if self._cluster_on:
+            # The one collective of a log step, issued here so that every rank issues it in the same
+            # order relative to training's own collectives. Over NCCL nothing waits for it here.
+            self._gather_in.fill_(step_mean)
+            all_gather_single(self._gather_out, self._gather_in, group=self.group)
+            if self._gather_out.is_cuda:
+                record.gathered = self.world_size
+                device_values.append(self._gather_out)
+            else:
+                record.times = self._gather_out.tolist()
+        if device_values:
+            record.values, record.ready = _copy_to_host(device_values)
+        if self._system is not None:
+            self._system.use_current_device()  # CUDA's current device is per thread: fix it here
+        if self._bar is not None:
+            elapsed = mono - self._last_log_mono
+            record.rate = n / elapsed if elapsed > 0 else None
+        self._last_log_mono = mono
+        self._fold_window()
+
+        if self._background or (self._background is None and (record.ready is not None or self._busy())):
+            self._hand_to_writer(record)
+        else:
+            self._write(record)
+            self._surface(stacklevel=4)  # the user's record_step call
+
+    def _write(self, record: "_Record") -> None:
+        """Read what the device delivered, add the system figures and the cluster view, write the files
+        and draw the bar: on the writer thread, or on the training thread (see `background`)."""
+        scalars = record.scalars
+        times = record.times
+        if record.values is not None:
+            record.ready.synchronize()  # this log step's copy only: later steps keep running
+            values = record.values.tolist()
+            for tag, value in zip(record.device_tags, values):
+                scalars[tag] = value
+            if record.gathered:
+                times = values[len(values) - record.gathered:]
+        scalars.update(record.perf)
         if self._system is not None:
             scalars.update(self._system.read())
-        if self._cluster_on:
-            view = self._cluster_view(step, step_mean)
+        if times is not None:
+            view = self._cluster_view(record.step, times)
             if self._writes_cluster:
                 scalars.update(view)
 
         if self._writer is not None:
             add = self._writer.add_scalar
             for tag, value in scalars.items():
-                add(tag, value, global_step=step, walltime=now)
+                add(tag, value, global_step=record.step, walltime=record.now)
             self._writer.flush()
         if self._jsonl is not None:
-            record = {"step": step, "time": now, "rank": self.rank}
-            record.update(scalars)
-            self._jsonl.write(json.dumps(record) + "\n")
+            line = {"step": record.step, "time": record.now, "rank": self.rank}
+            line.update(scalars)
+            self._jsonl.write(json.dumps(line) + "\n")
             self._jsonl.flush()
         if self._bar is not None:
-            elapsed = mono - self._last_log_mono
-            rate = n / elapsed if elapsed > 0 else None
-            loss = scalars.get("train/loss")
-            self._bar.draw(step, self._total_steps, rate, loss)
-        self._last_log_mono = mono
-        self._fold_window()
+            self._bar.draw(record.step, self._total_steps, record.rate, scalars.get("train/loss"))
 
-    def _cluster_view(self, step: int, step_mean: float) -> dict[str, float]:
-        self._gather_in.fill_(step_mean)
-        all_gather_single(self._gather_out, self._gather_in, group=self.group)
-        times = self._gather_out.tolist()
+    def _cluster_view(self, step: int, times: list[float]) -> dict[str, float]:
         slowest = max(range(len(times)), key=times.__getitem__)
         t_max = times[slowest]
         median = sorted(times)[(len(times) - 1) // 2]
@@ -401,11 +481,66 @@ class Monitor:
         if straggler:
             self._straggler_events += 1
             if self._writes_cluster:
-                message = (f"straggler at step {step}: rank {slowest_rank} averages {t_max:.4g} s per step, "
-                           f"{ratio:.2f}x the median rank's {median:.4g} s (threshold {self.straggler_threshold:g}x)")
-                with self._bar.lifted() if self._bar is not None else contextlib.nullcontext():
-                    warnings.warn(message, StragglerWarning, stacklevel=4)
+                self._warnings.append(
+                    f"straggler at step {step}: rank {slowest_rank} averages {t_max:.4g} s per step, "
+                    f"{ratio:.2f}x the median rank's {median:.4g} s (threshold {self.straggler_threshold:g}x)")
         return view
+
+    # ------------------------------------------------------- the writer thread
+    def _hand_to_writer(self, record: "_Record") -> None:
+        if self._thread is None:
+            # A few records may wait (a slow disk); beyond that the training thread waits for the writer.
+            self._queue = queue.Queue(maxsize=8)
+            self._thread = threading.Thread(target=self._writer_loop, name=f"monitor-writer-rank{self.rank}",
+                                            daemon=True)
+            self._thread.start()
+            # A script that ends without closing the monitor still gets its last records written.
+            self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+            atexit.register(self._at_exit)
+        self._queue.put(record)
+
+    def _writer_loop(self) -> None:
+        while True:
+            record = self._queue.get()
+            try:
+                if record is None:
+                    return
+                if self._writer_error is None:
+                    self._write(record)
+            except BaseException as err:  # noqa: BLE001 - handed to the training thread
+                self._writer_error = err
+            finally:
+                self._queue.task_done()
+
+    def _busy(self) -> bool:
+        """Whether the writer still holds records (a record written now must wait its turn)."""
+        return self._queue is not None and self._queue.unfinished_tasks > 0
+
+    def _drain(self, stacklevel: int = 3) -> None:
+        """Wait until the writer has written everything handed to it; raise what it found."""
+        if self._queue is not None:
+            self._queue.join()
+        self._surface(stacklevel + 1)
+
+    def _surface(self, stacklevel: int = 3) -> None:
+        """On the training thread: warn of the stragglers the writer found, raise the error it met.
+        `stacklevel` as `warnings.warn` counts it from here (3: the caller of the public method that
+        called this one directly)."""
+        while self._warnings:
+            message = self._warnings.pop(0)
+            with self._bar.lifted() if self._bar is not None else contextlib.nullcontext():
+                warnings.warn(message, StragglerWarning, stacklevel=stacklevel)
+        err, self._writer_error = self._writer_error, None
+        if err is not None:
+            raise RuntimeError(f"the monitor could not write its log under {self.rank_dir}: {err}") from err
+
+    def _stop_writer(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            atexit.unregister(self._at_exit)
+            self._queue.join()
+            self._queue.put(None)
+            thread.join()
 
     def _fold_window(self) -> None:
         r = self._r
@@ -420,6 +555,47 @@ class Monitor:
         r["tok_step"] += self._w_tok_step
         self._w_n = self._w_samples = self._w_comm_n = self._w_tokens = 0
         self._w_step = self._w_data = self._w_comm = self._w_comm_step = self._w_tok_step = 0.0
+
+
+class _Record:
+    """One log step on its way to the files: what the training thread took at the step, and where the
+    values that the device still has to deliver will land."""
+
+    __slots__ = ("step", "now", "scalars", "perf", "device_tags", "values", "ready", "gathered", "times", "rate")
+
+    def __init__(self, step: int, now: float) -> None:
+        self.step = step
+        self.now = now                                 # time.time() of the step, the records' walltime
+        self.scalars: dict[str, float | None] = {}     # the metrics by tag, None where still on the device
+        self.perf: dict[str, float] = {}               # the window's timings
+        self.device_tags: list[str] = []               # tags whose values come first in `values`
+        self.values: torch.Tensor | None = None        # pinned host copy of the device's values
+        self.ready: Any = None                         # CUDA event: `values` is complete
+        self.gathered = 0                              # the last `gathered` values are the ranks' step times
+        self.times: list[float] | None = None          # the ranks' step times, read on the host (gloo)
+        self.rate: float | None = None                 # steps per second since the previous log step
+
+
+def _close_at_exit(ref: "weakref.ReferenceType[Monitor]") -> None:
+    monitor = ref()
+    if monitor is not None:
+        try:
+            monitor.close()
+        except Exception:  # noqa: BLE001 - the interpreter is exiting: nobody to tell
+            pass
+
+
+def _copy_to_host(values: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    """Queue one copy of CUDA `values` (0-dim metrics and 1-dim buffers, any dtype) into pinned host
+    memory, as float64 (which holds every fp32, bf16 and fp16 value, and integers to 2**53, exactly);
+    return it and the CUDA event after which it may be read. Nothing here waits for the device."""
+    device = values[0].device
+    flat = torch.cat([v.reshape(-1).to(device=device, dtype=torch.float64) for v in values])
+    host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    ready = torch.cuda.Event(blocking=True)  # the writer sleeps while it waits, rather than spin on a core
+    ready.record(torch.cuda.current_stream(device))
+    return host, ready
 
 
 class NullMonitor:

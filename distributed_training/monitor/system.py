@@ -81,6 +81,19 @@ class SystemStats:
                 self._read_gpu(handle, out)
         return out
 
+    def use_current_device(self) -> None:
+        """Report on this thread's current CUDA device from now on, if no device was given and this
+        process has initialised CUDA (otherwise nothing changes). CUDA keeps the current device per
+        thread: call this on the training thread before `read` runs on another one (the monitor's
+        writer), which would otherwise see its own (device 0)."""
+        if self._device is not None or self._gpu_failed or self._handle is not None:
+            return
+        try:
+            if torch.cuda.is_initialized():
+                self._device = torch.cuda.current_device()
+        except Exception:
+            pass
+
     def close(self) -> None:
         """Release NVML (safe to call twice)."""
         nvml, self._nvml, self._handle = self._nvml, None, None
