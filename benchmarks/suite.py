@@ -5,6 +5,7 @@ phase by phase, and checks the scaling model (`distributed_training.scaling`) ag
     python benchmarks/suite.py --phases training,models --max-gpus 2
     python benchmarks/suite.py --smoke                  # CPU, gloo, 2 processes, toy sizes: what CI runs
     python benchmarks/suite.py --report DIR             # redo model check, markdown and plots from DIR/results.json
+    python benchmarks/suite.py --merge A B --out DIR    # one results.json from runs made in parts (same machine)
     benchmarks/run_suite_gpu.sh                         # the GPU machine: NCCL tests, then this, under $OUT
 
 Phases (`--phases`, default all; see `phases/__init__.py` for where each runs):
@@ -70,6 +71,9 @@ def parse_args(argv=None):
                    help=f"model_check: recorded DDP runs (default {RECORDED_DDP.relative_to(HERE.parent)})")
     p.add_argument("--timeout", type=float, default=None, help="seconds per world size before it counts as hung")
     p.add_argument("--report", default=None, help="only rebuild model check and report from this folder")
+    p.add_argument("--merge", nargs="+", default=None, metavar="RESULTS",
+                   help="merge results.json files (or folders holding one) of runs on one machine into --out, "
+                        "then report: a later part's phase at a world replaces an earlier one's")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -205,6 +209,40 @@ def run_all(args) -> int:
     return 0
 
 
+def merge(sources: list[str], out: Path, args) -> None:
+    """Merge results of suite runs made in parts (a device call is limited in time) into `out`/results.json.
+
+    Every part must come from the same card, torch and NCCL: figures are only comparable within one
+    machine. Phases and worlds are united; the parts' commands and runs are all kept."""
+    parts = []
+    for source in sources:
+        path = Path(source)
+        path = path / "results.json" if path.is_dir() else path
+        parts.append(json.loads(path.read_text()))
+    keys = ("card", "torch", "nccl", "driver")
+    first = parts[0]
+    for source, part in zip(sources[1:], parts[1:]):
+        differs = [k for k in keys if part.get(k) != first.get(k)]
+        if differs:
+            raise SystemExit(f"--merge: {source} differs from {sources[0]} in {', '.join(differs)}: "
+                             "results of different machines cannot be merged")
+    merged = {**first, "command": [p["command"] for p in parts], "created": [p["created"] for p in parts],
+              "world_sizes": sorted({w for p in parts for w in p["world_sizes"]}),
+              "runs": [r for p in parts for r in p["runs"]], "phases": {}}
+    for part in parts:
+        for name, entry in part["phases"].items():
+            if PHASES.get(name) is not None and PHASES[name].worlds == "offline":
+                continue  # redone by the report on the merged figures
+            target = merged["phases"].setdefault(name, {"worlds": {}})
+            target["worlds"].update(entry.get("worlds", {}))
+            for key, value in entry.items():
+                if key != "worlds":
+                    target[key] = value
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(merged, indent=1, default=str))
+    report(out, args)
+
+
 def report(folder: Path, args) -> None:
     """Run the offline phases on `folder`/results.json, then write results.md and the plots."""
     from report import plots, render_markdown
@@ -234,5 +272,9 @@ if __name__ == "__main__":
         worker(a)
     elif a.report:
         report(Path(a.report), a)
+    elif a.merge:
+        if not a.out:
+            raise SystemExit("--merge needs --out (the folder for the merged results)")
+        merge(a.merge, Path(a.out), a)
     else:
         sys.exit(run_all(a))
