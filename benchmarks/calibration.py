@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from distributed_training.scaling import (  # noqa: E402
-    Cluster, Link, StepProfile, calibrate_link, project, step_time,
+    Cluster, Link, StepProfile, break_even_bandwidth, calibrate_link, project, step_time,
 )
 
 # A stated assumption for projections across nodes: 400 Gb/s InfiniBand per GPU (50 GB/s), 10 us a message.
@@ -56,6 +56,12 @@ class Calibration:
             changes["powersgd_bytes"] = powersgd_bytes
         cluster = Cluster(world, gpus_per_node or world, self.link, inter or self.link)
         return step_time(replace(self.profile, **changes), cluster, strategy)
+
+    def break_even_gbs(self, world: int, strategy: str) -> float | None:
+        """GB/s of link (per rank, `world` GPUs in one node, this link's latency) below which compressed
+        `strategy` beats dense DDP in the model; inf: at any speed, None: never."""
+        bandwidth = break_even_bandwidth(self.profile, world, strategy, self.link.alpha)
+        return bandwidth if bandwidth in (None, float("inf")) else bandwidth / 1e9
 
     def project(self, gpus: list[int], memory_bytes: float | None) -> list[dict]:
         """Every strategy at every size in `gpus`, nodes of 8 joined by `INTER_NODE`; the choice and why."""

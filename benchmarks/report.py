@@ -235,6 +235,18 @@ def _model_check(results):
                          f"{c['predicted_s'] * 1e3:.2f} | {100 * c['error']:+.1f}% |")
         if this.get("largest_error") is not None:
             lines += ["", f"Largest error: {100 * this['largest_error']:.1f}%."]
+        if this.get("break_even"):
+            lines += ["", "Where compression pays (model): the link bandwidth per rank below which each compressed "
+                      "DDP's step is shorter than dense DDP's, against this machine's calibrated link and the "
+                      "speed-up measured here.", "",
+                      "| model | GPUs | impl | pays below (GB/s) | this link (GB/s) | measured vs dense |",
+                      "|---|---|---|---|---|---|"]
+            for b in this["break_even"]:
+                be = b["break_even_gbs"]
+                shown = "never" if be is None else "any speed" if be == float("inf") else f"{be:.1f}"
+                speed = "" if b["measured_speedup"] is None else f"{b['measured_speedup']:.3f}x"
+                lines.append(f"| {b['model']} | {b['world']} | {b['strategy']} | {shown} | {b['link_gbs']:.1f} | "
+                             f"{speed} |")
         proj = this["projections"]
         lines += ["", "## Projections (model output, not measurements)", "",
                   f"Inside a node: the calibrated link; between nodes: {proj['inter']['name']} "

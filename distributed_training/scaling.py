@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["Link", "Cluster", "StepProfile", "ring_all_reduce", "tree_all_reduce", "ring_all_gather",
            "ring_reduce_scatter", "hierarchical_all_reduce", "all_reduce", "calibrate_link", "step_time",
-           "project", "STRATEGIES"]
+           "break_even_bandwidth", "project", "STRATEGIES"]
 
 
 @dataclass(frozen=True)
@@ -251,6 +251,38 @@ def step_time(profile: StepProfile, cluster: Cluster, strategy: str = "ddp", alg
     out["overhead"] = profile.overhead_s.get(strategy, 0.0)
     out["total"] = profile.compute_s + out["overhead"] + out["exposed"] + opt
     return out
+
+
+def break_even_bandwidth(profile: StepProfile, gpus: int, strategy: str, alpha: float, *,
+                         low: float = 1e6, high: float = 1e13) -> float | None:
+    """The link bandwidth (bytes/s per rank, one node of `gpus` ranks joined by links of latency
+    `alpha`) below which compressed `strategy` (``ddp_bf16``, ``ddp_topk``, ``ddp_powersgd``) gives a
+    shorter step than dense DDP, as the model predicts it: its saved bytes pay for its overhead.
+
+    Returns ``math.inf`` when it wins at every bandwidth in [low, high], ``None`` when it never does
+    (its overhead is larger than any communication it saves). Dense minus compressed step time grows
+    as the link slows, so a bisection on a log scale finds the crossing."""
+    if strategy not in STRATEGIES or not strategy.startswith("ddp_"):
+        raise ValueError(f"strategy must be a compressed DDP variant of {list(STRATEGIES)}, got {strategy!r}")
+    if gpus < 2:
+        raise ValueError(f"break-even needs at least 2 GPUs (nothing is sent on one), got {gpus}")
+
+    def gain(bandwidth: float) -> float:
+        cluster = Cluster(gpus, gpus, Link(alpha, bandwidth), Link(alpha, bandwidth))
+        return step_time(profile, cluster, "ddp")["total"] - step_time(profile, cluster, strategy)["total"]
+
+    if gain(high) > 0:
+        return math.inf
+    if gain(low) <= 0:
+        return None
+    lo, hi = math.log(low), math.log(high)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if gain(math.exp(mid)) > 0:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp(lo)
 
 
 def project(profile: StepProfile, gpus: list[int], gpus_per_node: int, intra: Link, inter: Link, *,

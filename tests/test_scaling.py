@@ -111,3 +111,24 @@ def test_model_on_the_recorded_h200_ddp_runs():
     for r in rows:
         assert abs(r["error_overlap1"]) < 0.10 and abs(r["error_overlap0"]) < 0.10, r
         assert r["predicted_overlap1_s"] <= r["measured_s"] <= r["predicted_overlap0_s"], r
+
+
+def test_break_even_bandwidth_is_where_compression_stops_paying():
+    from distributed_training.scaling import Cluster, Link, StepProfile, break_even_bandwidth, step_time
+
+    profile = StepProfile(params=100_000_000, compute_s=0.1, optimizer_s=0.01, overhead_s={"ddp_bf16": 0.002})
+    bw = break_even_bandwidth(profile, 4, "ddp_bf16", alpha=5e-6)
+    assert bw is not None and 1e6 < bw < 1e13
+
+    def gain(b):
+        c = Cluster(4, 4, Link(5e-6, b), Link(5e-6, b))
+        return step_time(profile, c, "ddp")["total"] - step_time(profile, c, "ddp_bf16")["total"]
+
+    assert gain(bw * 0.9) > 0 > gain(bw * 1.1)  # it pays below the crossing, not above
+    # Free compression wins at any speed; compression costing more than any communication never does.
+    assert break_even_bandwidth(StepProfile(params=10**8, compute_s=0.0, optimizer_s=0.0), 4, "ddp_bf16", 5e-6) \
+        == float("inf")
+    costly = StepProfile(params=1000, compute_s=0.1, optimizer_s=0.0, overhead_s={"ddp_bf16": 1.0})
+    assert break_even_bandwidth(costly, 4, "ddp_bf16", 5e-6) is None
+    with pytest.raises(ValueError, match="compressed"):
+        break_even_bandwidth(profile, 4, "ddp", 5e-6)

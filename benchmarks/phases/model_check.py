@@ -78,6 +78,18 @@ def calibrate_this_run(results: dict) -> dict:
                                       "predicted_exposed_s": predicted["exposed"],
                                       "error": predicted["total"] / phases[impl]["step_s"] - 1})
         out["projections"]["models"][name] = cal.project(PROJECT_GPUS, memory)
+        # Where compression pays: the link speed below which each compressed DDP beats dense, at each
+        # multi-GPU world this run trained at, next to the measured link's speed.
+        out.setdefault("break_even", [])
+        for w in sorted(int(w) for w, part in training.items() if int(w) >= 2 and part.get("status") == "ok"):
+            phases = training[str(w)]["models"].get(name, {}).get("phases", {})
+            for impl in ("ddp_bf16", "ddp_topk", "ddp_powersgd"):
+                strategy = STRATEGY_OF[impl]
+                dense, packed = phases.get("ours_ddp"), phases.get(impl)
+                out["break_even"].append({
+                    "model": name, "world": w, "strategy": impl, "break_even_gbs": cal.break_even_gbs(w, strategy),
+                    "link_gbs": cal.link.bandwidth / 1e9,
+                    "measured_speedup": (dense["step_s"] / packed["step_s"]) if dense and packed else None})
     errors = [abs(c["error"]) for c in out["checks"] if math.isfinite(c["error"])]
     out["largest_error"] = max(errors) if errors else None
     return out
