@@ -58,3 +58,170 @@ def compile_worker(rank, world, order):
 def test_torch_compile_in_either_order_matches_eager():
     for order in ("compile(ddp)", "ddp(compile)"):
         assert run_distributed(compile_worker, 2, args=(order,), timeout=240) == [True, True]
+
+
+# ------------------------------------------------------------------ every wrapper, every order, against eager and one process
+# A GPT small enough to compile in about a second, with blocks to compile one by one (and to be FSDP's
+# units) and a tied embedding (one parameter in two modules: two owners under ZeRO-1 and FSDP).
+CFG = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+PER_RANK, STEPS = 2, 3
+MODES = ("eager", "compile(wrapper)", "wrapper(compile)", "blocks")
+TIGHT = 1e-6  # compiled against the same wrapper in eager mode (aot_eager: the same kernels)
+TOL = 1e-5    # against one process on the whole batch (another summation order)
+
+
+def _gpt():
+    from distributed_training.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**CFG))
+
+
+def _batches(world):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, CFG["vocab_size"], (PER_RANK * world, CFG["block_size"] + 1), generator=g)
+            for _ in range(STEPS)]
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+class _HeldGather:
+    """An all-gather whose result reaches the parameters only when it is waited for: a forward that
+    skipped its wait computes with the parameters of before the step, and the test sees it."""
+
+    def __init__(self, out, shard, group, async_op=False):
+        from distributed_training.comm.sharded import all_gather_flat
+
+        self.out, self.staging = out, torch.empty_like(out)
+        self.work = all_gather_flat(self.staging, shard, group, async_op=True)
+        self.done = False
+
+    def wait(self):
+        self.work.wait()
+        if not self.done:
+            self.done = True
+            self.out.copy_(self.staging)
+        return True
+
+
+def _wrap(kind, model, mode, backend):
+    """(what to call, the optimizer, a function returning the parameters by the plain model's names)."""
+    from distributed_training import FSDP
+    from distributed_training.strategies.zero1 import Zero1Strategy, Zero1DDP
+
+    if mode == "wrapper(compile)":
+        model = torch.compile(model, backend=backend)
+    elif mode == "blocks":
+        for block in model.blocks:
+            block.compile(backend=backend)
+    if kind == "fsdp":
+        wrapped = FSDP(model)
+        opt = _sgd(wrapped.parameters())
+        params = lambda: wrapped.full_state_dict(rank0_only=False)  # noqa: E731
+    elif kind == "zero1":
+        wrapped = Zero1DDP(model, bucket_cap_mb=2000 / 2**20, first_bucket_cap_mb=500 / 2**20)
+        assert len(wrapped.shards) >= 3, len(wrapped.shards)  # gathers in flight when each forward starts
+        opt = Zero1Strategy().setup_optimizer(_sgd, wrapped)
+        params = lambda: _owned_slices(wrapped)  # noqa: E731
+    else:
+        wrapped = DDP(model)
+        opt = _sgd(wrapped.parameters())
+        params = lambda: wrapped.state_dict()  # noqa: E731
+    call = torch.compile(wrapped, backend=backend) if mode == "compile(wrapper)" else wrapped
+
+    def named():
+        return {_plain_name(k): v.detach().clone() for k, v in params().items()}
+
+    return call, opt, named
+
+
+def _plain_name(key: str) -> str:
+    """The plain model's name of a wrapper's (or a compiled module's) parameter."""
+    for prefix in ("module.", "_orig_mod."):
+        key = key[len(prefix):] if key.startswith(prefix) else key
+    return key.replace("._orig_mod", "")
+
+
+def _owned_slices(zero1) -> dict:
+    """ZeRO-1: the part of each parameter this rank's optimizer owns, as the step left it, read without
+    waiting for the all-gathers (so that the next forward starts with them in flight). Keyed
+    ``name@start:end``, flat element ranges of the parameter; the two ranks together own everything."""
+    names = {id(p): name for name, p in zero1.module.named_parameters()}
+    out = {}
+    for s in zero1.shards:
+        for p, start in s.members:
+            lo, hi = max(start, s.lo), min(start + p.numel(), s.hi)
+            if lo < hi:
+                out[f"{names[id(p)]}@{lo - start}:{hi - start}"] = s.flat[lo:hi]
+    return out
+
+
+def _expected(want: dict, key: str) -> torch.Tensor:
+    name, _, span = key.partition("@")
+    if not span:
+        return want[name]
+    lo, hi = map(int, span.split(":"))
+    return want[name].reshape(-1)[lo:hi]
+
+
+def wrappers_worker(rank, world, kind, backend):
+    """Each mode trains STEPS steps on this rank's half of each batch; the parameters after every
+    step, compiled against eager and eager against one process on the whole batch."""
+    from torch._dynamo.utils import counters
+
+    from distributed_training.strategies import zero1
+
+    if kind == "zero1":
+        zero1.all_gather_flat = _HeldGather  # the forward must wait, or it sees stale parameters
+    torch._dynamo.reset()
+    batches = _batches(world)
+    reference = _gpt()
+    ref_opt = _sgd(reference.parameters())
+    expected = []
+    for idx in batches:
+        reference(idx[:, :-1], idx[:, 1:]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        expected.append({k: v.detach().clone() for k, v in reference.state_dict().items()})
+    runs, late_compiles = {}, {}
+    for mode in MODES:
+        call, opt, named = _wrap(kind, _gpt(), mode, backend)
+        runs[mode] = []
+        for step, idx in enumerate(batches):
+            if step == 1:
+                compiled_before = counters["stats"]["unique_graphs"]
+            mine = idx[rank * PER_RANK:(rank + 1) * PER_RANK]
+            call(mine[:, :-1], mine[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+            runs[mode].append(named())
+        # After the first step nothing new is compiled: a guard on the wrapper's state, which changes from
+        # step to step (how many all-gathers are in flight, whether buckets await their rebuild), would
+        # recompile, and past torch._dynamo's recompile limit run that code eagerly.
+        late_compiles[mode] = counters["stats"]["unique_graphs"] - compiled_before
+    worst = {"eager vs one process": 0.0}
+    for step, want in enumerate(expected):
+        got = runs["eager"][step]
+        # Every parameter (ZeRO-1: this rank's parts of some of them; the ranks together hold all).
+        assert {k.partition("@")[0] for k in got} <= set(want) and len(got) > 4, (sorted(got), sorted(want))
+        worst["eager vs one process"] = max(worst["eager vs one process"],
+                                            max((got[k] - _expected(want, k)).abs().max().item() for k in got))
+        for mode in MODES[1:]:
+            other = runs[mode][step]
+            assert set(other) == set(got), (mode, sorted(other))
+            worst[mode] = max(worst.get(mode, 0.0), max((other[k] - got[k]).abs().max().item() for k in got))
+    initial = _gpt().state_dict()
+    moved = max((v - _expected(initial, k)).abs().max().item() for k, v in runs["eager"][-1].items())
+    return worst, moved, late_compiles
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero1", "fsdp"])
+def test_every_compile_order_trains_as_eager_and_as_one_process(kind):
+    for worst, moved, late_compiles in run_distributed(wrappers_worker, 2, args=(kind, "aot_eager"), timeout=240):
+        assert moved > 1e-3, moved  # training moved the parameters: the comparisons below can fail
+        assert not any(late_compiles.values()), late_compiles
+        assert worst["eager vs one process"] <= TOL, worst
+        for mode in MODES[1:]:
+            assert worst[mode] <= TIGHT, (kind, worst)
