@@ -1,6 +1,9 @@
-"""Our DDP as an ordinary nn.Module: state_dict keys like torch's DDP, and torch.compile in either order."""
+"""Our wrappers as ordinary nn.Modules: DDP's state_dict keys like torch's DDP, and torch.compile of DDP,
+ZeRO-1, FSDP and the trainer, in either order and per block, equal to eager and to one process."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -225,3 +228,107 @@ def test_every_compile_order_trains_as_eager_and_as_one_process(kind):
         assert worst["eager vs one process"] <= TOL, worst
         for mode in MODES[1:]:
             assert worst[mode] <= TIGHT, (kind, worst)
+
+
+# ------------------------------------------------------------------ the trainer
+TRAINER_MODES = ("eager", "compile=", "compiled model", "compiled blocks")
+
+
+def trainer_worker(rank, world, strategy, backend):
+    """The trainer with each strategy: its `compile` option (the wrapper compiled in place), a model
+    compiled by the user (whole, or block by block with torch.compile), each against the eager trainer
+    after every step, and the eager trainer against one process on the whole batch."""
+    from distributed_training import DistributedTrainer
+
+    torch._dynamo.reset()
+    batches = _batches(world)
+    reference = _gpt()
+    ref_opt = _sgd(reference.parameters())
+    runs = {}
+    for mode in TRAINER_MODES:
+        model = _gpt()
+        if mode == "compiled model":
+            model = torch.compile(model, backend=backend)
+        elif mode == "compiled blocks":
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = torch.compile(block, backend=backend)
+        trainer = DistributedTrainer(model, _sgd, strategy=strategy, progress=False,
+                                     compile={"backend": backend} if mode == "compile=" else False)
+        runs[mode] = []
+        for idx in batches:
+            mine = idx[rank * PER_RANK:(rank + 1) * PER_RANK]
+            trainer.train_step((mine[:, :-1], mine[:, 1:]))  # the model returns its loss
+            runs[mode].append({_plain_name(k): v.clone() for k, v in trainer.strategy.model_state_dict(trainer.model)
+                               .items()} if strategy == "zero3" else
+                              {_plain_name(k): v.detach().clone() for k, v in trainer.module.state_dict().items()})
+        if mode == "compile=":
+            # Compiled in place: the plain model's names (a zero3 full state dict is rank 0's).
+            keys = list(trainer.strategy.model_state_dict(trainer.model)) or None
+        trainer.close()
+    worst = {"eager vs one process": 0.0}
+    for step, idx in enumerate(batches):
+        reference(idx[:, :-1], idx[:, 1:]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want = reference.state_dict()
+        if not runs["eager"][step]:  # zero3's full state dict: rank 0's
+            continue
+        worst["eager vs one process"] = max(worst["eager vs one process"],
+                                            max((runs["eager"][step][k] - want[k]).abs().max().item() for k in want))
+        for mode in TRAINER_MODES[1:]:
+            got = runs[mode][step]
+            assert set(got) == set(want), (mode, sorted(got))
+            worst[mode] = max(worst.get(mode, 0.0), max((got[k] - runs["eager"][step][k]).abs().max().item()
+                                                        for k in want))
+    return worst, keys in (None, list(reference.state_dict()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3"])
+def test_trainer_compiles_under_every_strategy(strategy):
+    for worst, plain_keys in run_distributed(trainer_worker, 2, args=(strategy, "aot_eager"), timeout=240):
+        assert plain_keys
+        assert worst["eager vs one process"] <= TOL, worst
+        for mode in TRAINER_MODES[1:]:
+            assert worst.get(mode, 0.0) <= TIGHT, (strategy, worst)
+
+
+# ------------------------------------------------------------------ the default backend (inductor: C++ on CPU)
+def inductor_worker(rank, world, kind):
+    torch._dynamo.reset()
+    batches = _batches(world)
+    params = {}
+    for mode in ("eager", "compile(wrapper)"):
+        call, opt, named = _wrap(kind, _gpt(), mode, "inductor")
+        params[mode] = []
+        for idx in batches:
+            mine = idx[rank * PER_RANK:(rank + 1) * PER_RANK]
+            call(mine[:, :-1], mine[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+            params[mode].append(named())
+    # Inductor fuses kernels, so rounding differs from eager's: equal to float32 accuracy, not bitwise.
+    return max((b[k] - a[k]).abs().max().item() for a, b in zip(*params.values()) for k in a)
+
+
+def _cxx_works() -> bool:
+    import shutil
+    import subprocess
+    import tempfile
+
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if cxx is None:
+        return False
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "t.cpp")
+        with open(src, "w") as f:
+            f.write("int main() { return 0; }\n")
+        return subprocess.run([cxx, src, "-o", os.path.join(d, "t")], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _cxx_works(), reason="inductor on CPU needs a working C++ compiler")
+def test_inductor_compile_of_fsdp_matches_eager():
+    # FSDP: compiled code reads views of storage that is freed after each unit and gathered again.
+    for worst in run_distributed(inductor_worker, 2, args=("fsdp",), timeout=400):
+        assert worst <= TOL, worst
