@@ -16,7 +16,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "suite.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-ALL_PHASES = {"collectives", "training", "models", "precision", "topk", "profiling", "monitor", "model_check"}
+ALL_PHASES = {"collectives", "training", "models", "precision", "topk", "profiling", "monitor", "compile",
+              "model_check"}
 
 
 def _suite(tmp_path, *args, timeout):

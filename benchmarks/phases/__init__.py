@@ -40,6 +40,8 @@ PHASES = {p.name: p for p in (
     Phase("topk", "one", "Top-K compression's selection (exact, chunked, sampled) per bucket and per step"),
     Phase("profiling", "top", "where a DDP step's time goes: kernel (GPU) or operator (CPU) time by category"),
     Phase("monitor", "one", "the monitor's cost: the trainer with and without log_dir, interleaved"),
+    Phase("compile", "all", "GPT tokens/s: eager vs torch.compile in both orders and per block under our DDP, "
+          "torch's compiled DDP as reference"),
     Phase("model_check", "offline", "the scaling model calibrated and checked on this run's collectives and "
           "training, projected to 256 GPUs; and on recorded DDP runs"),
 )}
