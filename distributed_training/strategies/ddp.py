@@ -182,9 +182,16 @@ class DDP(nn.Module):
 
     # ----------------------------------------------------------------- public
     def forward(self, *args, **kwargs):
+        self._before_forward()
+        return self.module(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _before_forward(self) -> None:
+        """What runs before the wrapped module. Never traced by torch.compile: under
+        ``torch.compile(DDP(model))`` dynamo graph-breaks here, runs this eagerly (collectives, bucket
+        rebuild, Python state), and compiles the module's forward after it."""
         if torch.is_grad_enabled() and self._backward.sync_enabled:
             self._collectives_before_forward()
-        return self.module(*args, **kwargs)
 
     def join(self, optimizer: torch.optim.Optimizer | None = None, *, lr_scheduler=None):
         """A context in which ranks that run out of data keep answering the others' collectives:

@@ -31,6 +31,11 @@ their own (the unit's name + "#frozen"): they are gathered like the rest but nev
 optimizer never gives them a state. Parameters shared between modules are owned by the innermost unit
 that contains every use, so tied embeddings work wherever the two uses sit. Every unit must receive gradients on all ranks or on none
 (as DDP without `find_unused_parameters`).
+
+`torch.compile` works in either order (``torch.compile(FSDP(model))``, ``FSDP(torch.compile(model))``)
+and per block: the methods that communicate or swap the units' views are never traced (dynamo breaks
+the graph at each and runs it eagerly), so compiled graphs hold the units' computation, one piece per
+unit at most.
 """
 
 from __future__ import annotations
@@ -241,29 +246,40 @@ class FSDP(FSDPStateDict, nn.Module):
                 self._start_gather(order[k + 1])
 
     # ------------------------------------------------------------ forward
+    # Under torch.compile (of this wrapper, of the module, or of its blocks) the methods that
+    # communicate or change the wrapper's state are never traced: dynamo graph-breaks at each and runs
+    # it eagerly, so every unit's all-gather, view swap and reshard happens between compiled graphs,
+    # and what gets compiled is the modules' own computation, reading the unit's gathered views.
     def forward(self, *args, **kwargs):
+        self._before_forward()
+        if self._param_dtype is not None:
+            # Like the weights, floating-point inputs run in the compute dtype.
+            args, kwargs = _cast_floats((args, kwargs), self._param_dtype)
+        out = self.module(*args, **kwargs)
+        self._after_forward()
+        return out
+
+    @torch.compiler.disable
+    def _before_forward(self) -> None:
         if self._backward_state.pending:  # a backward left reductions behind (e.g. it raised): settle them first
             self._finish_backward()
-        if self._recording_order:
+        if self._recording_order:  # also after a first forward that raised: record again
             self._forward_order = []
         for root in self._units:  # the root unit, and its frozen part if it has one
             if root.is_root:
                 self._unshard(root)
                 self._set_views(root)
-        if self._param_dtype is not None:
-            # Like the weights, floating-point inputs run in the compute dtype.
-            args, kwargs = _cast_floats((args, kwargs), self._param_dtype)
         if self._forward_order and not self._recording_order:
             self._start_gather(self._forward_order[0])
-        try:
-            out = self.module(*args, **kwargs)
-        finally:
-            self._recording_order = False
+
+    @torch.compiler.disable
+    def _after_forward(self) -> None:
+        self._recording_order = False
         if not torch.is_grad_enabled():
             for unit in self._units:
                 self._reshard(unit)
-        return out
 
+    @torch.compiler.disable
     def _pre_forward(self, unit: Unit) -> None:
         if self._recording_order and unit not in self._forward_order:
             self._forward_order.append(unit)
@@ -271,6 +287,7 @@ class FSDP(FSDPStateDict, nn.Module):
         self._prefetch_after(unit, backward=False)
         self._set_views(unit)
 
+    @torch.compiler.disable
     def _post_forward(self, unit: Unit, output):
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self._reshard(unit)

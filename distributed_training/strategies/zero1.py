@@ -47,6 +47,11 @@ module that owns it (``F.linear(x, self.head.weight)`` in a parent). The latter 
 the parameter when its gradient arrives, if its owner never ran in that forward; if its owner runs
 later in the same forward it goes undetected, so call ``wait_for_parameters()`` before such a forward
 or pass ``overlap_param_gather=False``, which waits for every all-gather inside the step, as before.
+Under ``torch.compile`` (of the wrapper, of the module or of its blocks) the pre-hooks stay out of
+compiled graphs, which would otherwise guard on how many all-gathers are in flight (recompiling) and
+break at each wait; instead, when compiled code is about to run the module, the wrapper's forward
+waits for every all-gather first (on NCCL still stream-ordered): compiled, the forward does not
+overlap the all-gathers.
 Buffers broadcast at the start of a forward (``broadcast_buffers``, BatchNorm) queue behind the
 all-gathers on NCCL, so a model with buffers gets less of this overlap.
 
@@ -183,6 +188,20 @@ class Zero1DDP(DDP):
                            "'zero3', or give every rank the same number of batches")
 
     # ------------------------------------------------------------- parameter all-gathers
+    def forward(self, *args, **kwargs):
+        self._settle_for_compile(torch.compiler.is_compiling())
+        return super().forward(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _settle_for_compile(self, compiling: bool) -> None:
+        """Wait for every all-gather still in flight when compiled code is about to run the module:
+        the forward is being compiled (`compiling`, true only while dynamo traces the wrapper), or
+        the module holds compiled parts (``torch.compile(model)``, ``block.compile()``). Compiled code
+        skips the per-module pre-hooks (see `_make_gather_hook`), so it must start from whole
+        parameters; eager forwards keep the overlap."""
+        if self._gathers.in_flight and (compiling or _holds_compiled(self.module)):
+            self.wait_for_parameters()
+
     def _register_gather_hooks(self) -> None:
         """A forward pre-hook on every module that owns a bucketed parameter, waiting for its buckets."""
         bucket_of = {id(p): i for i, s in enumerate(self.shards) for p, _ in s.members}
@@ -233,8 +252,9 @@ class Zero1DDP(DDP):
                 f"rank {self.rank}: parameter '{self._param_names[index]}' was used in the forward before its "
                 "ZeRO-1 all-gather was waited for, so it may have held its value from before the last step: the "
                 "forward read it outside the forward of every module that owns it (e.g. a parent module using "
-                "`self.head.weight` while `head` never runs). Call model.wait_for_parameters() before such a "
-                "forward, or use Zero1Strategy(overlap_param_gather=False)")
+                "`self.head.weight` while `head` never runs), or compiled code ran the module without going through "
+                "the wrapper (compiled code skips the per-module waits). Call model.wait_for_parameters() before "
+                "such a forward, or use Zero1Strategy(overlap_param_gather=False)")
         super()._on_grad_ready(index)
 
     def named_parameters(self, *args, **kwargs):
@@ -450,8 +470,22 @@ def _make_gather_hook(self_ref: "weakref.ReferenceType[Zero1DDP]", owned: tuple[
     after a step, it waits for those buckets' all-gathers; afterwards it only reads one counter."""
 
     def hook(_module: nn.Module, _args) -> None:
+        # Traced by torch.compile, the hook would guard on the count of gathers in flight (a recompile
+        # per count) and graph-break at each wait; compiled code starts from whole parameters instead
+        # (`Zero1DDP._settle_for_compile`), so it is left out of graphs.
+        if torch.compiler.is_compiling():
+            return
         zero1 = self_ref()
         if zero1 is not None and zero1._gathers.in_flight:
             zero1._wait_for_buckets(owned)
 
     return hook
+
+
+def _holds_compiled(module: nn.Module) -> bool:
+    """Whether `module` or a submodule runs compiled code: ``torch.compile(m)`` (an `OptimizedModule`)
+    or ``m.compile()``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in module.modules())
