@@ -100,13 +100,15 @@ def _models(results):
     lines = []
     for w, part in _ok_worlds(results, "models"):
         variants = part["variants"]
-        lines += [f"## Third-party models, {w} GPUs: median step ms (speed vs torch DDP)", "",
+        lines += [f"## Third-party models, {w} GPUs: median step ms (speed vs torch DDP: median of per-round "
+                  "ratios, each round's variants run next to each other)", "",
                   "| model | " + " | ".join(variants) + " | peak GiB torch / ours |", "|---" * (len(variants) + 2) + "|"]
         for name, m in part["models"].items():
             if m.get("status") == "skipped":
                 lines.append(f"| {name} | skipped: {m['reason']} |")
                 continue
-            vs = m.get("speed_vs_torch", {})
+            vs = {v: r["median"] for v, r in m["speed_vs_torch_paired"].items()} if "speed_vs_torch_paired" in m \
+                else m.get("speed_vs_torch", {})
             cells = [f"{m['step_ms_median'][v]:.1f}" + (f" ({vs[v]:.3f}x)" if v in vs and v != "torch" else "")
                      for v in variants]
             pk = m["peak_gib_per_variant"]

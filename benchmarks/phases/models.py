@@ -4,7 +4,7 @@ Models are built from their configs (no downloaded weights): timm ResNet-50 and 
 224x224 per GPU, Hugging Face BERT-base MLM and GPT-2 at 16x512 tokens per GPU; ``toy_cnn`` (torch only,
 the smoke run's) at 8 images of 32x32. Every variant gets its own copy of the model (same seed) and
 optimizer (AdamW, fused on GPUs, bf16 autocast on GPUs, ``zero_grad(set_to_none=True)``); variants take
-turns for `rounds` rounds of `steps` steps, and the median step time is reported with the host time
+turns (the order reversed every other round) for `rounds` rounds of `steps` steps, and the median step time is reported with the host time
 spent issuing the steps, each thread's CPU time per step (from /proc), peak memory per variant, and
 (``--models-profile N``) a torch.profiler window of the first N variants.
 
@@ -22,6 +22,7 @@ Variants (``--variants``; default: plain,torch,ours,trainer,trainer_monitor,ours
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -208,11 +209,12 @@ def measure(model_name, variants, ctx, opts, log_dir, rounds, steps) -> dict:
         resident[v] = allocated(device) - before
     times, host = defaultdict(list), defaultdict(list)
     thread_cpu = defaultdict(lambda: defaultdict(float))
-    for _ in range(rounds):
-        for v in variants:
+    for rnd in range(rounds):
+        for v in (variants if rnd % 2 == 0 else variants[::-1]):  # no variant always runs after another
             run = runs[v]
             for _ in range(3 if not opts.smoke else 1):
                 run.step(batch, criterion)
+            gc.collect()  # the garbage of the variant before is not this one's to collect
             synchronize(device)
             peak_reset(device)
             in_use = allocated(device)
@@ -261,6 +263,12 @@ def measure(model_name, variants, ctx, opts, log_dir, rounds, steps) -> dict:
                       for k, e in TIMERS.items()}}
     if "torch" in median:
         out["speed_vs_torch"] = {v: median["torch"] / t for v, t in median.items()}
+        # Paired by round: each round's torch step over the variant's in the same round (they ran next to
+        # each other), then the median and range over rounds. Host-bound models drift by 10-20% between
+        # rounds (CPU clocks, neighbours); a ratio within a round cancels most of that drift.
+        paired = {v: sorted(a / b for a, b in zip(times["torch"], t)) for v, t in times.items()}
+        out["speed_vs_torch_paired"] = {v: {"median": statistics.median(r), "min": r[0], "max": r[-1]}
+                                        for v, r in paired.items()}
     if ctx.is_main:
         print(f"\n== {model_name} (world {ctx.world_size})", flush=True)
         for v in variants:
