@@ -505,3 +505,21 @@ def test_bucket_size_and_overlap_switch_of_the_communication_optimizer(enable_ov
 def test_enable_overlap_must_be_a_bool():
     with pytest.raises(TypeError, match="enable_overlap"):
         CommunicationOptimizer(enable_overlap="no")
+
+
+def bucket_cap_worker(rank, world):
+    from distributed_training.comm.bucket import MB
+
+    caps = {}
+    for name, kwargs, comm in (("topk", {}, dict(compression="topk")), ("bf16", {}, dict(compression="bf16")),
+                               ("topk_given", {"bucket_cap_mb": 25}, dict(compression="topk")),
+                               ("topk_sized", {}, dict(compression="topk", bucket_size_mb=10))):
+        ddp = DDP(MLP(), communication=CommunicationOptimizer(**comm), **kwargs)
+        caps[name] = ddp._cap_bytes / MB
+        ddp.remove_hooks()
+    return caps
+
+
+def test_topk_prefers_large_buckets_unless_told_otherwise():
+    caps = run_distributed(bucket_cap_worker, 1, timeout=60)[0]
+    assert caps == {"topk": 100.0, "bf16": 25.0, "topk_given": 25.0, "topk_sized": 10.0}, caps

@@ -79,8 +79,9 @@ class CommunicationOptimizer:
         pattern: ``"nccl"`` (the backend's all-reduce), ``"ring"`` or ``"tree"`` (ours, from
             point-to-point messages).
         bucket_size_mb: the bucket cap of the `DDP` it is given to, when that DDP is not given
-            ``bucket_cap_mb`` itself (default: DDP's, 25 MiB). Larger buckets mean fewer, larger
-            messages: fewer Top-K selections and PowerSGD factorisations, each over more entries.
+            ``bucket_cap_mb`` itself (default: 100 MiB for Top-K, whose cost is mostly per bucket; DDP's
+            25 MiB otherwise). Larger buckets mean fewer, larger messages: fewer Top-K selections and
+            PowerSGD factorisations, each over more entries.
         enable_overlap: reduce each bucket as soon as its gradients are ready, overlapped with the
             rest of backward (default), or with ``False`` all buckets after backward, which is
             slower but keeps communication off backward's critical path (for measuring one against
@@ -128,6 +129,9 @@ class CommunicationOptimizer:
         self.ranks_per_node = ranks_per_node
         self.pattern = pattern
         self.bucket_size_mb = bucket_size_mb
+        # Top-K's cost is mostly per call (launches, the all-gathers' latency), so it prefers fewer,
+        # larger buckets: at 1.3B on an H200, 4.9 ms a step in 100 MiB buckets against 13.0 in 25 MiB.
+        self.preferred_bucket_size_mb = 100.0 if compression == "topk" else None
         self.enable_overlap = enable_overlap
         self.powersgd_rank = powersgd_rank
         self.warmup_steps = warmup_steps

@@ -57,7 +57,7 @@ class DDP(nn.Module):
         mesh: a `Mesh` instead of `process_group`: average over its data-parallel group
             (``mesh.group("data")``); its node boundaries serve a hierarchical `communication`.
         bucket_cap_mb: cap of a gradient bucket in MiB (default: the `communication` optimizer's
-            ``bucket_size_mb`` when it has one, else 25).
+            ``bucket_size_mb`` when it has one, else 100 for Top-K compression, else 25).
         first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early
             (default 1).
         find_unused_parameters: allow parameters that get no gradient in some iterations, on some or
@@ -533,10 +533,14 @@ class _BackwardPass:
 
 
 def _bucket_cap_mb(given: float | None, reducer) -> float:
-    """The bucket cap: `bucket_cap_mb` if given, else the reducer's ``bucket_size_mb`` if it has one, else 25."""
+    """The bucket cap: `bucket_cap_mb` if given, else the reducer's ``bucket_size_mb`` if it has one,
+    else the size it prefers (``preferred_bucket_size_mb``: Top-K's 100), else 25."""
     wanted = getattr(reducer, "bucket_size_mb", None)
     if given is None:
-        return wanted if wanted is not None else 25.0
+        if wanted is not None:
+            return wanted
+        preferred = getattr(reducer, "preferred_bucket_size_mb", None)
+        return preferred if preferred is not None else 25.0
     if wanted is not None and wanted != given:
         raise ValueError(
             f"DDP(bucket_cap_mb={given!r}) and the communication optimizer's bucket_size_mb={wanted!r} disagree: "
