@@ -162,8 +162,8 @@ class CommunicationOptimizer:
         world = dist.get_world_size(group)
         if index == 0:
             self.steps += 1
-        if world == 1 and self.compression in (None, "bf16", "fp16"):
-            return CompletedWork()  # nothing to send: a cast down and back would only cost time and precision
+        if world == 1 and self.compression is None:
+            return CompletedWork()
         if self.compression is None:
             if self.hierarchical:
                 if self._groups is None:
