@@ -41,6 +41,7 @@ from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, des
 from ..comm.optimizer import CommunicationOptimizer
 from ..comm.reduce import AllReduceMean, BucketReducer, ReduceScatterMean
 from ..mesh import Mesh
+from .eager import eager_only
 from .overlap import OverlapTimeline
 
 __all__ = ["DDP"]
@@ -185,7 +186,7 @@ class DDP(nn.Module):
         self._before_forward()
         return self.module(*args, **kwargs)
 
-    @torch.compiler.disable
+    @eager_only
     def _before_forward(self) -> None:
         """What runs before the wrapped module. Never traced by torch.compile: under
         ``torch.compile(DDP(model))`` dynamo graph-breaks here, runs this eagerly (collectives, bucket

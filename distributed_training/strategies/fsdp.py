@@ -55,6 +55,7 @@ from ..comm.groups import make_hybrid_groups
 from ..comm.sharded import all_gather_flat, reduce_scatter_flat
 from ..mesh import Mesh
 from ..runtime import launcher_ranks_per_node
+from .eager import eager_only
 from .fsdp_state import FSDPStateDict
 from .fsdp_units import Unit, UnitPlacement, alloc_storage, build_units, free_storage, unit_roots
 
@@ -259,7 +260,7 @@ class FSDP(FSDPStateDict, nn.Module):
         self._after_forward()
         return out
 
-    @torch.compiler.disable
+    @eager_only
     def _before_forward(self) -> None:
         if self._backward_state.pending:  # a backward left reductions behind (e.g. it raised): settle them first
             self._finish_backward()
@@ -272,14 +273,14 @@ class FSDP(FSDPStateDict, nn.Module):
         if self._forward_order and not self._recording_order:
             self._start_gather(self._forward_order[0])
 
-    @torch.compiler.disable
+    @eager_only
     def _after_forward(self) -> None:
         self._recording_order = False
         if not torch.is_grad_enabled():
             for unit in self._units:
                 self._reshard(unit)
 
-    @torch.compiler.disable
+    @eager_only
     def _pre_forward(self, unit: Unit) -> None:
         if self._recording_order and unit not in self._forward_order:
             self._forward_order.append(unit)
@@ -287,7 +288,7 @@ class FSDP(FSDPStateDict, nn.Module):
         self._prefetch_after(unit, backward=False)
         self._set_views(unit)
 
-    @torch.compiler.disable
+    @eager_only
     def _post_forward(self, unit: Unit, output):
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self._reshard(unit)

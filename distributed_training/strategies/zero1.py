@@ -96,6 +96,7 @@ from ..runtime import DistributedContext
 from .base import ParamNames, Strategy, check_optimizer_params, require_factory
 from .ddp import DDP
 from .ddp_strategy import DDPBacked
+from .eager import eager_only
 
 __all__ = ["Zero1Strategy", "Zero1DDP"]
 
@@ -192,7 +193,7 @@ class Zero1DDP(DDP):
         self._settle_for_compile(torch.compiler.is_compiling())
         return super().forward(*args, **kwargs)
 
-    @torch.compiler.disable
+    @eager_only
     def _settle_for_compile(self, compiling: bool) -> None:
         """Wait for every all-gather still in flight when compiled code is about to run the module:
         the forward is being compiled (`compiling`, true only while dynamo traces the wrapper), or
