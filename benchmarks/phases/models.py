@@ -198,13 +198,18 @@ def measure(model_name, variants, ctx, opts, log_dir, rounds, steps) -> dict:
     runs, resident, peak_gib = {}, {}, {}
     batch = criterion = None
     for v in variants:
+        gc.collect()
         synchronize(device)
         before = allocated(device)
         torch.manual_seed(0)
-        model, batch, criterion = build(model_name, device)
+        model, own_batch, criterion = build(model_name, device)
         runs[v] = Variant(v, model, ctx, log_dir)
         for _ in range(3 if not opts.smoke else 1):
-            runs[v].step(batch, criterion)
+            runs[v].step(own_batch, criterion)
+        if batch is None:
+            batch = own_batch  # every variant trains on the first one's batch (same seed, same data)
+        del model, own_batch   # a later variant's batch is freed here, not during the next build
+        gc.collect()
         synchronize(device)
         resident[v] = allocated(device) - before
     times, host = defaultdict(list), defaultdict(list)
