@@ -84,6 +84,8 @@ def calibrate_this_run(results: dict) -> dict:
         for w in sorted(int(w) for w, part in training.items() if int(w) >= 2 and part.get("status") == "ok"):
             phases = training[str(w)]["models"].get(name, {}).get("phases", {})
             for impl in ("ddp_bf16", "ddp_topk", "ddp_powersgd"):
+                if impl not in phases1:  # its own cost on one GPU is unknown: the model would call it free
+                    continue
                 strategy = STRATEGY_OF[impl]
                 dense, packed = phases.get("ours_ddp"), phases.get(impl)
                 out["break_even"].append({
