@@ -1,0 +1,150 @@
+"""Runs one rank's part of a pipeline schedule for one training step.
+
+The batch is cut into microbatches along its first dimension. Each action of this rank's list (see
+`schedules.py`) runs in order: a forward takes its input from the batch (first stage) or from the
+previous stage's rank, and hands its output to the next stage's rank, or to the loss (last stage); a
+backward takes the gradient of its output from the next stage's rank (or from the loss) and hands the
+gradient of its input back. Messages go out at the next exchange point (`p2p.StageLink`).
+
+Each microbatch's loss is its mean loss weighted by its share of the batch, so the gradients autograd
+accumulates over the microbatches are those of the whole batch's mean loss, as one process computes
+them; the step's loss, the same weighted sum, is returned on every rank of the pipeline.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .p2p import StageLink
+from .schedules import build_schedule, stage_of
+
+__all__ = ["PipelineEngine"]
+
+
+def _split(value: Any, parts: int) -> list[Any]:
+    """`value` cut into `parts` along dim 0 (tensors, and tuples / lists / dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] < parts:
+            raise ValueError(f"a batch of {value.shape[0] if value.dim() else 0} samples cannot be cut into "
+                             f"{parts} microbatches: give microbatches <= the batch size")
+        return list(torch.tensor_split(value, parts))
+    if isinstance(value, dict):
+        cut = {k: _split(v, parts) for k, v in value.items()}
+        return [{k: cut[k][i] for k in value} for i in range(parts)]
+    if isinstance(value, (tuple, list)):
+        cut = [_split(v, parts) for v in value]
+        return [type(value)(c[i] for c in cut) for i in range(parts)]
+    return [value] * parts
+
+
+def _rows(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.shape[0]
+    if isinstance(value, dict):
+        return _rows(next(iter(value.values())))
+    if isinstance(value, (tuple, list)):
+        return _rows(value[0])
+    raise TypeError(f"cannot tell the batch size of a {type(value).__name__}")
+
+
+class PipelineEngine:
+    """One rank's stage chunks and the schedule that drives them.
+
+    Args:
+        chunks: this rank's model chunks, chunk c being stage ``c * P + rank`` (one chunk unless the
+            schedule interleaves).
+        ranks: the global ranks of the pipeline, in stage order.
+        rank: this rank's position in `ranks`.
+        group: the pipeline's process group (payloads); header_group: a CPU group over the same ranks
+            (defaults to `group`, right when it is gloo).
+        schedule: a name `schedules.build_schedule` knows.
+        microbatches: how many microbatches a batch is cut into.
+        loss_fn: ``loss_fn(output, target) -> mean loss`` on the last stage.
+        after_backward: called once all of the step's backwards ran (e.g. summing tied weights' gradients).
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], *, ranks: Sequence[int], rank: int, group=None,
+                 header_group=None, schedule: str = "1f1b", microbatches: int, loss_fn: Callable,
+                 device: torch.device | str = "cpu", after_backward: Callable[[], None] | None = None) -> None:
+        self.chunks = list(chunks)
+        self.pipe_size = len(ranks)
+        self.rank = rank
+        self.num_stages = self.pipe_size * len(self.chunks)
+        self.microbatches = microbatches
+        self.loss_fn = loss_fn
+        self.device = torch.device(device)
+        self.after_backward = after_backward
+        self.group = group
+        self.ranks = list(ranks)
+        self.link = StageLink(self.ranks, group, header_group if header_group is not None else group, self.device)
+        self.actions = build_schedule(schedule, self.pipe_size, microbatches, chunks=len(self.chunks))[rank]
+        for action in self.actions:
+            if action.kind not in ("F", "B"):
+                raise NotImplementedError(f"schedule {schedule!r}: action kind {action.kind!r} is not run by the "
+                                          "engine yet (split backwards come with zero-bubble support)")
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.pipe_size - 1
+
+    def step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """Forward and backward of every microbatch by the schedule; gradients accumulate in the chunks'
+        parameters. Returns the batch's mean loss on every rank of the pipeline.
+
+        Every rank passes the same batch: the first stage reads `inputs`, the last `targets`."""
+        m = self.microbatches
+        total = _rows(inputs)
+        xs, ys = _split(inputs, m), _split(targets, m)
+        shares = [_rows(x) / total for x in xs]
+        held: dict[tuple[int, int], tuple[Any, Any]] = {}  # (microbatch, chunk) -> (input, output or loss)
+        loss_sum = torch.zeros((), device=self.device)
+        pending: list[tuple[torch.Tensor, int]] = []
+        last = self.num_stages - 1
+        for action in self.actions:
+            stage = stage_of(self.rank, action.chunk, self.pipe_size)
+            mb, chunk = action.microbatch, action.chunk
+            if action.kind == "F":
+                source = (stage - 1) % self.pipe_size if stage > 0 else None
+                received = self.link.exchange(pending, source)
+                pending = []
+                if stage == 0:
+                    x = xs[mb]
+                else:
+                    x = received
+                    if x.is_floating_point():
+                        x.requires_grad_(True)
+                out = self.chunks[chunk](x)
+                if stage == last:
+                    loss = self.loss_fn(out, ys[mb]) * shares[mb]
+                    loss_sum = loss_sum + loss.detach().float()
+                    held[mb, chunk] = (x, loss)
+                else:
+                    held[mb, chunk] = (x, out)
+                    pending.append((out.detach(), (stage + 1) % self.pipe_size))
+            else:  # "B"
+                source = (stage + 1) % self.pipe_size if stage < last else None
+                received = self.link.exchange(pending, source)
+                pending = []
+                x, out = held.pop((mb, chunk))
+                if stage == last:
+                    out.backward()
+                else:
+                    out.backward(received)
+                if stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
+                    # An input the stage ignored has no gradient: the previous stage still waits for one.
+                    grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                    pending.append((grad, (stage - 1) % self.pipe_size))
+        self.link.exchange(pending, None)
+        self.link.wait_all()
+        if held:
+            raise RuntimeError(f"pipeline rank {self.rank}: the schedule left {len(held)} microbatch(es) without a "
+                               "backward")
+        if self.after_backward is not None:
+            self.after_backward()
+        if self.pipe_size > 1:
+            dist.broadcast(loss_sum, src=self.ranks[self.pipe_size - 1], group=self.group)
+        return loss_sum
