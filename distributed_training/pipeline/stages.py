@@ -37,7 +37,8 @@ returning one tensor. For example, for Hugging Face's GPT-2 (``GPT2LMHeadModel``
             super().__init__()
             self.block = block
         def forward(self, x):
-            return self.block(x)[0]            # HF blocks return a tuple
+            out = self.block(x)
+            return out[0] if isinstance(out, tuple) else out   # some versions return a tuple
 
     class Head(nn.Module):
         def __init__(self, model):
