@@ -1,5 +1,20 @@
-"""Pipeline parallelism from scratch: schedules as data (and their simulator); see docs/pipeline.md."""
+"""Pipeline parallelism from scratch (issue 15; design in docs/pipeline.md).
 
+`schedules`: what each rank does, as data (GPipe, 1F1B, interleaved 1F1B, ZB-H1), and a simulator that
+checks a schedule and measures its bubble. `stages`: the model as a chain of layers (`chain`), where to
+cut it (`partition`, `split_at`), one stage's module (`Stage`), building only one's own stage of a GPT
+(`GPTStages`), and tied parameters whose copies on several stages sum their gradients. `engine`: one
+rank's actions run for a training step, over `p2p`'s messages.
+"""
+
+from .engine import PipelineEngine
 from .schedules import Action, ScheduleError, Simulation, bubble_formula, build_schedule, simulate, stage_of
+from .stages import (GPTEmbedding, GPTHead, GPTStages, Stage, TiedGroup, chain, find_ties, gpt_key, layer_seed,
+                     lm_loss, partition, split_at, sync_tied_grads, tied_groups)
 
-__all__ = ["Action", "ScheduleError", "Simulation", "bubble_formula", "build_schedule", "simulate", "stage_of"]
+__all__ = [
+    "Action", "ScheduleError", "Simulation", "bubble_formula", "build_schedule", "simulate", "stage_of",
+    "GPTEmbedding", "GPTHead", "GPTStages", "Stage", "TiedGroup", "chain", "find_ties", "gpt_key", "layer_seed",
+    "lm_loss", "partition", "split_at", "sync_tied_grads", "tied_groups",
+    "PipelineEngine",
+]
