@@ -4,7 +4,7 @@ The batch is cut into microbatches along its first dimension. Each action of thi
 `schedules.py`) runs in order: a forward takes its input from the batch (first stage) or from the
 previous stage's rank, and hands its output to the next stage's rank, or to the loss (last stage); a
 backward takes the gradient of its output from the next stage's rank (or from the loss) and hands the
-gradient of its input back. Messages go out at the next exchange point (`p2p.StageLink`).
+gradient of its input back. Messages leave as soon as they are computed (`p2p.StageLink`).
 
 Each microbatch's loss is its mean loss weighted by its share of the batch, so the gradients autograd
 accumulates over the microbatches are those of the whole batch's mean loss, as one process computes
@@ -59,8 +59,9 @@ class PipelineEngine:
             schedule interleaves).
         ranks: the global ranks of the pipeline, in stage order.
         rank: this rank's position in `ranks`.
-        group: the pipeline's process group (payloads); header_group: a CPU group over the same ranks
-            (defaults to `group`, right when it is gloo).
+        group: the pipeline's process group (the loss broadcast, and every message unless given below).
+        up_group / down_group / header_group: see `p2p.StageLink` (NCCL needs all three: two NCCL groups
+            and a gloo one over the same ranks; on gloo `group` serves for all).
         schedule: a name `schedules.build_schedule` knows.
         microbatches: how many microbatches a batch is cut into.
         loss_fn: ``loss_fn(output, target) -> mean loss`` on the last stage.
@@ -68,7 +69,7 @@ class PipelineEngine:
     """
 
     def __init__(self, chunks: Sequence[nn.Module], *, ranks: Sequence[int], rank: int, group=None,
-                 header_group=None, schedule: str = "1f1b", microbatches: int, loss_fn: Callable,
+                 up_group=None, down_group=None, header_group=None, schedule: str = "1f1b", microbatches: int, loss_fn: Callable,
                  device: torch.device | str = "cpu", after_backward: Callable[[], None] | None = None) -> None:
         self.chunks = list(chunks)
         self.pipe_size = len(ranks)
@@ -80,7 +81,9 @@ class PipelineEngine:
         self.after_backward = after_backward
         self.group = group
         self.ranks = list(ranks)
-        self.link = StageLink(self.ranks, group, header_group if header_group is not None else group, self.device)
+        self.link = StageLink(self.ranks, up_group if up_group is not None else group,
+                              down_group if down_group is not None else group,
+                              header_group if header_group is not None else group, self.device)
         self.actions = build_schedule(schedule, self.pipe_size, microbatches, chunks=len(self.chunks))[rank]
         for action in self.actions:
             if action.kind not in ("F", "B"):
@@ -102,19 +105,16 @@ class PipelineEngine:
         shares = [_rows(x) / total for x in xs]
         held: dict[tuple[int, int], tuple[Any, Any]] = {}  # (microbatch, chunk) -> (input, output or loss)
         loss_sum = torch.zeros((), device=self.device)
-        pending: list[tuple[torch.Tensor, int]] = []
         last = self.num_stages - 1
+        me, link = self.rank, self.link
         for action in self.actions:
-            stage = stage_of(self.rank, action.chunk, self.pipe_size)
+            stage = stage_of(me, action.chunk, self.pipe_size)
             mb, chunk = action.microbatch, action.chunk
             if action.kind == "F":
-                source = (stage - 1) % self.pipe_size if stage > 0 else None
-                received = self.link.exchange(pending, source)
-                pending = []
                 if stage == 0:
                     x = xs[mb]
                 else:
-                    x = received
+                    x = link.recv(me, (stage - 1) % self.pipe_size)
                     if x.is_floating_point():
                         x.requires_grad_(True)
                 out = self.chunks[chunk](x)
@@ -124,22 +124,18 @@ class PipelineEngine:
                     held[mb, chunk] = (x, loss)
                 else:
                     held[mb, chunk] = (x, out)
-                    pending.append((out.detach(), (stage + 1) % self.pipe_size))
+                    link.send(out.detach(), me, (stage + 1) % self.pipe_size)
             else:  # "B"
-                source = (stage + 1) % self.pipe_size if stage < last else None
-                received = self.link.exchange(pending, source)
-                pending = []
                 x, out = held.pop((mb, chunk))
                 if stage == last:
                     out.backward()
                 else:
-                    out.backward(received)
+                    out.backward(link.recv(me, (stage + 1) % self.pipe_size))
                 if stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
                     # An input the stage ignored has no gradient: the previous stage still waits for one.
                     grad = x.grad if x.grad is not None else torch.zeros_like(x)
-                    pending.append((grad, (stage - 1) % self.pipe_size))
-        self.link.exchange(pending, None)
-        self.link.wait_all()
+                    link.send(grad, me, (stage - 1) % self.pipe_size)
+        link.wait_all()
         if held:
             raise RuntimeError(f"pipeline rank {self.rank}: the schedule left {len(held)} microbatch(es) without a "
                                "backward")

@@ -2,12 +2,16 @@
 
 The header (dtype, number of dimensions, shape) lets the receiver allocate the buffer without knowing
 the shape in advance, so the sequence length may change from batch to batch. Headers travel over a CPU
-(gloo) group: reading one never waits for the GPU. Payloads travel over the pipeline group (NCCL on
-GPUs), posted together in one batch at each *exchange point*: before an action, the sends that the
-previous action produced go out with the receive this action needs. Two neighbours that each send to
-the other at the same moment (1F1B's steady state: an activation forward, a gradient back) then post
-both messages in one group, which NCCL progresses together; posted one after the other on one stream
-they would wait for each other forever.
+(gloo) group: reading one never waits for the GPU. A message leaves as soon as the host has issued the
+computation of its tensor (its shape is known then), and a receive is posted just before the action
+that needs it; only the header receive blocks the host, so the hosts wait on one another exactly as
+the schedule's data dependencies say.
+
+Payloads to a higher pipeline rank and to a lower one use two different groups (on NCCL, two
+communicators, each with its own stream). Between two ranks each then carries one direction only, so a
+send waiting for its receiver never holds up a receive queued behind it on the same stream: the
+deadlock that 1F1B's steady state (an activation forward, a gradient back, at the same moment) would
+otherwise hit on NCCL.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
            torch.int8, torch.uint8, torch.bool)
 MAX_DIMS = 6
 _HEADER = 2 + MAX_DIMS  # dtype index, ndim, shape padded with zeros
+# Headers and payloads are told apart by tag where they share a group (gloo, on CPUs).
+_PAYLOAD_TAG, _HEADER_TAG = 0, 1
 
 
 def _header(tensor: torch.Tensor) -> torch.Tensor:
@@ -42,46 +48,38 @@ class StageLink:
 
     Args:
         ranks: the global ranks of the pipeline, in stage order (`mesh.ranks("pipeline")`).
-        group: the pipeline group the payloads use (NCCL on GPUs).
-        header_group: a CPU group over the same ranks for the headers (gloo); `group` itself when it is gloo.
+        up_group / down_group: the groups over `ranks` for payloads sent to a higher / lower pipeline rank
+            (may be the same group on gloo, where sends never block).
+        header_group: a CPU (gloo) group over `ranks` for the headers (may be the payloads' group on gloo:
+            headers and payloads are told apart by tag).
         device: where received payloads are allocated.
     """
 
-    def __init__(self, ranks: list[int], group, header_group, device: torch.device) -> None:
+    def __init__(self, ranks: list[int], up_group, down_group, header_group, device: torch.device) -> None:
         self.ranks = list(ranks)
-        self.group, self.header_group = group, header_group
+        self.up_group, self.down_group, self.header_group = up_group, down_group, header_group
         self.device = device
+        self.me = None
         self._in_flight: list[tuple[list, tuple]] = []  # (works, tensors they read) until waited for
 
-    def exchange(self, sends: list[tuple[torch.Tensor, int]], recv_from: int | None) -> torch.Tensor | None:
-        """Send each (tensor, pipeline rank) of `sends` and, when `recv_from` is a pipeline rank, receive one
-        tensor from it; return the received tensor (ready to use on this rank's stream) or None."""
-        headers = []
-        for tensor, peer in sends:
-            head = _header(tensor)
-            headers.append(head)
-            self._in_flight.append(([dist.isend(head, self.ranks[peer], group=self.header_group)], (head,)))
-        received = None
-        ops = [dist.P2POp(dist.isend, t.contiguous() if not t.is_contiguous() else t, self.ranks[peer], self.group)
-               for t, peer in sends]
-        if recv_from is not None:
-            head = torch.empty(_HEADER, dtype=torch.int64)
-            dist.recv(head, self.ranks[recv_from], group=self.header_group)
-            code, ndim, *shape = head.tolist()
-            received = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
-            ops.append(dist.P2POp(dist.irecv, received, self.ranks[recv_from], self.group))
-        if ops:
-            works = list(dist.batch_isend_irecv(ops))
-            if recv_from is not None:
-                # On NCCL the current stream waits (the host goes on); on gloo the data is here after it.
-                if len(works) == len(ops):  # one work per message: wait for the receive only
-                    works.pop().wait()
-                else:  # one work for the whole group (NCCL coalesces): it covers the receive
-                    for work in works:
-                        work.wait()
-                    works = []
-            if works:
-                self._in_flight.append((works, tuple(op.tensor for op in ops)))
+    def _payload_group(self, sender: int, receiver: int):
+        return self.up_group if receiver > sender else self.down_group
+
+    def send(self, tensor: torch.Tensor, me: int, peer: int) -> None:
+        """Send `tensor` from pipeline rank `me` to pipeline rank `peer`: header, then payload, now."""
+        head = _header(tensor)
+        payload = tensor if tensor.is_contiguous() else tensor.contiguous()
+        works = [dist.isend(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG),
+                 dist.isend(payload, self.ranks[peer], group=self._payload_group(me, peer), tag=_PAYLOAD_TAG)]
+        self._in_flight.append((works, (head, payload)))
+
+    def recv(self, me: int, peer: int) -> torch.Tensor:
+        """The next tensor pipeline rank `peer` sends to `me` (on NCCL: ready in stream order)."""
+        head = torch.empty(_HEADER, dtype=torch.int64)
+        dist.recv(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG)
+        code, ndim, *shape = head.tolist()
+        received = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
+        dist.irecv(received, self.ranks[peer], group=self._payload_group(peer, me), tag=_PAYLOAD_TAG).wait()
         return received
 
     def wait_all(self) -> None:
