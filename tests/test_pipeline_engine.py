@@ -86,3 +86,49 @@ def test_engine_matches_one_process(schedule, world, chunks, microbatches):
 def test_engine_with_adamw():
     for worst, _ in run_distributed(engine_worker, 2, args=("1f1b", 1, 4, "adamw"), timeout=120):
         assert worst <= 1e-5
+
+
+def gpt_worker(rank, world, schedule, microbatches):
+    from distributed_training.models import GPTConfig
+    from distributed_training.pipeline import GPTStages, lm_loss, sync_tied_grads
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16, dropout=0.0)
+    maker = GPTStages(cfg, seed=3)
+    stage = maker.build(rank, world)
+    reference = maker.model("cpu")
+    tied = maker.tied_groups(world)
+    # The ranks holding copies of the tied embedding / head (the first and last stage): a group of their own,
+    # created by every rank (a collective).
+    tie_group = dist.new_group(list(tied[0].stages)) if tied else None
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    engine = PipelineEngine([stage], ranks=list(range(world)), rank=rank, schedule=schedule,
+                            microbatches=microbatches, loss_fn=lm_loss,
+                            after_backward=lambda: sync_tied_grads(stage, tied, tie_group))
+    worst, losses = 0.0, []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(7 + step)
+        idx = torch.randint(0, cfg.vocab_size, (8, 5 + 2 * step), generator=g)  # length changes each step
+        targets = torch.randint(0, cfg.vocab_size, idx.shape, generator=g)
+        loss = engine.step(idx, targets)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = reference(idx, targets)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((loss.item(), ref_loss.item()))
+        whole = dict(reference.named_parameters(remove_duplicate=False))  # the tied head too
+        from distributed_training.pipeline import gpt_key
+
+        for key, p in stage.named_parameters():
+            worst = max(worst, (p - whole[gpt_key(key)]).abs().max().item())
+    return worst, losses
+
+
+@pytest.mark.parametrize("schedule,world", [("1f1b", 2), ("gpipe", 2), pytest.param("1f1b", 4, marks=pytest.mark.slow)])
+def test_engine_trains_a_gpt_with_tied_embeddings_like_one_process(schedule, world):
+    for rank, (worst, losses) in enumerate(run_distributed(gpt_worker, world, args=(schedule, 4), timeout=120)):
+        assert worst <= 1e-5, f"rank {rank}: parameters differ from one process by {worst:.3g}"
+        for got, want in losses:
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, got, want)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["StageLink", "MAX_DIMS"]
+__all__ = ["StageLink", "PipelineAborted", "MAX_DIMS"]
 
 #: dtypes a stage may send (the header carries an index into this list)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -28,6 +28,11 @@ MAX_DIMS = 6
 _HEADER = 2 + MAX_DIMS  # dtype index, ndim, shape padded with zeros
 # Headers and payloads are told apart by tag where they share a group (gloo, on CPUs).
 _PAYLOAD_TAG, _HEADER_TAG = 0, 1
+_ABORT = -1  # a header whose dtype index is this says "stop": the rank in its third field failed
+
+
+class PipelineAborted(RuntimeError):
+    """Another rank of the pipeline failed during the step, so this one stopped too."""
 
 
 def _header(tensor: torch.Tensor) -> torch.Tensor:
@@ -74,13 +79,36 @@ class StageLink:
         self._in_flight.append((works, (head, payload)))
 
     def recv(self, me: int, peer: int) -> torch.Tensor:
-        """The next tensor pipeline rank `peer` sends to `me` (on NCCL: ready in stream order)."""
-        head = torch.empty(_HEADER, dtype=torch.int64)
-        dist.recv(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG)
-        code, ndim, *shape = head.tolist()
+        """The next tensor pipeline rank `peer` sends to `me` (on NCCL: ready in stream order).
+
+        Raises `PipelineAborted` when `peer` (or a rank before it) failed instead of sending."""
+        code, ndim, *shape = self._header_from(peer)
         received = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
         dist.irecv(received, self.ranks[peer], group=self._payload_group(peer, me), tag=_PAYLOAD_TAG).wait()
         return received
+
+    def _header_from(self, peer: int) -> list[int]:
+        head = torch.empty(_HEADER, dtype=torch.int64)
+        dist.recv(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG)
+        values = head.tolist()
+        if values[0] == _ABORT:
+            raise PipelineAborted(f"pipeline stage on rank {self.ranks[peer]} stopped: pipeline rank {values[2]} "
+                                  "failed (its own error says why)")
+        return values
+
+    def abort(self, me: int, failed: int | None = None) -> None:
+        """Tell every other rank of the pipeline that this step stops (`failed`: the global rank whose
+        error started it, default this one): a rank blocked on a header from this one raises
+        `PipelineAborted` and tells the others in turn, so no rank waits forever for a message."""
+        failed = self.ranks[me] if failed is None else failed
+        head = torch.zeros(_HEADER, dtype=torch.int64)
+        head[0], head[2] = _ABORT, failed
+        for peer in range(len(self.ranks)):
+            if peer != me:
+                try:
+                    dist.isend(head.clone(), self.ranks[peer], group=self.header_group, tag=_HEADER_TAG)
+                except RuntimeError:  # the peer is gone already: nothing to tell it
+                    pass
 
     def wait_all(self) -> None:
         """Wait until every message sent so far has left (the tensors it read may then be reused)."""
