@@ -31,7 +31,8 @@ def render_markdown(results: dict) -> str:
         if entry.get("status") in ("skipped", "error") and entry.get("reason") and not entry.get("worlds"):
             lines.append(f"- {name}: **{entry['status']}**: {entry['reason'].strip()}")
     lines.append("")
-    for section in (_collectives, _training, _models, _precision, _topk, _profiling, _monitor, _memory, _model_check):
+    for section in (_collectives, _training, _models, _precision, _topk, _profiling, _monitor, _memory, _pipeline,
+                    _model_check):
         lines += section(results)
     return "\n".join(lines) + "\n"
 
@@ -114,6 +115,30 @@ def _models(results):
             pk = m["peak_gib_per_variant"]
             lines.append(f"| {name} | " + " | ".join(cells) +
                          f" | {pk.get('torch', 0):.1f} / {pk.get('ours', 0):.1f} |")
+        lines.append("")
+    return lines
+
+
+def _pipeline(results):
+    lines = []
+    for w, part in _ok_worlds(results, "pipeline"):
+        lines += [f"## Pipeline ({part['model']}, {w} stages, {part['batch']} x {part['seq']} tokens a step in "
+                  f"{part['microbatches']} microbatches): ours vs torch.distributed.pipelining", "",
+                  "| schedule | ours ms | ours tokens/s/GPU | torch ms | ours / torch | peak GiB ours / torch (max rank) "
+                  "| bubble (formula) |", "|---|---|---|---|---|---|---|"]
+        runs = part["runs"]
+        for schedule in dict.fromkeys(k.split("_", 1)[1] for k in runs):
+            ours, ref = runs.get(f"ours_{schedule}", {}), runs.get(f"torch_{schedule}", {})
+
+            def cell(r, fmt):
+                return fmt(r) if r.get("status") == "ok" else f"error: {r.get('reason', '')[:60]}"
+            lines.append(f"| {schedule} | {cell(ours, lambda r: format(r['step_ms'], '.1f'))} | "
+                         f"{cell(ours, lambda r: format(r['tokens_per_s_per_gpu'], ',.0f'))} | "
+                         f"{cell(ref, lambda r: format(r['step_ms'], '.1f'))} | "
+                         f"{format(ours['speed_vs_torch'], '.3f') + 'x' if 'speed_vs_torch' in ours else ''} | "
+                         f"{cell(ours, lambda r: format(max(r['peak_gib_per_rank']), '.1f'))} / "
+                         f"{cell(ref, lambda r: format(max(r['peak_gib_per_rank']), '.1f'))} | "
+                         f"{cell(ours, lambda r: format(r['bubble_formula'], '.3f'))} |")
         lines.append("")
     return lines
 

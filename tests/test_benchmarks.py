@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "suite.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
 ALL_PHASES = {"collectives", "training", "models", "precision", "topk", "profiling", "monitor", "memory", "compile",
-              "model_check"}
+              "pipeline", "model_check"}
 
 
 def _suite(tmp_path, *args, timeout):
@@ -117,6 +117,15 @@ def test_smoke_runs_every_phase(tmp_path):
     auto = memory["auto_batch"]
     assert auto["batch_size"] >= 1 and auto["no_oom"] and auto["loss_finite"] and auto["reason"], auto
 
+    # Pipeline at world 2: our schedules and torch's, each run recorded (ZB-H1 may still say why it did not run).
+    pipe = ph["pipeline"]["worlds"]["2"]
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+        for impl in ("ours", "torch"):
+            run = pipe["runs"][f"{impl}_{schedule}"]
+            assert run["status"] == "ok" and run["step_ms"] > 0, (impl, schedule, run)
+        assert 0 < pipe["runs"][f"ours_{schedule}"]["bubble_formula"] < 1
+    assert {"ours_zbh1", "torch_zbh1"} <= set(pipe["runs"])
+
     # The scaling model: calibrated once from this run, every multi-GPU strategy predicted, projected.
     mc = ph["model_check"]
     this = mc["this_run"]
@@ -132,7 +141,7 @@ def test_smoke_runs_every_phase(tmp_path):
 
     md = (tmp_path / "results.md").read_text()
     for heading in ("## Collectives, 2 ranks", "## Training (GPT)", "## Third-party models, 2 GPUs", "## Precision",
-                    "## Top-K selection", "## Profile of a DDP step", "## Monitor overhead", "## Memory (",
+                    "## Top-K selection", "## Profile of a DDP step", "## Monitor overhead", "## Memory (", "## Pipeline (",
                     "## Projections (model output, not measurements)", "Largest error"):
         assert heading in md, heading
     pytest.importorskip("matplotlib")
