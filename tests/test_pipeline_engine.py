@@ -132,3 +132,46 @@ def test_engine_trains_a_gpt_with_tied_embeddings_like_one_process(schedule, wor
         assert worst <= 1e-5, f"rank {rank}: parameters differ from one process by {worst:.3g}"
         for got, want in losses:
             assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, got, want)
+
+
+class _Fails(nn.Module):
+    """A layer that raises on its third call (a stage that breaks in the middle of a step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise ValueError("boom in the middle stage")
+        return x
+
+
+def failing_worker(rank, world, schedule):
+    import time
+
+    base = _model(layers=2 * world)
+    stages = _cut(base, world)
+    if rank == 1:
+        stages[1] = nn.Sequential(*stages[1], _Fails())
+    engine = PipelineEngine([stages[rank]], ranks=list(range(world)), rank=rank, schedule=schedule, microbatches=4,
+                            loss_fn=F.mse_loss)
+    x, y = _batch(0)
+    started = time.monotonic()
+    try:
+        engine.step(x, y)
+    except RuntimeError as err:
+        return type(err).__name__, str(err), time.monotonic() - started
+    return None
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_stage_that_raises_makes_every_rank_raise(schedule):
+    results = run_distributed(failing_worker, 3, args=(schedule,), timeout=60)
+    assert all(r is not None for r in results), results
+    assert "boom in the middle stage" in results[1][1], results[1]
+    for rank in (0, 2):
+        kind, message, elapsed = results[rank]
+        assert kind == "PipelineAborted" and "global rank 1 failed" in message, results[rank]
+        assert elapsed < 20, elapsed

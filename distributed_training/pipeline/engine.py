@@ -16,10 +16,9 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .p2p import StageLink
+from .p2p import PipelineAborted, StageLink
 from .schedules import build_schedule, stage_of
 
 __all__ = ["PipelineEngine"]
@@ -98,7 +97,20 @@ class PipelineEngine:
         """Forward and backward of every microbatch by the schedule; gradients accumulate in the chunks'
         parameters. Returns the batch's mean loss on every rank of the pipeline.
 
-        Every rank passes the same batch: the first stage reads `inputs`, the last `targets`."""
+        Every rank passes the same batch: the first stage reads `inputs`, the last `targets`. If any
+        rank's stage raises, every rank of the pipeline raises (the others `PipelineAborted`) instead of
+        waiting for messages that will never come; the pipeline cannot run another step after that."""
+        try:
+            return self._step(inputs, targets)
+        except BaseException as err:
+            failed = getattr(err, "failed_rank", None)
+            self.link.abort(self.rank, failed)
+            if not isinstance(err, PipelineAborted):
+                raise RuntimeError(f"pipeline rank {self.rank} (global rank {self.ranks[self.rank]}): its stage "
+                                   f"failed during the step: {err}") from err
+            raise
+
+    def _step(self, inputs: Any, targets: Any) -> torch.Tensor:
         m = self.microbatches
         total = _rows(inputs)
         xs, ys = _split(inputs, m), _split(targets, m)
@@ -141,6 +153,11 @@ class PipelineEngine:
                                "backward")
         if self.after_backward is not None:
             self.after_backward()
-        if self.pipe_size > 1:
-            dist.broadcast(loss_sum, src=self.ranks[self.pipe_size - 1], group=self.group)
+        if self.pipe_size > 1:  # the last stage's loss to every rank, by message (no collective a failed rank
+            if self.is_last:     # would leave the others waiting in)
+                for peer in range(self.pipe_size - 1):
+                    link.send(loss_sum, me, peer)
+                link.wait_all()
+            else:
+                loss_sum = link.recv(me, self.pipe_size - 1)
         return loss_sum

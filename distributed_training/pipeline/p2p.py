@@ -16,6 +16,9 @@ otherwise hit on NCCL.
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -29,6 +32,7 @@ _HEADER = 2 + MAX_DIMS  # dtype index, ndim, shape padded with zeros
 # Headers and payloads are told apart by tag where they share a group (gloo, on CPUs).
 _PAYLOAD_TAG, _HEADER_TAG = 0, 1
 _ABORT = -1  # a header whose dtype index is this says "stop": the rank in its third field failed
+_ABORT_GRACE_S = 2.0
 
 
 class PipelineAborted(RuntimeError):
@@ -89,11 +93,19 @@ class StageLink:
 
     def _header_from(self, peer: int) -> list[int]:
         head = torch.empty(_HEADER, dtype=torch.int64)
-        dist.recv(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG)
+        try:
+            dist.recv(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG)
+        except RuntimeError as err:  # the peer's process ended (it failed, and its launcher tore it down)
+            lost = PipelineAborted(f"pipeline stopped: global rank {self.ranks[peer]}, which this rank was waiting "
+                                   f"for, went away ({str(err).splitlines()[0][:200]})")
+            lost.failed_rank = self.ranks[peer]
+            raise lost from err
         values = head.tolist()
         if values[0] == _ABORT:
-            raise PipelineAborted(f"pipeline stage on rank {self.ranks[peer]} stopped: pipeline rank {values[2]} "
-                                  "failed (its own error says why)")
+            err = PipelineAborted(f"pipeline stopped: global rank {values[2]} failed during the step (its own error "
+                                  f"says why); this rank was waiting for global rank {self.ranks[peer]}")
+            err.failed_rank = values[2]
+            raise err
         return values
 
     def abort(self, me: int, failed: int | None = None) -> None:
@@ -103,12 +115,22 @@ class StageLink:
         failed = self.ranks[me] if failed is None else failed
         head = torch.zeros(_HEADER, dtype=torch.int64)
         head[0], head[2] = _ABORT, failed
+        works = []
         for peer in range(len(self.ranks)):
             if peer != me:
                 try:
-                    dist.isend(head.clone(), self.ranks[peer], group=self.header_group, tag=_HEADER_TAG)
+                    works.append(dist.isend(head.clone(), self.ranks[peer], group=self.header_group,
+                                            tag=_HEADER_TAG))
                 except RuntimeError:  # the peer is gone already: nothing to tell it
                     pass
+        # Give the messages a moment to reach the peers waiting on this rank before its process may end
+        # (a peer not listening to this rank never takes its message: it hears from another one).
+        deadline = time.monotonic() + _ABORT_GRACE_S
+        for work in works:
+            try:
+                work.wait(timeout=timedelta(seconds=max(0.01, deadline - time.monotonic())))
+            except RuntimeError:
+                pass
 
     def wait_all(self) -> None:
         """Wait until every message sent so far has left (the tensors it read may then be reused)."""
