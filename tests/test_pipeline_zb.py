@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from distributed_training.models import GPTConfig
 from distributed_training.pipeline import (Action, GPTStages, PipelineEngine, SplitBackward, gpt_key, lm_loss,
                                            sync_tied_grads)
+from distributed_training.pipeline import split_backward
 from distributed_training.testing import run_distributed
 
 WIDTH = 8
@@ -104,6 +105,25 @@ def test_first_layer_fed_with_data_still_defers():
         out.backward(g)
     assert stage.fc1.weight.grad is None and split.queued("m") == 2
     split.weight_grad("m")
+    assert _max_diff(stage, reference) <= 1e-6
+
+
+def test_weight_pass_accumulating_layer_by_layer(monkeypatch):
+    # Large layers: W hands each layer's gradients to .grad before computing the next ones.
+    monkeypatch.setattr(split_backward, "_ACCUMULATE_BYTES", 1)
+    calls = []
+    accumulate = split_backward._accumulate
+    monkeypatch.setattr(split_backward, "_accumulate", lambda pairs: calls.append(len(pairs)) or accumulate(pairs))
+    stage, reference = _stage(), _stage()
+    split = SplitBackward(stage, functional=True)
+    x, g = _data()
+    reference(x.detach().clone().requires_grad_(True)).backward(g)
+    with split.record(0):
+        out = stage(x)
+    with split.input_grad():
+        out.backward(g)
+    split.weight_grad(0)
+    assert calls[:3] == [1, 1, 2]  # extra, fc2 (no bias), fc1 (weight and bias): last layer first
     assert _max_diff(stage, reference) <= 1e-6
 
 

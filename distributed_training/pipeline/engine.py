@@ -6,6 +6,11 @@ previous stage's rank, and hands its output to the next stage's rank, or to the 
 backward takes the gradient of its output from the next stage's rank (or from the loss) and hands the
 gradient of its input back. Messages leave as soon as they are computed (`p2p.StageLink`).
 
+Split backwards (ZB-H1's ``I`` and ``W``): each forward is recorded by a `split_backward.SplitBackward`
+under its (microbatch, chunk), an ``I`` is the backward above with the linear layers' weight gradients
+deferred (the input gradient leaves at once), and the ``W`` of that (microbatch, chunk) computes them
+later and accumulates them into ``.grad``. Nothing of it outlives the step.
+
 Each microbatch's loss is its mean loss weighted by its share of the batch, so the gradients autograd
 accumulates over the microbatches are those of the whole batch's mean loss, as one process computes
 them; the step's loss, the same weighted sum, is returned on every rank of the pipeline.

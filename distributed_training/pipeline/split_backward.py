@@ -71,6 +71,9 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["SplitBackward"]
 
+#: W accumulates its weight gradients into ``.grad`` whenever this many bytes of them are waiting.
+_ACCUMULATE_BYTES = 32 * 2 ** 20
+
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast computes `F.linear` in on `device_type` now, or None when it is off."""
@@ -282,9 +285,16 @@ class SplitBackward:
         accumulate into ``.grad`` (through autograd: the parameters' hooks run), then the tensors it held
         are released. Returns how many layers' work ran (0 when nothing was queued under `key`)."""
         work = self._queues.pop(key, [])
-        pairs = []
+        pairs, size = [], 0
         for item in work:
-            pairs.extend(item.grads())
+            for param, grad in item.grads():
+                pairs.append((param, grad))
+                size += grad.numel() * grad.element_size()
+            # One autograd call for many small layers (host time), but never a whole stage's gradients
+            # waiting at once (memory): a plain backward frees each gradient once accumulated.
+            if size >= _ACCUMULATE_BYTES:
+                _accumulate(pairs)
+                pairs, size = [], 0
         _accumulate(pairs)
         return len(work)
 
