@@ -4,11 +4,13 @@
 checks a schedule and measures its bubble. `stages`: the model as a chain of layers (`chain`), where to
 cut it (`partition`, `split_at`), one stage's module (`Stage`), building only one's own stage of a GPT
 (`GPTStages`), and tied parameters whose copies on several stages sum their gradients. `engine`: one
-rank's actions run for a training step, over `p2p`'s messages.
+rank's actions run for a training step, over `p2p`'s messages. `split_backward`: ZB-H1's split backward
+(`SplitBackward`: the linear layers' weight gradients deferred from I to W).
 """
 
 from .engine import PipelineEngine
 from .schedules import Action, ScheduleError, Simulation, bubble_formula, build_schedule, simulate, stage_of
+from .split_backward import SplitBackward
 from .stages import (GPTEmbedding, GPTHead, GPTStages, Stage, TiedGroup, chain, find_ties, gpt_key, layer_seed,
                      lm_loss, partition, split_at, sync_tied_grads, tied_groups)
 
@@ -16,5 +18,5 @@ __all__ = [
     "Action", "ScheduleError", "Simulation", "bubble_formula", "build_schedule", "simulate", "stage_of",
     "GPTEmbedding", "GPTHead", "GPTStages", "Stage", "TiedGroup", "chain", "find_ties", "gpt_key", "layer_seed",
     "lm_loss", "partition", "split_at", "sync_tied_grads", "tied_groups",
-    "PipelineEngine",
+    "PipelineEngine", "SplitBackward",
 ]

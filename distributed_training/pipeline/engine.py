@@ -6,6 +6,11 @@ previous stage's rank, and hands its output to the next stage's rank, or to the 
 backward takes the gradient of its output from the next stage's rank (or from the loss) and hands the
 gradient of its input back. Messages leave as soon as they are computed (`p2p.StageLink`).
 
+Split backwards (ZB-H1's ``I`` and ``W``): each forward is recorded by a `split_backward.SplitBackward`
+under its (microbatch, chunk), an ``I`` is the backward above with the linear layers' weight gradients
+deferred (the input gradient leaves at once), and the ``W`` of that (microbatch, chunk) computes them
+later and accumulates them into ``.grad``. Nothing of it outlives the step.
+
 Each microbatch's loss is its mean loss weighted by its share of the batch, so the gradients autograd
 accumulates over the microbatches are those of the whole batch's mean loss, as one process computes
 them; the step's loss, the same weighted sum, is returned on every rank of the pipeline.
@@ -13,6 +18,7 @@ them; the step's loss, the same weighted sum, is returned on every rank of the p
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,6 +26,7 @@ from torch import nn
 
 from .p2p import PipelineAborted, StageLink
 from .schedules import build_schedule, stage_of
+from .split_backward import SplitBackward
 
 __all__ = ["PipelineEngine"]
 
@@ -65,11 +72,16 @@ class PipelineEngine:
         microbatches: how many microbatches a batch is cut into.
         loss_fn: ``loss_fn(output, target) -> mean loss`` on the last stage.
         after_backward: called once all of the step's backwards ran (e.g. summing tied weights' gradients).
+        split_backward: for schedules with ``I`` and ``W`` actions (``"zbh1"``), what defers the weight
+            gradients (`split_backward.SplitBackward`); default ``SplitBackward(chunks)``: the chunks'
+            `nn.Linear` layers. Pass ``SplitBackward(chunks, functional=True)`` to also defer other
+            ``F.linear`` calls. Ignored by schedules without split backwards.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], *, ranks: Sequence[int], rank: int, group=None,
                  up_group=None, down_group=None, header_group=None, schedule: str = "1f1b", microbatches: int, loss_fn: Callable,
-                 device: torch.device | str = "cpu", after_backward: Callable[[], None] | None = None) -> None:
+                 device: torch.device | str = "cpu", after_backward: Callable[[], None] | None = None,
+                 split_backward: SplitBackward | None = None) -> None:
         self.chunks = list(chunks)
         self.pipe_size = len(ranks)
         self.rank = rank
@@ -84,10 +96,13 @@ class PipelineEngine:
                               down_group if down_group is not None else group,
                               header_group if header_group is not None else group, self.device)
         self.actions = build_schedule(schedule, self.pipe_size, microbatches, chunks=len(self.chunks))[rank]
-        for action in self.actions:
-            if action.kind not in ("F", "B"):
-                raise NotImplementedError(f"schedule {schedule!r}: action kind {action.kind!r} is not run by the "
-                                          "engine yet (split backwards come with zero-bubble support)")
+        self.split: SplitBackward | None = None
+        if any(action.kind in ("I", "W") for action in self.actions):
+            if split_backward is None:
+                split_backward = SplitBackward(self.chunks)
+            elif not isinstance(split_backward, SplitBackward):
+                raise TypeError(f"split_backward must be a SplitBackward, got {type(split_backward).__name__}")
+            self.split = split_backward
 
     @property
     def is_last(self) -> bool:
@@ -119,34 +134,44 @@ class PipelineEngine:
         loss_sum = torch.zeros((), device=self.device)
         last = self.num_stages - 1
         me, link = self.rank, self.link
-        for action in self.actions:
-            stage = stage_of(me, action.chunk, self.pipe_size)
-            mb, chunk = action.microbatch, action.chunk
-            if action.kind == "F":
-                if stage == 0:
-                    x = xs[mb]
-                else:
-                    x = link.recv(me, (stage - 1) % self.pipe_size)
-                    if x.is_floating_point():
-                        x.requires_grad_(True)
-                out = self.chunks[chunk](x)
-                if stage == last:
-                    loss = self.loss_fn(out, ys[mb]) * shares[mb]
-                    loss_sum = loss_sum + loss.detach().float()
-                    held[mb, chunk] = (x, loss)
-                else:
-                    held[mb, chunk] = (x, out)
-                    link.send(out.detach(), me, (stage + 1) % self.pipe_size)
-            else:  # "B"
-                x, out = held.pop((mb, chunk))
-                if stage == last:
-                    out.backward()
-                else:
-                    out.backward(link.recv(me, (stage + 1) % self.pipe_size))
-                if stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
-                    # An input the stage ignored has no gradient: the previous stage still waits for one.
-                    grad = x.grad if x.grad is not None else torch.zeros_like(x)
-                    link.send(grad, me, (stage - 1) % self.pipe_size)
+        split = self.split
+        try:
+            for action in self.actions:
+                stage = stage_of(me, action.chunk, self.pipe_size)
+                mb, chunk = action.microbatch, action.chunk
+                if action.kind == "F":
+                    if stage == 0:
+                        x = xs[mb]
+                    else:
+                        x = link.recv(me, (stage - 1) % self.pipe_size)
+                        if x.is_floating_point():
+                            x.requires_grad_(True)
+                    with split.record((mb, chunk)) if split is not None else nullcontext():
+                        out = self.chunks[chunk](x)
+                    if stage == last:
+                        loss = self.loss_fn(out, ys[mb]) * shares[mb]
+                        loss_sum = loss_sum + loss.detach().float()
+                        held[mb, chunk] = (x, loss)
+                    else:
+                        held[mb, chunk] = (x, out)
+                        link.send(out.detach(), me, (stage + 1) % self.pipe_size)
+                elif action.kind == "W":  # the weight gradients that the I of (mb, chunk) deferred
+                    split.weight_grad((mb, chunk))
+                else:  # "B", or "I": the same pass with the recorded linear layers' weight gradients deferred
+                    x, out = held.pop((mb, chunk))
+                    grad = None if stage == last else link.recv(me, (stage + 1) % self.pipe_size)
+                    with split.input_grad() if action.kind == "I" else nullcontext():
+                        out.backward(grad)
+                    if stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
+                        # An input the stage ignored has no gradient: the previous stage still waits for one.
+                        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                        link.send(grad, me, (stage - 1) % self.pipe_size)
+            if split is not None and split.pending():
+                raise RuntimeError(f"pipeline rank {self.rank}: the schedule left weight gradients of "
+                                   f"{sorted(split.pending())} (microbatch, chunk) without a W action")
+        finally:
+            if split is not None:
+                split.reset()  # the step's deferred work and casts: nothing survives the step
         link.wait_all()
         if held:
             raise RuntimeError(f"pipeline rank {self.rank}: the schedule left {len(held)} microbatch(es) without a "

@@ -1,0 +1,364 @@
+"""ZB-H1's split backward: I (input gradient) then W (deferred weight gradients) equals one backward,
+does the same matmul work, leaves nothing behind; the engine on zbh1 equals one process on the whole
+batch (an MLP and our GPT with its tied embedding, real processes)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from distributed_training.models import GPTConfig
+from distributed_training.pipeline import (Action, GPTStages, PipelineEngine, SplitBackward, gpt_key, lm_loss,
+                                           sync_tied_grads)
+from distributed_training.pipeline import split_backward
+from distributed_training.testing import run_distributed
+
+WIDTH = 8
+STEPS = 3
+GPT_CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+
+
+class _Stage(nn.Module):
+    """Linear + LayerNorm + GELU layers, a bias-free Linear, and a weight used through F.linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
+        self.ln = nn.LayerNorm(2 * WIDTH)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(2 * WIDTH, WIDTH, bias=False)
+        self.extra = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH)
+
+    def forward(self, x):
+        return F.linear(self.fc2(self.act(self.ln(self.fc1(x)))), self.extra)
+
+
+def _stage():
+    torch.manual_seed(0)
+    return _Stage()
+
+
+def _linears(module):
+    return [m for m in module.modules() if isinstance(m, nn.Linear)]
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p.grad - q.grad).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _data(seed=1, input_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 5, WIDTH, generator=g)
+    return x.requires_grad_(input_grad), torch.randn(3, 5, WIDTH, generator=g)
+
+
+# ------------------------------------------------------------------------------------ the split itself
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_input_then_weight_gradient_equals_one_backward(functional):
+    stage, reference = _stage(), _stage()
+    split = SplitBackward([stage], functional=functional)
+    deferred = [stage.fc1.weight, stage.fc1.bias, stage.fc2.weight] + ([stage.extra] if functional else [])
+    layers = 3 if functional else 2  # fc1, fc2 (nn.Linear), and `extra` through F.linear when functional
+    fired = {id(p): 0 for p in stage.parameters()}
+    for p in stage.parameters():  # what a data-parallel strategy listens to
+        p.register_post_accumulate_grad_hook(lambda p: fired.__setitem__(id(p), fired[id(p)] + 1))
+    for mb in range(2):  # two microbatches: the weight gradients accumulate
+        x, g = _data(seed=mb)
+        x_ref = x.detach().clone().requires_grad_(True)
+        reference(x_ref).backward(g)
+        with split.record(mb):
+            out = stage(x)
+        assert split.queued(mb) == 0
+        with split.input_grad():
+            out.backward(g)
+        assert split.queued(mb) == layers
+        assert torch.equal(x.grad, x_ref.grad)  # the input gradient (what I sends back) is complete
+        for p in deferred:  # no weight-gradient work in I: nothing accumulated, no hook fired
+            assert fired[id(p)] == mb and (p.grad is None or mb > 0), "a weight gradient ran in I"
+        assert fired[id(stage.ln.weight)] == mb + 1  # LayerNorm: in I, as usual
+        if not functional:
+            assert fired[id(stage.extra)] == mb + 1  # F.linear without functional=True: in I (correct)
+        assert split.weight_grad(mb) == layers
+        assert split.queued(mb) == 0 and split.pending() == []
+        assert all(fired[id(p)] == mb + 1 for p in stage.parameters())  # every hook once per microbatch
+    assert _max_diff(stage, reference) <= 1e-6
+    split.reset()
+
+
+def test_first_layer_fed_with_data_still_defers():
+    # An input without a gradient (the first stage): the Function anchors itself in the graph.
+    stage, reference = _stage(), _stage()
+    split = SplitBackward(stage)
+    x, g = _data(input_grad=False)
+    reference(x).backward(g)
+    with split.record("m"):
+        out = stage(x)
+    with split.input_grad():
+        out.backward(g)
+    assert stage.fc1.weight.grad is None and split.queued("m") == 2
+    split.weight_grad("m")
+    assert _max_diff(stage, reference) <= 1e-6
+
+
+def test_weight_pass_accumulating_layer_by_layer(monkeypatch):
+    # Large layers: W hands each layer's gradients to .grad before computing the next ones.
+    monkeypatch.setattr(split_backward, "_ACCUMULATE_BYTES", 1)
+    calls = []
+    accumulate = split_backward._accumulate
+    monkeypatch.setattr(split_backward, "_accumulate", lambda pairs: calls.append(len(pairs)) or accumulate(pairs))
+    stage, reference = _stage(), _stage()
+    split = SplitBackward(stage, functional=True)
+    x, g = _data()
+    reference(x.detach().clone().requires_grad_(True)).backward(g)
+    with split.record(0):
+        out = stage(x)
+    with split.input_grad():
+        out.backward(g)
+    split.weight_grad(0)
+    assert calls[:3] == [1, 1, 2]  # extra, fc2 (no bias), fc1 (weight and bias): last layer first
+    assert _max_diff(stage, reference) <= 1e-6
+
+
+def test_backward_without_input_grad_is_a_plain_backward():
+    stage, reference = _stage(), _stage()
+    split = SplitBackward(stage)
+    x, g = _data(input_grad=False)
+    reference(x).backward(g)
+    with split.record(0):
+        out = stage(x)
+    out.backward(g)  # no I asked: the weight gradients come at once
+    assert split.pending() == []
+    assert _max_diff(stage, reference) <= 1e-6
+
+
+def test_autocast_bf16_matches_plain_autocast():
+    stage, reference = _stage(), _stage()
+    split = SplitBackward(stage, functional=True)
+    for mb in range(2):  # the second microbatch reuses the cached bf16 weights
+        x, g = _data(seed=mb)
+        x_ref = x.detach().clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = reference(x_ref)
+            with split.record(mb):
+                got = stage(x)
+        assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+        want.float().backward(g)
+        with split.input_grad():
+            got.float().backward(g)
+        split.weight_grad(mb)
+        assert torch.equal(x.grad, x_ref.grad)
+    assert all(p.grad.dtype == torch.float32 for p in stage.parameters())
+    assert _max_diff(stage, reference) <= 1e-6
+    split.reset()
+
+
+def test_nothing_leaks_out_of_record():
+    stage = _stage()
+    split = SplitBackward(stage, functional=True)
+    x, g = _data()
+    with split.record(0):
+        assert all("forward" in m.__dict__ for m in _linears(stage))
+        out = stage(x)
+    assert not any("forward" in m.__dict__ for m in stage.modules())
+    with split.input_grad():
+        out.backward(g)
+    split.weight_grad(0)
+    split.reset()
+    # A plain forward and backward afterwards: autograd's own nodes, gradients at once.
+    stage.zero_grad()
+    out = stage(x)
+    assert type(out.grad_fn).__name__ != "BackwardCFunction"
+    out.backward(g)
+    assert stage.fc1.weight.grad is not None and split.pending() == []
+    with pytest.raises(RuntimeError, match="nested"):
+        with split.record(0), split.record(1):
+            pass
+
+
+def _mm_flops(fn) -> float:
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        fn()
+    return sum(e.flops for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
+
+
+def test_input_and_weight_passes_do_the_matmul_work_of_one_backward():
+    stage = _stage()
+    split = SplitBackward(stage, functional=True)
+    x, g = _data()
+    out = stage(x)
+    whole = _mm_flops(lambda: out.backward(g))
+    with split.record(0):
+        out = stage(x)
+
+    def input_pass():
+        with split.input_grad():
+            out.backward(g)
+
+    input_only = _mm_flops(input_pass)
+    weight_only = _mm_flops(lambda: split.weight_grad(0))
+    assert whole > 0 and 0 < input_only < whole and weight_only > 0
+    assert input_only + weight_only <= whole  # the point of ZB: no matmul done twice
+    # What the generic split (autograd.grad for the input, then a backward for the weights) costs: more.
+    out = stage(x)
+    naive = _mm_flops(lambda: (torch.autograd.grad(out, x, g, retain_graph=True),
+                               out.backward(g, inputs=list(stage.parameters()))))
+    assert naive > whole
+
+
+# -------------------------------------------------------------------------------- the engine, one rank
+
+
+def _mlp(layers: int):
+    torch.manual_seed(0)
+    mods = []
+    for i in range(layers):
+        mods += [nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)] + ([nn.Tanh()] if i < layers - 1 else [])
+    return nn.Sequential(*mods)
+
+
+def _batch(step: int, rows: int = 8):
+    g = torch.Generator().manual_seed(100 + step)
+    length = 3 + step  # shapes change from step to step
+    return torch.randn(rows, length, WIDTH, generator=g), torch.randn(rows, length, WIDTH, generator=g)
+
+
+def test_engine_zbh1_on_one_rank_and_no_leak():
+    model = _mlp(3)
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine([model], ranks=[0], rank=0, schedule="zbh1", microbatches=4, loss_fn=F.mse_loss)
+    assert [a.kind for a in engine.actions[:3]] == ["F", "I", "W"]
+    x, y = _batch(0)
+    engine.step(x, y)
+    F.mse_loss(reference(x), y).backward()
+    assert _max_diff(model, reference) <= 1e-6
+    assert not any("forward" in m.__dict__ for m in model.modules()) and engine.split.pending() == []
+    # After the step, a plain backward of the same modules behaves normally.
+    model.zero_grad(), reference.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    F.mse_loss(reference(x), y).backward()
+    assert _max_diff(model, reference) == 0.0
+    # A schedule that drops a W: an error naming it, and nothing left queued for the next step.
+    engine.actions = [a for a in engine.actions if a != Action("W", 2)]
+    with pytest.raises(RuntimeError, match=r"\[\(2, 0\)\].*without a W"):
+        engine.step(x, y)
+    assert engine.split.pending() == []
+    with pytest.raises(TypeError, match="split_backward"):
+        PipelineEngine([model], ranks=[0], rank=0, schedule="zbh1", microbatches=2, loss_fn=F.mse_loss,
+                       split_backward=object())
+
+
+# ---------------------------------------------------------------------------- the engine, real processes
+
+
+def _count_weight_passes(engine):
+    ran = []
+    run = engine.split.weight_grad
+    engine.split.weight_grad = lambda key: ran.append(run(key)) or ran[-1]
+    return ran
+
+
+def mlp_worker(rank, world, microbatches, optimizer):
+    base = _mlp(2 * world)
+    reference = copy.deepcopy(base)
+    layers = list(base)
+    per = len(layers) // world + (len(layers) % world > 0)
+    bounds = [min(i * per, len(layers)) for i in range(world)] + [len(layers)]
+    stages = [nn.Sequential(*layers[bounds[s]:bounds[s + 1]]) for s in range(world)]
+    mine = stages[rank]
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01)}[optimizer]
+    opt, ref_opt = make(mine.parameters()), make(reference.parameters())
+    engine = PipelineEngine([mine], ranks=list(range(world)), rank=rank, schedule="zbh1", microbatches=microbatches,
+                            loss_fn=F.mse_loss)
+    ran = _count_weight_passes(engine)
+    worst, losses = 0.0, []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        loss = engine.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = F.mse_loss(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((loss.item(), ref_loss.item()))
+        ref_mine = list(reference)[bounds[rank]:bounds[rank + 1]]
+        for p, q in zip(mine.parameters(), nn.Sequential(*ref_mine).parameters()):
+            worst = max(worst, (p - q).abs().max().item())
+    leaked = any("forward" in m.__dict__ for m in mine.modules())
+    return worst, losses, sum(ran), len(_linears(mine)) * microbatches * STEPS, leaked
+
+
+@pytest.mark.parametrize("world,microbatches,optimizer", [
+    (2, 4, "sgd"), (2, 3, "adamw"),
+    pytest.param(4, 8, "sgd", marks=pytest.mark.slow),
+    pytest.param(4, 3, "adamw", marks=pytest.mark.slow),
+])
+def test_zbh1_mlp_matches_one_process(world, microbatches, optimizer):
+    results = run_distributed(mlp_worker, world, args=(microbatches, optimizer), timeout=120)
+    for rank, (worst, losses, ran, expected, leaked) in enumerate(results):
+        assert worst <= 1e-5, f"rank {rank}: parameters differ from one process by {worst:.3g}"
+        for got, want in losses:
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, got, want)
+        assert ran == expected, f"rank {rank}: {ran} deferred layer passes, expected {expected}"
+        assert not leaked
+
+
+def gpt_worker(rank, world, optimizer):
+    builder = GPTStages(GPT_CFG, seed=1)
+    stage = builder.build(rank, world)
+    reference = builder.model()
+    tied = builder.tied_groups(world)
+    ends = sorted({s for t in tied for s in t.stages})
+    tie_group = dist.new_group(ends)  # every rank creates it; the ranks of the first and last stage use it
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01)}[optimizer]
+    opt, ref_opt = make(stage.parameters()), make(reference.parameters())
+
+    def after_backward():
+        if rank in ends:
+            sync_tied_grads(stage, tied, tie_group)
+
+    engine = PipelineEngine([stage], ranks=list(range(world)), rank=rank, schedule="zbh1", microbatches=4,
+                            loss_fn=lm_loss, after_backward=after_backward)
+    ran = _count_weight_passes(engine)
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    worst, losses = 0.0, []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        T = 6 + 2 * step
+        idx = torch.randint(0, GPT_CFG.vocab_size, (8, T), generator=g)
+        targets = torch.randint(0, GPT_CFG.vocab_size, (8, T), generator=g)
+        loss = engine.step(idx, targets)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = reference(idx, targets)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((loss.item(), ref_loss.item()))
+        for key, p in stage.named_parameters(remove_duplicate=False):
+            worst = max(worst, (p - ref_params[gpt_key(key)]).abs().max().item())
+    return worst, losses, sum(ran), len(_linears(stage)) * 4 * STEPS
+
+
+@pytest.mark.parametrize("world,optimizer", [
+    (2, "sgd"), (2, "adamw"),
+    pytest.param(4, "sgd", marks=pytest.mark.slow),
+])
+def test_zbh1_gpt_with_tied_embedding_matches_one_process(world, optimizer):
+    results = run_distributed(gpt_worker, world, args=(optimizer,), timeout=120)
+    for rank, (worst, losses, ran, expected) in enumerate(results):
+        assert worst <= 1e-5, f"rank {rank}: parameters differ from one process by {worst:.3g}"
+        for got, want in losses:
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, got, want)
+        assert ran == expected, f"rank {rank}: {ran} deferred layer passes, expected {expected}"
+    assert results[-1][3] > 0  # the last stage (blocks, head) deferred its linear layers
