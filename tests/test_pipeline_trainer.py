@@ -110,17 +110,23 @@ def test_pipeline_ddp_p2_dp2_matches_one_process():
     assert results[0][0] <= TOL, results[0][0]
 
 
-def bf16_worker(rank, world):
-    trainer = DistributedTrainer(_gpt(), _sgd, mixed_precision="bf16", pipeline_parallel_size=2, microbatches=2)
+def mixed_precision_worker(rank, world, mode):
+    model = _gpt()
     x, y = _batch("gpt", 0, 4)
+    with torch.no_grad():
+        fp32_loss = model(x, y).item()
+    trainer = DistributedTrainer(model, _sgd, mixed_precision=mode, pipeline_parallel_size=2, microbatches=2)
     losses = [float(trainer.train_step((x, y))["loss"]) for _ in range(2)]
     trainer.close()
-    return losses
+    return fp32_loss, losses
 
 
-def test_pipeline_bf16_runs_and_learns():
-    for first, second in run_distributed(bf16_worker, 2, timeout=120):
-        assert torch.isfinite(torch.tensor(first)) and second < first
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_pipeline_mixed_precision_runs_and_learns(mode):
+    """bf16 autocast, and fp16 with the loss scaler: the reported loss is unscaled (near fp32's)."""
+    for fp32_loss, (first, second) in run_distributed(mixed_precision_worker, 2, args=(mode,), timeout=120):
+        assert abs(first - fp32_loss) < 0.05 * fp32_loss, (first, fp32_loss)
+        assert second < first
 
 
 # ------------------------------------------------------------------ errors
@@ -180,3 +186,64 @@ def test_pipeline_errors_name_the_field():
                 "criterion": "needs a criterion"}
     for case, text in expected.items():
         assert found[case] is not None and text in found[case], (case, found[case])
+
+
+# ------------------------------------------------------------------ fit
+def fit_worker(rank, world):
+    from torch.utils.data import TensorDataset
+
+    from distributed_training.data import ShardedSampler
+
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g))
+    base = _mlp()
+    reference = copy.deepcopy(base)
+    ref_opt = _sgd(reference.parameters())
+    trainer = DistributedTrainer(copy.deepcopy(base), _sgd, pipeline_parallel_size=2, microbatches=2, seed=5)
+    trainer.fit(data, epochs=1, criterion=F.mse_loss, batch_size=4, log_every=1)
+    # The same steps in one process: the replicas' batches side by side (equal sizes: the mean of
+    # their means is the mean over their union).
+    shards = []
+    for d in range(trainer.dp_world_size):
+        sampler = ShardedSampler(data, trainer.dp_world_size, d, seed=5)
+        sampler.set_epoch(0)
+        shards.append(list(sampler))
+    for step in range(len(shards[0]) // 4):
+        rows = [i for shard in shards for i in shard[4 * step:4 * step + 4]]
+        F.mse_loss(reference(data.tensors[0][rows]), data.tensors[1][rows]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    state = trainer.full_state_dict()
+    trainer.close()
+    if rank:
+        return 0.0, trainer.step
+    return max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()), trainer.step
+
+
+def test_fit_p2_dp2_matches_one_process():
+    """`fit` feeds both pipeline ranks of a replica the same batches, and the replicas different ones."""
+    results = run_distributed(fit_worker, 4, timeout=120)
+    assert [steps for _, steps in results] == [2] * 4
+    assert results[0][0] <= TOL, results[0][0]
+
+
+# ------------------------------------------------------------------ DDP.sync_gradients
+def ddp_sync_worker(rank, world):
+    from distributed_training import DDP
+
+    model = _mlp()
+    ddp = DDP(copy.deepcopy(model), bucket_cap_mb=0.001)  # several buckets
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(4 * world, 16, generator=g), torch.randn(4 * world, 4, generator=g)
+    with ddp.no_sync():
+        for part in range(2):  # two accumulated backwards, then one reduction
+            sl = slice(rank * 4 + 2 * part, rank * 4 + 2 * part + 2)
+            (F.mse_loss(ddp(x[sl]), y[sl]) / 2).backward()
+        ddp.sync_gradients()
+    F.mse_loss(model(x), y).backward()
+    return max((p.grad - q.grad).abs().max().item() for p, q in zip(ddp.module.parameters(), model.parameters()))
+
+
+def test_ddp_sync_gradients_averages_what_no_sync_accumulated():
+    for worst in run_distributed(ddp_sync_worker, 2, timeout=60):
+        assert worst <= 1e-6, worst
