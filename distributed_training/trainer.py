@@ -204,11 +204,10 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         self.context = context if context is not None else init_distributed(timeout=timeout)
         install_default_handler(self.context.rank)
         ctx = self.context
-        if pipeline.enabled:
-            if ctx.world_size % pipeline.size:
-                raise ValueError(f"pipeline_parallel_size={pipeline.size} does not divide the world size "
-                                 f"{ctx.world_size}")
-            ctx.set_mesh(pipeline=pipeline.size)
+        if ctx.world_size % pipeline.size:
+            raise ValueError(f"pipeline_parallel_size={pipeline.size} does not divide the world size {ctx.world_size}")
+        # Also with one stage: a context shared with an earlier pipelined trainer gets its plain mesh back.
+        ctx.set_mesh(pipeline=pipeline.size)
         strategy, self.plan = make_strategy(strategy, model, world_size=ctx.world_size, local_rank=ctx.local_rank,
                                             local_world_size=ctx.local_world_size, communication=communication,
                                             memory_budget_bytes=memory_budget_bytes, pipeline=pipeline)
