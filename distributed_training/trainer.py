@@ -37,6 +37,7 @@ from .evaluation import Evaluation
 from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
+from .pipeline.training import PipelineOptions
 from .planner import model_sizes
 from .runtime import DistributedContext, init_distributed
 from .stopping import StopSignals
@@ -112,6 +113,22 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             broadcast, ZeRO-1's parameter all-gathers, FSDP's per-unit gathers and reshards) runs
             eagerly between compiled graphs. The model, its state dict keys and checkpoints stay as
             without it. A model compiled by you (``torch.compile(model)`` or per block) works too.
+        pipeline_parallel_size: pipeline stages per model replica (default 1: none). The world is laid
+            out as ``pipeline x data`` (the size must divide it): the model's layers (`pipeline.chain`:
+            an `nn.Sequential`, our `GPT`, or an adapter's list of layers) are cut into stages, each
+            rank holds its stage(s), and `strategy` (``"ddp"`` for now) runs data parallelism inside
+            each stage. `train_step` batches are ``(inputs, targets)`` with a criterion (a GPT without
+            one gets its language-model loss); the loss is the whole batch's on every rank. Every rank
+            receives the whole model and keeps only its stages: the rest of the model object is freed
+            (meta tensors). `gradient_accumulation_steps` (use `microbatches`), `compile`, checkpoints,
+            `evaluate` and ``batch_size="auto"`` are not supported with pipelines yet. See
+            `distributed_training.pipeline.training`.
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"`` or ``"zbh1"``.
+        microbatches: microbatches each batch is cut into (default: `pipeline_parallel_size`); at least
+            `pipeline_parallel_size` for the 1F1B family, a multiple of it for interleaved.
+        pipeline_split_points: the layer names where stages 1, 2, ... start (e.g. ``["block.6"]``);
+            None balances the stages by parameter count.
+        pipeline_chunks: model chunks per rank (``"interleaved_1f1b"`` only; default 2 there, else 1).
     """
 
     def __init__(
@@ -144,6 +161,11 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         communication: Any = None,
         memory_budget_bytes: float | None = None,
         compile: bool | dict[str, Any] = False,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1f1b",
+        microbatches: int | None = None,
+        pipeline_split_points: list[str] | None = None,
+        pipeline_chunks: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -165,6 +187,16 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             raise ValueError("timeout= is the collective timeout of the context the trainer creates; with context= "
                              "given, set it there: init_distributed(timeout=...)")
         check_strategy_argument(strategy, communication)  # before any rendezvous
+        pipeline = PipelineOptions(pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points,
+                                   pipeline_chunks)
+        if pipeline.enabled:
+            unsupported = [name for name, value in (("gradient_accumulation_steps", gradient_accumulation_steps != 1),
+                                                    ("compile", compile is not False),
+                                                    ("checkpoint_dir", checkpoint_dir is not None)) if value]
+            if unsupported:
+                raise NotImplementedError(f"{unsupported[0]} with pipeline_parallel_size={pipeline.size} is not "
+                                          "supported yet" + (": use microbatches" if unsupported[0] ==
+                                                             "gradient_accumulation_steps" else ""))
         self.memory_budget_bytes = memory_budget_bytes
         self._model_sizes = model_sizes(model)  # before any wrapper shards the parameters
 
@@ -172,9 +204,13 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         self.context = context if context is not None else init_distributed(timeout=timeout)
         install_default_handler(self.context.rank)
         ctx = self.context
+        if ctx.world_size % pipeline.size:
+            raise ValueError(f"pipeline_parallel_size={pipeline.size} does not divide the world size {ctx.world_size}")
+        # Also with one stage: a context shared with an earlier pipelined trainer gets its plain mesh back.
+        ctx.set_mesh(pipeline=pipeline.size)
         strategy, self.plan = make_strategy(strategy, model, world_size=ctx.world_size, local_rank=ctx.local_rank,
                                             local_world_size=ctx.local_world_size, communication=communication,
-                                            memory_budget_bytes=memory_budget_bytes)
+                                            memory_budget_bytes=memory_budget_bytes, pipeline=pipeline)
         if self.plan is not None:
             log.info("strategy auto -> %s%s (%s)", self.plan.strategy, " with CPU offload" if self.plan.cpu_offload
                      else "", self.plan.reason)
@@ -184,7 +220,8 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         self.seed = seed
         self.device = self.context.device
 
-        model.to(self.device)
+        if not strategy.places_module:
+            model.to(self.device)
         if activation_checkpointing is not None:
             apply_activation_checkpointing(model, activation_checkpointing)
         self.model = strategy.setup_module(model, self.context)
@@ -234,6 +271,9 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             "model": type(self.module).__name__,
             "optimizer": type(self.optimizer).__name__,
         }
+        if pipeline.enabled:
+            self.config.update(pipeline_parallel_size=pipeline.size, pipeline_schedule=pipeline.schedule,
+                               microbatches=pipeline.microbatches, pipeline_chunks=pipeline.chunks)
 
     # ------------------------------------------------------------------ steps
     @property
@@ -281,9 +321,10 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         if not self.model.training:  # train() walks every module: not per step, and it would undo a
             self.model.train()       # submodule the user put in eval mode on purpose (frozen BatchNorm)
         batch = to_device(batch, self.device)
-        micro_batches = split_batch(batch, self.gradient_accumulation_steps)
+        # A strategy that schedules forward and backward itself (a pipeline) runs the whole batch.
+        loss_sum = self.strategy.forward_backward(self.model, batch, criterion, self.precision)
+        micro_batches = split_batch(batch, self.gradient_accumulation_steps) if loss_sum is None else []
         total = sum(size for _, size in micro_batches)
-        loss_sum = None
         for k, (micro, size) in enumerate(micro_batches):
             last = k == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):

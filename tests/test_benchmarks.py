@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "suite.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
 ALL_PHASES = {"collectives", "training", "models", "precision", "topk", "profiling", "monitor", "memory", "compile",
-              "pipeline", "model_check"}
+              "pipeline", "pipeline_trainer", "model_check"}
 
 
 def _suite(tmp_path, *args, timeout):

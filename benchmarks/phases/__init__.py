@@ -47,6 +47,8 @@ PHASES = {p.name: p for p in (
           "against torch.distributed.pipelining's, tokens/s and peak memory per stage"),
     Phase("compile", "all", "GPT tokens/s: eager vs torch.compile in both orders and per block under our DDP, "
           "torch's compiled DDP as reference"),
+    Phase("pipeline_trainer", "multi", "GPT through DistributedTrainer(pipeline_parallel_size=P): GPipe, 1F1B, "
+          "interleaved at P=2 (and P=4, P x DP) vs our DDP trainer on the same batches: tokens/s, memory, loss"),
     Phase("model_check", "offline", "the scaling model calibrated and checked on this run's collectives and "
           "training, projected to 256 GPUs; and on recorded DDP runs"),
 )}

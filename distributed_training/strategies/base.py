@@ -96,6 +96,12 @@ class Strategy(abc.ABC):
     #: True when the wrapped model's forward runs collectives (FSDP gathers parameters): every rank must
     #: then run the same number of forwards, evaluation included.
     collective_forward: bool = False
+    #: True when `setup_module` moves (what it keeps of) the model to the device itself; otherwise the
+    #: trainer moves the whole model there first.
+    places_module: bool = False
+    #: True when `sync_gradients` can reduce, after the fact, gradients that backward passes accumulated
+    #: under `no_sync`: what running each pipeline stage's data parallelism needs.
+    deferred_gradient_sync: bool = False
 
     @abc.abstractmethod
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
@@ -130,6 +136,19 @@ class Strategy(abc.ABC):
         """Skip gradient synchronisation for the backward passes inside the block."""
         no_sync = getattr(model, "no_sync", None)
         return no_sync() if no_sync is not None else contextlib.nullcontext()
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        """Reduce, now, the gradients that backward passes accumulated under `no_sync` (every rank of
+        the data-parallel group calls it at the same point). Only where `deferred_gradient_sync`."""
+        raise NotImplementedError(f"strategy {self.name!r} cannot reduce gradients after the backward passes "
+                                  "(sync_gradients): what pipeline parallelism needs")
+
+    def forward_backward(self, model: nn.Module, batch: Any, criterion: Callable | None,
+                         precision: Precision) -> torch.Tensor | None:
+        """Run forward and backward of the whole `batch` and return its mean loss (a 0-dim tensor),
+        for a strategy that schedules them itself (a pipeline); None (the default): the trainer runs
+        its micro-batch loop with `no_sync` and `backward`."""
+        return None
 
     def backward(self, model: nn.Module, loss: torch.Tensor, precision: Precision) -> None:
         """Backward from one micro-batch's `loss` (the precision object scales it where it must); the

@@ -226,6 +226,23 @@ class DDP(nn.Module):
         finally:
             state.sync_enabled = previous
 
+    def sync_gradients(self) -> None:
+        """Average, now, the gradients that backward passes accumulated under `no_sync`, bucket by
+        bucket, as the first synchronised backward after the block would; a parameter without a
+        gradient contributes zeros (with `find_unused_parameters`, one unused on every rank keeps
+        ``.grad = None``).
+
+        For schedules whose last backward cannot be the synchronised one. A pipeline stage runs all of
+        a step's backward passes under `no_sync` and calls this once after them: synchronising inside
+        its last backward would make the input gradient it sends to the previous stage wait for the
+        reduction (on CUDA the send is stream-ordered after it), which delays every earlier stage, one
+        after the other. Every rank of the group must call it at the same point."""
+        if self._backward.callback_queued:
+            raise RuntimeError("sync_gradients() called during a synchronised backward pass; call it after backward, "
+                               "with the backward passes run under no_sync()")
+        self._reset_iteration()
+        self._finish_backward(outside_backward=True)
+
     def bucket_layout(self) -> list[list[str]]:
         """The parameter names of each bucket, in launch order (for inspection and tests)."""
         return [[self._param_names[i] for i in b.param_indices] for b in self._buckets]
@@ -467,7 +484,7 @@ class DDP(nn.Module):
             state.handles.append(handle)
             state.next_to_launch += 1
 
-    def _finish_backward(self) -> None:
+    def _finish_backward(self, outside_backward: bool = False) -> None:
         if not self._rebuild_ready:  # assign once: module attributes are slow to set on this thread
             self._rebuild_ready = True
         try:
@@ -499,7 +516,7 @@ class DDP(nn.Module):
             if used_work is not None:
                 used_work.wait()
             self._stop_comm_timer(timing)
-            if unready and not self.find_unused_parameters and not self._shadowing:
+            if unready and not self.find_unused_parameters and not self._shadowing and not outside_backward:
                 names = [self._param_names[i] for i in unready]
                 shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
                 raise RuntimeError(

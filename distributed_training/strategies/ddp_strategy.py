@@ -63,12 +63,16 @@ class DDPStrategy(DDPBacked, Strategy):
     """
 
     name = "ddp"
+    deferred_gradient_sync = True
 
     def __init__(self, **ddp_kwargs: Any) -> None:
         self.ddp_kwargs = ddp_kwargs
 
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
         return DDP(module, mesh=context.mesh, **self.ddp_kwargs)
+
+    def sync_gradients(self, model: DDP) -> None:
+        model.sync_gradients()
 
     def teardown(self, model: nn.Module) -> None:
         if isinstance(model, DDP):

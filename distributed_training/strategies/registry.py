@@ -6,7 +6,7 @@ A new strategy is one file under `strategies/` plus one entry in `STRATEGIES`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
@@ -15,6 +15,9 @@ from .base import Strategy
 from .ddp_strategy import DDPStrategy
 from .fsdp_strategy import FSDPStrategy
 from .zero1 import Zero1Strategy
+
+if TYPE_CHECKING:
+    from ..pipeline.training import PipelineOptions
 
 __all__ = ["STRATEGIES", "check_strategy_argument", "make_strategy"]
 
@@ -47,11 +50,22 @@ def check_strategy_argument(strategy: Any, communication: Any = None) -> None:
 
 def make_strategy(strategy: str | Strategy, model: nn.Module, *, world_size: int, local_rank: int = 0,
                   local_world_size: int | None = None, communication: Any = None,
-                  memory_budget_bytes: float | None = None) -> tuple[Strategy, Plan | None]:
+                  memory_budget_bytes: float | None = None,
+                  pipeline: "PipelineOptions | None" = None) -> tuple[Strategy, Plan | None]:
     """The `Strategy` for the trainer's `strategy` argument, and the planner's `Plan` when it was
     ``"auto"`` (chosen from `model`'s size, `world_size` and the memory budget). A name keeps its
-    spelling (``"zero3"`` stays ``"zero3"`` in messages and checkpoints)."""
+    spelling (``"zero3"`` stays ``"zero3"`` in messages and checkpoints). With a `pipeline` of more
+    than one stage, the data-parallel strategy runs inside each stage (`PipelineStrategy`)."""
     check_strategy_argument(strategy, communication)
+    if pipeline is not None and pipeline.enabled:
+        from ..pipeline.training import PipelineStrategy  # the pipeline package builds on this one
+
+        if strategy == "auto":
+            raise NotImplementedError(f"strategy='auto' with pipeline_parallel_size={pipeline.size} is not supported "
+                                      "yet: pass strategy='ddp'")
+        inner, _ = make_strategy(strategy, model, world_size=world_size, local_rank=local_rank,
+                                 local_world_size=local_world_size, communication=communication)
+        return PipelineStrategy(inner, pipeline), None
     if isinstance(strategy, Strategy):
         return strategy, None
     plan = None

@@ -1,0 +1,398 @@
+"""Pipeline parallelism in the trainer: `DistributedTrainer(..., pipeline_parallel_size=P, ...)`.
+
+The trainer's pipeline arguments become a `PipelineOptions` (checked before any rendezvous), and the
+data-parallel strategy the user chose is wrapped in a `PipelineStrategy`, which the trainer drives
+through the strategy door like any other: it never asks whether a pipeline runs.
+
+Layout. The runtime's mesh gets ``pipeline=P`` (the outermost dimension) and data parallelism over the
+rest (`DistributedContext.set_mesh`): the ranks of a data-parallel group hold the same stages and see
+different batches; the P ranks of a pipeline see the same batches (`fit` shards by ``mesh.dp_rank``).
+
+Stages. The model's chain of layers (`stages.chain`: an `nn.Sequential`, our `GPT`, or an adapter's
+list) is cut into S = P x V stages (V = `pipeline_chunks`, 2 by default for ``"interleaved_1f1b"``, 1
+otherwise), balanced by parameter count (`partition`) or at `pipeline_split_points` (`split_at`).
+Chunk c of pipeline rank r is stage ``c * P + r``. In this first version every rank receives the
+user's whole model, keeps its stages' layers and frees the rest: the other layers' parameters and
+buffers in the user's model object are replaced by meta tensors (shapes only), so the model passed
+to the trainer is not usable afterwards except through the trainer. Only the kept stages go to the
+device. For models too large for one host's memory, building only one's own stage (`GPTStages`) is
+the next step.
+
+One step on one rank (`forward_backward`, then the trainer's `optimizer_step`):
+
+1. `PipelineEngine.step` runs this rank's actions of the schedule with every backward under the data-
+   parallel strategy's `no_sync`: gradients accumulate over the microbatches, nothing is reduced.
+2. After the step's last backward (the engine's `after_backward`): the gradients of tied parameters
+   (the GPT's token embedding, used again by its head) are summed between the pipeline ranks holding
+   a copy, over a group of those ranks per data-parallel index; then `strategy.sync_gradients`
+   averages the accumulated gradients over the data-parallel group, once. Why not let the last
+   microbatch's backward synchronise, as gradient accumulation does? A stage's last backward also
+   produces the input gradient it sends to the previous stage, and (on CUDA) that send is ordered
+   after the reduction's wait: every stage would hold up the one before it by its all-reduce, P
+   reductions in a row on the critical path. Reducing after the schedule costs one exposed
+   reduction on the rank that finishes last and hides the others behind the pipeline's cool-down.
+3. The optimizer step (`Strategy.optimizer_step`): unscale (fp16: the overflow decision is agreed by
+   every rank of the job, all stages), clip by the global norm (`clip_grad_norm`: sums of squares of
+   this rank's gradients, a tied parameter counted on one stage only, all-reduced over the pipeline),
+   step. Mixed precision: each stage's forward and the loss run under the precision's autocast; fp16
+   scales the loss on the last stage (the returned loss is unscaled).
+
+The loss is the whole batch's mean (each microbatch weighted by its share) on every rank of the
+pipeline. Checkpoints with pipelines are not supported yet (`state_layout` raises); `full_state_dict`
+gathers the stages into the model's own keys on rank 0. Data-parallel strategies: ``"ddp"`` (and
+`DDPStrategy` objects); the others raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models.gpt import GPT
+from ..runtime import DistributedContext
+from ..strategies.base import OptimizerFactory, Strategy
+from .engine import PipelineEngine
+from .schedules import SCHEDULES
+from .stages import Stage, chain, find_ties, lm_loss, partition, split_at, tied_groups
+
+__all__ = ["PipelineOptions", "PipelineStrategy", "PipelineStages"]
+
+#: Schedules that keep at most about P microbatches in flight: fewer microbatches than stages never
+#: fill the pipeline (refused, naming `microbatches`).
+_ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "zbh1")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The trainer's pipeline arguments, checked where they are given (before any rendezvous).
+
+    Attributes:
+        size: pipeline stages per model replica (``pipeline_parallel_size``); 1: no pipeline.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zbh1"`` (``pipeline_schedule``).
+        microbatches: microbatches per batch (default: `size`); at least `size` for the 1F1B family,
+            a multiple of it for ``"interleaved_1f1b"``.
+        split_points: the layer names where stages 1, 2, ... start (``pipeline_split_points``), or None
+            to balance the stages by parameter count.
+        chunks: model chunks per rank (``pipeline_chunks``; default 2 for ``"interleaved_1f1b"``, else 1).
+    """
+
+    size: int = 1
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    split_points: tuple[str, ...] | None = None
+    chunks: int | None = None
+
+    def __post_init__(self) -> None:
+        size = self.size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {size!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        interleaved = self.schedule == "interleaved_1f1b"
+        chunks = self.chunks if self.chunks is not None else (2 if interleaved else 1)
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"pipeline_chunks must be an integer >= 1, got {chunks!r}")
+        if interleaved and chunks < 2:
+            raise ValueError(f"pipeline_chunks must be >= 2 for pipeline_schedule='interleaved_1f1b', got {chunks}")
+        if not interleaved and chunks != 1:
+            raise ValueError(f"pipeline_chunks must be 1 for pipeline_schedule={self.schedule!r} (only "
+                             f"'interleaved_1f1b' runs several chunks per rank), got {chunks}")
+        microbatches = self.microbatches if self.microbatches is not None else size
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+        if size > 1 and self.schedule in _ONE_F_ONE_B_FAMILY and microbatches < size:
+            raise ValueError(f"microbatches ({microbatches}) must be >= pipeline_parallel_size ({size}) for "
+                             f"pipeline_schedule={self.schedule!r}: fewer never fill the pipeline")
+        if size > 1 and interleaved and microbatches % size:
+            raise ValueError(f"microbatches ({microbatches}) must be a multiple of pipeline_parallel_size ({size}) "
+                             "for pipeline_schedule='interleaved_1f1b'")
+        split = self.split_points
+        if split is not None:
+            if isinstance(split, str) or not all(isinstance(name, str) for name in split):
+                raise TypeError(f"pipeline_split_points must be a list of layer names, got {split!r}")
+            split = tuple(split)
+            if len(split) != size * chunks - 1:
+                raise ValueError(f"pipeline_split_points names {len(split)} boundaries, so {len(split) + 1} stages, "
+                                 f"but pipeline_parallel_size x pipeline_chunks = {size * chunks} stages need "
+                                 f"{size * chunks - 1}")
+        object.__setattr__(self, "chunks", chunks)
+        object.__setattr__(self, "microbatches", microbatches)
+        object.__setattr__(self, "split_points", split)
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.size * self.chunks
+
+
+class PipelineStages(nn.Module):
+    """This rank's stages (chunk c at ``stages[c]``): what the data-parallel strategy wraps and the
+    optimizer steps. Its forward is not the model's (the engine runs the stages, one microbatch at a
+    time), so calling it raises."""
+
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("with pipeline_parallel_size > 1 the model runs only through train_step / fit "
+                                  "(evaluate, auto batch size and direct calls are not supported yet)")
+
+
+class _StageRunner(nn.Module):
+    """One chunk as the engine calls it: the stage's forward under the step's autocast."""
+
+    def __init__(self, stage: Stage, owner: "PipelineStrategy") -> None:
+        super().__init__()
+        self.stage = stage
+        self.owner = owner  # not a module: not registered
+
+    def forward(self, x):
+        with self.owner.precision.autocast():
+            return self.stage(x)
+
+
+class PipelineStrategy(Strategy):
+    """A data-parallel strategy run inside each stage of a pipeline (see the module docstring).
+
+    Args:
+        inner: the data-parallel strategy (``"ddp"``): it wraps this rank's stages, averages their
+            gradients over the data-parallel group after the schedule (`sync_gradients`), builds the
+            optimizer.
+        options: the pipeline's shape, schedule and microbatches.
+    """
+
+    places_module = True
+
+    def __init__(self, inner: Strategy, options: PipelineOptions) -> None:
+        if not inner.deferred_gradient_sync:
+            raise NotImplementedError(
+                f"strategy {inner.name!r} with pipeline_parallel_size={options.size} is not supported yet: each "
+                "stage's gradients must be reduced once after the schedule's backward passes; use strategy='ddp'")
+        self.inner = inner
+        self.options = options
+        self.name = inner.name
+        self.precision = None  # the trainer's, set by forward_backward
+
+    # ------------------------------------------------------------------ setup
+    def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
+        opts = self.options
+        mesh = context.mesh
+        P, V, S = opts.size, opts.chunks, opts.num_stages
+        if mesh.size("pipeline") != P:
+            raise RuntimeError(f"the context's mesh has pipeline={mesh.size('pipeline')}, not {P}: call "
+                               f"context.set_mesh(pipeline={P}) first (the trainer does)")
+        layers = chain(module)
+        names = [name for name, _ in layers]
+        if S > len(layers):
+            raise ValueError(f"pipeline_parallel_size={P} x pipeline_chunks={V} = {S} stages, but the model has only "
+                             f"{len(layers)} layers to cut ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''})")
+        if opts.split_points is not None:
+            try:
+                bounds = split_at(opts.split_points, names)
+            except ValueError as err:
+                raise ValueError(f"pipeline_split_points: {err}") from None
+        else:
+            bounds = partition([sum(p.numel() for p in layer.parameters()) for _, layer in layers], S)
+        rank = mesh.rank("pipeline")
+        self.device = context.device
+        self._dp_rank = mesh.dp_rank
+        self._mine = [c * P + rank for c in range(V)]  # stage of each chunk
+        stages = [Stage(layers[bounds[s]:bounds[s + 1]], s, S) for s in self._mine]
+
+        # The model's own state_dict keys of each stage key (both keys of a tied weight), taken now:
+        # moving the stages to the device replaces buffer objects.
+        origin: dict[int, list[str]] = {}
+        self._key_order = list(module.state_dict(keep_vars=True))
+        for key, tensor in module.state_dict(keep_vars=True).items():
+            origin.setdefault(id(tensor), []).append(key)
+        self._keys = [{key: origin.get(id(t), [key]) for key, t in stage.state_dict(keep_vars=True).items()}
+                      for stage in stages]
+
+        self._setup_ties(layers, names, bounds, context)
+        _free_other_layers(module, stages)
+        for stage in stages:
+            stage.to(self.device)
+
+        container = PipelineStages(stages)
+        wrapped = self.inner.setup_module(container, context)
+        self._model = wrapped
+        up = down = header = group = mesh.group("pipeline")
+        if context.backend == "nccl":
+            up, down, header = self._nccl_pipeline_groups(context)
+        self._pipe_group = group
+        ranks = [_global(context, r) for r in mesh.ranks("pipeline")]
+        self.engine = PipelineEngine([_StageRunner(stage, self) for stage in stages], ranks=ranks, rank=rank,
+                                     group=group, up_group=up, down_group=down, header_group=header,
+                                     schedule=opts.schedule, microbatches=opts.microbatches, loss_fn=self._loss,
+                                     device=self.device, after_backward=self._after_backward)
+        self._loss_fn: Callable | None = None
+        self._default_loss = lm_loss if isinstance(module, GPT) else None
+        return wrapped
+
+    def _setup_ties(self, layers, names, bounds, context: DistributedContext) -> None:
+        """Groups over the pipeline ranks holding copies of each tied parameter, one per data-parallel
+        index (collective: every rank creates every group, in the same order), and this rank's copies."""
+        mesh = context.mesh
+        P, rank = self.options.size, mesh.rank("pipeline")
+        by_key = {}
+        for s in self._mine:
+            for name, layer in layers[bounds[s]:bounds[s + 1]]:
+                for key, p in layer.named_parameters(remove_duplicate=False):
+                    by_key[f"{name}.{key}"] = p
+        self._ties: list[tuple[nn.Parameter, Any]] = []
+        self._not_counted: set[int] = set()  # copies whose gradient another rank counts in the norm
+        made: dict[tuple[int, ...], Any] = {}
+        for tie in tied_groups(find_ties(layers), names, bounds):
+            holders = tuple(sorted({s % P for s in tie.stages}))
+            if len(holders) < 2:
+                continue  # all copies on one rank: the same parameter there, its gradient already the sum
+            if holders not in made:
+                mine = None
+                for pipeline in mesh.layout.groups("pipeline"):
+                    members = [pipeline[i] for i in holders]
+                    group = (mesh.group("pipeline") if len(members) == P else
+                             dist.new_group([_global(context, r) for r in members]))
+                    if mesh.rank() in members:
+                        mine = group
+                made[holders] = mine
+            if rank in holders:
+                s = next(s for s in tie.stages if s % P == rank)
+                param = by_key[tie.key_on(s)]
+                self._ties.append((param, made[holders]))
+                if rank != holders[0]:
+                    self._not_counted.add(id(param))
+
+    def _nccl_pipeline_groups(self, context: DistributedContext):
+        """The payload groups (one per direction) and the gloo header group of this rank's pipeline
+        (`p2p.StageLink`); every rank creates those of every pipeline, in the same order."""
+        mesh = context.mesh
+        mine = None
+        for pipeline in mesh.layout.groups("pipeline"):
+            ranks = [_global(context, r) for r in pipeline]
+            groups = (dist.new_group(ranks), dist.new_group(ranks), dist.new_group(ranks, backend="gloo"))
+            if mesh.rank() in pipeline:
+                mine = groups
+        return mine
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.inner.unwrap(model)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer | OptimizerFactory,
+                        model: nn.Module) -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+            raise TypeError(f"with pipeline_parallel_size={self.options.size} the optimizer is built over this "
+                            "rank's stages only: pass a callable that takes parameters (e.g. lambda params: "
+                            f"torch.optim.AdamW(params, lr=3e-4)), not {type(optimizer).__name__}")
+        return self.inner.setup_optimizer(optimizer, model)
+
+    # ------------------------------------------------------------------ a step
+    def forward_backward(self, model: nn.Module, batch: Any, criterion: Callable | None,
+                         precision) -> torch.Tensor:
+        if criterion is None:
+            if self._default_loss is None:
+                raise ValueError("with pipeline_parallel_size > 1 train_step needs a criterion: the last stage "
+                                 "computes the loss from its output and the targets (the model's own loss is "
+                                 "not available); a GPT without one uses its language-model loss")
+            criterion = self._default_loss
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError("with pipeline_parallel_size > 1 each batch must be an (inputs, targets) pair: the first "
+                             "stage reads the inputs, the last the targets")
+        inputs, targets = batch
+        self._loss_fn, self.precision = criterion, precision
+        scaler = precision.scaler
+        self._scale = scaler.scale if scaler is not None else None
+        with self.inner.no_sync(model):
+            loss = self.engine.step(inputs, targets)
+        return loss / self._scale if self._scale is not None else loss
+
+    def _loss(self, output, target) -> torch.Tensor:
+        with self.precision.autocast():
+            loss = self._loss_fn(output, target)
+        return loss * self._scale if self._scale is not None else loss
+
+    def _after_backward(self) -> None:
+        for param, group in self._ties:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+        self.inner.sync_gradients(self._model)
+
+    def no_sync(self, model: nn.Module):
+        return self.inner.no_sync(model)  # a pipeline step syncs once anyway; kept for the interface
+
+    def gradients(self, model: nn.Module) -> list[torch.Tensor]:
+        return self.inner.gradients(model)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip by the 2-norm of the whole model's gradient: this rank's sum of squares (a tied
+        parameter's copies counted once, on the lowest pipeline rank holding one) summed over the
+        pipeline. Data-parallel replicas hold the same averaged gradients under DDP."""
+        params = list({id(p): p for p in self.unwrap(model).parameters() if p.grad is not None}.values())
+        counted = [p.grad for p in params if id(p) not in self._not_counted]
+        if counted:
+            squares = torch.stack([n.float() for n in torch._foreach_norm(counted)]).square().sum()
+        else:
+            squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.options.size > 1:
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self._pipe_group)
+        norm = squares.sqrt()
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        grads = [p.grad for p in params]
+        if grads:
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        return norm
+
+    # ------------------------------------------------------------------ state
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The whole model's state with its own keys, gathered from the stages on global rank 0
+        (``{}`` elsewhere). Collective over the job; the first data-parallel replica sends its stages."""
+        mine: dict[str, torch.Tensor] = {}
+        ctx_rank = dist.get_rank()
+        if self._dp_rank == 0:
+            for stage, keys in zip(self.unwrap(model).stages, self._keys):
+                for key, value in stage.state_dict().items():
+                    for own in keys[key]:
+                        mine[own] = value.detach().cpu().clone()
+        gathered = [None] * dist.get_world_size() if ctx_rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if ctx_rank != 0:
+            return {}
+        merged = {k: v for part in gathered for k, v in part.items()}
+        return {k: merged[k] for k in self._key_order if k in merged}
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        raise NotImplementedError("loading a model state with pipeline_parallel_size > 1 is not supported yet")
+
+    def state_layout(self, model: nn.Module, optimizer):
+        raise NotImplementedError("checkpoints with pipeline_parallel_size > 1 are not supported yet")
+
+    def planner_kind(self) -> str:
+        return self.inner.planner_kind()
+
+    def teardown(self, model: nn.Module) -> None:
+        self.inner.teardown(model)
+
+
+def _global(context: DistributedContext, mesh_rank: int) -> int:
+    return dist.get_global_rank(context.group, mesh_rank) if context.group is not None else mesh_rank
+
+
+def _free_other_layers(model: nn.Module, keep: Sequence[nn.Module]) -> None:
+    """Replace the parameters and buffers of `model` that none of `keep` holds by meta tensors (shape
+    and dtype kept, storage freed), slot by slot: a tied parameter a kept stage holds stays whole."""
+    kept = {id(t) for m in keep for t in (*m.parameters(), *m.buffers())}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) not in kept and not p.is_meta:
+                module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None and id(b) not in kept and not b.is_meta:
+                module._buffers[name] = torch.empty_like(b, device="meta")

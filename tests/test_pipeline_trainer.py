@@ -1,0 +1,249 @@
+"""DistributedTrainer(pipeline_parallel_size=...) against one process on the whole batch: the gathered
+parameters equal the single-process model's after every step (P=2, and P=2 x DP=2 under DDP)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed_training import DistributedTrainer
+from distributed_training.pipeline.training import PipelineOptions
+from distributed_training.testing import run_distributed
+
+from _models import tiny_gpt
+
+TOL = 1e-5
+STEPS = 3
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 4))
+
+
+def _gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return tiny_gpt()
+
+
+def _batch(kind: str, step: int, rows: int):
+    g = torch.Generator().manual_seed(100 + step)
+    if kind == "mlp":
+        return torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g)
+    length = 8 + step  # the sequence length changes from step to step
+    tokens = torch.randint(0, 64, (rows, length + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def parity_worker(rank, world, kind, pipe, schedule, microbatches, clip):
+    base = _mlp() if kind == "mlp" else _gpt()
+    reference = copy.deepcopy(base)
+    ref_opt = _sgd(reference.parameters())
+    trainer = DistributedTrainer(copy.deepcopy(base), _sgd, gradient_clip_val=clip, pipeline_parallel_size=pipe,
+                                 pipeline_schedule=schedule, microbatches=microbatches)
+    dp, dp_rank = trainer.dp_world_size, trainer.dp_rank
+    per_replica = 2 * microbatches
+    worst, losses, norms = 0.0, [], []
+    for step in range(STEPS):
+        x, y = _batch(kind, step, per_replica * dp)
+        sl = slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
+        if kind == "mlp":
+            metrics = trainer.train_step((x[sl], y[sl]), F.mse_loss)
+            ref_loss = F.mse_loss(reference(x), y)
+            mine = F.mse_loss(reference(x[sl]), y[sl]).item()  # this replica's batch, before the step
+        else:
+            metrics = trainer.train_step((x[sl], y[sl]))  # no criterion: the GPT's language-model loss
+            with torch.no_grad():
+                mine = reference(x[sl], y[sl]).item()
+            ref_loss = reference(x, y)
+        ref_loss.backward()
+        if clip is not None:
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            norms.append((float(metrics["grad_norm"]), float(ref_norm)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((float(metrics["loss"]), mine))
+        state = trainer.full_state_dict()
+        if rank == 0:
+            want = reference.state_dict()
+            assert list(state) == list(want), (list(state), list(want))
+            worst = max(worst, max((state[k] - want[k]).abs().max().item() for k in want))
+    trainer.close()
+    return worst, losses, norms
+
+
+@pytest.mark.parametrize("world, kind, schedule, microbatches, clip", [
+    (2, "mlp", "gpipe", 4, None),
+    (2, "mlp", "1f1b", 3, 0.05),
+    (2, "gpt", "1f1b", 2, None),
+    (2, "gpt", "interleaved_1f1b", 4, 0.5),
+    (4, "mlp", "1f1b", 2, 0.05),
+    (4, "gpt", "gpipe", 4, None),
+    (2, "gpt", "gpipe", 4, None),
+    (4, "gpt", "1f1b", 2, 0.5),
+])
+def test_pipeline_trainer_matches_one_process(world, kind, schedule, microbatches, clip):
+    results = run_distributed(parity_worker, world, args=(kind, 2, schedule, microbatches, clip), timeout=120)
+    worst = results[0][0]
+    assert worst <= TOL, f"parameters differ from one process by {worst:.3g}"
+    for rank, (_, losses, norms) in enumerate(results):
+        for got, want in losses:  # every rank of a pipeline reports its replica's whole-batch loss
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, losses)
+        for got, want in norms:
+            assert abs(got - want) <= 1e-5 * max(1.0, want), (rank, norms)
+        if clip is not None:
+            assert any(want > clip for _, want in norms), "the clip threshold must actually clip"
+
+
+def test_pipeline_ddp_p2_dp2_matches_one_process():
+    """P=2 x DP=2 under DDP: the stage gradients are averaged across replicas once per step."""
+    results = run_distributed(parity_worker, 4, args=("mlp", 2, "gpipe", 2, None), timeout=120)
+    assert results[0][0] <= TOL, results[0][0]
+
+
+def mixed_precision_worker(rank, world, mode):
+    model = _gpt()
+    x, y = _batch("gpt", 0, 4)
+    with torch.no_grad():
+        fp32_loss = model(x, y).item()
+    trainer = DistributedTrainer(model, _sgd, mixed_precision=mode, pipeline_parallel_size=2, microbatches=2)
+    losses = [float(trainer.train_step((x, y))["loss"]) for _ in range(2)]
+    trainer.close()
+    return fp32_loss, losses
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_pipeline_mixed_precision_runs_and_learns(mode):
+    """bf16 autocast, and fp16 with the loss scaler: the reported loss is unscaled (near fp32's)."""
+    for fp32_loss, (first, second) in run_distributed(mixed_precision_worker, 2, args=(mode,), timeout=120):
+        assert abs(first - fp32_loss) < 0.05 * fp32_loss, (first, fp32_loss)
+        assert second < first
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size"),
+    (dict(pipeline_parallel_size=2, microbatches=0), "microbatches"),
+    (dict(pipeline_parallel_size=4, microbatches=2, pipeline_schedule="1f1b"), "microbatches"),
+    (dict(pipeline_parallel_size=2, microbatches=3, pipeline_schedule="interleaved_1f1b"), "microbatches"),
+    (dict(pipeline_parallel_size=2, pipeline_schedule="pipedream"), "pipeline_schedule"),
+    (dict(pipeline_parallel_size=2, pipeline_chunks=2), "pipeline_chunks"),
+    (dict(pipeline_parallel_size=2, pipeline_split_points=["2", "4"]), "pipeline_split_points"),
+])
+def test_pipeline_options_errors_name_the_field(kwargs, field):
+    names = {"pipeline_parallel_size": "size", "pipeline_schedule": "schedule", "microbatches": "microbatches",
+             "pipeline_split_points": "split_points", "pipeline_chunks": "chunks"}
+    with pytest.raises(ValueError, match=field):
+        PipelineOptions(**{names[k]: v for k, v in kwargs.items()})
+
+
+def test_gpipe_allows_fewer_microbatches_than_stages():
+    assert PipelineOptions(size=4, schedule="gpipe", microbatches=2).microbatches == 2
+
+
+def errors_worker(rank, world):
+    found = {}
+    cases = {
+        "divide": dict(pipeline_parallel_size=2),  # world 3
+        "layers": dict(pipeline_parallel_size=3, model=nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))),
+        "split": dict(pipeline_parallel_size=3, pipeline_split_points=["2", "nope"]),
+        "strategy": dict(pipeline_parallel_size=3, strategy="zero3"),
+        "optimizer": dict(pipeline_parallel_size=3, optimizer="built"),
+        "accumulation": dict(pipeline_parallel_size=3, gradient_accumulation_steps=2),
+    }
+    for name, kwargs in cases.items():
+        kwargs = dict(kwargs)
+        model = kwargs.pop("model", None) or _mlp()
+        optimizer = _sgd(model.parameters()) if kwargs.pop("optimizer", None) == "built" else _sgd
+        try:
+            DistributedTrainer(model, optimizer, **kwargs).close()
+            found[name] = None
+        except (ValueError, NotImplementedError, TypeError) as err:
+            found[name] = f"{type(err).__name__}: {err}"
+    trainer = DistributedTrainer(_mlp(), _sgd, pipeline_parallel_size=3, microbatches=3)
+    try:
+        trainer.train_step((torch.randn(6, 16), torch.randn(6, 4)))  # no criterion, not a GPT
+    except ValueError as err:
+        found["criterion"] = f"{type(err).__name__}: {err}"
+    trainer.close()
+    return found
+
+
+def test_pipeline_errors_name_the_field():
+    found = run_distributed(errors_worker, 3, timeout=120)[0]
+    expected = {"divide": "pipeline_parallel_size=2 does not divide", "layers": "only 2 layers",
+                "split": "pipeline_split_points", "strategy": "'zero3' with pipeline_parallel_size=3",
+                "optimizer": "pass a callable", "accumulation": "gradient_accumulation_steps",
+                "criterion": "needs a criterion"}
+    for case, text in expected.items():
+        assert found[case] is not None and text in found[case], (case, found[case])
+
+
+# ------------------------------------------------------------------ fit
+def fit_worker(rank, world):
+    from torch.utils.data import TensorDataset
+
+    from distributed_training.data import ShardedSampler
+
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g))
+    base = _mlp()
+    reference = copy.deepcopy(base)
+    ref_opt = _sgd(reference.parameters())
+    trainer = DistributedTrainer(copy.deepcopy(base), _sgd, pipeline_parallel_size=2, microbatches=2, seed=5)
+    trainer.fit(data, epochs=1, criterion=F.mse_loss, batch_size=4, log_every=1)
+    # The same steps in one process: the replicas' batches side by side (equal sizes: the mean of
+    # their means is the mean over their union).
+    shards = []
+    for d in range(trainer.dp_world_size):
+        sampler = ShardedSampler(data, trainer.dp_world_size, d, seed=5)
+        sampler.set_epoch(0)
+        shards.append(list(sampler))
+    for step in range(len(shards[0]) // 4):
+        rows = [i for shard in shards for i in shard[4 * step:4 * step + 4]]
+        F.mse_loss(reference(data.tensors[0][rows]), data.tensors[1][rows]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    state = trainer.full_state_dict()
+    trainer.close()
+    if rank:
+        return 0.0, trainer.step
+    return max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()), trainer.step
+
+
+def test_fit_p2_dp2_matches_one_process():
+    """`fit` feeds both pipeline ranks of a replica the same batches, and the replicas different ones."""
+    results = run_distributed(fit_worker, 4, timeout=120)
+    assert [steps for _, steps in results] == [2] * 4
+    assert results[0][0] <= TOL, results[0][0]
+
+
+# ------------------------------------------------------------------ DDP.sync_gradients
+def ddp_sync_worker(rank, world):
+    from distributed_training import DDP
+
+    model = _mlp()
+    ddp = DDP(copy.deepcopy(model), bucket_cap_mb=0.001)  # several buckets
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(4 * world, 16, generator=g), torch.randn(4 * world, 4, generator=g)
+    with ddp.no_sync():
+        for part in range(2):  # two accumulated backwards, then one reduction
+            sl = slice(rank * 4 + 2 * part, rank * 4 + 2 * part + 2)
+            (F.mse_loss(ddp(x[sl]), y[sl]) / 2).backward()
+        ddp.sync_gradients()
+    F.mse_loss(model(x), y).backward()
+    return max((p.grad - q.grad).abs().max().item() for p, q in zip(ddp.module.parameters(), model.parameters()))
+
+
+def test_ddp_sync_gradients_averages_what_no_sync_accumulated():
+    for worst in run_distributed(ddp_sync_worker, 2, timeout=60):
+        assert worst <= 1e-6, worst
