@@ -393,21 +393,6 @@ class DDP(nn.Module):
     def _reset_iteration(self) -> None:
         self._backward.reset(len(self._params), [len(b.param_indices) for b in self._buckets])
 
-    def _attach_grad_to_bucket(self, index: int) -> None:
-        """Make `.grad` the bucket view, copying in a gradient autograd allocated elsewhere (the slow
-        path, one parameter at a time: for parameters that got no gradient in this backward)."""
-        p = self._params[index]
-        view = self._view_of[index]
-        grad = p.grad
-        if grad is view:
-            return
-        if grad is None:
-            view.zero_()
-        else:
-            self._check_dense(index, grad)
-            view.copy_(grad)
-        p.grad = view
-
     def _check_dense(self, index: int, grad: torch.Tensor) -> None:
         if grad.is_sparse:
             raise RuntimeError(
@@ -492,8 +477,8 @@ class DDP(nn.Module):
             unready = [i for i, ready in enumerate(state.ready) if not ready]
             had_no_grad = {i for i in unready if self._params[i].grad is None}
             for i in unready:
-                # An absent gradient contributes zeros; an accumulated one (from no_sync steps) counts.
-                self._attach_grad_to_bucket(i)
+                # Its bucket gathers it at launch: an absent gradient contributes zeros, an accumulated one
+                # (from no_sync steps, or all of them for `sync_gradients`) counts, one foreach copy a bucket.
                 state.pending[self._bucket_of[i]] -= 1
             self._launch_ready_buckets()
             timing = self._start_comm_timer()
