@@ -410,22 +410,26 @@ class DDP(nn.Module):
         rather than in every parameter's hook keeps the hooks to bookkeeping: a copy launched from
         Python per parameter cost about as much host time as the rest of the hook (BERT, ResNet-50)."""
         params, views = self._params, self._view_of
-        targets, sources, moved = [], [], []
+        targets, sources, moved, empty = [], [], [], []
         for i in bucket.param_indices:
             grad = params[i].grad
             view = views[i]
             if grad is view:
                 continue
-            if grad is None:  # a hook that cleared it: contributes zeros, like an unused parameter
-                view.zero_()
+            if grad is None:  # unused in this backward (or a hook cleared it): contributes zeros
+                empty.append(view)
             else:
                 if grad.is_sparse:
                     self._check_dense(i, grad)
                 targets.append(view)
                 sources.append(grad)
             moved.append(i)
-        if sources:
-            with torch.no_grad():
+        with torch.no_grad():
+            if len(empty) == len(bucket.param_indices):
+                bucket.buffer.zero_()  # nothing in this bucket got a gradient (join's shadow step, frozen parts)
+            elif empty:
+                torch._foreach_zero_(empty)
+            if sources:
                 torch._foreach_copy_(targets, sources)
         for i in moved:
             params[i].grad = views[i]
