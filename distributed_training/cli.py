@@ -181,9 +181,10 @@ def run_job(cfg: JobConfig) -> dict:
         if batch_size is None and _resuming(trainer):  # fit() restores the batch size "auto" chose before
             batch_size = trainer.checkpoints.latest_good()[1].get("batch_size")
         # fit() shards by data-parallel replica: the ranks of one pipeline read the same batches.
-        epochs = _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size)
+        drop_last = pipelined and _short_last_batch(trainer, train, batch_size)
+        epochs = _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last)
         trainer.fit(train, epochs=epochs, criterion=criterion, batch_size=t.batch_size, max_steps=t.max_steps,
-                    log_every=cfg.logging.every, drop_last=pipelined and _short_last_batch(trainer, train, batch_size),
+                    log_every=cfg.logging.every, drop_last=drop_last,
                     on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main else None)
         metrics = _validate(trainer, val, criterion, trainer.batch_size or batch_size) if len(val) else {}
         state = trainer.strategy.model_state_dict(trainer.model)
@@ -263,7 +264,8 @@ def _block_classes(model: nn.Module) -> tuple[type, ...]:
     return tuple(found)
 
 
-def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | None, world_size: int) -> int:
+def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | None, world_size: int,
+                drop_last: bool = False) -> int:
     """`epochs`, or more when `max_steps` asks for more steps than `epochs` passes hold.
 
     A dtrain user who writes ``max_steps`` means that many steps, so it wins over ``epochs`` (whose
@@ -273,7 +275,7 @@ def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | Non
     from .data import ShardedSampler
 
     per_rank = len(ShardedSampler(train, world_size, 0))  # what fit() gives each rank per epoch
-    per_epoch = max(1, math.ceil(per_rank / batch_size))
+    per_epoch = max(1, per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size))
     needed = math.ceil(max_steps / per_epoch)
     if needed > epochs:
         log.info("dtrain: training.max_steps=%d needs %d epochs of %d steps (%d samples per rank, batch %d): "

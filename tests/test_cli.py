@@ -449,3 +449,17 @@ def test_what_the_trainer_refuses_with_a_pipeline_is_said_as_config_fields(monke
                        "checkpoint": {"dir": "unused"}})
     with pytest.raises(ConfigError, match=r"^checkpoint\.dir with training\.pipeline_parallel_size=2 is not"):
         cli.run_job(cfg)
+
+
+def test_an_epochs_last_batch_too_small_for_the_microbatches_is_left_out():
+    from types import SimpleNamespace
+
+    from distributed_training.cli import _epochs_for, _short_last_batch
+
+    trainer = SimpleNamespace(dp_world_size=2, config={"microbatches": 4})
+    assert _short_last_batch(trainer, list(range(36)), 16)       # 18 a replica: a last batch of 2
+    assert not _short_last_batch(trainer, list(range(40)), 16)   # 20: a last batch of 4, one a microbatch
+    assert not _short_last_batch(trainer, list(range(64)), 16)   # 32: no short batch
+    # max_steps=3 with 1 full batch an epoch (the short one left out) needs 3 epochs, not 2.
+    assert _epochs_for(1, 3, list(range(36)), 16, 2, drop_last=True) == 3
+    assert _epochs_for(1, 3, list(range(36)), 16, 2) == 2
