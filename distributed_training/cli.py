@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import CheckpointMismatchError
-from .config import ConfigError, JobConfig, dump_config, load_config
+from .config import ConfigError, JobConfig, dump_config, load_config, training_paths
 from .logs import get_logger, install_default_handler
 
 __all__ = ["main", "run_job"]
@@ -142,33 +142,51 @@ def run_job(cfg: JobConfig) -> dict:
 
         cls = DDPStrategy if strategy == "ddp" else Zero1Strategy
         strategy = cls(bucket_cap_mb=c.bucket_cap_mb, communication=communication)
+    pipelined = t.pipeline_parallel_size > 1
+    if pipelined:
+        _check_pipeline_fits(cfg, model)
     lr, wd = t.lr, t.weight_decay
-    trainer = DistributedTrainer(
-        model, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=wd), strategy=strategy,
-        gradient_accumulation_steps=t.gradient_accumulation_steps, gradient_clip_val=t.gradient_clip_val,
-        timeout=t.timeout_s, seed=t.seed, checkpoint_dir=cfg.checkpoint.dir, checkpoint_every=cfg.checkpoint.every,
-        keep_last=cfg.checkpoint.keep_last, resume=cfg.checkpoint.resume,
-        save_on_preemption=cfg.checkpoint.save_on_preemption, log_dir=cfg.logging.dir, log_every=cfg.logging.every,
-        progress=cfg.logging.progress and cfg.logging.dir is not None,
-        mixed_precision=None if t.precision == "fp32" else t.precision,
-        activation_checkpointing=_block_classes(model) if t.activation_checkpointing else None,
-        memory_budget_bytes=t.memory_budget_gb * 2**30 if t.memory_budget_gb is not None else None,
-    )
+    try:
+        trainer = DistributedTrainer(
+            model, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=wd), strategy=strategy,
+            gradient_accumulation_steps=t.gradient_accumulation_steps, gradient_clip_val=t.gradient_clip_val,
+            timeout=t.timeout_s, seed=t.seed, checkpoint_dir=cfg.checkpoint.dir,
+            checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last, resume=cfg.checkpoint.resume,
+            save_on_preemption=cfg.checkpoint.save_on_preemption, log_dir=cfg.logging.dir,
+            log_every=cfg.logging.every, progress=cfg.logging.progress and cfg.logging.dir is not None,
+            mixed_precision=None if t.precision == "fp32" else t.precision,
+            activation_checkpointing=_block_classes(model) if t.activation_checkpointing else None,
+            memory_budget_bytes=t.memory_budget_gb * 2**30 if t.memory_budget_gb is not None else None,
+            pipeline_parallel_size=t.pipeline_parallel_size, pipeline_schedule=t.pipeline_schedule,
+            microbatches=t.microbatches, pipeline_split_points=t.pipeline_split_points,
+            pipeline_chunks=t.pipeline_chunks,
+        )
+    except NotImplementedError as err:
+        if not pipelined:
+            raise
+        # What the trainer does not run with a pipeline (yet), refused on every rank alike before any
+        # step: said as the config field to change.
+        raise ConfigError(training_paths(str(err)).replace("checkpoint_dir", "checkpoint.dir")) from None
     ctx = trainer.context
     try:
-        log.info("dtrain: %s with %s parameters, strategy %s, world size %d on %s, %s training samples",
-                 type(trainer.module).__name__, f"{n_params:,}", trainer.strategy.name, ctx.world_size, ctx.device,
-                 f"{len(train):,}")
+        pipeline = (f", pipeline of {t.pipeline_parallel_size} stages ({trainer.config['pipeline_schedule']}, "
+                    f"{trainer.config['microbatches']} microbatches) x {trainer.dp_world_size} data-parallel"
+                    if pipelined else "")
+        log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
+                 type(model).__name__, f"{n_params:,}", trainer.strategy.name, pipeline, ctx.world_size,
+                 ctx.device, f"{len(train):,}")
         if t.batch_size == "auto" and trainer.batch_size is None and not _resuming(trainer):
             trainer.auto_batch_size(train, criterion)  # logs what it chose and why
         batch_size = t.batch_size if t.batch_size != "auto" else trainer.batch_size
         if batch_size is None and _resuming(trainer):  # fit() restores the batch size "auto" chose before
             batch_size = trainer.checkpoints.latest_good()[1].get("batch_size")
-        epochs = _epochs_for(t.epochs, t.max_steps, train, batch_size, ctx.world_size)
+        # fit() shards by data-parallel replica: the ranks of one pipeline read the same batches.
+        drop_last = pipelined and _short_last_batch(trainer, train, batch_size)
+        epochs = _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last)
         trainer.fit(train, epochs=epochs, criterion=criterion, batch_size=t.batch_size, max_steps=t.max_steps,
-                    log_every=cfg.logging.every,
+                    log_every=cfg.logging.every, drop_last=drop_last,
                     on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main else None)
-        metrics = trainer.evaluate(val, criterion, batch_size=trainer.batch_size or batch_size) if len(val) else {}
+        metrics = _validate(trainer, val, criterion, trainer.batch_size or batch_size) if len(val) else {}
         state = trainer.strategy.model_state_dict(trainer.model)
         log.info("dtrain: finished at step %d, validation loss %.4f", trainer.step, metrics.get("loss", math.nan))
         if ctx.is_main:
@@ -184,6 +202,60 @@ def run_job(cfg: JobConfig) -> dict:
         trainer.close()
 
 
+def _check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
+    """What the pipeline fields ask of the model and the world, checked before the rendezvous (every
+    rank reads the same config and builds the same model, so every rank fails alike): the world size
+    (torchrun's WORLD_SIZE) a multiple of the pipeline's, no more stages than layers, split points that
+    name layers."""
+    from .pipeline.stages import chain, split_at
+    from .pipeline.training import PipelineOptions
+
+    t = cfg.training
+    options = PipelineOptions(t.pipeline_parallel_size, t.pipeline_schedule, t.microbatches,
+                              t.pipeline_split_points, t.pipeline_chunks)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world % options.size:
+        raise ConfigError(f"training.pipeline_parallel_size={options.size} does not divide the world size {world}: "
+                          f"run a multiple of {options.size} processes (torchrun --nproc_per_node)")
+    names = [name for name, _ in chain(model)]
+    if options.num_stages > len(names):
+        chunks = f" x training.pipeline_chunks={options.chunks}" if options.chunks > 1 else ""
+        raise ConfigError(f"training.pipeline_parallel_size={options.size}{chunks} makes {options.num_stages} stages, "
+                          f"but the model has only {len(names)} layers to cut ({', '.join(names)}): fewer stages, or "
+                          "more layers (model.n_layer)")
+    if options.split_points is not None:
+        try:
+            split_at(options.split_points, names)
+        except ValueError as err:
+            raise ConfigError(f"training.pipeline_split_points: {err}") from None
+
+
+def _short_last_batch(trainer, train, batch_size: int) -> bool:
+    """Whether an epoch ends with a batch too small for the pipeline's microbatches (fewer samples than
+    microbatches): then that batch is left out (``fit(drop_last=True)``), as the pipeline cannot cut it."""
+    from .data import ShardedSampler
+
+    last = len(ShardedSampler(train, trainer.dp_world_size, 0)) % batch_size
+    if 0 < last < trainer.config["microbatches"]:
+        log.info("dtrain: each epoch's last batch (%d samples) is too small for training.microbatches=%d: "
+                 "left out", last, trainer.config["microbatches"])
+        return True
+    return False
+
+
+def _validate(trainer, val, criterion, batch_size: int) -> dict:
+    """`trainer.evaluate` on the validation set; with a pipeline, where the trainer cannot evaluate yet
+    (every rank raises alike, at its first batch), the run says so and goes on without."""
+    try:
+        return trainer.evaluate(val, criterion, batch_size=batch_size)
+    except NotImplementedError as err:
+        if trainer.config.get("pipeline_parallel_size", 1) == 1:
+            raise
+        if trainer.context.is_main:
+            log.warning("dtrain: no validation loss: %s", err)
+        return {}
+
+
 def _block_classes(model: nn.Module) -> tuple[type, ...]:
     """The classes of the repeated blocks (children of any ModuleList): what activation checkpointing wraps."""
     found = {type(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
@@ -192,7 +264,8 @@ def _block_classes(model: nn.Module) -> tuple[type, ...]:
     return tuple(found)
 
 
-def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | None, world_size: int) -> int:
+def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | None, world_size: int,
+                drop_last: bool = False) -> int:
     """`epochs`, or more when `max_steps` asks for more steps than `epochs` passes hold.
 
     A dtrain user who writes ``max_steps`` means that many steps, so it wins over ``epochs`` (whose
@@ -202,7 +275,7 @@ def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | Non
     from .data import ShardedSampler
 
     per_rank = len(ShardedSampler(train, world_size, 0))  # what fit() gives each rank per epoch
-    per_epoch = max(1, math.ceil(per_rank / batch_size))
+    per_epoch = max(1, per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size))
     needed = math.ceil(max_steps / per_epoch)
     if needed > epochs:
         log.info("dtrain: training.max_steps=%d needs %d epochs of %d steps (%d samples per rank, batch %d): "

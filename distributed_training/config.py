@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .models import GPT_PRESETS
+from .pipeline.schedules import SCHEDULES
 
 __all__ = ["JobConfig", "ConfigError", "load_config", "dump_config"]
 
@@ -56,6 +57,7 @@ PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_whole)]
 PositiveFloat = Annotated[float, Field(gt=0), BeforeValidator(_number)]
 PathStr = Annotated[str, Field(min_length=1)]
 Preset = Literal[tuple(GPT_PRESETS) + ("classifier",)]  # type: ignore[valid-type]
+Schedule = Literal[SCHEDULES]  # type: ignore[valid-type]
 
 
 class _Section(BaseModel):
@@ -118,6 +120,22 @@ class TrainingConfig(_Section):
     """Seed of the model's initialisation, the data order and dropout (the same on every rank)."""
     timeout_s: PositiveFloat = 600.0
     """Collective timeout in seconds."""
+    pipeline_parallel_size: PositiveInt = 1
+    """Pipeline stages per model replica (1: no pipeline). The model's layers are cut into this many
+    stages, one per rank, and ``strategy`` (ddp) runs data parallelism inside each stage over the
+    world size / pipeline_parallel_size replicas; it must divide the world size."""
+    pipeline_schedule: Schedule = "1f1b"
+    """Order of the microbatches' forward and backward passes: gpipe, 1f1b, interleaved_1f1b (several
+    model chunks per rank) or zbh1 (zero-bubble, the backward split into input and weight passes)."""
+    microbatches: Optional[PositiveInt] = None
+    """Microbatches each batch is cut into for the pipeline (null: pipeline_parallel_size); at least
+    pipeline_parallel_size for the 1f1b family, a multiple of it for interleaved_1f1b, at most
+    batch_size."""
+    pipeline_split_points: Optional[list[Annotated[str, Field(min_length=1)]]] = None
+    """Layer names where stages 1, 2, ... start (e.g. [block.6] for a GPT: embed, block.0, ...,
+    head); null: stages balanced by parameter count."""
+    pipeline_chunks: Optional[PositiveInt] = None
+    """Model chunks per rank: interleaved_1f1b only (null: 2 there, 1 for the others)."""
 
 
 class CommunicationConfig(_Section):
@@ -198,7 +216,47 @@ class JobConfig(_Section):
                               "communication.hierarchical: true with it, or leave it out")
         if self.checkpoint.every is not None and self.checkpoint.dir is None:
             raise ConfigError("checkpoint.every needs checkpoint.dir")
+        self._pipeline_agrees()
         return self
+
+    def _pipeline_agrees(self) -> None:
+        """The pipeline fields checked by the trainer's own rules (`PipelineOptions`), each error naming
+        its ``training.`` path, and the combinations the pipeline does not run (yet). What needs the
+        model or the world size (more stages than layers, an unknown split name, a world size that
+        pipeline_parallel_size does not divide) is checked by `dtrain` when it has them."""
+        from .pipeline.training import PipelineOptions
+
+        t = self.training
+        try:
+            options = PipelineOptions(t.pipeline_parallel_size, t.pipeline_schedule, t.microbatches,
+                                      t.pipeline_split_points, t.pipeline_chunks)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(training_paths(str(err))) from None
+        if not options.enabled:
+            return
+        size = f"training.pipeline_parallel_size={options.size}"
+        if t.strategy != "ddp":
+            raise ConfigError(f"training.strategy {t.strategy!r} with {size} is not supported yet: each stage's "
+                              "data parallelism is ddp's")
+        if t.gradient_accumulation_steps != 1:
+            raise ConfigError(f"training.gradient_accumulation_steps with {size} is not supported: set "
+                              "training.microbatches instead (the pipeline accumulates over its microbatches)")
+        if t.batch_size == "auto":
+            raise ConfigError(f"training.batch_size 'auto' with {size} is not supported yet: give a number")
+        if options.microbatches > t.batch_size:
+            raise ConfigError(f"training.microbatches ({options.microbatches}) must be <= training.batch_size "
+                              f"({t.batch_size}): each microbatch needs at least one sample")
+
+
+#: The trainer's pipeline arguments, which are fields of the config's ``training`` section.
+_PIPELINE_ARGUMENTS = re.compile(r"(?<![\w.])(pipeline_parallel_size|pipeline_schedule|microbatches|"
+                                 r"pipeline_split_points|pipeline_chunks)\b")
+
+
+def training_paths(message: str) -> str:
+    """A trainer message about its pipeline arguments, with each argument named by its config path
+    (``microbatches`` -> ``training.microbatches``)."""
+    return _PIPELINE_ARGUMENTS.sub(r"training.\1", message)
 
 
 def _field_path(loc: tuple) -> str:

@@ -338,3 +338,128 @@ def test_the_packages_warnings_go_through_its_logger(tmp_path):
     assert out.count("[rank 1] WARNING: skipping checkpoint") == 1, out
     assert "UserWarning: skipping" not in out, out
     assert "UserWarning: the application's own warning" in out, out
+
+
+# ------------------------------------------------------------------ pipeline parallelism
+PIPELINE_EXAMPLE = "examples/configs/gpt_pipeline_cpu.yaml"
+
+
+def _pipeline_job(tmp_path, name, *sets):
+    """The pipeline example for 4 steps, each step's loss logged (JSONL) and the final model written."""
+    return [PIPELINE_EXAMPLE, "--set", "training.max_steps=4", "--set", "logging.every=1",
+            "--set", "logging.progress=false", "--set", f"logging.dir={tmp_path / name}",
+            "--set", f"output={tmp_path / name}.pt", *[a for s in sets for a in ("--set", s)]]
+
+
+def _losses(log_dir, rank=0):
+    import json
+
+    lines = (log_dir / f"rank_{rank}" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["train/loss"] for line in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dtrain_pipeline_example_matches_one_process(tmp_path):
+    """The example's 2 stages (1F1B, 4 microbatches) on 2 processes against the same config with
+    pipeline_parallel_size 1 in one process, on the same batches: fp32 losses within 1e-4 at every step
+    (reported by both stages), and the final model alike."""
+    code, out = _torchrun("distributed_training", _pipeline_job(tmp_path, "pipe"), module=True)
+    assert code == 0, out[-3000:]
+    assert "pipeline of 2 stages (1f1b, 4 microbatches) x 1 data-parallel, world size 2" in out, out[-3000:]
+    assert "finished at step 4" in out, out[-3000:]
+    code, ref_out = _run([sys.executable, "-m", "distributed_training",
+                          *_pipeline_job(tmp_path, "ref", "training.pipeline_parallel_size=1")])
+    assert code == 0, ref_out[-3000:]
+    want = _losses(tmp_path / "ref")
+    assert len(want) == 4 and want[-1] < want[0] - 0.5, want  # it trains
+    for rank in (0, 1):
+        got = _losses(tmp_path / "pipe", rank)
+        assert len(got) == 4 and all(abs(g - w) <= 1e-4 for g, w in zip(got, want)), (rank, got, want)
+    import torch
+
+    got, ref = torch.load(tmp_path / "pipe.pt"), torch.load(tmp_path / "ref.pt")
+    assert list(got) == list(ref)  # the model's own keys, gathered from the stages
+    worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    assert worst <= 5e-4, worst  # AdamW, 4 steps: measured 2e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dtrain_pipeline_larger_than_the_world_is_said_once(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"model": {"preset": "tiny"}, "training": {"pipeline_parallel_size": 4}}))
+    out = run_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=REPO, timeout=100)
+    assert out.returncode != 0
+    both = out.stdout + out.stderr
+    assert both.count("invalid config: training.pipeline_parallel_size=4 does not divide the world size 2") == 1, both
+    assert "step" not in out.stdout, both
+
+
+def _tiny(n_layer=2, **training):
+    return {"model": {"preset": "tiny", "n_layer": n_layer}, "training": training}
+
+
+@pytest.mark.parametrize(
+    "raw, world, field",
+    [
+        (_tiny(pipeline_parallel_size=2), 3, "training.pipeline_parallel_size"),
+        (_tiny(1, pipeline_parallel_size=4), 4, "training.pipeline_parallel_size"),  # embed, block.0, head
+        (_tiny(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", microbatches=2, pipeline_chunks=3), 2,
+         "training.pipeline_parallel_size"),  # 6 stages of 4 layers
+        (_tiny(pipeline_parallel_size=2, pipeline_split_points=["block.7"]), 2, "training.pipeline_split_points"),
+        (_tiny(pipeline_parallel_size=2, pipeline_split_points=["embed"]), 2, "training.pipeline_split_points"),
+    ],
+)
+def test_pipeline_checks_that_need_the_model_or_the_world_name_the_field(monkeypatch, raw, world, field):
+    from distributed_training.cli import _build, _check_pipeline_fits
+
+    cfg = load_config(raw)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}\b"):
+        _check_pipeline_fits(cfg, _build(cfg)[0])
+
+
+@pytest.mark.parametrize("raw, world", [
+    (_tiny(pipeline_parallel_size=4), 4),  # as many stages as layers
+    (_tiny(pipeline_parallel_size=2, pipeline_split_points=["block.1"]), 2),
+    (_tiny(pipeline_parallel_size=2), 4),  # 2 stages x 2 data-parallel replicas
+])
+def test_pipeline_checks_pass_what_fits(monkeypatch, raw, world):
+    from distributed_training.cli import _build, _check_pipeline_fits
+
+    cfg = load_config(raw)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    _check_pipeline_fits(cfg, _build(cfg)[0])
+
+
+def test_what_the_trainer_refuses_with_a_pipeline_is_said_as_config_fields(monkeypatch):
+    """The trainer's "not supported yet" with a pipeline (before any rendezvous) becomes an invalid config
+    naming the config's field (which `main` reports once, exit status 2)."""
+    import distributed_training.cli as cli
+    import distributed_training.trainer as trainer_module
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(f"checkpoint_dir with pipeline_parallel_size={kwargs['pipeline_parallel_size']} "
+                                  "is not supported yet")
+
+    monkeypatch.setattr(trainer_module, "DistributedTrainer", refuse)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config({"model": {"preset": "tiny"}, "training": {"pipeline_parallel_size": 2},
+                       "checkpoint": {"dir": "unused"}})
+    with pytest.raises(ConfigError, match=r"^checkpoint\.dir with training\.pipeline_parallel_size=2 is not"):
+        cli.run_job(cfg)
+
+
+def test_an_epochs_last_batch_too_small_for_the_microbatches_is_left_out():
+    from types import SimpleNamespace
+
+    from distributed_training.cli import _epochs_for, _short_last_batch
+
+    trainer = SimpleNamespace(dp_world_size=2, config={"microbatches": 4})
+    assert _short_last_batch(trainer, list(range(36)), 16)       # 18 a replica: a last batch of 2
+    assert not _short_last_batch(trainer, list(range(40)), 16)   # 20: a last batch of 4, one a microbatch
+    assert not _short_last_batch(trainer, list(range(64)), 16)   # 32: no short batch
+    # max_steps=3 with 1 full batch an epoch (the short one left out) needs 3 epochs, not 2.
+    assert _epochs_for(1, 3, list(range(36)), 16, 2, drop_last=True) == 3
+    assert _epochs_for(1, 3, list(range(36)), 16, 2) == 2

@@ -68,12 +68,64 @@ def test_scientific_notation_in_files_and_overrides(tmp_path):
         ({"communication": {"ranks_per_node": 0}}, "communication.ranks_per_node"),
         ({"communication": {"ranks_per_node": 2}}, "communication.ranks_per_node"),
         ({"logging": {"colour": True}}, "logging.colour"),
+        ({"training": {"pipeline_parallel_size": 0}}, "training.pipeline_parallel_size"),
+        ({"training": {"pipeline_parallel_size": "two"}}, "training.pipeline_parallel_size"),
+        ({"training": {"pipeline_schedule": "zb-v"}}, "training.pipeline_schedule"),
+        ({"training": {"microbatches": 0}}, "training.microbatches"),
+        ({"training": {"pipeline_chunks": 0}}, "training.pipeline_chunks"),
+        ({"training": {"pipeline_split_points": "block.2"}}, "training.pipeline_split_points"),
+        ({"training": {"pipeline_split_points": [""]}}, "training.pipeline_split_points"),
     ],
 )
 def test_every_field_is_type_checked_and_named(raw, field):
     with pytest.raises(ConfigError, match=rf"(^|\W){re.escape(field)}\b") as info:
         load_config(raw)
     assert "\n" not in str(info.value)
+
+
+def _pipeline(**fields):
+    return {"training": {"pipeline_parallel_size": 2, **fields}}
+
+
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        # The trainer's own rules (PipelineOptions), said with the config's paths.
+        (_pipeline(pipeline_parallel_size=4, microbatches=3), "training.microbatches"),
+        (_pipeline(pipeline_schedule="zbh1", microbatches=1), "training.microbatches"),
+        (_pipeline(pipeline_schedule="interleaved_1f1b", microbatches=3), "training.microbatches"),
+        (_pipeline(pipeline_schedule="interleaved_1f1b", pipeline_chunks=1, microbatches=4), "training.pipeline_chunks"),
+        (_pipeline(pipeline_chunks=2), "training.pipeline_chunks"),  # 1f1b runs one chunk per rank
+        (_pipeline(pipeline_split_points=["block.1", "block.2"]), "training.pipeline_split_points"),
+        # What the pipeline does not run, or cannot: said before anything starts.
+        (_pipeline(strategy="zero3"), "training.strategy"),
+        (_pipeline(strategy="auto"), "training.strategy"),
+        (_pipeline(gradient_accumulation_steps=2), "training.gradient_accumulation_steps"),
+        (_pipeline(batch_size="auto"), "training.batch_size"),
+        (_pipeline(batch_size=4, microbatches=8), "training.microbatches"),
+    ],
+)
+def test_pipeline_fields_that_disagree_are_named(raw, field):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}\b") as info:
+        load_config(raw)
+    assert "\n" not in str(info.value)
+
+
+def test_pipeline_fields_default_to_the_trainers_and_load():
+    import inspect
+
+    from distributed_training import DistributedTrainer
+
+    trainer = inspect.signature(DistributedTrainer).parameters
+    training = JobConfig().training
+    for name in ("pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_split_points",
+                 "pipeline_chunks"):
+        assert getattr(training, name) == trainer[name].default, name
+    # GPipe may run fewer microbatches than stages (wasteful, not wrong); split points load as a list.
+    cfg = load_config(_pipeline(pipeline_schedule="gpipe", microbatches=1, pipeline_split_points=["block.2"]))
+    assert (cfg.training.microbatches, cfg.training.pipeline_split_points) == (1, ["block.2"])
+    cfg = load_config(_pipeline(pipeline_schedule="interleaved_1f1b", microbatches=4), ["training.pipeline_chunks=2"])
+    assert cfg.training.pipeline_chunks == 2
 
 
 @pytest.mark.slow
