@@ -3,16 +3,18 @@
 A checkpoint saved by a pipelined trainer (P=2 x DP=2) loads into one with another pipeline size (P=4)
 or none (strategy "ddp" on one process), and one saved without a pipeline loads into a pipelined
 trainer. After loading, the parameters and AdamW's state (moments and step) must equal those the
-saving run held, read independently of the checkpoint code (each optimizer tensor named through the
-user's model object, whose kept parameters the stages hold); after each of three more steps they must
-equal one process that starts from that state and trains on the whole batch. A lost or mixed-up
-optimizer state moves them by far more than the tolerance (checked below). evaluate() under a pipeline
-must return, on every rank, what evaluate() of one process returns.
+saving run held, bit for bit, read independently of the checkpoint code (each optimizer tensor named
+through the user's model object, whose kept parameters the stages hold); after each of three more
+steps they must equal the run that never stopped (the loading layout given that state directly, not
+through a checkpoint; 1e-6) and one process that starts from that state and trains on the whole batch
+(1e-6 for the MLP; the GPT's key biases need the cross-layout tolerance, see `_check_resume`). A lost
+optimizer state moves them by far more (checked below). BatchNorm statistics cross pipeline sizes;
+`fit` with `checkpoint_dir` resumes bit for bit. evaluate() under a pipeline must return, on every
+rank, what evaluate() of one process returns.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import warnings
 
@@ -221,6 +223,39 @@ def test_the_tolerance_would_catch_a_lost_optimizer_state(tmp_path):
     lost = _reference("mlp", params, optim, resets_optimizer=True)[0][0]
     worst = max((kept[k] - lost[k]).abs().max().item() for k in kept)
     assert worst > 1000 * ATOL, worst
+
+
+# ------------------------------------------------------------------ buffers
+def _batchnorm_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 32), nn.BatchNorm1d(32),
+                         nn.Tanh(), nn.Linear(32, 4))
+
+
+def buffers_worker(rank, world, pipe, directory, load):
+    kwargs = dict(pipeline_parallel_size=pipe, microbatches=2) if pipe > 1 else {}
+    trainer = DistributedTrainer(_batchnorm_mlp(), _adamw, progress=False, **kwargs)
+    if load:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.load_checkpoint(directory)
+    else:
+        for batch in _batches("mlp")[:2]:
+            trainer.train_step(_my_part(trainer, batch), F.mse_loss)
+        trainer.save_checkpoint(directory)
+    state = trainer.full_state_dict()
+    trainer.close()
+    return state
+
+
+@pytest.mark.parametrize("saved_pipe, loaded_pipe", [(2, 1), (1, 2)])
+def test_batchnorm_statistics_cross_pipeline_sizes(tmp_path, saved_pipe, loaded_pipe):
+    """Buffers go by the model's keys: each stage's BatchNorm statistics come back from the rank that held them."""
+    directory = str(tmp_path / "ckpt")
+    saved = run_distributed(buffers_worker, 2, args=(saved_pipe, directory, False), timeout=120)[0]
+    assert any("running_mean" in key for key in saved) and saved["4.num_batches_tracked"] > 0
+    loaded = run_distributed(buffers_worker, loaded_pipe, args=(loaded_pipe, directory, True), timeout=120)[0]
+    _assert_close(loaded, saved, f"P{saved_pipe} -> P{loaded_pipe}", atol=0, rtol=0)
 
 
 # ------------------------------------------------------------------ fit: resume from checkpoint_dir

@@ -38,9 +38,20 @@ One step on one rank (`forward_backward`, then the trainer's `optimizer_step`):
    scales the loss on the last stage (the returned loss is unscaled).
 
 The loss is the whole batch's mean (each microbatch weighted by its share) on every rank of the
-pipeline. Checkpoints with pipelines are not supported yet (`state_layout` raises); `full_state_dict`
-gathers the stages into the model's own keys on rank 0. Data-parallel strategies: ``"ddp"`` (and
-`DDPStrategy` objects); the others raise NotImplementedError.
+pipeline. `full_state_dict` gathers the stages into the model's own keys on rank 0. Data-parallel
+strategies: ``"ddp"`` (and `DDPStrategy` objects); the others raise NotImplementedError.
+
+Checkpoints are in the one format (`checkpoint_shards`): each rank describes its stages' parameters,
+whole, under the model's own names (`named_parameters`: the GPT's tied weight is ``wte.weight``, as
+under DDP or FSDP), and the optimizer's state of each; the first data-parallel replica writes them, a
+tied weight's copies once (the lowest pipeline rank's). So a checkpoint saved at P=2 x DP=2 loads at
+P=4, or without a pipeline, and back: each rank reads the pieces its stages need, every copy of a tied
+weight the same one. Buffers go by the model's keys too (`buffers`). What the inner strategy keeps per
+stage (DDP's bucket layout, compression residuals) comes back only into the same cut of the model.
+
+`evaluate` runs forward only (`evaluate_batch`): each batch, whole, through this rank's stages over
+the engine's `StageLink`, the last stage computing the criterion and the metrics; its sums reach the
+pipeline's other ranks in one broadcast at the end (`evaluation_sums`).
 """
 
 from __future__ import annotations
