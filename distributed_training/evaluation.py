@@ -32,6 +32,8 @@ class Evaluation:
 
         Each rank evaluates its exact shard (no padding, nothing counted twice) with the unwrapped
         module, so uneven shard sizes cannot stall a collective; one all-reduce sums the results.
+        Under a pipeline the ranks of a replica evaluate the same shard, forward only through their
+        stages; the last stage's values reach the others at the end (`Strategy.evaluate_batch`).
         `metrics` maps a name to ``fn(outputs, targets) -> per-batch mean``, weighted by batch size.
         """
         ctx = self.context
@@ -73,9 +75,11 @@ class Evaluation:
                 previous = batch
                 batch = to_device(batch, self.device)
                 n = batch_size_of(batch) * weight
-                if criterion is None:
+                # A strategy that runs the forward itself (a pipeline: through its stages) gives the values.
+                values = self.strategy.evaluate_batch(self.model, batch, criterion, metrics)
+                if values is None and criterion is None:
                     values = [model_loss(module, batch)]
-                else:
+                elif values is None:
                     inputs, targets = batch
                     outputs = call_module(module, inputs)
                     values = [criterion(outputs, targets)]
@@ -85,6 +89,7 @@ class Evaluation:
                 sums[-1] += n
         finally:
             module.train(was_training)
+        sums = self.strategy.evaluation_sums(sums)  # a pipeline: its last stage's values to its other ranks
         if self.dp_world_size > 1:  # each replica counted once, whatever shares it
             dist.all_reduce(sums, group=ctx.mesh.group("data"))
         count = sums[-1].item()

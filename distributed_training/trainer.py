@@ -120,8 +120,10 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             each stage. `train_step` batches are ``(inputs, targets)`` with a criterion (a GPT without
             one gets its language-model loss); the loss is the whole batch's on every rank. Every rank
             receives the whole model and keeps only its stages: the rest of the model object is freed
-            (meta tensors). `gradient_accumulation_steps` (use `microbatches`), `compile`, checkpoints,
-            `evaluate` and ``batch_size="auto"`` are not supported with pipelines yet. See
+            (meta tensors). Checkpoints are in the one format, under the model's own keys: they load
+            at another pipeline size, data-parallel size or without a pipeline, and back. `evaluate`
+            runs forward only through the stages. `gradient_accumulation_steps` (use `microbatches`),
+            `compile` and ``batch_size="auto"`` are not supported with pipelines yet. See
             `distributed_training.pipeline.training`.
         pipeline_schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"`` or ``"zbh1"``.
         microbatches: microbatches each batch is cut into (default: `pipeline_parallel_size`); at least
@@ -191,8 +193,7 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
                                    pipeline_chunks)
         if pipeline.enabled:
             unsupported = [name for name, value in (("gradient_accumulation_steps", gradient_accumulation_steps != 1),
-                                                    ("compile", compile is not False),
-                                                    ("checkpoint_dir", checkpoint_dir is not None)) if value]
+                                                    ("compile", compile is not False)) if value]
             if unsupported:
                 raise NotImplementedError(f"{unsupported[0]} with pipeline_parallel_size={pipeline.size} is not "
                                           "supported yet" + (": use microbatches" if unsupported[0] ==
@@ -268,7 +269,7 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             "gradient_clip_val": gradient_clip_val,
             "seed": seed,
             "world_size": self.context.world_size,
-            "model": type(self.module).__name__,
+            "model": type(model).__name__,  # the user's class (a pipeline's self.module holds its stages)
             "optimizer": type(self.optimizer).__name__,
         }
         if pipeline.enabled:

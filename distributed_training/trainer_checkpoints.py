@@ -154,15 +154,19 @@ class Checkpointing:
         part: dict[str, Any] = {"rng": rng_state(), **packed}
         part.update(self.strategy.rank_state(self.model))  # e.g. error-feedback residuals, which differ by rank
         # Buffers (BatchNorm's running statistics) are updated by each rank from its own data: every
-        # rank's are state.
-        part["buffers"] = {k: b.detach().cpu().clone() for k, b in self.module.named_buffers()}
+        # rank's are state, under the model's keys (a pipeline rank holds its stages' only).
+        part["buffers"] = {k: b.detach().cpu().clone() for k, b in self.strategy.buffers(self.model).items()}
         digest = save_file(part, os.path.join(path, f"rank{ctx.rank}.pt"))
-        mine = (digest, summary(packed))
+        mine = (digest, summary(packed), sorted(part["buffers"]), self.dp_rank)
         every = [mine]
         if ctx.world_size > 1:
             every = [None] * ctx.world_size
             dist.all_gather_object(every, mine, group=ctx.group)
-        digests = [d for d, _ in every]
+        digests = [d for d, *_ in every]
+        buffer_index: dict[str, list[int]] = {}
+        for rank, (_, _, keys, _) in enumerate(every):
+            for key in keys:
+                buffer_index.setdefault(key, []).append(rank)
         layout = self._layout(path)
         if layout.writer_of[ctx.rank] == ctx.rank:  # rank 0, or each node's first rank with a directory per node
             meta = {
@@ -176,7 +180,9 @@ class Checkpointing:
                 "strategy": self.strategy.name,
                 "checkpoint_format": FORMAT,
                 "shapes": held.shapes,
-                "index": build_index([sm for _, sm in every], packed["param_groups"]),
+                "index": build_index([sm for _, sm, _, _ in every], packed["param_groups"]),
+                "buffer_index": buffer_index,  # key -> the ranks whose file holds that buffer
+                "dp_rank_of": [dp for *_, dp in every],  # each rank's data-parallel replica
                 "config": self.config,
                 "optimizer_hparams": self._configured_hparams,
                 "fit": dict(self._fit_limits),
@@ -207,9 +213,10 @@ class Checkpointing:
         corrupt one raises `CheckpointCorruptError` naming it. RNG states are restored when the world
         size is unchanged (a different world draws different random streams anyway). Each rank gets
         back its own buffers (BatchNorm statistics); when the world size changed, ranks that did not
-        exist before take rank 0's. Hyperparameters configured differently from the checkpoint's keep
-        their new values, and the changes are logged (see `resume`); a different optimizer class or
-        parameter shape is an error that names it.
+        exist before take rank 0's (under a pipeline, a stage's buffers come from a rank of the same
+        data-parallel replica that held them, else from replica 0's). Hyperparameters configured
+        differently from the checkpoint's keep their new values, and the changes are logged (see
+        `resume`); a different optimizer class or parameter shape is an error that names it.
         """
         path = os.fspath(path)
         ctx = self.context
@@ -245,15 +252,7 @@ class Checkpointing:
             sources = Sources(read, ctx.rank if ctx.rank < old_world else 0)
             unpack_params(held, meta["index"], sources)
             unpack_optimizer(held, self.optimizer, meta["index"], sources)
-            # Each rank's own buffers; a rank the saving job did not have takes rank 0's.
-            saved_buffers = sources.pick([ctx.rank] if ctx.rank < old_world else [0])["buffers"]
-            buffers = dict(self.module.named_buffers())
-            if set(saved_buffers) != set(buffers):
-                raise ValueError(f"buffers missing from the checkpoint {sorted(set(buffers) - set(saved_buffers))[:5]}, "
-                                 f"in it but not in this model {sorted(set(saved_buffers) - set(buffers))[:5]}")
-            with torch.no_grad():
-                for key, value in saved_buffers.items():
-                    buffers[key].copy_(value)
+            self._load_buffers(meta, sources, old_world)
         except CheckpointCorruptError:
             raise
         except (RuntimeError, ValueError, KeyError) as err:
@@ -283,6 +282,30 @@ class Checkpointing:
         self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
         if meta.get("batch_size") is not None:
             self.batch_size = int(meta["batch_size"])
+
+    def _load_buffers(self, meta: dict[str, Any], sources: Sources, old_world: int) -> None:
+        """Each buffer this rank holds from a saving rank of the same data-parallel replica that held it
+        (this rank's own file first), else from the lowest rank that held it: without a pipeline, each
+        rank gets its own back and a rank the saving job did not have takes rank 0's; a pipeline's
+        stage takes its replica's statistics, which are replica 0's when the replicas are fewer now."""
+        ctx = self.context
+        saved_at = meta.get("buffer_index")
+        if saved_at is None:  # written before the buffer index: every rank held every buffer
+            first = sources.pick([ctx.rank] if ctx.rank < old_world else [0])["buffers"]
+            saved_at = {key: list(range(old_world)) for key in first}
+        replica_of = meta.get("dp_rank_of") or list(range(old_world))  # before: one replica per rank
+        buffers = self.strategy.buffers(self.model)
+        missing = sorted(set(buffers) - set(saved_at))
+        unexpected = sorted(set(saved_at) - set(self.strategy.buffer_keys(self.model)))
+        if missing or unexpected:
+            raise ValueError(f"buffers missing from the checkpoint {missing[:5]}, in it but not in this model "
+                             f"{unexpected[:5]}")
+        with torch.no_grad():
+            for key, buffer in buffers.items():
+                ranks = saved_at[key]
+                same = [r for r in ranks if replica_of[r] == self.dp_rank]
+                source = ctx.rank if ctx.rank in same else min(same or ranks)
+                buffer.copy_(sources.pick([source])["buffers"][key])
 
     def _apply_changed_hyperparameters(self, meta: dict[str, Any]) -> list[str]:
         """Loading the optimizer's state brings back the saved param groups' hyperparameters: where this

@@ -144,3 +144,64 @@ def test_pipeline_on_nccl_equals_one_process(schedule):
     steady state, and the same parameters as one GPU on the whole batch (lengths change each step)."""
     for worst_p, worst_l in run_distributed(nccl_pipeline_worker, 2, args=(schedule,), backend="nccl", timeout=180):
         assert worst_p <= 1e-4 and worst_l <= 1e-4, (worst_p, worst_l)
+
+
+def nccl_pipeline_checkpoint_worker(rank: int, world: int, directory: str) -> list[str]:
+    """The trainer at P=2 on NCCL saves and evaluates; DDP without a pipeline loads it exactly and
+    evaluates the same; a P=2 trainer loads DDP's checkpoint back exactly."""
+    import os
+
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer, init_distributed
+    from distributed_training.models import GPT, GPTConfig
+
+    ctx = init_distributed()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=3, n_head=4, n_embd=128)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 512, (10, 65), generator=g)
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    problems = []
+
+    def make(seed, pipe):
+        torch.manual_seed(seed)
+        kwargs = dict(pipeline_parallel_size=pipe, microbatches=2) if pipe > 1 else {}
+        return DistributedTrainer(GPT(cfg), adamw, context=ctx, progress=False, **kwargs)
+
+    def compare(got, want, what):
+        if ctx.rank == 0:
+            for key, value in want.items():
+                if not torch.equal(got[key], value):
+                    problems.append(f"{what}: {key} differs by {(got[key] - value).abs().max().item()}")
+
+    piped = make(0, 2)
+    for _ in range(2):
+        idx = torch.randint(0, 512, (4, 65), generator=g)
+        piped.train_step((idx[:, :-1], idx[:, 1:]))
+    piped.save_checkpoint(os.path.join(directory, "p2"))
+    saved = piped.full_state_dict()
+    piped_eval = piped.evaluate(data, batch_size=4)["loss"]
+    piped.close()
+
+    plain = make(1, 1)
+    plain.load_checkpoint(os.path.join(directory, "p2"))
+    compare(plain.full_state_dict(), saved, "P2 -> ddp")
+    plain_eval = plain.evaluate(data, batch_size=4)["loss"]
+    if abs(piped_eval - plain_eval) > 1e-4 * abs(plain_eval):
+        problems.append(f"evaluate: {piped_eval} at P2, {plain_eval} under ddp")
+    plain.save_checkpoint(os.path.join(directory, "ddp"))
+    plain.close()
+
+    back = make(2, 2)
+    back.load_checkpoint(os.path.join(directory, "ddp"))
+    compare(back.full_state_dict(), saved, "ddp -> P2")
+    back.close()
+    ctx.shutdown()
+    return problems
+
+
+def test_pipeline_checkpoints_and_evaluate_on_nccl(tmp_path):
+    problems = run_distributed(nccl_pipeline_checkpoint_worker, 2, args=(str(tmp_path),), backend="nccl", timeout=300)
+    assert problems == [[], []], problems

@@ -38,9 +38,20 @@ One step on one rank (`forward_backward`, then the trainer's `optimizer_step`):
    scales the loss on the last stage (the returned loss is unscaled).
 
 The loss is the whole batch's mean (each microbatch weighted by its share) on every rank of the
-pipeline. Checkpoints with pipelines are not supported yet (`state_layout` raises); `full_state_dict`
-gathers the stages into the model's own keys on rank 0. Data-parallel strategies: ``"ddp"`` (and
-`DDPStrategy` objects); the others raise NotImplementedError.
+pipeline. `full_state_dict` gathers the stages into the model's own keys on rank 0. Data-parallel
+strategies: ``"ddp"`` (and `DDPStrategy` objects); the others raise NotImplementedError.
+
+Checkpoints are in the one format (`checkpoint_shards`): each rank describes its stages' parameters,
+whole, under the model's own names (`named_parameters`: the GPT's tied weight is ``wte.weight``, as
+under DDP or FSDP), and the optimizer's state of each; the first data-parallel replica writes them, a
+tied weight's copies once (the lowest pipeline rank's). So a checkpoint saved at P=2 x DP=2 loads at
+P=4, or without a pipeline, and back: each rank reads the pieces its stages need, every copy of a tied
+weight the same one. Buffers go by the model's keys too (`buffers`). What the inner strategy keeps per
+stage (DDP's bucket layout, compression residuals) comes back only into the same cut of the model.
+
+`evaluate` runs forward only (`evaluate_batch`): each batch, whole, through this rank's stages over
+the engine's `StageLink`, the last stage computing the criterion and the metrics; its sums reach the
+pipeline's other ranks in one broadcast at the end (`evaluation_sums`).
 """
 
 from __future__ import annotations
@@ -54,8 +65,10 @@ from torch import nn
 
 from ..models.gpt import GPT
 from ..runtime import DistributedContext
+from ..checkpoint_shards import Holding, StateLayout, whole_tensors
 from ..strategies.base import OptimizerFactory, Strategy
 from .engine import PipelineEngine
+from .p2p import PipelineAborted
 from .schedules import SCHEDULES
 from .stages import Stage, chain, find_ties, lm_loss, partition, split_at, tied_groups
 
@@ -142,8 +155,8 @@ class PipelineStages(nn.Module):
         self.stages = nn.ModuleList(stages)
 
     def forward(self, *args, **kwargs):
-        raise NotImplementedError("with pipeline_parallel_size > 1 the model runs only through train_step / fit "
-                                  "(evaluate, auto batch size and direct calls are not supported yet)")
+        raise NotImplementedError("with pipeline_parallel_size > 1 the model runs only through train_step, fit and "
+                                  "evaluate (auto batch size and direct calls are not supported yet)")
 
 
 class _StageRunner(nn.Module):
@@ -215,6 +228,16 @@ class PipelineStrategy(Strategy):
             origin.setdefault(id(tensor), []).append(key)
         self._keys = [{key: origin.get(id(t), [key]) for key, t in stage.state_dict(keep_vars=True).items()}
                       for stage in stages]
+        # The checkpoint format's names: each parameter (and buffer) under its name in the model's
+        # named_parameters (named_buffers), the tied weight under its first name there ("wte.weight"),
+        # as a DDP or FSDP run of the same model names them; shapes of the whole model.
+        param_name = {id(p): name for name, p in module.named_parameters()}
+        buffer_name = {id(b): name for name, b in module.named_buffers()}
+        self._shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        self._param_names = [{key: param_name[id(p)] for key, p in stage.named_parameters()} for stage in stages]
+        self._buffer_names = [{key: buffer_name[id(b)] for key, b in stage.named_buffers()} for stage in stages]
+        self._all_buffers = list(buffer_name.values())
+        self._layout_id = {"pipeline": P, "chunks": V, "bounds": list(bounds)}
 
         self._setup_ties(layers, names, bounds, context)
         _free_other_layers(module, stages)
@@ -229,6 +252,7 @@ class PipelineStrategy(Strategy):
             up, down, header = self._nccl_pipeline_groups(context)
         self._pipe_group = group
         ranks = [_global(context, r) for r in mesh.ranks("pipeline")]
+        self._pipe_rank, self._pipe_ranks = rank, ranks
         self.engine = PipelineEngine([_StageRunner(stage, self) for stage in stages], ranks=ranks, rank=rank,
                                      group=group, up_group=up, down_group=down, header_group=header,
                                      schedule=opts.schedule, microbatches=opts.microbatches, loss_fn=self._loss,
@@ -294,18 +318,21 @@ class PipelineStrategy(Strategy):
         return self.inner.setup_optimizer(optimizer, model)
 
     # ------------------------------------------------------------------ a step
-    def forward_backward(self, model: nn.Module, batch: Any, criterion: Callable | None,
-                         precision) -> torch.Tensor:
+    def _criterion_and_pair(self, criterion: Callable | None, batch: Any, caller: str):
         if criterion is None:
             if self._default_loss is None:
-                raise ValueError("with pipeline_parallel_size > 1 train_step needs a criterion: the last stage "
+                raise ValueError(f"with pipeline_parallel_size > 1 {caller} needs a criterion: the last stage "
                                  "computes the loss from its output and the targets (the model's own loss is "
                                  "not available); a GPT without one uses its language-model loss")
             criterion = self._default_loss
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError("with pipeline_parallel_size > 1 each batch must be an (inputs, targets) pair: the first "
                              "stage reads the inputs, the last the targets")
-        inputs, targets = batch
+        return criterion, batch[0], batch[1]
+
+    def forward_backward(self, model: nn.Module, batch: Any, criterion: Callable | None,
+                         precision) -> torch.Tensor:
+        criterion, inputs, targets = self._criterion_and_pair(criterion, batch, "train_step")
         self._loss_fn, self.precision = criterion, precision
         scaler = precision.scaler
         self._scale = scaler.scale if scaler is not None else None
@@ -324,6 +351,46 @@ class PipelineStrategy(Strategy):
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
         self.inner.sync_gradients(self._model)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate_batch(self, model: nn.Module, batch: Any, criterion: Callable | None,
+                       metrics: dict[str, Callable] | None) -> list[torch.Tensor]:
+        """Forward only: the whole batch through this rank's stages in stage order (no microbatches,
+        so the values are those of one process's forward on the batch), each output sent on as soon as
+        it is computed; the last stage computes the criterion and the metrics, the other ranks return
+        zeros (`evaluation_sums` brings the last stage's sums to them). Every rank of the pipeline gets
+        the same batches (`evaluate` shards by data-parallel replica), so the messages pair up; at
+        most one batch's activations are in flight (the previous batch's sends are waited for first),
+        so a fast first stage cannot run far ahead. As `evaluate` does without a pipeline, the
+        forward runs without autocast. If a stage raises, every rank of the pipeline raises."""
+        criterion, inputs, targets = self._criterion_and_pair(criterion, batch, "evaluate")
+        P, me, last = self.options.size, self._pipe_rank, self.options.num_stages - 1
+        link = self.engine.link
+        values = None
+        try:
+            link.wait_all()
+            for chunk, stage in enumerate(self.unwrap(model).stages):
+                s = chunk * P + me
+                x = inputs if s == 0 else link.recv(me, (s - 1) % P)
+                out = stage(x)
+                if s == last:
+                    values = [criterion(out, targets), *(fn(out, targets) for fn in (metrics or {}).values())]
+                else:
+                    link.send(out, me, (s + 1) % P)
+        except BaseException as err:
+            link.abort(me, getattr(err, "failed_rank", None))
+            if not isinstance(err, PipelineAborted):
+                raise RuntimeError(f"pipeline rank {me} (global rank {self._pipe_ranks[me]}): its stage failed "
+                                   f"during evaluate: {err}") from err
+            raise
+        if values is None:
+            values = [torch.zeros((), device=self.device)] * (1 + len(metrics or {}))
+        return values
+
+    def evaluation_sums(self, sums: torch.Tensor) -> torch.Tensor:
+        self.engine.link.wait_all()
+        dist.broadcast(sums, src=self._pipe_ranks[-1], group=self._pipe_group)
+        return sums
 
     def no_sync(self, model: nn.Module):
         return self.inner.no_sync(model)  # a pipeline step syncs once anyway; kept for the interface
@@ -369,10 +436,63 @@ class PipelineStrategy(Strategy):
         return {k: merged[k] for k in self._key_order if k in merged}
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        raise NotImplementedError("loading a model state with pipeline_parallel_size > 1 is not supported yet")
+        """Load the user's module's `state_dict` (either key of a tied weight will do) into this rank's
+        stages; every rank passes the whole state."""
+        for stage, keys in zip(self.unwrap(model).stages, self._keys):
+            mine = {}
+            for key, own in keys.items():
+                found = next((k for k in own if k in state), None)
+                if found is None:
+                    raise KeyError(f"'{own[0]}' is missing from the state dict")
+                mine[key] = state[found]
+            stage.load_state_dict(mine)
 
-    def state_layout(self, model: nn.Module, optimizer):
-        raise NotImplementedError("checkpoints with pipeline_parallel_size > 1 are not supported yet")
+    def state_layout(self, model: nn.Module, optimizer) -> StateLayout:
+        """This rank's stages' parameters, whole, under the model's own names (`named_parameters`, so a
+        tied weight under its first name), and the optimizer's state of each: the layout a DDP run of
+        the whole model has, cut by stage. The first data-parallel replica writes; of a tied weight's
+        copies on several pipeline ranks, only the lowest rank's (the copies and their optimizer
+        states are equal: their gradients are summed before every step); on loading, every copy
+        reads it."""
+        params: list[Holding] = []
+        saves: dict[int, bool] = {}
+        name_of: dict[int, str] = {}
+        for stage, names in zip(self.unwrap(model).stages, self._param_names):
+            for key, p in stage.named_parameters():
+                if id(p) in name_of:
+                    continue  # one parameter in two chunks of this rank
+                name_of[id(p)] = names[key]
+                saves[id(p)] = self._dp_rank == 0 and id(p) not in self._not_counted
+                params += whole_tensors([(names[key], p)], saves[id(p)])
+        held = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+        optim: list[Holding] = []
+        for p in held:
+            if id(p) not in name_of:
+                raise ValueError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is none of this "
+                                 "rank's stage parameters: its state cannot be checkpointed")
+            optim += whole_tensors([(name_of[id(p)], p)], saves[id(p)])
+        return StateLayout(shapes=dict(self._shapes), params=params, optimizer=optim)
+
+    def buffers(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {names[key]: b for stage, names in zip(self.unwrap(model).stages, self._buffer_names)
+                for key, b in stage.named_buffers()}
+
+    def buffer_keys(self, model: nn.Module) -> list[str]:
+        return list(self._all_buffers)
+
+    def rank_state(self, model: nn.Module) -> dict[str, Any]:
+        """The inner strategy's state of this rank's stages (its bucket layout, compression residuals),
+        which differs by pipeline rank, so it lives in the rank's file with the pipeline's layout: it
+        comes back only into the same stages (same pipeline size, chunks and cut)."""
+        return {"pipeline": {"layout": self._layout_id, "shared": self.inner.shared_state(model),
+                             "rank": self.inner.rank_state(model)}}
+
+    def load_rank_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        saved = state.get("pipeline")
+        if saved is None or saved.get("layout") != self._layout_id:
+            return  # another cut of the model: the inner strategy starts afresh
+        self.inner.load_shared_state(model, saved["shared"])
+        self.inner.load_rank_state(model, saved["rank"])
 
     def planner_kind(self) -> str:
         return self.inner.planner_kind()

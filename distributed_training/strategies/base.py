@@ -9,7 +9,8 @@ the step's order, unscale then clip then step, to the strategy), which gradients
 model and optimizer state (`state_layout`: pieces of the full tensors, which checkpoints save and load
 in one format; `model_state_dict`: the full model) and what else a checkpoint must
 carry (`rank_state`: this rank's, e.g. compression residuals; `shared_state`: the same on every
-rank, e.g. DDP's bucket layout), what its communication cost (`measure_communication`,
+rank, e.g. DDP's bucket layout; `buffers`: this rank's buffers under the model's keys), how a
+strategy that runs the forward itself evaluates (`evaluate_batch`, `evaluation_sums`), what its communication cost (`measure_communication`,
 `pop_communication_metrics`), and what its memory layout is to the planner (`planner_kind`,
 `state_reserve_bytes`). The defaults below are those of a replicated model with nothing to report;
 the other strategies override what differs.
@@ -199,6 +200,29 @@ class Strategy(abc.ABC):
         return StateLayout(shapes={name: tuple(p.shape) for name, p in named},
                            params=whole_tensors(named, first),
                            optimizer=whole_tensors([(name_of[id(p)], p) for p in held], first))
+
+    def buffers(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's buffers (BatchNorm's running statistics) under the user's module's keys: what
+        checkpoints save per rank and load back by key. Here: the whole module's."""
+        return dict(self.unwrap(model).named_buffers())
+
+    def buffer_keys(self, model: nn.Module) -> list[str]:
+        """The keys of the whole model's buffers, held by this rank or not (a checkpoint holding any
+        other does not fit the model)."""
+        return list(self.buffers(model))
+
+    def evaluate_batch(self, model: nn.Module, batch: Any, criterion: Callable | None,
+                       metrics: dict[str, Callable] | None) -> list[torch.Tensor] | None:
+        """The mean loss of `batch` (then each metric's mean), forward only, for a strategy that runs
+        the model's forward itself (a pipeline): ranks that do not compute them return zeros, which
+        `evaluation_sums` completes. None (the default): `evaluate` calls the module."""
+        return None
+
+    def evaluation_sums(self, sums: torch.Tensor) -> torch.Tensor:
+        """`evaluate`'s sums on this rank, completed with what only other ranks of the same data-parallel
+        replica computed (a pipeline: its last stage), before they are summed over the replicas.
+        Collective over those ranks; here: nothing to add."""
+        return sums
 
     def rank_state(self, model: nn.Module) -> dict[str, Any]:
         """What this rank alone must checkpoint besides model and optimizer (keys of ``rank<r>.pt``)."""
