@@ -52,6 +52,10 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 class DDP(nn.Module):
     """Wrap `module` so that after `loss.backward()` every rank's `.grad` is the mean over ranks.
 
+    Post-accumulate-grad hooks of your own that change `.grad` must be registered before wrapping, so
+    that they run before DDP's; one registered after it that changes a gradient DDP is already
+    averaging makes backward raise, naming the parameter.
+
     Args:
         module: the model, already on this rank's device.
         process_group: the group to average over (default: the whole job).
