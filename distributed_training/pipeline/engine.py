@@ -131,8 +131,14 @@ class PipelineEngine:
         if not torch.is_grad_enabled():  # every rank alike: raised before any message
             raise RuntimeError("PipelineEngine.step runs forward and backward passes: call it with gradients enabled, "
                                "not under torch.no_grad() or torch.inference_mode()")
+        # Cut before the first message, every rank alike (they pass the same batch): a batch too small
+        # for the microbatches is refused with the pipeline still usable.
+        m = self.microbatches
+        total = _rows(inputs)
+        xs, ys = _split(inputs, m), _split(targets, m)
+        shares = [_rows(x) / total for x in xs]
         try:
-            return self._step(inputs, targets)
+            return self._step(xs, ys, shares)
         except BaseException as err:
             failed = getattr(err, "failed_rank", None)
             self.link.abort(self.rank, failed)
@@ -141,11 +147,7 @@ class PipelineEngine:
                                    f"failed during the step: {err}") from err
             raise
 
-    def _step(self, inputs: Any, targets: Any) -> torch.Tensor:
-        m = self.microbatches
-        total = _rows(inputs)
-        xs, ys = _split(inputs, m), _split(targets, m)
-        shares = [_rows(x) / total for x in xs]
+    def _step(self, xs: list[Any], ys: list[Any], shares: list[float]) -> torch.Tensor:
         held: dict[tuple[int, int], tuple[Any, Any]] = {}  # (microbatch, chunk) -> (input, output or loss)
         loss_sum = torch.zeros((), device=self.device)
         last = self.num_stages - 1
