@@ -104,6 +104,19 @@ class PipelineEngine:
                 raise TypeError(f"split_backward must be a SplitBackward, got {type(split_backward).__name__}")
             self.split = split_backward
 
+    def _forward(self, chunk: int, stage: int, x: Any) -> Any:
+        try:
+            return self.chunks[chunk](x)
+        except RuntimeError as err:
+            # A received input is a leaf that requires grad (its gradient goes back to the previous stage),
+            # which autograd forbids modifying in place; in one process it was an intermediate result.
+            if stage > 0 and "leaf Variable that requires grad is being used in an in-place operation" in str(err):
+                raise RuntimeError(f"pipeline stage {stage} modifies its input in place (e.g. a first layer "
+                                   "nn.ReLU(inplace=True)), which a stage's received input does not allow: cut the "
+                                   "model elsewhere (the trainer's pipeline_split_points) or make that layer out of "
+                                   "place") from err
+            raise
+
     @property
     def is_last(self) -> bool:
         return self.rank == self.pipe_size - 1
@@ -115,8 +128,17 @@ class PipelineEngine:
         Every rank passes the same batch: the first stage reads `inputs`, the last `targets`. If any
         rank's stage raises, every rank of the pipeline raises (the others `PipelineAborted`) instead of
         waiting for messages that will never come; the pipeline cannot run another step after that."""
+        if not torch.is_grad_enabled():  # every rank alike: raised before any message
+            raise RuntimeError("PipelineEngine.step runs forward and backward passes: call it with gradients enabled, "
+                               "not under torch.no_grad() or torch.inference_mode()")
+        # Cut before the first message, every rank alike (they pass the same batch): a batch too small
+        # for the microbatches is refused with the pipeline still usable.
+        m = self.microbatches
+        total = _rows(inputs)
+        xs, ys = _split(inputs, m), _split(targets, m)
+        shares = [_rows(x) / total for x in xs]
         try:
-            return self._step(inputs, targets)
+            return self._step(xs, ys, shares)
         except BaseException as err:
             failed = getattr(err, "failed_rank", None)
             self.link.abort(self.rank, failed)
@@ -125,11 +147,7 @@ class PipelineEngine:
                                    f"failed during the step: {err}") from err
             raise
 
-    def _step(self, inputs: Any, targets: Any) -> torch.Tensor:
-        m = self.microbatches
-        total = _rows(inputs)
-        xs, ys = _split(inputs, m), _split(targets, m)
-        shares = [_rows(x) / total for x in xs]
+    def _step(self, xs: list[Any], ys: list[Any], shares: list[float]) -> torch.Tensor:
         held: dict[tuple[int, int], tuple[Any, Any]] = {}  # (microbatch, chunk) -> (input, output or loss)
         loss_sum = torch.zeros((), device=self.device)
         last = self.num_stages - 1
@@ -147,12 +165,16 @@ class PipelineEngine:
                         if x.is_floating_point():
                             x.requires_grad_(True)
                     with split.record((mb, chunk)) if split is not None else nullcontext():
-                        out = self.chunks[chunk](x)
+                        out = self._forward(chunk, stage, x)
                     if stage == last:
                         loss = self.loss_fn(out, ys[mb]) * shares[mb]
                         loss_sum = loss_sum + loss.detach().float()
                         held[mb, chunk] = (x, loss)
                     else:
+                        if not isinstance(out, torch.Tensor):
+                            raise TypeError(f"pipeline stage {stage} returned a {type(out).__name__}: a stage hands "
+                                            "the next one a single tensor, so cut the model where a layer's output "
+                                            "is one tensor (the trainer's pipeline_split_points)")
                         held[mb, chunk] = (x, out)
                         link.send(out.detach(), me, (stage + 1) % self.pipe_size)
                 elif action.kind == "W":  # the weight gradients that the I of (mb, chunk) deferred
@@ -160,8 +182,9 @@ class PipelineEngine:
                 else:  # "B", or "I": the same pass with the recorded linear layers' weight gradients deferred
                     x, out = held.pop((mb, chunk))
                     grad = None if stage == last else link.recv(me, (stage + 1) % self.pipe_size)
-                    with split.input_grad() if action.kind == "I" else nullcontext():
-                        out.backward(grad)
+                    if out.requires_grad:  # not: a stage whose parameters are all frozen, fed the batch
+                        with split.input_grad() if action.kind == "I" else nullcontext():
+                            out.backward(grad)
                     if stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
                         # An input the stage ignored has no gradient: the previous stage still waits for one.
                         grad = x.grad if x.grad is not None else torch.zeros_like(x)

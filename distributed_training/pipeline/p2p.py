@@ -69,7 +69,7 @@ class StageLink:
         self.up_group, self.down_group, self.header_group = up_group, down_group, header_group
         self.device = device
         self.me = None
-        self._in_flight: list[tuple[list, tuple]] = []  # (works, tensors they read) until waited for
+        self._in_flight: list[tuple[list, tuple, int]] = []  # (works, tensors they read, peer) until waited for
 
     def _payload_group(self, sender: int, receiver: int):
         return self.up_group if receiver > sender else self.down_group
@@ -80,7 +80,7 @@ class StageLink:
         payload = tensor if tensor.is_contiguous() else tensor.contiguous()
         works = [dist.isend(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG),
                  dist.isend(payload, self.ranks[peer], group=self._payload_group(me, peer), tag=_PAYLOAD_TAG)]
-        self._in_flight.append((works, (head, payload)))
+        self._in_flight.append((works, (head, payload), peer))
 
     def recv(self, me: int, peer: int) -> torch.Tensor:
         """The next tensor pipeline rank `peer` sends to `me` (on NCCL: ready in stream order).
@@ -134,7 +134,15 @@ class StageLink:
 
     def wait_all(self) -> None:
         """Wait until every message sent so far has left (the tensors it read may then be reused)."""
-        for works, _ in self._in_flight:
-            for work in works:
-                work.wait()
-        self._in_flight.clear()
+        try:
+            for works, _, peer in self._in_flight:
+                for work in works:
+                    try:
+                        work.wait()
+                    except RuntimeError as err:  # the receiver failed: its process ended, or it stopped listening
+                        lost = PipelineAborted(f"pipeline stopped: a message to global rank {self.ranks[peer]} did not "
+                                               f"go through, that rank failed ({str(err).splitlines()[0][:200]})")
+                        lost.failed_rank = self.ranks[peer]
+                        raise lost from err
+        finally:
+            self._in_flight.clear()

@@ -52,6 +52,10 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 class DDP(nn.Module):
     """Wrap `module` so that after `loss.backward()` every rank's `.grad` is the mean over ranks.
 
+    Post-accumulate-grad hooks of your own that change `.grad` must be registered before wrapping, so
+    that they run before DDP's; one registered after it that changes a gradient DDP is already
+    averaging makes backward raise, naming the parameter.
+
     Args:
         module: the model, already on this rank's device.
         process_group: the group to average over (default: the whole job).
@@ -457,6 +461,10 @@ class DDP(nn.Module):
         pending[bucket] -= 1
         if pending[bucket] == 0 and self._launch_during_backward:
             self._launch_ready_buckets()
+            if state.next_to_launch > bucket:
+                # Launched from this parameter's own hook: gradient hooks registered after DDP's run next, on a
+                # gradient already being averaged. `_finish_backward` checks that they left it alone.
+                state.launched_by.append((index, self._view_of[index]._version))
 
     def _launch_ready_buckets(self) -> None:
         state = self._backward
@@ -478,6 +486,8 @@ class DDP(nn.Module):
             self._rebuild_ready = True
         try:
             state = self._backward
+            changed = [i for i, version in state.launched_by
+                       if self._params[i].grad is not self._view_of[i] or self._view_of[i]._version != version]
             unready = [i for i, ready in enumerate(state.ready) if not ready]
             had_no_grad = {i for i in unready if self._params[i].grad is None}
             for i in unready:
@@ -505,6 +515,14 @@ class DDP(nn.Module):
             if used_work is not None:
                 used_work.wait()
             self._stop_comm_timer(timing)
+            if changed:
+                names = ", ".join(f"'{self._param_names[i]}'" for i in changed)
+                raise RuntimeError(
+                    f"rank {self.rank}: a gradient hook replaced or modified the gradient of parameter(s) {names} "
+                    "after DDP had started averaging it (the hook was registered after the model was wrapped, so it "
+                    "runs after DDP's): the change would be lost or torn. Register such hooks on the parameters "
+                    "before wrapping the model in DDP; they then run before DDP's."
+                )
             if unready and not self.find_unused_parameters and not self._shadowing and not outside_backward:
                 names = [self._param_names[i] for i in unready]
                 shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
@@ -525,7 +543,7 @@ class DDP(nn.Module):
 class _BackwardPass:
     """What the hooks track during one backward pass (and whether it synchronises at all)."""
 
-    __slots__ = ("sync_enabled", "ready", "pending", "next_to_launch", "handles", "callback_queued")
+    __slots__ = ("sync_enabled", "ready", "pending", "next_to_launch", "handles", "callback_queued", "launched_by")
 
     def __init__(self) -> None:
         self.sync_enabled = True
@@ -537,6 +555,7 @@ class _BackwardPass:
         self.next_to_launch = 0               # buckets launch strictly in index order
         self.handles: list = []               # one per launched bucket, waited for at the end
         self.callback_queued = False
+        self.launched_by: list = []           # (parameter, its view's version) whose own hook launched its bucket
 
 
 def _bucket_cap_mb(given: float | None, reducer) -> float:
