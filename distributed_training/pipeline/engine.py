@@ -95,7 +95,9 @@ class PipelineEngine:
         self.link = StageLink(self.ranks, up_group if up_group is not None else group,
                               down_group if down_group is not None else group,
                               header_group if header_group is not None else group, self.device)
+        self.schedule = schedule
         self.actions = build_schedule(schedule, self.pipe_size, microbatches, chunks=len(self.chunks))[rank]
+        self._short_schedules: dict[int, list] = {}  # microbatches -> actions, for batches smaller than configured
         self.split: SplitBackward | None = None
         if any(action.kind in ("I", "W") for action in self.actions):
             if split_backward is None:
@@ -131,14 +133,17 @@ class PipelineEngine:
         if not torch.is_grad_enabled():  # every rank alike: raised before any message
             raise RuntimeError("PipelineEngine.step runs forward and backward passes: call it with gradients enabled, "
                                "not under torch.no_grad() or torch.inference_mode()")
-        # Cut before the first message, every rank alike (they pass the same batch): a batch too small
-        # for the microbatches is refused with the pipeline still usable.
-        m = self.microbatches
+        # Cut before the first message, every rank alike (they pass the same batch). A batch with fewer
+        # samples than microbatches (an epoch's short last batch) runs as one microbatch per sample, with
+        # the schedule built for that many; a schedule that cannot (interleaved: a multiple of the stages)
+        # refuses it with the pipeline still usable.
         total = _rows(inputs)
+        m = self.microbatches if total >= self.microbatches else total
+        actions = self.actions if m == self.microbatches else self._actions_for(m)
         xs, ys = _split(inputs, m), _split(targets, m)
         shares = [_rows(x) / total for x in xs]
         try:
-            return self._step(xs, ys, shares)
+            return self._step(xs, ys, shares, actions)
         except BaseException as err:
             failed = getattr(err, "failed_rank", None)
             self.link.abort(self.rank, failed)
@@ -147,14 +152,26 @@ class PipelineEngine:
                                    f"failed during the step: {err}") from err
             raise
 
-    def _step(self, xs: list[Any], ys: list[Any], shares: list[float]) -> torch.Tensor:
+    def _actions_for(self, microbatches: int) -> list:
+        """This rank's actions for a batch cut into fewer microbatches than configured."""
+        if microbatches not in self._short_schedules:
+            try:
+                actions = build_schedule(self.schedule, self.pipe_size, microbatches, chunks=len(self.chunks))
+            except ValueError as err:
+                raise ValueError(f"a batch of {microbatches} samples is smaller than microbatches={self.microbatches} "
+                                 f"and schedule {self.schedule!r} cannot run it in {microbatches} ({err}): give "
+                                 "batches of at least `microbatches` samples (fit(drop_last=True))") from err
+            self._short_schedules[microbatches] = actions[self.rank]
+        return self._short_schedules[microbatches]
+
+    def _step(self, xs: list[Any], ys: list[Any], shares: list[float], actions: list) -> torch.Tensor:
         held: dict[tuple[int, int], tuple[Any, Any]] = {}  # (microbatch, chunk) -> (input, output or loss)
         loss_sum = torch.zeros((), device=self.device)
         last = self.num_stages - 1
         me, link = self.rank, self.link
         split = self.split
         try:
-            for action in self.actions:
+            for action in actions:
                 stage = stage_of(me, action.chunk, self.pipe_size)
                 mb, chunk = action.microbatch, action.chunk
                 if action.kind == "F":
