@@ -76,10 +76,11 @@ class DistributedContext:
     def set_mesh(self, *, pipeline: int = 1) -> Mesh:
         """Lay the ranks out anew with `pipeline` stages (the outermost dimension) and data parallelism
         over the rest, keeping the node size; `self.mesh` becomes that mesh, which is returned. Nothing
-        changes when the mesh already has this shape. Collective (it creates the groups): every rank
-        must call it, before anything takes groups from the mesh."""
+        changes when the mesh already has `pipeline` stages (a mesh the user built, with tensor or
+        replicate dimensions, is kept). Collective (it creates the groups): every rank must call it,
+        before anything takes groups from the mesh."""
         mesh = self.mesh
-        if mesh.size("pipeline") == pipeline and mesh.size("tensor") == 1:
+        if mesh.size("pipeline") == pipeline:
             return mesh
         self.mesh = Mesh(self.world_size, pipeline=pipeline, ranks_per_node=mesh.ranks_per_node, group=self.group,
                          rank=self.rank)
