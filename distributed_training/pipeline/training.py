@@ -336,6 +336,9 @@ class PipelineStrategy(Strategy):
         self._loss_fn, self.precision = criterion, precision
         scaler = precision.scaler
         self._scale = scaler.scale if scaler is not None else None
+        before = getattr(model, "before_forward", None)
+        if before is not None:  # the data-parallel wrapper's buffer broadcast (BatchNorm statistics)
+            before()
         with self.inner.no_sync(model):
             loss = self.engine.step(inputs, targets)
         return loss / self._scale if self._scale is not None else loss

@@ -190,6 +190,12 @@ class DDP(nn.Module):
         self._before_forward()
         return self.module(*args, **kwargs)
 
+    def before_forward(self) -> None:
+        """What `forward` does before running the module when a synchronised backward will follow: the
+        bucket rebuild after the first step and the broadcast of rank 0's buffers. For callers that run
+        the wrapped module's parts themselves, as a pipeline stage does (collective over the data group)."""
+        self._before_forward()
+
     @eager_only
     def _before_forward(self) -> None:
         """What runs before the wrapped module. Never traced by torch.compile: under
