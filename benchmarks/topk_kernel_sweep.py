@@ -4,7 +4,7 @@ the fastest checked bit for bit against the eager twin. Writes $OUT/topk_kernels
 
     OUT=/tmp python benchmarks/topk_kernel_sweep.py
 """
-import json, os, sys, time
+import json, os, sys
 import torch
 import triton
 import triton.language as tl

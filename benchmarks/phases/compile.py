@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import GIB, autocast, free_memory, make_batches, slowest, synchronize, train_steps
+from common import GIB, free_memory, make_batches, slowest, synchronize, train_steps
 
 GPU_MODELS = [("gpt2-124m", 8, 1024)]
 GPU_LARGE = ("gpt-1.3b", 8, 1024)

@@ -138,7 +138,6 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, groups
            "tokens_per_s_per_gpu": x.numel() / step_s / world, "peak_gib_per_rank": [p.item() / GIB for p in peaks],
            "bubble_formula": bubble_formula(schedule, world, microbatches, chunks=chunks) if impl == "ours" else None,
            "last_loss": float(loss) if loss is not None and rank == world - 1 else None}
-    del modules, opt, params
     return out
 
 

@@ -68,7 +68,6 @@ class StageLink:
         self.ranks = list(ranks)
         self.up_group, self.down_group, self.header_group = up_group, down_group, header_group
         self.device = device
-        self.me = None
         self._in_flight: list[tuple[list, tuple, int]] = []  # (works, tensors they read, peer) until waited for
 
     def _payload_group(self, sender: int, receiver: int):
