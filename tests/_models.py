@@ -101,3 +101,13 @@ def tiny_gpt_data():
 
 def sgd_momentum(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def reference_step(model, optimizer, *inputs, loss_fn=None) -> torch.Tensor:
+    """One step of the single-process reference: ``loss_fn(model(x), y)`` (or the model's own loss when
+    `loss_fn` is None), backward, optimizer step, zero_grad; returns the loss."""
+    loss = model(*inputs) if loss_fn is None else loss_fn(model(inputs[0]), inputs[1])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss

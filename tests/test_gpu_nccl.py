@@ -9,6 +9,8 @@ import torch
 
 from distributed_training.testing import run_distributed
 
+from _models import reference_step
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
 )]
@@ -128,10 +130,7 @@ def nccl_pipeline_worker(rank: int, world: int, schedule: str) -> tuple[float, f
         loss = engine.step(idx, targets)
         opt.step()
         opt.zero_grad()
-        ref_loss = reference(idx, targets)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_loss = reference_step(reference, ref_opt, idx, targets)
         worst_l = max(worst_l, abs(loss.item() - ref_loss.item()))
         for key, p in stage.named_parameters():
             worst_p = max(worst_p, (p - whole[gpt_key(key)]).abs().max().item())

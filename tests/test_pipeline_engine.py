@@ -13,6 +13,8 @@ from torch import nn
 from distributed_training.pipeline.engine import PipelineEngine
 from distributed_training.testing import run_distributed
 
+from _models import reference_step
+
 STEPS = 3
 WIDTH = 8
 
@@ -58,10 +60,7 @@ def engine_worker(rank, world, schedule, chunks, microbatches, optimizer):
         loss = engine.step(x, y)
         opt.step()
         opt.zero_grad()
-        ref_loss = F.mse_loss(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_loss = reference_step(reference, ref_opt, x, y, loss_fn=F.mse_loss)
         losses.append((loss.item(), ref_loss.item()))
         ref_stages = _cut(reference, world * chunks)
         for c in range(chunks):
@@ -113,10 +112,7 @@ def gpt_worker(rank, world, schedule, microbatches):
         loss = engine.step(idx, targets)
         opt.step()
         opt.zero_grad()
-        ref_loss = reference(idx, targets)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_loss = reference_step(reference, ref_opt, idx, targets)
         losses.append((loss.item(), ref_loss.item()))
         whole = dict(reference.named_parameters(remove_duplicate=False))  # the tied head too
         from distributed_training.pipeline import gpt_key

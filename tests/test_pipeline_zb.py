@@ -19,6 +19,8 @@ from distributed_training.pipeline import (Action, GPTStages, PipelineEngine, Sp
 from distributed_training.pipeline import split_backward
 from distributed_training.testing import run_distributed
 
+from _models import reference_step
+
 WIDTH = 8
 STEPS = 3
 GPT_CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
@@ -285,10 +287,7 @@ def mlp_worker(rank, world, microbatches, optimizer):
         loss = engine.step(x, y)
         opt.step()
         opt.zero_grad()
-        ref_loss = F.mse_loss(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_loss = reference_step(reference, ref_opt, x, y, loss_fn=F.mse_loss)
         losses.append((loss.item(), ref_loss.item()))
         ref_mine = list(reference)[bounds[rank]:bounds[rank + 1]]
         for p, q in zip(mine.parameters(), nn.Sequential(*ref_mine).parameters()):
@@ -340,10 +339,7 @@ def gpt_worker(rank, world, optimizer):
         loss = engine.step(idx, targets)
         opt.step()
         opt.zero_grad()
-        ref_loss = reference(idx, targets)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_loss = reference_step(reference, ref_opt, idx, targets)
         losses.append((loss.item(), ref_loss.item()))
         for key, p in stage.named_parameters(remove_duplicate=False):
             worst = max(worst, (p - ref_params[gpt_key(key)]).abs().max().item())

@@ -24,6 +24,8 @@ from distributed_training import DDP
 from distributed_training.pipeline.engine import PipelineEngine
 from distributed_training.testing import run_distributed
 
+from _models import reference_step
+
 # ------------------------------------------------------------------ DDP and the user's gradient hooks
 
 
@@ -121,10 +123,7 @@ def frozen_worker(rank, world, schedule):
         if opt is not None:
             opt.step()
             opt.zero_grad()
-        ref_loss = F.mse_loss(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_loss = reference_step(reference, ref_opt, x, y, loss_fn=F.mse_loss)
         worst = max(worst, abs(loss.item() - ref_loss.item()))
         for p, q in zip(mine.parameters(), reference[rank].parameters()):
             worst = max(worst, (p - q).abs().max().item())
