@@ -70,7 +70,8 @@ from ..strategies.base import OptimizerFactory, Strategy
 from .engine import PipelineEngine
 from .p2p import PipelineAborted
 from .schedules import SCHEDULES
-from .stages import Stage, chain, find_ties, lm_loss, partition, split_at, tied_groups
+from .gpt_stages import lm_loss
+from .stages import Stage, chain, find_ties, partition, split_at, tied_groups
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineStages"]
 

@@ -1,0 +1,262 @@
+"""One pipeline stage of our GPT: its chain layers (`GPTEmbedding`, the blocks, `GPTHead`), its loss on
+the last stage's logits (`lm_loss`), and `GPTStages`, which constructs only one stage, with the weights
+the whole model would have (each layer initialised from its own seed: `layer_seed`), so that no rank
+ever materialises the whole model. The generic chain, cuts and ties are in `stages.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.gpt import GPT, Block, GPTConfig
+from .stages import Layers, Stage, TiedGroup, partition, split_at, tied_groups
+
+__all__ = ["GPTEmbedding", "GPTHead", "GPTStages", "gpt_chain", "gpt_key", "layer_seed", "lm_loss"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The GPT's chain
+
+
+class GPTEmbedding(nn.Module):
+    """The GPT's first layer: ``drop(wte(idx) + wpe(positions))``, (B, T) token ids -> (B, T, C)."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        if T > self.wpe.num_embeddings:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.wpe.num_embeddings}")
+        pos = torch.arange(T, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+
+
+class GPTHead(nn.Module):
+    """The GPT's last layer: ``lm_head(ln_f(x))``, (B, T, C) -> logits (B, T, vocab).
+
+    `lm_head`'s weight is the token embedding's (tied) when the embedding is on the same stage, and
+    a copy of it otherwise."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The GPT's loss on the last stage's logits: mean cross-entropy over the (B * T) tokens, the
+    softmax in at least fp32 — exactly what ``GPT.forward(idx, targets)`` computes."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def gpt_chain(model: GPT) -> Layers:
+    """Our GPT as a chain: ``embed``, ``block.0`` ... ``block.{n-1}``, ``head`` (what `chain` returns for it)."""
+    # The wrappers hold the model's own modules: running the chain trains the model's parameters.
+    return [("embed", GPTEmbedding(model.wte, model.wpe, model.drop)),
+            *((f"block.{i}", block) for i, block in enumerate(model.blocks)),
+            ("head", GPTHead(model.ln_f, model.lm_head))]
+
+
+# --------------------------------------------------------------------------------------------------
+# Building one stage of a GPT
+
+
+def layer_seed(seed: int, name: str) -> int:
+    """The seed of one layer (or one tied parameter): the first 8 bytes of
+    ``sha256(f"{seed}/{name}")``, as a non-negative 63-bit integer. Independent of the cut, the
+    device and the number of layers, so any stage can initialise its layers without the others."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
+
+
+def gpt_key(key: str) -> str:
+    """A chain key's name in `GPT`'s state_dict: ``"block.3.ln1.weight"`` -> ``"blocks.3.ln1.weight"``,
+    ``"embed.wte.weight"`` -> ``"wte.weight"``, ``"head.lm_head.weight"`` -> ``"lm_head.weight"``."""
+    layer, _, rest = key.partition(".")
+    if layer in ("embed", "head"):
+        return rest
+    if layer == "block":
+        return "blocks." + rest
+    raise ValueError(f"key {key!r} is not a GPT chain key (embed.*, block.*, head.*)")
+
+
+def _materialise(module: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer of `module` uninitialised storage on `device`, leaving
+    parameters that are already real (a tied weight from another layer) as they are."""
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                mod._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_meta:
+                raise NotImplementedError(f"buffer {name!r}: GPT layers have none; initialise it here if added")
+
+
+class GPTStages:
+    """Builds one pipeline stage of a `GPT`, without constructing the rest of the model.
+
+    The chain is ``embed``, ``block.0`` ... ``block.{n_layer-1}``, ``head`` (as `chain(GPT(cfg))`).
+    By default the stages are balanced by parameter count (`costs`: the token embedding counts in
+    both ``embed`` and ``head``, which both use it); `split` (boundary names, `split_at`) or `costs`
+    (e.g. measured times) choose another cut.
+
+    Initialisation (the scheme that makes every stage agree with the whole model): each layer is
+    built on the meta device, given storage on `device`, and initialised by a generator on `device`
+    seeded with ``layer_seed(seed, layer name)``, drawing its parameters in `named_parameters` order
+    with GPT's rules (Linear and Embedding weights N(0, 0.02); the residual projections ``attn.proj``
+    and ``mlp.2`` N(0, 0.02 / sqrt(2 n_layer)); biases 0; LayerNorm 1 and 0). The tied token embedding
+    is drawn by its own generator, seeded with ``layer_seed(seed, "embed.wte.weight")``, on each stage
+    that holds a copy. So a layer's weights depend only on (seed, its name, cfg, device type): equal
+    whatever the cut, and ``build(0, 1, device)`` (everything in one stage) is the single-process
+    reference. They are not those of ``torch.manual_seed(k); GPT(cfg)`` (one stream for everything);
+    `model()` gives a `GPT` holding exactly these weights. CPU and CUDA generators differ, so compare
+    builds on the same device type. The global RNG is not touched.
+
+    Attributes:
+        cfg: the model's shape.
+        seed: the base seed.
+    """
+
+    #: The GPT's tied parameter: the token embedding, used again by the output head.
+    TIES = (("embed.wte.weight", "head.lm_head.weight"),)
+
+    def __init__(self, cfg: GPTConfig, seed: int = 0) -> None:
+        if not isinstance(cfg, GPTConfig):
+            raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.seed = seed
+        self._costs: list[int] | None = None
+
+    def layer_names(self) -> list[str]:
+        return ["embed", *(f"block.{i}" for i in range(self.cfg.n_layer)), "head"]
+
+    def _make(self, name: str) -> nn.Module:
+        cfg = self.cfg
+        if name == "embed":
+            return GPTEmbedding(nn.Embedding(cfg.vocab_size, cfg.n_embd), nn.Embedding(cfg.block_size, cfg.n_embd),
+                                nn.Dropout(cfg.dropout))
+        if name == "head":
+            return GPTHead(nn.LayerNorm(cfg.n_embd), nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False))
+        return Block(cfg)
+
+    def costs(self) -> list[int]:
+        """Parameters per layer (counted on the meta device: nothing allocated)."""
+        if self._costs is None:
+            with torch.device("meta"):
+                self._costs = [sum(p.numel() for p in self._make(name).parameters()) for name in self.layer_names()]
+        return list(self._costs)
+
+    def bounds(self, num_stages: int, split: Sequence[str] | None = None,
+               costs: Sequence[float] | None = None) -> list[int]:
+        """Where the chain is cut: `split` (boundary names) if given, else `partition` of `costs`
+        (default: parameter counts)."""
+        names = self.layer_names()
+        if split is not None:
+            if costs is not None:
+                raise ValueError("give split (where stages start) or costs (to balance), not both")
+            bounds = split_at(split, names)
+            if len(bounds) - 1 != num_stages:
+                raise ValueError(f"split names {len(bounds) - 1} stages ({list(split)}) but num_stages is {num_stages}")
+            return bounds
+        if costs is not None and len(costs) != len(names):
+            raise ValueError(f"costs has {len(costs)} entries, one per layer of the chain expected ({len(names)}: "
+                             f"embed, {self.cfg.n_layer} blocks, head)")
+        if num_stages > len(names):
+            raise ValueError(f"num_stages ({num_stages}) exceeds the GPT's {len(names)} layers "
+                             f"(embed, {self.cfg.n_layer} blocks, head)")
+        return partition(self.costs() if costs is None else costs, num_stages)
+
+    def stage_names(self, stage: int, num_stages: int, split: Sequence[str] | None = None,
+                    costs: Sequence[float] | None = None) -> list[str]:
+        """The layer names of stage `stage`."""
+        bounds = self.bounds(num_stages, split, costs)
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+            raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
+        return self.layer_names()[bounds[stage]:bounds[stage + 1]]
+
+    def tied_groups(self, num_stages: int, split: Sequence[str] | None = None,
+                    costs: Sequence[float] | None = None) -> list[TiedGroup]:
+        """The ties to sync for this cut: ``[TiedGroup("embed.wte.weight", (0, S - 1), ("embed.wte.weight",
+        "head.lm_head.weight"))]`` when S > 1, ``[]`` for one stage."""
+        return tied_groups(self.TIES, self.layer_names(), self.bounds(num_stages, split, costs))
+
+    def build(self, stage: int, num_stages: int, device: torch.device | str = "cpu",
+              split: Sequence[str] | None = None, costs: Sequence[float] | None = None) -> Stage:
+        """Construct stage `stage` of `num_stages` on `device`, and only it.
+
+        With ``device="meta"`` the stage has shapes and no storage (nothing initialised)."""
+        device = torch.device(device)
+        names = self.stage_names(stage, num_stages, split, costs)
+        n_layer = self.cfg.n_layer
+        layers: Layers = []
+        for name in names:
+            with torch.device("meta"):
+                layer = self._make(name)
+            tied = None
+            if name == "head" and layers and layers[0][0] == "embed":
+                tied = layers[0][1].wte.weight  # same stage: one parameter, two uses
+                layer.lm_head.weight = tied
+            if device.type != "meta":
+                _materialise(layer, device)
+                with torch.no_grad():
+                    _init_layer(layer, torch.Generator(device=device).manual_seed(layer_seed(self.seed, name)),
+                                n_layer, skip=self._tied_params(name, layer))
+                    if tied is None and name in ("embed", "head"):
+                        weight = layer.wte.weight if name == "embed" else layer.lm_head.weight
+                        nn.init.normal_(weight, 0.0, 0.02, torch.Generator(device=device).manual_seed(
+                            layer_seed(self.seed, self.TIES[0][0])))
+            layers.append((name, layer))
+        return Stage(layers, stage, num_stages)
+
+    @staticmethod
+    def _tied_params(name: str, layer: nn.Module) -> set[int]:
+        if name == "embed":
+            return {id(layer.wte.weight)}
+        if name == "head":
+            return {id(layer.lm_head.weight)}
+        return set()
+
+    def model(self, device: torch.device | str = "cpu") -> GPT:
+        """A whole `GPT` holding exactly the weights of ``build(0, 1, device)``: the single-process
+        reference for a pipeline built with these stages (``GPT.forward(idx, targets)`` equals the
+        chain followed by `lm_loss`)."""
+        whole = self.build(0, 1, device)
+        with torch.device("meta"):
+            gpt = GPT(self.cfg)
+        embed, head = whole.get_submodule("embed"), whole.get_submodule("head")
+        gpt.wte, gpt.wpe, gpt.drop = embed.wte, embed.wpe, embed.drop
+        gpt.blocks = nn.ModuleList(whole.get_submodule(f"block.{i}") for i in range(self.cfg.n_layer))
+        gpt.ln_f, gpt.lm_head = head.ln_f, head.lm_head  # lm_head.weight is wte.weight: one stage
+        return gpt
+
+
+def _init_layer(layer: nn.Module, generator: torch.Generator, n_layer: int, skip: set[int]) -> None:
+    """GPT's initialisation of one layer from its own generator; parameters in `skip` are left alone."""
+    done = set(skip)
+    residual_std = 0.02 / math.sqrt(2 * n_layer)
+    for mname, module in layer.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in done:
+                continue
+            key = f"{mname}.{pname}" if mname else pname
+            if isinstance(module, nn.LayerNorm):
+                nn.init.ones_(p) if pname == "weight" else nn.init.zeros_(p)
+            elif isinstance(module, (nn.Linear, nn.Embedding)) and pname == "weight":
+                std = residual_std if key.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std, generator)
+            elif isinstance(module, nn.Linear) and pname == "bias":
+                nn.init.zeros_(p)
+            else:
+                raise NotImplementedError(f"no initialisation rule for {key!r} ({type(module).__name__})")
+            done.add(id(p))
