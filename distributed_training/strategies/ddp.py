@@ -28,7 +28,6 @@ backward outside `no_sync()` gathers and reduces the accumulated sum.
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from typing import Iterator
 
@@ -42,14 +41,14 @@ from ..comm.optimizer import CommunicationOptimizer
 from ..comm.reduce import AllReduceMean, BucketReducer, ReduceScatterMean
 from ..mesh import Mesh
 from .eager import eager_only
-from .overlap import OverlapTimeline
+from .overlap import CommTiming, OverlapTimeline
 
 __all__ = ["DDP"]
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
-class DDP(nn.Module):
+class DDP(CommTiming, nn.Module):
     """Wrap `module` so that after `loss.backward()` every rank's `.grad` is the mean over ranks.
 
     Post-accumulate-grad hooks of your own that change `.grad` must be registered before wrapping, so
@@ -354,50 +353,6 @@ class DDP(nn.Module):
         if self.process_group is None:
             return group_rank
         return dist.get_global_rank(self.process_group, group_rank)
-
-    # ------------------------------------------------------------- timing
-    def _start_comm_timer(self):
-        if not self.measure_overlap:  # nobody will read it: keep the hot path free of events
-            return None
-        if self._buckets and self._buckets[0].buffer.is_cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            return start
-        return time.perf_counter()
-
-    def _stop_comm_timer(self, start) -> None:
-        if start is None:
-            return
-        if isinstance(start, float):
-            self._comm_host_seconds += time.perf_counter() - start
-            self._comm_count += 1
-        else:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._comm_events.append((start, end))
-            if len(self._comm_events) > 256:  # nobody is reading them: keep a bounded recent window
-                del self._comm_events[:128]
-
-    def pop_exposed_comm_seconds(self) -> tuple[float, int]:
-        """(seconds, backward passes) of communication left exposed since the last call: the time the
-        compute stream (or, on CPU, the host) waited for buckets after backward's last gradient
-        (needs ``measure_overlap=True``).
-
-        On CUDA this waits for the recorded events: call it when logging, not every step."""
-        seconds, count = self._comm_host_seconds, self._comm_count
-        for start, end in self._comm_events:
-            end.synchronize()
-            seconds += start.elapsed_time(end) / 1e3
-            count += 1
-        self._comm_host_seconds, self._comm_count, self._comm_events = 0.0, 0, []
-        return seconds, count
-
-    def pop_overlap_stats(self) -> dict[str, float]:
-        """How much bucket communication backward hid, over the backward passes since the last call
-        (needs ``measure_overlap=True``): ``comm_s`` (time some bucket was on the wire), ``exposed_s``
-        (of it, after backward's last gradient), ``hidden_s`` and ``hidden_fraction``, ``passes``.
-        On CUDA this waits for the recorded events: call it when logging, not every step."""
-        return self._overlap.pop()
 
     # ------------------------------------------------------------- iteration
     def _reset_iteration(self) -> None:

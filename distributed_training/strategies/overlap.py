@@ -7,7 +7,7 @@ import time
 
 import torch
 
-__all__ = ["OverlapTimeline"]
+__all__ = ["OverlapTimeline", "CommTiming"]
 
 
 class OverlapTimeline:
@@ -116,3 +116,53 @@ class OverlapTimeline:
         exposed = min(exposed, comm)
         return {"comm_s": comm, "exposed_s": exposed, "hidden_s": comm - exposed,
                 "hidden_fraction": (comm - exposed) / comm if comm > 0 else 0.0, "passes": passes}
+
+
+class CommTiming:
+    """DDP's measurement of its own communication (with ``measure_overlap=True``): the wait after
+    backward per pass (`pop_exposed_comm_seconds`) and the hidden share (`pop_overlap_stats`, through
+    `OverlapTimeline`). A mixin of `DDP`, which owns ``measure_overlap``, ``_buckets``, ``_overlap`` and
+    the ``_comm_*`` counters it reads and resets."""
+
+    def _start_comm_timer(self):
+        if not self.measure_overlap:  # nobody will read it: keep the hot path free of events
+            return None
+        if self._buckets and self._buckets[0].buffer.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return time.perf_counter()
+
+    def _stop_comm_timer(self, start) -> None:
+        if start is None:
+            return
+        if isinstance(start, float):
+            self._comm_host_seconds += time.perf_counter() - start
+            self._comm_count += 1
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._comm_events.append((start, end))
+            if len(self._comm_events) > 256:  # nobody is reading them: keep a bounded recent window
+                del self._comm_events[:128]
+
+    def pop_exposed_comm_seconds(self) -> tuple[float, int]:
+        """(seconds, backward passes) of communication left exposed since the last call: the time the
+        compute stream (or, on CPU, the host) waited for buckets after backward's last gradient
+        (needs ``measure_overlap=True``).
+
+        On CUDA this waits for the recorded events: call it when logging, not every step."""
+        seconds, count = self._comm_host_seconds, self._comm_count
+        for start, end in self._comm_events:
+            end.synchronize()
+            seconds += start.elapsed_time(end) / 1e3
+            count += 1
+        self._comm_host_seconds, self._comm_count, self._comm_events = 0.0, 0, []
+        return seconds, count
+
+    def pop_overlap_stats(self) -> dict[str, float]:
+        """How much bucket communication backward hid, over the backward passes since the last call
+        (needs ``measure_overlap=True``): ``comm_s`` (time some bucket was on the wire), ``exposed_s``
+        (of it, after backward's last gradient), ``hidden_s`` and ``hidden_fraction``, ``passes``.
+        On CUDA this waits for the recorded events: call it when logging, not every step."""
+        return self._overlap.pop()
