@@ -1,0 +1,191 @@
+"""Where a pipeline step's time goes: our engine and torch's pipelining, same stages, same run.
+
+Run under torchrun (one process a GPU): ``torchrun --nproc_per_node=2 benchmarks/pipeline_profile.py
+--out DIR``. For each variant (``ours_1f1b``, ``torch_1f1b``, ...; ``--variants``) it builds this rank's
+stage of the GPT (`GPTStages`, as the suite's pipeline phase does), times `--rounds` rounds of
+`--steps` steps with the variants interleaved, then records one step with torch.profiler and writes
+its Chrome trace (``trace_<variant>_r<rank>.json``) and a per-rank summary: the compute stream's busy
+time and its gaps (with the kernels on each side), the NCCL kernels, and the host's time blocked in
+receives. ``summary.json`` holds the timings and the summaries of every rank.
+
+Diagnostic, not part of the suite: its findings go to docs/pipeline.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from distributed_training.models import GPT_PRESETS, GPTConfig  # noqa: E402
+from distributed_training.pipeline import GPTStages, PipelineEngine, lm_loss, sync_tied_grads  # noqa: E402
+
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
+    impl, schedule = name.split("_", 1)
+    maker = GPTStages(cfg, seed=0)
+    module = maker.build(rank, world, device)
+    tied = maker.tied_groups(world)
+    tie_group = groups["tie"]
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def sync_ties():
+        sync_tied_grads(module, tied, tie_group)
+
+    if impl == "ours":
+        engine = PipelineEngine([module], ranks=list(range(world)), rank=rank, up_group=groups["up"],
+                                down_group=groups["down"], header_group=groups["headers"], schedule=schedule,
+                                microbatches=microbatches, loss_fn=lm_loss, device=device, after_backward=sync_ties)
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                engine.step(x, y)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        from torch.distributed.pipelining import PipelineStage
+        import torch.distributed.pipelining.schedules as torch_schedules
+
+        stage = PipelineStage(module, rank, world, device)
+        sched = getattr(torch_schedules, TORCH[schedule])(stage, n_microbatches=microbatches, loss_fn=lm_loss)
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                args = (x,) if rank == 0 else ()
+                kwargs = {"target": y, "losses": []} if rank == world - 1 else {}
+                sched.step(*args, **kwargs)
+            sync_ties()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return step
+
+
+def summarize(trace_path: str, rank: int) -> dict:
+    """Compute-stream busy time and gaps, NCCL kernels, from a Chrome trace of one step."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        return {"error": "no kernels in the trace"}
+    nccl = [e for e in kernels if "nccl" in e["name"].lower()]
+    compute = [e for e in kernels if "nccl" not in e["name"].lower()]
+    streams: dict[int, list] = {}
+    for e in compute:
+        streams.setdefault(e["args"].get("stream", e.get("tid")), []).append(e)
+    main_stream = max(streams, key=lambda s: sum(e["dur"] for e in streams[s]))
+    ks = sorted(streams[main_stream], key=lambda e: e["ts"])
+    t0, t1 = min(e["ts"] for e in kernels), max(e["ts"] + e["dur"] for e in kernels)
+    busy = sum(e["dur"] for e in ks)
+    gaps = []
+    for a, b in zip(ks, ks[1:]):
+        gap = b["ts"] - (a["ts"] + a["dur"])
+        if gap > 200:
+            gaps.append({"at_ms": round((a["ts"] + a["dur"] - t0) / 1e3, 3), "gap_ms": round(gap / 1e3, 3),
+                         "before": a["name"][:80], "after": b["name"][:80]})
+    nccl_summary = [{"at_ms": round((e["ts"] - t0) / 1e3, 3), "dur_ms": round(e["dur"] / 1e3, 3),
+                     "name": e["name"][:60], "stream": e["args"].get("stream")} for e in sorted(nccl, key=lambda e: e["ts"])]
+    cpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    blocked = {}
+    for e in cpu:
+        n = e["name"]
+        if any(k in n for k in ("recv", "wait", "synchron", "barrier")):
+            blocked[n] = blocked.get(n, 0.0) + e["dur"] / 1e3
+    return {"rank": rank, "span_ms": round((t1 - t0) / 1e3, 3), "compute_busy_ms": round(busy / 1e3, 3),
+            "compute_streams": {str(s): round(sum(e["dur"] for e in v) / 1e3, 3) for s, v in streams.items()},
+            "gaps_over_0.2ms": gaps, "gaps_total_ms": round(sum(g["gap_ms"] for g in gaps), 3),
+            "nccl_kernels": nccl_summary[:80], "nccl_total_ms": round(sum(e["dur"] for e in nccl) / 1e3, 3),
+            "host_blocked_ms": {k: round(v, 3) for k, v in sorted(blocked.items(), key=lambda kv: -kv[1])[:12]}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--variants", default="ours_1f1b,torch_1f1b,ours_gpipe,torch_gpipe")
+    p.add_argument("--profile", default="ours_1f1b,torch_1f1b", help="variants to trace")
+    p.add_argument("--model", default="gpt-1.3b")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = GPT_PRESETS[args.model] if args.model in GPT_PRESETS else GPTConfig(
+        vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=16, dropout=0.0)
+    ranks = list(range(world))
+    groups = {"up": dist.new_group(ranks), "down": dist.new_group(ranks),
+              "headers": dist.new_group(ranks, backend="gloo") if device.type == "cuda" else None,
+              "tie": dist.new_group([0, world - 1])}
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    os.makedirs(args.out, exist_ok=True)
+    variants = args.variants.split(",")
+    times: dict[str, list[float]] = {v: [] for v in variants}
+
+    def timed(step, n):
+        out = []
+        for _ in range(n):
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            dist.barrier()
+            t = time.perf_counter()
+            step()
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            out.append(time.perf_counter() - t)
+        return out
+
+    for r in range(args.rounds):
+        for v in variants:
+            step = build_variant(v, cfg, x, y, args.microbatches, groups, rank, world, device)
+            timed(step, 2)
+            ts = timed(step, args.steps)
+            t = torch.tensor([statistics.median(ts)], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times[v].append(t.item() * 1e3)
+            if rank == 0:
+                print(f"round {r} {v:14s} {t.item() * 1e3:8.1f} ms", flush=True)
+            if r == args.rounds - 1 and v in args.profile.split(","):
+                from torch.profiler import ProfilerActivity, profile
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                with profile(activities=acts) as prof:
+                    timed(step, 1)
+                path = os.path.join(args.out, f"trace_{v}_r{rank}.json")
+                prof.export_chrome_trace(path)
+                summary = summarize(path, rank) if device.type == "cuda" else {}
+                with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
+                    z.write(f.read())
+                os.remove(path)
+                gathered = [None] * world
+                dist.all_gather_object(gathered, summary)
+                if rank == 0:
+                    with open(os.path.join(args.out, f"summary_{v}.json"), "w") as f:
+                        json.dump(gathered, f, indent=1)
+            del step
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+    if rank == 0:
+        med = {v: statistics.median(ts) for v, ts in times.items()}
+        with open(os.path.join(args.out, "timings.json"), "w") as f:
+            json.dump({"per_round_ms": times, "median_ms": med, "card": torch.cuda.get_device_name() if
+                       device.type == "cuda" else "cpu", "torch": torch.__version__}, f, indent=1)
+        print(json.dumps(med, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
