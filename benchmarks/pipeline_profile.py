@@ -32,10 +32,22 @@ from distributed_training.pipeline import GPTStages, PipelineEngine, lm_loss, sy
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 
+def flop_costs(cfg, seq: int) -> list[float]:
+    """Forward FLOPs per token of each layer of the chain: the embedding about none, a block its
+    matmuls and attention, the head its vocabulary matmul (and a little for the loss)."""
+    c = cfg.n_embd
+    return [0.0, *[24 * c * c + 4 * seq * c] * cfg.n_layer, 2.3 * c * cfg.vocab_size]
+
+
 def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
-    impl, schedule = name.split("_", 1)
+    """`name` is ``<impl>[-<option>...]_<schedule>``: impl ``ours`` or ``torch``; options ``headers`` (our
+    receives wait for every header), ``nolag`` (known shapes checked only at the step's end), ``flops``
+    (stages balanced by FLOPs, not parameters)."""
+    spec, schedule = name.split("_", 1)
+    impl, *options = spec.split("-")
     maker = GPTStages(cfg, seed=0)
-    module = maker.build(rank, world, device)
+    costs = flop_costs(cfg, x.shape[1]) if "flops" in options else None
+    module = maker.build(rank, world, device, costs=costs)
     tied = maker.tied_groups(world)
     tie_group = groups["tie"]
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -47,6 +59,10 @@ def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
         engine = PipelineEngine([module], ranks=list(range(world)), rank=rank, up_group=groups["up"],
                                 down_group=groups["down"], header_group=groups["headers"], schedule=schedule,
                                 microbatches=microbatches, loss_fn=lm_loss, device=device, after_backward=sync_ties)
+        if "headers" in options:
+            engine.link.known_shapes = False
+        if "nolag" in options:
+            engine.link.max_lag = None
 
         def step():
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -139,13 +155,18 @@ def main() -> None:
     variants = args.variants.split(",")
     times: dict[str, list[float]] = {v: [] for v in variants}
 
-    def timed(step, n):
+    host: dict[str, list[float]] = {v: [] for v in variants}
+
+    def timed(step, n, issued=None):
+        """Step times; `issued` gets the host's time until the step returned (before synchronizing)."""
         out = []
         for _ in range(n):
             torch.cuda.synchronize() if device.type == "cuda" else None
             dist.barrier()
             t = time.perf_counter()
             step()
+            if issued is not None:
+                issued.append(time.perf_counter() - t)
             torch.cuda.synchronize() if device.type == "cuda" else None
             out.append(time.perf_counter() - t)
         return out
@@ -154,12 +175,15 @@ def main() -> None:
         for v in variants:
             step = build_variant(v, cfg, x, y, args.microbatches, groups, rank, world, device)
             timed(step, 2)
-            ts = timed(step, args.steps)
-            t = torch.tensor([statistics.median(ts)], device=device)
+            issued = []
+            ts = timed(step, args.steps, issued)
+            t = torch.tensor([statistics.median(ts), statistics.median(issued)], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times[v].append(t.item() * 1e3)
+            times[v].append(t[0].item() * 1e3)
+            host[v].append(t[1].item() * 1e3)
             if rank == 0:
-                print(f"round {r} {v:14s} {t.item() * 1e3:8.1f} ms", flush=True)
+                print(f"round {r} {v:22s} {t[0].item() * 1e3:8.1f} ms  (host issued in {t[1].item() * 1e3:6.1f} ms)",
+                      flush=True)
             if r == args.rounds - 1 and v in args.profile.split(","):
                 from torch.profiler import ProfilerActivity, profile
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -176,12 +200,13 @@ def main() -> None:
                 if rank == 0:
                     with open(os.path.join(args.out, f"summary_{v}.json"), "w") as f:
                         json.dump(gathered, f, indent=1)
+                timed(step, 1)  # the profiler's last step's state out of the way
             del step
             torch.cuda.empty_cache() if device.type == "cuda" else None
     if rank == 0:
         med = {v: statistics.median(ts) for v, ts in times.items()}
         with open(os.path.join(args.out, "timings.json"), "w") as f:
-            json.dump({"per_round_ms": times, "median_ms": med, "card": torch.cuda.get_device_name() if
+            json.dump({"per_round_ms": times, "median_ms": med, "host_issue_ms_per_round": host, "card": torch.cuda.get_device_name() if
                        device.type == "cuda" else "cpu", "torch": torch.__version__}, f, indent=1)
         print(json.dumps(med, indent=1))
     dist.destroy_process_group()

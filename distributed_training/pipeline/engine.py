@@ -47,6 +47,17 @@ def _split(value: Any, parts: int) -> list[Any]:
     return [value] * parts
 
 
+def _shapes_of(value: Any) -> Any:
+    """A hashable description of the tensors' shapes and dtypes in `value` (the link's step key)."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return tuple((k, _shapes_of(v)) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return tuple(_shapes_of(v) for v in value)
+    return type(value).__name__
+
+
 def _rows(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.shape[0]
@@ -170,6 +181,7 @@ class PipelineEngine:
         last = self.num_stages - 1
         me, link = self.rank, self.link
         split = self.split
+        link.begin_step(_shapes_of(xs))
         try:
             for action in actions:
                 stage = stage_of(me, action.chunk, self.pipe_size)
@@ -209,6 +221,7 @@ class PipelineEngine:
             if split is not None and split.pending():
                 raise RuntimeError(f"pipeline rank {self.rank}: the schedule left weight gradients of "
                                    f"{sorted(split.pending())} (microbatch, chunk) without a W action")
+            link.end_step()
         finally:
             if split is not None:
                 split.reset()  # the step's deferred work and casts: nothing survives the step

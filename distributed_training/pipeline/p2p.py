@@ -12,12 +12,27 @@ communicators, each with its own stream). Between two ranks each then carries on
 send waiting for its receiver never holds up a receive queued behind it on the same stream: the
 deadlock that 1F1B's steady state (an activation forward, a gradient back, at the same moment) would
 otherwise hit on NCCL.
+
+Known shapes. A receive that blocks the host on its header ties the hosts of neighbouring stages
+together: a rank cannot issue a microbatch's work before its neighbour's host has issued the work that
+produces its input. Where the host's time per step is close to the GPU's (a 1F1B steady state sends a
+message each way per microbatch), the ranks then wait for each other's Python rather than running
+ahead of their GPUs. So the receiver remembers shapes: the engine opens each step with a key (the
+shapes and dtypes of the step's microbatch inputs, which every rank of the pipeline is given alike),
+and the n-th message from a peer in a step with a key seen before is allocated with the shape it had
+then, its payload receive posted at once; its header is still sent and received, but without waiting,
+and checked at the end of the step (`end_step`): a shape that changed although the inputs' did not (a
+stage whose output shape depends on the data's values) raises there, naming the message. The first
+step with a new key (a new sequence length) goes by headers. Senders do the same in both cases.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict, deque
 from datetime import timedelta
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +48,7 @@ _HEADER = 2 + MAX_DIMS  # dtype index, ndim, shape padded with zeros
 _PAYLOAD_TAG, _HEADER_TAG = 0, 1
 _ABORT = -1  # a header whose dtype index is this says "stop": the rank in its third field failed
 _ABORT_GRACE_S = 2.0
+_KNOWN_KEYS = 32  # step keys whose message shapes a link remembers (least recently used dropped)
 
 
 class PipelineAborted(RuntimeError):
@@ -69,6 +85,46 @@ class StageLink:
         self.up_group, self.down_group, self.header_group = up_group, down_group, header_group
         self.device = device
         self._in_flight: list[tuple[list, tuple, int]] = []  # (works, tensors they read, peer) until waited for
+        # Known shapes: step key -> {(peer, n): header values of the n-th message from peer in such a step}.
+        self._known: OrderedDict[Any, dict[tuple[int, int], list[int]]] = OrderedDict()
+        self._step: dict[tuple[int, int], list[int]] | None = None  # the open step's shapes (None: no step)
+        self._count: dict[int, int] = {}  # messages received from each peer in the open step
+        # Headers of messages received by known shape, not yet checked: peer -> [(work, header, expected, n)].
+        self._unchecked: dict[int, deque] = {}
+        #: How many messages from one peer a step may receive by known shape before the oldest one's header
+        #: is waited for: the host runs at most this far ahead of its neighbour's (and learns of a failed
+        #: peer at most this many messages late); None: checked only at `end_step`.
+        self.max_lag: int | None = 2
+        self.known_shapes = device.type == "cuda"  # on gloo a payload receive blocks the host anyway
+        self.received_by_known_shape = 0  # messages received without waiting for their header (all steps)
+
+    def begin_step(self, key: Any) -> None:
+        """Open a step whose messages are determined by `key` (hashable; the same on every rank of the
+        pipeline for the same step): messages whose shape a step with this key had are received
+        without waiting for their headers."""
+        if key not in self._known:
+            self._known[key] = {}
+            while len(self._known) > _KNOWN_KEYS:
+                self._known.popitem(last=False)
+        self._known.move_to_end(key)
+        self._step, self._count = self._known[key], {}
+
+    def end_step(self) -> None:
+        """Close the step: check the headers of the messages received by known shape (raises
+        `PipelineAborted` if a peer stopped the step instead, RuntimeError if a shape differed)."""
+        self._step = None
+        for peer, pending in self._unchecked.items():
+            while pending:
+                self._check_oldest(peer, pending)
+
+    def _check_oldest(self, peer: int, pending: deque) -> None:
+        work, head, expected, n = pending.popleft()
+        values = self._wait_header(work, head, peer)
+        if values != expected:
+            raise RuntimeError(
+                f"message {n} of this step from global rank {self.ranks[peer]} has header {values}, but a step with "
+                f"the same input shapes had {expected}: a stage's output shape depends on more than its input's "
+                "shape, which the pipeline's known-shape receives do not allow")
 
     def _payload_group(self, sender: int, receiver: int):
         return self.up_group if receiver > sender else self.down_group
@@ -84,16 +140,39 @@ class StageLink:
     def recv(self, me: int, peer: int) -> torch.Tensor:
         """The next tensor pipeline rank `peer` sends to `me` (on NCCL: ready in stream order).
 
-        Raises `PipelineAborted` when `peer` (or a rank before it) failed instead of sending."""
-        code, ndim, *shape = self._header_from(peer)
+        Raises `PipelineAborted` when `peer` (or a rank before it) failed instead of sending (in a step
+        with known shapes: at `end_step`)."""
+        values = None
+        if self._step is not None and self.known_shapes:
+            n = self._count.get(peer, 0)
+            self._count[peer] = n + 1
+            values = self._step.get((peer, n))
+            if values is None:
+                values = self._step[peer, n] = self._header_from(peer)
+            else:
+                head = torch.empty(_HEADER, dtype=torch.int64)
+                work = dist.irecv(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG)
+                self.received_by_known_shape += 1
+                pending = self._unchecked.setdefault(peer, deque())
+                pending.append((work, head, values, n))
+                if self.max_lag is not None and len(pending) > self.max_lag:
+                    self._check_oldest(peer, pending)
+        code, ndim, *shape = values if values is not None else self._header_from(peer)
         received = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
         dist.irecv(received, self.ranks[peer], group=self._payload_group(peer, me), tag=_PAYLOAD_TAG).wait()
         return received
 
     def _header_from(self, peer: int) -> list[int]:
         head = torch.empty(_HEADER, dtype=torch.int64)
+        return self._wait_header(None, head, peer)
+
+    def _wait_header(self, work, head: torch.Tensor, peer: int) -> list[int]:
+        """The values of a header from `peer` (received now, or by the posted `work`)."""
         try:
-            dist.recv(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG)
+            if work is None:
+                dist.recv(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG)
+            else:
+                work.wait()
         except RuntimeError as err:  # the peer's process ended (it failed, and its launcher tore it down)
             lost = PipelineAborted(f"pipeline stopped: global rank {self.ranks[peer]}, which this rank was waiting "
                                    f"for, went away ({str(err).splitlines()[0][:200]})")
@@ -112,6 +191,7 @@ class StageLink:
         error started it, default this one): a rank blocked on a header from this one raises
         `PipelineAborted` and tells the others in turn, so no rank waits forever for a message."""
         failed = self.ranks[me] if failed is None else failed
+        self._step, self._unchecked = None, {}
         head = torch.zeros(_HEADER, dtype=torch.int64)
         head[0], head[2] = _ABORT, failed
         works = []
