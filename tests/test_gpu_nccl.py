@@ -123,9 +123,11 @@ def nccl_pipeline_worker(rank: int, world: int, schedule: str) -> tuple[float, f
     worst_p, worst_l = 0.0, 0.0
     from distributed_training.pipeline import gpt_key
 
-    for step in range(4):
+    for step in range(5):
         g = torch.Generator(device=ctx.device).manual_seed(step)
-        idx = torch.randint(0, 512, (8, 32 + 8 * step), device=ctx.device, generator=g)
+        # Lengths 32, 40, 48, 40, 48: new shapes (every message by its header), then known ones (received
+        # by the shape they had, headers checked at the step's end).
+        idx = torch.randint(0, 512, (8, 32 + 8 * min(step, 2 - step % 2)), device=ctx.device, generator=g)
         targets = torch.roll(idx, -1, 1)
         loss = engine.step(idx, targets)
         opt.step()
@@ -134,6 +136,7 @@ def nccl_pipeline_worker(rank: int, world: int, schedule: str) -> tuple[float, f
         worst_l = max(worst_l, abs(loss.item() - ref_loss.item()))
         for key, p in stage.named_parameters():
             worst_p = max(worst_p, (p - whole[gpt_key(key)]).abs().max().item())
+    assert engine.link.received_by_known_shape == 2 * 4, engine.link.received_by_known_shape  # steps 4 and 5
     return worst_p, worst_l
 
 
@@ -143,6 +146,55 @@ def test_pipeline_on_nccl_equals_one_process(schedule):
     steady state, and the same parameters as one GPU on the whole batch (lengths change each step)."""
     for worst_p, worst_l in run_distributed(nccl_pipeline_worker, 2, args=(schedule,), backend="nccl", timeout=180):
         assert worst_p <= 1e-4 and worst_l <= 1e-4, (worst_p, worst_l)
+
+
+def nccl_known_shape_failure_worker(rank: int, world: int):
+    """The last stage raises in the middle of a step whose shapes are known (no header awaited): the
+    first stage still raises, promptly, instead of waiting for a gradient that never comes."""
+    import time
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from distributed_training import init_distributed
+    from distributed_training.pipeline import PipelineEngine
+
+    ctx = init_distributed()
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64) for _ in range(2)]
+    calls = {"n": 0}
+
+    def forward_hook(_module, _args, out):
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == 4 * 2 + 3:  # the third microbatch of the third step
+            raise ValueError("boom on the last stage")
+        return out
+
+    stage = layers[rank].to(ctx.device)
+    stage.register_forward_hook(forward_hook)
+    ranks = list(range(world))
+    up, down, headers = dist.new_group(ranks), dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
+    engine = PipelineEngine([stage], ranks=ranks, rank=rank, up_group=up, down_group=down, header_group=headers,
+                            schedule="1f1b", microbatches=4, loss_fn=torch.nn.functional.mse_loss, device=ctx.device)
+    x, y = torch.randn(8, 16, 64, device=ctx.device), torch.randn(8, 16, 64, device=ctx.device)
+    for _ in range(2):
+        engine.step(x, y)
+    started = time.monotonic()
+    try:
+        engine.step(x, y)
+    except RuntimeError as err:
+        outcome = (type(err).__name__, str(err)[:300], time.monotonic() - started, engine.link.received_by_known_shape)
+    else:
+        outcome = None
+    return outcome
+
+
+def test_pipeline_failure_with_known_shapes_on_nccl():
+    results = run_distributed(nccl_known_shape_failure_worker, 2, backend="nccl", timeout=120)
+    assert "boom on the last stage" in results[1][1], results[1]
+    kind, message, elapsed, known = results[0]
+    assert kind == "PipelineAborted" and "global rank 1 failed" in message, results[0]
+    assert known > 0 and elapsed < 30, results[0]
 
 
 def nccl_pipeline_checkpoint_worker(rank: int, world: int, directory: str) -> list[str]:

@@ -155,7 +155,10 @@ class StageLink:
                 self.received_by_known_shape += 1
                 pending = self._unchecked.setdefault(peer, deque())
                 pending.append((work, head, values, n))
-                if self.max_lag is not None and len(pending) > self.max_lag:
+                # Headers already here are checked now (a peer's "stop" is heard at once); the host waits
+                # for one only when it would run more than max_lag messages ahead of the peer's.
+                while pending and (pending[0][0].is_completed() or
+                                   (self.max_lag is not None and len(pending) > self.max_lag)):
                     self._check_oldest(peer, pending)
         code, ndim, *shape = values if values is not None else self._header_from(peer)
         received = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
