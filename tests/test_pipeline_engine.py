@@ -205,3 +205,72 @@ def test_known_shapes_receive_without_headers_and_match_one_process(schedule):
         assert worst <= 1e-5, f"rank {rank}: parameters differ from one process by {worst:.3g}"
         # 4 messages a step from the neighbour, per sequence length; nothing new learned after two steps
         assert known == [4, 8, 8, 8, 8], (rank, known)
+
+
+# Uneven stages: different widths at each boundary (so each channel carries its own shape) and different
+# numbers of layers per stage, cut unevenly.
+_WIDTHS = [8, 24, 4, 12, 16, 6, 10, 20, 8]
+
+
+def _uneven_stages(num_stages: int) -> tuple[nn.Sequential, list[nn.Sequential]]:
+    torch.manual_seed(1)
+    layers = []
+    for i, (a, b) in enumerate(zip(_WIDTHS, _WIDTHS[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(_WIDTHS) - 2:
+            layers.append(nn.GELU())
+    model = nn.Sequential(*layers)
+    n = len(layers)
+    # Stage sizes 1, 2, 3, ... layers (the last stage takes the rest): no two alike.
+    bounds = [0]
+    for s in range(num_stages - 1):
+        bounds.append(min(bounds[-1] + s + 1, n - (num_stages - 1 - s)))
+    bounds.append(n)
+    return model, [nn.Sequential(*layers[bounds[i]:bounds[i + 1]]) for i in range(num_stages)]
+
+
+def uneven_worker(rank, world, schedule, chunks, microbatches, optimizer):
+    num_stages = world * chunks
+    reference, _ = _uneven_stages(num_stages)
+    _, stages = _uneven_stages(num_stages)  # the same weights (same seed), separate modules
+    mine = [stages[c * world + rank] for c in range(chunks)]
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01)}[optimizer]
+    opt, ref_opt = make([p for m in mine for p in m.parameters()]), make(reference.parameters())
+    engine = PipelineEngine(mine, ranks=list(range(world)), rank=rank, schedule=schedule,
+                            microbatches=microbatches, loss_fn=F.mse_loss)
+    mine_index = []  # each of my parameters' index in the reference model (same layer order)
+    offset = 0
+    for s, stage in enumerate(stages):
+        for p in stage.parameters():
+            if s in [c * world + rank for c in range(chunks)]:
+                mine_index.append((p, offset))
+            offset += 1
+    ref_params = list(reference.parameters())
+    worst = 0.0
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(50 + step)
+        x = torch.randn(microbatches * 2, 3 + step, _WIDTHS[0], generator=g)
+        y = torch.randn(microbatches * 2, 3 + step, _WIDTHS[-1], generator=g)
+        engine.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        reference_step(reference, ref_opt, x, y, loss_fn=F.mse_loss)
+        for p, i in mine_index:
+            worst = max(worst, (p - ref_params[i]).abs().max().item())
+    assert len(ref_params) == offset
+    return worst
+
+
+@pytest.mark.parametrize("schedule,world,chunks,microbatches,optimizer", [
+    ("gpipe", 2, 1, 4, "adamw"), ("1f1b", 2, 1, 4, "sgd"), ("interleaved_1f1b", 2, 2, 4, "adamw"),
+    ("zbh1", 2, 1, 4, "sgd"),
+    ("gpipe", 4, 1, 4, "sgd"), ("1f1b", 4, 1, 6, "adamw"), ("interleaved_1f1b", 4, 2, 8, "sgd"),
+    ("zbh1", 4, 1, 4, "adamw"),
+])
+def test_every_schedule_on_uneven_stages(schedule, world, chunks, microbatches, optimizer):
+    """Stages of 1, 2, 3, ... layers with a different width at every boundary, each schedule at P = 2 and
+    4: parameters equal to one process on the whole batch after every step."""
+    for rank, worst in enumerate(run_distributed(uneven_worker, world, args=(schedule, chunks, microbatches,
+                                                                            optimizer), timeout=180)):
+        assert worst <= 1e-5, f"rank {rank}: parameters differ from one process by {worst:.3g}"
