@@ -11,12 +11,14 @@ different batches; the P ranks of a pipeline see the same batches (`fit` shards 
 Stages. The model's chain of layers (`stages.chain`: an `nn.Sequential`, our `GPT`, or an adapter's
 list) is cut into S = P x V stages (V = `pipeline_chunks`, 2 by default for ``"interleaved_1f1b"``, 1
 otherwise), balanced by parameter count (`partition`) or at `pipeline_split_points` (`split_at`).
-Chunk c of pipeline rank r is stage ``c * P + r``. In this first version every rank receives the
-user's whole model, keeps its stages' layers and frees the rest: the other layers' parameters and
-buffers in the user's model object are replaced by meta tensors (shapes only), so the model passed
-to the trainer is not usable afterwards except through the trainer. Only the kept stages go to the
-device. For models too large for one host's memory, building only one's own stage (`GPTStages`) is
-the next step.
+Chunk c of pipeline rank r is stage ``c * P + r``. Every rank receives the user's model object,
+keeps its stages' layers and frees the rest: the other layers' parameters and buffers in the user's
+model object are replaced by meta tensors (shapes only), so the model passed to the trainer is not
+usable afterwards except through the trainer. Only the kept stages go to the device. A model built on
+the meta device (too large for one host: ``with torch.device("meta"): model = GPT(cfg)``) is cut the
+same way, and each rank gives storage to its own stages' layers only, on its device, and initialises
+them there (`meta_init.materialize`, seeded by `PipelineOptions.init_seed`, the trainer's `seed`): no
+rank ever holds the whole model.
 
 One step on one rank (`forward_backward`, then the trainer's `optimizer_step`):
 
