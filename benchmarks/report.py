@@ -32,7 +32,7 @@ def render_markdown(results: dict) -> str:
             lines.append(f"- {name}: **{entry['status']}**: {entry['reason'].strip()}")
     lines.append("")
     for section in (_collectives, _training, _models, _precision, _topk, _profiling, _monitor, _memory, _pipeline,
-                    _model_check):
+                    _pipeline_big, _model_check):
         lines += section(results)
     return "\n".join(lines) + "\n"
 
@@ -139,6 +139,28 @@ def _pipeline(results):
                          f"{cell(ours, lambda r: format(max(r['peak_gib_per_rank']), '.1f'))} / "
                          f"{cell(ref, lambda r: format(max(r['peak_gib_per_rank']), '.1f'))} | "
                          f"{cell(ours, lambda r: format(r['bubble_formula'], '.3f'))} |")
+        lines.append("")
+    return lines
+
+
+def _pipeline_big(results):
+    """pipeline_trainer's ``--variants big``: a GPT too large for one GPU, each rank building its stage."""
+    lines = []
+    for w, part in _ok_worlds(results, "pipeline_trainer"):
+        if part.get("mode") != "big":
+            continue
+        m = part["model"]
+        lines += [f"## Pipeline trainer, big model ({m['parameters'] / 1e9:.2f}B parameters: {m['n_layer']} layers x "
+                  f"{m['n_embd']}, built on the meta device; P={part['pipeline_parallel_size']}, {part['schedule']}, "
+                  f"{part['microbatches']} microbatches x {m['seq']} tokens, {part['mixed_precision']})", "",
+                  f"{part['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU ({part['step_s'] * 1e3:.0f} ms a step, setup "
+                  f"{part['setup_s']:.1f} s); losses {', '.join(format(x, '.3f') for x in part['losses'])}. DDP would "
+                  f"need {part['ddp_estimate_gib']:.0f} GiB a GPU (16 bytes a parameter) against "
+                  f"{part['gpu_memory_gib']:.0f} GiB; the whole model in fp32 is {part['whole_model_fp32_gib']:.1f} GiB.",
+                  "", "| rank (stage) | parameters | peak device GiB | peak host RSS GiB |", "|---|---|---|---|"]
+        for row in part["stages"]:
+            lines.append(f"| {row['rank']} | {row['parameters'] / 1e9:.3f}B | {row['peak_allocated_gib']:.1f} | "
+                         f"{row['peak_rss_gib']:.1f} |")
         lines.append("")
     return lines
 

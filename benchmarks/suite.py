@@ -64,7 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds per phase")
     p.add_argument("--steps", type=int, default=None, help="timed steps per round")
     p.add_argument("--third-party", default=None, help="models phase: resnet50,bert,vit,gpt2,toy_cnn")
-    p.add_argument("--variants", default=None, help="models phase variants (see phases/models.py)")
+    p.add_argument("--variants", default=None, help="models phase variants (see phases/models.py); "
+                   "pipeline_trainer: 'big' trains a GPT too large for one GPU (~7-10B) at P = world size")
     p.add_argument("--models-profile", type=int, default=0, help="models phase: profile the first N variants")
     p.add_argument("--topk-ratio", type=float, default=0.01)
     p.add_argument("--recorded", nargs="*", default=None,

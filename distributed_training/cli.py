@@ -115,8 +115,12 @@ def _build(cfg: JobConfig):
         shape["n_embd"] = cfg.model.n_embd
     import dataclasses
 
-    torch.manual_seed(cfg.training.seed)
-    model = GPT(dataclasses.replace(preset, **shape))
+    # Built on the meta device (shapes only): the trainer gives storage to what each rank runs (with a
+    # pipeline, its stages only, so no rank holds the whole model) and initialises it from
+    # training.seed by the GPT's per-layer scheme (`GPTStages`), the same weights at every pipeline
+    # size on one device type.
+    with torch.device("meta"):
+        model = GPT(dataclasses.replace(preset, **shape))
     return model, TextWindows(tokens, block, train_starts), TextWindows(tokens, block, val_starts), None
 
 

@@ -37,6 +37,7 @@ from .evaluation import Evaluation
 from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
+from .pipeline.meta_init import has_meta, materialize
 from .pipeline.training import PipelineOptions
 from .planner import model_sizes
 from .runtime import DistributedContext, init_distributed
@@ -57,7 +58,13 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
     """Train a model data-parallel across the processes of a torchrun job.
 
     Args:
-        model: the user's `nn.Module`, on any device (it is moved to this rank's device).
+        model: the user's `nn.Module`, on any device (it is moved to this rank's device). A model built
+            on the meta device (``with torch.device("meta"): model = GPT(cfg)``) is given storage on
+            this rank's device and initialised there from `seed` (our GPT by `GPTStages`' per-layer
+            scheme; other modules by each submodule's ``reset_parameters()``, seeded per module; a
+            tensor neither covers is an error naming it: `distributed_training.pipeline.meta_init`):
+            with `pipeline_parallel_size` > 1 each rank only its own stages, so no rank ever holds the
+            whole model; without a pipeline every rank the whole model.
         optimizer: a `torch.optim.Optimizer` built over `model.parameters()`, or a callable that
             takes parameters and returns one (needed by sharded strategies, which build the
             optimizer over their shards).
@@ -71,7 +78,8 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             once per optimizer step.
         context: a `DistributedContext`; by default one is created from torchrun's environment.
         timeout: collective timeout in seconds when the trainer creates the context.
-        seed: seed of the data sharding permutation (the same on every rank).
+        seed: seed of the data sharding permutation (the same on every rank), and of the initial weights
+            of a model built on the meta device (see `model`).
         checkpoint_dir: where `fit` writes numbered checkpoints (``step_*/``) and, with `resume`,
             where it resumes from the latest good one: what torchrun's ``--max-restarts`` needs.
         checkpoint_every: save every this many optimizer steps during `fit` (and at its end).
@@ -120,7 +128,7 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             each stage. `train_step` batches are ``(inputs, targets)`` with a criterion (a GPT without
             one gets its language-model loss); the loss is the whole batch's on every rank. Every rank
             receives the whole model and keeps only its stages: the rest of the model object is freed
-            (meta tensors). Checkpoints are in the one format, under the model's own keys: they load
+            (meta tensors); a model built on the meta device gets storage for this rank's stages only. Checkpoints are in the one format, under the model's own keys: they load
             at another pipeline size, data-parallel size or without a pipeline, and back. `evaluate`
             runs forward only through the stages. `gradient_accumulation_steps` (use `microbatches`),
             `compile` and ``batch_size="auto"`` are not supported with pipelines yet. See
@@ -190,7 +198,7 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
                              "given, set it there: init_distributed(timeout=...)")
         check_strategy_argument(strategy, communication)  # before any rendezvous
         pipeline = PipelineOptions(pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points,
-                                   pipeline_chunks)
+                                   pipeline_chunks, init_seed=seed)
         if pipeline.enabled:
             unsupported = [name for name, value in (("gradient_accumulation_steps", gradient_accumulation_steps != 1),
                                                     ("compile", compile is not False)) if value]
@@ -221,6 +229,10 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         self.seed = seed
         self.device = self.context.device
 
+        if not pipeline.enabled and has_meta(model):
+            # Built on the meta device, without a pipeline: every rank materialises the whole model
+            # (with a pipeline, each rank only its stages: `PipelineStrategy`).
+            materialize(model, self.device, seed=seed)
         if not strategy.places_module:
             model.to(self.device)
         if activation_checkpointing is not None:

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.gpt import GPT, Block, GPTConfig
-from .stages import Layers, Stage, TiedGroup, partition, split_at, tied_groups
+from .stages import Layers, Stage, TiedGroup, allocate, partition, split_at, tied_groups
 
-__all__ = ["GPTEmbedding", "GPTHead", "GPTStages", "gpt_chain", "gpt_key", "layer_seed", "lm_loss"]
+__all__ = ["GPTEmbedding", "GPTHead", "GPTStages", "gpt_chain", "gpt_key", "init_gpt_layers", "layer_seed",
+           "lm_loss"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,18 +90,6 @@ def gpt_key(key: str) -> str:
     if layer == "block":
         return "blocks." + rest
     raise ValueError(f"key {key!r} is not a GPT chain key (embed.*, block.*, head.*)")
-
-
-def _materialise(module: nn.Module, device: torch.device) -> None:
-    """Give every meta parameter and buffer of `module` uninitialised storage on `device`, leaving
-    parameters that are already real (a tied weight from another layer) as they are."""
-    for mod in module.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None and p.is_meta:
-                mod._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
-        for name, b in list(mod._buffers.items()):
-            if b is not None and b.is_meta:
-                raise NotImplementedError(f"buffer {name!r}: GPT layers have none; initialise it here if added")
 
 
 class GPTStages:
@@ -198,34 +187,17 @@ class GPTStages:
         With ``device="meta"`` the stage has shapes and no storage (nothing initialised)."""
         device = torch.device(device)
         names = self.stage_names(stage, num_stages, split, costs)
-        n_layer = self.cfg.n_layer
         layers: Layers = []
         for name in names:
             with torch.device("meta"):
                 layer = self._make(name)
-            tied = None
             if name == "head" and layers and layers[0][0] == "embed":
-                tied = layers[0][1].wte.weight  # same stage: one parameter, two uses
-                layer.lm_head.weight = tied
-            if device.type != "meta":
-                _materialise(layer, device)
-                with torch.no_grad():
-                    _init_layer(layer, torch.Generator(device=device).manual_seed(layer_seed(self.seed, name)),
-                                n_layer, skip=self._tied_params(name, layer))
-                    if tied is None and name in ("embed", "head"):
-                        weight = layer.wte.weight if name == "embed" else layer.lm_head.weight
-                        nn.init.normal_(weight, 0.0, 0.02, torch.Generator(device=device).manual_seed(
-                            layer_seed(self.seed, self.TIES[0][0])))
+                layer.lm_head.weight = layers[0][1].wte.weight  # same stage: one parameter, two uses
             layers.append((name, layer))
+        if device.type != "meta":
+            allocate([layer for _, layer in layers], device)
+            init_gpt_layers(layers, self.cfg.n_layer, self.seed)
         return Stage(layers, stage, num_stages)
-
-    @staticmethod
-    def _tied_params(name: str, layer: nn.Module) -> set[int]:
-        if name == "embed":
-            return {id(layer.wte.weight)}
-        if name == "head":
-            return {id(layer.lm_head.weight)}
-        return set()
 
     def model(self, device: torch.device | str = "cpu") -> GPT:
         """A whole `GPT` holding exactly the weights of ``build(0, 1, device)``: the single-process
@@ -239,6 +211,26 @@ class GPTStages:
         gpt.blocks = nn.ModuleList(whole.get_submodule(f"block.{i}") for i in range(self.cfg.n_layer))
         gpt.ln_f, gpt.lm_head = head.ln_f, head.lm_head  # lm_head.weight is wte.weight: one stage
         return gpt
+
+
+def init_gpt_layers(layers: Layers, n_layer: int, seed: int) -> None:
+    """Initialise GPT chain layers that have storage (``embed``, ``block.i``, ``head``: `GPTStages`'
+    layers, or `gpt_chain` of a `GPT` built on the meta device and given storage), by `GPTStages`'
+    scheme: each layer from a generator on its device seeded with ``layer_seed(seed, name)``; the tied
+    token embedding from its own generator (``layer_seed(seed, "embed.wte.weight")``), once per copy
+    (a stage holding both ``embed`` and ``head`` holds one parameter). The one implementation of the
+    scheme: `GPTStages.build` and the trainer's meta-device models both call it."""
+    tie_seed = layer_seed(seed, GPTStages.TIES[0][0])
+    drawn: set[int] = set()
+    with torch.no_grad():
+        for name, layer in layers:
+            tied = layer.wte.weight if name == "embed" else layer.lm_head.weight if name == "head" else None
+            device = next(layer.parameters()).device
+            _init_layer(layer, torch.Generator(device=device).manual_seed(layer_seed(seed, name)), n_layer,
+                        skip={id(tied)} if tied is not None else set())
+            if tied is not None and id(tied) not in drawn:
+                nn.init.normal_(tied, 0.0, 0.02, torch.Generator(device=device).manual_seed(tie_seed))
+                drawn.add(id(tied))
 
 
 def _init_layer(layer: nn.Module, generator: torch.Generator, n_layer: int, skip: set[int]) -> None:

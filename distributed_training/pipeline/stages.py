@@ -70,7 +70,7 @@ from torch import nn
 from ..models.gpt import GPT
 
 __all__ = ["chain", "partition", "split_at", "Stage", "TiedGroup", "find_ties", "tied_groups", "sync_tied_grads",
-           "Layers"]
+           "sum_tied_grads", "allocate", "Layers"]
 
 Layers = list[tuple[str, nn.Module]]
 
@@ -407,9 +407,41 @@ def sync_tied_grads(stage_module: nn.Module, tied: Iterable[TiedGroup], group=No
     if size != len(mine[0].stages):
         raise ValueError(f"group has {size} ranks but the ties span {len(mine[0].stages)} stages "
                          f"{list(mine[0].stages)}: pass the group of the ranks holding the copies")
-    for t in mine:
-        p = stage_module.get_parameter(t.key_on(index))
+    return sum_tied_grads([stage_module.get_parameter(t.key_on(index)) for t in mine], group)
+
+
+def sum_tied_grads(params: Sequence[nn.Parameter], group=None) -> int:
+    """Sum the gradients of these copies of tied parameters over `group`, in place: the one place that
+    does it (`sync_tied_grads` after its checks, and the trainer's pipeline after each step's backward
+    passes). A copy without a gradient (unused this step) counts as zeros and gets the sum. Every rank
+    of `group` passes its copies of the same ties, in the same order. Returns how many were reduced."""
+    for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
-    return len(mine)
+    return len(params)
+
+
+def allocate(modules: Iterable[nn.Module], device: torch.device | str) -> list[torch.Tensor]:
+    """Give the meta parameters and buffers of `modules` (and their submodules) uninitialised storage on
+    `device`, slot by slot, leaving real tensors as they are. A meta tensor held in several slots (a
+    tied weight, a module placed twice) becomes one new tensor in all of them, so ties stay ties; the
+    slots of modules not passed (another stage's layers) keep the meta tensor. Returns the new
+    tensors, each once, in the order met."""
+    device = torch.device(device)
+    new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta) -> (meta, its replacement)
+    seen: set[int] = set()
+    for top in modules:
+        for module in top.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for slots, is_param in ((module._parameters, True), (module._buffers, False)):
+                for name, t in list(slots.items()):
+                    if t is None or not t.is_meta:
+                        continue
+                    if id(t) not in new:
+                        empty = torch.empty_like(t, device=device)
+                        new[id(t)] = (t, nn.Parameter(empty, t.requires_grad) if is_param else empty)
+                    slots[name] = new[id(t)][1]
+    return [replacement for _, replacement in new.values()]

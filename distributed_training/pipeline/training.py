@@ -11,12 +11,14 @@ different batches; the P ranks of a pipeline see the same batches (`fit` shards 
 Stages. The model's chain of layers (`stages.chain`: an `nn.Sequential`, our `GPT`, or an adapter's
 list) is cut into S = P x V stages (V = `pipeline_chunks`, 2 by default for ``"interleaved_1f1b"``, 1
 otherwise), balanced by parameter count (`partition`) or at `pipeline_split_points` (`split_at`).
-Chunk c of pipeline rank r is stage ``c * P + r``. In this first version every rank receives the
-user's whole model, keeps its stages' layers and frees the rest: the other layers' parameters and
-buffers in the user's model object are replaced by meta tensors (shapes only), so the model passed
-to the trainer is not usable afterwards except through the trainer. Only the kept stages go to the
-device. For models too large for one host's memory, building only one's own stage (`GPTStages`) is
-the next step.
+Chunk c of pipeline rank r is stage ``c * P + r``. Every rank receives the user's model object,
+keeps its stages' layers and frees the rest: the other layers' parameters and buffers in the user's
+model object are replaced by meta tensors (shapes only), so the model passed to the trainer is not
+usable afterwards except through the trainer. Only the kept stages go to the device. A model built on
+the meta device (too large for one host: ``with torch.device("meta"): model = GPT(cfg)``) is cut the
+same way, and each rank gives storage to its own stages' layers only, on its device, and initialises
+them there (`meta_init.materialize`, seeded by `PipelineOptions.init_seed`, the trainer's `seed`): no
+rank ever holds the whole model.
 
 One step on one rank (`forward_backward`, then the trainer's `optimizer_step`):
 
@@ -71,7 +73,8 @@ from .engine import PipelineEngine
 from .p2p import PipelineAborted
 from .schedules import SCHEDULES
 from .gpt_stages import lm_loss
-from .stages import Stage, chain, find_ties, partition, split_at, tied_groups
+from .meta_init import check_initialisable, has_meta, materialize
+from .stages import Stage, chain, find_ties, partition, split_at, sum_tied_grads, tied_groups
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineStages"]
 
@@ -92,6 +95,9 @@ class PipelineOptions:
         split_points: the layer names where stages 1, 2, ... start (``pipeline_split_points``), or None
             to balance the stages by parameter count.
         chunks: model chunks per rank (``pipeline_chunks``; default 2 for ``"interleaved_1f1b"``, else 1).
+        init_seed: the base seed of a meta-device model's initialisation (the trainer's `seed`; see
+            `meta_init`): each rank initialises only its stages' layers, from streams seeded by the
+            layer's (GPT) or module's name, so the weights do not depend on the cut.
     """
 
     size: int = 1
@@ -99,9 +105,12 @@ class PipelineOptions:
     microbatches: int | None = None
     split_points: tuple[str, ...] | None = None
     chunks: int | None = None
+    init_seed: int = 0
 
     def __post_init__(self) -> None:
         size = self.size
+        if isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int):
+            raise TypeError(f"seed must be an integer, got {self.init_seed!r}")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {size!r}")
         if self.schedule not in SCHEDULES:
@@ -240,7 +249,22 @@ class PipelineStrategy(Strategy):
         self._all_buffers = list(buffer_name.values())
         self._layout_id = {"pipeline": P, "chunks": V, "bounds": list(bounds)}
 
-        self._setup_ties(layers, names, bounds, context)
+        ties = find_ties(layers)  # by parameter identity: before materialising gives each copy its own
+        meta = has_meta(module)
+        if meta:
+            # A model built on the meta device: only this rank's layers get storage, on the device,
+            # and their initial weights (`meta_init`); the rest of the model object stays meta. The
+            # whole chain is checked first, so that every rank refuses alike.
+            check_initialisable(module, layers)
+            materialize(module, self.device, seed=opts.init_seed,
+                        layers=[pair for s in self._mine for pair in layers[bounds[s]:bounds[s + 1]]])
+        firsts = self._setup_ties(layers, names, bounds, ties, context)
+        if meta and not isinstance(module, GPT):
+            # A tie's copies on later stages take the value of the first stage's (its first owner's
+            # initialisation: what one process materialising the whole model gets). The GPT's copies
+            # are drawn equal on every stage already.
+            for param, group, source in firsts:
+                dist.broadcast(param.data, src=source, group=group)
         _free_other_layers(module, stages)
         for stage in stages:
             stage.to(self.device)
@@ -262,10 +286,13 @@ class PipelineStrategy(Strategy):
         self._default_loss = lm_loss if isinstance(module, GPT) else None
         return wrapped
 
-    def _setup_ties(self, layers, names, bounds, context: DistributedContext) -> None:
+    def _setup_ties(self, layers, names, bounds, ties, context: DistributedContext) -> list[tuple[nn.Parameter, Any, int]]:
         """Groups over the pipeline ranks holding copies of each tied parameter, one per data-parallel
-        index (collective: every rank creates every group, in the same order), and this rank's copies."""
+        index (collective: every rank creates every group, in the same order), and this rank's copies.
+        Returns, per copy this rank holds, (copy, group, global rank of the tie's first stage)."""
         mesh = context.mesh
+        pipeline_ranks = mesh.ranks("pipeline")
+        firsts = []
         P, rank = self.options.size, mesh.rank("pipeline")
         by_key = {}
         for s in self._mine:
@@ -275,7 +302,7 @@ class PipelineStrategy(Strategy):
         self._ties: list[tuple[nn.Parameter, Any]] = []
         self._not_counted: set[int] = set()  # copies whose gradient another rank counts in the norm
         made: dict[tuple[int, ...], Any] = {}
-        for tie in tied_groups(find_ties(layers), names, bounds):
+        for tie in tied_groups(ties, names, bounds):
             holders = tuple(sorted({s % P for s in tie.stages}))
             if len(holders) < 2:
                 continue  # all copies on one rank: the same parameter there, its gradient already the sum
@@ -292,8 +319,10 @@ class PipelineStrategy(Strategy):
                 s = next(s for s in tie.stages if s % P == rank)
                 param = by_key[tie.key_on(s)]
                 self._ties.append((param, made[holders]))
+                firsts.append((param, made[holders], _global(context, pipeline_ranks[tie.stages[0] % P])))
                 if rank != holders[0]:
                     self._not_counted.add(id(param))
+        return firsts
 
     def _nccl_pipeline_groups(self, context: DistributedContext):
         """The payload groups (one per direction) and the gloo header group of this rank's pipeline
@@ -351,9 +380,7 @@ class PipelineStrategy(Strategy):
 
     def _after_backward(self) -> None:
         for param, group in self._ties:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+            sum_tied_grads([param], group)
         self.inner.sync_gradients(self._model)
 
     # ------------------------------------------------------------------ evaluation
