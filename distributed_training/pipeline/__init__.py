@@ -12,12 +12,13 @@ rank's actions run for a training step, over `p2p`'s messages. `split_backward`:
 from .engine import PipelineEngine
 from .schedules import Action, ScheduleError, Simulation, bubble_formula, build_schedule, simulate, stage_of
 from .split_backward import SplitBackward
-from .gpt_stages import GPTEmbedding, GPTHead, GPTStages, gpt_key, layer_seed, lm_loss
+from .gpt_stages import GPTEmbedding, GPTHead, GPTStages, gpt_key, gpt_layer_flops, layer_seed, lm_loss
 from .stages import Stage, TiedGroup, chain, find_ties, partition, split_at, sync_tied_grads, tied_groups
 
 __all__ = [
     "Action", "ScheduleError", "Simulation", "bubble_formula", "build_schedule", "simulate", "stage_of",
-    "GPTEmbedding", "GPTHead", "GPTStages", "Stage", "TiedGroup", "chain", "find_ties", "gpt_key", "layer_seed",
+    "GPTEmbedding", "GPTHead", "GPTStages", "Stage", "TiedGroup", "chain", "find_ties", "gpt_key", "gpt_layer_flops",
+    "layer_seed",
     "lm_loss", "partition", "split_at", "sync_tied_grads", "tied_groups",
     "PipelineEngine", "SplitBackward",
 ]

@@ -10,7 +10,8 @@ different batches; the P ranks of a pipeline see the same batches (`fit` shards 
 
 Stages. The model's chain of layers (`stages.chain`: an `nn.Sequential`, our `GPT`, or an adapter's
 list) is cut into S = P x V stages (V = `pipeline_chunks`, 2 by default for ``"interleaved_1f1b"``, 1
-otherwise), balanced by parameter count (`partition`) or at `pipeline_split_points` (`split_at`).
+otherwise), balanced by compute for our GPT (`gpt_layer_flops`) and by parameter count for other chains
+(`partition`), or cut at `pipeline_split_points` (`split_at`).
 Chunk c of pipeline rank r is stage ``c * P + r``. Every rank receives the user's model object,
 keeps its stages' layers and frees the rest: the other layers' parameters and buffers in the user's
 model object are replaced by meta tensors (shapes only), so the model passed to the trainer is not
@@ -72,7 +73,7 @@ from ..strategies.base import OptimizerFactory, Strategy
 from .engine import PipelineEngine
 from .p2p import PipelineAborted
 from .schedules import SCHEDULES
-from .gpt_stages import lm_loss
+from .gpt_stages import gpt_layer_flops, lm_loss
 from .meta_init import check_initialisable, has_meta, materialize
 from .stages import Stage, chain, find_ties, partition, split_at, sum_tied_grads, tied_groups
 
@@ -223,7 +224,11 @@ class PipelineStrategy(Strategy):
             except ValueError as err:
                 raise ValueError(f"pipeline_split_points: {err}") from None
         else:
-            bounds = partition([sum(p.numel() for p in layer.parameters()) for _, layer in layers], S)
+            # Our GPT by compute (its tied embedding would weigh like the head's matmul by parameters);
+            # any other chain by parameter count.
+            costs = (gpt_layer_flops(module.cfg) if isinstance(module, GPT) else
+                     [sum(p.numel() for p in layer.parameters()) for _, layer in layers])
+            bounds = partition(costs, S)
         rank = mesh.rank("pipeline")
         self.device = context.device
         self._dp_rank = mesh.dp_rank
