@@ -32,21 +32,14 @@ from distributed_training.pipeline import GPTStages, PipelineEngine, lm_loss, sy
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 
-def flop_costs(cfg, seq: int) -> list[float]:
-    """Forward FLOPs per token of each layer of the chain: the embedding about none, a block its
-    matmuls and attention, the head its vocabulary matmul (and a little for the loss)."""
-    c = cfg.n_embd
-    return [0.0, *[24 * c * c + 4 * seq * c] * cfg.n_layer, 2.3 * c * cfg.vocab_size]
-
-
 def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
     """`name` is ``<impl>[-<option>...]_<schedule>``: impl ``ours`` or ``torch``; options ``headers`` (our
-    receives wait for every header), ``nolag`` (known shapes checked only at the step's end), ``flops``
-    (stages balanced by FLOPs, not parameters)."""
+    receives wait for every header), ``nolag`` (known shapes checked only at the step's end), ``params``
+    (stages balanced by parameter count, not by compute)."""
     spec, schedule = name.split("_", 1)
     impl, *options = spec.split("-")
     maker = GPTStages(cfg, seed=0)
-    costs = flop_costs(cfg, x.shape[1]) if "flops" in options else None
+    costs = maker.parameter_counts() if "params" in options else None
     module = maker.build(rank, world, device, costs=costs)
     tied = maker.tied_groups(world)
     tie_group = groups["tie"]
