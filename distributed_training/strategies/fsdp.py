@@ -321,6 +321,13 @@ class FSDP(FSDPStateDict, nn.Module):
             if not unit.is_root:
                 self._reshard(unit)
             return
+        self._reduce_unit(unit)
+        if not unit.is_root:
+            self._reshard(unit)
+
+    def _reduce_unit(self, unit: Unit) -> None:
+        """Start the reduce-scatter of the unit's full gradient into this rank's piece (pending until
+        `_finish_backward`), and drop the full gradient."""
         grad = unit.full.grad
         if self._reduce_dtype is not None and grad.dtype != self._reduce_dtype:
             grad = grad.to(self._reduce_dtype)
@@ -331,8 +338,6 @@ class FSDP(FSDPStateDict, nn.Module):
         self._backward_state.pending.append((unit, out, work))
         unit.full.grad = None
         del grad
-        if not unit.is_root:
-            self._reshard(unit)
 
     def _finish_backward(self) -> None:
         try:
@@ -374,6 +379,24 @@ class FSDP(FSDPStateDict, nn.Module):
             yield
         finally:
             self._sync_enabled = previous
+
+    def sync_gradients(self) -> None:
+        """Reduce, now, the full gradients that backward passes accumulated under `no_sync`: each unit's
+        is reduce-scattered into this rank's shard (then averaged over the replicas under hybrid
+        sharding) and added to the shard's ``.grad``, as the first synchronised backward after the
+        block would do; the full gradients are freed. Units without an accumulated gradient are left
+        alone (every rank of the group must hold the same ones, as for a backward).
+
+        For schedules whose last backward cannot be the synchronised one: a pipeline stage runs all
+        of a step's backward passes under `no_sync` and calls this once after them (see
+        `DDP.sync_gradients`). Every rank of the group must call it at the same point."""
+        if self._backward_state.callback_queued:
+            raise RuntimeError("sync_gradients() called during a synchronised backward pass; call it after backward, "
+                               "with the backward passes run under no_sync()")
+        for unit in self._units:
+            if unit.full.requires_grad and unit.full.grad is not None:
+                self._reduce_unit(unit)
+        self._finish_backward()
 
     def join(self, optimizer: torch.optim.Optimizer | None = None, *, lr_scheduler=None):
         """A context in which ranks that run out of data keep answering the others' collectives (and
