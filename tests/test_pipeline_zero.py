@@ -225,3 +225,97 @@ def _save_loaded(rank, world, source, target):
         trainer.load_checkpoint(source)
     trainer.save_checkpoint(target)
     trainer.close()
+
+
+# ------------------------------------------------------------------ mixed precision, evaluate
+def mixed_precision_worker(rank, world, strategy, mode):
+    model = _model("gpt")
+    x, y = _batch("gpt", 0, 4)
+    with torch.no_grad():
+        fp32_loss = model(x, y).item()
+    trainer = DistributedTrainer(model, _sgd, strategy=strategy, mixed_precision=mode, gradient_clip_val=1.0,
+                                 pipeline_parallel_size=2, microbatches=2, progress=False)
+    losses = [float(trainer.train_step((x, y))["loss"]) for _ in range(3)]
+    trainer.close()
+    return fp32_loss, losses
+
+
+@pytest.mark.parametrize("strategy, mode", [("zero3", "fp16"), ("zero1", "bf16")])
+def test_zero_inside_stages_mixed_precision_learns(strategy, mode):
+    """fp16 with the loss scaler (its overflow decision agreed by every stage and shard) and bf16: the
+    reported loss is unscaled (near fp32's) and falls."""
+    for fp32_loss, losses in run_distributed(mixed_precision_worker, 4, args=(strategy, mode), timeout=180):
+        assert abs(losses[0] - fp32_loss) < 0.05 * fp32_loss, (losses, fp32_loss)
+        assert losses[-1] < losses[0], losses
+
+
+def _eval_data(kind):
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(9)
+    if kind == "gpt":
+        tokens = torch.randint(0, 64, (18, 13), generator=g)
+        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return TensorDataset(torch.randn(18, 16, generator=g), torch.randn(18, 4, generator=g))
+
+
+def evaluate_worker(rank, world, kind, strategy, pipe, schedule):
+    kwargs = dict(pipeline_parallel_size=pipe, pipeline_schedule=schedule, microbatches=2 * pipe) if pipe > 1 else {}
+    trainer = DistributedTrainer(_model(kind), _sgd, strategy=strategy, progress=False, **kwargs)
+    criterion = F.mse_loss if kind == "mlp" else None
+    metrics = {"mae": lambda out, y: (out - y).abs().mean()} if kind == "mlp" else None
+    results = []
+    for step in range(2):  # evaluate, then train on: the stages' gathers and messages still pair up
+        x, y = _batch(kind, step, 8)
+        n = 8 // trainer.dp_world_size
+        trainer.train_step((x[trainer.dp_rank * n:(trainer.dp_rank + 1) * n], y[trainer.dp_rank * n:(trainer.dp_rank + 1) * n]),
+                           criterion)
+        results.append(trainer.evaluate(_eval_data(kind), criterion, batch_size=4, metrics=metrics))
+    trainer.close()
+    return results
+
+
+@pytest.mark.parametrize("kind, strategy, schedule", [
+    ("mlp", "zero3", "gpipe"),  # 9 samples per replica: batches of 4, 4 and 1
+    ("gpt", "zero2", "interleaved_1f1b"),  # two chunks per rank, each its own FSDP units
+])
+def test_evaluate_with_zero_inside_stages_matches_one_process(kind, strategy, schedule):
+    want = run_distributed(evaluate_worker, 1, args=(kind, "ddp", 1, "1f1b"), timeout=120)[0]
+    for rank, got in enumerate(run_distributed(evaluate_worker, 4, args=(kind, strategy, 2, schedule), timeout=180)):
+        for got_one, want_one in zip(got, want):
+            assert set(got_one) == set(want_one)
+            for name, value in want_one.items():
+                assert abs(got_one[name] - value) <= 1e-5 * max(1.0, abs(value)), (rank, name, got_one, want_one)
+    assert want[0] != want[1]
+
+
+def gathers_worker(rank, world, strategy):
+    import distributed_training.strategies.fsdp as fsdp
+
+    launched = [0]
+    gather = fsdp.all_gather_flat
+
+    def counting(*args, **kwargs):
+        launched[0] += 1
+        return gather(*args, **kwargs)
+
+    fsdp.all_gather_flat = counting
+    trainer = DistributedTrainer(_model("gpt"), _sgd, strategy=strategy, pipeline_parallel_size=2, microbatches=4,
+                                 progress=False)
+    units = sum(1 for unit in trainer.model._units if unit.padded)
+    counts = []
+    for step in range(2):
+        launched[0] = 0
+        trainer.train_step(_batch("gpt", step, 8))
+        counts.append(launched[0])
+    trainer.close()
+    return units, counts
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_parameter_gathers_per_step(strategy):
+    """ZeRO-3 gathers each unit before every microbatch's forward and again before its backward; ZeRO-2
+    keeps what it gathered until the step's reduction: one gather per unit and step."""
+    for units, counts in run_distributed(gathers_worker, 4, args=(strategy,), timeout=180):
+        assert units == 2  # each rank: two layers of the tiny GPT, each a unit
+        assert counts == [units] * 2 if strategy == "zero2" else counts == [2 * 4 * units] * 2, counts

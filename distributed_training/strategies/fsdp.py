@@ -174,6 +174,9 @@ class FSDP(FSDPStateDict, nn.Module):
         self._forward_order: list[Unit] = []
         self._recording_order = True
         self._sync_enabled = True
+        # ZeRO-2 under a pipeline (`FSDPStrategy.setup_stages`): backward passes under no_sync leave the
+        # units gathered, so that the step's other microbatches need no gather; `sync_gradients` frees them.
+        self._hold_until_sync = False
         # What the hooks change during backward, in a plain object: assigning an nn.Module attribute on
         # autograd's device thread measured ~3 ms per assignment (see docs/ddp.md).
         self._backward_state = _BackwardState()
@@ -318,7 +321,7 @@ class FSDP(FSDPStateDict, nn.Module):
         self._queue_finish()
         if not self._sync_enabled:
             # no_sync: keep the full gradient; autograd accumulates into it next time.
-            if not unit.is_root:
+            if not unit.is_root and not self._hold_until_sync:
                 self._reshard(unit)
             return
         self._reduce_unit(unit)
@@ -339,7 +342,9 @@ class FSDP(FSDPStateDict, nn.Module):
         unit.full.grad = None
         del grad
 
-    def _finish_backward(self) -> None:
+    def _finish_backward(self, reshard: bool | None = None) -> None:
+        if reshard is None:
+            reshard = self._sync_enabled or not self._hold_until_sync
         try:
             for unit, out, work in self._backward_state.pending:
                 try:
@@ -367,8 +372,9 @@ class FSDP(FSDPStateDict, nn.Module):
         finally:
             self._backward_state.pending = []
             self._backward_state.callback_queued = False
-            for unit in self._units:
-                self._reshard(unit)
+            if reshard:
+                for unit in self._units:
+                    self._reshard(unit)
 
     # ------------------------------------------------------------ public helpers
     @contextlib.contextmanager
@@ -396,7 +402,7 @@ class FSDP(FSDPStateDict, nn.Module):
         for unit in self._units:
             if unit.full.requires_grad and unit.full.grad is not None:
                 self._reduce_unit(unit)
-        self._finish_backward()
+        self._finish_backward(reshard=True)
 
     def join(self, optimizer: torch.optim.Optimizer | None = None, *, lr_scheduler=None):
         """A context in which ranks that run out of data keep answering the others' collectives (and

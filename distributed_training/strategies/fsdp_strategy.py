@@ -69,6 +69,9 @@ class FSDPStrategy(Strategy):
                 f"strategy {self.name!r} with a pipeline: parameter(s) {shared[:4]} are shared by two stages of "
                 "this rank, which FSDP can only gather for the whole model's forward; cut the model so that they "
                 "share one stage (pipeline_split_points) or use strategy='ddp' or 'zero1'")
+        # ZeRO-2 keeps each unit gathered from its first forward to the step's reduction (its forward
+        # already keeps it until backward): one gather per unit and step, not one per microbatch.
+        model._hold_until_sync = not model.reshard_after_forward
         if model._param_dtype is not None:
             dtype = model._param_dtype
             self._stage_hooks = [stage.register_forward_pre_hook(lambda _m, args: _cast_floats(args, dtype))
