@@ -23,8 +23,10 @@ One step, for one unit:
   (hybrid sharding), and writes each shard's `.grad` (on the CPU with `cpu_offload`).
 
 `no_sync()` keeps each unit's full gradient and skips the reduce-scatter; the next synchronised
-backward accumulates into it and reduces once. That trades memory (one full gradient per unit, as in
-DDP) for communication (none per accumulation step). Parameters are still gathered for every micro-batch.
+backward accumulates into it and reduces once, or `sync_gradients()` reduces it after the fact (what a
+pipeline stage does after its schedule's backward passes). That trades memory (one full gradient per
+unit, as in DDP) for communication (none per accumulation step). Parameters are still gathered for
+every micro-batch (under a pipeline, ZeRO-2 keeps them gathered until `sync_gradients`).
 
 Frozen parameters (`requires_grad=False`) in a unit that also trains get a flat vector and shard of
 their own (the unit's name + "#frozen"): they are gathered like the rest but never reduced, and an

@@ -5,6 +5,11 @@
   kept until backward.
 * **Stage 3** (`FSDPStrategy()`, ``"zero3"`` / ``"fsdp"``): parameters are sharded too and gathered
   per unit when needed.
+
+Inside a pipeline's stages (`setup_stages`): each stage and each of its layers is a unit (the engine
+calls the stages, never the wrapper's forward), the backward passes of the schedule accumulate full
+gradients under `no_sync`, and `sync_gradients` reduce-scatters them once after the schedule. ZeRO-3
+gathers each unit again for every microbatch's forward and backward; ZeRO-2 gathers it once per step.
 """
 
 from __future__ import annotations
