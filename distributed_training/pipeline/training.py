@@ -24,29 +24,37 @@ One step on one rank (`forward_backward`, then the trainer's `optimizer_step`):
 
 1. `PipelineEngine.step` runs this rank's actions of the schedule with every backward under the data-
    parallel strategy's `no_sync`: gradients accumulate over the microbatches, nothing is reduced.
-2. After the step's last backward (the engine's `after_backward`): the gradients of tied parameters
-   (the GPT's token embedding, used again by its head) are summed between the pipeline ranks holding
-   a copy, over a group of those ranks per data-parallel index; then `strategy.sync_gradients`
-   averages the accumulated gradients over the data-parallel group, once. Why not let the last
+2. After the step's last backward (the engine's `after_backward`): the accumulated gradients of tied
+   parameters (the GPT's token embedding, used again by its head) are summed between the pipeline
+   ranks holding a copy, over a group of those ranks per data-parallel index (`accumulated_gradient`:
+   before any reduction, so sharded copies need not sit alike in their shards); then
+   `strategy.sync_gradients` reduces the accumulated gradients over the data-parallel group, once
+   (DDP: all-reduce; ZeRO-1: reduce-scatter of its buckets; ZeRO-2/3: reduce-scatter of each FSDP
+   unit's full gradient into its shard). Why not let the last
    microbatch's backward synchronise, as gradient accumulation does? A stage's last backward also
    produces the input gradient it sends to the previous stage, and (on CUDA) that send is ordered
    after the reduction's wait: every stage would hold up the one before it by its all-reduce, P
    reductions in a row on the critical path. Reducing after the schedule costs one exposed
    reduction on the rank that finishes last and hides the others behind the pipeline's cool-down.
 3. The optimizer step (`Strategy.optimizer_step`): unscale (fp16: the overflow decision is agreed by
-   every rank of the job, all stages), clip by the global norm (`clip_grad_norm`: sums of squares of
-   this rank's gradients, a tied parameter counted on one stage only, all-reduced over the pipeline),
-   step. Mixed precision: each stage's forward and the loss run under the precision's autocast; fp16
+   every rank of the job, all stages), clip by the global norm (`clip_grad_norm`: the stage's sum of
+   squares over its data-parallel group, `gradient_norm_squares`, shards summed, a tied parameter
+   counted on one stage only, all-reduced over the pipeline), step. Mixed precision: each stage's forward and the loss run under the precision's autocast; fp16
    scales the loss on the last stage (the returned loss is unscaled).
 
 The loss is the whole batch's mean (each microbatch weighted by its share) on every rank of the
 pipeline. `full_state_dict` gathers the stages into the model's own keys on rank 0. Data-parallel
-strategies: ``"ddp"`` (and `DDPStrategy` objects); the others raise NotImplementedError.
+strategies: those with `deferred_gradient_sync`: ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` /
+``"fsdp"`` and their objects (not ``"auto"``). The inner strategy wraps a container of this rank's
+stages (`setup_stages`: FSDP makes each stage and each of its layers a unit, whose hooks gather the
+parameters when the engine calls the stage; ZeRO-3 gathers again for every microbatch, ZeRO-2 keeps
+them from the first forward to the reduction).
 
-Checkpoints are in the one format (`checkpoint_shards`): each rank describes its stages' parameters,
-whole, under the model's own names (`named_parameters`: the GPT's tied weight is ``wte.weight``, as
-under DDP or FSDP), and the optimizer's state of each; the first data-parallel replica writes them, a
-tied weight's copies once (the lowest pipeline rank's). So a checkpoint saved at P=2 x DP=2 loads at
+Checkpoints are in the one format (`checkpoint_shards`): each rank describes its stages' parameters
+and optimizer state as the inner strategy holds them (DDP: whole, written by the first data-parallel
+replica; ZeRO-1: whole parameters, bucket slices of the optimizer state; FSDP: shards), under the
+model's own names (`named_parameters`: the GPT's tied weight is ``wte.weight``, as under DDP or FSDP),
+a tied weight's copies written once (the lowest pipeline rank's pieces). So a checkpoint saved at P=2 x DP=2 loads at
 P=4, or without a pipeline, and back: each rank reads the pieces its stages need, every copy of a tied
 weight the same one. Buffers go by the model's keys too (`buffers`). What the inner strategy keeps per
 stage (DDP's bucket layout, compression residuals) comes back only into the same cut of the model.
@@ -186,9 +194,10 @@ class PipelineStrategy(Strategy):
     """A data-parallel strategy run inside each stage of a pipeline (see the module docstring).
 
     Args:
-        inner: the data-parallel strategy (``"ddp"``): it wraps this rank's stages, averages their
-            gradients over the data-parallel group after the schedule (`sync_gradients`), builds the
-            optimizer.
+        inner: the data-parallel strategy (DDP, ZeRO-1, FSDP): it wraps this rank's stages
+            (`setup_stages`), reduces their gradients over the data-parallel group after the schedule
+            (`sync_gradients`), builds the optimizer, and says what it holds of the gradients
+            (`gradient_norm_squares`, `accumulated_gradient`) and of the state (`state_layout`).
         options: the pipeline's shape, schedule and microbatches.
     """
 

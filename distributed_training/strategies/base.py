@@ -11,7 +11,9 @@ in one format; `model_state_dict`: the full model) and what else a checkpoint mu
 carry (`rank_state`: this rank's, e.g. compression residuals; `shared_state`: the same on every
 rank, e.g. DDP's bucket layout; `buffers`: this rank's buffers under the model's keys), how a
 strategy that runs the forward itself evaluates (`evaluate_batch`, `evaluation_sums`), what its communication cost (`measure_communication`,
-`pop_communication_metrics`), and what its memory layout is to the planner (`planner_kind`,
+`pop_communication_metrics`), what a pipeline needs of it inside its stages (`setup_stages`,
+`sync_gradients` after backward passes run under `no_sync`, `accumulated_gradient`,
+`gradient_norm_squares`), and what its memory layout is to the planner (`planner_kind`,
 `state_reserve_bytes`). The defaults below are those of a replicated model with nothing to report;
 the other strategies override what differs.
 """
