@@ -59,14 +59,14 @@ def _strategy(name: str):
     return name
 
 
-def parity_worker(rank, world, kind, strategy, schedule, microbatches, clip, optimizer):
+def parity_worker(rank, world, kind, strategy, schedule, microbatches, clip, optimizer, context=None):
     factory = _sgd if optimizer == "sgd" else _adamw
     base = _model(kind)
     reference = copy.deepcopy(base)
     ref_opt = factory(reference.parameters())
     trainer = DistributedTrainer(copy.deepcopy(base), factory, strategy=_strategy(strategy), gradient_clip_val=clip,
                                  pipeline_parallel_size=2, pipeline_schedule=schedule, microbatches=microbatches,
-                                 progress=False)
+                                 progress=False, **({} if context is None else {"context": context}))
     dp, dp_rank = trainer.dp_world_size, trainer.dp_rank
     per_replica = 2 * microbatches
     worst, losses, norms = [], [], []
