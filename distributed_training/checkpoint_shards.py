@@ -48,11 +48,13 @@ class Piece:
 @dataclass
 class Holding:
     """A local tensor and the pieces of full tensors it holds; `save` says whether this rank writes
-    them (one replica writes what several hold)."""
+    them (one replica writes what several hold); pieces of the keys in `not_saved` are loaded but
+    written by another rank (a pipeline's copy of a tied weight, inside a shard of several)."""
 
     tensor: torch.Tensor
     pieces: list[Piece]
     save: bool = True
+    not_saved: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -92,6 +94,8 @@ def pack(layout: StateLayout, optimizer: torch.optim.Optimizer | None) -> dict[s
     for holding in layout.params:
         if holding.save:
             for piece in holding.pieces:
+                if piece.key in holding.not_saved:
+                    continue
                 params.setdefault(piece.key, []).append((piece.start, _cut(holding.tensor, piece)))
     optim: dict[str, dict[str, list]] = {}
     scalars: dict[str, dict[str, Any]] = {}
@@ -102,6 +106,8 @@ def pack(layout: StateLayout, optimizer: torch.optim.Optimizer | None) -> dict[s
                 continue
             state = optimizer.state.get(holding.tensor, {})
             for piece in holding.pieces:
+                if piece.key in holding.not_saved:
+                    continue
                 for name, value in state.items():
                     if torch.is_tensor(value) and value.dim() > 0 and value.numel() == holding.tensor.numel():
                         optim.setdefault(piece.key, {}).setdefault(name, []).append((piece.start, _cut(value, piece)))

@@ -122,8 +122,9 @@ class TrainingConfig(_Section):
     """Collective timeout in seconds."""
     pipeline_parallel_size: PositiveInt = 1
     """Pipeline stages per model replica (1: no pipeline). The model's layers are cut into this many
-    stages, one per rank, and ``strategy`` (ddp) runs data parallelism inside each stage over the
-    world size / pipeline_parallel_size replicas; it must divide the world size."""
+    stages, one per rank, and ``strategy`` (ddp, zero1, zero2, zero3 / fsdp; not auto) runs data
+    parallelism inside each stage over the world size / pipeline_parallel_size replicas; it must
+    divide the world size."""
     pipeline_schedule: Schedule = "1f1b"
     """Order of the microbatches' forward and backward passes: gpipe, 1f1b, interleaved_1f1b (several
     model chunks per rank) or zbh1 (zero-bubble, the backward split into input and weight passes)."""
@@ -235,9 +236,9 @@ class JobConfig(_Section):
         if not options.enabled:
             return
         size = f"training.pipeline_parallel_size={options.size}"
-        if t.strategy != "ddp":
-            raise ConfigError(f"training.strategy {t.strategy!r} with {size} is not supported yet: each stage's "
-                              "data parallelism is ddp's")
+        if t.strategy == "auto":
+            raise ConfigError(f"training.strategy 'auto' with {size} is not supported yet: choose each stage's "
+                              "data parallelism (ddp, zero1, zero2, zero3 or fsdp)")
         if t.gradient_accumulation_steps != 1:
             raise ConfigError(f"training.gradient_accumulation_steps with {size} is not supported: set "
                               "training.microbatches instead (the pipeline accumulates over its microbatches)")

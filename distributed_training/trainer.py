@@ -124,8 +124,8 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         pipeline_parallel_size: pipeline stages per model replica (default 1: none). The world is laid
             out as ``pipeline x data`` (the size must divide it): the model's layers (`pipeline.chain`:
             an `nn.Sequential`, our `GPT`, or an adapter's list of layers) are cut into stages, each
-            rank holds its stage(s), and `strategy` (``"ddp"`` for now) runs data parallelism inside
-            each stage. `train_step` batches are ``(inputs, targets)`` with a criterion (a GPT without
+            rank holds its stage(s), and `strategy` (``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` /
+            ``"fsdp"``; not ``"auto"``) runs data parallelism inside each stage. `train_step` batches are ``(inputs, targets)`` with a criterion (a GPT without
             one gets its language-model loss); the loss is the whole batch's on every rank. Every rank
             receives the whole model and keeps only its stages: the rest of the model object is freed
             (meta tensors); a model built on the meta device gets storage for this rank's stages only. Checkpoints are in the one format, under the model's own keys: they load

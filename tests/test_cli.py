@@ -360,16 +360,19 @@ def _losses(log_dir, rank=0):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_dtrain_pipeline_example_matches_one_process(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_dtrain_pipeline_example_matches_one_process(tmp_path, strategy):
     """The example's 2 stages (1F1B, 4 microbatches) on 2 processes against the same config with
     pipeline_parallel_size 1 in one process, on the same batches: fp32 losses within 1e-4 at every step
-    (reported by both stages), and the final model alike."""
-    code, out = _torchrun("distributed_training", _pipeline_job(tmp_path, "pipe"), module=True)
+    (reported by both stages), and the final model alike; under ddp, and under zero3 (FSDP's units in
+    each stage)."""
+    chosen = f"training.strategy={strategy}"
+    code, out = _torchrun("distributed_training", _pipeline_job(tmp_path, "pipe", chosen), module=True)
     assert code == 0, out[-3000:]
     assert "pipeline of 2 stages (1f1b, 4 microbatches) x 1 data-parallel, world size 2" in out, out[-3000:]
-    assert "finished at step 4" in out, out[-3000:]
+    assert f"strategy {strategy}," in out and "finished at step 4" in out, out[-3000:]
     code, ref_out = _run([sys.executable, "-m", "distributed_training",
-                          *_pipeline_job(tmp_path, "ref", "training.pipeline_parallel_size=1")])
+                          *_pipeline_job(tmp_path, "ref", "training.pipeline_parallel_size=1", chosen)])
     assert code == 0, ref_out[-3000:]
     want = _losses(tmp_path / "ref")
     assert len(want) == 4 and want[-1] < want[0] - 0.5, want  # it trains

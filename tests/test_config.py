@@ -98,7 +98,6 @@ def _pipeline(**fields):
         (_pipeline(pipeline_chunks=2), "training.pipeline_chunks"),  # 1f1b runs one chunk per rank
         (_pipeline(pipeline_split_points=["block.1", "block.2"]), "training.pipeline_split_points"),
         # What the pipeline does not run, or cannot: said before anything starts.
-        (_pipeline(strategy="zero3"), "training.strategy"),
         (_pipeline(strategy="auto"), "training.strategy"),
         (_pipeline(gradient_accumulation_steps=2), "training.gradient_accumulation_steps"),
         (_pipeline(batch_size="auto"), "training.batch_size"),
@@ -126,6 +125,9 @@ def test_pipeline_fields_default_to_the_trainers_and_load():
     assert (cfg.training.microbatches, cfg.training.pipeline_split_points) == (1, ["block.2"])
     cfg = load_config(_pipeline(pipeline_schedule="interleaved_1f1b", microbatches=4), ["training.pipeline_chunks=2"])
     assert cfg.training.pipeline_chunks == 2
+    # Every data-parallel strategy but "auto" runs inside the stages.
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
+        assert load_config(_pipeline(strategy=strategy)).training.strategy == strategy
 
 
 @pytest.mark.slow

@@ -256,3 +256,24 @@ def nccl_pipeline_checkpoint_worker(rank: int, world: int, directory: str) -> li
 def test_pipeline_checkpoints_and_evaluate_on_nccl(tmp_path):
     problems = run_distributed(nccl_pipeline_checkpoint_worker, 2, args=(str(tmp_path),), backend="nccl", timeout=300)
     assert problems == [[], []], problems
+
+
+def nccl_pipeline_zero_worker(rank: int, world: int, strategy: str, schedule: str):
+    from distributed_training import init_distributed
+
+    from test_pipeline_zero import parity_worker
+
+    ctx = init_distributed()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return parity_worker(rank, world, "gpt", strategy, schedule, 2, 0.5, "sgd", context=ctx)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs (P=2 x DP=2)")
+@pytest.mark.parametrize("strategy, schedule", [("zero3", "1f1b"), ("zero1", "zbh1"), ("zero2", "gpipe")])
+def test_pipeline_with_zero_inside_stages_on_nccl_equals_one_process(strategy, schedule):
+    """P=2 x DP=2 on NCCL, ZeRO inside the stages: the tied GPT's parameters after every step, the loss and
+    the clipped norm equal one process's on the whole batch (CPU, fp32)."""
+    results = run_distributed(nccl_pipeline_zero_worker, 4, args=(strategy, schedule), backend="nccl", timeout=300)
+    assert max(results[0][0]) <= 1e-4, results[0][0]
+    for _, losses, norms, _ in results:
+        assert all(abs(got - want) <= 1e-4 * max(1.0, abs(want)) for got, want in losses + norms), (losses, norms)

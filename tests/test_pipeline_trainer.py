@@ -156,7 +156,7 @@ def errors_worker(rank, world):
         "divide": dict(pipeline_parallel_size=2),  # world 3
         "layers": dict(pipeline_parallel_size=3, model=nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))),
         "split": dict(pipeline_parallel_size=3, pipeline_split_points=["2", "nope"]),
-        "strategy": dict(pipeline_parallel_size=3, strategy="zero3"),
+        "strategy": dict(pipeline_parallel_size=3, strategy="auto"),
         "optimizer": dict(pipeline_parallel_size=3, optimizer="built"),
         "accumulation": dict(pipeline_parallel_size=3, gradient_accumulation_steps=2),
     }
@@ -181,7 +181,7 @@ def errors_worker(rank, world):
 def test_pipeline_errors_name_the_field():
     found = run_distributed(errors_worker, 3, timeout=120)[0]
     expected = {"divide": "pipeline_parallel_size=2 does not divide", "layers": "only 2 layers",
-                "split": "pipeline_split_points", "strategy": "'zero3' with pipeline_parallel_size=3",
+                "split": "pipeline_split_points", "strategy": "'auto' with pipeline_parallel_size=3",
                 "optimizer": "pass a callable", "accumulation": "gradient_accumulation_steps",
                 "criterion": "needs a criterion"}
     for case, text in expected.items():

@@ -3,7 +3,9 @@ our DDP trainer on the same GPT, the same global batches and the same initial we
 GPU, the most memory a rank holds, and how far each loss curve strays from DDP's.
 
 Configurations at world W: DDP (P=1); P=2 with GPipe, 1F1B and interleaved 1F1B (2 chunks per rank);
-at W >= 4 also P=4 1F1B and, when W > P, the data-parallel replicas of each pipeline (P x DP).
+at W >= 4 also P=4 1F1B and, when W > P, the data-parallel replicas of each pipeline (P x DP); and at
+P=2 x DP>1, 1F1B with ZeRO-1, ZeRO-2 and ZeRO-3 inside the stages instead of DDP (memory per rank
+falls, the loss curve stays DDP's).
 
 ``--variants big`` runs instead a GPT too large for one GPU under DDP (`_run_big`): 32 layers of width
 4096 (about 6.7B parameters; 48 layers, about 9.9B, where a GPU holds more than 16 bytes x 6.7B), built
@@ -26,12 +28,14 @@ SMOKE_MODEL = ("tiny", 8, 32)
 MICROBATCHES = 8
 
 
-def _configs(world: int) -> list[tuple[str, int, str]]:
-    configs = [("ddp", 1, "1f1b")]
+def _configs(world: int, smoke: bool = False) -> list[tuple[str, int, str, str]]:
+    configs = [("ddp", 1, "1f1b", "ddp")]
     for P in (2, 4):
         if P <= world and world % P == 0:
             schedules = ("gpipe", "1f1b", "interleaved_1f1b") if P == 2 else ("1f1b",)
-            configs += [(f"P{P}xDP{world // P} {s}", P, s) for s in schedules]
+            configs += [(f"P{P}xDP{world // P} {s}", P, s, "ddp") for s in schedules]
+    if (world > 2 or smoke) and world % 2 == 0:  # the smoke run (2 processes) still runs their code
+        configs += [(f"P2xDP{world // 2} 1f1b {z}", 2, "1f1b", z) for z in ("zero1", "zero2", "zero3")]
     return configs
 
 
@@ -51,12 +55,12 @@ def run(ctx, opts) -> dict:
               for _ in range(warmup + steps)]
     mixed = "bf16" if device.type == "cuda" else None
     rows, curves = {}, {}
-    for name, P, schedule in _configs(ctx.world_size):
+    for name, P, schedule, strategy in _configs(ctx.world_size, opts.smoke):
         torch.manual_seed(0)
         kwargs = {} if P == 1 else dict(pipeline_parallel_size=P, pipeline_schedule=schedule,
                                         microbatches=MICROBATCHES if global_batch // (ctx.world_size // P) >= MICROBATCHES
                                         else P * (2 if schedule == "interleaved_1f1b" else 1))
-        trainer = DistributedTrainer(GPT(cfg), lambda ps: torch.optim.AdamW(ps, lr=1e-4), strategy="ddp",
+        trainer = DistributedTrainer(GPT(cfg), lambda ps: torch.optim.AdamW(ps, lr=1e-4), strategy=strategy,
                                      mixed_precision=mixed, context=ctx, progress=False, **kwargs)
         dp, d = trainer.dp_world_size, trainer.dp_rank
         per = global_batch // dp
@@ -81,7 +85,7 @@ def run(ctx, opts) -> dict:
             curve /= ctx.world_size  # every rank of a replica holds the same loss
         step_s, held = slowest(ctx, [statistics.median(times), peak(device)])
         curves[name] = curve.tolist()
-        rows[name] = {"pipeline_parallel_size": P, "schedule": schedule if P > 1 else None,
+        rows[name] = {"pipeline_parallel_size": P, "schedule": schedule if P > 1 else None, "strategy": strategy,
                       "microbatches": kwargs.get("microbatches"), "step_s": step_s,
                       "tokens_per_s_per_gpu": global_batch * seq / step_s / ctx.world_size,
                       "peak_gib": held / GIB, "resident_gib_before_step": in_use / GIB, "loss_curve": curves[name]}

@@ -411,9 +411,9 @@ def sync_tied_grads(stage_module: nn.Module, tied: Iterable[TiedGroup], group=No
 
 
 def sum_tied_grads(params: Sequence[nn.Parameter], group=None) -> int:
-    """Sum the gradients of these copies of tied parameters over `group`, in place: the one place that
-    does it (`sync_tied_grads` after its checks, and the trainer's pipeline after each step's backward
-    passes). A copy without a gradient (unused this step) counts as zeros and gets the sum. Every rank
+    """Sum the gradients of these copies of tied parameters over `group`, in place (`sync_tied_grads`,
+    after its checks; the trainer's pipeline sums through its data-parallel strategy instead,
+    `Strategy.accumulated_gradient`, as a copy's gradient may be a piece of a sharded unit's). A copy without a gradient (unused this step) counts as zeros and gets the sum. Every rank
     of `group` passes its copies of the same ties, in the same order. Returns how many were reduced."""
     for p in params:
         if p.grad is None:

@@ -25,29 +25,37 @@ One step on one rank (`forward_backward`, then the trainer's `optimizer_step`):
 
 1. `PipelineEngine.step` runs this rank's actions of the schedule with every backward under the data-
    parallel strategy's `no_sync`: gradients accumulate over the microbatches, nothing is reduced.
-2. After the step's last backward (the engine's `after_backward`): the gradients of tied parameters
-   (the GPT's token embedding, used again by its head) are summed between the pipeline ranks holding
-   a copy, over a group of those ranks per data-parallel index; then `strategy.sync_gradients`
-   averages the accumulated gradients over the data-parallel group, once. Why not let the last
+2. After the step's last backward (the engine's `after_backward`): the accumulated gradients of tied
+   parameters (the GPT's token embedding, used again by its head) are summed between the pipeline
+   ranks holding a copy, over a group of those ranks per data-parallel index (`accumulated_gradient`:
+   before any reduction, so sharded copies need not sit alike in their shards); then
+   `strategy.sync_gradients` reduces the accumulated gradients over the data-parallel group, once
+   (DDP: all-reduce; ZeRO-1: reduce-scatter of its buckets; ZeRO-2/3: reduce-scatter of each FSDP
+   unit's full gradient into its shard). Why not let the last
    microbatch's backward synchronise, as gradient accumulation does? A stage's last backward also
    produces the input gradient it sends to the previous stage, and (on CUDA) that send is ordered
    after the reduction's wait: every stage would hold up the one before it by its all-reduce, P
    reductions in a row on the critical path. Reducing after the schedule costs one exposed
    reduction on the rank that finishes last and hides the others behind the pipeline's cool-down.
 3. The optimizer step (`Strategy.optimizer_step`): unscale (fp16: the overflow decision is agreed by
-   every rank of the job, all stages), clip by the global norm (`clip_grad_norm`: sums of squares of
-   this rank's gradients, a tied parameter counted on one stage only, all-reduced over the pipeline),
-   step. Mixed precision: each stage's forward and the loss run under the precision's autocast; fp16
+   every rank of the job, all stages), clip by the global norm (`clip_grad_norm`: the stage's sum of
+   squares over its data-parallel group, `gradient_norm_squares`, shards summed, a tied parameter
+   counted on one stage only, all-reduced over the pipeline), step. Mixed precision: each stage's forward and the loss run under the precision's autocast; fp16
    scales the loss on the last stage (the returned loss is unscaled).
 
 The loss is the whole batch's mean (each microbatch weighted by its share) on every rank of the
 pipeline. `full_state_dict` gathers the stages into the model's own keys on rank 0. Data-parallel
-strategies: ``"ddp"`` (and `DDPStrategy` objects); the others raise NotImplementedError.
+strategies: those with `deferred_gradient_sync`: ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` /
+``"fsdp"`` and their objects (not ``"auto"``). The inner strategy wraps a container of this rank's
+stages (`setup_stages`: FSDP makes each stage and each of its layers a unit, whose hooks gather the
+parameters when the engine calls the stage; ZeRO-3 gathers again for every microbatch, ZeRO-2 keeps
+them from the first forward to the reduction).
 
-Checkpoints are in the one format (`checkpoint_shards`): each rank describes its stages' parameters,
-whole, under the model's own names (`named_parameters`: the GPT's tied weight is ``wte.weight``, as
-under DDP or FSDP), and the optimizer's state of each; the first data-parallel replica writes them, a
-tied weight's copies once (the lowest pipeline rank's). So a checkpoint saved at P=2 x DP=2 loads at
+Checkpoints are in the one format (`checkpoint_shards`): each rank describes its stages' parameters
+and optimizer state as the inner strategy holds them (DDP: whole, written by the first data-parallel
+replica; ZeRO-1: whole parameters, bucket slices of the optimizer state; FSDP: shards), under the
+model's own names (`named_parameters`: the GPT's tied weight is ``wte.weight``, as under DDP or FSDP),
+a tied weight's copies written once (the lowest pipeline rank's pieces). So a checkpoint saved at P=2 x DP=2 loads at
 P=4, or without a pipeline, and back: each rank reads the pieces its stages need, every copy of a tied
 weight the same one. Buffers go by the model's keys too (`buffers`). What the inner strategy keeps per
 stage (DDP's bucket layout, compression residuals) comes back only into the same cut of the model.
@@ -68,14 +76,14 @@ from torch import nn
 
 from ..models.gpt import GPT
 from ..runtime import DistributedContext
-from ..checkpoint_shards import Holding, StateLayout, whole_tensors
+from ..checkpoint_shards import Holding, Piece, StateLayout
 from ..strategies.base import OptimizerFactory, Strategy
 from .engine import PipelineEngine
 from .p2p import PipelineAborted
 from .schedules import SCHEDULES
 from .gpt_stages import gpt_layer_flops, lm_loss
 from .meta_init import check_initialisable, has_meta, materialize
-from .stages import Stage, chain, find_ties, partition, split_at, sum_tied_grads, tied_groups
+from .stages import Stage, chain, find_ties, partition, split_at, tied_groups
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineStages"]
 
@@ -187,9 +195,10 @@ class PipelineStrategy(Strategy):
     """A data-parallel strategy run inside each stage of a pipeline (see the module docstring).
 
     Args:
-        inner: the data-parallel strategy (``"ddp"``): it wraps this rank's stages, averages their
-            gradients over the data-parallel group after the schedule (`sync_gradients`), builds the
-            optimizer.
+        inner: the data-parallel strategy (DDP, ZeRO-1, FSDP): it wraps this rank's stages
+            (`setup_stages`), reduces their gradients over the data-parallel group after the schedule
+            (`sync_gradients`), builds the optimizer, and says what it holds of the gradients
+            (`gradient_norm_squares`, `accumulated_gradient`) and of the state (`state_layout`).
         options: the pipeline's shape, schedule and microbatches.
     """
 
@@ -199,10 +208,12 @@ class PipelineStrategy(Strategy):
         if not inner.deferred_gradient_sync:
             raise NotImplementedError(
                 f"strategy {inner.name!r} with pipeline_parallel_size={options.size} is not supported yet: each "
-                "stage's gradients must be reduced once after the schedule's backward passes; use strategy='ddp'")
+                "stage's gradients must be reduced once after the schedule's backward passes (sync_gradients); "
+                "use strategy='ddp', 'zero1', 'zero2', 'zero3' or 'fsdp'")
         self.inner = inner
         self.options = options
         self.name = inner.name
+        self.collective_forward = inner.collective_forward  # FSDP gathers in each stage's forward
         self.precision = None  # the trainer's, set by forward_backward
 
     # ------------------------------------------------------------------ setup
@@ -275,7 +286,8 @@ class PipelineStrategy(Strategy):
             stage.to(self.device)
 
         container = PipelineStages(stages)
-        wrapped = self.inner.setup_module(container, context)
+        self._name_container(container, stages)
+        wrapped = self.inner.setup_stages(container, list(stages), context)
         self._model = wrapped
         up = down = header = group = mesh.group("pipeline")
         if context.backend == "nccl":
@@ -291,6 +303,17 @@ class PipelineStrategy(Strategy):
         self._default_loss = lm_loss if isinstance(module, GPT) else None
         return wrapped
 
+    def _name_container(self, container: PipelineStages, stages: Sequence[Stage]) -> None:
+        """The model's names of what the inner strategy names in `container` (``"stages.{c}." + the
+        stage's key``): `_model_name` for parameters (every name of each, shared or not), `_own_keys`
+        for state_dict keys (each to both keys of a tied weight)."""
+        self._model_name: dict[str, str] = {}
+        for c, stage in enumerate(stages):
+            first = {id(p): key for key, p in stage.named_parameters()}
+            for key, p in stage.named_parameters(remove_duplicate=False):
+                self._model_name[f"stages.{c}.{key}"] = self._param_names[c][first[id(p)]]
+        self._own_keys = {f"stages.{c}.{key}": own for c, keys in enumerate(self._keys) for key, own in keys.items()}
+
     def _setup_ties(self, layers, names, bounds, ties, context: DistributedContext) -> list[tuple[nn.Parameter, Any, int]]:
         """Groups over the pipeline ranks holding copies of each tied parameter, one per data-parallel
         index (collective: every rank creates every group, in the same order), and this rank's copies.
@@ -304,8 +327,8 @@ class PipelineStrategy(Strategy):
             for name, layer in layers[bounds[s]:bounds[s + 1]]:
                 for key, p in layer.named_parameters(remove_duplicate=False):
                     by_key[f"{name}.{key}"] = p
-        self._ties: list[tuple[nn.Parameter, Any]] = []
-        self._not_counted: set[int] = set()  # copies whose gradient another rank counts in the norm
+        self._ties: list[tuple[str, Any]] = []  # (this rank's copy's name in the stages' container, group)
+        not_counted: set[str] = set()  # copies whose gradient (and state) another rank counts (and saves)
         made: dict[tuple[int, ...], Any] = {}
         for tie in tied_groups(ties, names, bounds):
             holders = tuple(sorted({s % P for s in tie.stages}))
@@ -323,10 +346,12 @@ class PipelineStrategy(Strategy):
             if rank in holders:
                 s = next(s for s in tie.stages if s % P == rank)
                 param = by_key[tie.key_on(s)]
-                self._ties.append((param, made[holders]))
+                name = f"stages.{self._mine.index(s)}.{tie.key_on(s)}"
+                self._ties.append((name, made[holders]))
                 firsts.append((param, made[holders], _global(context, pipeline_ranks[tie.stages[0] % P])))
                 if rank != holders[0]:
-                    self._not_counted.add(id(param))
+                    not_counted.add(name)
+        self._not_counted = frozenset(not_counted)
         return firsts
 
     def _nccl_pipeline_groups(self, context: DistributedContext):
@@ -384,8 +409,10 @@ class PipelineStrategy(Strategy):
         return loss * self._scale if self._scale is not None else loss
 
     def _after_backward(self) -> None:
-        for param, group in self._ties:
-            sum_tied_grads([param], group)
+        # A tied weight's copies: their accumulated gradients summed before the data-parallel reduction
+        # (which is linear), so the copies need not sit alike in their shards.
+        for name, group in self._ties:
+            dist.all_reduce(self.inner.accumulated_gradient(self._model, name), op=dist.ReduceOp.SUM, group=group)
         self.inner.sync_gradients(self._model)
 
     # ------------------------------------------------------------------ evaluation
@@ -435,20 +462,17 @@ class PipelineStrategy(Strategy):
         return self.inner.gradients(model)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip by the 2-norm of the whole model's gradient: this rank's sum of squares (a tied
-        parameter's copies counted once, on the lowest pipeline rank holding one) summed over the
-        pipeline. Data-parallel replicas hold the same averaged gradients under DDP."""
-        params = list({id(p): p for p in self.unwrap(model).parameters() if p.grad is not None}.values())
-        counted = [p.grad for p in params if id(p) not in self._not_counted]
-        if counted:
-            squares = torch.stack([n.float() for n in torch._foreach_norm(counted)]).square().sum()
-        else:
-            squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        """Clip by the 2-norm of the whole model's gradient: the sum of squares of this stage's
+        gradients over its data-parallel group (`gradient_norm_squares`: DDP's replicas hold them all,
+        ZeRO's and FSDP's shards are summed over the group), a tied parameter's copies counted once (on
+        the lowest pipeline rank holding one), summed over the pipeline; each rank scales what its
+        optimizer steps (`gradients`)."""
+        squares = self.inner.gradient_norm_squares(model, self._not_counted).to(self.device)
         if self.options.size > 1:
             dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self._pipe_group)
         norm = squares.sqrt()
         coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        grads = [p.grad for p in params]
+        grads = self.inner.gradients(model)
         if grads:
             torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return norm
@@ -459,11 +483,11 @@ class PipelineStrategy(Strategy):
         (``{}`` elsewhere). Collective over the job; the first data-parallel replica sends its stages."""
         mine: dict[str, torch.Tensor] = {}
         ctx_rank = dist.get_rank()
+        state = self.inner.model_state_dict(model)  # FSDP: gathered over the data-parallel group
         if self._dp_rank == 0:
-            for stage, keys in zip(self.unwrap(model).stages, self._keys):
-                for key, value in stage.state_dict().items():
-                    for own in keys[key]:
-                        mine[own] = value.detach().cpu().clone()
+            for key, value in state.items():
+                for own in self._own_keys[key]:
+                    mine[own] = value.detach().cpu().clone()
         gathered = [None] * dist.get_world_size() if ctx_rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if ctx_rank != 0:
@@ -474,40 +498,36 @@ class PipelineStrategy(Strategy):
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         """Load the user's module's `state_dict` (either key of a tied weight will do) into this rank's
         stages; every rank passes the whole state."""
-        for stage, keys in zip(self.unwrap(model).stages, self._keys):
-            mine = {}
-            for key, own in keys.items():
-                found = next((k for k in own if k in state), None)
-                if found is None:
-                    raise KeyError(f"'{own[0]}' is missing from the state dict")
-                mine[key] = state[found]
-            stage.load_state_dict(mine)
+        mine = {}
+        for key, own in self._own_keys.items():
+            found = next((k for k in own if k in state), None)
+            if found is None:
+                raise KeyError(f"'{own[0]}' is missing from the state dict")
+            mine[key] = state[found]
+        self.inner.load_model_state_dict(model, mine)
 
     def state_layout(self, model: nn.Module, optimizer) -> StateLayout:
-        """This rank's stages' parameters, whole, under the model's own names (`named_parameters`, so a
-        tied weight under its first name), and the optimizer's state of each: the layout a DDP run of
-        the whole model has, cut by stage. The first data-parallel replica writes; of a tied weight's
-        copies on several pipeline ranks, only the lowest rank's (the copies and their optimizer
-        states are equal: their gradients are summed before every step); on loading, every copy
-        reads it."""
-        params: list[Holding] = []
-        saves: dict[int, bool] = {}
-        name_of: dict[int, str] = {}
-        for stage, names in zip(self.unwrap(model).stages, self._param_names):
-            for key, p in stage.named_parameters():
-                if id(p) in name_of:
-                    continue  # one parameter in two chunks of this rank
-                name_of[id(p)] = names[key]
-                saves[id(p)] = self._dp_rank == 0 and id(p) not in self._not_counted
-                params += whole_tensors([(names[key], p)], saves[id(p)])
-        held = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
-        optim: list[Holding] = []
-        for p in held:
-            if id(p) not in name_of:
-                raise ValueError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is none of this "
-                                 "rank's stage parameters: its state cannot be checkpointed")
-            optim += whole_tensors([(name_of[id(p)], p)], saves[id(p)])
-        return StateLayout(shapes=dict(self._shapes), params=params, optimizer=optim)
+        """The inner strategy's layout of this rank's stages (DDP: whole parameters, written by the
+        first data-parallel replica; ZeRO-1: whole parameters and bucket slices of the optimizer's
+        state; FSDP: the shards, every rank writing its own), its pieces renamed to the model's own
+        names (`named_parameters`, so a tied weight under its first name) and the whole model's
+        shapes: the layout a run of the whole model has, cut by stage. Of a tied weight's copies on
+        several pipeline ranks only the lowest rank's pieces are written (the copies and their
+        optimizer states are equal: their gradients are summed before every step); on loading, every
+        copy reads them."""
+        inner = self.inner.state_layout(model, optimizer)
+        skip = frozenset(self._model_name[name] for name in self._not_counted)
+
+        def renamed(holding: Holding) -> Holding:
+            try:
+                pieces = [Piece(self._model_name[p.key], p.start, p.length, p.local) for p in holding.pieces]
+            except KeyError as err:
+                raise ValueError(f"strategy {self.name!r} describes {err} that is none of this rank's stage "
+                                 "parameters: its state cannot be checkpointed") from None
+            return Holding(holding.tensor, pieces, holding.save, frozenset(p.key for p in pieces if p.key in skip))
+
+        return StateLayout(shapes=dict(self._shapes), params=[renamed(h) for h in inner.params],
+                           optimizer=[renamed(h) for h in inner.optimizer])
 
     def buffers(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return {names[key]: b for stage, names in zip(self.unwrap(model).stages, self._buffer_names)

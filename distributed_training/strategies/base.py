@@ -11,7 +11,9 @@ in one format; `model_state_dict`: the full model) and what else a checkpoint mu
 carry (`rank_state`: this rank's, e.g. compression residuals; `shared_state`: the same on every
 rank, e.g. DDP's bucket layout; `buffers`: this rank's buffers under the model's keys), how a
 strategy that runs the forward itself evaluates (`evaluate_batch`, `evaluation_sums`), what its communication cost (`measure_communication`,
-`pop_communication_metrics`), and what its memory layout is to the planner (`planner_kind`,
+`pop_communication_metrics`), what a pipeline needs of it inside its stages (`setup_stages`,
+`sync_gradients` after backward passes run under `no_sync`, `accumulated_gradient`,
+`gradient_norm_squares`), and what its memory layout is to the planner (`planner_kind`,
 `state_reserve_bytes`). The defaults below are those of a replicated model with nothing to report;
 the other strategies override what differs.
 """
@@ -138,6 +140,36 @@ class Strategy(abc.ABC):
         no_sync = getattr(model, "no_sync", None)
         return no_sync() if no_sync is not None else contextlib.nullcontext()
 
+    def setup_stages(self, module: nn.Module, stages: list[nn.Module], context: DistributedContext) -> nn.Module:
+        """Wrap `module` (on `context.device`), whose submodules `stages` the caller runs itself, one
+        microbatch after another and never through the wrapper's forward (a pipeline's engine), with
+        every backward under `no_sync` and one `sync_gradients` after them. Default: `setup_module`
+        (a replicated model's wrapper needs nothing from its forward); FSDP makes each stage and each
+        of its layers a unit, so that their own hooks gather and free the parameters."""
+        return self.setup_module(module, context)
+
+    def accumulated_gradient(self, model: nn.Module, name: str) -> torch.Tensor:
+        """The gradient that backward passes accumulated under `no_sync` for the parameter `name` of the
+        wrapped module (any of its names if it has several), not yet reduced: a tensor of the
+        parameter's shape to change in place before `sync_gradients` (zeros, kept, if none yet). A
+        pipeline sums a tied weight's copies through it. Here: the parameter's ``.grad``."""
+        for key, p in self.unwrap(model).named_parameters(remove_duplicate=False):
+            if key == name:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                return p.grad
+        raise KeyError(f"the wrapped module has no parameter {name!r}")
+
+    def gradient_norm_squares(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        """The sum of squares of the model's reduced gradients (after `sync_gradients` or a synchronised
+        backward) over the data-parallel group: a float32 0-dim tensor, the same on every rank of the
+        group (a collective where gradients are sharded). Parameters named in `skip` (names in the
+        wrapped module) are left out: a pipeline counts a tied weight's copies once. Here: replicated
+        gradients, each rank holds them all."""
+        grads = [p.grad for name, p in _named_once(self.unwrap(model)) if p.grad is not None
+                 and not (name & skip)]
+        return sum_of_squares(grads)
+
     def sync_gradients(self, model: nn.Module) -> None:
         """Reduce, now, the gradients that backward passes accumulated under `no_sync` (every rank of
         the data-parallel group calls it at the same point). Only where `deferred_gradient_sync`."""
@@ -257,3 +289,21 @@ class Strategy(abc.ABC):
 
     def teardown(self, model: nn.Module) -> None:
         """Release what `setup_module` attached (hooks, buffers)."""
+
+
+def _named_once(module: nn.Module) -> list[tuple[frozenset[str], nn.Parameter]]:
+    """Each parameter of `module` once, with every name it has there (a shared one has several)."""
+    names: dict[int, set[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), set()).add(name)
+        params[id(p)] = p
+    return [(frozenset(names[i]), params[i]) for i in params]
+
+
+def sum_of_squares(grads: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """The sum of squares of `grads` in float32 (0-dim, on `device` or the first gradient's)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device or torch.device("cpu"))
+    total = torch.stack([n.float() for n in torch._foreach_norm(grads)]).square().sum()
+    return total.to(device) if device is not None else total

@@ -23,8 +23,10 @@ One step, for one unit:
   (hybrid sharding), and writes each shard's `.grad` (on the CPU with `cpu_offload`).
 
 `no_sync()` keeps each unit's full gradient and skips the reduce-scatter; the next synchronised
-backward accumulates into it and reduces once. That trades memory (one full gradient per unit, as in
-DDP) for communication (none per accumulation step). Parameters are still gathered for every micro-batch.
+backward accumulates into it and reduces once, or `sync_gradients()` reduces it after the fact (what a
+pipeline stage does after its schedule's backward passes). That trades memory (one full gradient per
+unit, as in DDP) for communication (none per accumulation step). Parameters are still gathered for
+every micro-batch (under a pipeline, ZeRO-2 keeps them gathered until `sync_gradients`).
 
 Frozen parameters (`requires_grad=False`) in a unit that also trains get a flat vector and shard of
 their own (the unit's name + "#frozen"): they are gathered like the rest but never reduced, and an
@@ -174,6 +176,9 @@ class FSDP(FSDPStateDict, nn.Module):
         self._forward_order: list[Unit] = []
         self._recording_order = True
         self._sync_enabled = True
+        # ZeRO-2 under a pipeline (`FSDPStrategy.setup_stages`): backward passes under no_sync leave the
+        # units gathered, so that the step's other microbatches need no gather; `sync_gradients` frees them.
+        self._hold_until_sync = False
         # What the hooks change during backward, in a plain object: assigning an nn.Module attribute on
         # autograd's device thread measured ~3 ms per assignment (see docs/ddp.md).
         self._backward_state = _BackwardState()
@@ -318,9 +323,16 @@ class FSDP(FSDPStateDict, nn.Module):
         self._queue_finish()
         if not self._sync_enabled:
             # no_sync: keep the full gradient; autograd accumulates into it next time.
-            if not unit.is_root:
+            if not unit.is_root and not self._hold_until_sync:
                 self._reshard(unit)
             return
+        self._reduce_unit(unit)
+        if not unit.is_root:
+            self._reshard(unit)
+
+    def _reduce_unit(self, unit: Unit) -> None:
+        """Start the reduce-scatter of the unit's full gradient into this rank's piece (pending until
+        `_finish_backward`), and drop the full gradient."""
         grad = unit.full.grad
         if self._reduce_dtype is not None and grad.dtype != self._reduce_dtype:
             grad = grad.to(self._reduce_dtype)
@@ -331,10 +343,10 @@ class FSDP(FSDPStateDict, nn.Module):
         self._backward_state.pending.append((unit, out, work))
         unit.full.grad = None
         del grad
-        if not unit.is_root:
-            self._reshard(unit)
 
-    def _finish_backward(self) -> None:
+    def _finish_backward(self, reshard: bool | None = None) -> None:
+        if reshard is None:
+            reshard = self._sync_enabled or not self._hold_until_sync
         try:
             for unit, out, work in self._backward_state.pending:
                 try:
@@ -362,8 +374,9 @@ class FSDP(FSDPStateDict, nn.Module):
         finally:
             self._backward_state.pending = []
             self._backward_state.callback_queued = False
-            for unit in self._units:
-                self._reshard(unit)
+            if reshard:
+                for unit in self._units:
+                    self._reshard(unit)
 
     # ------------------------------------------------------------ public helpers
     @contextlib.contextmanager
@@ -374,6 +387,24 @@ class FSDP(FSDPStateDict, nn.Module):
             yield
         finally:
             self._sync_enabled = previous
+
+    def sync_gradients(self) -> None:
+        """Reduce, now, the full gradients that backward passes accumulated under `no_sync`: each unit's
+        is reduce-scattered into this rank's shard (then averaged over the replicas under hybrid
+        sharding) and added to the shard's ``.grad``, as the first synchronised backward after the
+        block would do; the full gradients are freed. Units without an accumulated gradient are left
+        alone (every rank of the group must hold the same ones, as for a backward).
+
+        For schedules whose last backward cannot be the synchronised one: a pipeline stage runs all
+        of a step's backward passes under `no_sync` and calls this once after them (see
+        `DDP.sync_gradients`). Every rank of the group must call it at the same point."""
+        if self._backward_state.callback_queued:
+            raise RuntimeError("sync_gradients() called during a synchronised backward pass; call it after backward, "
+                               "with the backward passes run under no_sync()")
+        for unit in self._units:
+            if unit.full.requires_grad and unit.full.grad is not None:
+                self._reduce_unit(unit)
+        self._finish_backward(reshard=True)
 
     def join(self, optimizer: torch.optim.Optimizer | None = None, *, lr_scheduler=None):
         """A context in which ranks that run out of data keep answering the others' collectives (and

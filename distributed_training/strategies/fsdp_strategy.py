@@ -5,6 +5,11 @@
   kept until backward.
 * **Stage 3** (`FSDPStrategy()`, ``"zero3"`` / ``"fsdp"``): parameters are sharded too and gathered
   per unit when needed.
+
+Inside a pipeline's stages (`setup_stages`): each stage and each of its layers is a unit (the engine
+calls the stages, never the wrapper's forward), the backward passes of the schedule accumulate full
+gradients under `no_sync`, and `sync_gradients` reduce-scatters them once after the schedule. ZeRO-3
+gathers each unit again for every microbatch's forward and backward; ZeRO-2 gathers it once per step.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint_shards import Holding, StateLayout, flat_pieces
 from ..runtime import DistributedContext
-from .base import ParamNames, Strategy, check_optimizer_params, require_factory
-from .fsdp import FSDP
+from .base import ParamNames, Strategy, check_optimizer_params, require_factory, sum_of_squares
+from .fsdp import FSDP, _cast_floats
+from .fsdp_units import unit_roots
 
 __all__ = ["FSDPStrategy"]
 
@@ -31,6 +38,7 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     collective_forward = True
+    deferred_gradient_sync = True
 
     def __init__(self, **fsdp_kwargs: Any) -> None:
         self.fsdp_kwargs = fsdp_kwargs
@@ -43,6 +51,69 @@ class FSDPStrategy(Strategy):
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
         self._names = ParamNames(module)  # FSDP takes the parameters out of the module
         return FSDP(module, mesh=context.mesh, **self.fsdp_kwargs)
+
+    def setup_stages(self, module: nn.Module, stages: list[nn.Module], context: DistributedContext) -> nn.Module:
+        """FSDP over `module` whose `stages` a pipeline's engine calls directly (never the wrapper's
+        forward, where the root unit is gathered): each stage, and each of its layers (a `Stage`'s
+        `names`), is a unit besides those of ``auto_wrap_policy``, so that every parameter sits in a
+        unit whose own forward hooks gather it, and whose pre-backward hook gathers it again before
+        each microbatch's backward. What only the root would hold (a parameter shared by two stages
+        of this rank) is refused. Inputs are cast to ``mixed_precision.param_dtype`` at each stage,
+        as the wrapper's forward casts them."""
+        chosen = set(unit_roots(module, self.fsdp_kwargs.get("auto_wrap_policy")))
+        path_of = {id(m): path for path, m in module.named_modules()}
+        for stage in stages:
+            chosen.add(path_of[id(stage)])
+            chosen.update(path_of[id(stage.get_submodule(name))] for name in getattr(stage, "names", ()))
+        self._names = ParamNames(module)
+        kwargs = dict(self.fsdp_kwargs, auto_wrap_policy=lambda _module, path: path in chosen)
+        model = FSDP(module, mesh=context.mesh, **kwargs)
+        shared = [info.fqns[0] for unit in model._units if unit.is_root for info in unit.infos]
+        if shared:
+            raise NotImplementedError(
+                f"strategy {self.name!r} with a pipeline: parameter(s) {shared[:4]} are shared by two stages of "
+                "this rank, which FSDP can only gather for the whole model's forward; cut the model so that they "
+                "share one stage (pipeline_split_points) or use strategy='ddp' or 'zero1'")
+        # ZeRO-2 keeps each unit gathered from its first forward to the step's reduction (its forward
+        # already keeps it until backward): one gather per unit and step, not one per microbatch.
+        model._hold_until_sync = not model.reshard_after_forward
+        if model._param_dtype is not None:
+            dtype = model._param_dtype
+            self._stage_hooks = [stage.register_forward_pre_hook(lambda _m, args: _cast_floats(args, dtype))
+                                 for stage in stages]
+        return model
+
+    def sync_gradients(self, model: FSDP) -> None:
+        model.sync_gradients()
+
+    def accumulated_gradient(self, model: FSDP, name: str) -> torch.Tensor:
+        """The piece of its unit's full gradient (accumulated under `no_sync`) that is parameter `name`."""
+        for unit in model._units:
+            for info in unit.infos:
+                if name in info.fqns:
+                    if unit.full.grad is None:
+                        unit.full.grad = torch.zeros_like(unit.full)
+                    return unit.full.grad[info.offset:info.offset + info.numel].view(info.shape)
+        raise KeyError(f"the wrapped module has no parameter {name!r}")
+
+    def gradient_norm_squares(self, model: FSDP, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        """The sum of squares of every rank's shard gradients (one all-reduce over the shard group;
+        hybrid replicas hold the same shards), less the elements of the parameters named in `skip`."""
+        device = model.device if dist.get_backend(model.shard_group) == "nccl" else torch.device("cpu")
+        units = [u for u in model._units if u.shard.grad is not None]
+        total = sum_of_squares([u.shard.grad for u in units], device)
+        if skip:
+            left_out = []
+            for unit in units:
+                size = unit.padded // model.shard_world
+                lo = model.shard_rank * size
+                members = [(info.fqns[0], info.offset, info.numel) for info in unit.infos if skip.intersection(info.fqns)]
+                left_out += [unit.shard.grad[piece.local:piece.local + piece.length]
+                             for piece in flat_pieces(members, lo, lo + size)]
+            total = total - sum_of_squares(left_out, device)
+        if model.shard_world > 1:
+            dist.all_reduce(total, group=model.shard_group)
+        return total
 
     def setup_optimizer(self, optimizer, model: FSDP) -> torch.optim.Optimizer:
         try:

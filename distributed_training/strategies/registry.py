@@ -62,7 +62,7 @@ def make_strategy(strategy: str | Strategy, model: nn.Module, *, world_size: int
 
         if strategy == "auto":
             raise NotImplementedError(f"strategy='auto' with pipeline_parallel_size={pipeline.size} is not supported "
-                                      "yet: pass strategy='ddp'")
+                                      "yet: pass strategy='ddp', 'zero1', 'zero2' or 'zero3'")
         inner, _ = make_strategy(strategy, model, world_size=world_size, local_rank=local_rank,
                                  local_world_size=local_world_size, communication=communication)
         return PipelineStrategy(inner, pipeline), None

@@ -93,7 +93,7 @@ from ..comm.reduce import ReduceScatterMean
 from ..comm.sharded import all_gather_flat
 from ..checkpoint_shards import Holding, StateLayout, flat_pieces, whole_tensors
 from ..runtime import DistributedContext
-from .base import ParamNames, Strategy, check_optimizer_params, require_factory
+from .base import ParamNames, Strategy, check_optimizer_params, require_factory, sum_of_squares
 from .ddp import DDP
 from .ddp_strategy import DDPBacked
 from .eager import eager_only
@@ -374,6 +374,7 @@ class Zero1Strategy(DDPBacked, Strategy):
     """
 
     name = "zero1"
+    deferred_gradient_sync = True
 
     def planner_kind(self) -> str:
         return "zero1"
@@ -426,6 +427,34 @@ class Zero1Strategy(DDPBacked, Strategy):
 
     def clip_grad_norm(self, model: Zero1DDP, max_norm: float) -> torch.Tensor:
         return model.clip_grad_norm_(max_norm)
+
+    def sync_gradients(self, model: Zero1DDP) -> None:
+        """Reduce-scatter, bucket by bucket, what the backward passes accumulated under `no_sync`: this
+        rank's slice of each bucket becomes the mean (DDP's `sync_gradients` with ZeRO-1's reducer)."""
+        model.sync_gradients()
+
+    def gradient_norm_squares(self, model: Zero1DDP, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        """The sum of squares of every rank's reduced slices (one all-reduce over the data-parallel
+        group), less the elements of the parameters named in `skip` that fall in them."""
+        names: dict[int, list[str]] = {}
+        for name, p in model.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        grads = [s.grad for s in model.shards]
+        device = grads[0].device if grads else torch.device("cpu")
+        if dist.get_backend(model.process_group) == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        total = sum_of_squares(grads, device)
+        if skip:
+            left_out = []
+            for s in model.shards:
+                members = [(names[id(p)][0], start, p.numel()) for p, start in s.members
+                           if skip.intersection(names[id(p)])]
+                left_out += [s.grad[piece.local:piece.local + piece.length]
+                             for piece in flat_pieces(members, s.lo, s.hi)]
+            total = total - sum_of_squares(left_out, device)
+        if model.world_size > 1:
+            dist.all_reduce(total, group=model.process_group)
+        return total
 
     def teardown(self, model: nn.Module) -> None:
         if isinstance(model, DDP):
