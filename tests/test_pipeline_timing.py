@@ -1,0 +1,204 @@
+"""Timing a pipeline step (`PipelineEngine.timing`): busy time by action, the window, the measured bubble.
+
+The window arithmetic (`timing.combine`) is checked on `simulate`'s timelines, where the answer is known
+exactly; the engine on real processes whose stages sleep known times (forward t, backward 2t: the
+formula's costs), so the measured bubble must come out at the formula's."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed_training.pipeline import bubble_formula, build_schedule, simulate
+from distributed_training.pipeline.engine import PipelineEngine
+from distributed_training.pipeline.timing import combine, rank_row
+from distributed_training.testing import run_distributed
+
+
+# ---------------------------------------------------------------------------------------------------
+# The window arithmetic, on simulated timelines
+
+
+def _rows_from(sim, P: int, V: int, shift: list[float]) -> list[list[float]]:
+    """Each rank's `rank_row` from a simulated timeline, on a clock of its own (shifted by `shift[r]`):
+    what an engine's marks give, in ms from the rank's first mark."""
+    rows = []
+    for r in range(P):
+        spans = [(a.kind, a.microbatch, a.chunk, s + shift[r], e + shift[r]) for s, e, a in sim.timeline[r]]
+        first = spans[0][3]
+        rows.append(rank_row([(k, m, c, s - first, e - first) for k, m, c, s, e in spans], V))
+    return rows
+
+
+@pytest.mark.parametrize("schedule,P,M,V", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1),
+                                            ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 4, 8, 2),
+                                            ("zbh1", 4, 8, 1), ("zbh1", 4, 2, 1)])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_combine_recovers_the_simulated_bubble(schedule, P, M, V, uneven):
+    # Uneven stages (rank r's costs scaled by 1 + r/2, chunk 1 slower): the window's end is then not
+    # always rank 0's, and the bubble is not the formula's, but the measured one must still be simulate's.
+    def cost(rank, action):
+        base = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[action.kind]
+        return base * ((1 + rank / 2) * (1 + 0.3 * action.chunk) if uneven else 1.0)
+
+    plan = build_schedule(schedule, P, M, chunks=V)
+    sim = simulate(plan, P, V, costs=cost)
+    rows = _rows_from(sim, P, V, shift=[17.0 * r - 5.0 for r in range(P)])  # clocks unrelated across ranks
+    for rank in range(P):
+        t = combine(rows, rank=rank, schedule=schedule, microbatches=M, chunks=V)
+        assert t.window_ms == pytest.approx(sim.makespan)
+        assert t.bubble == pytest.approx(sim.bubble)
+        assert t.bubble_simulated == pytest.approx(sim.bubble)
+        assert t.bubble_formula == pytest.approx(bubble_formula(schedule, P, M, chunks=V))
+        if not uneven:
+            assert t.bubble == pytest.approx(t.bubble_formula)
+        assert t.rank_busy_ms == pytest.approx(sim.busy)
+        kinds = {a.kind for a in plan[rank]}
+        assert set(t.busy_ms) == kinds
+        assert sum(t.busy_ms.values()) == pytest.approx(sim.busy[rank])
+        assert t.forward_ms == pytest.approx(sum(cost(rank, a) for a in plan[rank] if a.kind == "F"))
+
+
+def test_metrics_names():
+    plan = build_schedule("zbh1", 2, 4)
+    sim = simulate(plan, 2)
+    t = combine(_rows_from(sim, 2, 1, [0.0, 0.0]), rank=1, schedule="zbh1", microbatches=4)
+    m = t.metrics()
+    assert set(m) == {"pipeline/forward_ms", "pipeline/backward_ms", "pipeline/input_grad_ms",
+                      "pipeline/weight_grad_ms", "pipeline/window_ms", "pipeline/bubble", "pipeline/bubble_formula",
+                      "pipeline/bubble_simulated"}
+    assert m["pipeline/backward_ms"] == pytest.approx(8.0)  # 4 I + 4 W of cost 1
+    assert all(isinstance(v, float) for v in m.values())
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine on real processes: stages that sleep known times
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps `seconds` in forward and twice that in backward (the formula's B = 2F)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class SleepyLinear(nn.Module):
+    def __init__(self, width: int, seconds: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.seconds = seconds
+
+    def forward(self, x):
+        return _Sleep.apply(torch.tanh(self.linear(x)), self.seconds)
+
+
+T = 0.025  # seconds of forward per microbatch and stage
+M = 4
+
+
+def sleepy_worker(rank, world, schedule, seconds, steps):
+    torch.manual_seed(rank)
+    stage = SleepyLinear(8, seconds)
+    engine = PipelineEngine([stage], ranks=list(range(world)), rank=rank, schedule=schedule, microbatches=M,
+                            loss_fn=F.mse_loss)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    engine.step(x, y)  # untimed: the first messages set up gloo's connections
+    assert engine.last_timing is None
+    engine.timing = True
+    timings, windows = [], []
+    for _ in range(steps):
+        engine.step(x, y)
+        timings.append(engine.last_timing)
+        # The same host's monotonic clock is shared by the processes: the absolute marks give the
+        # window without any alignment, to check the alignment against.
+        spans = engine._clock.spans
+        windows.append((spans[0][3], max(s[4] for s in spans)))
+    return timings, windows
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_measured_bubble_matches_the_formula_with_known_costs(schedule):
+    P, steps = 2, 3
+    results = run_distributed(sleepy_worker, P, args=(schedule, T, steps), timeout=120)
+    formula = bubble_formula(schedule, P, M)
+    for rank, (timings, _) in enumerate(results):
+        bubble = statistics.median(t.bubble for t in timings)
+        # 0.04: noise (sleep overshoot, message latency on a loaded machine) stays well inside; counting
+        # the waits as busy gives 0.1 here, a window from each rank's own first mark 0.11 or less.
+        assert abs(bubble - formula) <= 0.04, (rank, [t.bubble for t in timings], formula)
+        sim = statistics.median(t.bubble_simulated for t in timings)
+        assert abs(sim - formula) <= 0.03, (rank, sim, formula)
+        for t in timings:
+            assert t.rank == rank and t.schedule == schedule and t.microbatches == M and t.chunks == 1
+            assert t.bubble_formula == pytest.approx(formula)
+            assert set(t.busy_ms) == {"F", "B"}
+        # Busy time by kind: the sleeps (at least; a loaded machine oversleeps a little).
+        forward = statistics.median(t.forward_ms for t in timings)
+        backward = statistics.median(t.backward_ms for t in timings)
+        assert M * T * 1e3 <= forward <= M * T * 1e3 * 1.25, (rank, forward)
+        assert 2 * M * T * 1e3 <= backward <= 2 * M * T * 1e3 * 1.25, (rank, backward)
+        window = statistics.median(t.window_ms for t in timings)
+        ideal = (M + P - 1) * 3 * T * 1e3
+        assert ideal <= window <= ideal * 1.15, (rank, window, ideal)
+    # Every rank reports the same pipeline figures.
+    for step in range(steps):
+        assert len({round(r[0][step].window_ms, 9) for r in results}) == 1
+    # The aligned window against the shared host clock: rank 0's first mark to the last mark of any rank.
+    for step in range(steps):
+        absolute = (max(r[1][step][1] for r in results) - results[0][1][step][0]) * 1e3
+        aligned = results[0][0][step].window_ms
+        assert abs(absolute - aligned) <= 0.05 * absolute, (step, absolute, aligned)
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 8))
+
+
+def on_off_worker(rank, world, schedule):
+    layers = list(_mlp())
+    bounds = [0, 4, len(layers)]
+    results = []
+    for timing in (False, True):
+        stage = copy.deepcopy(nn.Sequential(*layers[bounds[rank]:bounds[rank + 1]]))
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+        engine = PipelineEngine([stage], ranks=list(range(world)), rank=rank, schedule=schedule, microbatches=4,
+                                loss_fn=F.mse_loss)
+        engine.timing = timing
+        losses = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+            losses.append(engine.step(x, y).item())
+            opt.step()
+            opt.zero_grad()
+        results.append((losses, [p.detach().clone() for p in stage.parameters()], engine.last_timing))
+    return results
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_timing_changes_nothing(schedule):
+    for rank, (off, on) in enumerate(run_distributed(on_off_worker, 2, args=(schedule,), timeout=120)):
+        assert off[0] == on[0], rank
+        for p, q in zip(off[1], on[1]):
+            assert torch.equal(p, q), rank
+        assert off[2] is None and on[2] is not None
+        assert 0.0 <= on[2].bubble < 1.0 and on[2].forward_ms > 0 and on[2].backward_ms > 0
+        if schedule == "zbh1":
+            assert set(on[2].busy_ms) == {"F", "I", "W"}
+
