@@ -106,7 +106,7 @@ class SleepyLinear(nn.Module):
         return _Sleep.apply(torch.tanh(self.linear(x)), self.seconds)
 
 
-T = 0.025  # seconds of forward per microbatch and stage
+T = 0.04  # seconds of forward per microbatch and stage
 M = 4
 
 
@@ -136,12 +136,16 @@ def test_measured_bubble_matches_the_formula_with_known_costs(schedule):
     results = run_distributed(sleepy_worker, P, args=(schedule, T, steps), timeout=120)
     formula = bubble_formula(schedule, P, M)
     for rank, (timings, _) in enumerate(results):
-        bubble = statistics.median(t.bubble for t in timings)
-        # 0.04: noise (sleep overshoot, message latency on a loaded machine) stays well inside; counting
-        # the waits as busy gives 0.1 here, a window from each rank's own first mark 0.11 or less.
-        assert abs(bubble - formula) <= 0.04, (rank, [t.bubble for t in timings], formula)
+        # Messages between the sleeps take a few ms each on a loaded CPU, idle time the formula leaves out,
+        # so the measured bubble sits a little above it: the least disturbed of the steps is compared,
+        # in a band that fails for a wrong definition: counting the waits as busy gives 0.10 here, the
+        # mean of the ranks' own spans as the window 0.11, a window one forward too long 0.25. (Rank 0
+        # ends last here; the alignment is checked against the shared host clock below, and on
+        # schedules where another rank ends last in test_combine_recovers_the_simulated_bubble.)
+        bubble = min(t.bubble for t in timings)
+        assert formula - 0.03 <= bubble <= formula + 0.04, (rank, [t.bubble for t in timings], formula)
         sim = statistics.median(t.bubble_simulated for t in timings)
-        assert abs(sim - formula) <= 0.03, (rank, sim, formula)
+        assert abs(sim - formula) <= 0.02, (rank, sim, formula)  # the measured costs are the sleeps
         for t in timings:
             assert t.rank == rank and t.schedule == schedule and t.microbatches == M and t.chunks == 1
             assert t.bubble_formula == pytest.approx(formula)
@@ -202,3 +206,51 @@ def test_timing_changes_nothing(schedule):
         if schedule == "zbh1":
             assert set(on[2].busy_ms) == {"F", "I", "W"}
 
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trainer's monitor under a pipeline
+
+
+def monitored_pipeline_worker(rank, world, log_dir, seconds):
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 8, generator=g))
+    states, summaries = [], []
+    # The same run with and without the monitor (timing a step changes nothing; the second sleeps not).
+    for logs, sleep in ((log_dir, seconds), (None, 0.0)):
+        torch.manual_seed(0)
+        model = nn.Sequential(SleepyLinear(8, sleep), SleepyLinear(8, sleep))
+        trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), seed=5,
+                                     pipeline_parallel_size=2, pipeline_schedule="1f1b", microbatches=4,
+                                     log_dir=logs, log_every=2, progress=False)
+        trainer.fit(data, epochs=1, criterion=F.mse_loss, batch_size=8, shuffle=False)
+        summaries.append(trainer.get_performance_metrics())
+        states.append(trainer.full_state_dict())
+        trainer.close()
+    same = rank != 0 or all(torch.equal(states[0][k], states[1][k]) for k in states[1])
+    return summaries[0], same
+
+
+def test_monitor_logs_stage_times_and_the_bubble_under_a_pipeline(tmp_path):
+    import json
+
+    results = run_distributed(monitored_pipeline_worker, 2, args=(str(tmp_path), T), timeout=120)
+    formula = bubble_formula("1f1b", 2, M)
+    for rank, (summary, same) in enumerate(results):
+        assert same, "the monitored run's parameters differ from the unmonitored one's"
+        lines = [json.loads(l) for l in (tmp_path / f"rank_{rank}" / "metrics.jsonl").read_text().splitlines()]
+        assert [l["step"] for l in lines] == [2, 4], lines
+        for line in lines:
+            # This rank's stage: M forwards of T and M backwards of 2T (at least: oversleeping).
+            assert M * T * 1e3 <= line["pipeline/forward_ms"] <= 1.25 * M * T * 1e3, line
+            assert 2 * M * T * 1e3 <= line["pipeline/backward_ms"] <= 1.25 * 2 * M * T * 1e3, line
+            assert line["pipeline/bubble_formula"] == pytest.approx(formula)
+            assert abs(line["pipeline/bubble_simulated"] - formula) <= 0.02, line
+        # As in the engine's test; the trainer's steps pass a little more through the host between messages.
+        assert formula - 0.03 <= min(l["pipeline/bubble"] for l in lines) <= formula + 0.05, lines
+        assert summary["pipeline_bubble"] == pytest.approx(statistics.mean(l["pipeline/bubble"] for l in lines))
+        assert summary["pipeline_bubble_formula"] == pytest.approx(formula)
