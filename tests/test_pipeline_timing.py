@@ -174,14 +174,15 @@ def _mlp() -> nn.Sequential:
                          nn.Linear(16, 8))
 
 
-def on_off_worker(rank, world, schedule):
+def on_off_worker(rank, world, schedule, chunks):
     layers = list(_mlp())
-    bounds = [0, 4, len(layers)]
+    S = world * chunks
+    bounds = [round(i * len(layers) / S) for i in range(S + 1)]
     results = []
     for timing in (False, True):
-        stage = copy.deepcopy(nn.Sequential(*layers[bounds[rank]:bounds[rank + 1]]))
-        opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
-        engine = PipelineEngine([stage], ranks=list(range(world)), rank=rank, schedule=schedule, microbatches=4,
+        mine = [copy.deepcopy(nn.Sequential(*layers[bounds[s]:bounds[s + 1]])) for s in range(rank, S, world)]
+        opt = torch.optim.SGD([p for m in mine for p in m.parameters()], lr=0.1, momentum=0.9)
+        engine = PipelineEngine(mine, ranks=list(range(world)), rank=rank, schedule=schedule, microbatches=4,
                                 loss_fn=F.mse_loss)
         engine.timing = timing
         losses = []
@@ -191,13 +192,15 @@ def on_off_worker(rank, world, schedule):
             losses.append(engine.step(x, y).item())
             opt.step()
             opt.zero_grad()
-        results.append((losses, [p.detach().clone() for p in stage.parameters()], engine.last_timing))
+        results.append((losses, [p.detach().clone() for m in mine for p in m.parameters()], engine.last_timing))
     return results
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
-def test_timing_changes_nothing(schedule):
-    for rank, (off, on) in enumerate(run_distributed(on_off_worker, 2, args=(schedule,), timeout=120)):
+@pytest.mark.parametrize("schedule,world,chunks", [("1f1b", 2, 1), ("zbh1", 2, 1), ("gpipe", 3, 1),
+                                                   ("interleaved_1f1b", 2, 2)])
+def test_timing_changes_nothing(schedule, world, chunks):
+    results = run_distributed(on_off_worker, world, args=(schedule, chunks), timeout=120)
+    for rank, (off, on) in enumerate(results):
         assert off[0] == on[0], rank
         for p, q in zip(off[1], on[1]):
             assert torch.equal(p, q), rank
@@ -205,6 +208,12 @@ def test_timing_changes_nothing(schedule):
         assert 0.0 <= on[2].bubble < 1.0 and on[2].forward_ms > 0 and on[2].backward_ms > 0
         if schedule == "zbh1":
             assert set(on[2].busy_ms) == {"F", "I", "W"}
+        assert on[2].rank == rank and on[2].chunks == chunks
+        assert on[2].window_ms == results[0][1][2].window_ms  # the pipeline's figures: every rank's alike
+        assert on[2].rank_busy_ms == results[0][1][2].rank_busy_ms
+        assert on[2].rank == rank and on[2].chunks == chunks
+        assert on[2].window_ms == results[0][1][2].window_ms  # the pipeline's figures: every rank's alike
+        assert on[2].rank_busy_ms == results[0][1][2].rank_busy_ms
 
 
 

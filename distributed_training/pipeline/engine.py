@@ -278,23 +278,28 @@ class PipelineEngine:
         return loss_sum
 
     def _exchange_timing(self, clock: ActionClock, microbatches: int) -> PipelineTiming:
-        """This rank's `timing.rank_row` to every other pipeline rank and theirs to it (messages after the
-        loss's, on the same channels: each is consumed after the step's own), combined."""
+        """Every rank's `timing.rank_row`, gathered by the last rank and sent back to every rank as one
+        table, combined on each: a star, like the loss's messages (after which these go, on the same
+        channels), so no order of sends and receives can wait in a circle, even where a send waits
+        for its receiver (NCCL)."""
         P, me, link = self.pipe_size, self.rank, self.link
         mine = rank_row(clock.times_ms(), len(self.chunks))
-        rows: list[list[float]] = [mine] * P
+        rows = [mine]
         if P > 1:
-            sent = torch.tensor(mine, dtype=torch.float64, device=self.device)
-            for peer in range(P):
-                if peer != me:
-                    link.send(sent, me, peer)
-            for peer in range(P):
-                if peer != me:
-                    got = link.recv(me, peer)
-                    if got.dtype != torch.float64 or tuple(got.shape) != tuple(sent.shape):
-                        raise RuntimeError(f"pipeline rank {me}: timing the step, rank {peer} sent a {got.dtype} "
-                                           f"tensor of shape {tuple(got.shape)} instead of its timing: set "
-                                           "PipelineEngine.timing alike on every rank of the pipeline")
-                    rows[peer] = got.tolist()
+            def check(got: torch.Tensor, shape: tuple, peer: int) -> torch.Tensor:
+                if got.dtype != torch.float64 or tuple(got.shape) != shape:
+                    raise RuntimeError(f"pipeline rank {me}: timing the step, rank {peer} sent a {got.dtype} tensor "
+                                       f"of shape {tuple(got.shape)} instead of timings: set PipelineEngine.timing "
+                                       "alike on every rank of the pipeline")
+                return got
+
+            if self.is_last:
+                rows = [check(link.recv(me, peer), (len(mine),), peer).tolist() for peer in range(P - 1)] + [mine]
+                table = torch.tensor(rows, dtype=torch.float64, device=self.device)
+                for peer in range(P - 1):
+                    link.send(table, me, peer)
+            else:
+                link.send(torch.tensor(mine, dtype=torch.float64, device=self.device), me, P - 1)
+                rows = check(link.recv(me, P - 1), (P, len(mine)), P - 1).tolist()
             link.wait_all()
         return combine(rows, rank=me, schedule=self.schedule, microbatches=microbatches, chunks=len(self.chunks))
