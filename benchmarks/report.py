@@ -125,7 +125,7 @@ def _pipeline(results):
         lines += [f"## Pipeline ({part['model']}, {w} stages, {part['batch']} x {part['seq']} tokens a step in "
                   f"{part['microbatches']} microbatches): ours vs torch.distributed.pipelining", "",
                   "| schedule | ours ms | ours tokens/s/GPU | torch ms | ours / torch | peak GiB ours / torch (max rank) "
-                  "| bubble (formula) |", "|---|---|---|---|---|---|---|"]
+                  "| bubble (formula) | bubble measured / simulated (ours) |", "|---|---|---|---|---|---|---|---|"]
         runs = part["runs"]
         for schedule in dict.fromkeys(k.split("_", 1)[1] for k in runs):
             ours, ref = runs.get(f"ours_{schedule}", {}), runs.get(f"torch_{schedule}", {})
@@ -138,7 +138,21 @@ def _pipeline(results):
                          f"{format(ours['speed_vs_torch'], '.3f') + 'x' if 'speed_vs_torch' in ours else ''} | "
                          f"{cell(ours, lambda r: format(max(r['peak_gib_per_rank']), '.1f'))} / "
                          f"{cell(ref, lambda r: format(max(r['peak_gib_per_rank']), '.1f'))} | "
-                         f"{cell(ours, lambda r: format(r['bubble_formula'], '.3f'))} |")
+                         f"{cell(ours, lambda r: format(r['bubble_formula'], '.3f'))} | "
+                         f"{cell(ours, _bubble)} |")
+        lines += ["", "Bubble measured: one extra step of ours with the engine's timing on (CUDA events around each "
+                  "action's compute; 1 - busy / (P x window), window from stage 0's first forward to the last "
+                  "compute of any rank); simulated: the schedule on `simulate` with the measured per-stage costs "
+                  "and free communication (measured - simulated: communication and host overhead; simulated - "
+                  "formula: uneven stages). Target: measured within 10% of the formula.", ""]
+        timed = [(schedule, runs[f"ours_{schedule}"]) for schedule in dict.fromkeys(k.split("_", 1)[1] for k in runs)
+                 if runs.get(f"ours_{schedule}", {}).get("forward_ms_per_rank")]
+        if timed:
+            lines += ["| schedule (ours) | window ms | forward ms per rank | backward ms per rank |", "|---|---|---|---|"]
+            for schedule, r in timed:
+                lines.append(f"| {schedule} | {r['window_ms']:.1f} | "
+                             f"{' / '.join(format(v, '.1f') for v in r['forward_ms_per_rank'])} | "
+                             f"{' / '.join(format(v, '.1f') for v in r['backward_ms_per_rank'])} |")
         lines.append("")
     return lines
 
@@ -163,6 +177,14 @@ def _pipeline_big(results):
                          f"{row['peak_rss_gib']:.1f} |")
         lines.append("")
     return lines
+
+
+def _bubble(r) -> str:
+    if r.get("bubble_measured") is None:
+        return ""
+    ratio = r.get("bubble_vs_formula")
+    return (f"{r['bubble_measured']:.3f} / {r['bubble_simulated']:.3f}"
+            + (f" ({ratio:.2f}x formula)" if ratio is not None else ""))
 
 
 def _precision(results):

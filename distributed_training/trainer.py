@@ -246,6 +246,7 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         # first (`_record_step` arms it after each log step), and read at the window's log step.
         if log_dir is not None:
             strategy.measure_communication(self.model, True)
+            strategy.time_pipeline(self.model, True)  # a pipeline's stage times and bubble, likewise
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.step = 0
         self.epoch = 0
@@ -516,8 +517,8 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
 
     def _record_step(self, batch: Any, metrics: dict[str, torch.Tensor], *, step_time: float,
                      data_time: float) -> dict[str, torch.Tensor]:
-        """Hand the step just trained to the monitor (with the strategy's communication figures on log
-        steps); returns the metrics with those figures added."""
+        """Hand the step just trained to the monitor (with the strategy's communication figures, and a
+        pipeline's stage times and bubble, on log steps); returns the metrics with those figures added."""
         if not self._monitoring:
             return metrics
         comm = None
@@ -526,10 +527,14 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             comm, extra = self.strategy.pop_communication_metrics(self.model)
             if extra:
                 metrics = {**metrics, **{k: torch.tensor(v) for k, v in extra.items()}}
+            pipeline = self.strategy.pop_pipeline_timing(self.model)
+            if pipeline:
+                metrics = {**metrics, **{k: torch.tensor(v) for k, v in pipeline.items()}}
         # Timing communication costs events (DDP: per bucket): only for the first step of the next window.
         # Reading its events at the log step ending that window does not wait for the GPU (they are
         # long done); reading the log step's own would (with log_every=1 it has to).
         self.strategy.measure_communication(self.model, self.step % log_every == 0)
+        self.strategy.time_pipeline(self.model, self.step % log_every == 0)
         self.monitor.record_step(self.step, metrics, samples=batch_size_of(batch), tokens=token_count(batch),
                                  step_time=step_time, data_time=data_time, comm_time=comm)
         return metrics

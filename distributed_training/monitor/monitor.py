@@ -40,6 +40,13 @@ Timings are the caller's to measure, since only the caller knows where data load
 communication is exposed; the monitor only aggregates them. Values logged for user metrics are those
 passed at the log step (not window means: averaging them would touch every step's tensors).
 Steps after the last log step count in `get_performance_metrics` but are not written.
+
+Pipelines. With pipeline parallelism the trainer adds, on log steps, the figures of one timed step of
+the window (`pipeline.PipelineTiming.metrics`): this rank's stage's ``pipeline/forward_ms`` and
+``pipeline/backward_ms`` (``input_grad_ms`` / ``weight_grad_ms`` for a split backward), and the
+pipeline's ``pipeline/window_ms``, ``pipeline/bubble`` (measured), ``pipeline/bubble_simulated`` and
+``pipeline/bubble_formula``; `get_performance_metrics` averages the measured bubble over the log steps
+that had one.
 """
 
 from __future__ import annotations
@@ -226,6 +233,8 @@ class Monitor:
         self._r = dict(n=0, step=0.0, data=0.0, samples=0, comm=0.0, comm_n=0, comm_step=0.0, tokens=0, tok_step=0.0)
         self._cluster_last: dict[str, float] = {}
         self._straggler_events = 0
+        self._bubbles: list[float] = []  # a pipeline's measured bubble, per log step that had one
+        self._bubble_formula: float | None = None
 
     # ----------------------------------------------------------------- public
     def start(self, total_steps: int | None = None) -> None:
@@ -299,8 +308,9 @@ class Monitor:
         Keys: steps, elapsed_s, mean_step_time_s, mean_data_time_s, samples_per_s_per_gpu,
         tokens_per_s_per_gpu, communication_overhead_pct (exposed communication time over step
         time), data_loading_pct, cluster_step_time_min_s / _mean_s / _max_s, cluster_slowest_rank,
-        cluster_straggler, straggler_events. Figures that were never given are None. Waits for the
-        writer to finish the log steps handed to it.
+        cluster_straggler, straggler_events, pipeline_bubble (the mean measured bubble of a pipeline over
+        the log steps that logged ``pipeline/bubble``) and pipeline_bubble_formula. Figures that were
+        never given are None. Waits for the writer to finish the log steps handed to it.
         """
         self._drain()
         r = self._r
@@ -329,6 +339,8 @@ class Monitor:
             "cluster_slowest_rank": None if not cl else int(cl["cluster/slowest_rank"]),
             "cluster_straggler": None if not cl else bool(cl["cluster/straggler"]),
             "straggler_events": self._straggler_events,
+            "pipeline_bubble": sum(self._bubbles) / len(self._bubbles) if self._bubbles else None,
+            "pipeline_bubble_formula": self._bubble_formula,
         }
 
     def end_progress(self) -> None:
@@ -386,6 +398,9 @@ class Monitor:
                 device_values.append(value.detach().reshape(()))
             else:
                 record.scalars[tag] = float(value)
+        if record.scalars.get("pipeline/bubble") is not None:  # host values (the engine's, after its sync)
+            self._bubbles.append(record.scalars["pipeline/bubble"])
+            self._bubble_formula = record.scalars.get("pipeline/bubble_formula")
 
         n = self._w_n
         step_mean = self._w_step / n

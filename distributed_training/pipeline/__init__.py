@@ -6,12 +6,14 @@ cut it (`partition`, `split_at`), one stage's module (`Stage`), building only on
 (`GPTStages`), and tied parameters whose copies on several stages sum their gradients. `meta_init`: a
 model built on the meta device given storage and initial weights for one rank's stages only. `engine`: one
 rank's actions run for a training step, over `p2p`'s messages. `split_backward`: ZB-H1's split backward
-(`SplitBackward`: the linear layers' weight gradients deferred from I to W).
+(`SplitBackward`: the linear layers' weight gradients deferred from I to W). `timing`: a step's busy
+time by action and measured bubble (`PipelineTiming`, `PipelineEngine.timing`).
 """
 
 from .engine import PipelineEngine
 from .schedules import Action, ScheduleError, Simulation, bubble_formula, build_schedule, simulate, stage_of
 from .split_backward import SplitBackward
+from .timing import PipelineTiming
 from .gpt_stages import GPTEmbedding, GPTHead, GPTStages, gpt_key, gpt_layer_flops, layer_seed, lm_loss
 from .stages import Stage, TiedGroup, chain, find_ties, partition, split_at, sync_tied_grads, tied_groups
 
@@ -20,5 +22,5 @@ __all__ = [
     "GPTEmbedding", "GPTHead", "GPTStages", "Stage", "TiedGroup", "chain", "find_ties", "gpt_key", "gpt_layer_flops",
     "layer_seed",
     "lm_loss", "partition", "split_at", "sync_tied_grads", "tied_groups",
-    "PipelineEngine", "SplitBackward",
+    "PipelineEngine", "PipelineTiming", "SplitBackward",
 ]

@@ -14,6 +14,9 @@ later and accumulates them into ``.grad``. Nothing of it outlives the step.
 Each microbatch's loss is its mean loss weighted by its share of the batch, so the gradients autograd
 accumulates over the microbatches are those of the whole batch's mean loss, as one process computes
 them; the step's loss, the same weighted sum, is returned on every rank of the pipeline.
+
+Timing (`PipelineEngine.timing`, off by default): the compute of each action between two marks, the
+step's window and its measured bubble against the formula (`timing.PipelineTiming`, in `last_timing`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import nn
 from .p2p import PipelineAborted, StageLink
 from .schedules import build_schedule, stage_of
 from .split_backward import SplitBackward
+from .timing import ActionClock, PipelineTiming, combine, rank_row
 
 __all__ = ["PipelineEngine"]
 
@@ -87,6 +91,16 @@ class PipelineEngine:
             gradients (`split_backward.SplitBackward`); default ``SplitBackward(chunks)``: the chunks'
             `nn.Linear` layers. Pass ``SplitBackward(chunks, functional=True)`` to also defer other
             ``F.linear`` calls. Ignored by schedules without split backwards.
+
+    Attributes:
+        timing: set to True to time the coming steps (default False: nothing is timed, nothing waits
+            for the device). A timed step marks the compute of each action (CUDA: events on the current
+            stream; CPU: `time.perf_counter`), waits once for the device after its last message, and
+            exchanges a few numbers with the other pipeline ranks by message (`timing`'s module
+            docstring): every rank of the pipeline must time the same steps.
+        last_timing: the `timing.PipelineTiming` of the latest timed step (None before one): this
+            rank's busy ms by action kind, the pipeline's window and bubble, measured, simulated with
+            the measured costs, and by the formula. A step without timing leaves it as it is.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], *, ranks: Sequence[int], rank: int, group=None,
@@ -116,6 +130,9 @@ class PipelineEngine:
             elif not isinstance(split_backward, SplitBackward):
                 raise TypeError(f"split_backward must be a SplitBackward, got {type(split_backward).__name__}")
             self.split = split_backward
+        self.timing = False
+        self.last_timing: PipelineTiming | None = None
+        self._clock: ActionClock | None = None
 
     def _forward(self, chunk: int, stage: int, x: Any) -> Any:
         try:
@@ -181,6 +198,11 @@ class PipelineEngine:
         last = self.num_stages - 1
         me, link = self.rank, self.link
         split = self.split
+        clock = None
+        if self.timing:
+            clock = self._clock if self._clock is not None else ActionClock(self.device)
+            self._clock = clock
+            clock.reset()
         link.begin_step(_shapes_of(xs))
         try:
             for action in actions:
@@ -193,13 +215,18 @@ class PipelineEngine:
                         x = link.recv(me, (stage - 1) % self.pipe_size)
                         if x.is_floating_point():
                             x.requires_grad_(True)
+                    # The start mark after the receive: on CUDA recv() has made the stream wait for the
+                    # payload, so the event fires when the input is there, not when the host got here.
+                    start = clock.start() if clock is not None else None
                     with split.record((mb, chunk)) if split is not None else nullcontext():
                         out = self._forward(chunk, stage, x)
                     if stage == last:
                         loss = self.loss_fn(out, ys[mb]) * shares[mb]
                         loss_sum = loss_sum + loss.detach().float()
                         held[mb, chunk] = (x, loss)
-                    else:
+                    if clock is not None:
+                        clock.stop("F", mb, chunk, start)
+                    if stage != last:
                         if not isinstance(out, torch.Tensor):
                             raise TypeError(f"pipeline stage {stage} returned a {type(out).__name__}: a stage hands "
                                             "the next one a single tensor, so cut the model where a layer's output "
@@ -207,17 +234,25 @@ class PipelineEngine:
                         held[mb, chunk] = (x, out)
                         link.send(out.detach(), me, (stage + 1) % self.pipe_size)
                 elif action.kind == "W":  # the weight gradients that the I of (mb, chunk) deferred
+                    start = clock.start() if clock is not None else None
                     split.weight_grad((mb, chunk))
+                    if clock is not None:
+                        clock.stop("W", mb, chunk, start)
                 else:  # "B", or "I": the same pass with the recorded linear layers' weight gradients deferred
                     x, out = held.pop((mb, chunk))
                     grad = None if stage == last else link.recv(me, (stage + 1) % self.pipe_size)
+                    start = clock.start() if clock is not None else None
                     if out.requires_grad:  # not: a stage whose parameters are all frozen, fed the batch
                         with split.input_grad() if action.kind == "I" else nullcontext():
                             out.backward(grad)
+                    back = None
                     if stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
                         # An input the stage ignored has no gradient: the previous stage still waits for one.
-                        grad = x.grad if x.grad is not None else torch.zeros_like(x)
-                        link.send(grad, me, (stage - 1) % self.pipe_size)
+                        back = x.grad if x.grad is not None else torch.zeros_like(x)
+                    if clock is not None:
+                        clock.stop(action.kind, mb, chunk, start)
+                    if back is not None:
+                        link.send(back, me, (stage - 1) % self.pipe_size)
             if split is not None and split.pending():
                 raise RuntimeError(f"pipeline rank {self.rank}: the schedule left weight gradients of "
                                    f"{sorted(split.pending())} (microbatch, chunk) without a W action")
@@ -238,4 +273,33 @@ class PipelineEngine:
                 link.wait_all()
             else:
                 loss_sum = link.recv(me, self.pipe_size - 1)
+        if clock is not None:
+            self.last_timing = self._exchange_timing(clock, len(xs))
         return loss_sum
+
+    def _exchange_timing(self, clock: ActionClock, microbatches: int) -> PipelineTiming:
+        """Every rank's `timing.rank_row`, gathered by the last rank and sent back to every rank as one
+        table, combined on each: a star, like the loss's messages (after which these go, on the same
+        channels), so no order of sends and receives can wait in a circle, even where a send waits
+        for its receiver (NCCL)."""
+        P, me, link = self.pipe_size, self.rank, self.link
+        mine = rank_row(clock.times_ms(), len(self.chunks))
+        rows = [mine]
+        if P > 1:
+            def check(got: torch.Tensor, shape: tuple, peer: int) -> torch.Tensor:
+                if got.dtype != torch.float64 or tuple(got.shape) != shape:
+                    raise RuntimeError(f"pipeline rank {me}: timing the step, rank {peer} sent a {got.dtype} tensor "
+                                       f"of shape {tuple(got.shape)} instead of timings: set PipelineEngine.timing "
+                                       "alike on every rank of the pipeline")
+                return got
+
+            if self.is_last:
+                rows = [check(link.recv(me, peer), (len(mine),), peer).tolist() for peer in range(P - 1)] + [mine]
+                table = torch.tensor(rows, dtype=torch.float64, device=self.device)
+                for peer in range(P - 1):
+                    link.send(table, me, peer)
+            else:
+                link.send(torch.tensor(mine, dtype=torch.float64, device=self.device), me, P - 1)
+                rows = check(link.recv(me, P - 1), (P, len(mine)), P - 1).tolist()
+            link.wait_all()
+        return combine(rows, rank=me, schedule=self.schedule, microbatches=microbatches, chunks=len(self.chunks))

@@ -455,6 +455,13 @@ class PipelineStrategy(Strategy):
         dist.broadcast(sums, src=self._pipe_ranks[-1], group=self._pipe_group)
         return sums
 
+    def time_pipeline(self, model: nn.Module, on: bool) -> None:
+        self.engine.timing = on
+
+    def pop_pipeline_timing(self, model: nn.Module) -> dict[str, float] | None:
+        timing, self.engine.last_timing = self.engine.last_timing, None
+        return None if timing is None else timing.metrics()
+
     def no_sync(self, model: nn.Module):
         return self.inner.no_sync(model)  # a pipeline step syncs once anyway; kept for the interface
 

@@ -13,7 +13,8 @@ rank, e.g. DDP's bucket layout; `buffers`: this rank's buffers under the model's
 strategy that runs the forward itself evaluates (`evaluate_batch`, `evaluation_sums`), what its communication cost (`measure_communication`,
 `pop_communication_metrics`), what a pipeline needs of it inside its stages (`setup_stages`,
 `sync_gradients` after backward passes run under `no_sync`, `accumulated_gradient`,
-`gradient_norm_squares`), and what its memory layout is to the planner (`planner_kind`,
+`gradient_norm_squares`), how a pipeline's stages spend a step (`time_pipeline`,
+`pop_pipeline_timing`), and what its memory layout is to the planner (`planner_kind`,
 `state_reserve_bytes`). The defaults below are those of a replicated model with nothing to report;
 the other strategies override what differs.
 """
@@ -277,6 +278,18 @@ class Strategy(abc.ABC):
     def pop_communication_metrics(self, model: nn.Module) -> tuple[float | None, dict[str, float]]:
         """(exposed communication seconds per step or None, extra metrics) since the last call."""
         return None, {}
+
+    def time_pipeline(self, model: nn.Module, on: bool) -> None:
+        """Time (or stop timing) the pipeline schedule's compute in the coming steps: a pipeline's busy time
+        per stage and its measured bubble (`pipeline.PipelineTiming`); nothing without a pipeline. A timed
+        step waits for the device once, so the trainer turns it on for one step per log window, on every
+        rank alike (the ranks of a pipeline exchange their figures by message)."""
+
+    def pop_pipeline_timing(self, model: nn.Module) -> dict[str, float] | None:
+        """The figures of the latest timed pipeline step not popped yet (``pipeline/forward_ms``,
+        ``pipeline/backward_ms``, ``pipeline/bubble``, ``pipeline/bubble_formula``, ...: see
+        `pipeline.PipelineTiming.metrics`), or None: no pipeline, or no timed step since the last call."""
+        return None
 
     def planner_kind(self) -> str:
         """The planner's name for this memory layout (`distributed_training.planner`): ``"ddp"``,
