@@ -62,6 +62,7 @@ def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
                 engine.step(x, y)
             opt.step()
             opt.zero_grad(set_to_none=True)
+        step.engine = engine
     else:
         from torch.distributed.pipelining import PipelineStage
         import torch.distributed.pipelining.schedules as torch_schedules
@@ -149,6 +150,7 @@ def main() -> None:
     times: dict[str, list[float]] = {v: [] for v in variants}
 
     host: dict[str, list[float]] = {v: [] for v in variants}
+    timing: dict[str, dict] = {}
 
     def timed(step, n, issued=None):
         """Step times; `issued` gets the host's time until the step returned (before synchronizing)."""
@@ -177,6 +179,17 @@ def main() -> None:
             if rank == 0:
                 print(f"round {r} {v:22s} {t[0].item() * 1e3:8.1f} ms  (host issued in {t[1].item() * 1e3:6.1f} ms)",
                       flush=True)
+            engine = getattr(step, "engine", None)
+            if r == args.rounds - 1 and engine is not None:  # one more step, timed by the engine
+                engine.timing = True
+                timed(step, 1)
+                engine.timing = False
+                t = engine.last_timing
+                if rank == 0:
+                    timing[v] = {"busy_ms": t.busy_ms, "rank_busy_ms": t.rank_busy_ms, "window_ms": t.window_ms,
+                                 "bubble": t.bubble, "bubble_simulated": t.bubble_simulated,
+                                 "bubble_formula": t.bubble_formula}
+                    print(f"        {v} timing: {timing[v]}", flush=True)
             if r == args.rounds - 1 and v in args.profile.split(","):
                 from torch.profiler import ProfilerActivity, profile
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -199,7 +212,7 @@ def main() -> None:
     if rank == 0:
         med = {v: statistics.median(ts) for v, ts in times.items()}
         with open(os.path.join(args.out, "timings.json"), "w") as f:
-            json.dump({"per_round_ms": times, "median_ms": med, "host_issue_ms_per_round": host, "card": torch.cuda.get_device_name() if
+            json.dump({"per_round_ms": times, "median_ms": med, "host_issue_ms_per_round": host, "engine_timing_rank0": timing, "card": torch.cuda.get_device_name() if
                        device.type == "cuda" else "cpu", "torch": torch.__version__}, f, indent=1)
         print(json.dumps(med, indent=1))
     dist.destroy_process_group()

@@ -345,12 +345,13 @@ class SplitBackward:
 
     def _cast_param(self, t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
         """`t` in the compute dtype, cast once per parameter (and per in-place update) until `reset`."""
-        cast = _cast(t, dtype)
-        if cast is t:
+        if t is None or dtype is None or t.dtype == dtype:
             return t
         key = (id(t), dtype)
-        hit = self._casts.get(key)
+        hit = self._casts.get(key)  # looked up before casting: a cast is a kernel and a new tensor
         if hit is not None and hit[0] is t and hit[1] == t._version:
             return hit[2]
-        self._casts[key] = (t, t._version, cast)
+        cast = _cast(t, dtype)
+        if cast is not t:
+            self._casts[key] = (t, t._version, cast)
         return cast
