@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -148,9 +149,14 @@ def test_pipeline_on_nccl_equals_one_process(schedule):
         assert worst_p <= 1e-4 and worst_l <= 1e-4, (worst_p, worst_l)
 
 
-def nccl_known_shape_failure_worker(rank: int, world: int):
+def nccl_known_shape_failure_worker(rank: int, world: int, directory: str):
     """The last stage raises in the middle of a step whose shapes are known (no header awaited): the
-    first stage still raises, promptly, instead of waiting for a gradient that never comes."""
+    first stage still raises, promptly, instead of waiting for a gradient that never comes.
+
+    Each rank writes what it raised to a file and leaves at once: NCCL sends and receives already
+    posted toward the stopped peer stay pending on the GPU, and `destroy_process_group` would wait for
+    them until NCCL's watchdog ends them (the collective timeout)."""
+    import json
     import time
 
     import torch.distributed as dist
@@ -183,15 +189,23 @@ def nccl_known_shape_failure_worker(rank: int, world: int):
     try:
         engine.step(x, y)
     except RuntimeError as err:
-        outcome = (type(err).__name__, str(err)[:300], time.monotonic() - started, engine.link.received_by_known_shape)
+        outcome = [type(err).__name__, str(err)[:300], time.monotonic() - started, engine.link.received_by_known_shape]
     else:
         outcome = None
-    return outcome
+    with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+    os._exit(3)  # the harness counts a silent exit with a code other than 0 as done (failed) at once
 
 
-def test_pipeline_failure_with_known_shapes_on_nccl():
-    results = run_distributed(nccl_known_shape_failure_worker, 2, backend="nccl", timeout=120)
-    assert "boom on the last stage" in results[1][1], results[1]
+def test_pipeline_failure_with_known_shapes_on_nccl(tmp_path):
+    import json
+
+    from distributed_training.testing import DistributedTestError
+
+    with pytest.raises(DistributedTestError):  # the ranks leave without a result (see the worker)
+        run_distributed(nccl_known_shape_failure_worker, 2, args=(str(tmp_path),), backend="nccl", timeout=90)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results[1] is not None and "boom on the last stage" in results[1][1], results[1]
     kind, message, elapsed, known = results[0]
     assert kind == "PipelineAborted" and "global rank 1 failed" in message, results[0]
     assert known > 0 and elapsed < 30, results[0]

@@ -213,23 +213,6 @@ class StageLink:
                 work.wait(timeout=timedelta(seconds=max(0.01, deadline - time.monotonic())))
             except RuntimeError:
                 pass
-        self._abort_payload_groups()
-
-    def _abort_payload_groups(self) -> None:
-        """On NCCL, end the payload communicators: a send or receive whose peer stopped would otherwise
-        stay on the GPU forever, and with it `destroy_process_group` and the process's exit. The
-        pipeline cannot run another step after an abort anyway. (Gloo's operations end with the peer.)"""
-        for group in {id(g): g for g in (self.up_group, self.down_group) if g is not None}.values():
-            if group is self.header_group:
-                continue
-            try:
-                if dist.get_backend(group) != "nccl":
-                    continue
-                from torch.distributed.distributed_c10d import _abort_process_group
-
-                _abort_process_group(group)
-            except Exception:  # noqa: BLE001 - best effort: the error that stopped the step is what matters
-                pass
 
     def wait_all(self) -> None:
         """Wait until every message sent so far has left (the tensors it read may then be reused)."""
