@@ -48,6 +48,22 @@ def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
     def sync_ties():
         sync_tied_grads(module, tied, tie_group)
 
+    if impl == "trainer":  # the same schedule through DistributedTrainer (DDP per stage, a meta-built GPT)
+        from distributed_training import DistributedTrainer
+        from distributed_training.models import GPT
+
+        with torch.device("meta"):
+            whole = GPT(cfg)
+        trainer = DistributedTrainer(whole, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=device.type == "cuda"),
+                                     context=groups["context"], progress=False, mixed_precision="bf16",
+                                     pipeline_parallel_size=world, pipeline_schedule=schedule,
+                                     microbatches=microbatches)
+
+        def step():
+            trainer.train_step((x, y))
+        step.engine = trainer.strategy.engine
+        step.trainer = trainer
+        return step
     if impl == "ours":
         engine = PipelineEngine([module], ranks=list(range(world)), rank=rank, up_group=groups["up"],
                                 down_group=groups["down"], header_group=groups["headers"], schedule=schedule,
@@ -130,7 +146,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    from distributed_training import init_distributed
+
+    context = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -141,7 +159,7 @@ def main() -> None:
     ranks = list(range(world))
     groups = {"up": dist.new_group(ranks), "down": dist.new_group(ranks),
               "headers": dist.new_group(ranks, backend="gloo") if device.type == "cuda" else None,
-              "tie": dist.new_group([0, world - 1])}
+              "tie": dist.new_group([0, world - 1]), "context": context}
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -207,6 +225,8 @@ def main() -> None:
                     with open(os.path.join(args.out, f"summary_{v}.json"), "w") as f:
                         json.dump(gathered, f, indent=1)
                 timed(step, 1)  # the profiler's last step's state out of the way
+            if hasattr(step, "trainer"):
+                step.trainer.close()
             del step
             torch.cuda.empty_cache() if device.type == "cuda" else None
     if rank == 0:
@@ -215,7 +235,7 @@ def main() -> None:
             json.dump({"per_round_ms": times, "median_ms": med, "host_issue_ms_per_round": host, "engine_timing_rank0": timing, "card": torch.cuda.get_device_name() if
                        device.type == "cuda" else "cpu", "torch": torch.__version__}, f, indent=1)
         print(json.dumps(med, indent=1))
-    dist.destroy_process_group()
+    context.shutdown()
 
 
 if __name__ == "__main__":
