@@ -68,7 +68,6 @@ pipeline's other ranks in one broadcast at the end (`evaluation_sums`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -81,89 +80,12 @@ from ..checkpoint_shards import Holding, Piece, StateLayout
 from ..strategies.base import OptimizerFactory, Strategy
 from .engine import PipelineEngine
 from .p2p import PipelineAborted
-from .schedules import SCHEDULES
 from .gpt_stages import gpt_layer_flops, lm_loss
 from .meta_init import check_initialisable, has_meta, materialize
+from .options import PipelineOptions
 from .stages import Stage, chain, find_ties, partition, split_at, tied_groups
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineStages"]
-
-#: Schedules that keep at most about P microbatches in flight: fewer microbatches than stages never
-#: fill the pipeline (refused, naming `microbatches`).
-_ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "zbh1")
-
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    """The trainer's pipeline arguments, checked where they are given (before any rendezvous).
-
-    Attributes:
-        size: pipeline stages per model replica (``pipeline_parallel_size``); 1: no pipeline.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zbh1"`` (``pipeline_schedule``).
-        microbatches: microbatches per batch (default: `size`); at least `size` for the 1F1B family,
-            a multiple of it for ``"interleaved_1f1b"``.
-        split_points: the layer names where stages 1, 2, ... start (``pipeline_split_points``), or None
-            to balance the stages by parameter count.
-        chunks: model chunks per rank (``pipeline_chunks``; default 2 for ``"interleaved_1f1b"``, else 1).
-        init_seed: the base seed of a meta-device model's initialisation (the trainer's `seed`; see
-            `meta_init`): each rank initialises only its stages' layers, from streams seeded by the
-            layer's (GPT) or module's name, so the weights do not depend on the cut.
-    """
-
-    size: int = 1
-    schedule: str = "1f1b"
-    microbatches: int | None = None
-    split_points: tuple[str, ...] | None = None
-    chunks: int | None = None
-    init_seed: int = 0
-
-    def __post_init__(self) -> None:
-        size = self.size
-        if isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int):
-            raise TypeError(f"seed must be an integer, got {self.init_seed!r}")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {size!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"pipeline_schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
-        interleaved = self.schedule == "interleaved_1f1b"
-        chunks = self.chunks if self.chunks is not None else (2 if interleaved else 1)
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"pipeline_chunks must be an integer >= 1, got {chunks!r}")
-        if interleaved and chunks < 2:
-            raise ValueError(f"pipeline_chunks must be >= 2 for pipeline_schedule='interleaved_1f1b', got {chunks}")
-        if not interleaved and chunks != 1:
-            raise ValueError(f"pipeline_chunks must be 1 for pipeline_schedule={self.schedule!r} (only "
-                             f"'interleaved_1f1b' runs several chunks per rank), got {chunks}")
-        microbatches = self.microbatches if self.microbatches is not None else size
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
-        if size > 1 and self.schedule in _ONE_F_ONE_B_FAMILY and microbatches < size:
-            raise ValueError(f"microbatches ({microbatches}) must be >= pipeline_parallel_size ({size}) for "
-                             f"pipeline_schedule={self.schedule!r}: fewer never fill the pipeline")
-        if size > 1 and interleaved and microbatches % size:
-            raise ValueError(f"microbatches ({microbatches}) must be a multiple of pipeline_parallel_size ({size}) "
-                             "for pipeline_schedule='interleaved_1f1b'")
-        split = self.split_points
-        if split is not None:
-            if isinstance(split, str) or not all(isinstance(name, str) for name in split):
-                raise TypeError(f"pipeline_split_points must be a list of layer names, got {split!r}")
-            split = tuple(split)
-            if len(split) != size * chunks - 1:
-                raise ValueError(f"pipeline_split_points names {len(split)} boundaries, so {len(split) + 1} stages, "
-                                 f"but pipeline_parallel_size x pipeline_chunks = {size * chunks} stages need "
-                                 f"{size * chunks - 1}")
-        object.__setattr__(self, "chunks", chunks)
-        object.__setattr__(self, "microbatches", microbatches)
-        object.__setattr__(self, "split_points", split)
-
-    @property
-    def enabled(self) -> bool:
-        return self.size > 1
-
-    @property
-    def num_stages(self) -> int:
-        return self.size * self.chunks
-
 
 class PipelineStages(nn.Module):
     """This rank's stages (chunk c at ``stages[c]``): what the data-parallel strategy wraps and the
