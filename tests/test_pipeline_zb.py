@@ -4,7 +4,9 @@ batch (an MLP and our GPT with its tied embedding, real processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import weakref
 
 import pytest
 import torch
@@ -62,11 +64,21 @@ def _data(seed=1, input_grad=True):
 
 # ------------------------------------------------------------------------------------ the split itself
 
+#: capture: nn.Linear layers run plain F.linear, I is one backward asking for their outputs' gradients
+#: (the default); function: every nn.Linear through the deferring autograd Function; functional: that, and
+#: every other F.linear call too.
+MODES = {"capture": {}, "function": {"capture": False}, "functional": {"functional": True}}
 
-@pytest.mark.parametrize("functional", [False, True])
-def test_input_then_weight_gradient_equals_one_backward(functional):
+
+def _split(module, mode):
+    return SplitBackward(module, **MODES[mode])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_input_then_weight_gradient_equals_one_backward(mode):
+    functional = mode == "functional"
     stage, reference = _stage(), _stage()
-    split = SplitBackward([stage], functional=functional)
+    split = _split([stage], mode)
     deferred = [stage.fc1.weight, stage.fc1.bias, stage.fc2.weight] + ([stage.extra] if functional else [])
     layers = 3 if functional else 2  # fc1, fc2 (nn.Linear), and `extra` through F.linear when functional
     fired = {id(p): 0 for p in stage.parameters()}
@@ -79,10 +91,9 @@ def test_input_then_weight_gradient_equals_one_backward(functional):
         with split.record(mb):
             out = stage(x)
         assert split.queued(mb) == 0
-        with split.input_grad():
-            out.backward(g)
+        dx = split.backward_input(mb, out, g, x)
         assert split.queued(mb) == layers
-        assert torch.equal(x.grad, x_ref.grad)  # the input gradient (what I sends back) is complete
+        assert torch.equal(dx, x_ref.grad)  # the input gradient (what I sends back) is complete
         for p in deferred:  # no weight-gradient work in I: nothing accumulated, no hook fired
             assert fired[id(p)] == mb and (p.grad is None or mb > 0), "a weight gradient ran in I"
         assert fired[id(stage.ln.weight)] == mb + 1  # LayerNorm: in I, as usual
@@ -91,23 +102,42 @@ def test_input_then_weight_gradient_equals_one_backward(functional):
         assert split.weight_grad(mb) == layers
         assert split.queued(mb) == 0 and split.pending() == []
         assert all(fired[id(p)] == mb + 1 for p in stage.parameters())  # every hook once per microbatch
-    assert _max_diff(stage, reference) <= 1e-6
+    # Capture: the very matmuls of a plain backward, so the same bits (the Function's dx is its own mm).
+    assert _max_diff(stage, reference) <= (0.0 if mode == "capture" else 1e-6)
     split.reset()
 
 
-def test_first_layer_fed_with_data_still_defers():
-    # An input without a gradient (the first stage): the Function anchors itself in the graph.
+@pytest.mark.parametrize("mode", ["capture", "function"])
+def test_first_layer_fed_with_data_still_defers(mode):
+    # An input without a gradient (the first stage): the Function anchors itself in the graph; a
+    # captured I has nothing to return for the input.
     stage, reference = _stage(), _stage()
-    split = SplitBackward(stage)
+    split = _split(stage, mode)
     x, g = _data(input_grad=False)
     reference(x).backward(g)
     with split.record("m"):
         out = stage(x)
-    with split.input_grad():
-        out.backward(g)
+    assert split.backward_input("m", out, g, x) is None
     assert stage.fc1.weight.grad is None and split.queued("m") == 2
+    assert stage.ln.weight.grad is not None
     split.weight_grad("m")
     assert _max_diff(stage, reference) <= 1e-6
+
+
+def test_input_grad_context_still_gives_every_gradient():
+    # The older I (a backward under input_grad()): captured layers get their weight gradients in it
+    # (nothing deferred for them, nothing lost), the Function's layers are deferred as before.
+    stage, reference = _stage(), _stage()
+    split = SplitBackward(stage)
+    x, g = _data()
+    reference(x.detach().clone().requires_grad_(True)).backward(g)
+    with split.record(0):
+        out = stage(x)
+    with split.input_grad():
+        out.backward(g)
+    assert split.queued(0) == 0 and split.pending() == []
+    assert _max_diff(stage, reference) == 0.0
+    split.reset()
 
 
 def test_weight_pass_accumulating_layer_by_layer(monkeypatch):
@@ -115,7 +145,8 @@ def test_weight_pass_accumulating_layer_by_layer(monkeypatch):
     monkeypatch.setattr(split_backward, "_ACCUMULATE_BYTES", 1)
     calls = []
     accumulate = split_backward._accumulate
-    monkeypatch.setattr(split_backward, "_accumulate", lambda pairs: calls.append(len(pairs)) or accumulate(pairs))
+    monkeypatch.setattr(split_backward, "_accumulate",
+                        lambda params, grads: calls.append(len(params)) or accumulate(params, grads))
     stage, reference = _stage(), _stage()
     split = SplitBackward(stage, functional=True)
     x, g = _data()
@@ -129,9 +160,10 @@ def test_weight_pass_accumulating_layer_by_layer(monkeypatch):
     assert _max_diff(stage, reference) <= 1e-6
 
 
-def test_backward_without_input_grad_is_a_plain_backward():
+@pytest.mark.parametrize("mode", list(MODES))
+def test_backward_without_input_grad_is_a_plain_backward(mode):
     stage, reference = _stage(), _stage()
-    split = SplitBackward(stage)
+    split = _split(stage, mode)
     x, g = _data(input_grad=False)
     reference(x).backward(g)
     with split.record(0):
@@ -139,11 +171,13 @@ def test_backward_without_input_grad_is_a_plain_backward():
     out.backward(g)  # no I asked: the weight gradients come at once
     assert split.pending() == []
     assert _max_diff(stage, reference) <= 1e-6
+    split.reset()
 
 
-def test_autocast_bf16_matches_plain_autocast():
+@pytest.mark.parametrize("mode", list(MODES))
+def test_autocast_bf16_matches_plain_autocast(mode):
     stage, reference = _stage(), _stage()
-    split = SplitBackward(stage, functional=True)
+    split = _split(stage, mode)
     for mb in range(2):  # the second microbatch reuses the cached bf16 weights
         x, g = _data(seed=mb)
         x_ref = x.detach().clone().requires_grad_(True)
@@ -153,27 +187,34 @@ def test_autocast_bf16_matches_plain_autocast():
                 got = stage(x)
         assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
         want.float().backward(g)
-        with split.input_grad():
-            got.float().backward(g)
+        dx = split.backward_input(mb, got.float(), g, x)
         split.weight_grad(mb)
-        assert torch.equal(x.grad, x_ref.grad)
+        assert torch.equal(dx, x_ref.grad)
     assert all(p.grad.dtype == torch.float32 for p in stage.parameters())
-    assert _max_diff(stage, reference) <= 1e-6
+    assert _max_diff(stage, reference) <= (0.0 if mode == "capture" else 1e-6)
     split.reset()
 
 
-def test_nothing_leaks_out_of_record():
+@pytest.mark.parametrize("mode", list(MODES))
+def test_nothing_leaks_out_of_record(mode):
     stage = _stage()
-    split = SplitBackward(stage, functional=True)
+    split = _split(stage, mode)
     x, g = _data()
+    seen = []
+    stage.fc1.register_forward_hook(lambda m, args, y: seen.append(weakref.ref(y)))
     with split.record(0):
         assert all("forward" in m.__dict__ for m in _linears(stage))
         out = stage(x)
     assert not any("forward" in m.__dict__ for m in stage.modules())
-    with split.input_grad():
-        out.backward(g)
+    split.backward_input(0, out, g, x)
+    del out
+    assert seen[-1]() is None  # the layer's output (capture holds it from F to I only) is gone
     split.weight_grad(0)
+    assert split.pending() == [] and not split._captures and not split._ready
+    with split.record(1):  # a forward never backwarded: reset drops what it holds
+        stage(x)
     split.reset()
+    assert seen[-1]() is None and not split._captures and not split._grad_casts and not split._casts
     # A plain forward and backward afterwards: autograd's own nodes, gradients at once.
     stage.zero_grad()
     out = stage(x)
@@ -185,15 +226,95 @@ def test_nothing_leaks_out_of_record():
             pass
 
 
+class _Tied(nn.Module):
+    """An embedding and an output head sharing one weight (the GPT's tie on one stage), a block whose
+    output is modified in place (ReLU(inplace)), and the head's output as the stage's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(16, WIDTH)
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.act = nn.ReLU(inplace=True)
+        self.fc2 = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, 16, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        return self.head(self.fc2(self.act(self.fc(self.wte(idx)))))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_capture_falls_back_for_tied_weights_and_outputs_modified_in_place(autocast):
+    torch.manual_seed(0)
+    stage = _Tied()
+    reference = copy.deepcopy(stage)
+    split = SplitBackward(stage)
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    for mb in range(2):
+        idx = torch.randint(0, 16, (3, 5), generator=torch.Generator().manual_seed(mb))
+        g = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(10 + mb))
+        with ctx():
+            want = reference(idx)
+            with split.record(mb):
+                got = stage(idx)
+        assert torch.equal(got, want)
+        want.float().backward(g)
+        assert split.backward_input(mb, got.float(), g) is None
+        # Captured: fc2 (the head's input). fc's output was modified in place: its gradient in I. The head
+        # shares the embedding's weight: through the Function (deferred, its own gradient in W).
+        assert split.queued(mb) == 2
+        assert stage.fc.weight.grad is not None and (mb > 0 or stage.fc2.weight.grad is None)
+        split.weight_grad(mb)
+    assert split.pending() == []
+    split.reset()
+    exact = [n for n, _ in stage.named_parameters() if n != "wte.weight"]
+    for name in exact:  # bit for bit; the tied weight's two uses are added in another order
+        assert torch.equal(stage.get_parameter(name).grad, reference.get_parameter(name).grad), name
+    assert (stage.wte.weight.grad - reference.wte.weight.grad).abs().max() <= 1e-5
+
+
+class _Flat(nn.Module):
+    """Linear layers whose weights are views of one flat parameter, set before each forward (how FSDP
+    units hand their modules the gathered weights): nothing to capture, the gradient flows elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(WIDTH, WIDTH, bias=False), nn.Linear(WIDTH, WIDTH, bias=False)
+        self.flat = nn.Parameter(torch.cat([self.fc1.weight.detach().flatten(), self.fc2.weight.detach().flatten()]))
+        for m in (self.fc1, self.fc2):
+            del m._parameters["weight"]
+            m.weight = None
+
+    def forward(self, x):
+        self.fc1.weight, self.fc2.weight = self.flat.view(2, WIDTH, WIDTH).unbind(0)
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_capture_left_off_for_weights_that_are_views_of_a_flat_parameter():
+    torch.manual_seed(0)
+    stage = _Flat()
+    reference = copy.deepcopy(stage)
+    split = SplitBackward(stage)
+    x, g = _data()
+    reference(x.detach().clone().requires_grad_(True)).backward(g)
+    with split.record(0):
+        out = stage(x)
+    split.backward_input(0, out, g, x)
+    assert split.queued(0) == 0 and not split._plan  # nothing deferred, nothing lost
+    assert torch.equal(stage.flat.grad, reference.flat.grad)
+    split.reset()
+
+
 def _mm_flops(fn) -> float:
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         fn()
     return sum(e.flops for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
 
 
-def test_input_and_weight_passes_do_the_matmul_work_of_one_backward():
+@pytest.mark.parametrize("mode", ["capture", "functional"])
+def test_input_and_weight_passes_do_the_matmul_work_of_one_backward(mode):
     stage = _stage()
-    split = SplitBackward(stage, functional=True)
+    split = _split(stage, mode)
     x, g = _data()
     out = stage(x)
     whole = _mm_flops(lambda: out.backward(g))
@@ -201,8 +322,7 @@ def test_input_and_weight_passes_do_the_matmul_work_of_one_backward():
         out = stage(x)
 
     def input_pass():
-        with split.input_grad():
-            out.backward(g)
+        split.backward_input(0, out, g, x)
 
     input_only = _mm_flops(input_pass)
     weight_only = _mm_flops(lambda: split.weight_grad(0))

@@ -242,13 +242,18 @@ class PipelineEngine:
                     x, out = held.pop((mb, chunk))
                     grad = None if stage == last else link.recv(me, (stage + 1) % self.pipe_size)
                     start = clock.start() if clock is not None else None
+                    dx = None
                     if out.requires_grad:  # not: a stage whose parameters are all frozen, fed the batch
-                        with split.input_grad() if action.kind == "I" else nullcontext():
+                        if action.kind == "I":
+                            dx = split.backward_input((mb, chunk), out, grad,
+                                                      x if isinstance(x, torch.Tensor) else None)
+                        else:
                             out.backward(grad)
+                            dx = x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
                     back = None
                     if stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
                         # An input the stage ignored has no gradient: the previous stage still waits for one.
-                        back = x.grad if x.grad is not None else torch.zeros_like(x)
+                        back = dx if dx is not None else torch.zeros_like(x)
                     if clock is not None:
                         clock.stop(action.kind, mb, chunk, start)
                     if back is not None:

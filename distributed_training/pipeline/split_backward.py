@@ -15,48 +15,78 @@ own: the matmuls. For ``y = x W^T + b`` (with ``x`` flattened to ``(N, in)``)::
     dW = dy^T x          needed only by the optimizer: deferred to W
     db = dy.sum(0)       deferred with it
 
-So every ``F.linear`` call (``nn.Linear`` calls it) whose weight is a leaf tensor that requires a
-gradient (an `nn.Parameter`) goes, while a forward is recorded (`SplitBackward.record`), through
-`_DeferredLinear`: an autograd Function with the same forward whose backward returns ``dx`` only and
-hands ``(x, dy)`` to a queue, one queue per recorded forward (per microbatch and chunk in the engine).
-`SplitBackward.weight_grad` (W) then runs the queued products and accumulates ``dW`` and ``db`` into
-``.grad`` through autograd's own accumulation (``torch.autograd.backward`` on the parameters), so the
-parameters' hooks run as in a plain backward (a data-parallel strategy's post-accumulate hooks), and
-releases ``x`` and ``dy``. Everything else (LayerNorm, embeddings, biases of other layers,
-attention's products of activations) gets its gradient in I as usual. The matmuls are the ones plain
-autograd runs for `F.linear` (``dy.mm(W)`` and ``dy^T.mm(x)``), so I + W does the
-work of one backward and the gradients equal a plain backward's up to the order in which the two
-uses of a tied weight are added.
+Two ways to get ``dy`` without the weight's product, both while a forward is recorded
+(`SplitBackward.record(key)`, the engine's F, key ``(microbatch, chunk)``), both by swapping the
+forward of each `nn.Linear` of the given modules (any module running `nn.Linear`'s own forward) for an
+instance attribute removed on exit: nothing changes outside `record`, and no other op pays anything.
 
-Interception. During `record`, every `nn.Linear` of the given modules (any module running
-`nn.Linear`'s own forward) has its forward swapped, as an instance attribute removed on exit, for
-one that goes through the Function: no cost for the other ops, and nothing changed outside `record`,
-so a plain forward and backward behave as always. With ``functional=True`` a `TorchFunctionMode`
-also catches every other ``F.linear`` call of the recorded forward, whoever makes it (a module
-calling ``F.linear`` on a parameter of its own, a tied output head written functionally), at about
-5 us of host time per torch call of the forward. Weights that are not leaves (computed in the
-forward, or views of a flat buffer) and tensor subclasses go through plain ``F.linear``: their
-gradient comes in I (correct, not deferred).
+Capture (the default). The swapped forward is plain ``F.linear``; it only notes the layer's input
+``x`` (as the matmul sees it: under autocast it does autocast's casts itself, see below) and its
+output ``y``. The I (`SplitBackward.backward_input`) is one backward with ``inputs=``: the stage's
+input, the captured outputs ``y`` and every other parameter of the modules that requires a gradient,
+but not the captured weights and biases. Autograd's generated backward of ``addmm`` / ``mm`` computes
+only the gradients its next nodes need, so the captured weights' matmuls are skipped, while each ``y``
+receives its ``dy`` (in ``y.grad``, taken at once) and everything else accumulates as in a plain
+backward, hooks included, once. The W (`SplitBackward.weight_grad`) computes ``dW = dy^T x`` and
+``db = dy.sum(0)`` with the matmuls of autograd's addmm / mm backward and accumulates them through
+autograd's engine (``backward`` on the parameters: their hooks run as in a plain backward, a
+data-parallel strategy's post-accumulate hooks), releasing ``x`` and ``dy``. So I + W runs the very
+kernels of one backward: the gradients equal a plain backward's bit for bit (CPU tests, fp32 and
+bf16). Host time: about 3 us per layer in F (the bookkeeping), nothing per layer inside I's backward,
+and W's few Python calls per layer (the plain backward runs the same ops in C++).
 
-The Function takes the weight and bias as plain (non-differentiable) arguments: an autograd edge to
-a parameter that receives no gradient in I would still run its accumulation node, firing its hooks
+Where capture would be wrong, the layer takes the Function's path (below) or is not deferred:
+
+* a weight or bias registered in another module too (the GPT's tied embedding and head on one stage):
+  its other use's gradient would be skipped in I; such layers go through the Function (found by
+  parameter identity over ``modules()`` once per step);
+* a layer's output modified in place after the layer (``ReLU(inplace=True)``): ``y``'s gradient is no
+  longer the layer's; its weight and bias are then asked for in I (gradient in I, not deferred);
+* a step where some parameter of the modules is not a plain leaf or a linear layer's weight is not a
+  registered parameter (FSDP's views of a flat buffer, so ZeRO-3 inside stages): the gradient goes to
+  tensors a captured I would not know, so nothing is captured that step (the Function's path, which
+  leaves non-leaf weights to plain ``F.linear``, gradients in I);
+* a weight replaced during the step, an input that is a tensor subclass: that forward's I is a plain
+  backward (its captured layers get their gradients in I).
+
+What capture assumes and cannot check: the leaves that need a gradient are the modules' parameters and
+the stage's input (a tensor requiring a gradient kept as a plain attribute, or a loss with parameters,
+would get no gradient in a captured I), and a captured layer's weight is not also used directly by
+other code (``F.linear(x, other.weight)`` in another module: that use's gradient would be lost). Where
+a model does either, use ``capture=False`` (or ``functional=True``).
+
+The Function (``capture=False``, ``functional=True``, and the fallbacks above). The swapped forward goes
+through `_DeferredLinear`, an autograd Function with the same forward whose backward returns ``dx``
+only and queues ``(x, dy)`` under its key while `input_grad` is active (a captured I activates it).
+About 30 us of host time per layer in F and as much in I on a GPU host: the Python Function and its
+Python backward. With ``functional=True`` a `TorchFunctionMode` also catches every other ``F.linear``
+call of the recorded forward, whoever makes it (a module calling ``F.linear`` on a parameter of its
+own, a tied output head written functionally), at about 5 us of host time per torch call of the
+forward. Weights that are not leaves (computed in the forward, or views of a flat buffer) and tensor
+subclasses go through plain ``F.linear``: their gradient comes in I (correct, not deferred). The
+Function takes the weight and bias as plain (non-differentiable) arguments: an autograd edge to a
+parameter that receives no gradient in I would still run its accumulation node, firing its hooks
 with nothing accumulated. When the input does not require a gradient (the first layer of a model fed
 with data), a zero-element *anchor* tensor stands in as the Function's differentiable input, so that
-the backward still reaches it.
+the backward still reaches it (a captured I asks for its gradient too). With a weight shared with
+another module, the gradients equal a plain backward's up to the order in which its uses are added.
 
-Mixed precision. Under autocast, the Function does autocast's casts itself (input, weight and bias to
-the autocast dtype, float64 left alone) and calls `F.linear` on the cast tensors, which autocast
-passes through unchanged: the very ops autocast would run; the weight's cast is cached per parameter until `reset` (what autocast's cache does within one
-autocast region), so the microbatches in flight share one low-precision copy. ``dx`` returns in the
-input's dtype, ``dW`` and ``db`` are computed in the compute dtype and cast to the parameter's dtype
-before accumulation, as autocast's graph does.
+Mixed precision. Under autocast, both paths do autocast's casts themselves (input, weight and bias to
+the autocast dtype, float64 left alone) and call `F.linear` on the cast tensors, which autocast passes
+through unchanged: the very ops autocast would run. The weight's cast is cached per parameter until
+`reset` (what autocast's cache does within one autocast region), so the microbatches in flight share
+one low-precision copy (capture keeps the cast differentiable, the graph reaches the weight through
+it). ``dx`` returns in the input's dtype, ``dW`` and ``db`` are computed in the compute dtype and cast
+to the parameter's dtype on accumulation, as autocast's graph does.
 
-A backward of a recorded forward that runs outside `input_grad` (no deferral asked) computes the
-weight gradients at once, inside that backward: recording alone never loses a gradient.
+A backward of a recorded forward that is not a `backward_input` and runs outside `input_grad` computes
+the weight gradients at once: recording alone never loses a gradient. The older I, ``out.backward()``
+under `input_grad`, still works: the Function's layers are deferred, captured layers get their weight
+gradients in it (nothing deferred for them, nothing lost).
 
 Not covered: weights used through other ops (``x @ w.t()``, ``torch.addmm``): their gradient comes in
-I; activation checkpointing of a recorded forward (the recomputation would not go through the
-Function); `torch.compile` of the recorded modules (the Function's queue is Python state).
+I; activation checkpointing of a recorded forward (the recomputation would not be recorded);
+`torch.compile` of the recorded modules (the records are Python state).
 """
 
 from __future__ import annotations
@@ -104,32 +134,52 @@ class _WeightGrad:
 
     __slots__ = ("x", "dy", "weight", "bias", "versions")
 
-    def __init__(self, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 x_version: int | None = None) -> None:
         self.x, self.dy, self.weight, self.bias = x, dy, weight, bias
-        self.versions = (x._version, dy._version)
+        self.versions = (x._version if x_version is None else x_version, dy._version)
 
-    def grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(parameter, gradient)`` pairs, the gradients in the parameters' dtypes; drops ``x`` and ``dy``."""
+    def grads(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> int:
+        """Appends the ``(parameter, gradient)`` pairs to `params` and `grads`; drops ``x`` and ``dy``;
+        returns the gradients' bytes in the parameters' dtypes. The gradients are in the compute dtype:
+        autograd's engine casts each to its parameter's dtype on the way in (what autocast's graph does
+        with a ``ToCopyBackward``, the same cast), saving a Python call per tensor. Autocast must be off
+        (W: the caller turns it off once for all its layers: host time)."""
         x, dy = self.x, self.dy
         self.x = self.dy = None
-        if (x._version, dy._version) != self.versions:
-            raise RuntimeError("a tensor a deferred weight gradient needs was modified in place between the input "
-                               "gradient (I) and the weight gradient (W)")
-        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, in), (N, out)
-        with _no_autocast(x.device.type):
-            out = []
-            if self.weight.requires_grad:
-                # As autograd's addmm / mm backward computes it for F.linear's transposed weight: dy^T x.
-                out.append((self.weight, dy2.t().mm(x2).to(self.weight.dtype)))  # (out, in)
-            if self.bias is not None and self.bias.requires_grad:
-                out.append((self.bias, dy2.sum(0).to(self.bias.dtype)))
-        return out
+        if x._version != self.versions[0] or dy._version != self.versions[1]:
+            raise RuntimeError("a tensor a deferred weight gradient needs (a linear layer's input or output "
+                               "gradient) was modified in place before the weight gradient (W) used it")
+        if x.dim() != 2:
+            x, dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, in), (N, out)
+        size = 0
+        weight, bias = self.weight, self.bias
+        if weight.requires_grad:
+            # As autograd's addmm / mm backward computes it for F.linear's transposed weight: dy^T x.
+            g = dy.t().mm(x)  # (out, in)
+            params.append(weight)
+            grads.append(g)
+            size += g.numel() * weight.element_size()
+        if bias is not None and bias.requires_grad:
+            params.append(bias)
+            grads.append(dy.sum(0))
+        return size
 
 
-def _accumulate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+#: Autograd's engine without `torch.autograd.backward`'s Python checks of each (tensor, gradient) pair
+#: (about 5 us each on CPU: a W hands it two per layer): our gradients have the parameters' shapes and
+#: dtypes by construction. The public function where a torch lacks it.
+_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def _accumulate(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """Add each gradient to its parameter's ``.grad`` through autograd (hooks run, layouts kept)."""
-    if pairs:
-        torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+    if not params:
+        return
+    if _run_backward is None:
+        torch.autograd.backward(params, grads)
+    else:
+        _run_backward(tuple(params), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -166,14 +216,20 @@ class _DeferredLinear(torch.autograd.Function):
         if store._deferring:
             store._queues.setdefault(ctx.key, []).append(work)
         else:  # a backward without I/W: the weight gradients now
-            _accumulate(work.grads())
+            params, grads = [], []
+            with _no_autocast(dy.device.type):
+                work.grads(params, grads)
+            _accumulate(params, grads)
         return dx, None, None, None, None
 
 
 def _linear(store: "SplitBackward", key: Hashable, x, weight, bias):
     """``F.linear(x, weight, bias)``, through `_DeferredLinear` when its weight gradient can be deferred."""
     if torch.is_grad_enabled() and store._deferrable(x, weight, bias):
-        anchor = None if x.requires_grad else store._anchor(x.device)
+        anchor = None
+        if not x.requires_grad:
+            anchor = store._anchor(x.device)
+            store._anchored.add(key)  # a captured I must ask for the anchor's gradient, or the node never runs
         return _DeferredLinear.apply(x, anchor, (weight, bias), store, key)
     return F.linear(x, weight, bias)
 
@@ -199,25 +255,55 @@ def _swapped_forward(store: "SplitBackward", key: Hashable, module: nn.Linear):
     return forward
 
 
+def _captured_forward(store: "SplitBackward", key: Hashable, module: nn.Linear, weight: torch.Tensor,
+                      bias: torch.Tensor | None, captures: list):
+    """`module`'s forward in capture mode: plain `F.linear`, noting the input as the matmul sees it and the
+    output under `key` (about 3 us of host time on top of `F.linear`)."""
+
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        if module.weight is not weight or module.bias is not bias or type(input) is not torch.Tensor:
+            # A weight replaced since the step's plan, or an input subclass: the Function's path, and this
+            # forward's I then a plain backward (its captured layers get their gradients in I).
+            store._uncaptured.add(key)
+            return _linear(store, key, input, module.weight, module.bias)
+        if not torch.is_grad_enabled():
+            return F.linear(input, weight, bias)
+        dtype = _autocast_dtype(input.device.type)
+        if dtype is None:
+            x, out = input, F.linear(input, weight, bias)
+        else:  # autocast's casts, done here to keep the matmul's input for W (autocast passes them through)
+            x = input  # `_cast` inlined (host time)
+            if x.dtype != dtype and x.dtype != torch.float64 and x.is_floating_point():
+                x = x.to(dtype)
+            out = F.linear(x, store._cast_param(weight, dtype, True), store._cast_param(bias, dtype, True))
+        captures.append((x, x._version, out, out._version, weight, bias))
+        return out
+
+    return forward
+
+
 class SplitBackward:
     """Deferred weight gradients of the linear layers of recorded forwards (I/W split backwards).
 
     Args:
         modules: the modules whose `nn.Linear` layers (any module whose forward is `nn.Linear`'s) defer
             their weight gradients: during `record` each one's forward is swapped (an instance
-            attribute, removed on exit) for one going through `_DeferredLinear`. No cost for other ops.
+            attribute, removed on exit) for a capturing one or one going through `_DeferredLinear`
+            (the module docstring). No cost for other ops.
         functional: also catch every other ``F.linear`` call of the recorded forward (a module calling
             it with its own parameter, a tied head written functionally), through a `TorchFunctionMode`:
             about 5 us of host time per torch call of the forward (measured on CPU), which matters for
-            small layers only.
+            small layers only. Every layer then goes through the Function (no capture).
+        capture: capture the layers where it is safe (default True; the module docstring): plain
+            ``F.linear`` in F and one backward in I, a fraction of the Function's host time. False:
+            every layer through the Function, for models whose leaves capture cannot see.
 
     Usage, per microbatch (the engine does this for schedules with ``I`` and ``W`` actions)::
 
         split = SplitBackward([stage])
-        with split.record(key):            # F: linear layers go through the deferring Function
+        with split.record(key):            # F: linear layers noted (or through the deferring Function)
             out = stage(x)
-        with split.input_grad():           # I: input gradients; linear weight gradients queued under key
-            out.backward(grad)
+        dx = split.backward_input(key, out, grad, x)  # I: input gradients; weight gradients kept under key
         ...
         split.weight_grad(key)             # W: the queued weight gradients, accumulated into .grad
         split.reset()                      # end of step: nothing may be left; casts dropped
@@ -226,7 +312,8 @@ class SplitBackward:
     holds state between steps once `reset` ran.
     """
 
-    def __init__(self, modules: Sequence[nn.Module] | nn.Module = (), *, functional: bool = False) -> None:
+    def __init__(self, modules: Sequence[nn.Module] | nn.Module = (), *, functional: bool = False,
+                 capture: bool = True) -> None:
         if isinstance(modules, nn.Module):
             modules = [modules]
         modules = list(modules)
@@ -235,14 +322,27 @@ class SplitBackward:
                 raise TypeError(f"modules[{i}] must be an nn.Module, got {type(m).__name__}")
         if not isinstance(functional, bool):
             raise TypeError(f"functional must be a bool, got {functional!r}")
+        if not isinstance(capture, bool):
+            raise TypeError(f"capture must be a bool, got {capture!r}")
         self.modules = modules
         self.functional = functional
+        self.capture = capture
         self._queues: dict[Hashable, list[_WeightGrad]] = {}
         self._deferring = False
         self._recording = False
         self._linears: list[nn.Linear] | None = None
         self._anchors: dict[torch.device, torch.Tensor] = {}
         self._casts: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._grad_casts: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, torch.Tensor]] = {}
+        # Capture mode, planned once per step (until reset): id(linear) -> (weight, bias) for the layers
+        # captured; the other parameters that require a gradient (the inputs of a captured I).
+        self._plan: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._others: list[torch.Tensor] = []
+        # key -> [(x, x's version, y, y's version, weight, bias)] from F to I; key -> work from I to W.
+        self._captures: dict[Hashable, list[tuple]] = {}
+        self._ready: dict[Hashable, list[_WeightGrad]] = {}
+        self._uncaptured: set[Hashable] = set()  # forwards whose I must be a plain backward
+        self._anchored: set[Hashable] = set()    # forwards whose Function calls hang on an anchor
 
     # ------------------------------------------------------------------------------------------ phases
 
@@ -253,10 +353,15 @@ class SplitBackward:
             raise RuntimeError("SplitBackward.record() is already active (nested recorded forwards)")
         if self._linears is None:  # found once per step (until reset): the modules may change between steps
             self._linears = self._find_linears()
+            self._plan_capture()
+        captures = self._captures.setdefault(key, [])
         swapped = []
         for m in self._linears:
             if "forward" not in m.__dict__:  # not given an instance forward by someone else
-                object.__setattr__(m, "forward", _swapped_forward(self, key, m))
+                planned = self._plan.get(id(m))
+                forward = (_swapped_forward(self, key, m) if planned is None
+                           else _captured_forward(self, key, m, *planned, captures))
+                object.__setattr__(m, "forward", forward)
                 swapped.append(m)
         self._recording = True
         try:
@@ -269,6 +374,8 @@ class SplitBackward:
             self._recording = False
             for m in swapped:
                 del m.__dict__["forward"]
+            if not captures:
+                del self._captures[key]
 
     @contextmanager
     def input_grad(self) -> Iterator[None]:
@@ -281,36 +388,97 @@ class SplitBackward:
         finally:
             self._deferring = False
 
+    def backward_input(self, key: Hashable, out: torch.Tensor, grad: torch.Tensor | None = None,
+                       x: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The input-gradient pass (``I``) of the forward recorded under `key`: ``out.backward(grad)`` with the
+        weight gradients of its recorded linear layers deferred to ``weight_grad(key)``. Returns the
+        gradient with respect to `x` (the forward's input; None when it is not given, needs no gradient or
+        got none). Every other gradient accumulates into ``.grad`` as in a plain backward, hooks included.
+
+        Captured layers (see the class): one backward with ``inputs=`` `x`, the layers' outputs and the
+        other parameters, so autograd computes each captured output's gradient ``dy`` and skips the
+        matmuls of the captured weights (nothing asked their gradient). Otherwise (nothing captured,
+        or a forward that went elsewhere) a plain backward under `input_grad`."""
+        captures = self._captures.pop(key, None)
+        want_x = x is not None and x.requires_grad
+        if captures is None or key in self._uncaptured:
+            self._uncaptured.discard(key)
+            self._anchored.discard(key)
+            if want_x and not x.is_leaf:
+                x.retain_grad()
+            with self.input_grad():
+                torch.autograd.backward(out, grad)
+            return x.grad if want_x else None
+        inputs = [x] if want_x else []
+        armed, extra = [], []
+        for c in captures:
+            if c[2]._version == c[3]:
+                armed.append(c)
+                inputs.append(c[2])
+            else:  # the output was modified in place after the layer: its gradient is not the layer's dy, so
+                extra.append(c[4])  # this layer's weight gradient is computed in I (no deferral, correct)
+                if c[5] is not None and c[5].requires_grad:
+                    extra.append(c[5])
+        inputs += self._others
+        inputs += extra
+        if key in self._anchored:
+            inputs += list(self._anchors.values())
+        self._deferring = True
+        try:
+            torch.autograd.backward(out, grad, inputs=inputs)
+        finally:
+            self._deferring = False
+            self._anchored.discard(key)
+        ready = self._ready.setdefault(key, [])
+        for x_c, x_version, y, _, weight, bias in armed:
+            dy = y.grad
+            if dy is not None:  # None: the output did not reach `out` (no gradient in a plain backward either)
+                y.grad = None
+                ready.append(_WeightGrad(x_c, dy, weight, bias, x_version))
+        if not ready:
+            del self._ready[key]
+        return x.grad if want_x else None
+
     def weight_grad(self, key: Hashable) -> int:
         """Run the weight-gradient work queued under `key` (``W``): each deferred layer's ``dW`` and ``db``
         accumulate into ``.grad`` (through autograd: the parameters' hooks run), then the tensors it held
         are released. Returns how many layers' work ran (0 when nothing was queued under `key`)."""
         work = self._queues.pop(key, [])
-        pairs, size = [], 0
-        for item in work:
-            for param, grad in item.grads():
-                pairs.append((param, grad))
-                size += grad.numel() * grad.element_size()
-            # One autograd call for many small layers (host time), but never a whole stage's gradients
-            # waiting at once (memory): a plain backward frees each gradient once accumulated.
-            if size >= _ACCUMULATE_BYTES:
-                _accumulate(pairs)
-                pairs, size = [], 0
-        _accumulate(pairs)
+        ready = self._ready.pop(key, None)
+        if ready:  # captured layers, last layer first as a backward reaches them
+            work.extend(reversed(ready))
+        if not work:
+            return 0
+        params, grads, size = [], [], 0
+        with _no_autocast(work[0].dy.device.type):
+            for item in work:
+                size += item.grads(params, grads)
+                # One autograd call for many small layers (host time), but never a whole stage's gradients
+                # waiting at once (memory): a plain backward frees each gradient once accumulated.
+                if size >= _ACCUMULATE_BYTES:
+                    _accumulate(params, grads)
+                    params, grads, size = [], [], 0
+        _accumulate(params, grads)
         return len(work)
 
     def queued(self, key: Hashable) -> int:
         """How many layers' weight-gradient work waits under `key`."""
-        return len(self._queues.get(key, ()))
+        return len(self._queues.get(key, ())) + len(self._ready.get(key, ()))
 
     def pending(self) -> list[Hashable]:
         """The keys with queued work not run yet."""
-        return [key for key, work in self._queues.items() if work]
+        return list(dict.fromkeys([key for key, work in self._queues.items() if work] + list(self._ready)))
 
     def reset(self) -> None:
         """Drop everything: queued work (its gradients are lost), the cached casts of the weights."""
         self._queues.clear()
         self._casts.clear()
+        self._grad_casts.clear()
+        self._captures.clear()
+        self._ready.clear()
+        self._uncaptured.clear()
+        self._anchored.clear()
+        self._plan, self._others = {}, []
         self._linears = None
         self._deferring = False
 
@@ -324,6 +492,39 @@ class SplitBackward:
                 if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
                     found.setdefault(id(m), m)
         return list(found.values())
+
+    def _plan_capture(self) -> None:
+        """Which of `_linears` are captured this step, and the other parameters a captured I asks for.
+
+        A layer is captured when its weight (and bias) is a plain leaf parameter that requires a gradient
+        and is registered in no other module (a tied weight's other use would lose its gradient in I or
+        the layer's own would count twice): the others go through the Function. No capture at all this
+        step where a parameter of the modules is not a plain leaf, or a linear layer's weight is not a
+        registered parameter (FSDP's views of a flat buffer: the gradient flows to tensors we do not
+        know, so I must be a plain backward)."""
+        self._plan, self._others = {}, []
+        if self.functional or not self.capture:
+            return
+        params: dict[int, torch.Tensor] = {}
+        uses: dict[int, int] = {}
+        for root in self.modules:
+            for m in root.modules():
+                for p in m._parameters.values():
+                    if p is not None:
+                        params[id(p)] = p
+                        uses[id(p)] = uses.get(id(p), 0) + 1
+        if not all(type(p) in (torch.Tensor, nn.Parameter) and p.is_leaf for p in params.values()):
+            return
+        plan = {}
+        for m in self._linears:
+            weight, bias = m.weight, m.bias
+            if id(weight) not in params or (bias is not None and id(bias) not in params):
+                return
+            if weight.requires_grad and uses[id(weight)] == 1 and (bias is None or uses[id(bias)] == 1):
+                plan[id(m)] = (weight, bias)
+        deferred = {id(t) for pair in plan.values() for t in pair if t is not None}
+        self._plan = plan
+        self._others = [p for i, p in params.items() if p.requires_grad and i not in deferred]
 
     @staticmethod
     def _deferrable(x, weight, bias) -> bool:
@@ -343,15 +544,19 @@ class SplitBackward:
             anchor = self._anchors[device] = torch.empty(0, device=device, requires_grad=True)
         return anchor
 
-    def _cast_param(self, t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
-        """`t` in the compute dtype, cast once per parameter (and per in-place update) until `reset`."""
+    def _cast_param(self, t: torch.Tensor | None, dtype: torch.dtype | None,
+                    differentiable: bool = False) -> torch.Tensor | None:
+        """`t` in the compute dtype, cast once per parameter (and per in-place update) until `reset`.
+        `differentiable`: the cast made with autograd recording (capture mode, where the graph reaches the
+        parameter through it), kept apart from the Function's casts, made without."""
         if t is None or dtype is None or t.dtype == dtype:
             return t
         key = (id(t), dtype)
-        hit = self._casts.get(key)  # looked up before casting: a cast is a kernel and a new tensor
+        casts = self._grad_casts if differentiable else self._casts
+        hit = casts.get(key)  # looked up before casting: a cast is a kernel and a new tensor
         if hit is not None and hit[0] is t and hit[1] == t._version:
             return hit[2]
         cast = _cast(t, dtype)
         if cast is not t:
-            self._casts[key] = (t, t._version, cast)
+            casts[key] = (t, t._version, cast)
         return cast
