@@ -226,6 +226,30 @@ def test_nothing_leaks_out_of_record(mode):
             pass
 
 
+@pytest.mark.parametrize("hooked", [False, True])
+def test_capture_runs_tensor_hooks_once(hooked):
+    # A tensor hook on a parameter whose gradient comes in I (LayerNorm's): autograd.grad would run it
+    # and the accumulation again, so I takes the backward path; either way every hook runs once.
+    stage, reference = _stage(), _stage()
+    calls = []
+    if hooked:
+        for module in (stage, reference):
+            module.ln.weight.register_hook(lambda g: calls.append(1) or g * 2)
+    split = SplitBackward(stage)
+    for mb in range(2):
+        x, g = _data(seed=mb)
+        x_ref = x.detach().clone().requires_grad_(True)
+        reference(x_ref).backward(g)
+        with split.record(mb):
+            out = stage(x)
+        assert torch.equal(split.backward_input(mb, out, g, x), x_ref.grad)
+        assert split._hooked == hooked and split.queued(mb) == 2
+        split.weight_grad(mb)
+    assert len(calls) == (4 if hooked else 0)  # two microbatches, the stage and its reference
+    assert _max_diff(stage, reference) == 0.0
+    split.reset()
+
+
 class _Tied(nn.Module):
     """An embedding and an output head sharing one weight (the GPT's tie on one stage), a block whose
     output is modified in place (ReLU(inplace)), and the head's output as the stage's output."""

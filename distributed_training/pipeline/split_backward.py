@@ -22,12 +22,15 @@ instance attribute removed on exit: nothing changes outside `record`, and no oth
 
 Capture (the default). The swapped forward is plain ``F.linear``; it only notes the layer's input
 ``x`` (as the matmul sees it: under autocast it does autocast's casts itself, see below) and its
-output ``y``. The I (`SplitBackward.backward_input`) is one backward with ``inputs=``: the stage's
-input, the captured outputs ``y`` and every other parameter of the modules that requires a gradient,
-but not the captured weights and biases. Autograd's generated backward of ``addmm`` / ``mm`` computes
-only the gradients its next nodes need, so the captured weights' matmuls are skipped, while each ``y``
-receives its ``dy`` (in ``y.grad``, taken at once) and everything else accumulates as in a plain
-backward, hooks included, once. The W (`SplitBackward.weight_grad`) computes ``dW = dy^T x`` and
+output ``y``. The I (`SplitBackward.backward_input`) is one ``torch.autograd.grad`` of the stage's
+output for: the stage's input, the captured outputs ``y`` and every other parameter of the modules
+that requires a gradient, but not the captured weights and biases. Autograd's generated backward of
+``addmm`` / ``mm`` computes only the gradients its next nodes need, so the captured weights' matmuls
+are skipped, while the engine hands back each ``y``'s ``dy`` (the very tensor, no copy) and the other
+parameters' gradients, which then accumulate through autograd's engine (their hooks run, once, as in
+a plain backward). Where one of those parameters has tensor hooks (``register_hook``), which
+``autograd.grad`` would run and the accumulation again, I is instead one ``backward(inputs=...)``
+(the same parameters and outputs: hooks once, but autograd copies each ``dy`` into ``y.grad``). The W (`SplitBackward.weight_grad`) computes ``dW = dy^T x`` and
 ``db = dy.sum(0)`` with the matmuls of autograd's addmm / mm backward and accumulates them through
 autograd's engine (``backward`` on the parameters: their hooks run as in a plain backward, a
 data-parallel strategy's post-accumulate hooks), releasing ``x`` and ``dy``. So I + W runs the very
@@ -338,6 +341,7 @@ class SplitBackward:
         # captured; the other parameters that require a gradient (the inputs of a captured I).
         self._plan: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._others: list[torch.Tensor] = []
+        self._hooked = False  # some of `_others` has tensor hooks (``register_hook``): see backward_input
         # key -> [(x, x's version, y, y's version, weight, bias)] from F to I; key -> work from I to W.
         self._captures: dict[Hashable, list[tuple]] = {}
         self._ready: dict[Hashable, list[_WeightGrad]] = {}
@@ -419,25 +423,38 @@ class SplitBackward:
                 extra.append(c[4])  # this layer's weight gradient is computed in I (no deferral, correct)
                 if c[5] is not None and c[5].requires_grad:
                     extra.append(c[5])
-        inputs += self._others
-        inputs += extra
-        if key in self._anchored:
-            inputs += list(self._anchors.values())
+        rest = self._others + extra  # parameters: their gradients accumulate in I
+        anchors = list(self._anchors.values()) if key in self._anchored else []
         self._deferring = True
         try:
-            torch.autograd.backward(out, grad, inputs=inputs)
+            if self._hooked:  # a backward accumulating in place: hooks once, but each dy a copy (retain_grad)
+                torch.autograd.backward(out, grad, inputs=inputs + rest + anchors)
+                dx = x.grad if want_x else None
+                dys = []
+                for c in armed:
+                    dys.append(c[2].grad)
+                    c[2].grad = None
+            else:  # the engine hands back each dy itself (no copy); the parameters' gradients accumulate after
+                got = torch.autograd.grad(out, inputs + rest + anchors, grad, allow_unused=True)
+                dx = got[0] if want_x else None
+                n = len(inputs)
+                dys = got[n - len(armed):n]
+                params, grads = [], []
+                for p, g in zip(rest, got[n:n + len(rest)]):
+                    if g is not None:
+                        params.append(p)
+                        grads.append(g)
+                _accumulate(params, grads)  # hooks and the data-parallel strategy's callbacks, as in backward
         finally:
             self._deferring = False
             self._anchored.discard(key)
         ready = self._ready.setdefault(key, [])
-        for x_c, x_version, y, _, weight, bias in armed:
-            dy = y.grad
+        for (x_c, x_version, _, _, weight, bias), dy in zip(armed, dys):
             if dy is not None:  # None: the output did not reach `out` (no gradient in a plain backward either)
-                y.grad = None
                 ready.append(_WeightGrad(x_c, dy, weight, bias, x_version))
         if not ready:
             del self._ready[key]
-        return x.grad if want_x else None
+        return dx
 
     def weight_grad(self, key: Hashable) -> int:
         """Run the weight-gradient work queued under `key` (``W``): each deferred layer's ``dW`` and ``db``
@@ -478,7 +495,7 @@ class SplitBackward:
         self._ready.clear()
         self._uncaptured.clear()
         self._anchored.clear()
-        self._plan, self._others = {}, []
+        self._plan, self._others, self._hooked = {}, [], False
         self._linears = None
         self._deferring = False
 
@@ -502,7 +519,7 @@ class SplitBackward:
         step where a parameter of the modules is not a plain leaf, or a linear layer's weight is not a
         registered parameter (FSDP's views of a flat buffer: the gradient flows to tensors we do not
         know, so I must be a plain backward)."""
-        self._plan, self._others = {}, []
+        self._plan, self._others, self._hooked = {}, [], False
         if self.functional or not self.capture:
             return
         params: dict[int, torch.Tensor] = {}
@@ -525,6 +542,9 @@ class SplitBackward:
         deferred = {id(t) for pair in plan.values() for t in pair if t is not None}
         self._plan = plan
         self._others = [p for i, p in params.items() if p.requires_grad and i not in deferred]
+        # ``autograd.grad`` runs a leaf's tensor hooks on the gradient it returns, and accumulating it runs
+        # them again: where one has such hooks, I is a backward accumulating in place (each dy copied).
+        self._hooked = any(getattr(p, "_backward_hooks", None) for p in self._others)
 
     @staticmethod
     def _deferrable(x, weight, bias) -> bool:
