@@ -35,7 +35,7 @@ a plain backward). Where one of those parameters has tensor hooks (``register_ho
 autograd's engine (``backward`` on the parameters: their hooks run as in a plain backward, a
 data-parallel strategy's post-accumulate hooks), releasing ``x`` and ``dy``. So I + W runs the very
 kernels of one backward: the gradients equal a plain backward's bit for bit (CPU tests, fp32 and
-bf16). Host time: about 3 us per layer in F (the bookkeeping), nothing per layer inside I's backward,
+bf16). Host time: a few us per layer in F (the bookkeeping), nothing per layer inside I's backward,
 and W's few Python calls per layer (the plain backward runs the same ops in C++).
 
 Where capture would be wrong, the layer takes the Function's path (below) or is not deferred:
@@ -261,7 +261,7 @@ def _swapped_forward(store: "SplitBackward", key: Hashable, module: nn.Linear):
 def _captured_forward(store: "SplitBackward", key: Hashable, module: nn.Linear, weight: torch.Tensor,
                       bias: torch.Tensor | None, captures: list):
     """`module`'s forward in capture mode: plain `F.linear`, noting the input as the matmul sees it and the
-    output under `key` (about 3 us of host time on top of `F.linear`)."""
+    output under `key` (a few us of host time on top of `F.linear`)."""
 
     def forward(input: torch.Tensor) -> torch.Tensor:
         if module.weight is not weight or module.bias is not bias or type(input) is not torch.Tensor:
