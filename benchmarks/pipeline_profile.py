@@ -39,9 +39,9 @@ def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
     spec, schedule = name.split("_", 1)
     impl, *options = spec.split("-")
     maker = GPTStages(cfg, seed=0)
-    costs = maker.parameter_counts() if "params" in options else None
+    costs = None if "params" in options else maker.compute_costs(x.shape[1])
     module = maker.build(rank, world, device, costs=costs)
-    tied = maker.tied_groups(world)
+    tied = maker.tied_groups(world, costs=costs)
     tie_group = groups["tie"]
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=device.type == "cuda")
 
@@ -57,6 +57,7 @@ def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
         trainer = DistributedTrainer(whole, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=device.type == "cuda"),
                                      context=groups["context"], progress=False, mixed_precision="bf16",
                                      pipeline_parallel_size=world, pipeline_schedule=schedule,
+                                     pipeline_balance="parameters" if "params" in options else "compute",
                                      microbatches=microbatches)
 
         def step():

@@ -163,7 +163,7 @@ def run_job(cfg: JobConfig) -> dict:
             memory_budget_bytes=t.memory_budget_gb * 2**30 if t.memory_budget_gb is not None else None,
             pipeline_parallel_size=t.pipeline_parallel_size, pipeline_schedule=t.pipeline_schedule,
             microbatches=t.microbatches, pipeline_split_points=t.pipeline_split_points,
-            pipeline_chunks=t.pipeline_chunks,
+            pipeline_chunks=t.pipeline_chunks, pipeline_balance=t.pipeline_balance,
         )
     except NotImplementedError as err:
         if not pipelined:
@@ -216,7 +216,7 @@ def _check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
 
     t = cfg.training
     options = PipelineOptions(t.pipeline_parallel_size, t.pipeline_schedule, t.microbatches,
-                              t.pipeline_split_points, t.pipeline_chunks)
+                              t.pipeline_split_points, t.pipeline_chunks, balance=t.pipeline_balance)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world % options.size:
         raise ConfigError(f"training.pipeline_parallel_size={options.size} does not divide the world size {world}: "

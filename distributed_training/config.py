@@ -137,6 +137,9 @@ class TrainingConfig(_Section):
     head); null: stages balanced by parameter count."""
     pipeline_chunks: Optional[PositiveInt] = None
     """Model chunks per rank: interleaved_1f1b only (null: 2 there, 1 for the others)."""
+    pipeline_balance: Literal["parameters", "compute"] = "parameters"
+    """Without pipeline_split_points, what the stages are balanced by: parameter counts, or (a GPT
+    only) its layers' compute: better for wide models, whose step the GPU bounds."""
 
 
 class CommunicationConfig(_Section):
@@ -230,7 +233,7 @@ class JobConfig(_Section):
         t = self.training
         try:
             options = PipelineOptions(t.pipeline_parallel_size, t.pipeline_schedule, t.microbatches,
-                                      t.pipeline_split_points, t.pipeline_chunks)
+                                      t.pipeline_split_points, t.pipeline_chunks, balance=t.pipeline_balance)
         except (TypeError, ValueError) as err:
             raise ConfigError(training_paths(str(err))) from None
         if not options.enabled:
@@ -251,7 +254,7 @@ class JobConfig(_Section):
 
 #: The trainer's pipeline arguments, which are fields of the config's ``training`` section.
 _PIPELINE_ARGUMENTS = re.compile(r"(?<![\w.])(pipeline_parallel_size|pipeline_schedule|microbatches|"
-                                 r"pipeline_split_points|pipeline_chunks)\b")
+                                 r"pipeline_split_points|pipeline_chunks|pipeline_balance)\b")
 
 
 def training_paths(message: str) -> str:

@@ -139,6 +139,10 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         pipeline_split_points: the layer names where stages 1, 2, ... start (e.g. ``["block.6"]``);
             None balances the stages by parameter count.
         pipeline_chunks: model chunks per rank (``"interleaved_1f1b"`` only; default 2 there, else 1).
+        pipeline_balance: without split points, what the stages are balanced by: ``"parameters"``
+            (default) or ``"compute"`` (our GPT: FLOPs per layer; better where the GPU bounds the step,
+            as for wide models; a small model's step is bound by the host's launches, which parameter
+            counts follow more closely).
     """
 
     def __init__(
@@ -176,6 +180,7 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         microbatches: int | None = None,
         pipeline_split_points: list[str] | None = None,
         pipeline_chunks: int | None = None,
+        pipeline_balance: str = "parameters",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -198,7 +203,7 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
                              "given, set it there: init_distributed(timeout=...)")
         check_strategy_argument(strategy, communication)  # before any rendezvous
         pipeline = PipelineOptions(pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points,
-                                   pipeline_chunks, init_seed=seed)
+                                   pipeline_chunks, init_seed=seed, balance=pipeline_balance)
         if pipeline.enabled:
             unsupported = [name for name, value in (("gradient_accumulation_steps", gradient_accumulation_steps != 1),
                                                     ("compile", compile is not False)) if value]

@@ -226,14 +226,15 @@ def _count(module):
 
 def test_gpt_stages_costs_and_balance():
     builder = GPTStages(CFG)
-    counts = builder.parameter_counts()
+    counts = builder.costs()
     C, V, T = CFG.n_embd, CFG.vocab_size, CFG.block_size
     with torch.device("meta"):
         whole = GPT(CFG)
     block = _count(whole.blocks[0])
     assert counts == [V * C + CFG.block_size * C, *[block] * CFG.n_layer, V * C + 2 * C]  # the tie in both
-    costs = builder.costs()  # compute per token: a lookup, the blocks' matmuls and attention, the head's matmul
-    assert costs == [C, *[24 * C * C + 2 * T * C] * CFG.n_layer, 2 * C * V]
+    flops = builder.compute_costs()  # per token: a lookup, the blocks' matmuls and attention, the head's matmul
+    assert flops == [C, *[24 * C * C + 2 * T * C] * CFG.n_layer, 2 * C * V]
+    costs = counts
     for S in range(1, 7):
         assert builder.bounds(S) == partition(costs, S)
     assert builder.bounds(3, split=["block.1", "block.3"]) == [0, 2, 4, 6]
@@ -253,7 +254,7 @@ def test_gpt_stages_compose_to_the_single_stage_build(S):
     builder = GPTStages(CFG, seed=3)
     reference = builder.build(0, 1, "cpu")
     stages = [builder.build(s, S, "cpu") for s in range(S)]
-    costs, bounds = builder.parameter_counts(), builder.bounds(S)
+    costs, bounds = builder.costs(), builder.bounds(S)
     ref_state = reference.state_dict()
     C, V = CFG.n_embd, CFG.vocab_size
     for s, stage in enumerate(stages):

@@ -138,10 +138,11 @@ def test_pipeline_mixed_precision_runs_and_learns(mode):
     (dict(pipeline_parallel_size=2, pipeline_schedule="pipedream"), "pipeline_schedule"),
     (dict(pipeline_parallel_size=2, pipeline_chunks=2), "pipeline_chunks"),
     (dict(pipeline_parallel_size=2, pipeline_split_points=["2", "4"]), "pipeline_split_points"),
+    (dict(pipeline_parallel_size=2, pipeline_balance="flops"), "pipeline_balance"),
 ])
 def test_pipeline_options_errors_name_the_field(kwargs, field):
     names = {"pipeline_parallel_size": "size", "pipeline_schedule": "schedule", "microbatches": "microbatches",
-             "pipeline_split_points": "split_points", "pipeline_chunks": "chunks"}
+             "pipeline_split_points": "split_points", "pipeline_chunks": "chunks", "pipeline_balance": "balance"}
     with pytest.raises(ValueError, match=field):
         PipelineOptions(**{names[k]: v for k, v in kwargs.items()})
 
@@ -159,6 +160,7 @@ def errors_worker(rank, world):
         "strategy": dict(pipeline_parallel_size=3, strategy="auto"),
         "optimizer": dict(pipeline_parallel_size=3, optimizer="built"),
         "accumulation": dict(pipeline_parallel_size=3, gradient_accumulation_steps=2),
+        "balance": dict(pipeline_parallel_size=3, pipeline_balance="compute"),  # an MLP: no compute model
     }
     for name, kwargs in cases.items():
         kwargs = dict(kwargs)
@@ -183,7 +185,7 @@ def test_pipeline_errors_name_the_field():
     expected = {"divide": "pipeline_parallel_size=2 does not divide", "layers": "only 2 layers",
                 "split": "pipeline_split_points", "strategy": "'auto' with pipeline_parallel_size=3",
                 "optimizer": "pass a callable", "accumulation": "gradient_accumulation_steps",
-                "criterion": "needs a criterion"}
+                "criterion": "needs a criterion", "balance": "pipeline_balance='compute' knows the compute of our GPT"}
     for case, text in expected.items():
         assert found[case] is not None and text in found[case], (case, found[case])
 
@@ -290,3 +292,27 @@ def test_batchnorm_statistics_follow_replica_zero_in_every_stage():
         # and the statistics do move from step to step (the check above is not vacuous)
         assert not torch.equal(results[a][1][0][next(iter(results[a][1][0]))],
                                results[a][1][-1][next(iter(results[a][1][0]))])
+
+
+def balance_worker(rank, world):
+    from distributed_training.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=512, block_size=16, n_layer=6, n_head=2, n_embd=16, dropout=0.0)
+    held = {}
+    for balance in ("parameters", "compute"):
+        with torch.device("meta"):
+            model = GPT(cfg)
+        trainer = DistributedTrainer(model, _sgd, pipeline_parallel_size=2, pipeline_balance=balance)
+        held[balance] = list(trainer.strategy.engine.chunks[0].names)
+        trainer.close()
+    return held
+
+
+def test_pipeline_balance_by_compute_moves_blocks_off_the_head_stage():
+    """A GPT whose vocabulary outweighs its blocks: by parameters the embedding (counted like the head)
+    takes a stage's share of blocks; by compute (a lookup costs next to nothing, the head its matmul)
+    the first stage takes more blocks."""
+    first, last = run_distributed(balance_worker, 2, timeout=120)
+    assert first["parameters"] != first["compute"], first
+    assert len(first["compute"]) > len(first["parameters"]), first  # blocks move to the embedding's stage
+    assert first["compute"][-1] not in last["compute"] and "head" in last["compute"][-1], (first, last)

@@ -106,8 +106,9 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, groups
     free_memory(device)
     synchronize(device)
     peak_reset(device)
-    modules = [maker.build(c * world + rank, num_stages, device) for c in range(chunks)]
-    tied = maker.tied_groups(num_stages)
+    costs = maker.compute_costs(x.shape[1])  # balanced by compute (wide model: the GPU bounds the step)
+    modules = [maker.build(c * world + rank, num_stages, device, costs=costs) for c in range(chunks)]
+    tied = maker.tied_groups(num_stages, costs=costs)
     tie_group = _tie_group(tied, world)
 
     def sync_ties():

@@ -94,15 +94,19 @@ def gpt_key(key: str) -> str:
 
 def gpt_layer_flops(cfg: GPTConfig, seq: int | None = None) -> list[float]:
     """Forward FLOPs per token of each layer of the GPT's chain, at sequence length `seq` (default
-    `cfg.block_size`): what its stages are balanced by (the backward costs about twice each layer's
-    forward, so the ratios hold for a whole step).
+    `cfg.block_size`): the stages' balance by compute (`GPTStages.compute_costs`, the trainer's
+    ``pipeline_balance="compute"``; the backward costs about twice each layer's forward, so the ratios
+    hold for a whole step).
 
     ``embed`` is a lookup (counted as ``n_embd``: next to nothing); a block its matmuls, 24 C^2 (qkv
     6 C^2, the attention's projection 2 C^2, the MLP 16 C^2), and causal attention, 2 T C (half of the
-    scores and the weighted sum); ``head`` the vocabulary projection, 2 C V. Parameter counts would
-    weigh the tied embedding on the first stage like the head's matmul on the last: on 2x H200 at
-    GPT-1.3B the last stage then computed 184 ms a step against the first's 159, and a cut by these
-    costs (13 blocks / 11) evens them (`benchmarks/pipeline_profile.py`)."""
+    scores and the weighted sum); ``head`` the vocabulary projection, 2 C V. Parameter counts weigh
+    the tied embedding on the first stage like the head's matmul on the last: on 2x H200 at GPT-1.3B
+    (16 x 1024 tokens in 8 microbatches) the last stage then computed 184 ms a step against the
+    first's 159, and the cut by these costs (13 blocks / 11) evens them: 214.5 ms a step against 218.7
+    (`benchmarks/pipeline_profile.py`). But a narrow model's step is bound by the host's kernel
+    launches, which these costs ignore: GPT-2 124M cut by them (8 blocks / 4 and the head) kept the
+    first rank busy 151 ms a step and the last 38 (2x H200), so parameters stay the default."""
     C, T = cfg.n_embd, cfg.block_size if seq is None else seq
     return [float(C), *[24.0 * C * C + 2.0 * T * C] * cfg.n_layer, 2.0 * C * cfg.vocab_size]
 
@@ -111,8 +115,9 @@ class GPTStages:
     """Builds one pipeline stage of a `GPT`, without constructing the rest of the model.
 
     The chain is ``embed``, ``block.0`` ... ``block.{n_layer-1}``, ``head`` (as `chain(GPT(cfg))`).
-    By default the stages are balanced by compute (`costs`, `gpt_layer_flops`); `split` (boundary
-    names, `split_at`) or `costs` (e.g. measured times, or `parameter_counts`) choose another cut.
+    By default the stages are balanced by parameter count (`costs`: the token embedding counts in
+    both ``embed`` and ``head``, which both use it); `split` (boundary names, `split_at`) or `costs`
+    (e.g. `compute_costs()`, measured times) choose another cut.
 
     Initialisation (the scheme that makes every stage agree with the whole model): each layer is
     built on the meta device, given storage on `device`, and initialised by a generator on `device`
@@ -153,13 +158,13 @@ class GPTStages:
             return GPTHead(nn.LayerNorm(cfg.n_embd), nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False))
         return Block(cfg)
 
-    def costs(self) -> list[float]:
-        """Each layer's compute per token (`gpt_layer_flops`): what the stages are balanced by."""
-        return gpt_layer_flops(self.cfg)
+    def compute_costs(self, seq: int | None = None) -> list[float]:
+        """Each layer's forward FLOPs per token (`gpt_layer_flops`): pass as `costs` to balance by compute."""
+        return gpt_layer_flops(self.cfg, seq)
 
-    def parameter_counts(self) -> list[int]:
-        """Parameters per layer (counted on the meta device: nothing allocated); the tied token
-        embedding counts in both ``embed`` and ``head``."""
+    def costs(self) -> list[int]:
+        """Parameters per layer (counted on the meta device: nothing allocated), what the stages are
+        balanced by by default; the tied token embedding counts in both ``embed`` and ``head``."""
         if self._costs is None:
             with torch.device("meta"):
                 self._costs = [sum(p.numel() for p in self._make(name).parameters()) for name in self.layer_names()]

@@ -12,6 +12,8 @@ __all__ = ["PipelineOptions"]
 #: Schedules that keep at most about P microbatches in flight: fewer microbatches than stages never
 #: fill the pipeline (refused, naming `microbatches`).
 _ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "zbh1")
+#: What `partition` may balance the stages by (``pipeline_balance``).
+BALANCES = ("parameters", "compute")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class PipelineOptions:
         init_seed: the base seed of a meta-device model's initialisation (the trainer's `seed`; see
             `meta_init`): each rank initialises only its stages' layers, from streams seeded by the
             layer's (GPT) or module's name, so the weights do not depend on the cut.
+        balance: what the stages are balanced by when `split_points` is None (``pipeline_balance``):
+            ``"parameters"`` (default: parameter counts) or ``"compute"`` (our GPT only: forward FLOPs per
+            token, `gpt_stages.gpt_layer_flops`; for wide models whose step the GPU, not the host, bounds).
     """
 
     size: int = 1
@@ -37,9 +42,12 @@ class PipelineOptions:
     split_points: tuple[str, ...] | None = None
     chunks: int | None = None
     init_seed: int = 0
+    balance: str = "parameters"
 
     def __post_init__(self) -> None:
         size = self.size
+        if self.balance not in BALANCES:
+            raise ValueError(f"pipeline_balance must be one of {list(BALANCES)}, got {self.balance!r}")
         if isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int):
             raise TypeError(f"seed must be an integer, got {self.init_seed!r}")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:

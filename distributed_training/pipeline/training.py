@@ -10,8 +10,8 @@ different batches; the P ranks of a pipeline see the same batches (`fit` shards 
 
 Stages. The model's chain of layers (`stages.chain`: an `nn.Sequential`, our `GPT`, or an adapter's
 list) is cut into S = P x V stages (V = `pipeline_chunks`, 2 by default for ``"interleaved_1f1b"``, 1
-otherwise), balanced by compute for our GPT (`gpt_layer_flops`) and by parameter count for other chains
-(`partition`), or cut at `pipeline_split_points` (`split_at`).
+otherwise), balanced by parameter count (`partition`; our GPT by compute with
+``pipeline_balance="compute"``, `gpt_layer_flops`), or cut at `pipeline_split_points` (`split_at`).
 Chunk c of pipeline rank r is stage ``c * P + r``. Every rank receives the user's model object,
 keeps its stages' layers and frees the rest: the other layers' parameters and buffers in the user's
 model object are replaced by meta tensors (shapes only), so the model passed to the trainer is not
@@ -145,10 +145,13 @@ class PipelineStrategy(Strategy):
             except ValueError as err:
                 raise ValueError(f"pipeline_split_points: {err}") from None
         else:
-            # Our GPT by compute (its tied embedding would weigh like the head's matmul by parameters);
-            # any other chain by parameter count.
-            costs = (gpt_layer_flops(module.cfg) if isinstance(module, GPT) else
-                     [sum(p.numel() for p in layer.parameters()) for _, layer in layers])
+            if opts.balance == "compute":
+                if not isinstance(module, GPT):
+                    raise ValueError(f"pipeline_balance='compute' knows the compute of our GPT only, not of a "
+                                     f"{type(module).__name__}: use 'parameters' or pipeline_split_points")
+                costs = gpt_layer_flops(module.cfg)
+            else:
+                costs = [sum(p.numel() for p in layer.parameters()) for _, layer in layers]
             bounds = partition(costs, S)
         rank = mesh.rank("pipeline")
         self.device = context.device
