@@ -159,7 +159,8 @@ def _run_big(ctx, opts) -> dict:
     trainer = DistributedTrainer(
         model, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=cuda), strategy="ddp",
         mixed_precision="bf16" if cuda else None, context=ctx, progress=False, seed=0,
-        pipeline_parallel_size=P, pipeline_schedule="1f1b", microbatches=BIG_MICROBATCHES)
+        pipeline_parallel_size=P, pipeline_schedule="1f1b", microbatches=BIG_MICROBATCHES,
+        pipeline_balance="compute")  # a wide model: the GPU bounds its step
     synchronize(device)
     setup_s = time.perf_counter() - t0
     stage_params = sum(p.numel() for p in trainer.module.parameters())
