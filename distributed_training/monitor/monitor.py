@@ -47,6 +47,10 @@ the window (`pipeline.PipelineTiming.metrics`): this rank's stage's ``pipeline/f
 pipeline's ``pipeline/window_ms``, ``pipeline/bubble`` (measured), ``pipeline/bubble_simulated`` and
 ``pipeline/bubble_formula``; `get_performance_metrics` averages the measured bubble over the log steps
 that had one.
+
+This module holds `Monitor` and `NullMonitor`; the monitor's parts live beside it: `timings` (the
+window and run sums of the step timings), `writer` (the log record, the device-to-host copy and the
+writer thread), `progress` (the progress bar) and `system` (host and GPU figures).
 """
 
 from __future__ import annotations
@@ -58,7 +62,6 @@ import json
 import math
 import numbers
 import os
-import queue
 import sys
 import threading
 import time
@@ -70,7 +73,10 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import all_gather_single
+from .progress import ProgressBar
 from .system import SystemStats
+from .timings import StepTimings
+from .writer import LogRecord, WriterThread, copy_to_host
 
 __all__ = ["Monitor", "NullMonitor", "StragglerWarning"]
 
@@ -195,9 +201,7 @@ class Monitor:
         self._closed = False
         # The writer thread (started by the first record it is given) and what it hands back.
         self._background = background
-        self._queue: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
-        self._writer_error: BaseException | None = None
+        self._writer_thread: WriterThread | None = None
         self._warnings: list[str] = []  # straggler messages found by the writer, raised by the training thread
         try:
             if tensorboard:
@@ -211,7 +215,7 @@ class Monitor:
         except BaseException:
             self.close()
             raise
-        self._bar = _ProgressBar(sys.stderr) if progress and self.rank == 0 else None
+        self._bar = ProgressBar(sys.stderr) if progress and self.rank == 0 else None
 
         self._started = False
         self._t0 = 0.0           # time.time() at start
@@ -219,18 +223,7 @@ class Monitor:
         self._last_log_mono = 0.0
         self._total_steps: int | None = None
         self._last_step: int | None = None
-        # Window sums (since the last log step).
-        self._w_n = 0
-        self._w_step = 0.0
-        self._w_data = 0.0
-        self._w_samples = 0
-        self._w_comm = 0.0
-        self._w_comm_n = 0
-        self._w_comm_step = 0.0   # step time of the steps that gave comm_time
-        self._w_tokens = 0
-        self._w_tok_step = 0.0    # step time of the steps that gave tokens
-        # Run sums, folded in from the windows at each log step.
-        self._r = dict(n=0, step=0.0, data=0.0, samples=0, comm=0.0, comm_n=0, comm_step=0.0, tokens=0, tok_step=0.0)
+        self._timings = StepTimings()  # the window's sums (since the last log step) and the run's
         self._cluster_last: dict[str, float] = {}
         self._straggler_events = 0
         self._bubbles: list[float] = []  # a pipeline's measured bubble, per log step that had one
@@ -280,7 +273,7 @@ class Monitor:
         """
         if self._closed:
             raise RuntimeError("Monitor is closed")
-        if self._warnings or self._writer_error is not None:
+        if self._warnings or (self._writer_thread is not None and self._writer_thread.error is not None):
             self._surface()
         last = self._last_step
         if last is not None and step <= last:
@@ -288,17 +281,7 @@ class Monitor:
         self._last_step = step
         if not self._started:
             self.start()
-        self._w_n += 1
-        self._w_step += step_time
-        self._w_data += data_time
-        self._w_samples += samples
-        if comm_time is not None:
-            self._w_comm += comm_time
-            self._w_comm_n += 1
-            self._w_comm_step += step_time
-        if tokens is not None:
-            self._w_tokens += tokens
-            self._w_tok_step += step_time
+        self._timings.add(step_time, data_time, samples, tokens, comm_time)
         if step % self.log_every == 0:
             self._log(step, metrics)
 
@@ -313,26 +296,12 @@ class Monitor:
         never given are None. Waits for the writer to finish the log steps handed to it.
         """
         self._drain()
-        r = self._r
-        n = r["n"] + self._w_n
-        step = r["step"] + self._w_step
-        data = r["data"] + self._w_data
-        samples = r["samples"] + self._w_samples
-        comm = r["comm"] + self._w_comm
-        comm_step = r["comm_step"] + self._w_comm_step
-        comm_n = r["comm_n"] + self._w_comm_n
-        tokens = r["tokens"] + self._w_tokens
-        tok_step = r["tok_step"] + self._w_tok_step
+        run = self._timings.summary()
         cl = self._cluster_last
         return {
-            "steps": n,
+            "steps": run.pop("steps"),
             "elapsed_s": (time.perf_counter() - self._mono0) if self._started else 0.0,
-            "mean_step_time_s": step / n if n else None,
-            "mean_data_time_s": data / n if n else None,
-            "samples_per_s_per_gpu": samples / step if step > 0 else None,
-            "tokens_per_s_per_gpu": tokens / tok_step if tok_step > 0 else None,
-            "communication_overhead_pct": 100.0 * comm / comm_step if comm_n and comm_step > 0 else None,
-            "data_loading_pct": 100.0 * data / step if step > 0 else None,
+            **run,
             "cluster_step_time_min_s": cl.get("cluster/step_time_min_s"),
             "cluster_step_time_mean_s": cl.get("cluster/step_time_mean_s"),
             "cluster_step_time_max_s": cl.get("cluster/step_time_max_s"),
@@ -359,7 +328,7 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
-        if getattr(self, "_thread", None) is not None:
+        if getattr(self, "_writer_thread", None) is not None:
             self._stop_writer()
         bar, self._bar = getattr(self, "_bar", None), None
         if bar is not None:
@@ -374,7 +343,7 @@ class Monitor:
         system, self._system = self._system, None
         if system is not None:
             system.close()
-        if getattr(self, "_queue", None) is not None:
+        if getattr(self, "_writer_thread", None) is not None:
             self._surface(stacklevel=3)  # the writer's last warnings, or its error
 
     def __enter__(self) -> "Monitor":
@@ -387,7 +356,7 @@ class Monitor:
     def _log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """On the training thread: take this log step's figures without waiting for the device, run
         the all-gather, and write the record (or hand it to the writer thread)."""
-        record = _Record(step=step, now=time.time())
+        record = LogRecord(step=step, now=time.time())
         mono = time.perf_counter()
         device_values: list[torch.Tensor] = []
         for name, value in metrics.items():
@@ -402,26 +371,11 @@ class Monitor:
             self._bubbles.append(record.scalars["pipeline/bubble"])
             self._bubble_formula = record.scalars.get("pipeline/bubble_formula")
 
-        n = self._w_n
-        step_mean = self._w_step / n
-        data_mean = self._w_data / n
-        perf = record.perf
-        perf["perf/step_time_s"] = step_mean
-        perf["perf/data_time_s"] = data_mean
-        if self._w_comm_n:
-            comm_mean = self._w_comm / self._w_comm_n
-            perf["perf/compute_time_s"] = step_mean - data_mean - comm_mean
-            perf["perf/comm_time_s"] = comm_mean
-            if self._w_comm_step > 0:
-                perf["perf/exposed_comm_pct"] = 100.0 * self._w_comm / self._w_comm_step
-        if self._w_step > 0:
-            perf["perf/samples_per_s"] = self._w_samples / self._w_step
-        if self._w_tok_step > 0:
-            perf["perf/tokens_per_s"] = self._w_tokens / self._w_tok_step
+        record.perf = self._timings.window_perf()
         if self._cluster_on:
             # The one collective of a log step, issued here so that every rank issues it in the same
             # order relative to training's own collectives. Over NCCL nothing waits for it here.
-            self._gather_in.fill_(step_mean)
+            self._gather_in.fill_(record.perf["perf/step_time_s"])
             all_gather_single(self._gather_out, self._gather_in, group=self.group)
             if self._gather_out.is_cuda:
                 record.gathered = self.world_size
@@ -429,14 +383,14 @@ class Monitor:
             else:
                 record.times = self._gather_out.tolist()
         if device_values:
-            record.values, record.ready = _copy_to_host(device_values)
+            record.values, record.ready = copy_to_host(device_values)
         if self._system is not None:
             self._system.use_current_device()  # CUDA's current device is per thread: fix it here
         if self._bar is not None:
             elapsed = mono - self._last_log_mono
-            record.rate = n / elapsed if elapsed > 0 else None
+            record.rate = self._timings.window.n / elapsed if elapsed > 0 else None
         self._last_log_mono = mono
-        self._fold_window()
+        self._timings.fold_window()
 
         if self._background or (self._background is None and (record.ready is not None or self._busy())):
             self._hand_to_writer(record)
@@ -444,7 +398,7 @@ class Monitor:
             self._write(record)
             self._surface(stacklevel=4)  # the user's record_step call
 
-    def _write(self, record: "_Record") -> None:
+    def _write(self, record: LogRecord) -> None:
         """Read what the device delivered, add the system figures and the cluster view, write the files
         and draw the bar: on the writer thread, or on the training thread (see `background`)."""
         scalars = record.scalars
@@ -502,39 +456,28 @@ class Monitor:
         return view
 
     # ------------------------------------------------------- the writer thread
-    def _hand_to_writer(self, record: "_Record") -> None:
-        if self._thread is None:
-            # A few records may wait (a slow disk); beyond that the training thread waits for the writer.
-            self._queue = queue.Queue(maxsize=8)
-            self._thread = threading.Thread(target=self._writer_loop, name=f"monitor-writer-rank{self.rank}",
-                                            daemon=True)
-            self._thread.start()
+    @property
+    def _thread(self) -> threading.Thread | None:
+        """The writer thread while it runs (None before the first hand-over and after `close`)."""
+        writer = self._writer_thread
+        return writer.thread if writer is not None else None
+
+    def _hand_to_writer(self, record: LogRecord) -> None:
+        if self._writer_thread is None:
+            self._writer_thread = WriterThread(self._write, name=f"monitor-writer-rank{self.rank}")
             # A script that ends without closing the monitor still gets its last records written.
             self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
             atexit.register(self._at_exit)
-        self._queue.put(record)
-
-    def _writer_loop(self) -> None:
-        while True:
-            record = self._queue.get()
-            try:
-                if record is None:
-                    return
-                if self._writer_error is None:
-                    self._write(record)
-            except BaseException as err:  # noqa: BLE001 - handed to the training thread
-                self._writer_error = err
-            finally:
-                self._queue.task_done()
+        self._writer_thread.put(record)
 
     def _busy(self) -> bool:
         """Whether the writer still holds records (a record written now must wait its turn)."""
-        return self._queue is not None and self._queue.unfinished_tasks > 0
+        return self._writer_thread is not None and self._writer_thread.busy()
 
     def _drain(self, stacklevel: int = 3) -> None:
         """Wait until the writer has written everything handed to it; raise what it found."""
-        if self._queue is not None:
-            self._queue.join()
+        if self._writer_thread is not None:
+            self._writer_thread.join()
         self._surface(stacklevel + 1)
 
     def _surface(self, stacklevel: int = 3) -> None:
@@ -545,50 +488,14 @@ class Monitor:
             message = self._warnings.pop(0)
             with self._bar.lifted() if self._bar is not None else contextlib.nullcontext():
                 warnings.warn(message, StragglerWarning, stacklevel=stacklevel)
-        err, self._writer_error = self._writer_error, None
+        err = self._writer_thread.take_error() if self._writer_thread is not None else None
         if err is not None:
             raise RuntimeError(f"the monitor could not write its log under {self.rank_dir}: {err}") from err
 
     def _stop_writer(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None:
+        if self._writer_thread.thread is not None:
             atexit.unregister(self._at_exit)
-            self._queue.join()
-            self._queue.put(None)
-            thread.join()
-
-    def _fold_window(self) -> None:
-        r = self._r
-        r["n"] += self._w_n
-        r["step"] += self._w_step
-        r["data"] += self._w_data
-        r["samples"] += self._w_samples
-        r["comm"] += self._w_comm
-        r["comm_n"] += self._w_comm_n
-        r["comm_step"] += self._w_comm_step
-        r["tokens"] += self._w_tokens
-        r["tok_step"] += self._w_tok_step
-        self._w_n = self._w_samples = self._w_comm_n = self._w_tokens = 0
-        self._w_step = self._w_data = self._w_comm = self._w_comm_step = self._w_tok_step = 0.0
-
-
-class _Record:
-    """One log step on its way to the files: what the training thread took at the step, and where the
-    values that the device still has to deliver will land."""
-
-    __slots__ = ("step", "now", "scalars", "perf", "device_tags", "values", "ready", "gathered", "times", "rate")
-
-    def __init__(self, step: int, now: float) -> None:
-        self.step = step
-        self.now = now                                 # time.time() of the step, the records' walltime
-        self.scalars: dict[str, float | None] = {}     # the metrics by tag, None where still on the device
-        self.perf: dict[str, float] = {}               # the window's timings
-        self.device_tags: list[str] = []               # tags whose values come first in `values`
-        self.values: torch.Tensor | None = None        # pinned host copy of the device's values
-        self.ready: Any = None                         # CUDA event: `values` is complete
-        self.gathered = 0                              # the last `gathered` values are the ranks' step times
-        self.times: list[float] | None = None          # the ranks' step times, read on the host (gloo)
-        self.rate: float | None = None                 # steps per second since the previous log step
+            self._writer_thread.stop()
 
 
 def _close_at_exit(ref: "weakref.ReferenceType[Monitor]") -> None:
@@ -598,19 +505,6 @@ def _close_at_exit(ref: "weakref.ReferenceType[Monitor]") -> None:
             monitor.close()
         except Exception:  # noqa: BLE001 - the interpreter is exiting: nobody to tell
             pass
-
-
-def _copy_to_host(values: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
-    """Queue one copy of CUDA `values` (0-dim metrics and 1-dim buffers, any dtype) into pinned host
-    memory, as float64 (which holds every fp32, bf16 and fp16 value, and integers to 2**53, exactly);
-    return it and the CUDA event after which it may be read. Nothing here waits for the device."""
-    device = values[0].device
-    flat = torch.cat([v.reshape(-1).to(device=device, dtype=torch.float64) for v in values])
-    host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
-    host.copy_(flat, non_blocking=True)
-    ready = torch.cuda.Event(blocking=True)  # the writer sleeps while it waits, rather than spin on a core
-    ready.record(torch.cuda.current_stream(device))
-    return host, ready
 
 
 class NullMonitor:
@@ -653,46 +547,3 @@ class NullMonitor:
     def __exit__(self, *exc) -> None:
         pass
 
-
-class _ProgressBar:
-    """``step 120/1000 |####      | 12% | 8.31 steps/s | ETA 01:45, loss 2.31`` on one line, through tqdm.
-
-    tqdm keeps the bar on the last line: whatever is written through `tqdm.write` (the package's log
-    handler does so, see `distributed_training.logs`) appears above it instead of being overwritten.
-    The bar moves on log steps only, so a step that does not log pays nothing for it.
-    """
-
-    _KNOWN = "step {n_fmt}/{total_fmt} |{bar:20}| {percentage:3.0f}% | {rate_fmt} | ETA {remaining}{postfix}"
-    _OPEN = "step {n_fmt} | {rate_fmt}{postfix}"
-
-    def __init__(self, stream) -> None:
-        self._stream = stream
-        self._bar = None
-
-    def draw(self, step: int, total: int | None, rate: float | None, loss: float | None) -> None:
-        from tqdm import tqdm
-
-        if self._bar is None or self._bar.total != total:
-            self.finish()
-            self._bar = tqdm(total=total, initial=step, file=self._stream, unit=" steps", dynamic_ncols=True,
-                             bar_format=self._KNOWN if total else self._OPEN, mininterval=0.0)
-        if loss is not None:
-            self._bar.set_postfix_str(f"loss {loss:.4g}", refresh=False)
-        if step > self._bar.n:
-            self._bar.update(step - self._bar.n)
-        else:
-            self._bar.refresh()
-
-    def lifted(self):
-        """A context in which writing to the terminal does not mix with the bar (redrawn after it)."""
-        from tqdm import tqdm
-
-        return tqdm.external_write_mode(file=self._stream)
-
-    def finish(self) -> None:
-        bar, self._bar = self._bar, None
-        if bar is not None:
-            try:
-                bar.close()
-            except (OSError, ValueError):
-                pass

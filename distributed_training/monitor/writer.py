@@ -1,0 +1,105 @@
+"""What takes a log step off the training thread: the record, the device-to-host copy, the writer thread.
+
+On a log step the training thread fills a `LogRecord` with what it has on the host, queues one
+asynchronous copy of the values still on a GPU into pinned memory (`copy_to_host`, which returns the
+CUDA event after which the copy may be read), and hands the record to a `WriterThread`. The thread
+writes records in the order it got them, through the function it was given (`Monitor._write`: wait
+for the record's event, read the system figures, write TensorBoard and JSONL, draw the bar). An error
+it meets is kept in `WriterThread.error` for the training thread to raise; records handed over after
+it are dropped until that error has been taken (`take_error`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["LogRecord", "WriterThread", "copy_to_host"]
+
+
+class LogRecord:
+    """One log step on its way to the files: what the training thread took at the step, and where the
+    values that the device still has to deliver will land."""
+
+    __slots__ = ("step", "now", "scalars", "perf", "device_tags", "values", "ready", "gathered", "times", "rate")
+
+    def __init__(self, step: int, now: float) -> None:
+        self.step = step
+        self.now = now                                 # time.time() of the step, the records' walltime
+        self.scalars: dict[str, float | None] = {}     # the metrics by tag, None where still on the device
+        self.perf: dict[str, float] = {}               # the window's timings
+        self.device_tags: list[str] = []               # tags whose values come first in `values`
+        self.values: torch.Tensor | None = None        # pinned host copy of the device's values
+        self.ready: Any = None                         # CUDA event: `values` is complete
+        self.gathered = 0                              # the last `gathered` values are the ranks' step times
+        self.times: list[float] | None = None          # the ranks' step times, read on the host (gloo)
+        self.rate: float | None = None                 # steps per second since the previous log step
+
+
+def copy_to_host(values: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    """Queue one copy of CUDA `values` (0-dim metrics and 1-dim buffers, any dtype) into pinned host
+    memory, as float64 (which holds every fp32, bf16 and fp16 value, and integers to 2**53, exactly);
+    return it and the CUDA event after which it may be read. Nothing here waits for the device."""
+    device = values[0].device
+    flat = torch.cat([v.reshape(-1).to(device=device, dtype=torch.float64) for v in values])
+    host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    ready = torch.cuda.Event(blocking=True)  # the writer sleeps while it waits, rather than spin on a core
+    ready.record(torch.cuda.current_stream(device))
+    return host, ready
+
+
+class WriterThread:
+    """A daemon thread that passes each record handed to it to `write`, in order, one at a time.
+
+    Started on construction. `put` blocks once `max_waiting` records wait (a slow disk): the training
+    thread then waits for the writer rather than pile up records. `join` waits until everything handed
+    over is written; `stop` does so and ends the thread (`thread` is None afterwards).
+    """
+
+    def __init__(self, write: Callable[[LogRecord], None], *, name: str, max_waiting: int = 8) -> None:
+        self._write = write
+        self._queue: queue.Queue = queue.Queue(maxsize=max_waiting)
+        self.error: BaseException | None = None  # the first error `write` raised, until taken
+        self.thread: threading.Thread | None = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def put(self, record: LogRecord) -> None:
+        self._queue.put(record)
+
+    def busy(self) -> bool:
+        """Whether records handed over are still unwritten (a record written now must wait its turn)."""
+        return self._queue.unfinished_tasks > 0
+
+    def join(self) -> None:
+        """Wait until every record handed over has been written (or dropped after an error)."""
+        self._queue.join()
+
+    def take_error(self) -> BaseException | None:
+        """The error the thread met, if any; the thread writes the records handed over after this call."""
+        err, self.error = self.error, None
+        return err
+
+    def stop(self) -> None:
+        """Write what is left, then end the thread. Safe to call more than once."""
+        thread, self.thread = self.thread, None
+        if thread is not None:
+            self._queue.join()
+            self._queue.put(None)
+            thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            record = self._queue.get()
+            try:
+                if record is None:
+                    return
+                if self.error is None:
+                    self._write(record)
+            except BaseException as err:  # noqa: BLE001 - handed to the training thread
+                self.error = err
+            finally:
+                self._queue.task_done()
