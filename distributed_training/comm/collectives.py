@@ -1,15 +1,16 @@
-"""Small collective helpers shared by the strategies: coalesced broadcast and cross-rank checks."""
+"""Small collective helpers shared by the strategies: coalesced broadcast, cross-rank checks, error labels."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import contextlib
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = ["all_gather_single", "reduce_scatter_single", "broadcast_coalesced", "check_same_across_ranks",
-           "describe_module"]
+           "describe_module", "labelled"]
 
 # torch 2.12 renamed the flat collectives (`all_gather_into_tensor` -> `all_gather_single`,
 # `reduce_scatter_tensor` -> `reduce_scatter_single`, same arguments) and the old names now warn on
@@ -105,3 +106,12 @@ def _fmt(entry) -> str:
         return "nothing (fewer entries)"
     kind, name, shape, dtype = entry
     return f"{kind} '{name}' shape {list(shape)} dtype {dtype}"
+
+
+@contextlib.contextmanager
+def labelled(operation: str) -> Iterator[None]:
+    """Name the collective in any error it raises (a timeout then says what was waited for)."""
+    try:
+        yield
+    except RuntimeError as err:
+        raise RuntimeError(f"{operation} failed: {err}") from err

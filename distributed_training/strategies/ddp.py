@@ -23,6 +23,8 @@ Under `no_sync()` the hooks do nothing: gradients accumulate locally in `.grad`,
 backward outside `no_sync()` gathers and reduces the accumulated sum.
 
 `NaiveDDP` in `naive.py` is the same contract done the obvious way: the test oracle for this file.
+The bucket machinery (sizes, lookup tables, re-bucketing order, the gather before a launch) is in
+`ddp_buckets.py`; this file holds the `DDP` module and its hooks.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.bucket import MB, Bucket, allocate_buckets, assign_buckets
-from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module
+from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module, labelled
 from ..comm.optimizer import CommunicationOptimizer
 from ..comm.reduce import AllReduceMean, BucketReducer, ReduceScatterMean
 from ..mesh import Mesh
+from .ddp_buckets import agreed_bucket_order, gather_bucket, index_buckets, move_grads_to_views, resolve_bucket_cap_mb
 from .eager import eager_only
 from .overlap import CommTiming, OverlapTimeline
 
@@ -109,7 +112,7 @@ class DDP(CommTiming, nn.Module):
         bucket_reducer = communication if communication is not None else bucket_reducer
         if bucket_reducer is not None and not callable(bucket_reducer):
             raise TypeError(f"bucket_reducer must be callable, got {type(bucket_reducer).__name__}")
-        bucket_cap_mb = _bucket_cap_mb(bucket_cap_mb, bucket_reducer)
+        bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, bucket_reducer)
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
@@ -294,35 +297,15 @@ class DDP(CommTiming, nn.Module):
         old_views = self._view_of
         self._place_buckets(groups)
         self._reset_iteration()
-        with torch.no_grad():
-            for i, p in enumerate(self._params):
-                grad = p.grad
-                if grad is not None and grad.data_ptr() == old_views[i].data_ptr():
-                    self._view_of[i].copy_(grad)
-                    p.grad = self._view_of[i]
+        move_grads_to_views(self._params, old_views, self._view_of)
 
     def _place_buckets(self, groups: list[list[int]]) -> None:
         self._buckets: list[Bucket] = allocate_buckets(self._params, groups, pad_to=self._bucket_pad_to)
-        self._bucket_of = [0] * len(self._params)
-        self._view_of: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
-        for bucket in self._buckets:
-            for i, view in zip(bucket.param_indices, bucket.views):
-                self._bucket_of[i] = bucket.index
-                self._view_of[i] = view
+        self._bucket_of, self._view_of = index_buckets(self._buckets, len(self._params))
 
     def _rebuild_buckets_in_arrival_order(self) -> None:
-        arrived = self._arrival_order or []
-        seen = set(arrived)
-        order = arrived + [i for i in reversed(range(len(self._params))) if i not in seen]
-        if self.world_size > 1:
-            # Every rank must bucket identically: take rank 0's observed order.
-            device = self._buckets[0].buffer.device if self._buckets else torch.device("cpu")
-            if dist.get_backend(self.process_group) == "nccl" and device.type != "cuda":
-                device = torch.device("cuda", torch.cuda.current_device())
-            order_t = torch.tensor(order, dtype=torch.int64, device=device)
-            with _labelled("DDP broadcast of the bucket order"):
-                dist.broadcast(order_t, src=self._global_rank(0), group=self.process_group)
-            order = order_t.tolist()
+        order = agreed_bucket_order(self._arrival_order or [], len(self._params), self._buckets,
+                                    world_size=self.world_size, group=self.process_group, src=self._global_rank(0))
         self._rebuild_pending = False
         self._arrival_order = None
         self._install_buckets(assign_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes))
@@ -332,7 +315,7 @@ class DDP(CommTiming, nn.Module):
         if self._rebuild_pending and self._rebuild_ready:
             self._rebuild_buckets_in_arrival_order()
         if self.broadcast_buffers and self.world_size > 1 and self._synced_buffers:
-            with _labelled("DDP broadcast of buffers"):
+            with labelled("DDP broadcast of buffers"):
                 broadcast_coalesced(self._synced_buffers, self._global_rank(self._buffer_src), self.process_group)
 
     def _shadow_iteration(self) -> None:
@@ -358,46 +341,9 @@ class DDP(CommTiming, nn.Module):
     def _reset_iteration(self) -> None:
         self._backward.reset(len(self._params), [len(b.param_indices) for b in self._buckets])
 
-    def _check_dense(self, index: int, grad: torch.Tensor) -> None:
-        if grad.is_sparse:
-            raise RuntimeError(
-                f"parameter '{self._param_names[index]}' produced a sparse gradient; DDP supports dense "
-                "gradients only (use nn.Embedding(sparse=False))"
-            )
-
     def _gather_bucket(self, bucket: Bucket) -> None:
-        """Bring the bucket's gradients into its buffer before it is reduced.
-
-        A gradient that autograd accumulated into `.grad` in place is already there (`.grad` is the
-        bucket view: ``zero_grad(set_to_none=False)``, ``no_sync`` leftovers, ZeRO-1). One that autograd
-        allocated (after ``zero_grad(set_to_none=True)``, the usual case) is copied in with one
-        multi-tensor copy for the whole bucket, and `.grad` becomes the view. Doing this per bucket
-        rather than in every parameter's hook keeps the hooks to bookkeeping: a copy launched from
-        Python per parameter cost about as much host time as the rest of the hook (BERT, ResNet-50)."""
-        params, views = self._params, self._view_of
-        targets, sources, moved, empty = [], [], [], []
-        for i in bucket.param_indices:
-            grad = params[i].grad
-            view = views[i]
-            if grad is view:
-                continue
-            if grad is None:  # unused in this backward (or a hook cleared it): contributes zeros
-                empty.append(view)
-            else:
-                if grad.is_sparse:
-                    self._check_dense(i, grad)
-                targets.append(view)
-                sources.append(grad)
-            moved.append(i)
-        with torch.no_grad():
-            if len(empty) == len(bucket.param_indices):
-                bucket.buffer.zero_()  # nothing in this bucket got a gradient (join's shadow step, frozen parts)
-            elif empty:
-                torch._foreach_zero_(empty)
-            if sources:
-                torch._foreach_copy_(targets, sources)
-        for i in moved:
-            params[i].grad = views[i]
+        """Bring the bucket's gradients into its buffer before it is reduced (see `ddp_buckets.gather_bucket`)."""
+        gather_bucket(bucket, self._params, self._view_of, self._param_names)
 
     def _on_grad_ready(self, index: int) -> None:
         state = self._backward
@@ -517,32 +463,6 @@ class _BackwardPass:
         self.handles: list = []               # one per launched bucket, waited for at the end
         self.callback_queued = False
         self.launched_by: list = []           # (parameter, its view's version) whose own hook launched its bucket
-
-
-def _bucket_cap_mb(given: float | None, reducer) -> float:
-    """The bucket cap: `bucket_cap_mb` if given, else the reducer's ``bucket_size_mb`` if it has one,
-    else the size it prefers (``preferred_bucket_size_mb``: Top-K's 100), else 25."""
-    wanted = getattr(reducer, "bucket_size_mb", None)
-    if given is None:
-        if wanted is not None:
-            return wanted
-        preferred = getattr(reducer, "preferred_bucket_size_mb", None)
-        return preferred if preferred is not None else 25.0
-    if wanted is not None and wanted != given:
-        raise ValueError(
-            f"DDP(bucket_cap_mb={given!r}) and the communication optimizer's bucket_size_mb={wanted!r} disagree: "
-            "give the bucket size in one place"
-        )
-    return given
-
-
-@contextlib.contextmanager
-def _labelled(operation: str) -> Iterator[None]:
-    """Name the collective in any error it raises (a timeout then says what was waited for)."""
-    try:
-        yield
-    except RuntimeError as err:
-        raise RuntimeError(f"{operation} failed: {err}") from err
 
 
 def _make_hook(self_ref: "weakref.ReferenceType[DDP]", index: int):

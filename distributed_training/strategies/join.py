@@ -54,7 +54,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .ddp import DDP, _labelled
+from ..comm.collectives import labelled
+from .ddp import DDP
 from .fsdp import FSDP
 
 __all__ = ["Join", "join"]
@@ -209,7 +210,7 @@ class Join:
 
         module = self.model.module
         tensors = [p.data for p in module.parameters()] + list(module.buffers())
-        with _labelled("join() broadcast of the final model"):
+        with labelled("join() broadcast of the final model"):
             broadcast_coalesced(tensors, self.model._global_rank(src), self.group)
 
     @contextlib.contextmanager
@@ -234,7 +235,7 @@ class Join:
             t[5 + w + self.rank] = 1
         if w > 1:
             t = t.to(self._device)
-            with _labelled("join() all-reduce of who is still training"):
+            with labelled("join() all-reduce of who is still training"):
                 dist.all_reduce(t, group=self.group)
         v = [round(x) for x in t.tolist()]
         msg = _Message(active=[r for r in range(w) if v[5 + r]], sync=v[1], grad=v[2], clip=v[3],
