@@ -174,10 +174,11 @@ def wrappers_worker(rank, world, kind, backend):
     step, compiled against eager and eager against one process on the whole batch."""
     from torch._dynamo.utils import counters
 
-    from distributed_training.strategies import zero1
+    from distributed_training.strategies import zero1_ddp
 
     if kind == "zero1":
-        zero1.all_gather_flat = _HeldGather  # the forward must wait, or it sees stale parameters
+        assert hasattr(zero1_ddp, "all_gather_flat")  # patched where Zero1DDP looks it up
+        zero1_ddp.all_gather_flat = _HeldGather  # the forward must wait, or it sees stale parameters
     torch._dynamo.reset()
     batches = _batches(world)
     reference = _gpt()
