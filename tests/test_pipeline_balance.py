@@ -137,3 +137,27 @@ def test_layers_are_timed_under_the_trainers_autocast():
     measure_layer_times(chain(model), torch.randn(2, 8), "cpu", warmup=0, repeats=1,
                         autocast=_autocast("fp32", torch.device("cpu")))
     assert SEEN_DTYPES == [torch.float32] * 2, SEEN_DTYPES
+
+
+class FailsOnRank1(nn.Linear):
+    def forward(self, x):
+        if dist.get_rank() == 1:
+            raise MemoryError("simulated: out of memory while timing")
+        return super().forward(x)
+
+
+def failing_worker(rank, world):
+    model = nn.Sequential(nn.Linear(8, 8), FailsOnRank1(8, 8))
+    try:
+        DistributedTrainer(model, _sgd, pipeline_parallel_size=2, pipeline_balance="time",
+                           pipeline_sample_input=torch.randn(2, 8)).close()
+    except (RuntimeError, MemoryError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def test_a_rank_failing_to_time_makes_every_rank_raise():
+    """Not a hang: the failure travels with the times, and the other ranks raise too."""
+    found = run_distributed(failing_worker, 2, timeout=60)
+    assert found[1] == "MemoryError: simulated: out of memory while timing", found
+    assert found[0] is not None and "failed on another rank" in found[0], found

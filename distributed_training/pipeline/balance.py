@@ -232,5 +232,15 @@ def layer_costs(module: nn.Module, layers: Layers, balance: str, *, device: torc
         raise ValueError(f"pipeline_balance='time' times the layers on one microbatch, and a "
                          f"{type(module).__name__} has no default one: pass pipeline_sample_input (one "
                          "microbatch's input to the first layer: a tensor, or a tuple or dict of tensors)")
-    mine = measure_layer_times(layers, sample, device, autocast=autocast, budget_s=budget_s)
-    return agree(mine, torch.device(collective_device or "cpu"), group)
+    try:
+        mine, failure = measure_layer_times(layers, sample, device, autocast=autocast, budget_s=budget_s), None
+    except Exception as err:  # out of memory on one rank, say: every rank must leave, not wait for it
+        mine, failure = [0.0] * len(layers), err
+    # The failure count travels with the times (one collective): every rank raises, or none does.
+    agreed = agree([*mine, float(failure is not None)], torch.device(collective_device or "cpu"), group)
+    if failure is not None:
+        raise failure
+    if agreed[-1] > 0:
+        raise RuntimeError("pipeline_balance='time': timing the layers failed on another rank (its error is in "
+                           "its log)")
+    return agreed[:-1]

@@ -10,8 +10,10 @@ different batches; the P ranks of a pipeline see the same batches (`fit` shards 
 
 Stages. The model's chain of layers (`stages.chain`: an `nn.Sequential`, our `GPT`, or an adapter's
 list) is cut into S = P x V stages (V = `pipeline_chunks`, 2 by default for ``"interleaved_1f1b"``, 1
-otherwise), balanced by parameter count (`partition`; our GPT by compute with
-``pipeline_balance="compute"``, `gpt_layer_flops`), or cut at `pipeline_split_points` (`split_at`).
+otherwise), balanced by parameter count (`partition` of `balance.layer_costs`; our GPT by compute
+with ``pipeline_balance="compute"``, `gpt_layer_flops`; any chain by each layer's forward + backward
+measured on the device at setup with ``"time"``, averaged over the ranks so that every rank cuts
+alike), or cut at `pipeline_split_points` (`split_at`).
 Chunk c of pipeline rank r is stage ``c * P + r``. Every rank receives the user's model object,
 keeps its stages' layers and frees the rest: the other layers' parameters and buffers in the user's
 model object are replaced by meta tensors (shapes only), so the model passed to the trainer is not
