@@ -137,6 +137,10 @@ def test_layers_are_timed_under_the_trainers_autocast():
     measure_layer_times(chain(model), torch.randn(2, 8), "cpu", warmup=0, repeats=1,
                         autocast=_autocast("fp32", torch.device("cpu")))
     assert SEEN_DTYPES == [torch.float32] * 2, SEEN_DTYPES
+    SEEN_DTYPES.clear()  # a loss after the last layer: timed with it, backward from it
+    measure_layer_times(chain(model), torch.randn(2, 8), "cpu", warmup=0, repeats=2,
+                        loss=lambda out: (SEEN_DTYPES.append("loss"), out.square().mean())[1])
+    assert SEEN_DTYPES == [torch.float32] * 3 + ["loss", torch.float32, "loss"], SEEN_DTYPES
 
 
 class FailsOnRank1(nn.Linear):

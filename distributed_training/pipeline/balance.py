@@ -16,7 +16,8 @@ How a chain is timed (`measure_layer_times`): layer by layer, on a *copy* of eac
 device (the model object is left alone: no gradients, no running statistics, no storage given to a
 meta model), with layer i's input the output of layer i - 1 (detached; floating tensors require
 grad, as a received activation does). Each layer runs forward, then backward with a gradient of ones
-shaped like its output, a few times as warm-up and then a few timed repeats, the device synchronised
+shaped like its output (our GPT's last layer: from its loss, `lm_loss`, whose softmax over the
+vocabulary the last stage computes too), a few times as warm-up and then a few timed repeats, the device synchronised
 around each (so the time is the host's launches and the device's work together); the cost is the
 median repeat, in seconds. A layer of a model on the meta device (too large for one device) is
 materialised alone (`to_empty`, filled from N(0, 0.02) and then its modules' ``reset_parameters``:
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.gpt import GPT
-from .gpt_stages import gpt_layer_flops
+from .gpt_stages import gpt_layer_flops, lm_loss
 from .meta_init import _children_first, _reset_method, has_meta
 from .options import BALANCES
 from .stages import Layers
@@ -133,7 +134,8 @@ def _synchronize(device: torch.device) -> None:
 
 def measure_layer_times(layers: Layers, sample: Any, device: torch.device | str, *,
                         autocast: Callable[[], ContextManager] | None = None, warmup: int = WARMUP,
-                        repeats: int = REPEATS, budget_s: float = TIME_BUDGET_S) -> list[float]:
+                        repeats: int = REPEATS, budget_s: float = TIME_BUDGET_S,
+                        loss: Callable[[Any], torch.Tensor] | None = None) -> list[float]:
     """Seconds of each layer's forward + backward on one microbatch, on `device` (see the module
     docstring for how).
 
@@ -143,6 +145,8 @@ def measure_layer_times(layers: Layers, sample: Any, device: torch.device | str,
         device: where to time.
         autocast: a callable returning the context the forward runs under (the trainer's mixed
             precision), or None.
+        loss: the last stage's loss as a function of the last layer's output, timed with the last
+            layer (its backward starts from the loss then), or None (a gradient of ones).
         warmup, repeats: untimed and timed runs per layer (fewer where the budget runs out; at
             least one of each).
         budget_s: about how many seconds the whole chain may take (`TIME_BUDGET_S`).
@@ -163,7 +167,8 @@ def measure_layer_times(layers: Layers, sample: Any, device: torch.device | str,
     x = _map(sample, lambda t: t.detach().to(device))
     # fork_rng: the layers' dropout draws leave the trainer's RNG as it was.
     with torch.random.fork_rng(devices=[index] if cuda else []), torch.enable_grad():
-        for name, layer in layers:
+        for i, (name, layer) in enumerate(layers):
+            last = loss if i == len(layers) - 1 else None
             twin = _on_device(layer, device)
             runs: list[float] = []
             spent, run, untimed = 0.0, 0, warmup
@@ -173,7 +178,7 @@ def measure_layer_times(layers: Layers, sample: Any, device: torch.device | str,
                 start = time.perf_counter()
                 with autocast() if autocast is not None else contextlib.nullcontext():
                     out = twin(x)
-                    ends = [t for t in _tensors(out) if t.requires_grad]
+                    ends = [last(out)] if last is not None else [t for t in _tensors(out) if t.requires_grad]
                     if ends:
                         torch.autograd.backward(ends, [torch.ones_like(t) for t in ends])
                 _synchronize(device)
@@ -194,6 +199,12 @@ def measure_layer_times(layers: Layers, sample: Any, device: torch.device | str,
         if not math.isfinite(seconds):
             raise RuntimeError(f"pipeline_balance='time': layer {name!r} measured {seconds} s")
     return times
+
+
+def _gpt_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Our GPT's loss (`lm_loss`: the softmax over the vocabulary in fp32, often more time than the head's
+    matmul) on the logits, against targets of zeros (the cost does not depend on them)."""
+    return lm_loss(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device))
 
 
 def agree(values: Sequence[float], device: torch.device, group=None) -> list[float]:
@@ -233,7 +244,9 @@ def layer_costs(module: nn.Module, layers: Layers, balance: str, *, device: torc
                          f"{type(module).__name__} has no default one: pass pipeline_sample_input (one "
                          "microbatch's input to the first layer: a tensor, or a tuple or dict of tensors)")
     try:
-        mine, failure = measure_layer_times(layers, sample, device, autocast=autocast, budget_s=budget_s), None
+        mine = measure_layer_times(layers, sample, device, autocast=autocast, budget_s=budget_s,
+                                   loss=_gpt_loss if isinstance(module, GPT) else None)
+        failure = None
     except Exception as err:  # out of memory on one rank, say: every rank must leave, not wait for it
         mine, failure = [0.0] * len(layers), err
     # The failure count travels with the times (one collective): every rank raises, or none does.
