@@ -17,9 +17,9 @@ device (the model object is left alone: no gradients, no running statistics, no 
 meta model), with layer i's input the output of layer i - 1 (detached; floating tensors require
 grad, as a received activation does). Each layer runs forward, then backward with a gradient of ones
 shaped like its output (our GPT's last layer: from its loss, `lm_loss`, whose softmax over the
-vocabulary the last stage computes too), a few times as warm-up and then a few timed repeats, the device synchronised
-around each (so the time is the host's launches and the device's work together); the cost is the
-median repeat, in seconds. A layer of a model on the meta device (too large for one device) is
+vocabulary the last stage computes too), a few times as warm-up and then a few timed repeats, the
+device synchronised around each (so the time is the host's launches and the device's work together);
+the cost is the median repeat, in seconds. A layer of a model on the meta device (too large for one device) is
 materialised alone (`to_empty`, filled from N(0, 0.02) and then its modules' ``reset_parameters``:
 values do not matter for the time, but NaNs and denormals would), timed and freed before the next:
 the device never holds more than one layer and its activations. The global RNG is restored afterwards.
