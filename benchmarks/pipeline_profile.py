@@ -60,7 +60,8 @@ forward + backward, ``pipeline_balance="time"`` on one microbatch of `x`)."""
                                      pipeline_parallel_size=world, pipeline_schedule=schedule,
                                      pipeline_balance=("parameters" if "params" in options else
                                                        "time" if "time" in options else "compute"),
-                                     pipeline_sample_input=x[:x.shape[0] // microbatches] if "time" in options else None,
+                                     pipeline_sample_input=(x[:x.shape[0] // microbatches] if "time" in options
+                                                            else None),
                                      microbatches=microbatches)
         if rank == 0:
             costs = trainer.strategy.layer_costs
