@@ -35,7 +35,8 @@ TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
     """`name` is ``<impl>[-<option>...]_<schedule>``: impl ``ours`` or ``torch``; options ``headers`` (our
     receives wait for every header), ``nolag`` (known shapes checked only at the step's end), ``params``
-    (stages balanced by parameter count, not by compute)."""
+    (stages balanced by parameter count, not by compute), ``time`` (``trainer`` only: by each layer's measured
+forward + backward, ``pipeline_balance="time"`` on one microbatch of `x`)."""
     spec, schedule = name.split("_", 1)
     impl, *options = spec.split("-")
     maker = GPTStages(cfg, seed=0)
@@ -57,8 +58,15 @@ def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
         trainer = DistributedTrainer(whole, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=device.type == "cuda"),
                                      context=groups["context"], progress=False, mixed_precision="bf16",
                                      pipeline_parallel_size=world, pipeline_schedule=schedule,
-                                     pipeline_balance="parameters" if "params" in options else "compute",
+                                     pipeline_balance=("parameters" if "params" in options else
+                                                       "time" if "time" in options else "compute"),
+                                     pipeline_sample_input=(x[:x.shape[0] // microbatches] if "time" in options
+                                                            else None),
                                      microbatches=microbatches)
+        if rank == 0:
+            costs = trainer.strategy.layer_costs
+            print(f"        {name}: cut {trainer.strategy.bounds}, layer costs "
+                  f"{[round(c * 1e3, 3) for c in costs] if 'time' in options else costs}", flush=True)
 
         def step():
             trainer.train_step((x, y))

@@ -164,6 +164,7 @@ def run_job(cfg: JobConfig) -> dict:
             pipeline_parallel_size=t.pipeline_parallel_size, pipeline_schedule=t.pipeline_schedule,
             microbatches=t.microbatches, pipeline_split_points=t.pipeline_split_points,
             pipeline_chunks=t.pipeline_chunks, pipeline_balance=t.pipeline_balance,
+            pipeline_sample_input=_sample_input(cfg, model),
         )
     except NotImplementedError as err:
         if not pipelined:
@@ -204,6 +205,23 @@ def run_job(cfg: JobConfig) -> dict:
         return metrics if ctx.is_main else {}
     finally:
         trainer.close()
+
+
+def _sample_input(cfg: JobConfig, model: nn.Module) -> torch.Tensor | None:
+    """With training.pipeline_balance 'time': one microbatch of the job's inputs, which the layers are
+    timed on (None otherwise): batch_size / microbatches rows of data.block_size token ids for a GPT
+    preset, of 64 pixels for the classifier."""
+    from .models import GPT
+
+    t = cfg.training
+    if t.pipeline_parallel_size == 1 or t.pipeline_balance != "time" or t.pipeline_split_points is not None:
+        return None
+    batch = t.batch_size if isinstance(t.batch_size, int) else 1  # "auto" is refused with a pipeline
+    rows = max(1, batch // (t.microbatches or t.pipeline_parallel_size))
+    g = torch.Generator().manual_seed(0)
+    if isinstance(model, GPT):
+        return torch.randint(0, model.cfg.vocab_size, (rows, cfg.data.block_size), generator=g)
+    return torch.rand(rows, 64, generator=g)  # the classifier's 8x8 digits
 
 
 def _check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:

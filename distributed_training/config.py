@@ -137,9 +137,11 @@ class TrainingConfig(_Section):
     head); null: stages balanced by parameter count."""
     pipeline_chunks: Optional[PositiveInt] = None
     """Model chunks per rank: interleaved_1f1b only (null: 2 there, 1 for the others)."""
-    pipeline_balance: Literal["parameters", "compute"] = "parameters"
-    """Without pipeline_split_points, what the stages are balanced by: parameter counts, or (a GPT
-    only) its layers' compute: better for wide models, whose step the GPU bounds."""
+    pipeline_balance: Literal["parameters", "compute", "time"] = "parameters"
+    """Without pipeline_split_points, what the stages are balanced by: parameter counts; (a GPT only)
+    its layers' compute, better for wide models, whose step the GPU bounds; or time: each layer's
+    forward + backward measured at setup on one microbatch of the job's inputs (batch_size /
+    microbatches rows), averaged over the ranks (up to about 20 s more at start)."""
 
 
 class CommunicationConfig(_Section):

@@ -140,9 +140,18 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
             None balances the stages by parameter count.
         pipeline_chunks: model chunks per rank (``"interleaved_1f1b"`` only; default 2 there, else 1).
         pipeline_balance: without split points, what the stages are balanced by: ``"parameters"``
-            (default) or ``"compute"`` (our GPT: FLOPs per layer; better where the GPU bounds the step,
+            (default), ``"compute"`` (our GPT: FLOPs per layer; better where the GPU bounds the step,
             as for wide models; a small model's step is bound by the host's launches, which parameter
-            counts follow more closely).
+            counts follow more closely) or ``"time"``: each layer's forward + backward on one
+            microbatch, measured at setup on every rank's device (under `mixed_precision`'s autocast;
+            a copy of one layer at a time, so a meta-device model too large for one device can be
+            timed; about 20 s at most, `pipeline.balance.TIME_BUDGET_S`) and averaged over the ranks,
+            so every rank cuts alike. What the cut balanced: ``trainer.strategy.layer_costs``
+            (seconds per layer) and ``trainer.strategy.bounds``.
+        pipeline_sample_input: with ``pipeline_balance="time"``, one microbatch's input to the model's
+            first layer (a tensor, or a tuple, list or dict of tensors), e.g. ``x[:batch //
+            microbatches]``. Our GPT may leave it out (token ids of shape (1, ``cfg.block_size``));
+            other models must pass it.
     """
 
     def __init__(
@@ -181,6 +190,7 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         pipeline_split_points: list[str] | None = None,
         pipeline_chunks: int | None = None,
         pipeline_balance: str = "parameters",
+        pipeline_sample_input: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -203,7 +213,8 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
                              "given, set it there: init_distributed(timeout=...)")
         check_strategy_argument(strategy, communication)  # before any rendezvous
         pipeline = PipelineOptions(pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points,
-                                   pipeline_chunks, init_seed=seed, balance=pipeline_balance)
+                                   pipeline_chunks, init_seed=seed, balance=pipeline_balance,
+                                   sample_input=pipeline_sample_input, mixed_precision=mixed_precision)
         if pipeline.enabled:
             unsupported = [name for name, value in (("gradient_accumulation_steps", gradient_accumulation_steps != 1),
                                                     ("compile", compile is not False)) if value]

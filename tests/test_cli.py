@@ -466,3 +466,36 @@ def test_an_epochs_last_batch_too_small_for_the_microbatches_is_left_out():
     # max_steps=3 with 1 full batch an epoch (the short one left out) needs 3 epochs, not 2.
     assert _epochs_for(1, 3, list(range(36)), 16, 2, drop_last=True) == 3
     assert _epochs_for(1, 3, list(range(36)), 16, 2) == 2
+
+
+def test_pipeline_balance_time_times_one_microbatch_of_the_jobs_inputs(monkeypatch):
+    """training.pipeline_balance 'time': dtrain hands the trainer one microbatch of its inputs
+    (batch_size / microbatches rows: data.block_size token ids for a GPT, 64 pixels for the classifier)."""
+    import distributed_training.cli as cli
+    import distributed_training.trainer as trainer_module
+
+    class Seen(Exception):
+        pass
+
+    seen = {}
+
+    def capture(*args, **kwargs):
+        seen.update(kwargs)
+        raise Seen
+
+    monkeypatch.setattr(trainer_module, "DistributedTrainer", capture)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config({"model": {"preset": "tiny"}, "data": {"block_size": 32},
+                       "training": {"pipeline_parallel_size": 2, "pipeline_balance": "time", "batch_size": 8,
+                                    "microbatches": 4}})
+    import torch
+
+    with pytest.raises(Seen):
+        cli.run_job(cfg)
+    sample = seen["pipeline_sample_input"]
+    assert seen["pipeline_balance"] == "time" and sample.shape == (2, 32) and sample.dtype == torch.long
+    cfg = load_config({"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+                       "training": {"pipeline_parallel_size": 2, "pipeline_balance": "time", "batch_size": 8}})
+    assert cli._sample_input(cfg, cli._build(cfg)[0]).shape == (4, 64)
+    cfg = load_config({"model": {"preset": "tiny"}, "training": {"pipeline_parallel_size": 2}})
+    assert cli._sample_input(cfg, cli._build(cfg)[0]) is None  # balanced by parameters: no sample

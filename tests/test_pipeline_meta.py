@@ -61,7 +61,7 @@ def _batch(kind: str, step: int, rows: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def meta_parity_worker(rank, world, kind, pipe, microbatches):
+def meta_parity_worker(rank, world, kind, pipe, microbatches, balance="parameters"):
     if kind == "gpt":
         reference = GPTStages(CFG, SEED).model()
     else:
@@ -70,7 +70,8 @@ def meta_parity_worker(rank, world, kind, pipe, microbatches):
     ref_opt = _sgd(reference.parameters())
     model = _meta(kind)
     torch.manual_seed(1000 + rank)  # the global RNG differs by rank: the initialisation must not use it
-    trainer = DistributedTrainer(model, _sgd, seed=SEED, pipeline_parallel_size=pipe, microbatches=microbatches)
+    trainer = DistributedTrainer(model, _sgd, seed=SEED, pipeline_parallel_size=pipe, microbatches=microbatches,
+                                 pipeline_balance=balance)
     # Only this rank's stages were given storage: the rest of the model object stays meta, and the
     # real bytes are exactly the stages'.
     stages = trainer.module.stages
@@ -80,7 +81,8 @@ def meta_parity_worker(rank, world, kind, pipe, microbatches):
             "real_bytes": sum(p.numel() * p.element_size() for p in real),
             "stage_bytes": sum(p.numel() * p.element_size() for p in stages.parameters()),
             "meta_left": sum(p.is_meta for p in model.parameters()),
-            "all_params": sum(1 for _ in model.parameters())}
+            "all_params": sum(1 for _ in model.parameters()),
+            "costs": trainer.strategy.layer_costs, "bounds": trainer.strategy.bounds}
     dp, dp_rank = trainer.dp_world_size, trainer.dp_rank
     per_replica = 2 * microbatches
     worst = []
@@ -104,12 +106,16 @@ def meta_parity_worker(rank, world, kind, pipe, microbatches):
     return worst, held
 
 
-@pytest.mark.parametrize("world, kind, microbatches", [(2, "gpt", 2), (4, "gpt", 2), (2, "mlp", 2), (2, "tied", 2)])
-def test_meta_model_trains_like_one_process(world, kind, microbatches):
+@pytest.mark.parametrize("world, kind, microbatches, balance", [
+    (2, "gpt", 2, "parameters"), (4, "gpt", 2, "parameters"), (2, "mlp", 2, "parameters"),
+    (2, "tied", 2, "parameters"), (2, "gpt", 2, "time"), (4, "gpt", 4, "time")])
+def test_meta_model_trains_like_one_process(world, kind, microbatches, balance):
     """P=2 (and P=2 x DP=2 for the GPT): the initial weights equal the whole-model build's exactly (a
     weight tied across stages: the later stage's copy receives the first stage's), and the parameters
-    after every step equal one process's on the whole batch."""
-    results = run_distributed(meta_parity_worker, world, args=(kind, 2, microbatches), timeout=120)
+    after every step equal one process's on the whole batch. Balanced by measured time too: each layer
+    timed on a copy materialised alone (the model object keeps no storage beyond the stages), the
+    same costs and cut on every rank, and the same training whatever the cut."""
+    results = run_distributed(meta_parity_worker, world, args=(kind, 2, microbatches, balance), timeout=120)
     worst = results[0][0]
     assert worst[0] == 0.0, f"initial weights differ from the whole-model build by {worst[0]:.3g}"
     assert max(worst) <= TOL, f"parameters differ from one process by {worst}"
@@ -117,6 +123,9 @@ def test_meta_model_trains_like_one_process(world, kind, microbatches):
         assert held["real_ids_are_stage_ids"], (rank, held)
         assert held["real_bytes"] == held["stage_bytes"] > 0, (rank, held)
         assert 0 < held["meta_left"] < held["all_params"], (rank, held)
+        assert held["costs"] == results[0][1]["costs"] and held["bounds"] == results[0][1]["bounds"], (rank, held)
+    if balance == "time":
+        assert len(held["costs"]) == CFG.n_layer + 2 and all(0 < c < 1 for c in held["costs"]), held["costs"]
 
 
 def test_meta_gpt_materialised_whole_equals_the_stage_builder():

@@ -139,10 +139,12 @@ def test_pipeline_mixed_precision_runs_and_learns(mode):
     (dict(pipeline_parallel_size=2, pipeline_chunks=2), "pipeline_chunks"),
     (dict(pipeline_parallel_size=2, pipeline_split_points=["2", "4"]), "pipeline_split_points"),
     (dict(pipeline_parallel_size=2, pipeline_balance="flops"), "pipeline_balance"),
+    (dict(pipeline_parallel_size=2, pipeline_sample_input=torch.zeros(2, 16)), "pipeline_sample_input"),
 ])
 def test_pipeline_options_errors_name_the_field(kwargs, field):
     names = {"pipeline_parallel_size": "size", "pipeline_schedule": "schedule", "microbatches": "microbatches",
-             "pipeline_split_points": "split_points", "pipeline_chunks": "chunks", "pipeline_balance": "balance"}
+             "pipeline_split_points": "split_points", "pipeline_chunks": "chunks", "pipeline_balance": "balance",
+             "pipeline_sample_input": "sample_input"}
     with pytest.raises(ValueError, match=field):
         PipelineOptions(**{names[k]: v for k, v in kwargs.items()})
 
@@ -161,6 +163,7 @@ def errors_worker(rank, world):
         "optimizer": dict(pipeline_parallel_size=3, optimizer="built"),
         "accumulation": dict(pipeline_parallel_size=3, gradient_accumulation_steps=2),
         "balance": dict(pipeline_parallel_size=3, pipeline_balance="compute"),  # an MLP: no compute model
+        "sample": dict(pipeline_parallel_size=3, pipeline_balance="time"),  # an MLP: no default sample
     }
     for name, kwargs in cases.items():
         kwargs = dict(kwargs)
@@ -185,7 +188,8 @@ def test_pipeline_errors_name_the_field():
     expected = {"divide": "pipeline_parallel_size=2 does not divide", "layers": "only 2 layers",
                 "split": "pipeline_split_points", "strategy": "'auto' with pipeline_parallel_size=3",
                 "optimizer": "pass a callable", "accumulation": "gradient_accumulation_steps",
-                "criterion": "needs a criterion", "balance": "pipeline_balance='compute' knows the compute of our GPT"}
+                "criterion": "needs a criterion", "balance": "pipeline_balance='compute' knows the compute of our GPT",
+                "sample": "pass pipeline_sample_input"}
     for case, text in expected.items():
         assert found[case] is not None and text in found[case], (case, found[case])
 

@@ -2,12 +2,13 @@
 
 `schedules`: what each rank does, as data (GPipe, 1F1B, interleaved 1F1B, ZB-H1), and a simulator that
 checks a schedule and measures its bubble. `stages`: the model as a chain of layers (`chain`), where to
-cut it (`partition`, `split_at`), one stage's module (`Stage`), building only one's own stage of a GPT
-(`GPTStages`), and tied parameters whose copies on several stages sum their gradients. `meta_init`: a
-model built on the meta device given storage and initial weights for one rank's stages only. `engine`: one
-rank's actions run for a training step, over `p2p`'s messages. `split_backward`: ZB-H1's split backward
-(`SplitBackward`: the linear layers' weight gradients deferred from I to W). `timing`: a step's busy
-time by action and measured bubble (`PipelineTiming`, `PipelineEngine.timing`).
+cut it (`partition`, `split_at`; `balance`: the costs it cuts by, parameters, FLOPs or measured times),
+one stage's module (`Stage`), building only one's own stage of a GPT (`GPTStages`), and tied parameters
+whose copies on several stages sum their gradients. `meta_init`: a model built on the meta device given
+storage and initial weights for one rank's stages only. `engine`: one rank's actions run for a training
+step, over `p2p`'s messages. `split_backward`: ZB-H1's split backward (`SplitBackward`: the linear
+layers' weight gradients deferred from I to W). `timing`: a step's busy time by action and measured
+bubble (`PipelineTiming`, `PipelineEngine.timing`).
 """
 
 from .engine import PipelineEngine

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from .schedules import SCHEDULES
 
@@ -13,7 +14,7 @@ __all__ = ["PipelineOptions"]
 #: fill the pipeline (refused, naming `microbatches`).
 _ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "zbh1")
 #: What `partition` may balance the stages by (``pipeline_balance``).
-BALANCES = ("parameters", "compute")
+BALANCES = ("parameters", "compute", "time")
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,14 @@ class PipelineOptions:
             layer's (GPT) or module's name, so the weights do not depend on the cut.
         balance: what the stages are balanced by when `split_points` is None (``pipeline_balance``):
             ``"parameters"`` (default: parameter counts) or ``"compute"`` (our GPT only: forward FLOPs per
-            token, `gpt_stages.gpt_layer_flops`; for wide models whose step the GPU, not the host, bounds).
+            token, `gpt_stages.gpt_layer_flops`; for wide models whose step the GPU, not the host, bounds)
+            or ``"time"`` (each layer's forward + backward measured on the device at setup, averaged over
+            the ranks: `balance.measure_layer_times`).
+        sample_input: for ``balance="time"``, one microbatch's input to the first layer (a tensor, or a
+            tuple, list or dict of tensors; ``pipeline_sample_input``); None: our GPT's default, token
+            ids of shape (1, ``cfg.block_size``) (`balance.default_sample`); other models need one.
+        mixed_precision: the trainer's ``mixed_precision`` (``"bf16"``, ``"fp16"``, ``"fp32"`` or None):
+            the autocast the layers are timed under.
     """
 
     size: int = 1
@@ -43,11 +51,20 @@ class PipelineOptions:
     chunks: int | None = None
     init_seed: int = 0
     balance: str = "parameters"
+    sample_input: Any = field(default=None, compare=False, repr=False)
+    mixed_precision: str | None = None
 
     def __post_init__(self) -> None:
         size = self.size
         if self.balance not in BALANCES:
             raise ValueError(f"pipeline_balance must be one of {list(BALANCES)}, got {self.balance!r}")
+        if self.sample_input is not None:
+            if self.balance != "time":
+                raise ValueError(f"pipeline_sample_input is for pipeline_balance='time' (it times the layers on "
+                                 f"it), but pipeline_balance={self.balance!r}: leave it out or balance by time")
+            from .balance import check_sample  # the sample's rules live with the timing
+
+            check_sample(self.sample_input)
         if isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int):
             raise TypeError(f"seed must be an integer, got {self.init_seed!r}")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:

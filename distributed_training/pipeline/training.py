@@ -10,8 +10,10 @@ different batches; the P ranks of a pipeline see the same batches (`fit` shards 
 
 Stages. The model's chain of layers (`stages.chain`: an `nn.Sequential`, our `GPT`, or an adapter's
 list) is cut into S = P x V stages (V = `pipeline_chunks`, 2 by default for ``"interleaved_1f1b"``, 1
-otherwise), balanced by parameter count (`partition`; our GPT by compute with
-``pipeline_balance="compute"``, `gpt_layer_flops`), or cut at `pipeline_split_points` (`split_at`).
+otherwise), balanced by parameter count (`partition` of `balance.layer_costs`; our GPT by compute
+with ``pipeline_balance="compute"``, `gpt_layer_flops`; any chain by each layer's forward + backward
+measured on the device at setup with ``"time"``, averaged over the ranks so that every rank cuts
+alike), or cut at `pipeline_split_points` (`split_at`).
 Chunk c of pipeline rank r is stage ``c * P + r``. Every rank receives the user's model object,
 keeps its stages' layers and frees the rest: the other layers' parameters and buffers in the user's
 model object are replaced by meta tensors (shapes only), so the model passed to the trainer is not
@@ -74,18 +76,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..logs import get_logger
 from ..models.gpt import GPT
 from ..runtime import DistributedContext
 from ..checkpoint_shards import Holding, Piece, StateLayout
 from ..strategies.base import OptimizerFactory, Strategy
 from .engine import PipelineEngine
 from .p2p import PipelineAborted
-from .gpt_stages import gpt_layer_flops, lm_loss
+from .balance import layer_costs
+from .gpt_stages import lm_loss
 from .meta_init import check_initialisable, has_meta, materialize
 from .options import PipelineOptions
 from .stages import Stage, chain, find_ties, partition, split_at, tied_groups
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineStages"]
+
+log = get_logger("pipeline")
 
 class PipelineStages(nn.Module):
     """This rank's stages (chunk c at ``stages[c]``): what the data-parallel strategy wraps and the
@@ -144,15 +150,21 @@ class PipelineStrategy(Strategy):
                 bounds = split_at(opts.split_points, names)
             except ValueError as err:
                 raise ValueError(f"pipeline_split_points: {err}") from None
+            costs = None
         else:
-            if opts.balance == "compute":
-                if not isinstance(module, GPT):
-                    raise ValueError(f"pipeline_balance='compute' knows the compute of our GPT only, not of a "
-                                     f"{type(module).__name__}: use 'parameters' or pipeline_split_points")
-                costs = gpt_layer_flops(module.cfg)
-            else:
-                costs = [sum(p.numel() for p in layer.parameters()) for _, layer in layers]
+            if has_meta(module) and opts.balance == "time":
+                check_initialisable(module, layers)  # its error before any timing, on every rank alike
+            costs = layer_costs(module, layers, opts.balance, device=context.device, sample=opts.sample_input,
+                                autocast=_autocast(opts.mixed_precision, context.device), group=context.group,
+                                collective_device=context.device if context.backend == "nccl" else None)
             bounds = partition(costs, S)
+        #: What the cut balanced (one cost per chain layer: parameters, FLOPs per token or seconds; None
+        #: with pipeline_split_points) and the cut (stage s holds chain layers bounds[s]:bounds[s + 1]).
+        self.layer_costs: list[float] | None = costs
+        self.bounds = list(bounds)
+        if context.is_main:
+            log.info("pipeline: %d stages %s: %s", S, "at pipeline_split_points" if costs is None else
+                     f"balanced by {opts.balance}", _describe_cut(names, bounds, costs, opts.balance))
         rank = mesh.rank("pipeline")
         self.device = context.device
         self._dp_rank = mesh.dp_rank
@@ -494,3 +506,25 @@ def _free_other_layers(model: nn.Module, keep: Sequence[nn.Module]) -> None:
         for name, b in list(module._buffers.items()):
             if b is not None and id(b) not in kept and not b.is_meta:
                 module._buffers[name] = torch.empty_like(b, device="meta")
+
+
+def _autocast(mixed_precision: str | None, device: torch.device) -> Callable[[], Any] | None:
+    """The trainer's autocast (its ``mixed_precision``), for timing the layers as they will run."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision or "fp32")
+    if dtype is None:
+        return None
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def _describe_cut(names: Sequence[str], bounds: Sequence[int], costs: Sequence[float] | None, balance: str) -> str:
+    """``"embed..block.4 (12.1 ms) | block.5..head (11.8 ms)"``: each stage's first and last layers
+    and, when the cut balanced costs, their sum (ms for measured times)."""
+    parts = []
+    for s in range(len(bounds) - 1):
+        a, b = bounds[s], bounds[s + 1]
+        span = names[a] if b - a == 1 else f"{names[a]}..{names[b - 1]}"
+        if costs is not None:
+            total = sum(costs[a:b])
+            span += f" ({total * 1e3:.2f} ms)" if balance == "time" else f" ({total:.3g})"
+        parts.append(span)
+    return " | ".join(parts)

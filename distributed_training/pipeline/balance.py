@@ -1,0 +1,259 @@
+"""What the stages are balanced by: one cost per chain layer, which `stages.partition` cuts.
+
+``pipeline_balance`` (`PipelineOptions.balance`) chooses the costs:
+
+* ``"parameters"`` (default): each layer's parameter count (a tied weight counted in every layer using it).
+* ``"compute"``: our GPT only, each layer's forward FLOPs per token (`gpt_stages.gpt_layer_flops`).
+* ``"time"``: each layer's forward + backward, measured on this rank's device with one microbatch
+  (`measure_layer_times`), averaged over the ranks (`agree`).
+
+Why measure? Both counts mis-weigh something. Parameter counts weigh the GPT's tied token embedding (a
+lookup) like its head (a matmul over the vocabulary); FLOP counts ignore that a small model's step is
+bound by the host's kernel launches, not by the GPU's arithmetic: GPT-2 124M cut by FLOPs kept the
+first rank busy 151 ms a step and the last 38 (2x H200). A measured time sees both.
+
+How a chain is timed (`measure_layer_times`): layer by layer, on a *copy* of each layer moved to the
+device (the model object is left alone: no gradients, no running statistics, no storage given to a
+meta model), with layer i's input the output of layer i - 1 (detached; floating tensors require
+grad, as a received activation does). Each layer runs forward, then backward with a gradient of ones
+shaped like its output (our GPT's last layer: from its loss, `lm_loss`, whose softmax over the
+vocabulary the last stage computes too), a few times as warm-up and then a few timed repeats, the
+device synchronised around each (so the time is the host's launches and the device's work together);
+the cost is the median repeat, in seconds. A layer of a model on the meta device (too large for one device) is
+materialised alone (`to_empty`, filled from N(0, 0.02) and then its modules' ``reset_parameters``:
+values do not matter for the time, but NaNs and denormals would), timed and freed before the next:
+the device never holds more than one layer and its activations. The global RNG is restored afterwards.
+
+Every rank then needs the same cut, though the times it measured differ from its neighbours' (noise,
+a busier host): `agree` averages them over the job's ranks and broadcasts rank 0's result, so that
+every rank partitions the same costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import statistics
+import time
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models.gpt import GPT
+from .gpt_stages import gpt_layer_flops, lm_loss
+from .meta_init import _children_first, _reset_method, has_meta
+from .options import BALANCES
+from .stages import Layers
+
+__all__ = ["BALANCES", "TIME_BUDGET_S", "default_sample", "measure_layer_times", "agree", "layer_costs"]
+
+#: Seconds `measure_layer_times` aims to spend on the whole chain (its warm-ups and repeats included),
+#: shared evenly among the layers: a layer whose runs use up its share stops early, but every layer runs
+#: at least once as warm-up and once timed. Copying each layer to the device comes on top.
+TIME_BUDGET_S = 20.0
+WARMUP = 2
+REPEATS = 5
+
+
+def default_sample(model: nn.Module) -> torch.Tensor | None:
+    """The input of one microbatch for timing `model`'s layers when none is given: for our `GPT`, token
+    ids of shape (1, ``cfg.block_size``) (drawn from a fixed generator, not the global RNG); None for
+    any other model (the caller must pass ``pipeline_sample_input``)."""
+    if isinstance(model, GPT):
+        cfg = model.cfg
+        return torch.randint(0, cfg.vocab_size, (1, cfg.block_size), generator=torch.Generator().manual_seed(0))
+    return None
+
+
+def check_sample(sample: Any, where: str = "pipeline_sample_input") -> None:
+    """Raise TypeError unless `sample` is a tensor, or a tuple, list or dict of them (nested)."""
+    if isinstance(sample, torch.Tensor):
+        return
+    if isinstance(sample, (tuple, list)) and sample:
+        for i, item in enumerate(sample):
+            check_sample(item, f"{where}[{i}]")
+        return
+    if isinstance(sample, dict) and sample:
+        for key, item in sample.items():
+            check_sample(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(f"{where} must be a tensor, or a non-empty tuple, list or dict of tensors (one microbatch's "
+                    f"input to the model's first layer), got {type(sample).__name__}")
+
+
+def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(v, fn) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _received(t: torch.Tensor) -> torch.Tensor:
+    """What the next stage receives: the values, detached, requiring grad if floating."""
+    t = t.detach()
+    return t.requires_grad_() if t.is_floating_point() else t
+
+
+def _on_device(layer: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of `layer` on `device`, with storage and finite values: a real layer's values, a meta
+    layer's from N(0, 0.02) then its modules' ``reset_parameters`` (children first)."""
+    twin = copy.deepcopy(layer)  # meta tensors copy as shapes: nothing allocated yet
+    if not has_meta(twin):
+        return twin.to(device)
+    twin.to_empty(device=device)
+    with torch.no_grad():
+        for t in (*twin.parameters(), *twin.buffers()):
+            t.normal_(0.0, 0.02) if t.is_floating_point() else t.zero_()
+        for module in _children_first(twin, set()):
+            reset = _reset_method(module)
+            if reset is not None:
+                reset()
+    return twin
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_layer_times(layers: Layers, sample: Any, device: torch.device | str, *,
+                        autocast: Callable[[], ContextManager] | None = None, warmup: int = WARMUP,
+                        repeats: int = REPEATS, budget_s: float = TIME_BUDGET_S,
+                        loss: Callable[[Any], torch.Tensor] | None = None) -> list[float]:
+    """Seconds of each layer's forward + backward on one microbatch, on `device` (see the module
+    docstring for how).
+
+    Args:
+        layers: the chain (``(name, module)`` pairs); the modules are copied, never changed.
+        sample: one microbatch's input to the first layer (a tensor, or a tuple, list or dict of them).
+        device: where to time.
+        autocast: a callable returning the context the forward runs under (the trainer's mixed
+            precision), or None.
+        loss: the last stage's loss as a function of the last layer's output, timed with the last
+            layer (its backward starts from the loss then), or None (a gradient of ones).
+        warmup, repeats: untimed and timed runs per layer (fewer where the budget runs out; at
+            least one of each).
+        budget_s: about how many seconds the whole chain may take (`TIME_BUDGET_S`).
+
+    Returns:
+        one median time per layer, in seconds.
+    """
+    device = torch.device(device)
+    check_sample(sample)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    share = budget_s / max(1, len(layers))
+    times: list[float] = []
+    cuda = device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+    x = _map(sample, lambda t: t.detach().to(device))
+    # fork_rng: the layers' dropout draws leave the trainer's RNG as it was.
+    with torch.random.fork_rng(devices=[index] if cuda else []), torch.enable_grad():
+        for i, (name, layer) in enumerate(layers):
+            last = loss if i == len(layers) - 1 else None
+            twin = _on_device(layer, device)
+            runs: list[float] = []
+            spent, run, untimed = 0.0, 0, warmup
+            out = None
+            while len(runs) < repeats:
+                _synchronize(device)
+                start = time.perf_counter()
+                with autocast() if autocast is not None else contextlib.nullcontext():
+                    out = twin(x)
+                    ends = [last(out)] if last is not None else [t for t in _tensors(out) if t.requires_grad]
+                    if ends:
+                        torch.autograd.backward(ends, [torch.ones_like(t) for t in ends])
+                _synchronize(device)
+                took = time.perf_counter() - start
+                spent, run = spent + took, run + 1
+                if run > untimed:
+                    runs.append(took)
+                if spent >= share:  # this layer's share of the budget is spent
+                    if runs:
+                        break
+                    untimed = run  # still warming up: one timed run, then stop
+            times.append(statistics.median(runs))
+            x = _map(out, _received)
+            del twin, out
+    if cuda:
+        torch.cuda.empty_cache()  # the copies' blocks, before the stages go to the device
+    for (name, _), seconds in zip(layers, times):
+        if not math.isfinite(seconds):
+            raise RuntimeError(f"pipeline_balance='time': layer {name!r} measured {seconds} s")
+    return times
+
+
+def _gpt_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Our GPT's loss (`lm_loss`: the softmax over the vocabulary in fp32, often more time than the head's
+    matmul) on the logits, against targets of zeros (the cost does not depend on them)."""
+    return lm_loss(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device))
+
+
+def agree(values: Sequence[float], device: torch.device, group=None) -> list[float]:
+    """The mean of `values` over the ranks of `group` (default: the world), identical on every rank
+    (rank 0's result broadcast after the all-reduce): every rank cuts the chain the same way."""
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    t /= dist.get_world_size(group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(t, src=src, group=group)
+    return t.tolist()
+
+
+def layer_costs(module: nn.Module, layers: Layers, balance: str, *, device: torch.device | str = "cpu",
+                sample: Any = None, autocast: Callable[[], ContextManager] | None = None, group=None,
+                collective_device: torch.device | None = None, budget_s: float = TIME_BUDGET_S) -> list[float]:
+    """One cost per chain layer for `partition`, by `balance` (``"parameters"``, ``"compute"`` or
+    ``"time"``; see the module docstring). For ``"time"``, collective over `group` (every rank measures
+    on `device` and `agree` averages), with `sample` the input of one microbatch (None: `default_sample`;
+    a ValueError naming ``pipeline_sample_input`` where there is none) and `collective_device` where the
+    agreement's tensor lives (the backend's: CUDA for NCCL)."""
+    if balance == "parameters":
+        return [sum(p.numel() for p in layer.parameters()) for _, layer in layers]
+    if balance == "compute":
+        if not isinstance(module, GPT):
+            raise ValueError(f"pipeline_balance='compute' knows the compute of our GPT only, not of a "
+                             f"{type(module).__name__}: use 'parameters', 'time' or pipeline_split_points")
+        return gpt_layer_flops(module.cfg)
+    if balance != "time":
+        raise ValueError(f"pipeline_balance must be one of {list(BALANCES)}, got {balance!r}")
+    if sample is None:
+        sample = default_sample(module)
+    if sample is None:
+        raise ValueError(f"pipeline_balance='time' times the layers on one microbatch, and a "
+                         f"{type(module).__name__} has no default one: pass pipeline_sample_input (one "
+                         "microbatch's input to the first layer: a tensor, or a tuple or dict of tensors)")
+    try:
+        mine = measure_layer_times(layers, sample, device, autocast=autocast, budget_s=budget_s,
+                                   loss=_gpt_loss if isinstance(module, GPT) else None)
+        failure = None
+    except Exception as err:  # out of memory on one rank, say: every rank must leave, not wait for it
+        mine, failure = [0.0] * len(layers), err
+    # The failure count travels with the times (one collective): every rank raises, or none does.
+    agreed = agree([*mine, float(failure is not None)], torch.device(collective_device or "cpu"), group)
+    if failure is not None:
+        raise failure
+    if agreed[-1] > 0:
+        raise RuntimeError("pipeline_balance='time': timing the layers failed on another rank (its error is in "
+                           "its log)")
+    return agreed[:-1]
