@@ -15,6 +15,7 @@ from distributed_training.pipeline.training import PipelineOptions
 from distributed_training.testing import run_distributed
 
 from _models import tiny_gpt
+from _pipeline import step_against_reference
 
 TOL = 1e-5
 STEPS = 3
@@ -56,27 +57,11 @@ def parity_worker(rank, world, kind, pipe, schedule, microbatches, clip):
     for step in range(STEPS):
         x, y = _batch(kind, step, per_replica * dp)
         sl = slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
-        if kind == "mlp":
-            metrics = trainer.train_step((x[sl], y[sl]), F.mse_loss)
-            ref_loss = F.mse_loss(reference(x), y)
-            mine = F.mse_loss(reference(x[sl]), y[sl]).item()  # this replica's batch, before the step
-        else:
-            metrics = trainer.train_step((x[sl], y[sl]))  # no criterion: the GPT's language-model loss
-            with torch.no_grad():
-                mine = reference(x[sl], y[sl]).item()
-            ref_loss = reference(x, y)
-        ref_loss.backward()
-        if clip is not None:
-            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-            norms.append((float(metrics["grad_norm"]), float(ref_norm)))
-        ref_opt.step()
-        ref_opt.zero_grad()
-        losses.append((float(metrics["loss"]), mine))
-        state = trainer.full_state_dict()
-        if rank == 0:
-            want = reference.state_dict()
-            assert list(state) == list(want), (list(state), list(want))
-            worst = max(worst, max((state[k] - want[k]).abs().max().item() for k in want))
+        diff, loss, norm = step_against_reference(trainer, reference, ref_opt, x, y, sl, kind, clip, rank)
+        worst = max(worst, diff) if diff is not None else worst
+        losses.append(loss)
+        if norm is not None:
+            norms.append(norm)
     trainer.close()
     return worst, losses, norms
 

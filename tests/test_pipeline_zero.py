@@ -22,6 +22,7 @@ from distributed_training import DistributedTrainer, FSDPStrategy
 from distributed_training.testing import run_distributed
 
 from _models import tiny_gpt
+from _pipeline import step_against_reference
 
 TOL = 1e-5
 STEPS = 3
@@ -70,26 +71,15 @@ def parity_worker(rank, world, kind, strategy, schedule, microbatches, clip, opt
     dp, dp_rank = trainer.dp_world_size, trainer.dp_rank
     per_replica = 2 * microbatches
     worst, losses, norms = [], [], []
-    criterion = F.mse_loss if kind == "mlp" else None
     for step in range(STEPS):
         x, y = _batch(kind, step, per_replica * dp)
         sl = slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
-        metrics = trainer.train_step((x[sl], y[sl]), criterion)
-        with torch.no_grad():
-            mine = (F.mse_loss(reference(x[sl]), y[sl]) if kind == "mlp" else reference(x[sl], y[sl])).item()
-        ref_loss = F.mse_loss(reference(x), y) if kind == "mlp" else reference(x, y)
-        ref_loss.backward()
-        if clip is not None:
-            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-            norms.append((float(metrics["grad_norm"]), float(ref_norm)))
-        ref_opt.step()
-        ref_opt.zero_grad()
-        losses.append((float(metrics["loss"]), mine))
-        state = trainer.full_state_dict()
-        if rank == 0:
-            want = reference.state_dict()
-            assert list(state) == list(want), (list(state), list(want))
-            worst.append(max((state[k] - want[k]).abs().max().item() for k in want))
+        diff, loss, norm = step_against_reference(trainer, reference, ref_opt, x, y, sl, kind, clip, rank)
+        if diff is not None:
+            worst.append(diff)
+        losses.append(loss)
+        if norm is not None:
+            norms.append(norm)
     name = trainer.strategy.name
     trainer.close()
     return worst, losses, norms, name
@@ -199,19 +189,20 @@ def test_zero3_checkpoint_crosses_pipeline_sizes_exactly(tmp_path):
     assert want_optim and all(not v.isnan().any() for s in want_optim.values() for v in s.values())
 
     loaded = run_distributed(checkpoint_worker, 1, args=(1, "ddp", first, True, 9), timeout=120)
-    for key, value in want_params.items():
-        assert torch.equal(loaded[0][0][key], value), key
-    got_optim = _full_optimizer(loaded, shapes)
-    for key, states in want_optim.items():
-        for k, value in states.items():
-            assert torch.equal(got_optim[key][k], value), (key, k)
+    _assert_loaded_exactly(loaded, shapes, want_params, want_optim)
 
     # ... and from one process back into ZeRO-3 stages (the tie's two copies both filled).
     run_distributed(_save_loaded, 1, args=(first, back), timeout=120)
     again = run_distributed(checkpoint_worker, 4, args=(2, "zero3", back, True, 9), timeout=180)
+    _assert_loaded_exactly(again, shapes, want_params, want_optim)
+
+
+def _assert_loaded_exactly(results, shapes, want_params, want_optim):
+    """The parameters (rank 0's full state) and the optimizer state gathered from every rank of a
+    loading run equal the saving run's, bit for bit."""
     for key, value in want_params.items():
-        assert torch.equal(again[0][0][key], value), key
-    got_optim = _full_optimizer(again, shapes)
+        assert torch.equal(results[0][0][key], value), key
+    got_optim = _full_optimizer(results, shapes)
     for key, states in want_optim.items():
         for k, value in states.items():
             assert torch.equal(got_optim[key][k], value), (key, k)
