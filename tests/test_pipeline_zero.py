@@ -310,3 +310,33 @@ def test_parameter_gathers_per_step(strategy):
     for units, counts in run_distributed(gathers_worker, 4, args=(strategy,), timeout=180):
         assert units == 2  # each rank: two layers of the tiny GPT, each a unit
         assert counts == [units] * 2 if strategy == "zero2" else counts == [2 * 4 * units] * 2, counts
+
+
+def frozen_stage_worker(rank, world, strategy):
+    base = _model("mlp")
+    for p in list(base.parameters())[:4]:  # the first two Linear layers: all of stage 0 (by parameter count)
+        p.requires_grad_(False)
+    reference = copy.deepcopy(base)
+    ref_opt = _adamw([p for p in reference.parameters() if p.requires_grad])
+    trainer = DistributedTrainer(copy.deepcopy(base), _adamw, strategy=strategy, pipeline_parallel_size=2,
+                                 microbatches=2, progress=False)
+    held = sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"] if p.requires_grad)
+    per_replica = 4
+    worst = []
+    for step in range(STEPS):
+        x, y = _batch("mlp", step, per_replica * trainer.dp_world_size)
+        sl = slice(trainer.dp_rank * per_replica, (trainer.dp_rank + 1) * per_replica)
+        diff, _, _ = step_against_reference(trainer, reference, ref_opt, x, y, sl, "mlp", None, rank)
+        if diff is not None:
+            worst.append(diff)
+    trainer.close()
+    return worst, held
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_a_frozen_stage_trains_under_zero_inside_stages(strategy):
+    """Every parameter of stage 0 frozen (P=2 x DP=2): that stage's ranks have nothing to shard or step
+    and the other stage trains as one process does."""
+    results = run_distributed(frozen_stage_worker, 4, args=(strategy,), timeout=180)
+    assert max(results[0][0]) <= 1e-5, results[0][0]
+    assert [r[1] > 0 for r in results] == [False, False, True, True], [r[1] for r in results]  # stage 0: ranks 0, 1

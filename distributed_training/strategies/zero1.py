@@ -75,15 +75,22 @@ class Zero1Strategy(DDPBacked, Strategy):
         self.groups = model.shards
         self.process_group = model.process_group
         shards = [s.param for s in self.groups]
-        built = factory(shards)
+        if not shards:
+            # Nothing to train here (every parameter frozen, e.g. a frozen pipeline stage): an optimizer
+            # over the frozen parameters, as DDP's would be, which never steps anything.
+            frozen = list(model.module.parameters())
+            built = factory(frozen) if frozen else _NothingToStep()
+        else:
+            built = factory(shards)
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
-        check_optimizer_params(
-            built, shards, strategy=self.name, expected_what="this rank's shards",
-            names=getattr(self, "_names", None),
-            consequence="it would keep the full optimizer state on every rank (no sharding) while the shards it "
-                        "was given go unused",
-        )
+        if shards:
+            check_optimizer_params(
+                built, shards, strategy=self.name, expected_what="this rank's shards",
+                names=getattr(self, "_names", None),
+                consequence="it would keep the full optimizer state on every rank (no sharding) while the shards it "
+                            "was given go unused",
+            )
         model.attach_shard_grads()
         built.register_step_pre_hook(lambda opt, args, kwargs: model.prepare_step())
         built.register_step_post_hook(lambda opt, args, kwargs: model.gather_parameters())
@@ -142,7 +149,7 @@ class Zero1Strategy(DDPBacked, Strategy):
             shards[id(s.param)] = Holding(s.param, flat_pieces(members, s.lo, s.hi))
         held = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
         return StateLayout(shapes={name: tuple(p.shape) for name, p in named}, params=whole_tensors(named, first),
-                           optimizer=[shards[id(p)] for p in held])
+                           optimizer=[shards[id(p)] for p in held if id(p) in shards])  # not: frozen, no state
 
 
 def _zero_grad_clears_buckets(optimizer: torch.optim.Optimizer, model: Zero1DDP) -> None:
@@ -158,3 +165,13 @@ def _zero_grad_clears_buckets(optimizer: torch.optim.Optimizer, model: Zero1DDP)
         model.zero_grad_buckets()
 
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+class _NothingToStep(torch.optim.Optimizer):
+    """The optimizer of a rank with no parameters at all: stepping it does nothing."""
+
+    def __init__(self) -> None:
+        super().__init__([torch.zeros(0)], {})
+
+    def step(self, closure=None):
+        return closure() if closure is not None else None
