@@ -136,6 +136,37 @@ def test_pipeline_first_stage_with_every_parameter_frozen_trains_like_one_proces
     assert max(run_distributed(frozen_worker, 2, args=(schedule,), timeout=60)) <= 1e-6
 
 
+class _AddsInPlace(nn.Module):
+    def forward(self, x):
+        return x.add_(1.0)
+
+
+def relu_inplace_worker(rank, world):
+    """A stage starting with nn.ReLU(inplace=True) gets a copy of its received input: it trains as
+    one process does."""
+    stages = _stages(first_of_second=nn.ReLU(inplace=True))
+    reference = nn.Sequential(*copy.deepcopy(stages))
+    opt = torch.optim.SGD(stages[rank].parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    engine = _engine(stages, rank)
+    worst = 0.0
+    for step in range(3):
+        x, y = _batch(step)
+        engine.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for p, q in zip(stages[rank].parameters(), reference[rank].parameters()):
+            worst = max(worst, (p - q).abs().max().item())
+    return worst
+
+
+def test_a_stage_starting_with_an_in_place_activation_trains():
+    assert max(run_distributed(relu_inplace_worker, 2, timeout=60)) <= 1e-6
+
+
 class _Pair(nn.Module):
     def forward(self, x):
         return x, x
@@ -145,8 +176,8 @@ def failing_stage_worker(rank, world, case):
     if case == "tuple":
         stages = _stages()
         stages[0] = nn.Sequential(*stages[0], _Pair())
-    else:  # the second stage starts with an in-place activation
-        stages = _stages(first_of_second=nn.ReLU(inplace=True))
+    else:  # the second stage starts by modifying its input in place, where no flag says so
+        stages = _stages(first_of_second=_AddsInPlace())
     engine = _engine(stages, rank)
     try:
         engine.step(*_batch(0))
@@ -182,23 +213,30 @@ def refused_worker(rank, world):
     short = engine.step(x[:2], y[:2]).item()
     interleaved = PipelineEngine([stages[rank], stages[rank]], ranks=[0, 1], rank=rank, schedule="interleaved_1f1b",
                                  microbatches=4, loss_fn=F.mse_loss)
-    try:  # interleaved needs a multiple of the stages: refused, before any message
-        interleaved.step(x[:3], y[:3])
+    try:  # interleaved needs a multiple of the ranks: fewer samples than ranks refused, before any message
+        interleaved.step(x[:1], y[:1])
     except ValueError as err:
         refused.append(str(err))
+    # 3 samples: interleaved runs 2 microbatches (the largest multiple of the ranks), the loss the batch's
+    short_interleaved = interleaved.step(x[:3], y[:3]).item()
+    with torch.no_grad():
+        s = _stages()
+        want_interleaved = F.mse_loss(nn.Sequential(s[0], s[1], s[0], s[1])(x[:3]), y[:3]).item()
     # Refused before any message: the pipeline still runs a step afterwards (a refusal inside the
     # step used to leave abort messages behind, which failed every later step).
     with torch.no_grad():
         want_short = F.mse_loss(nn.Sequential(*_stages())(x[:2]), y[:2]).item()
     loss = engine.step(x, y)
-    return refused, short, want_short, loss.item(), F.mse_loss(nn.Sequential(*_stages())(x), y).item()
+    return (refused, short, want_short, loss.item(), F.mse_loss(nn.Sequential(*_stages())(x), y).item(),
+            short_interleaved, want_interleaved)
 
 
 def test_pipeline_step_under_no_grad_is_refused_a_short_batch_runs_and_the_pipeline_goes_on():
-    for refused, short, want_short, loss, want in run_distributed(refused_worker, 2, timeout=60):
+    for refused, short, want_short, loss, want, short_il, want_il in run_distributed(refused_worker, 2, timeout=60):
         assert len(refused) == 2, refused
         assert "torch.no_grad()" in refused[0], refused
-        assert "a batch of 3 samples is smaller than microbatches=4" in refused[1], refused
+        assert "a batch of 1 samples is smaller than microbatches=4" in refused[1], refused
+        assert abs(short_il - want_il) <= 1e-6, (short_il, want_il)
         assert abs(short - want_short) <= 1e-6, (short, want_short)
         assert abs(loss - want) <= 1e-6
 

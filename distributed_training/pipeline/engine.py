@@ -30,6 +30,7 @@ from torch import nn
 from .p2p import PipelineAborted, StageLink
 from .schedules import build_schedule, stage_of
 from .split_backward import SplitBackward
+from .stages import Stage
 from .timing import ActionClock, PipelineTiming, combine, rank_row
 
 __all__ = ["PipelineEngine"]
@@ -49,6 +50,20 @@ def _split(value: Any, parts: int) -> list[Any]:
         cut = [_split(v, parts) for v in value]
         return [type(value)(c[i] for c in cut) for i in range(parts)]
     return [value] * parts
+
+
+def _starts_in_place(module: nn.Module) -> bool:
+    """Whether the first layer `module` runs is one that works in place (an ``inplace=True`` flag, as
+    `nn.ReLU` has), following first layers down through a `Stage` and `nn.Sequential`s."""
+    while True:
+        if getattr(module, "inplace", False) is True:
+            return True
+        if isinstance(module, Stage) and module._chain:
+            module = module._chain[0]
+        elif isinstance(module, nn.Sequential) and len(module):
+            module = module[0]
+        else:
+            return False
 
 
 def _shapes_of(value: Any) -> Any:
@@ -108,6 +123,9 @@ class PipelineEngine:
                  device: torch.device | str = "cpu", after_backward: Callable[[], None] | None = None,
                  split_backward: SplitBackward | None = None) -> None:
         self.chunks = list(chunks)
+        # Chunks whose first layer works in place (nn.ReLU(inplace=True)) get a copy of their received
+        # input: autograd forbids modifying a leaf that requires grad, which a received input is.
+        self._copy_input = [_starts_in_place(chunk) for chunk in self.chunks]
         self.pipe_size = len(ranks)
         self.rank = rank
         self.num_stages = self.pipe_size * len(self.chunks)
@@ -135,16 +153,18 @@ class PipelineEngine:
         self._clock: ActionClock | None = None
 
     def _forward(self, chunk: int, stage: int, x: Any) -> Any:
+        if stage > 0 and self._copy_input[chunk] and isinstance(x, torch.Tensor) and x.requires_grad:
+            x = x.clone()  # the gradient still reaches the received tensor, through the copy
         try:
             return self.chunks[chunk](x)
         except RuntimeError as err:
             # A received input is a leaf that requires grad (its gradient goes back to the previous stage),
             # which autograd forbids modifying in place; in one process it was an intermediate result.
             if stage > 0 and "leaf Variable that requires grad is being used in an in-place operation" in str(err):
-                raise RuntimeError(f"pipeline stage {stage} modifies its input in place (e.g. a first layer "
-                                   "nn.ReLU(inplace=True)), which a stage's received input does not allow: cut the "
-                                   "model elsewhere (the trainer's pipeline_split_points) or make that layer out of "
-                                   "place") from err
+                raise RuntimeError(f"pipeline stage {stage} modifies its input in place (e.g. `x.add_(...)` in "
+                                   "its first layer's forward), which a stage's received input does not allow: cut "
+                                   "the model elsewhere (the trainer's pipeline_split_points) or make that operation "
+                                   "out of place") from err
             raise
 
     @property
@@ -163,10 +183,13 @@ class PipelineEngine:
                                "not under torch.no_grad() or torch.inference_mode()")
         # Cut before the first message, every rank alike (they pass the same batch). A batch with fewer
         # samples than microbatches (an epoch's short last batch) runs as one microbatch per sample, with
-        # the schedule built for that many; a schedule that cannot (interleaved: a multiple of the stages)
-        # refuses it with the pipeline still usable.
+        # the schedule built for that many; interleaved, which needs a multiple of the pipeline's ranks,
+        # runs the largest such multiple (microbatches of one or two samples), and refuses a batch of
+        # fewer samples than ranks with the pipeline still usable.
         total = _rows(inputs)
         m = self.microbatches if total >= self.microbatches else total
+        if m < self.microbatches and self.schedule == "interleaved_1f1b" and m >= self.pipe_size:
+            m -= m % self.pipe_size
         actions = self.actions if m == self.microbatches else self._actions_for(m)
         xs, ys = _split(inputs, m), _split(targets, m)
         shares = [_rows(x) / total for x in xs]
