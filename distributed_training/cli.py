@@ -249,7 +249,7 @@ def _check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
         try:
             split_at(options.split_points, names)
         except ValueError as err:
-            raise ConfigError(f"training.pipeline_split_points: {err}") from None
+            raise ConfigError(f"training.pipeline_split_points: {str(err).removeprefix('boundary_names: ')}") from None
 
 
 def _short_last_batch(trainer, train, batch_size: int) -> bool:

@@ -111,6 +111,9 @@ def test_time_balance_errors_name_the_field():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     with pytest.raises(ValueError, match="pass pipeline_sample_input"):
         layer_costs(model, chain(model), "time")
+    # A sample that does not fit the model: the error names the field, the layer and what it got.
+    with pytest.raises(RuntimeError, match=r"layer '0' failed on the sample \(pipeline_sample_input.*\(2, 7\)"):
+        layer_costs(model, chain(model), "time", sample=torch.zeros(2, 7))
 
 
 SEEN_DTYPES: list[torch.dtype] = []

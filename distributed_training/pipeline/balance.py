@@ -176,11 +176,22 @@ def measure_layer_times(layers: Layers, sample: Any, device: torch.device | str,
             while len(runs) < repeats:
                 _synchronize(device)
                 start = time.perf_counter()
-                with autocast() if autocast is not None else contextlib.nullcontext():
-                    out = twin(x)
-                    ends = [last(out)] if last is not None else [t for t in _tensors(out) if t.requires_grad]
-                    if ends:
-                        torch.autograd.backward(ends, [torch.ones_like(t) for t in ends])
+                try:
+                    with autocast() if autocast is not None else contextlib.nullcontext():
+                        out = twin(x)
+                        ends = [last(out)] if last is not None else [t for t in _tensors(out) if t.requires_grad]
+                        if ends:
+                            torch.autograd.backward(ends, [torch.ones_like(t) for t in ends])
+                except (MemoryError, torch.OutOfMemoryError):
+                    raise  # as it is: not the sample's fault
+                except Exception as err:  # a sample that does not fit the model, most often
+                    message = (f"pipeline_balance='time': layer {name!r} failed on the sample (pipeline_sample_input, "
+                               f"one microbatch's input to the first layer; this layer got {_describe(x)}): {err}")
+                    try:
+                        wrapped = type(err)(message)  # the same kind
+                    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+                        wrapped = RuntimeError(message)
+                    raise wrapped from err
                 _synchronize(device)
                 took = time.perf_counter() - start
                 spent, run = spent + took, run + 1
@@ -199,6 +210,17 @@ def measure_layer_times(layers: Layers, sample: Any, device: torch.device | str,
         if not math.isfinite(seconds):
             raise RuntimeError(f"pipeline_balance='time': layer {name!r} measured {seconds} s")
     return times
+
+
+def _describe(value: Any) -> str:
+    """Shapes and dtypes of a sample, for messages."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    return type(value).__name__
 
 
 def _gpt_loss(logits: torch.Tensor) -> torch.Tensor:

@@ -149,7 +149,7 @@ class PipelineStrategy(Strategy):
             try:
                 bounds = split_at(opts.split_points, names)
             except ValueError as err:
-                raise ValueError(f"pipeline_split_points: {err}") from None
+                raise ValueError(f"pipeline_split_points: {str(err).removeprefix('boundary_names: ')}") from None
             costs = None
         else:
             if has_meta(module) and opts.balance == "time":
