@@ -174,9 +174,11 @@ def run_job(cfg: JobConfig) -> dict:
         raise ConfigError(training_paths(str(err)).replace("checkpoint_dir", "checkpoint.dir")) from None
     ctx = trainer.context
     try:
-        pipeline = (f", pipeline of {t.pipeline_parallel_size} stages ({trainer.config['pipeline_schedule']}, "
-                    f"{trainer.config['microbatches']} microbatches) x {trainer.dp_world_size} data-parallel"
-                    if pipelined else "")
+        chunks = trainer.config["pipeline_chunks"] if pipelined else 1
+        stages = (f"{t.pipeline_parallel_size * chunks} stages ({t.pipeline_parallel_size} ranks x {chunks} chunks, "
+                  if chunks > 1 else f"{t.pipeline_parallel_size} stages (")
+        pipeline = (f", pipeline of {stages}{trainer.config['pipeline_schedule']}, {trainer.config['microbatches']} "
+                    f"microbatches) x {trainer.dp_world_size} data-parallel" if pipelined else "")
         log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
                  type(model).__name__, f"{n_params:,}", trainer.strategy.name, pipeline, ctx.world_size,
                  ctx.device, f"{len(train):,}")
