@@ -28,6 +28,8 @@ from .logs import get_logger
 __all__ = ["Checkpointing"]
 
 log = get_logger()
+#: The trainer's config keys that only a run with a pipeline has.
+_PIPELINE_KEYS = ("pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_chunks")
 
 # Suffixes of single-file checkpoints, which a checkpoint directory's name should not look like.
 _FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
@@ -262,8 +264,8 @@ class Checkpointing:
             if meta.get("strategy") == self.strategy.name:  # what only the same strategy understands
                 self.strategy.load_shared_state(self.model, meta)
                 self.strategy.load_rank_state(self.model, read(ctx.rank))
-        else:
-            warnings.warn(f"checkpoint {path!r} was written by {meta['world_size']} ranks: RNG states not restored")
+        elif ctx.is_main:  # once, not once a rank
+            log.warning("checkpoint %r was written by %s ranks: RNG states not restored", path, meta["world_size"])
         changes = self._apply_changed_hyperparameters(meta)
         if self.lr_scheduler is not None:
             # A schedule added since the checkpoint starts where it would be after the saved steps.
@@ -273,6 +275,9 @@ class Checkpointing:
         changes += [f"{key}: {meta['config'][key]} -> {value}" for key, value in self.config.items()
                     if key not in ("world_size", "optimizer") and key in meta.get("config", {})
                     and meta["config"][key] != value]
+        # A pipeline the checkpoint was written with and this run does not have (its keys are absent).
+        changes += [f"{key}: {value} -> none" for key, value in meta.get("config", {}).items()
+                    if key in _PIPELINE_KEYS and key not in self.config]
         if changes and ctx.is_main:
             log.warning("the configuration changed since checkpoint %s was written; the new values apply: %s", path,
                          "; ".join(changes))

@@ -341,3 +341,29 @@ def evaluate_error_worker(rank, world):
 def test_evaluate_without_criterion_names_it():
     for message in run_distributed(evaluate_error_worker, 2, timeout=60):
         assert message is not None and "evaluate needs a criterion" in message, message
+
+
+def changed_config_worker(rank, world, directory):
+    import logging
+
+    from distributed_training.logs import get_logger
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    get_logger().addHandler(handler)
+    try:
+        trainer, _ = _trainer("mlp", 1, seed=1)
+        trainer.load_checkpoint(directory)
+        trainer.close()
+    finally:
+        get_logger().removeHandler(handler)
+    return seen
+
+
+def test_resuming_a_pipeline_checkpoint_without_a_pipeline_says_so(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    run_distributed(save_worker, 2, args=("mlp", 2, directory), timeout=120)
+    seen = "\n".join(run_distributed(changed_config_worker, 1, args=(directory,), timeout=120)[0])
+    assert "the configuration changed" in seen and "pipeline_parallel_size: 2 -> none" in seen, seen
+    assert "RNG states not restored" in seen, seen  # said once, by rank 0, through the package's log
