@@ -305,3 +305,26 @@ def test_pipeline_balance_by_compute_moves_blocks_off_the_head_stage():
     assert first["parameters"] != first["compute"], first
     assert len(first["compute"]) > len(first["parameters"]), first  # blocks move to the embedding's stage
     assert first["compute"][-1] not in last["compute"] and "head" in last["compute"][-1], (first, last)
+
+
+def checkpointing_worker(rank, world, schedule):
+    from distributed_training.models.gpt import Block
+
+    base = _gpt()
+    reference = copy.deepcopy(base)
+    ref_opt = _sgd(reference.parameters())
+    trainer = DistributedTrainer(copy.deepcopy(base), _sgd, pipeline_parallel_size=2, pipeline_schedule=schedule,
+                                 microbatches=2, activation_checkpointing=Block, progress=False)
+    worst = 0.0
+    for step in range(STEPS):
+        x, y = _batch("gpt", step, 4)
+        diff, _, _ = step_against_reference(trainer, reference, ref_opt, x, y, slice(0, 4), "gpt", None, rank)
+        worst = max(worst, diff or 0.0)
+    trainer.close()
+    return worst
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_activation_checkpointing_inside_stages_matches_one_process(schedule):
+    """Blocks recomputed in backward (ZB-H1: in its I pass) give one process's parameters."""
+    assert run_distributed(checkpointing_worker, 2, args=(schedule,), timeout=120)[0] <= TOL
