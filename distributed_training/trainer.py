@@ -448,6 +448,7 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
         loader = train_loader(data, self.context, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
                               num_workers=num_workers, seed=self.seed, dp_rank=self.dp_rank,
                               dp_world_size=self.dp_world_size)
+        self._check_last_batch(loader)
         with StopSignals(self.context, self.device, self.context.every_rank) as stop:
             try:
                 history = self._train_epochs(loader, epochs, criterion, max_steps, log_every, on_step, stop)
@@ -455,6 +456,19 @@ class DistributedTrainer(Checkpointing, AutoBatchSize, Evaluation):
                 self.monitor.end_progress()  # what the script prints next gets a line of its own
         stop.deliver()  # after a stop on a signal: raises (by default), with the handlers of before restored
         return history
+
+    def _check_last_batch(self, loader) -> None:
+        """Refuse now, not after an epoch, a sharded loader whose last batch the strategy cannot run."""
+        smallest = self.strategy.smallest_batch()
+        sampler = getattr(loader, "sampler", None)
+        if smallest <= 1 or not isinstance(sampler, ShardedSampler) or loader.drop_last:
+            return
+        last = len(range(sampler.rank, sampler.total, sampler.num_replicas)) % loader.batch_size
+        if 0 < last < smallest:
+            raise ValueError(f"fit(): each epoch's last batch would have {last} sample(s) on this data-parallel "
+                             f"replica, fewer than the {smallest} that pipeline_schedule='interleaved_1f1b' needs "
+                             "(one a pipeline rank): pass fit(..., drop_last=True) or a batch_size that divides "
+                             "the data")
 
     def _train_epochs(self, loader, epochs, criterion, max_steps, log_every, on_step,
                       stop: StopSignals) -> list[dict[str, float]]:

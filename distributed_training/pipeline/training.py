@@ -382,6 +382,10 @@ class PipelineStrategy(Strategy):
         dist.broadcast(sums, src=self._pipe_ranks[-1], group=self._pipe_group)
         return sums
 
+    def smallest_batch(self) -> int:
+        # Interleaved runs a short batch as a multiple of the ranks' microbatches: at least one a rank.
+        return self.options.size if self.options.schedule == "interleaved_1f1b" else 1
+
     def time_pipeline(self, model: nn.Module, on: bool) -> None:
         self.engine.timing = on
 

@@ -279,6 +279,11 @@ class Strategy(abc.ABC):
         """(exposed communication seconds per step or None, extra metrics) since the last call."""
         return None, {}
 
+    def smallest_batch(self) -> int:
+        """The fewest samples a training batch may have (a pipeline's interleaved schedule: one per
+        pipeline rank); `fit` refuses at its start a loader whose last batch would be smaller."""
+        return 1
+
     def time_pipeline(self, model: nn.Module, on: bool) -> None:
         """Time (or stop timing) the pipeline schedule's compute in the coming steps: a pipeline's busy time
         per stage and its measured bubble (`pipeline.PipelineTiming`); nothing without a pipeline. A timed
