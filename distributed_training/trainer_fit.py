@@ -1,0 +1,221 @@
+"""`DistributedTrainer.fit` and its epoch loop (`Fitting`, a mixin of the trainer): the sharded loader,
+the steps of each epoch (resumed where a checkpoint left off), the monitor's record of each step, the
+periodic checkpoints, and stopping on a signal at a step boundary every rank agreed on."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .batches import batch_size_of, token_count
+from .data import ShardedSampler, agree_steps_per_epoch, train_loader
+from .logs import get_logger
+from .stopping import StopSignals
+
+__all__ = ["Fitting"]
+
+log = get_logger()
+Criterion = Callable[[Any, Any], torch.Tensor]
+
+
+class Fitting:
+    """`fit` and its loop; the trainer provides the state it reads (see `DistributedTrainer`)."""
+
+    # ------------------------------------------------------------------ loops
+    def fit(
+        self,
+        data: Dataset | DataLoader | Iterable,
+        epochs: int = 1,
+        criterion: Criterion | None = None,
+        *,
+        batch_size: int | str | None = None,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        max_steps: int | None = None,
+        log_every: int = 50,
+        on_step: Callable[[int, dict[str, float]], None] | None = None,
+    ) -> list[dict[str, float]]:
+        """Train until `epochs` epochs (or `max_steps` optimizer steps) are done in total; return one
+        summary per epoch trained by this call.
+
+        Both limits count from the start of training, not from this call, so a restarted job that
+        resumes from a checkpoint (see `checkpoint_dir`) finishes the same run instead of a longer one.
+
+        A map-style `Dataset` (or a `DataLoader` over one) is sharded across ranks with
+        `ShardedSampler`: each rank sees distinct samples, reshuffled every epoch, and every rank runs
+        the same number of steps; a resumed epoch skips the samples already trained. Any other
+        iterable is used as given; ranks that run out of batches early stop everyone at the shortest
+        (one tiny all-reduce per step), so uneven inputs never hang the job.
+        `on_step(step, metrics)` is called every `log_every` steps, and after the last step, with float
+        metrics. Losses (in `on_step` and in the returned summaries) are this rank's own, not averaged
+        across ranks: averaging would cost a collective per step; `evaluate` gives the global figure.
+        ``batch_size="auto"`` picks the largest batch that fits (see `auto_batch_size`) once; a run
+        resumed from a checkpoint keeps the batch size it started with.
+
+        Resuming (see `resume`) is logged on rank 0 ("resumed from step N (path)"); a run that the
+        checkpoint shows complete logs so and returns ``[]`` without training. SIGINT and SIGTERM during
+        `fit` stop every rank at the same step boundary shortly after either reaches any of them (a step
+        or a checkpoint write in progress finishes first); on SIGTERM, with `save_on_preemption`, a
+        checkpoint is written at that step. The signal then goes to the handler that was in place
+        before `fit` (restored on return): by default SIGINT raises `KeyboardInterrupt` and SIGTERM
+        ``SystemExit(143)``, so a preempted job exits with nothing lost and resumes where it stopped.
+        """
+        if not isinstance(epochs, int) or epochs < 0:
+            raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
+        if isinstance(batch_size, str) and batch_size != "auto":
+            raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
+        if not isinstance(log_every, int) or log_every < 1:
+            raise ValueError(f"log_every must be a positive integer, got {log_every!r}")
+        self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
+        resumed_from = self._resume_or_start_fresh()
+        if resumed_from is not None and (self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)):
+            if self.context.is_main:
+                log.info("training is already complete at step %d (%s): nothing to do", self.step, resumed_from)
+            return []
+        if batch_size == "auto":
+            if self.batch_size is None:  # not restored from a checkpoint: a resumed run keeps its batch size
+                self.auto_batch_size(data, criterion)
+            batch_size = self.batch_size
+        loader = train_loader(data, self.context, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                              num_workers=num_workers, seed=self.seed, dp_rank=self.dp_rank,
+                              dp_world_size=self.dp_world_size)
+        self._check_last_batch(loader)
+        with StopSignals(self.context, self.device, self.context.every_rank) as stop:
+            try:
+                history = self._train_epochs(loader, epochs, criterion, max_steps, log_every, on_step, stop)
+            finally:
+                self.monitor.end_progress()  # what the script prints next gets a line of its own
+        stop.deliver()  # after a stop on a signal: raises (by default), with the handlers of before restored
+        return history
+
+    def _check_last_batch(self, loader) -> None:
+        """Refuse now, not after an epoch, a sharded loader whose last batch the strategy cannot run."""
+        smallest = self.strategy.smallest_batch()
+        sampler = getattr(loader, "sampler", None)
+        if smallest <= 1 or not isinstance(sampler, ShardedSampler) or loader.drop_last:
+            return
+        last = len(range(sampler.rank, sampler.total, sampler.num_replicas)) % loader.batch_size
+        if 0 < last < smallest:
+            raise ValueError(f"fit(): each epoch's last batch would have {last} sample(s) on this data-parallel "
+                             f"replica, fewer than the {smallest} that pipeline_schedule='interleaved_1f1b' needs "
+                             "(one a pipeline rank): pass fit(..., drop_last=True) or a batch_size that divides "
+                             "the data")
+
+    def _train_epochs(self, loader, epochs, criterion, max_steps, log_every, on_step,
+                      stop: StopSignals) -> list[dict[str, float]]:
+        sampler = getattr(loader, "sampler", None)
+        sharded = isinstance(sampler, ShardedSampler)
+        history = []
+        done = lambda: max_steps is not None and self.step >= max_steps  # noqa: E731
+        total = max_steps
+        if sharded:
+            per_epoch = agree_steps_per_epoch(loader, sampler, self.context)
+            by_epochs = epochs * per_epoch
+            total = by_epochs if max_steps is None else min(max_steps, by_epochs)
+            if max_steps is not None and by_epochs < max_steps:
+                log.info("fit: epochs=%d of %d steps end training at step %d, before max_steps=%d (pass more epochs "
+                         "to reach it)", epochs, per_epoch, by_epochs, max_steps)
+        self.monitor.start(total)
+        while self.epoch < epochs and not done():
+            skip = self.batch_in_epoch
+            if sharded:
+                sampler.set_epoch(self.epoch, start=skip * loader.batch_size)
+                skip = 0
+            elif hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
+            started = time.perf_counter()
+            loss_sum, steps, metrics, logged, exhausted = None, 0, None, True, False
+            # A DataLoader draws a base seed from the global RNG when iterated; keep that draw off the
+            # stream training uses, so that a resumed epoch sees the same random numbers as an unbroken one.
+            with torch.random.fork_rng(devices=[]):
+                batches = iter(loader)
+            for _ in range(skip):  # a resumed epoch over a loader we cannot seek: replay its start
+                next(batches, None)
+            last_end = time.perf_counter()
+            while not done():
+                if sharded and self.batch_in_epoch >= per_epoch:
+                    exhausted = True  # a rank with a longer dataset stops with the others
+                    break
+                batch = next(batches, None)
+                fetched = time.perf_counter()
+                has_batch = batch is not None if sharded else self.context.every_rank(batch is not None)
+                if not has_batch:
+                    exhausted = True
+                    break
+                metrics = self.train_step(batch, criterion)
+                self.batch_in_epoch += 1
+                now = time.perf_counter()
+                metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - last_end)
+                last_end = now
+                loss_sum = metrics["loss"] if loss_sum is None else loss_sum + metrics["loss"]
+                steps += 1
+                logged = self.step % log_every == 0
+                if on_step is not None and logged:
+                    on_step(self.step, {k: float(v) for k, v in metrics.items()})
+                if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+                    self._save_numbered(metrics)
+                if stop.agreed() is not None:
+                    break
+            if on_step is not None and not logged and metrics is not None:
+                on_step(self.step, {k: float(v) for k, v in metrics.items()})
+            history.append({
+                "epoch": self.epoch,
+                "steps": steps,
+                "train_loss": float(loss_sum / steps) if steps else float("nan"),
+                "seconds": time.perf_counter() - started,
+            })
+            if not exhausted:
+                break  # max_steps reached inside the epoch: it stays the current one
+            self.epoch += 1
+            self.batch_in_epoch = 0
+        if stop.signal is None:
+            if self.checkpoints is not None and (not self.checkpoint_every or self.step % self.checkpoint_every):
+                self._save_numbered(metrics)
+            stop.finish()  # a signal during the last steps: acted on by every rank or by none
+        if stop.signal is not None:
+            self._stop_on_signal(stop.signal, metrics)
+        return history
+
+    def _record_step(self, batch: Any, metrics: dict[str, torch.Tensor], *, step_time: float,
+                     data_time: float) -> dict[str, torch.Tensor]:
+        """Hand the step just trained to the monitor (with the strategy's communication figures, and a
+        pipeline's stage times and bubble, on log steps); returns the metrics with those figures added."""
+        if not self._monitoring:
+            return metrics
+        comm = None
+        log_every = self.monitor_log_every
+        if self.step % log_every == 0:
+            comm, extra = self.strategy.pop_communication_metrics(self.model)
+            if extra:
+                metrics = {**metrics, **{k: torch.tensor(v) for k, v in extra.items()}}
+            pipeline = self.strategy.pop_pipeline_timing(self.model)
+            if pipeline:
+                metrics = {**metrics, **{k: torch.tensor(v) for k, v in pipeline.items()}}
+        # Timing communication costs events (DDP: per bucket): only for the first step of the next window.
+        # Reading its events at the log step ending that window does not wait for the GPU (they are
+        # long done); reading the log step's own would (with log_every=1 it has to).
+        self.strategy.measure_communication(self.model, self.step % log_every == 0)
+        self.strategy.time_pipeline(self.model, self.step % log_every == 0)
+        self.monitor.record_step(self.step, metrics, samples=batch_size_of(batch), tokens=token_count(batch),
+                                 step_time=step_time, data_time=data_time, comm_time=comm)
+        return metrics
+
+    def _stop_on_signal(self, sig, metrics: dict[str, torch.Tensor] | None) -> None:
+        """Every rank, at the step boundary they agreed on: save on SIGTERM if asked, and say why we stop."""
+        ctx = self.context
+        if sig == signal.SIGTERM and self.save_on_preemption and self.checkpoints is not None:
+            if self._last_saved_step != self.step:
+                self._save_numbered(metrics)
+            if ctx.is_main:
+                log.warning("stopping at step %d on %s: checkpoint saved to %s", self.step, sig.name,
+                             self.checkpoints.path_for(self.step))
+        elif ctx.is_main:
+            saved = (f"; the last checkpoint is at step {self._last_saved_step}" if self._last_saved_step is not None
+                     else "")
+            log.warning("stopping at step %d on %s (no checkpoint written for the stop%s)", self.step, sig.name,
+                         saved)
