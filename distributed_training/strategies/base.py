@@ -184,6 +184,12 @@ class Strategy(abc.ABC):
         its micro-batch loop with `no_sync` and `backward`."""
         return None
 
+    def loss_criterion(self, criterion: Callable | None) -> Callable | None:
+        """The criterion the trainer applies to the model's outputs (train and evaluate): `criterion`
+        itself, unless the strategy's model computes something else than the user's outputs (tensor
+        parallelism: its part of the vocabulary's logits)."""
+        return criterion
+
     def backward(self, model: nn.Module, loss: torch.Tensor, precision: Precision) -> None:
         """Backward from one micro-batch's `loss` (the precision object scales it where it must); the
         wrapper's hooks synchronise the gradients unless this runs under `no_sync`."""

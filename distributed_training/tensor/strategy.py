@@ -1,0 +1,227 @@
+"""Tensor parallelism around a data-parallel strategy: `TensorParallelStrategy`.
+
+The user's model is changed in place by a plan (`tensor.plan.apply_plan`: its linear layers,
+embeddings and heads split between the ranks of the mesh's ``tensor`` group, each rank holding a part
+of each matrix), then handed to the data-parallel strategy (DDP, ZeRO-1/2/3, FSDP), which works over
+the ``data`` group on the parts as if they were whole parameters: every rank of a data-parallel group
+holds the same part, so averaging and sharding them is what it always does. What only tensor
+parallelism knows is added here:
+
+* gradients of replicated parameters that see only part of the sequence (sequence parallelism:
+  LayerNorms, a row-parallel bias) are summed over the tensor group as backward produces them (a hook
+  on the parameter, before the data-parallel strategy's own hooks see the gradient);
+* the gradient's 2-norm for clipping sums the split parameters' squares over the tensor group and
+  counts the replicated ones once;
+* state: checkpoints describe a split parameter's pieces in the full tensor's coordinates
+  (`tensor.state.tensor_state_layout`), `full_state_dict()` gathers the parts (`full_tensors`) and
+  loading a full state dict slices it (`spec.shard`), so the one checkpoint format holds;
+* a criterion that is cross-entropy becomes the vocabulary-parallel loss where the plan split the
+  output head by vocabulary (the logits each rank computes are its part of the vocabulary).
+
+Every tensor rank starts from the same random state (dropout outside the split regions must draw the
+same masks on every tensor rank; setup broadcasts tensor rank 0's).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..checkpoint_shards import StateLayout
+from ..runtime import DistributedContext
+from ..strategies.base import Strategy
+from .options import TensorOptions
+from .spec import ShardSpec, is_sequence_parallel, shard
+
+__all__ = ["TensorParallelStrategy"]
+
+
+class TensorParallelStrategy(Strategy):
+    """A data-parallel strategy (`inner`) over the parts of a model split by tensor parallelism (see
+    the module docstring)."""
+
+    def __init__(self, inner: Strategy, options: TensorOptions) -> None:
+        self.inner = inner
+        self.options = options
+        self.name = inner.name
+        self.collective_forward = inner.collective_forward  # tensor peers see the same batches anyway
+        self.places_module = inner.places_module
+        self.deferred_gradient_sync = inner.deferred_gradient_sync
+        self.specs: dict[str, ShardSpec] = {}  # split parameters by state_dict key
+        self._hooks: list[Any] = []
+        self._vocab_loss: Callable | None = None
+
+    # ------------------------------------------------------------------ setup
+    def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
+        self._prepare(module, context)
+        return self.inner.setup_module(module, context)
+
+    def _prepare(self, module: nn.Module, context: DistributedContext) -> None:
+        from .plan import apply_plan, builtin_plan, parallel_loss
+
+        mesh = context.mesh
+        if mesh.size("tensor") != self.options.size:
+            raise ValueError(f"tensor_parallel_size={self.options.size} but the mesh has {mesh.size('tensor')} "
+                             "tensor-parallel ranks")
+        self.group = mesh.group("tensor")
+        self.tensor_rank = mesh.rank("tensor")
+        self.device = context.device
+        plan = self.options.plan if self.options.plan is not None else builtin_plan(module)
+        if plan is None:
+            raise ValueError(f"tensor_parallel_size={self.options.size} needs a tensor_parallel_plan for a "
+                             f"{type(module).__name__} (module-name pattern -> 'colwise' | 'rowwise' | 'vocab' | "
+                             "'sequence' | 'replicate'; see docs/tensor_parallel.md); only our GPT has a built-in one")
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        _share_random_state(self.group, src, context.device)
+        with torch.no_grad():  # the parts are cut from tensor rank 0's weights, whatever each rank built
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor.data, src=src, group=self.group)
+        self.specs = apply_plan(module, plan, self.group, sequence_parallel=self.options.sequence_parallel)
+        self._vocab_loss = parallel_loss(module)
+        group = self.group
+
+        def summed(grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=group)
+            return grad
+
+        self._hooks = [p.register_hook(summed) for p in module.parameters() if is_sequence_parallel(p)]
+        names = {id(p): name for name, p in module.named_parameters()}
+        self._split_names = frozenset(names[id(p)] for p in module.parameters() if id(p) in names
+                                      and names[id(p)] in self.specs)
+        self._replicated_names = frozenset(names.values()) - self._split_names
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.inner.unwrap(model)
+
+    def setup_optimizer(self, optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        return self.inner.setup_optimizer(optimizer, model)
+
+    def loss_criterion(self, criterion: Callable | None) -> Callable | None:
+        """Cross-entropy becomes the vocabulary-parallel loss when the head is split by vocabulary;
+        another criterion cannot read a part of the logits (an error naming the plan)."""
+        from .plan import criterion_error, is_cross_entropy
+
+        if criterion is None or self._vocab_loss is None:
+            return criterion
+        options = is_cross_entropy(criterion)
+        if options is None:
+            raise ValueError(criterion_error(criterion))
+        loss = self._vocab_loss
+        return lambda logits, targets: loss(logits, targets, **options)
+
+    # ------------------------------------------------------------------ steps (the inner strategy's)
+    def no_sync(self, model: nn.Module):
+        return self.inner.no_sync(model)
+
+    def accumulated_gradient(self, model: nn.Module, name: str) -> torch.Tensor:
+        return self.inner.accumulated_gradient(model, name)
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        self.inner.sync_gradients(model)
+
+    def forward_backward(self, model, batch, criterion, precision):
+        return self.inner.forward_backward(model, batch, criterion, precision)
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, precision) -> None:
+        self.inner.backward(model, loss, precision)
+
+    def gradients(self, model: nn.Module) -> list[torch.Tensor]:
+        return self.inner.gradients(model)
+
+    def gradient_norm_squares(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        """Split parameters' squares summed over the tensor group (each rank holds a part), replicated
+        ones counted once (every tensor rank holds the same)."""
+        split = self.inner.gradient_norm_squares(model, skip | self._replicated_names)
+        split = split.to(_comm_device(self.group, self.device))
+        if self.options.size > 1:
+            dist.all_reduce(split, group=self.group)
+        replicated = self.inner.gradient_norm_squares(model, skip | self._split_names)
+        return split + replicated.to(split.device)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        norm = self.gradient_norm_squares(model).sqrt()
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        grads = self.inner.gradients(model)
+        if grads:
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        return norm
+
+    def evaluate_batch(self, model, batch, criterion, metrics):
+        return self.inner.evaluate_batch(model, batch, criterion, metrics)
+
+    def evaluation_sums(self, sums: torch.Tensor) -> torch.Tensor:
+        return self.inner.evaluation_sums(sums)
+
+    def smallest_batch(self) -> int:
+        return self.inner.smallest_batch()
+
+    # ------------------------------------------------------------------ state
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The plain model's state: the inner strategy's (whole over the data-parallel group), each
+        split parameter gathered over the tensor group."""
+        from .state import full_tensors
+
+        return full_tensors(self.inner.model_state_dict(model), self.specs, self.group)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        local = {key: (shard(value, self.specs[key]) if key in self.specs else value) for key, value in state.items()}
+        self.inner.load_model_state_dict(model, local)
+
+    def state_layout(self, model: nn.Module, optimizer) -> StateLayout:
+        from .state import tensor_state_layout
+
+        return tensor_state_layout(self.inner.state_layout(model, optimizer), self.specs, self.tensor_rank)
+
+    def buffers(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return self.inner.buffers(model)
+
+    def buffer_keys(self, model: nn.Module) -> list[str]:
+        return self.inner.buffer_keys(model)
+
+    def rank_state(self, model: nn.Module) -> dict[str, Any]:
+        return self.inner.rank_state(model)
+
+    def load_rank_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        self.inner.load_rank_state(model, state)
+
+    def shared_state(self, model: nn.Module) -> dict[str, Any]:
+        return self.inner.shared_state(model)
+
+    def load_shared_state(self, model: nn.Module, meta: dict[str, Any]) -> None:
+        self.inner.load_shared_state(model, meta)
+
+    # ------------------------------------------------------------------ monitoring, planning, teardown
+    def measure_communication(self, model: nn.Module, on: bool) -> None:
+        self.inner.measure_communication(model, on)
+
+    def pop_communication_metrics(self, model: nn.Module):
+        return self.inner.pop_communication_metrics(model)
+
+    def planner_kind(self) -> str:
+        return self.inner.planner_kind()
+
+    def state_reserve_bytes(self, model: nn.Module, trainable_params: int) -> float:
+        return self.inner.state_reserve_bytes(model, trainable_params)
+
+    def teardown(self, model: nn.Module) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.inner.teardown(model)
+
+
+def _comm_device(group, device: torch.device) -> torch.device:
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def _share_random_state(group, src: int, device: torch.device) -> None:
+    """Every rank of `group` takes the random state (CPU and, on a GPU, the device's) of global rank `src`."""
+    states = [torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None]
+    dist.broadcast_object_list(states, src=src, group=group, device=device if device.type == "cuda" else None)
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
