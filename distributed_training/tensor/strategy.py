@@ -8,8 +8,10 @@ holds the same part, so averaging and sharding them is what it always does. What
 parallelism knows is added here:
 
 * gradients of replicated parameters that see only part of the sequence (sequence parallelism:
-  LayerNorms, a row-parallel bias) are summed over the tensor group as backward produces them (a hook
-  on the parameter, before the data-parallel strategy's own hooks see the gradient);
+  LayerNorms, a row-parallel bias) are partial sums: after the data-parallel reduction (the two sums
+  commute), the elements this rank holds of them (`Strategy.reduced_gradients_of`: whole gradients
+  under DDP, slices of shards under ZeRO and FSDP, alike on every tensor rank) are summed over the
+  tensor group in one all-reduce, before clipping and the optimizer step;
 * the gradient's 2-norm for clipping sums the split parameters' squares over the tensor group and
   counts the replicated ones once;
 * state: checkpoints describe a split parameter's pieces in the full tensor's coordinates
@@ -51,7 +53,6 @@ class TensorParallelStrategy(Strategy):
         self.places_module = inner.places_module
         self.deferred_gradient_sync = inner.deferred_gradient_sync
         self.specs: dict[str, ShardSpec] = {}  # split parameters by state_dict key
-        self._hooks: list[Any] = []
         self._vocab_loss: Callable | None = None
 
     # ------------------------------------------------------------------ setup
@@ -81,18 +82,10 @@ class TensorParallelStrategy(Strategy):
                 dist.broadcast(tensor.data, src=src, group=self.group)
         self.specs = apply_plan(module, plan, self.group, sequence_parallel=self.options.sequence_parallel)
         self._vocab_loss = parallel_loss(module)
-        group = self.group
-
-        def summed(grad: torch.Tensor) -> torch.Tensor:
-            grad = grad.contiguous()
-            dist.all_reduce(grad, group=group)
-            return grad
-
-        self._hooks = [p.register_hook(summed) for p in module.parameters() if is_sequence_parallel(p)]
-        names = {id(p): name for name, p in module.named_parameters()}
-        self._split_names = frozenset(names[id(p)] for p in module.parameters() if id(p) in names
-                                      and names[id(p)] in self.specs)
-        self._replicated_names = frozenset(names.values()) - self._split_names
+        names = dict(module.named_parameters(remove_duplicate=False))
+        self._split_names = frozenset(name for name in names if name in self.specs)
+        self._replicated_names = frozenset(names) - self._split_names
+        self._sequence_names = frozenset(name for name, p in names.items() if is_sequence_parallel(p))
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.inner.unwrap(model)
@@ -131,6 +124,28 @@ class TensorParallelStrategy(Strategy):
 
     def gradients(self, model: nn.Module) -> list[torch.Tensor]:
         return self.inner.gradients(model)
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision,
+                       max_grad_norm: float | None = None):
+        self._sum_sequence_parallel(model)
+        return super().optimizer_step(model, optimizer, precision, max_grad_norm)
+
+    def _sum_sequence_parallel(self, model: nn.Module) -> None:
+        """Sum over the tensor group the reduced gradients of parameters that saw part of the sequence."""
+        if not self._sequence_names:
+            return
+        views = self.inner.reduced_gradients_of(model, self._sequence_names)
+        if not views:
+            return
+        flat = torch.cat([v.reshape(-1) for v in views])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for v in views:
+            v.copy_(flat[offset:offset + v.numel()].view_as(v))
+            offset += v.numel()
+
+    def reduced_gradients_of(self, model: nn.Module, names: frozenset[str]) -> list[torch.Tensor]:
+        return self.inner.reduced_gradients_of(model, names)
 
     def gradient_norm_squares(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> torch.Tensor:
         """Split parameters' squares summed over the tensor group (each rank holds a part), replicated
@@ -208,9 +223,6 @@ class TensorParallelStrategy(Strategy):
         return self.inner.state_reserve_bytes(model, trainable_params)
 
     def teardown(self, model: nn.Module) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
         self.inner.teardown(model)
 
 
