@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from distributed_training.tensor import functional
 from distributed_training.tensor.functional import (copy_to, gather_last, gather_sequence, reduce_from,
                                                     reduce_scatter_sequence, split_last, split_sequence)
 from distributed_training.tensor.layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelDropout,
@@ -70,7 +71,9 @@ def sliced(t: torch.Tensor, dim: int, rank: int, parts: int, chunks: int = 1) ->
 
 
 # ----------------------------------------------------------------------------------- collectives
-def collectives_worker(rank, world):
+def collectives_worker(rank, world, fallback):
+    if fallback:  # the per-rank-list / all-reduce path, for backends without the flat collectives
+        functional._NO_FLAT.add("gloo")
     for group, T in tensor_groups(world):
         r = dist.get_rank(group)
         xs = [seeded(10 + s, 2, 4 * T, 3 * T) for s in range(T)]  # every group rank's input, known to all
@@ -113,9 +116,9 @@ def collectives_worker(rank, world):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("world", [2, 4])
-def test_collectives_forward_and_conjugate_backward(world):
-    assert all(run_distributed(collectives_worker, world, timeout=50))
+@pytest.mark.parametrize("world, fallback", [(2, False), (4, False), (4, True)])
+def test_collectives_forward_and_conjugate_backward(world, fallback):
+    assert all(run_distributed(collectives_worker, world, args=(fallback,), timeout=50))
 
 
 # ----------------------------------------------------------------------------------- linear layers
@@ -174,6 +177,7 @@ def linear_worker(rank, world):
                 layer = linear_case(group, T, make, "rowwise", sp=sp)
                 assert spec_of(layer.bias) is None and "input features" in repr(layer)
             mlp_case(group, T, sp)
+            autocast_case(group, T, sp)
         copy.deepcopy(layer)  # the group is shared, not copied
     return True
 
@@ -198,6 +202,21 @@ def mlp_case(group, T, sp):
     for a, b in ((tp_up.weight, up.weight), (tp_up.bias, up.bias), (tp_down.weight, down.weight),
                  (tp_down.bias, down.bias)):
         check_grad(a, b, group, f"mlp T={T} sp={sp}")
+
+
+def autocast_case(group, T, sp):
+    """Under autocast the layers give the plain layers' dtypes (bf16 activations, communicated in bf16)."""
+    r = dist.get_rank(group)
+    torch.manual_seed(3)
+    up, down = nn.Linear(4, 4 * T), nn.Linear(4 * T, 4)
+    tp_up = ColumnParallelLinear.from_module(up, group, sequence_parallel=sp)
+    tp_down = RowParallelLinear.from_module(down, group, sequence_parallel=sp)
+    x = seeded(4, 2, 2 * T, 4, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = down(up(x))
+        got = tp_down(tp_up(sliced(x, 1, r, T) if sp else x))
+    assert got.dtype == want.dtype == torch.bfloat16, (got.dtype, want.dtype)
+    torch.testing.assert_close(got, sliced(want, 1, r, T) if sp else want, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.timeout(90)
