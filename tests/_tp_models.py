@@ -159,6 +159,7 @@ class GPT2Attention(nn.Module):
         self.split_size = embed_dim
         self.c_attn = Conv1D(3 * embed_dim, embed_dim)
         self.c_proj = Conv1D(embed_dim, embed_dim)
+        self.resid_dropout = nn.Dropout(0.0)
 
     def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(t.size()[:-1] + (self.num_heads, self.head_dim)).permute(0, 2, 1, 3)
@@ -169,7 +170,8 @@ class GPT2Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (self._split_heads(t) for t in self.c_attn(x).split(self.split_size, dim=2))
-        return self.c_proj(self._merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+        y = self._merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return self.resid_dropout(self.c_proj(y))
 
 
 class GPT2MLP(nn.Module):
@@ -177,9 +179,10 @@ class GPT2MLP(nn.Module):
         super().__init__()
         self.c_fc = Conv1D(4 * embed_dim, embed_dim)
         self.c_proj = Conv1D(embed_dim, 4 * embed_dim)
+        self.dropout = nn.Dropout(0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
 class GPT2Block(nn.Module):
@@ -226,6 +229,8 @@ def hf_gpt2_plan() -> dict:
         "transformer.h.*.attn.c_proj": "rowwise",
         "transformer.h.*.mlp.c_fc": "colwise",
         "transformer.h.*.mlp.c_proj": "rowwise",
+        "transformer.h.*.attn.resid_dropout": "sequence",
+        "transformer.h.*.mlp.dropout": "sequence",
         "transformer.ln_f": "sequence",
         "lm_head": "vocab",
     }

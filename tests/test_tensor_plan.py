@@ -196,6 +196,18 @@ def _single_rank_job(rank: int, world: int) -> list[str]:
             errors.append(f"sp={sp}: loss {loss.item()} vs {ref.item()} at TP=1")
         if not torch.equal(copy.deepcopy(model)(x), model(x)):  # a deep copy (pipeline balancing) works
             errors.append(f"sp={sp}: a deep copy computes differently")
+    # With dropout, the plan's dropouts draw what the plain ones draw (same masks, same RNG use).
+    cfg = GPTConfig(**{**GPT_CFG.__dict__, "dropout": 0.2})
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    model = copy.deepcopy(plain)
+    apply_plan(model, gpt_plan(cfg), None, sequence_parallel=True)
+    losses = []
+    for m in (plain, model):
+        torch.manual_seed(5)
+        losses.append(torch.stack([m(x, y).detach() for _ in range(2)]))  # two steps' masks
+    if not torch.allclose(losses[0], losses[1], rtol=0, atol=1e-6) or torch.equal(losses[0][0], losses[0][1]):
+        errors.append(f"dropout: losses {losses[1].tolist()} vs {losses[0].tolist()} at TP=1")
     return errors
 
 
