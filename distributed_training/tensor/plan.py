@@ -115,13 +115,16 @@ def parallel_loss(model: nn.Module, criterion: Callable | None = None) -> VocabP
     a plain cross-entropy (`is_cross_entropy`) cannot take split logits: ValueError
     (`unsupported_loss_message`).
     """
-    heads = {id(loss): loss for m in model.modules() if (loss := getattr(m, _LOSS, None)) is not None}
-    if not heads:
+    # A plain loop (no comprehension): our GPT calls this in forward, which torch.compile traces whole.
+    loss = None
+    for module in model.modules():
+        found = getattr(module, _LOSS, None)
+        if found is not None and loss is not None and found is not loss:
+            raise ValueError("the model has several vocabulary-parallel output heads ('vocab' style on an "
+                             "nn.Linear in tensor_parallel_plan); a loss can be found for one only")
+        loss = found if found is not None else loss
+    if loss is None:
         return None
-    if len(heads) > 1:
-        raise ValueError(f"the model has {len(heads)} vocabulary-parallel output heads ('vocab' style on an "
-                         "nn.Linear in tensor_parallel_plan); a loss can be found for one only")
-    loss = next(iter(heads.values()))
     if criterion is None:
         return loss
     options = _cross_entropy_options(criterion)
