@@ -292,3 +292,11 @@ def test_cross_entropy_recognised():
     assert not is_cross_entropy(nn.CrossEntropyLoss(weight=torch.ones(4)))
     assert not is_cross_entropy(functools.partial(F.cross_entropy, label_smoothing=0.1))
     assert not is_cross_entropy(F.mse_loss) and not is_cross_entropy(nn.NLLLoss())
+
+
+def test_gpt_forward_with_its_loss_hook_is_one_graph():
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    x, y = _batch("gpt", 0)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # raises on a graph break
+    assert torch.equal(compiled(x, y), model(x, y))
