@@ -286,13 +286,13 @@ def test_vocab_embedding_and_cross_entropy_equal_the_plain_ones(world):
 def dropout_worker(rank, world):
     for group, T in tensor_groups(world):
         r = dist.get_rank(group)
-        layer = SequenceParallelDropout.from_module(nn.Dropout(0.3), group)
-        assert "mask drawn whole" in repr(layer)
-        for dtype in (torch.float32, F64):
+        for dtype, inplace in ((torch.float32, False), (F64, False), (torch.float32, True)):
+            layer = SequenceParallelDropout.from_module(nn.Dropout(0.3, inplace=inplace), group)
+            assert "mask drawn whole" in repr(layer) and layer.inplace == inplace
             x = seeded(11, 2, 4 * T, 5, dtype=dtype).requires_grad_(True)
             g = seeded(12, 2, 4 * T, 5, dtype=dtype)
             torch.manual_seed(1234)
-            want = F.dropout(x, 0.3, training=True)  # TP = 1
+            want = F.dropout(x * 1, 0.3, training=True, inplace=inplace)  # TP = 1
             want.backward(g)
             torch.manual_seed(1234)
             x_local = sliced(x.detach(), 1, r, T).requires_grad_(True)

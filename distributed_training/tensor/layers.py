@@ -108,6 +108,9 @@ class ColumnParallelLinear(_ParallelLinear):
     (`gather_sequence`: all-gather forward, reduce-scatter backward). A fused projection of `chunks`
     equal blocks (q/k/v: ``chunks=3``) splits each block, so that the local output is [q_r; k_r; v_r]."""
 
+    chunks: int = 1
+    gather_output: bool = False
+
     @classmethod
     def from_module(cls, linear: nn.Module, group=None, *, chunks: int = 1, sequence_parallel: bool = False,
                     sequence_dim: int = 1, gather_output: bool = False) -> "ColumnParallelLinear":
@@ -251,18 +254,21 @@ class SequenceParallelDropout(nn.Module):
     full-size input (``F.dropout(torch.ones(full_shape), p)``, same device and dtype: the same random
     numbers consumed in the same order) and multiplies its slice along `sequence_dim` into the input.
     So every tensor rank must hold the same random state (the trainer seeds them alike), and then the
-    output equals TP = 1's slice bit for bit under a fixed seed. The full mask lives only during the
-    draw; autograd keeps this rank's slice."""
+    output equals TP = 1's slice bit for bit under a fixed seed. The draw takes the same kernel as the
+    module's: `inplace` is kept (in-place dropout draws differently on CUDA), and on CUDA TP = 1's input
+    is assumed contiguous, as activations are (a strided input may take another kernel path). The
+    full mask lives only during the draw; autograd keeps this rank's slice."""
 
     @classmethod
     def from_module(cls, dropout: nn.Dropout, group=None, sequence_dim: int = 1) -> "SequenceParallelDropout":
         if type(dropout) is not nn.Dropout:
             raise TypeError(f"{cls.__name__}.from_module: expected an nn.Dropout, got {type(dropout).__name__}")
-        return cls(dropout.p, group, sequence_dim, training=dropout.training)
+        return cls(dropout.p, group, sequence_dim, inplace=dropout.inplace, training=dropout.training)
 
-    def __init__(self, p: float, group=None, sequence_dim: int = 1, *, training: bool = True) -> None:
+    def __init__(self, p: float, group=None, sequence_dim: int = 1, *, inplace: bool = False,
+                 training: bool = True) -> None:
         super().__init__()
-        self.p = p
+        self.p, self.inplace = p, inplace
         self._group = _Group(group)
         self.rank, self.size = _rank_size(group)
         self.sequence_dim = sequence_dim
@@ -276,13 +282,13 @@ class SequenceParallelDropout(nn.Module):
         if not self.training or self.p == 0:
             return x
         if self.size == 1:
-            return F.dropout(x, self.p, True)
+            return F.dropout(x, self.p, True, self.inplace)
         dim = self.sequence_dim % x.dim()
         n = x.shape[dim]
         full = list(x.shape)
         full[dim] = n * self.size
         with torch.no_grad():
-            mask = F.dropout(torch.ones(full, dtype=x.dtype, device=x.device), self.p, True)
+            mask = F.dropout(torch.ones(full, dtype=x.dtype, device=x.device), self.p, True, self.inplace)
             mask = mask.narrow(dim, self.rank * n, n).contiguous()  # 0 or 1 / (1 - p)
         return x * mask
 
