@@ -93,16 +93,19 @@ class VocabParallelLoss:
         vocab_start: the first vocabulary id of this rank's columns.
         ignore_index: targets equal to it count for nothing (as `F.cross_entropy`).
         reduction: ``"mean"`` (over the targets not ignored), ``"sum"`` or ``"none"``.
+        label_smoothing: as `F.cross_entropy`'s.
     """
 
     group: Any
     vocab_start: int
     ignore_index: int = -100
     reduction: str = "mean"
+    label_smoothing: float = 0.0
 
     def __call__(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(local_logits, targets, self.group, vocab_start=self.vocab_start,
-                                            ignore_index=self.ignore_index, reduction=self.reduction)
+                                            ignore_index=self.ignore_index, reduction=self.reduction,
+                                            label_smoothing=self.label_smoothing)
 
     def __deepcopy__(self, memo: dict) -> "VocabParallelLoss":
         return self  # immutable, and a process group cannot be copied
@@ -111,7 +114,7 @@ class VocabParallelLoss:
 def parallel_loss(model: nn.Module, criterion: Callable | None = None) -> VocabParallelLoss | None:
     """The loss of `model`'s vocabulary-parallel output head, or None when it has none.
 
-    With a `criterion`, the loss keeps its ``ignore_index`` and ``reduction``; a criterion that is not
+    With a `criterion`, the loss keeps its ``ignore_index``, ``reduction`` and ``label_smoothing``; a criterion that is not
     a plain cross-entropy (`is_cross_entropy`) cannot take split logits: ValueError
     (`unsupported_loss_message`).
     """
@@ -135,16 +138,16 @@ def parallel_loss(model: nn.Module, criterion: Callable | None = None) -> VocabP
 
 def is_cross_entropy(criterion: Callable) -> bool:
     """Whether `criterion` is a cross-entropy that the vocabulary-parallel loss computes equally:
-    `F.cross_entropy` (or a `functools.partial` of it setting only ``ignore_index`` / ``reduction``),
-    or an `nn.CrossEntropyLoss` without class weights or label smoothing."""
+    `F.cross_entropy` (or a `functools.partial` of it setting only ``ignore_index`` / ``reduction`` /
+    ``label_smoothing``), or an `nn.CrossEntropyLoss` without class weights."""
     return _cross_entropy_options(criterion) is not None
 
 
 def unsupported_loss_message(criterion: Callable) -> str:
     return (f"tensor_parallel_plan splits the output head by vocabulary ('vocab'): its logits hold this rank's "
             f"columns only, so the loss must be the vocabulary-parallel cross-entropy, but the criterion "
-            f"{getattr(criterion, '__qualname__', None) or repr(criterion)} is not F.cross_entropy or nn.CrossEntropyLoss (without weight or label_smoothing; "
-            f"ignore_index and reduction are kept). Use one of those, or give the output head (and the "
+            f"{getattr(criterion, '__qualname__', None) or repr(criterion)} is not F.cross_entropy or nn.CrossEntropyLoss (without class weights; ignore_index, "
+            f"reduction and label_smoothing are kept). Use one of those, or give the output head (and the "
             f"embedding tied to it) another style than 'vocab'")
 
 
@@ -152,13 +155,14 @@ def _cross_entropy_options(criterion: Callable) -> dict | None:
     if criterion is F.cross_entropy:
         return {}
     if isinstance(criterion, functools.partial) and criterion.func is F.cross_entropy and not criterion.args:
-        if set(criterion.keywords) <= {"ignore_index", "reduction"}:
+        if set(criterion.keywords) <= {"ignore_index", "reduction", "label_smoothing"}:
             return dict(criterion.keywords)
         return None
     if isinstance(criterion, nn.CrossEntropyLoss):
-        if criterion.weight is not None or criterion.label_smoothing:
+        if criterion.weight is not None:
             return None
-        return {"ignore_index": criterion.ignore_index, "reduction": criterion.reduction}
+        return {"ignore_index": criterion.ignore_index, "reduction": criterion.reduction,
+                "label_smoothing": criterion.label_smoothing}
     return None
 
 
