@@ -225,7 +225,7 @@ class Sources:
         (wanted, saved) pair of run patterns meets in at most a few regular blocks (`_overlaps`), each
         one strided copy: loading a pattern saved alike is a single copy, whatever the run count."""
         want = _Runs(start, length, count, stride if count > 1 else 0, 0, length)
-        total = count * length
+        total = left = count * length
         missing: torch.Tensor | None = None  # None: all of it (most loads are one copy: no mask needed)
         order = {r: i for i, r in enumerate(self._order({s[0] for s in spans}))}
         for span in sorted(spans, key=lambda s: order[s[0]]):
@@ -245,12 +245,16 @@ class Sources:
                 if missing is None:
                     missing = torch.ones(total, dtype=torch.bool)
                 holes = _grid(missing, at, n, run, step)
-                dst.copy_(src if holes.all() else torch.where(holes, src.to(dst.dtype), dst))
+                if holes.all():
+                    dst.copy_(src)
+                    left -= n * run
+                else:  # partly filled from another file already (replicas that hold overlapping pieces)
+                    dst.copy_(torch.where(holes, src.to(dst.dtype), dst))
+                    left -= int(holes.sum())
                 holes.fill_(False)
-            if not missing.any():
+            if not left:
                 return
         first = 0 if missing is None else int(missing.nonzero()[0])
-        left = total if missing is None else int(missing.sum())
         i, offset = divmod(first, length)
         raise ValueError(f"{what}: {left} elements, the first element {start + i * stride + offset}, are in no rank's "
                          "file of the checkpoint")
