@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -49,7 +50,12 @@ def _batch(kind: str, step: int, rows: int):
 def _optimizer(name: str):
     if name == "sgd":
         return lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)
-    return lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    # Adam divides each gradient by its own magnitude, so on elements whose gradient is tiny (the key
+    # bias's is zero but for rounding: softmax ignores a shift of the keys) it turns the rounding of a
+    # summation order that tensor parallelism changes (partial products reduced across ranks) into
+    # steps of up to lr * 1e-3: lr 1e-3 and eps 1e-6 keep that under the tolerance; each step still
+    # moves the parameters by about 1e-3. SGD with momentum (no normalisation) is the sharper check.
+    return lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, eps=1e-6)
 
 
 def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, optimizer, pipeline=None):
@@ -124,12 +130,12 @@ def test_tensor_times_pipeline_matches_one_process(schedule, strategy, sequence_
 # ------------------------------------------------------------------ checkpoints
 def save_worker(rank, world, directory):
     trainer = DistributedTrainer(_gpt(), _optimizer("adamw"), strategy="zero3", tensor_parallel_size=2,
-                                 checkpoint_dir=directory, progress=False)
+                                 progress=False)
     for step in range(2):
         x, y = _batch("gpt", step, 4 * trainer.dp_world_size)
         rows = slice(trainer.dp_rank * 4, (trainer.dp_rank + 1) * 4)
         trainer.train_step((x[rows], y[rows]))
-    trainer.save_checkpoint()
+    trainer.save_checkpoint(directory)
     state = trainer.full_state_dict()
     trainer.close()
     return state
@@ -137,7 +143,10 @@ def save_worker(rank, world, directory):
 
 def load_worker(rank, world, directory, tp, strategy):
     trainer = DistributedTrainer(_gpt(), _optimizer("adamw"), strategy=strategy, tensor_parallel_size=tp,
-                                 checkpoint_dir=directory, progress=False)
+                                 progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # RNG states are not restored at another world size
+        trainer.load_checkpoint(directory)
     state = trainer.full_state_dict()
     step = trainer.step
     x, y = _batch("gpt", 7, 4 * trainer.dp_world_size)

@@ -239,6 +239,7 @@ class PipelineStrategy(Strategy):
             first = {id(p): key for key, p in stage.named_parameters()}
             for key, p in stage.named_parameters(remove_duplicate=False):
                 self._model_name[f"stages.{c}.{key}"] = self._param_names[c][first[id(p)]]
+        self._own_keys = {f"stages.{c}.{key}": own for c, keys in enumerate(self._keys) for key, own in keys.items()}
         # And back: the container's names of each model name (every name of a shared parameter too).
         self._container_names: dict[str, list[str]] = {}
         for c, stage in enumerate(stages):
@@ -249,7 +250,6 @@ class PipelineStrategy(Strategy):
     def _in_container(self, names: frozenset[str]) -> frozenset[str]:
         """The container's names of the parameters the model calls `names` (those on this rank)."""
         return frozenset(c for name in names for c in self._container_names.get(name, ()))
-        self._own_keys = {f"stages.{c}.{key}": own for c, keys in enumerate(self._keys) for key, own in keys.items()}
 
     def _setup_ties(self, layers, names, bounds, ties, context: DistributedContext) -> list[tuple[nn.Parameter, Any, int]]:
         """Groups over the pipeline ranks holding copies of each tied parameter, one per data-parallel

@@ -203,7 +203,10 @@ class TensorParallelStrategy(Strategy):
     def state_layout(self, model: nn.Module, optimizer) -> StateLayout:
         from .state import tensor_state_layout
 
-        return tensor_state_layout(self.inner.state_layout(model, optimizer), self.specs, self.tensor_rank)
+        layout = self.inner.state_layout(model, optimizer)
+        # A tied weight is in the layout under its first name only (lm_head.weight is wte.weight).
+        specs = {key: spec for key, spec in self.specs.items() if key in layout.shapes}
+        return tensor_state_layout(layout, specs, self.tensor_rank)
 
     def buffers(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return self.inner.buffers(model)
