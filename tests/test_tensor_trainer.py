@@ -58,7 +58,7 @@ def _optimizer(name: str):
     return lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, eps=1e-6)
 
 
-def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, optimizer, pipeline=None):
+def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, optimizer, pipeline=None, context=None):
     base = _gpt() if kind == "gpt" else _mlp()
     reference = copy.deepcopy(base)
     factory = _optimizer(optimizer)
@@ -67,7 +67,8 @@ def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, opti
                                  tensor_parallel_size=tp, sequence_parallel=sequence_parallel,
                                  tensor_parallel_plan=MLP_PLAN if kind == "mlp" else None, progress=False,
                                  **({} if pipeline is None else {"pipeline_parallel_size": 2,
-                                                                 "pipeline_schedule": pipeline}))
+                                                                 "pipeline_schedule": pipeline}),
+                                 **({} if context is None else {"context": context}))
     dp, dp_rank = trainer.dp_world_size, trainer.dp_rank
     per_replica = 4
     worst, losses, norms = [], [], []
