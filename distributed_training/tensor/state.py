@@ -107,7 +107,8 @@ def tensor_state_layout(layout: StateLayout, specs: Mapping[str, ShardSpec], ten
             raise ValueError(f"'{key}': the layout's tensor has shape {list(layout.shapes[key])}, its ShardSpec "
                              f"{spec} expects the local shape {list(spec.local_shape)}")
         if spec.rank != tensor_rank:
-            raise ValueError(f"'{key}': its ShardSpec is tensor rank {spec.rank}'s part, this is tensor rank {tensor_rank}")
+            raise ValueError(f"'{key}': its ShardSpec is tensor rank {spec.rank}'s part, this is tensor rank "
+                             f"{tensor_rank}")
     replicated = frozenset(key for key in layout.shapes if key not in specs) if tensor_rank else frozenset()
     done: dict[int, Holding] = {}
 
@@ -118,7 +119,8 @@ def tensor_state_layout(layout: StateLayout, specs: Mapping[str, ShardSpec], ten
             done[id(holding)] = Holding(holding.tensor, pieces, holding.save, frozenset(skip))
         return done[id(holding)]
 
-    shapes = {key: tuple(specs[key].full_shape) if key in specs else tuple(shape) for key, shape in layout.shapes.items()}
+    shapes = {key: tuple(specs[key].full_shape) if key in specs else tuple(shape)
+              for key, shape in layout.shapes.items()}
     return StateLayout(shapes=shapes, params=[full(h) for h in layout.params],
                        optimizer=[full(h) for h in layout.optimizer])
 
