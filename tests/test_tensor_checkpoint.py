@@ -81,7 +81,7 @@ def test_a_row_parallel_weight_is_one_strided_piece_and_a_column_parallel_one_a_
     assert one.params[0].pieces == [Piece("row", 0, 48, 0)], "TP = 1: the whole tensor, one plain piece as today"
 
 
-def test_replicated_keys_are_written_by_tensor_rank_0_only_and_bad_specs_are_named():
+def test_replicated_keys_are_written_by_tensor_rank_0_only_and_specs_that_do_not_fit_are_named():
     spec = ShardSpec((4, 4), 0, 1, 2)
     layout = StateLayout({"w": (2, 4), "ln": (4,)},
                          whole_tensors([("w", torch.zeros(2, 4)), ("ln", torch.zeros(4))], True))
@@ -89,8 +89,8 @@ def test_replicated_keys_are_written_by_tensor_rank_0_only_and_bad_specs_are_nam
     assert out.params[1].not_saved == frozenset({"ln"}) and out.params[0].not_saved == frozenset()
     assert "ln" not in pack(out, None)["params"] and "w" in pack(out, None)["params"]
     assert tensor_state_layout(layout, {"w": ShardSpec((4, 4), 0, 0, 2)}, 0).params[1].not_saved == frozenset()
-    with pytest.raises(ValueError, match="'v'.*not a parameter"):
-        tensor_state_layout(layout, {"v": spec}, 1)
+    tied = tensor_state_layout(layout, {"w": spec, "head.w": spec}, 1)  # a tied weight's second name: ignored
+    assert [h.pieces for h in tied.params] == [h.pieces for h in out.params] and "head.w" not in tied.shapes
     with pytest.raises(ValueError, match="'w'.*local shape"):
         tensor_state_layout(layout, {"w": ShardSpec((4, 4), 0, 1, 4)}, 1)
     with pytest.raises(ValueError, match="'w'.*tensor rank 1's part, this is tensor rank 0"):
