@@ -303,7 +303,9 @@ def _same_stride(a: _Runs, b: _Runs, stride: int) -> list[tuple[int, int, int, i
     place of every such pair of runs: one block."""
     d = a.full - b.full
     blocks = []
-    for k in range((d - b.length) // stride + 1, -(-(d + a.length) // stride)):  # b's run i + k starts before a's run i ends
+    # k from the first shift at which b's run i + k ends after a's run i starts, to the last at which it
+    # starts before a's run i ends
+    for k in range((d - b.length) // stride + 1, -(-(d + a.length) // stride)):
         lo, hi = max(a.full, b.full + k * stride), min(a.full + a.length, b.full + k * stride + b.length)
         first, last = max(0, -k), min(a.count, b.count - k)
         if lo < hi and first < last:

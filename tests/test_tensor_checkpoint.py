@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import random
 
@@ -21,8 +22,8 @@ import torch
 from distributed_training.checkpoint_shards import (Holding, Piece, Sources, StateLayout, _local_view, build_index,
                                                     check_shapes, flat_pieces, pack, summary, unpack_optimizer,
                                                     unpack_params, whole_tensors)
-from distributed_training.tensor.spec import ShardSpec, shard, unshard
-from distributed_training.tensor.state import full_tensors, tensor_state_layout
+from distributed_training.tensor.spec import ShardSpec, set_spec, shard, spec_of, unshard
+from distributed_training.tensor.state import full_tensors, parameter_specs, tensor_state_layout
 from distributed_training.testing import run_distributed
 
 
@@ -80,7 +81,7 @@ def test_a_row_parallel_weight_is_one_strided_piece_and_a_column_parallel_one_a_
     assert one.params[0].pieces == [Piece("row", 0, 48, 0)], "TP = 1: the whole tensor, one plain piece as today"
 
 
-def test_replicated_keys_are_written_by_tensor_rank_0_only_and_bad_specs_are_named():
+def test_replicated_keys_are_written_by_tensor_rank_0_only_and_specs_that_do_not_fit_are_named():
     spec = ShardSpec((4, 4), 0, 1, 2)
     layout = StateLayout({"w": (2, 4), "ln": (4,)},
                          whole_tensors([("w", torch.zeros(2, 4)), ("ln", torch.zeros(4))], True))
@@ -88,12 +89,19 @@ def test_replicated_keys_are_written_by_tensor_rank_0_only_and_bad_specs_are_nam
     assert out.params[1].not_saved == frozenset({"ln"}) and out.params[0].not_saved == frozenset()
     assert "ln" not in pack(out, None)["params"] and "w" in pack(out, None)["params"]
     assert tensor_state_layout(layout, {"w": ShardSpec((4, 4), 0, 0, 2)}, 0).params[1].not_saved == frozenset()
-    with pytest.raises(ValueError, match="'v'.*not a parameter"):
-        tensor_state_layout(layout, {"v": spec}, 1)
+    tied = tensor_state_layout(layout, {"w": spec, "head.w": spec}, 1)  # a tied weight's second name: ignored
+    assert [h.pieces for h in tied.params] == [h.pieces for h in out.params] and "head.w" not in tied.shapes
     with pytest.raises(ValueError, match="'w'.*local shape"):
         tensor_state_layout(layout, {"w": ShardSpec((4, 4), 0, 1, 4)}, 1)
     with pytest.raises(ValueError, match="'w'.*tensor rank 1's part, this is tensor rank 0"):
         tensor_state_layout(layout, {"w": spec}, 0)
+
+
+def test_parameter_specs_names_the_split_parameters_of_a_module():
+    module = torch.nn.Sequential(torch.nn.Linear(8, 3), torch.nn.LayerNorm(3))
+    spec = ShardSpec((3, 16), 1, 0, 2)
+    set_spec(module[0].weight, spec)
+    assert parameter_specs(module) == {"0.weight": spec}
 
 
 # --- (b) round trips between layouts --------------------------------------------------------------
@@ -141,6 +149,9 @@ class _Rank:
             return {key: shard(v, self.specs[key]) if key in self.specs else v.clone() for key, v in full.items()}
 
         p_local, m_local = local(params), local(moments)
+        for key, spec in self.specs.items():
+            set_spec(p_local[key], spec)
+        assert {k: s for k, v in p_local.items() if (s := spec_of(v))} == self.specs
         if kind == "whole":
             tensors = [p_local[key].clone() for key in MODEL]
             holdings = whole_tensors(list(zip(MODEL, tensors)), dp == 0)
@@ -198,8 +209,16 @@ def _full_of(ranks: list[_Rank], which: str) -> dict[str, torch.Tensor]:
             else per_rank[0][key] for key in MODEL}
 
 
+def _through_a_file(value):
+    """As a rank file holds it: saved, and read back weights-only (as `checkpoint.load_file` reads)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
 def _save(ranks: list[_Rank]) -> tuple[list[dict], dict, dict]:
-    files = [pack(r.full_layout, r.optimizer) for r in ranks]
+    files = [_through_a_file(pack(r.full_layout, r.optimizer)) for r in ranks]
     index = build_index([summary(f) for f in files], files[0]["param_groups"])
     return files, index, ranks[0].full_layout.shapes
 

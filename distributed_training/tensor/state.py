@@ -98,16 +98,17 @@ def tensor_state_layout(layout: StateLayout, specs: Mapping[str, ShardSpec], ten
     coordinates of the full tensors: the pieces of each split key (named in `specs`, key -> its
     `ShardSpec`) become the pieces of the full tensor they hold, its shape the full shape; replicated
     keys are written by tensor rank 0 only (`not_saved` elsewhere) and loaded by every rank. Holdings
-    shared by ``params`` and ``optimizer`` (FSDP's shards) stay shared."""
+    shared by ``params`` and ``optimizer`` (FSDP's shards) stay shared. Specs of keys the layout does
+    not have (the second name of a tied parameter) are ignored."""
     for key, spec in specs.items():
-        if key not in layout.shapes:
-            raise ValueError(f"a ShardSpec is given for '{key}', which is not a parameter of this layout "
-                             f"(keys: {sorted(layout.shapes)[:5]}...)")
+        if key not in layout.shapes:  # another name of a tied parameter, or one this rank does not hold
+            continue
         if tuple(layout.shapes[key]) != spec.local_shape:
             raise ValueError(f"'{key}': the layout's tensor has shape {list(layout.shapes[key])}, its ShardSpec "
                              f"{spec} expects the local shape {list(spec.local_shape)}")
         if spec.rank != tensor_rank:
-            raise ValueError(f"'{key}': its ShardSpec is tensor rank {spec.rank}'s part, this is tensor rank {tensor_rank}")
+            raise ValueError(f"'{key}': its ShardSpec is tensor rank {spec.rank}'s part, this is tensor rank "
+                             f"{tensor_rank}")
     replicated = frozenset(key for key in layout.shapes if key not in specs) if tensor_rank else frozenset()
     done: dict[int, Holding] = {}
 
@@ -118,7 +119,8 @@ def tensor_state_layout(layout: StateLayout, specs: Mapping[str, ShardSpec], ten
             done[id(holding)] = Holding(holding.tensor, pieces, holding.save, frozenset(skip))
         return done[id(holding)]
 
-    shapes = {key: tuple(specs[key].full_shape) if key in specs else tuple(shape) for key, shape in layout.shapes.items()}
+    shapes = {key: tuple(specs[key].full_shape) if key in specs else tuple(shape)
+              for key, shape in layout.shapes.items()}
     return StateLayout(shapes=shapes, params=[full(h) for h in layout.params],
                        optimizer=[full(h) for h in layout.optimizer])
 
