@@ -52,14 +52,16 @@ def _optimizer(name: str):
     return lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
 
 
-def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, optimizer):
+def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, optimizer, pipeline=None):
     base = _gpt() if kind == "gpt" else _mlp()
     reference = copy.deepcopy(base)
     factory = _optimizer(optimizer)
     ref_opt = factory(reference.parameters())
     trainer = DistributedTrainer(copy.deepcopy(base), factory, strategy=strategy, gradient_clip_val=clip,
                                  tensor_parallel_size=tp, sequence_parallel=sequence_parallel,
-                                 tensor_parallel_plan=MLP_PLAN if kind == "mlp" else None, progress=False)
+                                 tensor_parallel_plan=MLP_PLAN if kind == "mlp" else None, progress=False,
+                                 **({} if pipeline is None else {"pipeline_parallel_size": 2,
+                                                                 "pipeline_schedule": pipeline}))
     dp, dp_rank = trainer.dp_world_size, trainer.dp_rank
     per_replica = 4
     worst, losses, norms = [], [], []
@@ -98,6 +100,25 @@ def test_tensor_parallel_trainer_matches_one_process(kind, world, tp, strategy, 
             assert abs(got - want) <= 1e-5 * max(1.0, want), (rank, norms)
         if clip is not None:
             assert any(want > clip for _, want in norms), "the clip threshold must actually clip"
+
+
+@pytest.mark.parametrize("schedule, strategy, sequence_parallel", [
+    ("1f1b", "ddp", False),
+    ("gpipe", "ddp", True),
+    ("1f1b", "zero3", True),
+])
+def test_tensor_times_pipeline_matches_one_process(schedule, strategy, sequence_parallel):
+    """TP = 2 x PP = 2 (3D with the data dimension of 1): the tied embedding split by vocabulary on the
+    first and last stages, its copies summed over the pipeline."""
+    results = run_distributed(parity_worker, 4, args=("gpt", 2, strategy, sequence_parallel, 0.5, "sgd", schedule),
+                              timeout=180)
+    worst = results[0][0]
+    assert len(worst) == STEPS and max(worst) <= TOL, f"parameters differ from one process by {worst}"
+    for rank, (_, losses, norms) in enumerate(results):
+        for got, want in losses:
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, losses)
+        for got, want in norms:
+            assert abs(got - want) <= 1e-5 * max(1.0, want), (rank, norms)
 
 
 # ------------------------------------------------------------------ checkpoints

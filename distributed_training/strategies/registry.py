@@ -63,14 +63,11 @@ def make_strategy(strategy: str | Strategy, model: nn.Module, *, world_size: int
     if tensor is not None and tensor.enabled:
         from ..tensor.strategy import TensorParallelStrategy  # the tensor package builds on this one
 
-        if pipeline is not None and pipeline.enabled:
-            raise NotImplementedError(f"tensor_parallel_size={tensor.size} with pipeline_parallel_size="
-                                      f"{pipeline.size} is not supported yet")
         if strategy == "auto":
             raise NotImplementedError(f"strategy='auto' with tensor_parallel_size={tensor.size} is not supported "
                                       "yet: pass strategy='ddp', 'zero1', 'zero2', 'zero3' or 'fsdp'")
         inner, _ = make_strategy(strategy, model, world_size=world_size, local_rank=local_rank,
-                                 local_world_size=local_world_size, communication=communication)
+                                 local_world_size=local_world_size, communication=communication, pipeline=pipeline)
         return TensorParallelStrategy(inner, tensor), None
     if pipeline is not None and pipeline.enabled:
         from ..pipeline.training import PipelineStrategy  # the pipeline package builds on this one

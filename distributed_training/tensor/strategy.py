@@ -75,11 +75,18 @@ class TensorParallelStrategy(Strategy):
             raise ValueError(f"tensor_parallel_size={self.options.size} needs a tensor_parallel_plan for a "
                              f"{type(module).__name__} (module-name pattern -> 'colwise' | 'rowwise' | 'vocab' | "
                              "'sequence' | 'replicate'; see docs/tensor_parallel.md); only our GPT has a built-in one")
+        if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            raise NotImplementedError(f"tensor_parallel_size={self.options.size} with a model on the meta device "
+                                      "and a pipeline is not supported yet: build the model on a device (e.g. the CPU)")
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         _share_random_state(self.group, src, context.device)
+        on = _comm_device(self.group, context.device)
         with torch.no_grad():  # the parts are cut from tensor rank 0's weights, whatever each rank built
             for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor.data, src=src, group=self.group)
+                buffer = tensor.data if tensor.device == on else tensor.data.to(on)
+                dist.broadcast(buffer, src=src, group=self.group)
+                if buffer is not tensor.data:
+                    tensor.data.copy_(buffer)
         self.specs = apply_plan(module, plan, self.group, sequence_parallel=self.options.sequence_parallel)
         self._vocab_loss = parallel_loss(module)
         names = dict(module.named_parameters(remove_duplicate=False))
@@ -98,8 +105,12 @@ class TensorParallelStrategy(Strategy):
         another criterion cannot read a part of the logits (an error naming the plan)."""
         from .plan import criterion_error, is_cross_entropy
 
-        if criterion is None or self._vocab_loss is None:
+        if self._vocab_loss is None:
             return criterion
+        if criterion is None:
+            # Our GPT computes its own loss (vocabulary-parallel once split), except in a pipeline,
+            # whose last stage applies a criterion to the logits: there, the split one.
+            return self._vocab_loss if _is_pipeline(self.inner) else None
         options = is_cross_entropy(criterion)
         if options is None:
             raise ValueError(criterion_error(criterion))
@@ -180,7 +191,13 @@ class TensorParallelStrategy(Strategy):
         split parameter gathered over the tensor group."""
         from .state import full_tensors
 
-        return full_tensors(self.inner.model_state_dict(model), self.specs, self.group)
+        def whole(state: dict[str, Any]) -> dict[str, Any]:
+            on = _comm_device(self.group, self.device)
+            return full_tensors({k: v.to(on) for k, v in state.items()}, self.specs, self.group)
+
+        if _is_pipeline(self.inner):  # gathered from the stages after the tensor parts are joined
+            return {k: v.cpu() for k, v in self.inner.model_state_dict(model, whole).items()}
+        return whole(self.inner.model_state_dict(model))
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         local = {key: (shard(value, self.specs[key]) if key in self.specs else value) for key, value in state.items()}
@@ -224,6 +241,12 @@ class TensorParallelStrategy(Strategy):
 
     def teardown(self, model: nn.Module) -> None:
         self.inner.teardown(model)
+
+
+def _is_pipeline(strategy: Strategy) -> bool:
+    from ..pipeline.training import PipelineStrategy
+
+    return isinstance(strategy, PipelineStrategy)
 
 
 def _comm_device(group, device: torch.device) -> torch.device:
