@@ -129,7 +129,7 @@ def test_smoke_runs_every_phase(tmp_path):
     # Tensor parallelism at world 2: ours and torch's DTensor TP at T=2, with and without SP, from the same
     # weights on the same batches: both run, and their losses agree (fp32 on CPU).
     tensor = ph["tensor"]["worlds"]["2"]
-    assert set(tensor["configs"]) == {"TP2", "TP2 SP"}
+    assert set(tensor["configs"]) == {"TP2 no SP", "TP2 SP"}
     for name, row in tensor["configs"].items():
         for impl in ("ours", "torch"):
             assert row[impl]["status"] == "ok" and row[impl]["step_s"] > 0, (name, impl, row[impl])

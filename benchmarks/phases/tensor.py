@@ -23,8 +23,9 @@ first in even rounds, torch's first in odd ones); a run is ``warmup`` untimed st
 timed as one block (one device sync at each end). Figures: the slowest rank's step (the median over
 rounds), tokens/s per GPU = global tokens / step / W, MFU = 6 x parameters x tokens/s per GPU / the
 card's dense bf16 peak (`PEAK_BF16`; 6N counts neither attention's scores nor recomputation), the
-peak memory of the most loaded rank (reset before each run, net of what earlier runs left), and
-max |loss ours - loss torch| over the steps of round 0 (each step's loss averaged over replicas).
+peak memory of the most loaded rank over the training steps (reset after setup, where every rank
+briefly holds the whole model; net of what earlier runs left), and max |loss ours - loss torch| over
+the steps of round 0 (each step's loss averaged over the data-parallel replicas).
 
 Torch's side (a reference, built only here):
 
@@ -90,13 +91,12 @@ class Config:
 
 def _configs(world: int, smoke: bool, big: bool) -> list[Config]:
     if smoke:
-        return [Config(f"TP2{' SP' if sp else ''}", "tiny", 2, sp) for sp in (False, True)]
+        return [Config(f"TP2 {'SP' if sp else 'no SP'}", "tiny", 2, sp) for sp in (False, True)]
     configs = []
     for tp in (2, 4):
         if tp <= world and world % tp == 0:
-            dp = f"xDP{world // tp} " if world > tp else ""
-            configs += [Config(f"TP{tp} {dp}{'SP' if sp else 'no SP'}".replace("  ", " "), "gpt-1.3b", tp, sp)
-                        for sp in (False, True)]
+            dp = f"xDP{world // tp}" if world > tp else ""
+            configs += [Config(f"TP{tp}{dp} {'SP' if sp else 'no SP'}", "gpt-1.3b", tp, sp) for sp in (False, True)]
     if world >= 4 and world % 2 == 0:
         configs.append(Config(f"TP2xFSDP{world // 2} no SP", "gpt-1.3b", 2, False, "zero3"))
     if big and world >= 4 and world % 4 == 0:
@@ -185,7 +185,8 @@ def run(ctx, opts) -> dict:
                 flops = result["peak_bf16_flops"]
                 r["mfu"] = 6 * row["parameters"] * r["tokens_per_s_per_gpu"] / flops if flops else None
     result["note"] = ("step_s: the slowest rank's, median over rounds; peak_gib: the most loaded rank's peak "
-                      "allocated memory in the run (reset before it, net of earlier runs' leftovers)"
+                      "allocated memory over the training steps (reset after setup, net of earlier runs' leftovers; "
+                      "setup_peak_gib: during setup, when every rank holds the whole model before it is split)"
                       + ("" if cuda else " (0 on CPU: not tracked)") +
                       "; losses: round 0, each step's loss averaged over the data-parallel replicas; MFU = 6 x "
                       "parameters x tokens/s per GPU / the card's dense bf16 peak")
@@ -205,7 +206,8 @@ def _summary(runs: list[dict]) -> dict:
         return next(r for r in runs if r.get("status") != "ok")
     steps = [r["step_s"] for r in ok]
     return {"status": "ok", "step_s": statistics.median(steps), "step_s_rounds": steps,
-            "peak_gib": max(r["peak_gib"] for r in ok), "losses": ok[0]["losses"]}
+            "peak_gib": max(r["peak_gib"] for r in ok),
+            "setup_peak_gib": max(r["setup_peak_gib"] for r in ok), "losses": ok[0]["losses"]}
 
 
 def _guarded(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base) -> dict:
@@ -248,6 +250,10 @@ def _measure(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base) ->
     if batch % dp:
         close()
         raise ValueError(f"global batch {batch} does not split over {dp} data-parallel replicas")
+    # Every rank built the whole model before it was split: that transient is the setup's, not training's.
+    built = peak(device) - stale
+    free_memory(device)
+    peak_reset(device)
     batches = _batches(cfg, batch, seq, warmup + steps, dp, d, device)
     losses = [step(b) for b in batches[:warmup]]
     synchronize(device)
@@ -259,9 +265,10 @@ def _measure(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base) ->
     curve = curve.to(device if ctx.backend == "nccl" else "cpu")
     dist.all_reduce(curve)
     curve /= ctx.world_size  # every rank of a replica holds its replica's loss: the mean over replicas
-    step_s, held = slowest(ctx, [step_s, peak(device) - stale if device.type == "cuda" else 0])
+    step_s, held, built = slowest(ctx, [step_s, peak(device) - stale, built])
     close()
-    return {"status": "ok", "step_s": step_s, "peak_gib": held / GIB, "losses": curve.tolist()}
+    return {"status": "ok", "step_s": step_s, "peak_gib": held / GIB, "setup_peak_gib": built / GIB,
+            "losses": curve.tolist()}
 
 
 # ---------------------------------------------------------------------------------------------- ours
@@ -307,7 +314,7 @@ def _fsdp_alone(cfg, batch, seq, warmup, steps, ctx, base, gpu_gib) -> dict:
     world = ctx.world_size
     estimate = _fsdp_alone_estimate(cfg, batch, seq, world)
     if batch % world:
-        return {"status": "does not fit", **estimate,
+        return {"status": "batch does not split", **estimate,
                 "reason": f"a global batch of {batch} sequences does not split over {world} ranks (FSDP alone "
                           "needs at least one sequence a rank; TP splits each sequence's activations)"}
     if estimate["estimate_gib"] > 0.8 * gpu_gib:
@@ -321,6 +328,8 @@ def _fsdp_alone(cfg, batch, seq, warmup, steps, ctx, base, gpu_gib) -> dict:
         stale = allocated(device) - base
         peak_reset(device)
         step, dp, d, close = _ours(config, cfg, ctx, tensor_parallel=False)
+        free_memory(device)
+        peak_reset(device)  # the training steps' peak, as for the tensor-parallel runs
         batches = _batches(cfg, batch, seq, warmup + steps, dp, d, device)
         for b in batches[:warmup]:
             step(b)
