@@ -217,9 +217,10 @@ def _tensor(results):
                           f"{alone['sequences_per_rank']} sequence(s) a rank) on a {part['gpu_memory_gib']:.0f} GiB card."]
         if part.get("big_skipped"):
             lines += ["", f"~7B run skipped: {part['big_skipped']}."]
+        flops = part.get("peak_bf16_flops")
         lines += ["", "ours / torch: median over rounds of torch's step / ours (each round's pair back to back); "
                   "MFU: 6 x parameters x tokens/s per GPU / the card's dense bf16 peak "
-                  f"({'none known for this device' if not part.get('peak_bf16_flops') else format(part['peak_bf16_flops'], '.3g')}"
+                  f"({format(flops, '.3g') + ' FLOP/s' if flops else 'none known for this device'}"
                   "); max loss diff: over the first steps, both from the same weights. Target: ours >= 1.00x torch at "
                   "every point.", ""]
     return lines
