@@ -75,8 +75,8 @@ def _reference_loss(case: str, model: nn.Module, x, y) -> torch.Tensor:
         return model(x, y)
     if case == "mlp":
         return F.mse_loss(model(x), y)
-    logits = model(x)
-    return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+    smoothing = 0.0 if case == "llama" else 0.1
+    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1), label_smoothing=smoothing)
 
 
 def _parallel_loss(case: str, model: nn.Module, x, y, group, sp: bool) -> torch.Tensor:
@@ -89,7 +89,7 @@ def _parallel_loss(case: str, model: nn.Module, x, y, group, sp: bool) -> torch.
             y = y.narrow(1, dist.get_rank(group) * part, part)
             return F.mse_loss(out, y, reduction="sum") / (BATCH * SEQ * 16)
         return F.mse_loss(out, y)
-    criterion = F.cross_entropy if case == "llama" else nn.CrossEntropyLoss()
+    criterion = F.cross_entropy if case == "llama" else nn.CrossEntropyLoss(label_smoothing=0.1)
     assert is_cross_entropy(criterion)
     return parallel_loss(model, criterion)(model(x), y)  # logits stay split by vocabulary
 
@@ -260,8 +260,8 @@ def _errors_job(rank: int, world: int) -> dict[str, str]:
         parallel_loss(gpt, F.mse_loss)
     except ValueError as e:
         out["criterion"] = str(e)
-    loss = parallel_loss(gpt, nn.CrossEntropyLoss(ignore_index=0, reduction="sum"))
-    out["options"] = f"{loss.ignore_index} {loss.reduction} {loss.vocab_start}"
+    loss = parallel_loss(gpt, nn.CrossEntropyLoss(ignore_index=0, reduction="sum", label_smoothing=0.1))
+    out["options"] = f"{loss.ignore_index} {loss.reduction} {loss.label_smoothing} {loss.vocab_start}"
     return out
 
 
@@ -281,14 +281,22 @@ def test_plan_errors_name_the_culprit():
     assert "already" in msgs["twice"]
     assert msgs["no_head"] == "None"
     assert "tensor_parallel_plan" in msgs["criterion"] and "mse_loss" in msgs["criterion"]
-    assert [o["options"] for o in out] == [f"0 sum {r * VOCAB // 4}" for r in range(4)]
+    assert [o["options"] for o in out] == [f"0 sum 0.1 {r * VOCAB // 4}" for r in range(4)]
 
 
 def test_cross_entropy_recognised():
     import functools
     assert is_cross_entropy(F.cross_entropy) and is_cross_entropy(nn.CrossEntropyLoss(ignore_index=3))
     assert is_cross_entropy(functools.partial(F.cross_entropy, reduction="sum"))
-    assert not is_cross_entropy(nn.CrossEntropyLoss(label_smoothing=0.1))
+    assert is_cross_entropy(nn.CrossEntropyLoss(label_smoothing=0.1))
     assert not is_cross_entropy(nn.CrossEntropyLoss(weight=torch.ones(4)))
-    assert not is_cross_entropy(functools.partial(F.cross_entropy, label_smoothing=0.1))
+    assert not is_cross_entropy(functools.partial(F.cross_entropy, weight=torch.ones(4)))
     assert not is_cross_entropy(F.mse_loss) and not is_cross_entropy(nn.NLLLoss())
+
+
+def test_gpt_forward_with_its_loss_hook_is_one_graph():
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    x, y = _batch("gpt", 0)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # raises on a graph break
+    assert torch.equal(compiled(x, y), model(x, y))

@@ -192,7 +192,7 @@ def error_worker(rank, world, case):
 @pytest.mark.parametrize("case, words", [
     ("world", ["tensor_parallel_size=3", "world size 2"]),
     ("no_plan", ["tensor_parallel_plan", "Sequential"]),
-    ("criterion", ["tensor_parallel_plan", "lm_head"]),
+    ("criterion", ["tensor_parallel_plan", "vocab"]),
     ("heads", ["3", "2"]),
 ])
 def test_errors_name_the_field(case, words):

@@ -70,6 +70,7 @@ pipeline's other ranks in one broadcast at the end (`evaluation_sums`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -79,7 +80,7 @@ from torch import nn
 from ..logs import get_logger
 from ..models.gpt import GPT
 from ..runtime import DistributedContext
-from ..checkpoint_shards import Holding, Piece, StateLayout
+from ..checkpoint_shards import Holding, StateLayout
 from ..strategies.base import OptimizerFactory, Strategy
 from .engine import PipelineEngine
 from .p2p import PipelineAborted
@@ -485,7 +486,7 @@ class PipelineStrategy(Strategy):
 
         def renamed(holding: Holding) -> Holding:
             try:
-                pieces = [Piece(self._model_name[p.key], p.start, p.length, p.local) for p in holding.pieces]
+                pieces = [replace(p, key=self._model_name[p.key]) for p in holding.pieces]  # strided ones too
             except KeyError as err:
                 raise ValueError(f"strategy {self.name!r} describes {err} that is none of this rank's stage "
                                  "parameters: its state cannot be checkpointed") from None

@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TensorOptions", "STYLES"]
+from .plan import STYLES
 
-#: What a plan may map a module-name pattern to (see docs/tensor_parallel.md).
-STYLES = ("colwise", "rowwise", "vocab", "sequence", "sequence_split", "replicate")
+__all__ = ["TensorOptions"]
 
 
 @dataclass(frozen=True)

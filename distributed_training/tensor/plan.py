@@ -93,16 +93,19 @@ class VocabParallelLoss:
         vocab_start: the first vocabulary id of this rank's columns.
         ignore_index: targets equal to it count for nothing (as `F.cross_entropy`).
         reduction: ``"mean"`` (over the targets not ignored), ``"sum"`` or ``"none"``.
+        label_smoothing: as `F.cross_entropy`'s.
     """
 
     group: Any
     vocab_start: int
     ignore_index: int = -100
     reduction: str = "mean"
+    label_smoothing: float = 0.0
 
     def __call__(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(local_logits, targets, self.group, vocab_start=self.vocab_start,
-                                            ignore_index=self.ignore_index, reduction=self.reduction)
+                                            ignore_index=self.ignore_index, reduction=self.reduction,
+                                            label_smoothing=self.label_smoothing)
 
     def __deepcopy__(self, memo: dict) -> "VocabParallelLoss":
         return self  # immutable, and a process group cannot be copied
@@ -111,17 +114,20 @@ class VocabParallelLoss:
 def parallel_loss(model: nn.Module, criterion: Callable | None = None) -> VocabParallelLoss | None:
     """The loss of `model`'s vocabulary-parallel output head, or None when it has none.
 
-    With a `criterion`, the loss keeps its ``ignore_index`` and ``reduction``; a criterion that is not
+    With a `criterion`, the loss keeps its ``ignore_index``, ``reduction`` and ``label_smoothing``; a criterion that is not
     a plain cross-entropy (`is_cross_entropy`) cannot take split logits: ValueError
     (`unsupported_loss_message`).
     """
-    heads = {id(loss): loss for m in model.modules() if (loss := getattr(m, _LOSS, None)) is not None}
-    if not heads:
+    # A plain loop (no comprehension): our GPT calls this in forward, which torch.compile traces whole.
+    loss = None
+    for module in model.modules():
+        found = getattr(module, _LOSS, None)
+        if found is not None and loss is not None and found is not loss:
+            raise ValueError("the model has several vocabulary-parallel output heads ('vocab' style on an "
+                             "nn.Linear in tensor_parallel_plan); a loss can be found for one only")
+        loss = found if found is not None else loss
+    if loss is None:
         return None
-    if len(heads) > 1:
-        raise ValueError(f"the model has {len(heads)} vocabulary-parallel output heads ('vocab' style on an "
-                         "nn.Linear in tensor_parallel_plan); a loss can be found for one only")
-    loss = next(iter(heads.values()))
     if criterion is None:
         return loss
     options = _cross_entropy_options(criterion)
@@ -132,16 +138,16 @@ def parallel_loss(model: nn.Module, criterion: Callable | None = None) -> VocabP
 
 def is_cross_entropy(criterion: Callable) -> bool:
     """Whether `criterion` is a cross-entropy that the vocabulary-parallel loss computes equally:
-    `F.cross_entropy` (or a `functools.partial` of it setting only ``ignore_index`` / ``reduction``),
-    or an `nn.CrossEntropyLoss` without class weights or label smoothing."""
+    `F.cross_entropy` (or a `functools.partial` of it setting only ``ignore_index`` / ``reduction`` /
+    ``label_smoothing``), or an `nn.CrossEntropyLoss` without class weights."""
     return _cross_entropy_options(criterion) is not None
 
 
 def unsupported_loss_message(criterion: Callable) -> str:
     return (f"tensor_parallel_plan splits the output head by vocabulary ('vocab'): its logits hold this rank's "
             f"columns only, so the loss must be the vocabulary-parallel cross-entropy, but the criterion "
-            f"{getattr(criterion, '__qualname__', None) or repr(criterion)} is not F.cross_entropy or nn.CrossEntropyLoss (without weight or label_smoothing; "
-            f"ignore_index and reduction are kept). Use one of those, or give the output head (and the "
+            f"{getattr(criterion, '__qualname__', None) or repr(criterion)} is not F.cross_entropy or nn.CrossEntropyLoss (without class weights; ignore_index, "
+            f"reduction and label_smoothing are kept). Use one of those, or give the output head (and the "
             f"embedding tied to it) another style than 'vocab'")
 
 
@@ -149,13 +155,14 @@ def _cross_entropy_options(criterion: Callable) -> dict | None:
     if criterion is F.cross_entropy:
         return {}
     if isinstance(criterion, functools.partial) and criterion.func is F.cross_entropy and not criterion.args:
-        if set(criterion.keywords) <= {"ignore_index", "reduction"}:
+        if set(criterion.keywords) <= {"ignore_index", "reduction", "label_smoothing"}:
             return dict(criterion.keywords)
         return None
     if isinstance(criterion, nn.CrossEntropyLoss):
-        if criterion.weight is not None or criterion.label_smoothing:
+        if criterion.weight is not None:
             return None
-        return {"ignore_index": criterion.ignore_index, "reduction": criterion.reduction}
+        return {"ignore_index": criterion.ignore_index, "reduction": criterion.reduction,
+                "label_smoothing": criterion.label_smoothing}
     return None
 
 

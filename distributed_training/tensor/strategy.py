@@ -61,7 +61,7 @@ class TensorParallelStrategy(Strategy):
         return self.inner.setup_module(module, context)
 
     def _prepare(self, module: nn.Module, context: DistributedContext) -> None:
-        from .plan import apply_plan, builtin_plan, parallel_loss
+        from .plan import apply_plan, parallel_loss
 
         mesh = context.mesh
         if mesh.size("tensor") != self.options.size:
@@ -70,7 +70,7 @@ class TensorParallelStrategy(Strategy):
         self.group = mesh.group("tensor")
         self.tensor_rank = mesh.rank("tensor")
         self.device = context.device
-        plan = self.options.plan if self.options.plan is not None else builtin_plan(module)
+        plan = self.options.plan if self.options.plan is not None else _builtin_plan(module)
         if plan is None:
             raise ValueError(f"tensor_parallel_size={self.options.size} needs a tensor_parallel_plan for a "
                              f"{type(module).__name__} (module-name pattern -> 'colwise' | 'rowwise' | 'vocab' | "
@@ -89,6 +89,7 @@ class TensorParallelStrategy(Strategy):
                     tensor.data.copy_(buffer)
         self.specs = apply_plan(module, plan, self.group, sequence_parallel=self.options.sequence_parallel)
         self._vocab_loss = parallel_loss(module)
+        self._module = module
         names = dict(module.named_parameters(remove_duplicate=False))
         self._split_names = frozenset(name for name in names if name in self.specs)
         self._replicated_names = frozenset(names) - self._split_names
@@ -103,7 +104,7 @@ class TensorParallelStrategy(Strategy):
     def loss_criterion(self, criterion: Callable | None) -> Callable | None:
         """Cross-entropy becomes the vocabulary-parallel loss when the head is split by vocabulary;
         another criterion cannot read a part of the logits (an error naming the plan)."""
-        from .plan import criterion_error, is_cross_entropy
+        from .plan import parallel_loss
 
         if self._vocab_loss is None:
             return criterion
@@ -111,11 +112,7 @@ class TensorParallelStrategy(Strategy):
             # Our GPT computes its own loss (vocabulary-parallel once split), except in a pipeline,
             # whose last stage applies a criterion to the logits: there, the split one.
             return self._vocab_loss if _is_pipeline(self.inner) else None
-        options = is_cross_entropy(criterion)
-        if options is None:
-            raise ValueError(criterion_error(criterion))
-        loss = self._vocab_loss
-        return lambda logits, targets: loss(logits, targets, **options)
+        return parallel_loss(self._module, criterion)  # its options kept; not cross-entropy: ValueError
 
     # ------------------------------------------------------------------ steps (the inner strategy's)
     def no_sync(self, model: nn.Module):
@@ -241,6 +238,13 @@ class TensorParallelStrategy(Strategy):
 
     def teardown(self, model: nn.Module) -> None:
         self.inner.teardown(model)
+
+
+def _builtin_plan(module: nn.Module) -> dict[str, Any] | None:
+    from ..models.gpt import GPT
+    from .plan import gpt_plan
+
+    return gpt_plan(module.cfg) if isinstance(module, GPT) else None
 
 
 def _is_pipeline(strategy: Strategy) -> bool:
