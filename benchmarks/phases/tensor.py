@@ -10,9 +10,11 @@ Configurations at world W (the global batch is the same for every one of a model
   at W >= 4 also T = 2 x FSDP W / 2 without it (ours: ``strategy="zero3"``; torch: `fully_shard`
   over the data dim of the 2-D mesh after `parallelize_module`: FSDP2 + TP).
 * At W >= 4 on a GPU of at least 70 GiB: a ~7B GPT (32 layers, width 4096, 32 heads) at T = 4 with
-  sequence parallelism, a global batch of one 1024-token sequence per GPU; beside it, FSDP alone
-  (ours, ``zero3``, no TP) at the same batch, run only where the estimate says it fits (16 bytes a
-  parameter over the world, plus activations: `_fsdp_alone_estimate`), else recorded as the estimate
+  sequence parallelism on one long sequence per tensor-parallel group (32768 tokens; 16384 on cards
+  under 120 GiB): each rank keeps the activations of a quarter of it. FSDP alone (ours, ``zero3``, no
+  TP) at the same batch would hold a whole sequence's activations on every rank (a sequence is the
+  least a data-parallel rank can take): its estimate (16 bytes a parameter over the world, plus the
+  activations: `_fsdp_alone_estimate`) is recorded, and the run made only where it fits with a margin
   (an out-of-memory on one rank only would leave the others waiting in a collective).
 * ``--smoke`` (CPU, gloo, 2 processes): a tiny GPT at T = 2 with and without sequence parallelism,
   one round.
@@ -69,7 +71,7 @@ from common import GIB, allocated, autocast, free_memory, gpt_units, peak, peak_
 
 GPU_MODEL = ("gpt-1.3b", 16, 1024)  # preset, global batch (sequences a step), sequence length
 BIG_WIDTH = dict(n_layer=32, n_head=32, n_embd=4096)  # ~6.7B parameters with the default vocabulary
-BIG_SEQ = 1024
+BIG_SEQ = 32768  # one long sequence per tensor-parallel group (16384 on cards under 120 GiB)
 BIG_MIN_GPU_GIB = 70
 #: Dense bf16 peak FLOP/s of the cards MFU is reported for (matched in the device name).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -104,13 +106,17 @@ def _configs(world: int, smoke: bool, big: bool) -> list[Config]:
     return configs
 
 
-def _model_config(model: str):
+def _big_seq(gpu_gib: float) -> int:
+    return BIG_SEQ if gpu_gib >= 120 else BIG_SEQ // 2
+
+
+def _model_config(model: str, seq: int = BIG_SEQ):
     from distributed_training.models import GPT_PRESETS, GPTConfig
 
     if model == "tiny":
         return GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
     if model == "gpt-7b":
-        return GPTConfig(block_size=BIG_SEQ, **BIG_WIDTH)
+        return GPTConfig(block_size=seq, **BIG_WIDTH)
     return GPT_PRESETS[model]
 
 
@@ -146,8 +152,9 @@ def run(ctx, opts) -> dict:
     runs: dict[tuple[str, str], list[dict]] = {}
     shapes = {}
     for config in configs:
-        cfg = _model_config(config.model)
-        batch, seq = ((4, 16) if opts.smoke else (world, BIG_SEQ) if config.model == "gpt-7b" else GPU_MODEL[1:])
+        cfg = _model_config(config.model, _big_seq(gpu_gib))
+        batch, seq = ((4, 16) if opts.smoke else (world // 4, _big_seq(gpu_gib)) if config.model == "gpt-7b"
+                      else GPU_MODEL[1:])
         shapes[config.name] = (cfg, batch, seq)
     for r in range(rounds):  # every run once a round: a slow spell of the machine hits both sides alike
         for config in configs:
@@ -313,7 +320,7 @@ def _fsdp_alone(cfg, batch, seq, warmup, steps, ctx, base, gpu_gib) -> dict:
     estimate fits with a margin (80% of the card), else the estimate alone."""
     world = ctx.world_size
     estimate = _fsdp_alone_estimate(cfg, batch, seq, world)
-    if batch % world:
+    if batch % world and estimate["estimate_gib"] <= gpu_gib:
         return {"status": "batch does not split", **estimate,
                 "reason": f"a global batch of {batch} sequences does not split over {world} ranks (FSDP alone "
                           "needs at least one sequence a rank; TP splits each sequence's activations)"}
