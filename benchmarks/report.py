@@ -32,7 +32,7 @@ def render_markdown(results: dict) -> str:
             lines.append(f"- {name}: **{entry['status']}**: {entry['reason'].strip()}")
     lines.append("")
     for section in (_collectives, _training, _models, _precision, _topk, _profiling, _monitor, _memory, _pipeline,
-                    _pipeline_big, _model_check):
+                    _pipeline_big, _tensor, _model_check):
         lines += section(results)
     return "\n".join(lines) + "\n"
 
@@ -176,6 +176,53 @@ def _pipeline_big(results):
             lines.append(f"| {row['rank']} | {row['parameters'] / 1e9:.3f}B | {row['peak_allocated_gib']:.1f} | "
                          f"{row['peak_rss_gib']:.1f} |")
         lines.append("")
+    return lines
+
+
+def _tensor(results):
+    """The tensor phase: ours vs torch's DTensor TP, one row per configuration (see phases/tensor.py)."""
+    lines = []
+    for w, part in _ok_worlds(results, "tensor"):
+        lines += [f"## Tensor parallelism, {w} GPUs ({part['mixed_precision']}): ours vs torch's parallelize_module "
+                  "(same plan, same weights and batches)", "",
+                  "| config | model, batch x seq | T x DP | SP | ours ms | ours tokens/s/GPU | ours MFU | torch ms | "
+                  "torch tokens/s/GPU | torch MFU | ours / torch | peak GiB ours / torch | max loss diff |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+        def cell(r, key, fmt):  # a side that did not run says why once, in its step cell
+            if r.get("status") != "ok":
+                return f"{r.get('status')}: {r.get('reason', '')[:80]}" if key == "step_s" else ""
+            return "-" if r.get(key) is None else format(r[key], fmt)
+
+        for name, row in part["configs"].items():
+            ours, ref = row["ours"], row["torch"]
+            dp = f" x {row['data_parallel']} {row['strategy']}" if row["data_parallel"] > 1 else ""
+            speed = f"{row['speed_vs_torch']:.3f}x" if "speed_vs_torch" in row else ""
+            diff = f"{row['max_abs_loss_diff']:.2e}" if "max_abs_loss_diff" in row else ""
+            ms = lambda r: cell(r, "step_s", "") if r.get("status") != "ok" else f"{r['step_s'] * 1e3:.1f}"  # noqa: E731
+            mfu = lambda r: cell(r, "mfu", ".3f")  # noqa: E731
+            lines.append(f"| {name} | {row['model']}, {row['global_batch']} x {row['seq']} | {row['tensor_parallel_size']}"
+                         f"{dp} | {'yes' if row['sequence_parallel'] else 'no'} | {ms(ours)} | "
+                         f"{cell(ours, 'tokens_per_s_per_gpu', ',.0f')} | {mfu(ours)} | {ms(ref)} | "
+                         f"{cell(ref, 'tokens_per_s_per_gpu', ',.0f')} | {mfu(ref)} | {speed} | "
+                         f"{cell(ours, 'peak_gib', '.2f')} / {cell(ref, 'peak_gib', '.2f')} | {diff} |")
+        for name, row in part["configs"].items():
+            alone = row.get("fsdp_alone")
+            if alone:
+                ran = (f"ran: {alone['step_s'] * 1e3:.0f} ms a step, peak {alone['peak_gib']:.1f} GiB"
+                       if alone["status"] == "fits" else alone.get("reason", ""))
+                lines += ["", f"{name}: FSDP alone (ours, zero3, no TP) at the same batch: **{alone['status']}** "
+                          f"({ran}); estimate {alone['estimate_gib']:.1f} GiB a rank ({alone['model_state_gib']:.1f} "
+                          f"model state at 16 bytes a parameter + {alone['activations_gib']:.1f} activations, "
+                          f"{alone['sequences_per_rank']} sequence(s) a rank) on a {part['gpu_memory_gib']:.0f} GiB card."]
+        if part.get("big_skipped"):
+            lines += ["", f"~7B run skipped: {part['big_skipped']}."]
+        flops = part.get("peak_bf16_flops")
+        lines += ["", "ours / torch: median over rounds of torch's step / ours (each round's pair back to back); "
+                  "MFU: 6 x parameters x tokens/s per GPU / the card's dense bf16 peak "
+                  f"({format(flops, '.3g') + ' FLOP/s' if flops else 'none known for this device'}"
+                  "); max loss diff: over the first steps, both from the same weights. Target: ours >= 1.00x torch at "
+                  "every point.", ""]
     return lines
 
 

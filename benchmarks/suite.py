@@ -18,6 +18,7 @@ Phases (`--phases`, default all; see `phases/__init__.py` for where each runs):
     profiling     where a DDP step's time goes, by kernel (GPU) or operator (CPU) category
     monitor       the monitor's cost on the trainer, at every world size
     memory        GPT 1.3B: activation checkpointing off/on, and batch_size="auto"
+    tensor        GPT 1.3B / ~7B: our tensor (and sequence) parallelism vs torch's DTensor TP, same plan
     model_check   the scaling model: one calibration, checked on this run and on recorded DDP runs
 
 For each world size the orchestrator starts one job on this script (``--worker``; `torchrun` for two

@@ -15,7 +15,14 @@ the same way for all of them:
 * **load**: each rank asks its own strategy which pieces it needs now, looks them up in the index and
   reads only the files that hold them (its own first), whatever strategy and world size wrote them.
 
-So a checkpoint written by DDP at world 2 loads under ZeRO-3 at world 3, and back. The files keep the
+A tensor-parallel rank's parameter is not a contiguous part of the full tensor but a few *regular
+runs* of it (a row-parallel weight [out, in] holds ``out`` runs of ``in / T`` elements): its pieces are
+*strided* (``count`` runs, ``stride`` apart in the full tensor; see `Piece` and
+`distributed_training.tensor.state`), saved as one tensor each, and a loader intersects the runs it
+asks for with the saved ones arithmetically (a few strided copies per pair, never one per run).
+
+So a checkpoint written by DDP at world 2 loads under ZeRO-3 at world 3, and back; one written at
+TP = 2 x DP = 2 loads at TP = 1 or TP = 4. The files keep the
 crash-proof properties of `distributed_training.checkpoint` (atomic, checksummed); this module only
 decides what goes in them.
 """
@@ -23,26 +30,52 @@ decides what goes in them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 __all__ = ["FORMAT", "Piece", "Holding", "StateLayout", "whole_tensors", "flat_pieces", "pack", "summary",
            "build_index", "check_shapes", "Sources", "unpack_params", "unpack_optimizer"]
 
-#: The value of ``checkpoint_format`` in ``meta.pt``.
+#: The value of ``checkpoint_format`` in ``meta.pt``. Strided pieces did not change it: a file without
+#: them is written exactly as before, and every file written before reads the same way.
 FORMAT = "pieces/1"
 
 
 @dataclass(frozen=True)
 class Piece:
     """Elements ``[start, start + length)`` of the flattened full tensor `key`, held at elements
-    ``[local, local + length)`` of a local tensor."""
+    ``[local, local + length)`` of a local tensor.
+
+    A *strided* piece (``count > 1``: a tensor-parallel shard, see `distributed_training.tensor.state`)
+    is `count` such runs: run i is elements ``[start + i * stride, ... + length)`` of the full tensor,
+    held at ``[local + i * local_stride, ... + length)`` (`local_stride` None: right after run i - 1).
+    Its saved data is one tensor of ``count * length`` elements, run after run. The defaults make a
+    piece of one run, as every strategy without tensor parallelism describes them."""
 
     key: str
     start: int
     length: int
     local: int
+    count: int = 1
+    stride: int = 0
+    local_stride: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"piece of '{self.key}': count {self.count} (runs) must be at least 1")
+        if self.count > 1 and (self.stride < self.length or self.step < self.length):
+            raise ValueError(f"piece of '{self.key}': runs of {self.length} elements overlap (stride {self.stride}, "
+                             f"local_stride {self.local_stride})")
+
+    @property
+    def numel(self) -> int:
+        return self.count * self.length
+
+    @property
+    def step(self) -> int:
+        """Elements between the starts of two runs in the local tensor."""
+        return self.length if self.local_stride is None else self.local_stride
 
 
 @dataclass
@@ -83,20 +116,41 @@ def flat_pieces(members: list[tuple[str, int, int]], lo: int, hi: int) -> list[P
     return pieces
 
 
+def _grid(flat: torch.Tensor, at: int, count: int, length: int, step: int) -> torch.Tensor:
+    """The (count, length) view of `count` runs of `length` elements of the 1-d `flat`, ``step`` apart
+    from element `at` on."""
+    return flat.as_strided((count, length), (step if count > 1 else 1, 1), flat.storage_offset() + at)
+
+
+def _local_view(flat: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The piece's elements of the local tensor `flat` (1-d): a flat view when its runs are
+    contiguous there, else a (count, length) view."""
+    if piece.count == 1 or piece.step == piece.length:
+        return flat[piece.local : piece.local + piece.numel]
+    return _grid(flat, piece.local, piece.count, piece.length, piece.step)
+
+
 def _cut(value: torch.Tensor, piece: Piece) -> torch.Tensor:
-    return value.detach().reshape(-1)[piece.local : piece.local + piece.length].cpu().clone()
+    return _local_view(value.detach().reshape(-1), piece).cpu().clone(memory_format=torch.contiguous_format).reshape(-1)
+
+
+def _entry(piece: Piece, data: torch.Tensor) -> tuple:
+    """A saved piece in a rank's file: ``(start, data)``, as always, or for a strided piece
+    ``(start, data, length, count, stride)``."""
+    return (piece.start, data) if piece.count == 1 else (piece.start, data, piece.length, piece.count, piece.stride)
 
 
 def pack(layout: StateLayout, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """This rank's part of a checkpoint: the pieces it writes (``params``, ``optim``: key -> list of
-    ``(start, data)``; ``optim_scalars``: key -> {name: value}) and the optimizer's hyperparameters."""
+    ``(start, data)``, or ``(start, data, length, count, stride)`` for a strided piece; ``optim_scalars``:
+    key -> {name: value}) and the optimizer's hyperparameters."""
     params: dict[str, list] = {}
     for holding in layout.params:
         if holding.save:
             for piece in holding.pieces:
                 if piece.key in holding.not_saved:
                     continue
-                params.setdefault(piece.key, []).append((piece.start, _cut(holding.tensor, piece)))
+                params.setdefault(piece.key, []).append(_entry(piece, _cut(holding.tensor, piece)))
     optim: dict[str, dict[str, list]] = {}
     scalars: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
@@ -110,7 +164,7 @@ def pack(layout: StateLayout, optimizer: torch.optim.Optimizer | None) -> dict[s
                     continue
                 for name, value in state.items():
                     if torch.is_tensor(value) and value.dim() > 0 and value.numel() == holding.tensor.numel():
-                        optim.setdefault(piece.key, {}).setdefault(name, []).append((piece.start, _cut(value, piece)))
+                        optim.setdefault(piece.key, {}).setdefault(name, []).append(_entry(piece, _cut(value, piece)))
                     else:
                         scalars.setdefault(piece.key, {})[name] = (value.detach().cpu().clone() if torch.is_tensor(value)
                                                                    else value)
@@ -121,22 +175,23 @@ def pack(layout: StateLayout, optimizer: torch.optim.Optimizer | None) -> dict[s
 def summary(packed: dict[str, Any]) -> dict[str, Any]:
     """What one rank's `pack` holds, without the data: small enough to gather from every rank."""
     def spans(pieces):
-        return [(start, data.numel()) for start, data in pieces]
+        return [(entry[0], entry[1].numel()) if len(entry) == 2 else (entry[0], *entry[2:]) for entry in pieces]
     return {"params": {key: spans(pieces) for key, pieces in packed["params"].items()},
             "optim": {key: (sorted(names), spans(next(iter(names.values())))) for key, names in packed["optim"].items()},
             "optim_scalars": list(packed["optim_scalars"])}
 
 
 def build_index(summaries: list[dict[str, Any]], param_groups: list[dict[str, Any]]) -> dict[str, Any]:
-    """Key -> which ranks hold which elements, from every rank's `summary` in rank order."""
+    """Key -> which ranks hold which elements, from every rank's `summary` in rank order: spans
+    ``(rank, start, length)``, or ``(rank, start, length, count, stride)`` for strided pieces."""
     index: dict[str, Any] = {"params": {}, "optim": {}, "optim_names": {}, "optim_scalars": {},
                              "param_groups": param_groups}
     for rank, part in enumerate(summaries):
         for key, spans in part["params"].items():
-            index["params"].setdefault(key, []).extend((rank, start, length) for start, length in spans)
+            index["params"].setdefault(key, []).extend((rank, *span) for span in spans)
         for key, (names, spans) in part["optim"].items():
             index["optim_names"].setdefault(key, names)
-            index["optim"].setdefault(key, []).extend((rank, start, length) for start, length in spans)
+            index["optim"].setdefault(key, []).extend((rank, *span) for span in spans)
         for key in part["optim_scalars"]:
             index["optim_scalars"].setdefault(key, []).append(rank)
     return index
@@ -159,38 +214,110 @@ class Sources:
         self.opened.add(rank)
         return self.read(rank)
 
-    def fill(self, out: torch.Tensor, spans: list[tuple[int, int, int]], start: int, length: int,
-             fetch: Callable[[dict, int], torch.Tensor], what: str) -> None:
-        """Copy elements ``[start, start + length)`` into `out` (flat, `length` long) from the saved
-        `spans` ``(rank, start, length)``; `fetch(file, saved_start)` returns a saved piece's data."""
-        missing = [(start, start + length)]
+    def fill(self, out: torch.Tensor, spans: list[tuple[int, ...]], start: int, length: int,
+             fetch: Callable[[dict, int], torch.Tensor], what: str, count: int = 1, stride: int = 0) -> None:
+        """Copy `count` runs of `length` elements of a full tensor, run i from element
+        ``start + i * stride`` on, into `out` (flat, ``count * length`` long, run after run), from the
+        saved `spans` ``(rank, start, length[, count, stride])``; `fetch(file, saved_start)` returns a
+        saved piece's data (run after run).
+
+        Files are tried in `_order` and one is read only if it holds an element still missing. Each
+        (wanted, saved) pair of run patterns meets in at most a few regular blocks (`_overlaps`), each
+        one strided copy: loading a pattern saved alike is a single copy, whatever the run count."""
+        want = _Runs(start, length, count, stride if count > 1 else 0, 0, length)
+        total = left = count * length
+        missing: torch.Tensor | None = None  # None: all of it (most loads are one copy: no mask needed)
         order = {r: i for i, r in enumerate(self._order({s[0] for s in spans}))}
-        ranked = sorted(spans, key=lambda s: order[s[0]])
-        for rank, s_start, s_len in ranked:
-            s_end = s_start + s_len
-            if not any(a < s_end and s_start < b for a, b in missing):
+        for span in sorted(spans, key=lambda s: order[s[0]]):
+            rank, s_start, s_len, s_count, s_stride = (*span, 1, 0)[:5]
+            blocks = _overlaps(want, _Runs(s_start, s_len, s_count, s_stride, 0, s_len))
+            if missing is not None:
+                blocks = [b for b in blocks if _grid(missing, b[2], b[0], b[1], b[3]).any()]
+            if not blocks:
                 continue
             data = fetch(self.read(rank), s_start).reshape(-1)
             self.opened.add(rank)
-            still = []
-            for a, b in missing:
-                lo, hi = max(a, s_start), min(b, s_end)
-                if lo < hi:
-                    out[lo - start : hi - start].copy_(data[lo - s_start : hi - s_start])
-                    still += [(a, lo)] if a < lo else []
-                    still += [(hi, b)] if hi < b else []
-                else:
-                    still.append((a, b))
-            missing = still
-            if not missing:
+            for n, run, at, step, s_at, s_step in blocks:
+                dst, src = _grid(out, at, n, run, step), _grid(data, s_at, n, run, s_step)
+                if missing is None and n * run == total:
+                    dst.copy_(src)
+                    return
+                if missing is None:
+                    missing = torch.ones(total, dtype=torch.bool)
+                holes = _grid(missing, at, n, run, step)
+                if holes.all():
+                    dst.copy_(src)
+                    left -= n * run
+                else:  # partly filled from another file already (replicas that hold overlapping pieces)
+                    dst.copy_(torch.where(holes, src.to(dst.dtype), dst))
+                    left -= int(holes.sum())
+                holes.fill_(False)
+            if not left:
                 return
-        raise ValueError(f"{what}: elements {missing[0][0]}..{missing[0][1]} are in no rank's file of the checkpoint")
+        first = 0 if missing is None else int(missing.nonzero()[0])
+        i, offset = divmod(first, length)
+        raise ValueError(f"{what}: {left} elements, the first element {start + i * stride + offset}, are in no rank's "
+                         "file of the checkpoint")
+
+
+class _Runs(NamedTuple):
+    """`count` runs of `length` elements of a full tensor (run i from element ``full + i * stride``)
+    lying in a flat buffer from ``at + i * step`` on."""
+
+    full: int
+    length: int
+    count: int
+    stride: int
+    at: int
+    step: int
+
+
+def _rows(r: _Runs, stride: int) -> list[_Runs]:
+    """A single run `r` cut into rows of `stride` elements (then the rest), to meet runs `stride` apart."""
+    rows, rest = divmod(r.length, stride)
+    out = [_Runs(r.full, stride, rows, stride, r.at, stride)] if rows else []
+    return out + ([_Runs(r.full + rows * stride, rest, 1, stride, r.at + rows * stride, stride)] if rest else [])
+
+
+def _overlaps(a: _Runs, b: _Runs) -> list[tuple[int, int, int, int, int, int]]:
+    """Where the runs of `a` and of `b` hold the same elements of the full tensor, as blocks ``(count,
+    length, at in a's buffer, step there, at in b's buffer, step there)``: `count` runs of `length`
+    elements each. A few blocks for any run counts (one when the patterns are equal); only runs of
+    two patterns of different strides (which no split of one tensor gives) are met one by one."""
+    if a.count == 1 and b.count == 1:
+        lo, hi = max(a.full, b.full), min(a.full + a.length, b.full + b.length)
+        return [(1, hi - lo, a.at + lo - a.full, 1, b.at + lo - b.full, 1)] if lo < hi else []
+    if a.count > 1 and b.count > 1 and a.stride != b.stride:
+        return [block for i in range(a.count)
+                for block in _overlaps(_Runs(a.full + i * a.stride, a.length, 1, 0, a.at + i * a.step, 1), b)]
+    stride = a.stride if a.count > 1 else b.stride
+    a_parts = _rows(a, stride) if a.length > stride else [a]
+    b_parts = _rows(b, stride) if b.length > stride else [b]
+    return [block for pa in a_parts for pb in b_parts for block in _same_stride(pa, pb, stride)]
+
+
+def _same_stride(a: _Runs, b: _Runs, stride: int) -> list[tuple[int, int, int, int, int, int]]:
+    """`_overlaps` of two patterns of runs `stride` apart, none longer than `stride` (a single run's
+    stride is taken to be `stride`). Run i of `a` can meet only run ``i + k`` of `b` for the one or two
+    shifts k that bring them within a row of each other; for each, the common part sits at the same
+    place of every such pair of runs: one block."""
+    d = a.full - b.full
+    blocks = []
+    # k from the first shift at which b's run i + k ends after a's run i starts, to the last at which it
+    # starts before a's run i ends
+    for k in range((d - b.length) // stride + 1, -(-(d + a.length) // stride)):
+        lo, hi = max(a.full, b.full + k * stride), min(a.full + a.length, b.full + k * stride + b.length)
+        first, last = max(0, -k), min(a.count, b.count - k)
+        if lo < hi and first < last:
+            blocks.append((last - first, hi - lo, a.at + first * a.step + lo - a.full, a.step,
+                           b.at + (first + k) * b.step + lo - b.full - k * stride, b.step))
+    return blocks
 
 
 def _piece_of(pieces: list, start: int) -> torch.Tensor:
-    for s, data in pieces:
-        if s == start:
-            return data
+    for entry in pieces:
+        if entry[0] == start:
+            return entry[1]
     raise KeyError(start)
 
 
@@ -211,10 +338,12 @@ def unpack_params(layout: StateLayout, index: dict[str, Any], sources: Sources) 
     for holding in layout.params:
         flat = holding.tensor.detach().view(-1)
         for piece in holding.pieces:
-            buffer = torch.empty(piece.length, dtype=flat.dtype)
+            buffer = torch.empty(piece.numel, dtype=flat.dtype)
             sources.fill(buffer, index["params"].get(piece.key, []), piece.start, piece.length,
-                         lambda f, s, k=piece.key: _piece_of(f["params"][k], s), f"parameter '{piece.key}'")
-            flat[piece.local : piece.local + piece.length].copy_(buffer)
+                         lambda f, s, k=piece.key: _piece_of(f["params"][k], s), f"parameter '{piece.key}'",
+                         piece.count, piece.stride)
+            target = _local_view(flat, piece)
+            target.copy_(buffer.view(target.shape))
 
 
 def unpack_optimizer(layout: StateLayout, optimizer: torch.optim.Optimizer, index: dict[str, Any],
@@ -234,10 +363,13 @@ def unpack_optimizer(layout: StateLayout, optimizer: torch.optim.Optimizer, inde
         for name in names:
             flat = torch.zeros(holding.tensor.numel(), dtype=holding.tensor.dtype)
             for piece in holding.pieces:
-                sources.fill(flat[piece.local : piece.local + piece.length], index["optim"].get(piece.key, []),
-                             piece.start, piece.length,
+                target = _local_view(flat, piece)
+                buffer = target if target.dim() == 1 else torch.empty(piece.numel, dtype=flat.dtype)
+                sources.fill(buffer, index["optim"].get(piece.key, []), piece.start, piece.length,
                              lambda f, s, k=piece.key, n=name: _piece_of(f["optim"][k][n], s),
-                             f"optimizer state '{name}' of '{piece.key}'")
+                             f"optimizer state '{name}' of '{piece.key}'", piece.count, piece.stride)
+                if buffer is not target:
+                    target.copy_(buffer.view(target.shape))
             entry[name] = flat.view(holding.tensor.shape)
         if entry:
             state[position[id(holding.tensor)]] = entry

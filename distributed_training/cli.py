@@ -165,6 +165,9 @@ def run_job(cfg: JobConfig) -> dict:
             microbatches=t.microbatches, pipeline_split_points=t.pipeline_split_points,
             pipeline_chunks=t.pipeline_chunks, pipeline_balance=t.pipeline_balance,
             pipeline_sample_input=_sample_input(cfg, model),
+            tensor_parallel_size=t.tensor_parallel_size, sequence_parallel=t.sequence_parallel,
+            tensor_parallel_plan=({k: tuple(v) if isinstance(v, list) else v for k, v in t.tensor_parallel_plan.items()}
+                                  if t.tensor_parallel_plan is not None else None),
         )
     except NotImplementedError as err:
         if not pipelined:
@@ -179,6 +182,10 @@ def run_job(cfg: JobConfig) -> dict:
                   if chunks > 1 else f"{t.pipeline_parallel_size} stages (")
         pipeline = (f", pipeline of {stages}{trainer.config['pipeline_schedule']}, {trainer.config['microbatches']} "
                     f"microbatches) x {trainer.dp_world_size} data-parallel" if pipelined else "")
+        if t.tensor_parallel_size > 1:
+            pipeline += (f", tensor-parallel over {t.tensor_parallel_size} ranks"
+                         f"{' with sequence parallelism' if t.sequence_parallel else ''} x {trainer.dp_world_size} "
+                         "data-parallel")
         log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
                  type(model).__name__, f"{n_params:,}", trainer.strategy.name, pipeline, ctx.world_size,
                  ctx.device, f"{len(train):,}")

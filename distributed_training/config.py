@@ -17,7 +17,7 @@ names the field's path (``training.lr``); an unknown field is an error too.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
@@ -142,6 +142,17 @@ class TrainingConfig(_Section):
     its layers' compute, better for wide models, whose step the GPU bounds; or time: each layer's
     forward + backward measured at setup on one microbatch of the job's inputs (batch_size /
     microbatches rows), averaged over the ranks (up to about 20 s more at start)."""
+    tensor_parallel_size: PositiveInt = 1
+    """Ranks that split each layer's matrices between them (1: none): consecutive ranks, one node;
+    ``strategy`` (ddp, zero1, zero2, zero3 / fsdp; not auto) runs data parallelism over the world size
+    / tensor_parallel_size replicas. The GPT has a built-in plan (attention split by heads: n_head
+    must be divisible by it)."""
+    tensor_parallel_plan: Optional[dict[str, Union[str, list[Union[str, int]]]]] = None
+    """Module-name pattern -> colwise ([colwise, 3] for a fused q/k/v), rowwise, vocab, sequence,
+    sequence_split or replicate (null: the model's built-in plan)."""
+    sequence_parallel: bool = False
+    """With tensor parallelism, split the LayerNorm and dropout regions along the sequence too (less
+    activation memory, the same numerics); data.block_size must be divisible by tensor_parallel_size."""
 
 
 class CommunicationConfig(_Section):
@@ -223,7 +234,33 @@ class JobConfig(_Section):
         if self.checkpoint.every is not None and self.checkpoint.dir is None:
             raise ConfigError("checkpoint.every needs checkpoint.dir")
         self._pipeline_agrees()
+        self._tensor_agrees()
         return self
+
+    def _tensor_agrees(self) -> None:
+        """The tensor-parallel fields checked by the trainer's own rules (`TensorOptions`), each error
+        naming its ``training.`` path, and what tensor parallelism does not run with (yet)."""
+        from .tensor.options import TensorOptions
+
+        t = self.training
+        plan = ({k: tuple(v) if isinstance(v, list) else v for k, v in t.tensor_parallel_plan.items()}
+                if t.tensor_parallel_plan is not None else None)
+        try:
+            options = TensorOptions(t.tensor_parallel_size, plan, t.sequence_parallel)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(training_paths(str(err))) from None
+        if not options.enabled:
+            return
+        size = f"training.tensor_parallel_size={options.size}"
+        if t.strategy == "auto":
+            raise ConfigError(f"training.strategy 'auto' with {size} is not supported yet: choose the data "
+                              "parallelism over the tensor-parallel groups (ddp, zero1, zero2, zero3 or fsdp)")
+        if t.pipeline_parallel_size > 1:
+            raise ConfigError(f"{size} with training.pipeline_parallel_size={t.pipeline_parallel_size} is not "
+                              "supported yet")
+        if t.sequence_parallel and self.data.block_size % options.size:
+            raise ConfigError(f"training.sequence_parallel splits each sequence between the {options.size} tensor "
+                              f"ranks: data.block_size ({self.data.block_size}) must be divisible by {size}")
 
     def _pipeline_agrees(self) -> None:
         """The pipeline fields checked by the trainer's own rules (`PipelineOptions`), each error naming
@@ -256,7 +293,8 @@ class JobConfig(_Section):
 
 #: The trainer's pipeline arguments, which are fields of the config's ``training`` section.
 _PIPELINE_ARGUMENTS = re.compile(r"(?<![\w.])(pipeline_parallel_size|pipeline_schedule|microbatches|"
-                                 r"pipeline_split_points|pipeline_chunks|pipeline_balance)\b")
+                                 r"pipeline_split_points|pipeline_chunks|pipeline_balance|tensor_parallel_size|"
+                                 r"tensor_parallel_plan|sequence_parallel)\b")
 
 
 def training_paths(message: str) -> str:

@@ -73,17 +73,18 @@ class DistributedContext:
         elif self.mesh.size() != self.world_size:
             raise ValueError(f"the mesh holds {self.mesh.size()} ranks but world_size is {self.world_size}")
 
-    def set_mesh(self, *, pipeline: int = 1) -> Mesh:
-        """Lay the ranks out anew with `pipeline` stages (the outermost dimension) and data parallelism
-        over the rest, keeping the node size; `self.mesh` becomes that mesh, which is returned. Nothing
-        changes when the mesh already has `pipeline` stages (a mesh the user built, with tensor or
-        replicate dimensions, is kept). Collective (it creates the groups): every rank must call it,
-        before anything takes groups from the mesh."""
+    def set_mesh(self, *, pipeline: int = 1, tensor: int = 1) -> Mesh:
+        """Lay the ranks out anew with `pipeline` stages (the outermost dimension), `tensor` ranks
+        splitting each layer (the innermost: consecutive ranks, one node) and data parallelism over the
+        rest, keeping the node size; `self.mesh` becomes that mesh, which is returned. Nothing changes
+        when the mesh already has these sizes (a mesh the user built, with replicate dimensions, is
+        kept). Collective (it creates the groups): every rank must call it, before anything takes
+        groups from the mesh."""
         mesh = self.mesh
-        if mesh.size("pipeline") == pipeline:
+        if mesh.size("pipeline") == pipeline and mesh.size("tensor") == tensor:
             return mesh
-        self.mesh = Mesh(self.world_size, pipeline=pipeline, ranks_per_node=mesh.ranks_per_node, group=self.group,
-                         rank=self.rank)
+        self.mesh = Mesh(self.world_size, pipeline=pipeline, tensor=tensor, ranks_per_node=mesh.ranks_per_node,
+                         group=self.group, rank=self.rank)
         return self.mesh
 
     @property

@@ -39,6 +39,7 @@ from .planner import model_sizes
 from .runtime import DistributedContext, init_distributed
 from .strategies.base import OptimizerFactory, Strategy
 from .strategies.registry import check_strategy_argument, make_strategy
+from .tensor.options import TensorOptions
 from .trainer_checkpoints import Checkpointing, _hyperparameters
 from .trainer_fit import Fitting
 
@@ -148,6 +149,20 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             first layer (a tensor, or a tuple, list or dict of tensors), e.g. ``x[:batch //
             microbatches]``. Our GPT may leave it out (token ids of shape (1, ``cfg.block_size``));
             other models must pass it.
+        tensor_parallel_size: ranks that split each layer's matrices between them (default 1: none).
+            The world is laid out as ``pipeline x data x tensor``, tensor innermost (consecutive
+            ranks: one node); the size must divide the world. The model is changed in place by
+            `tensor_parallel_plan` (its weights sliced from the full ones: tensor rank 0's, broadcast
+            first), then `strategy` (``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` / ``"fsdp"``)
+            runs data parallelism over the parts. A cross-entropy criterion becomes the vocabulary-
+            parallel loss where the plan splits the output head by vocabulary. Checkpoints and
+            `full_state_dict()` hold the plain model's full tensors. See docs/tensor_parallel.md.
+        tensor_parallel_plan: module-name pattern (fnmatch, e.g. ``"blocks.*.mlp.0"``) -> ``"colwise"``
+            (``("colwise", 3)`` for a fused q/k/v projection), ``"rowwise"``, ``"vocab"``,
+            ``"sequence"``, ``"sequence_split"`` or ``"replicate"``; None: the model's built-in plan
+            (our GPT's).
+        sequence_parallel: with tensor parallelism, also split the LayerNorm and dropout regions along
+            the sequence (less activation memory; the same numerics).
     """
 
     def __init__(
@@ -187,6 +202,9 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         pipeline_chunks: int | None = None,
         pipeline_balance: str = "parameters",
         pipeline_sample_input: Any = None,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: dict[str, Any] | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -211,6 +229,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         pipeline = PipelineOptions(pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points,
                                    pipeline_chunks, init_seed=seed, balance=pipeline_balance,
                                    sample_input=pipeline_sample_input, mixed_precision=mixed_precision)
+        tensor = TensorOptions(tensor_parallel_size, tensor_parallel_plan, sequence_parallel)
         if pipeline.enabled:
             unsupported = [name for name, value in (("gradient_accumulation_steps", gradient_accumulation_steps != 1),
                                                     ("compile", compile is not False)) if value]
@@ -227,11 +246,15 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         ctx = self.context
         if ctx.world_size % pipeline.size:
             raise ValueError(f"pipeline_parallel_size={pipeline.size} does not divide the world size {ctx.world_size}")
+        if ctx.world_size % (pipeline.size * tensor.size):
+            raise ValueError(f"tensor_parallel_size={tensor.size} x pipeline_parallel_size={pipeline.size} does not "
+                             f"divide the world size {ctx.world_size}")
         # Also with one stage: a context shared with an earlier pipelined trainer gets its plain mesh back.
-        ctx.set_mesh(pipeline=pipeline.size)
+        ctx.set_mesh(pipeline=pipeline.size, tensor=tensor.size)
         strategy, self.plan = make_strategy(strategy, model, world_size=ctx.world_size, local_rank=ctx.local_rank,
                                             local_world_size=ctx.local_world_size, communication=communication,
-                                            memory_budget_bytes=memory_budget_bytes, pipeline=pipeline)
+                                            memory_budget_bytes=memory_budget_bytes, pipeline=pipeline,
+                                            tensor=tensor)
         if self.plan is not None:
             log.info("strategy auto -> %s%s (%s)", self.plan.strategy, " with CPU offload" if self.plan.cpu_offload
                      else "", self.plan.reason)
@@ -297,6 +320,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             "model": type(model).__name__,  # the user's class (a pipeline's self.module holds its stages)
             "optimizer": type(self.optimizer).__name__,
         }
+        if tensor.enabled:
+            self.config.update(tensor_parallel_size=tensor.size, sequence_parallel=tensor.sequence_parallel)
         if pipeline.enabled:
             self.config.update(pipeline_parallel_size=pipeline.size, pipeline_schedule=pipeline.schedule,
                                microbatches=pipeline.microbatches, pipeline_chunks=pipeline.chunks)
@@ -347,6 +372,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         if not self.model.training:  # train() walks every module: not per step, and it would undo a
             self.model.train()       # submodule the user put in eval mode on purpose (frozen BatchNorm)
         batch = to_device(batch, self.device)
+        criterion = self.strategy.loss_criterion(criterion)  # tensor parallelism: the vocabulary-parallel loss
         # A strategy that schedules forward and backward itself (a pipeline) runs the whole batch.
         loss_sum = self.strategy.forward_backward(self.model, batch, criterion, self.precision)
         micro_batches = split_batch(batch, self.gradient_accumulation_steps) if loss_sum is None else []

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "suite.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
 ALL_PHASES = {"collectives", "training", "models", "precision", "topk", "profiling", "monitor", "memory", "compile",
-              "pipeline", "pipeline_trainer", "model_check"}
+              "pipeline", "pipeline_trainer", "tensor", "model_check"}
 
 
 def _suite(tmp_path, *args, timeout):
@@ -126,6 +126,15 @@ def test_smoke_runs_every_phase(tmp_path):
         assert 0 < pipe["runs"][f"ours_{schedule}"]["bubble_formula"] < 1
     assert {"ours_zbh1", "torch_zbh1"} <= set(pipe["runs"])
 
+    # Tensor parallelism at world 2: ours and torch's DTensor TP at T=2, with and without SP, from the same
+    # weights on the same batches: both run, and their losses agree (fp32 on CPU).
+    tensor = ph["tensor"]["worlds"]["2"]
+    assert set(tensor["configs"]) == {"TP2 no SP", "TP2 SP"}
+    for name, row in tensor["configs"].items():
+        for impl in ("ours", "torch"):
+            assert row[impl]["status"] == "ok" and row[impl]["step_s"] > 0, (name, impl, row[impl])
+        assert row["max_abs_loss_diff"] < 1e-4 and row["speed_vs_torch"] > 0, (name, row)
+
     # The scaling model: calibrated once from this run, every multi-GPU strategy predicted, projected.
     mc = ph["model_check"]
     this = mc["this_run"]
@@ -141,7 +150,7 @@ def test_smoke_runs_every_phase(tmp_path):
 
     md = (tmp_path / "results.md").read_text()
     for heading in ("## Collectives, 2 ranks", "## Training (GPT)", "## Third-party models, 2 GPUs", "## Precision",
-                    "## Top-K selection", "## Profile of a DDP step", "## Monitor overhead", "## Memory (", "## Pipeline (",
+                    "## Top-K selection", "## Profile of a DDP step", "## Monitor overhead", "## Memory (", "## Pipeline (", "## Tensor parallelism, 2 GPUs",
                     "## Projections (model output, not measurements)", "Largest error"):
         assert heading in md, heading
     pytest.importorskip("matplotlib")

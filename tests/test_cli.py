@@ -340,6 +340,40 @@ def test_the_packages_warnings_go_through_its_logger(tmp_path):
     assert "UserWarning: the application's own warning" in out, out
 
 
+# ------------------------------------------------------------------ tensor parallelism
+TENSOR_EXAMPLE = "examples/configs/gpt_tensor_cpu.yaml"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dtrain_tensor_example_matches_one_process(tmp_path):
+    """The example's 2 tensor-parallel ranks with sequence parallelism against the same config with
+    tensor_parallel_size 1 in one process: fp32 losses within 1e-4 at every step (on both ranks), the
+    final model (gathered to the plain model's keys) alike."""
+    def job(name, *sets):
+        return [TENSOR_EXAMPLE, "--set", "training.max_steps=4", "--set", "logging.every=1",
+                "--set", "logging.progress=false", "--set", f"logging.dir={tmp_path / name}",
+                "--set", f"output={tmp_path / name}.pt", *[a for s in sets for a in ("--set", s)]]
+
+    code, out = _torchrun("distributed_training", job("tp"), module=True)
+    assert code == 0, out[-3000:]
+    assert "tensor-parallel over 2 ranks with sequence parallelism x 1 data-parallel" in out, out[-3000:]
+    code, ref_out = _run([sys.executable, "-m", "distributed_training",
+                          *job("ref", "training.tensor_parallel_size=1", "training.sequence_parallel=false")])
+    assert code == 0, ref_out[-3000:]
+    want = _losses(tmp_path / "ref")
+    assert len(want) == 4 and want[-1] < want[0] - 0.5, want
+    for rank in (0, 1):
+        got = _losses(tmp_path / "tp", rank)
+        assert len(got) == 4 and all(abs(g - w) <= 1e-4 for g, w in zip(got, want)), (rank, got, want)
+    import torch
+
+    got, ref = torch.load(tmp_path / "tp.pt"), torch.load(tmp_path / "ref.pt")
+    assert list(got) == list(ref)
+    worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    assert worst <= 5e-4, worst
+
+
 # ------------------------------------------------------------------ pipeline parallelism
 PIPELINE_EXAMPLE = "examples/configs/gpt_pipeline_cpu.yaml"
 

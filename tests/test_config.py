@@ -75,6 +75,9 @@ def test_scientific_notation_in_files_and_overrides(tmp_path):
         ({"training": {"pipeline_chunks": 0}}, "training.pipeline_chunks"),
         ({"training": {"pipeline_split_points": "block.2"}}, "training.pipeline_split_points"),
         ({"training": {"pipeline_split_points": [""]}}, "training.pipeline_split_points"),
+        ({"training": {"tensor_parallel_size": 0}}, "training.tensor_parallel_size"),
+        ({"training": {"sequence_parallel": "yes"}}, "training.sequence_parallel"),
+        ({"training": {"tensor_parallel_plan": ["blocks.*"]}}, "training.tensor_parallel_plan"),
     ],
 )
 def test_every_field_is_type_checked_and_named(raw, field):
@@ -110,6 +113,28 @@ def test_pipeline_fields_that_disagree_are_named(raw, field):
     assert "\n" not in str(info.value)
 
 
+def _tensor(**fields):
+    return {"training": {"tensor_parallel_size": 2, **fields}}
+
+
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ({"training": {"sequence_parallel": True}}, "training.sequence_parallel"),
+        (_tensor(strategy="auto"), "training.strategy"),
+        (_tensor(tensor_parallel_plan={"blocks.*.mlp.0": "sideways"}), "training.tensor_parallel_plan"),
+        ({"training": {"tensor_parallel_plan": {"lm_head": "vocab"}}}, "training.tensor_parallel_plan"),
+        ({**_tensor(sequence_parallel=True), "data": {"block_size": 63}}, "training.sequence_parallel"),
+        (_tensor(pipeline_parallel_size=2), "training.tensor_parallel_size"),
+    ],
+)
+def test_tensor_fields_that_disagree_are_named(raw, field):
+    raw["training"].setdefault("strategy", "ddp")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}\b") as info:
+        load_config(raw)
+    assert "\n" not in str(info.value)
+
+
 def test_pipeline_fields_default_to_the_trainers_and_load():
     import inspect
 
@@ -117,7 +142,8 @@ def test_pipeline_fields_default_to_the_trainers_and_load():
 
     trainer = inspect.signature(DistributedTrainer).parameters
     training = JobConfig().training
-    for name in ("pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_split_points",
+    for name in ("tensor_parallel_size", "tensor_parallel_plan", "sequence_parallel",
+                 "pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_split_points",
                  "pipeline_chunks"):
         assert getattr(training, name) == trainer[name].default, name
     # GPipe may run fewer microbatches than stages (wasteful, not wrong); split points load as a list.

@@ -291,3 +291,51 @@ def test_pipeline_with_zero_inside_stages_on_nccl_equals_one_process(strategy, s
     assert max(results[0][0]) <= 1e-4, results[0][0]
     for _, losses, norms, _ in results:
         assert all(abs(got - want) <= 1e-4 * max(1.0, abs(want)) for got, want in losses + norms), (losses, norms)
+
+
+def nccl_tensor_worker(rank: int, world: int, tp: int, strategy: str, sequence_parallel: bool, pipeline):
+    from distributed_training import init_distributed
+
+    from test_tensor_trainer import parity_worker
+
+    ctx = init_distributed()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return parity_worker(rank, world, "gpt", tp, strategy, sequence_parallel, 0.5, "sgd", pipeline, context=ctx)
+
+
+@pytest.mark.parametrize("world, tp, strategy, sequence_parallel, pipeline", [
+    (2, 2, "ddp", True, None), (4, 4, "ddp", True, None), (4, 2, "zero3", True, None), (4, 2, "ddp", True, "1f1b"),
+])
+def test_tensor_parallel_on_nccl_equals_one_process(world, tp, strategy, sequence_parallel, pipeline):
+    """Tensor parallelism on NCCL (the flat all-gather / reduce-scatter paths), with sequence
+    parallelism, alone, x ZeRO-3 and x a pipeline: parameters after every step, the loss and the clipped
+    norm equal one process's on the whole batch (CPU, fp32)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    results = run_distributed(nccl_tensor_worker, world, args=(tp, strategy, sequence_parallel, pipeline),
+                              backend="nccl", timeout=300)
+    assert max(results[0][0]) <= 1e-4, results[0][0]
+    for _, losses, norms in results:
+        assert all(abs(got - want) <= 1e-4 * max(1.0, abs(want)) for got, want in losses + norms), (losses, norms)
+
+
+def nccl_dropout_worker(rank: int, world: int) -> bool:
+    import torch.nn.functional as F
+    from torch import nn
+
+    from distributed_training import init_distributed
+    from distributed_training.tensor import SequenceParallelDropout
+
+    ctx = init_distributed()
+    full = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0)).to(ctx.device)  # alike on every rank
+    torch.cuda.manual_seed(7)
+    want = F.dropout(full, 0.3, training=True)
+    layer = SequenceParallelDropout.from_module(nn.Dropout(0.3), None)
+    torch.cuda.manual_seed(7)
+    got = layer(full.chunk(world, dim=1)[rank].contiguous())
+    return torch.equal(got, want.chunk(world, dim=1)[rank])
+
+
+def test_sequence_parallel_dropout_on_cuda_draws_tp1s_mask():
+    assert all(run_distributed(nccl_dropout_worker, 2, backend="nccl", timeout=120))

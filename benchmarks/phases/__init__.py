@@ -49,6 +49,9 @@ PHASES = {p.name: p for p in (
           "torch's compiled DDP as reference"),
     Phase("pipeline_trainer", "multi", "GPT through DistributedTrainer(pipeline_parallel_size=P): GPipe, 1F1B, "
           "interleaved at P=2 (and P=4, P x DP) vs our DDP trainer on the same batches: tokens/s, memory, loss"),
+    Phase("tensor", "multi", "GPT 1.3B (and ~7B) through DistributedTrainer(tensor_parallel_size=T, "
+          "sequence_parallel) at T=2 x DP, T=4, T=2 x FSDP vs torch's parallelize_module with the same plan, "
+          "interleaved: tokens/s per GPU, MFU, peak memory, loss"),
     Phase("model_check", "offline", "the scaling model calibrated and checked on this run's collectives and "
           "training, projected to 256 GPUs; and on recorded DDP runs"),
 )}

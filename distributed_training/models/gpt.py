@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..tensor.plan import parallel_loss
+
 __all__ = ["GPTConfig", "GPT", "GPT_PRESETS"]
 
 
@@ -57,20 +59,32 @@ GPT_PRESETS = {
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention.
+
+    The number of heads is read from the `qkv` projection's output width (``3 * heads * head_dim``,
+    `head_dim` fixed by the config), so the same code runs whole and split by heads under tensor
+    parallelism, where `qkv` yields only this rank's heads and `proj` takes their outputs. The
+    sequence length is read from there too: under sequence parallelism `x` holds a part of the
+    sequence and `qkv` gathers the rest.
+    """
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        qkv = self.qkv(x)  # (B, T, 3 * width): width = n_embd whole, n_embd / tensor size when split
+        B, T, width = qkv.shape
+        width //= 3
+        q, k, v = qkv.split(width, dim=2)
+        # (B, T, width) -> (B, heads, T, head_dim)
+        q, k, v = (t.view(B, T, width // self.head_dim, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, width))
 
 
 class Block(nn.Module):
@@ -90,7 +104,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """`forward(idx)` returns logits (B, T, vocab); `forward(idx, targets)` returns the mean loss."""
+    """`forward(idx)` returns logits (B, T, vocab); `forward(idx, targets)` returns the mean loss.
+
+    Under tensor parallelism (`distributed_training.tensor.gpt_plan`) the logits are this rank's
+    vocabulary columns (B, T, vocab / T) and the loss is the vocabulary-parallel cross-entropy.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -131,6 +149,11 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
         if targets is None:
             return logits
+        vocab_parallel = parallel_loss(self.lm_head)
+        if vocab_parallel is not None:
+            # A vocabulary-parallel head (tensor parallelism): the logits are this rank's columns;
+            # the loss never gathers them (it computes in at least fp32 itself).
+            return vocab_parallel(logits, targets)
         # The softmax in at least fp32, whatever the compute dtype.
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

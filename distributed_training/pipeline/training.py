@@ -70,6 +70,7 @@ pipeline's other ranks in one broadcast at the end (`evaluation_sums`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -79,7 +80,7 @@ from torch import nn
 from ..logs import get_logger
 from ..models.gpt import GPT
 from ..runtime import DistributedContext
-from ..checkpoint_shards import Holding, Piece, StateLayout
+from ..checkpoint_shards import Holding, StateLayout
 from ..strategies.base import OptimizerFactory, Strategy
 from .engine import PipelineEngine
 from .p2p import PipelineAborted
@@ -168,6 +169,7 @@ class PipelineStrategy(Strategy):
         rank = mesh.rank("pipeline")
         self.device = context.device
         self._dp_rank = mesh.dp_rank
+        self._tensor_rank = mesh.rank("tensor")
         self._mine = [c * P + rank for c in range(V)]  # stage of each chunk
         stages = [Stage(layers[bounds[s]:bounds[s + 1]], s, S) for s in self._mine]
 
@@ -238,6 +240,16 @@ class PipelineStrategy(Strategy):
             for key, p in stage.named_parameters(remove_duplicate=False):
                 self._model_name[f"stages.{c}.{key}"] = self._param_names[c][first[id(p)]]
         self._own_keys = {f"stages.{c}.{key}": own for c, keys in enumerate(self._keys) for key, own in keys.items()}
+        # And back: the container's names of each model name (every name of a shared parameter too).
+        self._container_names: dict[str, list[str]] = {}
+        for c, stage in enumerate(stages):
+            for key, p in stage.named_parameters(remove_duplicate=False):
+                for own in self._keys[c].get(key, [key]):
+                    self._container_names.setdefault(own, []).append(f"stages.{c}.{key}")
+
+    def _in_container(self, names: frozenset[str]) -> frozenset[str]:
+        """The container's names of the parameters the model calls `names` (those on this rank)."""
+        return frozenset(c for name in names for c in self._container_names.get(name, ()))
 
     def _setup_ties(self, layers, names, bounds, ties, context: DistributedContext) -> list[tuple[nn.Parameter, Any, int]]:
         """Groups over the pipeline ranks holding copies of each tied parameter, one per data-parallel
@@ -405,20 +417,32 @@ class PipelineStrategy(Strategy):
         ZeRO's and FSDP's shards are summed over the group), a tied parameter's copies counted once (on
         the lowest pipeline rank holding one), summed over the pipeline; each rank scales what its
         optimizer steps (`gradients`)."""
-        squares = self.inner.gradient_norm_squares(model, self._not_counted).to(self.device)
-        if self.options.size > 1:
-            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self._pipe_group)
-        norm = squares.sqrt()
+        norm = self.gradient_norm_squares(model).sqrt()
         coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         grads = self.inner.gradients(model)
         if grads:
             torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return norm
 
+    def gradient_norm_squares(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        """The sum of squares of the whole model's gradients (every stage, every shard; a tied
+        parameter's copies once), less the parameters the model names in `skip`; on every rank."""
+        squares = self.inner.gradient_norm_squares(model, self._not_counted | self._in_container(skip))
+        squares = squares.to(self.device)
+        if self.options.size > 1:
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self._pipe_group)
+        return squares
+
+    def reduced_gradients_of(self, model: nn.Module, names: frozenset[str]) -> list[torch.Tensor]:
+        return self.inner.reduced_gradients_of(model, self._in_container(names))
+
     # ------------------------------------------------------------------ state
-    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+    def model_state_dict(self, model: nn.Module, whole: Callable | None = None) -> dict[str, Any]:
         """The whole model's state with its own keys, gathered from the stages on global rank 0
-        (``{}`` elsewhere). Collective over the job; the first data-parallel replica sends its stages."""
+        (``{}`` elsewhere). Collective over the job; the first data-parallel replica sends its stages.
+        `whole` (tensor parallelism) turns a stage's state into full tensors first (collective over
+        the ranks that split it, which all belong to the first replica too); then only the first of
+        them sends it."""
         mine: dict[str, torch.Tensor] = {}
         ctx_rank = dist.get_rank()
         state = self.inner.model_state_dict(model)  # FSDP: gathered over the data-parallel group
@@ -426,6 +450,10 @@ class PipelineStrategy(Strategy):
             for key, value in state.items():
                 for own in self._own_keys[key]:
                     mine[own] = value.detach().cpu().clone()
+            if whole is not None:
+                mine = whole(mine)
+                if self._tensor_rank != 0:
+                    mine = {}
         gathered = [None] * dist.get_world_size() if ctx_rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if ctx_rank != 0:
@@ -458,7 +486,7 @@ class PipelineStrategy(Strategy):
 
         def renamed(holding: Holding) -> Holding:
             try:
-                pieces = [Piece(self._model_name[p.key], p.start, p.length, p.local) for p in holding.pieces]
+                pieces = [replace(p, key=self._model_name[p.key]) for p in holding.pieces]  # strided ones too
             except KeyError as err:
                 raise ValueError(f"strategy {self.name!r} describes {err} that is none of this rank's stage "
                                  "parameters: its state cannot be checkpointed") from None

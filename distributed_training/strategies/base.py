@@ -171,6 +171,14 @@ class Strategy(abc.ABC):
                  and not (name & skip)]
         return sum_of_squares(grads)
 
+    def reduced_gradients_of(self, model: nn.Module, names: frozenset[str]) -> list[torch.Tensor]:
+        """Views of this rank's reduced gradients (after the step's synchronisation) holding the
+        elements of the parameters named in `names` (names in the wrapped module): a replicated
+        model's whole ``.grad``; a sharded one's slices of its shards. Ranks whose models have the
+        same shapes get views of the same sizes in the same order (tensor parallelism sums them over
+        its tensor group in place). Here: replicated gradients."""
+        return [p.grad for name, p in _named_once(self.unwrap(model)) if p.grad is not None and (name & names)]
+
     def sync_gradients(self, model: nn.Module) -> None:
         """Reduce, now, the gradients that backward passes accumulated under `no_sync` (every rank of
         the data-parallel group calls it at the same point). Only where `deferred_gradient_sync`."""
@@ -183,6 +191,12 @@ class Strategy(abc.ABC):
         for a strategy that schedules them itself (a pipeline); None (the default): the trainer runs
         its micro-batch loop with `no_sync` and `backward`."""
         return None
+
+    def loss_criterion(self, criterion: Callable | None) -> Callable | None:
+        """The criterion the trainer applies to the model's outputs (train and evaluate): `criterion`
+        itself, unless the strategy's model computes something else than the user's outputs (tensor
+        parallelism: its part of the vocabulary's logits)."""
+        return criterion
 
     def backward(self, model: nn.Module, loss: torch.Tensor, precision: Precision) -> None:
         """Backward from one micro-batch's `loss` (the precision object scales it where it must); the

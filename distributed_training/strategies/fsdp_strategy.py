@@ -103,17 +103,23 @@ class FSDPStrategy(Strategy):
         units = [u for u in model._units if u.shard.grad is not None]
         total = sum_of_squares([u.shard.grad for u in units], device)
         if skip:
-            left_out = []
-            for unit in units:
-                size = unit.padded // model.shard_world
-                lo = model.shard_rank * size
-                members = [(info.fqns[0], info.offset, info.numel) for info in unit.infos if skip.intersection(info.fqns)]
-                left_out += [unit.shard.grad[piece.local:piece.local + piece.length]
-                             for piece in flat_pieces(members, lo, lo + size)]
-            total = total - sum_of_squares(left_out, device)
+            total = total - sum_of_squares(self.reduced_gradients_of(model, skip), device)
         if model.shard_world > 1:
             dist.all_reduce(total, group=model.shard_group)
         return total
+
+    def reduced_gradients_of(self, model: FSDP, names: frozenset[str]) -> list[torch.Tensor]:
+        """The slices of this rank's shard gradients that hold the named parameters' elements."""
+        views = []
+        for unit in model._units:
+            if unit.shard.grad is None:
+                continue
+            size = unit.padded // model.shard_world
+            lo = model.shard_rank * size
+            members = [(info.fqns[0], info.offset, info.numel) for info in unit.infos if names.intersection(info.fqns)]
+            views += [unit.shard.grad[piece.local:piece.local + piece.length]
+                      for piece in flat_pieces(members, lo, lo + size)]
+        return views
 
     def setup_optimizer(self, optimizer, model: FSDP) -> torch.optim.Optimizer:
         try:

@@ -18,6 +18,7 @@ from .zero1 import Zero1Strategy
 
 if TYPE_CHECKING:
     from ..pipeline.training import PipelineOptions
+    from ..tensor.options import TensorOptions
 
 __all__ = ["STRATEGIES", "check_strategy_argument", "make_strategy"]
 
@@ -51,12 +52,23 @@ def check_strategy_argument(strategy: Any, communication: Any = None) -> None:
 def make_strategy(strategy: str | Strategy, model: nn.Module, *, world_size: int, local_rank: int = 0,
                   local_world_size: int | None = None, communication: Any = None,
                   memory_budget_bytes: float | None = None,
-                  pipeline: "PipelineOptions | None" = None) -> tuple[Strategy, Plan | None]:
+                  pipeline: "PipelineOptions | None" = None,
+                  tensor: "TensorOptions | None" = None) -> tuple[Strategy, Plan | None]:
     """The `Strategy` for the trainer's `strategy` argument, and the planner's `Plan` when it was
     ``"auto"`` (chosen from `model`'s size, `world_size` and the memory budget). A name keeps its
     spelling (``"zero3"`` stays ``"zero3"`` in messages and checkpoints). With a `pipeline` of more
-    than one stage, the data-parallel strategy runs inside each stage (`PipelineStrategy`)."""
+    than one stage, the data-parallel strategy runs inside each stage (`PipelineStrategy`); with
+    tensor parallelism, over the parts of the split model (`TensorParallelStrategy`)."""
     check_strategy_argument(strategy, communication)
+    if tensor is not None and tensor.enabled:
+        from ..tensor.strategy import TensorParallelStrategy  # the tensor package builds on this one
+
+        if strategy == "auto":
+            raise NotImplementedError(f"strategy='auto' with tensor_parallel_size={tensor.size} is not supported "
+                                      "yet: pass strategy='ddp', 'zero1', 'zero2', 'zero3' or 'fsdp'")
+        inner, _ = make_strategy(strategy, model, world_size=world_size, local_rank=local_rank,
+                                 local_world_size=local_world_size, communication=communication, pipeline=pipeline)
+        return TensorParallelStrategy(inner, tensor), None
     if pipeline is not None and pipeline.enabled:
         from ..pipeline.training import PipelineStrategy  # the pipeline package builds on this one
 

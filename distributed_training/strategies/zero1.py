@@ -108,25 +108,30 @@ class Zero1Strategy(DDPBacked, Strategy):
     def gradient_norm_squares(self, model: Zero1DDP, skip: frozenset[str] = frozenset()) -> torch.Tensor:
         """The sum of squares of every rank's reduced slices (one all-reduce over the data-parallel
         group), less the elements of the parameters named in `skip` that fall in them."""
-        names: dict[int, list[str]] = {}
-        for name, p in model.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(name)
         grads = [s.grad for s in model.shards]
         device = grads[0].device if grads else torch.device("cpu")
         if dist.get_backend(model.process_group) == "nccl" and device.type != "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         total = sum_of_squares(grads, device)
         if skip:
-            left_out = []
-            for s in model.shards:
-                members = [(names[id(p)][0], start, p.numel()) for p, start in s.members
-                           if skip.intersection(names[id(p)])]
-                left_out += [s.grad[piece.local:piece.local + piece.length]
-                             for piece in flat_pieces(members, s.lo, s.hi)]
-            total = total - sum_of_squares(left_out, device)
+            total = total - sum_of_squares(self.reduced_gradients_of(model, skip), device)
         if model.world_size > 1:
             dist.all_reduce(total, group=model.process_group)
         return total
+
+    def reduced_gradients_of(self, model: Zero1DDP, names: frozenset[str]) -> list[torch.Tensor]:
+        """The slices of this rank's reduced bucket slices that hold the named parameters' elements."""
+        aliases: dict[int, list[str]] = {}
+        for name, p in model.module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        views = []
+        for s in model.shards:
+            if s.grad is None:
+                continue
+            members = [(aliases[id(p)][0], start, p.numel()) for p, start in s.members
+                       if names.intersection(aliases[id(p)])]
+            views += [s.grad[piece.local:piece.local + piece.length] for piece in flat_pieces(members, s.lo, s.hi)]
+        return views
 
     def teardown(self, model: nn.Module) -> None:
         if isinstance(model, DDP):

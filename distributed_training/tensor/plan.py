@@ -1,0 +1,394 @@
+"""Applying a tensor-parallel plan to a user's model.
+
+A plan maps module-name patterns (fnmatch, over ``model.named_modules()`` names, e.g.
+``"blocks.*.attn.qkv"``) to a style (see docs/tensor_parallel.md):
+
+* ``"colwise"`` or ``("colwise", chunks)``: an ``nn.Linear`` (or Hugging Face ``Conv1D``) split by
+  output features, `chunks` > 1 for a fused projection (q/k/v: 3);
+* ``"rowwise"``: the same split by input features, partial outputs summed;
+* ``"vocab"``: an ``nn.Embedding`` split by vocabulary rows, or an output ``nn.Linear`` split by
+  vocabulary (its logits stay split; the loss is `vocab_parallel_cross_entropy`);
+* ``"sequence"``: a replicated module that, under sequence parallelism, sees this rank's part of the
+  sequence (its parameters' gradients are partial sums; dropouts draw TP = 1's mask);
+* ``"sequence_split"``: as ``"sequence"``, where the sequence-parallel region starts (its input is
+  split along the sequence on entry);
+* ``"replicate"``: left as it is (also every module no pattern matches).
+
+`apply_plan` replaces the matched modules in place by layers built from them (the weights sliced
+from the full ones, so TP = 1 and TP = N start identical), keeping the plain model's parameter keys,
+and returns the split parameters' `ShardSpec` by `state_dict()` key. It checks everything first
+(patterns that match nothing, styles on the wrong module type, sizes and attention heads not
+divisible by the tensor size, tied parameters given different styles) and changes nothing when a
+check fails.
+
+A ``"vocab"`` output head leaves split logits: `parallel_loss(model)` gives the loss that takes them
+(our GPT's ``forward(idx, targets)`` uses it), and `parallel_loss(model, criterion)` swaps a user's
+cross-entropy criterion for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from fnmatch import fnmatchcase
+from typing import Any, Callable, Mapping, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .functional import split_sequence
+from .layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelDropout, VocabParallelEmbedding,
+                     vocab_parallel_cross_entropy)
+from .spec import ShardSpec, mark_sequence_parallel, spec_of
+
+__all__ = ["STYLES", "Style", "apply_plan", "gpt_plan", "parallel_loss", "is_cross_entropy", "VocabParallelLoss",
+           "unsupported_loss_message"]
+
+STYLES = ("colwise", "rowwise", "vocab", "sequence", "sequence_split", "replicate")
+Style = Union[str, tuple]  # one of STYLES, or ("colwise", chunks)
+
+# Attributes through which an attention module names its head counts: each must divide by the tensor
+# size when one of its projections is split (our GPT: n_head; Hugging Face: num_heads, ...).
+_HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "n_kv_head", "n_kv_heads", "num_key_value_heads",
+                    "num_attention_heads")
+_LOSS = "_dt_parallel_loss"  # on a vocabulary-parallel output head: its VocabParallelLoss
+
+
+def gpt_plan(cfg: Any = None) -> dict[str, Style]:
+    """The plan for our `GPT` (`distributed_training.models.gpt`): attention split by heads (the fused
+    ``qkv`` column-parallel in 3 blocks, ``proj`` row-parallel), the MLP column- then row-parallel, the
+    tied embedding and output head split by vocabulary, the LayerNorms and dropouts sharded along the
+    sequence under sequence parallelism (the region starts at the embedding dropout ``drop``), the
+    position embedding replicated.
+
+    `cfg` (a `GPTConfig`, optional): the plan is the same for every configuration; `apply_plan` checks
+    the sizes (``n_head``, ``n_embd``, ``vocab_size``) against the tensor size.
+    """
+    del cfg
+    return {
+        "wte": "vocab",
+        "wpe": "replicate",
+        "drop": "sequence_split",
+        "blocks.*.ln1": "sequence",
+        "blocks.*.attn.qkv": ("colwise", 3),
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.ln2": "sequence",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+        "blocks.*.drop": "sequence",
+        "ln_f": "sequence",
+        "lm_head": "vocab",
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabParallelLoss:
+    """The cross-entropy of a vocabulary-parallel head: ``loss(local_logits, targets)``, logits
+    (..., vocab / T) holding vocabulary ids ``vocab_start ...`` of this rank, targets (...) the full ids.
+
+    Attributes:
+        group: the tensor group the head is split over.
+        vocab_start: the first vocabulary id of this rank's columns.
+        ignore_index: targets equal to it count for nothing (as `F.cross_entropy`).
+        reduction: ``"mean"`` (over the targets not ignored), ``"sum"`` or ``"none"``.
+        label_smoothing: as `F.cross_entropy`'s.
+    """
+
+    group: Any
+    vocab_start: int
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+
+    def __call__(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(local_logits, targets, self.group, vocab_start=self.vocab_start,
+                                            ignore_index=self.ignore_index, reduction=self.reduction,
+                                            label_smoothing=self.label_smoothing)
+
+    def __deepcopy__(self, memo: dict) -> "VocabParallelLoss":
+        return self  # immutable, and a process group cannot be copied
+
+
+def parallel_loss(model: nn.Module, criterion: Callable | None = None) -> VocabParallelLoss | None:
+    """The loss of `model`'s vocabulary-parallel output head, or None when it has none.
+
+    With a `criterion`, the loss keeps its ``ignore_index``, ``reduction`` and ``label_smoothing``; a criterion that is not
+    a plain cross-entropy (`is_cross_entropy`) cannot take split logits: ValueError
+    (`unsupported_loss_message`).
+    """
+    # A plain loop (no comprehension): our GPT calls this in forward, which torch.compile traces whole.
+    loss = None
+    for module in model.modules():
+        found = getattr(module, _LOSS, None)
+        if found is not None and loss is not None and found is not loss:
+            raise ValueError("the model has several vocabulary-parallel output heads ('vocab' style on an "
+                             "nn.Linear in tensor_parallel_plan); a loss can be found for one only")
+        loss = found if found is not None else loss
+    if loss is None:
+        return None
+    if criterion is None:
+        return loss
+    options = _cross_entropy_options(criterion)
+    if options is None:
+        raise ValueError(unsupported_loss_message(criterion))
+    return dataclasses.replace(loss, **options)
+
+
+def is_cross_entropy(criterion: Callable) -> bool:
+    """Whether `criterion` is a cross-entropy that the vocabulary-parallel loss computes equally:
+    `F.cross_entropy` (or a `functools.partial` of it setting only ``ignore_index`` / ``reduction`` /
+    ``label_smoothing``), or an `nn.CrossEntropyLoss` without class weights."""
+    return _cross_entropy_options(criterion) is not None
+
+
+def unsupported_loss_message(criterion: Callable) -> str:
+    return (f"tensor_parallel_plan splits the output head by vocabulary ('vocab'): its logits hold this rank's "
+            f"columns only, so the loss must be the vocabulary-parallel cross-entropy, but the criterion "
+            f"{getattr(criterion, '__qualname__', None) or repr(criterion)} is not F.cross_entropy or nn.CrossEntropyLoss (without class weights; ignore_index, "
+            f"reduction and label_smoothing are kept). Use one of those, or give the output head (and the "
+            f"embedding tied to it) another style than 'vocab'")
+
+
+def _cross_entropy_options(criterion: Callable) -> dict | None:
+    if criterion is F.cross_entropy:
+        return {}
+    if isinstance(criterion, functools.partial) and criterion.func is F.cross_entropy and not criterion.args:
+        if set(criterion.keywords) <= {"ignore_index", "reduction", "label_smoothing"}:
+            return dict(criterion.keywords)
+        return None
+    if isinstance(criterion, nn.CrossEntropyLoss):
+        if criterion.weight is not None:
+            return None
+        return {"ignore_index": criterion.ignore_index, "reduction": criterion.reduction,
+                "label_smoothing": criterion.label_smoothing}
+    return None
+
+
+# -- applying a plan ---------------------------------------------------------------------------------
+
+def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *, sequence_parallel: bool = False,
+               sequence_dim: int = 1) -> dict[str, ShardSpec]:
+    """Make `model` tensor-parallel over `group` (None: the default group) in place.
+
+    Every module name of ``model.named_modules()`` takes the style of the first pattern of `plan`
+    (in its order) that matches it, ``"replicate"`` when none does. Matched modules are replaced on
+    their parent by the parallel layers built from them, so the parameter keys stay the plain
+    model's. A parameter used by two modules (a tied embedding and output head) stays one local
+    parameter, shared by both replacements, which must be given the same style.
+
+    With `sequence_parallel`, the ``"sequence"`` / ``"sequence_split"`` regions run on this rank's
+    part of dimension `sequence_dim` (their parameters are marked `mark_sequence_parallel`), column-
+    parallel and vocabulary heads gather their input along it, and row-parallel layers reduce-scatter
+    their output along it. Without it those two styles act as ``"replicate"``.
+
+    Returns:
+        the split parameters' `ShardSpec` by their key in ``model.state_dict()`` (tied parameters
+        under each of their keys).
+
+    Raises:
+        ValueError: a pattern matches no module, an unknown style, a style on a module type it does not
+            apply to, sizes or heads not divisible by the tensor size, tied parameters with different
+            styles, or a model that already holds split parameters. The model is left untouched.
+    """
+    rules = _parse(plan)
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    already = [n for n, p in model.named_parameters() if spec_of(p) is not None]
+    if already:
+        raise ValueError(f"apply_plan: the model already holds tensor-parallel parameters ({already[0]}, ...); "
+                         "apply a plan once, to the plain model")
+
+    # 1. Match: the first pattern wins; every pattern must match something.
+    styles: dict[str, tuple[nn.Module, str, int]] = {}
+    matched = set()
+    for name, module in model.named_modules():
+        for pattern, style, chunks in rules:
+            if name and fnmatchcase(name, pattern):
+                matched.add(pattern)
+                if not sequence_parallel and style in ("sequence", "sequence_split"):
+                    style = "replicate"
+                styles[name] = (module, style, chunks)
+                break
+    unmatched = [pattern for pattern, _, _ in rules if pattern not in matched]
+    if unmatched:
+        raise ValueError(f"tensor_parallel_plan: pattern {unmatched[0]!r} matches no module of the model "
+                         f"({type(model).__name__}; module names look like {_examples(model)})")
+
+    # 2. Check every module, then the ties, before changing anything.
+    for name, (module, style, chunks) in styles.items():
+        _check(model, name, module, style, chunks, size)
+    _check_ties(model, styles)
+
+    # 3. Build the replacements (the model is not touched yet); tied parameters become one.
+    built: dict[str, nn.Module] = {}
+    local_of: dict[int, nn.Parameter] = {}
+    for name, (module, style, chunks) in styles.items():
+        new = _build(module, style, chunks, group, sequence_parallel, sequence_dim)
+        if new is None:
+            continue
+        for pname, param in module._parameters.items():
+            if param is None:
+                continue
+            if pname not in new._parameters:
+                raise RuntimeError(f"{type(new).__name__} built from {name} has no parameter {pname!r}")
+            if id(param) in local_of:
+                first = local_of[id(param)]
+                if spec_of(first) != spec_of(new._parameters[pname]):
+                    raise ValueError(f"tensor_parallel_plan: {name}.{pname} is tied to another module's parameter "
+                                     f"that is split differently ({spec_of(first)} vs "
+                                     f"{spec_of(new._parameters[pname])})")
+                setattr(new, pname, first)
+            else:
+                local_of[id(param)] = new._parameters[pname]
+        built[name] = new
+
+    # 4. Install them at every name the module has, mark the sequence regions, keep the head's loss.
+    names_of: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names_of.setdefault(id(module), []).append(name)
+    specs: dict[str, ShardSpec] = {}
+    for name, (module, style, _) in styles.items():
+        new = built.get(name, module)
+        for place in names_of[id(module)]:
+            if new is not module:
+                parent, _, child = place.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, new)
+            for pname, param in new._parameters.items():
+                if param is not None and spec_of(param) is not None:
+                    specs[f"{place}.{pname}"] = spec_of(param)
+        if style in ("sequence", "sequence_split"):
+            for param in new.parameters():
+                if spec_of(param) is None:
+                    mark_sequence_parallel(param)
+        if style == "sequence_split":
+            new.register_forward_pre_hook(_split_input(group, sequence_dim))
+        if style == "vocab" and _is_linear(module):
+            spec = spec_of(new.weight)
+            setattr(new, _LOSS, VocabParallelLoss(group, spec.rank * spec.part if spec is not None else 0))
+    return specs
+
+
+def _parse(plan: Mapping[str, Style]) -> list[tuple[str, str, int]]:
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"tensor_parallel_plan must be a mapping of module-name patterns to styles, got "
+                        f"{type(plan).__name__}")
+    rules = []
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"tensor_parallel_plan: a pattern must be a non-empty string, got {pattern!r}")
+        chunks = 1
+        if isinstance(style, (tuple, list)):
+            if (len(style) != 2 or style[0] != "colwise" or not isinstance(style[1], int)
+                    or isinstance(style[1], bool) or style[1] < 1):
+                raise ValueError(f"tensor_parallel_plan[{pattern!r}]: {style!r} is not a style; a fused "
+                                 "projection is ('colwise', chunks) with an integer chunks >= 1")
+            style, chunks = style
+        if style not in STYLES:
+            raise ValueError(f"tensor_parallel_plan[{pattern!r}]: unknown style {style!r}; expected one of "
+                             f"{list(STYLES)} or ('colwise', chunks)")
+        rules.append((pattern, style, chunks))
+    return rules
+
+
+def _examples(model: nn.Module) -> str:
+    names = [n for n, _ in model.named_modules() if n][:4]
+    return ", ".join(repr(n) for n in names) + (", ..." if names else "(none)")
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's Conv1D (weight stored [in, out]), recognised without importing transformers."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a Linear or Conv1D."""
+    if _is_conv1d(module):
+        return module.weight.shape[0], module.weight.shape[1]
+    return module.in_features, module.out_features
+
+
+_APPLIES_TO = {"colwise": "nn.Linear or Conv1D", "rowwise": "nn.Linear or Conv1D",
+               "vocab": "nn.Embedding, or an output nn.Linear or Conv1D"}
+
+
+def _check(model: nn.Module, name: str, module: nn.Module, style: str, chunks: int, size: int) -> None:
+    kind = type(module).__name__
+    where = f"tensor_parallel_plan: {name} ({kind}, style {style!r})"
+    if style in _APPLIES_TO:
+        fits = _is_linear(module) or (style == "vocab" and isinstance(module, nn.Embedding))
+        if not fits:
+            raise ValueError(f"tensor_parallel_plan: style {style!r} cannot apply to {name} ({kind}); it applies "
+                             f"to an {_APPLIES_TO[style]}")
+    if style == "colwise":
+        out = _features(module)[1]
+        if out % (chunks * size):
+            blocks = f" ({chunks} blocks of {out // chunks})" if chunks > 1 else ""
+            raise ValueError(f"{where}: output features {out}{blocks} do not split into T={size} equal parts")
+    elif style == "rowwise":
+        fan_in = _features(module)[0]
+        if fan_in % size:
+            raise ValueError(f"{where}: input features {fan_in} do not split into T={size} equal parts")
+    elif style == "vocab":
+        vocab = module.num_embeddings if isinstance(module, nn.Embedding) else _features(module)[1]
+        if vocab % size:
+            raise ValueError(f"{where}: vocabulary size {vocab} does not split into T={size} equal parts")
+    if style in ("colwise", "rowwise"):
+        parent_name = name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        for attribute in _HEAD_ATTRIBUTES:
+            heads = getattr(parent, attribute, None)
+            if isinstance(heads, int) and not isinstance(heads, bool) and heads % size:
+                raise ValueError(f"{where}: its attention {parent_name or '(the model)'} has {attribute}={heads} "
+                                 f"heads, which do not split between T={size} ranks")
+
+
+def _check_ties(model: nn.Module, styles: dict[str, tuple[nn.Module, str, int]]) -> None:
+    """A parameter held by several modules must be split the same way in each."""
+    holders: dict[int, list[tuple[str, tuple[str, int]]]] = {}
+    for name, module in model.named_modules():
+        _, style, chunks = styles.get(name, (module, "replicate", 1))
+        for pname, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((f"{name}.{pname}" if name else pname, (style, chunks)))
+    for uses in holders.values():
+        (first, style), *others = uses
+        for other, other_style in others:
+            if other_style != style:
+                raise ValueError(f"tensor_parallel_plan: {first} and {other} are one (tied) parameter but their "
+                                 f"modules have the styles {_show(style)} and {_show(other_style)}; give both the "
+                                 "same style (a tied embedding and output head: 'vocab' on both)")
+
+
+def _show(style: tuple[str, int]) -> str:
+    return repr(style[0]) if style[1] == 1 else repr(style)
+
+
+def _build(module: nn.Module, style: str, chunks: int, group: Any, sequence_parallel: bool,
+           sequence_dim: int) -> nn.Module | None:
+    """The parallel layer replacing `module`, or None when it stays."""
+    sp = {"sequence_parallel": sequence_parallel, "sequence_dim": sequence_dim}
+    if style == "colwise":
+        return ColumnParallelLinear.from_module(module, group, chunks=chunks, **sp)
+    if style == "rowwise":
+        return RowParallelLinear.from_module(module, group, **sp)
+    if style == "vocab":
+        if isinstance(module, nn.Embedding):
+            return VocabParallelEmbedding.from_module(module, group)
+        return ColumnParallelLinear.from_module(module, group, **sp)
+    if style in ("sequence", "sequence_split") and isinstance(module, nn.Dropout):
+        return SequenceParallelDropout.from_module(module, group, sequence_dim=sequence_dim)
+    return None
+
+
+def _split_input(group: Any, dim: int) -> Callable:
+    """A forward pre-hook: the module's first input split along the sequence (bwd all-gather)."""
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return (split_sequence(args[0], group, dim), *args[1:])
+
+    return hook

@@ -1,0 +1,269 @@
+"""Tensor parallelism around a data-parallel strategy: `TensorParallelStrategy`.
+
+The user's model is changed in place by a plan (`tensor.plan.apply_plan`: its linear layers,
+embeddings and heads split between the ranks of the mesh's ``tensor`` group, each rank holding a part
+of each matrix), then handed to the data-parallel strategy (DDP, ZeRO-1/2/3, FSDP), which works over
+the ``data`` group on the parts as if they were whole parameters: every rank of a data-parallel group
+holds the same part, so averaging and sharding them is what it always does. What only tensor
+parallelism knows is added here:
+
+* gradients of replicated parameters that see only part of the sequence (sequence parallelism:
+  LayerNorms, a row-parallel bias) are partial sums: after the data-parallel reduction (the two sums
+  commute), the elements this rank holds of them (`Strategy.reduced_gradients_of`: whole gradients
+  under DDP, slices of shards under ZeRO and FSDP, alike on every tensor rank) are summed over the
+  tensor group in one all-reduce, before clipping and the optimizer step;
+* the gradient's 2-norm for clipping sums the split parameters' squares over the tensor group and
+  counts the replicated ones once;
+* state: checkpoints describe a split parameter's pieces in the full tensor's coordinates
+  (`tensor.state.tensor_state_layout`), `full_state_dict()` gathers the parts (`full_tensors`) and
+  loading a full state dict slices it (`spec.shard`), so the one checkpoint format holds;
+* a criterion that is cross-entropy becomes the vocabulary-parallel loss where the plan split the
+  output head by vocabulary (the logits each rank computes are its part of the vocabulary).
+
+Every tensor rank starts from the same random state (dropout outside the split regions must draw the
+same masks on every tensor rank; setup broadcasts tensor rank 0's).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..checkpoint_shards import StateLayout
+from ..runtime import DistributedContext
+from ..strategies.base import Strategy
+from .options import TensorOptions
+from .spec import ShardSpec, is_sequence_parallel, shard
+
+__all__ = ["TensorParallelStrategy"]
+
+
+class TensorParallelStrategy(Strategy):
+    """A data-parallel strategy (`inner`) over the parts of a model split by tensor parallelism (see
+    the module docstring)."""
+
+    def __init__(self, inner: Strategy, options: TensorOptions) -> None:
+        self.inner = inner
+        self.options = options
+        self.name = inner.name
+        self.collective_forward = inner.collective_forward  # tensor peers see the same batches anyway
+        self.places_module = inner.places_module
+        self.deferred_gradient_sync = inner.deferred_gradient_sync
+        self.specs: dict[str, ShardSpec] = {}  # split parameters by state_dict key
+        self._vocab_loss: Callable | None = None
+
+    # ------------------------------------------------------------------ setup
+    def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
+        self._prepare(module, context)
+        return self.inner.setup_module(module, context)
+
+    def _prepare(self, module: nn.Module, context: DistributedContext) -> None:
+        from .plan import apply_plan, parallel_loss
+
+        mesh = context.mesh
+        if mesh.size("tensor") != self.options.size:
+            raise ValueError(f"tensor_parallel_size={self.options.size} but the mesh has {mesh.size('tensor')} "
+                             "tensor-parallel ranks")
+        self.group = mesh.group("tensor")
+        self.tensor_rank = mesh.rank("tensor")
+        self.device = context.device
+        plan = self.options.plan if self.options.plan is not None else _builtin_plan(module)
+        if plan is None:
+            raise ValueError(f"tensor_parallel_size={self.options.size} needs a tensor_parallel_plan for a "
+                             f"{type(module).__name__} (module-name pattern -> 'colwise' | 'rowwise' | 'vocab' | "
+                             "'sequence' | 'replicate'; see docs/tensor_parallel.md); only our GPT has a built-in one")
+        if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            raise NotImplementedError(f"tensor_parallel_size={self.options.size} with a model on the meta device "
+                                      "and a pipeline is not supported yet: build the model on a device (e.g. the CPU)")
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        _share_random_state(self.group, src, context.device)
+        on = _comm_device(self.group, context.device)
+        with torch.no_grad():  # the parts are cut from tensor rank 0's weights, whatever each rank built
+            for tensor in [*module.parameters(), *module.buffers()]:
+                buffer = tensor.data if tensor.device == on else tensor.data.to(on)
+                dist.broadcast(buffer, src=src, group=self.group)
+                if buffer is not tensor.data:
+                    tensor.data.copy_(buffer)
+        self.specs = apply_plan(module, plan, self.group, sequence_parallel=self.options.sequence_parallel)
+        self._vocab_loss = parallel_loss(module)
+        self._module = module
+        names = dict(module.named_parameters(remove_duplicate=False))
+        self._split_names = frozenset(name for name in names if name in self.specs)
+        self._replicated_names = frozenset(names) - self._split_names
+        self._sequence_names = frozenset(name for name, p in names.items() if is_sequence_parallel(p))
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.inner.unwrap(model)
+
+    def setup_optimizer(self, optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        return self.inner.setup_optimizer(optimizer, model)
+
+    def loss_criterion(self, criterion: Callable | None) -> Callable | None:
+        """Cross-entropy becomes the vocabulary-parallel loss when the head is split by vocabulary;
+        another criterion cannot read a part of the logits (an error naming the plan)."""
+        from .plan import parallel_loss
+
+        if self._vocab_loss is None:
+            return criterion
+        if criterion is None:
+            # Our GPT computes its own loss (vocabulary-parallel once split), except in a pipeline,
+            # whose last stage applies a criterion to the logits: there, the split one.
+            return self._vocab_loss if _is_pipeline(self.inner) else None
+        return parallel_loss(self._module, criterion)  # its options kept; not cross-entropy: ValueError
+
+    # ------------------------------------------------------------------ steps (the inner strategy's)
+    def no_sync(self, model: nn.Module):
+        return self.inner.no_sync(model)
+
+    def accumulated_gradient(self, model: nn.Module, name: str) -> torch.Tensor:
+        return self.inner.accumulated_gradient(model, name)
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        self.inner.sync_gradients(model)
+
+    def forward_backward(self, model, batch, criterion, precision):
+        return self.inner.forward_backward(model, batch, criterion, precision)
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, precision) -> None:
+        self.inner.backward(model, loss, precision)
+
+    def gradients(self, model: nn.Module) -> list[torch.Tensor]:
+        return self.inner.gradients(model)
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision,
+                       max_grad_norm: float | None = None):
+        self._sum_sequence_parallel(model)
+        return super().optimizer_step(model, optimizer, precision, max_grad_norm)
+
+    def _sum_sequence_parallel(self, model: nn.Module) -> None:
+        """Sum over the tensor group the reduced gradients of parameters that saw part of the sequence."""
+        if not self._sequence_names:
+            return
+        views = self.inner.reduced_gradients_of(model, self._sequence_names)
+        if not views:
+            return
+        flat = torch.cat([v.reshape(-1) for v in views])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for v in views:
+            v.copy_(flat[offset:offset + v.numel()].view_as(v))
+            offset += v.numel()
+
+    def reduced_gradients_of(self, model: nn.Module, names: frozenset[str]) -> list[torch.Tensor]:
+        return self.inner.reduced_gradients_of(model, names)
+
+    def gradient_norm_squares(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        """Split parameters' squares summed over the tensor group (each rank holds a part), replicated
+        ones counted once (every tensor rank holds the same)."""
+        split = self.inner.gradient_norm_squares(model, skip | self._replicated_names)
+        split = split.to(_comm_device(self.group, self.device))
+        if self.options.size > 1:
+            dist.all_reduce(split, group=self.group)
+        replicated = self.inner.gradient_norm_squares(model, skip | self._split_names)
+        return split + replicated.to(split.device)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        norm = self.gradient_norm_squares(model).sqrt()
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        grads = self.inner.gradients(model)
+        if grads:
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        return norm
+
+    def evaluate_batch(self, model, batch, criterion, metrics):
+        return self.inner.evaluate_batch(model, batch, criterion, metrics)
+
+    def evaluation_sums(self, sums: torch.Tensor) -> torch.Tensor:
+        return self.inner.evaluation_sums(sums)
+
+    def smallest_batch(self) -> int:
+        return self.inner.smallest_batch()
+
+    # ------------------------------------------------------------------ state
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The plain model's state: the inner strategy's (whole over the data-parallel group), each
+        split parameter gathered over the tensor group."""
+        from .state import full_tensors
+
+        def whole(state: dict[str, Any]) -> dict[str, Any]:
+            on = _comm_device(self.group, self.device)
+            return full_tensors({k: v.to(on) for k, v in state.items()}, self.specs, self.group)
+
+        if _is_pipeline(self.inner):  # gathered from the stages after the tensor parts are joined
+            return {k: v.cpu() for k, v in self.inner.model_state_dict(model, whole).items()}
+        return whole(self.inner.model_state_dict(model))
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        local = {key: (shard(value, self.specs[key]) if key in self.specs else value) for key, value in state.items()}
+        self.inner.load_model_state_dict(model, local)
+
+    def state_layout(self, model: nn.Module, optimizer) -> StateLayout:
+        from .state import tensor_state_layout
+
+        layout = self.inner.state_layout(model, optimizer)
+        # A tied weight is in the layout under its first name only (lm_head.weight is wte.weight).
+        specs = {key: spec for key, spec in self.specs.items() if key in layout.shapes}
+        return tensor_state_layout(layout, specs, self.tensor_rank)
+
+    def buffers(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return self.inner.buffers(model)
+
+    def buffer_keys(self, model: nn.Module) -> list[str]:
+        return self.inner.buffer_keys(model)
+
+    def rank_state(self, model: nn.Module) -> dict[str, Any]:
+        return self.inner.rank_state(model)
+
+    def load_rank_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        self.inner.load_rank_state(model, state)
+
+    def shared_state(self, model: nn.Module) -> dict[str, Any]:
+        return self.inner.shared_state(model)
+
+    def load_shared_state(self, model: nn.Module, meta: dict[str, Any]) -> None:
+        self.inner.load_shared_state(model, meta)
+
+    # ------------------------------------------------------------------ monitoring, planning, teardown
+    def measure_communication(self, model: nn.Module, on: bool) -> None:
+        self.inner.measure_communication(model, on)
+
+    def pop_communication_metrics(self, model: nn.Module):
+        return self.inner.pop_communication_metrics(model)
+
+    def planner_kind(self) -> str:
+        return self.inner.planner_kind()
+
+    def state_reserve_bytes(self, model: nn.Module, trainable_params: int) -> float:
+        return self.inner.state_reserve_bytes(model, trainable_params)
+
+    def teardown(self, model: nn.Module) -> None:
+        self.inner.teardown(model)
+
+
+def _builtin_plan(module: nn.Module) -> dict[str, Any] | None:
+    from ..models.gpt import GPT
+    from .plan import gpt_plan
+
+    return gpt_plan(module.cfg) if isinstance(module, GPT) else None
+
+
+def _is_pipeline(strategy: Strategy) -> bool:
+    from ..pipeline.training import PipelineStrategy
+
+    return isinstance(strategy, PipelineStrategy)
+
+
+def _comm_device(group, device: torch.device) -> torch.device:
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def _share_random_state(group, src: int, device: torch.device) -> None:
+    """Every rank of `group` takes the random state (CPU and, on a GPU, the device's) of global rank `src`."""
+    states = [torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None]
+    dist.broadcast_object_list(states, src=src, group=group, device=device if device.type == "cuda" else None)
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)

@@ -1,0 +1,222 @@
+"""Tensor parallelism through the trainer: `DistributedTrainer(tensor_parallel_size=T, ...)` against one
+process on the whole batch, parameters compared after every step (1e-5, fp32), at TP=2, TP=4 and
+TP=2 x DP=2 with DDP and ZeRO-3 inside, with and without sequence parallelism, clipping by the norm
+over the tensor shards; checkpoints saved at TP=2 x DP=2 load at TP=1 and TP=4; errors name the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed_training import DistributedTrainer
+from distributed_training.models import GPT, GPTConfig
+from distributed_training.testing import run_distributed
+
+from _pipeline import step_against_reference
+
+TOL = 1e-5
+STEPS = 3
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 32), nn.Tanh(),
+                         nn.Linear(32, 4))
+
+
+MLP_PLAN = {"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"}
+
+
+def _batch(kind: str, step: int, rows: int):
+    g = torch.Generator().manual_seed(100 + step)
+    if kind == "mlp":
+        return torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g)
+    tokens = torch.randint(0, 64, (rows, 9), generator=g)  # 8 tokens: splits at T = 2 and 4
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _optimizer(name: str):
+    if name == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+    # Adam divides each gradient by its own magnitude, so on elements whose gradient is tiny (the key
+    # bias's is zero but for rounding: softmax ignores a shift of the keys) it turns the rounding of a
+    # summation order that tensor parallelism changes (partial products reduced across ranks) into
+    # steps of up to lr * 1e-3: lr 1e-3 and eps 1e-6 keep that under the tolerance; each step still
+    # moves the parameters by about 1e-3. SGD with momentum (no normalisation) is the sharper check.
+    return lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, eps=1e-6)
+
+
+def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, optimizer, pipeline=None, context=None):
+    base = _gpt() if kind == "gpt" else _mlp()
+    reference = copy.deepcopy(base)
+    factory = _optimizer(optimizer)
+    ref_opt = factory(reference.parameters())
+    trainer = DistributedTrainer(copy.deepcopy(base), factory, strategy=strategy, gradient_clip_val=clip,
+                                 tensor_parallel_size=tp, sequence_parallel=sequence_parallel,
+                                 tensor_parallel_plan=MLP_PLAN if kind == "mlp" else None, progress=False,
+                                 **({} if pipeline is None else {"pipeline_parallel_size": 2,
+                                                                 "pipeline_schedule": pipeline}),
+                                 **({} if context is None else {"context": context}))
+    dp, dp_rank = trainer.dp_world_size, trainer.dp_rank
+    per_replica = 4
+    worst, losses, norms = [], [], []
+    for step in range(STEPS):
+        x, y = _batch(kind, step, per_replica * dp)
+        rows = slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
+        diff, loss, norm = step_against_reference(trainer, reference, ref_opt, x, y, rows, kind, clip, rank)
+        if diff is not None:
+            worst.append(diff)
+        losses.append(loss)
+        if norm is not None:
+            norms.append(norm)
+    trainer.close()
+    return worst, losses, norms
+
+
+@pytest.mark.parametrize("kind, world, tp, strategy, sequence_parallel, clip, optimizer", [
+    ("gpt", 2, 2, "ddp", False, 0.5, "sgd"),
+    ("gpt", 2, 2, "ddp", True, None, "adamw"),
+    ("gpt", 4, 4, "ddp", True, 0.5, "sgd"),
+    ("gpt", 4, 2, "ddp", True, 0.5, "sgd"),
+    ("gpt", 4, 2, "zero3", False, 0.5, "sgd"),
+    ("gpt", 4, 2, "zero3", True, None, "adamw"),
+    ("gpt", 4, 2, "zero1", False, 0.5, "adamw"),
+    ("mlp", 4, 2, "ddp", False, 0.05, "sgd"),
+])
+def test_tensor_parallel_trainer_matches_one_process(kind, world, tp, strategy, sequence_parallel, clip, optimizer):
+    results = run_distributed(parity_worker, world, args=(kind, tp, strategy, sequence_parallel, clip, optimizer),
+                              timeout=180)
+    worst = results[0][0]
+    assert len(worst) == STEPS and max(worst) <= TOL, f"parameters differ from one process by {worst}"
+    for rank, (_, losses, norms) in enumerate(results):
+        for got, want in losses:  # every tensor rank reports its replica's loss
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, losses)
+        for got, want in norms:  # the norm over every tensor shard, replicated parameters counted once
+            assert abs(got - want) <= 1e-5 * max(1.0, want), (rank, norms)
+        if clip is not None:
+            assert any(want > clip for _, want in norms), "the clip threshold must actually clip"
+
+
+@pytest.mark.parametrize("schedule, strategy, sequence_parallel", [
+    ("1f1b", "ddp", False),
+    ("gpipe", "ddp", True),
+    ("1f1b", "zero3", True),
+])
+def test_tensor_times_pipeline_matches_one_process(schedule, strategy, sequence_parallel):
+    """TP = 2 x PP = 2 (3D with the data dimension of 1): the tied embedding split by vocabulary on the
+    first and last stages, its copies summed over the pipeline."""
+    results = run_distributed(parity_worker, 4, args=("gpt", 2, strategy, sequence_parallel, 0.5, "sgd", schedule),
+                              timeout=180)
+    worst = results[0][0]
+    assert len(worst) == STEPS and max(worst) <= TOL, f"parameters differ from one process by {worst}"
+    for rank, (_, losses, norms) in enumerate(results):
+        for got, want in losses:
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, losses)
+        for got, want in norms:
+            assert abs(got - want) <= 1e-5 * max(1.0, want), (rank, norms)
+
+
+# ------------------------------------------------------------------ checkpoints
+def save_worker(rank, world, directory):
+    trainer = DistributedTrainer(_gpt(), _optimizer("adamw"), strategy="zero3", tensor_parallel_size=2,
+                                 progress=False)
+    for step in range(2):
+        x, y = _batch("gpt", step, 4 * trainer.dp_world_size)
+        rows = slice(trainer.dp_rank * 4, (trainer.dp_rank + 1) * 4)
+        trainer.train_step((x[rows], y[rows]))
+    trainer.save_checkpoint(directory)
+    state = trainer.full_state_dict()
+    trainer.close()
+    return state
+
+
+def load_worker(rank, world, directory, tp, strategy):
+    trainer = DistributedTrainer(_gpt(), _optimizer("adamw"), strategy=strategy, tensor_parallel_size=tp,
+                                 progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # RNG states are not restored at another world size
+        trainer.load_checkpoint(directory)
+    state = trainer.full_state_dict()
+    step = trainer.step
+    x, y = _batch("gpt", 7, 4 * trainer.dp_world_size)
+    rows = slice(trainer.dp_rank * 4, (trainer.dp_rank + 1) * 4)
+    loss = float(trainer.train_step((x[rows], y[rows]))["loss"])
+    after = trainer.full_state_dict()
+    trainer.close()
+    return step, state, loss, after
+
+
+def test_checkpoint_saved_at_tp2_dp2_loads_at_tp1_and_tp4(tmp_path):
+    directory = os.fspath(tmp_path / "ckpt")
+    saved = run_distributed(save_worker, 4, args=(directory,), timeout=180)[0]
+    results = {}
+    for world, tp, strategy in ((1, 1, "ddp"), (4, 4, "ddp"), (2, 2, "zero3")):
+        out = run_distributed(load_worker, world, args=(directory, tp, strategy), timeout=180)[0]
+        step, state, loss, after = out
+        assert step == 2
+        assert list(state) == list(saved)
+        for key in saved:
+            assert torch.equal(state[key], saved[key]), (world, tp, key)
+        results[(world, tp)] = (loss, after)
+    # The optimizer state came back too: one more step from the checkpoint agrees at every layout.
+    (loss1, after1) = results[(1, 1)]
+    for (world, tp), (loss, after) in results.items():
+        assert abs(loss - loss1) <= 1e-5, (world, tp, loss, loss1)
+        for key in after1:
+            assert (after[key] - after1[key]).abs().max().item() <= 1e-5, (world, tp, key)
+
+
+# ------------------------------------------------------------------ errors
+def error_worker(rank, world, case):
+    kwargs = {"tensor_parallel_size": 2}
+    model, criterion, batch = _gpt(), None, _batch("gpt", 0, 2)
+    if case == "world":
+        kwargs["tensor_parallel_size"] = 3
+    elif case == "no_plan":
+        model = _mlp()
+    elif case == "criterion":
+        criterion = lambda logits, y: F.mse_loss(logits.float().mean(-1), y.float())  # noqa: E731
+    elif case == "heads":
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=3, n_embd=48))
+    try:
+        trainer = DistributedTrainer(model, _optimizer("sgd"), progress=False, **kwargs)
+        trainer.train_step(batch, criterion)
+    except (ValueError, TypeError, NotImplementedError) as err:
+        return type(err).__name__, str(err)
+    return None
+
+
+@pytest.mark.parametrize("case, words", [
+    ("world", ["tensor_parallel_size=3", "world size 2"]),
+    ("no_plan", ["tensor_parallel_plan", "Sequential"]),
+    ("criterion", ["tensor_parallel_plan", "vocab"]),
+    ("heads", ["3", "2"]),
+])
+def test_errors_name_the_field(case, words):
+    results = run_distributed(error_worker, 2, args=(case,), timeout=120)
+    for result in results:
+        assert result is not None, f"{case}: no error"
+        for word in words:
+            assert word in result[1], (case, result)
+
+
+def test_options_are_checked_before_any_rendezvous():
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        DistributedTrainer(_gpt(), _optimizer("sgd"), sequence_parallel=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        DistributedTrainer(_gpt(), _optimizer("sgd"), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_plan"):
+        DistributedTrainer(_mlp(), _optimizer("sgd"), tensor_parallel_plan={"0": "sideways"}, tensor_parallel_size=2)
