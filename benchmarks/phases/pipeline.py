@@ -190,7 +190,8 @@ def run(ctx, opts) -> dict:
         result["runs"][key] = chosen
     for _, prefix, _, _ in configs:
         for schedule in OURS:
-            ours, ref = result["runs"].get(f"{prefix}ours_{schedule}", {}), result["runs"].get(f"{prefix}torch_{schedule}", {})
+            ours = result["runs"].get(f"{prefix}ours_{schedule}", {})
+            ref = result["runs"].get(f"{prefix}torch_{schedule}", {})
             if ours.get("status") == "ok" and ref.get("status") == "ok":
                 # Median of the per-round ratios: each round's pair ran back to back.
                 ours["speed_vs_torch"] = statistics.median(
