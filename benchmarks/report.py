@@ -119,20 +119,47 @@ def _models(results):
     return lines
 
 
+def _pipeline_rows(w: int, part: dict) -> list[tuple[str, str, dict, dict]]:
+    """(configuration, schedule, ours, torch's) per row, in the order the phase ran them. A run key is
+    ``{impl}_{schedule}``, prefixed by its configuration and a space except for the first one
+    (``P2xDP2 ours_1f1b``); results from before the phase had layouts have no prefix and no config."""
+    runs, rows = part["runs"], {}
+    for key, r in runs.items():
+        prefix, _, rest = key.rpartition(" ")
+        impl, schedule = rest.split("_", 1)
+        config = r.get("config") or prefix or f"P{w}"
+        rows.setdefault((config, schedule), {})[impl] = r
+    return [(config, schedule, got.get("ours", {}), got.get("torch", {})) for (config, schedule), got in rows.items()]
+
+
+def _stage_layers(r: dict) -> str:
+    bounds = r.get("bounds")
+    return "/".join(str(b - a) for a, b in zip(bounds, bounds[1:])) if bounds else ""
+
+
 def _pipeline(results):
     lines = []
     for w, part in _ok_worlds(results, "pipeline"):
-        lines += [f"## Pipeline ({part['model']}, {w} stages, {part['batch']} x {part['seq']} tokens a step in "
-                  f"{part['microbatches']} microbatches): ours vs torch.distributed.pipelining", "",
-                  "| schedule | ours ms | ours tokens/s/GPU | torch ms | ours / torch | peak GiB ours / torch (max rank) "
-                  "| bubble (formula) | bubble measured / simulated (ours) |", "|---|---|---|---|---|---|---|---|"]
-        runs = part["runs"]
-        for schedule in dict.fromkeys(k.split("_", 1)[1] for k in runs):
-            ours, ref = runs.get(f"ours_{schedule}", {}), runs.get(f"torch_{schedule}", {})
-
+        configs = part.get("configs") or {f"P{w}": {"pipeline": w, "data": 1, "balance": "compute"}}
+        lines += [f"## Pipeline ({part['model']}, world {w}: {', '.join(configs)}; {part['batch']} x {part['seq']} "
+                  f"tokens a step, {part['microbatches']} microbatches a pipeline): ours vs torch.distributed.pipelining",
+                  ""]
+        for name, c in configs.items():
+            if c.get("data", 1) > 1:
+                lines.append(f"- {name}: {c['data']} pipelines of {c['pipeline']} stages side by side (ranks by the "
+                             f"mesh, pipeline outermost), each on {c['batch_per_pipeline']} sequences in "
+                             f"{c['microbatches']} microbatches of {c['microbatch_sequences']}; each stage's gradients "
+                             f"averaged over its data group after the schedule; stages balanced by {c['balance']}.")
+            else:
+                lines.append(f"- {name}: one pipeline of {c['pipeline']} stages; stages balanced by {c['balance']}.")
+        lines += ["", "| config | schedule | ours ms | ours tokens/s/GPU | torch ms | ours / torch | peak GiB ours / torch "
+                  "(max rank) | bubble (formula) | bubble measured / simulated (ours) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        rows = _pipeline_rows(w, part)
+        for config, schedule, ours, ref in rows:
             def cell(r, fmt):
                 return fmt(r) if r.get("status") == "ok" else f"error: {r.get('reason', '')[:60]}"
-            lines.append(f"| {schedule} | {cell(ours, lambda r: format(r['step_ms'], '.1f'))} | "
+            lines.append(f"| {config} | {schedule} | {cell(ours, lambda r: format(r['step_ms'], '.1f'))} | "
                          f"{cell(ours, lambda r: format(r['tokens_per_s_per_gpu'], ',.0f'))} | "
                          f"{cell(ref, lambda r: format(r['step_ms'], '.1f'))} | "
                          f"{format(ours['speed_vs_torch'], '.3f') + 'x' if 'speed_vs_torch' in ours else ''} | "
@@ -140,19 +167,30 @@ def _pipeline(results):
                          f"{cell(ref, lambda r: format(max(r['peak_gib_per_rank']), '.1f'))} | "
                          f"{cell(ours, lambda r: format(r['bubble_formula'], '.3f'))} | "
                          f"{cell(ours, _bubble)} |")
-        lines += ["", "Bubble measured: one extra step of ours with the engine's timing on (CUDA events around each "
-                  "action's compute; 1 - busy / (P x window), window from stage 0's first forward to the last "
-                  "compute of any rank); simulated: the schedule on `simulate` with the measured per-stage costs "
+        lines += ["", "Tokens/s per GPU: the global batch's tokens over every rank of the world. Bubble measured: one "
+                  "extra step of ours with the engine's timing on (CUDA events around each action's compute; 1 - busy "
+                  "/ (P x window), window from stage 0's first forward to the last compute of any rank; with several "
+                  "pipelines, the first one's); simulated: the schedule on `simulate` with the measured per-stage costs "
                   "and free communication (measured - simulated: communication and host overhead; simulated - "
                   "formula: uneven stages). Target: measured within 10% of the formula.", ""]
-        timed = [(schedule, runs[f"ours_{schedule}"]) for schedule in dict.fromkeys(k.split("_", 1)[1] for k in runs)
-                 if runs.get(f"ours_{schedule}", {}).get("forward_ms_per_rank")]
+        timed = [(config, schedule, r) for config, schedule, r, _ in rows if r.get("forward_ms_per_rank")]
         if timed:
-            lines += ["| schedule (ours) | window ms | forward ms per rank | backward ms per rank |", "|---|---|---|---|"]
-            for schedule, r in timed:
-                lines.append(f"| {schedule} | {r['window_ms']:.1f} | "
+            lines += ["| config | schedule (ours) | window ms | forward ms per rank | backward ms per rank | layers per "
+                      "stage |", "|---|---|---|---|---|---|"]
+            for config, schedule, r in timed:
+                lines.append(f"| {config} | {schedule} | "
+                             f"{' / '.join(format(v, '.1f') for v in r.get('window_ms_per_pipeline', [r['window_ms']]))} | "
                              f"{' / '.join(format(v, '.1f') for v in r['forward_ms_per_rank'])} | "
-                             f"{' / '.join(format(v, '.1f') for v in r['backward_ms_per_rank'])} |")
+                             f"{' / '.join(format(v, '.1f') for v in r['backward_ms_per_rank'])} | {_stage_layers(r)} |")
+            lines += ["", "Per rank: global ranks 0, 1, ... (with several pipelines the mesh puts pipeline i's stage s "
+                      "on rank s x DP + i); a window per pipeline. Layers per stage: embed, the blocks and the head "
+                      "cut into stages 0, 1, ... (interleaved: stage c x P + rank is chunk c of that rank).", ""]
+        costs = part.get("layer_costs", {}).get("time")
+        if costs:
+            shape = part.get("time_balance", {}).get("sample_shape")
+            lines += [f"Balance by time: each layer's forward + backward on one microbatch"
+                      f"{f' of {shape[0]} x {shape[1]} tokens' if shape else ''}, measured on the device before the "
+                      f"runs (ms, embed, block.0, ..., head): {' / '.join(format(c * 1e3, '.2f') for c in costs)}.", ""]
         lines.append("")
     return lines
 

@@ -4,6 +4,7 @@ phase by phase, and checks the scaling model (`distributed_training.scaling`) ag
     python benchmarks/suite.py                          # every GPU here: worlds 1, 2, 4, ... up to all of them
     python benchmarks/suite.py --phases training,models --max-gpus 2
     python benchmarks/suite.py --smoke                  # CPU, gloo, 2 processes, toy sizes: what CI runs
+    python benchmarks/suite.py --smoke --worlds 2,4 --phases pipeline   # CPU, gloo, 2 then 4 processes
     python benchmarks/suite.py --report DIR             # redo model check, markdown and plots from DIR/results.json
     python benchmarks/suite.py --merge A B --out DIR    # one results.json from runs made in parts (same machine)
     benchmarks/run_suite_gpu.sh                         # the GPU machine: NCCL tests, then this, under $OUT
@@ -51,7 +52,7 @@ RECORDED_DDP = HERE / "results" / "ddp_2026-11-26_h200.json"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 processes, toy sizes (CI)")
+    p.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 processes (more with --worlds), toy sizes (CI)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of: {', '.join(PHASES)}")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<date>-<card>; "
                    "with --smoke benchmarks/out/smoke, ignored by git)")
@@ -66,7 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="timed steps per round")
     p.add_argument("--third-party", default=None, help="models phase: resnet50,bert,vit,gpt2,toy_cnn")
     p.add_argument("--variants", default=None, help="models phase variants (see phases/models.py); "
-                   "pipeline_trainer: 'big' trains a GPT too large for one GPU (~7-10B) at P = world size")
+                   "pipeline_trainer: 'big' trains a GPT too large for one GPU (~7-10B) at P = world size; "
+                   "pipeline: layouts 'pp' (P = world), 'pp_dp' (P = world/2 x DP = 2) and balances 'compute', "
+                   "'time' (default pp,pp_dp,compute)")
     p.add_argument("--models-profile", type=int, default=0, help="models phase: profile the first N variants")
     p.add_argument("--topk-ratio", type=float, default=0.01)
     p.add_argument("--recorded", nargs="*", default=None,
@@ -149,7 +152,10 @@ def run_all(args) -> int:
     gpus = 0 if args.smoke else torch.cuda.device_count()
     if not args.smoke and gpus == 0:
         raise SystemExit("no GPU here: use --smoke for the CPU run")
-    top = 2 if args.smoke else min(gpus, args.max_gpus or gpus)
+    if args.smoke:  # CPU processes on gloo: 2, or as many as --worlds asks (a phase's code at world 4, say)
+        top = max([2, *(int(w) for w in args.worlds.split(",") if w.strip().isdigit())]) if args.worlds else 2
+    else:
+        top = min(gpus, args.max_gpus or gpus)
     worlds = _worlds(args, top)
     top = worlds[-1]
     env = environment()

@@ -159,6 +159,45 @@ def test_smoke_runs_every_phase(tmp_path):
         assert (tmp_path / png).is_file(), png
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time(tmp_path):
+    """The pipeline phase at world 4 (gloo): P = 4 and P = 2 x DP = 2, every schedule of ours and torch's,
+    stages balanced by measured time. Same initial weights and global batch everywhere, so every run's
+    last loss is the same: the two pipelines of P = 2 x DP = 2 see different halves of the batch (their
+    own losses differ), and only the average of their gradients over the data groups keeps them on
+    P = 4's trajectory (without it their mean loss moves off by about 6e-3 here)."""
+    from distributed_training.pipeline import bubble_formula, partition
+
+    results = _suite(tmp_path, "--phases", "pipeline", "--worlds", "4", "--variants", "time", timeout=400)
+    pipe = results["phases"]["pipeline"]["worlds"]["4"]
+    assert pipe["status"] == "ok" and pipe["balances"] == ["time"], pipe.get("reason")
+    assert list(pipe["configs"]) == ["P4 time", "P2xDP2 time"]
+    dp = pipe["configs"]["P2xDP2 time"]
+    assert (dp["pipeline"], dp["data"], dp["microbatch_sequences"]) == (2, 2, 1)
+    costs = pipe["layer_costs"]["time"]  # embed, 16 blocks, head: seconds, each measured
+    assert len(costs) == 18 and all(c > 0 for c in costs)
+    reference = pipe["runs"]["ours_1f1b"]["last_loss"]  # the first configuration's keys carry no prefix
+    for prefix, P in (("", 4), ("P2xDP2 time ", 2)):
+        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zbh1"):
+            for impl in ("ours", "torch"):
+                run = pipe["runs"][f"{prefix}{impl}_{schedule}"]
+                assert run["status"] == "ok" and run["step_ms"] > 0, (prefix, impl, schedule, run)
+                assert (run["pipeline"], run["data"], run["balance"]) == (P, 4 // P, "time")
+                # Cut by the measured times.
+                assert run["bounds"] == partition(costs, P * run["chunks_per_rank"]), (prefix, impl, schedule)
+                assert run["last_loss"] == pytest.approx(reference, rel=1e-5), (prefix, impl, schedule)
+                assert len(run["last_loss_per_pipeline"]) == 4 // P
+            ours = pipe["runs"][f"{prefix}ours_{schedule}"]
+            assert ours["bubble_formula"] == pytest.approx(bubble_formula(schedule, P, 4, chunks=ours["chunks_per_rank"]))
+            assert 0 <= ours["bubble_measured"] < 1 and len(ours["bubble_measured_per_pipeline"]) == 4 // P
+            assert len(ours["forward_ms_per_rank"]) == 4
+    halves = pipe["runs"]["P2xDP2 time ours_1f1b"]["last_loss_per_pipeline"]
+    assert abs(halves[0] - halves[1]) > 1e-4  # different data: the agreement above is not a coincidence
+    md = (tmp_path / "results.md").read_text()
+    assert "| P2xDP2 time | 1f1b |" in md and "Balance by time:" in md
+
+
 @pytest.mark.timeout(120)
 def test_a_phase_that_cannot_run_records_why(tmp_path):
     """At world 1 alone there is nothing to all-reduce: collectives are skipped, with the reason, and the

@@ -43,8 +43,10 @@ PHASES = {p.name: p for p in (
     Phase("monitor", "all", "the monitor's cost: the trainer with and without log_dir, interleaved, paired by round"),
     Phase("memory", "top", "GPT 1.3B in our trainer: activation checkpointing off/on (step time, peak memory), and "
           "fit(batch_size='auto'): the batch chosen, then steps at it without running out of memory"),
-    Phase("pipeline", "multi", "GPT over a pipeline of every rank: our schedules (GPipe, 1F1B, interleaved, ZB-H1) "
-          "against torch.distributed.pipelining's, tokens/s and peak memory per stage"),
+    Phase("pipeline", "multi", "GPT over a pipeline of every rank and (world >= 4) two pipelines of half the ranks "
+          "(P x DP = 2): our schedules (GPipe, 1F1B, interleaved, ZB-H1) against torch.distributed.pipelining's, "
+          "tokens/s and peak memory per stage, bubble measured vs formula; --variants time: stages cut by "
+          "measured layer times"),
     Phase("compile", "all", "GPT tokens/s: eager vs torch.compile in both orders and per block under our DDP, "
           "torch's compiled DDP as reference"),
     Phase("pipeline_trainer", "multi", "GPT through DistributedTrainer(pipeline_parallel_size=P): GPipe, 1F1B, "
