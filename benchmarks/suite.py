@@ -69,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=None, help="models phase variants (see phases/models.py); "
                    "pipeline_trainer: 'big' trains a GPT too large for one GPU (~7-10B) at P = world size; "
                    "pipeline: layouts 'pp' (P = world), 'pp_dp' (P = world/2 x DP = 2) and balances 'compute', "
-                   "'time' (default pp,pp_dp,compute)")
+                   "'time' (default pp,pp_dp,compute); tensor: 'big' the ~7B points only, 'small' the 1.3B's")
     p.add_argument("--models-profile", type=int, default=0, help="models phase: profile the first N variants")
     p.add_argument("--topk-ratio", type=float, default=0.01)
     p.add_argument("--recorded", nargs="*", default=None,

@@ -89,20 +89,26 @@ class Config:
     tp: int
     sp: bool
     strategy: str = "ddp"
+    seq: int = 0  # the 7B's sequence length (one sequence per tensor-parallel group); 0: the model's default
 
 
-def _configs(world: int, smoke: bool, big: bool) -> list[Config]:
+def _configs(world: int, smoke: bool, big: bool, big_seq: int = BIG_SEQ, only: str = "") -> list[Config]:
+    """The points at world `world`; `only` "big": the 7B's alone, "small": the 1.3B's alone."""
     if smoke:
         return [Config(f"TP2 {'SP' if sp else 'no SP'}", "tiny", 2, sp) for sp in (False, True)]
     configs = []
-    for tp in (2, 4):
+    for tp in (2, 4) if only != "big" else ():
         if tp <= world and world % tp == 0:
             dp = f"xDP{world // tp}" if world > tp else ""
             configs += [Config(f"TP{tp}{dp} {'SP' if sp else 'no SP'}", "gpt-1.3b", tp, sp) for sp in (False, True)]
-    if world >= 4 and world % 2 == 0:
+    if world >= 4 and world % 2 == 0 and only != "big":
         configs.append(Config(f"TP2xFSDP{world // 2} no SP", "gpt-1.3b", 2, False, "zero3"))
-    if big and world >= 4 and world % 4 == 0:
-        configs.append(Config(f"7B TP4{f'xDP{world // 4}' if world > 4 else ''} SP", "gpt-7b", 4, True))
+    if big and world >= 4 and world % 4 == 0 and only != "small":
+        dp4 = f"xDP{world // 4}" if world > 4 else ""
+        configs += [Config(f"7B TP4{dp4} SP", "gpt-7b", 4, True, seq=big_seq),
+                    Config(f"7B TP4{dp4} no SP", "gpt-7b", 4, False, seq=big_seq),
+                    # T = 2 holds twice the model state a rank: half the sequence.
+                    Config(f"7B TP2xDP{world // 2} SP", "gpt-7b", 2, True, seq=big_seq // 2)]
     return configs
 
 
@@ -134,7 +140,8 @@ def run(ctx, opts) -> dict:
     cuda = device.type == "cuda"
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / GIB if cuda else 0.0
     big = cuda and gpu_gib >= BIG_MIN_GPU_GIB
-    configs = _configs(world, opts.smoke, big)
+    variants = set((opts.variants or "").split(",")) & {"big", "small"}
+    configs = _configs(world, opts.smoke, big, _big_seq(gpu_gib), only=next(iter(variants), ""))
     rounds = opts.rounds or (1 if opts.smoke else 2)
     steps = opts.steps or (2 if opts.smoke else 5)
     warmup = 1 if opts.smoke else 2
@@ -153,7 +160,7 @@ def run(ctx, opts) -> dict:
     shapes = {}
     for config in configs:
         cfg = _model_config(config.model, _big_seq(gpu_gib))
-        batch, seq = ((4, 16) if opts.smoke else (world // 4, _big_seq(gpu_gib)) if config.model == "gpt-7b"
+        batch, seq = ((4, 16) if opts.smoke else (world // config.tp, config.seq) if config.model == "gpt-7b"
                       else GPU_MODEL[1:])
         shapes[config.name] = (cfg, batch, seq)
     for r in range(rounds):  # every run once a round: a slow spell of the machine hits both sides alike
@@ -181,7 +188,7 @@ def run(ctx, opts) -> dict:
             row["speed_vs_torch"] = statistics.median(
                 t / o for t, o in zip(ref["step_s_rounds"], ours["step_s_rounds"]))
             row["max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"]))
-        if config.model == "gpt-7b":
+        if config.model == "gpt-7b" and config.sp and config.tp == 4:
             row["fsdp_alone"] = _fsdp_alone(cfg, batch, seq, warmup, steps, ctx, base, gpu_gib)
         result["configs"][config.name] = row
     for row in result["configs"].values():
