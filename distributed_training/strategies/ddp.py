@@ -157,9 +157,14 @@ class DDP(CommTiming, nn.Module):
                 [p.data for p in module.parameters()] + self._synced_buffers, self._global_rank(0), process_group
             )
 
+        # One data-parallel rank and a plain mean (tensor parallelism over a whole node, or one GPU):
+        # nothing to reduce, so no buckets and no hooks; the gradients stay autograd's own, as without
+        # DDP (no copy into a bucket, no second gradient-sized buffer).
+        self._solo = (self.world_size == 1 and type(self) is DDP and type(self.bucket_reducer) is AllReduceMean
+                      and not self.find_unused_parameters)
         # Reverse registration order approximates the order gradients become ready in backward.
-        self._build_buckets(list(reversed(range(len(self._params)))))
-        self._rebuild_pending = bool(rebuild_buckets)
+        self._build_buckets(list(reversed(range(len(self._params)))) if not self._solo else [])
+        self._rebuild_pending = bool(rebuild_buckets) and not self._solo
         self._arrival_order: list[int] | None = [] if rebuild_buckets else None
         # Set by the first synchronised backward on every rank alike (a rank whose parameters all went
         # unused has an empty arrival order, yet must take part in the rebuild broadcast).
@@ -184,7 +189,7 @@ class DDP(CommTiming, nn.Module):
         self._reset_iteration()
         self._hook_handles = []
         self_ref = weakref.ref(self)
-        for index, p in enumerate(self._params):
+        for index, p in enumerate(self._params if not self._solo else []):
             self._hook_handles.append(p.register_post_accumulate_grad_hook(_make_hook(self_ref, index)))
 
     # ----------------------------------------------------------------- public
@@ -252,6 +257,8 @@ class DDP(CommTiming, nn.Module):
         if self._backward.callback_queued:
             raise RuntimeError("sync_gradients() called during a synchronised backward pass; call it after backward, "
                                "with the backward passes run under no_sync()")
+        if self._solo:
+            return  # one rank: the accumulated gradients are the mean already
         self._reset_iteration()
         self._finish_backward(outside_backward=True)
 
@@ -279,7 +286,10 @@ class DDP(CommTiming, nn.Module):
         """Adopt a saved bucket layout (every rank must pass the same), keeping current gradients.
 
         Resuming with the buckets of the interrupted run keeps the reduction order, and so the
-        floating-point result, identical."""
+        floating-point result, identical. A run of one rank has no buckets: it ignores a saved layout,
+        and its own (none) leaves the current one."""
+        if self._solo or not groups:
+            return
         flat = sorted(i for g in groups for i in g)
         if flat != list(range(len(self._params))):
             raise ValueError(f"bucket layout does not cover this model's {len(self._params)} parameters exactly once")
