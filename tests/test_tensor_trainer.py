@@ -128,6 +128,63 @@ def test_tensor_times_pipeline_matches_one_process(schedule, strategy, sequence_
             assert abs(got - want) <= 1e-5 * max(1.0, want), (rank, norms)
 
 
+class _FlatLlama(nn.Module):
+    """The Llama-style stack with its logits flattened to (B * T, vocab): `F.cross_entropy` then reads
+    them as one process's criterion would, and the trainer swaps in the vocabulary-parallel loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from _tp_models import Llama
+
+        self.model = Llama()
+
+    def forward(self, idx):
+        logits = self.model(idx)
+        return logits.reshape(-1, logits.size(-1))
+
+
+def llama_worker(rank, world, tp, strategy, sequence_parallel):
+    from _tp_models import llama_plan
+
+    torch.manual_seed(0)
+    base = _FlatLlama()
+    reference = copy.deepcopy(base)
+    factory = _optimizer("sgd")
+    ref_opt = factory(reference.parameters())
+    plan = {f"model.{pattern}": style for pattern, style in llama_plan().items()}
+    trainer = DistributedTrainer(copy.deepcopy(base), factory, strategy=strategy, gradient_clip_val=0.5,
+                                 tensor_parallel_size=tp, tensor_parallel_plan=plan,
+                                 sequence_parallel=sequence_parallel, progress=False)
+    dp, d = trainer.dp_world_size, trainer.dp_rank
+    worst, norms = [], []
+    for step in range(STEPS):
+        x, y = _batch("gpt", step, 4 * dp)
+        rows = slice(d * 4, (d + 1) * 4)
+        metrics = trainer.train_step((x[rows], y[rows].reshape(-1)), F.cross_entropy)
+        F.cross_entropy(reference(x), y.reshape(-1)).backward()
+        norms.append((float(metrics["grad_norm"]), float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5))))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        state = trainer.full_state_dict()
+        if rank == 0:
+            want = reference.state_dict()
+            worst.append(max((state[k] - want[k]).abs().max().item() for k in want))
+    trainer.close()
+    return worst, norms
+
+
+@pytest.mark.parametrize("world, tp, strategy, sequence_parallel", [(2, 2, "ddp", False), (4, 2, "zero3", True)])
+def test_llama_style_stack_with_a_user_plan_matches_one_process(world, tp, strategy, sequence_parallel):
+    """RMSNorm, grouped key/value heads, rotary, SwiGLU, an untied head split by vocabulary: through the
+    trainer with `F.cross_entropy` (swapped for the vocabulary-parallel loss), clipped."""
+    results = run_distributed(llama_worker, world, args=(tp, strategy, sequence_parallel), timeout=180)
+    worst = results[0][0]
+    assert len(worst) == STEPS and max(worst) <= TOL, f"parameters differ from one process by {worst}"
+    for _, norms in results:
+        assert all(abs(got - want) <= 1e-5 * max(1.0, want) for got, want in norms), norms
+        assert any(want > 0.5 for _, want in norms)
+
+
 # ------------------------------------------------------------------ checkpoints
 def save_worker(rank, world, directory):
     trainer = DistributedTrainer(_gpt(), _optimizer("adamw"), strategy="zero3", tensor_parallel_size=2,
