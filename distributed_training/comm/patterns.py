@@ -46,12 +46,14 @@ __all__ = ["ring_all_reduce", "tree_all_reduce", "hierarchical_all_reduce"]
 MIB = 1024 * 1024
 DEFAULT_SEGMENT_BYTES = 4 * MIB  # kept for callers that import it; the patterns now size segments themselves
 DEFAULT_IN_FLIGHT = 3
-# Automatic segment sizes: a chunk of the ring in 2 segments, a tree's half in 4, within [min, max].
-# Measured at 1 GB on 2x H200 (suite, session 14): the ring at 0.74x of NCCL's bus bandwidth with 64 MiB
-# segments, 0.82x with 256 MiB (16 MiB: 0.45x); the tree 0.59x with 16 MiB, 0.76x with 64, 0.82x with
-# 256. Each message costs a fixed time to post and to synchronise with the add beside it, which
-# outweighs the overlap that more, smaller segments would buy.
-_RING_SEGMENTS, _RING_MIN, _RING_MAX = 2, 8 * MIB, 256 * MIB
+# Automatic segment sizes: a ring's chunk whole up to 256 MiB (in as few segments of at most that as it
+# takes), a tree's half in 4, within [min, max]. Measured at 1 GB on 2x H200 (suite, session 14): the
+# ring at 0.74x of NCCL's bus bandwidth with 64 MiB segments, 0.82x with 256 MiB (16 MiB: 0.45x); on 4x
+# H200 (session 16) 0.42x with 64 MiB, 0.43x with 128 (a 256 MiB chunk in 2), 0.76x with the whole
+# chunk; the tree 0.59x with 16 MiB, 0.76x with 64, 0.82x with 256. Each message costs a fixed time to
+# post and to synchronise with the add beside it, which outweighs the overlap that more, smaller
+# segments would buy.
+_RING_SEGMENTS, _RING_MIN, _RING_MAX = 1, 8 * MIB, 256 * MIB
 _TREE_SEGMENTS, _TREE_MIN, _TREE_MAX = 4, 4 * MIB, 256 * MIB
 
 
@@ -118,7 +120,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     """Sum `tensor` over `group` in place with a pipelined ring of point-to-point messages.
 
     The tensor is split into W chunks (lengths differ by at most one) and each chunk into K segments
-    of at most `segment_bytes` (default: about a quarter of a chunk, between 8 and 64 MiB). Message
+    of at most `segment_bytes` (default: the whole chunk, in pieces of at most 256 MiB). Message
     (step s, segment k) of the reduce-scatter sends segment k of chunk r - s to rank r + 1 and receives
     segment k of chunk r - s - 1 from rank r - 1 into a buffer, which is then added into the local
     chunk; after W - 1 steps rank r holds the full sum of chunk r + 1. The all-gather passes the
