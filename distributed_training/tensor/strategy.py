@@ -114,6 +114,17 @@ class TensorParallelStrategy(Strategy):
             return self._vocab_loss if _is_pipeline(self.inner) else None
         return parallel_loss(self._module, criterion)  # its options kept; not cross-entropy: ValueError
 
+    def evaluation_metrics(self, metrics):
+        """A metric reads the model's outputs, which a vocabulary-split head leaves as this rank's
+        logit columns: an error naming the plan (no metric is computed on a part of the logits)."""
+        if metrics and self._vocab_loss is not None:
+            raise ValueError(f"evaluate(metrics={list(metrics)}): tensor_parallel_plan splits the output head by "
+                             f"vocabulary ('vocab'), so the model's outputs hold this rank's columns of the logits "
+                             f"only (..., vocab / {self.options.size}) and a metric of (outputs, targets) would "
+                             "read a part of them. Evaluate the metrics without tensor parallelism, or give the "
+                             "output head (and the embedding tied to it) another style than 'vocab'")
+        return self.inner.evaluation_metrics(metrics)
+
     # ------------------------------------------------------------------ steps (the inner strategy's)
     def no_sync(self, model: nn.Module):
         return self.inner.no_sync(model)
