@@ -233,6 +233,18 @@ class Strategy(abc.ABC):
         params = [p for p in model.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
+    def _clip_by_norm_squares(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """`clip_grad_norm` for a strategy whose `gradient_norm_squares` already spans every rank that
+        holds a part of the model (a pipeline's stages, tensor parallelism's shards): the gradients this
+        rank steps (`gradients`) scaled by ``min(1, max_norm / (norm + 1e-6))``; returns the norm
+        before clipping, the same on every rank."""
+        norm = self.gradient_norm_squares(model).sqrt()
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        grads = self.gradients(model)
+        if grads:
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        return norm
+
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The full model state, with the same keys as the user's module's `state_dict()`."""
         return self.unwrap(model).state_dict()

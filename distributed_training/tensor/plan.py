@@ -34,17 +34,16 @@ from fnmatch import fnmatchcase
 from typing import Any, Callable, Mapping, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import split_sequence
+from .functional import group_size, split_sequence
 from .layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelDropout, VocabParallelEmbedding,
-                     vocab_parallel_cross_entropy)
+                     is_conv1d, linear_shape, vocab_parallel_cross_entropy)
 from .spec import ShardSpec, mark_sequence_parallel, spec_of
 
 __all__ = ["STYLES", "Style", "apply_plan", "gpt_plan", "parallel_loss", "is_cross_entropy", "VocabParallelLoss",
-           "unsupported_loss_message"]
+           "unsupported_loss_message", "parse_plan"]
 
 STYLES = ("colwise", "rowwise", "vocab", "sequence", "sequence_split", "replicate")
 Style = Union[str, tuple]  # one of STYLES, or ("colwise", chunks)
@@ -114,9 +113,9 @@ class VocabParallelLoss:
 def parallel_loss(model: nn.Module, criterion: Callable | None = None) -> VocabParallelLoss | None:
     """The loss of `model`'s vocabulary-parallel output head, or None when it has none.
 
-    With a `criterion`, the loss keeps its ``ignore_index``, ``reduction`` and ``label_smoothing``; a criterion that is not
-    a plain cross-entropy (`is_cross_entropy`) cannot take split logits: ValueError
-    (`unsupported_loss_message`).
+    With a `criterion`, the loss keeps its ``ignore_index``, ``reduction`` and ``label_smoothing``; a
+    criterion that is not a plain cross-entropy (`is_cross_entropy`) cannot take split logits:
+    ValueError (`unsupported_loss_message`).
     """
     # A plain loop (no comprehension): our GPT calls this in forward, which torch.compile traces whole.
     loss = None
@@ -144,14 +143,18 @@ def is_cross_entropy(criterion: Callable) -> bool:
 
 
 def unsupported_loss_message(criterion: Callable) -> str:
+    """The ValueError message for a `criterion` that cannot take a vocabulary-split head's logits."""
+    name = getattr(criterion, "__qualname__", None) or repr(criterion)
     return (f"tensor_parallel_plan splits the output head by vocabulary ('vocab'): its logits hold this rank's "
-            f"columns only, so the loss must be the vocabulary-parallel cross-entropy, but the criterion "
-            f"{getattr(criterion, '__qualname__', None) or repr(criterion)} is not F.cross_entropy or nn.CrossEntropyLoss (without class weights; ignore_index, "
-            f"reduction and label_smoothing are kept). Use one of those, or give the output head (and the "
-            f"embedding tied to it) another style than 'vocab'")
+            f"columns only, so the loss must be the vocabulary-parallel cross-entropy, but the criterion {name} "
+            f"is not F.cross_entropy or nn.CrossEntropyLoss (without class weights; ignore_index, reduction and "
+            f"label_smoothing are kept). Use one of those, or give the output head (and the embedding tied to "
+            f"it) another style than 'vocab'")
 
 
 def _cross_entropy_options(criterion: Callable) -> dict | None:
+    """The `VocabParallelLoss` fields `criterion` sets (``{}`` for plain `F.cross_entropy`), or None
+    when it is not a cross-entropy the vocabulary-parallel loss computes equally."""
     if criterion is F.cross_entropy:
         return {}
     if isinstance(criterion, functools.partial) and criterion.func is F.cross_entropy and not criterion.args:
@@ -192,8 +195,8 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
             apply to, sizes or heads not divisible by the tensor size, tied parameters with different
             styles, or a model that already holds split parameters. The model is left untouched.
     """
-    rules = _parse(plan)
-    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    rules = parse_plan(plan)
+    size = group_size(group)
     already = [n for n, p in model.named_parameters() if spec_of(p) is not None]
     if already:
         raise ValueError(f"apply_plan: the model already holds tensor-parallel parameters ({already[0]}, ...); "
@@ -269,7 +272,10 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
     return specs
 
 
-def _parse(plan: Mapping[str, Style]) -> list[tuple[str, str, int]]:
+def parse_plan(plan: Mapping[str, Style]) -> list[tuple[str, str, int]]:
+    """`plan`'s entries as ``(pattern, style, chunks)`` in its order (``chunks`` 1 but for
+    ``("colwise", chunks)``). Raises TypeError (not a mapping) or ValueError naming the entry (an empty
+    or non-string pattern, an unknown style, a malformed fused style)."""
     if not isinstance(plan, Mapping):
         raise TypeError(f"tensor_parallel_plan must be a mapping of module-name patterns to styles, got "
                         f"{type(plan).__name__}")
@@ -296,20 +302,13 @@ def _examples(model: nn.Module) -> str:
     return ", ".join(repr(n) for n in names) + (", ..." if names else "(none)")
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's Conv1D (weight stored [in, out]), recognised without importing transformers."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-
-
 def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or _is_conv1d(module)
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _features(module: nn.Module) -> tuple[int, int]:
     """(in, out) features of a Linear or Conv1D."""
-    if _is_conv1d(module):
-        return module.weight.shape[0], module.weight.shape[1]
-    return module.in_features, module.out_features
+    return linear_shape(module, "apply_plan")[:2]
 
 
 _APPLIES_TO = {"colwise": "nn.Linear or Conv1D", "rowwise": "nn.Linear or Conv1D",

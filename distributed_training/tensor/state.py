@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint_shards import Holding, Piece, StateLayout
+from .functional import group_size
 from .spec import Run, ShardSpec, runs, spec_of, unshard
 
 __all__ = ["tensor_state_layout", "full_tensors", "parameter_specs"]
@@ -131,7 +132,7 @@ def full_tensors(local: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpe
     tensor `group` (one all-gather a tensor, every rank of the group calls this alike) and put together
     with `unshard`; the other keys pass through. Every rank gets the full tensors, on the local ones'
     device."""
-    parts = dist.get_world_size(group) if dist.is_initialized() else 1
+    parts = group_size(group)
     out: dict[str, torch.Tensor] = {}
     for key, value in local.items():
         spec = specs.get(key)

@@ -177,12 +177,8 @@ class TensorParallelStrategy(Strategy):
         return split + replicated.to(split.device)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        norm = self.gradient_norm_squares(model).sqrt()
-        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        grads = self.inner.gradients(model)
-        if grads:
-            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
-        return norm
+        """Clip by the norm over every tensor shard (`gradient_norm_squares`); returns it."""
+        return self._clip_by_norm_squares(model, max_norm)
 
     def evaluate_batch(self, model, batch, criterion, metrics):
         return self.inner.evaluate_batch(model, batch, criterion, metrics)
