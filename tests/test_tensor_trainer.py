@@ -59,7 +59,8 @@ def _optimizer(name: str):
     return lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, eps=1e-6)
 
 
-def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, optimizer, pipeline=None, context=None):
+def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, optimizer, pipeline=None, context=None,
+                  compile=False):
     base = _gpt() if kind == "gpt" else _mlp()
     reference = copy.deepcopy(base)
     factory = _optimizer(optimizer)
@@ -69,7 +70,8 @@ def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, opti
                                  tensor_parallel_plan=MLP_PLAN if kind == "mlp" else None, progress=False,
                                  **({} if pipeline is None else {"pipeline_parallel_size": 2,
                                                                  "pipeline_schedule": pipeline}),
-                                 **({} if context is None else {"context": context}))
+                                 **({} if context is None else {"context": context}),
+                                 **({"compile": {"backend": "aot_eager"}} if compile else {}))
     results = train_against_reference(trainer, reference, ref_opt, _batch, kind, clip, rank, 4, STEPS)
     trainer.close()
     return results
@@ -97,6 +99,16 @@ def test_tensor_parallel_trainer_matches_one_process(kind, world, tp, strategy, 
             assert abs(got - want) <= 1e-5 * max(1.0, want), (rank, norms)
         if clip is not None:
             assert any(want > clip for _, want in norms), "the clip threshold must actually clip"
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_compiled_tensor_parallel_model_matches_one_process(sequence_parallel):
+    """DistributedTrainer(compile=...) over a tensor-parallel GPT: the autograd collectives traced
+    into the graph (aot_eager: the eager kernels), parameters equal to one process after every step."""
+    results = run_distributed(parity_worker, 2, args=("gpt", 2, "ddp", sequence_parallel, 0.5, "sgd", None, None, True),
+                              timeout=240)
+    worst = results[0][0]
+    assert len(worst) == STEPS and max(worst) <= TOL, f"parameters differ from one process by {worst}"
 
 
 @pytest.mark.parametrize("schedule, strategy, sequence_parallel", [

@@ -109,6 +109,15 @@ class VocabParallelLoss:
     def __deepcopy__(self, memo: dict) -> "VocabParallelLoss":
         return self  # immutable, and a process group cannot be copied
 
+    def with_options_of(self, criterion: Callable) -> "VocabParallelLoss":
+        """This loss with `criterion`'s ``ignore_index``, ``reduction`` and ``label_smoothing``; a
+        criterion that is not a plain cross-entropy (`is_cross_entropy`) cannot take split logits:
+        ValueError (`unsupported_loss_message`)."""
+        options = _cross_entropy_options(criterion)
+        if options is None:
+            raise ValueError(unsupported_loss_message(criterion))
+        return dataclasses.replace(self, **options)
+
 
 def parallel_loss(model: nn.Module, criterion: Callable | None = None) -> VocabParallelLoss | None:
     """The loss of `model`'s vocabulary-parallel output head, or None when it has none.
@@ -125,14 +134,9 @@ def parallel_loss(model: nn.Module, criterion: Callable | None = None) -> VocabP
             raise ValueError("the model has several vocabulary-parallel output heads ('vocab' style on an "
                              "nn.Linear in tensor_parallel_plan); a loss can be found for one only")
         loss = found if found is not None else loss
-    if loss is None:
-        return None
-    if criterion is None:
+    if loss is None or criterion is None:
         return loss
-    options = _cross_entropy_options(criterion)
-    if options is None:
-        raise ValueError(unsupported_loss_message(criterion))
-    return dataclasses.replace(loss, **options)
+    return loss.with_options_of(criterion)
 
 
 def is_cross_entropy(criterion: Callable) -> bool:

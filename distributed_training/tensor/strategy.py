@@ -89,7 +89,6 @@ class TensorParallelStrategy(Strategy):
                     tensor.data.copy_(buffer)
         self.specs = apply_plan(module, plan, self.group, sequence_parallel=self.options.sequence_parallel)
         self._vocab_loss = parallel_loss(module)
-        self._module = module
         names = dict(module.named_parameters(remove_duplicate=False))
         self._split_names = frozenset(name for name in names if name in self.specs)
         self._replicated_names = frozenset(names) - self._split_names
@@ -104,15 +103,13 @@ class TensorParallelStrategy(Strategy):
     def loss_criterion(self, criterion: Callable | None) -> Callable | None:
         """Cross-entropy becomes the vocabulary-parallel loss when the head is split by vocabulary;
         another criterion cannot read a part of the logits (an error naming the plan)."""
-        from .plan import parallel_loss
-
         if self._vocab_loss is None:
             return criterion
         if criterion is None:
             # Our GPT computes its own loss (vocabulary-parallel once split), except in a pipeline,
             # whose last stage applies a criterion to the logits: there, the split one.
             return self._vocab_loss if _is_pipeline(self.inner) else None
-        return parallel_loss(self._module, criterion)  # its options kept; not cross-entropy: ValueError
+        return self._vocab_loss.with_options_of(criterion)  # its options kept; not cross-entropy: ValueError
 
     def evaluation_metrics(self, metrics):
         """A metric reads the model's outputs, which a vocabulary-split head leaves as this rank's
