@@ -446,9 +446,9 @@ class PipelineStrategy(Strategy):
                 for own in self._own_keys[key]:
                     mine[own] = value.detach().cpu().clone()
             if whole is not None:
-                mine = whole(mine)
-                if self._tensor_rank != 0:
-                    mine = {}
+                full = whole(mine)  # collective over the tensor group; on its device (NCCL: the GPU)
+                # Pickled to rank 0 below: CPU tensors (a CUDA one is rebuilt there on its sender's GPU).
+                mine = {k: v.cpu() for k, v in full.items()} if self._tensor_rank == 0 else {}
         gathered = [None] * dist.get_world_size() if ctx_rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if ctx_rank != 0:
