@@ -248,6 +248,7 @@ class TensorParallelStrategy(Strategy):
 
 
 def _builtin_plan(module: nn.Module) -> dict[str, Any] | None:
+    """The plan the package knows for `module` (our GPT's), or None."""
     from ..models.gpt import GPT
     from .plan import gpt_plan
 
@@ -261,6 +262,7 @@ def _is_pipeline(strategy: Strategy) -> bool:
 
 
 def _comm_device(group, device: torch.device) -> torch.device:
+    """Where `group`'s collectives take their tensors: `device` under NCCL, else the CPU (gloo)."""
     return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
