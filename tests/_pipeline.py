@@ -6,6 +6,25 @@ import torch
 import torch.nn.functional as F
 
 
+def train_against_reference(trainer, reference, ref_opt, batch, kind: str, clip, rank: int, per_replica: int,
+                            steps: int):
+    """`steps` steps of `step_against_reference`, step s on this replica's `per_replica` rows of the
+    global batch ``batch(kind, s, per_replica * trainer.dp_world_size)``. Returns (on rank 0 the
+    largest parameter difference after each step, else []; each step's (trainer's, reference's)
+    loss; each step's (trainer's, reference's) gradient norm where `clip`, else [])."""
+    rows = slice(trainer.dp_rank * per_replica, (trainer.dp_rank + 1) * per_replica)
+    worst, losses, norms = [], [], []
+    for step in range(steps):
+        x, y = batch(kind, step, per_replica * trainer.dp_world_size)
+        diff, loss, norm = step_against_reference(trainer, reference, ref_opt, x, y, rows, kind, clip, rank)
+        if diff is not None:
+            worst.append(diff)
+        losses.append(loss)
+        if norm is not None:
+            norms.append(norm)
+    return worst, losses, norms
+
+
 def step_against_reference(trainer, reference, ref_opt, x, y, rows: slice, kind: str, clip, rank: int):
     """One `trainer` step on this replica's `rows` of the global batch ``(x, y)`` and one step of
     `reference` (one process) on all of it. `kind` ``"mlp"`` uses `F.mse_loss`; ``"gpt"`` the model's own

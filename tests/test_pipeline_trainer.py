@@ -15,7 +15,7 @@ from distributed_training.pipeline.training import PipelineOptions
 from distributed_training.testing import run_distributed
 
 from _models import tiny_gpt
-from _pipeline import step_against_reference
+from _pipeline import step_against_reference, train_against_reference
 
 TOL = 1e-5
 STEPS = 3
@@ -51,19 +51,10 @@ def parity_worker(rank, world, kind, pipe, schedule, microbatches, clip):
     ref_opt = _sgd(reference.parameters())
     trainer = DistributedTrainer(copy.deepcopy(base), _sgd, gradient_clip_val=clip, pipeline_parallel_size=pipe,
                                  pipeline_schedule=schedule, microbatches=microbatches)
-    dp, dp_rank = trainer.dp_world_size, trainer.dp_rank
-    per_replica = 2 * microbatches
-    worst, losses, norms = 0.0, [], []
-    for step in range(STEPS):
-        x, y = _batch(kind, step, per_replica * dp)
-        sl = slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
-        diff, loss, norm = step_against_reference(trainer, reference, ref_opt, x, y, sl, kind, clip, rank)
-        worst = max(worst, diff) if diff is not None else worst
-        losses.append(loss)
-        if norm is not None:
-            norms.append(norm)
+    worst, losses, norms = train_against_reference(trainer, reference, ref_opt, _batch, kind, clip, rank,
+                                                   2 * microbatches, STEPS)
     trainer.close()
-    return worst, losses, norms
+    return max(worst, default=0.0), losses, norms
 
 
 @pytest.mark.parametrize("world, kind, schedule, microbatches, clip", [

@@ -22,7 +22,7 @@ from distributed_training import DistributedTrainer, FSDPStrategy
 from distributed_training.testing import run_distributed
 
 from _models import tiny_gpt
-from _pipeline import step_against_reference
+from _pipeline import step_against_reference, train_against_reference
 
 TOL = 1e-5
 STEPS = 3
@@ -68,18 +68,8 @@ def parity_worker(rank, world, kind, strategy, schedule, microbatches, clip, opt
     trainer = DistributedTrainer(copy.deepcopy(base), factory, strategy=_strategy(strategy), gradient_clip_val=clip,
                                  pipeline_parallel_size=2, pipeline_schedule=schedule, microbatches=microbatches,
                                  progress=False, **({} if context is None else {"context": context}))
-    dp, dp_rank = trainer.dp_world_size, trainer.dp_rank
-    per_replica = 2 * microbatches
-    worst, losses, norms = [], [], []
-    for step in range(STEPS):
-        x, y = _batch(kind, step, per_replica * dp)
-        sl = slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
-        diff, loss, norm = step_against_reference(trainer, reference, ref_opt, x, y, sl, kind, clip, rank)
-        if diff is not None:
-            worst.append(diff)
-        losses.append(loss)
-        if norm is not None:
-            norms.append(norm)
+    worst, losses, norms = train_against_reference(trainer, reference, ref_opt, _batch, kind, clip, rank,
+                                                   2 * microbatches, STEPS)
     name = trainer.strategy.name
     trainer.close()
     return worst, losses, norms, name

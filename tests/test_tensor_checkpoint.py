@@ -292,3 +292,26 @@ def test_full_tensors_gathers_each_split_tensor_over_the_tensor_group():
         assert list(got) == list(params)
         for key in MODEL:
             assert torch.equal(got[key], params[key]), f"rank {rank}: '{key}'"
+
+
+def _tied_full_tensors_worker(rank: int, world: int) -> tuple[int, bool]:
+    """A tied weight under two keys (GPT's wte.weight / lm_head.weight): one all-gather, one tensor."""
+    import torch.distributed as dist
+
+    spec = ShardSpec((8, 3), 0, rank, world)
+    weight = shard(torch.arange(24.0).view(8, 3), spec)
+    calls = []
+    all_gather = dist.all_gather
+    dist.all_gather = lambda *args, **kwargs: (calls.append(1), all_gather(*args, **kwargs))[1]
+    try:
+        # As state_dict() gives them: two detached tensors viewing one parameter.
+        got = full_tensors({"wte.weight": weight.detach(), "lm_head.weight": weight.detach()},
+                           {"wte.weight": spec, "lm_head.weight": spec})
+    finally:
+        dist.all_gather = all_gather
+    same = got["wte.weight"] is got["lm_head.weight"] and torch.equal(got["wte.weight"], torch.arange(24.0).view(8, 3))
+    return len(calls), same
+
+
+def test_full_tensors_gathers_a_tied_weight_once():
+    assert run_distributed(_tied_full_tensors_worker, 2, timeout=60) == [(1, True), (1, True)]

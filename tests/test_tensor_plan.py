@@ -300,3 +300,63 @@ def test_gpt_forward_with_its_loss_hook_is_one_graph():
     x, y = _batch("gpt", 0)
     compiled = torch.compile(model, backend="eager", fullgraph=True)  # raises on a graph break
     assert torch.equal(compiled(x, y), model(x, y))
+
+
+def test_plan_without_a_process_group_is_the_plain_model():
+    """No process group: T = 1 (as the layers' own rank and size say), the model computes as before."""
+    assert not dist.is_initialized()
+    torch.manual_seed(0)
+    plain = GPT(GPT_CFG)
+    model = copy.deepcopy(plain)
+    specs = apply_plan(model, gpt_plan(GPT_CFG))
+    assert specs and all(spec.parts == 1 for spec in specs.values()), specs
+    x, y = _batch("gpt", 0)
+    assert torch.equal(model(x), plain(x))  # logits bit for bit; the loss is the vocabulary-parallel one
+    torch.testing.assert_close(model(x, y), plain(x, y), rtol=1e-6, atol=1e-6)
+
+
+class _SharedWeight(nn.Module):
+    """One weight in two column-parallel layers (`a`, `b`: their biases their own), each followed by its
+    row-parallel layer (`c` without bias); the second branch's output layer without bias too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+        self.c, self.d = nn.Linear(8, 4, bias=False), nn.Linear(8, 4)
+        self.e = nn.Linear(4, 6, bias=False)
+
+    def forward(self, x):
+        return self.e(self.c(torch.tanh(self.a(x))) + self.d(torch.tanh(self.b(x))))
+
+
+def _shared_job(rank: int, world: int) -> list[str]:
+    errors = []
+    torch.manual_seed(0)
+    plain = _SharedWeight().double()
+    model = copy.deepcopy(plain)
+    plan = {"[ab]": "colwise", "[cd]": "rowwise", "e": ("colwise", 3)}
+    specs = apply_plan(model, plan, None)
+    model.e.gather_output = True  # the whole output, its 3 blocks back in the plain layer's order
+    if model.a.weight is not model.b.weight or {"a.weight", "b.weight"} - set(specs):
+        errors.append(f"the shared weight is not one split parameter under both keys: {sorted(specs)}")
+    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    got, want = model(x), plain(x)
+    if not torch.allclose(got, want, atol=1e-12):
+        errors.append(f"outputs differ by {(got - want).abs().max().item()}")
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for name, p in model.named_parameters():
+        full = dict(plain.named_parameters())[name]
+        grad = p.grad
+        if name in specs:
+            parts = [torch.empty_like(grad) for _ in range(world)]
+            dist.all_gather(parts, grad.contiguous())
+            grad = unshard(parts, specs[name])
+        if not torch.allclose(grad, full.grad, atol=1e-12):
+            errors.append(f"{name}: gradient differs by {(grad - full.grad).abs().max().item()}")
+    return errors
+
+
+def test_a_weight_shared_by_two_split_layers_and_layers_without_bias():
+    assert run_distributed(_shared_job, 2, timeout=60) == [[], []]

@@ -19,7 +19,7 @@ from distributed_training import DistributedTrainer
 from distributed_training.models import GPT, GPTConfig
 from distributed_training.testing import run_distributed
 
-from _pipeline import step_against_reference
+from _pipeline import train_against_reference
 
 TOL = 1e-5
 STEPS = 3
@@ -43,7 +43,8 @@ def _batch(kind: str, step: int, rows: int):
     g = torch.Generator().manual_seed(100 + step)
     if kind == "mlp":
         return torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g)
-    tokens = torch.randint(0, 64, (rows, 9), generator=g)  # 8 tokens: splits at T = 2 and 4
+    length = (8, 4, 12)[step % 3]  # the sequence length changes between steps; each splits at T = 2 and 4
+    tokens = torch.randint(0, 64, (rows, length + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -58,7 +59,8 @@ def _optimizer(name: str):
     return lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, eps=1e-6)
 
 
-def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, optimizer, pipeline=None, context=None):
+def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, optimizer, pipeline=None, context=None,
+                  compile=False):
     base = _gpt() if kind == "gpt" else _mlp()
     reference = copy.deepcopy(base)
     factory = _optimizer(optimizer)
@@ -68,21 +70,11 @@ def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, opti
                                  tensor_parallel_plan=MLP_PLAN if kind == "mlp" else None, progress=False,
                                  **({} if pipeline is None else {"pipeline_parallel_size": 2,
                                                                  "pipeline_schedule": pipeline}),
-                                 **({} if context is None else {"context": context}))
-    dp, dp_rank = trainer.dp_world_size, trainer.dp_rank
-    per_replica = 4
-    worst, losses, norms = [], [], []
-    for step in range(STEPS):
-        x, y = _batch(kind, step, per_replica * dp)
-        rows = slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
-        diff, loss, norm = step_against_reference(trainer, reference, ref_opt, x, y, rows, kind, clip, rank)
-        if diff is not None:
-            worst.append(diff)
-        losses.append(loss)
-        if norm is not None:
-            norms.append(norm)
+                                 **({} if context is None else {"context": context}),
+                                 **({"compile": {"backend": "aot_eager"}} if compile else {}))
+    results = train_against_reference(trainer, reference, ref_opt, _batch, kind, clip, rank, 4, STEPS)
     trainer.close()
-    return worst, losses, norms
+    return results
 
 
 @pytest.mark.parametrize("kind, world, tp, strategy, sequence_parallel, clip, optimizer", [
@@ -107,6 +99,16 @@ def test_tensor_parallel_trainer_matches_one_process(kind, world, tp, strategy, 
             assert abs(got - want) <= 1e-5 * max(1.0, want), (rank, norms)
         if clip is not None:
             assert any(want > clip for _, want in norms), "the clip threshold must actually clip"
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_compiled_tensor_parallel_model_matches_one_process(sequence_parallel):
+    """DistributedTrainer(compile=...) over a tensor-parallel GPT: the autograd collectives traced
+    into the graph (aot_eager: the eager kernels), parameters equal to one process after every step."""
+    results = run_distributed(parity_worker, 2, args=("gpt", 2, "ddp", sequence_parallel, 0.5, "sgd", None, None, True),
+                              timeout=240)
+    worst = results[0][0]
+    assert len(worst) == STEPS and max(worst) <= TOL, f"parameters differ from one process by {worst}"
 
 
 @pytest.mark.parametrize("schedule, strategy, sequence_parallel", [
@@ -277,3 +279,36 @@ def test_options_are_checked_before_any_rendezvous():
         DistributedTrainer(_gpt(), _optimizer("sgd"), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_plan"):
         DistributedTrainer(_mlp(), _optimizer("sgd"), tensor_parallel_plan={"0": "sideways"}, tensor_parallel_size=2)
+
+
+# ------------------------------------------------------------------ evaluate
+def evaluate_worker(rank, world, sequence_parallel):
+    """evaluate() at TP = world: the model's own loss and a cross-entropy criterion (both the
+    vocabulary-parallel loss) against one process; metrics, which would see this rank's logit
+    columns only, are an error naming the plan."""
+    reference = _gpt()
+    trainer = DistributedTrainer(_gpt(), _optimizer("sgd"), tensor_parallel_size=world,
+                                 sequence_parallel=sequence_parallel, progress=False)
+    x, y = _batch("gpt", 3, 6)
+    data = list(zip(x, y))
+    with torch.no_grad():
+        want = reference(x, y).item()
+    own = trainer.evaluate(data, batch_size=2)["loss"]
+    criterion = trainer.evaluate(data, torch.nn.CrossEntropyLoss(), batch_size=2)["loss"]
+    try:
+        trainer.evaluate(data, torch.nn.CrossEntropyLoss(), batch_size=2,
+                         metrics={"accuracy": lambda logits, t: (logits.argmax(-1) == t).float().mean()})
+        error = None
+    except ValueError as err:
+        error = str(err)
+    trainer.close()
+    return want, own, criterion, error
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_evaluate_uses_the_vocabulary_parallel_loss_and_refuses_metrics_of_split_logits(sequence_parallel):
+    for want, own, criterion, error in run_distributed(evaluate_worker, 2, args=(sequence_parallel,), timeout=120):
+        assert abs(own - want) <= 1e-5 and abs(criterion - want) <= 1e-5, (own, criterion, want)
+        assert error is not None, "metrics of a part of the logits must be an error"
+        for word in ("tensor_parallel_plan", "'vocab'", "accuracy"):
+            assert word in error, error

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor.plan import parallel_loss
+from ..tensor.loss import parallel_loss
 
 __all__ = ["GPTConfig", "GPT", "GPT_PRESETS"]
 

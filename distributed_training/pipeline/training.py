@@ -417,12 +417,7 @@ class PipelineStrategy(Strategy):
         ZeRO's and FSDP's shards are summed over the group), a tied parameter's copies counted once (on
         the lowest pipeline rank holding one), summed over the pipeline; each rank scales what its
         optimizer steps (`gradients`)."""
-        norm = self.gradient_norm_squares(model).sqrt()
-        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        grads = self.inner.gradients(model)
-        if grads:
-            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
-        return norm
+        return self._clip_by_norm_squares(model, max_norm)
 
     def gradient_norm_squares(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> torch.Tensor:
         """The sum of squares of the whole model's gradients (every stage, every shard; a tied
@@ -451,9 +446,9 @@ class PipelineStrategy(Strategy):
                 for own in self._own_keys[key]:
                     mine[own] = value.detach().cpu().clone()
             if whole is not None:
-                mine = whole(mine)
-                if self._tensor_rank != 0:
-                    mine = {}
+                full = whole(mine)  # collective over the tensor group; on its device (NCCL: the GPU)
+                # Pickled to rank 0 below: CPU tensors (a CUDA one is rebuilt there on its sender's GPU).
+                mine = {k: v.cpu() for k, v in full.items()} if self._tensor_rank == 0 else {}
         gathered = [None] * dist.get_world_size() if ctx_rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if ctx_rank != 0:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -198,6 +198,12 @@ class Strategy(abc.ABC):
         parallelism: its part of the vocabulary's logits)."""
         return criterion
 
+    def evaluation_metrics(self, metrics: Mapping[str, Callable] | None) -> Mapping[str, Callable] | None:
+        """The metrics `evaluate` applies to the model's outputs: `metrics` themselves, unless the
+        strategy's model outputs something else than the user's outputs and no metric can read them
+        (tensor parallelism's vocabulary-split head: a ValueError naming the plan)."""
+        return metrics
+
     def backward(self, model: nn.Module, loss: torch.Tensor, precision: Precision) -> None:
         """Backward from one micro-batch's `loss` (the precision object scales it where it must); the
         wrapper's hooks synchronise the gradients unless this runs under `no_sync`."""
@@ -226,6 +232,18 @@ class Strategy(abc.ABC):
         """Clip gradients in place by their global 2-norm; return the norm before clipping."""
         params = [p for p in model.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def _clip_by_norm_squares(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """`clip_grad_norm` for a strategy whose `gradient_norm_squares` already spans every rank that
+        holds a part of the model (a pipeline's stages, tensor parallelism's shards): the gradients this
+        rank steps (`gradients`) scaled by ``min(1, max_norm / (norm + 1e-6))``; returns the norm
+        before clipping, the same on every rank."""
+        norm = self.gradient_norm_squares(model).sqrt()
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        grads = self.gradients(model)
+        if grads:
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        return norm
 
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The full model state, with the same keys as the user's module's `state_dict()`."""

@@ -33,17 +33,25 @@ import torch.distributed as dist
 from ..comm.collectives import all_gather_single, reduce_scatter_single
 
 __all__ = ["copy_to", "reduce_from", "gather_last", "split_last", "split_sequence", "gather_sequence",
-           "reduce_scatter_sequence"]
+           "reduce_scatter_sequence", "group_size", "group_rank"]
 
 # Backends on which a flat collective raised: the list / all-reduce fallback is used from then on.
 _NO_FLAT: set[str] = set()
 
 
-def _size(group) -> int:
-    return dist.get_world_size(group)
+def group_size(group) -> int:
+    """The number of ranks of the tensor `group` (``None``: the default group); 1 without a process group."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group) -> int:
+    """This process's rank in the tensor `group` (``None``: the default group); 0 without a process group."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
 def _check_divisible(x: torch.Tensor, dim: int, parts: int, what: str) -> int:
+    """The length of each of the `parts` slices of `x` along `dim`; a ValueError naming `what` when
+    it does not split."""
     length = x.shape[dim]
     if length % parts:
         raise ValueError(f"{what} {length} (dim {dim % x.dim()} of shape {list(x.shape)}) is not divisible by "
@@ -52,6 +60,7 @@ def _check_divisible(x: torch.Tensor, dim: int, parts: int, what: str) -> int:
 
 
 def _flat(op, fallback, group, *args) -> None:
+    """Run the flat collective `op(*args, group=group)`, or `fallback` where the backend lacks it."""
     backend = dist.get_backend(group)
     if backend not in _NO_FLAT:
         try:
@@ -65,16 +74,17 @@ def _flat(op, fallback, group, *args) -> None:
 
 
 def _gather_list(out: torch.Tensor, flat: torch.Tensor, group) -> None:
-    dist.all_gather(list(out.chunk(_size(group))), flat, group=group)
+    dist.all_gather(list(out.chunk(group_size(group))), flat, group=group)
 
 
 def _reduce_scatter_via_all_reduce(out: torch.Tensor, flat: torch.Tensor, group) -> None:
     total = flat.clone()
     dist.all_reduce(total, group=group)
-    out.copy_(total.chunk(_size(group))[dist.get_rank(group)])
+    out.copy_(total.chunk(group_size(group))[group_rank(group)])
 
 
 def _all_reduce(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
+    """The sum of `x` over the group: `x` itself reduced where `inplace` (and contiguous), else a copy."""
     out = x if inplace and x.is_contiguous() else x.contiguous().clone()
     dist.all_reduce(out, group=group)
     return out
@@ -82,7 +92,7 @@ def _all_reduce(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Every rank's `x` concatenated along `dim`, in rank order."""
-    parts = _size(group)
+    parts = group_size(group)
     x = x.contiguous()
     buf = torch.empty((parts,) + tuple(x.shape), dtype=x.dtype, device=x.device)  # (T, *x.shape)
     _flat(all_gather_single, _gather_list, group, buf.view(-1), x.view(-1))
@@ -95,7 +105,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's slice along `dim` of the sum over ranks of `x`."""
-    parts = _size(group)
+    parts = group_size(group)
     dim = dim % x.dim()
     n = _check_divisible(x, dim, parts, "length")
     shape = list(x.shape)
@@ -107,8 +117,9 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _slice(x: torch.Tensor, dim: int, group, what: str) -> torch.Tensor:
-    n = _check_divisible(x, dim, _size(group), what)
-    return x.narrow(dim, dist.get_rank(group) * n, n).contiguous()
+    """This rank's slice of `x` along `dim` (a contiguous copy)."""
+    n = _check_divisible(x, dim, group_size(group), what)
+    return x.narrow(dim, group_rank(group) * n, n).contiguous()
 
 
 class _CopyTo(torch.autograd.Function):
@@ -174,41 +185,41 @@ class _ReduceScatter(torch.autograd.Function):
 
 def copy_to(x: torch.Tensor, group=None) -> torch.Tensor:
     """Enter a tensor-parallel region: forward the identity, backward the all-reduce of the gradient."""
-    return x if _size(group) == 1 else _CopyTo.apply(x, group)
+    return x if group_size(group) == 1 else _CopyTo.apply(x, group)
 
 
 def reduce_from(x: torch.Tensor, group=None, *, inplace: bool = False) -> torch.Tensor:
     """Leave a tensor-parallel region: forward the all-reduce (sum) of the partial results, backward the
     identity. ``inplace=True`` reduces `x` itself (a fresh partial product that nothing else keeps)."""
-    return x if _size(group) == 1 else _ReduceFrom.apply(x, group, inplace)
+    return x if group_size(group) == 1 else _ReduceFrom.apply(x, group, inplace)
 
 
 def gather_last(x: torch.Tensor, group=None) -> torch.Tensor:
     """Forward: every rank's `x` concatenated along the last dim; backward: this rank's slice."""
-    return x if _size(group) == 1 else _GatherAlong.apply(x, group, -1, False)
+    return x if group_size(group) == 1 else _GatherAlong.apply(x, group, -1, False)
 
 
 def split_last(x: torch.Tensor, group=None) -> torch.Tensor:
     """Forward: this rank's slice of the last dim; backward: the all-gather of the gradient."""
-    return x if _size(group) == 1 else _SplitAlong.apply(x, group, -1, "last dimension")
+    return x if group_size(group) == 1 else _SplitAlong.apply(x, group, -1, "last dimension")
 
 
 def split_sequence(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
     """Enter the sequence-parallel region: forward this rank's slice along `dim` (the sequence),
     backward the all-gather of the gradient."""
-    return x if _size(group) == 1 else _SplitAlong.apply(x, group, dim, "sequence length")
+    return x if group_size(group) == 1 else _SplitAlong.apply(x, group, dim, "sequence length")
 
 
 def gather_sequence(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
     """Sequence-parallel -> tensor-parallel: forward the all-gather along `dim`, backward the
     reduce-scatter (each rank's use of the whole sequence contributes to every slice's gradient)."""
-    return x if _size(group) == 1 else _GatherAlong.apply(x, group, dim, True)
+    return x if group_size(group) == 1 else _GatherAlong.apply(x, group, dim, True)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
     """Tensor-parallel -> sequence-parallel: forward the sum of the partial results, of which this rank
     keeps its slice along `dim` (reduce-scatter); backward the all-gather of the gradient."""
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return x
-    _check_divisible(x, dim, _size(group), "sequence length")
+    _check_divisible(x, dim, group_size(group), "sequence length")
     return _ReduceScatter.apply(x, group, dim)

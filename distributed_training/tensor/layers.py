@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import (copy_to, gather_last, gather_sequence, reduce_from, reduce_scatter_sequence)
+from .functional import (copy_to, gather_last, gather_sequence, group_rank, group_size, reduce_from,
+                         reduce_scatter_sequence)
 from .spec import ShardSpec, mark_sequence_parallel, set_spec, shard
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
@@ -44,8 +45,21 @@ class _Group:
         return self
 
 
+class _OnTensorGroup(nn.Module):
+    """A layer computing over the tensor group: `group`, and this process's `rank` in it of `size`."""
+
+    def _join(self, group) -> None:
+        self._group = _Group(group)
+        self.rank, self.size = _rank_size(group)
+
+    @property
+    def group(self):
+        return self._group.group
+
+
 def _rank_size(group) -> tuple[int, int]:
-    return dist.get_rank(group), dist.get_world_size(group)
+    """(this process's rank in `group`, the group's size); (0, 1) without a process group."""
+    return group_rank(group), group_size(group)
 
 
 def _split_param(full: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
@@ -54,17 +68,20 @@ def _split_param(full: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
     return p
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether `module` is Hugging Face's Conv1D (weight stored [in, out]), recognised by its class name
+    and `nf` attribute without importing transformers."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def _linear_shape(module: nn.Module, cls: str) -> tuple[int, int, bool]:
-    """(in_features, out_features, transposed) of an `nn.Linear` or an HF `Conv1D`."""
+def linear_shape(module: nn.Module, caller: str) -> tuple[int, int, bool]:
+    """(in_features, out_features, transposed) of an `nn.Linear` (transposed False) or an HF `Conv1D`
+    (True); a TypeError naming `caller` for any other module."""
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features, False
-    if _is_conv1d(module):
+    if is_conv1d(module):
         return module.weight.shape[0], module.weight.shape[1], True
-    raise TypeError(f"{cls}.from_module: expected an nn.Linear or a Hugging Face Conv1D, got {type(module).__name__}")
+    raise TypeError(f"{caller}: expected an nn.Linear or a Hugging Face Conv1D, got {type(module).__name__}")
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -77,22 +94,17 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tr
     return out.view(x.shape[:-1] + (weight.shape[1],))
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(_OnTensorGroup):
     def __init__(self, weight, bias, group, *, in_features, out_features, transposed, sequence_parallel,
                  sequence_dim) -> None:
         super().__init__()
         self.weight = weight
         self.bias = bias
-        self._group = _Group(group)
-        self.rank, self.size = _rank_size(group)
+        self._join(group)
         self.in_features, self.out_features = in_features, out_features
         self.transposed = transposed
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
-
-    @property
-    def group(self):
-        return self._group.group
 
     def _repr_tail(self) -> str:
         tail = ", conv1d layout [in, out]" if self.transposed else ""
@@ -114,7 +126,7 @@ class ColumnParallelLinear(_ParallelLinear):
     @classmethod
     def from_module(cls, linear: nn.Module, group=None, *, chunks: int = 1, sequence_parallel: bool = False,
                     sequence_dim: int = 1, gather_output: bool = False) -> "ColumnParallelLinear":
-        in_f, out_f, transposed = _linear_shape(linear, cls.__name__)
+        in_f, out_f, transposed = linear_shape(linear, f"{cls.__name__}.from_module")
         rank, size = _rank_size(group)
         if not isinstance(chunks, int) or chunks < 1 or out_f % chunks:
             raise ValueError(f"{cls.__name__}: chunks={chunks!r} does not split out features {out_f} into equal blocks")
@@ -163,7 +175,7 @@ class RowParallelLinear(_ParallelLinear):
     @classmethod
     def from_module(cls, linear: nn.Module, group=None, *, sequence_parallel: bool = False,
                     sequence_dim: int = 1) -> "RowParallelLinear":
-        in_f, out_f, transposed = _linear_shape(linear, cls.__name__)
+        in_f, out_f, transposed = linear_shape(linear, f"{cls.__name__}.from_module")
         rank, size = _rank_size(group)
         if in_f % size:
             raise ValueError(f"{cls.__name__}: in features {in_f} of {type(linear).__name__}(in={in_f}, out={out_f}) "
@@ -195,7 +207,7 @@ class RowParallelLinear(_ParallelLinear):
                 + self._repr_tail())
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_OnTensorGroup):
     """An embedding whose vocabulary rows are split: this rank holds ids [start, start + V / T). Ids of
     other ranks look up row 0 and are masked to zero; the all-reduce (`reduce_from`) then gives every
     rank the full lookup. `padding_idx` keeps nn.Embedding's meaning (its row gets no gradient)."""
@@ -219,18 +231,13 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, weight: nn.Parameter, group, *, num_embeddings: int, padding_idx: int | None) -> None:
         super().__init__()
         self.weight = weight
-        self._group = _Group(group)
-        self.rank, self.size = _rank_size(group)
+        self._join(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, weight.shape[1]
         self.padding_idx = padding_idx
         self.vocab_start = self.rank * weight.shape[0]
         self.vocab_end = self.vocab_start + weight.shape[0]
         local_pad = None if padding_idx is None else padding_idx - self.vocab_start
         self._local_padding_idx = local_pad if local_pad is not None and 0 <= local_pad < weight.shape[0] else None
-
-    @property
-    def group(self):
-        return self._group.group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
@@ -247,7 +254,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"split=vocabulary rows [{self.vocab_start}, {self.vocab_end})")
 
 
-class SequenceParallelDropout(nn.Module):
+class SequenceParallelDropout(_OnTensorGroup):
     """Dropout on this rank's part of the sequence, bit-equal to TP = 1.
 
     In training with p > 0 it draws the whole mask exactly as TP = 1's `F.dropout` draws it on the
@@ -269,14 +276,9 @@ class SequenceParallelDropout(nn.Module):
                  training: bool = True) -> None:
         super().__init__()
         self.p, self.inplace = p, inplace
-        self._group = _Group(group)
-        self.rank, self.size = _rank_size(group)
+        self._join(group)
         self.sequence_dim = sequence_dim
         self.train(training)
-
-    @property
-    def group(self):
-        return self._group.group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
@@ -302,7 +304,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, ignore_index, smoothing, vocab):
-        size = dist.get_world_size(group)
+        size = group_size(group)
         # A shift by the row's global max keeps exp() in range; any common shift gives the same loss.
         peak = logits.max(dim=-1).values
         if size > 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .plan import STYLES
+from .plan import parse_plan
 
 __all__ = ["TensorOptions"]
 
@@ -40,11 +40,7 @@ class TensorOptions:
             if not isinstance(self.plan, dict) or not self.plan:
                 raise TypeError("tensor_parallel_plan must be a non-empty dict of module-name pattern -> style, got "
                                 f"{type(self.plan).__name__}")
-            for pattern, style in self.plan.items():
-                name = style[0] if isinstance(style, (tuple, list)) and style else style
-                if not isinstance(pattern, str) or name not in STYLES:
-                    raise ValueError(f"tensor_parallel_plan[{pattern!r}] = {style!r}: a style must be one of "
-                                     f"{list(STYLES)} (or ('colwise', chunks) for a fused projection)")
+            parse_plan(self.plan)  # apply_plan's own rules: an error naming the entry
 
     @property
     def enabled(self) -> bool:

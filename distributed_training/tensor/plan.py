@@ -23,28 +23,24 @@ check fails.
 
 A ``"vocab"`` output head leaves split logits: `parallel_loss(model)` gives the loss that takes them
 (our GPT's ``forward(idx, targets)`` uses it), and `parallel_loss(model, criterion)` swaps a user's
-cross-entropy criterion for it.
+cross-entropy criterion for it (both in `tensor.loss`, re-exported here).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Mapping, Union
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from .functional import split_sequence
+from .functional import group_size, split_sequence
 from .layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelDropout, VocabParallelEmbedding,
-                     vocab_parallel_cross_entropy)
+                     is_conv1d, linear_shape)
+from .loss import _LOSS, VocabParallelLoss, is_cross_entropy, parallel_loss, unsupported_loss_message
 from .spec import ShardSpec, mark_sequence_parallel, spec_of
 
 __all__ = ["STYLES", "Style", "apply_plan", "gpt_plan", "parallel_loss", "is_cross_entropy", "VocabParallelLoss",
-           "unsupported_loss_message"]
+           "unsupported_loss_message", "parse_plan"]
 
 STYLES = ("colwise", "rowwise", "vocab", "sequence", "sequence_split", "replicate")
 Style = Union[str, tuple]  # one of STYLES, or ("colwise", chunks)
@@ -53,7 +49,6 @@ Style = Union[str, tuple]  # one of STYLES, or ("colwise", chunks)
 # size when one of its projections is split (our GPT: n_head; Hugging Face: num_heads, ...).
 _HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "n_kv_head", "n_kv_heads", "num_key_value_heads",
                     "num_attention_heads")
-_LOSS = "_dt_parallel_loss"  # on a vocabulary-parallel output head: its VocabParallelLoss
 
 
 def gpt_plan(cfg: Any = None) -> dict[str, Style]:
@@ -83,89 +78,6 @@ def gpt_plan(cfg: Any = None) -> dict[str, Style]:
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class VocabParallelLoss:
-    """The cross-entropy of a vocabulary-parallel head: ``loss(local_logits, targets)``, logits
-    (..., vocab / T) holding vocabulary ids ``vocab_start ...`` of this rank, targets (...) the full ids.
-
-    Attributes:
-        group: the tensor group the head is split over.
-        vocab_start: the first vocabulary id of this rank's columns.
-        ignore_index: targets equal to it count for nothing (as `F.cross_entropy`).
-        reduction: ``"mean"`` (over the targets not ignored), ``"sum"`` or ``"none"``.
-        label_smoothing: as `F.cross_entropy`'s.
-    """
-
-    group: Any
-    vocab_start: int
-    ignore_index: int = -100
-    reduction: str = "mean"
-    label_smoothing: float = 0.0
-
-    def __call__(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(local_logits, targets, self.group, vocab_start=self.vocab_start,
-                                            ignore_index=self.ignore_index, reduction=self.reduction,
-                                            label_smoothing=self.label_smoothing)
-
-    def __deepcopy__(self, memo: dict) -> "VocabParallelLoss":
-        return self  # immutable, and a process group cannot be copied
-
-
-def parallel_loss(model: nn.Module, criterion: Callable | None = None) -> VocabParallelLoss | None:
-    """The loss of `model`'s vocabulary-parallel output head, or None when it has none.
-
-    With a `criterion`, the loss keeps its ``ignore_index``, ``reduction`` and ``label_smoothing``; a criterion that is not
-    a plain cross-entropy (`is_cross_entropy`) cannot take split logits: ValueError
-    (`unsupported_loss_message`).
-    """
-    # A plain loop (no comprehension): our GPT calls this in forward, which torch.compile traces whole.
-    loss = None
-    for module in model.modules():
-        found = getattr(module, _LOSS, None)
-        if found is not None and loss is not None and found is not loss:
-            raise ValueError("the model has several vocabulary-parallel output heads ('vocab' style on an "
-                             "nn.Linear in tensor_parallel_plan); a loss can be found for one only")
-        loss = found if found is not None else loss
-    if loss is None:
-        return None
-    if criterion is None:
-        return loss
-    options = _cross_entropy_options(criterion)
-    if options is None:
-        raise ValueError(unsupported_loss_message(criterion))
-    return dataclasses.replace(loss, **options)
-
-
-def is_cross_entropy(criterion: Callable) -> bool:
-    """Whether `criterion` is a cross-entropy that the vocabulary-parallel loss computes equally:
-    `F.cross_entropy` (or a `functools.partial` of it setting only ``ignore_index`` / ``reduction`` /
-    ``label_smoothing``), or an `nn.CrossEntropyLoss` without class weights."""
-    return _cross_entropy_options(criterion) is not None
-
-
-def unsupported_loss_message(criterion: Callable) -> str:
-    return (f"tensor_parallel_plan splits the output head by vocabulary ('vocab'): its logits hold this rank's "
-            f"columns only, so the loss must be the vocabulary-parallel cross-entropy, but the criterion "
-            f"{getattr(criterion, '__qualname__', None) or repr(criterion)} is not F.cross_entropy or nn.CrossEntropyLoss (without class weights; ignore_index, "
-            f"reduction and label_smoothing are kept). Use one of those, or give the output head (and the "
-            f"embedding tied to it) another style than 'vocab'")
-
-
-def _cross_entropy_options(criterion: Callable) -> dict | None:
-    if criterion is F.cross_entropy:
-        return {}
-    if isinstance(criterion, functools.partial) and criterion.func is F.cross_entropy and not criterion.args:
-        if set(criterion.keywords) <= {"ignore_index", "reduction", "label_smoothing"}:
-            return dict(criterion.keywords)
-        return None
-    if isinstance(criterion, nn.CrossEntropyLoss):
-        if criterion.weight is not None:
-            return None
-        return {"ignore_index": criterion.ignore_index, "reduction": criterion.reduction,
-                "label_smoothing": criterion.label_smoothing}
-    return None
-
-
 # -- applying a plan ---------------------------------------------------------------------------------
 
 def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *, sequence_parallel: bool = False,
@@ -192,8 +104,8 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
             apply to, sizes or heads not divisible by the tensor size, tied parameters with different
             styles, or a model that already holds split parameters. The model is left untouched.
     """
-    rules = _parse(plan)
-    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    rules = parse_plan(plan)
+    size = group_size(group)
     already = [n for n, p in model.named_parameters() if spec_of(p) is not None]
     if already:
         raise ValueError(f"apply_plan: the model already holds tensor-parallel parameters ({already[0]}, ...); "
@@ -269,7 +181,10 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
     return specs
 
 
-def _parse(plan: Mapping[str, Style]) -> list[tuple[str, str, int]]:
+def parse_plan(plan: Mapping[str, Style]) -> list[tuple[str, str, int]]:
+    """`plan`'s entries as ``(pattern, style, chunks)`` in its order (``chunks`` 1 but for
+    ``("colwise", chunks)``). Raises TypeError (not a mapping) or ValueError naming the entry (an empty
+    or non-string pattern, an unknown style, a malformed fused style)."""
     if not isinstance(plan, Mapping):
         raise TypeError(f"tensor_parallel_plan must be a mapping of module-name patterns to styles, got "
                         f"{type(plan).__name__}")
@@ -296,20 +211,13 @@ def _examples(model: nn.Module) -> str:
     return ", ".join(repr(n) for n in names) + (", ..." if names else "(none)")
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's Conv1D (weight stored [in, out]), recognised without importing transformers."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-
-
 def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or _is_conv1d(module)
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _features(module: nn.Module) -> tuple[int, int]:
     """(in, out) features of a Linear or Conv1D."""
-    if _is_conv1d(module):
-        return module.weight.shape[0], module.weight.shape[1]
-    return module.in_features, module.out_features
+    return linear_shape(module, "apply_plan")[:2]
 
 
 _APPLIES_TO = {"colwise": "nn.Linear or Conv1D", "rowwise": "nn.Linear or Conv1D",

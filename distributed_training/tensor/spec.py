@@ -56,6 +56,7 @@ class ShardSpec:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's local tensor: `full_shape` with `dim` divided by `parts`."""
         shape = list(self.full_shape)
         shape[self.dim] //= self.parts
         return tuple(shape)
@@ -80,6 +81,8 @@ class Run:
 
 
 def set_spec(param: torch.Tensor, spec: ShardSpec) -> None:
+    """Mark `param` (this rank's local tensor) as `spec`'s part; a ValueError when its shape is not
+    the spec's local shape."""
     if tuple(param.shape) != spec.local_shape:
         raise ValueError(f"a local tensor of shape {list(param.shape)} does not match {spec} "
                          f"(expected {list(spec.local_shape)})")
@@ -87,14 +90,17 @@ def set_spec(param: torch.Tensor, spec: ShardSpec) -> None:
 
 
 def spec_of(param: torch.Tensor) -> ShardSpec | None:
+    """The `ShardSpec` that `set_spec` put on `param`, or None for a parameter held whole."""
     return getattr(param, _SPEC, None)
 
 
 def mark_sequence_parallel(param: torch.Tensor) -> None:
+    """Mark a replicated `param` whose gradient is a partial sum over this rank's part of the sequence."""
     setattr(param, _SEQUENCE, True)
 
 
 def is_sequence_parallel(param: torch.Tensor) -> bool:
+    """Whether `mark_sequence_parallel` marked `param`."""
     return getattr(param, _SEQUENCE, False)
 
 

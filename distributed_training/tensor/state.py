@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint_shards import Holding, Piece, StateLayout
+from .functional import group_size
 from .spec import Run, ShardSpec, runs, spec_of, unshard
 
 __all__ = ["tensor_state_layout", "full_tensors", "parameter_specs"]
@@ -130,13 +131,20 @@ def full_tensors(local: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpe
     """The full tensors of a tensor-parallel model's state: each key in `specs` all-gathered over the
     tensor `group` (one all-gather a tensor, every rank of the group calls this alike) and put together
     with `unshard`; the other keys pass through. Every rank gets the full tensors, on the local ones'
-    device."""
-    parts = dist.get_world_size(group) if dist.is_initialized() else 1
+    device. A tensor under several keys (a tied weight: GPT's ``wte.weight`` and ``lm_head.weight``)
+    is gathered once, and its full tensor is one tensor under each key, as in a plain state dict."""
+    parts = group_size(group)
     out: dict[str, torch.Tensor] = {}
+    # A state dict holds a tied weight as two detached views of one tensor: known by what they view.
+    gathered_from: dict[tuple, torch.Tensor] = {}
     for key, value in local.items():
         spec = specs.get(key)
         if spec is None:
             out[key] = value
+            continue
+        seen = (value.device, value.dtype, value.data_ptr(), tuple(value.shape), value.stride(), spec)
+        if seen in gathered_from:
+            out[key] = gathered_from[seen]
             continue
         if spec.parts != parts:
             raise ValueError(f"'{key}' is split into {spec.parts} parts, and the tensor group has {parts} ranks")
@@ -145,9 +153,10 @@ def full_tensors(local: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpe
                              f"{list(spec.local_shape)}")
         if parts == 1:
             out[key] = value.detach().clone()
-            continue
-        mine = value.detach().contiguous()
-        gathered = [torch.empty_like(mine) for _ in range(parts)]
-        dist.all_gather(gathered, mine, group=group)
-        out[key] = unshard(gathered, spec)
+        else:
+            mine = value.detach().contiguous()
+            gathered = [torch.empty_like(mine) for _ in range(parts)]
+            dist.all_gather(gathered, mine, group=group)
+            out[key] = unshard(gathered, spec)
+        gathered_from[seen] = out[key]
     return out

@@ -89,7 +89,6 @@ class TensorParallelStrategy(Strategy):
                     tensor.data.copy_(buffer)
         self.specs = apply_plan(module, plan, self.group, sequence_parallel=self.options.sequence_parallel)
         self._vocab_loss = parallel_loss(module)
-        self._module = module
         names = dict(module.named_parameters(remove_duplicate=False))
         self._split_names = frozenset(name for name in names if name in self.specs)
         self._replicated_names = frozenset(names) - self._split_names
@@ -104,15 +103,24 @@ class TensorParallelStrategy(Strategy):
     def loss_criterion(self, criterion: Callable | None) -> Callable | None:
         """Cross-entropy becomes the vocabulary-parallel loss when the head is split by vocabulary;
         another criterion cannot read a part of the logits (an error naming the plan)."""
-        from .plan import parallel_loss
-
         if self._vocab_loss is None:
             return criterion
         if criterion is None:
             # Our GPT computes its own loss (vocabulary-parallel once split), except in a pipeline,
             # whose last stage applies a criterion to the logits: there, the split one.
             return self._vocab_loss if _is_pipeline(self.inner) else None
-        return parallel_loss(self._module, criterion)  # its options kept; not cross-entropy: ValueError
+        return self._vocab_loss.with_options_of(criterion)  # its options kept; not cross-entropy: ValueError
+
+    def evaluation_metrics(self, metrics):
+        """A metric reads the model's outputs, which a vocabulary-split head leaves as this rank's
+        logit columns: an error naming the plan (no metric is computed on a part of the logits)."""
+        if metrics and self._vocab_loss is not None:
+            raise ValueError(f"evaluate(metrics={list(metrics)}): tensor_parallel_plan splits the output head by "
+                             f"vocabulary ('vocab'), so the model's outputs hold this rank's columns of the logits "
+                             f"only (..., vocab / {self.options.size}) and a metric of (outputs, targets) would "
+                             "read a part of them. Evaluate the metrics without tensor parallelism, or give the "
+                             "output head (and the embedding tied to it) another style than 'vocab'")
+        return self.inner.evaluation_metrics(metrics)
 
     # ------------------------------------------------------------------ steps (the inner strategy's)
     def no_sync(self, model: nn.Module):
@@ -166,12 +174,8 @@ class TensorParallelStrategy(Strategy):
         return split + replicated.to(split.device)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        norm = self.gradient_norm_squares(model).sqrt()
-        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        grads = self.inner.gradients(model)
-        if grads:
-            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
-        return norm
+        """Clip by the norm over every tensor shard (`gradient_norm_squares`); returns it."""
+        return self._clip_by_norm_squares(model, max_norm)
 
     def evaluate_batch(self, model, batch, criterion, metrics):
         return self.inner.evaluate_batch(model, batch, criterion, metrics)
@@ -244,6 +248,7 @@ class TensorParallelStrategy(Strategy):
 
 
 def _builtin_plan(module: nn.Module) -> dict[str, Any] | None:
+    """The plan the package knows for `module` (our GPT's), or None."""
     from ..models.gpt import GPT
     from .plan import gpt_plan
 
@@ -257,6 +262,7 @@ def _is_pipeline(strategy: Strategy) -> bool:
 
 
 def _comm_device(group, device: torch.device) -> torch.device:
+    """Where `group`'s collectives take their tensors: `device` under NCCL, else the CPU (gloo)."""
     return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
