@@ -144,3 +144,24 @@ def test_resuming_without_tensor_parallelism_says_so(tmp_path):
     seen = "\n".join(run_distributed(load_plain_worker, 2, args=(directory,), timeout=120)[0])
     assert "the configuration changed" in seen, seen
     assert "tensor_parallel_size: 2 -> 1" in seen and "sequence_parallel: True -> False" in seen, seen
+
+
+def odd_sequence_worker(rank, world):
+    trainer = DistributedTrainer(_gpt(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="ddp",
+                                 tensor_parallel_size=2, sequence_parallel=True, progress=False)
+    tokens = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))  # 7 tokens
+    try:
+        trainer.train_step((tokens[:, :-1], tokens[:, 1:]))
+    except ValueError as err:
+        return str(err)
+    finally:
+        trainer.close()
+    return None
+
+
+def test_a_sequence_that_does_not_split_names_sequence_parallel():
+    """Raised by every tensor rank in the first forward (nobody waits in a collective)."""
+    for message in run_distributed(odd_sequence_worker, 2, timeout=60):
+        assert message is not None, "7 tokens split between 2 ranks: no error"
+        for word in ("sequence length 7", "T=2", "sequence_parallel"):
+            assert word in message, message
