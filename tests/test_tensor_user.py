@@ -1,13 +1,14 @@
 """Tensor parallelism as a new user meets it: defects found by trying the documented API on models the
-tests did not build for it (Hugging Face GPT-2 and Llama, timm's ViT; see /work/notes/tp_user_report.md),
-each pinned here against one process or by the error it must raise.
+tests did not build for it (Hugging Face GPT-2 and Llama, timm's ViT), each pinned here against one
+process or by the error it must raise.
 
 * `evaluate(metrics=...)` under a head split by vocabulary: each metric reads the whole vocabulary's
   logits (an argmax over this rank's columns alone gave every tensor rank another accuracy);
 * a projection whose split cuts through a head: the attention's `head_dim` is checked, so models that
   keep their head counts in a config (Hugging Face's Llama with grouped key/value heads) get the plan's
   error instead of a reshape error in the first forward;
-* resuming a tensor-parallel checkpoint without tensor parallelism reports the change.
+* resuming a tensor-parallel checkpoint without tensor parallelism reports the change;
+* a sequence that T does not divide under sequence parallelism: the error names `sequence_parallel`.
 """
 
 from __future__ import annotations
