@@ -53,7 +53,6 @@ class Evaluation:
         # Replicated models evaluate the bare module, with no collective per batch.
         # (A sharded model keeps its parameters in the wrapper's shards even in a world of one.)
         criterion = self.strategy.loss_criterion(criterion)
-        metrics = self.strategy.evaluation_metrics(metrics)
         lockstep = self.strategy.collective_forward and ctx.world_size > 1
         module = self.model if self.strategy.collective_forward else self.module
         was_training = module.training

@@ -30,6 +30,7 @@ __all__ = ["Checkpointing"]
 log = get_logger()
 #: The trainer's config keys that only a run with a pipeline has.
 _PIPELINE_KEYS = ("pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_chunks")
+_TENSOR_DEFAULTS = {"tensor_parallel_size": 1, "sequence_parallel": False}  # their values without tensor parallelism
 
 # Suffixes of single-file checkpoints, which a checkpoint directory's name should not look like.
 _FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
@@ -278,6 +279,13 @@ class Checkpointing:
         # A pipeline the checkpoint was written with and this run does not have (its keys are absent).
         changes += [f"{key}: {value} -> none" for key, value in meta.get("config", {}).items()
                     if key in _PIPELINE_KEYS and key not in self.config]
+        # Tensor parallelism the checkpoint was written with and this run does not have, or the reverse
+        # (the keys are in a trainer's config only with tensor_parallel_size > 1).
+        if "config" in meta:
+            saved = meta["config"]
+            changes += [f"{key}: {saved.get(key, default)} -> {self.config.get(key, default)}"
+                        for key, default in _TENSOR_DEFAULTS.items()
+                        if (key in saved) != (key in self.config) and saved.get(key, default) != self.config.get(key, default)]
         if changes and ctx.is_main:
             log.warning("the configuration changed since checkpoint %s was written; the new values apply: %s", path,
                          "; ".join(changes))

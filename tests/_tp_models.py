@@ -7,7 +7,8 @@
   `MLP_PLAN`, a user's plan over its indices.
 * `HFGPT2`: the layout of Hugging Face's GPT-2 (`transformer.wte/wpe/h/ln_f`, `lm_head` tied to
   `wte`), with a stand-in for its `Conv1D` (weight stored [in, out]) and its attention's fused
-  ``c_attn``; `hf_gpt2_plan()` and `hf_gpt2_localize`, the plan of docs/tensor_parallel.md.
+  ``c_attn``; `hf_gpt2_plan()` and `hf_gpt2_localize`, the plan of docs/tensor_parallel.md (without
+  sequence parallelism: like GPT2Model, `forward` views ln_f's output at the whole sequence length).
 
 Their attention modules take the local number of heads from their projections (Llama) or from the
 attributes the documented lines set (GPT-2), so the same code runs whole and split by heads.
@@ -215,23 +216,21 @@ class HFGPT2(nn.Module):
         x = t.drop(t.wte(idx) + t.wpe(torch.arange(idx.size(1), device=idx.device)))
         for block in t.h:
             x = block(x)
-        return self.lm_head(t.ln_f(x))
+        # As GPT2Model does: the output of ln_f viewed at the whole input's sequence length, which under
+        # sequence parallelism (this rank's part of it there) regroups the rows instead of failing.
+        x = t.ln_f(x).view((-1,) + idx.shape[1:] + (x.size(-1),))
+        return self.lm_head(x)
 
 
 def hf_gpt2_plan() -> dict:
-    """The plan of docs/tensor_parallel.md for Hugging Face's GPT2LMHeadModel (and its sequence-parallel
-    entries, which act only with sequence_parallel=True)."""
+    """The plan of docs/tensor_parallel.md for Hugging Face's GPT2LMHeadModel: tensor parallelism only
+    (GPT2Model's reshape after ln_f rules out sequence parallelism, see `HFGPT2.forward`)."""
     return {
         "transformer.wte": "vocab",
-        "transformer.drop": "sequence_split",
-        "transformer.h.*.ln_[12]": "sequence",
         "transformer.h.*.attn.c_attn": ("colwise", 3),
         "transformer.h.*.attn.c_proj": "rowwise",
         "transformer.h.*.mlp.c_fc": "colwise",
         "transformer.h.*.mlp.c_proj": "rowwise",
-        "transformer.h.*.attn.resid_dropout": "sequence",
-        "transformer.h.*.mlp.dropout": "sequence",
-        "transformer.ln_f": "sequence",
         "lm_head": "vocab",
     }
 

@@ -155,6 +155,8 @@ def _parity_job(rank: int, world: int, size: int, sp: bool) -> list[str]:
     group = _tensor_group(world, size)
     errors = []
     for case in MODELS:
+        if case == "hf_gpt2" and sp:  # GPT2Model reshapes at the whole sequence: no sequence parallelism
+            continue
         errors += _train_and_compare(case, group, sp, "adamw" if case == "llama" else "sgd")
     marked = any(is_sequence_parallel(p) for p in _marked_gpt(group, sp).parameters())
     if marked != sp:

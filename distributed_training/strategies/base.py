@@ -198,12 +198,6 @@ class Strategy(abc.ABC):
         parallelism: its part of the vocabulary's logits)."""
         return criterion
 
-    def evaluation_metrics(self, metrics: Mapping[str, Callable] | None) -> Mapping[str, Callable] | None:
-        """The metrics `evaluate` applies to the model's outputs: `metrics` themselves, unless the
-        strategy's model outputs something else than the user's outputs and no metric can read them
-        (tensor parallelism's vocabulary-split head: a ValueError naming the plan)."""
-        return metrics
-
     def backward(self, model: nn.Module, loss: torch.Tensor, precision: Precision) -> None:
         """Backward from one micro-batch's `loss` (the precision object scales it where it must); the
         wrapper's hooks synchronise the gradients unless this runs under `no_sync`."""

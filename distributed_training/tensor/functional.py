@@ -54,8 +54,10 @@ def _check_divisible(x: torch.Tensor, dim: int, parts: int, what: str) -> int:
     it does not split."""
     length = x.shape[dim]
     if length % parts:
+        hint = (": sequence_parallel=True splits each sequence between the tensor-parallel ranks; give it "
+                "sequences whose length T divides (or sequence_parallel=False)") if what == "sequence length" else ""
         raise ValueError(f"{what} {length} (dim {dim % x.dim()} of shape {list(x.shape)}) is not divisible by "
-                         f"the tensor-parallel size T={parts}")
+                         f"the tensor-parallel size T={parts}{hint}")
     return length // parts
 
 

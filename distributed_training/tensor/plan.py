@@ -253,6 +253,18 @@ def _check(model: nn.Module, name: str, module: nn.Module, style: str, chunks: i
             if isinstance(heads, int) and not isinstance(heads, bool) and heads % size:
                 raise ValueError(f"{where}: its attention {parent_name or '(the model)'} has {attribute}={heads} "
                                  f"heads, which do not split between T={size} ranks")
+        # Head counts may live elsewhere (Hugging Face's Llama keeps them in its config), but an attention
+        # with a `head_dim` shows whether this rank's part of a projection is a whole number of heads
+        # (grouped key/value heads fewer than T would otherwise fail in the first forward's reshape).
+        head_dim = getattr(parent, "head_dim", None)
+        fan_in, out = _features(module)
+        width = out // chunks if style == "colwise" else fan_in
+        if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0 and (width // size) % head_dim:
+            what = (f"output features {out}" + (f" ({chunks} blocks of {width})" if chunks > 1 else "")
+                    if style == "colwise" else f"input features {fan_in}")
+            raise ValueError(f"{where}: its {what} split between T={size} ranks give {width // size} a rank, not "
+                             f"a whole number of heads of head_dim={head_dim} (its attention {parent_name or '(the model)'} "
+                             f"has {width // head_dim} heads there, which do not split between T={size} ranks)")
 
 
 def _check_ties(model: nn.Module, styles: dict[str, tuple[nn.Module, str, int]]) -> None:

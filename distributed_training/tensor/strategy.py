@@ -111,17 +111,6 @@ class TensorParallelStrategy(Strategy):
             return self._vocab_loss if _is_pipeline(self.inner) else None
         return self._vocab_loss.with_options_of(criterion)  # its options kept; not cross-entropy: ValueError
 
-    def evaluation_metrics(self, metrics):
-        """A metric reads the model's outputs, which a vocabulary-split head leaves as this rank's
-        logit columns: an error naming the plan (no metric is computed on a part of the logits)."""
-        if metrics and self._vocab_loss is not None:
-            raise ValueError(f"evaluate(metrics={list(metrics)}): tensor_parallel_plan splits the output head by "
-                             f"vocabulary ('vocab'), so the model's outputs hold this rank's columns of the logits "
-                             f"only (..., vocab / {self.options.size}) and a metric of (outputs, targets) would "
-                             "read a part of them. Evaluate the metrics without tensor parallelism, or give the "
-                             "output head (and the embedding tied to it) another style than 'vocab'")
-        return self.inner.evaluation_metrics(metrics)
-
     # ------------------------------------------------------------------ steps (the inner strategy's)
     def no_sync(self, model: nn.Module):
         return self.inner.no_sync(model)
@@ -178,7 +167,26 @@ class TensorParallelStrategy(Strategy):
         return self._clip_by_norm_squares(model, max_norm)
 
     def evaluate_batch(self, model, batch, criterion, metrics):
-        return self.inner.evaluate_batch(model, batch, criterion, metrics)
+        """With a head split by vocabulary, the loss takes this rank's logit columns as they are, but a
+        metric (an argmax, a top-k) reads the whole vocabulary: the outputs are gathered for the metrics
+        (evaluation only; training never gathers the logits)."""
+        if not metrics or self._vocab_loss is None:
+            return self.inner.evaluate_batch(model, batch, criterion, metrics)
+        if _is_pipeline(self.inner):
+            raise NotImplementedError("evaluate(metrics=...) with a pipeline and an output head split by "
+                                      "vocabulary ('vocab' in tensor_parallel_plan) is not supported yet: "
+                                      "evaluate the loss alone (metrics=None)")
+        from ..batches import call_module
+        from .functional import gather_last
+
+        inputs, targets = batch
+        outputs = call_module(model if self.inner.collective_forward else self.inner.unwrap(model), inputs)
+        if not isinstance(outputs, torch.Tensor):
+            raise TypeError(f"evaluate(metrics=...): with the output head split by vocabulary ('vocab' in "
+                            f"tensor_parallel_plan) the model must return its logits as a tensor (vocabulary "
+                            f"last), got {type(outputs).__name__}")
+        whole = gather_last(outputs, self.group)  # (..., V): every rank's columns, in vocabulary order
+        return [criterion(outputs, targets), *(fn(whole, targets) for fn in metrics.values())]
 
     def evaluation_sums(self, sums: torch.Tensor) -> torch.Tensor:
         return self.inner.evaluation_sums(sums)
