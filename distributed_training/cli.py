@@ -180,12 +180,12 @@ def run_job(cfg: JobConfig) -> dict:
         chunks = trainer.config["pipeline_chunks"] if pipelined else 1
         stages = (f"{t.pipeline_parallel_size * chunks} stages ({t.pipeline_parallel_size} ranks x {chunks} chunks, "
                   if chunks > 1 else f"{t.pipeline_parallel_size} stages (")
-        pipeline = (f", pipeline of {stages}{trainer.config['pipeline_schedule']}, {trainer.config['microbatches']} "
-                    f"microbatches) x {trainer.dp_world_size} data-parallel" if pipelined else "")
+        layout = [f"pipeline of {stages}{trainer.config['pipeline_schedule']}, {trainer.config['microbatches']} "
+                  "microbatches)"] if pipelined else []
         if t.tensor_parallel_size > 1:
-            pipeline += (f", tensor-parallel over {t.tensor_parallel_size} ranks"
-                         f"{' with sequence parallelism' if t.sequence_parallel else ''} x {trainer.dp_world_size} "
-                         "data-parallel")
+            layout.append(f"tensor-parallel over {t.tensor_parallel_size} ranks"
+                          f"{' with sequence parallelism' if t.sequence_parallel else ''}")
+        pipeline = f", {' x '.join(layout)} x {trainer.dp_world_size} data-parallel" if layout else ""
         log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
                  type(model).__name__, f"{n_params:,}", trainer.strategy.name, pipeline, ctx.world_size,
                  ctx.device, f"{len(train):,}")

@@ -255,9 +255,6 @@ class JobConfig(_Section):
         if t.strategy == "auto":
             raise ConfigError(f"training.strategy 'auto' with {size} is not supported yet: choose the data "
                               "parallelism over the tensor-parallel groups (ddp, zero1, zero2, zero3 or fsdp)")
-        if t.pipeline_parallel_size > 1:
-            raise ConfigError(f"{size} with training.pipeline_parallel_size={t.pipeline_parallel_size} is not "
-                              "supported yet")
         if t.sequence_parallel and self.data.block_size % options.size:
             raise ConfigError(f"training.sequence_parallel splits each sequence between the {options.size} tensor "
                               f"ranks: data.block_size ({self.data.block_size}) must be divisible by {size}")

@@ -264,10 +264,12 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         self.seed = seed
         self.device = self.context.device
 
-        if not pipeline.enabled and has_meta(model):
+        if has_meta(model) and (not pipeline.enabled or tensor.enabled):
             # Built on the meta device, without a pipeline: every rank materialises the whole model
-            # (with a pipeline, each rank only its stages: `PipelineStrategy`).
-            materialize(model, self.device, seed=seed)
+            # (with a pipeline, each rank only its stages: `PipelineStrategy`). With tensor parallelism
+            # too, the plan cuts the whole model before the pipeline does: it is materialised first,
+            # on the CPU (the pipeline moves its stages to the device).
+            materialize(model, self.device if not pipeline.enabled else torch.device("cpu"), seed=seed)
         if not strategy.places_module:
             model.to(self.device)
         if activation_checkpointing is not None:

@@ -125,7 +125,6 @@ def _tensor(**fields):
         (_tensor(tensor_parallel_plan={"blocks.*.mlp.0": "sideways"}), "training.tensor_parallel_plan"),
         ({"training": {"tensor_parallel_plan": {"lm_head": "vocab"}}}, "training.tensor_parallel_plan"),
         ({**_tensor(sequence_parallel=True), "data": {"block_size": 63}}, "training.sequence_parallel"),
-        (_tensor(pipeline_parallel_size=2), "training.tensor_parallel_size"),
     ],
 )
 def test_tensor_fields_that_disagree_are_named(raw, field):

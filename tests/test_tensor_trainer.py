@@ -302,3 +302,34 @@ def evaluate_worker(rank, world, sequence_parallel):
 def test_evaluate_uses_the_vocabulary_parallel_loss(sequence_parallel):
     for want, own, criterion in run_distributed(evaluate_worker, 2, args=(sequence_parallel,), timeout=120):
         assert abs(own - want) <= 1e-5 and abs(criterion - want) <= 1e-5, (own, criterion, want)
+
+
+def meta_3d_worker(rank, world):
+    """A GPT built on the meta device at TP = 2 x PP = 2: materialised whole (the trainer's seed), then
+    split by the plan and cut into stages; its state equals the same GPT materialised in one process."""
+    from distributed_training.pipeline.meta_init import materialize
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    trainer = DistributedTrainer(model, _optimizer("sgd"), tensor_parallel_size=2, pipeline_parallel_size=2,
+                                 seed=5, progress=False)
+    state = trainer.full_state_dict()
+    x, y = _batch("gpt", 0, 4)
+    loss = float(trainer.train_step((x, y))["loss"])
+    trainer.close()
+    with torch.device("meta"):
+        reference = GPT(cfg)
+    materialize(reference, "cpu", seed=5)
+    with torch.no_grad():
+        want = reference(x, y).item()
+    if rank != 0:
+        return None
+    worst = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return worst, loss, want
+
+
+def test_a_meta_gpt_in_3d_starts_as_one_process_would():
+    worst, loss, want = run_distributed(meta_3d_worker, 4, timeout=180)[0]
+    assert worst == 0.0, worst
+    assert abs(loss - want) <= 1e-5, (loss, want)

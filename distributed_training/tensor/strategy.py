@@ -75,9 +75,6 @@ class TensorParallelStrategy(Strategy):
             raise ValueError(f"tensor_parallel_size={self.options.size} needs a tensor_parallel_plan for a "
                              f"{type(module).__name__} (module-name pattern -> 'colwise' | 'rowwise' | 'vocab' | "
                              "'sequence' | 'replicate'; see docs/tensor_parallel.md); only our GPT has a built-in one")
-        if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-            raise NotImplementedError(f"tensor_parallel_size={self.options.size} with a model on the meta device "
-                                      "and a pipeline is not supported yet: build the model on a device (e.g. the CPU)")
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         _share_random_state(self.group, src, context.device)
         on = _comm_device(self.group, context.device)
