@@ -64,19 +64,36 @@ class ShardedSampler(Sampler[int]):
         self.pad = pad
         self.epoch = 0
         self.start = 0
-        if drop_last:
-            self.total = (self.dataset_len // num_replicas) * num_replicas
-        elif pad:
-            self.total = math.ceil(self.dataset_len / num_replicas) * num_replicas
-        else:
-            self.total = self.dataset_len
+        self.offset = 0
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Select the epoch's permutation; skip this rank's first `start` samples (resuming mid-epoch)."""
+    @property
+    def total(self) -> int:
+        """End of the positions of the epoch's (padded) permutation that the ranks take, from `offset`:
+        what remains is padded to a multiple of the world size (or its tail dropped with `drop_last`)."""
+        left = max(0, self.dataset_len - self.offset)
+        if self.drop_last:
+            return self.offset + (left // self.num_replicas) * self.num_replicas
+        if self.pad:
+            return self.offset + math.ceil(left / self.num_replicas) * self.num_replicas
+        return max(self.dataset_len, self.offset)
+
+    def set_epoch(self, epoch: int, start: int = 0, *, offset: int = 0) -> None:
+        """Select the epoch's permutation; skip this rank's first `start` samples (resuming mid-epoch).
+
+        `offset` is a position in the whole job's order instead: the first `offset` samples of the
+        epoch's permutation were trained (by any number of ranks, see `distributed_training.global_batch`)
+        and the ranks now shard what follows (rank r takes positions offset + r, offset + r + W, ...)."""
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
         self.epoch = epoch
         self.start = start
+        self.offset = offset
+
+    def shard_length(self) -> int:
+        """Samples this rank takes this epoch from `offset` (before `start` skips any)."""
+        return len(range(self.offset + self.rank, self.total, self.num_replicas))
 
     def _indices(self) -> list[int]:
         if self.shuffle:
@@ -91,20 +108,21 @@ class ShardedSampler(Sampler[int]):
         return order[: self.total]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._indices()[self.rank :: self.num_replicas][self.start :])
+        return iter(self._indices()[self.offset + self.rank :: self.num_replicas][self.start :])
 
     def __len__(self) -> int:
-        return max(0, len(range(self.rank, self.total, self.num_replicas)) - self.start)
+        return max(0, self.shard_length() - self.start)
 
 
-def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: DistributedContext) -> int:
-    """Steps per epoch of a sharded loader, the same on every rank.
+def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: DistributedContext, *,
+                          warn: bool = True) -> int:
+    """Steps per epoch of a sharded loader (from the sampler's `offset`), the same on every rank.
 
     Every rank shards the dataset *it* was given; if their lengths differ (each rank read its own
     file, say), so do their step counts, and a rank that stopped early would leave the others
     waiting in a collective forever. One small all-gather at the start of `fit` finds out, and
     every rank then runs the smallest count (with a warning naming each rank's length)."""
-    samples = len(range(sampler.rank, sampler.total, sampler.num_replicas))
+    samples = sampler.shard_length()
     steps = samples // loader.batch_size if loader.drop_last else -(-samples // loader.batch_size)
     if ctx.world_size == 1:
         return steps
@@ -114,7 +132,7 @@ def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: Dist
     dist.all_gather(gathered, mine, group=ctx.group)
     lengths = [int(t[0]) for t in gathered]
     counts = [int(t[1]) for t in gathered]
-    if len(set(lengths)) > 1 or len(set(counts)) > 1:
+    if warn and (len(set(lengths)) > 1 or len(set(counts)) > 1):
         warnings.warn(
             "fit(): the dataset's length differs across ranks ("
             + ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
@@ -127,21 +145,24 @@ def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: Dist
 
 
 def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, drop_last: bool, num_workers: int,
-                 seed: int, dp_rank: int | None = None, dp_world_size: int | None = None):
+                 seed: int, dp_rank: int | None = None, dp_world_size: int | None = None,
+                 loader_batch_size: int | None = None):
     """What `fit` iterates: a map-style dataset (or a DataLoader over one) sharded with `ShardedSampler`
     over the data-parallel replicas (`dp_world_size` of them, this rank feeding `dp_rank`; default: the
-    context mesh's), anything else as given."""
+    context mesh's), anything else as given. `loader_batch_size` (a global batch's share) replaces a
+    given DataLoader's batch size, and a DataLoader already sharded is rebuilt with it."""
     dp_rank = ctx.mesh.dp_rank if dp_rank is None else dp_rank
     dp_world_size = ctx.mesh.dp_size if dp_world_size is None else dp_world_size
     if isinstance(data, DataLoader):
-        if isinstance(data.dataset, IterableDataset) or isinstance(data.sampler, ShardedSampler):
+        if isinstance(data.dataset, IterableDataset) or (isinstance(data.sampler, ShardedSampler)
+                                                         and loader_batch_size is None):
             return data
-        if data.batch_size is None:
+        if data.batch_size is None and loader_batch_size is None:
             raise ValueError("fit() needs a DataLoader with a batch_size (batch_sampler loaders are used as given)")
         sampler = ShardedSampler(data.dataset, dp_world_size, dp_rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last)
         return DataLoader(
-            data.dataset, batch_size=data.batch_size, sampler=sampler, collate_fn=data.collate_fn,
+            data.dataset, batch_size=loader_batch_size or data.batch_size, sampler=sampler, collate_fn=data.collate_fn,
             num_workers=data.num_workers, pin_memory=data.pin_memory, drop_last=data.drop_last or drop_last,
         )
     if isinstance(data, IterableDataset) or not isinstance(data, Dataset):

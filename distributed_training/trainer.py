@@ -30,6 +30,7 @@ from .batches import call_module, model_loss, split_batch, to_device
 from .checkpoint import CheckpointManager
 from .checkpoint_layout import DirectoryLayout
 from .evaluation import Evaluation
+from .global_batch import GlobalBatch
 from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
@@ -287,7 +288,15 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.step = 0
         self.epoch = 0
-        self.batch_in_epoch = 0  # batches of the current epoch already trained (the data position)
+        self.batch_in_epoch = 0  # batches of the current epoch already trained
+        # Samples of the current epoch's permutation already trained by the whole job (the data position,
+        # at any size; None: a checkpoint from before it was kept, see Fitting._epoch_offset).
+        self.samples_in_epoch: int | None = 0
+        self.global_batch: GlobalBatch | None = None  # fit(global_batch_size=...): how it is cut now
+        self.micro_batch_size: int | None = None  # ... and the micro-batch it keeps across sizes
+        self._previous_global_batch: dict[str, int] | None = None  # the checkpoint's cut
+        self._configured_accumulation = gradient_accumulation_steps
+        self._lr_scale = 1.0  # the linear scaling rule's factor applied to the configured learning rate
         self.batch_size: int | None = None  # what batch_size="auto" chose (kept in checkpoints)
         self.batch_size_reason = ""
         self.checkpoint_every = checkpoint_every

@@ -5,13 +5,14 @@ which pieces of the full parameters and optimizer state this rank holds (`Strate
 `distributed_training.checkpoint_shards` writes and reads them, so a checkpoint loads under any
 strategy at any world size. Besides, each rank saves its RNG streams, its buffers and what its
 strategy keeps per rank (`rank_state`, e.g. compression residuals), and rank 0 puts the trainer's
-position (step, epoch, data position, schedule) and the index of the pieces in ``meta.pt``. The
-files and their crash-proofing are in `distributed_training.checkpoint`.
+position (step, epoch, data position in samples, global batch, schedule) and the index of the pieces
+in ``meta.pt``. The files and their crash-proofing are in `distributed_training.checkpoint`.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import warnings
 from typing import Any
@@ -176,7 +177,9 @@ class Checkpointing:
                 "step": self.step,
                 "epoch": self.epoch,
                 "batch_in_epoch": self.batch_in_epoch,
+                "samples_in_epoch": self.samples_in_epoch,  # the data position at any size
                 "batch_size": self.batch_size,
+                "global_batch": dataclasses.asdict(self.global_batch) if self.global_batch is not None else None,
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                 "loss_scaler": self.precision.state_dict() or None,  # the fp16 scaler's state
                 "world_size": ctx.world_size,
@@ -293,6 +296,11 @@ class Checkpointing:
         self.step = int(meta["step"])
         self.epoch = int(meta.get("epoch", 0))
         self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
+        samples = meta.get("samples_in_epoch")
+        self.samples_in_epoch = int(samples) if samples is not None else (None if self.batch_in_epoch else 0)
+        self._previous_global_batch = meta.get("global_batch")
+        if self._previous_global_batch is not None and self._previous_global_batch.get("micro_batch_size"):
+            self.micro_batch_size = int(self._previous_global_batch["micro_batch_size"])
         if meta.get("batch_size") is not None:
             self.batch_size = int(meta["batch_size"])
 

@@ -9,10 +9,11 @@ import time
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .batches import batch_size_of, token_count
 from .data import ShardedSampler, agree_steps_per_epoch, train_loader
+from .global_batch import GlobalBatch, plan_global_batch
 from .logs import get_logger
 from .stopping import StopSignals
 
@@ -39,6 +40,9 @@ class Fitting:
         max_steps: int | None = None,
         log_every: int = 50,
         on_step: Callable[[int, dict[str, float]], None] | None = None,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        allow_global_batch_change: bool = False,
     ) -> list[dict[str, float]]:
         """Train until `epochs` epochs (or `max_steps` optimizer steps) are done in total; return one
         summary per epoch trained by this call.
@@ -57,6 +61,22 @@ class Fitting:
         ``batch_size="auto"`` picks the largest batch that fits (see `auto_batch_size`) once; a run
         resumed from a checkpoint keeps the batch size it started with.
 
+        `batch_size` is per data-parallel replica: the global batch is ``batch_size x dp_world_size``
+        and changes with it. ``global_batch_size=B`` fixes the samples per optimizer step over the
+        whole job instead (not with `batch_size`; a map-style dataset): at W data-parallel replicas
+        each takes B / W, in ``ceil((B / W) / micro_batch_size)`` accumulated micro-batches.
+        `micro_batch_size` (the most samples one forward and backward takes on a replica) defaults to
+        what the run's first start used: B / W there, cut in the trainer's
+        `gradient_accumulation_steps`; a checkpoint keeps it. A job resumed at another size
+        recomputes both (and logs them) and continues from the exact sample of the epoch where the
+        checkpoint was, so every sample is trained once per epoch and each step averages the gradient
+        over B samples, as at the old size. A size W that does not divide B is an error naming the
+        sizes that do, unless ``allow_global_batch_change=True``: then the nearest multiple of W is
+        trained, and the learning rate (the optimizer's ``lr``, and a scheduler's base rates) is scaled
+        by the same factor (the linear scaling rule), with a warning that says so. See
+        `distributed_training.global_batch`. Each epoch's last global batch has the samples left
+        (padded by wrapping around to a multiple of W, or dropped with `drop_last`).
+
         Resuming (see `resume`) is logged on rank 0 ("resumed from step N (path)"); a run that the
         checkpoint shows complete logs so and returns ``[]`` without training. SIGINT and SIGTERM during
         `fit` stop every rank at the same step boundary shortly after either reaches any of them (a step
@@ -71,19 +91,32 @@ class Fitting:
             raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
         if not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every must be a positive integer, got {log_every!r}")
+        plan = None
+        if global_batch_size is not None:
+            self._check_global_batch_arguments(data, batch_size, micro_batch_size)
+            plan = plan_global_batch(global_batch_size, self.dp_world_size, allow_change=allow_global_batch_change,
+                                     others=self.context.world_size // self.dp_world_size)
+            # Before a resume, which compares the configured rate with the checkpoint's (and says so).
+            self._scale_learning_rate(plan.lr_scale)
+        elif micro_batch_size is not None:
+            raise ValueError("fit(micro_batch_size=...) needs global_batch_size (with batch_size, a replica's batch "
+                             "is cut by the trainer's gradient_accumulation_steps)")
         self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
         resumed_from = self._resume_or_start_fresh()
         if resumed_from is not None and (self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)):
             if self.context.is_main:
                 log.info("training is already complete at step %d (%s): nothing to do", self.step, resumed_from)
             return []
+        if plan is not None:
+            plan = self._adopt_global_batch(plan, micro_batch_size, resumed_from)
+            batch_size = plan.per_rank
         if batch_size == "auto":
             if self.batch_size is None:  # not restored from a checkpoint: a resumed run keeps its batch size
                 self.auto_batch_size(data, criterion)
             batch_size = self.batch_size
         loader = train_loader(data, self.context, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
                               num_workers=num_workers, seed=self.seed, dp_rank=self.dp_rank,
-                              dp_world_size=self.dp_world_size)
+                              dp_world_size=self.dp_world_size, loader_batch_size=plan and plan.per_rank)
         self._check_last_batch(loader)
         with StopSignals(self.context, self.device, self.context.every_rank) as stop:
             try:
@@ -93,13 +126,90 @@ class Fitting:
         stop.deliver()  # after a stop on a signal: raises (by default), with the handlers of before restored
         return history
 
+    # ------------------------------------------------------------ global batch
+    def _check_global_batch_arguments(self, data, batch_size, micro_batch_size) -> None:
+        if batch_size is not None:
+            raise ValueError(f"fit() got batch_size={batch_size!r} (per data-parallel replica) and global_batch_size "
+                             "(over the whole job): pass one of them (micro_batch_size bounds a replica's "
+                             "forward with global_batch_size)")
+        if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
+                                             or micro_batch_size < 1):
+            raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
+        if micro_batch_size is not None and "pipeline_parallel_size" in self.config:
+            raise ValueError("fit(micro_batch_size=...) with a pipeline: the pipeline cuts each replica's batch in "
+                             "`microbatches` itself (DistributedTrainer(microbatches=...))")
+        dataset = data.dataset if isinstance(data, DataLoader) else data
+        if isinstance(dataset, IterableDataset) or not isinstance(dataset, Dataset):
+            raise ValueError("fit(global_batch_size=...) needs a map-style Dataset (or a DataLoader over one): the "
+                             "trainer must shard it to keep the global batch and the sample position at any size; "
+                             f"got {type(data).__name__}")
+
+    def _scale_learning_rate(self, scale: float) -> None:
+        """Make the configured learning rate `scale` times the one the trainer was built with (the linear
+        scaling rule for a global batch that had to change): the optimizer's ``lr`` / ``initial_lr`` and a
+        scheduler's base rates, and the configured values a resume compares with."""
+        factor = scale / self._lr_scale
+        if factor == 1:
+            return
+        for group, configured in zip(self.optimizer.param_groups, self._configured_hparams):
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    group[key] = group[key] * factor
+                if key in configured:
+                    configured[key] = configured[key] * factor
+        if self.lr_scheduler is not None:
+            if hasattr(self.lr_scheduler, "base_lrs"):
+                self.lr_scheduler.base_lrs = [lr * factor for lr in self.lr_scheduler.base_lrs]
+            for key in ("base_lrs", "_last_lr"):
+                if key in self._configured_schedule:
+                    self._configured_schedule[key] = [lr * factor for lr in self._configured_schedule[key]]
+        self._lr_scale = scale
+
+    def _adopt_global_batch(self, plan: GlobalBatch, micro_batch_size: int | None,
+                            resumed_from: str | None) -> GlobalBatch:
+        """Resolve the micro-batch (given, else the checkpoint's, else the first start's), set the
+        trainer's accumulation from it, and say what each replica trains (and what changed)."""
+        pipelined = "pipeline_parallel_size" in self.config
+        if pipelined:
+            plan = plan.with_micro_batch(plan.per_rank)  # the pipeline cuts the batch in its microbatches
+        else:
+            micro = micro_batch_size or self.micro_batch_size or -(-plan.per_rank // self._configured_accumulation)
+            plan = plan.with_micro_batch(micro)
+            self.micro_batch_size = micro
+            self.gradient_accumulation_steps = plan.accumulation
+            self.config["gradient_accumulation_steps"] = plan.accumulation
+        before = self._previous_global_batch
+        self.global_batch = plan
+        if not self.context.is_main:
+            return plan
+        message = "fit: " + plan.describe()
+        if resumed_from is not None and before is not None and (before["dp_size"], before["size"]) != (plan.dp_size,
+                                                                                                        plan.size):
+            message += (f" (the checkpoint was trained at {before['dp_size']} x {before['per_rank']}"
+                        f"{' in ' + str(before['accumulation']) + ' micro-batch(es)' if not pipelined else ''}"
+                        f" = {before['size']}; the epoch continues at sample {self.samples_in_epoch})")
+        log.info("%s", message)
+        if plan.size != plan.requested:
+            log.warning("global_batch_size=%d cannot be kept at %d data-parallel replicas "
+                         "(allow_global_batch_change=True): training a global batch of %d, with the learning rate "
+                         "scaled by %d/%d = %.4g (linear scaling rule)", plan.requested, plan.dp_size, plan.size,
+                         plan.size, plan.requested, plan.lr_scale)
+        return plan
+
+    def _epoch_offset(self, loader) -> int:
+        """Samples of the current epoch already trained by the whole job (a checkpoint from before the
+        count was kept: its step count times this job's global batch, right at an unchanged size)."""
+        if self.samples_in_epoch is None:
+            self.samples_in_epoch = self.batch_in_epoch * loader.batch_size * loader.sampler.num_replicas
+        return self.samples_in_epoch
+
     def _check_last_batch(self, loader) -> None:
         """Refuse now, not after an epoch, a sharded loader whose last batch the strategy cannot run."""
         smallest = self.strategy.smallest_batch()
         sampler = getattr(loader, "sampler", None)
         if smallest <= 1 or not isinstance(sampler, ShardedSampler) or loader.drop_last:
             return
-        last = len(range(sampler.rank, sampler.total, sampler.num_replicas)) % loader.batch_size
+        last = sampler.shard_length() % loader.batch_size
         if 0 < last < smallest:
             raise ValueError(f"fit(): each epoch's last batch would have {last} sample(s) on this data-parallel "
                              f"replica, fewer than the {smallest} that pipeline_schedule='interleaved_1f1b' needs "
@@ -114,8 +224,14 @@ class Fitting:
         done = lambda: max_steps is not None and self.step >= max_steps  # noqa: E731
         total = max_steps
         if sharded:
+            sampler.set_epoch(self.epoch)  # a whole epoch's steps
             per_epoch = agree_steps_per_epoch(loader, sampler, self.context)
-            by_epochs = epochs * per_epoch
+            # The steps left in the current epoch, where the data position says (in samples: the job
+            # may have trained them at another size) and every rank agrees.
+            offset = self._epoch_offset(loader)
+            sampler.set_epoch(self.epoch, offset=offset)
+            left = agree_steps_per_epoch(loader, sampler, self.context, warn=False) if offset else per_epoch
+            by_epochs = self.step + left + max(0, epochs - self.epoch - 1) * per_epoch
             total = by_epochs if max_steps is None else min(max_steps, by_epochs)
             if max_steps is not None and by_epochs < max_steps:
                 log.info("fit: epochs=%d of %d steps end training at step %d, before max_steps=%d (pass more epochs "
@@ -124,7 +240,9 @@ class Fitting:
         while self.epoch < epochs and not done():
             skip = self.batch_in_epoch
             if sharded:
-                sampler.set_epoch(self.epoch, start=skip * loader.batch_size)
+                sampler.set_epoch(self.epoch, offset=self._epoch_offset(loader))
+                epoch_end = self.batch_in_epoch + left
+                left = per_epoch  # the epochs after the first start at their beginning
                 skip = 0
             elif hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
@@ -138,7 +256,7 @@ class Fitting:
                 next(batches, None)
             last_end = time.perf_counter()
             while not done():
-                if sharded and self.batch_in_epoch >= per_epoch:
+                if sharded and self.batch_in_epoch >= epoch_end:
                     exhausted = True  # a rank with a longer dataset stops with the others
                     break
                 batch = next(batches, None)
@@ -149,6 +267,8 @@ class Fitting:
                     break
                 metrics = self.train_step(batch, criterion)
                 self.batch_in_epoch += 1
+                if sharded:  # every replica trained as many samples as this one (the sampler pads)
+                    self.samples_in_epoch += batch_size_of(batch) * sampler.num_replicas
                 now = time.perf_counter()
                 metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - last_end)
                 last_end = now
@@ -173,6 +293,7 @@ class Fitting:
                 break  # max_steps reached inside the epoch: it stays the current one
             self.epoch += 1
             self.batch_in_epoch = 0
+            self.samples_in_epoch = 0
         if stop.signal is None:
             if self.checkpoints is not None and (not self.checkpoint_every or self.step % self.checkpoint_every):
                 self._save_numbered(metrics)
