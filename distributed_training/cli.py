@@ -189,15 +189,21 @@ def run_job(cfg: JobConfig) -> dict:
         log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
                  type(model).__name__, f"{n_params:,}", trainer.strategy.name, pipeline, ctx.world_size,
                  ctx.device, f"{len(train):,}")
-        if t.batch_size == "auto" and trainer.batch_size is None and not _resuming(trainer):
-            trainer.auto_batch_size(train, criterion)  # logs what it chose and why
-        batch_size = t.batch_size if t.batch_size != "auto" else trainer.batch_size
-        if batch_size is None and _resuming(trainer):  # fit() restores the batch size "auto" chose before
-            batch_size = trainer.checkpoints.latest_good()[1].get("batch_size")
+        batching = {"batch_size": t.batch_size}
+        if t.global_batch_size is not None:  # fit() cuts it at this size (and says how)
+            batching = {"global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
+                        "allow_global_batch_change": t.allow_global_batch_change}
+            batch_size = max(1, round(t.global_batch_size / trainer.dp_world_size))  # a rank's share
+        else:
+            if t.batch_size == "auto" and trainer.batch_size is None and not _resuming(trainer):
+                trainer.auto_batch_size(train, criterion)  # logs what it chose and why
+            batch_size = t.batch_size if t.batch_size != "auto" else trainer.batch_size
+            if batch_size is None and _resuming(trainer):  # fit() restores the batch size "auto" chose before
+                batch_size = trainer.checkpoints.latest_good()[1].get("batch_size")
         # fit() shards by data-parallel replica: the ranks of one pipeline read the same batches.
         drop_last = pipelined and _short_last_batch(trainer, train, batch_size)
         epochs = _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last)
-        trainer.fit(train, epochs=epochs, criterion=criterion, batch_size=t.batch_size, max_steps=t.max_steps,
+        trainer.fit(train, epochs=epochs, criterion=criterion, **batching, max_steps=t.max_steps,
                     log_every=cfg.logging.every, drop_last=drop_last,
                     on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main else None)
         metrics = _validate(trainer, val, criterion, trainer.batch_size or batch_size) if len(val) else {}

@@ -99,6 +99,17 @@ class TrainingConfig(_Section):
     """Samples per rank per optimizer step; ``auto``: the largest that fits (probed on GPUs, estimated
     against ``memory_budget_gb`` on CPU and for sharded strategies), at most a quarter of a rank's
     share of the data and 1024."""
+    global_batch_size: Optional[PositiveInt] = None
+    """Samples per optimizer step over all data-parallel replicas, instead of ``batch_size`` a rank:
+    kept at any world size (a job resumed at another size recomputes each replica's share and the
+    accumulation, and continues from the exact sample of the epoch). A size that does not divide it is
+    refused at start with the sizes that do (see ``allow_global_batch_change``)."""
+    micro_batch_size: Optional[PositiveInt] = None
+    """With ``global_batch_size``: the most samples one forward and backward takes on a rank (default:
+    the first start's share a rank, cut in ``gradient_accumulation_steps``; kept by checkpoints)."""
+    allow_global_batch_change: bool = False
+    """With ``global_batch_size``, at a size that does not divide it: train the nearest multiple of the
+    data-parallel size instead, with the learning rate scaled linearly (the run says so)."""
     lr: PositiveFloat = 2e-3
     """AdamW's learning rate."""
     weight_decay: Annotated[Float, Field(ge=0)] = 0.0
@@ -233,6 +244,15 @@ class JobConfig(_Section):
                               "communication.hierarchical: true with it, or leave it out")
         if self.checkpoint.every is not None and self.checkpoint.dir is None:
             raise ConfigError("checkpoint.every needs checkpoint.dir")
+        if t.global_batch_size is not None and "batch_size" in t.model_fields_set:
+            raise ConfigError("training.batch_size (a rank's) and training.global_batch_size (the whole job's): give "
+                              "one of them (training.micro_batch_size bounds a rank's forward with the global one)")
+        if t.micro_batch_size is not None and t.global_batch_size is None:
+            raise ConfigError("training.micro_batch_size needs training.global_batch_size (with training.batch_size, "
+                              "set training.gradient_accumulation_steps)")
+        if t.global_batch_size is not None and t.pipeline_parallel_size > 1:
+            raise ConfigError("training.global_batch_size with training.pipeline_parallel_size > 1 is not supported by "
+                              "dtrain yet: give training.batch_size")
         self._pipeline_agrees()
         self._tensor_agrees()
         return self

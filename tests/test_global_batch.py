@@ -10,17 +10,25 @@ the dataset's targets carry each sample's index, which the criterion records. Mi
 from __future__ import annotations
 
 import logging
+import os
+import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 from torch.utils.data import Dataset
 
 from distributed_training import DistributedTrainer
 from distributed_training.global_batch import plan_global_batch, valid_data_parallel_sizes
-from distributed_training.testing import DistributedTestError, run_distributed
+from distributed_training.testing import run_distributed, run_torchrun
+
+REPO = Path(__file__).resolve().parents[1]
 
 N, B, SEED, LR, MOMENTUM = 48, 12, 7, 0.1, 0.9
 EPOCHS, STOP = 2, 3  # 8 steps of 12 in all (4 an epoch); the first job stops at step 3, mid-epoch
@@ -50,7 +58,7 @@ def _params(module: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in module.parameters()]
 
 
-def _train(rank, world, directory, max_steps, global_batch, allow=False):
+def _train(rank, world, directory, max_steps, global_batch, allow=False, strategy="ddp"):
     """Train (resuming from `directory`); return per step: (indices this rank trained, parameters, lr)."""
     seen: list[int] = []
 
@@ -65,7 +73,7 @@ def _train(rank, world, directory, max_steps, global_batch, allow=False):
     handler.emit = lambda record: messages.append(record.getMessage())
     logger.addHandler(handler)
     trainer = DistributedTrainer(_model(), lambda ps: torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM),
-                                 gradient_accumulation_steps=2, seed=SEED, checkpoint_dir=directory,
+                                 strategy, gradient_accumulation_steps=2, seed=SEED, checkpoint_dir=directory,
                                  checkpoint_every=1, progress=False)
     steps = {}
 
@@ -112,16 +120,19 @@ def _check_step(step, job, expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} rank {r}: {m}")
 
 
-def test_resume_at_another_world_size_keeps_the_global_batch_and_the_sample_position(tmp_path):
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_resume_at_another_world_size_keeps_the_global_batch_and_the_sample_position(tmp_path, strategy):
     expected = _reference()
-    first = run_distributed(_train, 2, args=(str(tmp_path / "w2"), STOP, B), timeout=180)
+    first = run_distributed(_train, 2, args=(str(tmp_path / "w2"), STOP, B, False, strategy), timeout=180)
     assert [r[1] for r in first] == [(6, 2, 12)] * 2  # 6 a rank, in 2 micro-batches of 3
     for step in range(1, STOP + 1):
         _check_step(step, first, expected)
     for world, cut in ((1, (12, 4, 12)), (3, (4, 2, 12))):
         directory = tmp_path / f"w{world}"
         shutil.copytree(tmp_path / "w2", directory)
-        resumed = run_distributed(_train, world, args=(str(directory), None, B), timeout=180)
+        resumed = run_distributed(_train, world, args=(str(directory), None, B, False, strategy), timeout=180)
         assert [r[1] for r in resumed] == [cut] * world
         assert sorted(resumed[0][0]) == list(range(STOP + 1, EPOCHS * N // B + 1))
         for step in range(STOP + 1, EPOCHS * N // B + 1):
@@ -157,6 +168,8 @@ def test_a_global_batch_the_size_cannot_keep_is_refused_naming_the_valid_sizes(t
         assert "allow_global_batch_change=True" in message
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_an_allowed_change_scales_the_learning_rate_linearly(tmp_path):
     # 9 at 2 replicas: 8 (4 a replica), lr x 8/9; the same as one process on batches of 8 at that rate.
     ranks = run_distributed(_train, 2, args=(str(tmp_path / "c"), 3, 9, True), timeout=180)
@@ -204,3 +217,43 @@ def test_plan():
     assert plan_global_batch(11, 4, allow_change=True).size == 12
     with pytest.raises(ValueError, match=r"world sizes 2, 6, 18 at 2 ranks a replica"):
         plan_global_batch(9, 2, others=2)
+
+
+# ------------------------------------------------------------------ dtrain: training.global_batch_size
+@pytest.mark.parametrize("training, field", [
+    ({"global_batch_size": 8, "batch_size": 4}, "training.batch_size"),
+    ({"micro_batch_size": 2}, "training.micro_batch_size needs training.global_batch_size"),
+    ({"global_batch_size": 0}, "training.global_batch_size"),
+    ({"global_batch_size": 8, "pipeline_parallel_size": 2}, "training.global_batch_size with"),
+])
+def test_dtrain_global_batch_fields_are_checked(training, field):
+    from distributed_training.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        load_config({"training": training})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dtrain_resumes_a_global_batch_at_another_world_size(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    config = {"model": {"preset": "tiny"}, "data": {"dataset": "repo_text", "block_size": 16},
+              "training": {"strategy": "zero3", "max_steps": 2, "global_batch_size": 8, "micro_batch_size": 2,
+                           "seed": 0},
+              "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1}, "logging": {"progress": False}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = run_torchrun("distributed_training", [str(path)], nproc=2, env=env, cwd=REPO, timeout=180, module=True)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said[-3000:]
+    assert "global batch 8 = 2 data-parallel replica(s) x 4 sample(s) in 2 micro-batch(es) of at most 2" in said
+    config["training"]["max_steps"] = 3
+    path.write_text(yaml.safe_dump(config))
+    out = subprocess.run([sys.executable, "-m", "distributed_training", str(path)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=180)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said[-3000:]
+    assert ("global batch 8 = 1 data-parallel replica(s) x 8 sample(s) in 4 micro-batch(es) of at most 2 (the "
+            "checkpoint was trained at 2 x 4 in 2 micro-batch(es) = 8; the epoch continues at sample 16)") in said, \
+        said[-3000:]
+    assert "finished at step 3" in said
