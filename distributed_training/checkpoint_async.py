@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import queue
 import threading
 import time
 from typing import Any, Callable
@@ -99,6 +100,8 @@ class HostStaging:
 def host_copy(value: Any, to_host: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """`value` with every tensor copied by `to_host` and every container rebuilt, so that training can
     go on changing the original (a scheduler's lists, a strategy's residuals) while the copy is written."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
     if torch.is_tensor(value):
         return to_host(value)
     if isinstance(value, dict):
@@ -179,9 +182,9 @@ class DigestExchange:
 
 # ------------------------------------------------------------------ the thread
 class BackgroundWrite:
-    """One checkpoint being written by a daemon thread: ``job(stop)`` runs there; `stop` is set by
-    `abandon`, and the job checks it between files (a file being written is finished or removed,
-    never left half-written under its final name)."""
+    """One checkpoint being written in the background: ``job(stop)`` runs on the process's writer
+    thread; `stop` is set by `abandon`, and the job checks it between files (a file being written is
+    finished or removed, never left half-written under its final name)."""
 
     def __init__(self, step: int, path: str, job: Callable[[threading.Event], None]) -> None:
         self.step, self.path = step, path
@@ -190,10 +193,10 @@ class BackgroundWrite:
         self.started = time.perf_counter()
         self.seconds: float | None = None  # how long the write took, once done
         self._job = job
-        self._thread = threading.Thread(target=self._run, name=f"dtrain-checkpoint-step-{step}", daemon=True)
-        self._thread.start()
+        self._finished = threading.Event()
+        _writer_queue().put(self)
 
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
             self._job(self.stop)
         except _Abandoned:
@@ -205,24 +208,47 @@ class BackgroundWrite:
             if self.error is not err:
                 self.error.__cause__ = err
         finally:
+            self._job = None  # the snapshot can go
             self.seconds = time.perf_counter() - self.started
+            self._finished.set()
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._finished.is_set()
 
     def wait(self) -> None:
-        self._thread.join()
+        self._finished.wait()
 
     def abandon(self) -> None:
-        """Stop the write at the next file boundary and wait for the thread (a file being written is
-        finished; the checkpoint stays without ``meta.pt`` unless it was already complete)."""
+        """Stop the write at the next file boundary and wait for it (a file being written is finished;
+        the checkpoint stays without ``meta.pt`` unless it was already complete)."""
         self.stop.set()
-        self._thread.join()
+        self._finished.wait()
 
     def raise_error(self) -> None:
         error, self.error = self.error, None
         if error is not None:
             raise error
+
+
+_queue: "queue.SimpleQueue[BackgroundWrite] | None" = None
+_queue_lock = threading.Lock()
+
+
+def _writer_queue() -> "queue.SimpleQueue[BackgroundWrite]":
+    """The queue of the process's checkpoint writer thread, started on first use and kept (a daemon:
+    starting a thread per checkpoint would make the training thread wait for it to start). Writes run
+    in order, one at a time."""
+    global _queue
+    with _queue_lock:
+        if _queue is None:
+            _queue = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(_queue,), name="dtrain-checkpoint-writer", daemon=True).start()
+        return _queue
+
+
+def _serve(jobs: "queue.SimpleQueue[BackgroundWrite]") -> None:
+    while True:
+        jobs.get().run()
 
 
 def sha256(data: bytes) -> str:

@@ -137,7 +137,8 @@ class Checkpointing:
         staging.begin()
         held, packed, part = self._rank_part(staging)
         # What is not copied by the staging yet: small values that training goes on changing in place.
-        part = {k: v if k in ("params", "optim", "buffers") else host_copy(v, host_clone) for k, v in part.items()}
+        # (The RNG states are fresh objects already.)
+        part = {k: v if k in ("params", "optim", "buffers", "rng") else host_copy(v, host_clone) for k, v in part.items()}
         token = uuid.uuid4().hex
         mine = (summary(packed), sorted(part["buffers"]), self.dp_rank, token)
         every = [mine]
