@@ -451,7 +451,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         it, destroy the process group. A background write that failed raises `CheckpointWriteError`
         here, after the rest is closed."""
         error = None
-        if barrier:
+        if barrier and self.checkpoint_async:  # every rank closes: the wait agrees on the outcome
             try:
                 self.wait_for_checkpoint()
             except CheckpointWriteError as err:

@@ -183,13 +183,23 @@ class Checkpointing:
         self._checkpoint_write = BackgroundWrite(step, path, job)
 
     def wait_for_checkpoint(self) -> None:
-        """Wait until the checkpoint being written in the background (``checkpoint_async``) is complete;
-        raise its error (`CheckpointWriteError`, naming the file) if it failed. `fit` calls it before
-        returning, `close` too; a no-op without a write in flight."""
+        """Wait until the checkpoint being written in the background (``checkpoint_async``) is complete
+        on every rank; raise `CheckpointWriteError` (naming the file) if its write failed here, or
+        saying so if it failed on another rank. `fit` calls it before returning, `close` too. With
+        ``checkpoint_async``, every rank must call it (one all-reduce: a rank's own write ends before
+        the writer's ``meta.pt``, which this also waits for)."""
         write, self._checkpoint_write = self._checkpoint_write, None
+        error = None
         if write is not None:
             write.wait()
-            write.raise_error()
+            error, write.error = write.error, None
+        if self.checkpoint_async and self.context.world_size > 1:
+            if not self.context.every_rank(error is None) and error is None:
+                where = f"checkpoint {write.path!r} (step {write.step})" if write is not None else "a checkpoint"
+                error = CheckpointWriteError(f"rank {self.context.rank}: {where} was not completed: the background "
+                                             "write failed on another rank (its error names the file)")
+        if error is not None:
+            raise error
 
     def _check_checkpoint_write(self) -> None:
         """At each step: raise the error of a background write that has failed (it does not wait)."""

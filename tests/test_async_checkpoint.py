@@ -145,12 +145,17 @@ def failing_worker(rank, world, base, fail_rank):
     return str(info.value), found[0]
 
 
-def test_a_failed_background_write_is_reported_and_never_resumed_from(tmp_path):
-    results = run_distributed(failing_worker, 2, args=(str(tmp_path), 1), timeout=120)
+@pytest.mark.parametrize("fail_rank", [1, 0])
+def test_a_failed_background_write_is_reported_and_never_resumed_from(tmp_path, fail_rank):
+    results = run_distributed(failing_worker, 2, args=(str(tmp_path), fail_rank), timeout=120)
     for rank, (message, latest) in enumerate(results):
-        assert "rank1.pt" in message and "step 4" in message and "No space left" in message, message
         assert latest.endswith("step_000000002"), latest  # the previous checkpoint is the latest good
-    assert "rank 1 failed to write its file" in results[0][0]  # rank 0's meta.pt waited on rank 1 in vain
+        if rank == fail_rank:
+            assert f"rank{rank}.pt" in message and "step 4" in message and "No space left" in message, message
+    if fail_rank == 1:  # rank 0's meta.pt waited on rank 1 in vain, and says why
+        assert "rank 1 failed to write its file" in results[0][0] and "rank1.pt" in results[0][0], results[0][0]
+    else:  # rank 1's own write went well: it learns at the end of fit that the checkpoint is not complete
+        assert "failed on another rank" in results[1][0] and "step 4" in results[1][0], results[1][0]
     assert not (tmp_path / "step_000000004" / "meta.pt").exists()
 
 
@@ -272,6 +277,7 @@ def resume_worker(rank, world, base, strategy):
         reference = params(t)
     with _trainer(os.path.join(base, "broken"), strategy, checkpoint_every=2, checkpoint_async=True) as t:
         _fit(t, 3)  # stops at step 3 (its checkpoint written in the background, complete when fit returns)
+        assert t.latest_checkpoint()[1]["step"] == 3  # on every rank, not only on the one writing meta.pt
     with _trainer(os.path.join(base, "broken"), strategy, checkpoint_every=2, checkpoint_async=True) as t:
         _fit(t, 6)
         resumed = params(t)
