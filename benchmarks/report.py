@@ -31,7 +31,8 @@ def render_markdown(results: dict) -> str:
         if entry.get("status") in ("skipped", "error") and entry.get("reason") and not entry.get("worlds"):
             lines.append(f"- {name}: **{entry['status']}**: {entry['reason'].strip()}")
     lines.append("")
-    for section in (_collectives, _training, _models, _precision, _topk, _profiling, _monitor, _memory, _pipeline,
+    for section in (_collectives, _training, _models, _precision, _topk, _profiling, _monitor, _checkpoint, _memory,
+                    _pipeline,
                     _pipeline_big, _tensor, _model_check):
         lines += section(results)
     return "\n".join(lines) + "\n"
@@ -350,6 +351,30 @@ def _monitor(results):
                      f"{part['monitor_overhead_pct']:+.2f}% | " + (f"{ci[0]:+.2f} / {ci[1]:+.2f}" if ci else "-") +
                      " | " + (f"{q[0]:+.2f} / {q[1]:+.2f}" if q else "-") + f" | {part.get('at_most_1pct', '-')} | "
                      f"{host.get('record_step_per_log_step', float('nan')):.2f} |")
+    lines.append("")
+    return lines
+
+
+def _checkpoint(results):
+    lines = []
+    rows = _ok_worlds(results, "checkpoint")
+    if not rows:
+        return lines
+    part = rows[0][1]
+    lines += [f"## Checkpoint cost ({part['model']}, batch {part['batch']} x {part['seq']}, {part['strategy']}, a "
+              f"checkpoint every {part['checkpoint_every']} steps)", "",
+              "Per round: (mode - none) / none, the slowest rank's step time; the median over rounds and its 95% "
+              "bootstrap interval. Async: the snapshot's host time, the write's duration, checkpoints that waited.", "",
+              "| ranks | none ms | sync | async | async 95% CI | async < 1% | snapshot ms | write s | waited | "
+              "rank 0 file MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for w, part in rows:
+        ci = part["async_overhead_pct_median_ci95"]
+        mb = part.get("rank0_file_mb")
+        lines.append(f"| {w} | {part['median_step_s']['none'] * 1e3:.2f} | {part['sync_overhead_pct']:+.2f}% | "
+                     f"{part['async_overhead_pct']:+.2f}% | {ci[0]:+.2f} / {ci[1]:+.2f} | {part['async_below_1pct']} | "
+                     f"{part['async_snapshot_host_ms']['median_rank_max']:.1f} | {part['async_write_s_median']:.2f}"
+                     f"{' (slower than the interval)' if part.get('async_write_slower_than_interval') else ''} | "
+                     f"{part['async_checkpoints_that_waited']} | " + (f"{mb:.0f}" if mb is not None else "-") + " |")
     lines.append("")
     return lines
 

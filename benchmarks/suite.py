@@ -18,6 +18,7 @@ Phases (`--phases`, default all; see `phases/__init__.py` for where each runs):
     topk          Top-K selection methods and PowerSGD, per bucket and per step (25 and 100 MiB buckets)
     profiling     where a DDP step's time goes, by kernel (GPU) or operator (CPU) category
     monitor       the monitor's cost on the trainer, at every world size
+    checkpoint    a checkpoint every N steps, synchronous vs in the background, as % of step time
     memory        GPT 1.3B: activation checkpointing off/on, and batch_size="auto"
     tensor        GPT 1.3B / ~7B: our tensor (and sequence) parallelism vs torch's DTensor TP, same plan
     model_check   the scaling model: one calibration, checked on this run and on recorded DDP runs

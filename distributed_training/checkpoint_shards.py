@@ -130,8 +130,13 @@ def _local_view(flat: torch.Tensor, piece: Piece) -> torch.Tensor:
     return _grid(flat, piece.local, piece.count, piece.length, piece.step)
 
 
-def _cut(value: torch.Tensor, piece: Piece) -> torch.Tensor:
-    return _local_view(value.detach().reshape(-1), piece).cpu().clone(memory_format=torch.contiguous_format).reshape(-1)
+def host_clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in (pageable) host memory, contiguous: what a synchronous save writes."""
+    return tensor.cpu().clone(memory_format=torch.contiguous_format)
+
+
+def _cut(value: torch.Tensor, piece: Piece, to_host: Callable[[torch.Tensor], torch.Tensor] = host_clone) -> torch.Tensor:
+    return to_host(_local_view(value.detach().reshape(-1), piece)).reshape(-1)
 
 
 def _entry(piece: Piece, data: torch.Tensor) -> tuple:
@@ -140,17 +145,20 @@ def _entry(piece: Piece, data: torch.Tensor) -> tuple:
     return (piece.start, data) if piece.count == 1 else (piece.start, data, piece.length, piece.count, piece.stride)
 
 
-def pack(layout: StateLayout, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def pack(layout: StateLayout, optimizer: torch.optim.Optimizer | None, *,
+         to_host: Callable[[torch.Tensor], torch.Tensor] = host_clone) -> dict[str, Any]:
     """This rank's part of a checkpoint: the pieces it writes (``params``, ``optim``: key -> list of
     ``(start, data)``, or ``(start, data, length, count, stride)`` for a strided piece; ``optim_scalars``:
-    key -> {name: value}) and the optimizer's hyperparameters."""
+    key -> {name: value}) and the optimizer's hyperparameters. Each piece is copied to host memory by
+    `to_host` (default: a plain clone; an asynchronous save passes pinned buffers, see
+    `distributed_training.checkpoint_async.HostStaging`)."""
     params: dict[str, list] = {}
     for holding in layout.params:
         if holding.save:
             for piece in holding.pieces:
                 if piece.key in holding.not_saved:
                     continue
-                params.setdefault(piece.key, []).append(_entry(piece, _cut(holding.tensor, piece)))
+                params.setdefault(piece.key, []).append(_entry(piece, _cut(holding.tensor, piece, to_host)))
     optim: dict[str, dict[str, list]] = {}
     scalars: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
@@ -164,7 +172,7 @@ def pack(layout: StateLayout, optimizer: torch.optim.Optimizer | None) -> dict[s
                     continue
                 for name, value in state.items():
                     if torch.is_tensor(value) and value.dim() > 0 and value.numel() == holding.tensor.numel():
-                        optim.setdefault(piece.key, {}).setdefault(name, []).append(_entry(piece, _cut(value, piece)))
+                        optim.setdefault(piece.key, {}).setdefault(name, []).append(_entry(piece, _cut(value, piece, to_host)))
                     else:
                         scalars.setdefault(piece.key, {})[name] = (value.detach().cpu().clone() if torch.is_tensor(value)
                                                                    else value)

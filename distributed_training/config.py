@@ -197,6 +197,9 @@ class CheckpointConfig(_Section):
     step 0, after moving the checkpoints already in ``dir`` into ``dir/previous_run_<k>/``."""
     save_on_preemption: bool = True
     """On SIGTERM (a pod or batch job being stopped), save a checkpoint at the step where training stops."""
+    asynchronous: bool = False
+    """Write checkpoints in the background: the state is copied to host memory at the checkpoint step and a
+    thread writes it while training goes on (crash-proof all the same; see ``checkpoint_async``)."""
 
 
 class LoggingConfig(_Section):

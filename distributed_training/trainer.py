@@ -28,6 +28,7 @@ from .amp import DynamicLossScaler, Precision, check_precision_argument, make_pr
 from .auto_batch import AutoBatchSize
 from .batches import call_module, model_loss, split_batch, to_device
 from .checkpoint import CheckpointManager
+from .checkpoint_async import CheckpointWriteError
 from .checkpoint_layout import DirectoryLayout
 from .evaluation import Evaluation
 from .global_batch import GlobalBatch
@@ -44,7 +45,7 @@ from .tensor.options import TensorOptions
 from .trainer_checkpoints import Checkpointing, _hyperparameters
 from .trainer_fit import Fitting
 
-__all__ = ["DistributedTrainer", "CollectiveTimeoutError"]
+__all__ = ["DistributedTrainer", "CollectiveTimeoutError", "CheckpointWriteError"]
 
 
 Criterion = Callable[[Any, Any], torch.Tensor]
@@ -94,6 +95,14 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             take their new values, and the run logs what changed; what cannot change (parameter shapes,
             the optimizer class) is an error that names it. With ``resume=False`` an earlier run's
             checkpoints in `checkpoint_dir` are moved into ``previous_run_<k>/`` there, not mixed in.
+        checkpoint_async: write `fit`'s checkpoints in the background: at a checkpoint step each rank
+            copies what it saves to host memory (pinned on CUDA) and a thread writes it, with the same
+            crash-proof steps, while training goes on; a write interrupted at any point is never taken
+            for the latest good checkpoint. At most one write is in flight (a checkpoint that comes
+            while the previous one is still being written waits for it, with a warning). A failed write
+            raises `CheckpointWriteError` (naming the file) at the next step, checkpoint or `close`;
+            `fit` returns only once its last checkpoint is complete. `save_checkpoint` stays
+            synchronous. See `distributed_training.checkpoint_async`.
         save_on_preemption: on SIGTERM (what Kubernetes and batch schedulers send before killing a
             job) `fit` stops at the next step boundary that every rank agrees on, writes a checkpoint
             there (with `checkpoint_dir`), and exits; SIGINT (Ctrl-C) stops the same way without the
@@ -185,6 +194,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         best_mode: str = "min",
         resume: bool = True,
         checkpoint_shared: bool | None = None,
+        checkpoint_async: bool = False,
         save_on_preemption: bool = True,
         log_dir: str | os.PathLike | None = None,
         log_every: int = 10,
@@ -221,6 +231,10 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
         if checkpoint_every is not None and checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
+        if not isinstance(checkpoint_async, bool):
+            raise TypeError(f"checkpoint_async must be True or False, got {checkpoint_async!r}")
+        if checkpoint_async and checkpoint_dir is None:
+            raise ValueError("checkpoint_async needs a checkpoint_dir to write to (it applies to fit's checkpoints)")
         self.checkpoints = (CheckpointManager(checkpoint_dir, keep_last=keep_last, best_metric=best_metric,
                                               best_mode=best_mode) if checkpoint_dir is not None else None)
         if context is not None and timeout is not None:
@@ -302,6 +316,9 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         self.checkpoint_every = checkpoint_every
         self.resume = resume
         self.checkpoint_shared = checkpoint_shared
+        self.checkpoint_async = checkpoint_async
+        self._checkpoint_write = None  # the background write in flight (checkpoint_async), if any
+        self._staging = None  # its pinned host buffers, reused from one checkpoint to the next
         self._layouts: dict[str, DirectoryLayout] = {}
         self.save_on_preemption = save_on_preemption
         # What the optimizer and the schedule were configured with, before any step or resume: compared
@@ -371,6 +388,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         The loss values are 0-dim tensors on the device: reading one (``float(...)``) waits for the
         GPU, so do it only when logging.
         """
+        if self._checkpoint_write is not None:
+            self._check_checkpoint_write()  # a background checkpoint write that failed raises here
         heartbeat(self.context, self.step)
         try:
             return self._train_step(batch, criterion)
@@ -436,11 +455,24 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
 
     # -------------------------------------------------------------- teardown
     def close(self, barrier: bool = True) -> None:
-        """Remove the strategy's hooks and, if the trainer created it, destroy the process group."""
+        """Wait for a checkpoint being written in the background (``checkpoint_async``; abandon it when
+        closing on an error, ``barrier=False``), remove the strategy's hooks and, if the trainer created
+        it, destroy the process group. A background write that failed raises `CheckpointWriteError`
+        here, after the rest is closed."""
+        error = None
+        if barrier and self.checkpoint_async:  # every rank closes: the wait agrees on the outcome
+            try:
+                self.wait_for_checkpoint()
+            except CheckpointWriteError as err:
+                error = err
+        else:
+            self._abandon_checkpoint_write()
         self.monitor.close()
         self.strategy.teardown(self.model)
         if self._owns_context:
             self.context.shutdown(barrier=barrier)
+        if error is not None:
+            raise error
 
     def __enter__(self) -> "DistributedTrainer":
         return self

@@ -14,16 +14,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import time
+import uuid
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, load_file, read_meta, rng_state,
-                         save_file, set_rng_state, write_meta)
+from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, atomic_write_bytes, load_file, read_meta,
+                         rng_state, save_file, set_rng_state, write_meta)
+from .checkpoint_async import (BackgroundWrite, CheckpointWriteError, DigestExchange, HostStaging, default_store,
+                               host_copy, rank_file, serialize, sha256)
 from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
-from .checkpoint_shards import FORMAT, Sources, build_index, check_shapes, pack, summary, unpack_optimizer, unpack_params
+from .checkpoint_shards import (FORMAT, Sources, build_index, check_shapes, host_clone, pack, summary, unpack_optimizer,
+                                unpack_params)
 from .logs import get_logger
 
 __all__ = ["Checkpointing"]
@@ -102,11 +107,118 @@ class Checkpointing:
             box = [values]
             dist.broadcast_object_list(box, src=0, group=self.context.group)
             values = box[0]
+        if self.checkpoint_async:
+            self._save_in_background(path, values)
+            self._last_saved_step = self.step
+            return
         self.save_checkpoint(path, metrics=values)
         if layout.writer_of[self.context.rank] == self.context.rank:
             self.checkpoints.finalize(self.step, values)
         self.context.barrier()
         self._last_saved_step = self.step
+
+    # ------------------------------------------------------------ in the background
+    def _save_in_background(self, path: str, metrics: dict[str, float]) -> None:
+        """`fit`'s numbered checkpoint with ``checkpoint_async``: snapshot now, write in a thread (see
+        `distributed_training.checkpoint_async`). Waits for the previous write first (and says so)."""
+        ctx = self.context
+        previous = self._checkpoint_write
+        if previous is not None:
+            if not previous.done():
+                started = time.perf_counter()
+                previous.wait()
+                log.warning("rank %d: the checkpoint of step %d waited %.2f s for the background write of step %d "
+                            "(%.2f s in all): checkpoints come faster than they are written; raise checkpoint_every",
+                            ctx.rank, self.step, time.perf_counter() - started, previous.step, previous.seconds)
+            self._checkpoint_write = None
+            previous.raise_error()
+        if self._staging is None:
+            self._staging = HostStaging()
+        staging = self._staging
+        staging.begin()
+        held, packed, part = self._rank_part(staging)
+        # What is not copied by the staging yet: small values that training goes on changing in place.
+        # (The RNG states are fresh objects already.)
+        part = {k: v if k in ("params", "optim", "buffers", "rng") else host_copy(v, host_clone) for k, v in part.items()}
+        token = uuid.uuid4().hex
+        mine = (summary(packed), sorted(part["buffers"]), self.dp_rank, token)
+        every = [mine]
+        if ctx.world_size > 1:
+            every = [None] * ctx.world_size
+            dist.all_gather_object(every, mine, group=ctx.group)
+        token = every[0][3]  # rank 0's draw names this checkpoint's digests
+        layout = self._layout(path)
+        rank, writer = ctx.rank, layout.writer_of[ctx.rank] == ctx.rank
+        meta = host_copy(self._meta(held, packed, [e[:3] for e in every], metrics), host_clone) if writer else None
+        ready = staging.ready()
+        exchange = DigestExchange(default_store() if ctx.world_size > 1 else None, rank, ctx.world_size)
+        manager, step = self.checkpoints, self.step
+        os.makedirs(path, exist_ok=True)
+
+        def job(stop) -> None:
+            file = rank_file(path, rank)
+            try:
+                if ready is not None:
+                    ready.synchronize()  # the device-to-host copies of the snapshot are done
+                data = serialize(part)
+                if stop.is_set():
+                    exchange.publish_error(token, "the write was abandoned")
+                    return
+                atomic_write_bytes(data, file)
+            except BaseException as err:
+                message = f"rank {rank}: writing checkpoint file {file!r} (step {step}) failed: {type(err).__name__}: {err}"
+                exchange.publish_error(token, message)
+                raise CheckpointWriteError(message) from err
+            exchange.publish(token, sha256(data))
+            if not writer:
+                return
+            digests = exchange.collect(token, path, stop)
+            meta.update(layout.checksums(rank, digests))
+            try:
+                write_meta(meta, path)
+            except BaseException as err:
+                raise CheckpointWriteError(f"rank {rank}: writing {os.path.join(path, 'meta.pt')!r} (step {step}) "
+                                           f"failed: {type(err).__name__}: {err}") from err
+            manager.finalize(step, metrics)
+
+        self._checkpoint_write = BackgroundWrite(step, path, job)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the checkpoint being written in the background (``checkpoint_async``) is complete
+        on every rank; raise `CheckpointWriteError` (naming the file) if its write failed here, or
+        saying so if it failed on another rank. `fit` calls it before returning, `close` too. With
+        ``checkpoint_async``, every rank must call it (one all-reduce: a rank's own write ends before
+        the writer's ``meta.pt``, which this also waits for)."""
+        write, self._checkpoint_write = self._checkpoint_write, None
+        error = None
+        if write is not None:
+            write.wait()
+            error, write.error = write.error, None
+        if self.checkpoint_async and self.context.world_size > 1:
+            if not self.context.every_rank(error is None) and error is None:
+                where = f"checkpoint {write.path!r} (step {write.step})" if write is not None else "a checkpoint"
+                error = CheckpointWriteError(f"rank {self.context.rank}: {where} was not completed: the background "
+                                             "write failed on another rank (its error names the file)")
+        if error is not None:
+            raise error
+
+    def _check_checkpoint_write(self) -> None:
+        """At each step: raise the error of a background write that has failed (it does not wait)."""
+        write = self._checkpoint_write
+        if write is not None and write.done():
+            self._checkpoint_write = None
+            write.raise_error()
+
+    def _abandon_checkpoint_write(self) -> None:
+        """On an error in training: stop the background write at its next file boundary (what was not
+        completed stays without meta.pt, so it is never resumed from), reporting rather than raising
+        an error of its own."""
+        write, self._checkpoint_write = self._checkpoint_write, None
+        if write is None:
+            return
+        write.abandon()
+        if write.error is not None:
+            log.error("rank %d: %s", self.context.rank, write.error)
 
     def _layout(self, path: str | os.PathLike) -> DirectoryLayout:
         """Which ranks share the directory that checkpoint `path` goes into (found once per directory;
@@ -153,51 +265,62 @@ class Checkpointing:
                        f"rank plus meta.pt), not a single {suffix} file; name it without a suffix, e.g. "
                        f"{path[:-len(suffix)]!r}, and load it with load_checkpoint")
             warnings.warn(message, stacklevel=2)
-        held = self.strategy.state_layout(self.model, self.optimizer)
-        packed = pack(held, self.optimizer)
-        part: dict[str, Any] = {"rng": rng_state(), **packed}
-        part.update(self.strategy.rank_state(self.model))  # e.g. error-feedback residuals, which differ by rank
-        # Buffers (BatchNorm's running statistics) are updated by each rank from its own data: every
-        # rank's are state, under the model's keys (a pipeline rank holds its stages' only).
-        part["buffers"] = {k: b.detach().cpu().clone() for k, b in self.strategy.buffers(self.model).items()}
-        digest = save_file(part, os.path.join(path, f"rank{ctx.rank}.pt"))
+        held, packed, part = self._rank_part()
+        digest = save_file(part, rank_file(path, ctx.rank))
         mine = (digest, summary(packed), sorted(part["buffers"]), self.dp_rank)
         every = [mine]
         if ctx.world_size > 1:
             every = [None] * ctx.world_size
             dist.all_gather_object(every, mine, group=ctx.group)
         digests = [d for d, *_ in every]
-        buffer_index: dict[str, list[int]] = {}
-        for rank, (_, _, keys, _) in enumerate(every):
-            for key in keys:
-                buffer_index.setdefault(key, []).append(rank)
         layout = self._layout(path)
         if layout.writer_of[ctx.rank] == ctx.rank:  # rank 0, or each node's first rank with a directory per node
-            meta = {
-                "step": self.step,
-                "epoch": self.epoch,
-                "batch_in_epoch": self.batch_in_epoch,
-                "samples_in_epoch": self.samples_in_epoch,  # the data position at any size
-                "batch_size": self.batch_size,
-                "global_batch": dataclasses.asdict(self.global_batch) if self.global_batch is not None else None,
-                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                "loss_scaler": self.precision.state_dict() or None,  # the fp16 scaler's state
-                "world_size": ctx.world_size,
-                "strategy": self.strategy.name,
-                "checkpoint_format": FORMAT,
-                "shapes": held.shapes,
-                "index": build_index([sm for _, sm, _, _ in every], packed["param_groups"]),
-                "buffer_index": buffer_index,  # key -> the ranks whose file holds that buffer
-                "dp_rank_of": [dp for *_, dp in every],  # each rank's data-parallel replica
-                "config": self.config,
-                "optimizer_hparams": self._configured_hparams,
-                "fit": dict(self._fit_limits),
-                "metrics": dict(metrics or {}),
-                **layout.checksums(ctx.rank, digests),
-                **self.strategy.shared_state(self.model),  # e.g. DDP's bucket layout
-            }
+            meta = self._meta(held, packed, [rest for _, *rest in every], metrics)
+            meta.update(layout.checksums(ctx.rank, digests))
             write_meta(meta, path)
         ctx.barrier()
+
+    def _rank_part(self, to_host: Callable[[torch.Tensor], torch.Tensor] = host_clone):
+        """(held, packed, part): what this rank holds, its packed pieces and the whole of ``rank<r>.pt``,
+        every tensor copied to host memory by `to_host`."""
+        held = self.strategy.state_layout(self.model, self.optimizer)
+        packed = pack(held, self.optimizer, to_host=to_host)
+        part: dict[str, Any] = {"rng": rng_state(), **packed}
+        part.update(self.strategy.rank_state(self.model))  # e.g. error-feedback residuals, which differ by rank
+        # Buffers (BatchNorm's running statistics) are updated by each rank from its own data: every
+        # rank's are state, under the model's keys (a pipeline rank holds its stages' only).
+        part["buffers"] = {k: to_host(b.detach()) for k, b in self.strategy.buffers(self.model).items()}
+        return held, packed, part
+
+    def _meta(self, held, packed: dict[str, Any], every: list[tuple], metrics: dict[str, float] | None) -> dict[str, Any]:
+        """``meta.pt`` but its checksums; `every` holds each rank's (summary of its pieces, buffer keys,
+        data-parallel rank)."""
+        buffer_index: dict[str, list[int]] = {}
+        for rank, (_, keys, _) in enumerate(every):
+            for key in keys:
+                buffer_index.setdefault(key, []).append(rank)
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "samples_in_epoch": self.samples_in_epoch,  # the data position at any size
+            "batch_size": self.batch_size,
+            "global_batch": dataclasses.asdict(self.global_batch) if self.global_batch is not None else None,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "loss_scaler": self.precision.state_dict() or None,  # the fp16 scaler's state
+            "world_size": self.context.world_size,
+            "strategy": self.strategy.name,
+            "checkpoint_format": FORMAT,
+            "shapes": held.shapes,
+            "index": build_index([sm for sm, _, _ in every], packed["param_groups"]),
+            "buffer_index": buffer_index,  # key -> the ranks whose file holds that buffer
+            "dp_rank_of": [dp for *_, dp in every],  # each rank's data-parallel replica
+            "config": self.config,
+            "optimizer_hparams": self._configured_hparams,
+            "fit": dict(self._fit_limits),
+            "metrics": dict(metrics or {}),
+            **self.strategy.shared_state(self.model),  # e.g. DDP's bucket layout
+        }
 
     def full_state_dict(self) -> dict[str, Any]:
         """The model's state for inference or another tool, whatever the strategy: on rank 0 the plain

@@ -121,8 +121,12 @@ class Fitting:
         with StopSignals(self.context, self.device, self.context.every_rank) as stop:
             try:
                 history = self._train_epochs(loader, epochs, criterion, max_steps, log_every, on_step, stop)
+            except BaseException:
+                self._abandon_checkpoint_write()  # checkpoint_async: a peer may be gone; never wait on it
+                raise
             finally:
                 self.monitor.end_progress()  # what the script prints next gets a line of its own
+            self.wait_for_checkpoint()  # checkpoint_async: the last checkpoint is complete before fit returns
         stop.deliver()  # after a stop on a signal: raises (by default), with the handlers of before restored
         return history
 
@@ -332,6 +336,7 @@ class Fitting:
         if sig == signal.SIGTERM and self.save_on_preemption and self.checkpoints is not None:
             if self._last_saved_step != self.step:
                 self._save_numbered(metrics)
+            self.wait_for_checkpoint()  # checkpoint_async: complete before the process is told to exit
             if ctx.is_main:
                 log.warning("stopping at step %d on %s: checkpoint saved to %s", self.step, sig.name,
                              self.checkpoints.path_for(self.step))

@@ -16,7 +16,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "suite.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-ALL_PHASES = {"collectives", "training", "models", "precision", "topk", "profiling", "monitor", "memory", "compile",
+ALL_PHASES = {"collectives", "training", "models", "precision", "topk", "profiling", "monitor", "checkpoint", "memory",
+              "compile",
               "pipeline", "pipeline_trainer", "tensor", "model_check"}
 
 
@@ -108,6 +109,13 @@ def test_smoke_runs_every_phase(tmp_path):
         assert math.isfinite(mon["monitor_overhead_pct"]) and mon["event_files"] and mon["records"]["ok"], mon
         assert len(mon["paired_overhead_pct"]) == mon["rounds"] and mon["at_most_1pct"]
     assert ph["monitor"]["worlds"]["2"]["records"]["cluster_view_on_rank0"] is True
+
+    # Checkpoints every N steps, synchronous vs in the background: paired figures, the same checkpoints written.
+    assert set(ph["checkpoint"]["worlds"]) == {"1", "2"}
+    for ck in ph["checkpoint"]["worlds"].values():
+        assert all(math.isfinite(ck[f"{m}_overhead_pct"]) for m in ("sync", "async")), ck
+        assert len(ck["async_paired_overhead_pct"]) == ck["rounds"] and ck["async_below_1pct"], ck
+        assert ck["latest_steps"]["sync"] == ck["latest_steps"]["async"] and ck["rank0_file_mb"] > 0, ck
 
     # Memory at the largest world: checkpointing off and on, then batch_size="auto" trains without running out.
     assert set(ph["memory"]["worlds"]) == {"2"}

@@ -41,6 +41,8 @@ PHASES = {p.name: p for p in (
           "bucket and per step"),
     Phase("profiling", "top", "where a DDP step's time goes: kernel (GPU) or operator (CPU) time by category"),
     Phase("monitor", "all", "the monitor's cost: the trainer with and without log_dir, interleaved, paired by round"),
+    Phase("checkpoint", "all", "the cost of a checkpoint every N steps (GPT, DDP: rank 0 writes it all), synchronous "
+          "vs in the background (checkpoint_async), as % of step time, paired by round; --variants every=N,zero3"),
     Phase("memory", "top", "GPT 1.3B in our trainer: activation checkpointing off/on (step time, peak memory), and "
           "fit(batch_size='auto'): the batch chosen, then steps at it without running out of memory"),
     Phase("pipeline", "multi", "GPT over a pipeline of every rank and (world >= 4) two pipelines of half the ranks "

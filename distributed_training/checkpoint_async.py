@@ -1,0 +1,269 @@
+"""Checkpoints written in the background (``DistributedTrainer(checkpoint_async=True)``).
+
+At a checkpoint step each rank takes a *snapshot* of what it saves (its pieces of the parameters and
+optimizer state, RNG streams, buffers, per-rank strategy state, and on a directory's writer the
+contents of ``meta.pt`` but its checksums) into host memory, and hands the snapshot to one
+background thread, which serialises it, writes it with the same crash-proof steps as a synchronous
+save (`distributed_training.checkpoint`: a temporary name, fsync, rename, ``meta.pt`` last) and prunes
+old checkpoints. Training goes on meanwhile. What remains synchronous is the copy to host memory and
+one small all-gather (what each rank holds; the same one a synchronous save does).
+
+On CUDA the copies go into pinned host buffers, allocated at the first checkpoint and reused (pinning
+memory is slow), with ``non_blocking=True`` on the current stream: the step's later kernels, queued
+on the same stream, run after the copies, so they read the state of the checkpoint step, and the host
+does not wait for them. The writer thread waits on an event recorded behind the copies before it
+reads a byte.
+
+``meta.pt`` lists the SHA-256 of every rank's file, which is known only once that rank's thread has
+serialised it. The threads do not run collectives (they would race the training thread's); each rank
+publishes its digest under a key of its own in the rendezvous store (`DigestExchange`), tagged with a
+token that rank 0 drew for this checkpoint, and each directory's writer (rank 0, or each node's first
+rank with a directory per node) waits for the digests before writing ``meta.pt``. A rank whose write
+fails publishes the error instead, so the writer gives up at once, naming it.
+
+What holds, as for a synchronous save: a checkpoint counts only once its ``meta.pt`` is written and
+every file matches its checksum, so a write interrupted at any point (an error, the process killed)
+is never taken for the latest good checkpoint; the previous one is. At most one write is in flight: the
+next checkpoint waits for the previous one first (and says so). An error of the writer thread is
+raised by the trainer on its next step, at the next checkpoint, or in `close`, naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["CheckpointWriteError", "HostStaging", "host_copy", "DigestExchange", "BackgroundWrite"]
+
+#: How long a directory's writer waits for the other ranks' digests before giving up (a rank that died
+#: fails the training thread's next collective long before this).
+PEER_TIMEOUT_S = 1800.0
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint written in the background could not be completed; the message names the file."""
+
+
+class _Abandoned(Exception):
+    """The training thread gave the write up (an error in training): stop quietly."""
+
+
+# ------------------------------------------------------------------ snapshot
+class HostStaging:
+    """Copies of device tensors in host memory for one snapshot at a time.
+
+    CPU tensors are cloned. CUDA tensors are copied into pinned buffers, the i-th copy of a snapshot
+    into the i-th buffer (allocated at the first snapshot, reused while its shape and dtype match), with
+    ``non_blocking=True``; `ready` then returns an event recorded behind them. A snapshot's buffers are
+    reused by the next one, so the next snapshot must wait until the previous write is done (the trainer
+    keeps one write in flight at most).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._next = 0
+        self._cuda = False
+
+    def begin(self) -> None:
+        self._next, self._cuda = 0, False
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if not tensor.is_cuda:
+            return tensor.cpu().clone(memory_format=torch.contiguous_format)
+        i, self._next = self._next, self._next + 1
+        if i == len(self._buffers):
+            self._buffers.append(torch.empty(0))
+        buffer = self._buffers[i]
+        if buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self._buffers[i] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        buffer.copy_(tensor, non_blocking=True)
+        self._cuda = True
+        return buffer
+
+    def ready(self) -> "torch.cuda.Event | None":
+        """An event behind this snapshot's device-to-host copies (None when there were none)."""
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+
+def host_copy(value: Any, to_host: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`value` with every tensor copied by `to_host` and every container rebuilt, so that training can
+    go on changing the original (a scheduler's lists, a strategy's residuals) while the copy is written."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if torch.is_tensor(value):
+        return to_host(value)
+    if isinstance(value, dict):
+        return {k: host_copy(v, to_host) for k, v in value.items()}
+    if isinstance(value, list):
+        return [host_copy(v, to_host) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(host_copy(v, to_host) for v in value)
+    return value  # numbers, strings, None, named tuples of plain values: not changed in place
+
+
+def serialize(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+# ------------------------------------------------------------------ digests
+class DigestExchange:
+    """Each rank's file digest for the checkpoint being written, through the rendezvous store.
+
+    One key per rank (overwritten by each checkpoint, so nothing accumulates in the store), holding
+    ``"<token> <sha256>"`` or ``"<token> !<error>"``; the token, drawn by rank 0 for each checkpoint,
+    tells this checkpoint's value from the previous one's.
+    """
+
+    PREFIX = "distributed_training/checkpoint_digest/"
+
+    def __init__(self, store, rank: int, world_size: int) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self._mine: str | None = None
+
+    def publish(self, token: str, digest: str) -> None:
+        if self.store is None:
+            self._mine = digest
+            return
+        self.store.set(f"{self.PREFIX}{self.rank}", f"{token} {digest}")
+
+    def publish_error(self, token: str, message: str) -> None:
+        if self.store is not None:
+            try:
+                self.store.set(f"{self.PREFIX}{self.rank}", f"{token} !{message}")
+            except Exception:  # the store is gone too: the writer will time out, or the job is ending
+                pass
+
+    def collect(self, token: str, path: str, stop: threading.Event, timeout: float = PEER_TIMEOUT_S) -> list[str]:
+        """Every rank's digest for checkpoint `path`, in rank order, once all are published."""
+        if self.store is None:  # one rank
+            return [self._mine]
+        found: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        pause = 0.002
+        while True:
+            for rank in range(self.world_size):
+                if rank in found:
+                    continue
+                key = f"{self.PREFIX}{rank}"
+                if not self.store.check([key]):
+                    continue
+                got, _, value = self.store.get(key).decode().partition(" ")
+                if got != token:
+                    continue  # still the previous checkpoint's
+                if value.startswith("!"):
+                    raise CheckpointWriteError(f"checkpoint {path!r} is incomplete: rank {rank} failed to write its "
+                                               f"file: {value[1:]}")
+                found[rank] = value
+            if len(found) == self.world_size:
+                return [found[r] for r in range(self.world_size)]
+            if stop.is_set():
+                raise _Abandoned()
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if r not in found]
+                raise CheckpointWriteError(f"checkpoint {path!r} is incomplete: rank(s) {missing} did not write "
+                                           f"their files within {timeout:.0f} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+
+# ------------------------------------------------------------------ the thread
+class BackgroundWrite:
+    """One checkpoint being written in the background: ``job(stop)`` runs on the process's writer
+    thread; `stop` is set by `abandon`, and the job checks it between files (a file being written is
+    finished or removed, never left half-written under its final name)."""
+
+    def __init__(self, step: int, path: str, job: Callable[[threading.Event], None]) -> None:
+        self.step, self.path = step, path
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.started = time.perf_counter()
+        self.seconds: float | None = None  # how long the write took, once done
+        self._job = job
+        self._finished = threading.Event()
+        _writer_queue().put(self)
+
+    def run(self) -> None:
+        try:
+            self._job(self.stop)
+        except _Abandoned:
+            pass
+        except BaseException as err:  # kept for the training thread, which raises it
+            self.error = err if isinstance(err, CheckpointWriteError) else CheckpointWriteError(
+                f"writing checkpoint {self.path!r} (step {self.step}) in the background failed: "
+                f"{type(err).__name__}: {err}")
+            if self.error is not err:
+                self.error.__cause__ = err
+        finally:
+            self._job = None  # the snapshot can go
+            self.seconds = time.perf_counter() - self.started
+            self._finished.set()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self) -> None:
+        self._finished.wait()
+
+    def abandon(self) -> None:
+        """Stop the write at the next file boundary and wait for it (a file being written is finished;
+        the checkpoint stays without ``meta.pt`` unless it was already complete)."""
+        self.stop.set()
+        self._finished.wait()
+
+    def raise_error(self) -> None:
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+
+_queue: "queue.SimpleQueue[BackgroundWrite] | None" = None
+_queue_lock = threading.Lock()
+
+
+def _writer_queue() -> "queue.SimpleQueue[BackgroundWrite]":
+    """The queue of the process's checkpoint writer thread, started on first use and kept (a daemon:
+    starting a thread per checkpoint would make the training thread wait for it to start). Writes run
+    in order, one at a time."""
+    global _queue
+    with _queue_lock:
+        if _queue is None:
+            _queue = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(_queue,), name="dtrain-checkpoint-writer", daemon=True).start()
+        return _queue
+
+
+def _serve(jobs: "queue.SimpleQueue[BackgroundWrite]") -> None:
+    while True:
+        jobs.get().run()
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def default_store():
+    """The rendezvous store of the default process group (None on a world of one or without one)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:
+        return None
+
+
+def rank_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"rank{rank}.pt")

@@ -1,0 +1,291 @@
+"""Checkpoints written in the background (``checkpoint_async=True``): the files load to exactly what a
+synchronous save writes, even while training goes on changing the state during the write; a write that
+fails or is killed midway leaves the previous checkpoint as the latest good one, and the error names
+the file; resuming from a background checkpoint equals an unbroken run, bit for bit."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from distributed_training import DistributedTrainer
+from distributed_training.checkpoint import CheckpointManager
+from distributed_training.checkpoint_async import CheckpointWriteError
+from distributed_training.testing import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def _data(n=64):
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g))
+
+
+def _trainer(directory, strategy="ddp", **kwargs):
+    torch.manual_seed(0)
+    return DistributedTrainer(Net(), lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), strategy=strategy,
+                              checkpoint_dir=directory, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
+                              progress=False, **kwargs)
+
+
+def _fit(trainer, max_steps):
+    return trainer.fit(_data(), epochs=100, criterion=F.mse_loss, batch_size=8, max_steps=max_steps)
+
+
+def _slow_writes(seconds):
+    """Make every background serialisation take `seconds`: training runs on while the write is in flight,
+    so a snapshot that shared storage with the live state would be written with later values."""
+    import distributed_training.trainer_checkpoints as tc
+
+    original = tc.serialize
+
+    def slow(obj):
+        time.sleep(seconds)
+        return original(obj)
+
+    tc.serialize = slow
+
+
+def _same(a, b, where="") -> None:
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, sorted(a), sorted(b))
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def _files(directory):
+    """Every checkpoint under `directory`: {step dir: {file: loaded content}} (meta without checksums)."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if not name.startswith("step_"):
+            continue
+        path = os.path.join(directory, name)
+        CheckpointManager.verify(path)  # complete, and every file matches its checksum
+        files = {}
+        for f in sorted(os.listdir(path)):
+            if f.endswith(".pt"):
+                files[f] = torch.load(os.path.join(path, f), weights_only=True)
+        files["meta.pt"].pop("checksums")
+        out[name] = files
+    return out
+
+
+# ----------------------------------------------------------------- async == sync
+def equal_worker(rank, world, base, strategy):
+    _slow_writes(0.15)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("distributed_training").addHandler(handler)
+    for mode in ("sync", "async"):
+        with _trainer(os.path.join(base, mode), strategy, checkpoint_every=2, keep_last=2,
+                      checkpoint_async=mode == "async") as t:
+            _fit(t, 7)
+    return messages
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_background_checkpoints_equal_synchronous_ones(tmp_path, strategy):
+    messages = run_distributed(equal_worker, 2, args=(str(tmp_path), strategy), timeout=180)
+    sync, background = _files(tmp_path / "sync"), _files(tmp_path / "async")
+    # keep_last=2 pruned in the background too; step 7 is fit's last save (not a multiple of 2).
+    assert list(sync) == list(background) == ["step_000000006", "step_000000007"]
+    _same(sync, background)
+    # Writes take 0.15 s, checkpoints come every 2 steps of a few ms: the next one waited, and said so.
+    assert any("waited" in m and "raise checkpoint_every" in m for m in messages[0]), messages[0]
+
+
+# ----------------------------------------------------------------- a failed write
+def failing_worker(rank, world, base, fail_rank):
+    import distributed_training.trainer_checkpoints as tc
+
+    original = tc.atomic_write_bytes
+
+    def failing(data, path):
+        if rank == fail_rank and "step_000000004" in path:
+            raise OSError(28, "No space left on device")
+        return original(data, path)
+
+    tc.atomic_write_bytes = failing
+    with _trainer(base, checkpoint_every=2, checkpoint_async=True) as t:
+        with pytest.raises(CheckpointWriteError) as info:
+            _fit(t, 4)  # the failing write is the last: fit waits for it and raises its error
+        found = t.latest_checkpoint()
+    return str(info.value), found[0]
+
+
+@pytest.mark.parametrize("fail_rank", [1, 0])
+def test_a_failed_background_write_is_reported_and_never_resumed_from(tmp_path, fail_rank):
+    results = run_distributed(failing_worker, 2, args=(str(tmp_path), fail_rank), timeout=120)
+    for rank, (message, latest) in enumerate(results):
+        assert latest.endswith("step_000000002"), latest  # the previous checkpoint is the latest good
+        if rank == fail_rank:
+            assert f"rank{rank}.pt" in message and "step 4" in message and "No space left" in message, message
+    if fail_rank == 1:  # rank 0's meta.pt waited on rank 1 in vain, and says why
+        assert "rank 1 failed to write its file" in results[0][0] and "rank1.pt" in results[0][0], results[0][0]
+    else:  # rank 1's own write went well: it learns at the end of fit that the checkpoint is not complete
+        assert "failed on another rank" in results[1][0] and "step 4" in results[1][0], results[1][0]
+    assert not (tmp_path / "step_000000004" / "meta.pt").exists()
+
+
+def test_a_failed_write_surfaces_at_the_next_step(tmp_path, monkeypatch):
+    import distributed_training.trainer_checkpoints as tc
+
+    original = tc.atomic_write_bytes
+
+    def failing(data, path):
+        if "step_000000002" in path:
+            raise OSError(5, "Input/output error")
+        return original(data, path)
+
+    monkeypatch.setattr(tc, "atomic_write_bytes", failing)
+    with _trainer(str(tmp_path), checkpoint_every=2, checkpoint_async=True) as t:
+        with pytest.raises(CheckpointWriteError, match=r"rank0\.pt.*step 2.*Input/output error"):
+            _fit(t, 100)
+        assert t.step <= 4  # raised by the next step's check, or at the latest by the next checkpoint
+        assert t.latest_checkpoint() is None
+
+
+def test_fit_and_close_wait_for_the_write(tmp_path, monkeypatch):
+    import distributed_training.trainer_checkpoints as tc
+
+    original = tc.serialize
+    monkeypatch.setattr(tc, "serialize", lambda obj: (time.sleep(0.3), original(obj))[1])
+    with _trainer(str(tmp_path), checkpoint_every=3, checkpoint_async=True) as t:
+        _fit(t, 3)
+        assert t.latest_checkpoint()[0].endswith("step_000000003")  # fit returned with it complete
+        t._save_in_background(t.checkpoints.path_for(99), {})  # a write still in flight at close
+    assert CheckpointManager(str(tmp_path)).latest_good()[0].endswith("step_000000099")
+
+
+def test_checkpoint_async_arguments(tmp_path):
+    with pytest.raises(ValueError, match="checkpoint_async needs a checkpoint_dir"):
+        _trainer(None, checkpoint_async=True)
+    with pytest.raises(TypeError, match="checkpoint_async must be True or False"):
+        _trainer(str(tmp_path), checkpoint_async="yes")
+
+
+# ----------------------------------------------------------------- killed midway, then resumed
+_KILLED = textwrap.dedent("""
+    import os, random, sys, time
+    import numpy
+    sys.path.insert(0, {tests!r})
+    numpy.random.seed(0)  # every RNG a checkpoint holds is the same in every run of this script
+    random.seed(0)
+    import distributed_training.trainer_checkpoints as tc
+    from test_async_checkpoint import _trainer, _fit
+
+    where, directory = sys.argv[1], sys.argv[2]
+    original_write, original_meta = tc.atomic_write_bytes, tc.write_meta
+
+    def stall(message):
+        print(message, flush=True)
+        time.sleep(120)
+
+    def write(data, path):
+        if where == "rank_file" and "step_000000004" in path:
+            with open(path + ".tmp." + str(os.getpid()), "wb") as f:  # half of it, as a write in progress
+                f.write(data[: len(data) // 2])
+            stall("MIDWAY")
+        return original_write(data, path)
+
+    def write_meta(meta, path):
+        if where == "meta" and "step_000000004" in path:
+            original_write(b"0" * 64, os.path.join(path, "meta.pt.sha256"))  # the sidecar, then death
+            stall("MIDWAY")
+        return original_meta(meta, path)
+
+    tc.atomic_write_bytes, tc.write_meta = write, write_meta
+    with _trainer(directory, checkpoint_every=2, checkpoint_async=True) as t:
+        _fit(t, 6)
+""")
+
+
+def _script(tmp_path, where, directory, *, stop_at_midway):
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED.format(tests=str(REPO / "tests")))
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(script), where, str(directory)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = []
+        for line in proc.stdout:  # training goes on while the write stalls; kill it there
+            lines.append(line)
+            if stop_at_midway and line.strip() == "MIDWAY":
+                proc.send_signal(signal.SIGKILL)
+                return
+        assert not stop_at_midway, "the script ended without reaching the write:\n" + "".join(lines)
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("where", ["rank_file", "meta"])
+def test_killed_during_a_background_write_resumes_from_the_previous_one(tmp_path, where):
+    directory = tmp_path / "ckpt"
+    _script(tmp_path, where, directory, stop_at_midway=True)
+    with pytest.warns(UserWarning, match="step_000000004"):
+        latest = CheckpointManager(str(directory)).latest_good()
+    assert latest[0].endswith("step_000000002")
+    # Resuming from there (a new process, as torchrun restarts one) ends where a run never interrupted
+    # does: its last checkpoint holds the same state, bit for bit.
+    _script(tmp_path, "none", directory, stop_at_midway=False)
+    _script(tmp_path, "none", tmp_path / "unbroken", stop_at_midway=False)
+    resumed, unbroken = _files(directory), _files(tmp_path / "unbroken")
+    assert "step_000000006" in resumed
+    _same(resumed["step_000000006"], unbroken["step_000000006"])
+
+
+def resume_worker(rank, world, base, strategy):
+    def params(t):
+        return {k: v.clone() for k, v in t.full_state_dict().items()}
+
+    with _trainer(os.path.join(base, "unbroken"), strategy, checkpoint_every=2, checkpoint_async=True) as t:
+        _fit(t, 6)
+        reference = params(t)
+    with _trainer(os.path.join(base, "broken"), strategy, checkpoint_every=2, checkpoint_async=True) as t:
+        _fit(t, 3)  # stops at step 3 (its checkpoint written in the background, complete when fit returns)
+        assert t.latest_checkpoint()[1]["step"] == 3  # on every rank, not only on the one writing meta.pt
+    with _trainer(os.path.join(base, "broken"), strategy, checkpoint_every=2, checkpoint_async=True) as t:
+        _fit(t, 6)
+        resumed = params(t)
+    if rank == 0:
+        _same(resumed, reference)
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_resume_from_a_background_checkpoint_equals_an_unbroken_run(tmp_path, strategy):
+    run_distributed(resume_worker, 2, args=(str(tmp_path), strategy), timeout=180)
