@@ -241,26 +241,29 @@ def test_layout_is_read_once_by_the_runtime():
 
 
 def dp_sharding_worker(rank, world):
-    """With tensor=2 in the mesh, the two tensor-parallel peers feed one replica: fit must give them
-    the same samples, and the replicas distinct ones."""
+    """With tensor parallelism of 2 (the trainer lays the mesh out as data x tensor), the two
+    tensor-parallel peers feed one replica: fit must give them the same samples, and the replicas
+    distinct ones. The model is the identity, split between the peers (each holds half of a hidden
+    layer of width 2: their partial outputs sum to x)."""
     from distributed_training import DistributedTrainer, init_distributed
     from distributed_training.data import train_loader
-    from distributed_training.runtime import DistributedContext
 
-    base = init_distributed()
-    ctx = DistributedContext(rank=base.rank, world_size=base.world_size, local_rank=base.local_rank,
-                             local_world_size=base.local_world_size, device=base.device, backend=base.backend,
-                             mesh=Mesh(world, tensor=2))
-    trainer = DistributedTrainer(nn.Linear(1, 1), lambda ps: torch.optim.SGD(ps, lr=0.1), context=ctx)
+    ctx = init_distributed()
+    model = nn.Sequential(nn.Linear(1, 2), nn.Linear(2, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0], [0.0]]))
+        model[1].weight.copy_(torch.tensor([[1.0, 0.0]]))
+        model[0].bias.zero_()
+        model[1].bias.zero_()
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), context=ctx, tensor_parallel_size=2,
+                                 tensor_parallel_plan={"0": "colwise", "1": "rowwise"})
+    assert ctx.mesh.size("tensor") == 2
     data = torch.utils.data.TensorDataset(torch.arange(12.0))
     loader = train_loader(data, ctx, batch_size=12, shuffle=True, drop_last=False, num_workers=0, seed=3,
                           dp_rank=trainer.dp_rank, dp_world_size=trainer.dp_world_size)
     seen = sorted(int(v) for (batch,) in loader for v in batch)
     # evaluate() too: every sample counted once per replica, so the mean is the whole dataset's.
     xy = torch.utils.data.TensorDataset(torch.arange(10.0).view(10, 1), torch.zeros(10, 1))
-    with torch.no_grad():
-        trainer.module.weight.fill_(1.0)
-        trainer.module.bias.fill_(0.0)
     evaluated = []
 
     def criterion(outputs, targets):
