@@ -30,9 +30,10 @@ from .batches import call_module, model_loss, split_batch, to_device
 from .checkpoint import CheckpointManager
 from .checkpoint_layout import DirectoryLayout
 from .evaluation import Evaluation
-from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout
+from .hangs import CollectiveTimeoutError, _store as _default_store, diagnose_timeout, heartbeat, is_timeout
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
+from .peer_watch import PeerFailureError, PeerWatch, looks_like_peer_loss
 from .pipeline.meta_init import has_meta, materialize
 from .pipeline.training import PipelineOptions
 from .planner import model_sizes
@@ -43,7 +44,7 @@ from .tensor.options import TensorOptions
 from .trainer_checkpoints import Checkpointing, _hyperparameters
 from .trainer_fit import Fitting
 
-__all__ = ["DistributedTrainer", "CollectiveTimeoutError"]
+__all__ = ["DistributedTrainer", "CollectiveTimeoutError", "PeerFailureError"]
 
 
 Criterion = Callable[[Any, Any], torch.Tensor]
@@ -163,6 +164,15 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             (our GPT's).
         sequence_parallel: with tensor parallelism, also split the LayerNorm and dropout regions along
             the sequence (less activation memory; the same numerics).
+        heartbeat_timeout: seconds of heartbeat silence after which a peer rank counts as dead (None:
+            no watch). From the first `train_step` on, each rank beats in the rendezvous store from a
+            background thread (a long step keeps beating: silence means the process is gone, frozen or
+            cut off) and watches its neighbours; a dead peer becomes a `PeerFailureError` naming it and
+            its host, raised by `train_step`, instead of a hang until the collective `timeout`. On NCCL
+            the process group is aborted so that a blocked collective returns; a rank still blocked
+            ``max(10, 2 * heartbeat_timeout)`` seconds later (gloo cannot be woken) logs the error and
+            exits with status `peer_watch.EXIT_CODE` (75), for torchrun to restart. See
+            `distributed_training.peer_watch`.
     """
 
     def __init__(
@@ -205,6 +215,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: dict[str, Any] | None = None,
         sequence_parallel: bool = False,
+        heartbeat_timeout: float | None = 5.0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -212,6 +223,11 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
             raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}")
+        if heartbeat_timeout is not None and (isinstance(heartbeat_timeout, bool) or
+                                              not isinstance(heartbeat_timeout, (int, float)) or
+                                              not heartbeat_timeout > 0):
+            raise ValueError(f"heartbeat_timeout must be a positive number of seconds or None, got "
+                             f"{heartbeat_timeout!r}")
         check_precision_argument(mixed_precision, loss_scaler)
         if not isinstance(compile, (bool, dict)):
             raise TypeError(f"compile must be True, False or a dict of torch.compile arguments, got "
@@ -301,6 +317,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         self._configured_schedule = (copy.deepcopy(self.lr_scheduler.state_dict())
                                      if self.lr_scheduler is not None else None)
         self._fit_limits: dict[str, Any] = {}
+        self.heartbeat_timeout = heartbeat_timeout
+        self._watch: PeerWatch | None = None  # started by the first train_step
         self._last_saved_step: int | None = None
         self._set_aside = False
         if mixed_precision == "fp16" and self.device.type == "cpu" and self.context.is_main:
@@ -362,13 +380,42 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         The loss values are 0-dim tensors on the device: reading one (``float(...)``) waits for the
         GPU, so do it only when logging.
         """
+        watch = self._peer_watch()
+        if watch is not None:
+            watch.step = self.step
+            watch.raise_if_failed()  # a peer died since the last step
         heartbeat(self.context, self.step)
         try:
             return self._train_step(batch, criterion)
         except RuntimeError as err:
+            # A collective on a killed peer fails at once, without naming it: wait for the watcher.
+            failure = watch.verdict() if watch is not None and looks_like_peer_loss(err) else None
+            if failure is not None:
+                watch.acknowledge()
+                raise failure from err
             if is_timeout(err):
                 raise CollectiveTimeoutError(diagnose_timeout(self.context, self.step, err)) from err
             raise
+
+    def _peer_watch(self) -> PeerWatch | None:
+        """This rank's heartbeat and watch over its peers (`heartbeat_timeout`), started at the first step."""
+        if self._watch is None and self.heartbeat_timeout is not None and self.context.world_size > 1:
+            store = _default_store()
+            if store is None:
+                return None
+            timeout = float(self.heartbeat_timeout)
+            self._watch = PeerWatch(store, self.context.rank, self.context.world_size, timeout,
+                                    exit_after=max(10.0, 2 * timeout), on_failure=self._abort_collectives).start()
+        return self._watch
+
+    def _abort_collectives(self, failure: PeerFailureError) -> None:
+        """On the watcher's thread, when a peer is dead: abort an NCCL process group, which makes a
+        collective waiting for the peer return with an error. gloo's abort does not wake a blocked
+        collective (measured), so a gloo group is left for the watcher's exit (see `peer_watch`)."""
+        if self.context.backend == "nccl":
+            import torch.distributed as dist
+
+            dist.distributed_c10d._abort_process_group()
 
     def _train_step(self, batch: Any, criterion: Criterion | None) -> dict[str, torch.Tensor]:
         if not self.model.training:  # train() walks every module: not per step, and it would undo a
@@ -428,6 +475,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
     # -------------------------------------------------------------- teardown
     def close(self, barrier: bool = True) -> None:
         """Remove the strategy's hooks and, if the trainer created it, destroy the process group."""
+        if self._watch is not None:
+            self._watch.stop()  # first: the peers must not take this rank's leaving for a death
         self.monitor.close()
         self.strategy.teardown(self.model)
         if self._owns_context:
