@@ -28,8 +28,8 @@ exception: it waits in C++. What works, measured on CPU (gloo, torch 2.13) and b
   ``ProcessGroupGloo.abort()`` does not wake it (measured: abort returns at once, the blocked all-reduce
   keeps waiting). NCCL's communicator abort does make its kernels and waits return with an error, so
   on NCCL the trainer aborts the process group on detection (`on_failure`) and the step raises.
-* Whatever is still blocked `exit_after` seconds after detection (gloo's silent peer, a user's own
-  collective outside `train_step`): the watcher logs the error and ends the process with
+* Whatever is still blocked `exit_after` seconds after detection inside the trainer's work (`active`:
+  a step, `fit`'s checkpoint saves; gloo's silent peer): the watcher logs the error and ends the process with
   `os._exit(EXIT_CODE)`. That is clean where it matters: torchrun's agent sees a failed worker, stops
   its other workers and re-forms the job (``--max-restarts``, ``--nnodes=MIN:MAX``), which is the
   recovery anyway; a process whose peer is dead has no collective it can ever finish.
@@ -38,6 +38,7 @@ exception: it waits in C++. What works, measured on CPU (gloo, torch 2.13) and b
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -110,6 +111,7 @@ class PeerWatch:
         self.step: int | None = None  # the training thread's current step, for messages
         self._detected_at: float | None = None
         self._acknowledged = False
+        self._busy = 0  # how deep the training thread is in `active()` blocks
         self._found = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dt-peer-watch", daemon=True)
@@ -123,6 +125,17 @@ class PeerWatch:
         atexit.register(self.stop)
         self._thread.start()
         return self
+
+    @contextlib.contextmanager
+    def active(self):
+        """The training thread runs the job's collectives in this block (a step, a checkpoint save):
+        if it is still inside `exit_after` seconds after a failure was found, the process exits. Outside
+        (a script's own work after training), a peer that ended without `stop` never ends this one."""
+        self._busy += 1
+        try:
+            yield self
+        finally:
+            self._busy -= 1
 
     def raise_if_failed(self) -> None:
         """At a step boundary: raise the failure found so far, if any."""
@@ -179,7 +192,7 @@ class PeerWatch:
             except Exception as err:  # the store stopped answering: the job is being torn down
                 log.debug("rank %d: peer watch stopped: %s", self.rank, err)
                 return
-            if (self.failure is not None and not self._acknowledged and self.exit_after is not None
+            if (self.failure is not None and not self._acknowledged and self._busy and self.exit_after is not None
                     and time.monotonic() - self._detected_at > self.exit_after):
                 self._exit()
 

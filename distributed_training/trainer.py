@@ -386,7 +386,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             watch.raise_if_failed()  # a peer died since the last step
         heartbeat(self.context, self.step)
         try:
-            return self._train_step(batch, criterion)
+            with self._watching():
+                return self._train_step(batch, criterion)
         except RuntimeError as err:
             # A collective on a killed peer fails at once, without naming it: wait for the watcher.
             failure = watch.verdict() if watch is not None and looks_like_peer_loss(err) else None
@@ -407,6 +408,10 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             self._watch = PeerWatch(store, self.context.rank, self.context.world_size, timeout,
                                     exit_after=max(10.0, 2 * timeout), on_failure=self._abort_collectives).start()
         return self._watch
+
+    def _watching(self):
+        """A block of the job's collectives, under the peer watch if there is one (`PeerWatch.active`)."""
+        return self._watch.active() if self._watch is not None else contextlib.nullcontext()
 
     def _abort_collectives(self, failure: PeerFailureError) -> None:
         """On the watcher's thread, when a peer is dead: abort an NCCL process group, which makes a

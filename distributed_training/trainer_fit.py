@@ -158,7 +158,8 @@ class Fitting:
                 if on_step is not None and logged:
                     on_step(self.step, {k: float(v) for k, v in metrics.items()})
                 if self.checkpoint_every and self.step % self.checkpoint_every == 0:
-                    self._save_numbered(metrics)
+                    with self._watching():  # a peer dying during the save: exit, not hang (`peer_watch`)
+                        self._save_numbered(metrics)
                 if stop.agreed() is not None:
                     break
             if on_step is not None and not logged and metrics is not None:

@@ -114,7 +114,7 @@ def test_frozen_rank_makes_blocked_survivors_exit_for_a_restart(tmp_path):
 
 
 # ------------------------------------------------------------------ no false alarms
-def slow_step_worker(rank, world):
+def slow_step_worker(rank, world, close):
     trainer = _trainer()
     slow = {3: 3 * TIMEOUT}  # one step three heartbeat timeouts long on rank 0: its beat goes on
     for step in range(6):
@@ -122,17 +122,25 @@ def slow_step_worker(rank, world):
             trainer.model.register_forward_pre_hook(lambda *_: time.sleep(slow.pop(3, 0)))
         trainer.train_step(_batch(step), F.mse_loss)
     if rank == 1:
-        trainer.close(barrier=False)  # leaves first: rank 0 goes on alone for a while
-        return None
-    time.sleep(3 * TIMEOUT)
+        if close:
+            trainer.close(barrier=False)  # leaves first, saying so: rank 0 goes on alone for a while
+        return None  # else vanishes (the harness's processes end with os._exit: no atexit)
+    time.sleep(3 * TIMEOUT if close else 14.0)  # longer than exit_after (10 s) after detection
     failure = trainer._watch.failure
     trainer.close(barrier=False)
-    return failure
+    return failure.rank if failure is not None else None
 
 
 @pytest.mark.timeout(120)
 def test_slow_step_and_early_leaver_are_not_deaths():
-    assert run_distributed(slow_step_worker, 2, timeout=90) == [None, None]
+    assert run_distributed(slow_step_worker, 2, args=(True,), timeout=90) == [None, None]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_vanished_peer_never_ends_a_rank_outside_the_trainers_work():
+    # rank 1 vanished without saying so: a death (reported), but rank 0, outside train_step, is not exited.
+    assert run_distributed(slow_step_worker, 2, args=(False,), timeout=90) == [1, None]
 
 
 def test_heartbeat_timeout_is_checked():
