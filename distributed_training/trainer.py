@@ -389,8 +389,11 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             with self._watching():
                 return self._train_step(batch, criterion)
         except RuntimeError as err:
-            # A collective on a killed peer fails at once, without naming it: wait for the watcher.
-            failure = watch.verdict() if watch is not None and looks_like_peer_loss(err) else None
+            # A collective on a killed peer fails at once, without naming it: wait for the watcher. One
+            # that timed out has given the watcher its whole timeout already: take what it knows.
+            failure = None
+            if watch is not None and looks_like_peer_loss(err):
+                failure = watch.verdict(wait=0 if is_timeout(err) else None)
             if failure is not None:
                 watch.acknowledge()
                 raise failure from err
