@@ -389,14 +389,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             with self._watching():
                 return self._train_step(batch, criterion)
         except RuntimeError as err:
-            # A collective on a killed peer fails at once, without naming it: wait for the watcher. One
-            # that timed out has given the watcher its whole timeout already: take what it knows.
-            failure = None
-            if watch is not None and looks_like_peer_loss(err):
-                failure = watch.verdict(wait=0 if is_timeout(err) else None)
-            if failure is not None:
-                watch.acknowledge()
-                raise failure from err
+            self._raise_if_peer_died(err)
             if is_timeout(err):
                 raise CollectiveTimeoutError(diagnose_timeout(self.context, self.step, err)) from err
             raise
@@ -411,6 +404,20 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             self._watch = PeerWatch(store, self.context.rank, self.context.world_size, timeout,
                                     exit_after=max(10.0, 2 * timeout), on_failure=self._abort_collectives).start()
         return self._watch
+
+    def _raise_if_peer_died(self, err: RuntimeError) -> None:
+        """Raise `PeerFailureError` (from `err`) if `err` came from a dead peer, as the watcher finds.
+
+        A collective on a killed peer fails at once, without naming it: wait for the watcher's verdict
+        (up to `heartbeat_timeout`). One that timed out has given the watcher its whole timeout
+        already: take what it knows."""
+        watch = self._watch
+        if watch is None or not looks_like_peer_loss(err):
+            return
+        failure = watch.verdict(wait=0 if is_timeout(err) else None)
+        if failure is not None:
+            watch.acknowledge()
+            raise failure from err
 
     def _watching(self):
         """A block of the job's collectives, under the peer watch if there is one (`PeerWatch.active`)."""
