@@ -412,8 +412,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         (up to `heartbeat_timeout`). One that timed out has given the watcher its whole timeout
         already: take what it knows."""
         watch = self._watch
-        if watch is None or not looks_like_peer_loss(err):
-            return
+        if watch is None or (watch.failure is None and not looks_like_peer_loss(err)):
+            return  # after a failure was found, any error is its consequence (an aborted NCCL group's too)
         failure = watch.verdict(wait=0 if is_timeout(err) else None)
         if failure is not None:
             watch.acknowledge()

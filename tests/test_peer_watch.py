@@ -96,6 +96,26 @@ def test_sigkilled_rank_is_named_by_every_survivor_within_seconds(tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 3, reason="needs 3 GPUs")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+def test_dead_rank_is_named_on_nccl(tmp_path, how):
+    """NCCL does not fail on a dead peer by itself: the watcher aborts the group, and the step raises."""
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(killed_worker, 3, args=(str(tmp_path), 1, how), timeout=90, collective_timeout=100,
+                        backend="nccl")
+    report = str(caught.value)
+    assert "rank 0 failed" not in report and "rank 2 failed" not in report, report
+    records, killed_at = _records(tmp_path), _killed_at(tmp_path)
+    assert sorted(records) == [0, 2], report
+    for rank, rec in records.items():
+        assert rec["dead"] == 1 and "peer rank 1 (host" in rec["message"], rec
+        elapsed = rec["at"] - killed_at
+        print(f"nccl rank {rank}: PeerFailureError {elapsed:.2f}s after the {how.name}")
+        assert elapsed < 10.0, (rank, elapsed)
+
+
 @pytest.mark.timeout(120)
 def test_frozen_rank_makes_blocked_survivors_exit_for_a_restart(tmp_path):
     """gloo cannot wake a collective whose peer is silent: the watcher ends the process (status 75)."""
