@@ -9,7 +9,8 @@ builds the optimizer over what the strategy exposes, and runs steps:
 
 The trainer is the only module that knows all the others; strategies never import it. Its parts, one
 concept a file: `trainer_fit` (`fit` and its epoch loop), `trainer_checkpoints` (save, load, resume), `auto_batch` (``batch_size="auto"``),
-`evaluation`, `batches` (what a batch is), `hangs` (timeouts that name the missing rank), `data`
+`evaluation`, `batches` (what a batch is), `hangs` (timeouts that name the missing rank), `peer_watch`
+(a dead peer named within seconds), `data`
 (sharded loaders), `stopping` (signals), `strategies.registry` (strategy names).
 """
 
