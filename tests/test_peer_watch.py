@@ -76,6 +76,7 @@ def _killed_at(directory):
         return float(f.read())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkilled_rank_is_named_by_every_survivor_within_seconds(tmp_path):
     started = time.monotonic()
@@ -116,6 +117,7 @@ def test_dead_rank_is_named_on_nccl(tmp_path, how):
         assert elapsed < 10.0, (rank, elapsed)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_frozen_rank_makes_blocked_survivors_exit_for_a_restart(tmp_path):
     """gloo cannot wake a collective whose peer is silent: the watcher ends the process (status 75)."""
@@ -151,6 +153,7 @@ def slow_step_worker(rank, world, close):
     return failure.rank if failure is not None else None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_slow_step_and_early_leaver_are_not_deaths():
     assert run_distributed(slow_step_worker, 2, args=(True,), timeout=90) == [None, None]
