@@ -66,6 +66,9 @@ class _Heartbeat:
         self.step: int | None = None
         self._key = f"distributed_training/heartbeat/{context.rank}"
         self._thread = threading.Thread(target=self._run, name="dt-heartbeat", daemon=True)
+        # Current before the thread starts: the thread runs while it is the current one, and used to
+        # check before `heartbeat` had assigned it, and end at once (no step was ever published).
+        _Heartbeat.current = self
         self._thread.start()
 
     def _run(self) -> None:

@@ -197,7 +197,11 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta, restart: str)
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
         is_master=not agent_hosts_store and rank == 0, timeout=timeout,
     )
-    attempt = dist.PrefixStore(f"distributed_training/attempt_{restart}", store)
+    # A store of the workers' own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) is new in every rendezvous
+    # round: no earlier attempt's keys to avoid. And there the restart count must not name it: it is
+    # each agent's own, so after a node joins a running job (a new agent: 0, the others: their
+    # restarts) the ranks would wait under different prefixes forever.
+    attempt = dist.PrefixStore(f"distributed_training/attempt_{restart if agent_hosts_store else 'own'}", store)
     joined = attempt.add(f"joins/rank_{rank}", 1)
     return dist.PrefixStore(f"group_{joined}", attempt)
 

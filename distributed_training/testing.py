@@ -93,7 +93,8 @@ def _child(fn, rank, world_size, args, store_path, backend, collective_timeout, 
         try:
             value = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # not after an abort (a dead peer on NCCL: `peer_watch`)
+                dist.destroy_process_group()
         result_queue.put((rank, True, pickle.dumps(value)))
     except BaseException:
         result_queue.put((rank, False, traceback.format_exc()))

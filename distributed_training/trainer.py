@@ -9,7 +9,8 @@ builds the optimizer over what the strategy exposes, and runs steps:
 
 The trainer is the only module that knows all the others; strategies never import it. Its parts, one
 concept a file: `trainer_fit` (`fit` and its epoch loop), `trainer_checkpoints` (save, load, resume), `auto_batch` (``batch_size="auto"``),
-`evaluation`, `batches` (what a batch is), `hangs` (timeouts that name the missing rank), `data`
+`evaluation`, `batches` (what a batch is), `hangs` (timeouts that name the missing rank), `peer_watch`
+(a dead peer named within seconds), `data`
 (sharded loaders), `stopping` (signals), `strategies.registry` (strategy names).
 """
 
@@ -32,9 +33,10 @@ from .checkpoint_async import CheckpointWriteError
 from .checkpoint_layout import DirectoryLayout
 from .evaluation import Evaluation
 from .global_batch import GlobalBatch
-from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout
+from .hangs import CollectiveTimeoutError, _store as _default_store, diagnose_timeout, heartbeat, is_timeout
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
+from .peer_watch import PeerFailureError, PeerWatch, looks_like_peer_loss
 from .pipeline.meta_init import has_meta, materialize
 from .pipeline.training import PipelineOptions
 from .planner import model_sizes
@@ -45,7 +47,7 @@ from .tensor.options import TensorOptions
 from .trainer_checkpoints import Checkpointing, _hyperparameters
 from .trainer_fit import Fitting
 
-__all__ = ["DistributedTrainer", "CollectiveTimeoutError", "CheckpointWriteError"]
+__all__ = ["DistributedTrainer", "CollectiveTimeoutError", "CheckpointWriteError", "PeerFailureError"]
 
 
 Criterion = Callable[[Any, Any], torch.Tensor]
@@ -173,6 +175,15 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             (our GPT's).
         sequence_parallel: with tensor parallelism, also split the LayerNorm and dropout regions along
             the sequence (less activation memory; the same numerics).
+        heartbeat_timeout: seconds of heartbeat silence after which a peer rank counts as dead (None:
+            no watch). From the first `train_step` on, each rank beats in the rendezvous store from a
+            background thread (a long step keeps beating: silence means the process is gone, frozen or
+            cut off) and watches its neighbours; a dead peer becomes a `PeerFailureError` naming it and
+            its host, raised by `train_step`, instead of a hang until the collective `timeout`. On NCCL
+            the process group is aborted so that a blocked collective returns; a rank still blocked
+            ``max(10, 2 * heartbeat_timeout)`` seconds later (gloo cannot be woken) logs the error and
+            exits with status `peer_watch.EXIT_CODE` (75), for torchrun to restart. See
+            `distributed_training.peer_watch`.
     """
 
     def __init__(
@@ -216,6 +227,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: dict[str, Any] | None = None,
         sequence_parallel: bool = False,
+        heartbeat_timeout: float | None = 5.0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -223,6 +235,11 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
             raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}")
+        if heartbeat_timeout is not None and (isinstance(heartbeat_timeout, bool) or
+                                              not isinstance(heartbeat_timeout, (int, float)) or
+                                              not heartbeat_timeout > 0):
+            raise ValueError(f"heartbeat_timeout must be a positive number of seconds or None, got "
+                             f"{heartbeat_timeout!r}")
         check_precision_argument(mixed_precision, loss_scaler)
         if not isinstance(compile, (bool, dict)):
             raise TypeError(f"compile must be True, False or a dict of torch.compile arguments, got "
@@ -327,6 +344,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         self._configured_schedule = (copy.deepcopy(self.lr_scheduler.state_dict())
                                      if self.lr_scheduler is not None else None)
         self._fit_limits: dict[str, Any] = {}
+        self.heartbeat_timeout = heartbeat_timeout
+        self._watch: PeerWatch | None = None  # started by the first train_step
         self._last_saved_step: int | None = None
         self._set_aside = False
         if mixed_precision == "fp16" and self.device.type == "cpu" and self.context.is_main:
@@ -390,13 +409,57 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         """
         if self._checkpoint_write is not None:
             self._check_checkpoint_write()  # a background checkpoint write that failed raises here
+        watch = self._peer_watch()
+        if watch is not None:
+            watch.step = self.step
+            watch.raise_if_failed()  # a peer died since the last step
         heartbeat(self.context, self.step)
         try:
-            return self._train_step(batch, criterion)
+            with self._watching():
+                return self._train_step(batch, criterion)
         except RuntimeError as err:
+            self._raise_if_peer_died(err)
             if is_timeout(err):
                 raise CollectiveTimeoutError(diagnose_timeout(self.context, self.step, err)) from err
             raise
+
+    def _peer_watch(self) -> PeerWatch | None:
+        """This rank's heartbeat and watch over its peers (`heartbeat_timeout`), started at the first step."""
+        if self._watch is None and self.heartbeat_timeout is not None and self.context.world_size > 1:
+            store = _default_store()
+            if store is None:
+                return None
+            timeout = float(self.heartbeat_timeout)
+            self._watch = PeerWatch(store, self.context.rank, self.context.world_size, timeout,
+                                    exit_after=max(10.0, 2 * timeout), on_failure=self._abort_collectives).start()
+        return self._watch
+
+    def _raise_if_peer_died(self, err: RuntimeError) -> None:
+        """Raise `PeerFailureError` (from `err`) if `err` came from a dead peer, as the watcher finds.
+
+        A collective on a killed peer fails at once, without naming it: wait for the watcher's verdict
+        (up to `heartbeat_timeout`). One that timed out has given the watcher its whole timeout
+        already: take what it knows."""
+        watch = self._watch
+        if watch is None or (watch.failure is None and not looks_like_peer_loss(err)):
+            return  # after a failure was found, any error is its consequence (an aborted NCCL group's too)
+        failure = watch.verdict(wait=0 if is_timeout(err) else None)
+        if failure is not None:
+            watch.acknowledge()
+            raise failure from err
+
+    def _watching(self):
+        """A block of the job's collectives, under the peer watch if there is one (`PeerWatch.active`)."""
+        return self._watch.active() if self._watch is not None else contextlib.nullcontext()
+
+    def _abort_collectives(self, failure: PeerFailureError) -> None:
+        """On the watcher's thread, when a peer is dead: abort an NCCL process group, which makes a
+        collective waiting for the peer return with an error. gloo's abort does not wake a blocked
+        collective (measured), so a gloo group is left for the watcher's exit (see `peer_watch`)."""
+        if self.context.backend == "nccl":
+            import torch.distributed as dist
+
+            dist.distributed_c10d._abort_process_group()
 
     def _train_step(self, batch: Any, criterion: Criterion | None) -> dict[str, torch.Tensor]:
         if not self.model.training:  # train() walks every module: not per step, and it would undo a
@@ -458,7 +521,10 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         """Wait for a checkpoint being written in the background (``checkpoint_async``; abandon it when
         closing on an error, ``barrier=False``), remove the strategy's hooks and, if the trainer created
         it, destroy the process group. A background write that failed raises `CheckpointWriteError`
-        here, after the rest is closed."""
+        here, after the rest is closed. Watching the peers stops first (this rank's leaving is not
+        a death)."""
+        if self._watch is not None:
+            self._watch.stop()  # first: the peers must not take this rank's leaving for a death
         error = None
         if barrier and self.checkpoint_async:  # every rank closes: the wait agrees on the outcome
             try:

@@ -282,7 +282,12 @@ class Fitting:
                 if on_step is not None and logged:
                     on_step(self.step, {k: float(v) for k, v in metrics.items()})
                 if self.checkpoint_every and self.step % self.checkpoint_every == 0:
-                    self._save_numbered(metrics)
+                    try:
+                        with self._watching():  # a peer dying during the save: exit, not hang (`peer_watch`)
+                            self._save_numbered(metrics)
+                    except RuntimeError as err:
+                        self._raise_if_peer_died(err)  # named, as in a step
+                        raise
                 if stop.agreed() is not None:
                     break
             if on_step is not None and not logged and metrics is not None:

@@ -1,0 +1,171 @@
+"""Fast detection of a dead peer (issue 17, item 3): a SIGKILLed rank is named by the survivors within
+seconds, a frozen one (SIGSTOP: its sockets stay open, like a node that lost power) makes the blocked
+survivors exit for torchrun to restart them, and a slow step or a rank that finishes first is no death."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed_training import DistributedTrainer
+from distributed_training.peer_watch import EXIT_CODE, PeerFailureError
+from distributed_training.testing import DistributedTestError, run_distributed
+
+from _models import MLP
+
+TIMEOUT = 2.0  # heartbeat_timeout of these tests (the default is 5 s)
+
+
+def _trainer(**kwargs):
+    torch.manual_seed(0)
+    return DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.01), heartbeat_timeout=TIMEOUT, **kwargs)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
+
+
+def _record(directory, rank, **fields):
+    with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
+        json.dump(fields, f)
+
+
+def _records(directory):
+    out = {}
+    for name in os.listdir(directory):
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(directory, name)) as f:
+                out[int(name[4:-5])] = json.load(f)
+    return out
+
+
+# ------------------------------------------------------------------ a killed rank
+def killed_worker(rank, world, directory, victim, how):
+    trainer = _trainer()
+    handler = logging.FileHandler(os.path.join(directory, f"log{rank}.txt"))
+    handler.setFormatter(logging.Formatter("%(created)f %(message)s"))  # when each survivor found it
+    logging.getLogger("distributed_training").addHandler(handler)
+    for step in range(10_000):
+        if rank == victim and step == 5:
+            with open(os.path.join(directory, "killed_at"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), how)  # SIGKILL: gone; SIGSTOP: frozen with its sockets open
+            time.sleep(60)
+        try:
+            trainer.train_step(_batch(step), F.mse_loss)
+            time.sleep(0.1)  # steps of 0.1 s, so that the step each rank is in gets published (every 0.2 s)
+        except PeerFailureError as err:
+            _record(directory, rank, dead=err.rank, host=err.host, last_step=err.last_step, message=str(err),
+                    at=time.time(), step=step)
+            trainer.close(barrier=False)
+            return
+    raise AssertionError("the peer's death went unnoticed")
+
+
+def _killed_at(directory):
+    with open(os.path.join(directory, "killed_at")) as f:
+        return float(f.read())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigkilled_rank_is_named_by_every_survivor_within_seconds(tmp_path):
+    started = time.monotonic()
+    # collective_timeout=100: the collective timeout is not what ends it (the bound below is 10 s).
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(killed_worker, 3, args=(str(tmp_path), 1, signal.SIGKILL), timeout=90, collective_timeout=100)
+    report = str(caught.value)
+    assert "--- rank 1 failed ---" in report and "code -9" in report, report
+    assert "rank 0 failed" not in report and "rank 2 failed" not in report, report
+    records, killed_at = _records(tmp_path), _killed_at(tmp_path)
+    assert sorted(records) == [0, 2], report
+    for rank, rec in records.items():
+        assert rec["dead"] == 1 and f"peer rank 1 (host {socket.gethostname()} pid" in rec["message"], rec
+        assert rec["last_step"] in (2, 3, 4) and f"last seen in step {rec['last_step'] + 1}" in rec["message"], rec
+        elapsed = rec["at"] - killed_at
+        print(f"rank {rank}: PeerFailureError {elapsed:.2f}s after the SIGKILL: {rec['message']}")
+        assert elapsed < 10.0, (rank, elapsed)
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 3, reason="needs 3 GPUs")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+def test_dead_rank_is_named_on_nccl(tmp_path, how):
+    """NCCL does not fail on a dead peer by itself: the watcher aborts the group, and the step raises."""
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(killed_worker, 3, args=(str(tmp_path), 1, how), timeout=90, collective_timeout=100,
+                        backend="nccl")
+    report = str(caught.value)
+    assert "rank 0 failed" not in report and "rank 2 failed" not in report, report
+    records, killed_at = _records(tmp_path), _killed_at(tmp_path)
+    assert sorted(records) == [0, 2], report
+    for rank, rec in records.items():
+        assert rec["dead"] == 1 and "peer rank 1 (host" in rec["message"], rec
+        elapsed = rec["at"] - killed_at
+        print(f"nccl rank {rank}: PeerFailureError {elapsed:.2f}s after the {how.name}")
+        assert elapsed < 10.0, (rank, elapsed)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_frozen_rank_makes_blocked_survivors_exit_for_a_restart(tmp_path):
+    """gloo cannot wake a collective whose peer is silent: the watcher ends the process (status 75)."""
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(killed_worker, 3, args=(str(tmp_path), 2, signal.SIGSTOP), timeout=90, collective_timeout=100)
+    killed_at = _killed_at(tmp_path)
+    report = str(caught.value)
+    for rank in (0, 1):
+        assert f"--- rank {rank} failed ---\nprocess exited with code {EXIT_CODE}" in report, report
+        found = [line for line in (tmp_path / f"log{rank}.txt").read_text().splitlines() if "peer rank 2 (host" in line]
+        assert found and "is dead" in found[0], found
+        detected = float(found[0].split()[0]) - killed_at
+        print(f"rank {rank}: found the frozen rank 2 {detected:.2f}s after the SIGSTOP, then exited {EXIT_CODE} "
+              "10s later (exit_after)")
+        assert detected < 10.0, detected
+
+
+# ------------------------------------------------------------------ no false alarms
+def slow_step_worker(rank, world, close):
+    trainer = _trainer()
+    slow = {3: 3 * TIMEOUT}  # one step three heartbeat timeouts long on rank 0: its beat goes on
+    for step in range(6):
+        if rank == 0 and step in slow:
+            trainer.model.register_forward_pre_hook(lambda *_: time.sleep(slow.pop(3, 0)))
+        trainer.train_step(_batch(step), F.mse_loss)
+    if rank == 1:
+        if close:
+            trainer.close(barrier=False)  # leaves first, saying so: rank 0 goes on alone for a while
+        return None  # else vanishes (the harness's processes end with os._exit: no atexit)
+    time.sleep(3 * TIMEOUT if close else 14.0)  # longer than exit_after (10 s) after detection
+    failure = trainer._watch.failure
+    trainer.close(barrier=False)
+    return failure.rank if failure is not None else None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_slow_step_and_early_leaver_are_not_deaths():
+    assert run_distributed(slow_step_worker, 2, args=(True,), timeout=90) == [None, None]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_vanished_peer_never_ends_a_rank_outside_the_trainers_work():
+    # rank 1 vanished without saying so: a death (reported), but rank 0, outside train_step, is not exited.
+    assert run_distributed(slow_step_worker, 2, args=(False,), timeout=90) == [1, None]
+
+
+def test_heartbeat_timeout_is_checked():
+    with pytest.raises(ValueError, match="heartbeat_timeout"):
+        DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.1), heartbeat_timeout=0)
