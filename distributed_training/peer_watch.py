@@ -42,7 +42,6 @@ import contextlib
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Callable
@@ -230,6 +229,8 @@ class PeerWatch:
                 log.warning("rank %d: could not abort the process group after a peer failure: %s", self.rank, err)
 
     def _exit(self) -> None:
-        print(f"{self.failure}. The training thread stayed blocked for {self.exit_after:g}s after the "
-              f"failure was found: exiting with status {EXIT_CODE}", file=sys.stderr, flush=True)
+        log.error("%s. The training thread stayed blocked for %gs after the failure was found: exiting with "
+                  "status %d", self.failure, self.exit_after, EXIT_CODE)
+        for handler in log.handlers + logging.getLogger().handlers:  # os._exit skips logging's own flush
+            handler.flush()
         os._exit(EXIT_CODE)
