@@ -23,7 +23,7 @@ def _scenario():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", ["zero3"])  # DDP's shrink is the first half of the growth test below
 def test_killed_agent_leaves_the_other_to_finish_alone(strategy):
     result = _scenario().run(steps=40, kill_after=10, strategy=strategy, timeout=240)
     log = result.pop("log")
