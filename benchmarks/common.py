@@ -19,6 +19,7 @@ import contextlib
 import gc
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -128,6 +129,13 @@ def time_median_ms(fn, device, repeat: int = 10) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def median_interval(values: list[float], reps: int = 2000) -> tuple[float, float]:
+    """Bootstrap 95% interval of the median of `values` (fixed seed: the same data, the same interval)."""
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(reps))
+    return meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
 
 
 def slowest(ctx, values: list[float]) -> list[float]:

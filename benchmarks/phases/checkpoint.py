@@ -26,7 +26,6 @@ smoke mode) and
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import statistics
 import tempfile
@@ -36,18 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from common import slowest, synchronize
+from common import median_interval, slowest, synchronize
 
 GPU_MODEL = ("gpt2-124m", 8, 1024)
 SMOKE_MODEL = ("tiny", 4, 32)
 MODES = ("none", "sync", "async")
-
-
-def _interval(values: list[float], reps: int = 2000) -> tuple[float, float]:
-    """Bootstrap 95% interval of the median of `values` (fixed seed)."""
-    rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(reps))
-    return meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
 
 
 def _options(opts) -> tuple[int, str]:
@@ -151,7 +143,7 @@ def run(ctx, opts) -> dict:
               "step_s": times, "median_step_s": med}
     for mode in ("sync", "async"):
         paired = [100.0 * (w - wo) / wo for w, wo in zip(times[mode], times["none"])]
-        low, high = _interval(paired)
+        low, high = median_interval(paired)
         result[f"{mode}_overhead_pct"] = statistics.median(paired)
         result[f"{mode}_paired_overhead_pct"] = paired
         result[f"{mode}_overhead_pct_median_ci95"] = [low, high]

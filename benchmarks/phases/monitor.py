@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import statistics
 import tempfile
 import time
@@ -26,7 +25,7 @@ import time
 import torch
 from torch.utils.data import TensorDataset
 
-from common import slowest, synchronize
+from common import median_interval, slowest, synchronize
 
 GPU_MODEL = ("gpt2-124m", 8, 1024)
 SMOKE_MODEL = ("tiny", 4, 32)
@@ -42,13 +41,6 @@ def _timed(fn, into: dict, key: str, on_log_step):
             slot = key if on_log_step() else key + "_other"
             into[slot] = into.get(slot, 0.0) + time.perf_counter() - t0
     return wrapper
-
-
-def _interval(values: list[float], reps: int = 2000) -> tuple[float, float]:
-    """Bootstrap 95% interval of the median of `values` (fixed seed: the same data, the same interval)."""
-    rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(reps))
-    return meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
 
 
 def run(ctx, opts) -> dict:
@@ -113,7 +105,7 @@ def run(ctx, opts) -> dict:
     paired = [100.0 * (w - wo) / wo for w, wo in zip(times["with"], times["without"])]
     med = {name: statistics.median(v) for name, v in times.items()}
     overhead = statistics.median(paired)
-    low, high = _interval(paired)
+    low, high = median_interval(paired)
     q = statistics.quantiles(paired, n=4) if len(paired) >= 2 else [paired[0]] * 3
     verdict = "yes" if high <= 1.0 else "no" if low > 1.0 else "undecided (the interval holds 1%)"
     log_steps = rounds * steps // log_every
