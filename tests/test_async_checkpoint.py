@@ -126,6 +126,18 @@ def test_background_checkpoints_equal_synchronous_ones(tmp_path, strategy):
     assert any("waited" in m and "raise checkpoint_every" in m for m in messages[0]), messages[0]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_background_checkpoints_equal_synchronous_ones_on_nccl(tmp_path, strategy):
+    """On CUDA the snapshot goes through pinned buffers copied with non_blocking=True on the current stream:
+    the step's later kernels must not reach them before the copies are done."""
+    run_distributed(equal_worker, 2, args=(str(tmp_path), strategy), timeout=180, backend="nccl")
+    sync, background = _files(tmp_path / "sync"), _files(tmp_path / "async")
+    assert list(sync) == list(background) == ["step_000000006", "step_000000007"]
+    _same(sync, background)
+
+
 # ----------------------------------------------------------------- a failed write
 def failing_worker(rank, world, base, fail_rank):
     import distributed_training.trainer_checkpoints as tc
