@@ -1,10 +1,10 @@
-"""Resize on restart for every layout (issue 17, item 1): a job at world 4 trains a global batch with
-checkpoints, stops mid-epoch, and is resumed at a smaller world that keeps its layout (ZeRO-1, ZeRO-2,
-FSDP hybrid sharding, a pipeline, tensor parallelism). After every optimizer step the whole model
-(`full_state_dict`, gathered from every rank's pieces) equals one process trained by a plain loop on
-the same global batches within 1e-5, and each sample of the epoch is trained exactly once over the two
-jobs: the targets carry each sample's index, which the criterion records (on the ranks that compute
-the loss: a pipeline's last stage; one rank of each tensor-parallel group).
+"""Resize on restart for every layout (issue 17, item 1): a job trains a global batch with checkpoints,
+stops mid-epoch, and is resumed at another world that keeps its layout (ZeRO-1, ZeRO-2, FSDP hybrid
+sharding, a pipeline, tensor parallelism; shrinking from 4 ranks, and growing from 2 to 4). After every
+optimizer step the whole model (`full_state_dict`, gathered from every rank's pieces) equals one process
+trained by a plain loop on the same global batches within 1e-5, and each sample of the epoch is trained
+exactly once over the two jobs: the targets carry each sample's index, which the criterion records (on
+the ranks that compute the loss: a pipeline's last stage; one rank of each tensor-parallel group).
 
 A world that cannot keep the layout (world 3 under pipeline_parallel_size=2 or tensor_parallel_size=2,
 world 2 under both, nodes of 2 ranks for hybrid sharding at world 3) fails at start-up, before any
@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from distributed_training import DistributedTrainer
-from distributed_training.global_batch import valid_world_sizes
+from distributed_training.global_batch import plan_global_batch, valid_world_sizes
 from distributed_training.strategies.fsdp_strategy import FSDPStrategy
 from distributed_training.testing import run_distributed
 
@@ -74,7 +74,9 @@ def _trainer(layout: str, directory: str | None) -> DistributedTrainer:
     if strategy == "hybrid":
         strategy = FSDPStrategy(sharding_strategy="hybrid", ranks_per_node=2)
     if "pipeline_parallel_size" not in kwargs:
-        kwargs["gradient_accumulation_steps"] = 2  # micro-batches of at most 3 at world 4: accumulation differs
+        # The first start's share in 2 micro-batches: a resumed job keeps that micro-batch and accumulates
+        # as many as its new share needs (a pipeline cuts the share in its microbatches instead).
+        kwargs["gradient_accumulation_steps"] = 2
     extra = dict(checkpoint_dir=directory, checkpoint_every=1) if directory is not None else {}
     return DistributedTrainer(_model(), lambda ps: torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM), strategy,
                               seed=SEED, progress=False, **kwargs, **extra)
@@ -135,33 +137,34 @@ def _check(job, expected, steps, where):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout, worlds", [
-    ("zero1", (2, 3)),
-    ("zero2", (2, 3)),
-    ("hybrid", (2,)),  # 2 nodes x 2 -> one node of 2
-    ("pp2", (2,)),  # PP2 x DP2 -> PP2
-    ("pp2-zero3", (2,)),
-    ("tp2", (2,)),  # TP2 x DP2 -> TP2
-    ("tp2-zero1", (2,)),
+@pytest.mark.parametrize("layout, start, worlds", [
+    ("zero1", 4, (2, 3)),
+    ("zero2", 4, (2, 3)),
+    ("hybrid", 4, (2,)),  # 2 nodes x 2 -> one node of 2
+    ("pp2", 4, (2,)),  # PP2 x DP2 -> PP2
+    ("pp2-zero3", 2, (4,)),  # PP2 -> PP2 x DP2: the job grows
+    ("tp2", 4, (2,)),  # TP2 x DP2 -> TP2
+    ("tp2-zero1", 2, (4,)),  # TP2 -> TP2 x DP2
 ])
-def test_a_layout_resumed_at_a_smaller_world_trains_as_one_process(tmp_path, layout, worlds):
+def test_a_layout_resumed_at_another_world_trains_as_one_process(tmp_path, layout, start, worlds):
     expected = _reference()
     per_replica = LAYOUTS[layout].get("pipeline_parallel_size", 1) * LAYOUTS[layout].get("tensor_parallel_size", 1)
-    first = run_distributed(_train, 4, args=(layout, str(tmp_path / "w4"), STOP), timeout=120)
-    assert [r[2] for r in first] == [(4 // per_replica, B * per_replica // 4)] * 4  # (replicas, samples each)
+    first = run_distributed(_train, start, args=(layout, str(tmp_path / "first"), STOP), timeout=120)
+    # (data-parallel replicas, samples each)
+    assert [r[2] for r in first] == [(start // per_replica, B * per_replica // start)] * start
     assert sorted(first[0][0]) == list(range(1, STOP + 1))
     if layout == "hybrid":
         assert [r[3] for r in first] == [2] * 4  # 2 nodes of 2: shards over a node, replicated over the 2
-    _check(first, expected, range(1, STOP + 1), f"{layout} at world 4")
+    _check(first, expected, range(1, STOP + 1), f"{layout} at world {start}")
     for world in worlds:
         directory = tmp_path / f"w{world}"
-        shutil.copytree(tmp_path / "w4", directory)
+        shutil.copytree(tmp_path / "first", directory)
         resumed = run_distributed(_train, world, args=(layout, str(directory), None), timeout=120)
         assert [r[2] for r in resumed] == [(world // per_replica, B * per_replica // world)] * world
         assert sorted(resumed[0][0]) == list(range(STOP + 1, STEPS + 1))
         if layout == "hybrid":
             assert [r[3] for r in resumed] == [1] * world  # one node: sharded over it, no replica
-        _check(resumed, expected, range(STOP + 1, STEPS + 1), f"{layout} resumed at world {world}")
+        _check(resumed, expected, range(STOP + 1, STEPS + 1), f"{layout} resumed at world {world} from {start}")
         counts = [0] * N  # the epoch's samples exactly once over both jobs
         for job in (first, resumed):
             for trained, counted, *_ in job:
@@ -204,6 +207,10 @@ def test_a_world_that_cannot_keep_the_layout_is_refused_on_every_rank(tmp_path, 
 
 
 def test_valid_world_sizes():
+    # Where the layout fits but the global batch does not: fit names the world sizes of both.
+    with pytest.raises(ValueError, match=r"over 3 data-parallel replicas: .* are 1, 2, 4, 8 \(world sizes 2, 4, 8, 16 "
+                                         r"at 2 ranks a replica\)"):
+        plan_global_batch(8, 3, others=2)
     assert valid_world_sizes(ranks_per_replica=2, up_to=8) == [2, 4, 6, 8]
     assert valid_world_sizes(12, ranks_per_replica=2, up_to=16) == [2, 4, 6, 8, 12]
     assert valid_world_sizes(12, ranks_per_replica=4) == [4, 8, 12, 16, 24, 48]
