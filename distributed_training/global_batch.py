@@ -23,13 +23,42 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["GlobalBatch", "plan_global_batch", "valid_data_parallel_sizes"]
+__all__ = ["GlobalBatch", "check_layout_world", "plan_global_batch", "valid_data_parallel_sizes", "valid_world_sizes"]
 
 
 def valid_data_parallel_sizes(global_batch_size: int) -> list[int]:
     """The data-parallel sizes that keep `global_batch_size` exactly: its divisors."""
     small = [d for d in range(1, math.isqrt(global_batch_size) + 1) if global_batch_size % d == 0]
     return sorted(set(small + [global_batch_size // d for d in small]))
+
+
+def valid_world_sizes(global_batch_size: int | None = None, *, ranks_per_replica: int = 1,
+                      up_to: int | None = None) -> list[int]:
+    """The world sizes that keep a layout of `ranks_per_replica` ranks a data-parallel replica (pipeline x
+    tensor parallel sizes) and, given, `global_batch_size`: multiples of `ranks_per_replica` whose
+    data-parallel size divides the global batch. Without a global batch the multiples are endless: the
+    first four, or those up to `up_to`."""
+    if global_batch_size is None:
+        count = 4 if up_to is None else up_to // ranks_per_replica
+        return [ranks_per_replica * k for k in range(1, count + 1)]
+    sizes = [ranks_per_replica * d for d in valid_data_parallel_sizes(global_batch_size)]
+    return [w for w in sizes if up_to is None or w <= up_to]
+
+
+def check_layout_world(world_size: int, pipeline: int = 1, tensor: int = 1) -> None:
+    """Raise ValueError unless `world_size` keeps the model-parallel layout: ``pipeline x tensor`` ranks
+    a data-parallel replica, so the world must be a multiple of their product. The message names the
+    sizes that do (and what a global batch adds), for a job restarted at another size (elastic)."""
+    per_replica = pipeline * tensor
+    if world_size % per_replica == 0:
+        return
+    sizes = ", ".join(map(str, valid_world_sizes(ranks_per_replica=per_replica)))
+    raise ValueError(
+        f"world size {world_size} cannot keep pipeline_parallel_size={pipeline} x tensor_parallel_size={tensor}: "
+        f"the world must be a multiple of {per_replica} ({sizes}, ...), {per_replica} rank(s) a data-parallel "
+        f"replica (the data-parallel size is world / {per_replica}); with fit(global_batch_size=B) that "
+        f"data-parallel size must also divide B. Start at one of those sizes, or change pipeline_parallel_size / "
+        "tensor_parallel_size (checkpoints load at any of them)")
 
 
 @dataclass(frozen=True)

@@ -171,8 +171,10 @@ class MeshLayout:
         holds the same number of each data-parallel group's members."""
         world = self.world_size
         if world % ranks_per_node:
+            sizes = ", ".join(str(ranks_per_node * k) for k in range(1, 5))
             raise ValueError(f"ranks_per_node={ranks_per_node} must divide the world size {world} "
-                             "(nodes of equal size)")
+                             f"(nodes of equal size): the world sizes that keep nodes of {ranks_per_node} ranks "
+                             f"are multiples of {ranks_per_node} ({sizes}, ...)")
         intra: list[list[int]] = []
         inter: list[list[int]] = []
         for members in self.groups("data"):

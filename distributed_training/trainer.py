@@ -32,7 +32,7 @@ from .checkpoint import CheckpointManager
 from .checkpoint_async import CheckpointWriteError
 from .checkpoint_layout import DirectoryLayout
 from .evaluation import Evaluation
-from .global_batch import GlobalBatch
+from .global_batch import GlobalBatch, check_layout_world
 from .hangs import CollectiveTimeoutError, _store as _default_store, diagnose_timeout, heartbeat, is_timeout
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
@@ -276,11 +276,9 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         self.context = context if context is not None else init_distributed(timeout=timeout)
         install_default_handler(self.context.rank)
         ctx = self.context
-        if ctx.world_size % pipeline.size:
-            raise ValueError(f"pipeline_parallel_size={pipeline.size} does not divide the world size {ctx.world_size}")
-        if ctx.world_size % (pipeline.size * tensor.size):
-            raise ValueError(f"tensor_parallel_size={tensor.size} x pipeline_parallel_size={pipeline.size} does not "
-                             f"divide the world size {ctx.world_size}")
+        # Before any group or checkpoint: a job restarted at a size that cannot keep the layout fails
+        # here, on every rank alike, naming the sizes that can.
+        check_layout_world(ctx.world_size, pipeline.size, tensor.size)
         # Also with one stage: a context shared with an earlier pipelined trainer gets its plain mesh back.
         ctx.set_mesh(pipeline=pipeline.size, tensor=tensor.size)
         strategy, self.plan = make_strategy(strategy, model, world_size=ctx.world_size, local_rank=ctx.local_rank,

@@ -161,7 +161,7 @@ def errors_worker(rank, world):
 
 def test_pipeline_errors_name_the_field():
     found = run_distributed(errors_worker, 3, timeout=120)[0]
-    expected = {"divide": "pipeline_parallel_size=2 does not divide", "layers": "only 2 layers",
+    expected = {"divide": "world size 3 cannot keep pipeline_parallel_size=2", "layers": "only 2 layers",
                 "split": "pipeline_split_points", "strategy": "'auto' with pipeline_parallel_size=3",
                 "optimizer": "pass a callable", "accumulation": "gradient_accumulation_steps",
                 "criterion": "needs a criterion", "balance": "pipeline_balance='compute' knows the compute of our GPT",
