@@ -187,6 +187,48 @@ def test_llama_style_stack_with_a_user_plan_matches_one_process(world, tp, strat
         assert any(want > 0.5 for _, want in norms)
 
 
+# ------------------------------------------------------------------ setup
+def share_weights_worker(rank, world):
+    """Setup's coalesced broadcast of tensor rank 0's weights (`_share_weights`) against its naive twin,
+    one `dist.broadcast` per tensor, on a GPT with buffers of other dtypes; each rank built its own."""
+    import torch.distributed as dist
+
+    from distributed_training.tensor.strategy import _share_weights
+
+    torch.manual_seed(rank)  # every rank starts from other weights
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    model.register_buffer("steps", torch.randint(0, 1000, (3,)))  # int64
+    model.register_buffer("scale", torch.randn(5, dtype=torch.float64))
+    naive = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for tensor in [*naive.parameters(), *naive.buffers()]:
+            dist.broadcast(tensor, src=0)
+    calls = []
+    broadcast = dist.broadcast
+
+    def counted(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast = counted
+    try:
+        _share_weights(model, 0, None, torch.device("cpu"))
+    finally:
+        dist.broadcast = broadcast
+    got, want = model.state_dict(), naive.state_dict()
+    equal = all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+    changed = any(not torch.equal(got[k], before[k]) for k in want)
+    return equal, changed, len(calls), len([*model.parameters(), *model.buffers()])
+
+
+def test_setup_shares_rank_zero_weights_in_a_few_messages():
+    for rank, (equal, changed, calls, tensors) in enumerate(run_distributed(share_weights_worker, 2, timeout=60)):
+        assert equal, f"rank {rank}: the coalesced broadcast differs from the one per tensor"
+        assert changed == (rank != 0), (rank, changed)
+        assert calls == 3 and tensors > 20, (calls, tensors)  # one per dtype (fp32, int64, fp64), not per tensor
+
+
 # ------------------------------------------------------------------ checkpoints
 def save_worker(rank, world, directory):
     trainer = DistributedTrainer(_gpt(), _optimizer("adamw"), strategy="zero3", tensor_parallel_size=2,
