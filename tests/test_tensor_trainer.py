@@ -72,14 +72,51 @@ def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, opti
                                                                  "pipeline_schedule": pipeline}),
                                  **({} if context is None else {"context": context}),
                                  **({"compile": {"backend": "aot_eager"}} if compile else {}))
+    record = _count_norm_collectives(trainer.strategy) if clip is not None and tp > 1 else None
     results = train_against_reference(trainer, reference, ref_opt, _batch, kind, clip, rank, 4, STEPS)
     trainer.close()
+    # The clipping norm (checked against one process's by the callers): one pass of the inner strategy
+    # and one all-reduce of its own per step, whatever the inner strategy reduces over its groups.
+    assert record is None or record == [(1, 1)] * STEPS, f"(inner passes, own all-reduces) per step: {record}"
     return results
+
+
+def _count_norm_collectives(strategy) -> list[tuple[int, int]]:
+    """Wrap the tensor-parallel `strategy`'s `gradient_norm_squares`: each call appends (how many times it
+    called the inner strategy's, how many all-reduces it ran outside those) to the returned list."""
+    import torch.distributed as dist
+
+    record, state = [], {"inner": 0, "reduces": 0, "depth": 0}
+    inner_fn, outer_fn, all_reduce = strategy.inner.gradient_norm_squares, strategy.gradient_norm_squares, dist.all_reduce
+
+    def inner(*args, **kwargs):
+        state["inner"] += 1
+        state["depth"] += 1
+        try:
+            return inner_fn(*args, **kwargs)
+        finally:
+            state["depth"] -= 1
+
+    def counted_all_reduce(*args, **kwargs):
+        state["reduces"] += state["depth"] == 0
+        return all_reduce(*args, **kwargs)
+
+    def outer(*args, **kwargs):
+        state.update(inner=0, reduces=0)
+        dist.all_reduce = counted_all_reduce
+        try:
+            return outer_fn(*args, **kwargs)
+        finally:
+            dist.all_reduce = all_reduce
+            record.append((state["inner"], state["reduces"]))
+
+    strategy.inner.gradient_norm_squares, strategy.gradient_norm_squares = inner, outer
+    return record
 
 
 @pytest.mark.parametrize("kind, world, tp, strategy, sequence_parallel, clip, optimizer", [
     ("gpt", 2, 2, "ddp", False, 0.5, "sgd"),
-    ("gpt", 2, 2, "ddp", True, None, "adamw"),
+    ("gpt", 2, 2, "ddp", True, 0.5, "adamw"),
     ("gpt", 4, 4, "ddp", True, 0.5, "sgd"),
     ("gpt", 4, 2, "ddp", True, 0.5, "sgd"),
     ("gpt", 4, 2, "zero3", False, 0.5, "sgd"),

@@ -146,13 +146,16 @@ class TensorParallelStrategy(Strategy):
 
     def gradient_norm_squares(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> torch.Tensor:
         """Split parameters' squares summed over the tensor group (each rank holds a part), replicated
-        ones counted once (every tensor rank holds the same)."""
-        split = self.inner.gradient_norm_squares(model, skip | self._replicated_names)
-        split = split.to(_comm_device(self.group, self.device))
-        if self.options.size > 1:
-            dist.all_reduce(split, group=self.group)
-        replicated = self.inner.gradient_norm_squares(model, skip | self._split_names)
-        return split + replicated.to(split.device)
+        ones counted once (every tensor rank holds the same): in one pass and one all-reduce, tensor
+        rank 0 counts every gradient it holds and the other tensor ranks their split ones only; the sum
+        over the tensor group is then the same on every rank. (The inner strategy's own reduction runs
+        over the data-parallel group, whose ranks share a tensor rank and so what they count.)"""
+        if self.options.size == 1:
+            return self.inner.gradient_norm_squares(model, skip)
+        counted = skip if self.tensor_rank == 0 else skip | self._replicated_names
+        squares = self.inner.gradient_norm_squares(model, counted).to(_comm_device(self.group, self.device))
+        dist.all_reduce(squares, group=self.group)
+        return squares
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every tensor shard (`gradient_norm_squares`); returns it."""
