@@ -217,6 +217,22 @@ def autocast_case(group, T, sp):
         got = tp_down(tp_up(sliced(x, 1, r, T) if sp else x))
     assert got.dtype == want.dtype == torch.bfloat16, (got.dtype, want.dtype)
     torch.testing.assert_close(got, sliced(want, 1, r, T) if sp else want, atol=3e-2, rtol=3e-2)
+    # The row-parallel bias: under autocast cast to bf16 and added after the reduction, bit for bit as
+    # the naive formula (and its gradient); in fp32 added as it is, with no cast in the graph.
+    h = seeded(5, 2, 2 * T, 4, dtype=torch.float32)
+    naive = copy.deepcopy(tp_down)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = tp_down(h)
+        partial = F.linear(h, naive.weight)  # bf16
+    reduce = (lambda t: reduce_scatter_sequence(t, group, 1)) if sp else (lambda t: reduce_from(t, group))
+    want = reduce(partial) + naive.bias.to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want), f"T={T} sp={sp}: autocast bias"
+    got.float().square().sum().backward()
+    want.float().square().sum().backward()
+    assert tp_down.bias.grad.dtype == torch.float32 and torch.equal(tp_down.bias.grad, naive.bias.grad)
+    out = tp_down(h)
+    assert out.dtype == torch.float32 and "ToCopy" not in type(out.grad_fn.next_functions[1][0]).__name__
+    assert torch.equal(out, reduce(F.linear(h, tp_down.weight)) + tp_down.bias)
 
 
 @pytest.mark.timeout(90)

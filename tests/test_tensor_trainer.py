@@ -72,14 +72,51 @@ def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, opti
                                                                  "pipeline_schedule": pipeline}),
                                  **({} if context is None else {"context": context}),
                                  **({"compile": {"backend": "aot_eager"}} if compile else {}))
+    record = _count_norm_collectives(trainer.strategy) if clip is not None and tp > 1 else None
     results = train_against_reference(trainer, reference, ref_opt, _batch, kind, clip, rank, 4, STEPS)
     trainer.close()
+    # The clipping norm (checked against one process's by the callers): one pass of the inner strategy
+    # and one all-reduce of its own per step, whatever the inner strategy reduces over its groups.
+    assert record is None or record == [(1, 1)] * STEPS, f"(inner passes, own all-reduces) per step: {record}"
     return results
+
+
+def _count_norm_collectives(strategy) -> list[tuple[int, int]]:
+    """Wrap the tensor-parallel `strategy`'s `gradient_norm_squares`: each call appends (how many times it
+    called the inner strategy's, how many all-reduces it ran outside those) to the returned list."""
+    import torch.distributed as dist
+
+    record, state = [], {"inner": 0, "reduces": 0, "depth": 0}
+    inner_fn, outer_fn, all_reduce = strategy.inner.gradient_norm_squares, strategy.gradient_norm_squares, dist.all_reduce
+
+    def inner(*args, **kwargs):
+        state["inner"] += 1
+        state["depth"] += 1
+        try:
+            return inner_fn(*args, **kwargs)
+        finally:
+            state["depth"] -= 1
+
+    def counted_all_reduce(*args, **kwargs):
+        state["reduces"] += state["depth"] == 0
+        return all_reduce(*args, **kwargs)
+
+    def outer(*args, **kwargs):
+        state.update(inner=0, reduces=0)
+        dist.all_reduce = counted_all_reduce
+        try:
+            return outer_fn(*args, **kwargs)
+        finally:
+            dist.all_reduce = all_reduce
+            record.append((state["inner"], state["reduces"]))
+
+    strategy.inner.gradient_norm_squares, strategy.gradient_norm_squares = inner, outer
+    return record
 
 
 @pytest.mark.parametrize("kind, world, tp, strategy, sequence_parallel, clip, optimizer", [
     ("gpt", 2, 2, "ddp", False, 0.5, "sgd"),
-    ("gpt", 2, 2, "ddp", True, None, "adamw"),
+    ("gpt", 2, 2, "ddp", True, 0.5, "adamw"),
     ("gpt", 4, 4, "ddp", True, 0.5, "sgd"),
     ("gpt", 4, 2, "ddp", True, 0.5, "sgd"),
     ("gpt", 4, 2, "zero3", False, 0.5, "sgd"),
@@ -185,6 +222,48 @@ def test_llama_style_stack_with_a_user_plan_matches_one_process(world, tp, strat
     for _, norms in results:
         assert all(abs(got - want) <= 1e-5 * max(1.0, want) for got, want in norms), norms
         assert any(want > 0.5 for _, want in norms)
+
+
+# ------------------------------------------------------------------ setup
+def share_weights_worker(rank, world):
+    """Setup's coalesced broadcast of tensor rank 0's weights (`_share_weights`) against its naive twin,
+    one `dist.broadcast` per tensor, on a GPT with buffers of other dtypes; each rank built its own."""
+    import torch.distributed as dist
+
+    from distributed_training.tensor.strategy import _share_weights
+
+    torch.manual_seed(rank)  # every rank starts from other weights
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    model.register_buffer("steps", torch.randint(0, 1000, (3,)))  # int64
+    model.register_buffer("scale", torch.randn(5, dtype=torch.float64))
+    naive = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for tensor in [*naive.parameters(), *naive.buffers()]:
+            dist.broadcast(tensor, src=0)
+    calls = []
+    broadcast = dist.broadcast
+
+    def counted(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast = counted
+    try:
+        _share_weights(model, 0, None, torch.device("cpu"))
+    finally:
+        dist.broadcast = broadcast
+    got, want = model.state_dict(), naive.state_dict()
+    equal = all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+    changed = any(not torch.equal(got[k], before[k]) for k in want)
+    return equal, changed, len(calls), len([*model.parameters(), *model.buffers()])
+
+
+def test_setup_shares_rank_zero_weights_in_a_few_messages():
+    for rank, (equal, changed, calls, tensors) in enumerate(run_distributed(share_weights_worker, 2, timeout=60)):
+        assert equal, f"rank {rank}: the coalesced broadcast differs from the one per tensor"
+        assert changed == (rank != 0), (rank, changed)
+        assert calls == 3 and tensors > 20, (calls, tensors)  # one per dtype (fp32, int64, fp64), not per tensor
 
 
 # ------------------------------------------------------------------ checkpoints

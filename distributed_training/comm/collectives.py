@@ -26,12 +26,17 @@ def broadcast_coalesced(
     src: int = 0,
     group: dist.ProcessGroup | None = None,
     chunk_bytes: int = _BROADCAST_CHUNK_BYTES,
+    via: torch.device | None = None,
 ) -> None:
     """Broadcast `tensors` in place from global rank `src`, packed into few flat messages.
 
     Tensors are grouped by (device, dtype) and packed into chunks of at most `chunk_bytes`, so a
     model with hundreds of small buffers costs a handful of collectives, and a huge model never
     needs a second full copy of itself.
+
+    `via`: the device the group's collectives take their tensors on (NCCL: the GPU), for tensors that
+    live elsewhere (a model still on the CPU): each chunk is packed where its tensors are, moved to
+    `via` for the broadcast and back, one chunk at a time. None: every tensor is already there.
     """
     if dist.get_world_size(group) == 1 or not tensors:
         return
@@ -45,23 +50,25 @@ def broadcast_coalesced(
             chunk.append(t)
             size += t.numel() * t.element_size()
             if size >= chunk_bytes:
-                _broadcast_chunk(chunk, src, group)
+                _broadcast_chunk(chunk, src, group, via)
                 chunk, size = [], 0
         if chunk:
-            _broadcast_chunk(chunk, src, group)
+            _broadcast_chunk(chunk, src, group, via)
 
 
-def _broadcast_chunk(chunk: list[torch.Tensor], src: int, group) -> None:
-    if len(chunk) == 1 and chunk[0].is_contiguous():
+def _broadcast_chunk(chunk: list[torch.Tensor], src: int, group, via: torch.device | None = None) -> None:
+    staged = via is not None and chunk[0].device != torch.device(via)
+    if len(chunk) == 1 and chunk[0].is_contiguous() and not staged:
         dist.broadcast(chunk[0].data, src=src, group=group)
         return
     # Packing and unpacking run in C++ and the copy back is one multi-tensor copy: a ResNet's hundred
     # and fifty BatchNorm buffers are broadcast before every forward, so per-tensor Python adds up.
     with torch.no_grad():
         flat = _flatten_dense_tensors(chunk)
-        dist.broadcast(flat, src=src, group=group)
+        sent = flat.to(via) if staged else flat
+        dist.broadcast(sent, src=src, group=group)
         if dist.get_rank() != src:  # the source's tensors already hold what it sent
-            torch._foreach_copy_(chunk, _unflatten_dense_tensors(flat, chunk))
+            torch._foreach_copy_(chunk, _unflatten_dense_tensors(sent.to(flat.device) if staged else flat, chunk))
 
 
 def describe_module(module: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:

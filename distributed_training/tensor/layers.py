@@ -197,9 +197,14 @@ class RowParallelLinear(_ParallelLinear):
             out = reduce_scatter_sequence(partial, self.group, self.sequence_dim)
         else:
             out = reduce_from(partial, self.group, inplace=True)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)  # autocast: keep the activation's dtype, as F.linear does
-        return out
+        bias = self.bias
+        if bias is None:
+            return out
+        if bias.dtype != out.dtype:
+            # Only under autocast (an fp32 bias, a bf16 / fp16 activation): the bias in the activation's
+            # dtype, as autocast gives it to F.linear. Otherwise no cast, not even a no-op `.to`.
+            bias = bias.to(out.dtype)
+        return out + bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..checkpoint_shards import StateLayout
+from ..comm.collectives import broadcast_coalesced
 from ..runtime import DistributedContext
 from ..strategies.base import Strategy
 from .options import TensorOptions
@@ -77,13 +78,7 @@ class TensorParallelStrategy(Strategy):
                              "'sequence' | 'replicate'; see docs/tensor_parallel.md); only our GPT has a built-in one")
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         _share_random_state(self.group, src, context.device)
-        on = _comm_device(self.group, context.device)
-        with torch.no_grad():  # the parts are cut from tensor rank 0's weights, whatever each rank built
-            for tensor in [*module.parameters(), *module.buffers()]:
-                buffer = tensor.data if tensor.device == on else tensor.data.to(on)
-                dist.broadcast(buffer, src=src, group=self.group)
-                if buffer is not tensor.data:
-                    tensor.data.copy_(buffer)
+        _share_weights(module, src, self.group, context.device)  # the parts are cut from rank src's weights
         self.specs = apply_plan(module, plan, self.group, sequence_parallel=self.options.sequence_parallel)
         self._vocab_loss = parallel_loss(module)
         names = dict(module.named_parameters(remove_duplicate=False))
@@ -151,13 +146,16 @@ class TensorParallelStrategy(Strategy):
 
     def gradient_norm_squares(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> torch.Tensor:
         """Split parameters' squares summed over the tensor group (each rank holds a part), replicated
-        ones counted once (every tensor rank holds the same)."""
-        split = self.inner.gradient_norm_squares(model, skip | self._replicated_names)
-        split = split.to(_comm_device(self.group, self.device))
-        if self.options.size > 1:
-            dist.all_reduce(split, group=self.group)
-        replicated = self.inner.gradient_norm_squares(model, skip | self._split_names)
-        return split + replicated.to(split.device)
+        ones counted once (every tensor rank holds the same): in one pass and one all-reduce, tensor
+        rank 0 counts every gradient it holds and the other tensor ranks their split ones only; the sum
+        over the tensor group is then the same on every rank. (The inner strategy's own reduction runs
+        over the data-parallel group, whose ranks share a tensor rank and so what they count.)"""
+        if self.options.size == 1:
+            return self.inner.gradient_norm_squares(model, skip)
+        counted = skip if self.tensor_rank == 0 else skip | self._replicated_names
+        squares = self.inner.gradient_norm_squares(model, counted).to(_comm_device(self.group, self.device))
+        dist.all_reduce(squares, group=self.group)
+        return squares
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every tensor shard (`gradient_norm_squares`); returns it."""
@@ -269,6 +267,14 @@ def _is_pipeline(strategy: Strategy) -> bool:
 def _comm_device(group, device: torch.device) -> torch.device:
     """Where `group`'s collectives take their tensors: `device` under NCCL, else the CPU (gloo)."""
     return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def _share_weights(module: nn.Module, src: int, group, device: torch.device) -> None:
+    """Every rank of `group` takes global rank `src`'s parameters and buffers, whatever it built: a few
+    flat messages per dtype (`broadcast_coalesced`; a model's hundreds of tensors are not hundreds of
+    launches), staged through `device` under NCCL where the model is still on the CPU (ZeRO-3 and FSDP
+    place it after the plan)."""
+    broadcast_coalesced([*module.parameters(), *module.buffers()], src, group, via=_comm_device(group, device))
 
 
 def _share_random_state(group, src: int, device: torch.device) -> None:
