@@ -1,49 +1,142 @@
-"""The two-node elastic harness (issue 17, items 1 and 6, first step): two torchrun agents on one host
-(``--nnodes=1:2``, 2 workers each); one agent is killed with its workers mid-run, and the other
-restarts its workers, re-forms the job at world 2 and finishes from the latest good checkpoint. The
-scenario is `tests/jobs/elastic_two_agents.py` (also a script); it prints the time from the kill to the
-next completed step."""
+"""The two-node elastic harness (issue 17, item 6): two torchrun agents on one host (``--nnodes=1:2``, 2
+workers each) train one epoch of a fixed global batch (`fit(global_batch_size=8)`, a checkpoint every
+step). At step 10 one agent is killed with its workers: the other restarts its workers, re-forms the job
+at world 2 and resumes from the latest good checkpoint; a new agent then starts and the job grows back
+to world 4 and finishes the epoch. The scenario is `tests/jobs/elastic_two_agents.py` (also a script),
+the job `tests/jobs/elastic_job.py`.
+
+The workers record, after every completed step, the samples they trained (the targets carry each
+sample's index) and the full parameters. The test rebuilds the training in a plain one-process loop on
+the same global batches (the epoch's permutation as `ShardedSampler` draws it) and checks that after
+every step, in every incarnation of the job that completed it (steps redone after the kill included),
+the parameters equal that loop's within 1e-5, and that every sample of the epoch was trained exactly
+once. It prints the time from the kill to the next completed step, the steps lost, and the time from
+the new agent's start to the first step at world 4.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import re
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
+STEPS, KILL_AFTER = 60, 10  # the epoch's global batches; the step after which one agent is killed
 
 
-def _scenario():
-    spec = importlib.util.spec_from_file_location("elastic_two_agents", REPO / "tests" / "jobs" / "elastic_two_agents.py")
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "jobs" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def _reference(job, steps: int) -> dict[int, tuple[list[int], dict[str, torch.Tensor]]]:
+    """One process, a plain loop: step s trains positions [(s - 1) B, s B) of the epoch's permutation
+    (seeded by the trainer's seed + epoch 0, as `ShardedSampler` draws it) as one batch. Returns per
+    step the batch's indices and the parameters after it."""
+    model = job.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=job.LR, momentum=job.MOMENTUM)
+    data = job.build_data(steps)
+    x, target = data.tensors
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(job.SEED)).tolist()
+    out = {}
+    for step in range(1, steps + 1):
+        idx = order[(step - 1) * job.GLOBAL_BATCH: step * job.GLOBAL_BATCH]
+        loss = job.criterion(model(x[idx]), target[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out[step] = (idx, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+def _incarnations(records: list[dict]) -> list[dict]:
+    """The job's incarnations, in the order they started: ``{"attempt", "world", "start", "steps":
+    {step: {rank: record}}}``."""
+    by_attempt: dict[str, dict] = {}
+    for r in records:
+        inc = by_attempt.setdefault(r["attempt"], {"attempt": r["attempt"], "world": r["world"], "start": r["time"],
+                                                   "steps": defaultdict(dict)})
+        inc["start"] = min(inc["start"], r["time"])
+        inc["steps"][r["step"]][r["rank"]] = r
+    return sorted(by_attempt.values(), key=lambda inc: inc["start"])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["zero3"])  # DDP's shrink is the first half of the growth test below
-def test_killed_agent_leaves_the_other_to_finish_alone(strategy):
-    result = _scenario().run(steps=40, kill_after=10, strategy=strategy, timeout=240)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_nodes_leave_and_join_and_the_job_trains_as_one_process(tmp_path, strategy):
+    # The workers' own store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, set by the scenario with
+    # grow=True): with torch 2.13's shared store, a node that stays the rendezvous' rank 0 across rounds
+    # does not publish MASTER_ADDR again, and a joining node waits for it forever (see docs/elastic.md).
+    job, scenario = _load("elastic_job"), _load("elastic_two_agents")
+    records_dir = tmp_path / "records"
+    records_dir.mkdir()
+    result = scenario.run(steps=STEPS, kill_after=KILL_AFTER, strategy=strategy, timeout=240, grow=True,
+                          records=str(records_dir), step_seconds=0.1)
     log = result.pop("log")
-    print(f"{strategy}: {result}")
+    killed_at, joined_at = result.pop("killed_at"), result.pop("joined_at")
     assert "PeerFailureError" in log and "is dead" in log, log[-4000:]  # named, not a gloo error alone
-    assert result["final_step"] == 40, log[-4000:]
+    assert result["final_step"] == STEPS, log[-4000:]
+    # The trainer re-cut the global batch at world 2, and said so: 4 a replica in 2 micro-batches of 2.
+    assert re.search(r"global batch 8 = 2 data-parallel replica\(s\) x 4 sample\(s\) in 2 micro-batch\(es\) of at "
+                     r"most 2 \(the checkpoint was trained at 4 x 2", log), log[-4000:]
+
+    incarnations = _incarnations(scenario.read_records(str(records_dir)))
+    worlds = [inc["world"] for inc in incarnations]
+    assert worlds[0] == 4 and 2 in worlds and worlds[-1] == 4 and worlds.index(2) < len(worlds) - 1, worlds
+    expected = _reference(job, STEPS)
+
+    # After every step, in every incarnation that completed it (redone steps too), the parameters are
+    # those of one process trained on the same global batches.
+    compared = 0
+    for inc in incarnations:
+        for step, ranks in inc["steps"].items():
+            for rank, record in ranks.items():
+                if record["params"] is None:
+                    continue  # ZeRO-3's ranks other than 0: full parameters on rank 0 only
+                assert record["params"].keys() == expected[step][1].keys()
+                for name, want in expected[step][1].items():
+                    torch.testing.assert_close(
+                        record["params"][name], want, rtol=1e-5, atol=1e-5,
+                        msg=lambda m: f"step {step}, world {inc['world']}, rank {rank}, {name}: {m}")
+                compared += 1
+    assert compared >= STEPS, compared
+
+    # Samples: each step's latest incarnation trained exactly that step's global batch (all its ranks,
+    # no sample twice), and over the epoch every sample once.
+    counts = [0] * (STEPS * job.GLOBAL_BATCH)
+    for step in range(1, STEPS + 1):
+        inc = next((inc for inc in reversed(incarnations) if step in inc["steps"]), None)
+        assert inc is not None, f"step {step} was never completed"
+        ranks = inc["steps"][step]
+        assert sorted(ranks) == list(range(inc["world"])), f"step {step}, world {inc['world']}: records of {sorted(ranks)}"
+        indices = [i for record in ranks.values() for i in record["indices"]]
+        assert sorted(indices) == sorted(expected[step][0]), f"step {step}: trained {sorted(indices)}"
+        for i in indices:
+            counts[i] += 1
+    assert counts == [1] * len(counts), [i for i, c in enumerate(counts) if c != 1]
+
+    # Measured from the records: the kill to the next completed step, the steps lost (completed before
+    # the kill and trained again after it), the new agent's start to the first step at world 4.
+    killed = next(i for i, inc in enumerate(incarnations) if inc["start"] > killed_at) - 1
+    after, grown = incarnations[killed + 1], next(inc for inc in incarnations if inc["start"] > joined_at)
+    measured = {
+        "recovery_s": round(min(r["time"] for ranks in after["steps"].values() for r in ranks.values()) - killed_at, 2),
+        "steps_lost": max(incarnations[killed]["steps"]) - (min(after["steps"]) - 1),
+        "grow_s": round(min(r["time"] for ranks in grown["steps"].values() for r in ranks.values()) - joined_at, 2),
+        "worlds": worlds,
+        "steps_at_world_2": len(after["steps"]),
+        "records_compared": compared,
+    }
+    print(f"{strategy}: {measured}; from the agents' output: {result}")
+    assert after["world"] == 2 and grown["world"] == 4, worlds
     # Checkpoints every step: the resumed job redoes at most the step in flight and the one being saved.
-    assert result["steps_lost"] <= 2, result
-    assert result["recovery_s"] < 60, result
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_new_agent_grows_the_job_back():
-    # The workers' own store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): with torch 2.13's shared
-    # store, a node that stays the rendezvous' rank 0 across rounds does not publish MASTER_ADDR again,
-    # and a joining node waits for it forever (observed here; `RendezvousStoreInfo.build` is skipped).
-    result = _scenario().run(steps=60, kill_after=10, strategy="ddp", timeout=240, grow=True)
-    log = result.pop("log")
-    print(f"shrink then grow: {result}")
-    assert result["final_step"] == 60, log[-4000:]
-    assert result["steps_lost"] <= 2 and result["recovery_s"] < 60, result
-    assert result["grown_step"] > result["resumed_step"] and result["grow_s"] < 60, result
+    # Generous bounds (the machine is shared): about 6 s and 9 s on an idle 2-core machine.
+    assert measured["steps_lost"] <= 2, measured
+    assert measured["recovery_s"] < 60 and measured["grow_s"] < 90, measured

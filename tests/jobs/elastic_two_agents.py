@@ -28,13 +28,14 @@ EVENT = re.compile(r"ELASTIC (failed error=\w+|start|ready)[^\n]*?time=([\d.]+)"
 LINE = re.compile(r"ELASTIC step=(\d+) world=(\d+) attempt=(\d+) time=([\d.]+)")
 
 
-def _agent(port: int, run_id: str, ckpt: str, steps: int, strategy: str, unshared: bool = False) -> TorchrunJob:
+def _agent(port: int, run_id: str, ckpt: str, steps: int, strategy: str, unshared: bool = False,
+           records: str | None = None, step_seconds: float = 0.2) -> TorchrunJob:
     conf = ("is_host=false,join_timeout=60,last_call_timeout=1,close_timeout=10,"
             "keep_alive_interval=1,keep_alive_max_attempt=3")
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}", f"--rdzv-conf={conf}",
             "--max-restarts=3", "--monitor-interval=0.2", str(JOB), "--ckpt", ckpt, "--steps", str(steps),
-            "--strategy", strategy]
+            "--strategy", strategy, "--step-seconds", str(step_seconds), *(["--records", records] if records else [])]
     env = {"CUDA_VISIBLE_DEVICES": "", **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if unshared else {})}
     return TorchrunJob(args, env=_torchrun_env(env), cwd=None)
 
@@ -55,17 +56,20 @@ def _wait(predicate, jobs, timeout: float, what: str) -> None:
 
 
 def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: float = 240.0,
-        grow: bool = False) -> dict:
-    """Run the scenario; return ``{"recovery_s", "kill_step", "resumed_step", "final_step", "steps_lost",
-    "after_kill_s"}`` (the survivor's worker events after the kill), and with `grow` (a third agent starts
-    once the job runs at world 2) ``"grow_s"`` (from its start to the first step at world 4) and
-    ``"grown_step"``."""
+        grow: bool = False, records: str | None = None, step_seconds: float = 0.2) -> dict:
+    """Run the scenario (a job of `steps` global batches, one epoch); return ``{"recovery_s", "kill_step",
+    "resumed_step", "final_step", "steps_lost", "after_kill_s"}`` (the survivor's worker events after the
+    kill), and with `grow` (a third agent starts once the job runs at world 2) ``"grow_s"`` (from its start
+    to the first step at world 4) and ``"grown_step"``; ``"killed_at"`` and ``"joined_at"`` (unix times).
+    With `records` (a directory) every worker writes what it trained there after each step (see
+    `elastic_job`; read them with `read_records`)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
                           timeout=timedelta(seconds=60))
     ckpt = tempfile.mkdtemp(prefix="dt-elastic-")
     run_id = uuid.uuid4().hex[:8]
-    survivor = _agent(store.port, run_id, ckpt, steps, strategy, grow)
-    victim = _agent(store.port, run_id, ckpt, steps, strategy, grow)
+    agent = lambda: _agent(store.port, run_id, ckpt, steps, strategy, grow, records, step_seconds)  # noqa: E731
+    survivor = agent()
+    victim = agent()
     jobs = [survivor, victim]  # and the joining agent
     try:
         _wait(lambda: any(w == 4 and s >= kill_after for s, w, _, _ in _steps(survivor)), jobs, timeout / 2,
@@ -80,7 +84,7 @@ def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: f
         grown = None
         if grow:  # a node joins again: the survivor's agent sees it waiting and restarts its workers at world 4
             joined_at = time.time()
-            jobs.append(_agent(store.port, run_id, ckpt, steps, strategy, grow))
+            jobs.append(agent())
             _wait(lambda: any(w == 4 and t > joined_at for _, w, _, t in _steps(survivor)), jobs, timeout / 2,
                   "a step at world 4 after the new agent started")
             grown = min((t, s) for s, w, _, t in _steps(survivor) if w == 4 and t > joined_at)
@@ -91,7 +95,9 @@ def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: f
         return {"recovery_s": resumed[0] - killed_at, "kill_step": kill_step, "resumed_step": resumed[1],
                 "final_step": final, "steps_lost": kill_step - (resumed[1] - 1),
                 "after_kill_s": {name: round(t, 2) for name, t in events},
-                **({"grow_s": grown[0] - joined_at, "grown_step": grown[1]} if grown else {}), "log": survivor.output()}
+                "killed_at": killed_at,
+                **({"grow_s": grown[0] - joined_at, "grown_step": grown[1], "joined_at": joined_at} if grown else {}),
+                "log": survivor.output()}
     finally:
         for job in jobs:
             job.close()
@@ -100,13 +106,24 @@ def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: f
         shutil.rmtree(ckpt, ignore_errors=True)
 
 
+def read_records(directory: str) -> list[dict]:
+    """Every complete record the workers wrote (a worker killed mid-write leaves only a ``*.tmp``),
+    oldest first."""
+    import torch
+
+    return sorted((torch.load(path, weights_only=False) for path in Path(directory).glob("*.pt")),
+                  key=lambda r: r["time"])
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="ddp")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--grow", action="store_true", help="start a new agent once the job runs at world 2")
+    p.add_argument("--records", default=None, help="a directory for the workers' per-step records")
+    p.add_argument("--step-seconds", type=float, default=0.2)
     a = p.parse_args()
-    result = run(a.steps, strategy=a.strategy, grow=a.grow)
+    result = run(a.steps, strategy=a.strategy, grow=a.grow, records=a.records, step_seconds=a.step_seconds)
     log = result.pop("log")
     if os.environ.get("ELASTIC_VERBOSE"):
         print(log)
