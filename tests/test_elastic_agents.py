@@ -57,7 +57,7 @@ def _reference(job, steps: int) -> dict[int, tuple[list[int], dict[str, torch.Te
 
 def _incarnations(records: list[dict]) -> list[dict]:
     """The job's incarnations, in the order they started: ``{"attempt", "world", "start", "steps":
-    {step: {rank: record}}}``."""
+    {step: {rank: record}}}``, `start` the time of its first record (its first completed step)."""
     by_attempt: dict[str, dict] = {}
     for r in records:
         inc = by_attempt.setdefault(r["attempt"], {"attempt": r["attempt"], "world": r["world"], "start": r["time"],
@@ -65,6 +65,42 @@ def _incarnations(records: list[dict]) -> list[dict]:
         inc["start"] = min(inc["start"], r["time"])
         inc["steps"][r["step"]][r["rank"]] = r
     return sorted(by_attempt.values(), key=lambda inc: inc["start"])
+
+
+def _check_parameters(incarnations: list[dict], expected: dict) -> int:
+    """After every step, in every incarnation that completed it (redone steps too), the recorded
+    parameters are those of one process trained on the same global batches; returns how many records
+    were compared."""
+    compared = 0
+    for inc in incarnations:
+        for step, ranks in inc["steps"].items():
+            for rank, record in ranks.items():
+                if record["params"] is None:
+                    continue  # ZeRO-3's ranks other than 0: full parameters on rank 0 only
+                assert record["params"].keys() == expected[step][1].keys()
+                for name, want in expected[step][1].items():
+                    torch.testing.assert_close(
+                        record["params"][name], want, rtol=1e-5, atol=1e-5,
+                        msg=lambda m: f"step {step}, world {inc['world']}, rank {rank}, {name}: {m}")
+                compared += 1
+    return compared
+
+
+def _count_samples(incarnations: list[dict], expected: dict, samples: int) -> None:
+    """Each step's latest incarnation trained exactly that step's global batch (a record from each of
+    its ranks, no sample twice), and over the epoch every sample once."""
+    counts = [0] * samples
+    for step in sorted(expected):
+        inc = next((inc for inc in reversed(incarnations) if step in inc["steps"]), None)
+        assert inc is not None, f"step {step} was never completed"
+        ranks = inc["steps"][step]
+        assert sorted(ranks) == list(range(inc["world"])), (f"step {step}, world {inc['world']}: records of ranks "
+                                                            f"{sorted(ranks)}")
+        indices = [i for record in ranks.values() for i in record["indices"]]
+        assert sorted(indices) == sorted(expected[step][0]), f"step {step}: trained {sorted(indices)}"
+        for i in indices:
+            counts[i] += 1
+    assert counts == [1] * samples, f"samples not trained exactly once: {[i for i, c in enumerate(counts) if c != 1]}"
 
 
 @pytest.mark.slow
@@ -92,44 +128,18 @@ def test_nodes_leave_and_join_and_the_job_trains_as_one_process(tmp_path, strate
     assert worlds[0] == 4 and 2 in worlds and worlds[-1] == 4 and worlds.index(2) < len(worlds) - 1, worlds
     expected = _reference(job, STEPS)
 
-    # After every step, in every incarnation that completed it (redone steps too), the parameters are
-    # those of one process trained on the same global batches.
-    compared = 0
-    for inc in incarnations:
-        for step, ranks in inc["steps"].items():
-            for rank, record in ranks.items():
-                if record["params"] is None:
-                    continue  # ZeRO-3's ranks other than 0: full parameters on rank 0 only
-                assert record["params"].keys() == expected[step][1].keys()
-                for name, want in expected[step][1].items():
-                    torch.testing.assert_close(
-                        record["params"][name], want, rtol=1e-5, atol=1e-5,
-                        msg=lambda m: f"step {step}, world {inc['world']}, rank {rank}, {name}: {m}")
-                compared += 1
+    compared = _check_parameters(incarnations, expected)
     assert compared >= STEPS, compared
-
-    # Samples: each step's latest incarnation trained exactly that step's global batch (all its ranks,
-    # no sample twice), and over the epoch every sample once.
-    counts = [0] * (STEPS * job.GLOBAL_BATCH)
-    for step in range(1, STEPS + 1):
-        inc = next((inc for inc in reversed(incarnations) if step in inc["steps"]), None)
-        assert inc is not None, f"step {step} was never completed"
-        ranks = inc["steps"][step]
-        assert sorted(ranks) == list(range(inc["world"])), f"step {step}, world {inc['world']}: records of {sorted(ranks)}"
-        indices = [i for record in ranks.values() for i in record["indices"]]
-        assert sorted(indices) == sorted(expected[step][0]), f"step {step}: trained {sorted(indices)}"
-        for i in indices:
-            counts[i] += 1
-    assert counts == [1] * len(counts), [i for i, c in enumerate(counts) if c != 1]
+    _count_samples(incarnations, expected, STEPS * job.GLOBAL_BATCH)
 
     # Measured from the records: the kill to the next completed step, the steps lost (completed before
     # the kill and trained again after it), the new agent's start to the first step at world 4.
     killed = next(i for i, inc in enumerate(incarnations) if inc["start"] > killed_at) - 1
     after, grown = incarnations[killed + 1], next(inc for inc in incarnations if inc["start"] > joined_at)
     measured = {
-        "recovery_s": round(min(r["time"] for ranks in after["steps"].values() for r in ranks.values()) - killed_at, 2),
+        "recovery_s": round(after["start"] - killed_at, 2),  # an incarnation starts at its first completed step
         "steps_lost": max(incarnations[killed]["steps"]) - (min(after["steps"]) - 1),
-        "grow_s": round(min(r["time"] for ranks in grown["steps"].values() for r in ranks.values()) - joined_at, 2),
+        "grow_s": round(grown["start"] - joined_at, 2),
         "worlds": worlds,
         "steps_at_world_2": len(after["steps"]),
         "records_compared": compared,

@@ -20,7 +20,6 @@ SIGKILLed mid-write leaves no torn record (at most a ``*.tmp`` the reader skips)
 import argparse
 import os
 import time
-import uuid
 
 import torch
 import torch.distributed as dist
