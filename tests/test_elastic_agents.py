@@ -25,7 +25,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, KILL_AFTER = 60, 10  # the epoch's global batches; the step after which one agent is killed
+STEPS, KILL_AFTER = 64, 10  # the epoch's global batches; the step after which one agent is killed
 
 
 def _load(name: str):
