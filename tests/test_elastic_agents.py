@@ -67,11 +67,11 @@ def _incarnations(records: list[dict]) -> list[dict]:
     return sorted(by_attempt.values(), key=lambda inc: inc["start"])
 
 
-def _check_parameters(incarnations: list[dict], expected: dict) -> int:
+def _check_parameters(incarnations: list[dict], expected: dict) -> tuple[int, float]:
     """After every step, in every incarnation that completed it (redone steps too), the recorded
     parameters are those of one process trained on the same global batches; returns how many records
-    were compared."""
-    compared = 0
+    were compared and the largest difference found."""
+    compared, largest = 0, 0.0
     for inc in incarnations:
         for step, ranks in inc["steps"].items():
             for rank, record in ranks.items():
@@ -82,8 +82,9 @@ def _check_parameters(incarnations: list[dict], expected: dict) -> int:
                     torch.testing.assert_close(
                         record["params"][name], want, rtol=1e-5, atol=1e-5,
                         msg=lambda m: f"step {step}, world {inc['world']}, rank {rank}, {name}: {m}")
+                    largest = max(largest, (record["params"][name] - want).abs().max().item())
                 compared += 1
-    return compared
+    return compared, largest
 
 
 def _count_samples(incarnations: list[dict], expected: dict, samples: int) -> None:
@@ -128,7 +129,7 @@ def test_nodes_leave_and_join_and_the_job_trains_as_one_process(tmp_path, strate
     assert worlds[0] == 4 and 2 in worlds and worlds[-1] == 4 and worlds.index(2) < len(worlds) - 1, worlds
     expected = _reference(job, STEPS)
 
-    compared = _check_parameters(incarnations, expected)
+    compared, largest = _check_parameters(incarnations, expected)
     assert compared >= STEPS, compared
     _count_samples(incarnations, expected, STEPS * job.GLOBAL_BATCH)
 
@@ -143,6 +144,7 @@ def test_nodes_leave_and_join_and_the_job_trains_as_one_process(tmp_path, strate
         "worlds": worlds,
         "steps_at_world_2": len(after["steps"]),
         "records_compared": compared,
+        "largest_difference": f"{largest:.1e}",
     }
     print(f"{strategy}: {measured}; from the agents' output: {result}")
     assert after["world"] == 2 and grown["world"] == 4, worlds
