@@ -2,7 +2,8 @@
 workers each) train one epoch of a fixed global batch (`fit(global_batch_size=8)`, a checkpoint every
 step). At step 10 one agent is killed with its workers: the other restarts its workers, re-forms the job
 at world 2 and resumes from the latest good checkpoint; a new agent then starts and the job grows back
-to world 4 and finishes the epoch. The scenario is `tests/jobs/elastic_two_agents.py` (also a script),
+to world 4 and finishes the epoch (while the new node is on its way, the job holds before its last steps,
+so that a slow machine cannot end the epoch at world 2 first; its agent's SIGTERM ends the hold). The scenario is `tests/jobs/elastic_two_agents.py` (also a script),
 the job `tests/jobs/elastic_job.py`.
 
 The workers record, after every completed step, the samples they trained (the targets carry each
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, KILL_AFTER = 64, 10  # the epoch's global batches; the step after which one agent is killed
+STEPS, KILL_AFTER = 32, 10  # the epoch's global batches; the step after which one agent is killed
 
 
 def _load(name: str):
@@ -143,6 +144,7 @@ def test_nodes_leave_and_join_and_the_job_trains_as_one_process(tmp_path, strate
         "grow_s": round(grown["start"] - joined_at, 2),
         "worlds": worlds,
         "steps_at_world_2": len(after["steps"]),
+        "held": result.pop("held"),  # (step, seconds): waits for the new node before the epoch's last steps
         "records_compared": compared,
         "largest_difference": f"{largest:.1e}",
     }

@@ -15,10 +15,18 @@ rank trained in the step (the targets' last column carries them), `params` the m
 after the step (on rank 0 under every strategy, through `full_state_dict`; on every rank under DDP, whose
 ranks hold them all; None otherwise). A file is written under a temporary name and renamed, so a worker
 SIGKILLed mid-write leaves no torn record (at most a ``*.tmp`` the reader skips).
+
+With ``--hold FILE``, while FILE exists the job does not end its epoch: from step ``steps - 4`` on, each
+worker waits after its step until FILE is removed or it receives SIGTERM (its agent restarting it to grow
+the job), at most 120 s, and local rank 0 prints ``ELASTIC held step=<n> seconds=<s>``. The harness holds
+while it waits for a joining node, so that a slow machine cannot finish the epoch at the smaller size
+first; a SIGTERM ends the wait at once, so the time to grow is not lengthened by it.
 """
 
 import argparse
 import os
+import signal
+import threading
 import time
 
 import torch
@@ -69,6 +77,7 @@ def main() -> None:
     p.add_argument("--strategy", default="ddp")
     p.add_argument("--records", default=None, help="directory for the per-step records (see the module's doc)")
     p.add_argument("--step-seconds", type=float, default=0.2, help="sleep per step, so that the run lasts")
+    p.add_argument("--hold", default=None, help="while this file exists, do not end the epoch (see the module's doc)")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -81,6 +90,7 @@ def main() -> None:
     dist.broadcast_object_list(token, src=0)  # one name for this incarnation on every rank
     attempt = token[0]
     seen: list[int] = []
+    terminated = threading.Event()  # SIGTERM seen inside fit (fit's own handler still gets it)
 
     def counting(out, target):
         seen.extend(int(i) for i in target[:, -1].tolist())  # every micro-batch of the step
@@ -101,6 +111,23 @@ def main() -> None:
             return {k: v.detach().cpu().clone() for k, v in trainer.module.state_dict().items()}
         return None
 
+    def hold(step: int) -> None:
+        if not args.hold:
+            return
+        handler = signal.getsignal(signal.SIGTERM)  # fit's: a flag acted on at a step boundary
+        if getattr(handler, "__name__", "") != "chained":  # from the first step on, so no SIGTERM is missed
+            def chained(signum, frame):
+                terminated.set()
+                handler(signum, frame)
+            signal.signal(signal.SIGTERM, chained)  # fit restores its predecessor's handler on return
+        if step < args.steps - 4 or not os.path.exists(args.hold):
+            return
+        started = time.monotonic()
+        while os.path.exists(args.hold) and not terminated.is_set() and time.monotonic() - started < 120:
+            terminated.wait(0.05)
+        if ctx.local_rank == 0:
+            print(f"ELASTIC held step={step} seconds={time.monotonic() - started:.2f}", flush=True)
+
     def on_step(step: int, metrics: dict) -> None:
         if args.records:
             _write_record(args.records, {"attempt": attempt, "world": ctx.world_size, "rank": ctx.rank,
@@ -109,6 +136,7 @@ def main() -> None:
         seen.clear()
         if ctx.local_rank == 0:
             print(f"ELASTIC step={step} world={ctx.world_size} attempt={restarts} time={time.time():.3f}", flush=True)
+        hold(step)
         time.sleep(args.step_seconds)
 
     _say(f"ready world={ctx.world_size}")

@@ -25,17 +25,19 @@ from distributed_training.testing import DistributedTestError, TorchrunJob, _tor
 
 JOB = Path(__file__).resolve().parent / "elastic_job.py"
 EVENT = re.compile(r"ELASTIC (failed error=\w+|start|ready)[^\n]*?time=([\d.]+)")
+HELD = re.compile(r"ELASTIC held step=(\d+) seconds=([\d.]+)")
 LINE = re.compile(r"ELASTIC step=(\d+) world=(\d+) attempt=(\d+) time=([\d.]+)")
 
 
 def _agent(port: int, run_id: str, ckpt: str, steps: int, strategy: str, unshared: bool = False,
-           records: str | None = None, step_seconds: float = 0.2) -> TorchrunJob:
+           records: str | None = None, step_seconds: float = 0.2, hold: str | None = None) -> TorchrunJob:
     conf = ("is_host=false,join_timeout=60,last_call_timeout=1,close_timeout=10,"
             "keep_alive_interval=1,keep_alive_max_attempt=3")
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}", f"--rdzv-conf={conf}",
             "--max-restarts=3", "--monitor-interval=0.2", str(JOB), "--ckpt", ckpt, "--steps", str(steps),
-            "--strategy", strategy, "--step-seconds", str(step_seconds), *(["--records", records] if records else [])]
+            "--strategy", strategy, "--step-seconds", str(step_seconds), *(["--records", records] if records else []),
+            *(["--hold", hold] if hold else [])]
     env = {"CUDA_VISIBLE_DEVICES": "", **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if unshared else {})}
     return TorchrunJob(args, env=_torchrun_env(env), cwd=None)
 
@@ -67,7 +69,11 @@ def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: f
                           timeout=timedelta(seconds=60))
     ckpt = tempfile.mkdtemp(prefix="dt-elastic-")
     run_id = uuid.uuid4().hex[:8]
-    agent = lambda: _agent(store.port, run_id, ckpt, steps, strategy, grow, records, step_seconds)  # noqa: E731
+    # While a new node is on its way, the job must not end its epoch at world 2 first (a slow machine):
+    # it holds before its last steps while this file exists (a SIGTERM from its agent ends the hold).
+    hold = ckpt.rstrip("/") + ".hold"
+    agent = lambda: _agent(store.port, run_id, ckpt, steps, strategy, grow, records, step_seconds,  # noqa: E731
+                           hold if grow else None)
     survivor = agent()
     victim = agent()
     jobs = [survivor, victim]  # and the joining agent
@@ -83,11 +89,13 @@ def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: f
         events = [(name, float(t) - killed_at) for name, t in EVENT.findall(survivor.stdout()) if float(t) > killed_at]
         grown = None
         if grow:  # a node joins again: the survivor's agent sees it waiting and restarts its workers at world 4
+            Path(hold).touch()
             joined_at = time.time()
             jobs.append(agent())
             _wait(lambda: any(w == 4 and t > joined_at for _, w, _, t in _steps(survivor)), jobs, timeout / 2,
                   "a step at world 4 after the new agent started")
             grown = min((t, s) for s, w, _, t in _steps(survivor) if w == 4 and t > joined_at)
+            os.unlink(hold)
         out = survivor.wait(timeout)
         if out.returncode != 0:
             raise DistributedTestError(f"the surviving agent failed ({out.returncode}):\n{survivor.output()[-4000:]}")
@@ -95,7 +103,7 @@ def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: f
         return {"recovery_s": resumed[0] - killed_at, "kill_step": kill_step, "resumed_step": resumed[1],
                 "final_step": final, "steps_lost": kill_step - (resumed[1] - 1),
                 "after_kill_s": {name: round(t, 2) for name, t in events},
-                "killed_at": killed_at,
+                "killed_at": killed_at, "held": HELD.findall(survivor.stdout()),
                 **({"grow_s": grown[0] - joined_at, "grown_step": grown[1], "joined_at": joined_at} if grown else {}),
                 "log": survivor.output()}
     finally:
@@ -104,6 +112,8 @@ def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: f
         import shutil
 
         shutil.rmtree(ckpt, ignore_errors=True)
+        if os.path.exists(hold):
+            os.unlink(hold)
 
 
 def read_records(directory: str) -> list[dict]:
