@@ -3,8 +3,8 @@ workers each) train one epoch of a fixed global batch (`fit(global_batch_size=8)
 step). At step 10 one agent is killed with its workers: the other restarts its workers, re-forms the job
 at world 2 and resumes from the latest good checkpoint; a new agent then starts and the job grows back
 to world 4 and finishes the epoch (while the new node is on its way, the job holds before its last steps,
-so that a slow machine cannot end the epoch at world 2 first; its agent's SIGTERM ends the hold). The scenario is `tests/jobs/elastic_two_agents.py` (also a script),
-the job `tests/jobs/elastic_job.py`.
+so that a slow machine cannot end the epoch at world 2 first; its agent's SIGTERM ends the hold). The
+scenario is `tests/jobs/elastic_two_agents.py` (also a script), the job `tests/jobs/elastic_job.py`.
 
 The workers record, after every completed step, the samples they trained (the targets carry each
 sample's index) and the full parameters. The test rebuilds the training in a plain one-process loop on
