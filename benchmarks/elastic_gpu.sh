@@ -5,6 +5,9 @@
 #   WORLDS=1,4     world sizes of the checkpoint phase
 #   EVERY=50       steps between checkpoints
 #   ROUNDS=3       paired rounds
+#   TESTS=...      the pytest selection run first (default: the NCCL tests of fast detection, background
+#                  checkpoints and the two-agent harness on 4 GPUs, and the harness on CPU for its times on
+#                  an idle host); TESTS=none skips them
 set -o pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -13,7 +16,9 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" >> "$OUT/gpus.txt"
-{ timeout 200 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_peer_watch.py tests/test_async_checkpoint.py 2>&1 \
+TESTS=${TESTS:-tests/test_peer_watch.py tests/test_async_checkpoint.py tests/test_elastic_agents.py}
+[ "$TESTS" = none ] || { timeout 420 python -m pytest -q -s -p no:cacheprovider --durations=10 \
+    -m "gpu or not gpu" -k "nccl or leave_and_join or trains_as_one_process" $TESTS 2>&1 \
     | grep -v -i "warn" | tail -40; echo "tests: $(( $(date +%s) - start )) s"; } > "$OUT/elastic_tests.log"
 cd benchmarks
 for strategy in ddp zero3; do

@@ -109,6 +109,20 @@ def _count_samples(incarnations: list[dict], expected: dict, samples: int) -> No
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_nodes_leave_and_join_and_the_job_trains_as_one_process(tmp_path, strategy):
+    _leave_and_join(tmp_path, strategy)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_nodes_leave_and_join_on_nccl(tmp_path, strategy):
+    """The same on GPUs: each agent's 2 workers on 2 GPUs of its own, NCCL; the joining agent takes the
+    killed one's GPUs. NCCL does not fail on a dead peer by itself: the watcher aborts the groups."""
+    _leave_and_join(tmp_path, strategy, devices=("0,1", "2,3"))
+
+
+def _leave_and_join(tmp_path, strategy, devices=("", "")):
     # The workers' own store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, set by the scenario with
     # grow=True): with torch 2.13's shared store, a node that stays the rendezvous' rank 0 across rounds
     # does not publish MASTER_ADDR again, and a joining node waits for it forever (see docs/elastic.md).
@@ -116,7 +130,7 @@ def test_nodes_leave_and_join_and_the_job_trains_as_one_process(tmp_path, strate
     records_dir = tmp_path / "records"
     records_dir.mkdir()
     result = scenario.run(steps=STEPS, kill_after=KILL_AFTER, strategy=strategy, timeout=240, grow=True,
-                          records=str(records_dir), step_seconds=0.1)
+                          records=str(records_dir), step_seconds=0.1, devices=devices)
     log = result.pop("log")
     killed_at, joined_at = result.pop("killed_at"), result.pop("joined_at")
     assert "PeerFailureError" in log and "is dead" in log, log[-4000:]  # named, not a gloo error alone
@@ -148,7 +162,8 @@ def test_nodes_leave_and_join_and_the_job_trains_as_one_process(tmp_path, strate
         "records_compared": compared,
         "largest_difference": f"{largest:.1e}",
     }
-    print(f"{strategy}: {measured}; from the agents' output: {result}")
+    print(f"{strategy}{' on GPUs ' + '|'.join(devices) if devices[0] else ''}: {measured}; "
+          f"from the agents' output: {result}")
     assert after["world"] == 2 and grown["world"] == 4, worlds
     # Checkpoints every step: the resumed job redoes at most the step in flight and the one being saved.
     # Generous bounds (the machine is shared): about 6 s and 9 s on an idle 2-core machine.

@@ -30,7 +30,8 @@ LINE = re.compile(r"ELASTIC step=(\d+) world=(\d+) attempt=(\d+) time=([\d.]+)")
 
 
 def _agent(port: int, run_id: str, ckpt: str, steps: int, strategy: str, unshared: bool = False,
-           records: str | None = None, step_seconds: float = 0.2, hold: str | None = None) -> TorchrunJob:
+           records: str | None = None, step_seconds: float = 0.2, hold: str | None = None,
+           devices: str = "") -> TorchrunJob:
     conf = ("is_host=false,join_timeout=60,last_call_timeout=1,close_timeout=10,"
             "keep_alive_interval=1,keep_alive_max_attempt=3")
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
@@ -38,7 +39,7 @@ def _agent(port: int, run_id: str, ckpt: str, steps: int, strategy: str, unshare
             "--max-restarts=3", "--monitor-interval=0.2", str(JOB), "--ckpt", ckpt, "--steps", str(steps),
             "--strategy", strategy, "--step-seconds", str(step_seconds), *(["--records", records] if records else []),
             *(["--hold", hold] if hold else [])]
-    env = {"CUDA_VISIBLE_DEVICES": "", **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if unshared else {})}
+    env = {"CUDA_VISIBLE_DEVICES": devices, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if unshared else {})}
     return TorchrunJob(args, env=_torchrun_env(env), cwd=None)
 
 
@@ -58,13 +59,16 @@ def _wait(predicate, jobs, timeout: float, what: str) -> None:
 
 
 def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: float = 240.0,
-        grow: bool = False, records: str | None = None, step_seconds: float = 0.2) -> dict:
+        grow: bool = False, records: str | None = None, step_seconds: float = 0.2,
+        devices: tuple[str, str] = ("", "")) -> dict:
     """Run the scenario (a job of `steps` global batches, one epoch); return ``{"recovery_s", "kill_step",
     "resumed_step", "final_step", "steps_lost", "after_kill_s"}`` (the survivor's worker events after the
     kill), and with `grow` (a third agent starts once the job runs at world 2) ``"grow_s"`` (from its start
     to the first step at world 4) and ``"grown_step"``; ``"killed_at"`` and ``"joined_at"`` (unix times).
     With `records` (a directory) every worker writes what it trained there after each step (see
-    `elastic_job`; read them with `read_records`)."""
+    `elastic_job`; read them with `read_records`). `devices`: the GPUs (``CUDA_VISIBLE_DEVICES``) of the
+    surviving agent and of the killed one (the joining agent takes the killed one's); empty: CPU and gloo,
+    else each agent's 2 workers use its 2 GPUs and NCCL."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
                           timeout=timedelta(seconds=60))
     ckpt = tempfile.mkdtemp(prefix="dt-elastic-")
@@ -72,10 +76,10 @@ def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: f
     # While a new node is on its way, the job must not end its epoch at world 2 first (a slow machine):
     # it holds before its last steps while this file exists (a SIGTERM from its agent ends the hold).
     hold = ckpt.rstrip("/") + ".hold"
-    agent = lambda: _agent(store.port, run_id, ckpt, steps, strategy, grow, records, step_seconds,  # noqa: E731
-                           hold if grow else None)
-    survivor = agent()
-    victim = agent()
+    agent = lambda devices: _agent(store.port, run_id, ckpt, steps, strategy, grow, records,  # noqa: E731
+                                   step_seconds, hold if grow else None, devices)
+    survivor = agent(devices[0])
+    victim = agent(devices[1])
     jobs = [survivor, victim]  # and the joining agent
     try:
         _wait(lambda: any(w == 4 and s >= kill_after for s, w, _, _ in _steps(survivor)), jobs, timeout / 2,
@@ -91,7 +95,7 @@ def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: f
         if grow:  # a node joins again: the survivor's agent sees it waiting and restarts its workers at world 4
             Path(hold).touch()
             joined_at = time.time()
-            jobs.append(agent())
+            jobs.append(agent(devices[1]))  # on the killed node's GPUs
             _wait(lambda: any(w == 4 and t > joined_at for _, w, _, t in _steps(survivor)), jobs, timeout / 2,
                   "a step at world 4 after the new agent started")
             grown = min((t, s) for s, w, _, t in _steps(survivor) if w == 4 and t > joined_at)
