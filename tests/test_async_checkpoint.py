@@ -56,17 +56,17 @@ def _fit(trainer, max_steps):
 
 
 def _slow_writes(seconds):
-    """Make every background serialisation take `seconds`: training runs on while the write is in flight,
+    """Make every background write take `seconds` more: training runs on while the write is in flight,
     so a snapshot that shared storage with the live state would be written with later values."""
     import distributed_training.trainer_checkpoints as tc
 
-    original = tc.serialize
+    original = tc.atomic_save
 
-    def slow(obj):
+    def slow(obj, path):
         time.sleep(seconds)
-        return original(obj)
+        return original(obj, path)
 
-    tc.serialize = slow
+    tc.atomic_save = slow
 
 
 def _same(a, b, where="") -> None:
@@ -142,14 +142,14 @@ def test_background_checkpoints_equal_synchronous_ones_on_nccl(tmp_path, strateg
 def failing_worker(rank, world, base, fail_rank):
     import distributed_training.trainer_checkpoints as tc
 
-    original = tc.atomic_write_bytes
+    original = tc.atomic_save
 
-    def failing(data, path):
+    def failing(obj, path):
         if rank == fail_rank and "step_000000004" in path:
             raise OSError(28, "No space left on device")
-        return original(data, path)
+        return original(obj, path)
 
-    tc.atomic_write_bytes = failing
+    tc.atomic_save = failing
     with _trainer(base, checkpoint_every=2, checkpoint_async=True) as t:
         with pytest.raises(CheckpointWriteError) as info:
             _fit(t, 4)  # the failing write is the last: fit waits for it and raises its error
@@ -174,14 +174,14 @@ def test_a_failed_background_write_is_reported_and_never_resumed_from(tmp_path, 
 def test_a_failed_write_surfaces_at_the_next_step(tmp_path, monkeypatch):
     import distributed_training.trainer_checkpoints as tc
 
-    original = tc.atomic_write_bytes
+    original = tc.atomic_save
 
-    def failing(data, path):
+    def failing(obj, path):
         if "step_000000002" in path:
             raise OSError(5, "Input/output error")
-        return original(data, path)
+        return original(obj, path)
 
-    monkeypatch.setattr(tc, "atomic_write_bytes", failing)
+    monkeypatch.setattr(tc, "atomic_save", failing)
     with _trainer(str(tmp_path), checkpoint_every=2, checkpoint_async=True) as t:
         with pytest.raises(CheckpointWriteError, match=r"rank0\.pt.*step 2.*Input/output error"):
             _fit(t, 100)
@@ -192,8 +192,8 @@ def test_a_failed_write_surfaces_at_the_next_step(tmp_path, monkeypatch):
 def test_fit_and_close_wait_for_the_write(tmp_path, monkeypatch):
     import distributed_training.trainer_checkpoints as tc
 
-    original = tc.serialize
-    monkeypatch.setattr(tc, "serialize", lambda obj: (time.sleep(0.3), original(obj))[1])
+    original = tc.atomic_save
+    monkeypatch.setattr(tc, "atomic_save", lambda obj, path: (time.sleep(0.3), original(obj, path))[1])
     with _trainer(str(tmp_path), checkpoint_every=3, checkpoint_async=True) as t:
         _fit(t, 3)
         assert t.latest_checkpoint()[0].endswith("step_000000003")  # fit returned with it complete
@@ -210,8 +210,8 @@ def test_checkpoint_async_arguments(tmp_path):
 
 # ----------------------------------------------------------------- killed midway, then resumed
 _KILLED = textwrap.dedent("""
-    import os, random, sys, time
-    import numpy
+    import io, os, random, sys, time
+    import numpy, torch
     sys.path.insert(0, {tests!r})
     numpy.random.seed(0)  # every RNG a checkpoint holds is the same in every run of this script
     random.seed(0)
@@ -219,18 +219,22 @@ _KILLED = textwrap.dedent("""
     from test_async_checkpoint import _trainer, _fit
 
     where, directory = sys.argv[1], sys.argv[2]
-    original_write, original_meta = tc.atomic_write_bytes, tc.write_meta
+    original_save, original_meta = tc.atomic_save, tc.write_meta
+    from distributed_training.checkpoint import atomic_write_bytes as original_write
 
     def stall(message):
         print(message, flush=True)
         time.sleep(120)
 
-    def write(data, path):
+    def write(obj, path):
         if where == "rank_file" and "step_000000004" in path:
+            data = io.BytesIO()
+            torch.save(obj, data)
+            data = data.getvalue()
             with open(path + ".tmp." + str(os.getpid()), "wb") as f:  # half of it, as a write in progress
                 f.write(data[: len(data) // 2])
             stall("MIDWAY")
-        return original_write(data, path)
+        return original_save(obj, path)
 
     def write_meta(meta, path):
         if where == "meta" and "step_000000004" in path:
@@ -238,7 +242,7 @@ _KILLED = textwrap.dedent("""
             stall("MIDWAY")
         return original_meta(meta, path)
 
-    tc.atomic_write_bytes, tc.write_meta = write, write_meta
+    tc.atomic_save, tc.write_meta = write, write_meta
     with _trainer(directory, checkpoint_every=2, checkpoint_async=True) as t:
         _fit(t, 6)
 """)
