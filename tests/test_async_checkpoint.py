@@ -305,3 +305,80 @@ def resume_worker(rank, world, base, strategy):
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_resume_from_a_background_checkpoint_equals_an_unbroken_run(tmp_path, strategy):
     run_distributed(resume_worker, 2, args=(str(tmp_path), strategy), timeout=180)
+
+
+# ----------------------------------------------------------------- the writer and the snapshot
+def test_atomic_save_writes_what_torch_save_writes_and_hashes_it(tmp_path):
+    """The streamed file is byte for byte what torch.save writes into a file object (what the writer
+    used to put in memory first), its digest is that of the file on disk, and it loads weights-only."""
+    import hashlib
+    import io
+
+    from distributed_training.checkpoint import atomic_save, sha256_file
+
+    g = torch.Generator().manual_seed(0)
+    obj = {"params": {"w": [(0, torch.randn(1000, generator=g)), (5, torch.randn(7, generator=g)[2:])]},
+           "step": torch.tensor(3.0), "half": torch.randn(10, generator=g).half(), "n": 4, "rng": [1, [2, 3]]}
+    path = str(tmp_path / "rank0.pt")
+    digest = atomic_save(obj, path)
+    old = io.BytesIO()  # the previous writer: torch.save into memory, then written
+    torch.save(obj, old)
+    assert open(path, "rb").read() == old.getvalue()
+    assert digest == sha256_file(path) == hashlib.sha256(old.getvalue()).hexdigest()
+    _same(torch.load(path, weights_only=True), obj)
+    assert os.listdir(tmp_path) == ["rank0.pt"]  # no temporary left
+
+
+def test_atomic_save_leaves_no_file_when_it_fails(tmp_path):
+    from distributed_training.checkpoint import atomic_save
+
+    path = tmp_path / "rank0.pt"
+    path.write_bytes(b"the previous file")
+    with pytest.raises(Exception):
+        atomic_save({"bad": lambda: 0}, str(path))  # not picklable: fails midway through the file
+    assert path.read_bytes() == b"the previous file" and os.listdir(tmp_path) == ["rank0.pt"]
+
+
+def test_host_staging_on_the_cpu_clones_at_once():
+    from distributed_training.checkpoint_async import HostStaging
+
+    staging = HostStaging()
+    staging.begin()
+    live = torch.arange(6.0)
+    copy, now = staging(live), staging.now(live)
+    live.add_(1)
+    assert staging.ready() is None
+    assert torch.equal(copy, torch.arange(6.0)) and torch.equal(now, torch.arange(6.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_staging_copies_on_a_side_stream_see_the_checkpoint_step():
+    """The deferred copies run on a side stream behind the checkpoint step; the optimizer's next step
+    waits for them (its pre-hook), so they hold the state of the checkpoint step, not a later one, even
+    when the compute stream is busy with long kernels queued before and after."""
+    from distributed_training.checkpoint_async import HostStaging
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    params = [torch.nn.Parameter(torch.randn(1 << 22, device=device)) for _ in range(8)]
+    opt = torch.optim.SGD(params, lr=1.0)
+    staging = HostStaging()
+    for round_ in range(3):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        a = torch.randn(4096, 4096, device=device)
+        for _ in range(20):  # keep the compute stream busy: the side stream must still wait for it
+            a = a @ a / 64
+        with torch.no_grad():
+            for p in params:
+                p.add_(a[0, 0] * 0 + round_)  # the checkpoint step's last change, queued behind the matmuls
+        staging.begin()
+        host = [staging(p) for p in params]
+        expected_dev = [p.detach().clone() for p in params]
+        event = staging.ready(opt)
+        opt.step()  # changes every parameter: must wait for the copies on the device
+        event.synchronize()
+        for h, e in zip(host, expected_dev):
+            assert torch.equal(h, e.cpu())
+        assert all(h.is_pinned() for h in host)
+    torch.cuda.synchronize()
