@@ -3,16 +3,26 @@
 At a checkpoint step each rank takes a *snapshot* of what it saves (its pieces of the parameters and
 optimizer state, RNG streams, buffers, per-rank strategy state, and on a directory's writer the
 contents of ``meta.pt`` but its checksums) into host memory, and hands the snapshot to one
-background thread, which serialises it, writes it with the same crash-proof steps as a synchronous
-save (`distributed_training.checkpoint`: a temporary name, fsync, rename, ``meta.pt`` last) and prunes
-old checkpoints. Training goes on meanwhile. What remains synchronous is the copy to host memory and
-one small all-gather (what each rank holds; the same one a synchronous save does).
+background thread, which writes it with the same crash-proof steps as a synchronous save
+(`distributed_training.checkpoint`: a temporary name, fsync, rename, ``meta.pt`` last) and prunes old
+checkpoints. Training goes on meanwhile. What remains synchronous is queueing the copies to host
+memory and one small all-gather (what each rank holds; the same one a synchronous save does).
 
 On CUDA the copies go into pinned host buffers, allocated at the first checkpoint and reused (pinning
-memory is slow), with ``non_blocking=True`` on the current stream: the step's later kernels, queued
-on the same stream, run after the copies, so they read the state of the checkpoint step, and the host
-does not wait for them. The writer thread waits on an event recorded behind the copies before it
-reads a byte.
+memory is slow). The parameters' and optimizer state's copies are issued together on a side stream
+that waits for the checkpoint step's kernels, so they overlap the next step's forward and backward;
+the optimizer's next ``step`` (which changes them) waits for the copies on the device first, through a
+one-shot step pre-hook (`HostStaging`). Buffers (changed by the next forward) and the step's metrics
+are copied on the compute stream at once. The snapshot itself never waits for the device (an optimizer
+scalar such as a fused Adam's ``step`` is staged too, not read with ``.cpu()``, and the metrics are
+read by the writer thread); only the all-gather does on NCCL (``all_gather_object`` reads its result on
+the host), after the copies are queued. The writer thread waits on an event recorded behind the copies before it reads a byte.
+
+The write holds the GIL as little as it can (a training thread that dispatches operators from Python
+needs it all the time): `torch.save` streams straight into the file (`checkpoint.atomic_save`), so
+only the skeleton (names, shapes, storage keys) is pickled under the GIL; each tensor's bytes are
+handed over as a memoryview of the pinned buffer, hashed (``hashlib`` releases the GIL on large
+buffers) and written (``FileIO.write`` releases it too), never copied in memory.
 
 ``meta.pt`` lists the SHA-256 of every rank's file, which is known only once that rank's thread has
 serialised it. The threads do not run collectives (they would race the training thread's); each rank
@@ -179,6 +189,8 @@ def host_copy(value: Any, to_host: Callable[[torch.Tensor], torch.Tensor]) -> An
 
 
 def serialize(obj: Any) -> bytes:
+    """`obj` as `torch.save` writes it, in memory (the background writer streams to the file instead:
+    `checkpoint.atomic_save`)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
