@@ -9,13 +9,17 @@ and while another thread writes a checkpoint-sized state (``--mb`` MB in ``--ten
 * ``stream``: `distributed_training.checkpoint.atomic_save`: ``torch.save`` straight into the file,
   hashed on the way.
 
-and prints the loop's time per step during the write (as % over the loop alone) and the write's
-seconds. Run: ``PYTHONPATH=. python benchmarks/checkpoint_gil_proxy.py [--mb 1024] [--repeats 3]``.
+each writer run once in a thread and once in a forked process (same CPU work, no shared GIL: the
+control, since on a machine whose cores are busy the writer's CPU use slows the loop too), and prints
+the loop's time per step during the write (as % over the loop alone), its longest step
+during the write (a writer holding the GIL for a whole memcpy of the file shows as one long stall,
+which CPU contention from other processes does not produce) and the write's seconds. Run: ``PYTHONPATH=. python benchmarks/checkpoint_gil_proxy.py [--mb 1024] [--repeats 3]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -58,19 +62,23 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def loop_alone(seconds: float) -> float:
-        n, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
+    def loop_alone(seconds: float) -> tuple[float, float]:
+        n, start, longest = 0, time.perf_counter(), 0.0
+        while (now := time.perf_counter()) - start < seconds:
             step()
+            longest = max(longest, time.perf_counter() - now)
             n += 1
-        return (time.perf_counter() - start) / n
+        return (time.perf_counter() - start) / n, longest
 
     directory = args.dir or tempfile.mkdtemp(prefix="gil-proxy-")
     for _ in range(20):
         step()
-    results: dict[str, list[tuple[float, float, float]]] = {w: [] for w in WRITERS}
+    runs = [(name, where) for name in WRITERS for where in ("thread", "process")]
+    results: dict[tuple[str, str], list[tuple[float, float, float, float, float]]] = {r: [] for r in runs}
+    fork = multiprocessing.get_context("fork")
     for rep in range(args.repeats):
-        for name, write in WRITERS.items():
+        for name, where in runs:
+            write = WRITERS[name]
             path = os.path.join(directory, f"{name}.pt")
             done = threading.Event()
             took = [0.0]
@@ -81,23 +89,30 @@ def main() -> None:
                 took[0] = time.perf_counter() - t0
                 done.set()
 
-            base = loop_alone(1.0)
-            thread = threading.Thread(target=job)
-            n, start = 0, time.perf_counter()
+            base, base_longest = loop_alone(1.0)
+            thread = threading.Thread(target=job) if where == "thread" else fork.Process(target=write, args=(state, path))
+            n, start, longest = 0, time.perf_counter(), 0.0
             thread.start()
-            while not done.is_set():
+            while not done.is_set() if where == "thread" else thread.is_alive():
+                t0 = time.perf_counter()
                 step()
+                longest = max(longest, time.perf_counter() - t0)
                 n += 1
             during = (time.perf_counter() - start) / max(n, 1)
             thread.join()
-            results[name].append((base, during, took[0]))
+            if where == "process":
+                took[0] = time.perf_counter() - start
+            results[(name, where)].append((base, during, took[0], base_longest, longest))
             os.remove(path)
-            print(f"  {name:6s} round {rep}: loop {base * 1e3:.3f} ms/step alone, {during * 1e3:.3f} during the write "
-                  f"({100 * (during - base) / base:+.1f}%), write {took[0]:.2f} s", flush=True)
+            print(f"  {name:6s} {where:7s} round {rep}: loop {base * 1e3:.3f} ms/step alone (longest {base_longest * 1e3:.0f} ms), "
+                  f"{during * 1e3:.3f} during the write ({100 * (during - base) / base:+.1f}%, longest "
+                  f"{longest * 1e3:.0f} ms), write {took[0]:.2f} s", flush=True)
     print(f"{args.mb} MB in {args.tensors} tensors, torch {torch.__version__}; median over {args.repeats} rounds:")
-    for name, rows in results.items():
-        slow = statistics.median(100 * (d - b) / b for b, d, _ in rows)
-        print(f"  {name:6s}: training loop {slow:+.1f}% slower during the write; write {statistics.median(r[2] for r in rows):.2f} s")
+    for (name, where), rows in results.items():
+        slow = statistics.median(100 * (r[1] - r[0]) / r[0] for r in rows)
+        print(f"  {name:6s} in a {where:7s}: training loop {slow:+.1f}% slower during the write, longest step "
+              f"{1e3 * statistics.median(r[4] for r in rows):.0f} ms (alone: {1e3 * statistics.median(r[3] for r in rows):.0f}); "
+              f"write {statistics.median(r[2] for r in rows):.2f} s")
 
 
 if __name__ == "__main__":
