@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CheckpointManager", "CheckpointCorruptError", "CheckpointMismatchError", "atomic_write_bytes", "save_file", "load_file",
+__all__ = ["CheckpointManager", "CheckpointCorruptError", "CheckpointMismatchError", "atomic_write_bytes", "atomic_save",
+           "save_file", "load_file",
            "read_meta", "write_meta", "rng_state", "set_rng_state"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -96,11 +97,64 @@ def _serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+class _HashingFile:
+    """What `torch.save` writes into: every chunk goes to the file and into a SHA-256 as it comes.
+
+    `torch.save` into a file object pickles only the skeleton (names, shapes, storage keys) in Python
+    and hands each tensor's bytes over as one memoryview of the tensor's own memory, without a copy;
+    ``FileIO.write`` and ``hashlib``'s update of a large buffer both release the GIL. So a big
+    checkpoint written by a background thread holds the GIL for the skeleton only, and its bytes are
+    never copied in memory (a ``BytesIO`` holds them all and ``getvalue()`` copies them again, under the
+    GIL, which stalls a training thread that dispatches operators from Python all the time)."""
+
+    def __init__(self, raw) -> None:
+        self.raw = raw
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.sha256.update(view)
+        left = view
+        while left.nbytes:
+            written = self.raw.write(left)
+            if written is None:  # a non-blocking file would say so; ours are blocking
+                raise OSError("the checkpoint file did not accept the write")
+            left = left[written:]
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        pass  # unbuffered: nothing held back
+
+
+def atomic_save(obj: Any, path: str) -> str:
+    """`torch.save` `obj` straight into `path`, atomically (a temporary name, fsync, rename, as
+    `atomic_write_bytes`), hashing the bytes on their way; return their SHA-256.
+
+    The file is what ``torch.save`` writes into a file object (it loads with
+    ``torch.load(weights_only=True)``); no in-memory copy of it is made, and the GIL is held only
+    while the skeleton is pickled (see `_HashingFile`)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb", buffering=0) as raw:
+            out = _HashingFile(raw)
+            torch.save(obj, out)
+            os.fsync(raw.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # an error, or KeyboardInterrupt mid-write: leave no half-written file behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(directory)
+    return out.sha256.hexdigest()
+
+
 def save_file(obj: Any, path: str) -> str:
-    """`torch.save` `obj` atomically; return the SHA-256 of the bytes written."""
-    data = _serialize(obj)
-    atomic_write_bytes(data, path)
-    return hashlib.sha256(data).hexdigest()
+    """`torch.save` `obj` atomically; return the SHA-256 of the bytes written (see `atomic_save`)."""
+    return atomic_save(obj, path)
 
 
 def sha256_file(path: str) -> str:

@@ -3,16 +3,26 @@
 At a checkpoint step each rank takes a *snapshot* of what it saves (its pieces of the parameters and
 optimizer state, RNG streams, buffers, per-rank strategy state, and on a directory's writer the
 contents of ``meta.pt`` but its checksums) into host memory, and hands the snapshot to one
-background thread, which serialises it, writes it with the same crash-proof steps as a synchronous
-save (`distributed_training.checkpoint`: a temporary name, fsync, rename, ``meta.pt`` last) and prunes
-old checkpoints. Training goes on meanwhile. What remains synchronous is the copy to host memory and
-one small all-gather (what each rank holds; the same one a synchronous save does).
+background thread, which writes it with the same crash-proof steps as a synchronous save
+(`distributed_training.checkpoint`: a temporary name, fsync, rename, ``meta.pt`` last) and prunes old
+checkpoints. Training goes on meanwhile. What remains synchronous is queueing the copies to host
+memory and one small all-gather (what each rank holds; the same one a synchronous save does).
 
 On CUDA the copies go into pinned host buffers, allocated at the first checkpoint and reused (pinning
-memory is slow), with ``non_blocking=True`` on the current stream: the step's later kernels, queued
-on the same stream, run after the copies, so they read the state of the checkpoint step, and the host
-does not wait for them. The writer thread waits on an event recorded behind the copies before it
-reads a byte.
+memory is slow). The parameters' and optimizer state's copies are issued together on a side stream
+that waits for the checkpoint step's kernels, so they overlap the next step's forward and backward;
+the optimizer's next ``step`` (which changes them) waits for the copies on the device first, through a
+one-shot step pre-hook (`HostStaging`). Buffers (changed by the next forward) and the step's metrics
+are copied on the compute stream at once. The snapshot itself never waits for the device (an optimizer
+scalar such as a fused Adam's ``step`` is staged too, not read with ``.cpu()``, and the metrics are
+read by the writer thread); only the all-gather does on NCCL (``all_gather_object`` reads its result on
+the host), after the copies are queued. The writer thread waits on an event recorded behind the copies before it reads a byte.
+
+The write holds the GIL as little as it can (a training thread that dispatches operators from Python
+needs it all the time): `torch.save` streams straight into the file (`checkpoint.atomic_save`), so
+only the skeleton (names, shapes, storage keys) is pickled under the GIL; each tensor's bytes are
+handed over as a memoryview of the pinned buffer, hashed (``hashlib`` releases the GIL on large
+buffers) and written (``FileIO.write`` releases it too), never copied in memory.
 
 ``meta.pt`` lists the SHA-256 of every rank's file, which is known only once that rank's thread has
 serialised it. The threads do not run collectives (they would race the training thread's); each rank
@@ -59,42 +69,107 @@ class _Abandoned(Exception):
 class HostStaging:
     """Copies of device tensors in host memory for one snapshot at a time.
 
-    CPU tensors are cloned. CUDA tensors are copied into pinned buffers, the i-th copy of a snapshot
-    into the i-th buffer (allocated at the first snapshot, reused while its shape and dtype match), with
-    ``non_blocking=True``; `ready` then returns an event recorded behind them. A snapshot's buffers are
-    reused by the next one, so the next snapshot must wait until the previous write is done (the trainer
-    keeps one write in flight at most).
+    CPU tensors are cloned. A CUDA tensor gets a pinned buffer (the i-th tensor of a snapshot the
+    i-th buffer, allocated at the first snapshot and reused while its shape and dtype match) and its
+    copy is *deferred*: `ready` issues all of them at once (`torch._foreach_copy_`, non-blocking) on a
+    side stream that first waits for everything queued so far on the current (compute) stream, so the
+    copies read the state of the checkpoint step while the next step's forward and backward run. The
+    compute stream must not change what they read before they are done: `guard` makes the optimizer's
+    next ``step`` (what changes parameters and optimizer state) wait for them on the device first, and
+    `fence` makes the compute stream wait for them at once (e.g. before a load). Tensors that change
+    before the next optimizer step (BatchNorm's running statistics, updated by the forward) go through
+    `now` instead: copied at once, on the current stream (its later kernels run after the copy).
+    `ready` returns an event behind all of the snapshot's copies, which the writer waits for before it
+    reads a byte. A snapshot's buffers are reused by the next one, so the next snapshot must wait until
+    the previous write is done (the trainer keeps one write in flight at most).
     """
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
         self._next = 0
         self._cuda = False
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device source, pinned buffer)
+        self._stream: "torch.cuda.Stream | None" = None
+        self._copied: "torch.cuda.Event | None" = None  # behind the side stream's copies, until fenced
+        self._sources: list[torch.Tensor] = []  # kept alive until the compute stream waits for the copies
+        self._hook = None
 
     def begin(self) -> None:
-        self._next, self._cuda = 0, False
+        self.fence()
+        self._next, self._cuda, self._pending = 0, False, []
 
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.detach()
-        if not tensor.is_cuda:
-            return tensor.cpu().clone(memory_format=torch.contiguous_format)
+    def _buffer(self, tensor: torch.Tensor) -> torch.Tensor:
         i, self._next = self._next, self._next + 1
         if i == len(self._buffers):
             self._buffers.append(torch.empty(0))
         buffer = self._buffers[i]
         if buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = self._buffers[i] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return buffer
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of `tensor`, taken when `ready` is called (see the class)."""
+        tensor = tensor.detach()
+        if not tensor.is_cuda:
+            return tensor.cpu().clone(memory_format=torch.contiguous_format)
+        buffer = self._buffer(tensor)
+        self._pending.append((tensor, buffer))
+        return buffer
+
+    def now(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of `tensor` taken on the current stream, before anything queued after it."""
+        tensor = tensor.detach()
+        if not tensor.is_cuda:
+            return tensor.cpu().clone(memory_format=torch.contiguous_format)
+        buffer = self._buffer(tensor)
         buffer.copy_(tensor, non_blocking=True)
         self._cuda = True
         return buffer
 
-    def ready(self) -> "torch.cuda.Event | None":
-        """An event behind this snapshot's device-to-host copies (None when there were none)."""
-        if not self._cuda:
+    def ready(self, optimizer: "torch.optim.Optimizer | None" = None) -> "torch.cuda.Event | None":
+        """Issue the deferred copies; an event behind every copy of this snapshot (None when there were
+        none). With `optimizer`, its next ``step`` waits for the copies (`guard`)."""
+        if not self._cuda and not self._pending:
             return None
         event = torch.cuda.Event()
-        event.record()
+        if not self._pending:
+            event.record()
+            return event
+        compute = torch.cuda.current_stream(self._pending[0][0].device)
+        if self._stream is None or self._stream.device != compute.device:
+            self._stream = torch.cuda.Stream(device=compute.device)
+        side = self._stream
+        side.wait_stream(compute)  # the checkpoint step's kernels (and the `now` copies) come first
+        sources, buffers = [t for t, _ in self._pending], [b for _, b in self._pending]
+        with torch.cuda.stream(side):
+            try:
+                torch._foreach_copy_(buffers, sources, non_blocking=True)
+            except (RuntimeError, NotImplementedError):  # no foreach kernel for this mix: one by one
+                for buffer, source in zip(buffers, sources):
+                    buffer.copy_(source, non_blocking=True)
+        event.record(side)
+        self._pending, self._sources, self._copied = [], sources, event
+        if optimizer is not None:
+            self.guard(optimizer)
         return event
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer`'s next ``step`` fence the copies first (once)."""
+        if self._copied is not None and self._hook is None:
+            if not hasattr(optimizer, "register_step_pre_hook"):  # not a torch optimizer: no overlap, but safe
+                self.fence()
+                return
+            self._hook = optimizer.register_step_pre_hook(lambda *_: self.fence())
+
+    def fence(self) -> None:
+        """Make the current stream wait for the side stream's copies (on the device; the host goes on),
+        then let go of their sources."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._copied is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(self._copied)
+            self._copied, self._sources = None, []
 
 
 def host_copy(value: Any, to_host: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -114,6 +189,8 @@ def host_copy(value: Any, to_host: Callable[[torch.Tensor], torch.Tensor]) -> An
 
 
 def serialize(obj: Any) -> bytes:
+    """`obj` as `torch.save` writes it, in memory (the background writer streams to the file instead:
+    `checkpoint.atomic_save`)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()

@@ -174,8 +174,8 @@ def pack(layout: StateLayout, optimizer: torch.optim.Optimizer | None, *,
                     if torch.is_tensor(value) and value.dim() > 0 and value.numel() == holding.tensor.numel():
                         optim.setdefault(piece.key, {}).setdefault(name, []).append(_entry(piece, _cut(value, piece, to_host)))
                     else:
-                        scalars.setdefault(piece.key, {})[name] = (value.detach().cpu().clone() if torch.is_tensor(value)
-                                                                   else value)
+                        # (through `to_host` too: a CUDA step count copied with .cpu() would wait for the device)
+                        scalars.setdefault(piece.key, {})[name] = to_host(value.detach()) if torch.is_tensor(value) else value
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     return {"params": params, "optim": optim, "optim_scalars": scalars, "param_groups": groups}
 

@@ -22,10 +22,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, atomic_write_bytes, load_file, read_meta,
-                         rng_state, save_file, set_rng_state, write_meta)
+from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, atomic_save, load_file, read_meta, rng_state,
+                         save_file, set_rng_state, write_meta)
 from .checkpoint_async import (BackgroundWrite, CheckpointWriteError, DigestExchange, HostStaging, default_store,
-                               host_copy, rank_file, serialize, sha256)
+                               host_copy, rank_file)
 from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
 from .checkpoint_shards import (FORMAT, Sources, build_index, check_shapes, host_clone, pack, summary, unpack_optimizer,
                                 unpack_params)
@@ -99,10 +99,16 @@ class Checkpointing:
         return found[0]
 
     def _save_numbered(self, metrics: dict[str, torch.Tensor] | None) -> None:
-        values = {k: float(v) for k, v in (metrics or {}).items()}
         path = self.checkpoints.path_for(self.step)
         layout = self._layout(path)
-        if not layout.shared and self.checkpoints.best_metric is not None:
+        broadcast = not layout.shared and self.checkpoints.best_metric is not None
+        if self.checkpoint_async and not broadcast:
+            # The metrics stay tensors: reading a device tensor here would wait for the step's kernels.
+            self._save_in_background(path, dict(metrics or {}))
+            self._last_saved_step = self.step
+            return
+        values = {k: float(v) for k, v in (metrics or {}).items()}
+        if broadcast:
             # Losses are each rank's own: every directory must rank checkpoints by the same (rank 0's) values.
             box = [values]
             dist.broadcast_object_list(box, src=0, group=self.context.group)
@@ -118,9 +124,10 @@ class Checkpointing:
         self._last_saved_step = self.step
 
     # ------------------------------------------------------------ in the background
-    def _save_in_background(self, path: str, metrics: dict[str, float]) -> None:
+    def _save_in_background(self, path: str, metrics: dict[str, Any]) -> None:
         """`fit`'s numbered checkpoint with ``checkpoint_async``: snapshot now, write in a thread (see
-        `distributed_training.checkpoint_async`). Waits for the previous write first (and says so)."""
+        `distributed_training.checkpoint_async`). Waits for the previous write first (and says so).
+        `metrics`: floats or 0-dim tensors (copied with the snapshot, read by the writer thread)."""
         ctx = self.context
         previous = self._checkpoint_write
         if previous is not None:
@@ -136,10 +143,16 @@ class Checkpointing:
             self._staging = HostStaging()
         staging = self._staging
         staging.begin()
-        held, packed, part = self._rank_part(staging)
+        # Parameters and optimizer state are copied on a side stream while the next step runs (the
+        # optimizer's next step waits for the copies); buffers, which the next forward changes, and the
+        # metrics are copied on the compute stream before it.
+        held, packed, part = self._rank_part(staging, buffers_to_host=staging.now)
         # What is not copied by the staging yet: small values that training goes on changing in place.
-        # (The RNG states are fresh objects already.)
-        part = {k: v if k in ("params", "optim", "buffers", "rng") else host_copy(v, host_clone) for k, v in part.items()}
+        # (The RNG states are fresh objects already; optim_scalars went through the staging.)
+        part = {k: v if k in ("params", "optim", "optim_scalars", "buffers", "rng") else host_copy(v, host_clone)
+                for k, v in part.items()}
+        metrics = {k: staging.now(v) if torch.is_tensor(v) else v for k, v in metrics.items()}
+        ready = staging.ready(self.optimizer)  # issued before the all-gather below, which may wait for the device
         token = uuid.uuid4().hex
         mine = (summary(packed), sorted(part["buffers"]), self.dp_rank, token)
         every = [mine]
@@ -149,8 +162,7 @@ class Checkpointing:
         token = every[0][3]  # rank 0's draw names this checkpoint's digests
         layout = self._layout(path)
         rank, writer = ctx.rank, layout.writer_of[ctx.rank] == ctx.rank
-        meta = host_copy(self._meta(held, packed, [e[:3] for e in every], metrics), host_clone) if writer else None
-        ready = staging.ready()
+        meta = host_copy(self._meta(held, packed, [e[:3] for e in every], None), host_clone) if writer else None
         exchange = DigestExchange(default_store() if ctx.world_size > 1 else None, rank, ctx.world_size)
         manager, step = self.checkpoints, self.step
         os.makedirs(path, exist_ok=True)
@@ -160,26 +172,29 @@ class Checkpointing:
             try:
                 if ready is not None:
                     ready.synchronize()  # the device-to-host copies of the snapshot are done
-                data = serialize(part)
                 if stop.is_set():
                     exchange.publish_error(token, "the write was abandoned")
                     return
-                atomic_write_bytes(data, file)
+                # Streamed into the file and hashed on the way: the GIL is held for the pickled
+                # skeleton only, and the bytes are never copied in memory (`atomic_save`).
+                digest = atomic_save(part, file)
             except BaseException as err:
                 message = f"rank {rank}: writing checkpoint file {file!r} (step {step}) failed: {type(err).__name__}: {err}"
                 exchange.publish_error(token, message)
                 raise CheckpointWriteError(message) from err
-            exchange.publish(token, sha256(data))
+            exchange.publish(token, digest)
+            values = {k: float(v) for k, v in metrics.items()}
             if not writer:
                 return
             digests = exchange.collect(token, path, stop)
+            meta["metrics"] = values
             meta.update(layout.checksums(rank, digests))
             try:
                 write_meta(meta, path)
             except BaseException as err:
                 raise CheckpointWriteError(f"rank {rank}: writing {os.path.join(path, 'meta.pt')!r} (step {step}) "
                                            f"failed: {type(err).__name__}: {err}") from err
-            manager.finalize(step, metrics)
+            manager.finalize(step, values)
 
         self._checkpoint_write = BackgroundWrite(step, path, job)
 
@@ -280,16 +295,18 @@ class Checkpointing:
             write_meta(meta, path)
         ctx.barrier()
 
-    def _rank_part(self, to_host: Callable[[torch.Tensor], torch.Tensor] = host_clone):
+    def _rank_part(self, to_host: Callable[[torch.Tensor], torch.Tensor] = host_clone,
+                   buffers_to_host: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """(held, packed, part): what this rank holds, its packed pieces and the whole of ``rank<r>.pt``,
-        every tensor copied to host memory by `to_host`."""
+        every tensor copied to host memory by `to_host` (the buffers by `buffers_to_host`, default the same)."""
         held = self.strategy.state_layout(self.model, self.optimizer)
         packed = pack(held, self.optimizer, to_host=to_host)
         part: dict[str, Any] = {"rng": rng_state(), **packed}
         part.update(self.strategy.rank_state(self.model))  # e.g. error-feedback residuals, which differ by rank
         # Buffers (BatchNorm's running statistics) are updated by each rank from its own data: every
         # rank's are state, under the model's keys (a pipeline rank holds its stages' only).
-        part["buffers"] = {k: to_host(b.detach()) for k, b in self.strategy.buffers(self.model).items()}
+        buffers_to_host = buffers_to_host or to_host
+        part["buffers"] = {k: buffers_to_host(b.detach()) for k, b in self.strategy.buffers(self.model).items()}
         return held, packed, part
 
     def _meta(self, held, packed: dict[str, Any], every: list[tuple], metrics: dict[str, float] | None) -> dict[str, Any]:
@@ -349,6 +366,8 @@ class Checkpointing:
         """
         path = os.fspath(path)
         ctx = self.context
+        if self._staging is not None:
+            self._staging.fence()  # a background snapshot's copies read what loading overwrites
         meta_path = os.path.join(path, "meta.pt")
         if not os.path.isfile(meta_path) and not os.path.isfile(path):
             raise FileNotFoundError(f"rank {ctx.rank}: {meta_path!r} does not exist: not a complete checkpoint")

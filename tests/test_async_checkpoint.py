@@ -56,17 +56,17 @@ def _fit(trainer, max_steps):
 
 
 def _slow_writes(seconds):
-    """Make every background serialisation take `seconds`: training runs on while the write is in flight,
+    """Make every background write take `seconds` more: training runs on while the write is in flight,
     so a snapshot that shared storage with the live state would be written with later values."""
     import distributed_training.trainer_checkpoints as tc
 
-    original = tc.serialize
+    original = tc.atomic_save
 
-    def slow(obj):
+    def slow(obj, path):
         time.sleep(seconds)
-        return original(obj)
+        return original(obj, path)
 
-    tc.serialize = slow
+    tc.atomic_save = slow
 
 
 def _same(a, b, where="") -> None:
@@ -142,14 +142,14 @@ def test_background_checkpoints_equal_synchronous_ones_on_nccl(tmp_path, strateg
 def failing_worker(rank, world, base, fail_rank):
     import distributed_training.trainer_checkpoints as tc
 
-    original = tc.atomic_write_bytes
+    original = tc.atomic_save
 
-    def failing(data, path):
+    def failing(obj, path):
         if rank == fail_rank and "step_000000004" in path:
             raise OSError(28, "No space left on device")
-        return original(data, path)
+        return original(obj, path)
 
-    tc.atomic_write_bytes = failing
+    tc.atomic_save = failing
     with _trainer(base, checkpoint_every=2, checkpoint_async=True) as t:
         with pytest.raises(CheckpointWriteError) as info:
             _fit(t, 4)  # the failing write is the last: fit waits for it and raises its error
@@ -174,14 +174,14 @@ def test_a_failed_background_write_is_reported_and_never_resumed_from(tmp_path, 
 def test_a_failed_write_surfaces_at_the_next_step(tmp_path, monkeypatch):
     import distributed_training.trainer_checkpoints as tc
 
-    original = tc.atomic_write_bytes
+    original = tc.atomic_save
 
-    def failing(data, path):
+    def failing(obj, path):
         if "step_000000002" in path:
             raise OSError(5, "Input/output error")
-        return original(data, path)
+        return original(obj, path)
 
-    monkeypatch.setattr(tc, "atomic_write_bytes", failing)
+    monkeypatch.setattr(tc, "atomic_save", failing)
     with _trainer(str(tmp_path), checkpoint_every=2, checkpoint_async=True) as t:
         with pytest.raises(CheckpointWriteError, match=r"rank0\.pt.*step 2.*Input/output error"):
             _fit(t, 100)
@@ -192,8 +192,8 @@ def test_a_failed_write_surfaces_at_the_next_step(tmp_path, monkeypatch):
 def test_fit_and_close_wait_for_the_write(tmp_path, monkeypatch):
     import distributed_training.trainer_checkpoints as tc
 
-    original = tc.serialize
-    monkeypatch.setattr(tc, "serialize", lambda obj: (time.sleep(0.3), original(obj))[1])
+    original = tc.atomic_save
+    monkeypatch.setattr(tc, "atomic_save", lambda obj, path: (time.sleep(0.3), original(obj, path))[1])
     with _trainer(str(tmp_path), checkpoint_every=3, checkpoint_async=True) as t:
         _fit(t, 3)
         assert t.latest_checkpoint()[0].endswith("step_000000003")  # fit returned with it complete
@@ -210,8 +210,8 @@ def test_checkpoint_async_arguments(tmp_path):
 
 # ----------------------------------------------------------------- killed midway, then resumed
 _KILLED = textwrap.dedent("""
-    import os, random, sys, time
-    import numpy
+    import io, os, random, sys, time
+    import numpy, torch
     sys.path.insert(0, {tests!r})
     numpy.random.seed(0)  # every RNG a checkpoint holds is the same in every run of this script
     random.seed(0)
@@ -219,18 +219,22 @@ _KILLED = textwrap.dedent("""
     from test_async_checkpoint import _trainer, _fit
 
     where, directory = sys.argv[1], sys.argv[2]
-    original_write, original_meta = tc.atomic_write_bytes, tc.write_meta
+    original_save, original_meta = tc.atomic_save, tc.write_meta
+    from distributed_training.checkpoint import atomic_write_bytes as original_write
 
     def stall(message):
         print(message, flush=True)
         time.sleep(120)
 
-    def write(data, path):
+    def write(obj, path):
         if where == "rank_file" and "step_000000004" in path:
+            data = io.BytesIO()
+            torch.save(obj, data)
+            data = data.getvalue()
             with open(path + ".tmp." + str(os.getpid()), "wb") as f:  # half of it, as a write in progress
                 f.write(data[: len(data) // 2])
             stall("MIDWAY")
-        return original_write(data, path)
+        return original_save(obj, path)
 
     def write_meta(meta, path):
         if where == "meta" and "step_000000004" in path:
@@ -238,7 +242,7 @@ _KILLED = textwrap.dedent("""
             stall("MIDWAY")
         return original_meta(meta, path)
 
-    tc.atomic_write_bytes, tc.write_meta = write, write_meta
+    tc.atomic_save, tc.write_meta = write, write_meta
     with _trainer(directory, checkpoint_every=2, checkpoint_async=True) as t:
         _fit(t, 6)
 """)
@@ -301,3 +305,80 @@ def resume_worker(rank, world, base, strategy):
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_resume_from_a_background_checkpoint_equals_an_unbroken_run(tmp_path, strategy):
     run_distributed(resume_worker, 2, args=(str(tmp_path), strategy), timeout=180)
+
+
+# ----------------------------------------------------------------- the writer and the snapshot
+def test_atomic_save_writes_what_torch_save_writes_and_hashes_it(tmp_path):
+    """The streamed file is byte for byte what torch.save writes into a file object (what the writer
+    used to put in memory first), its digest is that of the file on disk, and it loads weights-only."""
+    import hashlib
+    import io
+
+    from distributed_training.checkpoint import atomic_save, sha256_file
+
+    g = torch.Generator().manual_seed(0)
+    obj = {"params": {"w": [(0, torch.randn(1000, generator=g)), (5, torch.randn(7, generator=g)[2:])]},
+           "step": torch.tensor(3.0), "half": torch.randn(10, generator=g).half(), "n": 4, "rng": [1, [2, 3]]}
+    path = str(tmp_path / "rank0.pt")
+    digest = atomic_save(obj, path)
+    old = io.BytesIO()  # the previous writer: torch.save into memory, then written
+    torch.save(obj, old)
+    assert open(path, "rb").read() == old.getvalue()
+    assert digest == sha256_file(path) == hashlib.sha256(old.getvalue()).hexdigest()
+    _same(torch.load(path, weights_only=True), obj)
+    assert os.listdir(tmp_path) == ["rank0.pt"]  # no temporary left
+
+
+def test_atomic_save_leaves_no_file_when_it_fails(tmp_path):
+    from distributed_training.checkpoint import atomic_save
+
+    path = tmp_path / "rank0.pt"
+    path.write_bytes(b"the previous file")
+    with pytest.raises(Exception):
+        atomic_save({"bad": lambda: 0}, str(path))  # not picklable: fails midway through the file
+    assert path.read_bytes() == b"the previous file" and os.listdir(tmp_path) == ["rank0.pt"]
+
+
+def test_host_staging_on_the_cpu_clones_at_once():
+    from distributed_training.checkpoint_async import HostStaging
+
+    staging = HostStaging()
+    staging.begin()
+    live = torch.arange(6.0)
+    copy, now = staging(live), staging.now(live)
+    live.add_(1)
+    assert staging.ready() is None
+    assert torch.equal(copy, torch.arange(6.0)) and torch.equal(now, torch.arange(6.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_staging_copies_on_a_side_stream_see_the_checkpoint_step():
+    """The deferred copies run on a side stream behind the checkpoint step; the optimizer's next step
+    waits for them (its pre-hook), so they hold the state of the checkpoint step, not a later one, even
+    when the compute stream is busy with long kernels queued before and after."""
+    from distributed_training.checkpoint_async import HostStaging
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    params = [torch.nn.Parameter(torch.randn(1 << 22, device=device)) for _ in range(8)]
+    opt = torch.optim.SGD(params, lr=1.0)
+    staging = HostStaging()
+    for round_ in range(3):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        a = torch.randn(4096, 4096, device=device)
+        for _ in range(20):  # keep the compute stream busy: the side stream must still wait for it
+            a = a @ a / 64
+        with torch.no_grad():
+            for p in params:
+                p.add_(a[0, 0] * 0 + round_)  # the checkpoint step's last change, queued behind the matmuls
+        staging.begin()
+        host = [staging(p) for p in params]
+        expected_dev = [p.detach().clone() for p in params]
+        event = staging.ready(opt)
+        opt.step()  # changes every parameter: must wait for the copies on the device
+        event.synchronize()
+        for h, e in zip(host, expected_dev):
+            assert torch.equal(h, e.cpu())
+        assert all(h.is_pinned() for h in host)
+    torch.cuda.synchronize()
