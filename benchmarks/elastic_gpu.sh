@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" >> "$OUT/gpus.txt"
 TESTS=${TESTS:-tests/test_peer_watch.py tests/test_async_checkpoint.py tests/test_elastic_agents.py}
 [ "$TESTS" = none ] || { timeout 420 python -m pytest -q -s -p no:cacheprovider --durations=10 \
-    -m "gpu or not gpu" -k "nccl or leave_and_join or trains_as_one_process" $TESTS 2>&1 \
+    -m "gpu or not gpu" -k "nccl or leave_and_join or trains_as_one_process or side_stream" $TESTS 2>&1 \
     | grep -v -i "warn" | tail -40; echo "tests: $(( $(date +%s) - start )) s"; } > "$OUT/elastic_tests.log"
 cd benchmarks
 for strategy in ddp zero3; do
