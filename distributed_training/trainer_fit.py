@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .batches import batch_size_of, token_count
+from .checkpoint_layout import replicate_checkpoint
 from .data import ShardedSampler, agree_steps_per_epoch, train_loader
 from .global_batch import GlobalBatch, plan_global_batch
 from .logs import get_logger
@@ -342,6 +343,10 @@ class Fitting:
             if self._last_saved_step != self.step:
                 self._save_numbered(metrics)
             self.wait_for_checkpoint()  # checkpoint_async: complete before the process is told to exit
+            path = self.checkpoints.path_for(self.step)
+            # A directory per node: a node told to stop may be leaving for good (a scale-down); every
+            # node gets its files, so the others can resume from this step without it.
+            replicate_checkpoint(path, ctx, self._layout(path))
             if ctx.is_main:
                 log.warning("stopping at step %d on %s: checkpoint saved to %s", self.step, sig.name,
                              self.checkpoints.path_for(self.step))
