@@ -330,7 +330,14 @@ def test_k8s_structure():
     assert sts["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     trainer = next(c for c in spec["containers"] if c["name"] == "trainer")
     env = _env_of(trainer)
-    assert int(env["DT_NNODES"]["value"]) == sts["spec"]["replicas"] == 2
+    # Elastic: DT_NNODES is MIN:MAX around `replicas`, with the rendezvous settings growth and shrink need.
+    low, high = (int(x) for x in env["DT_NNODES"]["value"].split(":"))
+    assert 1 <= low <= sts["spec"]["replicas"] == 2 < 3 <= high, env["DT_NNODES"]
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"
+    rdzv = dict(kv.split("=") for kv in env["PET_RDZV_CONF"]["value"].split(","))
+    assert float(rdzv["keep_alive_interval"]) * int(rdzv["keep_alive_max_attempt"]) <= 10, rdzv
+    assert float(rdzv["last_call_timeout"]) <= 5 and "is_host" not in rdzv, rdzv
+    assert int(env["DT_MAX_RESTARTS"]["value"]) >= 10, "several resizes (a restart each) must not end the job"
     assert env["DT_MASTER_HOST"]["value"] == (
         f"{sts['metadata']['name']}-0.{headless['metadata']['name']}.$(POD_NAMESPACE).svc.cluster.local")
     names = list(env)
@@ -379,6 +386,11 @@ def test_k8s_structure():
 
     cfg = load_config(yaml.safe_load(configmap["data"]["config.yaml"]))
     assert cfg.training.strategy == "zero3" and cfg.model.preset == "gpt2-124m"
+    # The same training at every size DT_NNODES allows: a global batch that each of those worlds divides.
+    gpus = int(res["limits"]["nvidia.com/gpu"])
+    assert cfg.training.global_batch_size is not None and "batch_size" not in cfg.training.model_fields_set
+    assert all(cfg.training.global_batch_size % (pods * gpus) == 0 for pods in range(low, high + 1)), \
+        (cfg.training.global_batch_size, gpus, low, high)
     assert cfg.checkpoint.dir == "/checkpoints" and cfg.logging.dir == "/checkpoints/runs"
     assert env["DT_LOG_DIR"]["value"] == cfg.logging.dir
 
@@ -724,8 +736,9 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 # Stand-in for DT_PYTHON: runs `-c` snippets with the real Python, prints any other command line.
 if [ "$1" = "-c" ]; then exec {python} "$@"; fi
 printf '%s\\n' "$@" > "$FAKE_ARGV"
+printf '%s\\n' "${{TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-unset}}" > "$FAKE_ARGV.store"
 if [ -n "${{FAKE_SLEEP:-}}" ]; then
-    trap 'kill $!; exit 143' TERM
+    trap 'kill $!; exit ${{FAKE_TERM_RC:-143}}' TERM
     sleep "$FAKE_SLEEP" > /dev/null 2>&1 &
     wait
 fi
@@ -827,6 +840,37 @@ def test_entrypoint_forwards_sigterm(fake):
     assert rc == 143, node.report()
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     assert not (fake.dir / "ckpt" / "COMPLETED").exists()
+
+
+def test_entrypoint_elastic_settings_and_a_stopped_node(fake):
+    """MIN:MAX turns on the unshared rendezvous store (unless set); a node told to stop never marks the
+    run complete, even when torchrun then exits 0 (a scale-down removes the pod; the job goes on)."""
+    rc, argv, node = fake(DT_NNODES="1:4")
+    assert rc == 0 and "--nnodes=1:4" in argv, node.report()
+    assert (fake.dir / "argv.store").read_text().strip() == "1"
+    rc, argv, node = fake(DT_NNODES="1:4", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0")
+    assert (fake.dir / "argv.store").read_text().strip() == "0"
+    rc, argv, node = fake(DT_NNODES="2")
+    assert (fake.dir / "argv.store").read_text().strip() == "unset"
+
+    env = _clean_env(DT_PYTHON=str(fake.python), DT_CONFIG=str(fake.config), FAKE_SLEEP="60", FAKE_TERM_RC="0",
+                     DT_NNODES="1:4", DT_CHECKPOINT_DIR=str(fake.dir / "ckpt"), DT_STATE_DIR=str(fake.dir / "state"),
+                     FAKE_ARGV=str(fake.dir / "argv"))
+    (fake.dir / "state" / "trainer.pid").unlink(missing_ok=True)
+    (fake.dir / "ckpt" / "COMPLETED").unlink(missing_ok=True)  # the runs above finished and marked it
+    node = Node(env)
+    try:
+        deadline = time.monotonic() + 30
+        while not (fake.dir / "state" / "trainer.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        node.proc.send_signal(signal.SIGTERM)
+        rc = node.wait(15)
+    finally:
+        if node.proc.returncode is None:
+            node.kill()
+    assert rc == 0 and "not marking the run complete" in node.err, node.report()
+    assert not (fake.dir / "ckpt" / "COMPLETED").exists(), "a stopped node marked the run complete"
 
 
 def test_probe_detects_a_stall(tmp_path):
