@@ -901,3 +901,163 @@ def test_probe_detects_a_stall(tmp_path):
     finally:
         fake_torchrun.kill()
         fake_torchrun.wait(timeout=30)
+
+
+# ------------------------------------------------------- the StatefulSet scaled 2 -> 3 -> 2 pods
+# Loaded by every Python of a pod whose PYTHONPATH names its directory; in torchrun's workers it slows
+# each step down (so that the job is still training when the test resizes it) and prints every step
+# with the world it ran at.
+STEP_HOOK = """\
+import os
+if os.environ.get("RANK") is not None:
+    import time
+    import distributed_training.trainer as _trainer
+
+    _step = _trainer.DistributedTrainer.train_step
+
+    def _slow_step(self, *args, **kwargs):
+        out = _step(self, *args, **kwargs)
+        time.sleep(float(os.environ["DT_TEST_STEP_SLEEP"]))
+        print(f"DTSTEP step={self.step} world={self.context.world_size} time={time.time():.3f}", flush=True)
+        return out
+
+    _trainer.DistributedTrainer.train_step = _slow_step
+"""
+
+ELASTIC_CONFIG = """\
+model: {{preset: tiny}}
+data: {{dataset: repo_text, block_size: 32}}
+training: {{strategy: zero3, epochs: 100, max_steps: {steps}, global_batch_size: 6, lr: 0.002, seed: 0, timeout_s: 60}}
+checkpoint: {{dir: {ckpt}, every: 2, keep_last: 2}}
+logging: {{dir: null, every: 10}}
+output: {output}
+"""
+
+
+class Pod:
+    """One docker/entrypoint.sh as a StatefulSet pod (HOSTNAME dtrain-<i>, its own volume), its output
+    in files (read while it runs), in its own process group."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([str(ENTRYPOINT)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def steps(self) -> list[tuple[int, int, float]]:
+        return [(int(s), int(w), float(t)) for s, w, t in
+                re.findall(r"^DTSTEP step=(\d+) world=(\d+) time=([\d.]+)$", self.log.read_text(), re.M)]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_statefulset_scaled_up_and_down(image_python, tmp_path):
+    """`kubectl scale statefulset dtrain --replicas=3` and back to 2, replayed on this host: three
+    entrypoints as pods dtrain-0/1/2, one process each, each with its own checkpoint volume, with the
+    manifest's DT_NNODES (MIN:MAX), rendezvous settings and restarts. Two pods start; once they train at
+    world 2 the third starts (scale up) and the job re-forms at world 3; once it trains there, the third
+    pod's entrypoint gets SIGTERM, as Kubernetes stops the pod a scale-down removes, and the job re-forms
+    at world 2 and finishes. The two remaining pods mark the run complete, the removed one does not, and
+    the final model equals a one-pod run of the same config (global batch 6 at 1, 2 and 3 pods)."""
+    steps = 120
+    sts = next(d for (kind, _), d in _manifests().items() if kind == "StatefulSet")
+    trainer = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer")
+    manifest = {k: e["value"] for k, e in _env_of(trainer).items()
+                if k in ("DT_NNODES", "DT_MAX_RESTARTS", "PET_RDZV_CONF", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
+    assert ":" in manifest["DT_NNODES"], manifest
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STEP_HOOK)
+    config = tmp_path / "job.yaml"
+    config.write_text(ELASTIC_CONFIG.format(steps=steps, ckpt="/unused", output="/unused"))
+    volumes = [tmp_path / f"volume{i}" for i in range(3)]
+
+    def pod_env(i: int, endpoint: str, **extra: str) -> dict[str, str]:
+        env = {**manifest, "DT_NPROC_PER_NODE": "1", "HOSTNAME": f"dtrain-{i}", "DT_RDZV_ENDPOINT": endpoint,
+               "DT_CONFIG": str(config), "DT_CHECKPOINT_DIR": str(volumes[i]),
+               "DT_EXTRA_ARGS": f"--set checkpoint.dir={volumes[i]} --set output={volumes[i] / 'final.pt'}", **extra}
+        return _node_env(image_python, tmp_path, f"pod{i}", **env)
+
+    # The reference: one pod, one process, the same config.
+    alone_s = time.time()
+    alone = _run_job(lambda endpoint: [pod_env(0, endpoint, DT_NNODES="1", DT_EXTRA_ARGS=(
+        f"--set checkpoint.dir={tmp_path / 'alone'} --set output={tmp_path / 'alone' / 'final.pt'}"),
+        DT_CHECKPOINT_DIR=str(tmp_path / "alone"))], timeout=120)
+    assert alone[0].proc.returncode == 0, alone[0].report()
+    reference = torch.load(tmp_path / "alone" / "final.pt", map_location="cpu", weights_only=True)
+    alone_s = time.time() - alone_s
+
+    endpoint = f"127.0.0.1:{_free_port()}"
+    slow = {"PYTHONPATH": str(hook), "DT_TEST_STEP_SLEEP": "0.05"}
+    pods: list[Pod] = []
+
+    def all_steps() -> list[tuple[int, int, float]]:
+        return sorted({s for pod in pods for s in pod.steps()}, key=lambda s: s[2])
+
+    def wait_for(what: str, predicate, timeout: float = 60) -> tuple[int, int, float]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [s for s in all_steps() if predicate(s)]
+            if found:
+                return found[0]
+            if any(pod.proc.poll() not in (None, 0) for pod in pods[:2]):
+                break
+            time.sleep(0.1)
+        pytest.fail(f"{what}: not seen\n" + "\n".join(f"--- pod {i} ---\n{pod.log.read_text()[-3000:]}"
+                                                    for i, pod in enumerate(pods)))
+
+    try:
+        started = time.time()
+        pods += [Pod(pod_env(i, endpoint, **slow), tmp_path / f"pod{i}.log") for i in range(2)]
+        wait_for("a step at world 2", lambda s: s[1] == 2, timeout=90)
+        up = time.time()  # kubectl scale --replicas=3
+        pods.append(Pod(pod_env(2, endpoint, **slow), tmp_path / "pod2.log"))
+        grown = wait_for("a step at world 3 after the scale-up", lambda s: s[1] == 3 and s[2] > up)
+        down = time.time()  # kubectl scale --replicas=2: the removed pod's container gets SIGTERM
+        pods[2].proc.send_signal(signal.SIGTERM)
+        shrunk = wait_for("a step at world 2 after the scale-down", lambda s: s[1] == 2 and s[2] > down)
+        removed_rc = pods[2].proc.wait(timeout=60)
+        rcs = [pod.proc.wait(timeout=120) for pod in pods[:2]]
+        finished = time.time()
+    finally:
+        for pod in pods:
+            pod.kill()
+    logs = "\n".join(f"--- pod {i} ---\n{pod.log.read_text()[-3000:]}" for i, pod in enumerate(pods))
+    trained = all_steps()
+    last2 = max(s for s, w, t in trained if w == 2 and t < grown[2])  # the steps each resize's stop saved
+    last3 = max(s for s, w, t in trained if w == 3)
+    print(f"scale-up: {grown[2] - up:.1f} s from the new pod's start to the first step at world 3 (step {grown[0]} "
+          f"after {last2}); scale-down: {shrunk[2] - down:.1f} s from SIGTERM to the next step at world 2 (step "
+          f"{shrunk[0]} after {last3}); whole run {finished - started:.1f} s, one pod alone {alone_s:.1f} s")
+    assert rcs == [0, 0], logs
+    assert removed_rc != 0 or "not marking the run complete" in pods[2].log.read_text(), logs
+    assert (volumes[0] / "COMPLETED").is_file() and (volumes[1] / "COMPLETED").is_file(), logs
+    assert not (volumes[2] / "COMPLETED").exists(), f"the removed pod marked the run complete\n{logs}"
+    # Each size ran, the job ended at world 2, and no step was lost or redone: each resize's stop saved
+    # the step the ranks agreed on, and the re-formed job continued right after it.
+    assert {w for _, w, _ in trained} == {2, 3} and trained[-1][:2] == (steps, 2), trained[-5:]
+    assert sorted({s for s, _, _ in trained}) == list(range(1, steps + 1))
+    assert (grown[0], shrunk[0]) == (last2 + 1, last3 + 1), (last2, grown, last3, shrunk)
+    finals = [v / "final.pt" for v in volumes if (v / "final.pt").is_file()]
+    assert len(finals) == 1 and finals[0].parent != volumes[2], finals
+    final = torch.load(finals[0], map_location="cpu", weights_only=True)
+    assert final.keys() == reference.keys()
+    n_embd = reference["wpe.weight"].shape[1]
+    for name in reference:
+        got, want = final[name], reference[name]
+        if name.endswith("attn.qkv.bias"):
+            # Except the key bias: attention is invariant to it (it adds q.b to every key's score for a
+            # query), so its gradient is 0 up to rounding, and AdamW turns that rounding, which differs
+            # with the number of replicas summing the gradient, into steps of lr's size.
+            keep = torch.ones_like(want, dtype=torch.bool)
+            keep[n_embd:2 * n_embd] = False
+            got, want = got[keep], want[keep]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
