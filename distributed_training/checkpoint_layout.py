@@ -240,8 +240,9 @@ def fetch_missing_files(path: str, context, layout: DirectoryLayout, inventory: 
     transfers = []
     for writer in layout.writers:
         entry = inventory[writer]
+        same_strategy = entry.get("strategy") == strategy
         needed = (set(entry["rank_checksums"]) if every_file else
-                  _needed_files(layout, writer, context.world_size, entry["world_size"], entry.get("strategy") == strategy))
+                  _needed_files(layout, writer, context.world_size, entry["world_size"], same_strategy))
         for name in sorted(needed - set(entry["files"])):
             sources = [w for w in layout.writers if name in inventory[w]["files"]]
             if not sources:

@@ -213,7 +213,8 @@ def test_pods_scaled_up_and_down_resume_with_their_own_directories(tmp_path):
             assert step == end and sorted(states) == list(range(last + 1, end + 1)), (world, rank, sorted(states))
             assert end in held and held[end][:2] == ["meta.pt", "meta.pt.sha256"], (world, rank, held)
             if leave_at is not None:  # the stop's checkpoint holds every rank's file on every pod
-                assert end in (leave_at + 1, leave_at + 2) and held[end][2:] == ["rank0.pt", "rank1.pt", "rank2.pt"], held
+                assert end in (leave_at + 1, leave_at + 2), (leave_at, end)
+                assert held[end][2:] == ["rank0.pt", "rank1.pt", "rank2.pt"], held
         if world == 3 and leave_at is None:
             assert stale and max(stale) < last, stale  # the pod removed earlier kept its volume: older steps only
         elif world == 3:
