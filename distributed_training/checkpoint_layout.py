@@ -283,7 +283,7 @@ def fetch_missing_files(path: str, context, layout: DirectoryLayout, inventory: 
     return transfers
 
 
-def replicate_checkpoint(path: str, context, layout: DirectoryLayout) -> list[tuple]:
+def replicate_checkpoint(path: str, context, layout: DirectoryLayout, signalled: bool = False) -> list[tuple]:
     """Make checkpoint `path` whole in every node's directory (every rank must call this, after the save).
 
     With a directory per node each holds only its own ranks' files, so a node that leaves for good takes
@@ -294,8 +294,15 @@ def replicate_checkpoint(path: str, context, layout: DirectoryLayout) -> list[tu
     `agree_on_checkpoint` finds it whole among whichever nodes come back. A crash between that
     ``meta.pt.sha256`` and ``meta.pt`` leaves the step damaged in that directory only (an earlier step is
     resumed). Returns the transfers, as `fetch_missing_files`.
+
+    `signalled`: whether this rank got the stop signal itself. When every rank did, nothing is copied:
+    the whole job is stopping (torchrun restarting every node's workers to grow the job; every pod
+    deleted), and no node is known to leave while others stay. A node removed at the same moment as
+    the job grows is the case this leaves out (its files stay on its volume only).
     """
     if layout.shared:
+        return []
+    if all(_gather(bool(signalled), context)):
         return []
     rank = context.rank
     is_writer = layout.writer_of[rank] == rank
