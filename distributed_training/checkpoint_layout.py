@@ -16,12 +16,15 @@ With a directory per node, each writer does for its own directory what rank 0 do
   every checkpoint forever.
 
 On resume the directories may disagree (a node died halfway through a save; a volume was restored from
-an older snapshot), so `agree_on_checkpoint` lets the writers exchange which steps they have and picks
-the newest one that verifies in *every* directory. Then `fetch_missing_files` copies over the network
-the rank files a directory lacks: ``rank0.pt`` (the replicated model and optimizer of DDP, and the
-layout header of sharded strategies, which every rank reads) and the files of ranks that now run on a
-different node than when they saved (torchrun orders nodes by host name, then process id). After that
-every rank loads from its own directory with `DistributedTrainer.load_checkpoint`, unchanged.
+an older snapshot; the job grew, and a new node's volume is empty or holds older steps from an earlier
+time at that size), so `agree_on_checkpoint` lets the writers exchange which steps they have and picks
+the newest one that verifies in every directory holding it, whose rank files those directories hold
+between them. Then `fetch_missing_files` copies over the network the rank files a directory lacks:
+``rank0.pt`` (the replicated model and optimizer of DDP, and the layout header of sharded strategies,
+which every rank reads), the files of ranks that now run on a different node than when they saved
+(torchrun orders nodes by host name, then process id), and everything a directory without the step
+needs, with a ``meta.pt`` of its own. After that every rank loads from its own directory with
+`DistributedTrainer.load_checkpoint`, unchanged.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import CheckpointManager, atomic_write_bytes, load_file
+from .checkpoint import CheckpointManager, atomic_write_bytes, load_file, read_meta, write_meta
 
-__all__ = ["DirectoryLayout", "detect_layout", "agree_on_checkpoint", "fetch_missing_files"]
+__all__ = ["DirectoryLayout", "detect_layout", "agree_on_checkpoint", "fetch_missing_files", "replicate_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -141,33 +144,42 @@ def _gather(value: Any, context) -> list[Any]:
 
 def agree_on_checkpoint(manager: CheckpointManager, context,
                         layout: DirectoryLayout) -> tuple[str, dict[str, Any], dict[int, dict]] | None:
-    """The newest checkpoint that is complete and intact in every directory (every rank must call this).
+    """The newest checkpoint every directory can have: intact wherever it is, and whole between them
+    (every rank must call this).
 
-    Returns ``(path, meta, inventory)`` with this rank's path and its directory's metadata, and, for each
+    A step qualifies when every directory that holds it complete (``meta.pt`` present) verifies it, those
+    directories agree on its files' digests (the same save), and together they hold every rank file it
+    lists. A directory *without* the step (a new node's empty volume when the job grows; a volume kept
+    from an earlier size, holding only older steps) does not disqualify it: `fetch_missing_files` gives
+    it the files it needs and a ``meta.pt`` of its own. A directory whose own copy is damaged does, as
+    does a step whose files nobody holds in full (a node died while saving it).
+
+    Returns ``(path, meta, inventory)`` with this rank's path, the checkpoint's metadata, and, for each
     writer, ``{"files": the rank files its directory holds, "rank_checksums": every rank file's digest,
-    "world_size": the saving world size}``; None when no step is good everywhere. Only writers read
-    their directories; each round costs one small all-gather, and only a step every directory has
-    complete (``meta.pt`` present) is verified, newest first.
+    "world_size": the saving world size, "strategy": ...}``, plus ``"meta"`` (what to write there) for a
+    directory that lacks the step; None when no step qualifies. Only writers read their directories;
+    each round costs one small all-gather, newest step first.
     """
     rank = context.rank
     writers = layout.writers
     is_writer = layout.writer_of[rank] == rank
     complete = ([s for s in manager.steps() if os.path.isfile(os.path.join(manager.path_for(s), "meta.pt"))]
                 if is_writer else None)
-    candidates = {w: set(steps) for w, steps in enumerate(_gather(complete, context)) if w in writers}
+    held = {w: set(steps) for w, steps in enumerate(_gather(complete, context)) if w in writers}
+    candidates = set().union(*held.values())
     while True:
-        common = set.intersection(*candidates.values())
-        if not common:
-            held = {w: sorted(s) for w, s in candidates.items() if s}
-            if held and rank == 0:
+        if not candidates:
+            if any(held.values()) and rank == 0:
                 warnings.warn(
-                    "no checkpoint is complete and intact in every node's checkpoint directory (complete steps by "
-                    f"the rank writing each directory: {held}); training starts from step 0", stacklevel=3)
+                    "no checkpoint is intact and whole over the nodes' checkpoint directories (complete steps by "
+                    f"the rank writing each directory: { {w: sorted(s) for w, s in held.items() if s} }); training "
+                    "starts from step 0", stacklevel=3)
             return None
-        step = max(common)
+        step = max(candidates)
+        candidates.discard(step)
         path = manager.path_for(step)
-        answer: Any = None
-        if is_writer:
+        answer: Any = None  # None: this directory lacks the step
+        if is_writer and step in held[rank]:
             try:
                 meta = manager.verify(path)
                 answer = {"files": sorted(meta["checksums"]),
@@ -178,11 +190,30 @@ def agree_on_checkpoint(manager: CheckpointManager, context,
                               stacklevel=3)
                 answer = str(err)
         answers = {w: a for w, a in enumerate(_gather(answer, context)) if w in writers}
-        if all(isinstance(a, dict) for a in answers.values()):
+        holders = [w for w, a in answers.items() if isinstance(a, dict)]
+        if any(isinstance(a, str) for a in answers.values()) or not holders:
+            continue
+        digests = answers[holders[0]]["rank_checksums"]
+        if any(answers[w]["rank_checksums"] != digests for w in holders):
+            if rank == 0:
+                warnings.warn(f"skipping checkpoint step {step}: the nodes' directories hold different saves of it "
+                              "(their rank files' digests differ); falling back to an earlier one", stacklevel=3)
+            continue
+        if not set(digests) <= set().union(*(answers[w]["files"] for w in holders)):
+            continue  # some rank's file is nowhere: the save did not finish on every node
+        lacking = [w for w in writers if answers[w] is None]
+        if layout.writer_of[rank] in holders:
             meta = load_file(os.path.join(path, "meta.pt"))
-            return path, meta, answers
-        for w in candidates:
-            candidates[w].discard(step)
+        else:
+            meta = None
+        if lacking:
+            box = [meta]
+            dist.broadcast_object_list(box, src=holders[0], group=context.group)
+            meta = box[0]
+            for w in lacking:
+                answers[w] = {"files": [], "rank_checksums": digests, "world_size": answers[holders[0]]["world_size"],
+                              "strategy": answers[holders[0]]["strategy"], "meta": meta}
+        return path, meta, answers
 
 
 def _needed_files(layout: DirectoryLayout, writer: int, world_size: int, saved_world: int, same_strategy: bool) -> set[str]:
@@ -194,27 +225,34 @@ def _needed_files(layout: DirectoryLayout, writer: int, world_size: int, saved_w
 
 
 def fetch_missing_files(path: str, context, layout: DirectoryLayout, inventory: dict[int, dict],
-                        strategy: str | None = None) -> list[tuple]:
-    """Copy into each directory the rank files of checkpoint `path` it lacks (every rank must call this).
+                        strategy: str | None = None, *, every_file: bool = False) -> list[tuple]:
+    """Copy into each directory the rank files of checkpoint `path` it lacks (every rank must call this);
+    a directory that lacked the whole step then gets its own ``meta.pt``.
 
     Each missing file is sent by the lowest writer that has it to the writer of the directory that
     needs it, checked against the digest in ``rank_checksums`` and written atomically. The transfers
     run in one order that every rank computes alike, so they cannot deadlock. Returns the transfers as
     ``(source rank, destination rank, file name)``. `strategy` is the loading strategy's name: under
-    another one than the checkpoint's, a rank may need any file.
+    another one than the checkpoint's, a rank may need any file. `every_file`: every directory gets
+    every rank file (`replicate_checkpoint`).
     """
     rank = context.rank
     transfers = []
     for writer in layout.writers:
         entry = inventory[writer]
-        for name in sorted(_needed_files(layout, writer, context.world_size, entry["world_size"],
-                                                entry.get("strategy") == strategy) - set(entry["files"])):
+        same_strategy = entry.get("strategy") == strategy
+        needed = (set(entry["rank_checksums"]) if every_file else
+                  _needed_files(layout, writer, context.world_size, entry["world_size"], same_strategy))
+        for name in sorted(needed - set(entry["files"])):
             sources = [w for w in layout.writers if name in inventory[w]["files"]]
             if not sources:
                 raise RuntimeError(
                     f"checkpoint {path!r}: no node's directory holds {name} (the ranks writing the directories have "
                     f"{ {w: inventory[w]['files'] for w in layout.writers} }); it cannot be resumed")
             transfers.append((sources[0], writer, name))
+    lacking = [w for w in layout.writers if "meta" in inventory[w]]
+    if rank in lacking:
+        os.makedirs(path, exist_ok=True)
     device = context.device if context.backend == "nccl" else torch.device("cpu")
     for src, dst, name in transfers:
         if rank == src:
@@ -233,6 +271,50 @@ def fetch_missing_files(path: str, context, layout: DirectoryLayout, inventory: 
                 raise ValueError(f"rank {rank}: {name} of checkpoint {path!r}, received from rank {src}, does not "
                                  "match the checksum in meta.pt")
             atomic_write_bytes(data, os.path.join(path, name))
-    if transfers:
+    if rank in lacking:
+        # Last, as a save does: a meta.pt of this directory's own, listing the rank files it now holds, so
+        # the step verifies here (and is pruned by keep_last) like one this node wrote itself.
+        received = {name for _, dst, name in transfers if dst == rank}
+        every = inventory[rank]["rank_checksums"]
+        write_meta({**inventory[rank]["meta"], "checksums": {n: every[n] for n in sorted(received)},
+                    "rank_checksums": every}, path)
+    if transfers or lacking:
         context.barrier()  # the other ranks of a node read what its writer received
+    return transfers
+
+
+def replicate_checkpoint(path: str, context, layout: DirectoryLayout, signalled: bool = False) -> list[tuple]:
+    """Make checkpoint `path` whole in every node's directory (every rank must call this, after the save).
+
+    With a directory per node each holds only its own ranks' files, so a node that leaves for good takes
+    its share of the checkpoint with it: under a sharded strategy, or at any other world size, the nodes
+    that stay could not resume from it. `fit` calls this for the checkpoint of a stop on SIGTERM (a
+    Kubernetes scale-down SIGTERMs the pod it removes): every directory gets every rank file over the
+    network, then its writer rewrites ``meta.pt`` to list them all, so the step verifies there and
+    `agree_on_checkpoint` finds it whole among whichever nodes come back. A crash between that
+    ``meta.pt.sha256`` and ``meta.pt`` leaves the step damaged in that directory only (an earlier step is
+    resumed). Returns the transfers, as `fetch_missing_files`.
+
+    `signalled`: whether this rank got the stop signal itself. When every rank did, nothing is copied:
+    the whole job is stopping (torchrun restarting every node's workers to grow the job; every pod
+    deleted), and no node is known to leave while others stay. A node removed at the same moment as
+    the job grows is the case this leaves out (its files stay on its volume only).
+    """
+    if layout.shared:
+        return []
+    if all(_gather(bool(signalled), context)):
+        return []
+    rank = context.rank
+    is_writer = layout.writer_of[rank] == rank
+    answer = None
+    if is_writer:
+        meta = read_meta(path)
+        answer = {"files": sorted(meta["checksums"]), "rank_checksums": meta.get("rank_checksums", meta["checksums"]),
+                  "world_size": int(meta["world_size"]), "strategy": meta.get("strategy")}
+    inventory = {w: a for w, a in enumerate(_gather(answer, context)) if w in layout.writers}
+    transfers = fetch_missing_files(path, context, layout, inventory, every_file=True)
+    if is_writer and any(dst == rank for _, dst, _ in transfers):
+        meta = read_meta(path)
+        write_meta({**meta, "checksums": dict(meta["rank_checksums"])}, path)
+    context.barrier()
     return transfers

@@ -247,8 +247,8 @@ class Checkpointing:
         """(path, meta) of the checkpoint `fit` resumes from, or None; every rank must call it.
 
         With one shared directory this is `CheckpointManager.latest_good`. With one directory per node,
-        the newest step that is complete and intact on every node, so that no two nodes load different
-        steps.
+        the newest step that is intact wherever it is held and whole between the nodes
+        (`checkpoint_layout.agree_on_checkpoint`), so that no two nodes load different steps.
         """
         found = self._resume_point() if self.checkpoints is not None else None
         return found[:2] if found is not None else None

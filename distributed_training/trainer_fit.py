@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .batches import batch_size_of, token_count
+from .checkpoint_layout import replicate_checkpoint
 from .data import ShardedSampler, agree_steps_per_epoch, train_loader
 from .global_batch import GlobalBatch, plan_global_batch
 from .logs import get_logger
@@ -308,7 +309,7 @@ class Fitting:
                 self._save_numbered(metrics)
             stop.finish()  # a signal during the last steps: acted on by every rank or by none
         if stop.signal is not None:
-            self._stop_on_signal(stop.signal, metrics)
+            self._stop_on_signal(stop.signal, metrics, bool(stop.received))
         return history
 
     def _record_step(self, batch: Any, metrics: dict[str, torch.Tensor], *, step_time: float,
@@ -335,13 +336,18 @@ class Fitting:
                                  step_time=step_time, data_time=data_time, comm_time=comm)
         return metrics
 
-    def _stop_on_signal(self, sig, metrics: dict[str, torch.Tensor] | None) -> None:
-        """Every rank, at the step boundary they agreed on: save on SIGTERM if asked, and say why we stop."""
+    def _stop_on_signal(self, sig, metrics: dict[str, torch.Tensor] | None, signalled: bool = True) -> None:
+        """Every rank, at the step boundary they agreed on: save on SIGTERM if asked, and say why we stop.
+        `signalled`: whether this rank got the signal itself (its peers may have got it for all)."""
         ctx = self.context
         if sig == signal.SIGTERM and self.save_on_preemption and self.checkpoints is not None:
             if self._last_saved_step != self.step:
                 self._save_numbered(metrics)
             self.wait_for_checkpoint()  # checkpoint_async: complete before the process is told to exit
+            path = self.checkpoints.path_for(self.step)
+            # A directory per node: a node told to stop may be leaving for good (a scale-down); every
+            # node gets its files, so the others can resume from this step without it.
+            replicate_checkpoint(path, ctx, self._layout(path), signalled=signalled)
             if ctx.is_main:
                 log.warning("stopping at step %d on %s: checkpoint saved to %s", self.step, sig.name,
                              self.checkpoints.path_for(self.step))

@@ -9,7 +9,11 @@
 #   DT_CONFIG             the job's YAML                        (default /config/config.yaml)
 #   DT_EXTRA_ARGS         more CLI arguments, shell-quoted, e.g. "--set training.max_steps=10";
 #                         arguments given to the container itself are appended after them
-#   DT_NNODES             number of nodes (pods), or MIN:MAX    (PET_NNODES, else 1)
+#   DT_NNODES             number of nodes (pods), or MIN:MAX    (PET_NNODES, else 1). MIN:MAX is elastic:
+#                         the job runs with any number of nodes from MIN to MAX, re-forming (every worker
+#                         restarts from the latest checkpoint) when a node leaves or joins; see
+#                         docs/elastic.md. Elastic runs default TORCH_DISABLE_SHARE_RDZV_TCP_STORE to 1
+#                         (growth needs it) and want short rendezvous timeouts in PET_RDZV_CONF.
 #   DT_NPROC_PER_NODE     processes on this node                (PET_NPROC_PER_NODE, else the number of
 #                                                                GPUs `nvidia-smi -L` lists, else 1)
 #   DT_NODE_RANK          this node's rank                      (PET_NODE_RANK, else the StatefulSet
@@ -35,7 +39,9 @@
 # Delete the marker(s) to train again.
 #
 # torchrun is run as a child rather than exec'ed (the marker must be written after it exits); SIGTERM
-# and SIGINT are passed on to it, and the script exits with torchrun's status.
+# and SIGINT are passed on to it, and the script exits with torchrun's status. A node that was sent a
+# signal never writes the marker, whatever torchrun's status: it was stopped (a scale-down removes it,
+# or the pod is deleted), which says nothing about the job being done.
 set -euo pipefail
 
 log() { printf '[dtrain-entrypoint] %s\n' "$*" >&2; }
@@ -91,6 +97,12 @@ rdzv_backend=${DT_RDZV_BACKEND:-${PET_RDZV_BACKEND:-c10d}}
 rdzv_id=${DT_JOB_ID:-${PET_RDZV_ID:-dtrain}}
 max_restarts=${DT_MAX_RESTARTS:-${PET_MAX_RESTARTS:-3}}
 
+if [[ $nnodes == *:* ]]; then
+    # torch's shared rendezvous store keeps a node that stays the rendezvous' rank 0 from publishing the
+    # new round's master address, so a joining node waits for it until its store times out.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+fi
+
 if [ ! -r "$DT_CONFIG" ]; then
     log "config file $DT_CONFIG does not exist or is not readable (set DT_CONFIG, or mount the ConfigMap at /config)"
     exit 2
@@ -118,7 +130,7 @@ cmd=("$DT_PYTHON" -m torch.distributed.run
     "--max-restarts=$max_restarts"
     -m distributed_training "$DT_CONFIG" "${extra[@]}" "$@")
 
-log "node $node_rank of $nnodes, $nproc process(es), rendezvous $rdzv_backend at $rdzv_endpoint (id $rdzv_id)"
+log "node $node_rank of $nnodes, $nproc process(es), rendezvous $rdzv_backend at $rdzv_endpoint (id $rdzv_id)${PET_RDZV_CONF:+ conf $PET_RDZV_CONF}"
 log "running: ${cmd[*]}"
 
 signals=0
@@ -144,6 +156,10 @@ rm -f "$DT_STATE_DIR/trainer.pid"
 if [ "$rc" -ne 0 ]; then
     log "torchrun exited with status $rc"
     exit "$rc"
+fi
+if [ "$signals" -ne 0 ]; then
+    log "torchrun exited with status 0 after this node was told to stop; not marking the run complete"
+    exit 0
 fi
 mkdir -p "$(dirname "$DT_COMPLETION_MARKER")"
 [ -e "$DT_COMPLETION_MARKER" ] || : > "$DT_COMPLETION_MARKER"

@@ -330,7 +330,14 @@ def test_k8s_structure():
     assert sts["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     trainer = next(c for c in spec["containers"] if c["name"] == "trainer")
     env = _env_of(trainer)
-    assert int(env["DT_NNODES"]["value"]) == sts["spec"]["replicas"] == 2
+    # Elastic: DT_NNODES is MIN:MAX around `replicas`, with the rendezvous settings growth and shrink need.
+    low, high = (int(x) for x in env["DT_NNODES"]["value"].split(":"))
+    assert 1 <= low <= sts["spec"]["replicas"] == 2 < 3 <= high, env["DT_NNODES"]
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"
+    rdzv = dict(kv.split("=") for kv in env["PET_RDZV_CONF"]["value"].split(","))
+    assert float(rdzv["keep_alive_interval"]) * int(rdzv["keep_alive_max_attempt"]) <= 10, rdzv
+    assert float(rdzv["last_call_timeout"]) <= 5 and "is_host" not in rdzv, rdzv
+    assert int(env["DT_MAX_RESTARTS"]["value"]) >= 10, "several resizes (a restart each) must not end the job"
     assert env["DT_MASTER_HOST"]["value"] == (
         f"{sts['metadata']['name']}-0.{headless['metadata']['name']}.$(POD_NAMESPACE).svc.cluster.local")
     names = list(env)
@@ -379,6 +386,11 @@ def test_k8s_structure():
 
     cfg = load_config(yaml.safe_load(configmap["data"]["config.yaml"]))
     assert cfg.training.strategy == "zero3" and cfg.model.preset == "gpt2-124m"
+    # The same training at every size DT_NNODES allows: a global batch that each of those worlds divides.
+    gpus = int(res["limits"]["nvidia.com/gpu"])
+    assert cfg.training.global_batch_size is not None and "batch_size" not in cfg.training.model_fields_set
+    assert all(cfg.training.global_batch_size % (pods * gpus) == 0 for pods in range(low, high + 1)), \
+        (cfg.training.global_batch_size, gpus, low, high)
     assert cfg.checkpoint.dir == "/checkpoints" and cfg.logging.dir == "/checkpoints/runs"
     assert env["DT_LOG_DIR"]["value"] == cfg.logging.dir
 
@@ -724,8 +736,9 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 # Stand-in for DT_PYTHON: runs `-c` snippets with the real Python, prints any other command line.
 if [ "$1" = "-c" ]; then exec {python} "$@"; fi
 printf '%s\\n' "$@" > "$FAKE_ARGV"
+printf '%s\\n' "${{TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-unset}}" > "$FAKE_ARGV.store"
 if [ -n "${{FAKE_SLEEP:-}}" ]; then
-    trap 'kill $!; exit 143' TERM
+    trap 'kill $!; exit ${{FAKE_TERM_RC:-143}}' TERM
     sleep "$FAKE_SLEEP" > /dev/null 2>&1 &
     wait
 fi
@@ -829,6 +842,37 @@ def test_entrypoint_forwards_sigterm(fake):
     assert not (fake.dir / "ckpt" / "COMPLETED").exists()
 
 
+def test_entrypoint_elastic_settings_and_a_stopped_node(fake):
+    """MIN:MAX turns on the unshared rendezvous store (unless set); a node told to stop never marks the
+    run complete, even when torchrun then exits 0 (a scale-down removes the pod; the job goes on)."""
+    rc, argv, node = fake(DT_NNODES="1:4")
+    assert rc == 0 and "--nnodes=1:4" in argv, node.report()
+    assert (fake.dir / "argv.store").read_text().strip() == "1"
+    rc, argv, node = fake(DT_NNODES="1:4", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0")
+    assert (fake.dir / "argv.store").read_text().strip() == "0"
+    rc, argv, node = fake(DT_NNODES="2")
+    assert (fake.dir / "argv.store").read_text().strip() == "unset"
+
+    env = _clean_env(DT_PYTHON=str(fake.python), DT_CONFIG=str(fake.config), FAKE_SLEEP="60", FAKE_TERM_RC="0",
+                     DT_NNODES="1:4", DT_CHECKPOINT_DIR=str(fake.dir / "ckpt"), DT_STATE_DIR=str(fake.dir / "state"),
+                     FAKE_ARGV=str(fake.dir / "argv"))
+    (fake.dir / "state" / "trainer.pid").unlink(missing_ok=True)
+    (fake.dir / "ckpt" / "COMPLETED").unlink(missing_ok=True)  # the runs above finished and marked it
+    node = Node(env)
+    try:
+        deadline = time.monotonic() + 30
+        while not (fake.dir / "state" / "trainer.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        node.proc.send_signal(signal.SIGTERM)
+        rc = node.wait(15)
+    finally:
+        if node.proc.returncode is None:
+            node.kill()
+    assert rc == 0 and "not marking the run complete" in node.err, node.report()
+    assert not (fake.dir / "ckpt" / "COMPLETED").exists(), "a stopped node marked the run complete"
+
+
 def test_probe_detects_a_stall(tmp_path):
     """A live torchrun whose logs stopped moving for DT_STALL_SECONDS fails `probe.sh alive`."""
     fake_torchrun = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "torch.distributed.run"])
@@ -857,3 +901,185 @@ def test_probe_detects_a_stall(tmp_path):
     finally:
         fake_torchrun.kill()
         fake_torchrun.wait(timeout=30)
+
+
+# ------------------------------------------------------- the StatefulSet scaled 2 -> 3 -> 2 pods
+# Loaded by every Python of a pod whose PYTHONPATH names its directory; in torchrun's workers it
+# * makes dtrain's AdamW an SGD with momentum: AdamW divides each gradient by its own running size, so
+#   entries whose gradient is 0 up to rounding (a dead unit, the attention's key bias) take lr-sized
+#   steps in directions that rounding decides, and rounding differs with the number of replicas; over
+#   a hundred steps that grows past any tolerance (measured: 1e-5 at step 1, 1e-2 at step 80), which
+#   would hide what this test checks;
+# * slows each step down (so that the job is still training when the test resizes it), prints every
+#   step with the world it ran at, and has rank 0 save the full model after each step in DT_TEST_RECORD.
+STEP_HOOK = """\
+import os
+if os.environ.get("RANK") is not None:
+    import time
+    import torch
+    import distributed_training.trainer as _trainer
+
+    def _sgd(params, lr, weight_decay=0.0):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+
+    torch.optim.AdamW = _sgd
+    _step = _trainer.DistributedTrainer.train_step
+
+    def _recorded_step(self, *args, **kwargs):
+        out = _step(self, *args, **kwargs)
+        time.sleep(float(os.environ["DT_TEST_STEP_SLEEP"]))
+        now = time.time()
+        print(f"DTSTEP step={self.step} world={self.context.world_size} time={now:.3f}", flush=True)
+        state = self.strategy.model_state_dict(self.model)  # every rank: ZeRO-3 gathers the shards
+        if self.context.rank == 0:
+            torch.save(state, os.path.join(os.environ["DT_TEST_RECORD"], f"{self.step}-{now:.3f}.pt"))
+        return out
+
+    _trainer.DistributedTrainer.train_step = _recorded_step
+"""
+
+ELASTIC_CONFIG = """\
+model: {{preset: tiny}}
+data: {{dataset: repo_text, block_size: 32}}
+training: {{strategy: zero3, epochs: 100, max_steps: {steps}, global_batch_size: 6, lr: 0.05, seed: 0, timeout_s: 60}}
+checkpoint: {{dir: {ckpt}, every: 2, keep_last: 2}}
+logging: {{dir: null, every: 10}}
+output: {output}
+"""
+
+
+class Pod:
+    """One docker/entrypoint.sh as a StatefulSet pod (HOSTNAME dtrain-<i>, its own volume), its output
+    in files (read while it runs), in its own process group."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([str(ENTRYPOINT)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def steps(self) -> list[tuple[int, int, float]]:
+        return [(int(s), int(w), float(t)) for s, w, t in
+                re.findall(r"^DTSTEP step=(\d+) world=(\d+) time=([\d.]+)$", self.log.read_text(), re.M)]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_statefulset_scaled_up_and_down(image_python, tmp_path):
+    """`kubectl scale statefulset dtrain --replicas=3` and back to 2, replayed on this host: three
+    entrypoints as pods dtrain-0/1/2, one process each, each with its own checkpoint volume, with the
+    manifest's DT_NNODES (MIN:MAX), rendezvous settings and restarts. Two pods start; once they train at
+    world 2 the third starts (scale up) and the job re-forms at world 3; once it trains there, the third
+    pod's entrypoint gets SIGTERM, as Kubernetes stops the pod a scale-down removes, and the job re-forms
+    at world 2 and finishes. The two remaining pods mark the run complete, the removed one does not, and
+    the final model equals a one-pod run of the same config (global batch 6 at 1, 2 and 3 pods)."""
+    steps = 120
+    sts = next(d for (kind, _), d in _manifests().items() if kind == "StatefulSet")
+    trainer = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer")
+    manifest = {k: e["value"] for k, e in _env_of(trainer).items()
+                if k in ("DT_NNODES", "DT_MAX_RESTARTS", "PET_RDZV_CONF", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
+    assert ":" in manifest["DT_NNODES"], manifest
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STEP_HOOK)
+    config = tmp_path / "job.yaml"
+    config.write_text(ELASTIC_CONFIG.format(steps=steps, ckpt="/unused", output="/unused"))
+    volumes = [tmp_path / f"volume{i}" for i in range(3)]
+
+    def pod_env(i: int, endpoint: str, **extra: str) -> dict[str, str]:
+        env = {**manifest, "DT_NPROC_PER_NODE": "1", "HOSTNAME": f"dtrain-{i}", "DT_RDZV_ENDPOINT": endpoint,
+               "DT_CONFIG": str(config), "DT_CHECKPOINT_DIR": str(volumes[i]),
+               "DT_EXTRA_ARGS": f"--set checkpoint.dir={volumes[i]} --set output={volumes[i] / 'final.pt'}", **extra}
+        return _node_env(image_python, tmp_path, f"pod{i}", **env)
+
+    records = {"alone": tmp_path / "records-alone", "pods": tmp_path / "records-pods"}
+    for path in records.values():
+        path.mkdir()
+
+    # The reference: one pod, one process, the same config.
+    alone_s = time.time()
+    alone = _run_job(lambda endpoint: [pod_env(0, endpoint, DT_NNODES="1", DT_EXTRA_ARGS=(
+        f"--set checkpoint.dir={tmp_path / 'alone'} --set output={tmp_path / 'alone' / 'final.pt'}"),
+        DT_CHECKPOINT_DIR=str(tmp_path / "alone"), PYTHONPATH=str(hook), DT_TEST_STEP_SLEEP="0",
+        DT_TEST_RECORD=str(records["alone"]))], timeout=120)
+    assert alone[0].proc.returncode == 0, alone[0].report()
+    reference = torch.load(tmp_path / "alone" / "final.pt", map_location="cpu", weights_only=True)
+    alone_s = time.time() - alone_s
+
+    endpoint = f"127.0.0.1:{_free_port()}"
+    slow = {"PYTHONPATH": str(hook), "DT_TEST_STEP_SLEEP": "0.05", "DT_TEST_RECORD": str(records["pods"])}
+    pods: list[Pod] = []
+
+    def all_steps() -> list[tuple[int, int, float]]:
+        return sorted({s for pod in pods for s in pod.steps()}, key=lambda s: s[2])
+
+    def wait_for(what: str, predicate, timeout: float = 60) -> tuple[int, int, float]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [s for s in all_steps() if predicate(s)]
+            if found:
+                return found[0]
+            if any(pod.proc.poll() not in (None, 0) for pod in pods[:2]):
+                break
+            time.sleep(0.1)
+        pytest.fail(f"{what}: not seen\n" + "\n".join(f"--- pod {i} ---\n{pod.log.read_text()[-3000:]}"
+                                                    for i, pod in enumerate(pods)))
+
+    try:
+        started = time.time()
+        pods += [Pod(pod_env(i, endpoint, **slow), tmp_path / f"pod{i}.log") for i in range(2)]
+        wait_for("a step at world 2", lambda s: s[1] == 2, timeout=90)
+        up = time.time()  # kubectl scale --replicas=3
+        pods.append(Pod(pod_env(2, endpoint, **slow), tmp_path / "pod2.log"))
+        grown = wait_for("a step at world 3 after the scale-up", lambda s: s[1] == 3 and s[2] > up)
+        down = time.time()  # kubectl scale --replicas=2: the removed pod's container gets SIGTERM
+        pods[2].proc.send_signal(signal.SIGTERM)
+        shrunk = wait_for("a step at world 2 after the scale-down", lambda s: s[1] == 2 and s[2] > down)
+        removed_rc = pods[2].proc.wait(timeout=60)
+        rcs = [pod.proc.wait(timeout=120) for pod in pods[:2]]
+        finished = time.time()
+    finally:
+        for pod in pods:
+            pod.kill()
+    logs = "\n".join(f"--- pod {i} ---\n{pod.log.read_text()[-3000:]}" for i, pod in enumerate(pods))
+    trained = all_steps()
+    last2 = max(s for s, w, t in trained if w == 2 and t < grown[2])  # the steps each resize's stop saved
+    last3 = max(s for s, w, t in trained if w == 3)
+    print(f"scale-up: {grown[2] - up:.1f} s from the new pod's start to the first step at world 3 (step {grown[0]} "
+          f"after {last2}); scale-down: {shrunk[2] - down:.1f} s from SIGTERM to the next step at world 2 (step "
+          f"{shrunk[0]} after {last3}); whole run {finished - started:.1f} s, one pod alone {alone_s:.1f} s")
+    assert rcs == [0, 0], logs
+    assert removed_rc != 0 or "not marking the run complete" in pods[2].log.read_text(), logs
+    assert (volumes[0] / "COMPLETED").is_file() and (volumes[1] / "COMPLETED").is_file(), logs
+    assert not (volumes[2] / "COMPLETED").exists(), f"the removed pod marked the run complete\n{logs}"
+    # Each size ran, the job ended at world 2, and no step was lost or redone: each resize's stop saved
+    # the step the ranks agreed on, and the re-formed job continued right after it.
+    assert {w for _, w, _ in trained} == {2, 3} and trained[-1][:2] == (steps, 2), trained[-5:]
+    assert sorted({s for s, _, _ in trained}) == list(range(1, steps + 1))
+    assert (grown[0], shrunk[0]) == (last2 + 1, last3 + 1), (last2, grown, last3, shrunk)
+    finals = [v / "final.pt" for v in volumes if (v / "final.pt").is_file()]
+    assert len(finals) == 1 and finals[0].parent != volumes[2], finals
+    final = torch.load(finals[0], map_location="cpu", weights_only=True)
+    assert final.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(final[name], reference[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    # And after every step, whichever world trained it (the steps each stop saved included).
+    alone_steps = {int(p.name.split("-")[0]): p for p in records["alone"].glob("*.pt")}
+    pod_records = sorted(records["pods"].glob("*.pt"))
+    assert sorted(alone_steps) == list(range(1, steps + 1))
+    assert sorted({int(p.name.split("-")[0]) for p in pod_records}) == list(range(1, steps + 1))
+    for record in pod_records:
+        step = int(record.name.split("-")[0])
+        got = torch.load(record, map_location="cpu", weights_only=True)
+        want = torch.load(alone_steps[step], map_location="cpu", weights_only=True)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5,
+                                       msg=lambda m: f"step {step}, {name}: {m}")

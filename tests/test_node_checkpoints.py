@@ -10,6 +10,7 @@ docker/entrypoint.sh and torchrun, is `tests/test_deploy.py::test_per_node_volum
 from __future__ import annotations
 
 import os
+import signal
 import warnings
 
 import pytest
@@ -157,3 +158,77 @@ def test_layout_is_detected(tmp_path):
         assert per_node == (0, 0, 2, 2)
         assert forced == (0, 0, 2, 2)
         assert leftover == [], f"marker files left behind: {leftover}"
+
+
+def _pod_context(rank: int, world: int) -> DistributedContext:
+    """One process per node, as in the StatefulSet test: every rank is its node's local rank 0."""
+    return DistributedContext(rank=rank, world_size=world, local_rank=0, local_world_size=1,
+                              device=torch.device("cpu"), backend="gloo")
+
+
+def pods_worker(rank, world, base, max_steps, stop_at, stopped):
+    """One phase of a job whose size changes between phases: rank r runs on pod r, with the directory
+    ``pod<r>`` (an empty one for a new pod). Trains the global batch 6 up to `max_steps` (epochs=2: 18
+    steps), checkpointing every 2; with `stop_at`, after that step SIGTERM reaches the last pod
+    (`stopped="last"`: Kubernetes stopping the pod a scale-down removes) or every pod (``"all"``:
+    torchrun restarting every node's workers to grow the job), and every rank stops at the step they
+    agree on. Returns the full state after each step trained, what the directory holds, the last step."""
+    torch.manual_seed(0)
+    directory = os.path.join(base, f"pod{rank}")
+    trainer = DistributedTrainer(tiny_gpt(), sgd_momentum, strategy="zero3", context=_pod_context(rank, world),
+                                 seed=3, checkpoint_dir=directory, checkpoint_every=2, keep_last=2)
+    states: dict[int, dict] = {}
+
+    def record(step, _metrics):
+        states[step] = {k: v.clone() for k, v in trainer.strategy.model_state_dict(trainer.model).items()}
+        if step == stop_at and (stopped == "all" or rank == world - 1):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        trainer.fit(tiny_gpt_data(), epochs=2, global_batch_size=6, max_steps=max_steps, log_every=1, on_step=record)
+    except SystemExit as stop:  # fit passes the agreed SIGTERM on: SystemExit(143) on every rank
+        assert stop_at is not None and stop.code == 128 + signal.SIGTERM, stop.code
+    trainer.close()
+    torch.distributed.barrier()
+    manager = CheckpointManager(directory)
+    held = {s: sorted(os.listdir(manager.path_for(s))) for s in manager.steps()}
+    return states, held, trainer.step
+
+
+@pytest.mark.slow
+def test_pods_scaled_up_and_down_resume_with_their_own_directories(tmp_path):
+    """The StatefulSet scaled 2 -> 3 -> 2 -> 3 pods, each with its own volume. Growing, every pod's workers
+    get SIGTERM (first growth) or the job stops at max_steps (second), and the new pod starts with an
+    empty directory, the second time with one kept from the first (older steps only); shrinking, the
+    removed pod alone gets SIGTERM and leaves with its directory. Every phase resumes from the last step
+    of the one before (for the shrink, the stop's checkpoint, made whole on every pod), and after every
+    step the parameters equal one process with one directory (global batch 6 at 1, 2 and 3 pods)."""
+    reference = run_distributed(pods_worker, 1, args=(str(tmp_path / "one"), 18, None, None), timeout=120)[0][0]
+    base = str(tmp_path / "pods")
+    trained: dict[int, dict] = {}
+    last = 0
+    for world, max_steps, stop_at, stopped in ((2, 18, 3, "all"), (3, 14, 7, "last"), (2, 12, None, None),
+                                               (3, 18, None, None)):
+        stale = CheckpointManager(os.path.join(base, "pod2")).steps()
+        results = run_distributed(pods_worker, world, args=(base, max_steps, stop_at, stopped), timeout=120)
+        end = results[0][2]
+        for rank, (states, held, step) in enumerate(results):
+            assert step == end and sorted(states) == list(range(last + 1, end + 1)), (world, rank, sorted(states))
+            assert end in held and held[end][:2] == ["meta.pt", "meta.pt.sha256"], (world, rank, held)
+            if stop_at is not None:
+                assert end in (stop_at + 1, stop_at + 2), (stop_at, end)
+            if stopped == "last":  # a pod leaves: the stop's checkpoint holds every rank's file on every pod
+                assert held[end][2:] == ["rank0.pt", "rank1.pt", "rank2.pt"], held
+            elif stopped == "all":  # the whole job stops: nobody leaves, nothing is copied
+                assert held[end][2:] == [f"rank{rank}.pt"], held
+        if world == 3 and stopped is None:
+            assert stale and max(stale) < last, stale  # the pod removed earlier kept its volume: older steps only
+        elif world == 3:
+            assert stale == [], stale
+        trained.update(results[0][0])
+        last = end
+    assert last == 18 and sorted(trained) == list(range(1, 19))
+    for step in range(1, 19):
+        for key, value in reference[step].items():
+            torch.testing.assert_close(trained[step][key], value, rtol=0, atol=1e-5,
+                                       msg=lambda m: f"step {step}, {key}: {m}")
