@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import pickle
 import queue
 import threading
 import time
@@ -198,29 +199,52 @@ def serialize(obj: Any) -> bytes:
 
 # ------------------------------------------------------------------ digests
 class DigestExchange:
-    """Each rank's file digest for the checkpoint being written, through the rendezvous store.
+    """What the directory's writer needs from every rank for the checkpoint being written, through the
+    rendezvous store: each rank's summary of what it holds (published by the training thread at the
+    snapshot) and its file's digest (published by its writer thread once the file is written).
 
-    One key per rank (overwritten by each checkpoint, so nothing accumulates in the store), holding
-    ``"<token> <sha256>"`` or ``"<token> !<error>"``; the token, drawn by rank 0 for each checkpoint,
-    tells this checkpoint's value from the previous one's.
+    Keys of their own for each checkpoint (its token, the same on every rank and never reused), rank
+    and kind: a rank may snapshot the next checkpoint before a slow writer has read its values for this
+    one. A digest is ``"!<error>"`` when the rank's write failed. Each rank deletes its keys of the
+    checkpoint before the previous one when it publishes (`forget`): by then every writer has read them
+    (a writer's training thread waits for its write before the next snapshot, and no rank gets two
+    checkpoints ahead of another), so nothing accumulates in the store.
     """
 
     PREFIX = "distributed_training/checkpoint_digest/"
+    SUMMARY = "distributed_training/checkpoint_summary/"
 
     def __init__(self, store, rank: int, world_size: int) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self._mine: str | None = None
+        self._summary: Any = None
 
     def publish(self, token: str, digest: str) -> None:
         if self.store is None:
             self._mine = digest
             return
-        self.store.set(f"{self.PREFIX}{self.rank}", f"{token} {digest}")
+        self.store.set(f"{self.PREFIX}{token}/{self.rank}", digest)
+
+    def forget(self, token: str) -> None:
+        """Delete this rank's keys of an earlier checkpoint (`token`)."""
+        if self.store is not None:
+            for prefix in (self.PREFIX, self.SUMMARY):
+                try:
+                    self.store.delete_key(f"{prefix}{token}/{self.rank}")
+                except Exception:  # a store without delete_key: the keys stay (small)
+                    pass
+
+    def publish_summary(self, token: str, value: Any) -> None:
+        """This rank's (picklable) summary of what it holds."""
+        if self.store is None:
+            self._summary = value
+            return
+        self.store.set(f"{self.SUMMARY}{token}/{self.rank}", pickle.dumps(value))
 
     def publish_error(self, token: str, message: str) -> None:
         if self.store is not None:
             try:
-                self.store.set(f"{self.PREFIX}{self.rank}", f"{token} !{message}")
+                self.store.set(f"{self.PREFIX}{token}/{self.rank}", f"!{message}")
             except Exception:  # the store is gone too: the writer will time out, or the job is ending
                 pass
 
@@ -228,31 +252,45 @@ class DigestExchange:
         """Every rank's digest for checkpoint `path`, in rank order, once all are published."""
         if self.store is None:  # one rank
             return [self._mine]
-        found: dict[int, str] = {}
+
+        def parse(rank: int, value: bytes) -> str:
+            text = value.decode()
+            if text.startswith("!"):
+                raise CheckpointWriteError(f"checkpoint {path!r} is incomplete: rank {rank} failed to write its "
+                                           f"file: {text[1:]}")
+            return text
+
+        return self._collect(self.PREFIX, token, path, stop, timeout, parse, "write their files")
+
+    def collect_summaries(self, token: str, path: str, stop: threading.Event,
+                          timeout: float = PEER_TIMEOUT_S) -> list[Any]:
+        """Every rank's summary for checkpoint `path`, in rank order."""
+        if self.store is None:
+            return [self._summary]
+        return self._collect(self.SUMMARY, token, path, stop, timeout, lambda rank, value: pickle.loads(value),
+                             "say what they hold")
+
+    def _collect(self, prefix: str, token: str, path: str, stop: threading.Event, timeout: float,
+                 parse: Callable[[int, bytes], Any], what: str) -> list[Any]:
+        found: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         pause = 0.002
         while True:
             for rank in range(self.world_size):
                 if rank in found:
                     continue
-                key = f"{self.PREFIX}{rank}"
+                key = f"{prefix}{token}/{rank}"
                 if not self.store.check([key]):
                     continue
-                got, _, value = self.store.get(key).decode().partition(" ")
-                if got != token:
-                    continue  # still the previous checkpoint's
-                if value.startswith("!"):
-                    raise CheckpointWriteError(f"checkpoint {path!r} is incomplete: rank {rank} failed to write its "
-                                               f"file: {value[1:]}")
-                found[rank] = value
+                found[rank] = parse(rank, self.store.get(key))
             if len(found) == self.world_size:
                 return [found[r] for r in range(self.world_size)]
             if stop.is_set():
                 raise _Abandoned()
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if r not in found]
-                raise CheckpointWriteError(f"checkpoint {path!r} is incomplete: rank(s) {missing} did not write "
-                                           f"their files within {timeout:.0f} s")
+                raise CheckpointWriteError(f"checkpoint {path!r} is incomplete: rank(s) {missing} did not {what} "
+                                           f"within {timeout:.0f} s")
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
 

@@ -334,6 +334,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         self.checkpoint_async = checkpoint_async
         self._checkpoint_write = None  # the background write in flight (checkpoint_async), if any
         self._staging = None  # its pinned host buffers, reused from one checkpoint to the next
+        self._background_id, self._background_count = None, 0  # names of background checkpoints (store)
         self._layouts: dict[str, DirectoryLayout] = {}
         self.save_on_preemption = save_on_preemption
         # What the optimizer and the schedule were configured with, before any step or resume: compared

@@ -152,18 +152,21 @@ class Checkpointing:
         part = {k: v if k in ("params", "optim", "optim_scalars", "buffers", "rng") else host_copy(v, host_clone)
                 for k, v in part.items()}
         metrics = {k: staging.now(v) if torch.is_tensor(v) else v for k, v in metrics.items()}
-        ready = staging.ready(self.optimizer)  # issued before the all-gather below, which may wait for the device
-        token = uuid.uuid4().hex
-        mine = (summary(packed), sorted(part["buffers"]), self.dp_rank, token)
-        every = [mine]
-        if ctx.world_size > 1:
-            every = [None] * ctx.world_size
-            dist.all_gather_object(every, mine, group=ctx.group)
-        token = every[0][3]  # rank 0's draw names this checkpoint's digests
+        ready = staging.ready(self.optimizer)
+        # No collective here: one would read its result on the host and so wait for the device (all the
+        # step's queued kernels). The checkpoint's name in the store is this incarnation's (agreed once,
+        # at its first background checkpoint) plus a count; what each rank holds goes through the store
+        # too, read by the directory's writer in its thread.
+        token = self._background_token()
         layout = self._layout(path)
         rank, writer = ctx.rank, layout.writer_of[ctx.rank] == ctx.rank
-        meta = host_copy(self._meta(held, packed, [e[:3] for e in every], None), host_clone) if writer else None
         exchange = DigestExchange(default_store() if ctx.world_size > 1 else None, rank, ctx.world_size)
+        mine = (summary(packed), sorted(part["buffers"]), self.dp_rank)
+        exchange.publish_summary(token, mine)
+        if self._background_count > 2:
+            exchange.forget(f"{self._background_id}.{self._background_count - 2}")
+        meta = host_copy(self._meta(held, packed, None, None), host_clone) if writer else None
+        param_groups = packed["param_groups"]
         manager, step = self.checkpoints, self.step
         os.makedirs(path, exist_ok=True)
 
@@ -187,6 +190,7 @@ class Checkpointing:
             if not writer:
                 return
             digests = exchange.collect(token, path, stop)
+            meta.update(self._meta_ranks(exchange.collect_summaries(token, path, stop), param_groups))
             meta["metrics"] = values
             meta.update(layout.checksums(rank, digests))
             try:
@@ -309,13 +313,40 @@ class Checkpointing:
         part["buffers"] = {k: buffers_to_host(b.detach()) for k, b in self.strategy.buffers(self.model).items()}
         return held, packed, part
 
-    def _meta(self, held, packed: dict[str, Any], every: list[tuple], metrics: dict[str, float] | None) -> dict[str, Any]:
-        """``meta.pt`` but its checksums; `every` holds each rank's (summary of its pieces, buffer keys,
+    def _background_token(self) -> str:
+        """The name of this background checkpoint in the rendezvous store, the same on every rank: an id
+        of this incarnation of the job (rank 0's draw, broadcast at the first background checkpoint: the
+        only collective of the later ones' snapshots) and a count (every rank checkpoints at the same
+        steps). A restarted job draws a new id, so values a previous incarnation left in the store are
+        never taken for this one's."""
+        if self._background_id is None:
+            drawn = [uuid.uuid4().hex]
+            if self.context.world_size > 1:
+                dist.broadcast_object_list(drawn, src=dist.get_global_rank(self.context.group, 0)
+                                           if self.context.group is not None else 0, group=self.context.group)
+            self._background_id, self._background_count = drawn[0], 0
+        self._background_count += 1
+        return f"{self._background_id}.{self._background_count}"
+
+    @staticmethod
+    def _meta_ranks(every: list[tuple], param_groups) -> dict[str, Any]:
+        """The part of ``meta.pt`` built from every rank's (summary of its pieces, buffer keys,
         data-parallel rank)."""
         buffer_index: dict[str, list[int]] = {}
         for rank, (_, keys, _) in enumerate(every):
             for key in keys:
                 buffer_index.setdefault(key, []).append(rank)
+        return {
+            "index": build_index([sm for sm, _, _ in every], param_groups),
+            "buffer_index": buffer_index,  # key -> the ranks whose file holds that buffer
+            "dp_rank_of": [dp for *_, dp in every],  # each rank's data-parallel replica
+        }
+
+    def _meta(self, held, packed: dict[str, Any], every: list[tuple] | None,
+              metrics: dict[str, float] | None) -> dict[str, Any]:
+        """``meta.pt`` but its checksums; `every` holds each rank's (summary of its pieces, buffer keys,
+        data-parallel rank); None: without the parts built from it (`_meta_ranks`, added later)."""
+        ranks = self._meta_ranks(every, packed["param_groups"]) if every is not None else {}
         return {
             "step": self.step,
             "epoch": self.epoch,
@@ -329,9 +360,7 @@ class Checkpointing:
             "strategy": self.strategy.name,
             "checkpoint_format": FORMAT,
             "shapes": held.shapes,
-            "index": build_index([sm for sm, _, _ in every], packed["param_groups"]),
-            "buffer_index": buffer_index,  # key -> the ranks whose file holds that buffer
-            "dp_rank_of": [dp for *_, dp in every],  # each rank's data-parallel replica
+            **ranks,
             "config": self.config,
             "optimizer_hparams": self._configured_hparams,
             "fit": dict(self._fit_limits),
