@@ -167,13 +167,24 @@ def agree_on_checkpoint(manager: CheckpointManager, context,
                 if is_writer else None)
     held = {w: set(steps) for w, steps in enumerate(_gather(complete, context)) if w in writers}
     candidates = set().union(*held.values())
+    share_missing: list[int] = []  # steps passed over because some rank's file is in no directory here
     while True:
         if not candidates:
+            by_writer = {w: sorted(s) for w, s in held.items() if s}
+            if share_missing:
+                # A node that held part of every checkpoint is not here (lost without a stop, its
+                # volume elsewhere): starting from step 0 would throw the run away. Same on every rank.
+                raise RuntimeError(
+                    f"checkpoints exist in the nodes' directories (complete steps by the rank writing each: "
+                    f"{by_writer}) but none is whole among the nodes here: step(s) {sorted(share_missing)} lack "
+                    "rank files that no directory here holds (with a checkpoint directory per node, a node lost "
+                    "without a stop takes its share of each checkpoint with it). Bring that node or its volume "
+                    "back (the job resumes once it rejoins), or use one shared checkpoint directory; to start from "
+                    "step 0 instead, move the checkpoints away (or set resume off)")
             if any(held.values()) and rank == 0:
                 warnings.warn(
                     "no checkpoint is intact and whole over the nodes' checkpoint directories (complete steps by "
-                    f"the rank writing each directory: { {w: sorted(s) for w, s in held.items() if s} }); training "
-                    "starts from step 0", stacklevel=3)
+                    f"the rank writing each directory: {by_writer}); training starts from step 0", stacklevel=3)
             return None
         step = max(candidates)
         candidates.discard(step)
@@ -200,7 +211,8 @@ def agree_on_checkpoint(manager: CheckpointManager, context,
                               "(their rank files' digests differ); falling back to an earlier one", stacklevel=3)
             continue
         if not set(digests) <= set().union(*(answers[w]["files"] for w in holders)):
-            continue  # some rank's file is nowhere: the save did not finish on every node
+            share_missing.append(step)  # some rank's file is nowhere here: a node died saving it, or is gone
+            continue
         lacking = [w for w in writers if answers[w] is None]
         if layout.writer_of[rank] in holders:
             meta = load_file(os.path.join(path, "meta.pt"))

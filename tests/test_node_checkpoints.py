@@ -232,3 +232,26 @@ def test_pods_scaled_up_and_down_resume_with_their_own_directories(tmp_path):
         for key, value in reference[step].items():
             torch.testing.assert_close(trained[step][key], value, rtol=0, atol=1e-5,
                                        msg=lambda m: f"step {step}, {key}: {m}")
+
+
+def pod_lost_worker(rank, world, base):
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(tiny_gpt(), sgd_momentum, strategy="zero3", context=_pod_context(rank, world),
+                                 seed=3, checkpoint_dir=os.path.join(base, f"pod{rank}"), checkpoint_every=2)
+    with pytest.raises(RuntimeError) as caught:
+        trainer.fit(tiny_gpt_data(), epochs=2, global_batch_size=6, max_steps=18, log_every=1)
+    trainer.close()
+    return str(caught.value)
+
+
+@pytest.mark.slow
+def test_a_pod_lost_without_a_stop_is_an_error_not_a_fresh_start(tmp_path):
+    """Three pods checkpoint (each holds its share: ZeRO-3); pod 2 is then lost without a stop, its volume
+    with it. The two left cannot resume whole: every rank refuses, naming the steps and what to do,
+    instead of throwing the run away by training from step 0."""
+    base = str(tmp_path)
+    run_distributed(pods_worker, 3, args=(base, 6, None, None), timeout=120)
+    messages = run_distributed(pod_lost_worker, 2, args=(base,), timeout=120)
+    for message in messages:
+        assert "none is whole among the nodes here" in message and "[4, 6]" in message, message
+        assert "Bring that node or its volume back" in message, message
