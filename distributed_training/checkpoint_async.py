@@ -6,7 +6,7 @@ contents of ``meta.pt`` but its checksums) into host memory, and hands the snaps
 background thread, which writes it with the same crash-proof steps as a synchronous save
 (`distributed_training.checkpoint`: a temporary name, fsync, rename, ``meta.pt`` last) and prunes old
 checkpoints. Training goes on meanwhile. What remains synchronous is queueing the copies to host
-memory and one small all-gather (what each rank holds; the same one a synchronous save does).
+memory and publishing what this rank holds in the rendezvous store (a synchronous save all-gathers it).
 
 On CUDA the copies go into pinned host buffers, allocated at the first checkpoint and reused (pinning
 memory is slow). The parameters' and optimizer state's copies are issued together on a side stream
@@ -15,8 +15,9 @@ the optimizer's next ``step`` (which changes them) waits for the copies on the d
 one-shot step pre-hook (`HostStaging`). Buffers (changed by the next forward) and the step's metrics
 are copied on the compute stream at once. The snapshot itself never waits for the device (an optimizer
 scalar such as a fused Adam's ``step`` is staged too, not read with ``.cpu()``, and the metrics are
-read by the writer thread); only the all-gather does on NCCL (``all_gather_object`` reads its result on
-the host), after the copies are queued. The writer thread waits on an event recorded behind the copies before it reads a byte.
+read by the writer thread), and it runs no collective (``all_gather_object`` would read its result on
+the host, waiting for every queued kernel). The writer thread waits on an event recorded behind the
+copies before it reads a byte.
 
 The write holds the GIL as little as it can (a training thread that dispatches operators from Python
 needs it all the time): `torch.save` streams straight into the file (`checkpoint.atomic_save`), so
@@ -26,9 +27,9 @@ buffers) and written (``FileIO.write`` releases it too), never copied in memory.
 
 ``meta.pt`` lists the SHA-256 of every rank's file, which is known only once that rank's thread has
 serialised it. The threads do not run collectives (they would race the training thread's); each rank
-publishes its digest under a key of its own in the rendezvous store (`DigestExchange`), tagged with a
-token that rank 0 drew for this checkpoint, and each directory's writer (rank 0, or each node's first
-rank with a directory per node) waits for the digests before writing ``meta.pt``. A rank whose write
+publishes its summary and its digest under keys of this checkpoint's own in the rendezvous store
+(`DigestExchange`), and each directory's writer (rank 0, or each node's first rank with a directory per
+node) waits for every rank's before writing ``meta.pt``. A rank whose write
 fails publishes the error instead, so the writer gives up at once, naming it.
 
 What holds, as for a synchronous save: a checkpoint counts only once its ``meta.pt`` is written and
