@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _build(cfg: JobConfig):
     """(model, train set, validation set, criterion or None) for the config."""
+    from . import user_job
+
+    if user_job.uses_user_code(cfg):  # model.target, data.target, ...: the user's own parts
+        return user_job.build(cfg, builtin=_build)
     from .datasets import TextWindows, digits, repo_text
     from .models import GPT, GPT_PRESETS
 
@@ -126,6 +130,7 @@ def _build(cfg: JobConfig):
 
 def run_job(cfg: JobConfig) -> dict:
     """Train as the config says; return rank 0's final metrics (others: {})."""
+    from . import user_job
     from .trainer import DistributedTrainer
 
     model, train, val, criterion = _build(cfg)
@@ -189,7 +194,7 @@ def run_job(cfg: JobConfig) -> dict:
         pipeline = f", {' x '.join(layout)} x {trainer.dp_world_size} data-parallel" if layout else ""
         log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
                  type(model).__name__, f"{n_params:,}", trainer.strategy.name, pipeline, ctx.world_size,
-                 ctx.device, f"{len(train):,}")
+                 ctx.device, user_job.sample_count(train))
         batching = {"batch_size": t.batch_size}
         if t.global_batch_size is not None:  # fit() cuts it at this size (and says how)
             batching = {"global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
@@ -203,11 +208,14 @@ def run_job(cfg: JobConfig) -> dict:
                 batch_size = trainer.checkpoints.latest_good()[1].get("batch_size")
         # fit() shards by data-parallel replica: the ranks of one pipeline read the same batches.
         drop_last = pipelined and _short_last_batch(trainer, train, batch_size)
-        epochs = _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last)
-        trainer.fit(train, epochs=epochs, criterion=criterion, **batching, max_steps=t.max_steps,
+        epochs = (user_job.iterable_epochs(t.epochs, t.max_steps) if user_job.is_iterable(train) else
+                  _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last))
+        data = user_job.train_data(cfg, train, batch_size, trainer.dp_rank, trainer.dp_world_size)
+        trainer.fit(data, epochs=epochs, criterion=criterion, **batching, max_steps=t.max_steps,
                     log_every=cfg.logging.every, drop_last=drop_last,
                     on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main else None)
-        metrics = _validate(trainer, val, criterion, trainer.batch_size or batch_size) if len(val) else {}
+        metrics = (_validate(trainer, user_job.val_data(cfg, val, trainer.batch_size or batch_size), criterion,
+                             trainer.batch_size or batch_size) if len(val) else {})
         state = trainer.strategy.model_state_dict(trainer.model)
         log.info("dtrain: finished at step %d, validation loss %.4f", trainer.step, metrics.get("loss", math.nan))
         if ctx.is_main:
@@ -342,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("a config file is required (or --print-config)")
         # Validated before the process group exists: a bad config costs no rendezvous, and no rank waits.
         cfg = load_config(args.config, overrides)
+        from .user_job import add_import_dirs
+
+        add_import_dirs(args.config)  # the user's my_pkg next to the YAML (model.target, ...)
         run_job(cfg)
     except ConfigError as err:
         _report_once(f"dtrain: invalid config: {err}")

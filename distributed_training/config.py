@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .models import GPT_PRESETS
 from .pipeline.schedules import SCHEDULES
@@ -56,6 +56,18 @@ Float = Annotated[float, BeforeValidator(_number)]
 PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_whole)]
 PositiveFloat = Annotated[float, Field(gt=0), BeforeValidator(_number)]
 PathStr = Annotated[str, Field(min_length=1)]
+#: A function or class named by import path: ``package.module:name`` (or ``package.module.name``).
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*[:.][A-Za-z_][\w.]*")
+
+
+def _import_path(value: str) -> str:
+    if not _IMPORT_PATH.fullmatch(value) or ".." in value or value.endswith("."):
+        raise ValueError("an import path looks like 'package.module:name'")
+    return value
+
+
+ImportPath = Annotated[str, AfterValidator(_import_path)]
+Kwargs = dict[str, Any]
 Preset = Literal[tuple(GPT_PRESETS) + ("classifier",)]  # type: ignore[valid-type]
 Schedule = Literal[SCHEDULES]  # type: ignore[valid-type]
 
@@ -76,6 +88,12 @@ class ModelConfig(_Section):
     """Override the preset's width (a multiple of the preset's number of heads)."""
     dropout: Annotated[Float, Field(ge=0, lt=1)] = 0.0
     """Dropout probability, in [0, 1)."""
+    target: Optional[ImportPath] = None
+    """Your own model instead of a preset: the import path of a function or class that returns an
+    nn.Module (``my_pkg.models:build``; the config file's directory and the working directory are
+    importable), called with ``kwargs`` after seeding with training.seed."""
+    kwargs: Kwargs = Field(default_factory=dict)
+    """Keyword arguments of ``model.target``."""
 
 
 class DataConfig(_Section):
@@ -86,6 +104,26 @@ class DataConfig(_Section):
     """Tokens per language-model sample, 1 to 8192 (the corpus is about 500k bytes)."""
     val_fraction: Annotated[Float, Field(ge=0, lt=1)] = 0.1
     """Share of the samples held out for validation, in [0, 1)."""
+    target: Optional[ImportPath] = None
+    """Your own training set instead of ``dataset``: the import path of a function or class called with
+    ``kwargs`` that returns a map-style dataset (__getitem__, __len__: sharded and shuffled over the
+    ranks, ``val_fraction`` of it held out) or an iterable of samples (read in order, sample k to
+    data-parallel replica k % W)."""
+    kwargs: Kwargs = Field(default_factory=dict)
+    """Keyword arguments of ``data.target``."""
+    val_target: Optional[ImportPath] = None
+    """The validation set's factory, called with ``val_kwargs`` (default: ``data.target`` when
+    ``val_kwargs`` is given; neither: ``val_fraction`` of a map-style training set)."""
+    val_kwargs: Optional[Kwargs] = None
+    """Keyword arguments of the validation set's factory (e.g. {split: val})."""
+    collate: Optional[ImportPath] = None
+    """Import path of the function (or class, instantiated with ``collate_kwargs``) that makes a batch
+    of a list of samples (default: torch's, which stacks tensors)."""
+    collate_kwargs: Kwargs = Field(default_factory=dict)
+    """Keyword arguments of ``data.collate`` (bound to a function, or the class's)."""
+    shard_iterable: bool = True
+    """With an iterable ``data.target``: deal its samples to the data-parallel replicas (false: the
+    dataset gives each rank its own samples, e.g. by reading torch.distributed's rank)."""
 
 
 class TrainingConfig(_Section):
@@ -185,6 +223,16 @@ class CommunicationConfig(_Section):
     """With ``hierarchical``: ranks per node (default: the launcher's LOCAL_WORLD_SIZE)."""
 
 
+class LossConfig(_Section):
+    target: Optional[ImportPath] = None
+    """Import path of the loss: a function ``loss(outputs, targets)`` (``kwargs`` bound) or a class
+    instantiated with ``kwargs`` (``torch.nn:CrossEntropyLoss``); batches are then (inputs, targets).
+    Default: cross-entropy for the classifier / digits, else the model returns the loss (each batch is
+    the model's input)."""
+    kwargs: Kwargs = Field(default_factory=dict)
+    """Keyword arguments of ``loss.target``."""
+
+
 class CheckpointConfig(_Section):
     dir: Optional[PathStr] = None
     """Directory of the run's checkpoints (``step_<N>/`` each); null: no checkpoints."""
@@ -216,6 +264,7 @@ class JobConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     output: Optional[PathStr] = None
@@ -233,7 +282,9 @@ class JobConfig(_Section):
     def _fields_agree(self) -> "JobConfig":
         # Rules between fields; each error still starts with the path of the field to change.
         t, c, m = self.training, self.communication, self.model
-        if (m.preset == "classifier") != (self.data.dataset == "digits"):
+        self._user_code_agrees()
+        user_code = m.target is not None or self.data.target is not None
+        if not user_code and (m.preset == "classifier") != (self.data.dataset == "digits"):
             raise ConfigError("model.preset 'classifier' goes with data.dataset 'digits' (and GPT presets with 'repo_text')")
         if m.n_embd is not None and m.preset in GPT_PRESETS and m.n_embd % GPT_PRESETS[m.preset].n_head:
             raise ConfigError(f"model.n_embd must be a multiple of preset {m.preset!r}'s "
@@ -259,6 +310,41 @@ class JobConfig(_Section):
         self._pipeline_agrees()
         self._tensor_agrees()
         return self
+
+    def _user_code_agrees(self) -> None:
+        """The user's own model / data (``target`` fields, see `user_job`) replace the built-in fields."""
+        m, d = self.model, self.data
+        if m.target is not None:
+            given = [f"model.{f}" for f in ("preset", "n_layer", "n_embd") if f in m.model_fields_set]
+            if given:
+                raise ConfigError(f"model.target builds your own model: {', '.join(given)} (the built-in presets') "
+                                  "cannot go with it (pass what your model takes in model.kwargs)")
+        elif m.kwargs:
+            raise ConfigError("model.kwargs are the arguments of model.target, which is not given")
+        if d.target is not None:
+            given = [f"data.{f}" for f in ("dataset", "block_size") if f in d.model_fields_set]
+            if given:
+                raise ConfigError(f"data.target reads your own data: {', '.join(given)} (the built-in datasets') "
+                                  "cannot go with it (pass what your dataset takes in data.kwargs)")
+            if (d.val_target is not None or d.val_kwargs is not None) and "val_fraction" in d.model_fields_set:
+                raise ConfigError("data.val_fraction splits the training set, but data.val_target / data.val_kwargs "
+                                  "give the validation set: keep one of them")
+        else:
+            given = [f"data.{f}" for f in ("kwargs", "val_target", "val_kwargs") if getattr(d, f)]
+            if given:
+                raise ConfigError(f"{', '.join(given)} go with data.target (your own dataset), which is not given")
+        if d.collate_kwargs and d.collate is None:
+            raise ConfigError("data.collate_kwargs are the arguments of data.collate, which is not given")
+        if self.loss.kwargs and self.loss.target is None:
+            raise ConfigError("loss.kwargs are the arguments of loss.target, which is not given")
+        if (d.target is not None or d.collate is not None) and self.training.batch_size == "auto":
+            raise ConfigError("training.batch_size 'auto' with data.target / data.collate is not supported yet: give "
+                              "a number")
+        t = self.training
+        if ((m.target is not None or d.target is not None) and t.pipeline_parallel_size > 1
+                and t.pipeline_balance == "time" and t.pipeline_split_points is None):
+            raise ConfigError("training.pipeline_balance 'time' with model.target / data.target is not supported yet: "
+                              "balance by parameters or give training.pipeline_split_points")
 
     def _tensor_agrees(self) -> None:
         """The tensor-parallel fields checked by the trainer's own rules (`TensorOptions`), each error
