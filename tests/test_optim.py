@@ -222,3 +222,84 @@ def test_under_ddp_and_zero3_equal_to_one_process(kind, strategy):
         assert worst <= 1e-9, (kind, strategy, worst)  # float64; the sums are ordered differently
         if strategy == "zero3":
             assert layers > 1  # a shard held slices of several layers: the case the segments are for
+
+
+# ------------------------------------------------------------------------------ dtrain's sections
+def test_config_sections_and_their_errors_name_the_fields():
+    from distributed_training.config import ConfigError, load_config
+    from distributed_training.optim_job import job_optimizer, learning_rate
+
+    cfg = load_config({"training": {"lr": 0.1, "weight_decay": 0.01}})  # the older spelling still works
+    factory, scheduler = job_optimizer(cfg, nn.Linear(2, 2))
+    opt = factory(nn.Linear(2, 2).parameters())
+    assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["lr"] == 0.1 and scheduler is None
+    assert opt.param_groups[0]["weight_decay"] == 0.01
+    bad = [
+        ({"training": {"lr": 0.1}, "optimizer": {"lr": 0.2}}, "training.lr (0.1) and optimizer.lr (0.2)"),
+        ({"training": {"weight_decay": 0.1}, "optimizer": {"weight_decay": 0.2}}, "optimizer.weight_decay"),
+        ({"optimizer": {"name": "adam"}}, "optimizer.name"),
+        ({"optimizer": {"name": "adamw", "nesterov": True}}, "optimizer.nesterov"),
+        ({"optimizer": {"betas": [0.9]}}, "optimizer.betas"),
+        ({"optimizer": {"name": "lars"}, "training": {"strategy": "zero1"}}, "training.strategy 'zero1'"),
+        ({"optimizer": {"exclude_from_weight_decay": ["bias"]}, "training": {"strategy": "zero3"}},
+         "optimizer.exclude_from_weight_decay"),
+        ({"schedule": {"kind": "cosine"}}, "schedule.total_steps"),
+        ({"schedule": {"kind": "cosine", "warmup_steps": 10}, "training": {"max_steps": 10}}, "schedule.warmup_steps"),
+        ({"schedule": {"kind": "linear", "min_lr": 1.0}, "training": {"max_steps": 10}}, "schedule.min_lr"),
+        ({"schedule": {"milestones": [3]}}, "schedule.milestones"),
+        ({"schedule": {"kind": "step", "milestones": [5, 3]}}, "schedule.milestones"),
+        ({"schedule": {"base_batch_size": 64}}, "schedule.base_batch_size"),
+        ({"schedule": {"scale_lr_with_batch": True}, "training": {"batch_size": "auto"}}, "schedule.scale_lr_with_batch"),
+        ({"schedule": {"bogus": 1}}, "schedule.bogus"),
+    ]
+    for raw, field in bad:
+        with pytest.raises(ConfigError, match=re.escape(field)):
+            load_config(raw)
+    cfg = load_config({"training": {"batch_size": 32, "gradient_accumulation_steps": 2}, "optimizer": {"lr": 0.1},
+                       "schedule": {"scale_lr_with_batch": True, "base_batch_size": 256}})
+    assert learning_rate(cfg) == pytest.approx(0.1 * 64 / 256)  # one process: global batch 32 x 2
+
+
+def _dtrain(tmp_path, name, *sets):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    args = [sys.executable, "-m", "distributed_training", "examples/configs/digits_zero3.yaml",
+            "--set", "training.strategy=ddp", "--set", "training.batch_size=64", "--set", "training.epochs=1",
+            "--set", "optimizer.name=lars", "--set", "training.lr=2.0", "--set", "optimizer.weight_decay=1e-4",
+            "--set", "optimizer.exclude_from_weight_decay=[bias]", "--set", "schedule.kind=cosine",
+            "--set", "schedule.warmup_steps=6", "--set", "schedule.total_steps=12", "--set", "logging.every=1",
+            "--set", "logging.progress=false", "--set", f"logging.dir={tmp_path / name}",
+            "--set", f"output={tmp_path / name}.pt", *[a for s in sets for a in ("--set", s)]]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    return out.stdout + out.stderr
+
+
+def _lrs_and_losses(log_dir):
+    import json
+
+    rows = [json.loads(line) for line in (log_dir / "rank_0" / "metrics.jsonl").read_text().splitlines()]
+    return [(r.get("train/lr"), r["train/loss"]) for r in rows if "train/loss" in r]
+
+
+@pytest.mark.timeout(300)
+def test_dtrain_resumed_mid_warmup_equals_an_unbroken_run(tmp_path):
+    """LARS with a warm-up then cosine schedule: 4 steps, checkpoint, then resumed to 12 (mid-warm-up at
+    step 4 of 6), against 12 steps in one go: the same learning rates, losses and final weights."""
+    ckpt = tmp_path / "ckpt"
+    _dtrain(tmp_path, "whole", "training.max_steps=12")
+    _dtrain(tmp_path, "first", "training.max_steps=4", f"checkpoint.dir={ckpt}", "checkpoint.every=2")
+    out = _dtrain(tmp_path, "second", "training.max_steps=12", f"checkpoint.dir={ckpt}", "checkpoint.every=2")
+    assert "resumed from step 4" in out, out[-3000:]
+    whole = _lrs_and_losses(tmp_path / "whole")
+    parts = _lrs_and_losses(tmp_path / "first") + _lrs_and_losses(tmp_path / "second")
+    assert len(whole) == 12 and len(parts) == 12, (whole, parts)
+    assert whole[0][0] == pytest.approx(2.0 / 6) and whole[5][0] == pytest.approx(2.0), whole  # the warm-up
+    for (lr_a, loss_a), (lr_b, loss_b) in zip(whole, parts):
+        assert lr_a == pytest.approx(lr_b, rel=1e-12) and loss_a == pytest.approx(loss_b, abs=1e-6), (whole, parts)
+    a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "second.pt")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
