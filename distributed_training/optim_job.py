@@ -69,8 +69,6 @@ def check_optimizer_fields(cfg: "JobConfig") -> None:
         raise ConfigError(f"schedule.milestones are for schedule.kind 'step', not {s.kind!r}")
     if s.milestones != sorted(set(s.milestones)):
         raise ConfigError(f"schedule.milestones must be increasing, got {s.milestones}")
-    if _given(s, "base_batch_size") and not s.scale_lr_with_batch:
-        raise ConfigError("schedule.base_batch_size is for schedule.scale_lr_with_batch: true")
     if s.scale_lr_with_batch and t.global_batch_size is None and t.batch_size == "auto":
         raise ConfigError("schedule.scale_lr_with_batch needs a known batch: training.batch_size 'auto' is chosen "
                           "at start; give a number or training.global_batch_size")

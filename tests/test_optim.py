@@ -248,7 +248,6 @@ def test_config_sections_and_their_errors_name_the_fields():
         ({"schedule": {"kind": "linear", "min_lr": 1.0}, "training": {"max_steps": 10}}, "schedule.min_lr"),
         ({"schedule": {"milestones": [3]}}, "schedule.milestones"),
         ({"schedule": {"kind": "step", "milestones": [5, 3]}}, "schedule.milestones"),
-        ({"schedule": {"base_batch_size": 64}}, "schedule.base_batch_size"),
         ({"schedule": {"scale_lr_with_batch": True}, "training": {"batch_size": "auto"}}, "schedule.scale_lr_with_batch"),
         ({"schedule": {"bogus": 1}}, "schedule.bogus"),
     ]
