@@ -154,10 +154,12 @@ def run_job(cfg: JobConfig) -> dict:
     pipelined = t.pipeline_parallel_size > 1
     if pipelined:
         _check_pipeline_fits(cfg, model)
-    lr, wd = t.lr, t.weight_decay
+    from .optim_job import job_optimizer
+
+    optimizer, lr_scheduler = job_optimizer(cfg, model)
     try:
         trainer = DistributedTrainer(
-            model, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=wd), strategy=strategy,
+            model, optimizer, lr_scheduler=lr_scheduler, strategy=strategy,
             gradient_accumulation_steps=t.gradient_accumulation_steps, gradient_clip_val=t.gradient_clip_val,
             timeout=t.timeout_s, seed=t.seed, checkpoint_dir=cfg.checkpoint.dir,
             checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last, resume=cfg.checkpoint.resume,

@@ -204,6 +204,49 @@ class TrainingConfig(_Section):
     activation memory, the same numerics); data.block_size must be divisible by tensor_parallel_size."""
 
 
+class OptimizerConfig(_Section):
+    name: Literal["adamw", "sgd", "lars", "lamb"] = "adamw"
+    """adamw / sgd: torch's; lars / lamb: ours (layer-wise trust ratios for large batches, see optim.py)."""
+    lr: Optional[PositiveFloat] = None
+    """Peak learning rate (null: training.lr); the schedule's warm-up climbs to it."""
+    weight_decay: Optional[Annotated[Float, Field(ge=0)]] = None
+    """Weight decay (null: training.weight_decay): decoupled for adamw / lamb, L2 for sgd / lars."""
+    momentum: Annotated[Float, Field(ge=0, lt=1)] = 0.9
+    """sgd / lars: momentum, in [0, 1)."""
+    nesterov: bool = False
+    """sgd / lars: Nesterov momentum (needs momentum > 0)."""
+    betas: Annotated[list[Annotated[Float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [0.9, 0.999]
+    """adamw / lamb: the moments' decay rates [beta1, beta2]."""
+    eps: Optional[Annotated[Float, Field(ge=0)]] = None
+    """adamw / lamb: added to the second moment's root; lars: to the trust ratio's denominator (null: 1e-8
+    adamw, 1e-6 lamb, 0 lars)."""
+    trust_coefficient: PositiveFloat = 0.001
+    """lars: eta, the largest relative change of a layer in one step."""
+    exclude_from_weight_decay: list[Annotated[str, Field(min_length=1)]] = []
+    """Parameters without weight decay (nor, for lars / lamb, trust ratio): bias, norm (normalisation
+    layers), embedding, or a glob on parameter names ("head.*")."""
+
+
+class ScheduleConfig(_Section):
+    kind: Literal["constant", "cosine", "linear", "step"] = "constant"
+    """After the warm-up: constant, cosine or linear decay to min_lr at total_steps, or step (x gamma
+    at each milestone)."""
+    warmup_steps: Annotated[Int, Field(ge=0)] = 0
+    """Optimizer steps of linear warm-up: step s (from 0) trains at lr * (s + 1) / warmup_steps."""
+    total_steps: Optional[PositiveInt] = None
+    """Where cosine / linear reach min_lr (null: training.max_steps)."""
+    min_lr: Annotated[Float, Field(ge=0)] = 0.0
+    """cosine / linear: the learning rate at total_steps."""
+    milestones: list[Annotated[Int, Field(ge=1)]] = []
+    """step: the steps where the learning rate is multiplied by gamma (increasing)."""
+    gamma: Annotated[Float, Field(gt=0, le=1)] = 0.1
+    """step: the factor at each milestone."""
+    scale_lr_with_batch: bool = False
+    """Linear scaling rule (Goyal et al. 2017): lr x global batch / base_batch_size (the run says so)."""
+    base_batch_size: PositiveInt = 256
+    """scale_lr_with_batch: the global batch the learning rate was tuned for."""
+
+
 class CommunicationConfig(_Section):
     bucket_cap_mb: PositiveFloat = 25.0
     """Size in MiB of the gradient buckets DDP and ZeRO-1 reduce while backward runs."""
@@ -263,6 +306,8 @@ class JobConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -309,6 +354,9 @@ class JobConfig(_Section):
                               "dtrain yet: give training.batch_size")
         self._pipeline_agrees()
         self._tensor_agrees()
+        from .optim_job import check_optimizer_fields
+
+        check_optimizer_fields(self)
         return self
 
     def _user_code_agrees(self) -> None:

@@ -56,6 +56,7 @@ from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, des
 from ..comm.groups import make_hybrid_groups
 from ..comm.sharded import all_gather_flat, reduce_scatter_flat
 from ..mesh import Mesh
+from ..optim import ParamSegments
 from ..runtime import launcher_ranks_per_node
 from .eager import eager_only
 from .fsdp_state import FSDPStateDict
@@ -173,6 +174,9 @@ class FSDP(FSDPStateDict, nn.Module):
         self._units: list[Unit] = build_units(module, unit_roots(module, auto_wrap_policy), UnitPlacement(
             self.shard_world, self.shard_rank, self.device, self.cpu_offload, self._param_dtype))
         self.shards = nn.ParameterList([u.shard for u in self._units if u.padded])
+        for u in self._units:  # which layer each element is, for layer-wise optimizers (LARS, LAMB)
+            u.shard.segments = ParamSegments.for_shard(u.infos, self.shard_rank, u.shard.numel(), self.shard_group,
+                                                       self.shard_world)
         self._forward_order: list[Unit] = []
         self._recording_order = True
         self._sync_enabled = True

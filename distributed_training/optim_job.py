@@ -1,0 +1,142 @@
+"""The `optimizer:` and `schedule:` sections of a `dtrain` config: their rules between fields, and the
+optimizer factory and LR scheduler they build for the trainer (see `optim.py` for the algorithms).
+
+Without those sections a job trains as before: torch's AdamW over every parameter at ``training.lr``
+and ``training.weight_decay``, no scheduler.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from .logs import get_logger
+from .optim import LAMB, LARS, WarmupSchedule, excluded_names, linear_scaling, param_groups
+
+if TYPE_CHECKING:
+    from .config import JobConfig
+
+__all__ = ["check_optimizer_fields", "job_optimizer", "learning_rate"]
+
+log = get_logger("cli")
+
+_EPS = {"adamw": 1e-8, "lamb": 1e-6, "lars": 0.0, "sgd": 0.0}
+
+
+def _given(section, name: str) -> bool:
+    return name in section.model_fields_set
+
+
+def check_optimizer_fields(cfg: "JobConfig") -> None:
+    """Raise `ConfigError` naming the field(s) for settings that disagree (called by the config's validator)."""
+    from .config import ConfigError
+
+    o, s, t = cfg.optimizer, cfg.schedule, cfg.training
+    for name in ("lr", "weight_decay"):
+        mine = getattr(o, name)
+        if mine is not None and _given(t, name) and getattr(t, name) != mine:
+            raise ConfigError(f"training.{name} ({getattr(t, name)}) and optimizer.{name} ({mine}) disagree: give "
+                              f"one of them (training.{name} is the older spelling of optimizer.{name})")
+    if o.nesterov and (o.name not in ("sgd", "lars") or o.momentum == 0):
+        raise ConfigError(f"optimizer.nesterov needs optimizer.name sgd or lars with optimizer.momentum > 0, got "
+                          f"{o.name!r} with momentum {o.momentum}")
+    if o.name in ("lars", "lamb"):
+        if t.strategy == "zero1":
+            raise ConfigError(f"optimizer.name {o.name!r} needs each layer's whole norm: training.strategy 'zero1' "
+                              "hands the optimizer flat shards without layer boundaries; use ddp, zero2 or zero3")
+        if t.tensor_parallel_size > 1:
+            raise ConfigError(f"optimizer.name {o.name!r} with training.tensor_parallel_size > 1 is not supported "
+                              "yet: each rank holds a slice of a layer, whose norm needs the other slices")
+    if o.exclude_from_weight_decay and o.name in ("adamw", "sgd") and t.strategy in ("zero2", "zero3", "fsdp", "auto"):
+        raise ConfigError(f"optimizer.exclude_from_weight_decay with training.strategy {t.strategy!r} needs "
+                          f"optimizer.name lars or lamb (torch's {o.name} decays a whole flat shard of several layers); "
+                          "or use strategy ddp / zero1")
+    lr = o.lr if o.lr is not None else t.lr
+    total = s.total_steps or t.max_steps
+    if s.kind in ("cosine", "linear"):
+        if total is None:
+            raise ConfigError(f"schedule.kind {s.kind!r} decays until schedule.total_steps: give it, or "
+                              "training.max_steps")
+        if total <= s.warmup_steps:
+            raise ConfigError(f"schedule.warmup_steps ({s.warmup_steps}) must be less than schedule.total_steps "
+                              f"(or training.max_steps): {total}")
+    if s.min_lr > lr and s.kind in ("cosine", "linear"):
+        raise ConfigError(f"schedule.min_lr ({s.min_lr}) is above the learning rate (optimizer.lr / training.lr: {lr})")
+    if s.milestones and s.kind != "step":
+        raise ConfigError(f"schedule.milestones are for schedule.kind 'step', not {s.kind!r}")
+    if s.milestones != sorted(set(s.milestones)):
+        raise ConfigError(f"schedule.milestones must be increasing, got {s.milestones}")
+    if s.scale_lr_with_batch and t.global_batch_size is None and t.batch_size == "auto":
+        raise ConfigError("schedule.scale_lr_with_batch needs a known batch: training.batch_size 'auto' is chosen "
+                          "at start; give a number or training.global_batch_size")
+
+
+def _global_batch(cfg: "JobConfig") -> int:
+    """Samples per optimizer step over the data-parallel replicas (the world from torchrun's WORLD_SIZE)."""
+    t = cfg.training
+    if t.global_batch_size is not None:
+        return t.global_batch_size
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    dp = max(1, world // (t.pipeline_parallel_size * t.tensor_parallel_size))
+    return t.batch_size * t.gradient_accumulation_steps * dp
+
+
+def learning_rate(cfg: "JobConfig") -> float:
+    """The job's peak learning rate: optimizer.lr (else training.lr), scaled by the linear scaling
+    rule when schedule.scale_lr_with_batch says so."""
+    lr = cfg.optimizer.lr if cfg.optimizer.lr is not None else cfg.training.lr
+    if cfg.schedule.scale_lr_with_batch:
+        return linear_scaling(lr, _global_batch(cfg), cfg.schedule.base_batch_size)
+    return lr
+
+
+def job_optimizer(cfg: "JobConfig", model: nn.Module) -> tuple[Callable[[Any], torch.optim.Optimizer],
+                                                               Callable[[torch.optim.Optimizer], Any] | None]:
+    """(optimizer factory, LR scheduler factory or None) for the trainer, from `cfg`'s sections.
+
+    The factory is called by the strategy with what it trains: the model's own parameters (DDP), or
+    flat shards (ZeRO / FSDP: each carries its layers' segments, for exclusions and layer-wise norms)."""
+    o, s, t = cfg.optimizer, cfg.schedule, cfg.training
+    lr = learning_rate(cfg)
+    if s.scale_lr_with_batch:
+        log.info("dtrain: linear scaling rule: learning rate %g x global batch %d / schedule.base_batch_size %d = %g",
+                 o.lr if o.lr is not None else t.lr, _global_batch(cfg), s.base_batch_size, lr)
+    wd = o.weight_decay if o.weight_decay is not None else t.weight_decay
+    eps = o.eps if o.eps is not None else _EPS[o.name]
+    exclude = excluded_names(model, o.exclude_from_weight_decay)
+    if o.exclude_from_weight_decay and not exclude:
+        log.warning("dtrain: optimizer.exclude_from_weight_decay %s matches no parameter of %s",
+                    o.exclude_from_weight_decay, type(model).__name__)
+
+    def factory(params):
+        params = list(params)
+        if exclude:
+            names = {id(p): n for n, p in model.named_parameters()}
+            unknown = [p for p in params if id(p) not in names and getattr(p, "segments", None) is None]
+            if unknown:
+                raise ValueError("optimizer.exclude_from_weight_decay: the strategy hands the optimizer tensors that "
+                                 "are not the model's parameters (flat shards without layer names, e.g. zero1)")
+            groups = param_groups(params, names, exclude, wd)
+        else:
+            groups = [{"params": params, "weight_decay": wd}]
+        if o.name == "adamw":
+            return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.betas), eps=eps, weight_decay=wd)
+        if o.name == "sgd":
+            return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=wd)
+        if o.name == "lars":
+            return LARS(groups, lr=lr, momentum=o.momentum, weight_decay=wd, trust_coefficient=o.trust_coefficient,
+                        eps=eps, nesterov=o.nesterov)
+        return LAMB(groups, lr=lr, betas=tuple(o.betas), eps=eps, weight_decay=wd)
+
+    scheduler = None
+    if s.kind != "constant" or s.warmup_steps:
+        schedule = WarmupSchedule(s.kind, warmup_steps=s.warmup_steps, total_steps=s.total_steps or t.max_steps,
+                                  min_ratio=min(1.0, s.min_lr / lr), milestones=s.milestones, gamma=s.gamma)
+
+        def scheduler(optimizer):
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+    return factory, scheduler
