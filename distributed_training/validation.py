@@ -205,10 +205,18 @@ class PeriodicEvaluation:
 
 
 # ------------------------------------------------------------------ dtrain's `evaluation:` section
-def _job_metric_names(section: Any, job: Any) -> list[str]:
-    """The metrics a dtrain job evaluates: the section's, or its model's defaults."""
+def _user_code(job: Any) -> bool:
+    """Whether the job trains the user's own model or data (``model.target`` / ``data.target``)."""
+    return getattr(job.model, "target", None) is not None or getattr(job.data, "target", None) is not None
+
+
+def _job_metric_names(section: Any, job: Any) -> list[str] | str:
+    """The metrics a dtrain job evaluates: the section's, or its model's defaults ("auto" for the
+    user's own model or data: read from the first validation sample, see `auto_metrics`)."""
     if section.metrics is not None:
         return list(section.metrics)
+    if _user_code(job):
+        return "auto"
     return ["accuracy", "top5"] if job.model.preset == "classifier" else ["perplexity"]
 
 
@@ -224,17 +232,20 @@ def check_job_evaluation(section: Any, job: Any = None) -> None:
             raise ConfigError(str(err)) from None
     if job is None:
         return
-    if section.every is not None and job.data.val_fraction == 0:
+    user = _user_code(job)
+    if section.every is not None and job.data.val_fraction == 0 and not user:
         raise ConfigError("evaluation.every needs a validation set: set data.val_fraction > 0")
     names = _job_metric_names(section, job)
-    if job.model.preset != "classifier":
+    if not user and job.model.preset != "classifier":
         wrong = [n for n in names if n != "perplexity"]
         if wrong:
             raise ConfigError(f"evaluation.metrics: {wrong[0]} is for classifiers (model.preset classifier); a GPT "
                               "is evaluated by val_loss and perplexity")
     if section.best_metric is not None:
-        keys = ["val_loss"] + [f"val_{n}" for n in names]
-        if section.best_metric not in keys:
+        keys = ["val_loss"] + [f"val_{n}" for n in (names if names != "auto" else ("accuracy", "top<k>", "perplexity"))]
+        known = (section.best_metric in keys or names == "auto" and section.best_metric.startswith("val_top")
+                 and _TOP.fullmatch(section.best_metric[4:]) is not None)
+        if not known:
             raise ConfigError(f"evaluation.best_metric must be one of what the job evaluates ({', '.join(keys)}), "
                               f"got {section.best_metric!r}")
         if job.checkpoint.dir is None:
