@@ -20,6 +20,7 @@ from torch import nn
 from .checkpoint import CheckpointMismatchError
 from .config import ConfigError, JobConfig, dump_config, load_config, training_paths
 from .logs import get_logger, install_default_handler
+from .validation import job_best_checkpoint, job_fit_evaluation, job_results
 
 __all__ = ["main", "run_job"]
 
@@ -163,6 +164,7 @@ def run_job(cfg: JobConfig) -> dict:
             gradient_accumulation_steps=t.gradient_accumulation_steps, gradient_clip_val=t.gradient_clip_val,
             timeout=t.timeout_s, seed=t.seed, checkpoint_dir=cfg.checkpoint.dir,
             checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last, resume=cfg.checkpoint.resume,
+            **job_best_checkpoint(cfg),
             save_on_preemption=cfg.checkpoint.save_on_preemption, checkpoint_async=cfg.checkpoint.asynchronous,
             log_dir=cfg.logging.dir,
             log_every=cfg.logging.every, progress=cfg.logging.progress and cfg.logging.dir is not None,
@@ -213,11 +215,12 @@ def run_job(cfg: JobConfig) -> dict:
         epochs = (user_job.iterable_epochs(t.epochs, t.max_steps) if user_job.is_iterable(train) else
                   _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last))
         data = user_job.train_data(cfg, train, batch_size, trainer.dp_rank, trainer.dp_world_size)
+        val_data = user_job.val_data(cfg, val, trainer.batch_size or batch_size)
         trainer.fit(data, epochs=epochs, criterion=criterion, **batching, max_steps=t.max_steps,
-                    log_every=cfg.logging.every, drop_last=drop_last,
+                    log_every=cfg.logging.every, drop_last=drop_last, **job_fit_evaluation(cfg, val_data),
                     on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main else None)
-        metrics = (_validate(trainer, user_job.val_data(cfg, val, trainer.batch_size or batch_size), criterion,
-                             trainer.batch_size or batch_size) if len(val) else {})
+        metrics = (job_results(trainer) if cfg.evaluation.every is not None else
+                   _validate(trainer, val_data, criterion, trainer.batch_size or batch_size) if len(val) else {})
         state = trainer.strategy.model_state_dict(trainer.model)
         log.info("dtrain: finished at step %d, validation loss %.4f", trainer.step, metrics.get("loss", math.nan))
         if ctx.is_main:

@@ -302,6 +302,29 @@ class LoggingConfig(_Section):
     """Show a progress bar on rank 0."""
 
 
+class EvaluationConfig(_Section):
+    every: Optional[PositiveInt] = None
+    """Evaluate on the validation set (``data.val_fraction``) every this many optimizer steps, and at the
+    end: sharded over the data-parallel ranks, every sample counted once (null: only at the end)."""
+    batch_size: Optional[PositiveInt] = None
+    """Samples per evaluation batch on a rank (null: what one training forward takes)."""
+    metrics: Optional[list[str]] = None
+    """Besides val_loss: any of accuracy, top<k> (e.g. top5: the target among the k highest logits) for
+    the classifier, perplexity for a GPT (null: accuracy and top5, or perplexity)."""
+    best_metric: Optional[str] = None
+    """Keep the checkpoint with the best value of this evaluated metric (val_loss, val_accuracy,
+    val_top<k>, val_perplexity): each evaluation gets a checkpoint; needs checkpoint.dir and every."""
+    best_mode: Literal["auto", "min", "max"] = "auto"
+    """Whether best_metric's best is its minimum or its maximum (auto: max for accuracies, min otherwise)."""
+
+    @model_validator(mode="after")
+    def _known_metrics(self) -> "EvaluationConfig":
+        from .validation import check_job_evaluation
+
+        check_job_evaluation(self)
+        return self
+
+
 class JobConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -312,6 +335,7 @@ class JobConfig(_Section):
     loss: LossConfig = Field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     output: Optional[PathStr] = None
     """Where rank 0 writes the final model state (a torch file); optional."""
 
@@ -355,8 +379,10 @@ class JobConfig(_Section):
         self._pipeline_agrees()
         self._tensor_agrees()
         from .optim_job import check_optimizer_fields
+        from .validation import check_job_evaluation
 
         check_optimizer_fields(self)
+        check_job_evaluation(self.evaluation, self)
         return self
 
     def _user_code_agrees(self) -> None:

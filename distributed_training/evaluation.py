@@ -19,7 +19,6 @@ Criterion = Callable[[Any, Any], torch.Tensor]
 class Evaluation:
     """A mixin of `DistributedTrainer`: evaluation needs its model, strategy and context."""
 
-    @torch.no_grad()
     def evaluate(
         self,
         data: Dataset | DataLoader,
@@ -34,8 +33,36 @@ class Evaluation:
         module, so uneven shard sizes cannot stall a collective; one all-reduce sums the results.
         Under a pipeline the ranks of a replica evaluate the same shard, forward only through their
         stages; the last stage's values reach the others at the end (`Strategy.evaluate_batch`).
-        `metrics` maps a name to ``fn(outputs, targets) -> per-batch mean``, weighted by batch size.
+        `metrics` maps a name to ``fn(outputs, targets) -> per-batch mean``, weighted by batch size;
+        a function with the attribute ``reduction = "sum"`` returns the batch's sum instead (a count,
+        such as `validation.correct_count`: summed exactly), divided by the number of samples.
+
+        Training is left as it was: every module's train/eval mode is restored one by one (a
+        submodule you froze in eval mode stays so), and the random number generators (the CPU's and
+        this rank's device's) are put back, so the next training step draws what it would have
+        drawn without the evaluation.
         """
+        names, _, total = self._evaluation_sums(data, criterion, batch_size=batch_size, metrics=metrics)
+        count = total[-1].item()
+        return {name: (total[k].item() / count if count else float("nan")) for k, name in enumerate(names)}
+
+    @torch.no_grad()
+    def _evaluation_sums(
+        self,
+        data: Dataset | DataLoader,
+        criterion: Criterion | None,
+        *,
+        batch_size: int | None,
+        metrics: Mapping[str, Callable[[Any, Any], torch.Tensor]] | None,
+    ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """`evaluate`'s sums: (names, this replica's sums, every replica's), each sum vector float64 with
+        one entry per name (``"loss"`` first, then `metrics`) and the number of samples last."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        # A DataLoader draws its base seed from the global generator, and a model may draw in eval mode.
+        with torch.random.fork_rng(devices=devices):
+            return self._sums(data, criterion, batch_size, metrics)
+
+    def _sums(self, data, criterion, batch_size, metrics) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         ctx = self.context
         if isinstance(data, DataLoader):
             dataset, bs, collate = data.dataset, data.batch_size, data.collate_fn
@@ -55,9 +82,10 @@ class Evaluation:
         criterion = self.strategy.loss_criterion(criterion)
         lockstep = self.strategy.collective_forward and ctx.world_size > 1
         module = self.model if self.strategy.collective_forward else self.module
-        was_training = module.training
+        modes = [(m, m.training) for m in module.modules()]
         module.eval()
         names = ["loss", *(metrics or {})]
+        summed = [getattr(fn, "reduction", "mean") == "sum" for fn in (metrics or {}).values()]
         sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
         batches, previous = iter(loader), None
         try:
@@ -86,12 +114,13 @@ class Evaluation:
                     values = [criterion(outputs, targets)]
                     values += [fn(outputs, targets) for fn in (metrics or {}).values()]
                 for k, v in enumerate(values):
-                    sums[k] += v.detach().double() * n
+                    sums[k] += v.detach().double() * (weight if k and summed[k - 1] else n)
                 sums[-1] += n
         finally:
-            module.train(was_training)
+            for m, mode in modes:  # one by one: train() on the root would also wake a frozen submodule
+                m.training = mode
         sums = self.strategy.evaluation_sums(sums)  # a pipeline: its last stage's values to its other ranks
+        local = sums.clone()
         if self.dp_world_size > 1:  # each replica counted once, whatever shares it
             dist.all_reduce(sums, group=ctx.mesh.group("data"))
-        count = sums[-1].item()
-        return {name: (sums[k].item() / count if count else float("nan")) for k, name in enumerate(names)}
+        return names, local, sums

@@ -17,6 +17,7 @@ from .data import ShardedSampler, agree_steps_per_epoch, train_loader
 from .global_batch import GlobalBatch, plan_global_batch
 from .logs import get_logger
 from .stopping import StopSignals
+from .validation import PeriodicEvaluation
 
 __all__ = ["Fitting"]
 
@@ -26,6 +27,9 @@ Criterion = Callable[[Any, Any], torch.Tensor]
 
 class Fitting:
     """`fit` and its loop; the trainer provides the state it reads (see `DistributedTrainer`)."""
+
+    #: The last `fit`'s evaluation during training (its `history` holds every evaluation's values), if any.
+    evaluation: PeriodicEvaluation | None = None
 
     # ------------------------------------------------------------------ loops
     def fit(
@@ -44,6 +48,10 @@ class Fitting:
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         allow_global_batch_change: bool = False,
+        eval_dataset: Dataset | DataLoader | None = None,
+        eval_every: int | None = None,
+        eval_batch_size: int | None = None,
+        eval_metrics: str | list[str] | dict[str, Callable] = "auto",
     ) -> list[dict[str, float]]:
         """Train until `epochs` epochs (or `max_steps` optimizer steps) are done in total; return one
         summary per epoch trained by this call.
@@ -85,6 +93,20 @@ class Fitting:
         checkpoint is written at that step. The signal then goes to the handler that was in place
         before `fit` (restored on return): by default SIGINT raises `KeyboardInterrupt` and SIGTERM
         ``SystemExit(143)``, so a preempted job exits with nothing lost and resumes where it stopped.
+
+        Evaluation during training: with `eval_dataset` (a map-style validation set), every
+        `eval_every` optimizer steps (counted from the start of training, as a resumed run counts them)
+        and once after the last step, the model is evaluated on the whole set, sharded over the
+        data-parallel replicas with every sample counted once. ``val_loss``, ``val_samples`` and what
+        `eval_metrics` asks for (``"auto"``: ``accuracy`` and ``top5`` for a classifier, ``perplexity``
+        for a language model; or a list of ``accuracy``, ``top<k>``, ``perplexity``; or a mapping of
+        ``fn(outputs, targets)`` as `evaluate` takes) are logged (rank 0), written to the monitor
+        (``val/*`` per rank, ``cluster/val_*``), added to the epoch summaries, kept in
+        ``self.evaluation.history``, and recorded with the checkpoints: ``best_metric="val_accuracy"``
+        keeps the best evaluated model (an evaluation step gets a checkpoint when `best_metric` is one
+        of its values). `eval_batch_size` defaults to the training batch of a replica. Evaluation
+        changes nothing in training: the steps after it are those of a run without it, bit for bit.
+        See `distributed_training.validation`.
         """
         if not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
@@ -102,6 +124,13 @@ class Fitting:
         elif micro_batch_size is not None:
             raise ValueError("fit(micro_batch_size=...) needs global_batch_size (with batch_size, a replica's batch "
                              "is cut by the trainer's gradient_accumulation_steps)")
+        if eval_dataset is None and eval_every is not None:
+            raise ValueError(f"fit(eval_every={eval_every!r}) needs an eval_dataset to evaluate on")
+        evaluation = None
+        if eval_dataset is not None:  # checked now; its default batch size is known once the loader is built
+            evaluation = PeriodicEvaluation(eval_dataset, eval_every, 1 if eval_batch_size is None else eval_batch_size,
+                                            eval_metrics, criterion)
+        self.evaluation = evaluation
         self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
         resumed_from = self._resume_or_start_fresh()
         if resumed_from is not None and (self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)):
@@ -119,9 +148,16 @@ class Fitting:
                               num_workers=num_workers, seed=self.seed, dp_rank=self.dp_rank,
                               dp_world_size=self.dp_world_size, loader_batch_size=plan and plan.per_rank)
         self._check_last_batch(loader)
+        if evaluation is not None and eval_batch_size is None and not isinstance(eval_dataset, DataLoader):
+            # What one training forward takes on a replica (its batch cut in the accumulation steps).
+            size = getattr(loader, "batch_size", None)
+            if not isinstance(size, int):
+                raise ValueError("fit(eval_dataset=...) over an iterable of batches needs eval_batch_size")
+            evaluation.batch_size = -(-size // self.gradient_accumulation_steps)
         with StopSignals(self.context, self.device, self.context.every_rank) as stop:
             try:
-                history = self._train_epochs(loader, epochs, criterion, max_steps, log_every, on_step, stop)
+                history = self._train_epochs(loader, epochs, criterion, max_steps, log_every, on_step, stop,
+                                             evaluation)
             except BaseException:
                 self._abandon_checkpoint_write()  # checkpoint_async: a peer may be gone; never wait on it
                 raise
@@ -222,7 +258,7 @@ class Fitting:
                              "the data")
 
     def _train_epochs(self, loader, epochs, criterion, max_steps, log_every, on_step,
-                      stop: StopSignals) -> list[dict[str, float]]:
+                      stop: StopSignals, evaluation: PeriodicEvaluation | None = None) -> list[dict[str, float]]:
         sampler = getattr(loader, "sampler", None)
         sharded = isinstance(sampler, ShardedSampler)
         history = []
@@ -252,7 +288,7 @@ class Fitting:
             elif hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
             started = time.perf_counter()
-            loss_sum, steps, metrics, logged, exhausted = None, 0, None, True, False
+            loss_sum, steps, metrics, logged, exhausted, evaluated = None, 0, None, True, False, None
             # A DataLoader draws a base seed from the global RNG when iterated; keep that draw off the
             # stream training uses, so that a resumed epoch sees the same random numbers as an unbroken one.
             with torch.random.fork_rng(devices=[]):
@@ -282,7 +318,13 @@ class Fitting:
                 logged = self.step % log_every == 0
                 if on_step is not None and logged:
                     on_step(self.step, {k: float(v) for k, v in metrics.items()})
-                if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+                best_now = False
+                if evaluation is not None and evaluation.due(self.step):
+                    evaluated = self._evaluate_now(evaluation)
+                    metrics = {**metrics, **evaluated}  # what the checkpoint of this step records
+                    best_now = self.checkpoints is not None and evaluation.feeds(self.checkpoints.best_metric)
+                    last_end = time.perf_counter()  # the evaluation is not the next step's time
+                if (self.checkpoint_every and self.step % self.checkpoint_every == 0) or best_now:
                     try:
                         with self._watching():  # a peer dying during the save: exit, not hang (`peer_watch`)
                             self._save_numbered(metrics)
@@ -298,6 +340,7 @@ class Fitting:
                 "steps": steps,
                 "train_loss": float(loss_sum / steps) if steps else float("nan"),
                 "seconds": time.perf_counter() - started,
+                **(evaluated or {}),  # the epoch's last evaluation
             })
             if not exhausted:
                 break  # max_steps reached inside the epoch: it stays the current one
@@ -305,12 +348,27 @@ class Fitting:
             self.batch_in_epoch = 0
             self.samples_in_epoch = 0
         if stop.signal is None:
-            if self.checkpoints is not None and (not self.checkpoint_every or self.step % self.checkpoint_every):
+            if evaluation is not None and evaluation.last_step != self.step and metrics is not None:
+                evaluated = self._evaluate_now(evaluation)  # the end of training is always evaluated
+                metrics = {**metrics, **evaluated}
+                if history:
+                    history[-1].update(evaluated)
+            if self.checkpoints is not None and self._last_saved_step != self.step and (
+                    not self.checkpoint_every or self.step % self.checkpoint_every):
                 self._save_numbered(metrics)
             stop.finish()  # a signal during the last steps: acted on by every rank or by none
         if stop.signal is not None:
             self._stop_on_signal(stop.signal, metrics, bool(stop.received))
         return history
+
+    def _evaluate_now(self, evaluation: PeriodicEvaluation) -> dict[str, float]:
+        """`evaluation` at this step, on every rank (a peer dying meanwhile is named, as in a step)."""
+        try:
+            with self._watching():
+                return evaluation.run(self, self.step)
+        except RuntimeError as err:
+            self._raise_if_peer_died(err)
+            raise
 
     def _record_step(self, batch: Any, metrics: dict[str, torch.Tensor], *, step_time: float,
                      data_time: float) -> dict[str, torch.Tensor]:

@@ -285,6 +285,30 @@ class Monitor:
         if step % self.log_every == 0:
             self._log(step, metrics)
 
+    def record_eval(self, step: int, mine: Mapping[str, float], whole: Mapping[str, float], *,
+                    seconds: float | None = None) -> None:
+        """Log an evaluation made after `step` (see `distributed_training.validation`): `mine`, this
+        rank's shard's values, as ``val/<name>`` in this rank's TensorBoard and ``eval.jsonl``; `whole`,
+        the whole set's (the same on every rank), as ``cluster/<name>`` by the cluster view's writer
+        (group rank 0). Not collective: the values were reduced already. ``eval.jsonl`` is a file of its
+        own, so that ``metrics.jsonl`` keeps one record per step (see `plot.load_run`)."""
+        if self._closed:
+            raise RuntimeError("Monitor is closed")
+        self._drain()  # the writer thread's records first: the files are written in step order
+        scalars = {f"val/{name}": float(value) for name, value in mine.items()}
+        if seconds is not None:
+            scalars["val/seconds"] = float(seconds)
+        if self._writes_cluster:
+            scalars.update({f"cluster/{name}": float(value) for name, value in whole.items()})
+        now = time.time()
+        if self._writer is not None:
+            for tag, value in scalars.items():
+                self._writer.add_scalar(tag, value, global_step=step, walltime=now)
+            self._writer.flush()
+        if self._jsonl is not None:
+            with open(os.path.join(self.rank_dir, "eval.jsonl"), "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, "time": now, "rank": self.rank, **scalars}) + "\n")
+
     def get_performance_metrics(self) -> dict[str, Any]:
         """Summary of the whole run so far (this rank; ``cluster_*`` from the last log step).
 
@@ -530,6 +554,10 @@ class NullMonitor:
         data_time: float = 0.0,
         comm_time: float | None = None,
     ) -> None:
+        pass
+
+    def record_eval(self, step: int, mine: Mapping[str, float], whole: Mapping[str, float], *,
+                    seconds: float | None = None) -> None:
         pass
 
     def get_performance_metrics(self) -> dict[str, Any]:

@@ -1,0 +1,284 @@
+"""Evaluation during training: ``fit(..., eval_dataset=..., eval_every=N)``.
+
+Every `eval_every` optimizer steps, and once more at the end of `fit`, the trainer evaluates the model
+on the validation set with `DistributedTrainer.evaluate`'s machinery: each data-parallel replica
+takes its exact shard of the set (uneven shards: no sample dropped, none counted twice), sums its
+loss and its counts in float64, and one all-reduce adds the replicas' sums. What comes out:
+
+    val_loss        the mean of the criterion over every validation sample
+    val_accuracy    the share of samples whose highest logit is the target's   (classifiers)
+    val_top<k>      the share whose target is among the k highest logits       (classifiers)
+    val_perplexity  exp(val_loss), for a loss that is a mean cross-entropy      (language models)
+    val_samples     how many samples were evaluated (the whole set, once)
+
+Accuracies are counts divided by the number of samples (`correct_count`, `TopKCount`: summed, not
+averaged per batch), so they are exact. The metrics go to the logger (rank 0), to each rank's
+monitor directory (``val/*``: that rank's own shard, in TensorBoard and ``eval.jsonl``) and to the
+monitor's cluster view (``cluster/val_*``: the whole set's, written by rank 0), and into the step's
+metrics that the checkpoints record: ``best_metric="val_accuracy"`` (``best_mode="max"``) keeps the
+checkpoint of the best evaluation, which gets a checkpoint of its own when it falls between
+`checkpoint_every` steps.
+
+Evaluation leaves training as it was: the RNG streams are restored and every module's train/eval
+mode too (see `DistributedTrainer.evaluate`), and the time it takes is not counted in the next
+step's time. Sharded models (ZeRO-3 / FSDP) gather their parameters as for a forward, every rank in
+lockstep; a pipeline evaluates through its stages.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from .logs import get_logger
+
+__all__ = ["PeriodicEvaluation", "TopKCount", "auto_metrics", "correct_count", "metric_functions"]
+
+log = get_logger()
+
+#: The metric names `fit(eval_metrics=...)` and ``evaluation.metrics`` take (``top<k>``: any k >= 1).
+METRIC_NAMES = ("accuracy", "top<k>", "perplexity")
+_TOP = re.compile(r"top([1-9][0-9]*)")
+
+
+def _check_classifier_shapes(outputs: torch.Tensor, targets: torch.Tensor, name: str) -> None:
+    if not (torch.is_tensor(outputs) and torch.is_tensor(targets) and outputs.dim() == 2 and targets.dim() == 1
+            and not targets.is_floating_point()):
+        got = (f"outputs {tuple(outputs.shape)} and targets {tuple(targets.shape)} ({targets.dtype})"
+               if torch.is_tensor(outputs) and torch.is_tensor(targets) else
+               f"{type(outputs).__name__} and {type(targets).__name__}")
+        raise ValueError(f"eval metric {name!r} is for classifiers: it needs logits of shape (batch, classes) and "
+                         f"integer class targets of shape (batch,), got {got}")
+
+
+def correct_count(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """How many samples of the batch have their highest logit at the target class (a count, summed)."""
+    _check_classifier_shapes(outputs, targets, "accuracy")
+    return (outputs.argmax(dim=-1) == targets).sum()
+
+
+correct_count.reduction = "sum"  # type: ignore[attr-defined]
+
+
+class TopKCount:
+    """How many samples of the batch have their target among the `k` highest logits (a count, summed).
+    With `k` at least the number of classes every sample counts."""
+
+    reduction = "sum"
+
+    def __init__(self, k: int) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"top-k accuracy needs an integer k >= 1, got {k!r}")
+        self.k = k
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        _check_classifier_shapes(outputs, targets, f"top{self.k}")
+        top = outputs.topk(min(self.k, outputs.shape[-1]), dim=-1).indices  # (B, k)
+        return (top == targets.unsqueeze(-1)).any(dim=-1).sum()
+
+
+def metric_functions(names: Sequence[str], *, parameter: str = "eval_metrics") -> tuple[dict[str, Callable], bool]:
+    """(name -> per-batch function for `evaluate`, whether perplexity is asked for) for metric names;
+    an unknown name is an error naming `parameter`."""
+    if isinstance(names, str) or not isinstance(names, (list, tuple)):
+        raise ValueError(f"{parameter} must be a list of metric names ({', '.join(METRIC_NAMES)}) or 'auto', "
+                         f"got {names!r}")
+    functions: dict[str, Callable] = {}
+    perplexity = False
+    for name in names:
+        top = _TOP.fullmatch(name) if isinstance(name, str) else None
+        if name == "accuracy":
+            functions["accuracy"] = correct_count
+        elif top is not None:
+            functions[name] = TopKCount(int(top.group(1)))
+        elif name == "perplexity":
+            perplexity = True
+        else:
+            raise ValueError(f"{parameter}: unknown metric {name!r} (known: {', '.join(METRIC_NAMES)}; the loss is "
+                             "always evaluated)")
+    return functions, perplexity
+
+
+def auto_metrics(dataset: Any, criterion: Callable | None) -> tuple[str, ...]:
+    """What ``eval_metrics="auto"`` evaluates, read from the first sample: a criterion with an integer
+    class target per sample is a classifier (accuracy and top-5); a model that computes its own loss,
+    or integer targets per position (token ids), a language model (perplexity); anything else the
+    loss alone."""
+    if criterion is None:
+        return ("perplexity",)
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001 - an unusual dataset: the loss alone, which always works
+        return ()
+    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        return ()
+    target = sample[1]
+    if isinstance(target, int) and not isinstance(target, bool):
+        return ("accuracy", "top5")
+    if torch.is_tensor(target) and not target.is_floating_point() and target.dtype != torch.bool:
+        return ("accuracy", "top5") if target.dim() == 0 else ("perplexity",)
+    return ()
+
+
+class PeriodicEvaluation:
+    """What `fit` evaluates, how often, and what it does with the results (log, monitor, keep-best).
+
+    Args:
+        dataset: the validation set: a map-style `Dataset` (or a `DataLoader` over one, whose batch
+            size and collate function are used).
+        every: evaluate after every this many optimizer steps (None: only at the end of `fit`).
+        batch_size: samples per evaluation batch on a replica.
+        metrics: metric names (see `METRIC_NAMES`), ``"auto"`` (see `auto_metrics`), or a mapping of
+            name -> ``fn(outputs, targets)`` as `evaluate` takes.
+        criterion: the training criterion (None: the model computes its loss).
+    """
+
+    def __init__(self, dataset: Dataset | DataLoader, every: int | None, batch_size: int | None,
+                 metrics: str | Sequence[str] | Mapping[str, Callable], criterion: Callable | None) -> None:
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"eval_every must be a positive integer (optimizer steps) or None, got {every!r}")
+        inner = dataset.dataset if isinstance(dataset, DataLoader) else dataset
+        if isinstance(inner, IterableDataset) or not isinstance(inner, Dataset):
+            raise ValueError("eval_dataset must be a map-style Dataset (or a DataLoader over one): each replica "
+                             "evaluates an exact shard of it, so every sample counts once; got "
+                             f"{type(inner).__name__}")
+        if isinstance(dataset, DataLoader):
+            batch_size = dataset.batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"eval_batch_size must be a positive integer, got {batch_size!r}")
+        self.dataset, self.every, self.batch_size, self.criterion = dataset, every, batch_size, criterion
+        if isinstance(metrics, Mapping):
+            self.functions, self.perplexity = dict(metrics), False
+            self.names = tuple(self.functions)
+        else:
+            self.names = auto_metrics(inner, criterion) if metrics == "auto" else tuple(metrics)
+            self.functions, self.perplexity = metric_functions(list(self.names))
+        if self.functions and criterion is None:
+            raise ValueError(f"eval_metrics {list(self.functions)} are computed from (outputs, targets): they need "
+                             "a criterion (a model that computes its own loss gets val_loss and val_perplexity)")
+        self.history: list[dict[str, float]] = []  # every evaluation of the run: {"step", "val_*"}
+        self.last_step: int | None = None
+
+    @property
+    def keys(self) -> list[str]:
+        """The names of the values an evaluation gives (what ``best_metric`` may name)."""
+        return (["val_loss"] + [f"val_{name}" for name in self.functions]
+                + (["val_perplexity"] if self.perplexity else []) + ["val_samples"])
+
+    def due(self, step: int) -> bool:
+        return self.every is not None and step % self.every == 0 and step != self.last_step
+
+    def feeds(self, best_metric: str | None) -> bool:
+        """Whether the checkpoints' keep-best metric is one of ours (then an evaluation gets a checkpoint)."""
+        return best_metric is not None and best_metric in self.keys
+
+    def run(self, trainer: Any, step: int) -> dict[str, float]:
+        """Evaluate now (every rank: collective), log and record it; return the whole set's values."""
+        started = time.perf_counter()
+        names, local, total = trainer._evaluation_sums(self.dataset, self.criterion, batch_size=self.batch_size,
+                                                       metrics=self.functions or None)
+        values = self._values(names, total.tolist())
+        mine = self._values(names, local.tolist())
+        seconds = time.perf_counter() - started
+        self.history.append({"step": step, **values})
+        self.last_step = step
+        trainer.monitor.record_eval(step, {k.removeprefix("val_"): v for k, v in mine.items()},
+                                    values, seconds=seconds)
+        if trainer.context.is_main:
+            shown = " | ".join(f"{k} {v:.6g}" for k, v in values.items() if k != "val_samples")
+            log.info("step %d | %s (%d samples, %.2f s)", step, shown, int(values["val_samples"]), seconds)
+        return values
+
+    def _values(self, names: list[str], sums: list[float]) -> dict[str, float]:
+        count = sums[-1]
+        values = {f"val_{name}": (sums[k] / count if count else math.nan) for k, name in enumerate(names)}
+        if self.perplexity:
+            loss = values["val_loss"]
+            values["val_perplexity"] = math.exp(loss) if loss < 700 else (math.inf if loss >= 700 else math.nan)
+        values["val_samples"] = count
+        return values
+
+
+# ------------------------------------------------------------------ dtrain's `evaluation:` section
+def _user_code(job: Any) -> bool:
+    """Whether the job trains the user's own model or data (``model.target`` / ``data.target``)."""
+    return getattr(job.model, "target", None) is not None or getattr(job.data, "target", None) is not None
+
+
+def _job_metric_names(section: Any, job: Any) -> list[str] | str:
+    """The metrics a dtrain job evaluates: the section's, or its model's defaults ("auto" for the
+    user's own model or data: read from the first validation sample, see `auto_metrics`)."""
+    if section.metrics is not None:
+        return list(section.metrics)
+    if _user_code(job):
+        return "auto"
+    return ["accuracy", "top5"] if job.model.preset == "classifier" else ["perplexity"]
+
+
+def check_job_evaluation(section: Any, job: Any = None) -> None:
+    """The ``evaluation`` section's rules (`config.EvaluationConfig`): alone (`job` None) and with the
+    rest of the job; each error names the field to change."""
+    from .config import ConfigError
+
+    if section.metrics is not None:
+        try:
+            metric_functions(section.metrics, parameter="evaluation.metrics")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    if job is None:
+        return
+    user = _user_code(job)
+    if section.every is not None and job.data.val_fraction == 0 and not user:
+        raise ConfigError("evaluation.every needs a validation set: set data.val_fraction > 0")
+    names = _job_metric_names(section, job)
+    if not user and job.model.preset != "classifier":
+        wrong = [n for n in names if n != "perplexity"]
+        if wrong:
+            raise ConfigError(f"evaluation.metrics: {wrong[0]} is for classifiers (model.preset classifier); a GPT "
+                              "is evaluated by val_loss and perplexity")
+    if section.best_metric is not None:
+        keys = ["val_loss"] + [f"val_{n}" for n in (names if names != "auto" else ("accuracy", "top<k>", "perplexity"))]
+        known = (section.best_metric in keys or names == "auto" and section.best_metric.startswith("val_top")
+                 and _TOP.fullmatch(section.best_metric[4:]) is not None)
+        if not known:
+            raise ConfigError(f"evaluation.best_metric must be one of what the job evaluates ({', '.join(keys)}), "
+                              f"got {section.best_metric!r}")
+        if job.checkpoint.dir is None:
+            raise ConfigError("evaluation.best_metric keeps the best checkpoint: it needs checkpoint.dir")
+        if section.every is None:
+            raise ConfigError("evaluation.best_metric needs evaluation.every (the evaluations it chooses from)")
+
+
+def job_best_checkpoint(job: Any) -> dict[str, str]:
+    """The trainer's keep-best arguments from ``evaluation.best_metric`` / ``best_mode`` (none: {})."""
+    section = job.evaluation
+    if section.best_metric is None:
+        return {}
+    mode = section.best_mode
+    if mode == "auto":
+        mode = "max" if section.best_metric.startswith(("val_accuracy", "val_top")) else "min"
+    return {"best_metric": section.best_metric, "best_mode": mode}
+
+
+def job_fit_evaluation(job: Any, val: Dataset) -> dict[str, Any]:
+    """`fit`'s evaluation arguments from the ``evaluation`` section (no ``every``: {}, dtrain evaluates
+    once at the end as before)."""
+    section = job.evaluation
+    if section.every is None:
+        return {}
+    return {"eval_dataset": val, "eval_every": section.every, "eval_batch_size": section.batch_size,
+            "eval_metrics": _job_metric_names(section, job)}
+
+
+def job_results(trainer: Any) -> dict[str, float]:
+    """The last evaluation's values, as dtrain returns them (``loss``: the validation loss)."""
+    evaluation = trainer.evaluation
+    if evaluation is None or not evaluation.history:
+        return {}
+    last = {k: v for k, v in evaluation.history[-1].items() if k != "step"}
+    return {"loss": last["val_loss"], **last}
