@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import CheckpointMismatchError
@@ -91,6 +90,10 @@ def _build(cfg: JobConfig):
     from .datasets import TextWindows, digits, repo_text
     from .models import GPT, GPT_PRESETS
 
+    if cfg.data.dataset == "image_folder":
+        from .image_job import build_image_job
+
+        return build_image_job(cfg)
     g = torch.Generator().manual_seed(cfg.training.seed)
     if cfg.data.dataset == "digits":
         data = digits()
@@ -100,7 +103,9 @@ def _build(cfg: JobConfig):
         val = torch.utils.data.Subset(data, order[:n_val].tolist())
         torch.manual_seed(cfg.training.seed)
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(cfg.model.dropout), nn.Linear(128, 10))
-        return model, train, val, F.cross_entropy
+        from .image_job import classification_loss
+
+        return model, train, val, classification_loss(cfg)
     tokens = repo_text()
     block = cfg.data.block_size
     starts = list(range(0, len(tokens) - block - 1, block))
@@ -204,9 +209,13 @@ def run_job(cfg: JobConfig) -> dict:
         # fit() shards by data-parallel replica: the ranks of one pipeline read the same batches.
         drop_last = pipelined and _short_last_batch(trainer, train, batch_size)
         epochs = _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last)
+        from .image_job import input_watch
+
+        watch = input_watch(train, cfg)  # image folders: decode vs training rates, said after fit
         trainer.fit(train, epochs=epochs, criterion=criterion, **batching, max_steps=t.max_steps,
-                    log_every=cfg.logging.every, drop_last=drop_last,
+                    log_every=cfg.logging.every, drop_last=drop_last, num_workers=cfg.data.num_workers,
                     on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main else None)
+        watch.report()
         metrics = _validate(trainer, val, criterion, trainer.batch_size or batch_size) if len(val) else {}
         state = trainer.strategy.model_state_dict(trainer.model)
         log.info("dtrain: finished at step %d, validation loss %.4f", trainer.step, metrics.get("loss", math.nan))
