@@ -264,11 +264,11 @@ def test_dtrain_resnet_on_the_digits_as_images_reaches_97_percent(tmp_path):
 def test_dtrain_zero3_on_two_ranks_trains_from_an_image_folder_with_workers(tmp_path):
     write_digits_folder(tmp_path / "digits", 16, val_fraction=0.1)
     config = {
-        "model": {"preset": "resnet18", "width": 4, "image_size": 16, "channels_last": True},
+        "model": {"preset": "resnet18", "width": 8, "image_size": 16, "channels_last": True},
         "data": {"dataset": "image_folder", "root": str(tmp_path / "digits" / "train"), "num_workers": 1,
                  "min_crop_scale": 0.9, "hflip": False, "crop_fraction": 1.0},
-        "training": {"strategy": "zero3", "max_steps": 12, "batch_size": 16, "lr": 3e-3, "label_smoothing": 0.1},
-        "logging": {"every": 4},
+        "training": {"strategy": "zero3", "max_steps": 30, "batch_size": 16, "lr": 3e-3, "label_smoothing": 0.1},
+        "logging": {"every": 10},
         "output": str(tmp_path / "model.pt"),
     }
     path = tmp_path / "job.yaml"
@@ -276,9 +276,10 @@ def test_dtrain_zero3_on_two_ranks_trains_from_an_image_folder_with_workers(tmp_
     out = run_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=REPO, timeout=200)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
-    assert "strategy zero3" in log and "world size 2" in log and "finished at step 12" in log, log[-3000:]
+    assert "strategy zero3" in log and "world size 2" in log and "finished at step 30" in log, log[-3000:]
     assert re.search(r"input pipeline: [\d,]+ images decoded .*with the workers", log), log[-2000:]
-    losses = [float(v) for v in re.findall(r"step +\d+ \| loss ([\d.]+)", log)]
-    assert len(losses) >= 3 and losses[-1] < losses[0], losses
+    # The held-out 10% (val_fraction) evaluated by dtrain: well below chance's ln(10) = 2.30 after 30 steps.
+    val_loss = float(re.search(r"validation loss ([\d.]+)", log).group(1))
+    assert val_loss < 1.9, log[-2000:]
     state = torch.load(config["output"])
-    assert state["fc.weight"].shape == (10, 32)  # the whole model, gathered from the shards
+    assert state["fc.weight"].shape == (10, 64)  # the whole model, gathered from the shards
