@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import CheckpointMismatchError
@@ -96,6 +95,10 @@ def _build(cfg: JobConfig):
     from .datasets import TextWindows, digits, repo_text
     from .models import GPT, GPT_PRESETS
 
+    if cfg.data.dataset == "image_folder":
+        from .image_job import build_image_job
+
+        return build_image_job(cfg)
     g = torch.Generator().manual_seed(cfg.training.seed)
     if cfg.data.dataset == "digits":
         data = digits()
@@ -105,7 +108,9 @@ def _build(cfg: JobConfig):
         val = torch.utils.data.Subset(data, order[:n_val].tolist())
         torch.manual_seed(cfg.training.seed)
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(cfg.model.dropout), nn.Linear(128, 10))
-        return model, train, val, F.cross_entropy
+        from .image_job import classification_loss
+
+        return model, train, val, classification_loss(cfg)
     tokens = repo_text()
     block = cfg.data.block_size
     starts = list(range(0, len(tokens) - block - 1, block))
@@ -216,9 +221,14 @@ def run_job(cfg: JobConfig) -> dict:
                   _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last))
         data = user_job.train_data(cfg, train, batch_size, trainer.dp_rank, trainer.dp_world_size)
         val_data = user_job.val_data(cfg, val, trainer.batch_size or batch_size)
+        from .image_job import input_watch
+
+        watch = input_watch(train, cfg)  # image folders: decode vs training rates, said after fit
         trainer.fit(data, epochs=epochs, criterion=criterion, **batching, max_steps=t.max_steps,
-                    log_every=cfg.logging.every, drop_last=drop_last, **job_fit_evaluation(cfg, val_data),
+                    log_every=cfg.logging.every, drop_last=drop_last, num_workers=cfg.data.num_workers,
+                    **job_fit_evaluation(cfg, val_data),
                     on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main else None)
+        watch.report()
         metrics = (job_results(trainer) if cfg.evaluation.every is not None else
                    _validate(trainer, val_data, criterion, trainer.batch_size or batch_size) if len(val) else {})
         state = trainer.strategy.model_state_dict(trainer.model)

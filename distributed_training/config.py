@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from .models import GPT_PRESETS
+from .models import GPT_PRESETS, VISION_PRESETS
 from .pipeline.schedules import SCHEDULES
 
 __all__ = ["JobConfig", "ConfigError", "load_config", "dump_config"]
@@ -68,7 +68,7 @@ def _import_path(value: str) -> str:
 
 ImportPath = Annotated[str, AfterValidator(_import_path)]
 Kwargs = dict[str, Any]
-Preset = Literal[tuple(GPT_PRESETS) + ("classifier",)]  # type: ignore[valid-type]
+Preset = Literal[tuple(GPT_PRESETS) + ("classifier",) + tuple(VISION_PRESETS)]  # type: ignore[valid-type]
 Schedule = Literal[SCHEDULES]  # type: ignore[valid-type]
 
 
@@ -81,7 +81,8 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     preset: Preset = "small"
-    """A GPT preset (tiny, small, gpt2-124m, gpt-1.3b) or "classifier" (an MLP for the digits data)."""
+    """A GPT preset (tiny, small, gpt2-124m, gpt-1.3b), "classifier" (an MLP for the digits data) or an
+    image classifier for data.dataset image_folder: resnet18, resnet50, vit_s16, vit_b16."""
     n_layer: Optional[PositiveInt] = None
     """Override the preset's number of blocks."""
     n_embd: Optional[PositiveInt] = None
@@ -94,12 +95,24 @@ class ModelConfig(_Section):
     importable), called with ``kwargs`` after seeding with training.seed."""
     kwargs: Kwargs = Field(default_factory=dict)
     """Keyword arguments of ``model.target``."""
+    # Image presets (see distributed_training/models/vision.py); n_layer / n_embd shape a ViT.
+    num_classes: Optional[PositiveInt] = None
+    """Image presets: outputs of the head (null: the number of class directories in data.root)."""
+    image_size: Annotated[PositiveInt, Field(le=4096)] = 224
+    """Image presets: side of the square images trained on (a multiple of 16 for the ViTs)."""
+    width: Optional[PositiveInt] = None
+    """ResNet presets: channels of the first stage (null: the published 64), for smaller models."""
+    zero_init_residual: bool = False
+    """ResNet presets: start each residual block's last BatchNorm at gamma = 0 (each block the identity)."""
+    channels_last: bool = False
+    """Image presets: NHWC memory order for the weights and inputs (faster convolutions on GPUs)."""
 
 
 class DataConfig(_Section):
-    dataset: Literal["repo_text", "digits"] = "repo_text"
+    dataset: Literal["repo_text", "digits", "image_folder"] = "repo_text"
     """repo_text: this package's own source as bytes (language model); digits: 8x8 handwritten digits
-    shipped with the package (classification)."""
+    shipped with the package (classification); image_folder: root/<class>/<image> files (with an
+    image preset)."""
     block_size: Annotated[PositiveInt, Field(le=8192)] = 64
     """Tokens per language-model sample, 1 to 8192 (the corpus is about 500k bytes)."""
     val_fraction: Annotated[Float, Field(ge=0, lt=1)] = 0.1
@@ -124,6 +137,21 @@ class DataConfig(_Section):
     shard_iterable: bool = True
     """With an iterable ``data.target``: deal its samples to the data-parallel replicas (false: the
     dataset gives each rank its own samples, e.g. by reading torch.distributed's rank)."""
+    # image_folder (see distributed_training/datasets/images.py)
+    root: Optional[PathStr] = None
+    """image_folder: the training images, root/<class>/<image> (jpg, png, ...; classes sorted by name)."""
+    val_root: Optional[PathStr] = None
+    """image_folder: the validation images, the same classes (null: val_fraction of root held out)."""
+    num_workers: Annotated[Int, Field(ge=0)] = 0
+    """DataLoader worker processes per rank that decode and augment the training images (0: in the
+    training process)."""
+    min_crop_scale: Annotated[Float, Field(gt=0, le=1)] = 0.08
+    """image_folder: smallest area of an image (a fraction) that training's random-resized crop takes."""
+    hflip: bool = True
+    """image_folder: flip training images left-right half of the time."""
+    crop_fraction: Annotated[Float, Field(gt=0, le=1)] = 0.875
+    """image_folder: validation resizes the shorter side to image_size / crop_fraction, then takes the
+    central image_size square."""
 
 
 class TrainingConfig(_Section):
@@ -157,6 +185,8 @@ class TrainingConfig(_Section):
     synchronised only on the last."""
     gradient_clip_val: Optional[PositiveFloat] = 1.0
     """Clip gradients to this global 2-norm (null: no clipping)."""
+    label_smoothing: Annotated[Float, Field(ge=0, lt=1)] = 0.0
+    """Classifiers: cross-entropy against targets smoothed by this much, in [0, 1) (0.1 for ImageNet)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """bf16 / fp16: autocast with fp32 master weights; fp16 adds our dynamic loss scaler (GPUs: on CPUs
     fp16 is several times slower than fp32)."""
@@ -353,8 +383,13 @@ class JobConfig(_Section):
         t, c, m = self.training, self.communication, self.model
         self._user_code_agrees()
         user_code = m.target is not None or self.data.target is not None
-        if not user_code and (m.preset == "classifier") != (self.data.dataset == "digits"):
-            raise ConfigError("model.preset 'classifier' goes with data.dataset 'digits' (and GPT presets with 'repo_text')")
+        family = "digits" if m.preset == "classifier" else "image_folder" if m.preset in VISION_PRESETS else "repo_text"
+        if not user_code and family != self.data.dataset:
+            raise ConfigError("model.preset 'classifier' goes with data.dataset 'digits', the image presets ("
+                              f"{', '.join(VISION_PRESETS)}) with 'image_folder' and GPT presets with 'repo_text'")
+        from .image_job import check_config
+
+        check_config(self)
         if m.n_embd is not None and m.preset in GPT_PRESETS and m.n_embd % GPT_PRESETS[m.preset].n_head:
             raise ConfigError(f"model.n_embd must be a multiple of preset {m.preset!r}'s "
                               f"{GPT_PRESETS[m.preset].n_head} attention heads, got {m.n_embd}")
