@@ -160,9 +160,11 @@ def run_job(cfg: JobConfig) -> dict:
     pipelined = t.pipeline_parallel_size > 1
     if pipelined:
         _check_pipeline_fits(cfg, model)
-    from .optim_job import job_optimizer
+    from .optim_job import job_optimizer, schedule_steps
 
-    optimizer, lr_scheduler = job_optimizer(cfg, model)
+    replicas = max(1, int(os.environ.get("WORLD_SIZE", "1")) // (t.pipeline_parallel_size * t.tensor_parallel_size))
+    optimizer, lr_scheduler = job_optimizer(
+        cfg, model, total_steps=schedule_steps(cfg, train, replicas, user_job.is_iterable(train)))
     try:
         trainer = DistributedTrainer(
             model, optimizer, lr_scheduler=lr_scheduler, strategy=strategy,

@@ -7,6 +7,7 @@ and ``training.weight_decay``, no scheduler.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -57,10 +58,8 @@ def check_optimizer_fields(cfg: "JobConfig") -> None:
     lr = o.lr if o.lr is not None else t.lr
     total = s.total_steps or t.max_steps
     if s.kind in ("cosine", "linear"):
-        if total is None:
-            raise ConfigError(f"schedule.kind {s.kind!r} decays until schedule.total_steps: give it, or "
-                              "training.max_steps")
-        if total <= s.warmup_steps:
+        # Neither given: dtrain counts training.epochs' steps once the data is known (`schedule_steps`).
+        if total is not None and total <= s.warmup_steps:
             raise ConfigError(f"schedule.warmup_steps ({s.warmup_steps}) must be less than schedule.total_steps "
                               f"(or training.max_steps): {total}")
     if s.min_lr > lr and s.kind in ("cosine", "linear"):
@@ -93,9 +92,38 @@ def learning_rate(cfg: "JobConfig") -> float:
     return lr
 
 
-def job_optimizer(cfg: "JobConfig", model: nn.Module) -> tuple[Callable[[Any], torch.optim.Optimizer],
-                                                               Callable[[torch.optim.Optimizer], Any] | None]:
-    """(optimizer factory, LR scheduler factory or None) for the trainer, from `cfg`'s sections.
+def schedule_steps(cfg: "JobConfig", train: Any, data_parallel_size: int, iterable: bool) -> int | None:
+    """The steps a decaying schedule runs over when neither ``schedule.total_steps`` nor
+    ``training.max_steps`` says: ``training.epochs`` passes over `train` at `data_parallel_size`
+    replicas (None: no decaying schedule, or a length given)."""
+    from .config import ConfigError
+    from .data import ShardedSampler
+
+    s, t = cfg.schedule, cfg.training
+    if s.kind not in ("cosine", "linear") or s.total_steps or t.max_steps:
+        return None
+    why = ("an iterable dataset has no length" if iterable else
+           "training.batch_size 'auto' is chosen later" if t.global_batch_size is None and t.batch_size == "auto"
+           else "training.epochs is 0" if t.epochs == 0 else None)
+    if why is not None:
+        raise ConfigError(f"schedule.kind {s.kind!r} decays until schedule.total_steps: give it, or training.max_steps "
+                          f"(dtrain cannot count training.epochs' steps: {why})")
+    if t.global_batch_size is not None:
+        per_epoch = math.ceil(len(train) / t.global_batch_size)
+    else:
+        per_epoch = math.ceil(len(ShardedSampler(train, data_parallel_size, 0)) / t.batch_size)
+    total = max(1, per_epoch) * t.epochs
+    if total <= s.warmup_steps:
+        raise ConfigError(f"schedule.warmup_steps ({s.warmup_steps}) must be less than the {total} steps of "
+                          f"training.epochs={t.epochs} (or give schedule.total_steps / training.max_steps)")
+    log.info("dtrain: schedule %s over %d steps (training.epochs=%d of %d steps)", s.kind, total, t.epochs, per_epoch)
+    return total
+
+
+def job_optimizer(cfg: "JobConfig", model: nn.Module, total_steps: int | None = None
+                  ) -> tuple[Callable[[Any], torch.optim.Optimizer], Callable[[torch.optim.Optimizer], Any] | None]:
+    """(optimizer factory, LR scheduler factory or None) for the trainer, from `cfg`'s sections;
+    `total_steps`: a decaying schedule's length when the config gives none (`schedule_steps`).
 
     The factory is called by the strategy with what it trains: the model's own parameters (DDP), or
     flat shards (ZeRO / FSDP: each carries its layers' segments, for exclusions and layer-wise norms)."""
@@ -133,7 +161,7 @@ def job_optimizer(cfg: "JobConfig", model: nn.Module) -> tuple[Callable[[Any], t
 
     scheduler = None
     if s.kind != "constant" or s.warmup_steps:
-        schedule = WarmupSchedule(s.kind, warmup_steps=s.warmup_steps, total_steps=s.total_steps or t.max_steps,
+        schedule = WarmupSchedule(s.kind, warmup_steps=s.warmup_steps, total_steps=s.total_steps or t.max_steps or total_steps,
                                   min_ratio=min(1.0, s.min_lr / lr), milestones=s.milestones, gamma=s.gamma)
 
         def scheduler(optimizer):

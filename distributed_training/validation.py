@@ -217,7 +217,8 @@ def _job_metric_names(section: Any, job: Any) -> list[str] | str:
         return list(section.metrics)
     if _user_code(job):
         return "auto"
-    return ["accuracy", "top5"] if job.model.preset == "classifier" else ["perplexity"]
+    classifier = job.model.preset == "classifier" or job.data.dataset == "image_folder"
+    return ["accuracy", "top5"] if classifier else ["perplexity"]
 
 
 def check_job_evaluation(section: Any, job: Any = None) -> None:
@@ -233,10 +234,12 @@ def check_job_evaluation(section: Any, job: Any = None) -> None:
     if job is None:
         return
     user = _user_code(job)
-    if section.every is not None and job.data.val_fraction == 0 and not user:
-        raise ConfigError("evaluation.every needs a validation set: set data.val_fraction > 0")
+    images = job.data.dataset == "image_folder"
+    if section.every is not None and job.data.val_fraction == 0 and not user and not (images and job.data.val_root):
+        raise ConfigError("evaluation.every needs a validation set: set data.val_fraction > 0"
+                          + (" or data.val_root" if images else ""))
     names = _job_metric_names(section, job)
-    if not user and job.model.preset != "classifier":
+    if not user and job.model.preset != "classifier" and not images:
         wrong = [n for n in names if n != "perplexity"]
         if wrong:
             raise ConfigError(f"evaluation.metrics: {wrong[0]} is for classifiers (model.preset classifier); a GPT "

@@ -243,7 +243,6 @@ def test_config_sections_and_their_errors_name_the_fields():
         ({"optimizer": {"name": "lars"}, "training": {"strategy": "zero1"}}, "training.strategy 'zero1'"),
         ({"optimizer": {"exclude_from_weight_decay": ["bias"]}, "training": {"strategy": "zero3"}},
          "optimizer.exclude_from_weight_decay"),
-        ({"schedule": {"kind": "cosine"}}, "schedule.total_steps"),
         ({"schedule": {"kind": "cosine", "warmup_steps": 10}, "training": {"max_steps": 10}}, "schedule.warmup_steps"),
         ({"schedule": {"kind": "linear", "min_lr": 1.0}, "training": {"max_steps": 10}}, "schedule.min_lr"),
         ({"schedule": {"milestones": [3]}}, "schedule.milestones"),
@@ -302,3 +301,22 @@ def test_dtrain_resumed_mid_warmup_equals_an_unbroken_run(tmp_path):
         assert lr_a == pytest.approx(lr_b, rel=1e-12) and loss_a == pytest.approx(loss_b, abs=1e-6), (whole, parts)
     a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "second.pt")
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_a_decaying_schedule_without_a_length_runs_over_the_epochs():
+    """Neither schedule.total_steps nor training.max_steps: dtrain counts training.epochs' steps from the
+    data (100 samples, 2 replicas, batch 10 a rank: 5 steps an epoch), or says why it cannot."""
+    from distributed_training.config import ConfigError, load_config
+    from distributed_training.optim_job import schedule_steps
+
+    cfg = load_config({"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+                       "training": {"epochs": 3, "batch_size": 10}, "schedule": {"kind": "cosine", "warmup_steps": 2}})
+    data = list(range(100))
+    assert schedule_steps(cfg, data, 2, iterable=False) == 15
+    with pytest.raises(ConfigError, match="schedule.total_steps.*iterable dataset has no length"):
+        schedule_steps(cfg, data, 2, iterable=True)
+    short = load_config({**cfg.to_dict(), "schedule": {"kind": "cosine", "warmup_steps": 20}})
+    with pytest.raises(ConfigError, match="schedule.warmup_steps \\(20\\) must be less than the 15 steps"):
+        schedule_steps(short, data, 2, iterable=False)
+    fixed = load_config({**cfg.to_dict(), "training": {**cfg.to_dict()["training"], "max_steps": 7}})
+    assert schedule_steps(fixed, data, 2, iterable=False) is None  # max_steps is the length
