@@ -204,9 +204,13 @@ def mixed_worker(rank: int, world: int) -> float:
         x = torch.randn(2, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
         for model, opt in zip((ours, ref), opts):
             model(x).square().mean().backward()
+            if model is ours:  # each gradient has its parameter's layout (channels_last), as torch's DDP gives
+                wrong = [n for n, q in ours.module.named_parameters() if q.grad is not None and q.grad.stride() != q.stride()]
+                assert not wrong, wrong
             opt.step()
             opt.zero_grad()
         worst = max(worst, _max_diff(ours.module, ref.module))
+    assert ours.module.conv.weight.stride() != ours.module.conv.weight.contiguous().stride()  # still channels_last
     assert ours.module.frozen.weight.grad is None
     return worst
 

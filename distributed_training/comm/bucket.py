@@ -80,11 +80,35 @@ def assign_buckets(
     return closed
 
 
-def allocate_buckets(params: Sequence[torch.Tensor], groups: list[list[int]], pad_to: int = 1) -> list[Bucket]:
+def _dense_layout(t: torch.Tensor) -> bool:
+    """Whether `t`'s strides lay its elements out densely, without overlap (contiguous, channels_last, a
+    permutation of a contiguous tensor): then `numel` consecutive elements can hold it in that layout."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def view_like(segment: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`segment` (``like.numel()`` consecutive elements of a flat buffer) viewed with `like`'s shape and,
+    where `like` is laid out densely but not contiguously (a ``channels_last`` convolution weight),
+    with its strides too: a gradient in a bucket then has its parameter's layout, as optimizers (the
+    fused ones require it) and the parameter's own gradient would."""
+    if like.is_contiguous() or not _dense_layout(like):
+        return segment.view(like.shape)
+    return segment.as_strided(like.shape, like.stride(), segment.storage_offset())
+
+
+def allocate_buckets(params: Sequence[torch.Tensor], groups: list[list[int]], pad_to: int = 1,
+                     keep_layout: bool = True) -> list[Bucket]:
     """Allocate one zeroed flat buffer per group and carve it into per-parameter views.
 
     With `pad_to` > 1 each buffer is padded with zeros (after the last view) to a multiple of it, so
     that it cuts into `pad_to` equal slices: ZeRO-1 reduce-scatters every bucket over the world size.
+    Each view has its parameter's layout (`view_like`), or with `keep_layout=False` the contiguous one
+    (ZeRO-1, whose flat shards hold the parameters themselves in the logical order its checkpoints use).
     """
     if not isinstance(pad_to, int) or pad_to < 1:
         raise ValueError(f"pad_to must be a positive integer, got {pad_to!r}")
@@ -96,7 +120,8 @@ def allocate_buckets(params: Sequence[torch.Tensor], groups: list[list[int]], pa
         views, offset = [], 0
         for i in members:
             n = params[i].numel()
-            views.append(buffer[offset : offset + n].view(params[i].shape))
+            segment = buffer[offset : offset + n]
+            views.append(view_like(segment, params[i]) if keep_layout else segment.view(params[i].shape))
             offset += n
         buckets.append(Bucket(index=b, param_indices=list(members), buffer=buffer, views=views))
     return buckets

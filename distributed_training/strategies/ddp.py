@@ -86,6 +86,8 @@ class DDP(CommTiming, nn.Module):
 
     #: Every bucket buffer is padded to a multiple of this (ZeRO-1 cuts buckets into world-size slices).
     _bucket_pad_to = 1
+    #: Gradient views with their parameters' layouts (channels_last weights get channels_last gradients).
+    _bucket_keep_layout = True
 
     def __init__(
         self,
@@ -310,7 +312,8 @@ class DDP(CommTiming, nn.Module):
         move_grads_to_views(self._params, old_views, self._view_of)
 
     def _place_buckets(self, groups: list[list[int]]) -> None:
-        self._buckets: list[Bucket] = allocate_buckets(self._params, groups, pad_to=self._bucket_pad_to)
+        self._buckets: list[Bucket] = allocate_buckets(self._params, groups, pad_to=self._bucket_pad_to,
+                                                       keep_layout=self._bucket_keep_layout)
         self._bucket_of, self._view_of = index_buckets(self._buckets, len(self._params))
 
     def _rebuild_buckets_in_arrival_order(self) -> None:

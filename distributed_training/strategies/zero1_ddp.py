@@ -170,6 +170,10 @@ class Zero1DDP(DDP):
         if self._overlap_param_gather:
             self._register_gather_hooks()
 
+    # Contiguous views: the shards hold the parameters themselves (made contiguous below) in the logical
+    # order the checkpoint pieces use, and each gradient must lie where its parameter does.
+    _bucket_keep_layout = False
+
     @property
     def _bucket_pad_to(self) -> int:  # read by DDP when it allocates the buckets
         return self.world_size
