@@ -31,7 +31,7 @@ def render_markdown(results: dict) -> str:
         if entry.get("status") in ("skipped", "error") and entry.get("reason") and not entry.get("worlds"):
             lines.append(f"- {name}: **{entry['status']}**: {entry['reason'].strip()}")
     lines.append("")
-    for section in (_collectives, _training, _models, _precision, _topk, _profiling, _monitor, _checkpoint, _memory,
+    for section in (_collectives, _training, _models, _images, _precision, _topk, _profiling, _monitor, _checkpoint, _memory,
                     _pipeline,
                     _pipeline_big, _tensor, _model_check):
         lines += section(results)
@@ -118,6 +118,46 @@ def _models(results):
                          f" | {pk.get('torch', 0):.1f} / {pk.get('ours', 0):.1f} |")
         lines.append("")
     return lines
+
+
+def _images(results):
+    """Images/s per GPU of each variant, ours / torch, the folder against synthetic batches, and the
+    scaling efficiency against the world-1 job of the same run (each world size is its own job)."""
+    worlds = _ok_worlds(results, "images")
+    if not worlds:
+        return []
+    one = dict(worlds).get(1, {}).get("models", {})
+    first = worlds[0][1]
+    folder = next((part["folder"] for _, part in worlds if part.get("folder")), None)
+    lines = ["## Image classifiers: images/s per GPU, our DDP vs torch DDP, synthetic batches and a JPEG folder", "",
+             f"Our ResNet / ViT presets, {first['precision']}; the median of {first['rounds']} interleaved rounds of "
+             f"{first['steps']} steps, the slowest rank's. Scaling: images/s per GPU over the same variant's at 1 GPU "
+             "in this run."]
+    if folder:
+        lines[-1] += (f" ours_folder: {folder['jpegs']:,} JPEGs of {folder['side']}x{folder['side']} in "
+                      f"{folder['classes']} classes (page cache), {folder['workers_per_rank']} loader workers per rank; "
+                      "decode/s: what those workers can decode per rank (the reader's meter).")
+    lines += ["", "| model | GPUs | torch | ours | ours / torch (paired) | ours_folder | folder / ours | decode/s per rank "
+              "| scaling torch / ours / folder | peak GiB torch / ours | grads unlike params (ours) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    num = lambda d, k, fmt: format(d[k], fmt) if k in d else "-"  # noqa: E731
+    for w, part in worlds:
+        for name, m in part["models"].items():
+            ips = m["images_per_s_per_gpu"]
+            paired = m.get("vs_torch_paired", {}).get("ours")
+            ratio = f"{m['vs_torch']['ours']:.3f}x ({paired['median']:.3f}x)" if paired and "ours" in ips else "-"
+            inp = m.get("input", {})
+            decode = (f"{inp['decode_capacity_images_per_s_per_rank']:,.0f}"
+                      + (" input-bound" if inp.get("input_bound") else "")) if inp else "-"
+            base = one.get(name, {}).get("images_per_s_per_gpu", {})
+            scaling = " / ".join(f"{100 * ips[v] / base[v]:.0f}%" if v in ips and base.get(v) else "-"
+                                 for v in ("torch", "ours", "ours_folder")) if w > 1 else ""
+            pk = m["peak_gib"]
+            lines.append(f"| {name} | {w} | {num(ips, 'torch', ',.0f')} | {num(ips, 'ours', ',.0f')} | {ratio} | "
+                         f"{num(ips, 'ours_folder', ',.0f')} | {num(inp, 'folder_vs_synthetic', '.2f')} | {decode} | "
+                         f"{scaling} | {num(pk, 'torch', '.1f')} / {num(pk, 'ours', '.1f')} | "
+                         f"{m.get('grads_unlike_params', {}).get('ours', '-')} |")
+    return lines + [""]
 
 
 def _pipeline_rows(w: int, part: dict) -> list[tuple[str, str, dict, dict]]:

@@ -14,6 +14,7 @@ Phases (`--phases`, default all; see `phases/__init__.py` for where each runs):
     collectives   NCCL's collectives vs our ring / tree / hierarchical and compressed reductions; overlap
     training      GPT: our DDP / ZeRO-1/2/3 / compressed DDP vs torch DDP and FSDP2, interleaved in one job
     models        timm / Hugging Face models: our DDP and trainer vs torch DDP
+    images        our ResNet-50 / ViT-B/16: images/s per GPU, our DDP vs torch DDP, synthetic and from JPEGs
     precision     our trainer in fp32 / bf16 / fp16: step time, memory, loss against fp32's
     topk          Top-K selection methods and PowerSGD, per bucket and per step (25 and 100 MiB buckets)
     profiling     where a DDP step's time goes, by kernel (GPU) or operator (CPU) category

@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "suite.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-ALL_PHASES = {"collectives", "training", "models", "precision", "topk", "profiling", "monitor", "checkpoint", "memory",
+ALL_PHASES = {"collectives", "training", "models", "images", "precision", "topk", "profiling", "monitor", "checkpoint", "memory",
               "compile",
               "pipeline", "pipeline_trainer", "tensor", "model_check"}
 
@@ -84,6 +84,8 @@ def test_smoke_runs_every_phase(tmp_path):
     assert set(toy["step_ms_median"]) == set(models["variants"]) == {"plain", "torch", "ours", "trainer",
                                                                        "trainer_monitor", "ours_nosync"}
     assert toy["speed_vs_torch"]["torch"] == 1.0 and all(t > 0 for t in toy["step_ms_median"].values())
+
+    _check_images(ph["images"])
 
     # Precision: three curves from the same seed; fp32 is the reference.
     prec = ph["precision"]["worlds"]["2"]["precisions"]
@@ -157,7 +159,7 @@ def test_smoke_runs_every_phase(tmp_path):
     assert len(recorded) == 1 and len(recorded[0]["rows"]) == 3
 
     md = (tmp_path / "results.md").read_text()
-    for heading in ("## Collectives, 2 ranks", "## Training (GPT)", "## Third-party models, 2 GPUs", "## Precision",
+    for heading in ("## Collectives, 2 ranks", "## Training (GPT)", "## Third-party models, 2 GPUs", "## Image classifiers", "## Precision",
                     "## Top-K selection", "## Profile of a DDP step", "## Monitor overhead", "## Memory (", "## Pipeline (", "## Tensor parallelism, 2 GPUs",
                     "## Projections (model output, not measurements)", "Largest error"):
         assert heading in md, heading
@@ -165,6 +167,40 @@ def test_smoke_runs_every_phase(tmp_path):
     for png in ("collectives_world2.png", "projection_tiny.png", "model_vs_measured.png", "ddp_check_this_run.png",
                 "ddp_projection_ddp_2026-11-26_h200.png"):
         assert (tmp_path / png).is_file(), png
+
+
+def _check_images(images, fresh: bool = False):
+    """The images phase at worlds 1 and 2: every variant of both smoke models timed; torch's DDP and ours,
+    from the same weights on the same batches, end on the same loss (fp32 on CPU); the JPEG folder was
+    written once (by the world-1 job when `fresh`: an earlier run's is reused) and its decode rate measured."""
+    assert images["status"] == "ok" and set(images["worlds"]) == {"1", "2"}
+    for w, part in images["worlds"].items():
+        assert part["variants"] == ["torch", "ours", "ours_folder"] and set(part["models"]) == {"resnet18", "vit_tiny"}
+        assert (part["folder"]["write_s"] > 0) == (fresh and w == "1") and part["folder"]["jpegs"] == 64, part["folder"]
+        for name, m in part["models"].items():
+            assert set(m["images_per_s_per_gpu"]) == set(part["variants"]), (w, name)
+            assert all(x > 0 and math.isfinite(x) for x in m["images_per_s_per_gpu"].values()), (w, name, m)
+            assert m["vs_torch"]["torch"] == 1.0 and len(m["step_ms_rounds"]["ours"]) == part["rounds"]
+            loss = m["last_loss_rank0"]
+            assert math.isfinite(loss["ours_folder"]) and loss["ours"] == pytest.approx(loss["torch"], rel=1e-4), loss
+            assert m["grads_unlike_params"]["torch"] == 0  # torch's DDP keeps each gradient laid out like its weight
+            inp = m["input"]
+            assert inp["decoded_images_per_s_per_process"] > 0 and inp["workers_per_rank"] == 1, inp
+            assert inp["folder_vs_synthetic"] > 0 and isinstance(inp["input_bound"], bool), inp
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_images_phase_ours_vs_torch_and_from_a_jpeg_folder(tmp_path):
+    """The images phase alone (worlds 1 and 2, gloo), and its section of results.md."""
+    import shutil
+    import tempfile
+
+    shutil.rmtree(Path(tempfile.gettempdir()) / "dt-suite-images-64x40", ignore_errors=True)  # written afresh
+    results = _suite(tmp_path, "--phases", "images", timeout=280)
+    _check_images(results["phases"]["images"], fresh=True)
+    md = (tmp_path / "results.md").read_text()
+    assert "## Image classifiers" in md and "| resnet18 | 2 |" in md and "| vit_tiny | 1 |" in md
 
 
 @pytest.mark.slow

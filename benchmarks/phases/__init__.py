@@ -36,6 +36,9 @@ PHASES = {p.name: p for p in (
     Phase("training", "all", "GPT: our DDP / ZeRO-1/2/3 / compressed DDP vs torch DDP and FSDP2, interleaved in one "
           "job; the 1-GPU baseline, no_sync (compute-only) and comm-only steps"),
     Phase("models", "multi", "timm / Hugging Face models: our DDP and trainer vs torch DDP, interleaved"),
+    Phase("images", "all", "our ResNet-50 and ViT-B/16, images/s per GPU: our DDP vs torch DDP on synthetic batches, "
+          "and our DDP fed by the image-folder reader from JPEGs it writes (the decode rate beside it); "
+          "--variants workers=N,jpegs=N,model=NAME"),
     Phase("precision", "top", "our trainer (DDP) in fp32, bf16 and fp16 (our loss scaler): step time, memory, loss"),
     Phase("topk", "one", "Top-K compression's selection (blockmax, exact, chunked, sampled) and PowerSGD, per "
           "bucket and per step"),
