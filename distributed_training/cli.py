@@ -193,6 +193,7 @@ def run_job(cfg: JobConfig) -> dict:
         # step: said as the config field to change.
         raise ConfigError(training_paths(str(err)).replace("checkpoint_dir", "checkpoint.dir")) from None
     ctx = trainer.context
+    finished = False  # an error on this rank: close without the barrier its peers would never reach
     try:
         chunks = trainer.config["pipeline_chunks"] if pipelined else 1
         stages = (f"{t.pipeline_parallel_size * chunks} stages ({t.pipeline_parallel_size} ranks x {chunks} chunks, "
@@ -243,9 +244,10 @@ def run_job(cfg: JobConfig) -> dict:
                 # The StatefulSet entrypoint idles instead of training again when this marker exists.
                 Path(cfg.checkpoint.dir).mkdir(parents=True, exist_ok=True)
                 (Path(cfg.checkpoint.dir) / "COMPLETED").write_text(f"step {trainer.step}\n")
+        finished = True
         return metrics if ctx.is_main else {}
     finally:
-        trainer.close()
+        trainer.close(barrier=finished)
 
 
 def _sample_input(cfg: JobConfig, model: nn.Module) -> torch.Tensor | None:

@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -299,3 +300,39 @@ def test_a_user_code_error_ends_dtrain_with_status_2_said_once(jobs, tmp_path, m
     path = _write(tmp_path, "bad", {"model": {"target": "no_such_pkg_xyz:build"}})
     assert cli.main([str(path)]) == 2
     assert len(said) == 1 and said[0].startswith("dtrain: invalid config: model.target: cannot import"), said
+
+
+FLAKY = '''
+import torch
+
+
+class Flaky(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i == 7:
+            raise ValueError("bad record 7")
+        return torch.randn(8), torch.tensor(i % 2)
+
+
+def model():
+    return torch.nn.Linear(8, 2)
+'''
+
+
+@pytest.mark.slow
+def test_an_error_on_one_rank_is_said_and_ends_the_job_under_torchrun(tmp_path):
+    """The rank whose dataset raises closes without the final barrier (its peer is in a step's collective,
+    which the barrier would never meet): the job ends at once with the error, not at the collective
+    timeout with the error unsaid."""
+    (tmp_path / "flaky_pkg.py").write_text(FLAKY)
+    job = tmp_path / "job.yaml"
+    job.write_text("model: {target: flaky_pkg:model}\ndata: {target: flaky_pkg:Flaky}\n"
+                   "loss: {target: torch.nn:CrossEntropyLoss}\n"
+                   "training: {epochs: 1, batch_size: 4, timeout_s: 300}\nlogging: {progress: false}\n")
+    started = time.monotonic()
+    run = run_torchrun("distributed_training", [str(job)], module=True, nproc=2, env=ENV, cwd=tmp_path, timeout=120)
+    took = time.monotonic() - started
+    assert run.returncode != 0 and "ValueError: bad record 7" in run.stderr, run.stderr[-3000:]
+    assert took < 60, took  # the collective timeout is 300 s
