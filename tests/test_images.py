@@ -283,3 +283,29 @@ def test_dtrain_zero3_on_two_ranks_trains_from_an_image_folder_with_workers(tmp_
     assert val_loss < 1.9, log[-2000:]
     state = torch.load(config["output"])
     assert state["fc.weight"].shape == (10, 64)  # the whole model, gathered from the shards
+
+
+def test_hard_images_are_read_right_or_named(tmp_path):
+    """A 16-bit grayscale PNG is scaled to 8 bits (Pillow's own conversion clips it to white); a file
+    Pillow cannot decode is named in the error; an empty class directory is refused by name."""
+    import numpy as np
+    from PIL import Image
+
+    from distributed_training.datasets.images import EvalTransform, ImageFolder, find_images
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ramp = (np.arange(32 * 32).reshape(32, 32) * 64).astype(np.uint16)  # 0 .. 65472
+    Image.fromarray(ramp).save(tmp_path / "a" / "deep.png")
+    assert Image.open(tmp_path / "a" / "deep.png").mode.startswith("I;16")
+    (tmp_path / "b" / "broken.png").write_bytes(b"not an image")
+    data = ImageFolder(str(tmp_path), transform=EvalTransform(32, 1.0))
+    image, label = data[0]
+    assert label == 0 and image.dtype == torch.uint8
+    expected = torch.from_numpy((ramp.astype(np.int64) * 255 // 65535).astype(np.uint8))
+    assert torch.equal(image[0], expected) and torch.equal(image[1], expected)  # gray in every channel
+    with pytest.raises(OSError, match="cannot decode .*broken.png"):
+        data[1]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="class directory 'empty' hold\\(s\\) no images"):
+        find_images(tmp_path)

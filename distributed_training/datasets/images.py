@@ -57,14 +57,30 @@ def find_images(root: str | Path) -> tuple[list[str], list[tuple[str, int]]]:
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not classes:
         raise ValueError(f"image folder {str(root)!r} has no class directories (expected root/<class>/<image>)")
-    samples = []
+    samples, empty = [], []
     for label, name in enumerate(classes):
         files = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
         samples += [(str(p), label) for p in files]
+        if not files:
+            empty.append(name)
+    if empty and samples:  # a class without images would still get an output of the head, silently
+        raise ValueError(f"image folder {str(root)!r}: class director{'y' if len(empty) == 1 else 'ies'} "
+                         f"{', '.join(repr(e) for e in empty[:5])}{' ...' if len(empty) > 5 else ''} hold(s) no images "
+                         f"({', '.join(IMAGE_EXTENSIONS)}): remove or fill them (every directory is a class)")
     if not samples:
         raise ValueError(f"image folder {str(root)!r} has no images ({', '.join(IMAGE_EXTENSIONS)}) under its "
                          f"{len(classes)} class directories")
     return classes, samples
+
+
+def _rgb(img):
+    """`img` as 8-bit RGB. 16-bit grayscale (modes I;16*, I) is scaled to 8 bits first: Pillow's own
+    conversion clips it, turning nearly every pixel white."""
+    if img.mode.startswith("I;16") or img.mode == "I":
+        values = np.asarray(img, dtype=np.int64)
+        top = 65535 if img.mode.startswith("I;16") or values.max(initial=0) > 255 else 255
+        img = _pil().fromarray(np.clip(values * 255 // top, 0, 255).astype(np.uint8), mode="L")
+    return img.convert("RGB")
 
 
 def _to_tensor(img) -> torch.Tensor:
@@ -174,8 +190,11 @@ class ImageFolder(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[i]
         start = time.perf_counter()
-        with _pil().open(path) as img:
-            image = self.transform(img.convert("RGB"))
+        try:
+            with _pil().open(path) as img:
+                image = self.transform(_rgb(img))
+        except (OSError, ValueError, SyntaxError) as err:  # what Pillow raises on a file it cannot decode
+            raise OSError(f"image folder {self.root!r}: cannot decode {path!r}: {type(err).__name__}: {err}") from err
         self.meter.add(time.perf_counter() - start)
         return image, label
 
