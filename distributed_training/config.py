@@ -72,6 +72,14 @@ Preset = Literal[tuple(GPT_PRESETS) + ("classifier",) + tuple(VISION_PRESETS)]  
 Schedule = Literal[SCHEDULES]  # type: ignore[valid-type]
 
 
+def given(section: BaseModel, name: str) -> bool:
+    """Whether field `name` of `section` was set to something other than its default. A config written by
+    ``--print-config`` spells every default out; only a value that differs is a choice that can
+    disagree with another field."""
+    return name in section.model_fields_set and getattr(section, name) != type(section).model_fields[name].get_default(
+        call_default_factory=True)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
 
@@ -402,7 +410,7 @@ class JobConfig(_Section):
                               "communication.hierarchical: true with it, or leave it out")
         if self.checkpoint.every is not None and self.checkpoint.dir is None:
             raise ConfigError("checkpoint.every needs checkpoint.dir")
-        if t.global_batch_size is not None and "batch_size" in t.model_fields_set:
+        if t.global_batch_size is not None and given(t, "batch_size"):
             raise ConfigError("training.batch_size (a rank's) and training.global_batch_size (the whole job's): give "
                               "one of them (training.micro_batch_size bounds a rank's forward with the global one)")
         if t.micro_batch_size is not None and t.global_batch_size is None:
@@ -424,24 +432,24 @@ class JobConfig(_Section):
         """The user's own model / data (``target`` fields, see `user_job`) replace the built-in fields."""
         m, d = self.model, self.data
         if m.target is not None:
-            given = [f"model.{f}" for f in ("preset", "n_layer", "n_embd") if f in m.model_fields_set]
-            if given:
-                raise ConfigError(f"model.target builds your own model: {', '.join(given)} (the built-in presets') "
+            chosen = [f"model.{f}" for f in ("preset", "n_layer", "n_embd") if given(m, f)]
+            if chosen:
+                raise ConfigError(f"model.target builds your own model: {', '.join(chosen)} (the built-in presets') "
                                   "cannot go with it (pass what your model takes in model.kwargs)")
         elif m.kwargs:
             raise ConfigError("model.kwargs are the arguments of model.target, which is not given")
         if d.target is not None:
-            given = [f"data.{f}" for f in ("dataset", "block_size") if f in d.model_fields_set]
-            if given:
-                raise ConfigError(f"data.target reads your own data: {', '.join(given)} (the built-in datasets') "
+            chosen = [f"data.{f}" for f in ("dataset", "block_size") if given(d, f)]
+            if chosen:
+                raise ConfigError(f"data.target reads your own data: {', '.join(chosen)} (the built-in datasets') "
                                   "cannot go with it (pass what your dataset takes in data.kwargs)")
-            if (d.val_target is not None or d.val_kwargs is not None) and "val_fraction" in d.model_fields_set:
+            if (d.val_target is not None or d.val_kwargs is not None) and given(d, "val_fraction"):
                 raise ConfigError("data.val_fraction splits the training set, but data.val_target / data.val_kwargs "
                                   "give the validation set: keep one of them")
         else:
-            given = [f"data.{f}" for f in ("kwargs", "val_target", "val_kwargs") if getattr(d, f)]
-            if given:
-                raise ConfigError(f"{', '.join(given)} go with data.target (your own dataset), which is not given")
+            stray = [f"data.{f}" for f in ("kwargs", "val_target", "val_kwargs") if getattr(d, f)]
+            if stray:
+                raise ConfigError(f"{', '.join(stray)} go with data.target (your own dataset), which is not given")
         if d.collate_kwargs and d.collate is None:
             raise ConfigError("data.collate_kwargs are the arguments of data.collate, which is not given")
         if self.loss.kwargs and self.loss.target is None:

@@ -28,7 +28,11 @@ _EPS = {"adamw": 1e-8, "lamb": 1e-6, "lars": 0.0, "sgd": 0.0}
 
 
 def _given(section, name: str) -> bool:
-    return name in section.model_fields_set
+    """Set in the config to another value than its default: a config that `dtrain --print-config`
+    wrote spells out every default, which must not count as a choice."""
+    from .config import given
+
+    return given(section, name)
 
 
 def check_optimizer_fields(cfg: "JobConfig") -> None:

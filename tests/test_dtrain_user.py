@@ -336,3 +336,20 @@ def test_an_error_on_one_rank_is_said_and_ends_the_job_under_torchrun(tmp_path):
     took = time.monotonic() - started
     assert run.returncode != 0 and "ValueError: bad record 7" in run.stderr, run.stderr[-3000:]
     assert took < 60, took  # the collective timeout is 300 s
+
+
+def test_a_printed_config_loads_back_and_takes_the_newer_fields():
+    """`--print-config` spells every default out: those are no choices, so the effective config of a user-model
+    job loads back, and a printed template takes optimizer.lr or global_batch_size without a conflict with the
+    defaults of training.lr / training.batch_size; a value the user did set still conflicts."""
+    from distributed_training.config import ConfigError, dump_config, load_config
+
+    job = load_config(str(REPO / "examples" / "configs" / "user_model.yaml"))
+    again = load_config(yaml.safe_load(dump_config(job)))
+    assert again == job
+    template = yaml.safe_load(dump_config(load_config({})))
+    template["optimizer"]["lr"] = 0.01
+    template["training"]["global_batch_size"] = 32
+    load_config(template)
+    with pytest.raises(ConfigError, match=r"training.lr \(0.003\) and optimizer.lr \(0.5\) disagree"):
+        load_config(str(REPO / "examples" / "configs" / "user_model.yaml"), ["optimizer.lr=0.5"])
