@@ -19,7 +19,7 @@ from torch import nn
 from .checkpoint import CheckpointMismatchError
 from .config import ConfigError, JobConfig, dump_config, load_config, training_paths
 from .logs import get_logger, install_default_handler
-from .validation import job_best_checkpoint, job_fit_evaluation, job_results
+from .validation import job_best_checkpoint, job_final_metrics, job_fit_evaluation, job_results
 
 __all__ = ["main", "run_job"]
 
@@ -232,10 +232,19 @@ def run_job(cfg: JobConfig) -> dict:
                     **job_fit_evaluation(cfg, val_data),
                     on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main else None)
         watch.report()
-        metrics = (job_results(trainer) if cfg.evaluation.every is not None else
-                   _validate(trainer, val_data, criterion, trainer.batch_size or batch_size) if len(val) else {})
+        if cfg.evaluation.every is not None:
+            metrics = job_results(trainer)
+        elif len(val):  # once, at the end: the same values `every` would give
+            functions, perplexity = job_final_metrics(cfg, val_data, criterion)
+            metrics = _validate(trainer, val_data, criterion, trainer.batch_size or batch_size, functions)
+            if perplexity and "loss" in metrics:
+                metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))
+        else:
+            metrics = {}
         state = trainer.strategy.model_state_dict(trainer.model)
-        log.info("dtrain: finished at step %d, validation loss %.4f", trainer.step, metrics.get("loss", math.nan))
+        extra = "".join(f", {k} {v:.4g}" for k, v in metrics.items() if k not in ("loss", "val_loss", "val_samples"))
+        log.info("dtrain: finished at step %d, validation loss %.4f%s", trainer.step, metrics.get("loss", math.nan),
+                 extra)
         if ctx.is_main:
             if cfg.output:
                 Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
@@ -308,11 +317,11 @@ def _short_last_batch(trainer, train, batch_size: int) -> bool:
     return False
 
 
-def _validate(trainer, val, criterion, batch_size: int) -> dict:
+def _validate(trainer, val, criterion, batch_size: int, metrics: dict | None = None) -> dict:
     """`trainer.evaluate` on the validation set; with a pipeline, where the trainer cannot evaluate yet
     (every rank raises alike, at its first batch), the run says so and goes on without."""
     try:
-        return trainer.evaluate(val, criterion, batch_size=batch_size)
+        return trainer.evaluate(val, criterion, batch_size=batch_size, metrics=metrics or None)
     except NotImplementedError as err:
         if trainer.config.get("pipeline_parallel_size", 1) == 1:
             raise

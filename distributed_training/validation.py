@@ -278,6 +278,16 @@ def job_fit_evaluation(job: Any, val: Dataset) -> dict[str, Any]:
             "eval_metrics": _job_metric_names(section, job)}
 
 
+def job_final_metrics(job: Any, val: Any, criterion: Callable | None) -> tuple[dict[str, Callable], bool]:
+    """Without ``evaluation.every`` dtrain evaluates once, at the end: the job's metrics for that pass
+    (`evaluate`'s functions, and whether to add perplexity), as ``every`` would have evaluated them."""
+    names = _job_metric_names(job.evaluation, job)
+    if names == "auto":
+        inner = getattr(val, "dataset", val)
+        names = auto_metrics(inner, criterion) if hasattr(inner, "__getitem__") else ()
+    return metric_functions(list(names), parameter="evaluation.metrics")
+
+
 def job_results(trainer: Any) -> dict[str, float]:
     """The last evaluation's values, as dtrain returns them (``loss``: the validation loss)."""
     evaluation = trainer.evaluation
