@@ -904,12 +904,12 @@ def test_probe_detects_a_stall(tmp_path):
 
 
 # ------------------------------------------------------- the StatefulSet scaled 2 -> 3 -> 2 pods
+# The job trains with SGD and momentum (`optimizer: {name: sgd}`), not dtrain's default AdamW: AdamW divides
+# each gradient by its own running size, so entries whose gradient is 0 up to rounding (a dead unit, the
+# attention's key bias) take lr-sized steps in directions that rounding decides, and rounding differs with
+# the number of replicas; over a hundred steps that grows past any tolerance (measured: 1e-5 at step 1,
+# 1e-2 at step 80), which would hide what this test checks.
 # Loaded by every Python of a pod whose PYTHONPATH names its directory; in torchrun's workers it
-# * makes dtrain's AdamW an SGD with momentum: AdamW divides each gradient by its own running size, so
-#   entries whose gradient is 0 up to rounding (a dead unit, the attention's key bias) take lr-sized
-#   steps in directions that rounding decides, and rounding differs with the number of replicas; over
-#   a hundred steps that grows past any tolerance (measured: 1e-5 at step 1, 1e-2 at step 80), which
-#   would hide what this test checks;
 # * slows each step down (so that the job is still training when the test resizes it), prints every
 #   step with the world it ran at, and has rank 0 save the full model after each step in DT_TEST_RECORD.
 STEP_HOOK = """\
@@ -919,10 +919,6 @@ if os.environ.get("RANK") is not None:
     import torch
     import distributed_training.trainer as _trainer
 
-    def _sgd(params, lr, weight_decay=0.0):
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-
-    torch.optim.AdamW = _sgd
     _step = _trainer.DistributedTrainer.train_step
 
     def _recorded_step(self, *args, **kwargs):
@@ -942,6 +938,7 @@ ELASTIC_CONFIG = """\
 model: {{preset: tiny}}
 data: {{dataset: repo_text, block_size: 32}}
 training: {{strategy: zero3, epochs: 100, max_steps: {steps}, global_batch_size: 6, lr: 0.05, seed: 0, timeout_s: 60}}
+optimizer: {{name: sgd, momentum: 0.9}}
 checkpoint: {{dir: {ckpt}, every: 2, keep_last: 2}}
 logging: {{dir: null, every: 10}}
 output: {output}
