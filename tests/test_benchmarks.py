@@ -31,6 +31,10 @@ def _suite(tmp_path, *args, timeout):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_smoke_runs_every_phase(tmp_path):
+    import shutil
+    import tempfile
+
+    shutil.rmtree(Path(tempfile.gettempdir()) / "dt-suite-images-64x40", ignore_errors=True)  # written afresh
     results = _suite(tmp_path, timeout=540)
     assert results["smoke"] and results["card"] == "cpu" and results["world_sizes"] == [1, 2]
     assert {"torch", "nccl", "cuda", "python"} <= set(results)
@@ -85,7 +89,9 @@ def test_smoke_runs_every_phase(tmp_path):
                                                                        "trainer_monitor", "ours_nosync"}
     assert toy["speed_vs_torch"]["torch"] == 1.0 and all(t > 0 for t in toy["step_ms_median"].values())
 
-    _check_images(ph["images"])
+    _check_images(ph["images"], fresh=True)
+    md = (tmp_path / "results.md").read_text()
+    assert "## Image classifiers" in md and "| resnet18 | 2 |" in md and "| vit_tiny | 1 |" in md
 
     # Precision: three curves from the same seed; fp32 is the reference.
     prec = ph["precision"]["worlds"]["2"]["precisions"]
@@ -187,20 +193,6 @@ def _check_images(images, fresh: bool = False):
             inp = m["input"]
             assert inp["decoded_images_per_s_per_process"] > 0 and inp["workers_per_rank"] == 1, inp
             assert inp["folder_vs_synthetic"] > 0 and isinstance(inp["input_bound"], bool), inp
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_images_phase_ours_vs_torch_and_from_a_jpeg_folder(tmp_path):
-    """The images phase alone (worlds 1 and 2, gloo), and its section of results.md."""
-    import shutil
-    import tempfile
-
-    shutil.rmtree(Path(tempfile.gettempdir()) / "dt-suite-images-64x40", ignore_errors=True)  # written afresh
-    results = _suite(tmp_path, "--phases", "images", timeout=280)
-    _check_images(results["phases"]["images"], fresh=True)
-    md = (tmp_path / "results.md").read_text()
-    assert "## Image classifiers" in md and "| resnet18 | 2 |" in md and "| vit_tiny | 1 |" in md
 
 
 @pytest.mark.slow
