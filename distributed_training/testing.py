@@ -90,6 +90,11 @@ def _child(fn, rank, world_size, args, store_path, backend, collective_timeout, 
             world_size=world_size,
             timeout=timedelta(seconds=collective_timeout),
         )
+        if backend == "gloo" and world_size > 1:
+            # gloo's full mesh can be complete on some ranks before others: a rank that went on and exited
+            # (a test whose ranks all raise at once) would break a slower rank's connecting with "Connection
+            # closed by peer". Everyone connected first.
+            dist.barrier()
         try:
             value = fn(rank, world_size, *args)
         finally:
