@@ -329,7 +329,8 @@ class CheckpointManager:
 
     def finalize(self, step: int, metrics: dict[str, float] | None = None) -> None:
         """After a save (by the directory's writer: rank 0, or each node's first rank when each node has a
-        directory of its own): record the best and delete what is no longer kept."""
+        directory of its own): record the best and delete what is no longer kept: checkpoints older than
+        this `step`'s last `keep_last` (and the best); newer ones, perhaps being written, are not touched."""
         best = self._read_best()
         if self.best_metric is not None and metrics and self.best_metric in metrics:
             value = float(metrics[self.best_metric])
@@ -337,10 +338,14 @@ class CheckpointManager:
             if better:
                 best = {"step": step, "metric": self.best_metric, "value": value}
                 atomic_write_bytes(json.dumps(best).encode(), os.path.join(self.directory, "best.json"))
-        keep = set(self.steps()[-self.keep_last:])
+        # One listing, and only checkpoints up to this one count: with background writes the other
+        # ranks may already be writing newer ones (a directory made after a first listing and seen by a
+        # second would be taken for an old checkpoint and deleted under its writer).
+        done = [s for s in self.steps() if s <= step]
+        keep = set(done[-self.keep_last:])
         if best is not None:
             keep.add(best["step"])
-        for old in self.steps():
+        for old in done:
             if old not in keep:
                 shutil.rmtree(self.path_for(old), ignore_errors=True)
 

@@ -307,6 +307,22 @@ def test_resume_from_a_background_checkpoint_equals_an_unbroken_run(tmp_path, st
     run_distributed(resume_worker, 2, args=(str(tmp_path), strategy), timeout=180)
 
 
+def test_pruning_leaves_newer_checkpoints_being_written_alone(tmp_path):
+    """With background writes another rank may already be writing the next checkpoint when the
+    directory's writer prunes after this one: its directory (no meta.pt yet) must survive, and so must
+    the checkpoint just completed. Seen as a flake: a pruning that listed the directory twice deleted a
+    step directory made between the two listings, under the rank writing into it."""
+    manager = CheckpointManager(str(tmp_path), keep_last=1)
+    for step in (2, 4, 6):
+        os.makedirs(manager.path_for(step))
+    manager.finalize(4)
+    assert manager.steps() == [4, 6]  # 2 pruned; 6, being written, untouched
+    manager = CheckpointManager(str(tmp_path), keep_last=2)
+    os.makedirs(manager.path_for(8))
+    manager.finalize(6)
+    assert manager.steps() == [4, 6, 8]
+
+
 # ----------------------------------------------------------------- the writer and the snapshot
 def test_atomic_save_writes_what_torch_save_writes_and_hashes_it(tmp_path):
     """The streamed file is byte for byte what torch.save writes into a file object (what the writer
