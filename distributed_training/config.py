@@ -354,6 +354,10 @@ class EvaluationConfig(_Section):
     val_top<k>, val_perplexity): each evaluation gets a checkpoint; needs checkpoint.dir and every."""
     best_mode: Literal["auto", "min", "max"] = "auto"
     """Whether best_metric's best is its minimum or its maximum (auto: max for accuracies, min otherwise)."""
+    target: Optional[dict[str, float]] = None
+    """Stop at the first evaluation that reaches this value of one evaluated metric, e.g.
+    {val_accuracy: 0.97} (at least it for accuracies, at most for val_loss / val_perplexity); the run's
+    results then give time_to_target_s and target_step (time to accuracy). Needs every."""
 
     @model_validator(mode="after")
     def _known_metrics(self) -> "EvaluationConfig":

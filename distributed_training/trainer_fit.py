@@ -52,6 +52,7 @@ class Fitting:
         eval_every: int | None = None,
         eval_batch_size: int | None = None,
         eval_metrics: str | list[str] | dict[str, Callable] = "auto",
+        eval_target: dict[str, float] | None = None,
     ) -> list[dict[str, float]]:
         """Train until `epochs` epochs (or `max_steps` optimizer steps) are done in total; return one
         summary per epoch trained by this call.
@@ -106,6 +107,11 @@ class Fitting:
         keeps the best evaluated model (an evaluation step gets a checkpoint when `best_metric` is one
         of its values). `eval_batch_size` defaults to the training batch of a replica. Evaluation
         changes nothing in training: the steps after it are those of a run without it, bit for bit.
+        ``eval_target={"val_accuracy": 0.97}`` (one evaluated value; at least it for accuracies, at most
+        for losses and perplexity) ends training at the first evaluation that reaches it, as `max_steps`
+        would (a final checkpoint included); ``self.evaluation.reached`` then holds its step, value and
+        the seconds of training since this call started (time to accuracy; every evaluation in
+        ``history`` has its seconds too). A run resumed later does not know the target was reached.
         See `distributed_training.validation`.
         """
         if not isinstance(epochs, int) or epochs < 0:
@@ -124,12 +130,13 @@ class Fitting:
         elif micro_batch_size is not None:
             raise ValueError("fit(micro_batch_size=...) needs global_batch_size (with batch_size, a replica's batch "
                              "is cut by the trainer's gradient_accumulation_steps)")
-        if eval_dataset is None and eval_every is not None:
-            raise ValueError(f"fit(eval_every={eval_every!r}) needs an eval_dataset to evaluate on")
+        if eval_dataset is None and (eval_every is not None or eval_target is not None):
+            name = f"eval_every={eval_every!r}" if eval_every is not None else f"eval_target={eval_target!r}"
+            raise ValueError(f"fit({name}) needs an eval_dataset to evaluate on")
         evaluation = None
         if eval_dataset is not None:  # checked now; its default batch size is known once the loader is built
             evaluation = PeriodicEvaluation(eval_dataset, eval_every, 1 if eval_batch_size is None else eval_batch_size,
-                                            eval_metrics, criterion)
+                                            eval_metrics, criterion, eval_target)
         self.evaluation = evaluation
         self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
         resumed_from = self._resume_or_start_fresh()
@@ -262,7 +269,8 @@ class Fitting:
         sampler = getattr(loader, "sampler", None)
         sharded = isinstance(sampler, ShardedSampler)
         history = []
-        done = lambda: max_steps is not None and self.step >= max_steps  # noqa: E731
+        reached = lambda: evaluation is not None and evaluation.reached is not None  # noqa: E731
+        done = lambda: (max_steps is not None and self.step >= max_steps) or reached()  # noqa: E731
         total = max_steps
         if sharded:
             sampler.set_epoch(self.epoch)  # a whole epoch's steps
@@ -278,6 +286,8 @@ class Fitting:
                 log.info("fit: epochs=%d of %d steps end training at step %d, before max_steps=%d (pass more epochs "
                          "to reach it)", epochs, per_epoch, by_epochs, max_steps)
         self.monitor.start(total)
+        if evaluation is not None:
+            evaluation.start()
         while self.epoch < epochs and not done():
             skip = self.batch_in_epoch
             if sharded:

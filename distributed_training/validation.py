@@ -136,10 +136,15 @@ class PeriodicEvaluation:
         metrics: metric names (see `METRIC_NAMES`), ``"auto"`` (see `auto_metrics`), or a mapping of
             name -> ``fn(outputs, targets)`` as `evaluate` takes.
         criterion: the training criterion (None: the model computes its loss).
+        target: ``{name: value}``, one of the evaluated values (``val_accuracy``, ``val_loss``, ...): the
+            first evaluation that reaches it (at least `value` for accuracies, at most for losses and
+            perplexity) ends training and is recorded in `reached` (its step, value and the seconds of
+            training since `start`): time to accuracy.
     """
 
     def __init__(self, dataset: Dataset | DataLoader, every: int | None, batch_size: int | None,
-                 metrics: str | Sequence[str] | Mapping[str, Callable], criterion: Callable | None) -> None:
+                 metrics: str | Sequence[str] | Mapping[str, Callable], criterion: Callable | None,
+                 target: Mapping[str, float] | None = None) -> None:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"eval_every must be a positive integer (optimizer steps) or None, got {every!r}")
         inner = dataset.dataset if isinstance(dataset, DataLoader) else dataset
@@ -161,8 +166,32 @@ class PeriodicEvaluation:
         if self.functions and criterion is None:
             raise ValueError(f"eval_metrics {list(self.functions)} are computed from (outputs, targets): they need "
                              "a criterion (a model that computes its own loss gets val_loss and val_perplexity)")
-        self.history: list[dict[str, float]] = []  # every evaluation of the run: {"step", "val_*"}
+        self.history: list[dict[str, float]] = []  # every evaluation of the run: {"step", "seconds", "val_*"}
         self.last_step: int | None = None
+        self.target = self._check_target(target)
+        self.reached: dict[str, float] | None = None  # the evaluation that reached `target`
+        self._started = time.perf_counter()
+
+    def _check_target(self, target: Mapping[str, float] | None) -> tuple[str, float, bool] | None:
+        """(name, value, higher is better) of `target`, checked against what an evaluation gives."""
+        if target is None:
+            return None
+        if not isinstance(target, Mapping) or len(target) != 1:
+            raise ValueError(f"eval_target must be one {{metric: value}}, e.g. {{'val_accuracy': 0.97}}, got {target!r}")
+        (name, value), = target.items()
+        keys = [k for k in self.keys if k != "val_samples"]
+        if name not in keys:
+            raise ValueError(f"eval_target names {name!r}, which the evaluation does not give (it gives "
+                             f"{', '.join(keys)})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"eval_target's value for {name} must be a finite number, got {value!r}")
+        if self.every is None:
+            raise ValueError("eval_target needs eval_every: the target is checked at each evaluation during training")
+        return name, float(value), name.startswith(("val_accuracy", "val_top"))
+
+    def start(self) -> None:
+        """Training starts now: what `history`'s and `reached`'s seconds count from."""
+        self._started = time.perf_counter()
 
     @property
     def keys(self) -> list[str]:
@@ -185,13 +214,22 @@ class PeriodicEvaluation:
         values = self._values(names, total.tolist())
         mine = self._values(names, local.tolist())
         seconds = time.perf_counter() - started
-        self.history.append({"step": step, **values})
+        elapsed = time.perf_counter() - self._started
+        self.history.append({"step": step, "seconds": elapsed, **values})
         self.last_step = step
         trainer.monitor.record_eval(step, {k.removeprefix("val_"): v for k, v in mine.items()},
                                     values, seconds=seconds)
         if trainer.context.is_main:
             shown = " | ".join(f"{k} {v:.6g}" for k, v in values.items() if k != "val_samples")
             log.info("step %d | %s (%d samples, %.2f s)", step, shown, int(values["val_samples"]), seconds)
+        if self.target is not None and self.reached is None:
+            name, goal, higher = self.target
+            value = values[name]
+            if value >= goal if higher else value <= goal:  # the same on every rank: the values are global
+                self.reached = {"step": step, "metric": name, "value": value, "target": goal, "seconds": elapsed}
+                if trainer.context.is_main:
+                    log.info("step %d | reached the target %s %s %g (%.6g) after %.2f s of training: stopping", step,
+                             name, ">=" if higher else "<=", goal, value, elapsed)
         return values
 
     def _values(self, names: list[str], sums: list[float]) -> dict[str, float]:
@@ -244,11 +282,25 @@ def check_job_evaluation(section: Any, job: Any = None) -> None:
         if wrong:
             raise ConfigError(f"evaluation.metrics: {wrong[0]} is for classifiers (model.preset classifier); a GPT "
                               "is evaluated by val_loss and perplexity")
+    keys = ["val_loss"] + [f"val_{n}" for n in (names if names != "auto" else ("accuracy", "top<k>", "perplexity"))]
+
+    def known(name: str) -> bool:
+        return name in keys or names == "auto" and name.startswith("val_top") and _TOP.fullmatch(name[4:]) is not None
+
+    if section.target is not None:
+        if len(section.target) != 1:
+            raise ConfigError(f"evaluation.target must be one metric and its value, e.g. {{val_accuracy: 0.97}}, got "
+                              f"{section.target!r}")
+        (name, value), = section.target.items()
+        if not known(name):
+            raise ConfigError(f"evaluation.target must name one of what the job evaluates ({', '.join(keys)}), got "
+                              f"{name!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"evaluation.target's value for {name} must be a finite number, got {value!r}")
+        if section.every is None:
+            raise ConfigError("evaluation.target needs evaluation.every (the evaluations that check it)")
     if section.best_metric is not None:
-        keys = ["val_loss"] + [f"val_{n}" for n in (names if names != "auto" else ("accuracy", "top<k>", "perplexity"))]
-        known = (section.best_metric in keys or names == "auto" and section.best_metric.startswith("val_top")
-                 and _TOP.fullmatch(section.best_metric[4:]) is not None)
-        if not known:
+        if not known(section.best_metric):
             raise ConfigError(f"evaluation.best_metric must be one of what the job evaluates ({', '.join(keys)}), "
                               f"got {section.best_metric!r}")
         if job.checkpoint.dir is None:
@@ -275,7 +327,7 @@ def job_fit_evaluation(job: Any, val: Dataset) -> dict[str, Any]:
     if section.every is None:
         return {}
     return {"eval_dataset": val, "eval_every": section.every, "eval_batch_size": section.batch_size,
-            "eval_metrics": _job_metric_names(section, job)}
+            "eval_metrics": _job_metric_names(section, job), "eval_target": section.target}
 
 
 def job_final_metrics(job: Any, val: Any, criterion: Callable | None) -> tuple[dict[str, Callable], bool]:
@@ -293,5 +345,8 @@ def job_results(trainer: Any) -> dict[str, float]:
     evaluation = trainer.evaluation
     if evaluation is None or not evaluation.history:
         return {}
-    last = {k: v for k, v in evaluation.history[-1].items() if k != "step"}
-    return {"loss": last["val_loss"], **last}
+    last = {k: v for k, v in evaluation.history[-1].items() if k not in ("step", "seconds")}
+    results = {"loss": last["val_loss"], **last}
+    if evaluation.reached is not None:  # evaluation.target: time to accuracy
+        results.update(time_to_target_s=evaluation.reached["seconds"], target_step=evaluation.reached["step"])
+    return results

@@ -93,8 +93,9 @@ def test_metrics_equal_one_process_over_the_whole_set(tmp_path, world, strategy)
     state, evaluations, history, _ = results[0]
     # Every 2 steps and at the end (step 5); the same values on every rank.
     assert [e["step"] for e in evaluations] == [2, 4, 5], evaluations
+    values = lambda evals: [{k: v for k, v in e.items() if k != "seconds"} for e in evals]  # noqa: E731
     for other in results[1:]:
-        assert other[1] == evaluations
+        assert values(other[1]) == values(evaluations)  # the seconds are each rank's clock
     last = evaluations[-1]
     want = _reference(state)
     assert last["val_samples"] == N_VAL  # every sample once, none dropped or repeated
@@ -139,6 +140,40 @@ def test_keep_best_keeps_the_best_evaluation(tmp_path):
     assert len(kept) <= 2, kept  # keep_last=1 plus the best
 
 
+def target_worker(rank, world, strategy):
+    def run(**kwargs):
+        torch.manual_seed(1234)
+        trainer = DistributedTrainer(_model(), lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9),
+                                     strategy=strategy, progress=False)
+        trainer.fit(_data(40, 0), epochs=3, criterion=F.cross_entropy, batch_size=4, **kwargs)
+        out = (_full_state(trainer), trainer.step, trainer.evaluation and trainer.evaluation.history,
+               trainer.evaluation and trainer.evaluation.reached)
+        trainer.close()
+        return out
+
+    evaluate = dict(eval_dataset=_data(N_VAL, 1), eval_every=1, eval_batch_size=5)
+    _, _, history, _ = run(max_steps=10, **evaluate)
+    goal = sorted(e["val_loss"] for e in history)[3]  # reached at some step inside the run, not the first
+    first = next(e for e in history if e["val_loss"] <= goal)
+    state, step, stopped, reached = run(max_steps=10, eval_target={"val_loss": goal}, **evaluate)
+    plain, plain_step, _, _ = run(max_steps=first["step"])
+    return goal, first, state, step, stopped, reached, plain, plain_step
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_reached_target_ends_training_where_a_run_of_that_length_ends(strategy):
+    for goal, first, state, step, stopped, reached, plain, plain_step in run_distributed(
+            target_worker, 2, args=(strategy,), timeout=180):
+        assert 1 < first["step"] < 10
+        assert step == plain_step == first["step"] == reached["step"], (step, first, reached)
+        assert reached["metric"] == "val_loss" and reached["value"] == first["val_loss"] <= goal == reached["target"]
+        assert [e["step"] for e in stopped] == list(range(1, step + 1))  # no evaluation after the stop
+        seconds = [e["seconds"] for e in stopped]
+        assert seconds == sorted(seconds) and 0 < reached["seconds"] == seconds[-1]
+        for key in plain:  # the steps before the stop are those of a run that long, bit for bit
+            assert torch.equal(state[key], plain[key]), key
+
+
 class _Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter([])
@@ -173,6 +208,15 @@ def error_worker(rank, world):
     trainer.fit(regression, epochs=10, criterion=F.mse_loss, batch_size=2, max_steps=trainer.step + 1,
                 eval_dataset=regression)
     messages.append(sorted(trainer.evaluation.history[-1]))
+    for kwargs in (dict(eval_target={"val_accuracy": 0.9}),
+                   dict(eval_dataset=_data(5, 1), eval_every=1, eval_target={"val_acc": 0.9}),
+                   dict(eval_dataset=_data(5, 1), eval_target={"val_accuracy": 0.9}),
+                   dict(eval_dataset=_data(5, 1), eval_every=1, eval_target={"val_loss": float("nan")})):
+        try:
+            trainer.fit(train, criterion=F.cross_entropy, batch_size=4, max_steps=trainer.step + 1, **kwargs)
+            messages.append(None)
+        except ValueError as err:
+            messages.append(str(err))
     trainer.close()
     return messages
 
@@ -185,7 +229,11 @@ def test_bad_evaluation_arguments_are_named():
     assert "eval_batch_size" in messages[3]
     assert "eval_dataset must be a map-style Dataset" in messages[4]
     assert "'accuracy' is for classifiers" in messages[5]
-    assert messages[6] == ["step", "val_loss", "val_samples"]
+    assert messages[6] == ["seconds", "step", "val_loss", "val_samples"]
+    assert "eval_target" in messages[7] and "eval_dataset" in messages[7]
+    assert "'val_acc'" in messages[8] and "val_accuracy" in messages[8]
+    assert "eval_target needs eval_every" in messages[9]
+    assert "finite number" in messages[10]
 
 
 # ------------------------------------------------------------------ dtrain
@@ -203,6 +251,13 @@ def test_bad_evaluation_arguments_are_named():
         ({"data": {"val_fraction": 0}, "evaluation": {"every": 2}}, "data.val_fraction"),
         ({"evaluation": {"best_mode": "largest"}}, "evaluation.best_mode"),
         ({"evaluation": {"often": 2}}, "unknown field evaluation.often"),
+        ({"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+          "evaluation": {"target": {"val_accuracy": 0.9}}}, "evaluation.target needs evaluation.every"),
+        ({"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+          "evaluation": {"every": 2, "target": {"val_acc": 0.9}}}, "evaluation.target must name one of"),
+        ({"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+          "evaluation": {"every": 2, "target": {"val_accuracy": 0.9, "val_loss": 0.1}}},
+         "evaluation.target must be one metric"),
     ],
 )
 def test_dtrain_evaluation_fields_name_themselves(raw, message):
@@ -238,3 +293,20 @@ def test_dtrain_evaluates_every_n_steps_and_keeps_the_best(tmp_path):
     record = json.loads((tmp_path / "best.json").read_text())
     assert record["metric"] == "val_accuracy" and record["step"] in (2, 4, 6) and not math.isnan(record["value"])
     assert record["value"] >= metrics["val_accuracy"]  # mode max (auto for an accuracy)
+
+
+def dtrain_target_worker(rank, world):
+    from distributed_training import cli
+    from distributed_training.config import load_config
+
+    cfg = load_config({
+        "model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+        "training": {"max_steps": 6, "batch_size": 32, "lr": 0.01},
+        "evaluation": {"every": 2, "target": {"val_loss": 1e9}},  # reached at the first evaluation
+    })
+    return cli.run_job(cfg)
+
+
+def test_dtrain_stops_at_its_target_and_says_when(tmp_path):
+    metrics = run_distributed(dtrain_target_worker, 2, timeout=180)[0]
+    assert metrics["target_step"] == 2 and metrics["time_to_target_s"] > 0, metrics
