@@ -31,9 +31,9 @@ def render_markdown(results: dict) -> str:
         if entry.get("status") in ("skipped", "error") and entry.get("reason") and not entry.get("worlds"):
             lines.append(f"- {name}: **{entry['status']}**: {entry['reason'].strip()}")
     lines.append("")
-    for section in (_collectives, _training, _models, _images, _precision, _topk, _profiling, _monitor, _checkpoint, _memory,
+    for section in (_collectives, _training, _models, _images, _accuracy, _precision, _topk, _profiling, _monitor, _checkpoint, _memory,
                     _pipeline,
-                    _pipeline_big, _tensor, _model_check):
+                    _pipeline_big, _tensor, _imagenet_projection, _model_check):
         lines += section(results)
     return "\n".join(lines) + "\n"
 
@@ -137,9 +137,11 @@ def _images(results):
         lines[-1] += (f" ours_folder: {folder['jpegs']:,} JPEGs of {folder['side']}x{folder['side']} in "
                       f"{folder['classes']} classes (page cache), {folder['workers_per_rank']} loader workers per rank; "
                       "decode/s: what those workers can decode per rank (the reader's meter).")
-    lines += ["", "| model | GPUs | torch | ours | ours / torch (paired) | ours_folder | folder / ours | decode/s per rank "
-              "| scaling torch / ours / folder | peak GiB torch / ours | grads unlike params (ours) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines[-1] += (" ours_nosync: our DDP with nothing sent (no_sync), each GPU's compute while the others compute "
+                  "too; in brackets, over ours at 1 GPU.")
+    lines += ["", "| model | GPUs | torch | ours | ours / torch (paired) | ours_nosync | ours_folder | folder / ours | "
+              "decode/s per rank | scaling torch / ours / folder | peak GiB torch / ours | grads unlike params (ours) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     num = lambda d, k, fmt: format(d[k], fmt) if k in d else "-"  # noqa: E731
     for w, part in worlds:
         for name, m in part["models"].items():
@@ -153,8 +155,10 @@ def _images(results):
             scaling = " / ".join(f"{100 * ips[v] / base[v]:.0f}%" if v in ips and base.get(v) else "-"
                                  for v in ("torch", "ours", "ours_folder")) if w > 1 else ""
             pk = m["peak_gib"]
+            nosync = (f"{ips['ours_nosync']:,.0f} ({100 * ips['ours_nosync'] / base['ours']:.0f}%)"
+                      if "ours_nosync" in ips and base.get("ours") else num(ips, "ours_nosync", ",.0f"))
             lines.append(f"| {name} | {w} | {num(ips, 'torch', ',.0f')} | {num(ips, 'ours', ',.0f')} | {ratio} | "
-                         f"{num(ips, 'ours_folder', ',.0f')} | {num(inp, 'folder_vs_synthetic', '.2f')} | {decode} | "
+                         f"{nosync} | {num(ips, 'ours_folder', ',.0f')} | {num(inp, 'folder_vs_synthetic', '.2f')} | {decode} | "
                          f"{scaling} | {num(pk, 'torch', '.1f')} / {num(pk, 'ours', '.1f')} | "
                          f"{m.get('grads_unlike_params', {}).get('ours', '-')} |")
     return lines + [""]
@@ -436,6 +440,67 @@ def _memory(results):
                   f"({a['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU), peak {a['train_peak_gib']:.2f} GiB{card}; "
                   f"no out-of-memory: {a['no_oom']}; loss finite: {a['loss_finite']}.", ""]
     return lines
+
+
+def _accuracy(results):
+    worlds = _ok_worlds(results, "accuracy")
+    if not worlds:
+        return []
+    first = worlds[0][1]
+    target = first["target"]["val_accuracy"]
+    lines = [f"## Time to accuracy: the digits image recipe to val_accuracy {target} (dtrain's job)", "",
+             "The same global batch at every world size; evaluated every epoch; time to target: from the start of "
+             "training to the end of the evaluation that reached it (evaluations included); job: the whole dtrain "
+             f"job (model, loaders, workers' start). At most {first['max_epochs']} epochs.", "",
+             "| recipe | GPUs | time to target | step | epochs | speed-up vs 1 GPU | job s | last val_accuracy |",
+             "|---|---|---|---|---|---|---|---|"]
+    one = dict(worlds).get(1, {}).get("recipes", {})
+    for w, part in worlds:
+        for name, r in part["recipes"].items():
+            base = one.get(name, {})
+            speed = (f"{base['time_to_target_s'] / r['time_to_target_s']:.2f}x"
+                     if r.get("reached") and base.get("reached") and w > 1 else "")
+            tt = f"{r['time_to_target_s']:.2f} s" if r.get("reached") else "not reached"
+            epochs = f"{r['epochs_to_target']:.0f}" if r.get("reached") else "-"
+            acc = f"{r['val_accuracy']:.4f}" if r.get("val_accuracy") is not None else "-"
+            lines.append(f"| {name} | {w} | {tt} | {r.get('target_step') or '-'} | {epochs} | {speed} | "
+                         f"{r['job_s']:.1f} | {acc} |")
+    return lines + [""]
+
+
+def _imagenet_projection(results):
+    r = results["phases"].get("imagenet_projection", {})
+    if r.get("status") != "ok":
+        return []
+    link, inter = r["link"], r["inter"]
+    lines = [f"## Projection (not measured): {r['model']} on ImageNet at 8-256 GPUs under our DDP", "",
+             f"The scaling model (`distributed_training.scaling`) calibrated on this run's images phase: "
+             f"{r['model']}, {r['batch_per_gpu']} images a GPU at {r['image_size']}x{r['image_size']}, "
+             f"{r['precision']}; the link inside a node from {r['link_backend']}'s all-reduce at {link['world']} GPUs "
+             f"({link['bandwidth_gbs']:.0f} GB/s bus bandwidth, {link['alpha_s'] * 1e6:.0f} us a message), assumed "
+             f"the same in nodes of {r['gpus_per_node']}; between nodes assumed {inter['name']} "
+             f"({inter['alpha_s'] * 1e6:.0f} us a message). Compute per step: "
+             + "; ".join(f"{label} {s * 1e3:.1f} ms" for label, s in r["compute_s"].items())
+             + ". The projection uses the loaded figure. An epoch is 1,281,167 images.", "",
+             "Checked on the worlds measured (our DDP's step):", "",
+             "| GPUs | compute from | measured ms | predicted ms | error |", "|---|---|---|---|---|"]
+    for c in r["checks"]:
+        lines.append(f"| {c['world']} | {c['compute']} | {c['measured_s'] * 1e3:.1f} | {c['predicted_s'] * 1e3:.1f} | "
+                     f"{100 * c['error']:+.1f}% |")
+    measured = ", ".join(f"{w} GPU{'s' if int(w) > 1 else ''} {s / 60:.1f} min" for w, s in r["measured_epoch_s"].items())
+    lines += ["", f"Measured epoch time at this batch (synthetic input): {measured}.", "",
+              "| GPUs (projected) | nodes | step ms | exposed comm ms | images/s | epoch | efficiency vs a loaded GPU "
+              "| decode processes a GPU needs |", "|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        need = f"{row['decode_processes_per_gpu']:.1f}" if row["decode_processes_per_gpu"] else "-"
+        epoch = f"{row['epoch_s'] / 60:.1f} min" if row["epoch_s"] >= 60 else f"{row['epoch_s']:.0f} s"
+        lines.append(f"| {row['gpus']} | {row['nodes']} | {row['step_s'] * 1e3:.1f} | {row['exposed_s'] * 1e3:.1f} | "
+                     f"{row['images_per_s']:,.0f} | {epoch} | {100 * row['efficiency_vs_loaded_gpu']:.0f}% | {need} |")
+    if r.get("decoded_images_per_s_per_process"):
+        lines += ["", f"Decode processes: images/s a GPU must be fed over what one loader process decoded here "
+                      f"({r['decoded_images_per_s_per_process']:,.0f} images/s, JPEGs smaller than ImageNet's: a lower "
+                      "bound on ImageNet's need)."]
+    return lines + [""]
 
 
 def _model_check(results):

@@ -16,9 +16,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "suite.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-ALL_PHASES = {"collectives", "training", "models", "images", "precision", "topk", "profiling", "monitor", "checkpoint", "memory",
+ALL_PHASES = {"collectives", "training", "models", "images", "accuracy", "precision", "topk", "profiling", "monitor", "checkpoint", "memory",
               "compile",
-              "pipeline", "pipeline_trainer", "tensor", "model_check"}
+              "pipeline", "pipeline_trainer", "tensor", "imagenet_projection", "model_check"}
 
 
 def _suite(tmp_path, *args, timeout):
@@ -90,6 +90,12 @@ def test_smoke_runs_every_phase(tmp_path):
     assert toy["speed_vs_torch"]["torch"] == 1.0 and all(t > 0 for t in toy["step_ms_median"].values())
 
     _check_images(ph["images"], fresh=True)
+    _check_projection(ph["imagenet_projection"], ph["images"])
+    # Time to accuracy through dtrain's job: the smoke target (0.5) is reached within its 2 epochs at both worlds.
+    for w, part in ph["accuracy"]["worlds"].items():
+        r = part["recipes"]["recipe"]
+        assert r["reached"] and 0 < r["time_to_target_s"] < r["job_s"] and r["val_accuracy"] >= 0.5, (w, r)
+        assert r["target_step"] % r["config"]["evaluation"]["every"] == 0  # at an epoch's evaluation
     md = (tmp_path / "results.md").read_text()
     assert "## Image classifiers" in md and "| resnet18 | 2 |" in md and "| vit_tiny | 1 |" in md
 
@@ -181,10 +187,13 @@ def _check_images(images, fresh: bool = False):
     written once (by the world-1 job when `fresh`: an earlier run's is reused) and its decode rate measured."""
     assert images["status"] == "ok" and set(images["worlds"]) == {"1", "2"}
     for w, part in images["worlds"].items():
-        assert part["variants"] == ["torch", "ours", "ours_folder"] and set(part["models"]) == {"resnet18", "vit_tiny"}
+        assert part["variants"] == ["torch", "ours", "ours_folder", "ours_nosync"]
+        assert set(part["models"]) == {"resnet18", "vit_tiny"}
+        assert ("link" in part) == (w == "2")  # the all-reduce sweep the projection calibrates from
         assert (part["folder"]["write_s"] > 0) == (fresh and w == "1") and part["folder"]["jpegs"] == 64, part["folder"]
         for name, m in part["models"].items():
-            assert set(m["images_per_s_per_gpu"]) == set(part["variants"]), (w, name)
+            # ours_nosync at world 2 only (at one GPU our DDP sends nothing anyway)
+            assert set(m["images_per_s_per_gpu"]) == set(part["variants"]) - {"ours_nosync"} * (w == "1"), (w, name)
             assert all(x > 0 and math.isfinite(x) for x in m["images_per_s_per_gpu"].values()), (w, name, m)
             assert m["vs_torch"]["torch"] == 1.0 and len(m["step_ms_rounds"]["ours"]) == part["rounds"]
             loss = m["last_loss_rank0"]
@@ -193,6 +202,23 @@ def _check_images(images, fresh: bool = False):
             inp = m["input"]
             assert inp["decoded_images_per_s_per_process"] > 0 and inp["workers_per_rank"] == 1, inp
             assert inp["folder_vs_synthetic"] > 0 and isinstance(inp["input_bound"], bool), inp
+
+
+def _check_projection(projection, images):
+    """The ImageNet projection: calibrated from the images phase's world-1 step, its world-2 no_sync
+    step and all-reduce sweep; each measured world-2 step predicted from both computes; 8-256 GPUs."""
+    two = images["worlds"]["2"]["models"]["resnet18"]
+    assert projection["status"] == "ok" and projection["label"] == "projection" and projection["model"] == "resnet18"
+    assert sorted(projection["compute_s"].values()) == pytest.approx(sorted(
+        [images["worlds"]["1"]["models"]["resnet18"]["step_ms_median"]["ours"] / 1e3,
+         two["step_ms_median"]["ours_nosync"] / 1e3]))
+    assert [c["world"] for c in projection["checks"]] == [2, 2]
+    assert all(c["measured_s"] == pytest.approx(two["step_ms_median"]["ours"] / 1e3) for c in projection["checks"])
+    rows = projection["rows"]
+    assert [r["gpus"] for r in rows] == [8, 16, 32, 64, 128, 256] and [r["nodes"] for r in rows] == [1, 2, 4, 8, 16, 32]
+    for r in rows:
+        assert r["epoch_s"] == pytest.approx(1_281_167 / r["images_per_s"])
+        assert 0 < r["efficiency_vs_loaded_gpu"] <= 1 and r["exposed_s"] >= 0
 
 
 @pytest.mark.slow

@@ -39,6 +39,8 @@ PHASES = {p.name: p for p in (
     Phase("images", "all", "our ResNet-50 and ViT-B/16, images/s per GPU: our DDP vs torch DDP on synthetic batches, "
           "and our DDP fed by the image-folder reader from JPEGs it writes (the decode rate beside it); "
           "--variants workers=N,jpegs=N,model=NAME"),
+    Phase("accuracy", "all", "time to accuracy: the digits image recipe through dtrain's job until val_accuracy "
+          "reaches the target, at each world size with the same global batch; --variants recipe=NAME,target=X,epochs=N"),
     Phase("precision", "top", "our trainer (DDP) in fp32, bf16 and fp16 (our loss scaler): step time, memory, loss"),
     Phase("topk", "one", "Top-K compression's selection (blockmax, exact, chunked, sampled) and PowerSGD, per "
           "bucket and per step"),
@@ -59,6 +61,8 @@ PHASES = {p.name: p for p in (
     Phase("tensor", "multi", "GPT 1.3B (and ~7B) through DistributedTrainer(tensor_parallel_size=T, "
           "sequence_parallel) at T=2 x DP, T=4, T=2 x FSDP vs torch's parallelize_module with the same plan, "
           "interleaved: tokens/s per GPU, MFU, peak memory, loss"),
+    Phase("imagenet_projection", "offline", "ResNet-50 / ImageNet epoch time at 8-256 GPUs: the scaling model "
+          "calibrated on the images phase (a projection), checked on the worlds it measured"),
     Phase("model_check", "offline", "the scaling model calibrated and checked on this run's collectives and "
           "training, projected to 256 GPUs; and on recorded DDP runs"),
 )}

@@ -14,6 +14,12 @@ model records ``grads_unlike_params``, how many such gradients each variant leav
   ours_folder  our DDP fed by our `ImageFolder` reader: a DataLoader of ``workers`` processes per rank
                (pinned memory, persistent workers, `TrainTransform`: random-resized crop and flip),
                batches copied to the GPU in the step
+  ours_nosync  our DDP with every step under ``no_sync()`` (world >= 2 only): the same work with nothing
+               sent, i.e. each GPU's compute while the node's other GPUs compute too (the scaling
+               model's compute for a loaded node: `phases.imagenet_projection`)
+
+At world >= 2 the phase also times NCCL's all-reduce over a range of sizes up to the model's gradient
+(``link``: what the projection calibrates the link inside a node from).
 
 ``torch`` and ``ours`` train on one synthetic uint8 batch already on the GPU (a different one per rank),
 so they measure the model and the gradient synchronisation; ``ours_folder`` adds decoding and the copy.
@@ -44,6 +50,7 @@ the smoke run), ``jpegs=N`` (images in the folder) and ``model=NAME`` (only this
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
@@ -58,7 +65,7 @@ from torch.utils.data import DataLoader, Sampler
 from common import (GIB, allocated, autocast, free_memory, missing_modules, peak, peak_reset, skipped, slowest,
                     synchronize)
 
-VARIANTS = ("torch", "ours", "ours_folder")
+VARIANTS = ("torch", "ours", "ours_folder", "ours_nosync")
 WARMUP_STEPS = 3     # after building a variant (cudnn's autotuning, the allocator, the loader's workers)
 CLASSES = 10         # of the JPEG folder
 PREFETCH = 2         # batches each loader worker keeps ready (the DataLoader's prefetch_factor)
@@ -212,12 +219,14 @@ class Variant:
                                          fused=ctx.device.type == "cuda")
         self.synthetic, self.folder = synthetic, folder if name == "ours_folder" else None
         self.loss = None
+        self.params = sum(p.numel() for p in model.parameters())
 
     def step(self) -> None:
         x, y = self.folder.next() if self.folder is not None else self.synthetic
-        with autocast(self.device):
-            loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
+        with self.model.no_sync() if self.name == "ours_nosync" else contextlib.nullcontext():
+            with autocast(self.device):
+                loss = F.cross_entropy(self.model(x), y)
+            loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.loss = loss.detach()
@@ -250,6 +259,8 @@ def measure(model_name: str, ctx, opts, o: dict, folder: FolderInput | None, rou
                  torch.randint(0, 1000, (batch,), device=device, generator=g))
     runs, resident, unlike = {}, {}, {}
     for v in o["variants"]:
+        if v == "ours_nosync" and ctx.world_size == 1:
+            continue  # nothing to leave out: at one GPU our DDP sends nothing anyway
         free_memory(device)
         synchronize(device)
         before = allocated(device)
@@ -263,7 +274,7 @@ def measure(model_name: str, ctx, opts, o: dict, folder: FolderInput | None, rou
     peak_bytes = dict.fromkeys(runs, 0)
     decoded = [0.0, 0.0, 0.0]  # images, decoding seconds (every worker), wall seconds of ours_folder's blocks
     for rnd in range(rounds):
-        for v in (o["variants"] if rnd % 2 == 0 else o["variants"][::-1]):  # no variant always runs after another
+        for v in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):  # no variant always runs after another
             run = runs[v]
             if run.folder is not None:
                 run.folder.drain()
@@ -284,6 +295,7 @@ def measure(model_name: str, ctx, opts, o: dict, folder: FolderInput | None, rou
                 images, busy = folder.dataset.meter.totals()
                 decoded = [decoded[0] + images - meter0[0], decoded[1] + busy - meter0[1], decoded[2] + seconds]
     losses = {v: float(run.loss) for v, run in runs.items()}
+    params = next(iter(runs.values())).params
     for run in runs.values():
         run.close()
     del runs
@@ -299,6 +311,7 @@ def measure(model_name: str, ctx, opts, o: dict, folder: FolderInput | None, rou
     median = {v: statistics.median(t) for v, t in step_s.items()}
     ips = {v: batch / median[v] for v in names}
     out = {"preset": spec["preset"], "shape": spec["kwargs"], "image_size": spec["image"], "batch_per_gpu": batch,
+           "params": params,
            "optimizer": "SGD momentum 0.9 (foreach)" if spec["optim"] == "sgd" else "AdamW (fused on GPUs)",
            "step_ms_median": {v: median[v] * 1e3 for v in names},
            "step_ms_rounds": {v: [t * 1e3 for t in step_s[v]] for v in names},
@@ -338,6 +351,33 @@ def measure(model_name: str, ctx, opts, o: dict, folder: FolderInput | None, rou
     return out
 
 
+def link_sweep(ctx, largest: int, smoke: bool) -> dict:
+    """NCCL's (gloo's) all-reduce of fp32 tensors from 1/256 of `largest` bytes up to it, by fours: the
+    median of 5 timed calls after 2 untimed, the slowest rank's."""
+    import torch.distributed as dist
+
+    sizes, size = [], largest
+    while len(sizes) < 5 and size >= 4096:
+        sizes.append(size)
+        size //= 4
+    seconds = []
+    for nbytes in sorted(sizes):
+        t = torch.ones(nbytes // 4, device=ctx.device)
+        times = []
+        for i in range(7):
+            synchronize(ctx.device)
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            synchronize(ctx.device)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        seconds.append(statistics.median(times))
+        del t
+    slow = slowest(ctx, seconds)
+    return {"world": ctx.world_size, "op": "ring_all_reduce", "bytes": sorted(sizes), "seconds": slow,
+            "backend": "gloo" if smoke else "nccl"}
+
+
 def run(ctx, opts) -> dict:
     o = _options(opts)
     no_folder = None
@@ -373,6 +413,9 @@ def run(ctx, opts) -> dict:
                     folders[key] = FolderInput(root, spec["image"], spec["batch"], o["workers"], ctx)
                 folder = folders[key]
             result["models"][name] = measure(name, ctx, opts, o, folder, rounds, steps)
+        if ctx.world_size > 1:
+            largest = max(4 * m["params"] for m in result["models"].values())  # the fp32 gradient's bytes
+            result["link"] = link_sweep(ctx, largest, opts.smoke)
     finally:
         for folder in folders.values():
             folder.close()
