@@ -193,7 +193,7 @@ def _check_images(images, fresh: bool = False):
         assert (part["folder"]["write_s"] > 0) == (fresh and w == "1") and part["folder"]["jpegs"] == 64, part["folder"]
         for name, m in part["models"].items():
             # ours_nosync at world 2 only (at one GPU our DDP sends nothing anyway)
-            assert set(m["images_per_s_per_gpu"]) == set(part["variants"]) - {"ours_nosync"} * (w == "1"), (w, name)
+            assert set(m["images_per_s_per_gpu"]) == set(part["variants"]) - ({"ours_nosync"} if w == "1" else set()), (w, name)
             assert all(x > 0 and math.isfinite(x) for x in m["images_per_s_per_gpu"].values()), (w, name, m)
             assert m["vs_torch"]["torch"] == 1.0 and len(m["step_ms_rounds"]["ours"]) == part["rounds"]
             loss = m["last_loss_rank0"]
