@@ -489,13 +489,19 @@ def _imagenet_projection(results):
                      f"{100 * c['error']:+.1f}% |")
     measured = ", ".join(f"{w} GPU{'s' if int(w) > 1 else ''} {s / 60:.1f} min" for w, s in r["measured_epoch_s"].items())
     lines += ["", f"Measured epoch time at this batch (synthetic input): {measured}.", "",
+              f"Model alone, and anchored at the {r['anchor_world']}-GPU step measured (the model's step at N over its "
+              f"step at {r['anchor_world']}, times the measured one):", "",
               "| GPUs (projected) | nodes | step ms | exposed comm ms | images/s | epoch | efficiency vs a loaded GPU "
-              "| decode processes a GPU needs |", "|---|---|---|---|---|---|---|---|"]
+              "| anchored: step ms | epoch | efficiency vs 1 GPU alone | decode processes a GPU needs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    span = lambda s: f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s"  # noqa: E731
     for row in r["rows"]:
         need = f"{row['decode_processes_per_gpu']:.1f}" if row["decode_processes_per_gpu"] else "-"
-        epoch = f"{row['epoch_s'] / 60:.1f} min" if row["epoch_s"] >= 60 else f"{row['epoch_s']:.0f} s"
+        anchored = (f"{row['anchored_step_s'] * 1e3:.1f} | {span(row['anchored_epoch_s'])} | "
+                    f"{100 * row['anchored_efficiency_vs_one_gpu']:.0f}%") if "anchored_step_s" in row else "- | - | -"
         lines.append(f"| {row['gpus']} | {row['nodes']} | {row['step_s'] * 1e3:.1f} | {row['exposed_s'] * 1e3:.1f} | "
-                     f"{row['images_per_s']:,.0f} | {epoch} | {100 * row['efficiency_vs_loaded_gpu']:.0f}% | {need} |")
+                     f"{row['images_per_s']:,.0f} | {span(row['epoch_s'])} | {100 * row['efficiency_vs_loaded_gpu']:.0f}% "
+                     f"| {anchored} | {need} |")
     if r.get("decoded_images_per_s_per_process"):
         lines += ["", f"Decode processes: images/s a GPU must be fed over what one loader process decoded here "
                       f"({r['decoded_images_per_s_per_process']:,.0f} images/s, JPEGs smaller than ImageNet's: a lower "

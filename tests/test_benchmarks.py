@@ -219,6 +219,9 @@ def _check_projection(projection, images):
     for r in rows:
         assert r["epoch_s"] == pytest.approx(1_281_167 / r["images_per_s"])
         assert 0 < r["efficiency_vs_loaded_gpu"] <= 1 and r["exposed_s"] >= 0
+        # anchored at the world-2 step measured: the model's ratio carried onto it
+        assert r["anchored_step_s"] / r["step_s"] == pytest.approx(
+            rows[0]["anchored_step_s"] / rows[0]["step_s"]) and projection["anchor_world"] == 2
 
 
 @pytest.mark.slow

@@ -12,7 +12,9 @@ Inputs, all from this run's images phase (`phases.images`) but two stated assump
 * between nodes (assumption): `calibration.INTER_NODE`, 400 Gb/s InfiniBand per GPU, 10 us a message.
 
 First the model is checked on the worlds measured: our DDP's step at each world >= 2 predicted from
-each compute figure. Then the step at 8-256 GPUs (nodes of 8) under our DDP, the images/s and the
+each compute figure. Then the step at 8-256 GPUs (nodes of 8) under our DDP, twice: the model alone,
+and *anchored* at the largest world measured (the model's step at N over its step there, times the
+step measured there: what the model misses at that world carried to every N in proportion); the images/s and the
 time of one ImageNet epoch (1,281,167 training images) at the phase's per-GPU batch, and the decode
 rate the input pipeline would need per GPU next to what the reader measured (from JPEGs smaller than
 ImageNet's, so ImageNet's own decode is slower than that figure).
@@ -61,17 +63,28 @@ def run(results: dict, opts) -> dict:
     cal = cals[f"{top} GPUs computing at once (no_sync)"]
     per_gpu_node = batch / computes[f"{top} GPUs computing at once (no_sync)"]
     decode = (loaded.get("input") or one.get("input") or {}).get("decoded_images_per_s_per_process")
+    # Anchored: the model's step at N over its step at the largest world measured, times the step
+    # measured there (what the model misses at that world, e.g. compute slowed by the all-reduce running
+    # beside it, carried to every N in proportion).
+    measured_top = ok[top]["models"][name]["step_ms_median"].get("ours")
+    model_top = cal.predict(top, "ddp")["total"]
     rows = []
     for n in PROJECT_GPUS:
         t = step_time(cal.profile, Cluster(n, GPUS_PER_NODE, cal.link, inter_node_link()), "ddp")
         rate = n * batch / t["total"]
-        rows.append({"gpus": n, "nodes": math.ceil(n / GPUS_PER_NODE), "step_s": t["total"], "exposed_s": t["exposed"],
-                     "images_per_s": rate, "epoch_s": IMAGENET_TRAIN / rate,
-                     "efficiency_vs_loaded_gpu": rate / (n * per_gpu_node),
-                     "decode_processes_per_gpu": (rate / n) / decode if decode else None})
+        row = {"gpus": n, "nodes": math.ceil(n / GPUS_PER_NODE), "step_s": t["total"], "exposed_s": t["exposed"],
+               "images_per_s": rate, "epoch_s": IMAGENET_TRAIN / rate,
+               "efficiency_vs_loaded_gpu": rate / (n * per_gpu_node),
+               "decode_processes_per_gpu": (rate / n) / decode if decode else None}
+        if measured_top is not None:
+            anchored = measured_top / 1e3 * t["total"] / model_top
+            row.update(anchored_step_s=anchored, anchored_epoch_s=IMAGENET_TRAIN / (n * batch / anchored),
+                       anchored_efficiency_vs_one_gpu=computes["one GPU alone"] / anchored)
+        rows.append(row)
     measured_epochs = {w: IMAGENET_TRAIN / (w * ok[w]["models"][name]["images_per_s_per_gpu"]["ours"])
                        for w in sorted(ok) if "ours" in ok[w]["models"].get(name, {}).get("images_per_s_per_gpu", {})}
     return {"status": "ok", "label": "projection", "model": name, "batch_per_gpu": batch, "params": params,
+            "anchor_world": top,
             "image_size": one["image_size"], "precision": ok[1].get("precision"),
             "compute_s": computes, "link": cals[next(iter(cals))].describe()["link"], "inter": INTER_NODE,
             "link_backend": link.get("backend", "nccl"),
