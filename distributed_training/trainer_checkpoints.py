@@ -447,8 +447,11 @@ class Checkpointing:
             changes += self._restore_schedule(meta.get("lr_scheduler") or {"last_epoch": int(meta["step"])})
         changes += [f"{key}: {meta['fit'].get(key)} -> {value}" for key, value in self._fit_limits.items()
                     if "fit" in meta and key in meta["fit"] and meta["fit"][key] != value]
+        # With a global batch, `fit` resolves the accumulation after loading (and says what it trains, and
+        # what changed): the checkpoint's resolved value is not to be compared with the configured one.
+        derived = ("gradient_accumulation_steps",) if self._fit_global_batch else ()
         changes += [f"{key}: {meta['config'][key]} -> {value}" for key, value in self.config.items()
-                    if key not in ("world_size", "optimizer") and key in meta.get("config", {})
+                    if key not in ("world_size", "optimizer", *derived) and key in meta.get("config", {})
                     and meta["config"][key] != value]
         # A pipeline the checkpoint was written with and this run does not have (its keys are absent).
         changes += [f"{key}: {value} -> none" for key, value in meta.get("config", {}).items()

@@ -132,6 +132,7 @@ class Fitting:
                                             eval_metrics, criterion)
         self.evaluation = evaluation
         self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
+        self._fit_global_batch = plan is not None and "pipeline_parallel_size" not in self.config
         resumed_from = self._resume_or_start_fresh()
         if resumed_from is not None and (self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)):
             if self.context.is_main:
@@ -229,6 +230,10 @@ class Fitting:
             message += (f" (the checkpoint was trained at {before['dp_size']} x {before['per_rank']}"
                         f"{' in ' + str(before['accumulation']) + ' micro-batch(es)' if not pipelined else ''}"
                         f" = {before['size']}; the epoch continues at sample {self.samples_in_epoch})")
+        elif (resumed_from is not None and before is not None and not pipelined
+              and before.get("accumulation") not in (None, plan.accumulation)):
+            message += (f" (the checkpoint was trained in {before['accumulation']} micro-batch(es) of at most "
+                        f"{before.get('micro_batch_size')})")
         log.info("%s", message)
         if plan.size != plan.requested:
             log.warning("global_batch_size=%d cannot be kept at %d data-parallel replicas "
