@@ -136,7 +136,8 @@ class Fitting:
         resumed_from = self._resume_or_start_fresh()
         if resumed_from is not None and (self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)):
             if self.context.is_main:
-                log.info("training is already complete at step %d (%s): nothing to do", self.step, resumed_from)
+                log.info("training is already complete at step %d (%s): nothing to do (to train further, raise "
+                         "epochs or max_steps; to start again from step 0, resume=False)", self.step, resumed_from)
             return []
         if plan is not None:
             plan = self._adopt_global_batch(plan, micro_batch_size, resumed_from)
