@@ -38,6 +38,11 @@ log = get_logger()
 _PIPELINE_KEYS = ("pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_chunks")
 _TENSOR_DEFAULTS = {"tensor_parallel_size": 1, "sequence_parallel": False}  # their values without tensor parallelism
 
+# A wait for the previous background write that is not worth a warning: under this many seconds, or
+# under this share of the training time between the two checkpoints (what the wait slows training by).
+_NEGLIGIBLE_WAIT_S = 0.1
+_NEGLIGIBLE_WAIT_SHARE = 0.05
+
 # Suffixes of single-file checkpoints, which a checkpoint directory's name should not look like.
 _FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
 
@@ -133,10 +138,15 @@ class Checkpointing:
         if previous is not None:
             if not previous.done():
                 started = time.perf_counter()
+                training = started - previous.started  # the steps trained while it was being written
                 previous.wait()
-                log.warning("rank %d: the checkpoint of step %d waited %.2f s for the background write of step %d "
-                            "(%.2f s in all): checkpoints come faster than they are written; raise checkpoint_every",
-                            ctx.rank, self.step, time.perf_counter() - started, previous.step, previous.seconds)
+                waited = time.perf_counter() - started
+                if waited >= _NEGLIGIBLE_WAIT_S and waited >= _NEGLIGIBLE_WAIT_SHARE * training:
+                    # previous.seconds (set before wait() returns): the write's whole duration, from its start.
+                    log.warning("rank %d: the checkpoint of step %d waited %.2f s for the background write of step "
+                                "%d, which took %.2f s in all while %d step(s) trained in %.2f s: checkpoints come "
+                                "faster than they are written; raise checkpoint_every", ctx.rank, self.step, waited,
+                                previous.step, previous.seconds, self.step - previous.step, training)
             self._checkpoint_write = None
             previous.raise_error()
         if self._staging is None:
