@@ -233,9 +233,11 @@ def test_user_parts_under_torchrun_on_two_ranks_train_like_one_process(jobs, tmp
 def test_the_example_runs_as_written(monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)
     out = tmp_path / "example.pt"
-    assert cli.main(["examples/configs/user_model.yaml", "--set", "training.max_steps=3",
-                     "--set", f"output={out}"]) == 0
+    ckpt = tmp_path / "ckpt"  # not the example's checkpoints/ in the repository
+    assert cli.main(["examples/configs/user_model.yaml", "--set", "training.max_steps=21", "--set",
+                     f"checkpoint.dir={ckpt}", "--set", f"output={out}"]) == 0
     assert "head.weight" in torch.load(out)
+    assert (ckpt / "best.json").is_file() and (ckpt / "step_000000020").is_dir()
 
 
 # ------------------------------------------------------------------ errors
@@ -351,5 +353,5 @@ def test_a_printed_config_loads_back_and_takes_the_newer_fields():
     template["optimizer"]["lr"] = 0.01
     template["training"]["global_batch_size"] = 32
     load_config(template)
-    with pytest.raises(ConfigError, match=r"training.lr \(0.003\) and optimizer.lr \(0.5\) disagree"):
-        load_config(str(REPO / "examples" / "configs" / "user_model.yaml"), ["optimizer.lr=0.5"])
+    with pytest.raises(ConfigError, match=r"training.lr \(0.5\) and optimizer.lr \(0.05\) disagree"):
+        load_config(str(REPO / "examples" / "configs" / "user_model.yaml"), ["training.lr=0.5"])
