@@ -269,6 +269,9 @@ def _job(**sections) -> dict:
      rf"^model\.target: {PACKAGE}\.parts:number returned a int, not a torch\.nn\.Module"),
     ({"data": {"target": f"{PACKAGE}.parts:number", "kwargs": {}}}, r"^data\.target: .* returned a int, not a dataset"),
     ({"data": {"collate": f"{PACKAGE}.parts:colate"}}, r"^data\.collate: .*has no attribute 'colate'"),
+    ({"data": {"collate": None}},
+     rf"^data\.target: the samples of {PACKAGE}\.parts:Points are dicts \(keys 'x', 'y'\), and loss\.target "
+     r"torch\.nn\.functional:cross_entropy takes \(inputs, targets\) batches: give data\.collate"),
     ({"loss": {"target": f"{PACKAGE}.parts:collate", "kwargs": {"bogus": 1}}},
      r"^loss\.target: loss\.kwargs do not fit .*parts:collate"),
     ({"training": {"pipeline_parallel_size": 2}},
