@@ -73,6 +73,30 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
+def _lambda_changes(saved: Any, now: Any) -> list[str]:
+    """What differs between two `LambdaLR` states' ``lr_lambdas``, field by field, in words
+    (``lr schedule warmup_steps: 4 -> 6``). Each entry is a schedule object's fields (a plain function's
+    is None, and a field holding a function cannot be compared: both are left out; the learning rate
+    they give is compared anyway). Changes the same for every param group are said once."""
+    saved, now = list(saved or []), list(now or [])
+    if len(saved) != len(now):
+        return [f"lr schedule: {len(saved)} -> {len(now)} param group schedules"]
+    per_group = []
+    for old, new in zip(saved, now):
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            per_group.append([])
+            continue
+        per_group.append([f"{key}: {_show(old.get(key))} -> {_show(new.get(key))}"
+                          for key in sorted(set(old) | set(new), key=str)
+                          if not callable(old.get(key)) and not callable(new.get(key))
+                          and not _same(old.get(key), new.get(key))])
+    if not per_group:
+        return []
+    if all(group == per_group[0] for group in per_group):
+        return [f"lr schedule {change}" for change in per_group[0]]
+    return [f"lr schedule param_groups[{i}].{change}" for i, group in enumerate(per_group) for change in group]
+
+
 class Checkpointing:
     """`DistributedTrainer`'s checkpoint methods."""
 
@@ -554,7 +578,8 @@ class Checkpointing:
         counters = {"last_epoch", "_step_count", "_last_lr", "_is_initial", "_get_lr_called_within_step"}
         changes = [f"lr_scheduler {key}: {_show(saved.get(key))} -> {_show(now.get(key))}"
                    for key in sorted(set(saved) | set(now), key=str)
-                   if key not in counters and not _same(saved.get(key), now.get(key))]
+                   if key not in counters | {"lr_lambdas"} and not _same(saved.get(key), now.get(key))]
+        changes += _lambda_changes(saved.get("lr_lambdas"), now.get("lr_lambdas"))
         if "_last_lr" in saved and not _same(saved["_last_lr"], now.get("_last_lr")):
             changes.append(f"learning rate at step {saved.get('last_epoch')}: "
                            f"{_show(saved['_last_lr'])} -> {_show(now.get('_last_lr'))}")
