@@ -413,7 +413,8 @@ def test_dtrain_rerun_of_a_finished_job_trains_nothing_and_no_resume_starts_over
     code, out = _dtrain([str(job)], tmp_path)
     assert code == 0 and "finished at step 4" in out, out[-3000:]
     code, out = _dtrain([str(job)], tmp_path)  # the job is done: nothing to train, success
-    assert code == 0 and "finished at step 4" in out and "| loss" not in out, out[-3000:]
+    assert code == 0 and "the run is already complete at step 4" in out and "| loss" not in out, out[-3000:]
+    assert "finished at step" not in out, out[-3000:]  # nor evaluated again
     code, out = _dtrain([str(job), "--no-resume"], tmp_path)
     assert code == 0 and "step      4 | loss" in out, out[-3000:]
     assert (tmp_path / "ckpt" / "previous_run_1" / "step_000000004").is_dir()
