@@ -222,6 +222,9 @@ def run_job(cfg: JobConfig) -> dict:
         drop_last = pipelined and _short_last_batch(trainer, train, batch_size)
         epochs = (user_job.iterable_epochs(t.epochs, t.max_steps) if user_job.is_iterable(train) else
                   _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last))
+        if _already_complete(trainer, cfg, epochs):
+            finished = True
+            return {}
         data = user_job.train_data(cfg, train, batch_size, trainer.dp_rank, trainer.dp_world_size)
         val_data = user_job.val_data(cfg, val, trainer.batch_size or batch_size)
         from .image_job import input_watch
@@ -357,6 +360,33 @@ def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | Non
                  batch_size, needed, epochs)
         return needed
     return epochs
+
+
+def _already_complete(trainer, cfg: JobConfig, epochs: int) -> bool:
+    """Whether the checkpoint a resume would load is the end of this run (its step reached
+    training.max_steps, or its epoch the epochs to train): then say so, what to change, and train,
+    evaluate and save nothing (the StatefulSet's marker, checkpoint.dir/COMPLETED, is written if it
+    is missing). Collective, like a resume: every rank reads the same checkpoint and agrees."""
+    if trainer.checkpoints is None or not trainer.resume:
+        return False
+    found = trainer.latest_checkpoint()
+    if found is None:
+        return False
+    path, meta = found
+    step, epoch, max_steps = int(meta["step"]), int(meta.get("epoch", 0)), cfg.training.max_steps
+    reached = ("training.max_steps" if max_steps is not None and step >= max_steps else
+               "training.epochs" if epoch >= epochs else None)
+    if step == 0 or reached is None:  # what `fit` resumes from, and when it would train nothing
+        return False
+    if trainer.context.is_main:
+        limit = f"training.max_steps={max_steps}" if reached == "training.max_steps" else f"{epochs} epoch(s)"
+        log.info("dtrain: the run is already complete at step %d (%s, checkpoint %s): nothing trained or saved. "
+                 "To train further, raise training.max_steps or training.epochs; to start again from step 0, set "
+                 "checkpoint.resume: false (dtrain --no-resume)", step, limit, path)
+        marker = Path(cfg.checkpoint.dir) / "COMPLETED"
+        if not marker.exists():
+            marker.write_text(f"step {step}\n")
+    return True
 
 
 def _resuming(trainer) -> bool:

@@ -185,9 +185,10 @@ class TrainingConfig(_Section):
     """With ``global_batch_size``, at a size that does not divide it: train the nearest multiple of the
     data-parallel size instead, with the learning rate scaled linearly (the run says so)."""
     lr: PositiveFloat = 2e-3
-    """AdamW's learning rate."""
+    """The learning rate, whatever optimizer.name (the older spelling of optimizer.lr)."""
     weight_decay: Annotated[Float, Field(ge=0)] = 0.0
-    """AdamW's decoupled weight decay (0: none)."""
+    """Weight decay (0: none; the older spelling of optimizer.weight_decay): decoupled for adamw / lamb, L2
+    for sgd / lars."""
     gradient_accumulation_steps: PositiveInt = 1
     """Micro-batches per optimizer step: each step's batch is split in this many, gradients
     synchronised only on the last."""
@@ -246,7 +247,8 @@ class OptimizerConfig(_Section):
     name: Literal["adamw", "sgd", "lars", "lamb"] = "adamw"
     """adamw / sgd: torch's; lars / lamb: ours (layer-wise trust ratios for large batches, see optim.py)."""
     lr: Optional[PositiveFloat] = None
-    """Peak learning rate (null: training.lr); the schedule's warm-up climbs to it."""
+    """Peak learning rate (null: training.lr), times schedule.scale_lr_with_batch's factor; the schedule's
+    warm-up climbs to it."""
     weight_decay: Optional[Annotated[Float, Field(ge=0)]] = None
     """Weight decay (null: training.weight_decay): decoupled for adamw / lamb, L2 for sgd / lars."""
     momentum: Annotated[Float, Field(ge=0, lt=1)] = 0.9
@@ -262,17 +264,19 @@ class OptimizerConfig(_Section):
     """lars: eta, the largest relative change of a layer in one step."""
     exclude_from_weight_decay: list[Annotated[str, Field(min_length=1)]] = []
     """Parameters without weight decay (nor, for lars / lamb, trust ratio): bias, norm (normalisation
-    layers), embedding, or a glob on parameter names ("head.*")."""
+    layers), embedding, or a glob on parameter names ("head.*": one that matches no parameter is an
+    error). With adamw / sgd, strategies ddp and zero1 only (zero2 / zero3 / fsdp shards mix layers)."""
 
 
 class ScheduleConfig(_Section):
     kind: Literal["constant", "cosine", "linear", "step"] = "constant"
     """After the warm-up: constant, cosine or linear decay to min_lr at total_steps, or step (x gamma
-    at each milestone)."""
+    at each of ``milestones``, which it needs)."""
     warmup_steps: Annotated[Int, Field(ge=0)] = 0
     """Optimizer steps of linear warm-up: step s (from 0) trains at lr * (s + 1) / warmup_steps."""
     total_steps: Optional[PositiveInt] = None
-    """Where cosine / linear reach min_lr (null: training.max_steps)."""
+    """The optimizer step where cosine / linear reach min_lr (null: training.max_steps, else the steps of
+    training.epochs, which dtrain counts from the data at start). Steps after it stay at min_lr."""
     min_lr: Annotated[Float, Field(ge=0)] = 0.0
     """cosine / linear: the learning rate at total_steps."""
     milestones: list[Annotated[Int, Field(ge=1)]] = []
@@ -280,7 +284,9 @@ class ScheduleConfig(_Section):
     gamma: Annotated[Float, Field(gt=0, le=1)] = 0.1
     """step: the factor at each milestone."""
     scale_lr_with_batch: bool = False
-    """Linear scaling rule (Goyal et al. 2017): lr x global batch / base_batch_size (the run says so)."""
+    """Linear scaling rule (Goyal et al. 2017): lr x global batch / base_batch_size, the global batch
+    being training.global_batch_size, else batch_size x gradient_accumulation_steps x data-parallel
+    size (the run says so)."""
     base_batch_size: PositiveInt = 256
     """scale_lr_with_batch: the global batch the learning rate was tuned for."""
 
@@ -342,13 +348,17 @@ class LoggingConfig(_Section):
 
 class EvaluationConfig(_Section):
     every: Optional[PositiveInt] = None
-    """Evaluate on the validation set (``data.val_fraction``) every this many optimizer steps, and at the
-    end: sharded over the data-parallel ranks, every sample counted once (null: only at the end)."""
+    """Evaluate on the validation set every this many optimizer steps, and at the end: sharded over the
+    data-parallel ranks, every sample counted once (null: only at the end). The validation set is
+    data.val_fraction of the training set, or data.val_root (image_folder), or data.val_target /
+    data.val_kwargs (your own data)."""
     batch_size: Optional[PositiveInt] = None
     """Samples per evaluation batch on a rank (null: what one training forward takes)."""
     metrics: Optional[list[str]] = None
     """Besides val_loss: any of accuracy, top<k> (e.g. top5: the target among the k highest logits) for
-    the classifier, perplexity for a GPT (null: accuracy and top5, or perplexity)."""
+    a classifier (the digits or image presets), perplexity for a GPT (null: accuracy and top5, or
+    perplexity; with your own model or data, read from the first validation sample: see
+    docs/dtrain_jobs.md)."""
     best_metric: Optional[str] = None
     """Keep the checkpoint with the best value of this evaluated metric (val_loss, val_accuracy,
     val_top<k>, val_perplexity): each evaluation gets a checkpoint; needs checkpoint.dir and every."""

@@ -123,12 +123,17 @@ class _Watch:
 
     def report(self) -> dict:
         summary = self.watch.summary()
-        if summary:
-            log.info("dtrain: input pipeline: %s images decoded at %s/s per process (%s/s with the workers); "
+        if summary and self.watch.num_workers == 0:  # no workers: the rate of the training process itself
+            log.info("dtrain: input pipeline: %s images decoded in the training process (data.num_workers 0) at "
+                     "%s/s while decoding; trained at %s images/s: %s", f"{summary['images']:,.0f}",
+                     f"{summary['decoded_images_per_s_per_process']:,.0f}", f"{summary['trained_images_per_s']:,.0f}",
+                     summary["verdict"])
+        elif summary:
+            log.info("dtrain: input pipeline: %s images decoded at %s/s per worker (%s/s with data.num_workers %d); "
                      "trained at %s images/s: %s", f"{summary['images']:,.0f}",
                      f"{summary['decoded_images_per_s_per_process']:,.0f}",
-                     f"{summary['decode_capacity_images_per_s']:,.0f}", f"{summary['trained_images_per_s']:,.0f}",
-                     summary["verdict"])
+                     f"{summary['decode_capacity_images_per_s']:,.0f}", self.watch.num_workers,
+                     f"{summary['trained_images_per_s']:,.0f}", summary["verdict"])
         return summary
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .logs import get_logger
-from .optim import LAMB, LARS, WarmupSchedule, excluded_names, linear_scaling, param_groups
+from .optim import EXCLUSION_RULES, LAMB, LARS, WarmupSchedule, excluded_names, linear_scaling, param_groups
 
 if TYPE_CHECKING:
     from .config import JobConfig
@@ -68,6 +68,9 @@ def check_optimizer_fields(cfg: "JobConfig") -> None:
                               f"(or training.max_steps): {total}")
     if s.min_lr > lr and s.kind in ("cosine", "linear"):
         raise ConfigError(f"schedule.min_lr ({s.min_lr}) is above the learning rate (optimizer.lr / training.lr: {lr})")
+    if s.kind == "step" and not s.milestones:
+        raise ConfigError("schedule.kind 'step' needs schedule.milestones, the steps where the learning rate is "
+                          "multiplied by schedule.gamma (e.g. [30, 60]); without them it stays constant")
     if s.milestones and s.kind != "step":
         raise ConfigError(f"schedule.milestones are for schedule.kind 'step', not {s.kind!r}")
     if s.milestones != sorted(set(s.milestones)):
@@ -124,6 +127,22 @@ def schedule_steps(cfg: "JobConfig", train: Any, data_parallel_size: int, iterab
     return total
 
 
+def _check_exclusions(rules: list[str], model: nn.Module) -> None:
+    """A glob of ``optimizer.exclude_from_weight_decay`` that matches none of the model's parameter names
+    is a mistake (a typo, or another model's names): `ConfigError` naming it and a few of the names."""
+    import fnmatch
+
+    from .config import ConfigError
+
+    names = [name for name, _ in model.named_parameters()]
+    for rule in rules:
+        if rule not in EXCLUSION_RULES and not any(fnmatch.fnmatchcase(name, rule) for name in names):
+            shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+            raise ConfigError(f"optimizer.exclude_from_weight_decay: {rule!r} matches no parameter of "
+                              f"{type(model).__name__} (its parameters: {shown}); a glob is matched against "
+                              "these names, as in 'head.*', besides the rules bias, norm and embedding")
+
+
 def job_optimizer(cfg: "JobConfig", model: nn.Module, total_steps: int | None = None
                   ) -> tuple[Callable[[Any], torch.optim.Optimizer], Callable[[torch.optim.Optimizer], Any] | None]:
     """(optimizer factory, LR scheduler factory or None) for the trainer, from `cfg`'s sections;
@@ -138,6 +157,7 @@ def job_optimizer(cfg: "JobConfig", model: nn.Module, total_steps: int | None = 
                  o.lr if o.lr is not None else t.lr, _global_batch(cfg), s.base_batch_size, lr)
     wd = o.weight_decay if o.weight_decay is not None else t.weight_decay
     eps = o.eps if o.eps is not None else _EPS[o.name]
+    _check_exclusions(o.exclude_from_weight_decay, model)
     exclude = excluded_names(model, o.exclude_from_weight_decay)
     if o.exclude_from_weight_decay and not exclude:
         log.warning("dtrain: optimizer.exclude_from_weight_decay %s matches no parameter of %s",

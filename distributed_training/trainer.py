@@ -343,6 +343,9 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         self._configured_schedule = (copy.deepcopy(self.lr_scheduler.state_dict())
                                      if self.lr_scheduler is not None else None)
         self._fit_limits: dict[str, Any] = {}
+        # Whether the `fit` in progress sets the accumulation from a global batch (`_adopt_global_batch`):
+        # then a resume does not compare the configured gradient_accumulation_steps with the checkpoint's.
+        self._fit_global_batch = False
         self.heartbeat_timeout = heartbeat_timeout
         self._watch: PeerWatch | None = None  # started by the first train_step
         self._last_saved_step: int | None = None

@@ -38,6 +38,11 @@ log = get_logger()
 _PIPELINE_KEYS = ("pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_chunks")
 _TENSOR_DEFAULTS = {"tensor_parallel_size": 1, "sequence_parallel": False}  # their values without tensor parallelism
 
+# A wait for the previous background write that is not worth a warning: under this many seconds, or
+# under this share of the training time between the two checkpoints (what the wait slows training by).
+_NEGLIGIBLE_WAIT_S = 0.1
+_NEGLIGIBLE_WAIT_SHARE = 0.05
+
 # Suffixes of single-file checkpoints, which a checkpoint directory's name should not look like.
 _FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
 
@@ -66,6 +71,30 @@ def _show(value: Any) -> str:
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
     return repr(value)
+
+
+def _lambda_changes(saved: Any, now: Any) -> list[str]:
+    """What differs between two `LambdaLR` states' ``lr_lambdas``, field by field, in words
+    (``lr schedule warmup_steps: 4 -> 6``). Each entry is a schedule object's fields (a plain function's
+    is None, and a field holding a function cannot be compared: both are left out; the learning rate
+    they give is compared anyway). Changes the same for every param group are said once."""
+    saved, now = list(saved or []), list(now or [])
+    if len(saved) != len(now):
+        return [f"lr schedule: {len(saved)} -> {len(now)} param group schedules"]
+    per_group = []
+    for old, new in zip(saved, now):
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            per_group.append([])
+            continue
+        per_group.append([f"{key}: {_show(old.get(key))} -> {_show(new.get(key))}"
+                          for key in sorted(set(old) | set(new), key=str)
+                          if not callable(old.get(key)) and not callable(new.get(key))
+                          and not _same(old.get(key), new.get(key))])
+    if not per_group:
+        return []
+    if all(group == per_group[0] for group in per_group):
+        return [f"lr schedule {change}" for change in per_group[0]]
+    return [f"lr schedule param_groups[{i}].{change}" for i, group in enumerate(per_group) for change in group]
 
 
 class Checkpointing:
@@ -133,10 +162,15 @@ class Checkpointing:
         if previous is not None:
             if not previous.done():
                 started = time.perf_counter()
+                training = started - previous.started  # the steps trained while it was being written
                 previous.wait()
-                log.warning("rank %d: the checkpoint of step %d waited %.2f s for the background write of step %d "
-                            "(%.2f s in all): checkpoints come faster than they are written; raise checkpoint_every",
-                            ctx.rank, self.step, time.perf_counter() - started, previous.step, previous.seconds)
+                waited = time.perf_counter() - started
+                if waited >= _NEGLIGIBLE_WAIT_S and waited >= _NEGLIGIBLE_WAIT_SHARE * training:
+                    # previous.seconds (set before wait() returns): the write's whole duration, from its start.
+                    log.warning("rank %d: the checkpoint of step %d waited %.2f s for the background write of step "
+                                "%d, which took %.2f s in all while %d step(s) trained in %.2f s: checkpoints come "
+                                "faster than they are written; raise checkpoint_every", ctx.rank, self.step, waited,
+                                previous.step, previous.seconds, self.step - previous.step, training)
             self._checkpoint_write = None
             previous.raise_error()
         if self._staging is None:
@@ -447,8 +481,11 @@ class Checkpointing:
             changes += self._restore_schedule(meta.get("lr_scheduler") or {"last_epoch": int(meta["step"])})
         changes += [f"{key}: {meta['fit'].get(key)} -> {value}" for key, value in self._fit_limits.items()
                     if "fit" in meta and key in meta["fit"] and meta["fit"][key] != value]
+        # With a global batch, `fit` resolves the accumulation after loading (and says what it trains, and
+        # what changed): the checkpoint's resolved value is not to be compared with the configured one.
+        derived = ("gradient_accumulation_steps",) if self._fit_global_batch else ()
         changes += [f"{key}: {meta['config'][key]} -> {value}" for key, value in self.config.items()
-                    if key not in ("world_size", "optimizer") and key in meta.get("config", {})
+                    if key not in ("world_size", "optimizer", *derived) and key in meta.get("config", {})
                     and meta["config"][key] != value]
         # A pipeline the checkpoint was written with and this run does not have (its keys are absent).
         changes += [f"{key}: {value} -> none" for key, value in meta.get("config", {}).items()
@@ -541,7 +578,8 @@ class Checkpointing:
         counters = {"last_epoch", "_step_count", "_last_lr", "_is_initial", "_get_lr_called_within_step"}
         changes = [f"lr_scheduler {key}: {_show(saved.get(key))} -> {_show(now.get(key))}"
                    for key in sorted(set(saved) | set(now), key=str)
-                   if key not in counters and not _same(saved.get(key), now.get(key))]
+                   if key not in counters | {"lr_lambdas"} and not _same(saved.get(key), now.get(key))]
+        changes += _lambda_changes(saved.get("lr_lambdas"), now.get("lr_lambdas"))
         if "_last_lr" in saved and not _same(saved["_last_lr"], now.get("_last_lr")):
             changes.append(f"learning rate at step {saved.get('last_epoch')}: "
                            f"{_show(saved['_last_lr'])} -> {_show(now.get('_last_lr'))}")

@@ -139,10 +139,12 @@ class Fitting:
                                             eval_metrics, criterion, eval_target)
         self.evaluation = evaluation
         self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
+        self._fit_global_batch = plan is not None and "pipeline_parallel_size" not in self.config
         resumed_from = self._resume_or_start_fresh()
         if resumed_from is not None and (self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)):
             if self.context.is_main:
-                log.info("training is already complete at step %d (%s): nothing to do", self.step, resumed_from)
+                log.info("training is already complete at step %d (%s): nothing to do (to train further, raise "
+                         "epochs or max_steps; to start again from step 0, resume=False)", self.step, resumed_from)
             return []
         if plan is not None:
             plan = self._adopt_global_batch(plan, micro_batch_size, resumed_from)
@@ -236,6 +238,10 @@ class Fitting:
             message += (f" (the checkpoint was trained at {before['dp_size']} x {before['per_rank']}"
                         f"{' in ' + str(before['accumulation']) + ' micro-batch(es)' if not pipelined else ''}"
                         f" = {before['size']}; the epoch continues at sample {self.samples_in_epoch})")
+        elif (resumed_from is not None and before is not None and not pipelined
+              and before.get("accumulation") not in (None, plan.accumulation)):
+            message += (f" (the checkpoint was trained in {before['accumulation']} micro-batch(es) of at most "
+                        f"{before.get('micro_batch_size')})")
         log.info("%s", message)
         if plan.size != plan.requested:
             log.warning("global_batch_size=%d cannot be kept at %d data-parallel replicas "

@@ -242,9 +242,33 @@ def build(cfg: JobConfig, builtin: Callable[[JobConfig], tuple]) -> tuple:
     _collate(cfg)  # a collate function that cannot be imported fails now, not at the first batch
     if cfg.loss.target:
         criterion = _callable(cfg.loss.target, cfg.loss.kwargs, "loss.target", "loss.kwargs")
+    if d.target and d.collate is None and criterion is not None:
+        _check_pairs(cfg, train)
     if cfg.training.pipeline_parallel_size > 1 and m.target:
         _check_cuttable(cfg, model)
     return model, train, val, criterion
+
+
+def _check_pairs(cfg: JobConfig, train: Any) -> None:
+    """With a loss, each batch must be (inputs, targets): a map-style dataset whose samples are dicts
+    (torch's default collate makes a dict of batches of them) needs ``data.collate``. Read from the
+    first sample (an iterable one is not read ahead of training)."""
+    from collections.abc import Mapping
+
+    if is_iterable(train):
+        return
+    try:
+        sample = train[0]
+    except Exception:  # noqa: BLE001 - an empty or unusual dataset: training will say what is wrong
+        return
+    if isinstance(sample, Mapping):
+        keys = ", ".join(repr(k) for k in list(sample)[:6])
+        loss = f"loss.target {cfg.loss.target}" if cfg.loss.target else "the classifier's cross-entropy"
+        raise UserCodeError(f"data.target: the samples of {cfg.data.target} are dicts (keys {keys}), and {loss} "
+                            "takes (inputs, targets) batches: give data.collate, a function that makes a list of "
+                            "samples into an (inputs, targets) pair (torch's default collate keeps the dict); or, "
+                            "for a model that takes the dict's keys as arguments and returns its loss, leave out "
+                            "loss.target")
 
 
 def _datasets(cfg: JobConfig) -> tuple[Dataset, Any]:

@@ -282,6 +282,9 @@ def check_job_evaluation(section: Any, job: Any = None) -> None:
         if wrong:
             raise ConfigError(f"evaluation.metrics: {wrong[0]} is for classifiers (model.preset classifier); a GPT "
                               "is evaluated by val_loss and perplexity")
+    if not user and (job.model.preset == "classifier" or images) and "perplexity" in names:
+        raise ConfigError("evaluation.metrics: perplexity is for language models (a GPT preset); a classifier is "
+                          "evaluated by val_loss, accuracy and top<k>")
     keys = ["val_loss"] + [f"val_{n}" for n in (names if names != "auto" else ("accuracy", "top<k>", "perplexity"))]
 
     def known(name: str) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,7 +104,7 @@ def _files(directory):
 
 # ----------------------------------------------------------------- async == sync
 def equal_worker(rank, world, base, strategy):
-    _slow_writes(0.15)
+    _slow_writes(0.25)
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -122,8 +123,39 @@ def test_background_checkpoints_equal_synchronous_ones(tmp_path, strategy):
     # keep_last=2 pruned in the background too; step 7 is fit's last save (not a multiple of 2).
     assert list(sync) == list(background) == ["step_000000006", "step_000000007"]
     _same(sync, background)
-    # Writes take 0.15 s, checkpoints come every 2 steps of a few ms: the next one waited, and said so.
+    # Writes take 0.25 s, checkpoints come every 2 steps of a few ms: the next one waited (well over the
+    # 0.1 s a wait must last to be warned about), and said so.
     assert any("waited" in m and "raise checkpoint_every" in m for m in messages[0]), messages[0]
+
+
+def wait_worker(rank, world, base):
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("distributed_training").addHandler(handler)
+    said = {}
+    for delay in (0.03, 0.4):
+        _slow_writes(delay)  # on top of the last one's: the module's atomic_save is wrapped again
+        with _trainer(os.path.join(base, str(delay)), checkpoint_every=1, checkpoint_async=True) as t:
+            _fit(t, 3)
+        said[delay], messages[:] = list(messages), []
+    return said
+
+
+def test_a_negligible_wait_for_the_previous_write_is_not_warned_about(tmp_path):
+    """Checkpoints every step of a few ms: writes 0.03 s longer make each checkpoint wait a little for
+    the previous one, not worth a warning (it said "waited 0.00 s ... (0.01 s in all)"); writes 0.43 s
+    longer are, and "in all" is the previous write's whole duration."""
+    said = run_distributed(wait_worker, 1, args=(str(tmp_path),), timeout=120)[0]
+    assert not [m for m in said[0.03] if "waited" in m], said[0.03]
+    warned = [m for m in said[0.4] if "waited" in m]
+    assert warned, said[0.4]
+    for m in warned:
+        found = re.search(r"waited ([\d.]+) s for the background write of step \d+, which took ([\d.]+) s in all "
+                          r"while 1 step\(s\) trained in ([\d.]+) s: .*raise checkpoint_every", m)
+        assert found, m
+        waited, took, trained = map(float, found.groups())
+        assert took >= 0.43 and 0.1 <= waited <= took and trained < took, m
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -533,3 +534,40 @@ def test_pipeline_balance_time_times_one_microbatch_of_the_jobs_inputs(monkeypat
     assert cli._sample_input(cfg, cli._build(cfg)[0]).shape == (4, 64)
     cfg = load_config({"model": {"preset": "tiny"}, "training": {"pipeline_parallel_size": 2}})
     assert cli._sample_input(cfg, cli._build(cfg)[0]) is None  # balanced by parameters: no sample
+
+
+# ------------------------------------------------------------------ a run that is already complete
+@pytest.mark.timeout(180)
+def test_a_complete_run_run_again_says_so_and_trains_nothing(tmp_path, monkeypatch, caplog):
+    from distributed_training import cli
+
+    monkeypatch.chdir(tmp_path)
+    config = {"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+              "training": {"max_steps": 2, "batch_size": 16}, "logging": {"progress": False},
+              "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1}, "output": str(tmp_path / "final.pt")}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert cli.main([str(path)]) == 0
+    marker = tmp_path / "ckpt" / "COMPLETED"
+    assert marker.read_text() == "step 2\n"
+    marker.unlink()  # as if the job had been stopped between its last checkpoint and the marker
+    (tmp_path / "final.pt").unlink()
+    before = sorted(os.listdir(tmp_path / "ckpt"))
+    caplog.set_level(logging.INFO, logger="distributed_training")
+    assert cli.main([str(path)]) == 0
+    said = [r.getMessage() for r in caplog.records]
+    complete = [m for m in said if "already complete" in m]
+    assert len(complete) == 1 and complete[0].startswith("dtrain: the run is already complete at step 2 "
+                                                         "(training.max_steps=2, checkpoint "), said
+    assert "raise training.max_steps or training.epochs" in complete[0] and "checkpoint.resume: false" in complete[0]
+    # Nothing trained, evaluated or saved; the marker is back.
+    assert not any(re.search(r"resumed from|\| loss|finished at step|validation loss", m) for m in said), said
+    assert sorted(os.listdir(tmp_path / "ckpt")) == sorted(before + ["COMPLETED"])
+    assert not (tmp_path / "final.pt").exists()
+    assert marker.read_text() == "step 2\n"
+    # Raising max_steps trains on from there.
+    caplog.clear()
+    assert cli.main([str(path), "--set", "training.max_steps=3"]) == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert any("resumed from step 2" in m for m in said) and any("finished at step 3" in m for m in said), said
+    assert not any("already complete" in m for m in said), said

@@ -178,7 +178,26 @@ def test_print_config_prints_every_field_with_its_default():
         if fields:
             assert set(printed[section]) == set(fields), section
     # The field descriptions are the documentation: they come along as comments.
-    assert "# AdamW's learning rate." in out
+    assert "# The learning rate, whatever optimizer.name (the older spelling of optimizer.lr)." in out
     # What it prints is a valid config that loads back to the same values.
     job = yaml.safe_load(out)
     assert load_config(job).model_dump() == printed
+
+
+def test_field_docs_say_what_the_code_does():
+    """Field docs that had gone stale: training.lr / weight_decay said AdamW's (any optimizer.name takes
+    them), schedule.total_steps left out the steps of training.epochs, evaluation.every named only
+    data.val_fraction as the validation set."""
+    from distributed_training.config import EvaluationConfig, OptimizerConfig, ScheduleConfig, TrainingConfig
+
+    def doc(section, name):
+        return " ".join(section.model_fields[name].description.split())
+
+    assert "AdamW" not in doc(TrainingConfig, "lr") and "optimizer.lr" in doc(TrainingConfig, "lr")
+    assert "AdamW" not in doc(TrainingConfig, "weight_decay") and "sgd / lars" in doc(TrainingConfig, "weight_decay")
+    assert "training.epochs" in doc(ScheduleConfig, "total_steps")
+    assert "milestones" in doc(ScheduleConfig, "kind")
+    assert "global_batch_size" in doc(ScheduleConfig, "scale_lr_with_batch")
+    assert "matches no parameter is an error" in doc(OptimizerConfig, "exclude_from_weight_decay")
+    every = doc(EvaluationConfig, "every")
+    assert all(field in every for field in ("data.val_fraction", "data.val_root", "data.val_target"))

@@ -233,9 +233,11 @@ def test_user_parts_under_torchrun_on_two_ranks_train_like_one_process(jobs, tmp
 def test_the_example_runs_as_written(monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)
     out = tmp_path / "example.pt"
-    assert cli.main(["examples/configs/user_model.yaml", "--set", "training.max_steps=3",
-                     "--set", f"output={out}"]) == 0
+    ckpt = tmp_path / "ckpt"  # not the example's checkpoints/ in the repository
+    assert cli.main(["examples/configs/user_model.yaml", "--set", "training.max_steps=21", "--set",
+                     f"checkpoint.dir={ckpt}", "--set", f"output={out}"]) == 0
     assert "head.weight" in torch.load(out)
+    assert (ckpt / "best.json").is_file() and (ckpt / "step_000000020").is_dir()
 
 
 # ------------------------------------------------------------------ errors
@@ -267,6 +269,9 @@ def _job(**sections) -> dict:
      rf"^model\.target: {PACKAGE}\.parts:number returned a int, not a torch\.nn\.Module"),
     ({"data": {"target": f"{PACKAGE}.parts:number", "kwargs": {}}}, r"^data\.target: .* returned a int, not a dataset"),
     ({"data": {"collate": f"{PACKAGE}.parts:colate"}}, r"^data\.collate: .*has no attribute 'colate'"),
+    ({"data": {"collate": None}},
+     rf"^data\.target: the samples of {PACKAGE}\.parts:Points are dicts \(keys 'x', 'y'\), and loss\.target "
+     r"torch\.nn\.functional:cross_entropy takes \(inputs, targets\) batches: give data\.collate"),
     ({"loss": {"target": f"{PACKAGE}.parts:collate", "kwargs": {"bogus": 1}}},
      r"^loss\.target: loss\.kwargs do not fit .*parts:collate"),
     ({"training": {"pipeline_parallel_size": 2}},
@@ -351,5 +356,5 @@ def test_a_printed_config_loads_back_and_takes_the_newer_fields():
     template["optimizer"]["lr"] = 0.01
     template["training"]["global_batch_size"] = 32
     load_config(template)
-    with pytest.raises(ConfigError, match=r"training.lr \(0.003\) and optimizer.lr \(0.5\) disagree"):
-        load_config(str(REPO / "examples" / "configs" / "user_model.yaml"), ["optimizer.lr=0.5"])
+    with pytest.raises(ConfigError, match=r"training.lr \(0.5\) and optimizer.lr \(0.05\) disagree"):
+        load_config(str(REPO / "examples" / "configs" / "user_model.yaml"), ["training.lr=0.5"])

@@ -257,3 +257,38 @@ def test_dtrain_resumes_a_global_batch_at_another_world_size(tmp_path):
             "checkpoint was trained at 2 x 4 in 2 micro-batch(es) = 8; the epoch continues at sample 16)") in said, \
         said[-3000:]
     assert "finished at step 3" in said
+
+
+def _resume_identically(rank, world, directory):
+    """Three fits at world 1 with the same global batch of 12: micro-batches of 3 (accumulation 4) to
+    step 2, the same to step 3, then micro-batches of 6 (accumulation 2) to step 4. Returns the log."""
+    messages = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("distributed_training")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        for steps, micro in ((2, 3), (3, 3), (4, 6)):
+            with DistributedTrainer(_model(), lambda ps: torch.optim.SGD(ps, lr=LR), checkpoint_dir=directory,
+                                    checkpoint_every=1, progress=False) as trainer:
+                trainer.fit(Indexed(), epochs=EPOCHS, criterion=lambda out, t: F.mse_loss(out, t[:, :-1]),
+                            global_batch_size=B, micro_batch_size=micro, max_steps=steps)
+                messages.append(f"--- accumulation {trainer.gradient_accumulation_steps}")
+    finally:
+        logger.removeHandler(handler)
+        logger.level = level
+    return messages
+
+
+def test_an_identical_resume_reports_no_change_of_the_accumulation(tmp_path):
+    """The checkpoint records the accumulation the global batch resolved to (4), the trainer was built
+    with 1: comparing those said "gradient_accumulation_steps: 4 -> 1" on an unchanged resume."""
+    messages = run_distributed(_resume_identically, 1, args=(str(tmp_path / "c"),), timeout=120)[0]
+    changed = [m for m in messages if "configuration changed" in m]
+    assert len(changed) == 2 and all("gradient_accumulation_steps" not in m for m in changed), changed
+    assert "max_steps: 2 -> 3" in changed[0] and "max_steps: 3 -> 4" in changed[1], changed
+    assert [m for m in messages if m.startswith("---")] == ["--- accumulation 4"] * 2 + ["--- accumulation 2"]
+    # A micro-batch that did change is said where the global batch is: with what the checkpoint trained.
+    assert any("in 2 micro-batch(es) of at most 6 (the checkpoint was trained in 4 micro-batch(es) of at most 3)"
+               in m for m in messages), messages

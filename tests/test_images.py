@@ -167,6 +167,30 @@ def test_decoding_is_counted_in_the_worker_processes(tmp_path):
     assert solo.totals() == (1.0, 0.5)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_input_pipeline_line_says_where_decoding_ran(tmp_path, caplog, workers):
+    """With data.num_workers 0 the images are decoded in the training process: the line says so, with no
+    rate "with the workers" (it once gave one, the same as the process's)."""
+    import logging
+    from types import SimpleNamespace
+
+    from distributed_training.image_job import input_watch
+
+    ds = ImageFolder(_folder(tmp_path / "imgs", per_class=4), EvalTransform(8, 1.0))
+    watch = input_watch(ds, SimpleNamespace(data=SimpleNamespace(num_workers=workers)))
+    assert sum(len(y) for _, y in torch.utils.data.DataLoader(ds, batch_size=3, num_workers=workers)) == 12
+    caplog.set_level(logging.INFO, logger="distributed_training")
+    assert watch.report()["images"] == 12
+    line = next(r.getMessage() for r in caplog.records if "input pipeline" in r.getMessage())
+    if workers:
+        assert "12 images decoded at" in line and "per worker" in line and "with data.num_workers 2);" in line, line
+        assert "bound" in line, line
+    else:
+        assert "12 images decoded in the training process (data.num_workers 0) at" in line, line
+        assert "per worker" not in line and "with the" not in line and "per process" not in line, line
+        assert "of the training time in the training process" in line, line
+
+
 def test_digits_folder_is_written_split_and_readable(tmp_path):
     counts = write_digits_folder(tmp_path / "d", 16, val_fraction=0.2)
     assert counts == {"train": 1438, "val": 359}
@@ -277,7 +301,8 @@ def test_dtrain_zero3_on_two_ranks_trains_from_an_image_folder_with_workers(tmp_
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
     assert "strategy zero3" in log and "world size 2" in log and "finished at step 30" in log, log[-3000:]
-    assert re.search(r"input pipeline: [\d,]+ images decoded .*with the workers", log), log[-2000:]
+    assert re.search(r"input pipeline: [\d,]+ images decoded at [\d,]+/s per worker .*with data.num_workers 1\);",
+                     log), log[-2000:]
     # The held-out 10% (val_fraction) evaluated by dtrain: well below chance's ln(10) = 2.30 after 30 steps.
     val_loss = float(re.search(r"validation loss ([\d.]+)", log).group(1))
     assert val_loss < 1.9, log[-2000:]

@@ -247,12 +247,21 @@ def test_config_sections_and_their_errors_name_the_fields():
         ({"schedule": {"kind": "linear", "min_lr": 1.0}, "training": {"max_steps": 10}}, "schedule.min_lr"),
         ({"schedule": {"milestones": [3]}}, "schedule.milestones"),
         ({"schedule": {"kind": "step", "milestones": [5, 3]}}, "schedule.milestones"),
+        ({"schedule": {"kind": "step"}}, "schedule.kind 'step' needs schedule.milestones"),
         ({"schedule": {"scale_lr_with_batch": True}, "training": {"batch_size": "auto"}}, "schedule.scale_lr_with_batch"),
         ({"schedule": {"bogus": 1}}, "schedule.bogus"),
     ]
     for raw, field in bad:
         with pytest.raises(ConfigError, match=re.escape(field)):
             load_config(raw)
+    # A glob is checked against the model's parameter names, which dtrain has once the model is built.
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))
+    with pytest.raises(ConfigError, match=re.escape("optimizer.exclude_from_weight_decay: 'haed.*' matches no "
+                                                    "parameter of Sequential (its parameters: 0.weight, 0.bias, "
+                                                    "2.weight, 2.bias)")):
+        job_optimizer(load_config({"optimizer": {"exclude_from_weight_decay": ["bias", "haed.*"]}}), model)
+    factory, _ = job_optimizer(load_config({"optimizer": {"exclude_from_weight_decay": ["2.*"]}}), model)
+    assert [len(g["params"]) for g in factory(model.parameters()).param_groups] == [2, 2]
     cfg = load_config({"training": {"batch_size": 32, "gradient_accumulation_steps": 2}, "optimizer": {"lr": 0.1},
                        "schedule": {"scale_lr_with_batch": True, "base_batch_size": 256}})
     assert learning_rate(cfg) == pytest.approx(0.1 * 64 / 256)  # one process: global batch 32 x 2

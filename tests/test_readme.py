@@ -64,6 +64,26 @@ def test_the_readme_has_snippets_and_a_prelude():
     assert any(c.startswith("python -m distributed_training.monitor.plot") for c in COMMANDS)
 
 
+def test_the_readme_configs_of_shipped_examples_are_the_files():
+    """A ```yaml block that follows a mention of an examples/configs/ file is that file, or a verbatim part of
+    it (the user-model block once showed other sections and values than the file it introduced)."""
+    blocks = list(re.finditer(r"`(examples/configs/[\w.]+\.yaml)`[^`]*?:\n\n```yaml\n(.*?)```", README, re.S))
+    assert any(m[1] == "examples/configs/user_model.yaml" for m in blocks)
+    for m in blocks:
+        text = (REPO / m[1]).read_text()
+        assert m[2] in text, f"README's block for {m[1]} is not a verbatim part of it:\n{m[2]}"
+    # And the README's commands over the shipped configs load (a --set included).
+    from distributed_training.config import load_config
+
+    commands = [line for _, body in _blocks("bash") for line in body.splitlines() if "examples/configs/" in line]
+    assert commands
+    for line in commands:
+        words = line.split("#")[0].split()
+        path = next(w for w in words if w.startswith("examples/configs/"))
+        sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+        load_config(str(REPO / path), sets)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_readme_snippet_runs_as_written(tmp_path):

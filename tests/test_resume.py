@@ -23,6 +23,7 @@ from torch.utils.data import TensorDataset
 from distributed_training import FSDP, DDPStrategy, DistributedTrainer
 from distributed_training.checkpoint import CheckpointCorruptError, CheckpointManager
 from distributed_training.config import ConfigError, load_config
+from distributed_training.optim import WarmupSchedule
 from distributed_training.testing import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -282,11 +283,15 @@ _SCHEDULES = {
     "slow": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9),
     "warmup4": _warmup(4),
     "warmup10": _warmup(10),
+    # dtrain's schedules: a plain object, whose fields LambdaLR's state dict holds (`optim.WarmupSchedule`).
+    "cosine4": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, WarmupSchedule("cosine", 4, total_steps=12)),
+    "cosine6": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, WarmupSchedule("cosine", 6, total_steps=12)),
 }
 
 
 @pytest.mark.parametrize("old,new,reported", [("halve", "slow", "gamma: 0.5 -> 0.9"),
-                                              ("warmup4", "warmup10", "learning rate at step 5")])
+                                              ("warmup4", "warmup10", "learning rate at step 5"),
+                                              ("cosine4", "cosine6", "lr schedule warmup_steps: 4 -> 6; learning rate")])
 def test_changed_schedule_applies_after_resume_and_is_reported(tmp_path, old, new, reported):
     unbroken, _ = run_distributed(_schedule_run, 1, args=(str(tmp_path / "a"), [new], 0), timeout=120)[0]
     changed, logged = run_distributed(_schedule_run, 1, args=(str(tmp_path / "b"), [old, new], 5), timeout=120)[0]
@@ -295,6 +300,7 @@ def test_changed_schedule_applies_after_resume_and_is_reported(tmp_path, old, ne
         assert changed[step] == unbroken[step], (step, changed[step], unbroken[step])
     assert changed[5] != unbroken[5]
     assert reported in "\n".join(logged), logged
+    assert not any("lr_lambdas" in m or "{" in m for m in logged), logged  # said in words, not as state dicts
 
 
 def test_unchanged_schedule_resumes_silently_and_exactly(tmp_path):
@@ -407,7 +413,8 @@ def test_dtrain_rerun_of_a_finished_job_trains_nothing_and_no_resume_starts_over
     code, out = _dtrain([str(job)], tmp_path)
     assert code == 0 and "finished at step 4" in out, out[-3000:]
     code, out = _dtrain([str(job)], tmp_path)  # the job is done: nothing to train, success
-    assert code == 0 and "finished at step 4" in out and "| loss" not in out, out[-3000:]
+    assert code == 0 and "the run is already complete at step 4" in out and "| loss" not in out, out[-3000:]
+    assert "finished at step" not in out, out[-3000:]  # nor evaluated again
     code, out = _dtrain([str(job), "--no-resume"], tmp_path)
     assert code == 0 and "step      4 | loss" in out, out[-3000:]
     assert (tmp_path / "ckpt" / "previous_run_1" / "step_000000004").is_dir()
