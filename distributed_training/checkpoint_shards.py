@@ -354,6 +354,18 @@ def unpack_params(layout: StateLayout, index: dict[str, Any], sources: Sources) 
             target.copy_(buffer.view(target.shape))
 
 
+def _same_decay(saved: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:
+    """A saved group's hyperparameters with its weight decay where this optimizer keeps it: in
+    ``segment_weight_decay`` when torch's AdamW / SGD decay flat shards by element
+    (`optim.decay_by_segments`, the optimizer's own ``weight_decay`` then 0), else in ``weight_decay``."""
+    saved = dict(saved)
+    if "segment_weight_decay" in mine and "segment_weight_decay" not in saved:
+        saved["segment_weight_decay"], saved["weight_decay"] = saved["weight_decay"], 0.0
+    elif "segment_weight_decay" in saved and "segment_weight_decay" not in mine:
+        saved["weight_decay"] = saved.pop("segment_weight_decay")
+    return saved
+
+
 def unpack_optimizer(layout: StateLayout, optimizer: torch.optim.Optimizer, index: dict[str, Any],
                      sources: Sources) -> None:
     """Rebuild this rank's optimizer state from the checkpoint and load it (torch casts each state
@@ -383,6 +395,6 @@ def unpack_optimizer(layout: StateLayout, optimizer: torch.optim.Optimizer, inde
             state[position[id(holding.tensor)]] = entry
     current = optimizer.state_dict()["param_groups"]
     saved = index.get("param_groups") or []
-    groups = ([dict(old, params=mine["params"]) for old, mine in zip(saved, current)]
+    groups = ([dict(_same_decay(old, mine), params=mine["params"]) for old, mine in zip(saved, current)]
               if len(saved) == len(current) else current)
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -18,7 +18,9 @@ several layers. Such a shard carries a `ParamSegments` (``shard.segments``): whi
 which layer and the shard group. The optimizers then sum each layer's squares over its slices, all-reduce
 those sums over the shard group (one small all-reduce per shard and norm), and scale each element by its
 own layer's ratio: exactly the unsharded result. Per-layer exclusions travel as the group's ``exclude``
-(layer names), since one shard cannot be split between param groups.
+(layer names), since one shard cannot be split between param groups. torch's AdamW and SGD cannot read
+them: `decay_by_segments` takes their weight decay over (the group's own set to 0) and applies it per
+element before each step, as they would have, to the layers that are not excluded.
 
 Schedules: `WarmupSchedule` (a `LambdaLR` factor: linear warm-up, then cosine, linear, step or constant;
 a plain object, so its settings are part of the scheduler's state dict and of checkpoints) and
@@ -37,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["LARS", "LAMB", "ParamSegments", "WarmupSchedule", "excluded_names", "param_groups", "linear_scaling",
-           "EXCLUSION_RULES"]
+           "EXCLUSION_RULES", "decay_by_segments"]
 
 
 # ---------------------------------------------------------------------------------------- layouts
@@ -318,6 +320,49 @@ def param_groups(params: Iterable[torch.Tensor], names: dict[int, str], exclude:
     if kept:
         groups.append({"params": kept, "weight_decay": 0.0, "layerwise": False, "exclude": tuple(sorted(exclude))})
     return groups
+
+
+def decay_by_segments(optimizer: torch.optim.Optimizer) -> bool:
+    """Make torch's `AdamW` or `SGD` skip the excluded layers of flat shards (``p.segments``) when
+    decaying weights; True if any group needed it.
+
+    Such a group's ``weight_decay`` moves to ``segment_weight_decay`` (the optimizer itself then decays
+    nothing there) and a step pre-hook applies it to the layers not in the group's ``exclude``, exactly
+    as the optimizer would have: AdamW's decoupled ``p *= 1 - lr * wd`` (what its step does first),
+    SGD's ``grad += wd * p`` (what it adds before momentum). The other layers, and the padding, are left
+    alone. Per-parameter groups (DDP) need none of this: `param_groups` gives the exclusions a group."""
+    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    if not decoupled and not isinstance(optimizer, torch.optim.SGD):
+        raise TypeError(f"decay_by_segments takes torch.optim.AdamW or SGD, got {type(optimizer).__name__}")
+    groups = [g for g in optimizer.param_groups if g.get("exclude") and g["weight_decay"]
+              and any(_segments(p) is not None for p in g["params"])]
+    for g in groups:
+        g["segment_weight_decay"], g["weight_decay"] = g["weight_decay"], 0.0
+
+    def decay(opt, args, kwargs) -> None:
+        for g in opt.param_groups:
+            wd = g.get("segment_weight_decay")
+            if not wd:
+                continue
+            exclude = set(g["exclude"])
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                seg = _segments(p)
+                if seg is None:
+                    keep: torch.Tensor | bool = True
+                else:
+                    kept = torch.tensor([not (set(names) & exclude) for names in seg.names] + [False], device=p.device)
+                    keep = kept[seg.index(p.reshape(-1))].reshape(p.shape)
+                with torch.no_grad():
+                    if decoupled:  # the same scalar AdamW multiplies by, cast as it casts it
+                        p.copy_(torch.where(keep, p * (1 - g["lr"] * wd), p))
+                    else:
+                        p.grad.copy_(torch.where(keep, p.grad.add(p, alpha=wd), p.grad))
+
+    if groups:
+        optimizer.register_step_pre_hook(decay)
+    return bool(groups)
 
 
 # ---------------------------------------------------------------------------------- schedules

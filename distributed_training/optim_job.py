@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from .logs import get_logger
-from .optim import EXCLUSION_RULES, LAMB, LARS, WarmupSchedule, excluded_names, linear_scaling, param_groups
+from .optim import (EXCLUSION_RULES, LAMB, LARS, WarmupSchedule, decay_by_segments, excluded_names, linear_scaling,
+                    param_groups)
 
 if TYPE_CHECKING:
     from .config import JobConfig
@@ -55,10 +56,6 @@ def check_optimizer_fields(cfg: "JobConfig") -> None:
         if t.tensor_parallel_size > 1:
             raise ConfigError(f"optimizer.name {o.name!r} with training.tensor_parallel_size > 1 is not supported "
                               "yet: each rank holds a slice of a layer, whose norm needs the other slices")
-    if o.exclude_from_weight_decay and o.name in ("adamw", "sgd") and t.strategy in ("zero2", "zero3", "fsdp", "auto"):
-        raise ConfigError(f"optimizer.exclude_from_weight_decay with training.strategy {t.strategy!r} needs "
-                          f"optimizer.name lars or lamb (torch's {o.name} decays a whole flat shard of several layers); "
-                          "or use strategy ddp / zero1")
     lr = o.lr if o.lr is not None else t.lr
     total = s.total_steps or t.max_steps
     if s.kind in ("cosine", "linear"):
@@ -174,10 +171,12 @@ def job_optimizer(cfg: "JobConfig", model: nn.Module, total_steps: int | None = 
             groups = param_groups(params, names, exclude, wd)
         else:
             groups = [{"params": params, "weight_decay": wd}]
-        if o.name == "adamw":
-            return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.betas), eps=eps, weight_decay=wd)
-        if o.name == "sgd":
-            return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=wd)
+        if o.name in ("adamw", "sgd"):
+            optimizer = (torch.optim.AdamW(groups, lr=lr, betas=tuple(o.betas), eps=eps, weight_decay=wd)
+                         if o.name == "adamw" else
+                         torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=wd))
+            decay_by_segments(optimizer)  # flat shards of several layers (ZeRO-2/3): exclusions per element
+            return optimizer
         if o.name == "lars":
             return LARS(groups, lr=lr, momentum=o.momentum, weight_decay=wd, trust_coefficient=o.trust_coefficient,
                         eps=eps, nesterov=o.nesterov)
