@@ -107,8 +107,10 @@ def _configs(world: int, smoke: bool, big: bool, big_seq: int = BIG_SEQ, only: s
         dp4 = f"xDP{world // 4}" if world > 4 else ""
         configs += [Config(f"7B TP4{dp4} SP", "gpt-7b", 4, True, seq=big_seq),
                     Config(f"7B TP4{dp4} no SP", "gpt-7b", 4, False, seq=big_seq),
-                    # T = 2 holds twice the model state a rank: half the sequence.
-                    Config(f"7B TP2xDP{world // 2} SP", "gpt-7b", 2, True, seq=big_seq // 2)]
+                    # T = 2 holds twice the model state a rank: half the sequence; a quarter without SP
+                    # (each rank then keeps its sequence's whole activations).
+                    Config(f"7B TP2xDP{world // 2} SP", "gpt-7b", 2, True, seq=big_seq // 2),
+                    Config(f"7B TP2xDP{world // 2} no SP", "gpt-7b", 2, False, seq=big_seq // 4)]
     return configs
 
 
@@ -140,8 +142,13 @@ def run(ctx, opts) -> dict:
     cuda = device.type == "cuda"
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / GIB if cuda else 0.0
     big = cuda and gpu_gib >= BIG_MIN_GPU_GIB
-    variants = set((opts.variants or "").split(",")) & {"big", "small"}
+    asked = set((opts.variants or "").split(","))
+    variants = asked & {"big", "small"}
     configs = _configs(world, opts.smoke, big, _big_seq(gpu_gib), only=next(iter(variants), ""))
+    only = {t.partition("=")[2] for t in asked if t.startswith("config=")}
+    if only:  # e.g. config=7B TP4 no SP (the names of the table)
+        configs = [c for c in configs if c.name in only]
+    profile = "profile" in asked  # rank 0's kernels over 2 more steps of each side, after the timed ones
     rounds = opts.rounds or (1 if opts.smoke else 2)
     steps = opts.steps or (2 if opts.smoke else 5)
     warmup = 1 if opts.smoke else 2
@@ -171,7 +178,8 @@ def run(ctx, opts) -> dict:
                 if impl == "torch" and torch_ready:
                     run_ = {"status": "skipped", "reason": torch_ready}
                 else:
-                    run_ = _guarded(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base)
+                    run_ = _guarded(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base,
+                                    profile and r == 0)
                 runs.setdefault((config.name, impl), []).append(run_)
                 if ctx.is_main:
                     print(f"[tensor] W={world} round {r} {config.name:22s} {impl:5s} {_shown(run_)}", flush=True)
@@ -219,16 +227,19 @@ def _summary(runs: list[dict]) -> dict:
     if len(ok) < len(runs):
         return next(r for r in runs if r.get("status") != "ok")
     steps = [r["step_s"] for r in ok]
-    return {"status": "ok", "step_s": statistics.median(steps), "step_s_rounds": steps,
-            "peak_gib": max(r["peak_gib"] for r in ok),
-            "setup_peak_gib": max(r["setup_peak_gib"] for r in ok), "losses": ok[0]["losses"]}
+    out = {"status": "ok", "step_s": statistics.median(steps), "step_s_rounds": steps,
+           "peak_gib": max(r["peak_gib"] for r in ok),
+           "setup_peak_gib": max(r["setup_peak_gib"] for r in ok), "losses": ok[0]["losses"]}
+    if "kernels" in ok[0]:
+        out["kernels"] = ok[0]["kernels"]
+    return out
 
 
-def _guarded(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base) -> dict:
+def _guarded(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base, profile=False) -> dict:
     """One run; an error is recorded (with the same outcome on every rank, so no rank is left waiting)."""
     device = ctx.device
     try:
-        out = _measure(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base)
+        out = _measure(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base, profile)
     except Exception as err:  # noqa: BLE001 - recorded; the other runs go on
         out = {"status": "error", "reason": f"{type(err).__name__}: {str(err)[:400]}"}
     free_memory(device)
@@ -252,7 +263,24 @@ def _batches(cfg, batch, seq, count, dp, d, device):
     return out
 
 
-def _measure(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base) -> dict:
+def _kernels(step, batches, device, top: int = 30) -> dict:
+    """Device time by kernel (self time, ms per step) over `batches`, the `top` largest, and the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for b in batches:
+            step(b)
+        synchronize(device)
+    n = len(batches)
+    rows = [(e.key, e.self_device_time_total / 1e3 / n, e.count // n) for e in prof.key_averages()
+            if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    return {"device_ms_per_step": sum(r[1] for r in rows),
+            "top": [{"kernel": k[:120], "ms_per_step": ms, "calls_per_step": c} for k, ms, c in rows[:top]]}
+
+
+def _measure(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base, profile=False) -> dict:
     device = ctx.device
     free_memory(device)
     stale = allocated(device) - base
@@ -280,9 +308,14 @@ def _measure(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base) ->
     dist.all_reduce(curve)
     curve /= ctx.world_size  # every rank of a replica holds its replica's loss: the mean over replicas
     step_s, held, built = slowest(ctx, [step_s, peak(device) - stale, built])
+    kernels = _kernels(step, batches[:2], device) if profile else None
     close()
-    return {"status": "ok", "step_s": step_s, "peak_gib": held / GIB, "setup_peak_gib": built / GIB,
-            "losses": curve.tolist()}
+    out = {"status": "ok", "step_s": step_s, "peak_gib": held / GIB, "setup_peak_gib": built / GIB,
+           "losses": curve.tolist()}
+    if kernels is not None:
+        out["kernels_rank"] = ctx.rank
+        out["kernels"] = kernels
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- ours
