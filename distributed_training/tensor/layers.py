@@ -164,30 +164,13 @@ class ColumnParallelLinear(_ParallelLinear):
                 + self._repr_tail())
 
 
-class _BiasOnce(torch.autograd.Function):
-    """The bias a rank's partial product carries: the bias itself on the tensor group's first rank,
-    zeros on the others, so that the matmul adds it in its epilogue (no separate pass over the output)
-    and the sum of the partials holds it once. Its gradient is passed through whole on every rank: the
-    bias is replicated, and every rank's optimizer steps it with the full gradient."""
-
-    @staticmethod
-    def forward(ctx, bias: torch.Tensor, owner: bool) -> torch.Tensor:
-        return bias.view_as(bias) if owner else torch.zeros_like(bias)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
 class RowParallelLinear(_ParallelLinear):
     """y = x A^T + b with A's columns (input features) split between the T ranks: the input arrives split
     along its last dim (a column-parallel layer's output), each rank computes a partial product, and
     the partial products are summed (`reduce_from`; under sequence parallelism `reduce_scatter_sequence`,
-    which leaves each rank its part of the sequence). The bias is whole on every rank and counted once:
-    without sequence parallelism the first rank's matmul adds it (`_BiasOnce`: fused, as in the plain
-    layer; a separate add over the whole output cost 1.5% of a 7B step at T = 4); under sequence
-    parallelism it is added after the reduce-scatter, to this rank's part of the sequence, so its
-    gradient is a partial sum, marked with `mark_sequence_parallel`."""
+    which leaves each rank its part of the sequence). The bias is whole on every rank and added once,
+    after the sum; under sequence parallelism its gradient is a partial sum (this rank's part of the
+    sequence), so it is marked with `mark_sequence_parallel`."""
 
     @classmethod
     def from_module(cls, linear: nn.Module, group=None, *, sequence_parallel: bool = False,
@@ -209,12 +192,11 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:  # the plain layer, bias fused as it is there
             return _matmul(x, self.weight, self.bias, self.transposed)
-        if not self.sequence_parallel:
-            bias = _BiasOnce.apply(self.bias, self.rank == 0) if self.bias is not None else None
-            partial = _matmul(x, self.weight, bias, self.transposed)  # this rank's share of the sum
-            return reduce_from(partial, self.group, inplace=True)
-        partial = _matmul(x, self.weight, None, self.transposed)
-        out = reduce_scatter_sequence(partial, self.group, self.sequence_dim)
+        partial = _matmul(x, self.weight, None, self.transposed)  # (..., out): this rank's share of the sum
+        if self.sequence_parallel:
+            out = reduce_scatter_sequence(partial, self.group, self.sequence_dim)
+        else:
+            out = reduce_from(partial, self.group, inplace=True)
         bias = self.bias
         if bias is None:
             return out
