@@ -151,7 +151,7 @@ class ParameterServer:
         worker.step += 1
 
     def close(self) -> None:
-        """(Workers) leave: the servers stop once every worker has closed. No-op on a server."""
+        """(Workers) leave; returns once every worker has closed (the servers then stop). No-op on a server."""
         if self._worker is not None:
             self._worker.close()
 

@@ -8,7 +8,8 @@ never changes a bit). In `async` each gradient is its own update, scaled by ``1 
 
 A pull for step c is answered once ``version >= c - staleness`` (`sync` is staleness 0; `async` never
 waits); until then it waits in a list while the loop serves everyone else. A final pull is answered
-once every worker has finished or left and every pending step is applied.
+once every worker has finished or left and every pending step is applied. A worker's DONE is
+acknowledged once every worker has sent one, which ends the loop.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class ServerStats:
             updates applied before it minus the version its worker had pulled when computing it.
         bytes_in: payload bytes received (values and indices; headers not counted).
         bytes_out: payload bytes sent in replies.
-        pulls_delayed: pulls that had to wait for updates (ssp / sync).
+        pulls_delayed: pulls of a step that had to wait for updates (ssp / sync; final pulls not counted).
     """
 
     updates: int = 0
@@ -83,6 +84,7 @@ class Server:
     # ---------------------------------------------------------------- loop
     def serve(self) -> ServerStats:
         """Serve until every worker has closed; return what this server did."""
+        leaving: list[int] = []
         while len(self.done) < self.num_workers:
             src, kind, worker, step, values, indices = recv_request(self.group)
             if not 0 <= worker < self.num_workers:
@@ -95,14 +97,19 @@ class Server:
                 if kind == Kind.FINAL:
                     self.finished.add(worker)
                 self.waiting.append(_Pull(src, worker, step, self._rows(indices), kind == Kind.FINAL))
-                if not self._allowed(self.waiting[-1]):
+                if kind == Kind.PULL and not self._allowed(self.waiting[-1]):
                     self.stats.pulls_delayed += 1
             else:
                 self.done.add(worker)
+                leaving.append(src)
             self._apply_ready()
             self._answer_waiting()
         if self.pending:
             raise RuntimeError(f"parameter server: every worker left with steps {sorted(self.pending)} incomplete")
+        # Acknowledge the DONEs only now: a worker's close() returns after every worker has closed, so no
+        # message of a later ParameterServer (the same ranks, the same tags) can reach this loop.
+        for src in leaving:
+            self.outbox.reply(src, self.version, torch.empty(0))
         self.outbox.flush()
         self.stats.updates = self.version
         return self.stats

@@ -177,11 +177,16 @@ class Worker:
 
     # ---------------------------------------------------------------- end
     def close(self) -> None:
-        """Tell every server that this worker is done (idempotent)."""
+        """Tell every server that this worker is done, and wait until every worker has (idempotent).
+
+        The wait makes the end a barrier of the whole job: without it, a worker that built a new
+        `ParameterServer` right away could reach a server still serving the old one."""
         if self._closed:
             return
-        works = []
+        works, acks = [], []
         for server in range(self.plan.num_servers):
+            acks.append(torch.empty(REPLY_LEN, dtype=torch.int64))
+            works.append(dist.irecv(acks[-1], src=server, group=self.group, tag=REPLY))
             works += send_request(server, Kind.DONE, self.index, self.step, None, None, self.group)
         for work in works:
             work.wait()
