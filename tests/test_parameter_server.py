@@ -76,17 +76,21 @@ def _max_diff(model, ref, rows=None) -> float:
     return diff
 
 
-def _parity_job(rank, world, num_servers, optimizer, consistency, staleness, sparse):
+def _parity_job(rank, world, num_servers, optimizer, consistency, staleness, sparse=""):
+    """sparse: "" (dense table), "module" (nn.Embedding(sparse=True): sparse gradients) or "named" (a dense
+    nn.Embedding named in ParameterServer(sparse=...): dense gradients, rows still picked)."""
     lr = 0.05 if optimizer == "sgd" else 0.01
     momentum = 0.9 if optimizer == "sgd" and not sparse else 0.0
-    model = _model(sparse)
+    model = _model(sparse == "module")
     ps = ParameterServer(model, optimizer, lr=lr, momentum=momentum, num_servers=num_servers,
-                         consistency=consistency, staleness=staleness)
+                         consistency=consistency, staleness=staleness,
+                         sparse=["emb.weight"] if sparse == "named" else [])
     if ps.role == "server":
         stats = ps.serve()
         return {"role": "server", "staleness": stats.staleness, "plan": ps.plan.bytes_per_server}
     workers, w = ps.num_workers, ps.worker_index
-    ref = _model(sparse=sparse)  # the reference's table is sparse too where the optimizer must be lazy
+    # one dense process, except that lazy Adam's reference is torch's SparseAdam (on a sparse table)
+    ref = _model(sparse=bool(sparse) and optimizer == "adam")
     ref_opts = _reference_optimizer(ref, optimizer, lr, sparse)
     diffs, snapshots, expected = [], [], {"push_values": 0, "push_indices": 0, "pull_values": 0, "pull_indices": 0}
     dense_numel = sum(p.numel() for n, p in model.named_parameters() if n != "emb.weight")
@@ -133,7 +137,7 @@ def _workers(results):
 ])
 def test_sync_equals_one_process(optimizer, num_servers, workers):
     results = run_distributed(_parity_job, num_servers + workers,
-                              args=(num_servers, optimizer, "sync", 0, False), timeout=90)
+                              args=(num_servers, optimizer, "sync", 0), timeout=90)
     for r in _workers(results):
         assert max(r["diffs"]) < 1e-5, r["diffs"]
     for r in results:
@@ -143,8 +147,8 @@ def test_sync_equals_one_process(optimizer, num_servers, workers):
 
 
 def test_ssp_zero_is_sync_bit_for_bit():
-    sync = run_distributed(_parity_job, 4, args=(2, "sgd", "sync", 0, False), timeout=90)
-    ssp = run_distributed(_parity_job, 4, args=(2, "sgd", "ssp", 0, False), timeout=90)
+    sync = run_distributed(_parity_job, 4, args=(2, "sgd", "sync", 0), timeout=90)
+    ssp = run_distributed(_parity_job, 4, args=(2, "sgd", "ssp", 0), timeout=90)
     for a, b in zip(_workers(sync), _workers(ssp)):
         for snap_a, snap_b in zip(a["snapshots"], b["snapshots"]):
             assert all(torch.equal(p, q) for p, q in zip(snap_a, snap_b))
@@ -152,19 +156,20 @@ def test_ssp_zero_is_sync_bit_for_bit():
     assert not torch.equal(_workers(sync)[0]["snapshots"][0][0], _workers(sync)[0]["snapshots"][-1][0])
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_sparse_rows_equal_one_process_and_move_exactly_the_touched_rows(optimizer):
+@pytest.mark.parametrize("optimizer,sparse", [("sgd", "module"), ("adam", "module"), ("sgd", "named")])
+def test_sparse_rows_equal_one_process_and_move_exactly_the_touched_rows(optimizer, sparse):
     # sgd: lazy SGD (no momentum) is dense SGD exactly; adam: lazy Adam is torch's SparseAdam
-    results = run_distributed(_parity_job, 4, args=(2, optimizer, "sync", 0, True), timeout=90)
+    results = run_distributed(_parity_job, 4, args=(2, optimizer, "sync", 0, sparse), timeout=90)
     for r in _workers(results):
         assert max(r["diffs"]) < 1e-5, r["diffs"]
         assert r["traffic"] == r["expected"]
 
 
-def _slow_job(rank, world, consistency, staleness, steps, delay):
+def _slow_job(rank, world, consistency, staleness, steps, delay, own_group=False):
     model = _model()
+    group = torch.distributed.new_group(backend="gloo") if own_group else None  # as in a job whose default is NCCL
     ps = ParameterServer(model, "sgd", lr=0.05, momentum=0.9, num_servers=1, consistency=consistency,
-                         staleness=staleness)
+                         staleness=staleness, group=group)
     if ps.role == "server":
         stats = ps.serve()
         return {"role": "server", "staleness": stats.staleness, "delayed": stats.pulls_delayed}
@@ -195,7 +200,7 @@ def test_ssp_bound_holds_and_fast_worker_runs_ahead():
 
 
 def test_async_completes_and_logs_staleness():
-    results = run_distributed(_slow_job, 3, args=("async", 0, 12, 0.02), timeout=90)
+    results = run_distributed(_slow_job, 3, args=("async", 0, 12, 0.02, True), timeout=90)
     server = results[0]
     assert len(server["staleness"]) == 24  # one update per gradient
     assert [s for _, _, s in server["staleness"]] != [0] * 24  # the slow worker's gradients were stale
@@ -292,3 +297,30 @@ def test_bad_arguments_are_named():
     assert len(errors) == 6
     for word, error in zip(["consistency", "optimizer", "num_servers", "staleness", "staleness", "sparse"], errors):
         assert error.startswith(word), error
+
+
+def _one_tensor_job(rank, world):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    ref = nn.Linear(4, 1, bias=False)
+    ref.load_state_dict(model.state_dict())
+    ps = ParameterServer(model, "sgd", lr=0.1, num_servers=2)  # server 1 holds nothing
+    if ps.role == "server":
+        return ps.serve().updates
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.ones(8, 1)
+    for _ in range(3):
+        ps.pull()
+        F.mse_loss(model(x), y).backward()
+        ps.step()
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(ref(x), y).backward()
+        with torch.no_grad():
+            ref.weight -= 0.1 * ref.weight.grad
+        ref.weight.grad = None
+    ps.pull(final=True)
+    ps.close()
+    return torch.allclose(model.weight, ref.weight, atol=1e-6)
+
+
+def test_a_server_with_no_piece_serves_until_closed():
+    assert run_distributed(_one_tensor_job, 3, timeout=60) == [3, 0, True]
