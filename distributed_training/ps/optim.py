@@ -68,16 +68,18 @@ class ShardOptimizer:
         param = self.values[name]
         update = grad
         if self.momentum:
-            state = self.state.setdefault(name, {"momentum_buffer": torch.zeros_like(param)})
-            buf = state["momentum_buffer"]
+            if name not in self.state:  # (not setdefault: that would allocate a table-sized buffer every step)
+                self.state[name] = {"momentum_buffer": torch.zeros_like(param)}
+            buf = self.state[name]["momentum_buffer"]
             update = buf[rows].mul_(self.momentum).add_(grad)
             buf[rows] = update
         param.index_add_(0, rows, update, alpha=-self.lr)
 
     def _adam_rows(self, name: str, rows: torch.Tensor, grad: torch.Tensor) -> None:
         param = self.values[name]
-        state = self.state.setdefault(name, {"step": 0, "exp_avg": torch.zeros_like(param),
-                                             "exp_avg_sq": torch.zeros_like(param)})
+        if name not in self.state:
+            self.state[name] = {"step": 0, "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+        state = self.state[name]
         state["step"] += 1
         beta1, beta2 = self.betas
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]

@@ -182,8 +182,8 @@ class Server:
     @staticmethod
     def _sum_rows(piece: Piece, pushes: list[dict], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(unique rows, their summed gradient x scale) of a sparse piece over several pushes."""
-        all_rows = torch.arange(piece.rows)
-        rows = torch.cat([all_rows if p["rows"].get(piece.name) is None else p["rows"][piece.name] for p in pushes])
+        rows = torch.cat([torch.arange(piece.rows) if p["rows"].get(piece.name) is None else p["rows"][piece.name]
+                          for p in pushes])
         grads = torch.cat([p["grads"][piece.name] for p in pushes])
         unique, inverse = torch.unique(rows, return_inverse=True)
         total = torch.zeros((unique.numel(), *piece.local_shape[1:]))
