@@ -245,7 +245,7 @@ def _digits_job(rank, world, epochs):
 
 
 def test_digits_ssp_and_async_within_one_point_of_sync():
-    started = time.perf_counter()
+    # about 12 s on two shared cores for the three trainings (no timing assertion: CI runs tests in parallel)
     results = run_distributed(_digits_job, 3, args=(12,), timeout=120)
     assert results[1]["sync"] == results[2]["sync"]  # both workers evaluate the same final parameters
     # The last three epochs' mean: one point is 6 of the 597 test images, about an epoch's wobble.
@@ -255,7 +255,6 @@ def test_digits_ssp_and_async_within_one_point_of_sync():
     assert abs(accuracy["async"] - accuracy["sync"]) <= 0.01, accuracy
     staleness = results[0]
     assert staleness["sync"] == 0 and 1 <= staleness["ssp"] <= 2 and staleness["async"] >= 1, staleness
-    assert time.perf_counter() - started < 30
 
 
 def test_plan_covers_every_element_once_and_balances():
