@@ -1,0 +1,12 @@
+"""A parameter server on torch.distributed point-to-point messages (gloo): sharded servers hold the
+parameters and run the optimizer; workers pull parameters and push gradients, under ``sync``, ``ssp``
+(bounded staleness) or ``async`` consistency, with sparse embedding tables that move only touched rows.
+
+See docs/parameter_server.md for the design.
+"""
+
+from .parameter_server import ParameterServer
+from .server import ServerStats
+from .sharding import Piece, ShardPlan, plan_shards
+
+__all__ = ["ParameterServer", "ServerStats", "Piece", "ShardPlan", "plan_shards"]

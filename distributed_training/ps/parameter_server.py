@@ -1,0 +1,186 @@
+"""`ParameterServer`: one object, built on every rank, that is a server or a worker by rank."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .protocol import gloo_group
+from .server import Server, ServerStats
+from .sharding import ShardPlan, plan_shards
+from .worker import Worker
+
+__all__ = ["ParameterServer"]
+
+CONSISTENCIES = ("sync", "ssp", "async")
+OPTIMIZERS = ("sgd", "adam")
+
+
+class ParameterServer:
+    """Train `model` with its parameters (and optimizer) on `num_servers` server ranks.
+
+    Ranks ``0 .. num_servers - 1`` are servers: they call `serve` and nothing else. The other ranks are
+    workers (worker index ``rank - num_servers``); a worker's loop is::
+
+        for batch in batches:
+            ps.pull(rows={"emb.weight": batch_ids})   # parameters (only these rows of a sparse table)
+            loss = loss_fn(model(batch), ...)
+            loss.backward()
+            ps.step()                                  # push the gradients; next step
+            model.zero_grad()
+        ps.pull(final=True)                            # optional: the final parameters, after everyone
+        ps.close()
+
+    Args:
+        model: the same model (same initial values) on every rank; the servers start from their copy.
+            Parameters that do not require a gradient stay on each rank and are not trained.
+        optimizer: ``"sgd"`` (with `momentum`) or ``"adam"`` (`betas`, `eps`), run by the servers.
+        lr: learning rate.
+        momentum: SGD's momentum.
+        betas, eps: Adam's.
+        num_servers: server ranks (at least one worker must remain).
+        consistency: ``"sync"`` (every step's gradients before the next step: data parallel), ``"ssp"``
+            (a worker runs at most `staleness` steps ahead of the slowest), or ``"async"`` (each gradient
+            applied on arrival, scaled by ``1 / num_workers``).
+        staleness: the bound of ``"ssp"`` (0 is ``"sync"``).
+        sparse: names of `nn.Embedding` weights to treat as sparse tables, besides those built with
+            ``sparse=True``: their pushes and pulls move only the rows a step touches.
+        group: a gloo process group over all ranks (default: the default group when it is gloo, else a
+            new gloo group: building the object is then collective).
+
+    Attributes:
+        plan: the `ShardPlan` (``plan.report()``: bytes per server, max / mean).
+        role: ``"server"`` or ``"worker"``.
+        num_workers: ``world_size - num_servers``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: str = "sgd",
+        *,
+        lr: float,
+        momentum: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        num_servers: int = 1,
+        consistency: str = "sync",
+        staleness: int = 0,
+        sparse: Sequence[str] = (),
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ParameterServer needs an initialised process group (init_process_group)")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        if consistency not in CONSISTENCIES:
+            raise ValueError(f"consistency must be one of {CONSISTENCIES}, got {consistency!r}")
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+            raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
+        if staleness and consistency != "ssp":
+            raise ValueError(f"staleness applies to consistency='ssp' only (consistency={consistency!r})")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr!r}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if momentum and optimizer != "sgd":
+            raise ValueError(f"momentum applies to optimizer='sgd' only (optimizer={optimizer!r})")
+        world = dist.get_world_size()
+        if not isinstance(num_servers, int) or isinstance(num_servers, bool) or not 1 <= num_servers < world:
+            raise ValueError(f"num_servers must be an integer in [1, {world - 1}] (world size {world} needs at "
+                             f"least one worker), got {num_servers!r}")
+        self.model = model
+        self.consistency, self.staleness = consistency, staleness
+        self.num_servers, self.num_workers = num_servers, world - num_servers
+        self.group = group if group is not None else gloo_group()
+        rank = dist.get_rank()
+        self.role = "server" if rank < num_servers else "worker"
+
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        tables, sparse_tables = [], []
+        for module_name, module in model.named_modules():
+            name = f"{module_name}.weight" if module_name else "weight"
+            if isinstance(module, nn.Embedding) and name in params:
+                tables.append(name)
+                if module.sparse or name in sparse:
+                    sparse_tables.append(name)
+        for name in sparse:
+            if name not in tables:
+                raise ValueError(f"sparse: {name!r} is not the weight of an nn.Embedding that is trained "
+                                 f"(tables: {tables})")
+        self.plan: ShardPlan = plan_shards([(n, p.shape) for n, p in params.items()], num_servers,
+                                           tables=tables, sparse=sparse_tables)
+        self._server: Server | None = None
+        self._worker: Worker | None = None
+        if self.role == "server":
+            self._server = Server(self.plan.pieces[rank], params, num_workers=self.num_workers,
+                                  consistency=consistency, staleness=staleness, optimizer=optimizer, lr=lr,
+                                  momentum=momentum, betas=betas, eps=eps, group=self.group)
+        else:
+            self._worker = Worker(params, self.plan, rank - num_servers, self.group)
+
+    # ---------------------------------------------------------------- servers
+    def serve(self) -> ServerStats:
+        """(Server ranks) run the server loop until every worker has closed; return its `ServerStats`."""
+        if self._server is None:
+            raise RuntimeError(f"serve() is for server ranks (0 .. {self.num_servers - 1}); this rank is a worker")
+        return self._server.serve()
+
+    @property
+    def server_values(self) -> dict[str, torch.Tensor]:
+        """(Server ranks) this server's fp32 pieces by parameter name (rows ``start::stride`` of a split table)."""
+        return self._need_server().values
+
+    # ---------------------------------------------------------------- workers
+    def pull(self, rows: dict[str, torch.Tensor] | None = None, *, final: bool = False) -> int:
+        """(Workers) fill the model's parameters; return the oldest server version received.
+        See `Worker.pull`."""
+        return self._need_worker().pull(rows, final=final)
+
+    def push(self) -> None:
+        """(Workers) send the model's gradients for the current step (after backward)."""
+        self._need_worker().push()
+
+    def step(self) -> None:
+        """(Workers) push, then go to the next step."""
+        worker = self._need_worker()
+        worker.push()
+        worker.step += 1
+
+    def close(self) -> None:
+        """(Workers) leave; returns once every worker has closed (the servers then stop). No-op on a server."""
+        if self._worker is not None:
+            self._worker.close()
+
+    @property
+    def worker_index(self) -> int:
+        """(Workers) this worker's index, ``rank - num_servers``."""
+        return self._need_worker().index
+
+    @property
+    def traffic(self) -> dict[str, int]:
+        """(Workers) payload bytes so far: push / pull values and row indices."""
+        return dict(self._need_worker().traffic)
+
+    @property
+    def wait_seconds(self) -> float:
+        """(Workers) seconds spent in pulls so far."""
+        return self._need_worker().wait_seconds
+
+    @property
+    def versions(self) -> list[int]:
+        """(Workers) the version each server answered the last pull with."""
+        return list(self._need_worker().versions)
+
+    def _need_worker(self) -> Worker:
+        if self._worker is None:
+            raise RuntimeError("this is a server rank: pull / push / step are for workers (call serve())")
+        return self._worker
+
+    def _need_server(self) -> Server:
+        if self._server is None:
+            raise RuntimeError("this is a worker rank: server_values is for server ranks")
+        return self._server
