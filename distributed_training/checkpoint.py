@@ -60,22 +60,32 @@ class CheckpointMismatchError(ValueError):
 
 
 # ------------------------------------------------------------------ files
-def atomic_write_bytes(data: bytes, path: str) -> None:
-    """Write `data` to `path` so that `path` is either the old file or the complete new one."""
+@contextlib.contextmanager
+def _atomic_file(path: str):
+    """An unbuffered file object that becomes `path` only when the block ends without an error: written
+    under a temporary name, fsynced, renamed over `path`, the directory fsynced; on an error (or
+    KeyboardInterrupt mid-write) the temporary file is removed and `path` is still the old file."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        with open(tmp, "wb", buffering=0) as raw:
+            yield raw
+            os.fsync(raw.fileno())
         os.replace(tmp, path)
-    except BaseException:  # an error, or KeyboardInterrupt mid-write: leave no half-written file behind
+    except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
     _fsync_dir(directory)
+
+
+def atomic_write_bytes(data: bytes, path: str) -> None:
+    """Write `data` to `path` so that `path` is either the old file or the complete new one."""
+    with _atomic_file(path) as f:
+        view = memoryview(data)
+        while view.nbytes:
+            view = view[f.write(view):]
 
 
 def _fsync_dir(directory: str) -> None:
@@ -135,20 +145,9 @@ def atomic_save(obj: Any, path: str) -> str:
     The file is what ``torch.save`` writes into a file object (it loads with
     ``torch.load(weights_only=True)``); no in-memory copy of it is made, and the GIL is held only
     while the skeleton is pickled (see `_HashingFile`)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb", buffering=0) as raw:
-            out = _HashingFile(raw)
-            torch.save(obj, out)
-            os.fsync(raw.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # an error, or KeyboardInterrupt mid-write: leave no half-written file behind
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    _fsync_dir(directory)
+    with _atomic_file(path) as raw:
+        out = _HashingFile(raw)
+        torch.save(obj, out)
     return out.sha256.hexdigest()
 
 
