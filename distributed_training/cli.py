@@ -234,7 +234,7 @@ def run_job(cfg: JobConfig) -> dict:
                     log_every=cfg.logging.every, drop_last=drop_last, num_workers=cfg.data.num_workers,
                     **job_fit_evaluation(cfg, val_data),
                     on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main else None)
-        watch.report()
+        watch.report(getattr(trainer, "data_wait_s", None))
         if cfg.evaluation.every is not None:
             metrics = job_results(trainer)
         elif len(val):  # once, at the end: the same values `every` would give

@@ -111,7 +111,7 @@ def build_image_job(cfg):
 
 
 class _NoWatch:
-    def report(self) -> dict:
+    def report(self, waited_s: float | None = None) -> dict:
         return {}
 
 
@@ -121,8 +121,9 @@ class _Watch:
 
         self.watch = InputWatch(meter, num_workers)
 
-    def report(self) -> dict:
-        summary = self.watch.summary()
+    def report(self, waited_s: float | None = None) -> dict:
+        """Log and return the rates; `waited_s`: the seconds the training loop waited for batches."""
+        summary = self.watch.summary(waited_s)
         if summary and self.watch.num_workers == 0:  # no workers: the rate of the training process itself
             log.info("dtrain: input pipeline: %s images decoded in the training process (data.num_workers 0) at "
                      "%s/s while decoding; trained at %s images/s: %s", f"{summary['images']:,.0f}",

@@ -292,6 +292,7 @@ class Fitting:
                 log.info("fit: epochs=%d of %d steps end training at step %d, before max_steps=%d (pass more epochs "
                          "to reach it)", epochs, per_epoch, by_epochs, max_steps)
         self.monitor.start(total)
+        self.data_wait_s = 0.0  # seconds this call waited for its next batch (a loader's start included)
         if evaluation is not None:
             evaluation.start()
         while self.epoch < epochs and not done():
@@ -327,6 +328,7 @@ class Fitting:
                 if sharded:  # every replica trained as many samples as this one (the sampler pads)
                     self.samples_in_epoch += batch_size_of(batch) * sampler.num_replicas
                 now = time.perf_counter()
+                self.data_wait_s += fetched - last_end
                 metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - last_end)
                 last_end = now
                 loss_sum = metrics["loss"] if loss_sum is None else loss_sum + metrics["loss"]

@@ -165,6 +165,15 @@ def test_decoding_is_counted_in_the_worker_processes(tmp_path):
     solo = DecodeMeter()
     solo.add(0.5)
     assert solo.totals() == (1.0, 0.5)
+    # Told how long training waited for batches: most of the wall time is input-bound whatever the decode
+    # rate (the workers' start each epoch, on a small dataset); little of it keeps the rate's verdict.
+    import time
+
+    time.sleep(0.05)
+    wall = time.perf_counter() - watch.start
+    waited = watch.summary(waited_s=0.9 * wall)
+    assert waited["verdict"].startswith("input-bound: training waited for batches") and waited["waited_share_of_wall"] > 0.5
+    assert not watch.summary(waited_s=0.0)["verdict"].startswith("input-bound: training waited")
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -219,14 +219,16 @@ class InputWatch:
     decodes at (images / decoding seconds), and what the input pipeline could deliver (that times the
     workers). With workers, training that consumes near that capacity (above 80% of it) waited on the
     input; with ``num_workers=0`` the decoding is part of every step, and its share of the wall time is
-    what workers would take off."""
+    what workers would take off. Given the seconds the training loop waited for its batches (`summary`'s
+    `waited_s`: `fit` counts them), a wait of more than 20% of the wall time is input-bound too: the
+    workers started again each epoch, or too few of them, whatever their decode rate."""
 
     def __init__(self, meter: DecodeMeter, num_workers: int) -> None:
         self.meter, self.num_workers = meter, num_workers
         self.start_images, self.start_seconds = meter.totals()
         self.start = time.perf_counter()
 
-    def summary(self) -> dict[str, float | str]:
+    def summary(self, waited_s: float | None = None) -> dict[str, float | str]:
         images, seconds = self.meter.totals()
         images, seconds = images - self.start_images, seconds - self.start_seconds
         wall = time.perf_counter() - self.start
@@ -238,15 +240,24 @@ class InputWatch:
                                        "decoded_images_per_s_per_process": per_process,
                                        "decode_capacity_images_per_s": per_process * workers,
                                        "decode_share_of_wall": seconds / wall / workers}
+        waited = None if waited_s is None else waited_s / wall
+        if waited is not None:
+            out["waited_share_of_wall"] = waited
         if self.num_workers == 0:
             out["verdict"] = (f"decoding took {100 * seconds / wall:.0f}% of the training time in the training "
                               "process (data.num_workers > 0 moves it to worker processes)")
+        elif waited is not None and waited > 0.2:
+            out["verdict"] = (f"input-bound: training waited for batches {100 * waited:.0f}% of the time, though "
+                              f"{workers} workers decode {per_process * workers:,.0f}/s (the workers start again "
+                              "each epoch: on a small dataset that start is a large part of an epoch)")
         elif images / wall > 0.8 * per_process * workers:
             out["verdict"] = (f"input-bound: training took images at {images / wall:,.0f}/s, {100 * images / wall / (per_process * workers):.0f}% "
                               f"of what {workers} workers decode ({per_process * workers:,.0f}/s): raise data.num_workers")
         else:
             out["verdict"] = (f"compute-bound: training took images at {images / wall:,.0f}/s, {workers} workers "
-                              f"could decode {per_process * workers:,.0f}/s")
+                              f"could decode {per_process * workers:,.0f}/s"
+                              + (f", and it waited for batches {100 * waited:.0f}% of the time" if waited is not None
+                                 else ""))
         return out
 
 
