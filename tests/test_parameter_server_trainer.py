@@ -214,3 +214,66 @@ def test_start_up_errors():
     assert all("gradient_clip_val with strategy 'parameter_server' is not supported" in r for r in results)
     results = run_distributed(_world_job, 2, (1, {"lr_scheduler": _step_lr}), timeout=60)
     assert all("lr_scheduler with strategy 'parameter_server'" in r for r in results)
+
+
+# ------------------------------------------------------------------ dtrain
+def _dtrain_job(rank, world, output):
+    from distributed_training import cli
+    from distributed_training.config import load_config
+
+    cfg = load_config({
+        "model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+        "training": {"strategy": "parameter_server", "num_servers": 1, "epochs": 2, "batch_size": 32,
+                     "lr": 0.05},
+        "optimizer": {"name": "sgd"}, "logging": {"progress": False}, "output": output,
+    })
+    return cli.run_job(cfg)
+
+
+def test_dtrain_parameter_server_on_digits(tmp_path):
+    output = str(tmp_path / "final.pt")
+    results = run_distributed(_dtrain_job, 3, (output,), timeout=240)
+    assert results[0] == {} and results[2] == {}  # worker 0 (rank 1) is the job's main rank
+    metrics = results[1]
+    assert metrics["accuracy"] > 0.8, metrics  # digits: 10 classes
+    state = torch.load(output)
+    assert set(state) == {"0.weight", "0.bias", "3.weight", "3.bias"}
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"num_servers": 2}, "training.num_servers applies to training.strategy parameter_server, not 'ddp'"),
+    ({"strategy": "parameter_server", "staleness": 2}, "training.staleness applies to training.consistency ssp"),
+    ({"strategy": "parameter_server", "consistency": "eventual"}, "training.consistency"),
+    ({"strategy": "parameter_server", "num_servers": 0}, "training.num_servers"),
+    ({"strategy": "parameter_server", "gradient_clip_val": 0.5}, "training.gradient_clip_val with"),
+    ({"strategy": "parameter_server", "weight_decay": 0.1}, "optimizer.weight_decay / training.weight_decay with"),
+    ({"strategy": "parameter_server", "precision": "fp16"}, "training.precision fp16 with"),
+])
+def test_dtrain_config_errors(fields, message):
+    from distributed_training.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        load_config({"model": {"preset": "classifier"}, "data": {"dataset": "digits"}, "training": fields})
+
+
+def test_dtrain_config_parameter_server_fields():
+    from distributed_training.config import ConfigError, load_config
+
+    cfg = load_config({"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+                       "training": {"strategy": "parameter_server", "num_servers": 2, "consistency": "ssp",
+                                    "staleness": 3}})
+    assert (cfg.training.num_servers, cfg.training.consistency, cfg.training.staleness) == (2, "ssp", 3)
+    with pytest.raises(ConfigError, match="schedule.kind cosine with training.strategy parameter_server"):
+        load_config({"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+                     "training": {"strategy": "parameter_server"}, "schedule": {"kind": "cosine"}})
+
+
+def test_dtrain_num_servers_at_least_the_world_is_an_error(monkeypatch):
+    from distributed_training import cli
+    from distributed_training.config import ConfigError, load_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config({"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+                       "training": {"strategy": "parameter_server", "num_servers": 2}})
+    with pytest.raises(ConfigError, match="training.num_servers=2 leaves no worker in a world of 2"):
+        cli.run_job(cfg)
