@@ -494,8 +494,9 @@ class JobConfig(_Section):
         if t.strategy != "parameter_server":
             stray = [f"training.{f}" for f in ("num_servers", "consistency", "staleness") if given(t, f)]
             if stray:
-                raise ConfigError(f"{', '.join(stray)} appl{'ies' if len(stray) == 1 else 'y'} to training.strategy "
-                                  f"parameter_server, not {t.strategy!r}: leave {'it' if len(stray) == 1 else 'them'} out")
+                one = len(stray) == 1
+                raise ConfigError(f"{', '.join(stray)} appl{'ies' if one else 'y'} to training.strategy "
+                                  f"parameter_server, not {t.strategy!r}: leave {'it' if one else 'them'} out")
             return
         if t.staleness and t.consistency != "ssp":
             raise ConfigError(f"training.staleness applies to training.consistency ssp, not {t.consistency!r}")
