@@ -157,18 +157,28 @@ def run_job(cfg: JobConfig) -> dict:
 
         cls = DDPStrategy if strategy == "ddp" else Zero1Strategy
         strategy = cls(bucket_cap_mb=c.bucket_cap_mb, communication=communication)
+    served = {}
+    if strategy == "parameter_server":
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if t.num_servers >= world:
+            raise ConfigError(f"training.num_servers={t.num_servers} leaves no worker in a world of {world}: run more "
+                              f"processes than servers (torchrun --nproc_per_node) or lower training.num_servers")
+        served = {"num_servers": t.num_servers, "consistency": t.consistency, "staleness": t.staleness}
     pipelined = t.pipeline_parallel_size > 1
     if pipelined:
         _check_pipeline_fits(cfg, model)
     from .optim_job import job_optimizer, schedule_steps
 
-    replicas = max(1, int(os.environ.get("WORLD_SIZE", "1")) // (t.pipeline_parallel_size * t.tensor_parallel_size))
+    replicas = max(1, (int(os.environ.get("WORLD_SIZE", "1")) - (t.num_servers if served else 0))
+                   // (t.pipeline_parallel_size * t.tensor_parallel_size))
     optimizer, lr_scheduler = job_optimizer(
         cfg, model, total_steps=schedule_steps(cfg, train, replicas, user_job.is_iterable(train)))
     try:
         trainer = DistributedTrainer(
             model, optimizer, lr_scheduler=lr_scheduler, strategy=strategy,
-            gradient_accumulation_steps=t.gradient_accumulation_steps, gradient_clip_val=t.gradient_clip_val,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            gradient_clip_val=None if served else t.gradient_clip_val,  # (config: not given with the parameter server)
+            **served,
             timeout=t.timeout_s, seed=t.seed, checkpoint_dir=cfg.checkpoint.dir,
             checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last, resume=cfg.checkpoint.resume,
             **job_best_checkpoint(cfg),

@@ -163,8 +163,18 @@ class DataConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    strategy: Literal["ddp", "zero1", "zero2", "zero3", "fsdp", "auto"] = "ddp"
-    """``auto``: the planner picks DDP, ZeRO-2 or ZeRO-3 (+ CPU offload) from memory estimates."""
+    strategy: Literal["ddp", "zero1", "zero2", "zero3", "fsdp", "auto", "parameter_server"] = "ddp"
+    """``auto``: the planner picks DDP, ZeRO-2 or ZeRO-3 (+ CPU offload) from memory estimates;
+    ``parameter_server``: ranks 0 .. num_servers - 1 hold the parameters and run the optimizer, the
+    others train (see docs/parameter_server.md); no clipping there (training.gradient_clip_val's default
+    does not apply, another value is an error)."""
+    num_servers: PositiveInt = 1
+    """strategy parameter_server: server ranks (fewer than the world size: at least one worker)."""
+    consistency: Literal["sync", "ssp", "async"] = "sync"
+    """strategy parameter_server: sync (equal to data parallelism), ssp (a worker at most ``staleness``
+    steps ahead of the slowest) or async (each gradient applied on arrival)."""
+    staleness: Annotated[Int, Field(ge=0)] = 0
+    """strategy parameter_server with consistency ssp: the staleness bound (0: sync)."""
     epochs: Annotated[Int, Field(ge=0)] = 1
     """Passes over the training set; with ``max_steps``, as many more as those steps need."""
     max_steps: Optional[PositiveInt] = None
@@ -435,6 +445,7 @@ class JobConfig(_Section):
                               "dtrain yet: give training.batch_size")
         self._pipeline_agrees()
         self._tensor_agrees()
+        self._parameter_server_agrees()
         from .optim_job import check_optimizer_fields
         from .validation import check_job_evaluation
 
@@ -476,6 +487,37 @@ class JobConfig(_Section):
                 and t.pipeline_balance == "time" and t.pipeline_split_points is None):
             raise ConfigError("training.pipeline_balance 'time' with model.target / data.target is not supported yet: "
                               "balance by parameters or give training.pipeline_split_points")
+
+    def _parameter_server_agrees(self) -> None:
+        """The parameter-server fields, and what strategy parameter_server does not run with (yet)."""
+        t, o, s = self.training, self.optimizer, self.schedule
+        if t.strategy != "parameter_server":
+            stray = [f"training.{f}" for f in ("num_servers", "consistency", "staleness") if given(t, f)]
+            if stray:
+                one = len(stray) == 1
+                raise ConfigError(f"{', '.join(stray)} appl{'ies' if one else 'y'} to training.strategy "
+                                  f"parameter_server, not {t.strategy!r}: leave {'it' if one else 'them'} out")
+            return
+        if t.staleness and t.consistency != "ssp":
+            raise ConfigError(f"training.staleness applies to training.consistency ssp, not {t.consistency!r}")
+        unsupported = [
+            ("training.pipeline_parallel_size", t.pipeline_parallel_size > 1),
+            ("training.tensor_parallel_size", t.tensor_parallel_size > 1),
+            ("training.gradient_clip_val", given(t, "gradient_clip_val") and t.gradient_clip_val is not None),
+            ("training.precision fp16", t.precision == "fp16"),
+            ("checkpoint.dir", self.checkpoint.dir is not None),
+            (f"schedule.kind {s.kind}", s.kind != "constant"),
+            ("schedule.warmup_steps", bool(s.warmup_steps)),
+            (f"optimizer.name {o.name}", o.name not in ("sgd", "adamw")),
+            ("optimizer.nesterov", o.name == "sgd" and o.nesterov),
+            ("optimizer.weight_decay / training.weight_decay",
+             (o.weight_decay if o.weight_decay is not None else t.weight_decay) > 0),
+        ]
+        for name, value in unsupported:
+            if value:
+                raise ConfigError(f"{name} with training.strategy parameter_server is not supported yet (its servers "
+                                  "run SGD with momentum or Adam at a constant learning rate, without clipping, "
+                                  "weight decay or checkpoints)")
 
     def _tensor_agrees(self) -> None:
         """The tensor-parallel fields checked by the trainer's own rules (`TensorOptions`), each error

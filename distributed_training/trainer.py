@@ -69,7 +69,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         optimizer: a `torch.optim.Optimizer` built over `model.parameters()`, or a callable that
             takes parameters and returns one (needed by sharded strategies, which build the
             optimizer over their shards).
-        strategy: ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` / ``"fsdp"``, or a `Strategy`
+        strategy: ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` / ``"fsdp"``, ``"parameter_server"``, or a `Strategy`
             object (e.g. ``DDPStrategy(bucket_cap_mb=50)``, ``FSDPStrategy(mixed_precision=...)``).
             Sharded strategies need `optimizer` as a callable.
         gradient_accumulation_steps: micro-batches per optimizer step. `train_step` splits its batch
@@ -175,6 +175,16 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             (our GPT's).
         sequence_parallel: with tensor parallelism, also split the LayerNorm and dropout regions along
             the sequence (less activation memory; the same numerics).
+        num_servers, consistency, staleness, sparse_embeddings: with ``strategy="parameter_server"``
+            (`strategies.parameter_server.ParameterServerStrategy`, our `distributed_training.ps`): ranks
+            ``0 .. num_servers - 1`` (default 1) hold the parameters and run the optimizer the factory
+            builds (SGD with momentum, Adam, AdamW without weight decay); the other ranks train, the
+            data sharded over them only (`dp_rank` = rank - num_servers). `consistency`: ``"sync"``
+            (default: equal to data parallelism), ``"ssp"`` (a worker at most `staleness` steps ahead of
+            the slowest) or ``"async"``. `fit` on a server serves until the workers are done and returns
+            ``[]``; afterwards every rank holds the final model. `sparse_embeddings`: embedding weights
+            whose pushes carry only the touched rows. Not with checkpoints, an LR scheduler, gradient
+            clipping, fp16 or pipeline / tensor parallelism yet. See docs/parameter_server.md.
         heartbeat_timeout: seconds of heartbeat silence after which a peer rank counts as dead (None:
             no watch). From the first `train_step` on, each rank beats in the rendezvous store from a
             background thread (a long step keeps beating: silence means the process is gone, frozen or
@@ -228,6 +238,10 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         tensor_parallel_plan: dict[str, Any] | None = None,
         sequence_parallel: bool = False,
         heartbeat_timeout: float | None = 5.0,
+        num_servers: int | None = None,
+        consistency: str | None = None,
+        staleness: int | None = None,
+        sparse_embeddings: list[str] | tuple[str, ...] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -257,7 +271,10 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         if context is not None and timeout is not None:
             raise ValueError("timeout= is the collective timeout of the context the trainer creates; with context= "
                              "given, set it there: init_distributed(timeout=...)")
-        check_strategy_argument(strategy, communication)  # before any rendezvous
+        served = {k: v for k, v in (("num_servers", num_servers), ("consistency", consistency),
+                                    ("staleness", staleness), ("sparse_embeddings", sparse_embeddings))
+                  if v is not None}
+        check_strategy_argument(strategy, communication, served)  # before any rendezvous
         pipeline = PipelineOptions(pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points,
                                    pipeline_chunks, init_seed=seed, balance=pipeline_balance,
                                    sample_input=pipeline_sample_input, mixed_precision=mixed_precision)
@@ -283,8 +300,16 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         ctx.set_mesh(pipeline=pipeline.size, tensor=tensor.size)
         strategy, self.plan = make_strategy(strategy, model, world_size=ctx.world_size, local_rank=ctx.local_rank,
                                             local_world_size=ctx.local_world_size, communication=communication,
-                                            memory_budget_bytes=memory_budget_bytes, pipeline=pipeline,
-                                            tensor=tensor)
+                                            memory_budget_bytes=memory_budget_bytes, parameter_server=served,
+                                            pipeline=pipeline, tensor=tensor)
+        strategy.check_trainer_options({"checkpoint_dir": checkpoint_dir, "lr_scheduler": lr_scheduler,
+                                        "gradient_clip_val": gradient_clip_val, "mixed_precision": mixed_precision,
+                                        "compile": compile})
+        self.job_context = ctx  # the whole job (its process group is the one `close` destroys)
+        # The ranks that train together (the parameter server: its workers; its servers have their own).
+        self.context = strategy.setup_context(ctx)
+        if self.context is not ctx:
+            install_default_handler(0 if self.context.is_main else ctx.rank)
         if self.plan is not None:
             log.info("strategy auto -> %s%s (%s)", self.plan.strategy, " with CPU offload" if self.plan.cpu_offload
                      else "", self.plan.reason)
@@ -359,7 +384,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         self.monitor = (Monitor(os.fspath(log_dir), rank=self.context.rank, world_size=self.context.world_size,
                                 group=self.context.group, log_every=log_every,
                                 straggler_threshold=straggler_threshold, progress=progress)
-                        if log_dir is not None else NullMonitor())
+                        if log_dir is not None and strategy.trains else NullMonitor())
         self.config = {
             "strategy": strategy.name,
             "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -538,7 +563,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         self.monitor.close()
         self.strategy.teardown(self.model)
         if self._owns_context:
-            self.context.shutdown(barrier=barrier)
+            self.job_context.shutdown(barrier=barrier)
         if error is not None:
             raise error
 

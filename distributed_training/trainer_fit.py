@@ -138,6 +138,9 @@ class Fitting:
             evaluation = PeriodicEvaluation(eval_dataset, eval_every, 1 if eval_batch_size is None else eval_batch_size,
                                             eval_metrics, criterion, eval_target)
         self.evaluation = evaluation
+        if not self.strategy.trains:  # a parameter server's server: it serves the workers' fit
+            self.strategy.serve(self.model)
+            return []
         self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
         self._fit_global_batch = plan is not None and "pipeline_parallel_size" not in self.config
         resumed_from = self._resume_or_start_fresh()
@@ -167,6 +170,7 @@ class Fitting:
             try:
                 history = self._train_epochs(loader, epochs, criterion, max_steps, log_every, on_step, stop,
                                              evaluation)
+                self.strategy.end_fit(self.model)  # the parameter server: the final parameters, on every rank
             except BaseException:
                 self._abandon_checkpoint_write()  # checkpoint_async: a peer may be gone; never wait on it
                 raise

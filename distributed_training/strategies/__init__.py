@@ -7,8 +7,9 @@ from .fsdp import FSDP, MixedPrecision
 from .join import Join, join
 from .naive import NaiveDDP
 from .fsdp_strategy import FSDPStrategy
+from .parameter_server import ParameterServerStrategy
 from .zero1 import Zero1Strategy
 
 __all__ = [
-    "DDP", "DDPStrategy", "FSDP", "FSDPStrategy", "Join", "MixedPrecision", "NaiveDDP", "Strategy", "Zero1Strategy", "join",
+    "DDP", "DDPStrategy", "FSDP", "FSDPStrategy", "Join", "MixedPrecision", "NaiveDDP", "ParameterServerStrategy", "Strategy", "Zero1Strategy", "join",
 ]

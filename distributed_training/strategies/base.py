@@ -107,6 +107,25 @@ class Strategy(abc.ABC):
     #: under `no_sync`: what running each pipeline stage's data parallelism needs.
     deferred_gradient_sync: bool = False
 
+    #: False on a rank that does not train (a parameter server's server): its `fit` runs `serve`.
+    trains: bool = True
+
+    def check_trainer_options(self, options: dict[str, Any]) -> None:
+        """Raise for a trainer option (by its argument name, e.g. ``checkpoint_dir``) this strategy does
+        not run; called before any rendezvous."""
+
+    def setup_context(self, context: DistributedContext) -> DistributedContext:
+        """The context the trainer runs on from now on: `context` itself, or (the parameter server) one
+        over the ranks that train together. Collective over the job (it may create groups)."""
+        return context
+
+    def serve(self, model: nn.Module) -> Any:
+        """On a rank that does not train (`trains` False): what its `fit` runs instead."""
+        raise NotImplementedError(f"strategy {self.name!r} trains on every rank: nothing to serve")
+
+    def end_fit(self, model: nn.Module) -> None:
+        """At the end of a training rank's `fit`, after its last step and evaluation."""
+
     @abc.abstractmethod
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
         """Wrap `module` (already on `context.device`) for training; return the wrapper."""

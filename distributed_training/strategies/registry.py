@@ -1,4 +1,5 @@
-"""Strategy names (``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"fsdp"``, ``"auto"``) and the
+"""Strategy names (``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"fsdp"``, ``"parameter_server"``,
+``"auto"``) and the
 objects they stand for: the one place the trainer's `strategy=` argument is turned into a `Strategy`.
 
 A new strategy is one file under `strategies/` plus one entry in `STRATEGIES`.
@@ -14,6 +15,7 @@ from ..planner import Plan, choose_strategy, default_budget, model_sizes
 from .base import Strategy
 from .ddp_strategy import DDPStrategy
 from .fsdp_strategy import FSDPStrategy
+from .parameter_server import ParameterServerStrategy
 from .zero1 import Zero1Strategy
 
 if TYPE_CHECKING:
@@ -29,12 +31,23 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "zero2": lambda: FSDPStrategy(reshard_after_forward=False),
     "zero3": FSDPStrategy,
     "fsdp": FSDPStrategy,
+    "parameter_server": ParameterServerStrategy,
 }
 _TAKE_COMMUNICATION = ("ddp", "zero1")  # gradient all-reduce: where a CommunicationOptimizer plugs in
 
 
-def check_strategy_argument(strategy: Any, communication: Any = None) -> None:
-    """Raise for a `strategy` / `communication` pair the trainer cannot use (before any rendezvous)."""
+def check_strategy_argument(strategy: Any, communication: Any = None,
+                            parameter_server: dict[str, Any] | None = None) -> None:
+    """Raise for a `strategy` / `communication` / `parameter_server` options combination the trainer
+    cannot use (before any rendezvous). `parameter_server`: the trainer's ``num_servers``,
+    ``consistency``, ``staleness`` and ``sparse_embeddings`` that were given (not None)."""
+    given = sorted(parameter_server or {})
+    if given and strategy != "parameter_server":
+        where = ("to the Strategy object you pass (ParameterServerStrategy(...))" if isinstance(strategy, Strategy)
+                 else f"with strategy 'parameter_server', not {strategy!r}")
+        raise ValueError(f"{', '.join(given)}= appl{'ies' if len(given) == 1 else 'y'} {where}")
+    if strategy == "parameter_server":
+        ParameterServerStrategy(**(parameter_server or {}))  # the options' errors, before any rendezvous
     if isinstance(strategy, Strategy):
         if communication is not None:
             raise ValueError("communication= goes to the Strategy object you pass (e.g. DDPStrategy(communication=...)), "
@@ -52,6 +65,7 @@ def check_strategy_argument(strategy: Any, communication: Any = None) -> None:
 def make_strategy(strategy: str | Strategy, model: nn.Module, *, world_size: int, local_rank: int = 0,
                   local_world_size: int | None = None, communication: Any = None,
                   memory_budget_bytes: float | None = None,
+                  parameter_server: dict[str, Any] | None = None,
                   pipeline: "PipelineOptions | None" = None,
                   tensor: "TensorOptions | None" = None) -> tuple[Strategy, Plan | None]:
     """The `Strategy` for the trainer's `strategy` argument, and the planner's `Plan` when it was
@@ -59,7 +73,11 @@ def make_strategy(strategy: str | Strategy, model: nn.Module, *, world_size: int
     spelling (``"zero3"`` stays ``"zero3"`` in messages and checkpoints). With a `pipeline` of more
     than one stage, the data-parallel strategy runs inside each stage (`PipelineStrategy`); with
     tensor parallelism, over the parts of the split model (`TensorParallelStrategy`)."""
-    check_strategy_argument(strategy, communication)
+    check_strategy_argument(strategy, communication, parameter_server)
+    served = strategy == "parameter_server" or isinstance(strategy, ParameterServerStrategy)
+    for options, size in ((tensor, "tensor_parallel_size"), (pipeline, "pipeline_parallel_size")):
+        if served and options is not None and options.enabled:
+            raise NotImplementedError(f"strategy 'parameter_server' with {size}={options.size} is not supported")
     if tensor is not None and tensor.enabled:
         from ..tensor.strategy import TensorParallelStrategy  # the tensor package builds on this one
 
@@ -90,6 +108,8 @@ def make_strategy(strategy: str | Strategy, model: nn.Module, *, world_size: int
         name = plan.strategy
         built: Strategy = (DDPStrategy() if name == "ddp" else
                            FSDPStrategy(reshard_after_forward=name == "zero3", cpu_offload=plan.cpu_offload))
+    elif name == "parameter_server":
+        built = ParameterServerStrategy(**(parameter_server or {}))
     else:
         built = STRATEGIES[name](communication=communication) if communication is not None else STRATEGIES[name]()
     built.name = name

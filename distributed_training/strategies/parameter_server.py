@@ -1,0 +1,284 @@
+"""`ParameterServerStrategy`: the trainer over our parameter server (`distributed_training.ps`).
+
+Ranks ``0 .. num_servers - 1`` are servers: they hold the parameters (sharded) and run the optimizer;
+the other ``W = world - num_servers`` ranks are workers. The trainer of a worker sees a context of the
+workers only (rank ``rank - num_servers`` of ``W``, their own process group), so that data sharding,
+the stop agreement, evaluation and the monitor run among the workers and never wait for a server; the
+trainer of a server sees a context of the servers only.
+
+A worker's step: the wrapper's first forward after a push pulls the parameters (`ParameterServer.pull`),
+backward runs locally (accumulation too: gradients add up until the step), and `optimizer_step` pushes
+them (`ParameterServer.step`); the optimizer the user's factory builds on a worker never steps: the
+strategy reads its type and hyperparameters and the servers run that optimizer. `fit` on a server runs
+the server loop (`serve`) until every worker has finished and returns ``[]``; at the end of a worker's
+`fit` (`end_fit`) every worker pulls the final parameters and worker 0 sends them to every server, so
+that every rank ends with the same model (`full_state_dict`, `evaluate` on any rank).
+
+A loop of your own (`train_step` on the workers): call ``trainer.strategy.serve(trainer.model)`` on the
+servers and ``trainer.strategy.finish(trainer.model)`` on every worker after its last step.
+
+Not supported (yet), each refused with an error naming it: checkpoints (`checkpoint_dir`), an LR
+scheduler, gradient clipping, fp16 loss scaling, pipeline / tensor parallelism, weight decay, and
+optimizers other than SGD (momentum, no Nesterov, no dampening) and Adam (AdamW without weight decay).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.collectives import broadcast_coalesced
+from ..mesh import Mesh
+from ..runtime import DistributedContext
+from .base import OptimizerFactory, Strategy
+
+__all__ = ["ParameterServerStrategy", "ParameterServerModel", "server_optimizer"]
+
+CONSISTENCIES = ("sync", "ssp", "async")
+FINAL_TAG = 1010  # worker 0 -> servers: the final parameters (beside the ps protocol's tags 1001 .. 1005)
+
+
+@dataclass
+class _RoleContext(DistributedContext):
+    """A context over the ranks of one role (the workers, or the servers), with `is_main` given:
+    the job's main rank is worker 0 (what it reports is the trained model's)."""
+
+    main: bool = field(default=False, repr=False)
+
+    @property
+    def is_main(self) -> bool:
+        return self.main
+
+
+class ParameterServerModel(nn.Module):
+    """The user's module (``.module``) and, while training, its `ParameterServer` (``.ps``): a forward
+    that follows a push first pulls the parameters."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.ps = None
+        self.stale = True  # the parameters are not the servers' latest that this worker may see
+
+    def forward(self, *args, **kwargs):
+        self.refresh()
+        return self.module(*args, **kwargs)
+
+    def refresh(self) -> None:
+        """(Workers) pull the parameters if a push made them out of date."""
+        if self.ps is not None and self.ps.role == "worker" and self.stale:
+            self.ps.pull()
+            self.stale = False
+
+
+def server_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The `ParameterServer` arguments (``optimizer``, ``lr``, ``momentum``, ``betas``, ``eps``) that
+    run `optimizer` (torch's SGD, Adam, or AdamW without weight decay) on the servers; a clear error
+    for what the servers cannot run."""
+    kind = type(optimizer).__name__
+    if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        raise NotImplementedError(f"strategy 'parameter_server' runs torch.optim.SGD, Adam or AdamW (without weight "
+                                  f"decay) on its servers; the optimizer factory returned {kind}")
+    groups = optimizer.param_groups
+    keys = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+    settings = [{k: g[k] for k in keys if k in g} for g in groups]
+    if any(s != settings[0] for s in settings[1:]):
+        raise NotImplementedError(f"strategy 'parameter_server': the {kind} has {len(groups)} parameter groups with "
+                                  "different settings; the servers run one setting for every parameter")
+    s = {k: (float(v) if torch.is_tensor(v) else v) for k, v in settings[0].items()}
+    unsupported = [f"{k}={s[k]!r}" for k, off in (("weight_decay", 0), ("dampening", 0), ("nesterov", False),
+                                                  ("amsgrad", False), ("maximize", False)) if s.get(k, off) != off]
+    if unsupported:
+        raise NotImplementedError(f"strategy 'parameter_server': {kind}({', '.join(unsupported)}) is not supported by "
+                                  "the servers' optimizer (SGD with momentum, Adam)")
+    if isinstance(optimizer, torch.optim.SGD):
+        return {"optimizer": "sgd", "lr": float(s["lr"]), "momentum": float(s["momentum"])}
+    return {"optimizer": "adam", "lr": float(s["lr"]), "betas": tuple(float(b) for b in s["betas"]),
+            "eps": float(s["eps"])}
+
+
+class ParameterServerStrategy(Strategy):
+    """Parameters and optimizer on `num_servers` server ranks; the other ranks compute gradients.
+
+    Args:
+        num_servers: server ranks (``1 .. world - 1``).
+        consistency: ``"sync"`` (equal to data parallelism), ``"ssp"`` (a worker at most `staleness`
+            steps ahead of the slowest) or ``"async"`` (each gradient applied on arrival).
+        staleness: the bound of ``"ssp"``.
+        sparse_embeddings: names of `nn.Embedding` weights whose pushes carry only the rows a step's
+            gradient touched (a table built with ``sparse=True`` gives sparse gradients; a dense
+            gradient sends the whole table). Pulls move the whole table: the trainer does not know a
+            batch's ids before its forward.
+
+    See the module docstring.
+    """
+
+    name = "parameter_server"
+
+    def __init__(self, num_servers: int = 1, consistency: str = "sync", staleness: int = 0,
+                 sparse_embeddings: Sequence[str] = ()) -> None:
+        if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers < 1:
+            raise ValueError(f"num_servers must be a positive integer, got {num_servers!r}")
+        if consistency not in CONSISTENCIES:
+            raise ValueError(f"consistency must be one of {CONSISTENCIES}, got {consistency!r}")
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+            raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
+        if staleness and consistency != "ssp":
+            raise ValueError(f"staleness applies to consistency='ssp' only (consistency={consistency!r})")
+        if isinstance(sparse_embeddings, str) or not all(isinstance(n, str) for n in sparse_embeddings):
+            raise TypeError(f"sparse_embeddings must be a sequence of parameter names, got {sparse_embeddings!r}")
+        self.num_servers, self.consistency, self.staleness = num_servers, consistency, staleness
+        self.sparse_embeddings = tuple(sparse_embeddings)
+        self.is_server = False
+        self.trains = True
+        self._ps_group = None  # the gloo group of the ps messages (None: the default group is gloo)
+        self._settings: dict[str, Any] | None = None
+        self.last_stats = None  # (servers) the `ServerStats` of the last `serve`
+
+    # ------------------------------------------------------------ setup
+    def check_trainer_options(self, options: dict[str, Any]) -> None:
+        """Refuse the trainer options the parameter server does not run (yet), naming the first."""
+        for name, value, why in (
+                ("checkpoint_dir", options.get("checkpoint_dir") is not None,
+                 "the servers' shards are not checkpointed yet"),
+                ("lr_scheduler", options.get("lr_scheduler") is not None,
+                 "the servers run a constant learning rate (no schedule is sent with the pushes yet)"),
+                ("gradient_clip_val", options.get("gradient_clip_val") is not None,
+                 "the global gradient norm exists only on the servers, after the workers' gradients are averaged"),
+                ("mixed_precision", options.get("mixed_precision") == "fp16",
+                 "fp16's loss scaling would have to be undone before the push (use 'bf16' or fp32)"),
+                ("compile", options.get("compile") not in (None, False), "not tried yet")):
+            if value:
+                raise NotImplementedError(f"{name} with strategy 'parameter_server' is not supported: {why}")
+
+    def setup_context(self, context: DistributedContext) -> DistributedContext:
+        """This rank's role's context: the workers' (rank ``rank - num_servers`` of ``W``) or the
+        servers'. Collective over the job: creates the two role groups (and a gloo group for the
+        messages when the job's backend is not gloo)."""
+        world, rank, s = context.world_size, context.rank, self.num_servers
+        if not s < world:
+            raise ValueError(f"num_servers={s} leaves no worker in a world of {world} rank(s): num_servers must be in "
+                             f"[1, {world - 1}]" if world > 1 else
+                             f"strategy 'parameter_server' needs at least 2 ranks (num_servers={s} servers and a "
+                             f"worker), got a world of {world}")
+        if context.group is not None:
+            raise NotImplementedError("strategy 'parameter_server' runs on the job's default process group "
+                                      "(a context over a sub-group is not supported)")
+        servers = dist.new_group(list(range(s)))
+        workers = dist.new_group(list(range(s, world)))
+        self._ps_group = None if context.backend == "gloo" else dist.new_group(backend="gloo")
+        self.is_server = rank < s
+        self.trains = not self.is_server
+        group, size, role_rank = (servers, s, rank) if self.is_server else (workers, world - s, rank - s)
+        mesh = Mesh(size, group=group, rank=role_rank, ranks_per_node=max(1, min(context.local_world_size, size)))
+        return _RoleContext(rank=role_rank, world_size=size, local_rank=context.local_rank,
+                            local_world_size=context.local_world_size, device=context.device,
+                            backend=context.backend, group=group, mesh=mesh,
+                            main=not self.is_server and role_rank == 0)
+
+    def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
+        # Every rank starts from the job's rank 0's values (the servers' copy is where training starts).
+        with torch.no_grad():
+            broadcast_coalesced(list(module.parameters()) + list(module.buffers()), 0, None)
+        return ParameterServerModel(module)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer | OptimizerFactory,
+                        model: nn.Module) -> torch.optim.Optimizer:
+        """Build the user's optimizer (it never steps: the trainer reads its learning rate) and take
+        its settings for the servers."""
+        built = super().setup_optimizer(optimizer, model)
+        self._settings = server_optimizer(built)
+        return built
+
+    # ------------------------------------------------------------ the parameter server
+    def start(self, model: ParameterServerModel) -> None:
+        """Build the `ParameterServer` from the model's current values, if none is running."""
+        if model.ps is not None:
+            return
+        from ..ps import ParameterServer  # the ps package sits above the strategies
+
+        model.ps = ParameterServer(model.module, **self._settings, num_servers=self.num_servers,
+                                   consistency=self.consistency, staleness=self.staleness,
+                                   sparse=self.sparse_embeddings, group=self._ps_group)
+        model.stale = True
+
+    def serve(self, model: ParameterServerModel):
+        """(Servers) run the server loop until every worker has finished; then take the final
+        parameters from worker 0 into this rank's model. Returns the `ServerStats`."""
+        if not self.is_server:
+            raise RuntimeError("serve() is for the parameter server's server ranks (0 .. num_servers - 1)")
+        self.start(model)
+        stats = model.ps.serve()
+        model.ps = None
+        params = [p for p in model.module.parameters() if p.requires_grad]
+        flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+        dist.recv(flat, src=self.num_servers, group=self._ps_group, tag=FINAL_TAG)
+        _unflatten(flat, params)
+        self.last_stats = stats
+        return stats
+
+    def finish(self, model: ParameterServerModel) -> None:
+        """(Workers, every one) pull the final parameters (after every worker's last push), send them to
+        the servers (worker 0) and leave the parameter server: its servers' `serve` returns."""
+        if self.is_server:
+            raise RuntimeError("finish() is for the parameter server's workers; servers call serve()")
+        ps = model.ps
+        if ps is None:
+            self.start(model)
+            ps = model.ps
+        ps.pull(final=True)
+        works, flat = [], None
+        if ps.worker_index == 0:
+            params = [p for p in model.module.parameters() if p.requires_grad]
+            flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params]) if params else \
+                torch.empty(0)
+            works = [dist.isend(flat, dst=server, group=self._ps_group, tag=FINAL_TAG)
+                     for server in range(self.num_servers)]
+        ps.close()
+        for work in works:
+            work.wait()
+        model.ps, model.stale = None, False
+
+    def end_fit(self, model: ParameterServerModel) -> None:
+        if not self.is_server:
+            self.finish(model)
+
+    # ------------------------------------------------------------ steps
+    def optimizer_step(self, model: ParameterServerModel, optimizer: torch.optim.Optimizer, precision,
+                       max_grad_norm: float | None = None) -> tuple[bool, torch.Tensor | None]:
+        """Push this step's gradients to the servers (the local optimizer never steps)."""
+        if model.ps is None:
+            self.start(model)
+        if model.stale:  # a step without a forward: its parameters were never pulled
+            model.refresh()
+        model.ps.step()
+        model.stale = True
+        return True, None
+
+    def model_state_dict(self, model: ParameterServerModel) -> dict[str, Any]:
+        """The module's state; a worker in the middle of training pulls the latest parameters first."""
+        model.refresh()
+        return model.module.state_dict()
+
+    def evaluate_batch(self, model: ParameterServerModel, batch, criterion, metrics):
+        model.refresh()  # evaluation calls the module itself: the latest parameters first
+        return None
+
+    def state_layout(self, model, optimizer):
+        raise NotImplementedError("checkpoints with strategy 'parameter_server' are not supported yet (checkpoint_dir, "
+                                  "save_checkpoint): the servers' shards and optimizer state are not saved")
+
+    def planner_kind(self) -> str:
+        return "ddp"
+
+
+@torch.no_grad()
+def _unflatten(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+    at = 0
+    for p in params:
+        p.copy_(flat[at : at + p.numel()].view_as(p).to(p.device, p.dtype))
+        at += p.numel()
