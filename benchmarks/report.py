@@ -33,7 +33,7 @@ def render_markdown(results: dict) -> str:
     lines.append("")
     for section in (_collectives, _training, _models, _images, _accuracy, _precision, _topk, _profiling, _monitor, _checkpoint, _memory,
                     _pipeline,
-                    _pipeline_big, _tensor, _imagenet_projection, _model_check):
+                    _pipeline_big, _tensor, _ps, _imagenet_projection, _model_check):
         lines += section(results)
     return "\n".join(lines) + "\n"
 
@@ -466,6 +466,52 @@ def _accuracy(results):
             lines.append(f"| {name} | {w} | {tt} | {r.get('target_step') or '-'} | {epochs} | {speed} | "
                          f"{r['job_s']:.1f} | {acc} |")
     return lines + [""]
+
+
+def _ps(results):
+    """The parameter server against our DDP (recommender), and sync / ssp / async on the digits."""
+    lines = []
+    for w, part in _ok_worlds(results, "ps"):
+        rec = part["recommender"]
+        tables = " + ".join(f"{r:,} x {d}" for r, d in rec["tables"])
+        lines += [f"## Parameter server, world {w}: a recommender ({tables} embedding rows, Zipf "
+                  f"{rec['zipf_alpha']}, MLP {rec['hidden']}) vs our DDP with the tables replicated", "",
+                  f"Global batch {rec['global_batch']}, {rec['steps']} steps, {rec['optimizer']}; the parameter "
+                  f"server's messages on {part['transport']} (CPU-side), models on {part['device']}. Bytes: payload "
+                  "per step per worker (PS: rows and MLP pushed + pulled, indices included; DDP: the gradient "
+                  f"all-reduced). Time to loss: from the end of the first step until the loss EMA reaches "
+                  f"{rec['target_loss']:.4f} ({rec['target_from']}; initial {rec['initial_loss']:.4f}, Bayes "
+                  f"{rec['bayes_loss']:.4f}).", "",
+                  "| variant | servers x workers | bytes/step/worker | vs DDP | step ms | time to loss | steps | "
+                  "server load max/mean | plan max/mean | final loss EMA |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, v in rec["variants"].items():
+            ttl = f"{v['time_to_loss_s']:.2f} s" if v["reached"] else "not reached"
+            load = f"{v['server_max_over_mean']:.2f}" if "server_max_over_mean" in v else "-"
+            plan = f"{v['plan_max_over_mean']:.2f}" if "plan_max_over_mean" in v else "-"
+            lines.append(f"| {name} | {v['servers']} x {v['workers']} | {_size(int(v['bytes_per_step_per_worker']))} | "
+                         f"{v['bytes_vs_ddp']:.3f} | {v['step_ms_median']:.2f} | {ttl} | {v['steps_to_loss'] or '-'} | "
+                         f"{load} | {plan} | {v['final_loss_ema']:.4f} |")
+        cons = part["consistency"]
+        if cons.get("status") != "ok":
+            lines += ["", f"Consistency (digits): {cons.get('status')}: {cons.get('reason', '')}", ""]
+            continue
+        lines += ["", f"Consistency on the digits: {cons['servers']} server, {cons['workers']} workers, worker "
+                  f"{cons['slow_worker']} sleeps {1e3 * cons['delay_s']:.0f} ms a step; {cons['optimizer']}, "
+                  f"batch {cons['batch_per_worker']} per worker, {cons['steps_per_worker']} steps each; time to "
+                  f"validation accuracy {cons['target_accuracy']} as worker 0 sees it (evaluated every "
+                  f"{cons['eval_every']} steps).", "",
+                  "| mode | time to accuracy | worker 0's step | final accuracy | updates | staleness max | mean | "
+                  "pulls delayed | wall s per worker |", "|---|---|---|---|---|---|---|---|---|"]
+        for mode, m in cons["modes"].items():
+            label = f"ssp s={m['staleness_bound']}" if mode == "ssp" else mode
+            tta = f"{m['time_to_accuracy_s']:.2f} s" if m["reached"] else "not reached"
+            final = f"{m['final_accuracy']:.3f}" if m["final_accuracy"] is not None else "-"
+            walls = ", ".join(f"{x:.2f}" for x in m["wall_s_per_worker"])
+            lines.append(f"| {label} | {tta} | {m['steps_to_accuracy'] or '-'} | {final} | {m['updates']} | "
+                         f"{m['max_staleness']} | {m['mean_staleness']:.2f} | {m['pulls_delayed']} | {walls} |")
+        lines.append("")
+    return lines
 
 
 def _imagenet_projection(results):
