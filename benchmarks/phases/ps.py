@@ -55,7 +55,7 @@ SIZES = {
     # rows x dim of each table, MLP widths, global batch, step budget, warm-up steps (not in the step time),
     # SGD learning rate; digits: steps per worker at most, the slow worker's sleep, evaluation period
     "smoke": {"tables": [(4000, 16), (2000, 16), (1000, 16)], "hidden": (64, 32), "batch": 240, "steps": 60,
-              "warmup": 3, "lr": 0.01, "digits_steps": 120, "delay_s": 0.002, "eval_every": 5},
+              "warmup": 3, "lr": 0.01, "digits_steps": 150, "delay_s": 0.002, "eval_every": 5},
     "gpu": {"tables": [(1_000_000, 32), (500_000, 32), (100_000, 32)], "hidden": (256, 128), "batch": 4096,
             "steps": 200, "warmup": 5, "lr": 0.01, "digits_steps": 300, "delay_s": 0.005, "eval_every": 5},
 }
