@@ -496,15 +496,18 @@ def _ps(results):
         if cons.get("status") != "ok":
             lines += ["", f"Consistency (digits): {cons.get('status')}: {cons.get('reason', '')}", ""]
             continue
-        lines += ["", f"Consistency on the digits: {cons['servers']} server, {cons['workers']} workers, worker "
-                  f"{cons['slow_worker']} sleeps {1e3 * cons['delay_s']:.0f} ms a step; {cons['optimizer']}, "
-                  f"batch {cons['batch_per_worker']} per worker, {cons['steps_per_worker']} steps each; time to "
-                  f"validation accuracy {cons['target_accuracy']} as worker 0 sees it (evaluated every "
-                  f"{cons['eval_every']} steps).", "",
-                  "| mode | time to accuracy | worker 0's step | final accuracy | updates | staleness max | mean | "
-                  "pulls delayed | wall s per worker |", "|---|---|---|---|---|---|---|---|---|"]
-        for mode, m in cons["modes"].items():
-            label = f"ssp s={m['staleness_bound']}" if mode == "ssp" else mode
+        lines += ["", f"Consistency on the digits: {cons['servers']} server, {cons['workers']} workers; "
+                  f"{cons['optimizer']}, batch {cons['batch_per_worker']} per worker, {cons['steps_per_worker']} "
+                  f"steps each; time to validation accuracy {cons['target_accuracy']} as worker 0 sees it "
+                  f"(evaluated every {cons['eval_every']} steps). A slow step sleeps {1e3 * cons['delay_s']:.0f} ms: "
+                  f"one slow = worker {cons['slow_worker']} in every step; rotating = worker k mod "
+                  f"{cons['workers']} in step k.", "",
+                  "| stragglers | mode | time to accuracy | worker 0's step | final accuracy | updates | staleness max | "
+                  "mean | pulls delayed | wall s per worker |", "|---|---|---|---|---|---|---|---|---|---|"]
+        rows = [("one slow", mode, m) for mode, m in cons["modes"].items()]
+        rows += [("rotating", mode, m) for mode, m in cons.get("rotating", {}).items()]
+        for pattern, mode, m in rows:
+            label = f"{pattern} | " + (f"ssp s={m['staleness_bound']}" if mode == "ssp" else mode)
             tta = f"{m['time_to_accuracy_s']:.2f} s" if m["reached"] else "not reached"
             final = f"{m['final_accuracy']:.3f}" if m["final_accuracy"] is not None else "-"
             walls = ", ".join(f"{x:.2f}" for x in m["wall_s_per_worker"])

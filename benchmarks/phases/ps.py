@@ -24,9 +24,16 @@ recommender   a click-through model: a few large embedding tables (rows of a pow
               the steps it took. The target is the same for all: the highest of the variants' EMAs at
               70% of the budget (``--variants ps_target=X`` sets it), so that every variant reaches it.
 consistency   sync vs ssp (s = 2) vs async on the digits classifier (an MLP, plain SGD), one
-              server, W - 1 workers (world >= 3), the last worker slow (it sleeps in every step):
-              time-to-accuracy (validation accuracy >= 0.9, evaluated by worker 0 every few steps) and
-              the staleness the server measured (max, mean; ssp's never exceeds 2).
+              server, W - 1 workers (world >= 3): time-to-accuracy (validation accuracy >= 0.9, evaluated
+              by worker 0 every few steps) and the staleness the server measured (max, mean; ssp's never
+              exceeds 2), under two straggler patterns:
+                modes      the last worker slow: it sleeps in every step (the issue's case). Updates are
+                           whole steps (every worker's step-k gradient), so ssp cannot outrun the slow
+                           worker here: it only hides the round trip; async applies the fast workers'
+                           gradients without waiting
+                rotating   a transient straggler: step k's sleeper is worker k mod W, so sync pays the
+                           sleep every step while ssp lets each worker absorb its own within the bound
+                           (the case SSP exists for)
 
 ``--steps N`` sets the recommender's step budget; ``--variants ps_target=X`` its target loss.
 """
@@ -57,7 +64,7 @@ SIZES = {
     "smoke": {"tables": [(4000, 16), (2000, 16), (1000, 16)], "hidden": (64, 32), "batch": 240, "steps": 60,
               "warmup": 3, "lr": 0.01, "digits_steps": 150, "delay_s": 0.002, "eval_every": 5},
     "gpu": {"tables": [(1_000_000, 32), (500_000, 32), (100_000, 32)], "hidden": (256, 128), "batch": 4096,
-            "steps": 200, "warmup": 5, "lr": 0.01, "digits_steps": 300, "delay_s": 0.005, "eval_every": 5},
+            "steps": 200, "warmup": 5, "lr": 0.01, "digits_steps": 200, "delay_s": 0.01, "eval_every": 5},
 }
 
 
@@ -265,72 +272,89 @@ def recommender(ctx, o: dict, group) -> dict:
 
 
 # ------------------------------------------------------------------------------------- consistency
+PATTERNS = {
+    # which worker sleeps in a step: the issue's case (the last worker always), and a transient straggler
+    # (step k's is worker k mod W: each worker is slow one step in W, someone every step)
+    "one_slow": lambda w, step, workers: w == workers - 1,
+    "rotating": lambda w, step, workers: step % workers == w,
+}
+
+
+def _digits_run(ctx, o: dict, group, data, mode: str, staleness: int, pattern: str) -> dict:
+    """One training of the digits MLP through the parameter server; every rank returns the same figures."""
+    from distributed_training.ps import ParameterServer
+
+    train_x, train_y, val_x, val_y = data
+    batch, slow = 32, PATTERNS[pattern]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to(ctx.device)
+    ctx.barrier()
+    ps = ParameterServer(model, "sgd", lr=DIGITS_LR, num_servers=1, consistency=mode, staleness=staleness,
+                         group=group)
+    if ps.role == "server":
+        stats = ps.serve()
+        stale = [s for _, _, s in stats.staleness]
+        mine = {"role": "server", "updates": stats.updates, "max_staleness": stats.max_staleness,
+                "mean_staleness": statistics.mean(stale) if stale else 0.0, "pulls_delayed": stats.pulls_delayed}
+    else:
+        w, workers = ps.worker_index, ps.num_workers
+        shard = torch.arange(w, len(train_y), workers, device=ctx.device)
+        g = torch.Generator().manual_seed(100 + w)
+        evals, t0 = [], time.perf_counter()
+        for step in range(o["digits_steps"]):
+            idx = shard[torch.randint(0, len(shard), (batch,), generator=g).to(ctx.device)]
+            ps.pull()
+            F.cross_entropy(model(train_x[idx]), train_y[idx]).backward()
+            if slow(w, step, workers):
+                time.sleep(o["delay_s"])
+            ps.step()
+            model.zero_grad(set_to_none=True)
+            if w == 0 and (step + 1) % o["eval_every"] == 0:
+                with torch.no_grad():
+                    acc = (model(val_x).argmax(1) == val_y).float().mean().item()
+                evals.append((step + 1, time.perf_counter() - t0, acc))
+        mine = {"role": "worker", "worker": w, "wall_s": time.perf_counter() - t0, "evals": evals,
+                "wait_s": ps.wait_seconds}
+        ps.close()
+    ranks = _gather(mine, group)
+    server = ranks[0]
+    workers_ = sorted((r for r in ranks if r["role"] == "worker"), key=lambda r: r["worker"])
+    evals = workers_[0]["evals"]
+    hit = next((e for e in evals if e[2] >= ACCURACY_TARGET), None)
+    out = {"staleness_bound": staleness if mode == "ssp" else None, "reached": hit is not None,
+           "steps_to_accuracy": None if hit is None else hit[0],
+           "time_to_accuracy_s": None if hit is None else hit[1],
+           "final_accuracy": evals[-1][2] if evals else None, "evals": evals,
+           "wall_s_per_worker": [r["wall_s"] for r in workers_],
+           "pull_wait_s_per_worker": [r["wait_s"] for r in workers_],
+           **{k: server[k] for k in ("updates", "max_staleness", "mean_staleness", "pulls_delayed")}}
+    if ctx.is_main:
+        print(f"== ps: digits {pattern} {mode} at world {ctx.world_size}: "
+              + (f"accuracy {ACCURACY_TARGET} after {out['time_to_accuracy_s']:.2f} s (step {out['steps_to_accuracy']})"
+                 if out["reached"] else f"accuracy {ACCURACY_TARGET} not reached (final {out['final_accuracy']})")
+              + f"; max staleness {out['max_staleness']}; workers' wall s "
+              + ", ".join(f"{x:.2f}" for x in out["wall_s_per_worker"]), flush=True)
+    return out
+
+
 def consistency(ctx, o: dict, group) -> dict:
-    """sync / ssp / async on the digits, one server, the last worker slow."""
+    """sync / ssp / async on the digits, one server, W - 1 workers, under each straggler pattern."""
     if ctx.world_size < 3:
         return skipped("needs world >= 3: one server and at least two workers (one of them slow)")
     from distributed_training.datasets import digits
-    from distributed_training.ps import ParameterServer
 
     x, y = digits().tensors
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     x, y = x[perm].to(ctx.device), y[perm].to(ctx.device)
-    train_x, train_y, val_x, val_y = x[:1200], y[:1200], x[1200:], y[1200:]
-    batch, modes = 32, {}
-    for mode, staleness in (("sync", 0), ("ssp", SSP_STALENESS), ("async", 0)):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to(ctx.device)
-        ctx.barrier()
-        ps = ParameterServer(model, "sgd", lr=DIGITS_LR, num_servers=1, consistency=mode,
-                             staleness=staleness, group=group)
-        if ps.role == "server":
-            stats = ps.serve()
-            stale = [s for _, _, s in stats.staleness]
-            mine = {"role": "server", "updates": stats.updates, "max_staleness": stats.max_staleness,
-                    "mean_staleness": statistics.mean(stale) if stale else 0.0, "pulls_delayed": stats.pulls_delayed}
-        else:
-            w, workers = ps.worker_index, ps.num_workers
-            slow = w == workers - 1
-            shard = torch.arange(w, len(train_y), workers, device=ctx.device)
-            g = torch.Generator().manual_seed(100 + w)
-            evals, t0 = [], time.perf_counter()
-            for step in range(o["digits_steps"]):
-                idx = shard[torch.randint(0, len(shard), (batch,), generator=g).to(ctx.device)]
-                ps.pull()
-                F.cross_entropy(model(train_x[idx]), train_y[idx]).backward()
-                if slow:
-                    time.sleep(o["delay_s"])
-                ps.step()
-                model.zero_grad(set_to_none=True)
-                if w == 0 and (step + 1) % o["eval_every"] == 0:
-                    with torch.no_grad():
-                        acc = (model(val_x).argmax(1) == val_y).float().mean().item()
-                    evals.append((step + 1, time.perf_counter() - t0, acc))
-            mine = {"role": "worker", "worker": w, "wall_s": time.perf_counter() - t0, "evals": evals,
-                    "wait_s": ps.wait_seconds}
-            ps.close()
-        ranks = _gather(mine, group)
-        server = ranks[0]
-        workers_ = sorted((r for r in ranks if r["role"] == "worker"), key=lambda r: r["worker"])
-        evals = workers_[0]["evals"]
-        hit = next((e for e in evals if e[2] >= ACCURACY_TARGET), None)
-        modes[mode] = {"staleness_bound": staleness if mode == "ssp" else None, "reached": hit is not None,
-                       "steps_to_accuracy": None if hit is None else hit[0],
-                       "time_to_accuracy_s": None if hit is None else hit[1],
-                       "final_accuracy": evals[-1][2] if evals else None, "evals": evals,
-                       "wall_s_per_worker": [r["wall_s"] for r in workers_],
-                       "pull_wait_s_per_worker": [r["wait_s"] for r in workers_],
-                       **{k: server[k] for k in ("updates", "max_staleness", "mean_staleness", "pulls_delayed")}}
-        if ctx.is_main:
-            m = modes[mode]
-            print(f"== ps: digits {mode} at world {ctx.world_size}: "
-                  + (f"accuracy {ACCURACY_TARGET} after {m['time_to_accuracy_s']:.2f} s (step {m['steps_to_accuracy']})"
-                     if m["reached"] else f"accuracy {ACCURACY_TARGET} not reached (final {m['final_accuracy']})")
-                  + f"; max staleness {m['max_staleness']}", flush=True)
+    data = (x[:1200], y[:1200], x[1200:], y[1200:])
+    patterns = {}
+    for pattern in PATTERNS:
+        patterns[pattern] = {mode: _digits_run(ctx, o, group, data, mode, staleness, pattern)
+                             for mode, staleness in (("sync", 0), ("ssp", SSP_STALENESS), ("async", 0))}
     return {"status": "ok", "servers": 1, "workers": ctx.world_size - 1, "slow_worker": ctx.world_size - 2,
-            "delay_s": o["delay_s"], "steps_per_worker": o["digits_steps"], "batch_per_worker": batch,
+            "delay_s": o["delay_s"], "steps_per_worker": o["digits_steps"], "batch_per_worker": 32,
             "target_accuracy": ACCURACY_TARGET, "eval_every": o["eval_every"], "optimizer": f"sgd lr {DIGITS_LR}",
-            "modes": modes}
+            "modes": patterns["one_slow"], "rotating": patterns["rotating"]}
 
 
 def run(ctx, opts) -> dict:
