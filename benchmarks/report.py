@@ -468,6 +468,10 @@ def _accuracy(results):
     return lines + [""]
 
 
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
+
+
 def _ps(results):
     """The parameter server against our DDP (recommender), and sync / ssp / async on the digits."""
     lines = []
@@ -489,7 +493,7 @@ def _ps(results):
             ttl = f"{v['time_to_loss_s']:.2f} s" if v["reached"] else "not reached"
             load = f"{v['server_max_over_mean']:.2f}" if "server_max_over_mean" in v else "-"
             plan = f"{v['plan_max_over_mean']:.2f}" if "plan_max_over_mean" in v else "-"
-            lines.append(f"| {name} | {v['servers']} x {v['workers']} | {_size(int(v['bytes_per_step_per_worker']))} | "
+            lines.append(f"| {name} | {v['servers']} x {v['workers']} | {_mib(v['bytes_per_step_per_worker'])} | "
                          f"{v['bytes_vs_ddp']:.3f} | {v['step_ms_median']:.2f} | {ttl} | {v['steps_to_loss'] or '-'} | "
                          f"{load} | {plan} | {v['final_loss_ema']:.4f} |")
         cons = part["consistency"]

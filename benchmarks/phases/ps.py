@@ -31,11 +31,14 @@ consistency   sync vs ssp (s = 2) vs async on the digits classifier (an MLP, pla
                            whole steps (every worker's step-k gradient), so ssp cannot outrun the slow
                            worker here: it only hides the round trip; async applies the fast workers'
                            gradients without waiting
-                rotating   a transient straggler: step k's sleeper is worker k mod W, so sync pays the
+                rotating   a transient straggler: step k's sleeper is worker k mod (W - 1), so sync pays the
                            sleep every step while ssp lets each worker absorb its own within the bound
                            (the case SSP exists for)
 
-``--steps N`` sets the recommender's step budget; ``--variants ps_target=X`` its target loss.
+``--steps N`` sets the recommender's step budget; ``--variants ps_target=X`` its target loss;
+``--variants ps_sizes=gpu`` the GPU run's sizes in a --smoke (CPU) run (``smoke`` the reverse): the
+large tables on CPU processes, where DDP's all-reduce of them travels on gloo too, e.g.
+``suite.py --smoke --phases ps --worlds 3 --variants ps_sizes=gpu --steps 20`` (about a minute on 2 cores).
 """
 
 from __future__ import annotations
@@ -115,14 +118,18 @@ def click_data(tables: list[tuple[int, int]], batch: int, steps: int, seed: int 
 
 
 def _options(opts) -> dict:
-    o = dict(SIZES["smoke" if opts.smoke else "gpu"])
-    o["target"] = None
-    if opts.steps:
-        o["steps"] = int(opts.steps)
+    sizes, target = "smoke" if opts.smoke else "gpu", None
     for token in (opts.variants or "").split(","):
         key, eq, value = token.partition("=")
         if eq and key == "ps_target":
-            o["target"] = float(value)
+            target = float(value)
+        elif eq and key == "ps_sizes":
+            if value not in SIZES:
+                raise ValueError(f"ps: --variants ps_sizes={value!r} is not one of {', '.join(SIZES)}")
+            sizes = value
+    o = {**SIZES[sizes], "sizes": sizes, "target": target}
+    if opts.steps:
+        o["steps"] = int(opts.steps)
     if o["steps"] < o["warmup"] + 2:
         raise ValueError(f"ps: --steps must be at least {o['warmup'] + 2} (the warm-up and two timed steps), "
                          f"got {o['steps']}")
@@ -262,8 +269,8 @@ def recommender(ctx, o: dict, group) -> dict:
                  bytes_vs_ddp=v["bytes_per_step_per_worker"] / ddp["gradient_bytes_per_step"],
                  max_loss_diff_vs_ddp=max(abs(a - b) for a, b in zip(v["loss_mean"], ddp["loss_mean"])),
                  max_loss_diff_vs_ps_s1=max(abs(a - b) for a, b in zip(v["loss_mean"], ps1["loss_mean"])))
-        del v["elapsed"]
-    return {"tables": [list(t) for t in o["tables"]], "hidden": list(o["hidden"]), "zipf_alpha": ZIPF_ALPHA,
+    return {"sizes": o["sizes"], "tables": [list(t) for t in o["tables"]], "hidden": list(o["hidden"]),
+            "zipf_alpha": ZIPF_ALPHA,
             "global_batch": batch, "steps": o["steps"], "warmup": o["warmup"], "lr": o["lr"], "data_s": data_s,
             "bayes_loss": bayes, "initial_loss": ddp["loss_mean"][0], "target_loss": target,
             "target_from": "given" if o["target"] is not None else f"the highest loss EMA at step {at + 1}",
