@@ -646,6 +646,16 @@ def plots(results: dict, folder: Path) -> list[str]:
             ax.plot([r["bytes"] for r in rows], [r["busbw_gbs"] for r in rows], marker="o", label=op)
         save(fig, ax, f"collectives_world{w}.png", xlabel="message bytes", ylabel="bus bandwidth (GB/s)",
              title=f"Collectives, {w} ranks, {card}", log2x=True)
+    for w, part in _ok_worlds(results, "ps"):  # loss against wall time: what time-to-loss reads off
+        rec = part["recommender"]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, v in rec["variants"].items():
+            if "elapsed" in v:
+                ax.plot(v["elapsed"], v["loss_ema"], label=name)
+        ax.axhline(rec["target_loss"], color="gray", linestyle="--", linewidth=0.8, label="target")
+        ax.set_xscale("log")
+        save(fig, ax, f"ps_loss_world{w}.png", xlabel="seconds since the first step (log)", ylabel="training loss EMA",
+             title=f"Parameter server vs DDP, world {w}, {card}")
     mc = results["phases"].get("model_check", {})
     this = mc.get("this_run", {}) if mc.get("status") == "ok" else {}
     for name, rows in this.get("projections", {}).get("models", {}).items():
