@@ -33,7 +33,7 @@ def render_markdown(results: dict) -> str:
     lines.append("")
     for section in (_collectives, _training, _models, _images, _accuracy, _precision, _topk, _profiling, _monitor, _checkpoint, _memory,
                     _pipeline,
-                    _pipeline_big, _tensor, _imagenet_projection, _model_check):
+                    _pipeline_big, _tensor, _ps, _imagenet_projection, _model_check):
         lines += section(results)
     return "\n".join(lines) + "\n"
 
@@ -468,6 +468,59 @@ def _accuracy(results):
     return lines + [""]
 
 
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
+
+
+def _ps(results):
+    """The parameter server against our DDP (recommender), and sync / ssp / async on the digits."""
+    lines = []
+    for w, part in _ok_worlds(results, "ps"):
+        rec = part["recommender"]
+        tables = " + ".join(f"{r:,} x {d}" for r, d in rec["tables"])
+        lines += [f"## Parameter server, world {w}: a recommender ({tables} embedding rows, Zipf "
+                  f"{rec['zipf_alpha']}, MLP {rec['hidden']}) vs our DDP with the tables replicated", "",
+                  f"Global batch {rec['global_batch']}, {rec['steps']} steps, {rec['optimizer']}; the parameter "
+                  f"server's messages on {part['transport']} (CPU-side), models on {part['device']}. Bytes: payload "
+                  "per step per worker (PS: rows and MLP pushed + pulled, indices included; DDP: the gradient "
+                  f"all-reduced). Time to loss: from the end of the first step until the loss EMA reaches "
+                  f"{rec['target_loss']:.4f} ({rec['target_from']}; initial {rec['initial_loss']:.4f}, Bayes "
+                  f"{rec['bayes_loss']:.4f}).", "",
+                  "| variant | servers x workers | bytes/step/worker | vs DDP | step ms | time to loss | steps | "
+                  "server load max/mean | plan max/mean | final loss EMA |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, v in rec["variants"].items():
+            ttl = f"{v['time_to_loss_s']:.2f} s" if v["reached"] else "not reached"
+            load = f"{v['server_max_over_mean']:.2f}" if "server_max_over_mean" in v else "-"
+            plan = f"{v['plan_max_over_mean']:.2f}" if "plan_max_over_mean" in v else "-"
+            lines.append(f"| {name} | {v['servers']} x {v['workers']} | {_mib(v['bytes_per_step_per_worker'])} | "
+                         f"{v['bytes_vs_ddp']:.3f} | {v['step_ms_median']:.2f} | {ttl} | {v['steps_to_loss'] or '-'} | "
+                         f"{load} | {plan} | {v['final_loss_ema']:.4f} |")
+        cons = part["consistency"]
+        if cons.get("status") != "ok":
+            lines += ["", f"Consistency (digits): {cons.get('status')}: {cons.get('reason', '')}", ""]
+            continue
+        lines += ["", f"Consistency on the digits: {cons['servers']} server, {cons['workers']} workers; "
+                  f"{cons['optimizer']}, batch {cons['batch_per_worker']} per worker, {cons['steps_per_worker']} "
+                  f"steps each; time to validation accuracy {cons['target_accuracy']} as worker 0 sees it "
+                  f"(evaluated every {cons['eval_every']} steps). A slow step sleeps {1e3 * cons['delay_s']:.0f} ms: "
+                  f"one slow = worker {cons['slow_worker']} in every step; rotating = worker k mod "
+                  f"{cons['workers']} in step k.", "",
+                  "| stragglers | mode | time to accuracy | worker 0's step | final accuracy | updates | staleness max | "
+                  "mean | pulls delayed | wall s per worker |", "|---|---|---|---|---|---|---|---|---|---|"]
+        rows = [("one slow", mode, m) for mode, m in cons["modes"].items()]
+        rows += [("rotating", mode, m) for mode, m in cons.get("rotating", {}).items()]
+        for pattern, mode, m in rows:
+            label = f"{pattern} | " + (f"ssp s={m['staleness_bound']}" if mode == "ssp" else mode)
+            tta = f"{m['time_to_accuracy_s']:.2f} s" if m["reached"] else "not reached"
+            final = f"{m['final_accuracy']:.3f}" if m["final_accuracy"] is not None else "-"
+            walls = ", ".join(f"{x:.2f}" for x in m["wall_s_per_worker"])
+            lines.append(f"| {label} | {tta} | {m['steps_to_accuracy'] or '-'} | {final} | {m['updates']} | "
+                         f"{m['max_staleness']} | {m['mean_staleness']:.2f} | {m['pulls_delayed']} | {walls} |")
+        lines.append("")
+    return lines
+
+
 def _imagenet_projection(results):
     r = results["phases"].get("imagenet_projection", {})
     if r.get("status") != "ok":
@@ -593,6 +646,16 @@ def plots(results: dict, folder: Path) -> list[str]:
             ax.plot([r["bytes"] for r in rows], [r["busbw_gbs"] for r in rows], marker="o", label=op)
         save(fig, ax, f"collectives_world{w}.png", xlabel="message bytes", ylabel="bus bandwidth (GB/s)",
              title=f"Collectives, {w} ranks, {card}", log2x=True)
+    for w, part in _ok_worlds(results, "ps"):  # loss against wall time: what time-to-loss reads off
+        rec = part["recommender"]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, v in rec["variants"].items():
+            if "elapsed" in v:
+                ax.plot(v["elapsed"], v["loss_ema"], label=name)
+        ax.axhline(rec["target_loss"], color="gray", linestyle="--", linewidth=0.8, label="target")
+        ax.set_xscale("log")
+        save(fig, ax, f"ps_loss_world{w}.png", xlabel="seconds since the first step (log)", ylabel="training loss EMA",
+             title=f"Parameter server vs DDP, world {w}, {card}")
     mc = results["phases"].get("model_check", {})
     this = mc.get("this_run", {}) if mc.get("status") == "ok" else {}
     for name, rows in this.get("projections", {}).get("models", {}).items():

@@ -22,6 +22,7 @@ Phases (`--phases`, default all; see `phases/__init__.py` for where each runs):
     checkpoint    a checkpoint every N steps, synchronous vs in the background, as % of step time
     memory        GPT 1.3B: activation checkpointing off/on, and batch_size="auto"
     tensor        GPT 1.3B / ~7B: our tensor (and sequence) parallelism vs torch's DTensor TP, same plan
+    ps            the parameter server vs our DDP (sparse embedding tables); sync vs ssp vs async
     model_check   the scaling model: one calibration, checked on this run and on recorded DDP runs
 
 For each world size the orchestrator starts one job on this script (``--worker``; `torchrun` for two

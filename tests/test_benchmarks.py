@@ -18,7 +18,7 @@ SUITE = REPO / "benchmarks" / "suite.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
 ALL_PHASES = {"collectives", "training", "models", "images", "accuracy", "precision", "topk", "profiling", "monitor", "checkpoint", "memory",
               "compile",
-              "pipeline", "pipeline_trainer", "tensor", "imagenet_projection", "model_check"}
+              "pipeline", "pipeline_trainer", "tensor", "ps", "imagenet_projection", "model_check"}
 
 
 def _suite(tmp_path, *args, timeout):
@@ -157,6 +157,12 @@ def test_smoke_runs_every_phase(tmp_path):
             assert row[impl]["status"] == "ok" and row[impl]["step_s"] > 0, (name, impl, row[impl])
         assert row["max_abs_loss_diff"] < 1e-4 and row["speed_vs_torch"] > 0, (name, row)
 
+    # The parameter server at world 2 (one server, one worker): fewer bytes than DDP's dense all-reduce of
+    # the tables; the digits comparison needs a third rank and says so (its own test runs world 3).
+    assert set(ph["ps"]["worlds"]) == {"2"}
+    _check_ps_recommender(ph["ps"]["worlds"]["2"]["recommender"], 2)
+    assert ph["ps"]["worlds"]["2"]["consistency"]["status"] == "skipped"
+
     # The scaling model: calibrated once from this run, every multi-GPU strategy predicted, projected.
     mc = ph["model_check"]
     this = mc["this_run"]
@@ -171,7 +177,7 @@ def test_smoke_runs_every_phase(tmp_path):
     assert len(recorded) == 1 and len(recorded[0]["rows"]) == 3
 
     md = (tmp_path / "results.md").read_text()
-    for heading in ("## Collectives, 2 ranks", "## Training (GPT)", "## Third-party models, 2 GPUs", "## Image classifiers", "## Precision",
+    for heading in ("## Collectives, 2 ranks", "## Training (GPT)", "## Parameter server, world 2", "## Third-party models, 2 GPUs", "## Image classifiers", "## Precision",
                     "## Top-K selection", "## Profile of a DDP step", "## Monitor overhead", "## Memory (", "## Pipeline (", "## Tensor parallelism, 2 GPUs",
                     "## Projections (model output, not measurements)", "Largest error"):
         assert heading in md, heading
@@ -222,6 +228,63 @@ def _check_projection(projection, images):
         # anchored at the world-2 step measured: the model's ratio carried onto it
         assert r["anchored_step_s"] / r["step_s"] == pytest.approx(
             rows[0]["anchored_step_s"] / rows[0]["step_s"]) and projection["anchor_world"] == 2
+
+
+def _check_ps_recommender(rec, world):
+    """The ps phase's recommender at `world`: DDP and sync PS with 1 .. min(4, world - 1) servers, from the
+    same weights on the same batches; the PS moves only touched rows (fewer bytes than DDP's gradient), every
+    server count makes the same updates (the same loss at every step), every variant reaches the target."""
+    variants = rec["variants"]
+    assert list(variants) == ["ddp"] + [f"ps_s{s}" for s in range(1, min(4, world - 1) + 1)]
+    assert all(rec["global_batch"] % v["workers"] == 0 for v in variants.values())
+    ddp = variants["ddp"]
+    assert ddp["workers"] == world and ddp["gradient_bytes_per_step"] == 4 * ddp["params"]
+    assert rec["bayes_loss"] < rec["target_loss"] < rec["initial_loss"], rec
+    for name, v in variants.items():
+        assert v["finite"] and v["step_ms_median"] > 0 and v["reached"] and v["time_to_loss_s"] > 0, (name, v)
+        assert v["final_loss_ema"] < rec["initial_loss"] - 0.02, (name, v["final_loss_ema"])  # it learns
+        if name == "ddp":
+            continue
+        assert v["servers"] + v["workers"] == world and len(v["server_bytes_per_step"]) == v["servers"]
+        assert 0 < v["bytes_per_step_per_worker"] < ddp["gradient_bytes_per_step"] and v["bytes_vs_ddp"] < 1, v
+        assert v["push_bytes_per_step"] > 0 and v["pull_bytes_per_step"] > 0 and v["index_bytes_per_step"] > 0
+        assert v["max_staleness"] == 0 and v["updates"] == [rec["steps"]] * v["servers"]  # sync: one update a step
+        assert v["server_max_over_mean"] >= 1 and v["plan_max_over_mean"] >= 1
+        assert v["max_loss_diff_vs_ps_s1"] < 1e-5, (name, v["max_loss_diff_vs_ps_s1"])
+        assert v["max_loss_diff_vs_ddp"] < 0.05  # lazy vs dense Adam on the tables: close, not equal
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ps_phase_at_world_3_compares_sync_ssp_and_async(tmp_path):
+    """The ps phase at world 3: the recommender with one and two servers; on the digits one server and two
+    workers, the second slow: every mode reaches 0.9, sync measures no staleness, ssp at most its bound
+    (and some: the fast worker ran ahead), async one update per gradient."""
+    results = _suite(tmp_path, "--phases", "ps", "--worlds", "3", timeout=280)
+    part = results["phases"]["ps"]["worlds"]["3"]
+    assert part["status"] == "ok", part.get("reason")
+    _check_ps_recommender(part["recommender"], 3)
+    cons = part["consistency"]
+    assert cons["status"] == "ok" and cons["workers"] == 2 and cons["slow_worker"] == 1
+    modes = cons["modes"]
+    assert list(modes) == ["sync", "ssp", "async"]
+    steps = cons["steps_per_worker"]
+    for mode, m in modes.items():
+        assert m["reached"] and 0 < m["time_to_accuracy_s"] < max(m["wall_s_per_worker"]), (mode, m)
+        assert m["final_accuracy"] >= 0.85, (mode, m)
+    assert modes["sync"]["max_staleness"] == 0 and modes["sync"]["updates"] == steps
+    assert 1 <= modes["ssp"]["max_staleness"] <= 2 and modes["ssp"]["updates"] == steps
+    assert modes["async"]["updates"] == 2 * steps and modes["async"]["pulls_delayed"] == 0
+    # The rotating straggler: the same bounds; sync waits for someone's sleep every step, ssp and async do
+    # not, so they finish sooner (every worker sleeps in half of its steps; sync's wall is at least all of
+    # them). Only what the delay alone forces is asserted: timings on shared cores are noisy.
+    rotating = cons["rotating"]
+    assert all(m["reached"] for m in rotating.values()), rotating
+    assert rotating["sync"]["max_staleness"] == 0 and rotating["ssp"]["max_staleness"] <= 2
+    assert min(rotating["sync"]["wall_s_per_worker"]) >= steps * cons["delay_s"]
+    md = (tmp_path / "results.md").read_text()
+    assert "## Parameter server, world 3" in md and "| one slow | ssp s=2 |" in md and "| rotating | async |" in md
+    assert "| ps_s2 | 2 x 1 |" in md
 
 
 @pytest.mark.slow

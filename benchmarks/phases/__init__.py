@@ -61,6 +61,9 @@ PHASES = {p.name: p for p in (
     Phase("tensor", "multi", "GPT 1.3B (and ~7B) through DistributedTrainer(tensor_parallel_size=T, "
           "sequence_parallel) at T=2 x DP, T=4, T=2 x FSDP vs torch's parallelize_module with the same plan, "
           "interleaved: tokens/s per GPU, MFU, peak memory, loss"),
+    Phase("ps", "multi", "the parameter server (sync, sparse tables, 1-4 servers) vs our DDP on a recommender with "
+          "large embedding tables: bytes per step, step time, server load, time-to-loss; sync vs ssp vs async "
+          "time-to-accuracy on the digits with one slow worker (world >= 3)"),
     Phase("imagenet_projection", "offline", "ResNet-50 / ImageNet epoch time at 8-256 GPUs: the scaling model "
           "calibrated on the images phase (a projection), checked on the worlds it measured"),
     Phase("model_check", "offline", "the scaling model calibrated and checked on this run's collectives and "
