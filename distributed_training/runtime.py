@@ -131,21 +131,27 @@ class DistributedContext:
         self.shutdown(barrier=exc_type is None)
 
 
-def _let_gloo_threads_settle(timeout: float = 2.0) -> None:
-    """Wait (GIL released) until gloo's worker threads are all asleep, for at most `timeout` seconds.
+def _let_gloo_threads_settle(timeout: float = 3.0, quiet_polls: int = 10) -> None:
+    """Wait (GIL released) until gloo's worker threads have been asleep for `quiet_polls` polls in a row
+    (5 ms apart), for at most `timeout` seconds.
 
     A gloo worker drops its reference to a finished collective's tensors *after* `wait()` has
     returned in Python. When that reference is a tensor's last, freeing it needs the GIL; if the
     interpreter is already finalizing by then, the thread is unwound mid-destructor and the process
     aborts ("terminate called without an active exception"), after a job that had succeeded. On a
     loaded machine a worker can lag that long. Linux only (it reads /proc); elsewhere a no-op.
+
+    A worker blocked on the GIL sleeps too (on a futex), so "asleep" is only a hint: each poll's sleep
+    lets such a worker take the GIL, and enough quiet polls in a row make it likely that none is left.
+    Two polls (10 ms) were not enough on a loaded 2-core machine (session 18's CI: three torchrun jobs
+    aborted at exit after succeeding); ten (50 ms) are the default now.
     """
     tasks = "/proc/self/task"
     if not os.path.isdir(tasks):
         return
     deadline = time.monotonic() + timeout
     quiet = 0
-    while quiet < 2 and time.monotonic() < deadline:
+    while quiet < quiet_polls and time.monotonic() < deadline:
         time.sleep(0.005)  # releases the GIL: a worker waiting for it can finish and go back to sleep
         busy = False
         for tid in os.listdir(tasks):
