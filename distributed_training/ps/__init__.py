@@ -6,7 +6,8 @@ See docs/parameter_server.md for the design.
 """
 
 from .parameter_server import ParameterServer
+from .protocol import WorkerLostError
 from .server import ServerStats
 from .sharding import Piece, ShardPlan, plan_shards
 
-__all__ = ["ParameterServer", "ServerStats", "Piece", "ShardPlan", "plan_shards"]
+__all__ = ["ParameterServer", "ServerStats", "WorkerLostError", "Piece", "ShardPlan", "plan_shards"]

@@ -34,6 +34,10 @@ class ParameterServer:
         ps.pull(final=True)                            # optional: the final parameters, after everyone
         ps.close()
 
+    A worker whose process dies (its connection closes) is dropped under ``"ssp"`` and ``"async"``: the
+    others go on to the end and the servers' `ServerStats.dropped` records it. Under ``"sync"`` the
+    servers and the other workers raise `WorkerLostError` naming it (see docs/parameter_server.md).
+
     Args:
         model: the same model (same initial values) on every rank; the servers start from their copy.
             Parameters that do not require a gradient stay on each rank and are not trained.
@@ -118,13 +122,15 @@ class ParameterServer:
         if self.role == "server":
             self._server = Server(self.plan.pieces[rank], params, num_workers=self.num_workers,
                                   consistency=consistency, staleness=staleness, optimizer=optimizer, lr=lr,
-                                  momentum=momentum, betas=betas, eps=eps, group=self.group)
+                                  momentum=momentum, betas=betas, eps=eps, group=self.group,
+                                  worker_ranks=list(range(num_servers, world)))
         else:
             self._worker = Worker(params, self.plan, rank - num_servers, self.group)
 
     # ---------------------------------------------------------------- servers
     def serve(self) -> ServerStats:
-        """(Server ranks) run the server loop until every worker has closed; return its `ServerStats`."""
+        """(Server ranks) run the server loop until every worker has closed or is lost; return its
+        `ServerStats`. Raises `WorkerLostError` under ``"sync"`` when a worker is lost."""
         if self._server is None:
             raise RuntimeError(f"serve() is for server ranks (0 .. {self.num_servers - 1}); this rank is a worker")
         return self._server.serve()

@@ -4,6 +4,10 @@ Every exchange posts its receives first, then its sends, all non-blocking, then 
 blocks a server (see protocol.py). The model may live on a GPU: values cross the wire as fp32 CPU tensors
 and are copied into (and out of) the parameters.
 
+A lost worker (`sync` only: ssp and async go on without it): the servers answer every later pull or
+close with the lost worker's index in the reply's header, and the worker raises `WorkerLostError`; it is
+then closed (it sends nothing more, so that no message waits for a server that has stopped).
+
 Sparse tables: `pull(rows={name: ids})` asks each server for the rows of the given ids that it holds
 (local row numbers); the following push sends the gradient of exactly those rows.
 """
@@ -15,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .protocol import REPLY, REPLY_LEN, REPLY_VALUES, Kind, send_request
+from .protocol import REPLY, REPLY_LEN, REPLY_VALUES, Kind, WorkerLostError, send_request
 from .sharding import Piece, ShardPlan
 
 __all__ = ["Worker"]
@@ -100,8 +104,9 @@ class Worker:
         for work in works:
             work.wait()
         self.wait_seconds += time.perf_counter() - started
+        self._raise_if_lost([(server, header) for server, header, *_ in replies])
         for server, header, values, local, indices in replies:
-            version, n = header.tolist()
+            version, n, _, _ = header.tolist()
             if n != values.numel():
                 raise RuntimeError(f"pull: server {server} sent {n} values, expected {values.numel()}")
             self.versions[server] = version
@@ -191,6 +196,16 @@ class Worker:
         for work in works:
             work.wait()
         self._closed = True
+        self._raise_if_lost(list(enumerate(acks)))
+
+    def _raise_if_lost(self, headers: list[tuple[int, torch.Tensor]]) -> None:
+        """Raise `WorkerLostError` if a server's reply header names a lost worker (then this one is closed)."""
+        for server, header in headers:
+            _, _, worker, step = header.tolist()
+            if worker >= 0:
+                self._closed = True
+                raise WorkerLostError.of(worker, self.plan.num_servers + worker, step,
+                                         f"server {server} told worker {self.index}")
 
     def _check_open(self) -> None:
         if self._closed:

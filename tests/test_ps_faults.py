@@ -1,0 +1,165 @@
+"""A parameter-server worker killed mid-run (issue 19, items 4 and 6).
+
+Worker 1 SIGKILLs itself at step 5, before its pull of that step:
+
+* async and ssp (s = 2): the other workers complete all their steps, the servers report the drop (worker
+  1 at step 5), the final parameters are finite and the loss fell; under ssp the dead worker's pending
+  gradients of unfinished steps were discarded and the staleness bound still holds.
+* sync: the servers and the surviving workers raise `WorkerLostError` naming worker 1 within seconds,
+  not at the collective timeout.
+
+The killed rank makes `run_distributed` fail (its process ends without reporting), so each surviving rank
+writes what it saw to a file, and the test checks that the killed rank is the only failure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed_training.ps import ParameterServer, WorkerLostError
+from distributed_training.testing import DistributedTestError, run_distributed
+
+STEPS = 20
+VICTIM = 1  # worker index; its rank is num_servers + 1
+KILL_AT = 5
+
+
+def _data(seed: int, n: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return x, x @ torch.arange(1.0, 9.0).unsqueeze(1) / 8 + 0.5
+
+
+def _loss(model) -> float:
+    with torch.no_grad():
+        x, y = _data(10_000, 256)
+        return F.mse_loss(model(x), y).item()
+
+
+def _record(directory, rank, **fields):
+    with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
+        json.dump(fields, f)
+
+
+def _records(directory):
+    out = {}
+    for name in os.listdir(directory):
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(directory, name)) as f:
+                out[int(name[4:-5])] = json.load(f)
+    return out
+
+
+def _killed_job(rank, world, directory, consistency, staleness, num_servers):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)  # two parameters: with two servers, one on each
+    ps = ParameterServer(model, "sgd", lr=0.1, num_servers=num_servers, consistency=consistency,
+                         staleness=staleness)
+    if ps.role == "server":
+        try:
+            stats = ps.serve()
+        except WorkerLostError as err:
+            _record(directory, rank, role="server", lost=err.worker, step=err.step, message=str(err), at=time.time())
+            return
+        values = [v.tolist() for v in ps.server_values.values()]
+        _record(directory, rank, role="server", dropped=stats.dropped, updates=stats.updates,
+                staleness=stats.staleness, finite=all(math.isfinite(x) for v in ps.server_values.values()
+                                                      for x in v.reshape(-1).tolist()), values=values)
+        return
+    w = ps.worker_index
+    initial = _loss(model)
+    done = 0
+    try:
+        for step in range(STEPS):
+            if w == VICTIM and step == KILL_AT:
+                with open(os.path.join(directory, "killed_at"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)
+            ps.pull()
+            x, y = _data(1000 * step + w)
+            F.mse_loss(model(x), y).backward()
+            if w != VICTIM and step < 8:
+                # the survivors are slower early on: under ssp the victim runs ahead, so that it dies with
+                # gradients of steps not yet applied (to be discarded); under async it dies mid-run
+                time.sleep(0.1 if consistency == "ssp" else 0.02)
+            ps.step()
+            model.zero_grad(set_to_none=True)
+            done += 1
+        ps.pull(final=True)
+        ps.close()
+    except WorkerLostError as err:
+        _record(directory, rank, role="worker", lost=err.worker, step=err.step, message=str(err), at=time.time(),
+                done=done)
+        ps.close()  # a no-op after the error: nothing waits for a server that has stopped
+        return
+    _record(directory, rank, role="worker", done=done, initial=initial, final=_loss(model),
+            params=[p.detach().reshape(-1).tolist() for p in model.parameters()])
+
+
+def _run(tmp_path, consistency, staleness, num_servers):
+    world = num_servers + 3
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_killed_job, world, args=(str(tmp_path), consistency, staleness, num_servers),
+                        timeout=60, collective_timeout=100)
+    victim_rank = num_servers + VICTIM
+    failed = {r for r in range(world) if f"--- rank {r} failed ---" in str(info.value)}
+    assert failed == {victim_rank}, str(info.value)  # only the killed rank: the others ended normally
+    assert "did not finish" not in str(info.value), str(info.value)
+    records = _records(tmp_path)
+    assert sorted(records) == [r for r in range(world) if r != victim_rank], records
+    with open(os.path.join(tmp_path, "killed_at")) as f:
+        killed_at = float(f.read())
+    return records, killed_at
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("consistency,staleness,num_servers", [("async", 0, 1), ("ssp", 2, 1), ("async", 0, 2)])
+def test_a_killed_worker_is_dropped_and_the_others_finish(tmp_path, consistency, staleness, num_servers):
+    records, _ = _run(tmp_path, consistency, staleness, num_servers)
+    workers = [r for r in records.values() if r["role"] == "worker"]
+    servers = [r for r in records.values() if r["role"] == "server"]
+    assert len(workers) == 2 and len(servers) == num_servers
+    for r in workers:
+        assert r["done"] == STEPS  # every step of the survivors
+        assert all(math.isfinite(x) for p in r["params"] for x in p)
+        assert r["final"] < 0.5 * r["initial"], r  # the loss fell
+    assert workers[0]["params"] == workers[1]["params"]  # both pulled the final parameters, after everyone
+    for s in servers:
+        assert s["dropped"] == [[VICTIM, KILL_AT]]  # worker 1, in its step 5
+        assert s["finite"]
+        victim = [step for worker, step, _ in s["staleness"] if worker == VICTIM]
+        assert all(step < KILL_AT for step in victim)
+        if consistency == "async":
+            assert s["updates"] == 2 * STEPS + KILL_AT  # one update per gradient: the victim's 5 and 2 x 20
+        else:
+            assert s["updates"] == STEPS  # one update per step, the later ones from the two survivors
+            assert max(st for _, _, st in s["staleness"]) <= staleness
+            # it died ahead of the others: its gradients of steps not yet applied were discarded
+            assert len(victim) < KILL_AT, victim
+            survivors = {(worker, step) for worker, step, _ in s["staleness"] if worker != VICTIM}
+            assert survivors == {(worker, step) for worker in (0, 2) for step in range(STEPS)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_servers", [1, 2])
+def test_sync_a_killed_worker_is_an_error_naming_it(tmp_path, num_servers):
+    records, killed_at = _run(tmp_path, "sync", 0, num_servers)
+    assert len(records) == num_servers + 2
+    for rank, r in records.items():
+        assert r["lost"] == VICTIM and r["step"] == KILL_AT, r
+        assert f"worker {VICTIM} (rank {num_servers + VICTIM})" in r["message"], r["message"]
+        elapsed = r["at"] - killed_at
+        print(f"rank {rank} ({r['role']}): WorkerLostError {elapsed:.2f}s after the SIGKILL")
+        assert elapsed < 10, elapsed  # at once in practice; the collective timeout is 100 s
+        if r["role"] == "worker":
+            assert r["done"] <= KILL_AT + 1  # its last gradient (step 4) may have made step 4 complete
