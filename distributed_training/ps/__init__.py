@@ -9,5 +9,6 @@ from .parameter_server import ParameterServer
 from .protocol import WorkerLostError
 from .server import ServerStats
 from .sharding import Piece, ShardPlan, plan_shards
+from .state import ServerState
 
-__all__ = ["ParameterServer", "ServerStats", "WorkerLostError", "Piece", "ShardPlan", "plan_shards"]
+__all__ = ["ParameterServer", "ServerStats", "WorkerLostError", "Piece", "ShardPlan", "plan_shards", "ServerState"]

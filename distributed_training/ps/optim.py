@@ -96,3 +96,54 @@ class ShardOptimizer:
     def state_dict(self) -> dict:
         """The optimizer state of the pieces (for checkpoints)."""
         return {"torch": self._torch.state_dict() if self._torch else None, "rows": self.state}
+
+    def piece_state(self) -> dict[str, dict[str, torch.Tensor | int | float]]:
+        """Each piece's optimizer state by parameter name (the live tensors, not copies): torch's state of
+        a dense piece (``momentum_buffer``; ``step``, ``exp_avg``, ``exp_avg_sq``), the lazy state of a
+        sparse one. A piece not updated yet has none."""
+        state: dict[str, dict] = {}
+        if self._torch is not None:
+            for name in self.dense:
+                held = self._torch.state.get(self.values[name])
+                if held:
+                    state[name] = dict(held)
+        state.update({name: dict(held) for name, held in self.state.items()})
+        return state
+
+    def hyperparameters(self) -> dict[str, object]:
+        """The settings of the update, as torch's param group would hold them (without ``params``)."""
+        if self.optimizer == "sgd":
+            return {"lr": self.lr, "momentum": self.momentum, "dampening": 0.0, "weight_decay": 0.0,
+                    "nesterov": False, "maximize": False}
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": 0.0, "amsgrad": False,
+                "maximize": False}
+
+    def load_piece_state(self, state: dict[str, dict[str, torch.Tensor | int | float]]) -> None:
+        """Replace the optimizer state of the pieces named in `state` (by parameter name; tensors of the
+        piece's shape, Adam's ``step`` a number or a 0-dim tensor). State names the optimizer does not keep
+        are an error naming them."""
+        keeps = {"sgd": {"momentum_buffer"}, "adam": {"step", "exp_avg", "exp_avg_sq"}}[self.optimizer]
+        for name, held in state.items():
+            if name not in self.values:
+                raise KeyError(f"optimizer state of '{name}': not a piece of this server")
+            unknown = sorted(set(held) - keeps)
+            if unknown:
+                raise ValueError(f"optimizer state of '{name}': {unknown} is not state of {self.optimizer!r} "
+                                 f"(it keeps {sorted(keeps)})")
+            value = self.values[name]
+            entry: dict[str, torch.Tensor | int] = {}
+            for key, v in held.items():
+                if key == "step":
+                    step = float(v)
+                    entry[key] = torch.tensor(step) if name in self.dense else int(step)
+                elif v is not None:
+                    if tuple(v.shape) != tuple(value.shape) and v.numel() != value.numel():
+                        raise ValueError(f"optimizer state '{key}' of '{name}': {v.numel()} elements, the piece has "
+                                         f"{value.numel()}")
+                    entry[key] = v.detach().to(value.device, value.dtype).reshape(value.shape).clone()
+            if not entry:
+                continue
+            if name in self.dense:
+                self._torch.state[value] = entry
+            else:
+                self.state[name] = entry

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint import CheckpointMismatchError, load_file, read_meta, save_file, write_meta
+from ..checkpoint_shards import FORMAT, Sources, summary
 from .protocol import gloo_group
 from .server import Server, ServerStats
 from .sharding import ShardPlan, plan_shards
+from .state import ServerState, meta_of, rank_path
 from .worker import Worker
 
 __all__ = ["ParameterServer"]
@@ -139,6 +143,75 @@ class ParameterServer:
     def server_values(self) -> dict[str, torch.Tensor]:
         """(Server ranks) this server's fp32 pieces by parameter name (rows ``start::stride`` of a split table)."""
         return self._need_server().values
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_state(self, path: str | os.PathLike) -> None:
+        """Write the servers' state into the checkpoint directory `path`, in the one checkpoint format
+        (`distributed_training.checkpoint_shards`; see `distributed_training.ps.state`): each server its
+        pieces of the parameters and of their optimizer state (``rank<i>.pt``), rank 0 ``meta.pt``.
+        Collective over every rank of the job, called between runs: after the workers' `close` and
+        the servers' `serve`, or before any step."""
+        path = os.fspath(path)
+        rank = dist.get_rank()
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier(group=self.group)
+        mine: tuple = ("", {"params": {}, "optim": {}, "optim_scalars": []}, None, None, None)
+        if self._server is not None:
+            state = ServerState(self.plan, self._server)
+            packed = state.pack()
+            digest = save_file(packed, rank_path(path, rank))
+            mine = (digest, summary(packed), packed["param_groups"], self._server.version, None)
+        else:
+            mine = ("", mine[1], None, None, self._worker.step)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine, group=self.group)
+        if rank == 0:
+            shapes = ServerState(self.plan, self._server).layout.shapes
+            meta = meta_of([e[1] for e in every], shapes, every[0][2], version=every[0][3],
+                           worker_steps=[e[4] for e in every[self.num_servers:]], num_servers=self.num_servers,
+                           consistency=self.consistency)
+            meta["checksums"] = {f"rank{r}.pt": e[0] for r, e in enumerate(every) if r < self.num_servers}
+            write_meta(meta, path)
+        dist.barrier(group=self.group)
+
+    def load_state(self, path: str | os.PathLike) -> int:
+        """Start from the checkpoint at `path` (collective over every rank, before the first step): the
+        servers read the elements they hold, with their optimizer state, from whichever files hold them
+        (written by servers of any plan, or by another strategy's trainer), and take the saved version;
+        each worker takes its saved step. Returns the checkpoint's step."""
+        path = os.fspath(path)
+        meta = read_meta(path)
+        if meta.get("checkpoint_format") != FORMAT:
+            raise CheckpointMismatchError(f"checkpoint {path!r}: format {meta.get('checkpoint_format')!r}, "
+                                          f"this version reads {FORMAT!r}")
+        saved_ps = meta.get("ps") or {}
+        if self._server is not None:
+            if self._server.version:
+                raise RuntimeError("load_state: this parameter server has already applied updates; load a "
+                                   "checkpoint into a new one, before its first step")
+            checksums = meta.get("checksums", {})
+            cache: dict[int, dict] = {}
+
+            def read(k: int) -> dict:
+                if k not in cache:
+                    cache[k] = load_file(rank_path(path, k), checksums.get(f"rank{k}.pt"))
+                return cache[k]
+
+            try:
+                ServerState(self.plan, self._server).load(meta, Sources(read, dist.get_rank()))
+            except (RuntimeError, ValueError, KeyError) as err:
+                raise type(err)(f"checkpoint {path!r} does not fit this parameter server: {err}") from None
+        else:
+            if self._worker.step:
+                raise RuntimeError("load_state: this worker has already stepped; load a checkpoint into a new "
+                                   "parameter server, before its first step")
+            steps = saved_ps.get("worker_steps") or []
+            index = self._worker.index
+            self._worker.step = int(steps[index]) if index < len(steps) else int(saved_ps.get("version",
+                                                                                             meta["step"]))
+        dist.barrier(group=self.group)
+        return int(meta["step"])
 
     # ---------------------------------------------------------------- workers
     def pull(self, rows: dict[str, torch.Tensor] | None = None, *, final: bool = False) -> int:

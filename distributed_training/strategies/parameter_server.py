@@ -144,7 +144,8 @@ class ParameterServerStrategy(Strategy):
         """Refuse the trainer options the parameter server does not run (yet), naming the first."""
         for name, value, why in (
                 ("checkpoint_dir", options.get("checkpoint_dir") is not None,
-                 "the servers' shards are not checkpointed yet"),
+                 "the trainer does not checkpoint the servers yet (a ParameterServer of your own loop can: "
+                 "save_state / load_state)"),
                 ("lr_scheduler", options.get("lr_scheduler") is not None,
                  "the servers run a constant learning rate (no schedule is sent with the pushes yet)"),
                 ("gradient_clip_val", options.get("gradient_clip_val") is not None,
@@ -270,7 +271,8 @@ class ParameterServerStrategy(Strategy):
 
     def state_layout(self, model, optimizer):
         raise NotImplementedError("checkpoints with strategy 'parameter_server' are not supported yet (checkpoint_dir, "
-                                  "save_checkpoint): the servers' shards and optimizer state are not saved")
+                                  "save_checkpoint): the trainer does not save the servers' shards yet; a "
+                                  "ParameterServer of your own loop can (save_state / load_state)")
 
     def planner_kind(self) -> str:
         return "ddp"

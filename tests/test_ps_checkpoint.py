@@ -1,0 +1,165 @@
+"""The parameter server's servers checkpoint their shards in the one checkpoint format.
+
+* resume: servers that save after K steps and a new parameter server (another initial model) that
+  loads the checkpoint continue exactly like an unbroken run: the workers' parameters after every
+  later pull, and the servers' parameters and optimizer state at the end, bit for bit (SGD with
+  momentum, Adam; 2 servers, the embedding table split by rows over them).
+* the format: the servers' checkpoint loads into one process (DDP's layout: whole tensors, torch's
+  optimizer) through the index, equal to one process trained on the whole batch (parameters and
+  optimizer state); and into 1 server where 2 wrote it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed_training.checkpoint import load_file, read_meta
+from distributed_training.checkpoint_shards import Sources, StateLayout, unpack_optimizer, unpack_params, \
+    whole_tensors
+from distributed_training.ps import ParameterServer
+from distributed_training.testing import run_distributed
+
+K, M = 3, 3
+PER_WORKER = 4
+ROWS, DIM, IDS = 40, 8, 5
+
+
+class EmbMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(ROWS, DIM)
+        self.fc1 = nn.Linear(DIM, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.fc2(torch.relu(self.fc1(self.emb(ids).mean(1))))
+
+
+def _model(seed: int = 0) -> EmbMLP:
+    torch.manual_seed(seed)
+    return EmbMLP()
+
+
+def _batch(step: int, workers: int):
+    g = torch.Generator().manual_seed(100 + step)
+    n = PER_WORKER * workers
+    return torch.randint(0, ROWS, (n, IDS), generator=g), torch.randn(n, 4, generator=g)
+
+
+def _settings(optimizer: str) -> dict:
+    return {"lr": 0.05, "momentum": 0.9} if optimizer == "sgd" else {"lr": 0.01}
+
+
+def _phase(optimizer, num_servers, steps, *, start=0, seed=0, load=None, save=None):
+    """One parameter server's life: optionally load, train `steps` steps from step `start`, optionally save.
+    Returns a server's values and optimizer state, or a worker's parameters at each pull."""
+    model = _model(seed)
+    ps = ParameterServer(model, optimizer, num_servers=num_servers, **_settings(optimizer))
+    loaded = ps.load_state(load) if load else None
+    if ps.role == "server":
+        stats = ps.serve()
+        out = {"role": "server", "updates": stats.updates, "loaded": loaded,
+               "values": {k: v.clone() for k, v in ps._server.values.items()},
+               "optim": {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
+                         for k, s in ps._server.optim.piece_state().items()},
+               "plan": [[(p.name, p.start, p.stride) for p in pieces] for pieces in ps.plan.pieces]}
+    else:
+        w, snapshots = ps.worker_index, []
+        for step in range(start, start + steps):
+            x, y = _batch(step, ps.num_workers)
+            mine = slice(w * PER_WORKER, (w + 1) * PER_WORKER)
+            ps.pull()
+            snapshots.append([p.detach().clone() for p in model.parameters()])
+            F.mse_loss(model(x[mine]), y[mine]).backward()
+            ps.step()
+            model.zero_grad(set_to_none=True)
+        ps.pull(final=True)
+        snapshots.append([p.detach().clone() for p in model.parameters()])
+        ps.close()
+        out = {"role": "worker", "snapshots": snapshots, "loaded": loaded}
+    if save:
+        ps.save_state(save)
+    return out
+
+
+def _resume_job(rank, world, optimizer, directory):
+    unbroken = _phase(optimizer, 2, K + M)
+    _phase(optimizer, 2, K, save=f"{directory}/k")
+    resumed = _phase(optimizer, 2, M, start=K, seed=1, load=f"{directory}/k")
+    fresh = _phase(optimizer, 2, M, start=K, seed=1)  # the same without the checkpoint: must differ
+    one_server = _phase(optimizer, 1, 0, seed=2, load=f"{directory}/k")
+    return {"unbroken": unbroken, "resumed": resumed, "fresh": fresh, "one_server": one_server}
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _one_process(optimizer: str, steps: int, workers: int):
+    model = _model()
+    opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if optimizer == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=0.01))
+    for step in range(steps):
+        x, y = _batch(step, workers)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_servers_resume_like_an_unbroken_run_and_the_checkpoint_is_the_one_format(optimizer, tmp_path):
+    results = run_distributed(_resume_job, 4, args=(optimizer, str(tmp_path)), timeout=120)
+    for rank, r in enumerate(results):
+        unbroken, resumed, fresh = r["unbroken"], r["resumed"], r["fresh"]
+        if rank < 2:
+            assert unbroken["plan"][rank][0] == ("emb.weight", rank, 2)  # the table split by rows
+            assert resumed["updates"] == K + M and resumed["loaded"] == K
+            assert _same(resumed["values"], unbroken["values"])
+            assert _same(resumed["optim"], unbroken["optim"])
+            assert not _same(fresh["values"], unbroken["values"])
+        else:
+            assert resumed["loaded"] == K
+            assert _same(resumed["snapshots"], unbroken["snapshots"][K:])
+            assert not _same(fresh["snapshots"], unbroken["snapshots"][K:])
+
+    # The format: rank files of the 2 servers only, read into one process through the index.
+    path = str(tmp_path / "k")
+    meta = read_meta(path)
+    assert meta["strategy"] == "parameter_server" and meta["ps"]["version"] == K and meta["step"] == K
+    assert sorted(meta["checksums"]) == ["rank0.pt", "rank1.pt"]
+    ref, ref_opt = _one_process(optimizer, K, workers=2)
+    model = _model(seed=3)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if optimizer == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=0.01))
+    layout = StateLayout({k: tuple(p.shape) for k, p in model.named_parameters()},
+                         whole_tensors(list(model.named_parameters()), True),
+                         whole_tensors(list(model.named_parameters()), True))
+    sources = Sources(lambda k: load_file(f"{path}/rank{k}.pt", meta["checksums"][f"rank{k}.pt"]), 0)
+    unpack_params(layout, meta["index"], sources)
+    unpack_optimizer(layout, opt, meta["index"], sources)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, q, atol=1e-5), name
+        mine, theirs = opt.state[p], ref_opt.state[q]
+        assert set(mine) == set(theirs), name
+        for key in theirs:
+            assert torch.allclose(torch.as_tensor(mine[key]).float(), torch.as_tensor(theirs[key]).float(),
+                                  atol=1e-5), (name, key)
+
+    # 1 server (another plan) reads what 2 wrote: every parameter whole, its optimizer state with it.
+    one = results[0]["one_server"]
+    assert one["loaded"] == K
+    for name, p in model.named_parameters():
+        assert torch.equal(one["values"][name], p.detach()), name
+        for key, value in one["optim"][name].items():
+            assert torch.equal(torch.as_tensor(value).float(), torch.as_tensor(opt.state[p][key]).float()), \
+                (name, key)
