@@ -53,11 +53,12 @@ def _settings(optimizer: str) -> dict:
     return {"lr": 0.05, "momentum": 0.9} if optimizer == "sgd" else {"lr": 0.01}
 
 
-def _phase(optimizer, num_servers, steps, *, start=0, seed=0, load=None, save=None):
+def _phase(optimizer, num_servers, steps, *, start=0, seed=0, load=None, save=None, sparse=False):
     """One parameter server's life: optionally load, train `steps` steps from step `start`, optionally save.
     Returns a server's values and optimizer state, or a worker's parameters at each pull."""
     model = _model(seed)
-    ps = ParameterServer(model, optimizer, num_servers=num_servers, **_settings(optimizer))
+    ps = ParameterServer(model, optimizer, num_servers=num_servers, sparse=["emb.weight"] if sparse else [],
+                         **_settings(optimizer))
     loaded = ps.load_state(load) if load else None
     if ps.role == "server":
         stats = ps.serve()
@@ -71,7 +72,7 @@ def _phase(optimizer, num_servers, steps, *, start=0, seed=0, load=None, save=No
         for step in range(start, start + steps):
             x, y = _batch(step, ps.num_workers)
             mine = slice(w * PER_WORKER, (w + 1) * PER_WORKER)
-            ps.pull()
+            ps.pull(rows={"emb.weight": x[mine]} if sparse else None)
             snapshots.append([p.detach().clone() for p in model.parameters()])
             F.mse_loss(model(x[mine]), y[mine]).backward()
             ps.step()
@@ -163,3 +164,24 @@ def test_servers_resume_like_an_unbroken_run_and_the_checkpoint_is_the_one_forma
         for key, value in one["optim"][name].items():
             assert torch.equal(torch.as_tensor(value).float(), torch.as_tensor(opt.state[p][key]).float()), \
                 (name, key)
+
+
+def _sparse_resume_job(rank, world, optimizer, directory):
+    unbroken = _phase(optimizer, 2, K + M, sparse=True)
+    _phase(optimizer, 2, K, save=f"{directory}/k", sparse=True)
+    resumed = _phase(optimizer, 2, M, start=K, seed=1, load=f"{directory}/k", sparse=True)
+    return unbroken, resumed
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sparse_tables_resume_with_their_lazy_state(optimizer, tmp_path):
+    """A sparse table's lazy state (momentum of touched rows; SparseAdam's moments and step) comes back."""
+    results = run_distributed(_sparse_resume_job, 4, args=(optimizer, str(tmp_path)), timeout=120)
+    for rank, (unbroken, resumed) in enumerate(results):
+        if rank < 2:
+            assert "emb.weight" in unbroken["optim"]
+            assert _same(resumed["values"], unbroken["values"])
+            assert _same(resumed["optim"], unbroken["optim"])
+        else:  # a step pulls only its rows of the table (the others are the worker's own); the final pull all
+            assert _same([snap[1:] for snap in resumed["snapshots"]], [snap[1:] for snap in unbroken["snapshots"][K:]])
+            assert _same(resumed["snapshots"][-1], unbroken["snapshots"][-1])
