@@ -304,7 +304,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
                                             pipeline=pipeline, tensor=tensor)
         strategy.check_trainer_options({"checkpoint_dir": checkpoint_dir, "lr_scheduler": lr_scheduler,
                                         "gradient_clip_val": gradient_clip_val, "mixed_precision": mixed_precision,
-                                        "compile": compile})
+                                        "compile": compile, "checkpoint_async": checkpoint_async,
+                                        "checkpoint_shared": checkpoint_shared})
         self.job_context = ctx  # the whole job (its process group is the one `close` destroys)
         # The ranks that train together (the parameter server: its workers; its servers have their own).
         self.context = strategy.setup_context(ctx)

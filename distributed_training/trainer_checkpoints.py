@@ -319,6 +319,8 @@ class Checkpointing:
                        f"{path[:-len(suffix)]!r}, and load it with load_checkpoint")
             warnings.warn(message, stacklevel=2)
         held, packed, part = self._rank_part()
+        if self.strategy.save_checkpoint_files(self.model, path, part, self._meta(held, packed, None, metrics)):
+            return  # the strategy wrote it (the parameter server: its servers' state)
         digest = save_file(part, rank_file(path, ctx.rank))
         mine = (digest, summary(packed), sorted(part["buffers"]), self.dp_rank)
         every = [mine]
@@ -456,25 +458,11 @@ class Checkpointing:
                 cache[k] = load_file(os.path.join(path, name), meta.get("rank_checksums", meta["checksums"]).get(name))
             return cache[k]
 
-        same_world = old_world == ctx.world_size
-        try:
-            held = self.strategy.state_layout(self.model, self.optimizer)
-            check_shapes(meta["shapes"], held.shapes)
-            sources = Sources(read, ctx.rank if ctx.rank < old_world else 0)
-            unpack_params(held, meta["index"], sources)
-            unpack_optimizer(held, self.optimizer, meta["index"], sources)
-            self._load_buffers(meta, sources, old_world)
-        except CheckpointCorruptError:
-            raise
-        except (RuntimeError, ValueError, KeyError) as err:
-            raise type(err)(f"checkpoint {path!r} does not fit this model: {err}") from None
-        if same_world:
-            set_rng_state(read(ctx.rank)["rng"])
-            if meta.get("strategy") == self.strategy.name:  # what only the same strategy understands
-                self.strategy.load_shared_state(self.model, meta)
-                self.strategy.load_rank_state(self.model, read(ctx.rank))
-        elif ctx.is_main:  # once, not once a rank
-            log.warning("checkpoint %r was written by %s ranks: RNG states not restored", path, meta["world_size"])
+        own = self.strategy.load_checkpoint_files(self.model, path, meta)
+        if own is not None:  # the strategy took its state (the parameter server's servers): this rank's part
+            self._load_own_part(own)
+        else:
+            self._load_shards(path, meta, read, old_world)
         changes = self._apply_changed_hyperparameters(meta)
         if self.lr_scheduler is not None:
             # A schedule added since the checkpoint starts where it would be after the saved steps.
@@ -511,6 +499,39 @@ class Checkpointing:
             self.micro_batch_size = int(self._previous_global_batch["micro_batch_size"])
         if meta.get("batch_size") is not None:
             self.batch_size = int(meta["batch_size"])
+
+    def _load_shards(self, path: str, meta: dict[str, Any], read: Callable[[int], dict], old_world: int) -> None:
+        """`load_checkpoint`'s parameters, optimizer state, buffers, RNG states and the strategy's own state."""
+        ctx = self.context
+        same_world = old_world == ctx.world_size
+        try:
+            held = self.strategy.state_layout(self.model, self.optimizer)
+            check_shapes(meta["shapes"], held.shapes)
+            sources = Sources(read, ctx.rank if ctx.rank < old_world else 0)
+            unpack_params(held, meta["index"], sources)
+            unpack_optimizer(held, self.optimizer, meta["index"], sources)
+            self._load_buffers(meta, sources, old_world)
+        except CheckpointCorruptError:
+            raise
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise type(err)(f"checkpoint {path!r} does not fit this model: {err}") from None
+        if same_world:
+            set_rng_state(read(ctx.rank)["rng"])
+            if meta.get("strategy") == self.strategy.name:  # what only the same strategy understands
+                self.strategy.load_shared_state(self.model, meta)
+                self.strategy.load_rank_state(self.model, read(ctx.rank))
+        elif ctx.is_main:  # once, not once a rank
+            log.warning("checkpoint %r was written by %s ranks: RNG states not restored", path, meta["world_size"])
+
+    def _load_own_part(self, part: dict[str, Any]) -> None:
+        """This rank's RNG states and buffers from what a strategy's `load_checkpoint_files` returned."""
+        if "rng" in part:
+            set_rng_state(part["rng"])
+        saved = part.get("buffers", {})
+        with torch.no_grad():
+            for key, buffer in self.strategy.buffers(self.model).items():
+                if key in saved:
+                    buffer.copy_(saved[key])
 
     def _load_buffers(self, meta: dict[str, Any], sources: Sources, old_world: int) -> None:
         """Each buffer this rank holds from a saving rank of the same data-parallel replica that held it

@@ -185,3 +185,88 @@ def test_sparse_tables_resume_with_their_lazy_state(optimizer, tmp_path):
         else:  # a step pulls only its rows of the table (the others are the worker's own); the final pull all
             assert _same([snap[1:] for snap in resumed["snapshots"]], [snap[1:] for snap in unbroken["snapshots"][K:]])
             assert _same(resumed["snapshots"][-1], unbroken["snapshots"][-1])
+
+
+# ------------------------------------------------------------------ through DistributedTrainer
+class _Data(torch.utils.data.Dataset):
+    def __init__(self, n: int = 40) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.ids, self.y = torch.randint(0, ROWS, (n, IDS), generator=g), torch.randn(n, 4, generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.ids[i], self.y[i]
+
+
+class _Dropped(EmbMLP):
+    """A model that draws random numbers in training (the workers' RNG states are checkpointed)."""
+
+    def forward(self, ids):
+        return self.fc2(F.dropout(torch.relu(self.fc1(self.emb(ids).mean(1))), 0.2, self.training))
+
+
+def _fit_job(rank, world, optimizer, directory, every, max_steps):
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    model = _Dropped()
+    factory = (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)) if optimizer == "sgd" else \
+        (lambda ps: torch.optim.Adam(ps, lr=0.01))
+    options = {"checkpoint_dir": directory, "checkpoint_every": every} if directory is not None else {}
+    trainer = DistributedTrainer(model, factory, strategy="parameter_server", num_servers=1, heartbeat_timeout=None,
+                                 seed=3, **options)
+    after = {}  # step -> a worker's parameters after that step's update
+
+    def record(step, _metrics):
+        state = trainer.strategy.model_state_dict(trainer.model)  # pulls this step's update
+        after[step] = {k: v.detach().clone() for k, v in state.items()}
+
+    trainer.fit(_Data(), epochs=3, criterion=F.mse_loss, batch_size=4, max_steps=max_steps, on_step=record,
+                log_every=1)
+    final = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
+    trainer.close()
+    return after, final
+
+
+def _fit(optimizer, directory=None, every=None, max_steps=8):
+    return run_distributed(_fit_job, 3, (optimizer, directory, every, max_steps), timeout=150)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_trainer_checkpoints_resume_like_an_unbroken_run(optimizer, tmp_path):
+    unbroken = _fit(optimizer)
+    steps = sorted(unbroken[1][0])
+    assert steps == list(range(1, 9))  # 40 samples / (2 workers x 4) = 5 steps an epoch: 8 crosses an epoch
+    saving = _fit(optimizer, str(tmp_path / "a"), 2)
+    first = _fit(optimizer, str(tmp_path / "b"), 2, max_steps=4)
+    assert (tmp_path / "b" / "step_000000004").is_dir()
+    meta = read_meta(str(tmp_path / "b" / "step_000000004"))
+    assert (meta["step"], meta["epoch"], meta["batch_in_epoch"]) == (4, 0, 4)
+    assert meta["ps"]["worker_steps"] == [4, 4] and meta["ps"]["version"] == 4
+    assert {"rank0.pt", "worker0.pt", "worker1.pt"} <= set(meta["checksums"])
+    resumed = _fit(optimizer, str(tmp_path / "b"), 2, max_steps=8)
+    for worker in (1, 2):
+        for step in steps:  # checkpoints do not change training: bit for bit
+            assert _same(saving[worker][0][step], unbroken[worker][0][step]), f"checkpoint_every=2, step {step}"
+        for step in range(1, 5):
+            assert _same(first[worker][0][step], unbroken[worker][0][step]), f"before the stop, step {step}"
+        assert sorted(resumed[worker][0]) == list(range(5, 9))
+        for step in range(5, 9):
+            assert _same(resumed[worker][0][step], unbroken[worker][0][step]), f"resumed, step {step}"
+    for rank in range(3):  # every rank, the server included, ends with the unbroken run's model
+        assert _same(resumed[rank][1], unbroken[rank][1])
+        assert _same(saving[rank][1], unbroken[rank][1])
+
+
+def test_trainer_checkpoint_options_refused_before_any_rendezvous(tmp_path):
+    from distributed_training import DistributedTrainer
+
+    for kwargs, name in (({"consistency": "ssp", "staleness": 1}, "checkpoint_dir"),
+                         ({"consistency": "async"}, "checkpoint_dir"),
+                         ({"checkpoint_async": True}, "checkpoint_async"),
+                         ({"checkpoint_shared": False}, "checkpoint_shared")):
+        with pytest.raises(NotImplementedError, match=f"{name} with strategy 'parameter_server'"):
+            DistributedTrainer(EmbMLP(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="parameter_server",
+                               checkpoint_dir=str(tmp_path), **kwargs)

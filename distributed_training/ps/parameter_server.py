@@ -145,12 +145,13 @@ class ParameterServer:
         return self._need_server().values
 
     # ---------------------------------------------------------------- checkpoints
-    def save_state(self, path: str | os.PathLike) -> None:
+    def save_state(self, path: str | os.PathLike, meta: dict | None = None) -> None:
         """Write the servers' state into the checkpoint directory `path`, in the one checkpoint format
         (`distributed_training.checkpoint_shards`; see `distributed_training.ps.state`): each server its
         pieces of the parameters and of their optimizer state (``rank<i>.pt``), rank 0 ``meta.pt``.
         Collective over every rank of the job, called between runs: after the workers' `close` and
-        the servers' `serve`, or before any step."""
+        the servers' `serve`, or before any step. `meta` (read on rank 0): more entries of ``meta.pt``
+        (a trainer's epoch and data position; ``checksums`` of files others wrote into `path`)."""
         path = os.fspath(path)
         rank = dist.get_rank()
         if rank == 0:
@@ -168,11 +169,13 @@ class ParameterServer:
         dist.all_gather_object(every, mine, group=self.group)
         if rank == 0:
             shapes = ServerState(self.plan, self._server).layout.shapes
-            meta = meta_of([e[1] for e in every], shapes, every[0][2], version=every[0][3],
-                           worker_steps=[e[4] for e in every[self.num_servers:]], num_servers=self.num_servers,
-                           consistency=self.consistency)
-            meta["checksums"] = {f"rank{r}.pt": e[0] for r, e in enumerate(every) if r < self.num_servers}
-            write_meta(meta, path)
+            extra = dict(meta or {})
+            written = meta_of([e[1] for e in every], shapes, every[0][2], version=every[0][3],
+                              worker_steps=[e[4] for e in every[self.num_servers:]], num_servers=self.num_servers,
+                              consistency=self.consistency)
+            written["checksums"] = {**extra.pop("checksums", {}),
+                                    **{f"rank{r}.pt": e[0] for r, e in enumerate(every) if r < self.num_servers}}
+            write_meta({**extra, **written}, path)
         dist.barrier(group=self.group)
 
     def load_state(self, path: str | os.PathLike) -> int:
@@ -212,6 +215,27 @@ class ParameterServer:
                                                                                              meta["step"]))
         dist.barrier(group=self.group)
         return int(meta["step"])
+
+    def continue_from(self, previous: ParameterServer) -> None:
+        """Continue where `previous` (the same plan, its run over: workers closed, servers served) stopped:
+        a server takes its values, optimizer state and version (in memory, copied), a worker its step;
+        as `load_state` from a checkpoint `previous` saved would. Call it before the first step."""
+        if previous.plan.pieces != self.plan.pieces or previous.role != self.role:
+            raise ValueError("continue_from: the previous parameter server has another shard plan or role")
+        if self._server is not None:
+            old, new = previous._server, self._server
+            if new.version:
+                raise RuntimeError("continue_from: this parameter server has already applied updates")
+            with torch.no_grad():
+                for name, value in old.values.items():
+                    new.values[name].copy_(value)
+            new.optim.load_piece_state(old.optim.piece_state())  # load_piece_state copies
+            new.version = old.version
+            new.pulled_version = [old.version] * new.num_workers
+        else:
+            if self._worker.step:
+                raise RuntimeError("continue_from: this worker has already stepped")
+            self._worker.step = previous._worker.step
 
     # ---------------------------------------------------------------- workers
     def pull(self, rows: dict[str, torch.Tensor] | None = None, *, final: bool = False) -> int:

@@ -309,6 +309,18 @@ class Strategy(abc.ABC):
     def load_rank_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         """Restore `rank_state` from this rank's file (only at the same world size)."""
 
+    def save_checkpoint_files(self, model: nn.Module, path: str, part: dict[str, Any], meta: dict[str, Any]) -> bool:
+        """Write the checkpoint at `path` in place of the trainer's writer, for a strategy whose state the
+        trainer does not hold (the parameter server's servers): `part` is this rank's file as the trainer
+        would write it (RNG states, buffers), `meta` the trainer's entries of ``meta.pt`` (step, epoch,
+        data position, config). Collective over the trainer's ranks. False (here): the trainer writes."""
+        return False
+
+    def load_checkpoint_files(self, model: nn.Module, path: str, meta: dict[str, Any]) -> dict[str, Any] | None:
+        """Read back what `save_checkpoint_files` wrote: take the strategy's state and return this rank's
+        part (``rng``, ``buffers``; ``{}``: none). None (here): the trainer reads the checkpoint."""
+        return None
+
     def shared_state(self, model: nn.Module) -> dict[str, Any]:
         """What the checkpoint's ``meta.pt`` must carry, the same on every rank."""
         return {}

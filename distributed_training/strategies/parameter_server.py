@@ -17,13 +17,22 @@ that every rank ends with the same model (`full_state_dict`, `evaluate` on any r
 A loop of your own (`train_step` on the workers): call ``trainer.strategy.serve(trainer.model)`` on the
 servers and ``trainer.strategy.finish(trainer.model)`` on every worker after its last step.
 
-Not supported (yet), each refused with an error naming it: checkpoints (`checkpoint_dir`), an LR
-scheduler, gradient clipping, fp16 loss scaling, pipeline / tensor parallelism, weight decay, and
-optimizers other than SGD (momentum, no Nesterov, no dampening) and Adam (AdamW without weight decay).
+Checkpoints (`checkpoint_dir`, consistency ``"sync"``): at a checkpoint step the workers end the running
+parameter server, every rank saves (`ParameterServer.save_state`: the servers' pieces; ``worker<i>.pt``:
+a worker's RNG states and buffers) and the next parameter server continues from the servers' state in
+memory; worker 0 tells the servers, waiting after `serve`, what comes next (`CONTROL_TAG`). A resumed
+`fit` starts its parameter server from the checkpoint (`load_state`). See docs/parameter_server.md.
+
+Not supported (yet), each refused with an error naming it: checkpoints under ssp / async,
+checkpoint_async and checkpoint_shared=False, an LR scheduler, gradient clipping, fp16 loss scaling,
+pipeline / tensor parallelism, weight decay, and optimizers other than SGD (momentum, no Nesterov, no
+dampening) and Adam (AdamW without weight decay).
 """
 
 from __future__ import annotations
 
+import os
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -31,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint import load_file, save_file
+from ..checkpoint_shards import StateLayout
 from ..comm.collectives import broadcast_coalesced
 from ..mesh import Mesh
 from ..runtime import DistributedContext
@@ -40,6 +51,7 @@ __all__ = ["ParameterServerStrategy", "ParameterServerModel", "server_optimizer"
 
 CONSISTENCIES = ("sync", "ssp", "async")
 FINAL_TAG = 1010  # worker 0 -> servers: the final parameters (beside the ps protocol's tags 1001 .. 1005)
+CONTROL_TAG = 1011  # worker 0 -> servers, with checkpoints: what the next parameter server does (start, save, done)
 
 
 @dataclass
@@ -136,16 +148,24 @@ class ParameterServerStrategy(Strategy):
         self.is_server = False
         self.trains = True
         self._ps_group = None  # the gloo group of the ps messages (None: the default group is gloo)
+        self._workers_group = None  # the workers' process group (`setup_context`)
         self._settings: dict[str, Any] | None = None
         self.last_stats = None  # (servers) the `ServerStats` of the last `serve`
+        self._checkpoints = False  # the trainer checkpoints: worker 0 tells the servers what comes next
+        self._resume_path: str | None = None  # (workers) a checkpoint the next parameter server starts from
 
     # ------------------------------------------------------------ setup
     def check_trainer_options(self, options: dict[str, Any]) -> None:
         """Refuse the trainer options the parameter server does not run (yet), naming the first."""
+        checkpoints = options.get("checkpoint_dir") is not None
         for name, value, why in (
-                ("checkpoint_dir", options.get("checkpoint_dir") is not None,
-                 "the trainer does not checkpoint the servers yet (a ParameterServer of your own loop can: "
-                 "save_state / load_state)"),
+                ("checkpoint_dir", checkpoints and self.consistency != "sync",
+                 f"the trainer checkpoints consistency='sync' only (consistency={self.consistency!r}): a checkpoint "
+                 "step stops every worker at the same step"),
+                ("checkpoint_async", checkpoints and bool(options.get("checkpoint_async")),
+                 "the servers write their state at the checkpoint step, between two parameter-server runs"),
+                ("checkpoint_shared", checkpoints and options.get("checkpoint_shared") is False,
+                 "the servers and workers write into one directory shared by every rank"),
                 ("lr_scheduler", options.get("lr_scheduler") is not None,
                  "the servers run a constant learning rate (no schedule is sent with the pushes yet)"),
                 ("gradient_clip_val", options.get("gradient_clip_val") is not None,
@@ -155,6 +175,7 @@ class ParameterServerStrategy(Strategy):
                 ("compile", options.get("compile") not in (None, False), "not tried yet")):
             if value:
                 raise NotImplementedError(f"{name} with strategy 'parameter_server' is not supported: {why}")
+        self._checkpoints = checkpoints
 
     def setup_context(self, context: DistributedContext) -> DistributedContext:
         """This rank's role's context: the workers' (rank ``rank - num_servers`` of ``W``) or the
@@ -172,6 +193,7 @@ class ParameterServerStrategy(Strategy):
         servers = dist.new_group(list(range(s)))
         workers = dist.new_group(list(range(s, world)))
         self._ps_group = None if context.backend == "gloo" else dist.new_group(backend="gloo")
+        self._workers_group = workers
         self.is_server = rank < s
         self.trains = not self.is_server
         group, size, role_rank = (servers, s, rank) if self.is_server else (workers, world - s, rank - s)
@@ -200,6 +222,18 @@ class ParameterServerStrategy(Strategy):
         """Build the `ParameterServer` from the model's current values, if none is running."""
         if model.ps is not None:
             return
+        load = None
+        if self._checkpoints:  # the servers start from the checkpoint the workers' trainer resumed from
+            if self.is_server:
+                load = self._receive_control()["load"]
+            else:
+                load, self._resume_path = self._resume_path, None
+                self._send_control({"op": "start", "load": load})
+        self._build(model)
+        if load is not None:
+            model.ps.load_state(load)
+
+    def _build(self, model: ParameterServerModel) -> None:
         from ..ps import ParameterServer  # the ps package sits above the strategies
 
         model.ps = ParameterServer(model.module, **self._settings, num_servers=self.num_servers,
@@ -207,24 +241,58 @@ class ParameterServerStrategy(Strategy):
                                    sparse=self.sparse_embeddings, group=self._ps_group)
         model.stale = True
 
+    def _send_control(self, message: dict[str, Any]) -> None:
+        """(Worker 0; the others return) send `message` to every server (`CONTROL_TAG`)."""
+        if dist.get_rank() != self.num_servers:
+            return
+        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        for server in range(self.num_servers):
+            dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=server, group=self._ps_group,
+                      tag=CONTROL_TAG)
+            dist.send(payload, dst=server, group=self._ps_group, tag=CONTROL_TAG)
+
+    def _receive_control(self) -> dict[str, Any]:
+        """(Servers) the next message of worker 0's `_send_control`."""
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src=self.num_servers, group=self._ps_group, tag=CONTROL_TAG)
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(payload, src=self.num_servers, group=self._ps_group, tag=CONTROL_TAG)
+        return pickle.loads(payload.numpy().tobytes())
+
     def serve(self, model: ParameterServerModel):
         """(Servers) run the server loop until every worker has finished; then take the final
         parameters from worker 0 into this rank's model. Returns the `ServerStats`."""
         if not self.is_server:
             raise RuntimeError("serve() is for the parameter server's server ranks (0 .. num_servers - 1)")
         self.start(model)
-        stats = model.ps.serve()
-        model.ps = None
-        params = [p for p in model.module.parameters() if p.requires_grad]
-        flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
-        dist.recv(flat, src=self.num_servers, group=self._ps_group, tag=FINAL_TAG)
-        _unflatten(flat, params)
-        self.last_stats = stats
-        return stats
+        while True:
+            ps = model.ps
+            stats = ps.serve()
+            model.ps = None
+            params = [p for p in model.module.parameters() if p.requires_grad]
+            flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+            dist.recv(flat, src=self.num_servers, group=self._ps_group, tag=FINAL_TAG)
+            _unflatten(flat, params)
+            self.last_stats = stats
+            if not self._checkpoints:
+                return stats
+            message = self._receive_control()
+            if message["op"] == "done":
+                return stats
+            # A trainer's checkpoint step: save this run's state, then serve the next run from it.
+            ps.save_state(message["path"], meta=message["meta"])
+            self._build(model)
+            model.ps.continue_from(ps)
 
     def finish(self, model: ParameterServerModel) -> None:
         """(Workers, every one) pull the final parameters (after every worker's last push), send them to
         the servers (worker 0) and leave the parameter server: its servers' `serve` returns."""
+        self._leave(model)
+        if self._checkpoints:
+            self._send_control({"op": "done"})
+
+    def _leave(self, model: ParameterServerModel):
+        """`finish` but the servers' next step; returns the parameter server left."""
         if self.is_server:
             raise RuntimeError("finish() is for the parameter server's workers; servers call serve()")
         ps = model.ps
@@ -243,6 +311,7 @@ class ParameterServerStrategy(Strategy):
         for work in works:
             work.wait()
         model.ps, model.stale = None, False
+        return ps
 
     def end_fit(self, model: ParameterServerModel) -> None:
         if not self.is_server:
@@ -270,9 +339,55 @@ class ParameterServerStrategy(Strategy):
         return None
 
     def state_layout(self, model, optimizer):
-        raise NotImplementedError("checkpoints with strategy 'parameter_server' are not supported yet (checkpoint_dir, "
-                                  "save_checkpoint): the trainer does not save the servers' shards yet; a "
-                                  "ParameterServer of your own loop can (save_state / load_state)")
+        """Nothing for the trainer's writer: the servers write their pieces (`save_checkpoint_files`);
+        the shapes of the trained parameters."""
+        if not self._checkpoints:
+            raise NotImplementedError("checkpoints with strategy 'parameter_server' are written at fit's checkpoint "
+                                      "steps (checkpoint_dir, checkpoint_every): save_checkpoint / load_checkpoint "
+                                      "need the trainer's checkpoint_dir; a ParameterServer of your own loop can "
+                                      "(save_state / load_state)")
+        named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+        return StateLayout(shapes={n: tuple(p.shape) for n, p in named}, params=[], optimizer=[])
+
+    def save_checkpoint_files(self, model: ParameterServerModel, path: str, part: dict[str, Any],
+                              meta: dict[str, Any]) -> bool:
+        """(Workers, every one, between two steps of `fit`) end the running parameter server (final pull),
+        write ``worker<i>.pt`` (`part`: RNG states, buffers), have the servers save their state into
+        `path` with the trainer's `meta` (`ParameterServer.save_state`: ``rank<s>.pt``, ``meta.pt``), and
+        start the next parameter server from the servers' state in memory: the next step is an unbroken
+        run's."""
+        self.state_layout(model, None)  # refuses without the trainer's checkpoint_dir
+        if model.ps is None:
+            raise RuntimeError("save_checkpoint with strategy 'parameter_server' saves between two steps of fit "
+                               "(checkpoint_every, save_on_preemption): the servers save while they serve")
+        index = dist.get_rank() - self.num_servers
+        os.makedirs(path, exist_ok=True)
+        name = f"worker{index}.pt"
+        digests: list = [None] * (dist.get_world_size() - self.num_servers)
+        dist.all_gather_object(digests, (name, save_file(part, os.path.join(path, name))), group=self._workers_group)
+        ps = self._leave(model)
+        self._send_control({"op": "save", "path": path, "meta": {**meta, "checksums": dict(digests)}})
+        ps.save_state(path)
+        self._build(model)
+        model.ps.continue_from(ps)
+        return True
+
+    def load_checkpoint_files(self, model: ParameterServerModel, path: str, meta: dict[str, Any]) -> dict[str, Any]:
+        """(Workers, every one; the servers wait in `serve`) start the next parameter server from `path`
+        (the servers read their pieces: `load_state`); returns this worker's ``worker<i>.pt`` (RNG states,
+        buffers) when the checkpoint has one for as many workers, else ``{}``."""
+        self.state_layout(model, None)
+        if model.ps is not None:
+            raise RuntimeError("load_checkpoint with strategy 'parameter_server': load before the first step (a "
+                               "parameter server is running)")
+        self._resume_path = path
+        self.start(model)  # now (the servers load it too): the first forward pulls the checkpoint's parameters
+        workers = dist.get_world_size() - self.num_servers
+        name = f"worker{dist.get_rank() - self.num_servers}.pt"
+        digest = meta.get("checksums", {}).get(name)
+        if digest is None or len((meta.get("ps") or {}).get("worker_steps") or []) != workers:
+            return {}
+        return load_file(os.path.join(path, name), digest)
 
     def planner_kind(self) -> str:
         return "ddp"
