@@ -183,8 +183,9 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             (default: equal to data parallelism), ``"ssp"`` (a worker at most `staleness` steps ahead of
             the slowest) or ``"async"``. `fit` on a server serves until the workers are done and returns
             ``[]``; afterwards every rank holds the final model. `sparse_embeddings`: embedding weights
-            whose pushes carry only the touched rows. Not with checkpoints, an LR scheduler, gradient
-            clipping, fp16 or pipeline / tensor parallelism yet. See docs/parameter_server.md.
+            whose pushes carry only the touched rows. Checkpoints with ``"sync"`` only; not with an LR
+            scheduler, gradient clipping, fp16 or pipeline / tensor parallelism yet. See
+            docs/parameter_server.md.
         heartbeat_timeout: seconds of heartbeat silence after which a peer rank counts as dead (None:
             no watch). From the first `train_step` on, each rank beats in the rendezvous store from a
             background thread (a long step keeps beating: silence means the process is gone, frozen or
