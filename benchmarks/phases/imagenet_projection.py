@@ -50,7 +50,14 @@ def run(results: dict, opts) -> dict:
     link = ok[top]["link"]
     computes = {"one GPU alone": one["step_ms_median"]["ours"] / 1e3,
                 f"{top} GPUs computing at once (no_sync)": loaded["step_ms_median"]["ours_nosync"] / 1e3}
-    cals = {label: calibrate({"params": params, "step_s": s}, link) for label, s in computes.items()}
+    link_fit = "alpha and bandwidth fitted to the sweep"
+    try:
+        cals = {label: calibrate({"params": params, "step_s": s}, link) for label, s in computes.items()}
+    except ValueError:  # times that do not grow with size (tiny tensors, a loaded machine): the largest alone
+        largest = max(range(len(link["bytes"])), key=lambda i: link["bytes"][i])
+        link = {**link, "bytes": [link["bytes"][largest]], "seconds": [link["seconds"][largest]]}
+        link_fit = "bandwidth from the largest size alone (the sweep's times did not grow with size)"
+        cals = {label: calibrate({"params": params, "step_s": s}, link) for label, s in computes.items()}
     checks = []
     for w in multi:
         measured = ok[w]["models"].get(name, {}).get("step_ms_median", {}).get("ours")
@@ -87,7 +94,7 @@ def run(results: dict, opts) -> dict:
             "anchor_world": top,
             "image_size": one["image_size"], "precision": ok[1].get("precision"),
             "compute_s": computes, "link": cals[next(iter(cals))].describe()["link"], "inter": INTER_NODE,
-            "link_backend": link.get("backend", "nccl"),
+            "link_backend": link.get("backend", "nccl"), "link_fit": link_fit,
             "gpus_per_node": GPUS_PER_NODE, "checks": checks, "rows": rows,
             "measured_epoch_s": measured_epochs, "decoded_images_per_s_per_process": decode,
             "largest_error": max((abs(c["error"]) for c in checks if c["compute"] != "one GPU alone"), default=None)}
