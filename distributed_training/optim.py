@@ -339,6 +339,18 @@ def decay_by_segments(optimizer: torch.optim.Optimizer) -> bool:
     for g in groups:
         g["segment_weight_decay"], g["weight_decay"] = g["weight_decay"], 0.0
 
+    masks: dict[int, torch.Tensor | bool] = {}  # per parameter: which elements decay (built once, on its device)
+
+    def mask(p: torch.Tensor, exclude: set[str]) -> torch.Tensor | bool:
+        if id(p) not in masks:
+            seg = _segments(p)
+            if seg is None:
+                masks[id(p)] = True
+            else:
+                kept = torch.tensor([not (set(names) & exclude) for names in seg.names] + [False], device=p.device)
+                masks[id(p)] = kept[seg.index(p.reshape(-1))].reshape(p.shape)
+        return masks[id(p)]
+
     def decay(opt, args, kwargs) -> None:
         for g in opt.param_groups:
             wd = g.get("segment_weight_decay")
@@ -348,12 +360,7 @@ def decay_by_segments(optimizer: torch.optim.Optimizer) -> bool:
             for p in g["params"]:
                 if p.grad is None:
                     continue
-                seg = _segments(p)
-                if seg is None:
-                    keep: torch.Tensor | bool = True
-                else:
-                    kept = torch.tensor([not (set(names) & exclude) for names in seg.names] + [False], device=p.device)
-                    keep = kept[seg.index(p.reshape(-1))].reshape(p.shape)
+                keep = mask(p, exclude)
                 with torch.no_grad():
                     if decoupled:  # the same scalar AdamW multiplies by, cast as it casts it
                         p.copy_(torch.where(keep, p * (1 - g["lr"] * wd), p))
