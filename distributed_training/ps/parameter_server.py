@@ -23,6 +23,16 @@ CONSISTENCIES = ("sync", "ssp", "async")
 OPTIMIZERS = ("sgd", "adam")
 
 
+def check_consistency(consistency: str, staleness: int) -> None:
+    """Raise for a `consistency` / `staleness` pair the parameter server does not run, naming it."""
+    if consistency not in CONSISTENCIES:
+        raise ValueError(f"consistency must be one of {CONSISTENCIES}, got {consistency!r}")
+    if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+        raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
+    if staleness and consistency != "ssp":
+        raise ValueError(f"staleness applies to consistency='ssp' only (consistency={consistency!r})")
+
+
 class ParameterServer:
     """Train `model` with its parameters (and optimizer) on `num_servers` server ranks.
 
@@ -84,12 +94,7 @@ class ParameterServer:
             raise RuntimeError("ParameterServer needs an initialised process group (init_process_group)")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-        if consistency not in CONSISTENCIES:
-            raise ValueError(f"consistency must be one of {CONSISTENCIES}, got {consistency!r}")
-        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
-            raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
-        if staleness and consistency != "ssp":
-            raise ValueError(f"staleness applies to consistency='ssp' only (consistency={consistency!r})")
+        check_consistency(consistency, staleness)
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr!r}")
         if not 0 <= momentum < 1:

@@ -49,7 +49,6 @@ from .base import OptimizerFactory, Strategy
 
 __all__ = ["ParameterServerStrategy", "ParameterServerModel", "server_optimizer"]
 
-CONSISTENCIES = ("sync", "ssp", "async")
 FINAL_TAG = 1010  # worker 0 -> servers: the final parameters (beside the ps protocol's tags 1001 .. 1005)
 CONTROL_TAG = 1011  # worker 0 -> servers, with checkpoints: what the next parameter server does (start, save, done)
 
@@ -135,12 +134,9 @@ class ParameterServerStrategy(Strategy):
                  sparse_embeddings: Sequence[str] = ()) -> None:
         if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers < 1:
             raise ValueError(f"num_servers must be a positive integer, got {num_servers!r}")
-        if consistency not in CONSISTENCIES:
-            raise ValueError(f"consistency must be one of {CONSISTENCIES}, got {consistency!r}")
-        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
-            raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
-        if staleness and consistency != "ssp":
-            raise ValueError(f"staleness applies to consistency='ssp' only (consistency={consistency!r})")
+        from ..ps.parameter_server import check_consistency  # the ps package sits above the strategies
+
+        check_consistency(consistency, staleness)
         if isinstance(sparse_embeddings, str) or not all(isinstance(n, str) for n in sparse_embeddings):
             raise TypeError(f"sparse_embeddings must be a sequence of parameter names, got {sparse_embeddings!r}")
         self.num_servers, self.consistency, self.staleness = num_servers, consistency, staleness
