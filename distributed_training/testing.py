@@ -36,6 +36,7 @@ put the call under ``if __name__ == "__main__":`` (each rank imports the script 
 from __future__ import annotations
 
 import multiprocessing as mp
+import json
 import os
 import pickle
 import queue as queue_module
@@ -50,7 +51,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["run_distributed", "run_torchrun", "start_torchrun", "TorchrunJob", "DistributedTestError"]
+__all__ = ["run_distributed", "run_torchrun", "start_torchrun", "TorchrunJob", "DistributedTestError", "write_record",
+           "read_records"]
 
 # What a launcher sets in its workers: never inherited by a job started from inside one.
 # What the fork server imports once, so that each rank forked from it starts with it loaded: torch,
@@ -403,3 +405,20 @@ def run_torchrun(
     with start_torchrun(target, args, nproc=nproc, module=module, launcher_args=launcher_args, env=env,
                         cwd=cwd) as job:
         return job.wait(timeout)
+
+
+def write_record(directory: str, rank: int, **fields: Any) -> None:
+    """Write this rank's `fields` as ``rank<rank>.json`` in `directory` (what a rank reports when it may
+    not live to return a value: a test that kills a peer reads them with `read_records`)."""
+    with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
+        json.dump(fields, f)
+
+
+def read_records(directory: str) -> dict[int, dict[str, Any]]:
+    """The records `write_record` left in `directory`, by rank."""
+    out = {}
+    for name in os.listdir(directory):
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(directory, name)) as f:
+                out[int(name[4:-5])] = json.load(f)
+    return out

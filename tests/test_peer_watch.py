@@ -4,7 +4,6 @@ survivors exit for torchrun to restart them, and a slow step or a rank that fini
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 
 from distributed_training import DistributedTrainer
 from distributed_training.peer_watch import EXIT_CODE, PeerFailureError
-from distributed_training.testing import DistributedTestError, run_distributed
+from distributed_training.testing import DistributedTestError, read_records, run_distributed, write_record
 
 from _models import MLP
 
@@ -32,20 +31,6 @@ def _trainer(**kwargs):
 def _batch(step):
     g = torch.Generator().manual_seed(step)
     return torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
-
-
-def _record(directory, rank, **fields):
-    with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
-        json.dump(fields, f)
-
-
-def _records(directory):
-    out = {}
-    for name in os.listdir(directory):
-        if name.startswith("rank") and name.endswith(".json"):
-            with open(os.path.join(directory, name)) as f:
-                out[int(name[4:-5])] = json.load(f)
-    return out
 
 
 # ------------------------------------------------------------------ a killed rank
@@ -64,7 +49,7 @@ def killed_worker(rank, world, directory, victim, how):
             trainer.train_step(_batch(step), F.mse_loss)
             time.sleep(0.1)  # steps of 0.1 s, so that the step each rank is in gets published (every 0.2 s)
         except PeerFailureError as err:
-            _record(directory, rank, dead=err.rank, host=err.host, last_step=err.last_step, message=str(err),
+            write_record(directory, rank, dead=err.rank, host=err.host, last_step=err.last_step, message=str(err),
                     at=time.time(), step=step)
             trainer.close(barrier=False)
             return
@@ -86,7 +71,7 @@ def test_sigkilled_rank_is_named_by_every_survivor_within_seconds(tmp_path):
     report = str(caught.value)
     assert "--- rank 1 failed ---" in report and "code -9" in report, report
     assert "rank 0 failed" not in report and "rank 2 failed" not in report, report
-    records, killed_at = _records(tmp_path), _killed_at(tmp_path)
+    records, killed_at = read_records(tmp_path), _killed_at(tmp_path)
     assert sorted(records) == [0, 2], report
     for rank, rec in records.items():
         assert rec["dead"] == 1 and f"peer rank 1 (host {socket.gethostname()} pid" in rec["message"], rec
@@ -108,7 +93,7 @@ def test_dead_rank_is_named_on_nccl(tmp_path, how):
                         backend="nccl")
     report = str(caught.value)
     assert "rank 0 failed" not in report and "rank 2 failed" not in report, report
-    records, killed_at = _records(tmp_path), _killed_at(tmp_path)
+    records, killed_at = read_records(tmp_path), _killed_at(tmp_path)
     assert sorted(records) == [0, 2], report
     for rank, rec in records.items():
         assert rec["dead"] == 1 and "peer rank 1 (host" in rec["message"], rec

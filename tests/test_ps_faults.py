@@ -14,7 +14,6 @@ writes what it saw to a file, and the test checks that the killed rank is the on
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distributed_training.ps import ParameterServer, WorkerLostError
-from distributed_training.testing import DistributedTestError, run_distributed
+from distributed_training.testing import DistributedTestError, read_records, run_distributed, write_record
 
 STEPS = 20
 VICTIM = 1  # worker index; its rank is num_servers + 1
@@ -45,20 +44,6 @@ def _loss(model) -> float:
         return F.mse_loss(model(x), y).item()
 
 
-def _record(directory, rank, **fields):
-    with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
-        json.dump(fields, f)
-
-
-def _records(directory):
-    out = {}
-    for name in os.listdir(directory):
-        if name.startswith("rank") and name.endswith(".json"):
-            with open(os.path.join(directory, name)) as f:
-                out[int(name[4:-5])] = json.load(f)
-    return out
-
-
 def _killed_job(rank, world, directory, consistency, staleness, num_servers):
     torch.manual_seed(0)
     model = nn.Linear(8, 1)  # two parameters: with two servers, one on each
@@ -68,10 +53,10 @@ def _killed_job(rank, world, directory, consistency, staleness, num_servers):
         try:
             stats = ps.serve()
         except WorkerLostError as err:
-            _record(directory, rank, role="server", lost=err.worker, step=err.step, message=str(err), at=time.time())
+            write_record(directory, rank, role="server", lost=err.worker, step=err.step, message=str(err), at=time.time())
             return
         values = [v.tolist() for v in ps.server_values.values()]
-        _record(directory, rank, role="server", dropped=stats.dropped, updates=stats.updates,
+        write_record(directory, rank, role="server", dropped=stats.dropped, updates=stats.updates,
                 staleness=stats.staleness, finite=all(math.isfinite(x) for v in ps.server_values.values()
                                                       for x in v.reshape(-1).tolist()), values=values)
         return
@@ -98,11 +83,11 @@ def _killed_job(rank, world, directory, consistency, staleness, num_servers):
         ps.pull(final=True)
         ps.close()
     except WorkerLostError as err:
-        _record(directory, rank, role="worker", lost=err.worker, step=err.step, message=str(err), at=time.time(),
+        write_record(directory, rank, role="worker", lost=err.worker, step=err.step, message=str(err), at=time.time(),
                 done=done)
         ps.close()  # a no-op after the error: nothing waits for a server that has stopped
         return
-    _record(directory, rank, role="worker", done=done, initial=initial, final=_loss(model),
+    write_record(directory, rank, role="worker", done=done, initial=initial, final=_loss(model),
             params=[p.detach().reshape(-1).tolist() for p in model.parameters()])
 
 
@@ -115,7 +100,7 @@ def _run(tmp_path, consistency, staleness, num_servers):
     failed = {r for r in range(world) if f"--- rank {r} failed ---" in str(info.value)}
     assert failed == {victim_rank}, str(info.value)  # only the killed rank: the others ended normally
     assert "did not finish" not in str(info.value), str(info.value)
-    records = _records(tmp_path)
+    records = read_records(tmp_path)
     assert sorted(records) == [r for r in range(world) if r != victim_rank], records
     with open(os.path.join(tmp_path, "killed_at")) as f:
         killed_at = float(f.read())
