@@ -214,15 +214,13 @@ def run_job(cfg: JobConfig) -> dict:
             layout.append(f"tensor-parallel over {t.tensor_parallel_size} ranks"
                           f"{' with sequence parallelism' if t.sequence_parallel else ''}")
         pipeline = f", {' x '.join(layout)} x {trainer.dp_world_size} data-parallel" if layout else ""
-        # A parameter server's servers train nothing: the job is told about by its first worker.
-        trains = trainer.strategy.trains
+        trains = trainer.strategy.trains  # a parameter server's servers train nothing (and write nothing)
         if t.strategy == "parameter_server":
             pipeline = (f" ({t.num_servers} server(s), {trainer.dp_world_size} worker(s), consistency "
                         f"{t.consistency}{f', staleness {t.staleness}' if t.consistency == 'ssp' else ''})")
-        if trains:
-            log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
-                     type(model).__name__, f"{n_params:,}", trainer.strategy.name, pipeline,
-                     trainer.job_context.world_size, ctx.device, user_job.sample_count(train))
+        log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
+                 type(model).__name__, f"{n_params:,}", trainer.strategy.name, pipeline,
+                 trainer.job_context.world_size, ctx.device, user_job.sample_count(train))
         batching = {"batch_size": t.batch_size}
         if t.global_batch_size is not None:  # fit() cuts it at this size (and says how)
             batching = {"global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
@@ -262,9 +260,8 @@ def run_job(cfg: JobConfig) -> dict:
             metrics = {}
         state = trainer.strategy.model_state_dict(trainer.model)
         extra = "".join(f", {k} {v:.4g}" for k, v in metrics.items() if k not in ("loss", "val_loss", "val_samples"))
-        if trains:
-            log.info("dtrain: finished at step %d, validation loss %.4f%s", trainer.step,
-                     metrics.get("loss", math.nan), extra)
+        log.info("dtrain: finished at step %d, validation loss %.4f%s", trainer.step, metrics.get("loss", math.nan),
+                 extra)
         if ctx.is_main and trains:  # one writer (a parameter server's server holds the same model)
             if cfg.output:
                 Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)

@@ -311,7 +311,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         # The ranks that train together (the parameter server: its workers; its servers have their own).
         self.context = strategy.setup_context(ctx)
         if self.context is not ctx:
-            install_default_handler(0 if self.context.is_main else ctx.rank)
+            # The job's messages come from the first rank that trains (servers log warnings only).
+            install_default_handler(0 if self.context.is_main and strategy.trains else max(1, ctx.rank))
         if self.plan is not None:
             log.info("strategy auto -> %s%s (%s)", self.plan.strategy, " with CPU offload" if self.plan.cpu_offload
                      else "", self.plan.reason)
