@@ -116,6 +116,7 @@ def run_distributed(
     backend: str = "gloo",
     collective_timeout: float | None = None,
     env: dict[str, str] | None = None,
+    grace: float = 10.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on `world_size` processes; return each rank's result.
 
@@ -130,6 +131,7 @@ def run_distributed(
         collective_timeout: the process group's own timeout, after which a collective that waits
             for a rank raises in `fn` (default: `timeout`).
         env: extra environment variables for the ranks.
+        grace: seconds the other ranks still get once one has failed (see Raises).
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
@@ -177,7 +179,7 @@ def run_distributed(
                                           "calls run_distributed at module level must do it under "
                                           "`if __name__ == '__main__':`: each rank imports the main module)")
                 if failures and grace_deadline is None:
-                    grace_deadline = time.monotonic() + 10.0
+                    grace_deadline = time.monotonic() + grace
                 continue
             if ok:
                 results[rank] = pickle.loads(payload)
@@ -185,7 +187,7 @@ def run_distributed(
                 failures[rank] = payload
                 if grace_deadline is None:
                     # Peers of a failed rank may be stuck in a collective: give them a moment to fail too.
-                    grace_deadline = time.monotonic() + 10.0
+                    grace_deadline = time.monotonic() + grace
     finally:
         started = [p for p in procs if p.pid is not None]  # start() may have failed part-way
         for p in started:

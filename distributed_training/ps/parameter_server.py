@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Sequence
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from ..checkpoint import CheckpointMismatchError, load_file, read_meta, save_file, write_meta
 from ..checkpoint_shards import FORMAT, Sources, summary
-from .protocol import gloo_group
+from .protocol import gloo_group, process_group
 from .server import Server, ServerStats
 from .sharding import ShardPlan, plan_shards
 from .state import ServerState, meta_of, rank_path
@@ -31,6 +32,38 @@ def check_consistency(consistency: str, staleness: int) -> None:
         raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
     if staleness and consistency != "ssp":
         raise ValueError(f"staleness applies to consistency='ssp' only (consistency={consistency!r})")
+
+
+def _plan(model: nn.Module, num_servers: int, sparse: Sequence[str]) -> tuple[dict, ShardPlan]:
+    """The trained parameters of `model` by name, and their shard plan over `num_servers` servers
+    (embedding tables found, `sparse` ones and those built with ``sparse=True`` as sparse tables)."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    tables, sparse_tables = [], []
+    for module_name, module in model.named_modules():
+        name = f"{module_name}.weight" if module_name else "weight"
+        if isinstance(module, nn.Embedding) and name in params:
+            tables.append(name)
+            if module.sparse or name in sparse:
+                sparse_tables.append(name)
+    for name in sparse:
+        if name not in tables:
+            raise ValueError(f"sparse: {name!r} is not the weight of an nn.Embedding that is trained "
+                             f"(tables: {tables})")
+    plan = plan_shards([(n, p.shape) for n, p in params.items()], num_servers, tables=tables, sparse=sparse_tables)
+    return params, plan
+
+
+def join_store(store: dist.Store | None = None) -> dist.Store | None:
+    """The keys of rejoins: under ``dt_ps/`` in `store` (default: the job's rendezvous store, found under
+    the default group's prefixes; None when there is none)."""
+    if store is None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):
+            return None
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+    return dist.PrefixStore("dt_ps", store)
 
 
 class ParameterServer:
@@ -68,6 +101,11 @@ class ParameterServer:
             ``sparse=True``: their pushes and pulls move only the rows a step touches.
         group: a gloo process group over all ranks (default: the default group when it is gloo, else a
             new gloo group: building the object is then collective).
+        store: where a restarted worker asks to rejoin (`distributed_training.ps.rejoin`; ssp and async):
+            default the job's rendezvous store (the one under the default group's prefixes); False: no
+            rejoins.
+        join_timeout: seconds a rejoining worker and the servers wait for each other (the timeout of
+            the group built for it).
 
     Attributes:
         plan: the `ShardPlan` (``plan.report()``: bytes per server, max / mean).
@@ -89,6 +127,8 @@ class ParameterServer:
         staleness: int = 0,
         sparse: Sequence[str] = (),
         group: dist.ProcessGroup | None = None,
+        store: dist.Store | bool | None = None,
+        join_timeout: float = 300.0,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ParameterServer needs an initialised process group (init_process_group)")
@@ -112,29 +152,36 @@ class ParameterServer:
         rank = dist.get_rank()
         self.role = "server" if rank < num_servers else "worker"
 
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        tables, sparse_tables = [], []
-        for module_name, module in model.named_modules():
-            name = f"{module_name}.weight" if module_name else "weight"
-            if isinstance(module, nn.Embedding) and name in params:
-                tables.append(name)
-                if module.sparse or name in sparse:
-                    sparse_tables.append(name)
-        for name in sparse:
-            if name not in tables:
-                raise ValueError(f"sparse: {name!r} is not the weight of an nn.Embedding that is trained "
-                                 f"(tables: {tables})")
-        self.plan: ShardPlan = plan_shards([(n, p.shape) for n, p in params.items()], num_servers,
-                                           tables=tables, sparse=sparse_tables)
+        params, self.plan = _plan(model, num_servers, sparse)
+        joins = None if store is False else join_store(store)
         self._server: Server | None = None
         self._worker: Worker | None = None
         if self.role == "server":
             self._server = Server(self.plan.pieces[rank], params, num_workers=self.num_workers,
                                   consistency=consistency, staleness=staleness, optimizer=optimizer, lr=lr,
                                   momentum=momentum, betas=betas, eps=eps, group=self.group,
-                                  worker_ranks=list(range(num_servers, world)))
+                                  worker_ranks=list(range(num_servers, world)), joins=joins, index=rank,
+                                  num_servers=num_servers, join_timeout=join_timeout)
+            if rank == 0 and joins is not None:  # what a restarted worker needs to know (ps.rejoin)
+                joins.set("settings", pickle.dumps({"num_servers": num_servers, "num_workers": self.num_workers,
+                                                    "consistency": consistency, "staleness": staleness,
+                                                    "sparse": [n for n, ps in self.plan.tables.items()
+                                                               if ps[0].sparse]}))
         else:
-            self._worker = Worker(params, self.plan, rank - num_servers, self.group)
+            self._worker = Worker(params, self.plan, rank - num_servers, process_group(self.group))
+
+    @classmethod
+    def _rejoined(cls, model: nn.Module, plan: ShardPlan, settings: dict) -> ParameterServer:
+        """A worker's object outside the job's group (`ps.rejoin` gives it its `Worker`)."""
+        ps = cls.__new__(cls)
+        ps.model, ps.plan, ps.role, ps.group = model, plan, "worker", None
+        ps.consistency, ps.staleness = settings["consistency"], settings["staleness"]
+        ps.num_servers, ps.num_workers = settings["num_servers"], settings["num_workers"]
+        ps._server = ps._worker = None
+        ps._rejoin = True
+        return ps
+
+    _rejoin = False  # built by ps.rejoin: not in the job's process group
 
     # ---------------------------------------------------------------- servers
     def serve(self) -> ServerStats:
@@ -157,6 +204,7 @@ class ParameterServer:
         Collective over every rank of the job, called between runs: after the workers' `close` and
         the servers' `serve`, or before any step. `meta` (read on rank 0): more entries of ``meta.pt``
         (a trainer's epoch and data position; ``checksums`` of files others wrote into `path`)."""
+        self._need_job_group("save_state")
         path = os.fspath(path)
         rank = dist.get_rank()
         if rank == 0:
@@ -188,6 +236,7 @@ class ParameterServer:
         servers read the elements they hold, with their optimizer state, from whichever files hold them
         (written by servers of any plan, or by another strategy's trainer), and take the saved version;
         each worker takes its saved step. Returns the checkpoint's step."""
+        self._need_job_group("load_state")
         path = os.fspath(path)
         meta = read_meta(path)
         if meta.get("checkpoint_format") != FORMAT:
@@ -264,6 +313,11 @@ class ParameterServer:
             self._worker.close()
 
     @property
+    def worker_step(self) -> int:
+        """(Workers) the step this worker computes next (a rejoined worker's first step)."""
+        return self._need_worker().step
+
+    @property
     def worker_index(self) -> int:
         """(Workers) this worker's index, ``rank - num_servers``."""
         return self._need_worker().index
@@ -282,6 +336,11 @@ class ParameterServer:
     def versions(self) -> list[int]:
         """(Workers) the version each server answered the last pull with."""
         return list(self._need_worker().versions)
+
+    def _need_job_group(self, what: str) -> None:
+        if self._rejoin:
+            raise RuntimeError(f"{what} is collective over the job's process group, which a rejoined worker "
+                               "is not in")
 
     def _need_worker(self) -> Worker:
         if self._worker is None:

@@ -8,6 +8,14 @@ pull) is ``[version, n_values, lost_worker, lost_step]`` (tag `REPLY`) then the 
 `REPLY_VALUES`); ``lost_worker`` is -1, or, under ``sync``, the worker whose death ended the training
 (the worker raises `WorkerLostError`).
 
+Messages travel on a `ProcessGroup` object directly (``pg.send`` / ``pg.recv``, ranks of that group):
+the job's gloo group, or, for a worker that rejoined after a restart, a group of its own with the servers
+(servers at ranks ``0 .. S - 1``, the worker at rank ``S``; see `distributed_training.ps.rejoin`), which
+`torch.distributed` never registers.
+
+A rejoining worker's first request is `Kind.JOIN`; its reply's header is ``[version, 0, -1, pushed]``:
+the server's version and the steps the worker had pushed before it was lost.
+
 Indices of sparse tables travel as ``[count of each sparse piece of that server..., rows...]``, rows local
 to the piece; a count of -1 means "all rows" (the whole piece moves, as a dense one).
 
@@ -24,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Kind", "HEADER", "VALUES", "INDICES", "REPLY", "REPLY_VALUES", "HEADER_LEN", "REPLY_LEN",
-           "WorkerLostError", "gloo_group", "Outbox", "send_request", "recv_request"]
+           "WorkerLostError", "gloo_group", "process_group", "Outbox", "send_request", "recv_request", "recv_reply"]
 
 HEADER, VALUES, INDICES, REPLY, REPLY_VALUES = 1001, 1002, 1003, 1004, 1005
 HEADER_LEN = 5
@@ -54,7 +62,8 @@ class Kind(enum.IntEnum):
     PUSH = 1    # gradients of a step: values (+ rows of sparse pieces)
     PULL = 2    # parameters for a step: (rows of sparse pieces); answered with a reply
     FINAL = 3   # this worker has pushed its last step; answered once every worker has finished
-    DONE = 4    # this worker leaves; no reply
+    DONE = 4    # this worker leaves; acknowledged once every worker has
+    JOIN = 5    # a restarted worker is back (on a group of its own); answered with the version and its steps
 
 
 def gloo_group() -> dist.ProcessGroup | None:
@@ -65,59 +74,76 @@ def gloo_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
-def send_request(dst: int, kind: Kind, worker: int, step: int, values: torch.Tensor | None,
-                 indices: torch.Tensor | None, group) -> list:
-    """Post a request's messages without blocking; returns the work handles (keep the tensors alive)."""
+def process_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The `ProcessGroup` object of `group` (None: the default group)."""
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def send_request(pg: dist.ProcessGroup, dst: int, kind: Kind, worker: int, step: int,
+                 values: torch.Tensor | None, indices: torch.Tensor | None) -> list:
+    """Post a request's messages to rank `dst` of `pg` without blocking; returns the work handles (keep
+    the tensors alive until they complete)."""
     n_values = 0 if values is None else values.numel()
     n_indices = 0 if indices is None else indices.numel()
     header = torch.tensor([int(kind), worker, step, n_values, n_indices], dtype=torch.int64)
-    works = [dist.isend(header, dst=dst, group=group, tag=HEADER)]
+    works = [pg.send([header], dst, HEADER)]
     if n_values:
-        works.append(dist.isend(values, dst=dst, group=group, tag=VALUES))
+        works.append(pg.send([values], dst, VALUES))
     if n_indices:
-        works.append(dist.isend(indices, dst=dst, group=group, tag=INDICES))
+        works.append(pg.send([indices], dst, INDICES))
     return works
 
 
-def recv_request(group, src: int | None = None) -> tuple[int, Kind, int, int, torch.Tensor | None,
-                                                        torch.Tensor | None]:
-    """Block for the next request from rank `src` (None: any worker): ``(source rank, kind, worker, step,
-    values, indices)``. Raises when `src`'s connection closes (gloo: "Connection closed by peer"); a
-    receive from any source does not (it waits for the others)."""
+def recv_request(pg: dist.ProcessGroup, src: int) -> tuple[Kind, int, int, torch.Tensor | None, torch.Tensor | None]:
+    """Block for the next request from rank `src` of `pg`: ``(kind, worker, step, values, indices)``.
+    Raises when `src`'s connection closes (gloo: "Connection closed by peer"); a receive from any source
+    would not (it waits for the others), which is why a server reads each worker on a thread of its own."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    src = dist.recv(header, src=src, group=group, tag=HEADER)
+    pg.recv([header], src, HEADER).wait()
     kind, worker, step, n_values, n_indices = header.tolist()
     values = indices = None
     if n_values:
         values = torch.empty(n_values, dtype=torch.float32)
-        dist.recv(values, src=src, group=group, tag=VALUES)
+        pg.recv([values], src, VALUES).wait()
     if n_indices:
         indices = torch.empty(n_indices, dtype=torch.int64)
-        dist.recv(indices, src=src, group=group, tag=INDICES)
-    return src, Kind(kind), worker, step, values, indices
+        pg.recv([indices], src, INDICES).wait()
+    return Kind(kind), worker, step, values, indices
+
+
+def recv_reply(pg: dist.ProcessGroup, src: int, n_values: int) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """Post the receives of a reply from rank `src` of `pg` carrying `n_values` values: ``(works, header,
+    values)``; the header is ``[version, n_values, lost_worker, lost_step]`` once the works complete."""
+    header, values = torch.empty(REPLY_LEN, dtype=torch.int64), torch.empty(n_values)
+    works = [pg.recv([header], src, REPLY)]
+    if n_values:
+        works.append(pg.recv([values], src, REPLY_VALUES))
+    return works, header, values
 
 
 class Outbox:
-    """A server's replies in flight: non-blocking sends whose tensors are kept until they complete."""
+    """A server's replies in flight: non-blocking sends whose tensors are kept until they complete,
+    by worker."""
 
-    def __init__(self, group) -> None:
-        self.group = group
-        self._pending: list[tuple[int, object, tuple[torch.Tensor, ...]]] = []  # (dst, work, tensors)
+    def __init__(self) -> None:
+        self._pending: list[tuple[int, object, tuple[torch.Tensor, ...]]] = []  # (worker, work, tensors)
         self._abandoned: list[tuple[int, object, tuple[torch.Tensor, ...]]] = []
 
-    def reply(self, dst: int, version: int, values: torch.Tensor, lost: tuple[int, int] = (-1, -1)) -> None:
+    def reply(self, worker: int, pg: dist.ProcessGroup, dst: int, version: int, values: torch.Tensor,
+              lost: tuple[int, int] = (-1, -1)) -> None:
+        """Send `worker` (rank `dst` of `pg`) a reply without blocking."""
         header = torch.tensor([version, values.numel(), *lost], dtype=torch.int64)
-        works = [dist.isend(header, dst=dst, group=self.group, tag=REPLY)]
+        works = [pg.send([header], dst, REPLY)]
         if values.numel():
-            works.append(dist.isend(values, dst=dst, group=self.group, tag=REPLY_VALUES))
-        self._pending.extend((dst, w, (header, values)) for w in works)
+            works.append(pg.send([values], dst, REPLY_VALUES))
+        self._pending.extend((worker, w, (header, values)) for w in works)
         self._pending = [p for p in self._pending if not p[1].is_completed()]
 
-    def forget(self, dst: int) -> None:
-        """Never wait for the replies to `dst` (a lost worker): they can only fail. Their tensors stay
+    def forget(self, worker: int) -> None:
+        """Never wait for the replies to `worker` (lost): they can only fail. Their tensors stay
         referenced, since gloo may still hold the buffers."""
-        self._abandoned += [p for p in self._pending if p[0] == dst]
-        self._pending = [p for p in self._pending if p[0] != dst]
+        self._abandoned += [p for p in self._pending if p[0] == worker]
+        self._pending = [p for p in self._pending if p[0] != worker]
 
     def flush(self) -> None:
         for _, work, _ in self._pending:

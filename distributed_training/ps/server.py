@@ -20,6 +20,14 @@ discarded, its waiting pulls forgotten, and the steps, the staleness gate and th
 with the others (`ServerStats.dropped`). Under `sync` the loop answers every pull and close from then
 on with the lost worker's index (the workers raise `WorkerLostError`), and once each surviving worker
 has been told (or is gone too) it raises `WorkerLostError` itself.
+
+A lost worker may come back (`ssp` / `async`; `distributed_training.ps.rejoin`): a restarted process asks
+in the rendezvous store, a watcher thread (`_watch_joins`) builds a gloo group of the servers and it, and
+the loop reads the worker on that group from then on. Its `JOIN` is answered with the step it continues
+from (the steps it had pushed; under `ssp` at least the version, so that no applied step is computed
+again). Until its first request names that step, updates from the step this server proposed on are
+held (so that no server applies a step the worker will take part in without it); from then on it counts
+for every step from its start, as any worker.
 """
 
 from __future__ import annotations
@@ -27,12 +35,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from .optim import ShardOptimizer
-from .protocol import Kind, Outbox, WorkerLostError, recv_request
+from .protocol import Kind, Outbox, WorkerLostError, process_group, recv_request
 from .sharding import Piece
 
 __all__ = ["Server", "ServerStats"]
@@ -53,6 +64,8 @@ class ServerStats:
         pulls_delayed: pulls of a step that had to wait for updates (ssp / sync; final pulls not counted).
         dropped: ``(worker, step)`` of every worker lost and dropped (ssp / async), in the order found;
             step is the one it was computing (the steps it had pushed).
+        rejoined: ``(worker, step)`` of every worker that came back after a restart, in order; step is
+            the one it continued from.
     """
 
     updates: int = 0
@@ -61,6 +74,7 @@ class ServerStats:
     bytes_out: int = 0
     pulls_delayed: int = 0
     dropped: list[tuple[int, int]] = field(default_factory=list)
+    rejoined: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def max_staleness(self) -> int:
@@ -69,7 +83,6 @@ class ServerStats:
 
 @dataclass
 class _Pull:
-    src: int
     worker: int
     step: int
     rows: dict[str, torch.Tensor | None]
@@ -81,7 +94,11 @@ class Server:
 
     def __init__(self, pieces: list[Piece], full_values: dict[str, torch.Tensor], *, num_workers: int,
                  consistency: str, staleness: int, optimizer: str, lr: float, momentum: float,
-                 betas: tuple[float, float], eps: float, group, worker_ranks: list[int]) -> None:
+                 betas: tuple[float, float], eps: float, group, worker_ranks: list[int],
+                 joins=None, index: int = 0, num_servers: int = 1, join_timeout: float = 300.0) -> None:
+        """`group`: the job's gloo group (None: the default group), worker `w` at rank `worker_ranks[w]`.
+        `joins`: the store where restarted workers ask to rejoin (None: they cannot); this server is
+        rank `index` of `num_servers` in the group built for one; `join_timeout`: that group's timeout."""
         self.pieces = pieces
         self.sparse_pieces = [p for p in pieces if p.sparse]
         self.values = {p.name: p.view(full_values[p.name].detach()).to("cpu", torch.float32).clone()
@@ -89,8 +106,9 @@ class Server:
         self.optim = ShardOptimizer(pieces, self.values, optimizer, lr=lr, momentum=momentum, betas=betas, eps=eps)
         self.num_workers, self.consistency = num_workers, consistency
         self.staleness = 0 if consistency == "sync" else staleness
-        self.group = group
-        self.outbox = Outbox(group)
+        self.outbox = Outbox()
+        pg = process_group(group)
+        self.links: dict[int, tuple] = {w: (pg, r) for w, r in enumerate(worker_ranks)}  # worker -> (pg, rank)
         self.version = 0
         self.pulled_version = [0] * num_workers
         self.pending: dict[int, dict[int, tuple[dict, int]]] = {}  # step -> worker -> (grads, version)
@@ -98,12 +116,16 @@ class Server:
         self.done: set[int] = set()
         self.waiting: list[_Pull] = []
         self.stats = ServerStats()
-        self.worker_ranks = worker_ranks
+        self.worker_ranks = worker_ranks  # the job's ranks, for messages (a rejoined worker's link is elsewhere)
         self.pushed = [0] * num_workers  # steps each worker has pushed: the step it is computing
         self.lost: set[int] = set()
         self.failure: WorkerLostError | None = None  # sync: the first lost worker ends the training
         self.told: set[int] = set()  # sync, after a failure: workers answered with it
-        self._inbox: queue.Queue = queue.Queue()
+        self.joins, self.index, self.num_servers, self.join_timeout = joins, index, num_servers, join_timeout
+        self.joining: dict[int, int] = {}  # rejoined worker -> the step this server proposed, until it starts
+        self.joined_at: dict[int, int] = {}  # rejoined worker -> the step it continued from
+        self._inbox: queue.Queue = queue.Queue()  # (worker, request, error, joined group)
+        self._serving = False
 
     # ---------------------------------------------------------------- loop
     def serve(self) -> ServerStats:
@@ -113,19 +135,31 @@ class Server:
             WorkerLostError: (sync) a worker was lost; raised once every other worker has been told.
         """
         for worker in range(self.num_workers):
-            threading.Thread(target=self._receive, args=(worker,), name=f"dt-ps-recv-{worker}", daemon=True).start()
+            self._start_receiving(worker)
+        self._serving = True
+        if self.joins is not None and self.consistency != "sync":
+            threading.Thread(target=self._watch_joins, name="dt-ps-joins", daemon=True).start()
         leaving: list[int] = []
         while not self._over():
-            worker, request, error = self._inbox.get()
-            if error is not None:
+            worker, request, error, joined = self._inbox.get()
+            if joined is not None:
+                self._rejoin(worker, joined)
+            elif error is not None:
                 self._lose(worker, error)
             else:
-                src, kind, sender, step, values, indices = request
+                kind, sender, step, values, indices = request
                 if sender != worker:
-                    raise RuntimeError(f"parameter server: rank {src} (worker {worker}) sent a request as worker "
-                                       f"{sender}")
+                    raise RuntimeError(f"parameter server: rank {self.links[worker][1]} (worker {worker}) sent a "
+                                       f"request as worker {sender}")
                 self.stats.bytes_in += (0 if values is None else 4 * values.numel()) + \
                     (0 if indices is None else 8 * indices.numel())
+                if kind == Kind.JOIN:
+                    self._answer_join(worker)
+                    continue
+                if worker in self.joining:  # its first request after JOIN: the step it continues from
+                    del self.joining[worker]
+                    self.joined_at[worker] = step
+                    self.stats.rejoined.append((worker, step))
                 if kind == Kind.PUSH:
                     self.pushed[worker] = step + 1
                     if self.failure is None:
@@ -133,15 +167,15 @@ class Server:
                 elif kind in (Kind.PULL, Kind.FINAL):
                     if kind == Kind.FINAL:
                         self.finished.add(worker)
-                    self.waiting.append(_Pull(src, worker, step, self._rows(indices), kind == Kind.FINAL))
+                    self.waiting.append(_Pull(worker, step, self._rows(indices), kind == Kind.FINAL))
                     if kind == Kind.PULL and not self._allowed(self.waiting[-1]):
                         self.stats.pulls_delayed += 1
                 else:
                     self.done.add(worker)
-                    leaving.append(src)
+                    leaving.append(worker)
             if self.failure is not None:  # sync: tell whoever waits for an acknowledgement now
-                for src in leaving:
-                    self._reply(src, self.version, torch.empty(0))
+                for w in leaving:
+                    self._reply(w, self.version, torch.empty(0))
                 leaving.clear()
             self._apply_ready()
             self._answer_waiting()
@@ -149,8 +183,9 @@ class Server:
             raise RuntimeError(f"parameter server: every worker left with steps {sorted(self.pending)} incomplete")
         # Acknowledge the DONEs only now: a worker's close() returns after every worker has closed, so no
         # message of a later ParameterServer (the same ranks, the same tags) can reach this loop.
-        for src in leaving:
-            self._reply(src, self.version, torch.empty(0))
+        self._serving = False  # no more rejoins
+        for w in leaving:
+            self._reply(w, self.version, torch.empty(0))
         self.outbox.flush()
         self.stats.updates = self.version
         if self.failure is not None:
@@ -162,17 +197,64 @@ class Server:
             return len(self.told | self.lost) == self.num_workers
         return len(self.done | self.lost) == self.num_workers
 
-    def _receive(self, worker: int) -> None:
+    def _start_receiving(self, worker: int) -> None:
+        pg, rank = self.links[worker]
+        threading.Thread(target=self._receive, args=(worker, pg, rank), name=f"dt-ps-recv-{worker}",
+                         daemon=True).start()
+
+    def _receive(self, worker: int, pg, rank: int) -> None:
         """(A thread per worker) read its requests into the inbox until its DONE, or until its connection
         fails (then the error goes to the inbox instead: the worker is lost)."""
         try:
             while True:
-                request = recv_request(self.group, src=self.worker_ranks[worker])
-                self._inbox.put((worker, request, None))
-                if request[1] == Kind.DONE:
+                request = recv_request(pg, rank)
+                self._inbox.put((worker, request, None, None))
+                if request[0] == Kind.DONE:
                     return
         except Exception as err:
-            self._inbox.put((worker, None, err))
+            self._inbox.put((worker, None, err, None))
+
+    # ---------------------------------------------------------------- rejoins
+    def _watch_joins(self) -> None:
+        """(A thread, ssp / async) answer a restarted worker's request to rejoin (`ps.rejoin`): for a worker
+        that is lost, count this server in, build the gloo group of the servers and it (this server at rank
+        `index`, the worker at rank `num_servers`), and hand it to the loop."""
+        seen = {w: self.joins.add(f"join/{w}", 0) for w in range(self.num_workers)}
+        while self._serving:
+            for worker in range(self.num_workers):
+                request = self.joins.add(f"join/{worker}", 0)
+                if request > seen[worker] and worker in self.lost:
+                    seen[worker] = request
+                    prefix = f"join/{worker}/{request}"
+                    self.joins.add(prefix + "/accepted", 1)
+                    try:
+                        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.joins), self.index,
+                                                   self.num_servers + 1, timedelta(seconds=self.join_timeout))
+                    except Exception as err:  # the worker died again while connecting: it stays lost
+                        log.warning("parameter server: worker %d's rejoin failed: %s", worker, err)
+                        continue
+                    self._inbox.put((worker, None, None, pg))
+            time.sleep(0.2)
+
+    def _rejoin(self, worker: int, pg) -> None:
+        """A lost worker is back on group `pg`: read it there; it counts once its JOIN is answered."""
+        if not self._serving or worker not in self.lost:
+            return
+        self.lost.discard(worker)
+        self.done.discard(worker)
+        self.finished.discard(worker)
+        self.links[worker] = (pg, self.num_servers)
+        self.joining[worker] = -1  # until its JOIN: hold nothing yet
+        self._start_receiving(worker)
+        log.warning("parameter server: worker %d rejoined", worker)
+
+    def _answer_join(self, worker: int) -> None:
+        """Propose the step `worker` continues from; hold updates from that step until it starts."""
+        proposal = self.pushed[worker]
+        if self.consistency == "ssp":
+            proposal = max(proposal, self.version)
+        self.joining[worker] = proposal
+        self._reply(worker, self.version, torch.empty(0), info=proposal)
 
     # ---------------------------------------------------------------- lost workers
     def _lose(self, worker: int, error: BaseException) -> None:
@@ -182,7 +264,8 @@ class Server:
         self.lost.add(worker)
         step, rank = self.pushed[worker], self.worker_ranks[worker]
         self.waiting = [p for p in self.waiting if p.worker != worker]
-        self.outbox.forget(rank)
+        self.outbox.forget(worker)
+        self.joining.pop(worker, None)
         if self.consistency == "sync":
             if self.failure is None:
                 self.failure = WorkerLostError.of(worker, rank, step, f"seen by the server: {error}")
@@ -195,13 +278,13 @@ class Server:
         log.warning("parameter server: worker %d (rank %d) is lost at step %d and dropped; %d worker(s) go on "
                     "(%s)", worker, rank, step, self.num_workers - len(self.lost | self.done), error)
 
-    def _reply(self, src: int, version: int, values: torch.Tensor) -> None:
-        """A reply to rank `src`, carrying the failure under sync; a send that fails (the worker just died)
-        loses that worker."""
-        worker = self.worker_ranks.index(src)
-        lost = (-1, -1) if self.failure is None else (self.failure.worker, self.failure.step)
+    def _reply(self, worker: int, version: int, values: torch.Tensor, info: int = -1) -> None:
+        """A reply to `worker`, carrying the failure under sync (else `info` in its last field); a send that
+        fails (the worker just died) loses that worker."""
+        lost = (-1, info) if self.failure is None else (self.failure.worker, self.failure.step)
+        pg, rank = self.links[worker]
         try:
-            self.outbox.reply(src, version, values, lost)
+            self.outbox.reply(worker, pg, rank, version, values, lost)
         except RuntimeError as err:
             self._lose(worker, err)
             return
@@ -252,10 +335,24 @@ class Server:
         """Apply pending steps in order while the next one has every training worker's gradient."""
         if self.failure is not None:
             return
-        required = set(range(self.num_workers)) - self.finished - self.done - self.lost
-        while self.version in self.pending and required <= set(self.pending[self.version]):
+        while self.version in self.pending and self._required(self.version) <= set(self.pending[self.version]):
             contributions = self.pending.pop(self.version)
             self._update(contributions, self.version, scale=1.0 / len(contributions))
+
+    def _required(self, step: int) -> set[int]:
+        """The workers whose gradient step `step` waits for: those training, from the step they (re)joined
+        at; a worker rejoining (between its JOIN and its first request) holds the steps from the one
+        proposed to it."""
+        required = set()
+        for w in range(self.num_workers):
+            if w in self.finished or w in self.done or w in self.lost:
+                continue
+            if w in self.joining:
+                if step >= self.joining[w] >= 0:
+                    required.add(w)
+            elif step >= self.joined_at.get(w, 0):
+                required.add(w)
+        return required
 
     def _update(self, contributions: dict[int, tuple[dict, int]], step: int, scale: float) -> None:
         """One optimizer update from the gradients of `contributions` (worker -> (grads, version)),
@@ -313,4 +410,4 @@ class Server:
         values = torch.cat(parts) if parts else torch.empty(0)
         self.pulled_version[pull.worker] = self.version
         self.stats.bytes_out += 4 * values.numel()
-        self._reply(pull.src, self.version, values)
+        self._reply(pull.worker, self.version, values)

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .protocol import REPLY, REPLY_LEN, REPLY_VALUES, Kind, WorkerLostError, send_request
+from .protocol import Kind, WorkerLostError, recv_reply, send_request
 from .sharding import Piece, ShardPlan
 
 __all__ = ["Worker"]
@@ -35,8 +35,11 @@ class Worker:
         wait_seconds: time spent in pulls (waiting for parameters, the wire included).
     """
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], plan: ShardPlan, index: int, group) -> None:
-        self.params, self.plan, self.index, self.group = params, plan, index, group
+    def __init__(self, params: dict[str, torch.nn.Parameter], plan: ShardPlan, index: int,
+                 pg: dist.ProcessGroup) -> None:
+        """`pg`: the process group to the servers, server `i` at its rank `i` (the job's group, or a
+        rejoined worker's group of its own)."""
+        self.params, self.plan, self.index, self.pg = params, plan, index, pg
         self.servers = [s for s in range(plan.num_servers) if plan.pieces[s]]
         self.step = 0
         self.versions: list[int] = [0] * plan.num_servers
@@ -94,12 +97,10 @@ class Worker:
         for server in self.servers:
             indices, local = self._indices(server, self._rows)
             n = sum(self._numel(p, local.get(p.name)) for p in self.plan.pieces[server])
-            header, values = torch.empty(REPLY_LEN, dtype=torch.int64), torch.empty(n)
-            works.append(dist.irecv(header, src=server, group=self.group, tag=REPLY))
-            if n:
-                works.append(dist.irecv(values, src=server, group=self.group, tag=REPLY_VALUES))
-            works += send_request(server, Kind.FINAL if final else Kind.PULL, self.index, self.step, None,
-                                  indices, self.group)
+            posted, header, values = recv_reply(self.pg, server, n)
+            works += posted
+            works += send_request(self.pg, server, Kind.FINAL if final else Kind.PULL, self.index, self.step,
+                                  None, indices)
             replies.append((server, header, values, local, indices))
         for work in works:
             work.wait()
@@ -146,7 +147,7 @@ class Worker:
             indices, local = self._indices(server, rows)
             parts = [self._grad(piece, local.get(piece.name)) for piece in self.plan.pieces[server]]
             values = torch.cat(parts) if parts else torch.empty(0)
-            works += send_request(server, Kind.PUSH, self.index, self.step, values, indices, self.group)
+            works += send_request(self.pg, server, Kind.PUSH, self.index, self.step, values, indices)
             keep.append((values, indices))
             self.traffic["push_values"] += 4 * values.numel()
             self.traffic["push_indices"] += 0 if indices is None else 8 * indices.numel()
@@ -190,13 +191,31 @@ class Worker:
             return
         works, acks = [], []
         for server in range(self.plan.num_servers):
-            acks.append(torch.empty(REPLY_LEN, dtype=torch.int64))
-            works.append(dist.irecv(acks[-1], src=server, group=self.group, tag=REPLY))
-            works += send_request(server, Kind.DONE, self.index, self.step, None, None, self.group)
+            posted, header, _ = recv_reply(self.pg, server, 0)
+            works += posted + send_request(self.pg, server, Kind.DONE, self.index, self.step, None, None)
+            acks.append(header)
         for work in works:
             work.wait()
         self._closed = True
         self._raise_if_lost(list(enumerate(acks)))
+
+    def join(self, consistency: str) -> int:
+        """(A restarted worker, on its own group with the servers) announce itself to every server and
+        take the step to continue from: the steps it had pushed before it was lost, and under ``ssp`` at
+        least the servers' newest version (the steps applied without it are not computed again).
+        Returns that step."""
+        works, replies = [], []
+        for server in range(self.plan.num_servers):
+            posted, header, _ = recv_reply(self.pg, server, 0)
+            works += posted + send_request(self.pg, server, Kind.JOIN, self.index, -1, None, None)
+            replies.append(header)
+        for work in works:
+            work.wait()
+        versions = [int(h[0]) for h in replies]
+        pushed = max(int(h[3]) for h in replies)
+        self.versions = versions
+        self.step = max(pushed, max(versions)) if consistency == "ssp" else pushed
+        return self.step
 
     def _raise_if_lost(self, headers: list[tuple[int, torch.Tensor]]) -> None:
         """Raise `WorkerLostError` if a server's reply header names a lost worker (then this one is closed)."""
