@@ -194,7 +194,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             the process group is aborted so that a blocked collective returns; a rank still blocked
             ``max(10, 2 * heartbeat_timeout)`` seconds later (gloo cannot be woken) logs the error and
             exits with status `peer_watch.EXIT_CODE` (75), for torchrun to restart. See
-            `distributed_training.peer_watch`.
+            `distributed_training.peer_watch`. Not for a parameter server's workers under ssp / async:
+            they never meet, and the servers drop a worker that dies.
     """
 
     def __init__(
@@ -454,8 +455,11 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             raise
 
     def _peer_watch(self) -> PeerWatch | None:
-        """This rank's heartbeat and watch over its peers (`heartbeat_timeout`), started at the first step."""
-        if self._watch is None and self.heartbeat_timeout is not None and self.context.world_size > 1:
+        """This rank's heartbeat and watch over its peers (`heartbeat_timeout`), started at the first step.
+        Independent ranks (a parameter server's workers under ssp / async) watch nobody: a peer that
+        dies is dropped by the servers, and the others go on."""
+        if (self._watch is None and self.heartbeat_timeout is not None and self.context.world_size > 1
+                and not self.context.independent):
             store = _default_store()
             if store is None:
                 return None
@@ -473,6 +477,10 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         watch = self._watch
         if watch is None or (watch.failure is None and not looks_like_peer_loss(err)):
             return  # after a failure was found, any error is its consequence (an aborted NCCL group's too)
+        from .ps.protocol import WorkerLostError
+
+        if isinstance(err, WorkerLostError):
+            return  # the parameter server's (sync) names the dead worker already: raised as it is
         failure = watch.verdict(wait=0 if is_timeout(err) else None)
         if failure is not None:
             watch.acknowledge()
