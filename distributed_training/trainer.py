@@ -183,7 +183,10 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             (default: equal to data parallelism), ``"ssp"`` (a worker at most `staleness` steps ahead of
             the slowest) or ``"async"``. `fit` on a server serves until the workers are done and returns
             ``[]``; afterwards every rank holds the final model. `sparse_embeddings`: embedding weights
-            whose pushes carry only the touched rows. Checkpoints with ``"sync"`` only; not with an LR
+            whose pushes carry only the touched rows. Under ``"ssp"`` / ``"async"`` the workers never
+            meet, so a worker that dies in `fit` is dropped and the others finish (evaluation then runs
+            on each worker over the whole set); under ``"sync"`` it is a `WorkerLostError` naming it.
+            Checkpoints with ``"sync"`` only; not with an LR
             scheduler, gradient clipping, fp16 or pipeline / tensor parallelism yet. See
             docs/parameter_server.md.
         heartbeat_timeout: seconds of heartbeat silence after which a peer rank counts as dead (None:

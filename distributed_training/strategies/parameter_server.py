@@ -11,8 +11,18 @@ backward runs locally (accumulation too: gradients add up until the step), and `
 them (`ParameterServer.step`); the optimizer the user's factory builds on a worker never steps: the
 strategy reads its type and hyperparameters and the servers run that optimizer. `fit` on a server runs
 the server loop (`serve`) until every worker has finished and returns ``[]``; at the end of a worker's
-`fit` (`end_fit`) every worker pulls the final parameters and worker 0 sends them to every server, so
-that every rank ends with the same model (`full_state_dict`, `evaluate` on any rank).
+`fit` (`end_fit`) every worker pulls the final parameters and closes, and the servers put their own
+final values into their model (each sends its pieces to the other servers), so that every rank ends
+with the same model (`full_state_dict`, `evaluate` on any rank).
+
+A worker that dies (its process killed) under ``"ssp"`` or ``"async"``: the workers' context is
+`independent` (`DistributedContext.independent`), so the trainer's workers never meet: the stop on a
+signal and the steps per epoch are each worker's own, no peer watch runs, and evaluation runs on each
+worker over the whole set with no all-reduce. The servers drop the dead worker, the others train to
+the end, and every surviving rank ends with the servers' final values; server 0 tells the workers left
+which workers were dropped (`dropped`), and the job's main rank moves to the lowest worker left. Under
+``"sync"`` the survivors' and the servers' `fit` raise `WorkerLostError` naming the worker. A signal
+reaching a server waits until the workers have left (it then exits as the workers do).
 
 A loop of your own (`train_step` on the workers): call ``trainer.strategy.serve(trainer.model)`` on the
 servers and ``trainer.strategy.finish(trainer.model)`` on every worker after its last step.
