@@ -121,10 +121,11 @@ def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: Dist
     Every rank shards the dataset *it* was given; if their lengths differ (each rank read its own
     file, say), so do their step counts, and a rank that stopped early would leave the others
     waiting in a collective forever. One small all-gather at the start of `fit` finds out, and
-    every rank then runs the smallest count (with a warning naming each rank's length)."""
+    every rank then runs the smallest count (with a warning naming each rank's length). Independent
+    ranks (`DistributedContext.independent`) wait for nobody: each runs its own count."""
     samples = sampler.shard_length()
     steps = samples // loader.batch_size if loader.drop_last else -(-samples // loader.batch_size)
-    if ctx.world_size == 1:
+    if ctx.world_size == 1 or ctx.independent:
         return steps
     device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
     mine = torch.tensor([sampler.dataset_len, steps], dtype=torch.int64, device=device)

@@ -73,7 +73,10 @@ class Evaluation:
         if metrics and criterion is None:
             raise ValueError("evaluate(metrics=...) needs a criterion: metrics are computed from (outputs, targets)")
         # One shard per data-parallel replica: tensor- or pipeline-parallel peers evaluate the same one.
-        sampler = ShardedSampler(dataset, self.dp_world_size, self.dp_rank, shuffle=False, pad=False)
+        # Independent ranks (a parameter server's workers under ssp / async) never meet: each evaluates
+        # the whole set, so that no rank waits for one that may have died.
+        shards, shard = (1, 0) if ctx.independent else (self.dp_world_size, self.dp_rank)
+        sampler = ShardedSampler(dataset, shards, shard, shuffle=False, pad=False)
         loader = DataLoader(dataset, batch_size=bs, sampler=sampler, collate_fn=collate)
         # Sharded models gather parameters inside forward, a collective: every rank must run as many
         # forwards as the others, so a rank whose shard is exhausted repeats a batch with weight 0.
@@ -121,6 +124,6 @@ class Evaluation:
                 m.training = mode
         sums = self.strategy.evaluation_sums(sums)  # a pipeline: its last stage's values to its other ranks
         local = sums.clone()
-        if self.dp_world_size > 1:  # each replica counted once, whatever shares it
+        if shards > 1:  # each replica counted once, whatever shares it
             dist.all_reduce(sums, group=ctx.mesh.group("data"))
         return names, local, sums

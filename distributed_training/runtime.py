@@ -54,6 +54,11 @@ class DistributedContext:
             caller initialised it before us).
         mesh: the layout of the ranks over the parallel dimensions and this rank's group along each
             (default: data parallelism over all of `group`, nodes of `local_world_size` ranks).
+        independent: the ranks train without ever meeting (a parameter server's workers under ssp /
+            async, whose only messages go to the servers): what the trainer would agree on among
+            them (`every_rank`, the stop on a signal, the steps per epoch, an evaluation's sums) is
+            each rank's own, and no peer watch runs, so a rank that dies leaves the others nothing
+            to wait for.
     """
 
     rank: int
@@ -65,6 +70,7 @@ class DistributedContext:
     group: dist.ProcessGroup | None = None
     owns_process_group: bool = field(default=False, repr=False)
     mesh: Mesh | None = None
+    independent: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mesh is None:
@@ -93,8 +99,9 @@ class DistributedContext:
 
     def every_rank(self, value: bool) -> bool:
         """Whether `value` is true on every rank (one tiny all-reduce; every rank must call it): how
-        ranks decide together, e.g. to stop when any of them runs out of batches, so none hangs."""
-        if self.world_size == 1:
+        ranks decide together, e.g. to stop when any of them runs out of batches, so none hangs.
+        Independent ranks (`independent`) do not meet: `value` itself."""
+        if self.world_size == 1 or self.independent:
             return value
         device = self.device if self.backend == "nccl" else torch.device("cpu")
         flag = torch.tensor([1 if value else 0], dtype=torch.int32, device=device)

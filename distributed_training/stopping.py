@@ -5,6 +5,8 @@ they are at different steps. A rank that simply stopped would leave its peers wa
 collective until the timeout, and a rank interrupted in the middle of a checkpoint write would leave
 a half-written file. So the handlers only record the signal; at each step boundary the ranks
 all-reduce (MAX) what they have received, and stop together at the step where any of them had.
+Ranks that never meet (`DistributedContext.independent`: a parameter server's workers under ssp /
+async) each stop on the signal they got, at their own step.
 
 The all-reduce of step k is started without waiting and read at step k + 1's boundary, so the host
 never waits for the device's current step: a signal stops the loop one or two steps after it arrives.
@@ -85,7 +87,7 @@ class StopSignals:
         """At a step boundary, on every rank alike: the signal to stop on, or None to go on."""
         if not self.active or self.signal is not None:
             return self.signal
-        if self.context.world_size == 1:
+        if self._alone:
             code = self.received
         else:
             flag = torch.full((1,), self.received, dtype=torch.int32, device=self.device)  # no host-to-device copy
@@ -101,7 +103,7 @@ class StopSignals:
         if not self.active or self.signal is not None:
             self._drain()
             return self.signal
-        if self.context.world_size == 1:
+        if self._alone:
             code = self.received
         else:
             code = max(self._drain(), self.received)
@@ -110,6 +112,13 @@ class StopSignals:
             code = int(flag.item())
         self.signal = _BY_PRIORITY.get(code)
         return self.signal
+
+    @property
+    def _alone(self) -> bool:
+        """Whether this rank decides by itself: a world of one, or independent ranks (a parameter
+        server's workers under ssp / async), each of which stops on the signal it got; a launcher's
+        SIGTERM reaches every one of them anyway."""
+        return self.context.world_size == 1 or self.context.independent
 
     def _drain(self) -> int:
         pending, self._pending = self._pending, None

@@ -183,7 +183,10 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             (default: equal to data parallelism), ``"ssp"`` (a worker at most `staleness` steps ahead of
             the slowest) or ``"async"``. `fit` on a server serves until the workers are done and returns
             ``[]``; afterwards every rank holds the final model. `sparse_embeddings`: embedding weights
-            whose pushes carry only the touched rows. Checkpoints with ``"sync"`` only; not with an LR
+            whose pushes carry only the touched rows. Under ``"ssp"`` / ``"async"`` the workers never
+            meet, so a worker that dies in `fit` is dropped and the others finish (evaluation then runs
+            on each worker over the whole set); under ``"sync"`` it is a `WorkerLostError` naming it.
+            Checkpoints with ``"sync"`` only; not with an LR
             scheduler, gradient clipping, fp16 or pipeline / tensor parallelism yet. See
             docs/parameter_server.md.
         heartbeat_timeout: seconds of heartbeat silence after which a peer rank counts as dead (None:
@@ -194,7 +197,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             the process group is aborted so that a blocked collective returns; a rank still blocked
             ``max(10, 2 * heartbeat_timeout)`` seconds later (gloo cannot be woken) logs the error and
             exits with status `peer_watch.EXIT_CODE` (75), for torchrun to restart. See
-            `distributed_training.peer_watch`.
+            `distributed_training.peer_watch`. Not for a parameter server's workers under ssp / async:
+            they never meet, and the servers drop a worker that dies.
     """
 
     def __init__(
@@ -454,8 +458,11 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             raise
 
     def _peer_watch(self) -> PeerWatch | None:
-        """This rank's heartbeat and watch over its peers (`heartbeat_timeout`), started at the first step."""
-        if self._watch is None and self.heartbeat_timeout is not None and self.context.world_size > 1:
+        """This rank's heartbeat and watch over its peers (`heartbeat_timeout`), started at the first step.
+        Independent ranks (a parameter server's workers under ssp / async) watch nobody: a peer that
+        dies is dropped by the servers, and the others go on."""
+        if (self._watch is None and self.heartbeat_timeout is not None and self.context.world_size > 1
+                and not self.context.independent):
             store = _default_store()
             if store is None:
                 return None
@@ -473,6 +480,10 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         watch = self._watch
         if watch is None or (watch.failure is None and not looks_like_peer_loss(err)):
             return  # after a failure was found, any error is its consequence (an aborted NCCL group's too)
+        from .ps.protocol import WorkerLostError
+
+        if isinstance(err, WorkerLostError):
+            return  # the parameter server's (sync) names the dead worker already: raised as it is
         failure = watch.verdict(wait=0 if is_timeout(err) else None)
         if failure is not None:
             watch.acknowledge()

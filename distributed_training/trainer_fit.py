@@ -139,7 +139,12 @@ class Fitting:
                                             eval_metrics, criterion, eval_target)
         self.evaluation = evaluation
         if not self.strategy.trains:  # a parameter server's server: it serves the workers' fit
-            self.strategy.serve(self.model)
+            # A signal (torchrun's SIGTERM reaches every rank) waits until the workers, which stop on it,
+            # have left: a server that died at once would fail their last pulls.
+            with StopSignals(self.context, self.device, self.context.every_rank) as stop:
+                self.strategy.serve(self.model)
+                stop.finish()
+            stop.deliver()
             return []
         self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
         self._fit_global_batch = plan is not None and "pipeline_parallel_size" not in self.config

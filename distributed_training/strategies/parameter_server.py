@@ -11,8 +11,18 @@ backward runs locally (accumulation too: gradients add up until the step), and `
 them (`ParameterServer.step`); the optimizer the user's factory builds on a worker never steps: the
 strategy reads its type and hyperparameters and the servers run that optimizer. `fit` on a server runs
 the server loop (`serve`) until every worker has finished and returns ``[]``; at the end of a worker's
-`fit` (`end_fit`) every worker pulls the final parameters and worker 0 sends them to every server, so
-that every rank ends with the same model (`full_state_dict`, `evaluate` on any rank).
+`fit` (`end_fit`) every worker pulls the final parameters and closes, and the servers put their own
+final values into their model (each sends its pieces to the other servers), so that every rank ends
+with the same model (`full_state_dict`, `evaluate` on any rank).
+
+A worker that dies (its process killed) under ``"ssp"`` or ``"async"``: the workers' context is
+`independent` (`DistributedContext.independent`), so the trainer's workers never meet: the stop on a
+signal and the steps per epoch are each worker's own, no peer watch runs, and evaluation runs on each
+worker over the whole set with no all-reduce. The servers drop the dead worker, the others train to
+the end, and every surviving rank ends with the servers' final values; server 0 tells the workers left
+which workers were dropped (`dropped`), and the job's main rank moves to the lowest worker left. Under
+``"sync"`` the survivors' and the servers' `fit` raise `WorkerLostError` naming the worker. A signal
+reaching a server waits until the workers have left (it then exits as the workers do).
 
 A loop of your own (`train_step` on the workers): call ``trainer.strategy.serve(trainer.model)`` on the
 servers and ``trainer.strategy.finish(trainer.model)`` on every worker after its last step.
@@ -43,14 +53,18 @@ from torch import nn
 from ..checkpoint import load_file, save_file
 from ..checkpoint_shards import StateLayout
 from ..comm.collectives import broadcast_coalesced
+from ..logs import get_logger
 from ..mesh import Mesh
 from ..runtime import DistributedContext
 from .base import OptimizerFactory, Strategy
 
 __all__ = ["ParameterServerStrategy", "ParameterServerModel", "server_optimizer"]
 
-FINAL_TAG = 1010  # worker 0 -> servers: the final parameters (beside the ps protocol's tags 1001 .. 1005)
+log = get_logger()
+
+FINAL_TAG = 1010  # server -> servers: its pieces of the final parameters (beside the ps protocol's tags 1001 .. 1005)
 CONTROL_TAG = 1011  # worker 0 -> servers, with checkpoints: what the next parameter server does (start, save, done)
+DROPPED_TAG = 1012  # server 0 -> the workers left: which workers the servers dropped (ssp / async)
 
 
 @dataclass
@@ -147,6 +161,8 @@ class ParameterServerStrategy(Strategy):
         self._workers_group = None  # the workers' process group (`setup_context`)
         self._settings: dict[str, Any] | None = None
         self.last_stats = None  # (servers) the `ServerStats` of the last `serve`
+        self.dropped: list[int] = []  # the workers lost and dropped so far (ssp / async), as server 0 saw them
+        self._context: _RoleContext | None = None  # this rank's role's context (`setup_context`)
         self._checkpoints = False  # the trainer checkpoints: worker 0 tells the servers what comes next
         self._resume_path: str | None = None  # (workers) a checkpoint the next parameter server starts from
 
@@ -194,10 +210,14 @@ class ParameterServerStrategy(Strategy):
         self.trains = not self.is_server
         group, size, role_rank = (servers, s, rank) if self.is_server else (workers, world - s, rank - s)
         mesh = Mesh(size, group=group, rank=role_rank, ranks_per_node=max(1, min(context.local_world_size, size)))
-        return _RoleContext(rank=role_rank, world_size=size, local_rank=context.local_rank,
-                            local_world_size=context.local_world_size, device=context.device,
-                            backend=context.backend, group=group, mesh=mesh,
-                            main=not self.is_server and role_rank == 0)
+        # Under ssp / async the workers never meet (only the servers hear from them): a worker that
+        # dies is dropped by the servers, and nothing of the trainer's waits for it.
+        self._context = _RoleContext(rank=role_rank, world_size=size, local_rank=context.local_rank,
+                                     local_world_size=context.local_world_size, device=context.device,
+                                     backend=context.backend, group=group, mesh=mesh,
+                                     independent=not self.is_server and self.consistency != "sync",
+                                     main=not self.is_server and role_rank == 0)
+        return self._context
 
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
         # Every rank starts from the job's rank 0's values (the servers' copy is where training starts).
@@ -256,8 +276,9 @@ class ParameterServerStrategy(Strategy):
         return pickle.loads(payload.numpy().tobytes())
 
     def serve(self, model: ParameterServerModel):
-        """(Servers) run the server loop until every worker has finished; then take the final
-        parameters from worker 0 into this rank's model. Returns the `ServerStats`."""
+        """(Servers) run the server loop until every worker has finished or is lost; then put the
+        servers' final values into this rank's model (each server sends its pieces to the others) and
+        tell the workers left which workers were dropped. Returns the `ServerStats`."""
         if not self.is_server:
             raise RuntimeError("serve() is for the parameter server's server ranks (0 .. num_servers - 1)")
         self.start(model)
@@ -265,10 +286,8 @@ class ParameterServerStrategy(Strategy):
             ps = model.ps
             stats = ps.serve()
             model.ps = None
-            params = [p for p in model.module.parameters() if p.requires_grad]
-            flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
-            dist.recv(flat, src=self.num_servers, group=self._ps_group, tag=FINAL_TAG)
-            _unflatten(flat, params)
+            self._take_final_values(ps, model)
+            self._tell_dropped(stats.dropped)
             self.last_stats = stats
             if not self._checkpoints:
                 return stats
@@ -295,19 +314,72 @@ class ParameterServerStrategy(Strategy):
         if ps is None:
             self.start(model)
             ps = model.ps
-        ps.pull(final=True)
-        works, flat = [], None
-        if ps.worker_index == 0:
-            params = [p for p in model.module.parameters() if p.requires_grad]
-            flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params]) if params else \
-                torch.empty(0)
-            works = [dist.isend(flat, dst=server, group=self._ps_group, tag=FINAL_TAG)
-                     for server in range(self.num_servers)]
+        ps.pull(final=True)  # every worker's last push applied: the servers' final values
         ps.close()
+        model.ps, model.stale = None, False
+        self._hear_dropped(ps.worker_index)
+        return ps
+
+    # ------------------------------------------------------------ the end of a parameter server's run
+    def _take_final_values(self, ps, model: ParameterServerModel) -> None:
+        """(Servers, after `serve`) this server's final pieces into its model, and every other server's:
+        each sends its pieces (fp32, in plan order) to the others; no worker takes part, so the workers
+        left after a drop (even of worker 0) have nothing to do with it. The workers' final pull got
+        the same values: nothing is applied after it is answered."""
+        plan, me = ps.plan, dist.get_rank()
+        params = dict(model.module.named_parameters())
+        mine = [ps.server_values[piece.name].reshape(-1) for piece in plan.pieces[me]]
+        flat = torch.cat(mine) if mine else torch.empty(0)
+        works, received = [], {me: flat}
+        for server in range(self.num_servers):
+            if server == me:
+                continue
+            received[server] = torch.empty(sum(piece.numel for piece in plan.pieces[server]), dtype=torch.float32)
+            if received[server].numel():
+                works.append(dist.irecv(received[server], src=server, group=self._ps_group, tag=FINAL_TAG))
+            if flat.numel():
+                works.append(dist.isend(flat, dst=server, group=self._ps_group, tag=FINAL_TAG))
         for work in works:
             work.wait()
-        model.ps, model.stale = None, False
-        return ps
+        with torch.no_grad():
+            for server, values in received.items():
+                at = 0
+                for piece in plan.pieces[server]:
+                    param = params[piece.name]
+                    piece.view(param.data).copy_(values[at : at + piece.numel].view(piece.local_shape))
+                    at += piece.numel
+
+    def _tell_dropped(self, dropped: list[tuple[int, int]]) -> None:
+        """(Server 0, after `serve`) send every worker it did not drop a flag per worker: 1 for a worker
+        dropped (ssp / async: lost, its process gone). A worker that died after closing is skipped."""
+        if dist.get_rank() != 0:
+            return
+        workers = dist.get_world_size() - self.num_servers
+        lost = {worker for worker, _ in dropped}
+        flags = torch.tensor([1 if w in lost else 0 for w in range(workers)], dtype=torch.int64)
+        works = [dist.isend(flags, dst=self.num_servers + w, group=self._ps_group, tag=DROPPED_TAG)
+                 for w in range(workers) if w not in lost]
+        for work in works:
+            try:
+                work.wait()
+            except RuntimeError:
+                pass  # that worker is gone since it closed: nothing waits for it any more
+
+    def _hear_dropped(self, index: int) -> None:
+        """(Workers, after `close`) which workers the servers dropped (server 0's `_tell_dropped`). The
+        job's main rank (logs, `full_state_dict`, dtrain's output) moves to the lowest worker left."""
+        flags = torch.empty(dist.get_world_size() - self.num_servers, dtype=torch.int64)
+        dist.recv(flags, src=0, group=self._ps_group, tag=DROPPED_TAG)
+        dropped = [w for w, flag in enumerate(flags.tolist()) if flag]
+        new = [w for w in dropped if w not in self.dropped]
+        self.dropped = sorted(set(self.dropped) | set(dropped))
+        if self._context is not None and self.dropped:
+            first = min(w for w in range(flags.numel()) if w not in self.dropped)
+            self._context.main = index == first
+            if new and index == first:
+                log.warning("parameter server: worker(s) %s died during training and were dropped by the servers "
+                            "(consistency=%r); the %d others trained to the end (worker %d now reports)",
+                            ", ".join(map(str, new)), self.consistency, flags.numel() - len(self.dropped), first)
 
     def end_fit(self, model: ParameterServerModel) -> None:
         if not self.is_server:
@@ -388,10 +460,3 @@ class ParameterServerStrategy(Strategy):
     def planner_kind(self) -> str:
         return "ddp"
 
-
-@torch.no_grad()
-def _unflatten(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
-    at = 0
-    for p in params:
-        p.copy_(flat[at : at + p.numel()].view_as(p).to(p.device, p.dtype))
-        at += p.numel()
