@@ -75,7 +75,10 @@ class PeerFailureError(RuntimeError):
 
 def looks_like_peer_loss(err: BaseException) -> bool:
     """Whether `err` could come from a collective whose peer is gone (worth waiting for a verdict):
-    gloo's closed connections, NCCL's errors and aborts, timeouts. A shape error is not."""
+    gloo's closed connections, NCCL's errors and aborts, timeouts. A shape error is not, nor an error
+    that names the lost peer itself (``names_lost_peer = True``: the parameter server's `WorkerLostError`)."""
+    if getattr(err, "names_lost_peer", False):
+        return False
     text = str(err).lower()
     return any(marker in text for marker in ("connection closed", "connection reset", "broken pipe", "nccl",
                                              "gloo", "abort", "timed out", "timeout", "peer"))

@@ -478,12 +478,10 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         (up to `heartbeat_timeout`). One that timed out has given the watcher its whole timeout
         already: take what it knows."""
         watch = self._watch
+        if getattr(err, "names_lost_peer", False):
+            return  # e.g. the parameter server's WorkerLostError (sync): it names the dead worker, raised as it is
         if watch is None or (watch.failure is None and not looks_like_peer_loss(err)):
             return  # after a failure was found, any error is its consequence (an aborted NCCL group's too)
-        from .ps.protocol import WorkerLostError
-
-        if isinstance(err, WorkerLostError):
-            return  # the parameter server's (sync) names the dead worker already: raised as it is
         failure = watch.verdict(wait=0 if is_timeout(err) else None)
         if failure is not None:
             watch.acknowledge()

@@ -47,6 +47,8 @@ class WorkerLostError(RuntimeError):
         step: the step it was computing (the steps it had pushed).
     """
 
+    names_lost_peer = True  # the trainer raises it as it is (no wait for its peer watch's verdict)
+
     def __init__(self, message: str, worker: int, step: int) -> None:
         super().__init__(message)
         self.worker, self.step = worker, step
