@@ -97,12 +97,12 @@ class _Data(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
-def _fit_job(rank, world, strategy, consistency, staleness):
+def _fit_job(rank, world, strategy, consistency, staleness, log_dir=None):
     from distributed_training import DistributedTrainer
 
-    kwargs = {}
+    kwargs = {} if log_dir is None else {"log_dir": log_dir, "log_every": 2, "progress": False}
     if strategy == "parameter_server":
-        kwargs = {"num_servers": 1, "consistency": consistency, "staleness": staleness}
+        kwargs.update(num_servers=1, consistency=consistency, staleness=staleness)
     trainer = DistributedTrainer(_model(), _factory("sgd"), strategy=strategy, heartbeat_timeout=None, **kwargs)
     before = trainer.evaluate(_Data(), F.cross_entropy, batch_size=8)["loss"]
     history = trainer.fit(_Data(), epochs=2, criterion=F.cross_entropy, batch_size=4, eval_dataset=_Data(16),
@@ -120,8 +120,17 @@ def _same_state(a, b, atol=1e-5):
     return all(torch.allclose(a[k], b[k], atol=atol) for k in a)
 
 
-def test_fit_sync_equals_ddp():
-    ps = run_distributed(_fit_job, 3, ("parameter_server", "sync", 0), timeout=150)
+def _logged_ranks(log_dir) -> list[str]:
+    """The rank directories of a monitored run that hold step records."""
+    import os
+
+    return sorted(d for d in os.listdir(log_dir) if d.startswith("rank_")
+                  and os.path.getsize(os.path.join(log_dir, d, "metrics.jsonl")) > 0)
+
+
+def test_fit_sync_equals_ddp(tmp_path):
+    ps = run_distributed(_fit_job, 3, ("parameter_server", "sync", 0, str(tmp_path)), timeout=150)
+    assert _logged_ranks(tmp_path) == ["rank_0", "rank_1"]  # the workers, by worker index; servers log nothing
     ddp = run_distributed(_fit_job, 2, ("ddp", None, 0), timeout=150)
     assert ps[0]["history"] == [] and not ps[0]["trains"]
     assert ps[1]["steps"] == ps[2]["steps"] == ddp[0]["steps"] == 12  # 48 samples / (2 x 4) x 2 epochs
@@ -132,8 +141,9 @@ def test_fit_sync_equals_ddp():
 
 
 @pytest.mark.parametrize("consistency,staleness", [("ssp", 2), ("async", 0)])
-def test_fit_ssp_and_async_run_to_the_end(consistency, staleness):
-    results = run_distributed(_fit_job, 3, ("parameter_server", consistency, staleness), timeout=150)
+def test_fit_ssp_and_async_run_to_the_end(tmp_path, consistency, staleness):
+    results = run_distributed(_fit_job, 3, ("parameter_server", consistency, staleness, str(tmp_path)), timeout=150)
+    assert _logged_ranks(tmp_path) == ["rank_0", "rank_1"]  # each worker alone (no cluster all-gather)
     assert [r["steps"] for r in results[1:]] == [12, 12]
     first = results[0]["state"]
     for r in results:  # the final model, servers included

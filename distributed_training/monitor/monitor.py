@@ -101,7 +101,7 @@ class Monitor:
         log_dir: directory of the run; this rank writes under ``log_dir/rank_<rank>``. JSONL files
             are appended to: a resumed run adds the steps after its checkpoint again, and
             `plot.load_run` keeps, from each step a run restarted at, the later run's records.
-        rank: this process's global rank.
+        rank: this process's rank in `group` (its global rank by default).
         world_size: number of processes in `group` (the whole job by default). When
             torch.distributed is initialised, both must match what it reports.
         group: process group of the cluster view's all-gather (None: the default group). Its first
@@ -120,6 +120,9 @@ class Monitor:
             device), at once on the calling thread otherwise; True: always on the background thread
             (file writes and system readings off the training thread, CPU runs too); False: always on
             the calling thread, which then waits for the GPU on log steps.
+        cluster_view: gather the ranks' step times on log steps for the ``cluster/*`` figures and the
+            straggler check (a collective over `group`). False: each rank logs alone, for ranks that
+            never meet (a parameter server's workers under ssp / async).
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class Monitor:
         system_stats: bool = True,
         progress: bool = True,
         background: bool | None = None,
+        cluster_view: bool = True,
     ) -> None:
         if not isinstance(log_dir, (str, os.PathLike)) or os.fspath(log_dir) == "":
             raise ValueError(f"log_dir must be a non-empty path, got {log_dir!r}")
@@ -168,9 +172,10 @@ class Monitor:
                 raise ValueError(
                     f"world_size={world_size} but the process group has {dist_world} ranks"
                 )
-            if rank != dist.get_rank():
-                raise ValueError(f"rank={rank} but torch.distributed says this is rank {dist.get_rank()}")
             group_rank = dist.get_rank(group)
+            if rank != group_rank:
+                where = "" if group is None else " in the given group"
+                raise ValueError(f"rank={rank} but torch.distributed says this is rank {group_rank}{where}")
 
         self.log_dir = os.fspath(log_dir)
         self.rank = int(rank)
@@ -182,7 +187,7 @@ class Monitor:
         os.makedirs(self.rank_dir, exist_ok=True)
 
         # Cluster view: one all-gather of the mean step time on every log step.
-        self._cluster_on = initialised and self.world_size > 1
+        self._cluster_on = initialised and self.world_size > 1 and bool(cluster_view)
         self._writes_cluster = group_rank == 0
         self._group_ranks: list[int] = list(range(self.world_size))
         self._gather_in = self._gather_out = None
