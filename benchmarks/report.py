@@ -117,7 +117,28 @@ def _models(results):
             lines.append(f"| {name} | " + " | ".join(cells) +
                          f" | {pk.get('torch', 0):.1f} / {pk.get('ours', 0):.1f} |")
         lines.append("")
+        lines += _models_memory(w, part)
     return lines
+
+
+_MEMORY_PARTS = ("constructed", "after_first_step", "resident", "first_steps_peak", "step_transient")
+
+
+def _models_memory(w, part):
+    """Where each variant's memory goes (GiB of `memory_allocated`): after construction, after the first
+    step, between steps, the build and warm-up's peak, a steady step's transient; peak = resident + transient."""
+    rows = [(name, m) for name, m in part["models"].items() if m.get("memory_gib_per_variant")]
+    if not rows:
+        return []
+    lines = [f"Memory per variant, {w} GPUs (GiB allocated; peak = resident + step transient; "
+             "first-steps peak includes the optimizer state's and buckets' first allocation)", "",
+             "| model | variant | " + " | ".join(p.replace("_", " ") for p in _MEMORY_PARTS) + " | peak |",
+             "|---" * (len(_MEMORY_PARTS) + 3) + "|"]
+    for name, m in rows:
+        for v, mem in m["memory_gib_per_variant"].items():
+            lines.append(f"| {name} | {v} | " + " | ".join(f"{mem.get(p, 0.0):.3f}" for p in _MEMORY_PARTS) +
+                         f" | {m['peak_gib_per_variant'].get(v, 0.0):.3f} |")
+    return lines + [""]
 
 
 def _images(results):

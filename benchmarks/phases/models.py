@@ -5,7 +5,8 @@ Models are built from their configs (no downloaded weights): timm ResNet-50 and 
 the smoke run's) at 8 images of 32x32. Every variant gets its own copy of the model (same seed) and
 optimizer (AdamW, fused on GPUs, bf16 autocast on GPUs, ``zero_grad(set_to_none=True)``); variants take
 turns (the order reversed every other round) for `rounds` rounds of `steps` steps, and the median step time is reported with the host time
-spent issuing the steps, each thread's CPU time per step (from /proc), peak memory per variant, and
+spent issuing the steps, each thread's CPU time per step (from /proc), peak memory per variant with its
+parts (after construction, after the first step, between steps, the first steps' peak, a step's transient), and
 (``--models-profile N``) a torch.profiler window of the first N variants.
 
 Variants (``--variants``; default: plain,torch,ours,trainer,trainer_monitor,ours_nosync):
@@ -195,23 +196,35 @@ def measure(model_name, variants, ctx, opts, log_dir, rounds, steps) -> dict:
     device = ctx.device
     # Peak memory of a variant alone = what it keeps between steps (model, wrapper buffers, optimizer
     # state, gradients left set) + the most a step adds on top; every variant's model stays resident.
-    runs, resident, peak_gib = {}, {}, {}
+    # Each figure is a difference of `memory_allocated` readings, so everything freed late must be freed
+    # before the first reading: `_settle` (see there). `memory[v]` breaks the figure down: bytes held after
+    # construction (model, wrapper, optimizer), after the first step, between steps (resident), the peak
+    # of the build and warm-up steps (the first steps allocate the optimizer state and rebuild buckets),
+    # and the most a steady-state step adds (transient).
+    runs, resident, peak_gib, memory = {}, {}, {}, {}
     batch = criterion = None
     for v in variants:
-        gc.collect()
-        synchronize(device)
+        _settle(device)
         before = allocated(device)
+        peak_reset(device)
         torch.manual_seed(0)
         model, own_batch, criterion = build(model_name, device)
         runs[v] = Variant(v, model, ctx, log_dir)
-        for _ in range(3 if not opts.smoke else 1):
+        synchronize(device)
+        mem = memory[v] = {"constructed": (allocated(device) - before) / GIB}
+        for i in range(3 if not opts.smoke else 1):
             runs[v].step(own_batch, criterion)
+            if i == 0:
+                synchronize(device)
+                mem["after_first_step"] = (allocated(device) - before) / GIB
         if batch is None:
             batch = own_batch  # every variant trains on the first one's batch (same seed, same data)
         del model, own_batch   # a later variant's batch is freed here, not during the next build
-        gc.collect()
         synchronize(device)
+        mem["first_steps_peak"] = (peak(device) - before) / GIB
+        _settle(device)
         resident[v] = allocated(device) - before
+        mem["resident"] = resident[v] / GIB
     times, host = defaultdict(list), defaultdict(list)
     thread_cpu = defaultdict(lambda: defaultdict(float))
     for rnd in range(rounds):
@@ -237,6 +250,7 @@ def measure(model_name, variants, ctx, opts, log_dir, rounds, steps) -> dict:
             host[v].append(issued / steps * 1e3)
             transient = peak(device) - in_use if device.type == "cuda" else 0
             peak_gib[v] = max(peak_gib.get(v, 0.0), (resident[v] + transient) / GIB)
+            memory[v]["step_transient"] = max(memory[v].get("step_transient", 0.0), transient / GIB)
             for tid, (name, cpu) in _thread_cpu().items():
                 used = cpu - before.get(tid, (name, 0.0))[1]
                 if used > 0:
@@ -263,7 +277,7 @@ def measure(model_name, variants, ctx, opts, log_dir, rounds, steps) -> dict:
     out = {"step_ms_median": median, "step_ms_all": dict(times),
            "host_ms_median": {v: statistics.median(t) for v, t in host.items()},
            "thread_cpu_ms_per_step": {v: dict(t) for v, t in thread_cpu.items()},
-           "peak_gib_per_variant": peak_gib, "profiles": profiles,
+           "peak_gib_per_variant": peak_gib, "memory_gib_per_variant": memory, "profiles": profiles,
            "timers": {k: {"ms_per_step": e[0] / steps * 1e3, "calls_per_step": e[1] / steps, "max_ms": e[2] * 1e3}
                       for k, e in TIMERS.items()}}
     if "torch" in median:
@@ -280,6 +294,8 @@ def measure(model_name, variants, ctx, opts, log_dir, rounds, steps) -> dict:
             ratio = f"  x{out['speed_vs_torch'][v]:.3f} of torch" if "speed_vs_torch" in out else ""
             print(f"  {v:16s} step {median[v]:7.2f} ms   host {out['host_ms_median'][v]:7.2f} ms   "
                   f"peak {peak_gib[v]:5.1f} GiB{ratio}")
+        for v in variants:
+            print(f"  memory {v:16s} " + "  ".join(f"{k} {x:.3f}" for k, x in memory[v].items()) + " GiB")
         for k, e in out["timers"].items():
             print(f"  timer {k:24s} {e['ms_per_step']:7.3f} ms/step  {e['calls_per_step']:6.1f} calls")
         for v, p in profiles.items():
@@ -290,6 +306,25 @@ def measure(model_name, variants, ctx, opts, log_dir, rounds, steps) -> dict:
     del runs
     free_memory(device)
     return out
+
+
+def _settle(device) -> None:
+    """Let go of everything already dropped before a memory reading: Python garbage, and on NCCL the
+    tensors the process group keeps for collectives already done (a previous variant's buckets) until its
+    watchdog or next collective releases them. Released during the next variant's build instead, they
+    made that variant's resident memory look smaller by their size (torch DDP's GPT-2 and ResNet-50
+    after a previous model, 2026-11-27: by the previous model's parameter bytes)."""
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        probe = torch.zeros(1, device=device)
+        dist.all_reduce(probe)
+        del probe
+    synchronize(device)
+    if device.type == "cuda":
+        time.sleep(0.25)  # the NCCL watchdog polls every 100 ms
+    gc.collect()
 
 
 def run(ctx, opts) -> dict:
