@@ -319,6 +319,15 @@ def _tensor(results):
                           f"({ran}); estimate {alone['estimate_gib']:.1f} GiB a rank ({alone['model_state_gib']:.1f} "
                           f"model state at 16 bytes a parameter + {alone['activations_gib']:.1f} activations, "
                           f"{alone['sequences_per_rank']} sequence(s) a rank) on a {part['gpu_memory_gib']:.0f} GiB card."]
+        for name, row in part["configs"].items():
+            after = row.get("ours_bias_after", {})
+            if after.get("status") == "ok" and "bias_after_speed_vs_torch" in row:
+                lines += ["", f"{name}: ours with the row-parallel bias added after the all-reduce (variant "
+                          f"`bias_after`): {after['step_s'] * 1e3:.1f} ms, "
+                          f"{row['bias_after_speed_vs_torch']:.3f}x torch (rounds: ours "
+                          f"{', '.join(format(x * 1e3, '.1f') for x in row['ours']['step_s_rounds'])} ms; bias after "
+                          f"{', '.join(format(x * 1e3, '.1f') for x in after['step_s_rounds'])}; torch "
+                          f"{', '.join(format(x * 1e3, '.1f') for x in row['torch']['step_s_rounds'])})."]
         if part.get("big_skipped"):
             lines += ["", f"~7B run skipped: {part['big_skipped']}."]
         flops = part.get("peak_bf16_flops")

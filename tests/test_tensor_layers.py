@@ -217,22 +217,44 @@ def autocast_case(group, T, sp):
         got = tp_down(tp_up(sliced(x, 1, r, T) if sp else x))
     assert got.dtype == want.dtype == torch.bfloat16, (got.dtype, want.dtype)
     torch.testing.assert_close(got, sliced(want, 1, r, T) if sp else want, atol=3e-2, rtol=3e-2)
-    # The row-parallel bias: under autocast cast to bf16 and added after the reduction, bit for bit as
-    # the naive formula (and its gradient); in fp32 added as it is, with no cast in the graph.
+    # The row-parallel bias, bit for bit as the naive formula: without sequence parallelism 1/T of it added
+    # inside each rank's matmul (cast to bf16 by autocast, as F.linear casts it), with sequence parallelism
+    # cast to bf16 and added after the reduce-scatter; in fp32 no cast anywhere in the graph.
     h = seeded(5, 2, 2 * T, 4, dtype=torch.float32)
     naive = copy.deepcopy(tp_down)
+    if sp:
+        def formula(weight, bias):
+            return reduce_scatter_sequence(F.linear(h, weight), group, 1) + bias.to(torch.get_autocast_dtype("cpu")
+                                                                                    if torch.is_autocast_enabled("cpu")
+                                                                                    else bias.dtype)
+    else:
+        def formula(weight, bias):
+            return reduce_from(F.linear(h, weight, bias / T), group)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = tp_down(h)
-        partial = F.linear(h, naive.weight)  # bf16
-    reduce = (lambda t: reduce_scatter_sequence(t, group, 1)) if sp else (lambda t: reduce_from(t, group))
-    want = reduce(partial) + naive.bias.to(torch.bfloat16)
+        want = formula(naive.weight, naive.bias)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want), f"T={T} sp={sp}: autocast bias"
     got.float().square().sum().backward()
     want.float().square().sum().backward()
-    assert tp_down.bias.grad.dtype == torch.float32 and torch.equal(tp_down.bias.grad, naive.bias.grad)
+    # the naive share's gradient is 1/T of the bias's (every rank sees the whole output's gradient)
+    expected = naive.bias.grad if sp else naive.bias.grad * T
+    assert tp_down.bias.grad.dtype == torch.float32 and torch.equal(tp_down.bias.grad, expected)
     out = tp_down(h)
-    assert out.dtype == torch.float32 and "ToCopy" not in type(out.grad_fn.next_functions[1][0]).__name__
-    assert torch.equal(out, reduce(F.linear(h, tp_down.weight)) + tp_down.bias)
+    assert out.dtype == torch.float32 and "ToCopy" not in _graph(out.grad_fn)
+    assert torch.equal(out, formula(tp_down.weight, tp_down.bias))
+
+
+def _graph(fn) -> str:
+    """The names of every node of an autograd graph, joined."""
+    names, todo, seen = [], [fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo += [n for n, _ in node.next_functions]
+    return " ".join(names)
 
 
 @pytest.mark.timeout(90)

@@ -149,6 +149,8 @@ def run(ctx, opts) -> dict:
     if only:  # e.g. config=7B TP4 no SP (the names of the table)
         configs = [c for c in configs if c.name in only]
     profile = "profile" in asked  # rank 0's kernels over 2 more steps of each side, after the timed ones
+    # bias_after: ours also with the row-parallel bias added after the all-reduce (the way before session 19)
+    impls = ("ours", "torch") + (("ours_bias_after",) if "bias_after" in asked else ())
     rounds = opts.rounds or (1 if opts.smoke else 2)
     steps = opts.steps or (2 if opts.smoke else 5)
     warmup = 1 if opts.smoke else 2
@@ -173,7 +175,7 @@ def run(ctx, opts) -> dict:
     for r in range(rounds):  # every run once a round: a slow spell of the machine hits both sides alike
         for config in configs:
             cfg, batch, seq = shapes[config.name]
-            order = ("ours", "torch") if r % 2 == 0 else ("torch", "ours")
+            order = impls if r % 2 == 0 else impls[::-1]
             for impl in order:
                 if impl == "torch" and torch_ready:
                     run_ = {"status": "skipped", "reason": torch_ready}
@@ -188,7 +190,7 @@ def run(ctx, opts) -> dict:
         row = {"model": config.model, "tensor_parallel_size": config.tp, "sequence_parallel": config.sp,
                "data_parallel": world // config.tp, "strategy": config.strategy, "global_batch": batch, "seq": seq,
                "parameters": gpt_units(cfg)["params"]}
-        for impl in ("ours", "torch"):
+        for impl in impls:
             row[impl] = _summary(runs[(config.name, impl)])
         ours, ref = row["ours"], row["torch"]
         if ours.get("status") == "ok" and ref.get("status") == "ok":
@@ -196,11 +198,15 @@ def run(ctx, opts) -> dict:
             row["speed_vs_torch"] = statistics.median(
                 t / o for t, o in zip(ref["step_s_rounds"], ours["step_s_rounds"]))
             row["max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"]))
+            after = row.get("ours_bias_after", {})
+            if after.get("status") == "ok":
+                row["bias_after_speed_vs_torch"] = statistics.median(
+                    t / o for t, o in zip(ref["step_s_rounds"], after["step_s_rounds"]))
         if config.model == "gpt-7b" and config.sp and config.tp == 4:
             row["fsdp_alone"] = _fsdp_alone(cfg, batch, seq, warmup, steps, ctx, base, gpu_gib)
         result["configs"][config.name] = row
     for row in result["configs"].values():
-        for impl in ("ours", "torch"):
+        for impl in impls:
             r = row[impl]
             if r.get("status") == "ok":
                 r["tokens_per_s_per_gpu"] = row["global_batch"] * row["seq"] / r["step_s"] / world
@@ -285,8 +291,17 @@ def _measure(impl, config, cfg, batch, seq, warmup, steps, ctx, meshes, base, pr
     free_memory(device)
     stale = allocated(device) - base
     peak_reset(device)
-    if impl == "ours":
+    if impl in ("ours", "ours_bias_after"):
+        from distributed_training.tensor.layers import RowParallelLinear
+
+        RowParallelLinear.bias_in_matmul = impl == "ours"  # read at each forward: restored below
         step, dp, d, close = _ours(config, cfg, ctx)
+        if impl == "ours_bias_after":
+            inner_close = close
+
+            def close():
+                inner_close()
+                RowParallelLinear.bias_in_matmul = True
     else:
         step, dp, d, close = _torch(config, cfg, ctx, meshes)
     if batch % dp:

@@ -9,7 +9,8 @@ module (same seed), so TP = 1 and TP = N start identical. Parameters keep their 
 * `ColumnParallelLinear`: weight split by output features; input copied in (or gathered along the
   sequence under sequence parallelism); output split along its last dim (unless `gather_output`).
 * `RowParallelLinear`: weight split by input features; input split along its last dim; the partial
-  products all-reduced (or reduce-scattered along the sequence); the whole bias added once, after.
+  products all-reduced (each with 1/T of the bias added inside its matmul), or reduce-scattered along
+  the sequence (the whole bias added once, after).
 * `VocabParallelEmbedding`: vocabulary rows split; ids of other ranks look up zeros; all-reduce.
 * `vocab_parallel_cross_entropy`: the loss on vocabulary-split logits, never gathering them.
 * `SequenceParallelDropout`: dropout on this rank's part of the sequence, with TP = 1's mask.
@@ -164,13 +165,33 @@ class ColumnParallelLinear(_ParallelLinear):
                 + self._repr_tail())
 
 
+class _BiasShare(torch.autograd.Function):
+    """Forward: ``bias / T``, the share of it that each of the T ranks adds inside its matmul (the
+    all-reduce of the partial products then sums the shares to the bias). Backward: the gradient whole,
+    not divided: the output's gradient, and so each rank's gradient of its share, is the same on every
+    rank, and the bias's gradient is the sum of the T shares' gradients times 1/T = any one of them."""
+
+    @staticmethod
+    def forward(ctx, bias, size):
+        return bias / size
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class RowParallelLinear(_ParallelLinear):
     """y = x A^T + b with A's columns (input features) split between the T ranks: the input arrives split
     along its last dim (a column-parallel layer's output), each rank computes a partial product, and
     the partial products are summed (`reduce_from`; under sequence parallelism `reduce_scatter_sequence`,
-    which leaves each rank its part of the sequence). The bias is whole on every rank and added once,
-    after the sum; under sequence parallelism its gradient is a partial sum (this rank's part of the
-    sequence), so it is marked with `mark_sequence_parallel`."""
+    which leaves each rank its part of the sequence). The bias is whole on every rank. Without sequence
+    parallelism each rank adds ``bias / T`` inside its matmul (the GEMM's epilogue: no pass of its own
+    over the output; `_BiasShare`), and the sum adds up the shares; ``bias_in_matmul = False`` adds the
+    bias once after the sum instead. Under sequence parallelism it is added after the reduce-scatter;
+    its gradient is then a partial sum (this rank's part of the sequence), so it is marked with
+    `mark_sequence_parallel`."""
+
+    bias_in_matmul = True  # class-wide; the benchmark's `bias_after` variant measures the other way
 
     @classmethod
     def from_module(cls, linear: nn.Module, group=None, *, sequence_parallel: bool = False,
@@ -192,6 +213,9 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:  # the plain layer, bias fused as it is there
             return _matmul(x, self.weight, self.bias, self.transposed)
+        if self.bias_in_matmul and not self.sequence_parallel:
+            share = None if self.bias is None else _BiasShare.apply(self.bias, self.size)
+            return reduce_from(_matmul(x, self.weight, share, self.transposed), self.group, inplace=True)
         partial = _matmul(x, self.weight, None, self.transposed)  # (..., out): this rank's share of the sum
         if self.sequence_parallel:
             out = reduce_scatter_sequence(partial, self.group, self.sequence_dim)
