@@ -56,9 +56,8 @@ def _collectives(results):
         sweep = part.get("sweep")
         if sweep:
             lines += ["", f"Segment sweep at {_size(sweep[0]['bytes'])}: bus bandwidth GB/s and NCCL's all-reduce time / "
-                          "ours (auto: the default segment size; ring_both_ways: half the tensor around the ring each way; "
-                          "p2p_exchange: one ring step moving a whole chunk, the ceiling of any point-to-point "
-                          "ring; p2p_exchange_both_ways: the same bytes, half to each neighbour)", "",
+                          "ours (auto: the default segment size; p2p_exchange: one ring step moving a whole chunk, "
+                          "the ceiling of any point-to-point ring)", "",
                       "| op | segment | in flight | bus GB/s | vs NCCL |", "|---|---|---|---|---|"]
             for r in sweep:
                 seg = _size(r["segment_bytes"]) if r["segment_bytes"] else "auto"

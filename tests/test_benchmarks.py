@@ -58,9 +58,7 @@ def test_smoke_runs_every_phase(tmp_path):
     # The segment sweep at the largest size: the ring at each segment x depth and by default, the tree, the ceiling.
     sweep = coll["sweep"]
     assert [r["op"] for r in sweep].count("ring") == 7 and [r["op"] for r in sweep].count("tree") == 4
-    assert [r["op"] for r in sweep].count("ring_both_ways") == 3
-    assert [r["op"] for r in sweep[-2:]] == ["p2p_exchange", "p2p_exchange_both_ways"]
-    assert all(r["seconds"] > 0 and r["vs_nccl"] > 0 for r in sweep)
+    assert sweep[-1]["op"] == "p2p_exchange" and all(r["seconds"] > 0 and r["vs_nccl"] > 0 for r in sweep)
     assert {r["bytes"] for r in sweep} == {max(r["bytes"] for r in coll["rows"])}
     assert 0.0 <= coll["overlap"]["efficiency"] <= 1.0
 

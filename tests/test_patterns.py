@@ -27,7 +27,6 @@ def patterns_worker(rank, world, ranks_per_node):
                 "ring": ring_all_reduce(x.clone(), segment_bytes=64),  # tiny segments: many messages
                 "tree": tree_all_reduce(x.clone(), segment_bytes=256),
                 "ring_2d": ring_all_reduce(x.clone().view(-1, 1)).view(-1),
-                "ring_both_ways": ring_all_reduce(x.clone(), segment_bytes=64, directions=2),
             }
             if groups:
                 candidates["hierarchical"] = hierarchical_all_reduce(x.clone(), *groups)
@@ -51,7 +50,6 @@ SHAPES = [(1,), (3,), (5,), (97,), (1031,), (33, 7)]
 # message at a time, more buffers than segments, segments that are not a whole number of elements.
 VARIANTS = [("ring", {}), ("ring", {"segment_bytes": 12, "in_flight": 1}), ("ring", {"segment_bytes": 40, "in_flight": 2}),
             ("ring", {"segment_bytes": 64, "in_flight": 7}), ("ring", {"segment_bytes": 2}),
-            ("ring", {"directions": 2}), ("ring", {"directions": 2, "segment_bytes": 12, "in_flight": 2}),
             ("tree", {}), ("tree", {"segment_bytes": 12}), ("tree", {"segment_bytes": 100}), ("tree", {"segment_bytes": 2})]
 PATTERNS = {"ring": ring_all_reduce, "tree": tree_all_reduce}
 
@@ -188,8 +186,7 @@ def test_hierarchical_on_one_node_is_the_flat_all_reduce():
 def bad_knobs_worker(rank, world):
     messages = []
     for fn, kw in [(ring_all_reduce, {"segment_bytes": 0}), (ring_all_reduce, {"in_flight": 0}),
-                   (tree_all_reduce, {"segment_bytes": -4}), (ring_all_reduce, {"segment_bytes": 1.5}),
-                   (ring_all_reduce, {"directions": 3})]:
+                   (tree_all_reduce, {"segment_bytes": -4}), (ring_all_reduce, {"segment_bytes": 1.5})]:
         try:
             fn(torch.ones(4), **kw)
             messages.append(None)
@@ -200,5 +197,4 @@ def bad_knobs_worker(rank, world):
 
 def test_bad_knobs_name_the_parameter():
     messages = run_distributed(bad_knobs_worker, 2, timeout=60)[0]
-    assert [m.split(" ")[0] for m in messages] == ["segment_bytes", "in_flight", "segment_bytes", "segment_bytes",
-                                                  "directions"]
+    assert [m.split(" ")[0] for m in messages] == ["segment_bytes", "in_flight", "segment_bytes", "segment_bytes"]

@@ -87,46 +87,34 @@ def segment_sweep(ctx, opts, size: int, nccl_seconds: float) -> list[dict]:
 
     n, device = ctx.world_size, ctx.device
     x = torch.randn(size // 4, device=device)
-    segments = SMOKE_SEGMENTS if opts.smoke else GPU_SEGMENTS
-    runs = [("ring", None, DEFAULT_IN_FLIGHT, 1)] + [("ring", seg, depth, 1) for seg in segments for depth in IN_FLIGHT]
-    # both ways: half the tensor around the ring each way, every rank sending to both neighbours at once
-    runs += [("ring", None, DEFAULT_IN_FLIGHT, 2)] + [("ring", seg, DEFAULT_IN_FLIGHT, 2) for seg in segments[-2:]]
-    runs += [("tree", None, None, None)] + [("tree", seg, None, None) for seg in segments]
+    runs = [("ring", None, DEFAULT_IN_FLIGHT)] + [("ring", seg, depth) for seg in (SMOKE_SEGMENTS if opts.smoke else GPU_SEGMENTS)
+                                  for depth in IN_FLIGHT]
+    runs += [("tree", None, None)] + [("tree", seg, None) for seg in (SMOKE_SEGMENTS if opts.smoke else GPU_SEGMENTS)]
     chunk = torch.tensor_split(x, n)[0]
     inbox = torch.empty_like(chunk)
     rank = dist.get_rank()
-    halves, inboxes = torch.tensor_split(chunk, 2), torch.tensor_split(inbox, 2)
 
     def exchange():
         ops = [dist.P2POp(dist.isend, chunk, (rank + 1) % n), dist.P2POp(dist.irecv, inbox, (rank - 1) % n)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
-    def exchange_both_ways():  # the same bytes, half to each neighbour
-        ops = [dist.P2POp(dist.isend, halves[0], (rank + 1) % n), dist.P2POp(dist.irecv, inboxes[0], (rank - 1) % n),
-               dist.P2POp(dist.isend, halves[1], (rank - 1) % n), dist.P2POp(dist.irecv, inboxes[1], (rank + 1) % n)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
     reps = _reps(size, opts)
     nccl_bus = size / nccl_seconds * 2 * (n - 1) / n
     rows = []
-    for op, seg, depth, ways in runs:
+    for op, seg, depth in runs:
         if op == "ring":
-            fn = (lambda seg=seg, depth=depth, ways=ways: ring_all_reduce(x, segment_bytes=seg, in_flight=depth,
-                                                                          directions=ways))
+            fn = (lambda seg=seg, depth=depth: ring_all_reduce(x, segment_bytes=seg, in_flight=depth))
         else:
             fn = (lambda seg=seg: tree_all_reduce(x, segment_bytes=seg))
         x.normal_()
         s, = slowest(ctx, [time_best_block(fn, device, reps)])
-        rows.append({"op": op if ways != 2 else "ring_both_ways", "segment_bytes": seg, "in_flight": depth,
-                     "bytes": size, "world": n, "seconds": s, "busbw_gbs": size / s / 1e9 * 2 * (n - 1) / n,
-                     "vs_nccl": nccl_seconds / s})
-    for name, fn in (("p2p_exchange", exchange), ("p2p_exchange_both_ways", exchange_both_ways)):
-        s, = slowest(ctx, [time_best_block(fn, device, reps * 2 * (n - 1))])
-        bus = chunk.numel() * chunk.element_size() / s / 1e9
-        rows.append({"op": name, "segment_bytes": chunk.numel() * chunk.element_size(), "in_flight": None,
-                     "bytes": size, "world": n, "seconds": s, "busbw_gbs": bus, "vs_nccl": bus * 1e9 / nccl_bus})
+        rows.append({"op": op, "segment_bytes": seg, "in_flight": depth, "bytes": size, "world": n, "seconds": s,
+                     "busbw_gbs": size / s / 1e9 * 2 * (n - 1) / n, "vs_nccl": nccl_seconds / s})
+    s, = slowest(ctx, [time_best_block(exchange, device, reps * 2 * (n - 1))])
+    bus = chunk.numel() * chunk.element_size() / s / 1e9
+    rows.append({"op": "p2p_exchange", "segment_bytes": chunk.numel() * chunk.element_size(), "in_flight": None,
+                 "bytes": size, "world": n, "seconds": s, "busbw_gbs": bus, "vs_nccl": bus * 1e9 / nccl_bus})
     return rows
 
 

@@ -115,33 +115,8 @@ class _Messages:
             self.wait(i)
 
 
-class _RingLane:
-    """One ring over a part of the tensor, around the ranks forwards (``turn=1``: r -> r + 1) or
-    backwards (``turn=-1``: r -> r - 1). Positions are counted along the lane's direction, so the same
-    formulas serve both: at reduce-scatter step s the rank at position v sends chunk v - s and adds
-    chunk v - s - 1, received from the position before it."""
-
-    def __init__(self, part: torch.Tensor, rank: int, world: int, turn: int, k: int, depth: int) -> None:
-        self.world, self.k, self.depth = world, k, depth
-        self.pos = (turn * rank) % world
-        self.nxt, self.prv = (rank + turn) % world, (rank - turn) % world
-        self.segs = [torch.tensor_split(c, k) for c in torch.tensor_split(part, world)]  # [chunk][segment]
-        self.buffers = part.new_empty((depth, self.segs[0][0].numel()))  # segs[0][0] is the longest
-
-    def ops(self, n: int, steps: int):
-        """(send, receive, add-into or None) of message n."""
-        phase, rest = divmod(n, steps)
-        s, j = divmod(rest, self.k)
-        v, w = self.pos, self.world
-        if phase == 0:  # reduce-scatter: receive into a buffer, then add it into chunk v - s - 1
-            into = self.segs[(v - s - 1) % w][j]
-            return self.segs[(v - s) % w][j], self.buffers[n % self.depth, : into.numel()], into
-        return self.segs[(v + 1 - s) % w][j], self.segs[(v - s) % w][j], None  # all-gather: in place
-
-
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                    segment_bytes: int | None = None, in_flight: int = DEFAULT_IN_FLIGHT,
-                    directions: int = 1) -> torch.Tensor:
+                    segment_bytes: int | None = None, in_flight: int = DEFAULT_IN_FLIGHT) -> torch.Tensor:
     """Sum `tensor` over `group` in place with a pipelined ring of point-to-point messages.
 
     The tensor is split into W chunks (lengths differ by at most one) and each chunk into K segments
@@ -150,10 +125,6 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     segment k of chunk r - s - 1 from rank r - 1 into a buffer, which is then added into the local
     chunk; after W - 1 steps rank r holds the full sum of chunk r + 1. The all-gather passes the
     finished chunks on for W - 1 more steps, received straight into place.
-
-    With ``directions=2`` the tensor's first half goes around the ring forwards and its second half
-    backwards, in the same messages: each rank then sends to both neighbours at once (two
-    point-to-point streams instead of one), for links or transports that one stream does not fill.
 
     Messages run in the order (step, segment). Message n sends what the add of message n - K produced,
     and receives into buffer n mod D, which the add of message n - D read; so it is queued right after
@@ -165,23 +136,31 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         group: the process group (default: the world).
         segment_bytes: the largest message, in bytes; ``None`` chooses by size.
         in_flight: receive buffers, i.e. messages queued ahead of the adds (at most K are useful).
-        directions: 1 (one ring) or 2 (two rings, opposite ways, a half each).
     """
     _check(segment_bytes, in_flight)
-    if directions not in (1, 2):
-        raise ValueError(f"directions must be 1 or 2, got {directions!r}")
     world = dist.get_world_size(group)
     if world == 1 or tensor.numel() == 0:
         return tensor
     rank = dist.get_rank(group)
     flat = _flat(tensor)
-    parts = torch.tensor_split(flat, directions)
-    k = _segment_count(-(-parts[0].numel() // world), flat.element_size(), segment_bytes,
+    chunks = torch.tensor_split(flat, world)  # the first chunks are the longest
+    k = _segment_count(chunks[0].numel(), flat.element_size(), segment_bytes,
                        (_RING_SEGMENTS, _RING_MIN, _RING_MAX))
+    segs = [torch.tensor_split(c, k) for c in chunks]  # segs[chunk][segment], K pieces on every rank
     depth = min(in_flight, k)
-    lanes = [_RingLane(part, rank, world, turn, k, depth) for part, turn in zip(parts, (1, -1))]
+    buffers = flat.new_empty((depth, segs[0][0].numel()))  # segs[0][0] is the longest segment
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
     steps = (world - 1) * k  # messages per phase
     total = 2 * steps
+
+    def ops(n: int):
+        """(send, receive, add-into or None) of message n."""
+        phase, rest = divmod(n, steps)
+        s, j = divmod(rest, k)
+        if phase == 0:  # reduce-scatter: receive into a buffer, then add it into chunk r - s - 1
+            into = segs[(rank - s - 1) % world][j]
+            return segs[(rank - s) % world][j], buffers[n % depth, : into.numel()], into
+        return segs[(rank + 1 - s) % world][j], segs[(rank - s) % world][j], None  # all-gather: in place
 
     messages = _Messages()
     posted = 0
@@ -192,19 +171,15 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
             # The all-gather forwards what message posted - k received: on gloo, wait for it (on NCCL
             # the wait only orders the streams, which the NCCL stream already is).
             messages.wait(posted - k)
-            ops = []
-            for lane in lanes:
-                send, recv, _ = lane.ops(posted, steps)
-                ops += [("send", send, lane.nxt), ("recv", recv, lane.prv)]
-            messages.post(posted, ops, group)
+            send, recv, _ = ops(posted)
+            messages.post(posted, [("send", send, nxt), ("recv", recv, prv)], group)
             posted += 1
 
     for n in range(steps):  # the adds of the reduce-scatter, each followed by the message it frees
         post_until(n + depth)
         messages.wait(n)
-        for lane in lanes:
-            _, recv, into = lane.ops(n, steps)
-            into.add_(recv)
+        _, recv, into = ops(n)
+        into.add_(recv)
     post_until(total)
     messages.wait_all()
     return _write_back(flat, tensor)
