@@ -12,6 +12,14 @@ a value of the wrong type is an error, never coerced (``"no"`` is not a boolean,
 path); numbers may be written in scientific notation (``1e-3``, which YAML 1.1 would read as a
 string), and whole numbers such as ``1e4`` are accepted where an integer is expected. Every error
 names the field's path (``training.lr``); an unknown field is an error too.
+
+This module holds `JobConfig`, the sections of the built-in model, data, training, communication,
+checkpoint and logging, and the rules between fields. The config's other parts live beside it, and
+every name is importable from here too: `config_fields` (`ConfigError`, the strict field types,
+`given`), `config_user` (import paths of the user's own model, data, collate and loss: the ``loss``
+section and their rules), `config_optim` (the ``optimizer`` and ``schedule`` sections),
+`config_evaluation` (the ``evaluation`` section) and `config_load` (YAML in and out, errors by field
+path: `load_config`, `dump_config`).
 """
 
 from __future__ import annotations
@@ -19,75 +27,23 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
+from .config_evaluation import EvaluationConfig
+from .config_fields import ConfigError, Float, Int, PathStr, PositiveFloat, PositiveInt, Section, given
+from .config_load import dump_config, load_config, parse_yaml
+from .config_optim import OptimizerConfig, ScheduleConfig
+from .config_user import ImportPath, Kwargs, LossConfig, check_user_code
 from .models import GPT_PRESETS, VISION_PRESETS
 from .pipeline.schedules import SCHEDULES
 
-__all__ = ["JobConfig", "ConfigError", "load_config", "dump_config"]
+__all__ = ["JobConfig", "ConfigError", "load_config", "dump_config", "parse_yaml"]
 
-
-class ConfigError(ValueError):
-    """A configuration field is unknown or invalid; the message names it."""
-
-
-# A decimal number, with or without a fraction or an exponent: what YAML 1.2 reads as a float.
-_NUMBER = re.compile(r"[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)(?:[eE][-+]?\d+)?")
-
-
-def _number(value: Any) -> Any:
-    """Numbers written as text (``"3e-4"``: YAML 1.1 has no float without a dot) become floats."""
-    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-        return float(value.replace("_", ""))
-    return value
-
-
-def _whole(value: Any) -> Any:
-    """``1e4`` or ``"1e4"`` where an integer is expected: the integer, when it has no fraction."""
-    value = _number(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-# Strict types (no bool for a number, no number for a string) that still take scientific notation.
-Int = Annotated[int, BeforeValidator(_whole)]
-Float = Annotated[float, BeforeValidator(_number)]
-PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_whole)]
-PositiveFloat = Annotated[float, Field(gt=0), BeforeValidator(_number)]
-PathStr = Annotated[str, Field(min_length=1)]
-#: A function or class named by import path: ``package.module:name`` (or ``package.module.name``).
-_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*[:.][A-Za-z_][\w.]*")
-
-
-def _import_path(value: str) -> str:
-    if not _IMPORT_PATH.fullmatch(value) or ".." in value or value.endswith("."):
-        raise ValueError("an import path looks like 'package.module:name'")
-    return value
-
-
-ImportPath = Annotated[str, AfterValidator(_import_path)]
-Kwargs = dict[str, Any]
 Preset = Literal[tuple(GPT_PRESETS) + ("classifier",) + tuple(VISION_PRESETS)]  # type: ignore[valid-type]
 Schedule = Literal[SCHEDULES]  # type: ignore[valid-type]
 
 
-def given(section: BaseModel, name: str) -> bool:
-    """Whether field `name` of `section` was set to something other than its default. A config written by
-    ``--print-config`` spells every default out; only a value that differs is a choice that can
-    disagree with another field."""
-    return name in section.model_fields_set and getattr(section, name) != type(section).model_fields[name].get_default(
-        call_default_factory=True)
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump()
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     preset: Preset = "small"
     """A GPT preset (tiny, small, gpt2-124m, gpt-1.3b), "classifier" (an MLP for the digits data) or an
     image classifier for data.dataset image_folder: resnet18, resnet50, vit_s16, vit_b16."""
@@ -116,7 +72,7 @@ class ModelConfig(_Section):
     """Image presets: NHWC memory order for the weights and inputs (faster convolutions on GPUs)."""
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     dataset: Literal["repo_text", "digits", "image_folder"] = "repo_text"
     """repo_text: this package's own source as bytes (language model); digits: 8x8 handwritten digits
     shipped with the package (classification); image_folder: root/<class>/<image> files (with an
@@ -162,7 +118,7 @@ class DataConfig(_Section):
     central image_size square."""
 
 
-class TrainingConfig(_Section):
+class TrainingConfig(Section):
     strategy: Literal["ddp", "zero1", "zero2", "zero3", "fsdp", "auto", "parameter_server"] = "ddp"
     """``auto``: the planner picks DDP, ZeRO-2 or ZeRO-3 (+ CPU offload) from memory estimates;
     ``parameter_server``: ranks 0 .. num_servers - 1 hold the parameters and run the optimizer, the
@@ -253,55 +209,7 @@ class TrainingConfig(_Section):
     activation memory, the same numerics); data.block_size must be divisible by tensor_parallel_size."""
 
 
-class OptimizerConfig(_Section):
-    name: Literal["adamw", "sgd", "lars", "lamb"] = "adamw"
-    """adamw / sgd: torch's; lars / lamb: ours (layer-wise trust ratios for large batches, see optim.py)."""
-    lr: Optional[PositiveFloat] = None
-    """Peak learning rate (null: training.lr), times schedule.scale_lr_with_batch's factor; the schedule's
-    warm-up climbs to it."""
-    weight_decay: Optional[Annotated[Float, Field(ge=0)]] = None
-    """Weight decay (null: training.weight_decay): decoupled for adamw / lamb, L2 for sgd / lars."""
-    momentum: Annotated[Float, Field(ge=0, lt=1)] = 0.9
-    """sgd / lars: momentum, in [0, 1)."""
-    nesterov: bool = False
-    """sgd / lars: Nesterov momentum (needs momentum > 0)."""
-    betas: Annotated[list[Annotated[Float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [0.9, 0.999]
-    """adamw / lamb: the moments' decay rates [beta1, beta2]."""
-    eps: Optional[Annotated[Float, Field(ge=0)]] = None
-    """adamw / lamb: added to the second moment's root; lars: to the trust ratio's denominator (null: 1e-8
-    adamw, 1e-6 lamb, 0 lars)."""
-    trust_coefficient: PositiveFloat = 0.001
-    """lars: eta, the largest relative change of a layer in one step."""
-    exclude_from_weight_decay: list[Annotated[str, Field(min_length=1)]] = []
-    """Parameters without weight decay (nor, for lars / lamb, trust ratio): bias, norm (normalisation
-    layers), embedding, or a glob on parameter names ("head.*": one that matches no parameter is an
-    error). With adamw / sgd, strategies ddp and zero1 only (zero2 / zero3 / fsdp shards mix layers)."""
-
-
-class ScheduleConfig(_Section):
-    kind: Literal["constant", "cosine", "linear", "step"] = "constant"
-    """After the warm-up: constant, cosine or linear decay to min_lr at total_steps, or step (x gamma
-    at each of ``milestones``, which it needs)."""
-    warmup_steps: Annotated[Int, Field(ge=0)] = 0
-    """Optimizer steps of linear warm-up: step s (from 0) trains at lr * (s + 1) / warmup_steps."""
-    total_steps: Optional[PositiveInt] = None
-    """The optimizer step where cosine / linear reach min_lr (null: training.max_steps, else the steps of
-    training.epochs, which dtrain counts from the data at start). Steps after it stay at min_lr."""
-    min_lr: Annotated[Float, Field(ge=0)] = 0.0
-    """cosine / linear: the learning rate at total_steps."""
-    milestones: list[Annotated[Int, Field(ge=1)]] = []
-    """step: the steps where the learning rate is multiplied by gamma (increasing)."""
-    gamma: Annotated[Float, Field(gt=0, le=1)] = 0.1
-    """step: the factor at each milestone."""
-    scale_lr_with_batch: bool = False
-    """Linear scaling rule (Goyal et al. 2017): lr x global batch / base_batch_size, the global batch
-    being training.global_batch_size, else batch_size x gradient_accumulation_steps x data-parallel
-    size (the run says so)."""
-    base_batch_size: PositiveInt = 256
-    """scale_lr_with_batch: the global batch the learning rate was tuned for."""
-
-
-class CommunicationConfig(_Section):
+class CommunicationConfig(Section):
     bucket_cap_mb: PositiveFloat = 25.0
     """Size in MiB of the gradient buckets DDP and ZeRO-1 reduce while backward runs."""
     compression: Literal["none", "topk", "bf16", "fp16", "powersgd"] = "none"
@@ -320,17 +228,7 @@ class CommunicationConfig(_Section):
     """With ``hierarchical``: ranks per node (default: the launcher's LOCAL_WORLD_SIZE)."""
 
 
-class LossConfig(_Section):
-    target: Optional[ImportPath] = None
-    """Import path of the loss: a function ``loss(outputs, targets)`` (``kwargs`` bound) or a class
-    instantiated with ``kwargs`` (``torch.nn:CrossEntropyLoss``); batches are then (inputs, targets).
-    Default: cross-entropy for the classifier / digits, else the model returns the loss (each batch is
-    the model's input)."""
-    kwargs: Kwargs = Field(default_factory=dict)
-    """Keyword arguments of ``loss.target``."""
-
-
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     dir: Optional[PathStr] = None
     """Directory of the run's checkpoints (``step_<N>/`` each); null: no checkpoints."""
     every: Optional[PositiveInt] = None
@@ -347,7 +245,7 @@ class CheckpointConfig(_Section):
     thread writes it while training goes on (crash-proof all the same; see ``checkpoint_async``)."""
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     dir: Optional[PathStr] = None
     """Directory of the per-rank TensorBoard and JSONL metrics (null: no monitor)."""
     every: PositiveInt = 10
@@ -356,38 +254,7 @@ class LoggingConfig(_Section):
     """Show a progress bar on rank 0."""
 
 
-class EvaluationConfig(_Section):
-    every: Optional[PositiveInt] = None
-    """Evaluate on the validation set every this many optimizer steps, and at the end: sharded over the
-    data-parallel ranks, every sample counted once (null: only at the end). The validation set is
-    data.val_fraction of the training set, or data.val_root (image_folder), or data.val_target /
-    data.val_kwargs (your own data)."""
-    batch_size: Optional[PositiveInt] = None
-    """Samples per evaluation batch on a rank (null: what one training forward takes)."""
-    metrics: Optional[list[str]] = None
-    """Besides val_loss: any of accuracy, top<k> (e.g. top5: the target among the k highest logits) for
-    a classifier (the digits or image presets), perplexity for a GPT (null: accuracy and top5, or
-    perplexity; with your own model or data, read from the first validation sample: see
-    docs/dtrain_jobs.md)."""
-    best_metric: Optional[str] = None
-    """Keep the checkpoint with the best value of this evaluated metric (val_loss, val_accuracy,
-    val_top<k>, val_perplexity): each evaluation gets a checkpoint; needs checkpoint.dir and every."""
-    best_mode: Literal["auto", "min", "max"] = "auto"
-    """Whether best_metric's best is its minimum or its maximum (auto: max for accuracies, min otherwise)."""
-    target: Optional[dict[str, float]] = None
-    """Stop at the first evaluation that reaches this value of one evaluated metric, e.g.
-    {val_accuracy: 0.97} (at least it for accuracies, at most for val_loss / val_perplexity); the run's
-    results then give time_to_target_s and target_step (time to accuracy). Needs every."""
-
-    @model_validator(mode="after")
-    def _known_metrics(self) -> "EvaluationConfig":
-        from .validation import check_job_evaluation
-
-        check_job_evaluation(self)
-        return self
-
-
-class JobConfig(_Section):
+class JobConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
@@ -413,7 +280,7 @@ class JobConfig(_Section):
     def _fields_agree(self) -> "JobConfig":
         # Rules between fields; each error still starts with the path of the field to change.
         t, c, m = self.training, self.communication, self.model
-        self._user_code_agrees()
+        check_user_code(self)
         user_code = m.target is not None or self.data.target is not None
         family = "digits" if m.preset == "classifier" else "image_folder" if m.preset in VISION_PRESETS else "repo_text"
         if not user_code and family != self.data.dataset:
@@ -453,40 +320,6 @@ class JobConfig(_Section):
         check_job_evaluation(self.evaluation, self)
         return self
 
-    def _user_code_agrees(self) -> None:
-        """The user's own model / data (``target`` fields, see `user_job`) replace the built-in fields."""
-        m, d = self.model, self.data
-        if m.target is not None:
-            chosen = [f"model.{f}" for f in ("preset", "n_layer", "n_embd") if given(m, f)]
-            if chosen:
-                raise ConfigError(f"model.target builds your own model: {', '.join(chosen)} (the built-in presets') "
-                                  "cannot go with it (pass what your model takes in model.kwargs)")
-        elif m.kwargs:
-            raise ConfigError("model.kwargs are the arguments of model.target, which is not given")
-        if d.target is not None:
-            chosen = [f"data.{f}" for f in ("dataset", "block_size") if given(d, f)]
-            if chosen:
-                raise ConfigError(f"data.target reads your own data: {', '.join(chosen)} (the built-in datasets') "
-                                  "cannot go with it (pass what your dataset takes in data.kwargs)")
-            if (d.val_target is not None or d.val_kwargs is not None) and given(d, "val_fraction"):
-                raise ConfigError("data.val_fraction splits the training set, but data.val_target / data.val_kwargs "
-                                  "give the validation set: keep one of them")
-        else:
-            stray = [f"data.{f}" for f in ("kwargs", "val_target", "val_kwargs") if getattr(d, f)]
-            if stray:
-                raise ConfigError(f"{', '.join(stray)} go with data.target (your own dataset), which is not given")
-        if d.collate_kwargs and d.collate is None:
-            raise ConfigError("data.collate_kwargs are the arguments of data.collate, which is not given")
-        if self.loss.kwargs and self.loss.target is None:
-            raise ConfigError("loss.kwargs are the arguments of loss.target, which is not given")
-        if (d.target is not None or d.collate is not None) and self.training.batch_size == "auto":
-            raise ConfigError("training.batch_size 'auto' with data.target / data.collate is not supported yet: give "
-                              "a number")
-        t = self.training
-        if ((m.target is not None or d.target is not None) and t.pipeline_parallel_size > 1
-                and t.pipeline_balance == "time" and t.pipeline_split_points is None):
-            raise ConfigError("training.pipeline_balance 'time' with model.target / data.target is not supported yet: "
-                              "balance by parameters or give training.pipeline_split_points")
 
     def _parameter_server_agrees(self) -> None:
         """The parameter-server fields, and what strategy parameter_server does not run with (yet)."""
@@ -581,137 +414,3 @@ def training_paths(message: str) -> str:
     (``microbatches`` -> ``training.microbatches``)."""
     return _PIPELINE_ARGUMENTS.sub(r"training.\1", message)
 
-
-def _field_path(loc: tuple) -> str:
-    """The dotted path of the field an error is about, leaving out pydantic's union-member tags."""
-    model: Any = JobConfig
-    parts: list[str] = []
-    for part in loc:
-        fields = getattr(model, "model_fields", None)
-        if not isinstance(part, str) or fields is None or part not in fields:
-            break
-        parts.append(part)
-        annotation = fields[part].annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    return ".".join(parts)
-
-
-def _describe(err: ValidationError) -> str:
-    """One line per field: ``training.lr: input should be a valid number, got 'fast'``."""
-    by_field: dict[str, list[str]] = {}
-    got: dict[str, Any] = {}
-    for e in err.errors(include_url=False):
-        cause = (e.get("ctx") or {}).get("error")
-        if isinstance(cause, ConfigError):
-            by_field.setdefault("", []).append(str(cause))
-            continue
-        loc = tuple(e["loc"])
-        path = _field_path(loc)
-        if e["type"] == "extra_forbidden":
-            parent = _field_path(loc[:-1])
-            section = JobConfig
-            for part in parent.split(".") if parent else []:
-                section = JobConfig.model_fields[part].annotation
-            name = f"{parent}.{loc[-1]}" if parent else str(loc[-1])
-            by_field.setdefault("", []).append(
-                f"unknown field {name} (known: {', '.join(section.model_fields)})")
-            continue
-        msg = e["msg"]
-        by_field.setdefault(path or "config", []).append(msg[:1].lower() + msg[1:])
-        got.setdefault(path or "config", e.get("input"))
-    lines = []
-    for path, messages in by_field.items():
-        unique = list(dict.fromkeys(messages))
-        if path == "":
-            lines.extend(unique)
-        else:
-            value = got[path]
-            shown = f"a {type(value).__name__}" if isinstance(value, dict) else repr(value)
-            lines.append(f"{path}: {' or '.join(unique)}, got {shown}")
-    return "; ".join(lines)
-
-
-def _yaml_loader():
-    """PyYAML's safe loader, reading ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``)."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-        list("-+0123456789."),
-    )
-    return Loader
-
-
-def parse_yaml(text: str) -> Any:
-    """YAML text as Python values, scientific notation included (for config files and ``--set``)."""
-    import yaml
-
-    return yaml.load(text, Loader=_yaml_loader())
-
-
-def load_config(source: str | dict, overrides: list[str] | None = None) -> JobConfig:
-    """Read a YAML file (or a dict), apply ``section.field=value`` overrides, validate."""
-    import copy
-
-    import yaml
-
-    if isinstance(source, dict):
-        raw = copy.deepcopy(source)
-    else:
-        try:
-            with open(source) as f:
-                raw = parse_yaml(f.read())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {source!r} does not exist") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {source!r} is not valid YAML: {err}") from None
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {source!r} must hold a mapping of sections, got {type(raw).__name__}")
-    for item in overrides or []:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like section.field=value")
-        node = raw
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if node is None:
-                node = raw[part] = {}
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a section")
-        try:
-            node[parts[-1]] = parse_yaml(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML: {err}") from None
-    try:
-        return JobConfig.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(_describe(err)) from None
-
-
-def dump_config(cfg: JobConfig) -> str:
-    """The config as YAML, every field with its value and, as a comment, its description."""
-    import yaml
-
-    def scalar(value: Any) -> str:
-        return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
-
-    def doc(info) -> str:
-        return f"  # {' '.join(info.description.split())}" if info.description else ""
-
-    lines = []
-    for name, info in JobConfig.model_fields.items():
-        value = getattr(cfg, name)
-        if isinstance(value, BaseModel):
-            lines.append(f"{name}:")
-            for field, finfo in type(value).model_fields.items():
-                lines.append(f"  {field}: {scalar(getattr(value, field))}{doc(finfo)}")
-        else:
-            lines.append(f"{name}: {scalar(value)}{doc(info)}")
-    return "\n".join(lines) + "\n"

@@ -6,7 +6,9 @@ which pieces of the full parameters and optimizer state this rank holds (`Strate
 strategy at any world size. Besides, each rank saves its RNG streams, its buffers and what its
 strategy keeps per rank (`rank_state`, e.g. compression residuals), and rank 0 puts the trainer's
 position (step, epoch, data position in samples, global batch, schedule) and the index of the pieces
-in ``meta.pt``. The files and their crash-proofing are in `distributed_training.checkpoint`.
+in ``meta.pt``. The files and their crash-proofing are in `distributed_training.checkpoint`; `fit`'s
+checkpoints written in the background (``checkpoint_async``), in `trainer_checkpoints_async` (the
+base of `Checkpointing`).
 """
 
 from __future__ import annotations
@@ -14,22 +16,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import time
-import uuid
 import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, atomic_save, load_file, read_meta, rng_state,
-                         save_file, set_rng_state, write_meta)
-from .checkpoint_async import (BackgroundWrite, CheckpointWriteError, DigestExchange, HostStaging, default_store,
-                               host_copy, rank_file)
+from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, load_file, read_meta, rng_state, save_file,
+                         set_rng_state, write_meta)
+from .checkpoint_async import rank_file
 from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
 from .checkpoint_shards import (FORMAT, Sources, build_index, check_shapes, host_clone, pack, summary, unpack_optimizer,
                                 unpack_params)
 from .logs import get_logger
+from .trainer_checkpoints_async import BackgroundCheckpointing
 
 __all__ = ["Checkpointing"]
 
@@ -37,11 +37,6 @@ log = get_logger()
 #: The trainer's config keys that only a run with a pipeline has.
 _PIPELINE_KEYS = ("pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_chunks")
 _TENSOR_DEFAULTS = {"tensor_parallel_size": 1, "sequence_parallel": False}  # their values without tensor parallelism
-
-# A wait for the previous background write that is not worth a warning: under this many seconds, or
-# under this share of the training time between the two checkpoints (what the wait slows training by).
-_NEGLIGIBLE_WAIT_S = 0.1
-_NEGLIGIBLE_WAIT_SHARE = 0.05
 
 # Suffixes of single-file checkpoints, which a checkpoint directory's name should not look like.
 _FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
@@ -97,7 +92,7 @@ def _lambda_changes(saved: Any, now: Any) -> list[str]:
     return [f"lr schedule param_groups[{i}].{change}" for i, group in enumerate(per_group) for change in group]
 
 
-class Checkpointing:
+class Checkpointing(BackgroundCheckpointing):
     """`DistributedTrainer`'s checkpoint methods."""
 
     def _resume_or_start_fresh(self) -> str | None:
@@ -151,127 +146,6 @@ class Checkpointing:
             self.checkpoints.finalize(self.step, values)
         self.context.barrier()
         self._last_saved_step = self.step
-
-    # ------------------------------------------------------------ in the background
-    def _save_in_background(self, path: str, metrics: dict[str, Any]) -> None:
-        """`fit`'s numbered checkpoint with ``checkpoint_async``: snapshot now, write in a thread (see
-        `distributed_training.checkpoint_async`). Waits for the previous write first (and says so).
-        `metrics`: floats or 0-dim tensors (copied with the snapshot, read by the writer thread)."""
-        ctx = self.context
-        previous = self._checkpoint_write
-        if previous is not None:
-            if not previous.done():
-                started = time.perf_counter()
-                training = started - previous.started  # the steps trained while it was being written
-                previous.wait()
-                waited = time.perf_counter() - started
-                if waited >= _NEGLIGIBLE_WAIT_S and waited >= _NEGLIGIBLE_WAIT_SHARE * training:
-                    # previous.seconds (set before wait() returns): the write's whole duration, from its start.
-                    log.warning("rank %d: the checkpoint of step %d waited %.2f s for the background write of step "
-                                "%d, which took %.2f s in all while %d step(s) trained in %.2f s: checkpoints come "
-                                "faster than they are written; raise checkpoint_every", ctx.rank, self.step, waited,
-                                previous.step, previous.seconds, self.step - previous.step, training)
-            self._checkpoint_write = None
-            previous.raise_error()
-        if self._staging is None:
-            self._staging = HostStaging()
-        staging = self._staging
-        staging.begin()
-        # Parameters and optimizer state are copied on a side stream while the next step runs (the
-        # optimizer's next step waits for the copies); buffers, which the next forward changes, and the
-        # metrics are copied on the compute stream before it.
-        held, packed, part = self._rank_part(staging, buffers_to_host=staging.now)
-        # What is not copied by the staging yet: small values that training goes on changing in place.
-        # (The RNG states are fresh objects already; optim_scalars went through the staging.)
-        part = {k: v if k in ("params", "optim", "optim_scalars", "buffers", "rng") else host_copy(v, host_clone)
-                for k, v in part.items()}
-        metrics = {k: staging.now(v) if torch.is_tensor(v) else v for k, v in metrics.items()}
-        ready = staging.ready(self.optimizer)
-        # No collective here: one would read its result on the host and so wait for the device (all the
-        # step's queued kernels). The checkpoint's name in the store is this incarnation's (agreed once,
-        # at its first background checkpoint) plus a count; what each rank holds goes through the store
-        # too, read by the directory's writer in its thread.
-        token = self._background_token()
-        layout = self._layout(path)
-        rank, writer = ctx.rank, layout.writer_of[ctx.rank] == ctx.rank
-        exchange = DigestExchange(default_store() if ctx.world_size > 1 else None, rank, ctx.world_size)
-        mine = (summary(packed), sorted(part["buffers"]), self.dp_rank)
-        exchange.publish_summary(token, mine)
-        if self._background_count > 2:
-            exchange.forget(f"{self._background_id}.{self._background_count - 2}")
-        meta = host_copy(self._meta(held, packed, None, None), host_clone) if writer else None
-        param_groups = packed["param_groups"]
-        manager, step = self.checkpoints, self.step
-        os.makedirs(path, exist_ok=True)
-
-        def job(stop) -> None:
-            file = rank_file(path, rank)
-            try:
-                if ready is not None:
-                    ready.synchronize()  # the device-to-host copies of the snapshot are done
-                if stop.is_set():
-                    exchange.publish_error(token, "the write was abandoned")
-                    return
-                # Streamed into the file and hashed on the way: the GIL is held for the pickled
-                # skeleton only, and the bytes are never copied in memory (`atomic_save`).
-                digest = atomic_save(part, file)
-            except BaseException as err:
-                message = f"rank {rank}: writing checkpoint file {file!r} (step {step}) failed: {type(err).__name__}: {err}"
-                exchange.publish_error(token, message)
-                raise CheckpointWriteError(message) from err
-            exchange.publish(token, digest)
-            values = {k: float(v) for k, v in metrics.items()}
-            if not writer:
-                return
-            digests = exchange.collect(token, path, stop)
-            meta.update(self._meta_ranks(exchange.collect_summaries(token, path, stop), param_groups))
-            meta["metrics"] = values
-            meta.update(layout.checksums(rank, digests))
-            try:
-                write_meta(meta, path)
-            except BaseException as err:
-                raise CheckpointWriteError(f"rank {rank}: writing {os.path.join(path, 'meta.pt')!r} (step {step}) "
-                                           f"failed: {type(err).__name__}: {err}") from err
-            manager.finalize(step, values)
-
-        self._checkpoint_write = BackgroundWrite(step, path, job)
-
-    def wait_for_checkpoint(self) -> None:
-        """Wait until the checkpoint being written in the background (``checkpoint_async``) is complete
-        on every rank; raise `CheckpointWriteError` (naming the file) if its write failed here, or
-        saying so if it failed on another rank. `fit` calls it before returning, `close` too. With
-        ``checkpoint_async``, every rank must call it (one all-reduce: a rank's own write ends before
-        the writer's ``meta.pt``, which this also waits for)."""
-        write, self._checkpoint_write = self._checkpoint_write, None
-        error = None
-        if write is not None:
-            write.wait()
-            error, write.error = write.error, None
-        if self.checkpoint_async and self.context.world_size > 1:
-            if not self.context.every_rank(error is None) and error is None:
-                where = f"checkpoint {write.path!r} (step {write.step})" if write is not None else "a checkpoint"
-                error = CheckpointWriteError(f"rank {self.context.rank}: {where} was not completed: the background "
-                                             "write failed on another rank (its error names the file)")
-        if error is not None:
-            raise error
-
-    def _check_checkpoint_write(self) -> None:
-        """At each step: raise the error of a background write that has failed (it does not wait)."""
-        write = self._checkpoint_write
-        if write is not None and write.done():
-            self._checkpoint_write = None
-            write.raise_error()
-
-    def _abandon_checkpoint_write(self) -> None:
-        """On an error in training: stop the background write at its next file boundary (what was not
-        completed stays without meta.pt, so it is never resumed from), reporting rather than raising
-        an error of its own."""
-        write, self._checkpoint_write = self._checkpoint_write, None
-        if write is None:
-            return
-        write.abandon()
-        if write.error is not None:
-            log.error("rank %d: %s", self.context.rank, write.error)
 
     def _layout(self, path: str | os.PathLike) -> DirectoryLayout:
         """Which ranks share the directory that checkpoint `path` goes into (found once per directory;
@@ -348,21 +222,6 @@ class Checkpointing:
         buffers_to_host = buffers_to_host or to_host
         part["buffers"] = {k: buffers_to_host(b.detach()) for k, b in self.strategy.buffers(self.model).items()}
         return held, packed, part
-
-    def _background_token(self) -> str:
-        """The name of this background checkpoint in the rendezvous store, the same on every rank: an id
-        of this incarnation of the job (rank 0's draw, broadcast at the first background checkpoint: the
-        only collective of the later ones' snapshots) and a count (every rank checkpoints at the same
-        steps). A restarted job draws a new id, so values a previous incarnation left in the store are
-        never taken for this one's."""
-        if self._background_id is None:
-            drawn = [uuid.uuid4().hex]
-            if self.context.world_size > 1:
-                dist.broadcast_object_list(drawn, src=dist.get_global_rank(self.context.group, 0)
-                                           if self.context.group is not None else 0, group=self.context.group)
-            self._background_id, self._background_count = drawn[0], 0
-        self._background_count += 1
-        return f"{self._background_id}.{self._background_count}"
 
     @staticmethod
     def _meta_ranks(every: list[tuple], param_groups) -> dict[str, Any]:

@@ -59,7 +59,7 @@ def _fit(trainer, max_steps):
 def _slow_writes(seconds):
     """Make every background write take `seconds` more: training runs on while the write is in flight,
     so a snapshot that shared storage with the live state would be written with later values."""
-    import distributed_training.trainer_checkpoints as tc
+    import distributed_training.trainer_checkpoints_async as tc
 
     original = tc.atomic_save
 
@@ -172,7 +172,7 @@ def test_background_checkpoints_equal_synchronous_ones_on_nccl(tmp_path, strateg
 
 # ----------------------------------------------------------------- a failed write
 def failing_worker(rank, world, base, fail_rank):
-    import distributed_training.trainer_checkpoints as tc
+    import distributed_training.trainer_checkpoints_async as tc
 
     original = tc.atomic_save
 
@@ -204,7 +204,7 @@ def test_a_failed_background_write_is_reported_and_never_resumed_from(tmp_path, 
 
 
 def test_a_failed_write_surfaces_at_the_next_step(tmp_path, monkeypatch):
-    import distributed_training.trainer_checkpoints as tc
+    import distributed_training.trainer_checkpoints_async as tc
 
     original = tc.atomic_save
 
@@ -222,7 +222,7 @@ def test_a_failed_write_surfaces_at_the_next_step(tmp_path, monkeypatch):
 
 
 def test_fit_and_close_wait_for_the_write(tmp_path, monkeypatch):
-    import distributed_training.trainer_checkpoints as tc
+    import distributed_training.trainer_checkpoints_async as tc
 
     original = tc.atomic_save
     monkeypatch.setattr(tc, "atomic_save", lambda obj, path: (time.sleep(0.3), original(obj, path))[1])
@@ -247,7 +247,7 @@ _KILLED = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     numpy.random.seed(0)  # every RNG a checkpoint holds is the same in every run of this script
     random.seed(0)
-    import distributed_training.trainer_checkpoints as tc
+    import distributed_training.trainer_checkpoints_async as tc
     from test_async_checkpoint import _trainer, _fit
 
     where, directory = sys.argv[1], sys.argv[2]
