@@ -182,12 +182,12 @@ def job_optimizer(cfg: "JobConfig", model: nn.Module, total_steps: int | None = 
                         eps=eps, nesterov=o.nesterov)
         return LAMB(groups, lr=lr, betas=tuple(o.betas), eps=eps, weight_decay=wd)
 
-    scheduler = None
-    if s.kind != "constant" or s.warmup_steps:
-        schedule = WarmupSchedule(s.kind, warmup_steps=s.warmup_steps, total_steps=s.total_steps or t.max_steps or total_steps,
-                                  min_ratio=min(1.0, s.min_lr / lr), milestones=s.milestones, gamma=s.gamma)
+    if s.kind == "constant" and not s.warmup_steps:
+        return factory, None
+    schedule = WarmupSchedule(s.kind, warmup_steps=s.warmup_steps, total_steps=s.total_steps or t.max_steps or total_steps,
+                              min_ratio=min(1.0, s.min_lr / lr), milestones=s.milestones, gamma=s.gamma)
 
-        def scheduler(optimizer):
-            return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    def scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
     return factory, scheduler

@@ -40,7 +40,6 @@ import traceback
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 

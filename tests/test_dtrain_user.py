@@ -6,9 +6,7 @@ failure to import or call the user's code said as the field, the path and the ca
 from __future__ import annotations
 
 import os
-import re
 import sys
-import textwrap
 import time
 from pathlib import Path
 

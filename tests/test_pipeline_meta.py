@@ -5,7 +5,6 @@ GPT, `materialize` of the same meta module otherwise): parameters after every st
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

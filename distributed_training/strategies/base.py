@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 
 import torch
 from torch import nn
