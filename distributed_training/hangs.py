@@ -84,6 +84,16 @@ class _Heartbeat:
             time.sleep(self.PERIOD_S)
 
 
+def stop_heartbeat() -> None:
+    """End this process's heartbeat thread and wait for it (the trainer's `close`). A daemon thread
+    still inside a store call when the interpreter exits cannot take the GIL back: Python ends it
+    where it stands, through C++ frames that may not be unwound, and the process aborts ("terminate
+    called without an active exception") after a job that had succeeded."""
+    beat, _Heartbeat.current = _Heartbeat.current, None
+    if beat is not None and beat._thread is not threading.current_thread():
+        beat._thread.join(timeout=beat.PERIOD_S + 10)  # at most one store call and one sleep
+
+
 def diagnose_timeout(context: DistributedContext, step: int, err: Exception) -> str:
     """The message of a `CollectiveTimeoutError` raised in training step `step + 1`: the operation,
     and which ranks never reached the step (from their heartbeats)."""

@@ -21,6 +21,7 @@ Nothing here is module-level state: the context owns its process group and is pa
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -151,7 +152,10 @@ def _let_gloo_threads_settle(timeout: float = 3.0, quiet_polls: int = 10) -> Non
     A worker blocked on the GIL sleeps too (on a futex), so "asleep" is only a hint: each poll's sleep
     lets such a worker take the GIL, and enough quiet polls in a row make it likely that none is left.
     Two polls (10 ms) were not enough on a loaded 2-core machine (session 18's CI: three torchrun jobs
-    aborted at exit after succeeding); ten (50 ms) are the default now.
+    aborted at exit after succeeding); ten (50 ms) are the default now. The cause of those aborts was
+    found in session 19: the group outlived `destroy_process_group` (torch._dynamo's references, see
+    `init_distributed`), so its threads lived into the exit; with that fixed there is normally no gloo
+    thread left here, and this wait covers groups that something else still holds.
     """
     tasks = "/proc/self/task"
     if not os.path.isdir(tasks):
@@ -304,6 +308,12 @@ def init_distributed(
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
             if restart is not None:
                 kwargs["store"] = _attempt_store(rank, world_size, timeout, restart)
+        # torch._dynamo, imported once a default group exists (building any torch.optim optimizer
+        # imports it), keeps references to that group: `destroy_process_group` then cannot free it,
+        # its gloo threads live on into the interpreter's exit, and one still busy there aborts the
+        # process ("terminate called without an active exception") after a job that had succeeded
+        # (measured: the threads remain after `close` unless dynamo came first). So it comes first.
+        importlib.import_module("torch._dynamo")
         dist.init_process_group(**kwargs)
 
     return DistributedContext(

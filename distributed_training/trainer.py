@@ -34,7 +34,8 @@ from .checkpoint_async import CheckpointWriteError
 from .checkpoint_layout import DirectoryLayout
 from .evaluation import Evaluation
 from .global_batch import GlobalBatch, check_layout_world
-from .hangs import CollectiveTimeoutError, _store as _default_store, diagnose_timeout, heartbeat, is_timeout
+from .hangs import (CollectiveTimeoutError, _store as _default_store, diagnose_timeout, heartbeat, is_timeout,
+                    stop_heartbeat)
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
 from .peer_watch import PeerFailureError, PeerWatch, looks_like_peer_loss
@@ -566,6 +567,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         a death)."""
         if self._watch is not None:
             self._watch.stop()  # first: the peers must not take this rank's leaving for a death
+        stop_heartbeat()  # no daemon thread may be inside a store call when the process exits
         error = None
         if barrier and self.checkpoint_async:  # every rank closes: the wait agrees on the outcome
             try:

@@ -137,53 +137,60 @@ class Server:
         for worker in range(self.num_workers):
             self._start_receiving(worker)
         self._serving = True
+        watcher = None
         if self.joins is not None and self.consistency != "sync":
-            threading.Thread(target=self._watch_joins, name="dt-ps-joins", daemon=True).start()
+            watcher = threading.Thread(target=self._watch_joins, name="dt-ps-joins", daemon=True)
+            watcher.start()
         leaving: list[int] = []
-        while not self._over():
-            worker, request, error, joined = self._inbox.get()
-            if joined is not None:
-                self._rejoin(worker, joined)
-            elif error is not None:
-                self._lose(worker, error)
-            else:
-                kind, sender, step, values, indices = request
-                if sender != worker:
-                    raise RuntimeError(f"parameter server: rank {self.links[worker][1]} (worker {worker}) sent a "
-                                       f"request as worker {sender}")
-                self.stats.bytes_in += (0 if values is None else 4 * values.numel()) + \
-                    (0 if indices is None else 8 * indices.numel())
-                if kind == Kind.JOIN:
-                    self._answer_join(worker)
-                    continue
-                if worker in self.joining:  # its first request after JOIN: the step it continues from
-                    del self.joining[worker]
-                    self.joined_at[worker] = step
-                    self.stats.rejoined.append((worker, step))
-                if kind == Kind.PUSH:
-                    self.pushed[worker] = step + 1
-                    if self.failure is None:
-                        self._push(worker, step, self._grads(self._rows(indices), values))
-                elif kind in (Kind.PULL, Kind.FINAL):
-                    if kind == Kind.FINAL:
-                        self.finished.add(worker)
-                    self.waiting.append(_Pull(worker, step, self._rows(indices), kind == Kind.FINAL))
-                    if kind == Kind.PULL and not self._allowed(self.waiting[-1]):
-                        self.stats.pulls_delayed += 1
+        try:
+            while not self._over():
+                worker, request, error, joined = self._inbox.get()
+                if joined is not None:
+                    self._rejoin(worker, joined)
+                elif error is not None:
+                    self._lose(worker, error)
                 else:
-                    self.done.add(worker)
-                    leaving.append(worker)
-            if self.failure is not None:  # sync: tell whoever waits for an acknowledgement now
-                for w in leaving:
-                    self._reply(w, self.version, torch.empty(0))
-                leaving.clear()
-            self._apply_ready()
-            self._answer_waiting()
-        if self.failure is None and self.pending:
-            raise RuntimeError(f"parameter server: every worker left with steps {sorted(self.pending)} incomplete")
+                    kind, sender, step, values, indices = request
+                    if sender != worker:
+                        raise RuntimeError(f"parameter server: rank {self.links[worker][1]} (worker {worker}) "
+                                           f"sent a request as worker {sender}")
+                    self.stats.bytes_in += (0 if values is None else 4 * values.numel()) + \
+                        (0 if indices is None else 8 * indices.numel())
+                    if kind == Kind.JOIN:
+                        self._answer_join(worker)
+                        continue
+                    if worker in self.joining:  # its first request after JOIN: the step it continues from
+                        del self.joining[worker]
+                        self.joined_at[worker] = step
+                        self.stats.rejoined.append((worker, step))
+                    if kind == Kind.PUSH:
+                        self.pushed[worker] = step + 1
+                        if self.failure is None:
+                            self._push(worker, step, self._grads(self._rows(indices), values))
+                    elif kind in (Kind.PULL, Kind.FINAL):
+                        if kind == Kind.FINAL:
+                            self.finished.add(worker)
+                        self.waiting.append(_Pull(worker, step, self._rows(indices), kind == Kind.FINAL))
+                        if kind == Kind.PULL and not self._allowed(self.waiting[-1]):
+                            self.stats.pulls_delayed += 1
+                    else:
+                        self.done.add(worker)
+                        leaving.append(worker)
+                if self.failure is not None:  # sync: tell whoever waits for an acknowledgement now
+                    for w in leaving:
+                        self._reply(w, self.version, torch.empty(0))
+                    leaving.clear()
+                self._apply_ready()
+                self._answer_waiting()
+            if self.failure is None and self.pending:
+                raise RuntimeError(f"parameter server: every worker left with steps {sorted(self.pending)} "
+                                   "incomplete")
+        finally:
+            self._serving = False  # no more rejoins; the watcher not left inside a store call at exit
+            if watcher is not None:
+                watcher.join(timeout=5.0)  # a poll; longer only while a rejoining group connects
         # Acknowledge the DONEs only now: a worker's close() returns after every worker has closed, so no
         # message of a later ParameterServer (the same ranks, the same tags) can reach this loop.
-        self._serving = False  # no more rejoins
         for w in leaving:
             self._reply(w, self.version, torch.empty(0))
         self.outbox.flush()
