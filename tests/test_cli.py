@@ -92,7 +92,7 @@ def test_help_and_print_config():
 def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path):
     config = {
         "model": {"preset": "tiny"},
-        "data": {"dataset": "repo_text", "block_size": 32},
+        "data": {"dataset": "repo_text", "block_size": 32, "val_fraction": 0.01},
         "training": {"strategy": "zero2", "epochs": 1, "max_steps": 4, "batch_size": 4, "seed": 0},
         "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 2},
         "output": str(tmp_path / "final.pt"),
@@ -109,7 +109,7 @@ def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path):
 def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(tmp_path):
     config = {
         "model": {"preset": "tiny"},
-        "data": {"dataset": "repo_text", "block_size": 32},
+        "data": {"dataset": "repo_text", "block_size": 32, "val_fraction": 0.01},
         "training": {"strategy": "auto", "batch_size": "auto", "precision": "bf16", "activation_checkpointing": True,
                      "memory_budget_gb": 0.02, "epochs": 1, "max_steps": 3, "seed": 0},
     }

@@ -49,7 +49,7 @@ _SCRUB = re.compile(r"^(DT_|PET_|TORCHELASTIC_)|^(RANK|WORLD_SIZE|LOCAL_RANK|LOC
 
 TINY_CONFIG = """\
 model: {{preset: tiny}}
-data: {{dataset: repo_text, block_size: 32}}
+data: {{dataset: repo_text, block_size: 32, val_fraction: 0.01}}
 training: {{strategy: ddp, epochs: 1, max_steps: 4, batch_size: 4, lr: 0.002, seed: 0}}
 checkpoint: {{dir: {ckpt}, every: 2}}
 logging: {{dir: null}}
@@ -936,7 +936,7 @@ if os.environ.get("RANK") is not None:
 
 ELASTIC_CONFIG = """\
 model: {{preset: tiny}}
-data: {{dataset: repo_text, block_size: 32}}
+data: {{dataset: repo_text, block_size: 32, val_fraction: 0.01}}
 training: {{strategy: zero3, epochs: 100, max_steps: {steps}, global_batch_size: 6, lr: 0.05, seed: 0, timeout_s: 60}}
 optimizer: {{name: sgd, momentum: 0.9}}
 checkpoint: {{dir: {ckpt}, every: 2, keep_last: 2}}

@@ -237,7 +237,8 @@ def test_dtrain_global_batch_fields_are_checked(training, field):
 @pytest.mark.timeout(300)
 def test_dtrain_resumes_a_global_batch_at_another_world_size(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    config = {"model": {"preset": "tiny"}, "data": {"dataset": "repo_text", "block_size": 16},
+    # a small validation split: the final evaluation of the whole default one took most of the test's time
+    config = {"model": {"preset": "tiny"}, "data": {"dataset": "repo_text", "block_size": 16, "val_fraction": 0.005},
               "training": {"strategy": "zero3", "max_steps": 2, "global_batch_size": 8, "micro_batch_size": 2,
                            "seed": 0},
               "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1}, "logging": {"progress": False}}
