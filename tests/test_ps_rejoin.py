@@ -156,7 +156,7 @@ def _check_server(server, consistency, staleness, start):
         assert survivors == {(w, s) for w in (0, 2) for s in range(STEPS)}
 
 
-def test_rejoin_refuses_sync_a_bad_index_and_times_out(tmp_path):
+def test_rejoin_refuses_sync_a_bad_index_another_model_and_times_out(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), -1)
     settings = {"num_servers": 1, "num_workers": 2, "consistency": "sync", "staleness": 0, "sparse": []}
     join_store(store).set("settings", pickle.dumps(settings))  # what server 0 publishes
@@ -167,3 +167,7 @@ def test_rejoin_refuses_sync_a_bad_index_and_times_out(tmp_path):
         rejoin(nn.Linear(2, 1), 2, store, timeout=1)
     with pytest.raises(TimeoutError, match="did not take worker 1 back"):
         rejoin(nn.Linear(2, 1), 1, store, timeout=0.5)
+    shapes = {"weight": (1, 2), "bias": (1,)}
+    join_store(store).set("settings", pickle.dumps({**settings, "consistency": "async", "shapes": shapes}))
+    with pytest.raises(ValueError, match=r"trained parameter 'weight' is \(1, 3\), the job's is \(1, 2\)"):
+        rejoin(nn.Linear(3, 1), 1, store, timeout=0.5)

@@ -166,7 +166,8 @@ class ParameterServer:
                 joins.set("settings", pickle.dumps({"num_servers": num_servers, "num_workers": self.num_workers,
                                                     "consistency": consistency, "staleness": staleness,
                                                     "sparse": [n for n, ps in self.plan.tables.items()
-                                                               if ps[0].sparse]}))
+                                                               if ps[0].sparse],
+                                                    "shapes": {n: tuple(p.shape) for n, p in params.items()}}))
         else:
             self._worker = Worker(params, self.plan, rank - num_servers, process_group(self.group))
 

@@ -50,6 +50,19 @@ def job_store(timeout: float = 300.0) -> dist.Store:
                          timeout=timedelta(seconds=timeout))
 
 
+def _check_model(model: nn.Module, shapes: dict[str, tuple] | None) -> None:
+    """Refuse a model whose trained parameters are not the job's (names and shapes), naming the first
+    difference: its messages would not fit the servers' pieces."""
+    if shapes is None:
+        return
+    mine = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    for name in sorted(set(mine) | set(shapes)):
+        if mine.get(name) != shapes.get(name):
+            raise ValueError(f"rejoin: the model's trained parameter {name!r} is {mine.get(name, 'missing')}, the "
+                             f"job's is {shapes.get(name, 'missing')}: build the same model (and freeze the same "
+                             "parameters) as the job's workers")
+
+
 def rejoin(model: nn.Module, worker: int, store: dist.Store, *, timeout: float = 300.0) -> ParameterServer:
     """(A restarted worker's process; no process group needed) take worker `worker`'s place in the running
     parameter server whose job's rendezvous store is `store` (`job_store()`, or the job's `FileStore`).
@@ -58,8 +71,9 @@ def rejoin(model: nn.Module, worker: int, store: dist.Store, *, timeout: float =
     Returns a worker's `ParameterServer` whose ``worker_step`` is where the worker continues.
 
     Raises:
-        ValueError: `worker` is not a worker index of the job, or its consistency is ``"sync"`` (every
-            worker's gradient of every step: a lost worker ended that training).
+        ValueError: `worker` is not a worker index of the job, `model`'s trained parameters differ from
+            the job's (names, shapes), or its consistency is ``"sync"`` (every worker's gradient of every
+            step: a lost worker ended that training).
         TimeoutError: the servers did not take the worker back within `timeout` seconds: they do not
             know it as lost (its old process still runs), or the training has ended.
     """
@@ -77,6 +91,7 @@ def rejoin(model: nn.Module, worker: int, store: dist.Store, *, timeout: float =
                          "worker (its servers stopped when it was lost); ssp and async take a worker back")
     if not isinstance(worker, int) or isinstance(worker, bool) or not 0 <= worker < num_workers:
         raise ValueError(f"rejoin: worker must be an index in [0, {num_workers - 1}], got {worker!r}")
+    _check_model(model, settings.get("shapes"))
     attempt = joins.add(f"join/{worker}", 1)
     prefix = f"join/{worker}/{attempt}"
     while joins.add(prefix + "/accepted", 0) < num_servers:
