@@ -160,13 +160,15 @@ def test_rejoin_refuses_sync_a_bad_index_another_model_and_times_out(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), -1)
     settings = {"num_servers": 1, "num_workers": 2, "consistency": "sync", "staleness": 0, "sparse": []}
     join_store(store).set("settings", pickle.dumps(settings))  # what server 0 publishes
-    with pytest.raises(ValueError, match="consistency='sync'"):
+    with pytest.raises(ValueError, match="consistency='sync', which does not take a worker back"):
         rejoin(nn.Linear(2, 1), 0, store, timeout=1)
     join_store(store).set("settings", pickle.dumps({**settings, "consistency": "async"}))
     with pytest.raises(ValueError, match=r"worker must be an index in \[0, 1\]"):
         rejoin(nn.Linear(2, 1), 2, store, timeout=1)
     with pytest.raises(TimeoutError, match="did not take worker 1 back"):
         rejoin(nn.Linear(2, 1), 1, store, timeout=0.5)
+    # the attempt is withdrawn: a server that finds worker 1 lost later skips it (`Server._watch_joins`)
+    assert join_store(store).check(["join/1/1/withdrawn"])
     shapes = {"weight": (1, 2), "bias": (1,)}
     join_store(store).set("settings", pickle.dumps({**settings, "consistency": "async", "shapes": shapes}))
     with pytest.raises(ValueError, match=r"trained parameter 'weight' is \(1, 3\), the job's is \(1, 2\)"):

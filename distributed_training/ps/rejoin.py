@@ -46,8 +46,14 @@ def job_store(timeout: float = 300.0) -> dist.Store:
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
     if missing:
         raise RuntimeError(f"job_store: {', '.join(missing)} not set: give rejoin(store=...) the job's store")
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=timeout))
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=timeout))
+    except dist.DistNetworkError as err:
+        raise RuntimeError(f"job_store: the job's rendezvous store at {address} cannot be reached ({err}): the job "
+                           "has ended (its store goes with the process that hosts it), or the address is wrong") \
+            from None
 
 
 def _check_model(model: nn.Module, shapes: dict[str, tuple] | None) -> None:
@@ -75,8 +81,23 @@ def rejoin(model: nn.Module, worker: int, store: dist.Store, *, timeout: float =
             the job's (names, shapes), or its consistency is ``"sync"`` (every worker's gradient of every
             step: a lost worker ended that training).
         TimeoutError: the servers did not take the worker back within `timeout` seconds: they do not
-            know it as lost (its old process still runs), or the training has ended.
+            know it as lost (its old process still runs), or the training has ended. The attempt is
+            withdrawn: a later one is not held up by it.
+        RuntimeError: the store cannot be reached (under env:// the job's rank 0 hosts it: the job has
+            ended, after a sync job's lost worker too).
+
+    Start the new process once the old one is gone (a frozen process still holds its connections, so the
+    servers do not know it as lost).
     """
+    try:
+        return _rejoin(model, worker, store, timeout)
+    except dist.DistNetworkError as err:
+        raise RuntimeError(f"rejoin: the job's rendezvous store cannot be reached ({err}): the job has ended (its "
+                           "store goes with the process that hosts it, rank 0 under env://), or this is not its "
+                           "address") from None
+
+
+def _rejoin(model: nn.Module, worker: int, store: dist.Store, timeout: float) -> ParameterServer:
     joins = join_store(store)
     deadline = time.monotonic() + timeout
     while not joins.check(["settings"]):
@@ -87,8 +108,8 @@ def rejoin(model: nn.Module, worker: int, store: dist.Store, *, timeout: float =
     settings = pickle.loads(joins.get("settings"))
     num_servers, num_workers, consistency = settings["num_servers"], settings["num_workers"], settings["consistency"]
     if consistency == "sync":
-        raise ValueError("rejoin: the parameter server runs consistency='sync', which cannot go on without a "
-                         "worker (its servers stopped when it was lost); ssp and async take a worker back")
+        raise ValueError("rejoin: the parameter server runs consistency='sync', which does not take a worker back "
+                         "(a lost worker ends the training); ssp and async do")
     if not isinstance(worker, int) or isinstance(worker, bool) or not 0 <= worker < num_workers:
         raise ValueError(f"rejoin: worker must be an index in [0, {num_workers - 1}], got {worker!r}")
     _check_model(model, settings.get("shapes"))
@@ -96,6 +117,7 @@ def rejoin(model: nn.Module, worker: int, store: dist.Store, *, timeout: float =
     prefix = f"join/{worker}/{attempt}"
     while joins.add(prefix + "/accepted", 0) < num_servers:
         if time.monotonic() > deadline:
+            joins.set(prefix + "/withdrawn", "1")  # a server that finds the worker lost later skips it
             raise TimeoutError(f"rejoin: the servers did not take worker {worker} back within {timeout:.0f} s: "
                                "they do not know it as lost (is its old process still running?), or the "
                                "training has ended")

@@ -233,6 +233,8 @@ class Server:
                 if request > seen[worker] and worker in self.lost:
                     seen[worker] = request
                     prefix = f"join/{worker}/{request}"
+                    if self.joins.check([prefix + "/withdrawn"]):
+                        continue  # its process gave up waiting (asked while the worker still ran)
                     self.joins.add(prefix + "/accepted", 1)
                     try:
                         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.joins), self.index,
