@@ -96,13 +96,18 @@ def _run(tmp_path, consistency, staleness, num_servers):
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_killed_job, world, args=(str(tmp_path), consistency, staleness, num_servers),
                         timeout=60, collective_timeout=100)
-    victim_rank = num_servers + VICTIM
-    failed = {r for r in range(world) if f"--- rank {r} failed ---" in str(info.value)}
-    assert failed == {victim_rank}, str(info.value)  # only the killed rank: the others ended normally
-    assert "did not finish" not in str(info.value), str(info.value)
-    records = read_records(tmp_path)
+    return survivors_records(info.value, world, num_servers + VICTIM, tmp_path)
+
+
+def survivors_records(error: DistributedTestError, world: int, victim_rank: int, directory) -> tuple[dict, float]:
+    """Check that the killed rank is the job's only failure (the others ended normally); return the
+    survivors' records and the time of the kill (the file ``killed_at`` the victim wrote)."""
+    failed = {r for r in range(world) if f"--- rank {r} failed ---" in str(error)}
+    assert failed == {victim_rank}, str(error)  # only the killed rank: the others ended normally
+    assert "did not finish" not in str(error), str(error)
+    records = read_records(directory)
     assert sorted(records) == [r for r in range(world) if r != victim_rank], records
-    with open(os.path.join(tmp_path, "killed_at")) as f:
+    with open(os.path.join(directory, "killed_at")) as f:
         killed_at = float(f.read())
     return records, killed_at
 

@@ -27,31 +27,15 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from distributed_training.testing import DistributedTestError, read_records, run_distributed, write_record
+from distributed_training.testing import DistributedTestError, run_distributed, write_record
+from test_parameter_server_trainer import _Data, _model  # the same model and data as the fit tests
+from test_ps_faults import survivors_records
 
 KILL_AT = 5  # optimizer steps the victim has pushed when it dies
 EPOCHS = 3
 SAMPLES, BATCH, WORKERS = 48, 4, 3
 STEPS = SAMPLES // (BATCH * WORKERS) * EPOCHS  # 12 per worker
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-
-
-class _Data(torch.utils.data.Dataset):
-    def __init__(self, n: int = SAMPLES) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.x, self.y = torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
 
 
 def _state(trainer) -> list[list[float]]:
@@ -105,15 +89,7 @@ def _run(tmp_path, consistency, staleness, victim):
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_killed_fit_job, world, args=(str(tmp_path), consistency, staleness, victim), timeout=90,
                         collective_timeout=60)
-    victim_rank = 1 + victim
-    failed = {r for r in range(world) if f"--- rank {r} failed ---" in str(info.value)}
-    assert failed == {victim_rank}, str(info.value)  # only the killed rank: the others ended normally
-    assert "did not finish" not in str(info.value), str(info.value)
-    records = read_records(tmp_path)
-    assert sorted(records) == [r for r in range(world) if r != victim_rank], records
-    with open(os.path.join(tmp_path, "killed_at")) as f:
-        killed_at = float(f.read())
-    return records, killed_at
+    return survivors_records(info.value, world, 1 + victim, tmp_path)
 
 
 @pytest.mark.timeout(120)
