@@ -56,8 +56,9 @@ def _collectives(results):
         sweep = part.get("sweep")
         if sweep:
             lines += ["", f"Segment sweep at {_size(sweep[0]['bytes'])}: bus bandwidth GB/s and NCCL's all-reduce time / "
-                          "ours (auto: the default segment size; p2p_exchange: one ring step moving a whole chunk, "
-                          "the ceiling of any point-to-point ring)", "",
+                          "ours (auto: the default segment size; the ring spreads its segments over NCCL communicators, "
+                          "ring_one_lane: all on one, as before session 20; p2p_exchange: one ring step moving a "
+                          "whole chunk on one communicator)", "",
                       "| op | segment | in flight | bus GB/s | vs NCCL |", "|---|---|---|---|---|"]
             for r in sweep:
                 seg = _size(r["segment_bytes"]) if r["segment_bytes"] else "auto"

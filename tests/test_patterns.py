@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed_training.comm.patterns import hierarchical_all_reduce, ring_all_reduce, tree_all_reduce
+from distributed_training.comm import patterns
+from distributed_training.comm.patterns import hierarchical_all_reduce, ring_all_reduce, ring_lanes, tree_all_reduce
 from distributed_training.strategies.fsdp import make_hybrid_groups
 from distributed_training.testing import run_distributed
 
@@ -122,6 +123,44 @@ def subgroup_worker(rank, world):
             _check_sum(f"{pattern} {kw} subgroup", got, x, exact, scale, group, failures)
     dist.barrier()
     return failures
+
+
+def lanes_worker(rank, world):
+    """The ring with its segments spread over lanes (more groups over the same ranks; on NCCL each
+    has its own stream): explicit and automatic segments, fewer buffers than lanes, on the world and
+    on a subgroup with ranks out of order; `ring_lanes` makes none on gloo."""
+    failures = []
+    if ring_lanes() != []:
+        failures.append("ring_lanes made lanes on gloo")
+    members = [3, 1, 0] if world == 4 else list(range(world))
+    sub = dist.new_group(members)
+    sub_lanes = [dist.new_group(members) for _ in range(3)]
+    world_lanes = [dist.new_group(list(range(world))) for _ in range(3)]
+    saved = patterns._LANE_MIN
+    patterns._LANE_MIN = 16  # automatic segments: 2 per lane of at least 16 bytes
+    try:
+        for group, lanes in ((None, world_lanes), (sub, sub_lanes)):
+            if group is not None and rank not in members:
+                continue
+            for shape in [(5,), (97,), (1031,), (33, 7)]:
+                g = torch.Generator().manual_seed(17 * rank + sum(shape))
+                x = torch.randn(shape, generator=g) * 10
+                exact, scale = _exact_sum(x, group)
+                for kw in ({}, {"segment_bytes": 12}, {"segment_bytes": 40, "in_flight": 1}, {"in_flight": 2}):
+                    for count in (1, 2, 3):
+                        got = ring_all_reduce(x.clone(), group, lanes=lanes[:count], **kw)
+                        where = "world" if group is None else "subgroup"
+                        _check_sum(f"ring {kw} lanes={count + 1} {where}", got, x, exact, scale, group, failures)
+    finally:
+        patterns._LANE_MIN = saved
+    dist.barrier()
+    return failures
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_ring_over_lanes(world):
+    for failures in run_distributed(lanes_worker, world, timeout=120):
+        assert not failures, failures[:5]
 
 
 @pytest.mark.parametrize("world", [3, 4])

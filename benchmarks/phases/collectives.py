@@ -83,12 +83,12 @@ def segment_sweep(ctx, opts, size: int, nccl_seconds: float) -> list[dict]:
     chunk / exchange time is the highest bus bandwidth any of them can reach: if the ring is near it,
     what is left is the point-to-point transport, not the pipeline. ``vs_nccl`` is NCCL's all-reduce
     time / this one (for the exchange: the same ratio of bus bandwidths)."""
-    from distributed_training.comm.patterns import DEFAULT_IN_FLIGHT, ring_all_reduce, tree_all_reduce
+    from distributed_training.comm.patterns import ring_all_reduce, tree_all_reduce
 
     n, device = ctx.world_size, ctx.device
     x = torch.randn(size // 4, device=device)
-    runs = [("ring", None, DEFAULT_IN_FLIGHT)] + [("ring", seg, depth) for seg in (SMOKE_SEGMENTS if opts.smoke else GPU_SEGMENTS)
-                                  for depth in IN_FLIGHT]
+    runs = [("ring", None, None), ("ring_one_lane", None, None)]
+    runs += [("ring", seg, depth) for seg in (SMOKE_SEGMENTS if opts.smoke else GPU_SEGMENTS) for depth in IN_FLIGHT]
     runs += [("tree", None, None)] + [("tree", seg, None) for seg in (SMOKE_SEGMENTS if opts.smoke else GPU_SEGMENTS)]
     chunk = torch.tensor_split(x, n)[0]
     inbox = torch.empty_like(chunk)
@@ -105,6 +105,8 @@ def segment_sweep(ctx, opts, size: int, nccl_seconds: float) -> list[dict]:
     for op, seg, depth in runs:
         if op == "ring":
             fn = (lambda seg=seg, depth=depth: ring_all_reduce(x, segment_bytes=seg, in_flight=depth))
+        elif op == "ring_one_lane":  # one communicator, as before lanes (session 19: 0.77x at 4 GPUs)
+            fn = (lambda: ring_all_reduce(x, lanes=()))
         else:
             fn = (lambda seg=seg: tree_all_reduce(x, segment_bytes=seg))
         x.normal_()

@@ -36,12 +36,15 @@ empty pieces send nothing.
 
 from __future__ import annotations
 
+import weakref
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_single, reduce_scatter_single
 
-__all__ = ["ring_all_reduce", "tree_all_reduce", "hierarchical_all_reduce"]
+__all__ = ["ring_all_reduce", "ring_lanes", "tree_all_reduce", "hierarchical_all_reduce"]
 
 MIB = 1024 * 1024
 DEFAULT_SEGMENT_BYTES = 4 * MIB  # kept for callers that import it; the patterns now size segments themselves
@@ -50,10 +53,19 @@ DEFAULT_IN_FLIGHT = 3
 # takes), a tree's half in 4, within [min, max]. Measured at 1 GB on 2x H200 (suite, session 14): the
 # ring at 0.74x of NCCL's bus bandwidth with 64 MiB segments, 0.82x with 256 MiB (16 MiB: 0.45x); on 4x
 # H200 (session 16) 0.42x with 64 MiB, 0.43x with 128 (a 256 MiB chunk in 2), 0.76x with the whole
-# chunk; the tree 0.59x with 16 MiB, 0.76x with 64, 0.82x with 256. Each message costs a fixed time to
-# post and to synchronise with the add beside it, which outweighs the overlap that more, smaller
-# segments would buy.
+# chunk; the tree 0.59x with 16 MiB, 0.76x with 64, 0.82x with 256.
 _RING_SEGMENTS, _RING_MIN, _RING_MAX = 1, 8 * MIB, 256 * MIB
+# Lanes (NCCL only). One NCCL send/recv gives a message only some of the link's channels, and how many
+# depends on its size: on 4x H200 (NCCL 2.28, `benchmarks/ring_probe.py`, session 20) an exchange with
+# both ring neighbours moved 155 GB/s at 64 MiB and 161 at 128 MiB, but 294 at 256 MiB; two 128 MiB
+# messages in one batch still 161. So smaller segments, which would let the adds overlap the wire, ran
+# at half speed (the 0.42x above). Messages on separate communicators run at once, each with its own
+# channels: four 64 MiB messages on four communicators moved 315 GB/s. The ring therefore spreads its
+# segments over RING_LANES communicators (`ring_lanes`), 2 segments per lane of at least _LANE_MIN:
+# 0.87x of NCCL's all-reduce at 1 GB on 4 GPUs (4 lanes x 8 segments of 32 MiB) against 0.77x for one
+# whole-chunk message per step.
+RING_LANES, _LANE_MIN = 4, 4 * MIB
+_lanes_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _TREE_SEGMENTS, _TREE_MIN, _TREE_MAX = 4, 4 * MIB, 256 * MIB
 
 
@@ -71,13 +83,35 @@ def _write_back(flat: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _check(segment_bytes, in_flight=DEFAULT_IN_FLIGHT) -> None:
+def _check(segment_bytes, in_flight=None) -> None:
     if segment_bytes is not None and (isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int)
                                       or segment_bytes < 1):
         raise ValueError(f"segment_bytes must be a positive integer number of bytes or None (automatic), "
                          f"got {segment_bytes!r}")
-    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
-        raise ValueError(f"in_flight must be a positive integer, got {in_flight!r}")
+    if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1):
+        raise ValueError(f"in_flight must be a positive integer or None (automatic), got {in_flight!r}")
+
+
+def ring_lanes(group: dist.ProcessGroup | None = None, count: int = RING_LANES) -> list[dist.ProcessGroup]:
+    """``count - 1`` more NCCL communicators over `group`'s ranks, in its order: the ring's extra lanes
+    (`ring_all_reduce`). Made once per group, by every rank of `group` together (the world's with
+    `new_group`, a subgroup's with `split_group`, which involves only its members), and kept while the
+    group lives. ``[]`` where `group` is not NCCL or a lane cannot be made."""
+    if dist.get_backend(group) != "nccl" or count < 2 or dist.get_world_size(group) < 2:
+        return []
+    key = group if group is not None else dist.group.WORLD
+    lanes = _lanes_of.get(key)
+    if lanes is None:
+        size = dist.get_world_size(group)
+        try:
+            if size == dist.get_world_size():  # the world: every rank is here (new_group orders by rank)
+                lanes = [dist.new_group(dist.get_process_group_ranks(key)) for _ in range(count - 1)]
+            else:
+                lanes = [dist.split_group(group, [list(range(size))]) for _ in range(count - 1)]
+        except (RuntimeError, ValueError, TypeError, AttributeError):
+            lanes = []  # e.g. a parent communicator not yet initialised: one lane, as before
+        _lanes_of[key] = lanes = [g for g in lanes if g is not None]
+    return lanes[: count - 1]
 
 
 def _segment_count(piece: int, element_size: int, segment_bytes, auto: tuple[int, int, int]) -> int:
@@ -116,11 +150,13 @@ class _Messages:
 
 
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                    segment_bytes: int | None = None, in_flight: int = DEFAULT_IN_FLIGHT) -> torch.Tensor:
+                    segment_bytes: int | None = None, in_flight: int | None = None,
+                    lanes: Sequence[dist.ProcessGroup] | None = None) -> torch.Tensor:
     """Sum `tensor` over `group` in place with a pipelined ring of point-to-point messages.
 
     The tensor is split into W chunks (lengths differ by at most one) and each chunk into K segments
-    of at most `segment_bytes` (default: the whole chunk, in pieces of at most 256 MiB). Message
+    of at most `segment_bytes` (default: on NCCL 2 per lane of at least 4 MiB, see `lanes`; else the
+    whole chunk, in pieces of at most 256 MiB). Message
     (step s, segment k) of the reduce-scatter sends segment k of chunk r - s to rank r + 1 and receives
     segment k of chunk r - s - 1 from rank r - 1 into a buffer, which is then added into the local
     chunk; after W - 1 steps rank r holds the full sum of chunk r + 1. The all-gather passes the
@@ -129,13 +165,19 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     Messages run in the order (step, segment). Message n sends what the add of message n - K produced,
     and receives into buffer n mod D, which the add of message n - D read; so it is queued right after
     the add of message n - min(K, D), and D = min(`in_flight`, K) messages are queued ahead of the
-    adds: the add of one segment runs while the next ones are on the wire.
+    adds: the add of one segment runs while the next ones are on the wire. Segment j's messages go
+    through lane j mod L, so L of them are on the wire at once.
 
     Args:
         tensor: any shape and dtype; summed in place (a non-contiguous tensor through a copy).
         group: the process group (default: the world).
         segment_bytes: the largest message, in bytes; ``None`` chooses by size.
-        in_flight: receive buffers, i.e. messages queued ahead of the adds (at most K are useful).
+        in_flight: receive buffers, i.e. messages queued ahead of the adds (at most K are useful);
+            ``None``: 3, or 2 per lane.
+        lanes: more groups over the same ranks in the same order: segment j's messages go through
+            lane j mod L (`group` is lane 0); on NCCL, where each communicator has its own stream and
+            channels, L segments are on the wire at once while the adds of others run. ``None``
+            (default): `ring_lanes` on NCCL tensors, none elsewhere; ``()``: none.
     """
     _check(segment_bytes, in_flight)
     world = dist.get_world_size(group)
@@ -144,9 +186,18 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     rank = dist.get_rank(group)
     flat = _flat(tensor)
     chunks = torch.tensor_split(flat, world)  # the first chunks are the longest
-    k = _segment_count(chunks[0].numel(), flat.element_size(), segment_bytes,
-                       (_RING_SEGMENTS, _RING_MIN, _RING_MAX))
+    if lanes is None:
+        lanes = ring_lanes(group) if flat.is_cuda else []
+    chunk_bytes = chunks[0].numel() * flat.element_size()
+    if segment_bytes is None and lanes:
+        k = max(1, min(2 * (len(lanes) + 1), chunk_bytes // _LANE_MIN))
+    else:
+        k = _segment_count(chunks[0].numel(), flat.element_size(), segment_bytes,
+                           (_RING_SEGMENTS, _RING_MIN, _RING_MAX))
+    lanes = list(lanes)[: k - 1]
     segs = [torch.tensor_split(c, k) for c in chunks]  # segs[chunk][segment], K pieces on every rank
+    if in_flight is None:
+        in_flight = 2 * (len(lanes) + 1) if lanes else DEFAULT_IN_FLIGHT
     depth = min(in_flight, k)
     buffers = flat.new_empty((depth, segs[0][0].numel()))  # segs[0][0] is the longest segment
     nxt, prv = (rank + 1) % world, (rank - 1) % world
@@ -164,6 +215,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 
     messages = _Messages()
     posted = 0
+    groups = [group, *lanes]
 
     def post_until(end: int) -> None:
         nonlocal posted
@@ -172,7 +224,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
             # the wait only orders the streams, which the NCCL stream already is).
             messages.wait(posted - k)
             send, recv, _ = ops(posted)
-            messages.post(posted, [("send", send, nxt), ("recv", recv, prv)], group)
+            lane = groups[(posted % k) % len(groups)]
+            messages.post(posted, [("send", send, nxt), ("recv", recv, prv)], lane)
             posted += 1
 
     for n in range(steps):  # the adds of the reduce-scatter, each followed by the message it frees
