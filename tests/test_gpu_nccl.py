@@ -339,3 +339,38 @@ def nccl_dropout_worker(rank: int, world: int) -> bool:
 
 def test_sequence_parallel_dropout_on_cuda_draws_tp1s_mask():
     assert all(run_distributed(nccl_dropout_worker, 2, backend="nccl", timeout=120))
+
+
+def ring_lanes_worker(rank: int, world: int) -> list[str]:
+    """The ring on NCCL spreads a large tensor's segments over lanes (extra communicators: the world's
+    by new_group, a subgroup's by split_group) and still equals NCCL's all-reduce."""
+    import torch.distributed as dist
+
+    from distributed_training import init_distributed
+    from distributed_training.comm.patterns import ring_all_reduce, ring_lanes
+
+    ctx = init_distributed()
+    failures = []
+    members = [0, 1] if world < 4 else [3, 1, 0]
+    sub = dist.new_group(members)
+    for group, where in ((None, "world"), (sub, "subgroup")):
+        if group is not None and rank not in members:
+            continue
+        n = dist.get_world_size(group)
+        g = torch.Generator(device=ctx.device).manual_seed(rank)
+        x = torch.randn(n * 4 * 1024 * 1024 + 3, device=ctx.device, generator=g)  # 16 MiB chunks: 4 segments
+        expected = x.clone()
+        dist.all_reduce(expected, group=group)
+        got = ring_all_reduce(x.clone(), group)
+        if len(ring_lanes(group)) != 3:
+            failures.append(f"{where}: {len(ring_lanes(group))} lanes, 3 expected")
+        if not torch.allclose(got, expected, rtol=1e-5, atol=1e-4):
+            failures.append(f"{where}: max diff {(got - expected).abs().max().item()}")
+    dist.barrier()
+    return failures
+
+
+def test_ring_over_lanes_on_nccl_equals_all_reduce():
+    world = min(torch.cuda.device_count(), 4)
+    for failures in run_distributed(ring_lanes_worker, world, backend="nccl", timeout=300):
+        assert not failures, failures
