@@ -61,9 +61,9 @@ _RING_SEGMENTS, _RING_MIN, _RING_MAX = 1, 8 * MIB, 256 * MIB
 # messages in one batch still 161. So smaller segments, which would let the adds overlap the wire, ran
 # at half speed (the 0.42x above). Messages on separate communicators run at once, each with its own
 # channels: four 64 MiB messages on four communicators moved 315 GB/s. The ring therefore spreads its
-# segments over RING_LANES communicators (`ring_lanes`), 2 segments per lane of at least _LANE_MIN:
-# 0.87x of NCCL's all-reduce at 1 GB on 4 GPUs (4 lanes x 8 segments of 32 MiB) against 0.77x for one
-# whole-chunk message per step.
+# segments over RING_LANES communicators (`ring_lanes`), one segment per lane of at least _LANE_MIN. At
+# 1 GB on 4 GPUs: 4 lanes x 1 segment of 64 MiB 0.82-0.86x of NCCL's all-reduce (probe and suite); 4
+# lanes x 2 segments of 32 MiB 0.87x in the probe but 0.57-0.70x in the suite's run; one lane 0.77x.
 RING_LANES, _LANE_MIN = 4, 4 * MIB
 _lanes_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _TREE_SEGMENTS, _TREE_MIN, _TREE_MAX = 4, 4 * MIB, 256 * MIB
@@ -93,24 +93,21 @@ def _check(segment_bytes, in_flight=None) -> None:
 
 
 def ring_lanes(group: dist.ProcessGroup | None = None, count: int = RING_LANES) -> list[dist.ProcessGroup]:
-    """``count - 1`` more NCCL communicators over `group`'s ranks, in its order: the ring's extra lanes
-    (`ring_all_reduce`). Made once per group, by every rank of `group` together (the world's with
-    `new_group`, a subgroup's with `split_group`, which involves only its members), and kept while the
-    group lives. ``[]`` where `group` is not NCCL or a lane cannot be made."""
-    if dist.get_backend(group) != "nccl" or count < 2 or dist.get_world_size(group) < 2:
+    """``count - 1`` more NCCL communicators over the world's ranks: the ring's extra lanes
+    (`ring_all_reduce`). Made once (`new_group`, by every rank together: the ring's first call on a
+    CUDA tensor over the world) and kept while the world's group lives. ``[]`` for a group that is not
+    NCCL or not the whole world: a subgroup's lanes would need every rank of the world to make them
+    (`new_group`), and `split_group`, which needs only the members, failed on torch 2.11 + NCCL 2.28
+    here; such a ring runs on one communicator, as before (pass `lanes` to `ring_all_reduce` to give
+    it some)."""
+    if (dist.get_backend(group) != "nccl" or count < 2 or dist.get_world_size(group) < 2
+            or dist.get_world_size(group) != dist.get_world_size()):
         return []
     key = group if group is not None else dist.group.WORLD
     lanes = _lanes_of.get(key)
     if lanes is None:
-        size = dist.get_world_size(group)
-        try:
-            if size == dist.get_world_size():  # the world: every rank is here (new_group orders by rank)
-                lanes = [dist.new_group(dist.get_process_group_ranks(key)) for _ in range(count - 1)]
-            else:
-                lanes = [dist.split_group(group, [list(range(size))]) for _ in range(count - 1)]
-        except (RuntimeError, ValueError, TypeError, AttributeError):
-            lanes = []  # e.g. a parent communicator not yet initialised: one lane, as before
-        _lanes_of[key] = lanes = [g for g in lanes if g is not None]
+        ranks = dist.get_process_group_ranks(key)  # every rank of the world (new_group orders by rank)
+        _lanes_of[key] = lanes = [dist.new_group(ranks) for _ in range(count - 1)]
     return lanes[: count - 1]
 
 
@@ -155,8 +152,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     """Sum `tensor` over `group` in place with a pipelined ring of point-to-point messages.
 
     The tensor is split into W chunks (lengths differ by at most one) and each chunk into K segments
-    of at most `segment_bytes` (default: on NCCL 2 per lane of at least 4 MiB, see `lanes`; else the
-    whole chunk, in pieces of at most 256 MiB). Message
+    of at most `segment_bytes` (default: on NCCL one per lane, of at least 4 MiB, see `lanes`; else
+    the whole chunk, in pieces of at most 256 MiB). Message
     (step s, segment k) of the reduce-scatter sends segment k of chunk r - s to rank r + 1 and receives
     segment k of chunk r - s - 1 from rank r - 1 into a buffer, which is then added into the local
     chunk; after W - 1 steps rank r holds the full sum of chunk r + 1. The all-gather passes the
@@ -173,7 +170,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         group: the process group (default: the world).
         segment_bytes: the largest message, in bytes; ``None`` chooses by size.
         in_flight: receive buffers, i.e. messages queued ahead of the adds (at most K are useful);
-            ``None``: 3, or 2 per lane.
+            ``None``: 3, or one per lane.
         lanes: more groups over the same ranks in the same order: segment j's messages go through
             lane j mod L (`group` is lane 0); on NCCL, where each communicator has its own stream and
             channels, L segments are on the wire at once while the adds of others run. ``None``
@@ -190,14 +187,14 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         lanes = ring_lanes(group) if flat.is_cuda else []
     chunk_bytes = chunks[0].numel() * flat.element_size()
     if segment_bytes is None and lanes:
-        k = max(1, min(2 * (len(lanes) + 1), chunk_bytes // _LANE_MIN))
+        k = max(1, min(len(lanes) + 1, chunk_bytes // _LANE_MIN))
     else:
         k = _segment_count(chunks[0].numel(), flat.element_size(), segment_bytes,
                            (_RING_SEGMENTS, _RING_MIN, _RING_MAX))
     lanes = list(lanes)[: k - 1]
     segs = [torch.tensor_split(c, k) for c in chunks]  # segs[chunk][segment], K pieces on every rank
     if in_flight is None:
-        in_flight = 2 * (len(lanes) + 1) if lanes else DEFAULT_IN_FLIGHT
+        in_flight = len(lanes) + 1 if lanes else DEFAULT_IN_FLIGHT
     depth = min(in_flight, k)
     buffers = flat.new_empty((depth, segs[0][0].numel()))  # segs[0][0] is the longest segment
     nxt, prv = (rank + 1) % world, (rank - 1) % world
