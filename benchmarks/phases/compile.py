@@ -78,7 +78,11 @@ def run(ctx, opts) -> dict:
     rounds = opts.rounds or (1 if smoke else 2)
     steps = opts.steps or (2 if smoke else 10)
     warmup = 2 if smoke else 3
+    # --impls picks this phase's variants only when it names a compiled one: a list meant for the training
+    # phase (torch_ddp, ours_ddp, ...) would otherwise leave nothing compiled to measure (session 20's run).
     asked = [i for i in (opts.impls or "").split(",") if i in KNOWN]
+    if not any("(" in i for i in asked):
+        asked = []
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
