@@ -29,6 +29,11 @@ message it reads, and the next message that sends its result is queued after tha
 runs add i beside message i + 1. On gloo the same code is correct because `wait()` blocks until the
 message is done (`_sendrecv` is the only place that posts messages).
 
+On NCCL a message's speed depends on its size (NCCL gives a send/recv under 256 MiB about half of the
+link's channels), so the segments that let adds overlap the wire would each be slow. The ring spreads
+them over lanes instead: communicators of their own over the same ranks (`ring_lanes`), one segment per
+lane, so several messages are on the wire at once, each with its own channels and stream.
+
 Segments are cut with `torch.tensor_split` into the same number of pieces on every rank, so a segment
 has the same length on the sender and the receiver even when lengths are not multiples of anything;
 empty pieces send nothing.
