@@ -28,6 +28,9 @@ def render_markdown(results: dict) -> str:
         for w, r in sorted(entry.get("worlds", {}).items()):
             if r.get("status") != "ok":
                 lines.append(f"- {name}, world {w}: **{r.get('status')}**: {r.get('reason', '').strip()}")
+            elif r.get("partial"):
+                lines.append(f"- {name}, world {w}: **partial**: the job ended before the phase finished; "
+                             "what it had finished is shown")
         if entry.get("status") in ("skipped", "error") and entry.get("reason") and not entry.get("worlds"):
             lines.append(f"- {name}: **{entry['status']}**: {entry['reason'].strip()}")
     lines.append("")

@@ -345,4 +345,6 @@ def run(ctx, opts) -> dict:
             result["models"][name] = skipped(f"{missing[0]} is not installed")
             continue
         result["models"][name] = measure(name, variants, ctx, opts, log_dir, rounds, steps)
+        if getattr(opts, "save_partial", None):  # a world's job ended by its timeout keeps the models done
+            opts.save_partial("models", result)
     return result
