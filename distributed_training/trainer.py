@@ -392,8 +392,9 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
         self.mixed_precision = None if self.precision.name == "fp32" else self.precision.name
         self.monitor = (Monitor(os.fspath(log_dir), rank=self.context.rank, world_size=self.context.world_size,
                                 group=self.context.group, log_every=log_every,
-                                straggler_threshold=straggler_threshold, progress=progress,
-                                cluster_view=not self.context.independent)
+                                straggler_threshold=straggler_threshold,
+                                progress=progress and self.context.is_main,  # one bar: the job's main rank's
+                                cluster_view=not self.context.independent, member=strategy.member)
                         if log_dir is not None and strategy.trains else NullMonitor())
         self.config = {
             "strategy": strategy.name,

@@ -720,3 +720,28 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path):
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "matplotlib" in proc.stderr and 'pip install -e ".[plot]"' in proc.stderr, proc.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_workers_are_labelled_workers(tmp_path, capsys):
+    """A parameter server's workers (``member="worker"``): their index, not a rank, in the straggler message,
+    the JSONL records and the plot's labels; a bad `member` is refused by name."""
+    from distributed_training.monitor import plot
+
+    with pytest.raises(ValueError, match="member"):
+        Monitor(tmp_path / "bad", rank=0, world_size=1, member="server")
+    with Monitor(tmp_path / "run", rank=0, world_size=1, log_every=2, progress=False, tensorboard=False,
+                 member="worker") as mon:
+        for step in range(1, 5):
+            mon.record_step(step, {"loss": torch.tensor(1.0 / step)}, samples=4, step_time=0.02)
+        mon._group_ranks = [1, 2]  # the workers' group: worker w is global rank 1 + w
+        mon._cluster_view(4, [0.1, 0.3])
+        assert mon._warnings[-1].startswith("straggler at step 4: worker 1 averages 0.3 s"), mon._warnings
+        assert "the median worker's" in mon._warnings[-1]
+        mon._warnings.clear()
+    assert all(r["member"] == "worker" for r in read_jsonl(str(tmp_path / "run" / "rank_0")))
+    runs = plot.load_run(tmp_path / "run")
+    assert plot.member_of(runs) == "worker"
+    assert plot.main([str(tmp_path / "run"), "-o", str(tmp_path / "run.png")]) == 0
+    assert "(1 worker(s);" in capsys.readouterr().out
+    write_fake_run(tmp_path / "ranks")  # records without "member": ranks, as before
+    assert plot.member_of(plot.load_run(tmp_path / "ranks")) == "rank"

@@ -140,6 +140,28 @@ def test_fit_sync_equals_ddp(tmp_path):
     assert ps[1]["history"][-1]["val_loss"] == pytest.approx(ddp[0]["history"][-1]["val_loss"], abs=1e-5)
 
 
+def _monitor_job(rank, world, log_dir, consistency):
+    from distributed_training import DistributedTrainer
+
+    trainer = DistributedTrainer(_model(), _factory("sgd"), strategy="parameter_server", num_servers=1,
+                                 consistency=consistency, heartbeat_timeout=None, log_dir=log_dir, progress=True)
+    monitor = trainer.monitor
+    seen = {"bar": getattr(monitor, "_bar", None) is not None, "member": getattr(monitor, "member", None),
+            "main": trainer.context.is_main}
+    trainer.close()
+    return seen
+
+
+@pytest.mark.parametrize("consistency", ["sync", "async"])
+def test_one_progress_bar_and_workers_called_workers(tmp_path, consistency):
+    """Under torchrun every worker shares the terminal: only the job's main rank (worker 0) draws the bar;
+    the monitor calls its members workers (its rank is the worker index)."""
+    seen = run_distributed(_monitor_job, 4, (str(tmp_path), consistency), timeout=150)
+    assert [s["bar"] for s in seen] == [False, True, False, False], seen  # the server, then workers 0 .. 2
+    assert [s["main"] for s in seen] == [False, True, False, False], seen
+    assert [s["member"] for s in seen[1:]] == ["worker"] * 3, seen
+
+
 @pytest.mark.parametrize("consistency,staleness", [("ssp", 2), ("async", 0)])
 def test_fit_ssp_and_async_run_to_the_end(tmp_path, consistency, staleness):
     results = run_distributed(_fit_job, 3, ("parameter_server", consistency, staleness, str(tmp_path)), timeout=150)

@@ -14,6 +14,7 @@ writes what it saw to a file, and the test checks that the killed rank is the on
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -44,19 +45,33 @@ def _loss(model) -> float:
         return F.mse_loss(model(x), y).item()
 
 
+class _Collect(logging.Handler):
+    """The messages of WARNING and above logged on this rank."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _killed_job(rank, world, directory, consistency, staleness, num_servers):
     torch.manual_seed(0)
     model = nn.Linear(8, 1)  # two parameters: with two servers, one on each
     ps = ParameterServer(model, "sgd", lr=0.1, num_servers=num_servers, consistency=consistency,
                          staleness=staleness)
     if ps.role == "server":
+        warnings = _Collect()
+        logging.getLogger("distributed_training").addHandler(warnings)
         try:
             stats = ps.serve()
         except WorkerLostError as err:
-            write_record(directory, rank, role="server", lost=err.worker, step=err.step, message=str(err), at=time.time())
+            write_record(directory, rank, role="server", lost=err.worker, step=err.step, message=str(err), at=time.time(),
+                         cause=repr(err.__cause__))
             return
         values = [v.tolist() for v in ps.server_values.values()]
-        write_record(directory, rank, role="server", dropped=stats.dropped, updates=stats.updates,
+        write_record(directory, rank, role="server", dropped=stats.dropped, updates=stats.updates, warnings=warnings.lines,
                 staleness=stats.staleness, finite=all(math.isfinite(x) for v in ps.server_values.values()
                                                       for x in v.reshape(-1).tolist()), values=values)
         return
@@ -126,6 +141,10 @@ def test_a_killed_worker_is_dropped_and_the_others_finish(tmp_path, consistency,
     assert workers[0]["params"] == workers[1]["params"]  # both pulled the final parameters, after everyone
     for s in servers:
         assert s["dropped"] == [[VICTIM, KILL_AT]]  # worker 1, in its step 5
+        # the drop said in our words (which worker, which step, what next), not with gloo's text
+        (dropped,) = [line for line in s["warnings"] if "dropped" in line]
+        assert f"worker {VICTIM} (rank {num_servers + VICTIM}) is lost at step {KILL_AT}" in dropped, dropped
+        assert "go on without it" in dropped and "GLHF" not in dropped and "pair.cc" not in dropped, dropped
         assert s["finite"]
         victim = [step for worker, step, _ in s["staleness"] if worker == VICTIM]
         assert all(step < KILL_AT for step in victim)
@@ -148,6 +167,9 @@ def test_sync_a_killed_worker_is_an_error_naming_it(tmp_path, num_servers):
     for rank, r in records.items():
         assert r["lost"] == VICTIM and r["step"] == KILL_AT, r
         assert f"worker {VICTIM} (rank {num_servers + VICTIM})" in r["message"], r["message"]
+        assert "GLHF" not in r["message"] and "pair.cc" not in r["message"], r["message"]  # gloo's text: the cause
+        if r["role"] == "server":
+            assert "Connection" in r["cause"], r["cause"]  # gloo's error, chained
         elapsed = r["at"] - killed_at
         print(f"rank {rank} ({r['role']}): WorkerLostError {elapsed:.2f}s after the SIGKILL")
         assert elapsed < 10, elapsed  # at once in practice; the collective timeout is 100 s

@@ -81,6 +81,8 @@ from .writer import LogRecord, WriterThread, copy_to_host
 __all__ = ["Monitor", "NullMonitor", "StragglerWarning"]
 
 
+MEMBERS = ("rank", "worker")  # what a Monitor calls the members of its group (`member`)
+
 class StragglerWarning(UserWarning):
     """A rank's mean step time exceeded `straggler_threshold` times the median of all ranks'."""
 
@@ -123,6 +125,10 @@ class Monitor:
         cluster_view: gather the ranks' step times on log steps for the ``cluster/*`` figures and the
             straggler check (a collective over `group`). False: each rank logs alone, for ranks that
             never meet (a parameter server's workers under ssp / async).
+        member: what the members of `group` are called in messages and figures: ``"rank"``, or
+            ``"worker"`` when `rank` is a worker index (a parameter server's workers: ``rank_<w>`` holds
+            worker w, not global rank w). Written into each JSONL record (``"member"``) when not
+            ``"rank"``, for `plot`'s labels.
     """
 
     def __init__(
@@ -140,6 +146,7 @@ class Monitor:
         progress: bool = True,
         background: bool | None = None,
         cluster_view: bool = True,
+        member: str = "rank",
     ) -> None:
         if not isinstance(log_dir, (str, os.PathLike)) or os.fspath(log_dir) == "":
             raise ValueError(f"log_dir must be a non-empty path, got {log_dir!r}")
@@ -159,6 +166,8 @@ class Monitor:
         for name, flag in (("tensorboard", tensorboard), ("jsonl", jsonl),
                            ("system_stats", system_stats), ("progress", progress)):
             _check_flag(name, flag)
+        if member not in MEMBERS:
+            raise ValueError(f"member must be one of {MEMBERS}, got {member!r}")
         if background is not None and not isinstance(background, bool):
             raise ValueError(f"background must be True, False or None, got {background!r}")
 
@@ -179,6 +188,7 @@ class Monitor:
 
         self.log_dir = os.fspath(log_dir)
         self.rank = int(rank)
+        self.member = member
         self.world_size = int(world_size)
         self.group = group
         self.log_every = int(log_every)
@@ -312,7 +322,8 @@ class Monitor:
             self._writer.flush()
         if self._jsonl is not None:
             with open(os.path.join(self.rank_dir, "eval.jsonl"), "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step, "time": now, "rank": self.rank, **scalars}) + "\n")
+                f.write(json.dumps({"step": step, "time": now, "rank": self.rank, **self._member_field(),
+                                    **scalars}) + "\n")
 
     def get_performance_metrics(self) -> dict[str, Any]:
         """Summary of the whole run so far (this rank; ``cluster_*`` from the last log step).
@@ -453,7 +464,7 @@ class Monitor:
                 add(tag, value, global_step=record.step, walltime=record.now)
             self._writer.flush()
         if self._jsonl is not None:
-            line = {"step": record.step, "time": record.now, "rank": self.rank}
+            line = {"step": record.step, "time": record.now, "rank": self.rank, **self._member_field()}
             line.update(scalars)
             self._jsonl.write(json.dumps(line) + "\n")
             self._jsonl.flush()
@@ -467,6 +478,7 @@ class Monitor:
         ratio = t_max / median if median > 0 else (math.inf if t_max > 0 else 1.0)
         straggler = ratio > self.straggler_threshold
         slowest_rank = self._group_ranks[slowest]
+        who = slowest if self.member == "worker" else slowest_rank  # a worker by its index, not its global rank
         view = {
             "cluster/step_time_min_s": min(times),
             "cluster/step_time_mean_s": sum(times) / len(times),
@@ -480,9 +492,13 @@ class Monitor:
             self._straggler_events += 1
             if self._writes_cluster:
                 self._warnings.append(
-                    f"straggler at step {step}: rank {slowest_rank} averages {t_max:.4g} s per step, "
-                    f"{ratio:.2f}x the median rank's {median:.4g} s (threshold {self.straggler_threshold:g}x)")
+                    f"straggler at step {step}: {self.member} {who} averages {t_max:.4g} s per step, "
+                    f"{ratio:.2f}x the median {self.member}'s {median:.4g} s (threshold {self.straggler_threshold:g}x)")
         return view
+
+    def _member_field(self) -> dict[str, str]:
+        """``{"member": ...}`` in a JSONL record when the members are not ranks (nothing otherwise)."""
+        return {} if self.member == "rank" else {"member": self.member}
 
     # ------------------------------------------------------- the writer thread
     @property

@@ -64,6 +64,16 @@ def load_run(log_dir: str | os.PathLike) -> dict[int, list[dict]]:
     return dict(sorted(runs.items()))
 
 
+def member_of(runs: dict[int, list[dict]]) -> str:
+    """What the run's series are: ``"worker"`` when its records say so (a parameter server's workers,
+    `Monitor`'s ``member``), else ``"rank"``."""
+    for records in runs.values():
+        for record in records:
+            if record.get("member") == "worker":
+                return "worker"
+    return "rank"
+
+
 def plot_run(runs: dict[int, list[dict]], output: str | os.PathLike, *, title: str | None = None) -> list[str]:
     """Write the figure to `output`; return the metric keys that got a panel (raises if none did)."""
     try:
@@ -77,14 +87,15 @@ def plot_run(runs: dict[int, list[dict]], output: str | os.PathLike, *, title: s
     present = [p for p in PANELS if any(p[0] in r for records in runs.values() for r in records)]
     if not present:
         raise ValueError(f"none of {', '.join(p[0] for p in PANELS)} was logged")
+    member = member_of(runs)
     fig, axes = plt.subplots(len(present), 1, figsize=(9, 2.8 * len(present)), sharex=True, squeeze=False)
     for ax, (key, panel_title, ylabel) in zip(axes[:, 0], present):
         for rank, records in runs.items():
             points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if points:
                 xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="." if len(points) < 50 else None, label=f"rank {rank}")
-        ax.set_title(panel_title)
+                ax.plot(xs, ys, marker="." if len(points) < 50 else None, label=f"{member} {rank}")
+        ax.set_title(panel_title.replace("per rank", f"per {member}"))
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         if len(runs) <= 16:
@@ -120,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: nothing to plot in {args.log_dir!r}: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {args.output} ({len(runs)} rank(s); panels: {', '.join(drawn)})")
+    print(f"wrote {args.output} ({len(runs)} {member_of(runs)}(s); panels: {', '.join(drawn)})")
     return 0
 
 

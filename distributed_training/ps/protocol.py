@@ -16,6 +16,10 @@ the job's gloo group, or, for a worker that rejoined after a restart, a group of
 A rejoining worker's first request is `Kind.JOIN`; its reply's header is ``[version, 0, -1, pushed]``:
 the server's version and the steps the worker had pushed before it was lost.
 
+A worker told of a lost worker (``sync``) sends every server `Kind.LEAVE` (not answered) before it raises,
+so that each server's thread reading it returns instead of staying blocked in a receive that nothing will
+ever complete (at the interpreter's exit, such a thread aborted the process).
+
 Indices of sparse tables travel as ``[count of each sparse piece of that server..., rows...]``, rows local
 to the piece; a count of -1 means "all rows" (the whole piece moves, as a dense one).
 
@@ -27,14 +31,17 @@ non-blocking sends that it completes later (`Outbox`). See docs/parameter_server
 from __future__ import annotations
 
 import enum
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["Kind", "HEADER", "VALUES", "INDICES", "REPLY", "REPLY_VALUES", "HEADER_LEN", "REPLY_LEN",
-           "WorkerLostError", "gloo_group", "process_group", "Outbox", "send_request", "recv_request", "recv_reply"]
+           "WorkerLostError", "gloo_group", "process_group", "Outbox", "send_request", "recv_request", "recv_reply",
+           "close_connections"]
 
 HEADER, VALUES, INDICES, REPLY, REPLY_VALUES = 1001, 1002, 1003, 1004, 1005
+CLOSE = 1099  # never sent: a receive on it only times out (`close_connections`)
 HEADER_LEN = 5
 REPLY_LEN = 4
 
@@ -66,6 +73,7 @@ class Kind(enum.IntEnum):
     FINAL = 3   # this worker has pushed its last step; answered once every worker has finished
     DONE = 4    # this worker leaves; acknowledged once every worker has
     JOIN = 5    # a restarted worker is back (on a group of its own); answered with the version and its steps
+    LEAVE = 6   # (sync) this worker was told of a lost worker and stops; not answered, nothing follows
 
 
 def gloo_group() -> dist.ProcessGroup | None:
@@ -79,6 +87,21 @@ def gloo_group() -> dist.ProcessGroup | None:
 def process_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """The `ProcessGroup` object of `group` (None: the default group)."""
     return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def close_connections(pg: dist.ProcessGroup, src: int) -> None:
+    """Close this rank's connections on `pg` (all of them, not only the one to rank `src`), so that every
+    receive blocked on them raises at once.
+
+    gloo has no call for it (``abort`` / ``shutdown`` leave a blocked receive blocked); but a receive
+    whose wait times out closes the connections ("Application timeout caused pair closure"), and a
+    receive on a tag nobody sends (`CLOSE`) can only time out. The group is of no use afterwards on
+    this rank: a last resort, for a server that ends while a worker it has told to stop still says
+    nothing."""
+    try:
+        pg.recv([torch.empty(1)], src, CLOSE).wait(timedelta(milliseconds=1))
+    except RuntimeError:
+        pass  # the expected timeout (or the connection had already failed)
 
 
 def send_request(pg: dist.ProcessGroup, dst: int, kind: Kind, worker: int, step: int,

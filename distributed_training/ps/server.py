@@ -19,7 +19,16 @@ found. Under `ssp` and `async` it is dropped: its pending gradients of steps not
 discarded, its waiting pulls forgotten, and the steps, the staleness gate and the final pull go on
 with the others (`ServerStats.dropped`). Under `sync` the loop answers every pull and close from then
 on with the lost worker's index (the workers raise `WorkerLostError`), and once each surviving worker
-has been told (or is gone too) it raises `WorkerLostError` itself.
+has been told (or is gone too) it raises `WorkerLostError` itself. The log says what happened in our
+words; gloo's own text of the failed receive is logged at debug level and chained to the error
+(``__cause__``).
+
+No receive thread outlives `serve`: a thread blocked in a gloo receive when the interpreter exits is
+unwound while it waits and the process aborts ("terminate called without an active exception"). Each
+thread returns after its worker's DONE, after a LEAVE (a worker told of a lost worker sends one before
+it raises), or when its connection fails; `serve` waits for them, and if a worker still says nothing
+after `LEAVE_GRACE` seconds (hung, or too old to send LEAVE) it closes this server's connections
+(`protocol.close_connections`), which makes the receive raise.
 
 A lost worker may come back (`ssp` / `async`; `distributed_training.ps.rejoin`): a restarted process asks
 in the rendezvous store, a watcher thread (`_watch_joins`) builds a gloo group of the servers and it, and
@@ -43,12 +52,14 @@ import torch
 import torch.distributed as dist
 
 from .optim import ShardOptimizer
-from .protocol import Kind, Outbox, WorkerLostError, process_group, recv_request
+from .protocol import Kind, Outbox, WorkerLostError, close_connections, process_group, recv_request
 from .sharding import Piece
 
 __all__ = ["Server", "ServerStats"]
 
 log = logging.getLogger("distributed_training")
+
+LEAVE_GRACE = 5.0  # seconds `serve` waits for the workers' last messages before closing its connections
 
 
 @dataclass
@@ -126,6 +137,7 @@ class Server:
         self.joined_at: dict[int, int] = {}  # rejoined worker -> the step it continued from
         self._inbox: queue.Queue = queue.Queue()  # (worker, request, error, joined group)
         self._serving = False
+        self._receivers: list[tuple[int, threading.Thread, object, int]] = []  # (worker, thread, pg, rank)
 
     # ---------------------------------------------------------------- loop
     def serve(self) -> ServerStats:
@@ -159,6 +171,9 @@ class Server:
                     if kind == Kind.JOIN:
                         self._answer_join(worker)
                         continue
+                    if kind == Kind.LEAVE:  # (sync) told of the failure by a server: it sends nothing more
+                        self.told.add(worker)
+                        continue
                     if worker in self.joining:  # its first request after JOIN: the step it continues from
                         del self.joining[worker]
                         self.joined_at[worker] = step
@@ -185,6 +200,10 @@ class Server:
             if self.failure is None and self.pending:
                 raise RuntimeError(f"parameter server: every worker left with steps {sorted(self.pending)} "
                                    "incomplete")
+        except BaseException:
+            self._serving = False
+            self._stop_receiving(grace=0.0)  # an error of ours: nobody will be answered
+            raise
         finally:
             self._serving = False  # no more rejoins; the watcher not left inside a store call at exit
             if watcher is not None:
@@ -194,6 +213,7 @@ class Server:
         for w in leaving:
             self._reply(w, self.version, torch.empty(0))
         self.outbox.flush()
+        self._stop_receiving(grace=LEAVE_GRACE)
         self.stats.updates = self.version
         if self.failure is not None:
             raise self.failure
@@ -206,20 +226,44 @@ class Server:
 
     def _start_receiving(self, worker: int) -> None:
         pg, rank = self.links[worker]
-        threading.Thread(target=self._receive, args=(worker, pg, rank), name=f"dt-ps-recv-{worker}",
-                         daemon=True).start()
+        thread = threading.Thread(target=self._receive, args=(worker, pg, rank), name=f"dt-ps-recv-{worker}",
+                                  daemon=True)
+        self._receivers.append((worker, thread, pg, rank))
+        thread.start()
 
     def _receive(self, worker: int, pg, rank: int) -> None:
-        """(A thread per worker) read its requests into the inbox until its DONE, or until its connection
-        fails (then the error goes to the inbox instead: the worker is lost)."""
+        """(A thread per worker) read its requests into the inbox until its DONE or LEAVE, or until its
+        connection fails (then the error goes to the inbox instead: the worker is lost)."""
         try:
             while True:
                 request = recv_request(pg, rank)
                 self._inbox.put((worker, request, None, None))
-                if request[0] == Kind.DONE:
+                if request[0] in (Kind.DONE, Kind.LEAVE):
                     return
         except Exception as err:
             self._inbox.put((worker, None, err, None))
+
+    def _stop_receiving(self, grace: float) -> None:
+        """Return with no receive thread left blocked in gloo: wait up to `grace` seconds for each to
+        end (its worker's DONE or LEAVE, or its connection failing), then close the connections of the
+        groups some are still blocked on (`protocol.close_connections`) and wait for those."""
+        deadline = time.monotonic() + grace
+        for _, thread, _, _ in self._receivers:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [(w, pg, rank) for w, thread, pg, rank in self._receivers if thread.is_alive()]
+        if stuck:
+            if grace:
+                log.warning("parameter server %d: worker(s) %s sent nothing more within %.0f s of the end; "
+                            "closing this server's connections so that no receive is left waiting",
+                            self.index, sorted({w for w, _, _ in stuck}), grace)
+            closed = set()
+            for _, pg, rank in stuck:
+                if id(pg) not in closed:
+                    closed.add(id(pg))
+                    close_connections(pg, rank)
+            for _, thread, _, _ in self._receivers:
+                thread.join(timeout=1.0)
+        self._receivers = [r for r in self._receivers if r[1].is_alive()]
 
     # ---------------------------------------------------------------- rejoins
     def _watch_joins(self) -> None:
@@ -240,7 +284,9 @@ class Server:
                         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.joins), self.index,
                                                    self.num_servers + 1, timedelta(seconds=self.join_timeout))
                     except Exception as err:  # the worker died again while connecting: it stays lost
-                        log.warning("parameter server: worker %d's rejoin failed: %s", worker, err)
+                        log.warning("parameter server %d: worker %d asked to rejoin but could not connect "
+                                    "(it stays lost; it may ask again)", self.index, worker)
+                        log.debug("parameter server %d: worker %d's rejoin: %s", self.index, worker, err)
                         continue
                     self._inbox.put((worker, None, None, pg))
             time.sleep(0.2)
@@ -275,17 +321,25 @@ class Server:
         self.waiting = [p for p in self.waiting if p.worker != worker]
         self.outbox.forget(worker)
         self.joining.pop(worker, None)
+        # gloo's text ("Connection closed by peer ... GLHF") says little to a user: ours says what happened
+        # and what comes next; the backend's is for debugging (and the error's __cause__ under sync)
+        log.debug("parameter server %d: worker %d (rank %d): %s", self.index, worker, rank, error)
         if self.consistency == "sync":
             if self.failure is None:
-                self.failure = WorkerLostError.of(worker, rank, step, f"seen by the server: {error}")
+                self.failure = WorkerLostError.of(worker, rank, step, f"seen by server {self.index}")
+                self.failure.__cause__ = error
                 log.error("%s", self.failure)
             return
         self.stats.dropped.append((worker, step))
+        discarded = sum(worker in grads for grads in self.pending.values())
         for grads in self.pending.values():
             grads.pop(worker, None)
         self.pending = {s: grads for s, grads in self.pending.items() if grads}
-        log.warning("parameter server: worker %d (rank %d) is lost at step %d and dropped; %d worker(s) go on "
-                    "(%s)", worker, rank, step, self.num_workers - len(self.lost | self.done), error)
+        left = self.num_workers - len(self.lost | self.done)
+        log.warning("parameter server %d: worker %d (rank %d) is lost at step %d (its connection closed: the "
+                    "process died or its network failed) and is dropped: %d gradient(s) of it not yet applied "
+                    "are discarded and %d worker(s) go on without it%s", self.index, worker, rank, step, discarded,
+                    left, "; it may rejoin after a restart" if self.joins is not None else "")
 
     def _reply(self, worker: int, version: int, values: torch.Tensor, info: int = -1) -> None:
         """A reply to `worker`, carrying the failure under sync (else `info` in its last field); a send that

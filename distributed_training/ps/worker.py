@@ -6,7 +6,9 @@ and are copied into (and out of) the parameters.
 
 A lost worker (`sync` only: ssp and async go on without it): the servers answer every later pull or
 close with the lost worker's index in the reply's header, and the worker raises `WorkerLostError`; it is
-then closed (it sends nothing more, so that no message waits for a server that has stopped).
+then closed. Told in a pull, it first sends every server a LEAVE (the server's thread reading it then
+returns, rather than wait in a receive until the interpreter's exit); after that it sends nothing more,
+so that no message waits for a server that has stopped.
 
 Sparse tables: `pull(rows={name: ids})` asks each server for the rows of the given ids that it holds
 (local row numbers); the following push sends the gradient of exactly those rows.
@@ -105,7 +107,7 @@ class Worker:
         for work in works:
             work.wait()
         self.wait_seconds += time.perf_counter() - started
-        self._raise_if_lost([(server, header) for server, header, *_ in replies])
+        self._raise_if_lost([(server, header) for server, header, *_ in replies], leave=True)
         for server, header, values, local, indices in replies:
             version, n, _, _ = header.tolist()
             if n != values.numel():
@@ -217,14 +219,26 @@ class Worker:
         self.step = max(pushed, max(versions)) if consistency == "ssp" else pushed
         return self.step
 
-    def _raise_if_lost(self, headers: list[tuple[int, torch.Tensor]]) -> None:
-        """Raise `WorkerLostError` if a server's reply header names a lost worker (then this one is closed)."""
+    def _raise_if_lost(self, headers: list[tuple[int, torch.Tensor]], leave: bool = False) -> None:
+        """Raise `WorkerLostError` if a server's reply header names a lost worker (then this one is closed;
+        with `leave`, after sending every server a LEAVE: not after close, whose DONE ended their reading)."""
         for server, header in headers:
             _, _, worker, step = header.tolist()
             if worker >= 0:
                 self._closed = True
+                if leave:
+                    self._leave()
                 raise WorkerLostError.of(worker, self.plan.num_servers + worker, step,
                                          f"server {server} told worker {self.index}")
+
+    def _leave(self) -> None:
+        """Send every server a LEAVE (the servers still up read it; one that has stopped fails the send)."""
+        for server in range(self.plan.num_servers):
+            try:
+                for work in send_request(self.pg, server, Kind.LEAVE, self.index, self.step, None, None):
+                    work.wait()
+            except RuntimeError:
+                pass  # that server is gone: nothing of it waits for this worker
 
     def _check_open(self) -> None:
         if self._closed:

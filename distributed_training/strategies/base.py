@@ -109,6 +109,9 @@ class Strategy(abc.ABC):
 
     #: False on a rank that does not train (a parameter server's server): its `fit` runs `serve`.
     trains: bool = True
+    #: What the ranks of the context this strategy gives the trainer are (the monitor's `member`):
+    #: ``"worker"`` for a parameter server's workers, whose context rank is the worker index.
+    member: str = "rank"
 
     def check_trainer_options(self, options: dict[str, Any]) -> None:
         """Raise for a trainer option (by its argument name, e.g. ``checkpoint_dir``) this strategy does

@@ -143,6 +143,7 @@ class ParameterServerStrategy(Strategy):
     """
 
     name = "parameter_server"
+    member = "worker"  # the trainer's context on a worker: rank = worker index (monitor labels)
 
     def __init__(self, num_servers: int = 1, consistency: str = "sync", staleness: int = 0,
                  sparse_embeddings: Sequence[str] = ()) -> None:

@@ -1,0 +1,105 @@
+"""A script of one's own (the core API, plain processes) whose server raises `WorkerLostError` exits cleanly.
+
+Under ``sync`` worker 1 SIGKILLs itself at step 5. The server raises `WorkerLostError`, uncaught, and its
+process must end as any Python script that raised: exit status 1 with the error's message, not an abort
+at the interpreter's exit ("terminate called without an active exception", SIGABRT). That abort came from
+the server's thread reading a surviving worker, left blocked in a gloo receive when the interpreter
+finalized. The survivors now send a LEAVE before they raise, and the server waits for its threads; a
+survivor that says nothing (here: one whose LEAVE is switched off, and that lingers after its error)
+has the server close its connections after `LEAVE_GRACE` seconds.
+
+Each rank is a fresh interpreter (`subprocess`, ``file://`` rendezvous), not a forked test child: the
+abort only shows at a real interpreter exit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = '''
+import os, signal, sys, time
+import torch, torch.distributed as dist, torch.nn.functional as F
+from torch import nn
+from distributed_training.ps import ParameterServer
+
+rank, world, init, num_servers, mute = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+if mute == "1":  # a survivor that never sends LEAVE, as if hung after its error
+    from distributed_training.ps.worker import Worker
+    Worker._leave = lambda self: None
+torch.manual_seed(0)
+model = nn.Linear(8, 1)
+ps = ParameterServer(model, "sgd", lr=0.1, num_servers=num_servers, consistency="sync")
+if ps.role == "server":
+    ps.serve()
+else:
+    try:
+        for step in range(30):
+            if ps.worker_index == 1 and step == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            ps.pull()
+            x = torch.randn(16, 8)
+            F.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+            ps.step()
+            model.zero_grad()
+        ps.close()
+    except Exception:
+        if mute == "1":
+            time.sleep(8)  # alive past the server's grace: its connection does not close by itself
+        raise
+dist.destroy_process_group()
+'''
+
+
+def _launch(tmp_path, num_servers: int, mute: bool) -> list[tuple[int, str]]:
+    """Run the script on ``num_servers + 2`` fresh processes; their (exit status, output)."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    world = num_servers + 2
+    init = f"file://{tmp_path / 'rendezvous'}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("RANK", None)
+    procs = []
+    for rank in range(world):
+        out = open(tmp_path / f"rank{rank}.log", "wb")
+        procs.append((subprocess.Popen([sys.executable, str(script), str(rank), str(world), init, str(num_servers),
+                                        "1" if mute else "0"], stdout=out, stderr=subprocess.STDOUT, env=env), out))
+    results = []
+    try:
+        for rank, (proc, out) in enumerate(procs):
+            try:
+                code = proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                code = "hung"
+            out.close()
+            results.append((code, (tmp_path / f"rank{rank}.log").read_text(errors="replace")))
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL, file:// rendezvous")
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("num_servers,mute", [(1, False), (2, False), (1, True)], ids=["1-server", "2-servers", "mute"])
+def test_a_server_that_raises_worker_lost_exits_normally(tmp_path, num_servers, mute):
+    results = _launch(tmp_path, num_servers, mute)
+    victim = num_servers + 1
+    assert results[victim][0] == -9, results[victim]
+    for rank, (code, out) in enumerate(results):
+        if rank == victim:
+            continue
+        assert "terminate called" not in out, f"rank {rank}:\n{out[-3000:]}"
+        assert code == 1, f"rank {rank} exited with {code}:\n{out[-3000:]}"  # as a script that raised, not -6
+        message = [line for line in out.splitlines() if "WorkerLostError: parameter server:" in line]
+        assert message, f"rank {rank}:\n{out[-3000:]}"
+        assert f"worker 1 (rank {victim}) is lost at step 5" in message[-1], message[-1]
+        assert "GLHF" not in message[-1] and "pair.cc" not in message[-1], message[-1]  # our words only
+        if rank < num_servers and mute:
+            assert "sent nothing more" in out, out[-3000:]
