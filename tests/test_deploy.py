@@ -910,25 +910,55 @@ def test_probe_detects_a_stall(tmp_path):
 # the number of replicas; over a hundred steps that grows past any tolerance (measured: 1e-5 at step 1,
 # 1e-2 at step 80), which would hide what this test checks.
 # Loaded by every Python of a pod whose PYTHONPATH names its directory; in torchrun's workers it
-# * slows each step down (so that the job is still training when the test resizes it), prints every
-#   step with the world it ran at, and has rank 0 save the full model after each step in DT_TEST_RECORD.
+# * prints every step with the world it ran at, and has rank 0 save the full model after each step in
+#   DT_TEST_RECORD;
+# * with DT_TEST_HOLD (a file), keeps the job from ending while the test resizes it: after each step from
+#   DT_TEST_HOLD_FROM on, each worker waits while that file exists, until it receives SIGTERM (its agent
+#   restarting it for a new world, or its pod being removed), at most 120 s. It hands the signal on to
+#   fit's handler, which stops at a step boundary the ranks agree on (at least one step later: the
+#   agreement is pipelined), and prints DTSIGTERM after its step (the test removes the file once the
+#   removed pod's worker printed it).
 STEP_HOOK = """\
 import os
 if os.environ.get("RANK") is not None:
+    import signal
+    import threading
     import time
     import torch
     import distributed_training.trainer as _trainer
 
     _step = _trainer.DistributedTrainer.train_step
+    _terminated = threading.Event()
+    _said = []
+
+    def _watch_sigterm():
+        handler = signal.getsignal(signal.SIGTERM)  # fit's: a flag acted on at a step boundary
+        if getattr(handler, "__name__", "") == "_chained":
+            return
+
+        def _chained(signum, frame):
+            _terminated.set()
+            if callable(handler):
+                handler(signum, frame)
+
+        signal.signal(signal.SIGTERM, _chained)  # fit restores its predecessor's handler on return
 
     def _recorded_step(self, *args, **kwargs):
+        _watch_sigterm()  # from the first step on, so that no SIGTERM is missed
         out = _step(self, *args, **kwargs)
-        time.sleep(float(os.environ["DT_TEST_STEP_SLEEP"]))
         now = time.time()
         print(f"DTSTEP step={self.step} world={self.context.world_size} time={now:.3f}", flush=True)
         state = self.strategy.model_state_dict(self.model)  # every rank: ZeRO-3 gathers the shards
         if self.context.rank == 0:
             torch.save(state, os.path.join(os.environ["DT_TEST_RECORD"], f"{self.step}-{now:.3f}.pt"))
+        hold = os.environ.get("DT_TEST_HOLD")
+        if hold and self.step >= int(os.environ["DT_TEST_HOLD_FROM"]):
+            started = time.monotonic()
+            while os.path.exists(hold) and not _terminated.is_set() and time.monotonic() - started < 120:
+                _terminated.wait(0.05)
+        if _terminated.is_set() and not _said:  # said here, not in the handler: it could cut a line in two
+            _said.append(True)
+            print("DTSIGTERM", flush=True)
         return out
 
     _trainer.DistributedTrainer.train_step = _recorded_step
@@ -977,8 +1007,12 @@ def test_statefulset_scaled_up_and_down(image_python, tmp_path):
     world 2 the third starts (scale up) and the job re-forms at world 3; once it trains there, the third
     pod's entrypoint gets SIGTERM, as Kubernetes stops the pod a scale-down removes, and the job re-forms
     at world 2 and finishes. The two remaining pods mark the run complete, the removed one does not, and
-    the final model equals a one-pod run of the same config (global batch 6 at 1, 2 and 3 pods)."""
-    steps = 120
+    the final model equals a one-pod run of the same config (global batch 6 at 1, 2 and 3 pods).
+
+    The job cannot end before the resizes, however fast it trains: from step `steps - 10` on it holds
+    after each step (the hook's DT_TEST_HOLD) until the removed pod's worker got its SIGTERM; a SIGTERM
+    ends a worker's hold at once, so the resizes are not slowed down by it."""
+    steps = 30
     sts = next(d for (kind, _), d in _manifests().items() if kind == "StatefulSet")
     trainer = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer")
     manifest = {k: e["value"] for k, e in _env_of(trainer).items()
@@ -1005,14 +1039,17 @@ def test_statefulset_scaled_up_and_down(image_python, tmp_path):
     alone_s = time.time()
     alone = _run_job(lambda endpoint: [pod_env(0, endpoint, DT_NNODES="1", DT_EXTRA_ARGS=(
         f"--set checkpoint.dir={tmp_path / 'alone'} --set output={tmp_path / 'alone' / 'final.pt'}"),
-        DT_CHECKPOINT_DIR=str(tmp_path / "alone"), PYTHONPATH=str(hook), DT_TEST_STEP_SLEEP="0",
-        DT_TEST_RECORD=str(records["alone"]))], timeout=120)
+        DT_CHECKPOINT_DIR=str(tmp_path / "alone"), PYTHONPATH=str(hook), DT_TEST_RECORD=str(records["alone"]))],
+        timeout=120)
     assert alone[0].proc.returncode == 0, alone[0].report()
     reference = torch.load(tmp_path / "alone" / "final.pt", map_location="cpu", weights_only=True)
     alone_s = time.time() - alone_s
 
     endpoint = f"127.0.0.1:{_free_port()}"
-    slow = {"PYTHONPATH": str(hook), "DT_TEST_STEP_SLEEP": "0.05", "DT_TEST_RECORD": str(records["pods"])}
+    hold = tmp_path / "hold"  # removed once the removed pod's worker got its SIGTERM
+    hold.touch()
+    held = {"PYTHONPATH": str(hook), "DT_TEST_RECORD": str(records["pods"]), "DT_TEST_HOLD": str(hold),
+            "DT_TEST_HOLD_FROM": str(steps - 10)}
     pods: list[Pod] = []
 
     def all_steps() -> list[tuple[int, int, float]]:
@@ -1032,13 +1069,19 @@ def test_statefulset_scaled_up_and_down(image_python, tmp_path):
 
     try:
         started = time.time()
-        pods += [Pod(pod_env(i, endpoint, **slow), tmp_path / f"pod{i}.log") for i in range(2)]
+        pods += [Pod(pod_env(i, endpoint, **held), tmp_path / f"pod{i}.log") for i in range(2)]
         wait_for("a step at world 2", lambda s: s[1] == 2, timeout=90)
         up = time.time()  # kubectl scale --replicas=3
-        pods.append(Pod(pod_env(2, endpoint, **slow), tmp_path / "pod2.log"))
+        pods.append(Pod(pod_env(2, endpoint, **held), tmp_path / "pod2.log"))
         grown = wait_for("a step at world 3 after the scale-up", lambda s: s[1] == 3 and s[2] > up)
         down = time.time()  # kubectl scale --replicas=2: the removed pod's container gets SIGTERM
         pods[2].proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while "DTSIGTERM" not in pods[2].log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if "DTSIGTERM" not in pods[2].log.read_text():
+            pytest.fail(f"the removed pod's worker got no SIGTERM\n{pods[2].log.read_text()[-3000:]}")
+        hold.unlink()  # the job may end now: its stop at world 3 is on its way
         shrunk = wait_for("a step at world 2 after the scale-down", lambda s: s[1] == 2 and s[2] > down)
         removed_rc = pods[2].proc.wait(timeout=60)
         rcs = [pod.proc.wait(timeout=120) for pod in pods[:2]]

@@ -1,6 +1,6 @@
 """The two-node elastic harness (issue 17, item 6): two torchrun agents on one host (``--nnodes=1:2``, 2
 workers each) train one epoch of a fixed global batch (`fit(global_batch_size=8)`, a checkpoint every
-step). At step 10 one agent is killed with its workers: the other restarts its workers, re-forms the job
+step). At step 6 one agent is killed with its workers: the other restarts its workers, re-forms the job
 at world 2 and resumes from the latest good checkpoint; a new agent then starts and the job grows back
 to world 4 and finishes the epoch (while the new node is on its way, the job holds before its last steps,
 so that a slow machine cannot end the epoch at world 2 first; its agent's SIGTERM ends the hold). The
@@ -26,7 +26,10 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, KILL_AFTER = 32, 10  # the epoch's global batches; the step after which one agent is killed
+# The epoch's global batches and the step after which one agent is killed: enough steps for every world
+# to train some (the kill, the restart at world 2, the hold, the growth back to 4), no more, since every
+# step at world 4 costs a checkpoint and a record on each of the 4 ranks.
+STEPS, KILL_AFTER = 20, 6
 
 
 def _load(name: str):
