@@ -188,9 +188,9 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     rank = dist.get_rank(group)
     flat = _flat(tensor)
     chunks = torch.tensor_split(flat, world)  # the first chunks are the longest
-    if lanes is None:
-        lanes = ring_lanes(group) if flat.is_cuda else []
     chunk_bytes = chunks[0].numel() * flat.element_size()
+    if lanes is None:  # made on the first call that would use them (not for DDP's usual 25 MiB buckets)
+        lanes = ring_lanes(group) if flat.is_cuda and chunk_bytes >= 2 * _LANE_MIN else []
     if segment_bytes is None and lanes:
         k = max(1, min(len(lanes) + 1, chunk_bytes // _LANE_MIN))
     else:
