@@ -202,6 +202,11 @@ def _pipeline_rows(w: int, part: dict) -> list[tuple[str, str, dict, dict]]:
     return [(config, schedule, got.get("ours", {}), got.get("torch", {})) for (config, schedule), got in rows.items()]
 
 
+def _balance(config: dict) -> str:
+    return ("compute, the blocks cut in halves (attention, MLP): layers per stage count half blocks"
+            if config["balance"] == "halves" else config["balance"])
+
+
 def _stage_layers(r: dict) -> str:
     bounds = r.get("bounds")
     return "/".join(str(b - a) for a, b in zip(bounds, bounds[1:])) if bounds else ""
@@ -219,9 +224,9 @@ def _pipeline(results):
                 lines.append(f"- {name}: {c['data']} pipelines of {c['pipeline']} stages side by side (ranks by the "
                              f"mesh, pipeline outermost), each on {c['batch_per_pipeline']} sequences in "
                              f"{c['microbatches']} microbatches of {c['microbatch_sequences']}; each stage's gradients "
-                             f"averaged over its data group after the schedule; stages balanced by {c['balance']}.")
+                             f"averaged over its data group after the schedule; stages balanced by {_balance(c)}.")
             else:
-                lines.append(f"- {name}: one pipeline of {c['pipeline']} stages; stages balanced by {c['balance']}.")
+                lines.append(f"- {name}: one pipeline of {c['pipeline']} stages; stages balanced by {_balance(c)}.")
         lines += ["", "| config | schedule | ours ms | ours tokens/s/GPU | torch ms | ours / torch | peak GiB ours / torch "
                   "(max rank) | bubble (formula) | bubble measured / simulated (ours) |",
                   "|---|---|---|---|---|---|---|---|---|"]

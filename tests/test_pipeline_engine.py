@@ -87,12 +87,12 @@ def test_engine_with_adamw():
         assert worst <= 1e-5
 
 
-def gpt_worker(rank, world, schedule, microbatches):
+def gpt_worker(rank, world, schedule, microbatches, halves=False):
     from distributed_training.models import GPTConfig
     from distributed_training.pipeline import GPTStages, lm_loss, sync_tied_grads
 
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16, dropout=0.0)
-    maker = GPTStages(cfg, seed=3)
+    maker = GPTStages(cfg, seed=3, halves=halves)
     stage = maker.build(rank, world)
     reference = maker.model("cpu")
     tied = maker.tied_groups(world)
@@ -122,9 +122,12 @@ def gpt_worker(rank, world, schedule, microbatches):
     return worst, losses
 
 
-@pytest.mark.parametrize("schedule,world", [("1f1b", 2), ("gpipe", 2), pytest.param("1f1b", 4, marks=pytest.mark.slow)])
-def test_engine_trains_a_gpt_with_tied_embeddings_like_one_process(schedule, world):
-    for rank, (worst, losses) in enumerate(run_distributed(gpt_worker, world, args=(schedule, 4), timeout=120)):
+@pytest.mark.parametrize("schedule,world,halves", [("1f1b", 2, False), ("gpipe", 2, False), ("zbh1", 3, True),
+                                                   pytest.param("1f1b", 4, False, marks=pytest.mark.slow)])
+def test_engine_trains_a_gpt_with_tied_embeddings_like_one_process(schedule, world, halves):
+    """Half blocks (`GPTStages(halves=True)`): stages cut inside a block (3 stages of 10 half-layers)."""
+    for rank, (worst, losses) in enumerate(run_distributed(gpt_worker, world, args=(schedule, 4, halves),
+                                                           timeout=120)):
         assert worst <= 1e-5, f"rank {rank}: parameters differ from one process by {worst:.3g}"
         for got, want in losses:
             assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, got, want)

@@ -249,9 +249,9 @@ def test_gpt_stages_costs_and_balance():
         builder.bounds(2, costs=[1, 2])
 
 
-@pytest.mark.parametrize("S", [1, 2, 3, 5])
-def test_gpt_stages_compose_to_the_single_stage_build(S):
-    builder = GPTStages(CFG, seed=3)
+@pytest.mark.parametrize("S,halves", [(1, False), (2, False), (3, False), (5, False), (2, True), (5, True)])
+def test_gpt_stages_compose_to_the_single_stage_build(S, halves):
+    builder = GPTStages(CFG, seed=3, halves=halves)
     reference = builder.build(0, 1, "cpu")
     stages = [builder.build(s, S, "cpu") for s in range(S)]
     costs, bounds = builder.costs(), builder.bounds(S)
@@ -303,6 +303,31 @@ def test_gpt_stages_compose_to_the_single_stage_build(S):
     for stage in stages:
         for k, p in stage.named_parameters():
             torch.testing.assert_close(p.grad, reference.get_parameter(k).grad, rtol=0, atol=1e-7, msg=k)
+
+
+def test_half_blocks_hold_the_whole_blocks_weights_and_compute_the_same():
+    """A chain cut at half blocks (`halves=True`): ``block.i.a`` / ``block.i.m``, each with exactly the
+    weights the whole block has (same seed), keys mapping to the GPT's, the same logits, a finer balance."""
+    rng_before = torch.random.get_rng_state()
+    whole, halves = GPTStages(CFG, seed=3), GPTStages(CFG, seed=3, halves=True)
+    assert halves.layer_names() == ["embed", *(f"block.{i}.{h}" for i in range(CFG.n_layer) for h in "am"), "head"]
+    ref = whole.model().state_dict()
+    for S in (1, 3):
+        for s in range(S):
+            for k, v in halves.build(s, S).state_dict().items():
+                assert torch.equal(v, ref[gpt_key(k)]), (S, s, k)
+    assert torch.equal(torch.random.get_rng_state(), rng_before)  # the scratch draws touch no global stream
+    assert gpt_key("block.3.a.ln1.weight") == "blocks.3.ln1.weight"
+    assert gpt_key("block.3.m.mlp.2.weight") == "blocks.3.mlp.2.weight"
+    assert gpt_key("block.3.attn.qkv.weight") == "blocks.3.attn.qkv.weight"
+    idx, _ = _batch()
+    assert torch.equal(halves.build(0, 1)(idx), whole.build(0, 1)(idx))
+    C, T = CFG.n_embd, CFG.block_size
+    assert halves.compute_costs()[1:3] == [8 * C * C + 2 * T * C, 16 * C * C]
+    assert sum(halves.compute_costs()) == sum(whole.compute_costs())
+    assert halves.stage_names(1, 2, split=["block.2.m"])[0] == "block.2.m"
+    with pytest.raises(ValueError, match="blocks in halves"):
+        halves.bounds(2 * CFG.n_layer + 3)
 
 
 def test_gpt_stages_weights_depend_on_seed_and_name_only():

@@ -21,7 +21,9 @@ model's); the same stage modules go to both implementations, freshly built for e
 (``--variants``, default ``compute``): ``compute``, the layers' FLOPs (`GPTStages.compute_costs`);
 ``time``, each layer's forward + backward measured once on the device before the runs
 (`balance.layer_costs(..., "time")` on one microbatch of the P = world layout, averaged over the ranks),
-the same costs for ours and torch's and for both layouts; ``compute,time`` runs every layout under both.
+the same costs for ours and torch's and for both layouts; ``halves``, the FLOPs of a chain cut at half
+blocks (`GPTStages(halves=True)`: a block's attention and its MLP are layers of their own, so a stage may
+end inside a block: twice as fine a balance); ``compute,time`` runs every layout under both.
 Each run records its balance and its cut (``bounds``: stage s holds chain layers bounds[s]:bounds[s+1]
 of embed, the blocks, head); the phase records the per-layer costs of each balance (``layer_costs``).
 
@@ -59,7 +61,7 @@ OURS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbh1": 1}   # schedule ->
 TORCH = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
          "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2), "zbh1": ("ScheduleInterleavedZeroBubble", 2)}
 LAYOUTS = ("pp", "pp_dp")       # the whole world one pipeline; pipelines of world / 2 ranks, two side by side
-BALANCES = ("compute", "time")  # FLOPs per layer; forward + backward measured per layer
+BALANCES = ("compute", "time", "halves")  # FLOPs per layer; forward + backward measured per layer; FLOPs per half block
 TIME_BUDGET_S = {"smoke": 2.0, "gpu": 10.0}  # seconds measuring the layers may take (balance.measure_layer_times)
 
 
@@ -140,7 +142,7 @@ def run(ctx, opts) -> dict:
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    costs = {"compute": GPTStages(cfg).compute_costs(seq)}
+    costs = {"compute": GPTStages(cfg).compute_costs(seq), "halves": GPTStages(cfg, halves=True).compute_costs(seq)}
     result = {"status": "ok", "model": "tiny" if opts.smoke else "gpt-1.3b", "pipeline": world, "batch": batch,
               "seq": seq, "microbatches": microbatches, "steps": steps, "balances": balances,
               "variants_ignored": ignored, "configs": {}, "runs": {}}
@@ -170,7 +172,7 @@ def run(ctx, opts) -> dict:
                     key = f"{prefix}{impl}_{schedule}"
                     try:
                         run_ = _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout,
-                                        costs[balance])
+                                        costs[balance], halves=balance == "halves")
                     except Exception as err:  # noqa: BLE001 - recorded; the other runs go on
                         run_ = {"status": "error", "reason": f"{type(err).__name__}: {str(err)[:300]}"}
                     run_.update(config=name, balance=balance, pipeline=layout.P, data=layout.D)
@@ -243,7 +245,7 @@ def _average_over_data(params, group, size: int) -> None:
             g.copy_(piece.view_as(g))
 
 
-def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout, costs) -> dict:
+def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout, costs, halves=False) -> dict:
     from distributed_training.pipeline import GPTStages, PipelineEngine, bubble_formula, lm_loss, sync_tied_grads
 
     world, device = ctx.world_size, ctx.device
@@ -252,7 +254,7 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout
     xs, ys = x[layout.index * rows:(layout.index + 1) * rows], y[layout.index * rows:(layout.index + 1) * rows]
     chunks = OURS[schedule] if impl == "ours" else TORCH[schedule][1]
     num_stages = P * chunks
-    maker = GPTStages(cfg, seed=0)
+    maker = GPTStages(cfg, seed=0, halves=halves)
     # The tie's group first (made on every rank alike), before anything that may fail on one rank only.
     tied = maker.tied_groups(num_stages, costs=costs)
     tie_group = layout.tie_group(sorted({s % P for s in tied[0].stages})) if tied else None

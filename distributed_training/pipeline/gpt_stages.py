@@ -17,8 +17,8 @@ from torch import nn
 from ..models.gpt import GPT, Block, GPTConfig
 from .stages import Layers, Stage, TiedGroup, allocate, partition, split_at, tied_groups
 
-__all__ = ["GPTEmbedding", "GPTHead", "GPTStages", "gpt_chain", "gpt_key", "init_gpt_layers", "layer_seed",
-           "lm_loss"]
+__all__ = ["AttentionHalf", "GPTEmbedding", "GPTHead", "GPTStages", "MLPHalf", "gpt_chain", "gpt_key",
+           "init_gpt_layers", "layer_seed", "lm_loss"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -52,6 +52,33 @@ class GPTHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
+
+
+class AttentionHalf(nn.Module):
+    """The first residual half of a `Block`: ``x + drop(attn(ln1(x)))``, under the block's own attribute
+    names (``ln1``, ``attn``), so that its parameters' keys are the block's."""
+
+    def __init__(self, ln1: nn.LayerNorm, attn: nn.Module, drop: nn.Dropout) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.drop = ln1, attn, drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.attn(self.ln1(x)))
+
+
+class MLPHalf(nn.Module):
+    """The second residual half of a `Block`: ``x + drop(mlp(ln2(x)))`` (``ln2``, ``mlp``)."""
+
+    def __init__(self, ln2: nn.LayerNorm, mlp: nn.Module, drop: nn.Dropout) -> None:
+        super().__init__()
+        self.ln2, self.mlp, self.drop = ln2, mlp, drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+#: The suffixes of a block's two halves in a chain cut at half blocks (``block.3.a``, ``block.3.m``).
+HALVES = ("a", "m")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -88,11 +115,13 @@ def gpt_key(key: str) -> str:
     if layer in ("embed", "head"):
         return rest
     if layer == "block":
-        return "blocks." + rest
+        index, _, rest = rest.partition(".")
+        half, _, inner = rest.partition(".")
+        return f"blocks.{index}.{inner if half in HALVES else rest}"  # block.3.a.ln1.weight: a half block
     raise ValueError(f"key {key!r} is not a GPT chain key (embed.*, block.*, head.*)")
 
 
-def gpt_layer_flops(cfg: GPTConfig, seq: int | None = None) -> list[float]:
+def gpt_layer_flops(cfg: GPTConfig, seq: int | None = None, halves: bool = False) -> list[float]:
     """Forward FLOPs per token of each layer of the GPT's chain, at sequence length `seq` (default
     `cfg.block_size`): the stages' balance by compute (`GPTStages.compute_costs`, the trainer's
     ``pipeline_balance="compute"``; the backward costs about twice each layer's forward, so the ratios
@@ -106,9 +135,14 @@ def gpt_layer_flops(cfg: GPTConfig, seq: int | None = None) -> list[float]:
     first's 159, and the cut by these costs (13 blocks / 11) evens them: 214.5 ms a step against 218.7
     (`benchmarks/pipeline_profile.py`). But a narrow model's step is bound by the host's kernel
     launches, which these costs ignore: GPT-2 124M cut by them (8 blocks / 4 and the head) kept the
-    first rank busy 151 ms a step and the last 38 (2x H200), so parameters stay the default."""
+    first rank busy 151 ms a step and the last 38 (2x H200), so parameters stay the default. With
+    `halves`, each block is two entries: its attention half (8 C^2 + 2 T C) and its MLP half (16 C^2)."""
     C, T = cfg.n_embd, cfg.block_size if seq is None else seq
-    return [float(C), *[24.0 * C * C + 2.0 * T * C] * cfg.n_layer, 2.0 * C * cfg.vocab_size]
+    if halves:  # the attention half: qkv, projection and attention; the MLP half: its two matmuls
+        blocks = [8.0 * C * C + 2.0 * T * C, 16.0 * C * C] * cfg.n_layer
+    else:
+        blocks = [24.0 * C * C + 2.0 * T * C] * cfg.n_layer
+    return [float(C), *blocks, 2.0 * C * cfg.vocab_size]
 
 
 class GPTStages:
@@ -139,15 +173,21 @@ class GPTStages:
     #: The GPT's tied parameter: the token embedding, used again by the output head.
     TIES = (("embed.wte.weight", "head.lm_head.weight"),)
 
-    def __init__(self, cfg: GPTConfig, seed: int = 0) -> None:
+    def __init__(self, cfg: GPTConfig, seed: int = 0, halves: bool = False) -> None:
         if not isinstance(cfg, GPTConfig):
             raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.seed = seed
+        self.halves = bool(halves)
         self._costs: list[int] | None = None
 
     def layer_names(self) -> list[str]:
-        return ["embed", *(f"block.{i}" for i in range(self.cfg.n_layer)), "head"]
+        """``embed``, ``block.0`` ... ``block.{n-1}``, ``head``; with `halves` each block is two layers,
+        ``block.i.a`` (its attention half) and ``block.i.m`` (its MLP half), so stages can be cut
+        between them: twice as fine a balance."""
+        blocks = ([f"block.{i}.{h}" for i in range(self.cfg.n_layer) for h in HALVES] if self.halves
+                  else [f"block.{i}" for i in range(self.cfg.n_layer)])
+        return ["embed", *blocks, "head"]
 
     def _make(self, name: str) -> nn.Module:
         cfg = self.cfg
@@ -156,11 +196,16 @@ class GPTStages:
                                 nn.Dropout(cfg.dropout))
         if name == "head":
             return GPTHead(nn.LayerNorm(cfg.n_embd), nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False))
-        return Block(cfg)
+        block = Block(cfg)
+        if name.endswith(".a"):
+            return AttentionHalf(block.ln1, block.attn, block.drop)
+        if name.endswith(".m"):
+            return MLPHalf(block.ln2, block.mlp, nn.Dropout(cfg.dropout))
+        return block
 
     def compute_costs(self, seq: int | None = None) -> list[float]:
         """Each layer's forward FLOPs per token (`gpt_layer_flops`): pass as `costs` to balance by compute."""
-        return gpt_layer_flops(self.cfg, seq)
+        return gpt_layer_flops(self.cfg, seq, halves=self.halves)
 
     def costs(self) -> list[int]:
         """Parameters per layer (counted on the meta device: nothing allocated), what the stages are
@@ -182,12 +227,12 @@ class GPTStages:
             if len(bounds) - 1 != num_stages:
                 raise ValueError(f"split names {len(bounds) - 1} stages ({list(split)}) but num_stages is {num_stages}")
             return bounds
+        blocks = f"{self.cfg.n_layer} blocks" + (" in halves" if self.halves else "")
         if costs is not None and len(costs) != len(names):
             raise ValueError(f"costs has {len(costs)} entries, one per layer of the chain expected ({len(names)}: "
-                             f"embed, {self.cfg.n_layer} blocks, head)")
+                             f"embed, {blocks}, head)")
         if num_stages > len(names):
-            raise ValueError(f"num_stages ({num_stages}) exceeds the GPT's {len(names)} layers "
-                             f"(embed, {self.cfg.n_layer} blocks, head)")
+            raise ValueError(f"num_stages ({num_stages}) exceeds the GPT's {len(names)} layers (embed, {blocks}, head)")
         return partition(self.costs() if costs is None else costs, num_stages)
 
     def stage_names(self, stage: int, num_stages: int, split: Sequence[str] | None = None,
@@ -220,7 +265,7 @@ class GPTStages:
             layers.append((name, layer))
         if device.type != "meta":
             allocate([layer for _, layer in layers], device)
-            init_gpt_layers(layers, self.cfg.n_layer, self.seed)
+            init_gpt_layers(layers, self.cfg.n_layer, self.seed, self.cfg)
         return Stage(layers, stage, num_stages)
 
     def model(self, device: torch.device | str = "cpu") -> GPT:
@@ -232,26 +277,56 @@ class GPTStages:
             gpt = GPT(self.cfg)
         embed, head = whole.get_submodule("embed"), whole.get_submodule("head")
         gpt.wte, gpt.wpe, gpt.drop = embed.wte, embed.wpe, embed.drop
-        gpt.blocks = nn.ModuleList(whole.get_submodule(f"block.{i}") for i in range(self.cfg.n_layer))
+        gpt.blocks = nn.ModuleList(self._whole_block(whole, i) for i in range(self.cfg.n_layer))
         gpt.ln_f, gpt.lm_head = head.ln_f, head.lm_head  # lm_head.weight is wte.weight: one stage
         return gpt
 
+    def _whole_block(self, whole: Stage, i: int) -> nn.Module:
+        """Block i of a one-stage build, reassembled from its halves when the chain has them."""
+        if not self.halves:
+            return whole.get_submodule(f"block.{i}")
+        attention, mlp = (whole.get_submodule(f"block.{i}.{h}") for h in HALVES)
+        with torch.device("meta"):
+            block = Block(self.cfg)
+        block.ln1, block.attn, block.ln2, block.mlp, block.drop = attention.ln1, attention.attn, mlp.ln2, mlp.mlp, \
+            attention.drop
+        return block
 
-def init_gpt_layers(layers: Layers, n_layer: int, seed: int) -> None:
+
+def _seed_name(name: str) -> str:
+    """The name a layer's generator is seeded with: a half block draws from its block's stream."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) == 3 and parts[0] == "block" and parts[2] in HALVES else name
+
+
+def init_gpt_layers(layers: Layers, n_layer: int, seed: int, cfg: GPTConfig | None = None) -> None:
     """Initialise GPT chain layers that have storage (``embed``, ``block.i``, ``head``: `GPTStages`'
     layers, or `gpt_chain` of a `GPT` built on the meta device and given storage), by `GPTStages`'
     scheme: each layer from a generator on its device seeded with ``layer_seed(seed, name)``; the tied
     token embedding from its own generator (``layer_seed(seed, "embed.wte.weight")``), once per copy
     (a stage holding both ``embed`` and ``head`` holds one parameter). The one implementation of the
-    scheme: `GPTStages.build` and the trainer's meta-device models both call it."""
+    scheme: `GPTStages.build` and the trainer's meta-device models both call it.
+
+    Half blocks (``block.i.a``, ``block.i.m``) get exactly the whole block's weights: both draw from the
+    block's generator, and the MLP half first draws, into scratch, what the attention half draws (the
+    attention's shapes from `cfg`, needed then)."""
     tie_seed = layer_seed(seed, GPTStages.TIES[0][0])
     drawn: set[int] = set()
     with torch.no_grad():
         for name, layer in layers:
             tied = layer.wte.weight if name == "embed" else layer.lm_head.weight if name == "head" else None
             device = next(layer.parameters()).device
-            _init_layer(layer, torch.Generator(device=device).manual_seed(layer_seed(seed, name)), n_layer,
-                        skip={id(tied)} if tied is not None else set())
+            generator = torch.Generator(device=device).manual_seed(layer_seed(seed, _seed_name(name)))
+            if isinstance(layer, MLPHalf):
+                if cfg is None:
+                    raise ValueError(f"{name}: initialising a block's MLP half needs the model's cfg")
+                with torch.device("meta"):  # no initialiser runs, the global stream is untouched
+                    scratch = Block(cfg)
+                attention = AttentionHalf(scratch.ln1, scratch.attn, scratch.drop)
+                allocate([attention], device)
+                _init_layer(attention, generator, n_layer, set())
+                del scratch, attention
+            _init_layer(layer, generator, n_layer, skip={id(tied)} if tied is not None else set())
             if tied is not None and id(tied) not in drawn:
                 nn.init.normal_(tied, 0.0, 0.02, torch.Generator(device=device).manual_seed(tie_seed))
                 drawn.add(id(tied))
