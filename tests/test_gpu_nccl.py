@@ -358,7 +358,7 @@ def ring_lanes_worker(rank: int, world: int) -> list[str]:
             continue
         n = dist.get_world_size(group)
         g = torch.Generator(device=ctx.device).manual_seed(rank)
-        x = torch.randn(n * 4 * 1024 * 1024 + 3, device=ctx.device, generator=g)  # 16 MiB chunks: 4 segments
+        x = torch.randn(n * 64 * 1024 * 1024 + 3, device=ctx.device, generator=g)  # 256 MiB chunks: on lanes
         expected = x.clone()
         dist.all_reduce(expected, group=group)
         got = ring_all_reduce(x.clone(), group)

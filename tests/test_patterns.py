@@ -137,7 +137,7 @@ def lanes_worker(rank, world):
     sub_lanes = [dist.new_group(members) for _ in range(3)]
     world_lanes = [dist.new_group(list(range(world))) for _ in range(3)]
     saved = patterns._LANE_MIN
-    patterns._LANE_MIN = 16  # automatic segments: 2 per lane of at least 16 bytes
+    patterns._LANE_MIN = 16  # automatic segments: one per lane of at least 16 bytes
     try:
         for group, lanes in ((None, world_lanes), (sub, sub_lanes)):
             if group is not None and rank not in members:

@@ -66,10 +66,13 @@ _RING_SEGMENTS, _RING_MIN, _RING_MAX = 1, 8 * MIB, 256 * MIB
 # messages in one batch still 161. So smaller segments, which would let the adds overlap the wire, ran
 # at half speed (the 0.42x above). Messages on separate communicators run at once, each with its own
 # channels: four 64 MiB messages on four communicators moved 315 GB/s. The ring therefore spreads its
-# segments over RING_LANES communicators (`ring_lanes`), one segment per lane of at least _LANE_MIN. At
-# 1 GB on 4 GPUs: 4 lanes x 1 segment of 64 MiB 0.82-0.86x of NCCL's all-reduce (probe and suite); 4
-# lanes x 2 segments of 32 MiB 0.87x in the probe but 0.57-0.70x in the suite's run; one lane 0.77x.
-RING_LANES, _LANE_MIN = 4, 4 * MIB
+# segments over RING_LANES communicators (`ring_lanes`), one segment per lane of at least _LANE_MIN, for
+# chunks of at least RING_LANES such segments. At 1 GB: on 4 GPUs 4 lanes x 64 MiB 0.82-0.86x of NCCL's
+# all-reduce (probe and suite; one lane 0.77x; 4 lanes x 2 segments of 32 MiB 0.87x in the probe but
+# 0.57-0.70x in the suite), on 2 GPUs 4 lanes x 128 MiB 0.96x (one lane 0.82x). Smaller segments on lanes
+# lost to one lane (session 20's suite: 64 MB on 4 GPUs 26 GB/s against 108, 256 MB on 2 GPUs 190 against
+# 242), so smaller tensors keep one lane and whole-chunk messages.
+RING_LANES, _LANE_MIN = 4, 64 * MIB
 _lanes_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _TREE_SEGMENTS, _TREE_MIN, _TREE_MAX = 4, 4 * MIB, 256 * MIB
 
@@ -157,8 +160,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     """Sum `tensor` over `group` in place with a pipelined ring of point-to-point messages.
 
     The tensor is split into W chunks (lengths differ by at most one) and each chunk into K segments
-    of at most `segment_bytes` (default: on NCCL one per lane, of at least 4 MiB, see `lanes`; else
-    the whole chunk, in pieces of at most 256 MiB). Message
+    of at most `segment_bytes` (default: on NCCL, for chunks of 256 MiB or more, one per lane, see
+    `lanes`; else the whole chunk, in pieces of at most 256 MiB). Message
     (step s, segment k) of the reduce-scatter sends segment k of chunk r - s to rank r + 1 and receives
     segment k of chunk r - s - 1 from rank r - 1 into a buffer, which is then added into the local
     chunk; after W - 1 steps rank r holds the full sum of chunk r + 1. The all-gather passes the
@@ -179,7 +182,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         lanes: more groups over the same ranks in the same order: segment j's messages go through
             lane j mod L (`group` is lane 0); on NCCL, where each communicator has its own stream and
             channels, L segments are on the wire at once while the adds of others run. ``None``
-            (default): `ring_lanes` on NCCL tensors, none elsewhere; ``()``: none.
+            (default): `ring_lanes` on NCCL tensors whose chunks are 256 MiB or more, none elsewhere;
+            ``()``: none.
     """
     _check(segment_bytes, in_flight)
     world = dist.get_world_size(group)
@@ -190,7 +194,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     chunks = torch.tensor_split(flat, world)  # the first chunks are the longest
     chunk_bytes = chunks[0].numel() * flat.element_size()
     if lanes is None:  # made on the first call that would use them (not for DDP's usual 25 MiB buckets)
-        lanes = ring_lanes(group) if flat.is_cuda and chunk_bytes >= 2 * _LANE_MIN else []
+        lanes = ring_lanes(group) if flat.is_cuda and chunk_bytes >= RING_LANES * _LANE_MIN else []
     if segment_bytes is None and lanes:
         k = max(1, min(len(lanes) + 1, chunk_bytes // _LANE_MIN))
     else:
