@@ -6,26 +6,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SUITE = REPO / "benchmarks" / "suite.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+from _bench import ENV, REPO, SUITE, _check_ps_recommender, _suite
+
 ALL_PHASES = {"collectives", "training", "models", "images", "accuracy", "precision", "topk", "profiling", "monitor", "checkpoint", "memory",
               "compile",
               "pipeline", "pipeline_trainer", "tensor", "ps", "imagenet_projection", "model_check"}
-
-
-def _suite(tmp_path, *args, timeout):
-    out = subprocess.run([sys.executable, str(SUITE), "--smoke", "--out", str(tmp_path), *args], cwd=REPO, env=ENV,
-                         capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
-    return json.loads((tmp_path / "results.json").read_text())
 
 
 @pytest.mark.slow
@@ -228,102 +219,6 @@ def _check_projection(projection, images):
         # anchored at the world-2 step measured: the model's ratio carried onto it
         assert r["anchored_step_s"] / r["step_s"] == pytest.approx(
             rows[0]["anchored_step_s"] / rows[0]["step_s"]) and projection["anchor_world"] == 2
-
-
-def _check_ps_recommender(rec, world):
-    """The ps phase's recommender at `world`: DDP and sync PS with 1 .. min(4, world - 1) servers, from the
-    same weights on the same batches; the PS moves only touched rows (fewer bytes than DDP's gradient), every
-    server count makes the same updates (the same loss at every step), every variant reaches the target."""
-    variants = rec["variants"]
-    assert list(variants) == ["ddp"] + [f"ps_s{s}" for s in range(1, min(4, world - 1) + 1)]
-    assert all(rec["global_batch"] % v["workers"] == 0 for v in variants.values())
-    ddp = variants["ddp"]
-    assert ddp["workers"] == world and ddp["gradient_bytes_per_step"] == 4 * ddp["params"]
-    assert rec["bayes_loss"] < rec["target_loss"] < rec["initial_loss"], rec
-    for name, v in variants.items():
-        assert v["finite"] and v["step_ms_median"] > 0 and v["reached"] and v["time_to_loss_s"] > 0, (name, v)
-        assert v["final_loss_ema"] < rec["initial_loss"] - 0.02, (name, v["final_loss_ema"])  # it learns
-        if name == "ddp":
-            continue
-        assert v["servers"] + v["workers"] == world and len(v["server_bytes_per_step"]) == v["servers"]
-        assert 0 < v["bytes_per_step_per_worker"] < ddp["gradient_bytes_per_step"] and v["bytes_vs_ddp"] < 1, v
-        assert v["push_bytes_per_step"] > 0 and v["pull_bytes_per_step"] > 0 and v["index_bytes_per_step"] > 0
-        assert v["max_staleness"] == 0 and v["updates"] == [rec["steps"]] * v["servers"]  # sync: one update a step
-        assert v["server_max_over_mean"] >= 1 and v["plan_max_over_mean"] >= 1
-        assert v["max_loss_diff_vs_ps_s1"] < 1e-5, (name, v["max_loss_diff_vs_ps_s1"])
-        assert v["max_loss_diff_vs_ddp"] < 0.05  # lazy vs dense Adam on the tables: close, not equal
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_ps_phase_at_world_3_compares_sync_ssp_and_async(tmp_path):
-    """The ps phase at world 3: the recommender with one and two servers; on the digits one server and two
-    workers, the second slow: every mode reaches 0.9, sync measures no staleness, ssp at most its bound
-    (and some: the fast worker ran ahead), async one update per gradient."""
-    results = _suite(tmp_path, "--phases", "ps", "--worlds", "3", timeout=280)
-    part = results["phases"]["ps"]["worlds"]["3"]
-    assert part["status"] == "ok", part.get("reason")
-    _check_ps_recommender(part["recommender"], 3)
-    cons = part["consistency"]
-    assert cons["status"] == "ok" and cons["workers"] == 2 and cons["slow_worker"] == 1
-    modes = cons["modes"]
-    assert list(modes) == ["sync", "ssp", "async"]
-    steps = cons["steps_per_worker"]
-    for mode, m in modes.items():
-        assert m["reached"] and 0 < m["time_to_accuracy_s"] < max(m["wall_s_per_worker"]), (mode, m)
-        assert m["final_accuracy"] >= 0.85, (mode, m)
-    assert modes["sync"]["max_staleness"] == 0 and modes["sync"]["updates"] == steps
-    assert 1 <= modes["ssp"]["max_staleness"] <= 2 and modes["ssp"]["updates"] == steps
-    assert modes["async"]["updates"] == 2 * steps and modes["async"]["pulls_delayed"] == 0
-    # The rotating straggler: the same bounds; sync waits for someone's sleep every step, ssp and async do
-    # not, so they finish sooner (every worker sleeps in half of its steps; sync's wall is at least all of
-    # them). Only what the delay alone forces is asserted: timings on shared cores are noisy.
-    rotating = cons["rotating"]
-    assert all(m["reached"] for m in rotating.values()), rotating
-    assert rotating["sync"]["max_staleness"] == 0 and rotating["ssp"]["max_staleness"] <= 2
-    assert min(rotating["sync"]["wall_s_per_worker"]) >= steps * cons["delay_s"]
-    md = (tmp_path / "results.md").read_text()
-    assert "## Parameter server, world 3" in md and "| one slow | ssp s=2 |" in md and "| rotating | async |" in md
-    assert "| ps_s2 | 2 x 1 |" in md
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time(tmp_path):
-    """The pipeline phase at world 4 (gloo): P = 4 and P = 2 x DP = 2, every schedule of ours and torch's,
-    stages balanced by measured time. Same initial weights and global batch everywhere, so every run's
-    last loss is the same: the two pipelines of P = 2 x DP = 2 see different halves of the batch (their
-    own losses differ), and only the average of their gradients over the data groups keeps them on
-    P = 4's trajectory (without it their mean loss moves off by about 6e-3 here)."""
-    from distributed_training.pipeline import bubble_formula, partition
-
-    results = _suite(tmp_path, "--phases", "pipeline", "--worlds", "4", "--variants", "time", timeout=400)
-    pipe = results["phases"]["pipeline"]["worlds"]["4"]
-    assert pipe["status"] == "ok" and pipe["balances"] == ["time"], pipe.get("reason")
-    assert list(pipe["configs"]) == ["P4 time", "P2xDP2 time"]
-    dp = pipe["configs"]["P2xDP2 time"]
-    assert (dp["pipeline"], dp["data"], dp["microbatch_sequences"]) == (2, 2, 1)
-    costs = pipe["layer_costs"]["time"]  # embed, 16 blocks, head: seconds, each measured
-    assert len(costs) == 18 and all(c > 0 for c in costs)
-    reference = pipe["runs"]["ours_1f1b"]["last_loss"]  # the first configuration's keys carry no prefix
-    for prefix, P in (("", 4), ("P2xDP2 time ", 2)):
-        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zbh1"):
-            for impl in ("ours", "torch"):
-                run = pipe["runs"][f"{prefix}{impl}_{schedule}"]
-                assert run["status"] == "ok" and run["step_ms"] > 0, (prefix, impl, schedule, run)
-                assert (run["pipeline"], run["data"], run["balance"]) == (P, 4 // P, "time")
-                # Cut by the measured times.
-                assert run["bounds"] == partition(costs, P * run["chunks_per_rank"]), (prefix, impl, schedule)
-                assert run["last_loss"] == pytest.approx(reference, rel=1e-5), (prefix, impl, schedule)
-                assert len(run["last_loss_per_pipeline"]) == 4 // P
-            ours = pipe["runs"][f"{prefix}ours_{schedule}"]
-            assert ours["bubble_formula"] == pytest.approx(bubble_formula(schedule, P, 4, chunks=ours["chunks_per_rank"]))
-            assert 0 <= ours["bubble_measured"] < 1 and len(ours["bubble_measured_per_pipeline"]) == 4 // P
-            assert len(ours["forward_ms_per_rank"]) == 4
-    halves = pipe["runs"]["P2xDP2 time ours_1f1b"]["last_loss_per_pipeline"]
-    assert abs(halves[0] - halves[1]) > 1e-4  # different data: the agreement above is not a coincidence
-    md = (tmp_path / "results.md").read_text()
-    assert "| P2xDP2 time | 1f1b |" in md and "Balance by time:" in md
 
 
 @pytest.mark.timeout(120)
