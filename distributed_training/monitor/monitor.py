@@ -83,6 +83,7 @@ __all__ = ["Monitor", "NullMonitor", "StragglerWarning"]
 
 MEMBERS = ("rank", "worker")  # what a Monitor calls the members of its group (`member`)
 
+
 class StragglerWarning(UserWarning):
     """A rank's mean step time exceeded `straggler_threshold` times the median of all ranks'."""
 
