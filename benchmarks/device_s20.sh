@@ -5,6 +5,12 @@
 #   A: worlds 1, 2: training, topk, monitor, compile, collectives
 #   B: worlds 2, 4: models (timm / Hugging Face); the NCCL test of the ring over lanes; the pipeline at 4
 #   C: world 4: collectives, training, monitor, compile, precision, memory, profiling
+# Lessons kept for the next run: the models phase's 6 variants x 4 models x 3 rounds took > 165 s a world
+# (B lost world 4; it was rerun with 5 variants in 294 s for worlds 2 and 4: mode M); `--impls` no longer
+# replaces the compile phase's variants (it did in A and C). Modes for what is still open:
+#   M: worlds 2, 4: models with 5 variants, 4 rounds (BERT / ViT at 2 GPUs were noisy at 3)
+#   P: world 4: the pipeline with whole-block and half-block cuts (issue 15's bubble)
+#   T: world 4: training with NCCL's CTA policy set for the whole job (EFFICIENCY), against a run without
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -27,4 +33,10 @@ case "$1" in
      suite B 330 --worlds 2,4 --phases models
      suite P 140 --worlds 4 --phases pipeline ;;
   C) suite C 560 --worlds 4 --phases collectives,training,monitor,compile,precision,memory,profiling --impls $IMPLS ;;
+  M) suite M 540 --worlds 2,4 --phases models --variants plain,torch,ours,trainer,trainer_monitor --rounds 4 ;;
+  P) suite P 300 --worlds 4 --phases pipeline --variants compute,halves ;;
+  T) suite T0 200 --worlds 4 --phases training --models gpt-1.3b:8:1024 --impls torch_ddp,ours_ddp,zero2
+     # NCCL_CTA_POLICY: 1 = NCCL_CTA_POLICY_EFFICIENCY (NCCL >= 2.27); NCCL reads it once per process
+     (export NCCL_CTA_POLICY=1; suite T1 200 --worlds 4 --phases training --models gpt-1.3b:8:1024 \
+        --impls torch_ddp,ours_ddp,zero2) ;;
 esac
