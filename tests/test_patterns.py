@@ -136,8 +136,15 @@ def lanes_worker(rank, world):
     sub = dist.new_group(members)
     sub_lanes = [dist.new_group(members) for _ in range(3)]
     world_lanes = [dist.new_group(list(range(world))) for _ in range(3)]
-    saved = patterns._LANE_MIN
+    saved = patterns._LANE_MIN, patterns._sendrecv
+    used = []  # the group of every message posted
+
+    def recording(ops, group):
+        used.append(group)
+        return saved[1](ops, group)
+
     patterns._LANE_MIN = 16  # automatic segments: one per lane of at least 16 bytes
+    patterns._sendrecv = recording
     try:
         for group, lanes in ((None, world_lanes), (sub, sub_lanes)):
             if group is not None and rank not in members:
@@ -148,11 +155,16 @@ def lanes_worker(rank, world):
                 exact, scale = _exact_sum(x, group)
                 for kw in ({}, {"segment_bytes": 12}, {"segment_bytes": 40, "in_flight": 1}, {"in_flight": 2}):
                     for count in (1, 2, 3):
+                        used.clear()
                         got = ring_all_reduce(x.clone(), group, lanes=lanes[:count], **kw)
                         where = "world" if group is None else "subgroup"
                         _check_sum(f"ring {kw} lanes={count + 1} {where}", got, x, exact, scale, group, failures)
+                        # A chunk long enough for a segment per lane sends through every lane.
+                        if shape == (1031,) and {id(g) for g in used} != {id(g) for g in [group, *lanes[:count]]}:
+                            failures.append(f"ring {kw} lanes={count + 1} {where} {shape}: messages went through "
+                                            f"{len({id(g) for g in used})} groups, not {count + 1}")
     finally:
-        patterns._LANE_MIN = saved
+        patterns._LANE_MIN, patterns._sendrecv = saved
     dist.barrier()
     return failures
 
