@@ -107,12 +107,15 @@ def worker(args) -> None:
     ctx = init_distributed(device="cpu" if args.smoke else None)
     part = {**environment(ctx.world_size), "backend": ctx.backend, "phases": {}, "phase_seconds": {}}
 
+    def write() -> None:  # rank 0's part file: what the orchestrator reads, even after a timeout
+        Path(args.part).write_text(json.dumps(part, indent=1, default=str))
+
     def save_partial(name: str, result: dict) -> None:
         """What a long phase has finished so far (rank 0's), on file with ``partial: True``: if the job is
         ended by its timeout the report keeps it (the models phase calls this after each model)."""
         if ctx.is_main:
             part["phases"][name] = {"world_size": ctx.world_size, **result, "partial": True}
-            Path(args.part).write_text(json.dumps(part, indent=1, default=str))
+            write()
 
     args.save_partial = save_partial
     for name in args.phases:
@@ -123,7 +126,7 @@ def worker(args) -> None:
         part["phase_seconds"][name] = time.perf_counter() - t0
         ctx.barrier()
         if ctx.is_main:  # after every phase, so a phase that dies leaves the earlier ones on file
-            Path(args.part).write_text(json.dumps(part, indent=1, default=str))
+            write()
     ctx.shutdown()
 
 
