@@ -4,8 +4,9 @@
 has the same methods and does nothing; `SystemStats` reads host and GPU figures on demand.
 ``python -m distributed_training.monitor.plot LOG_DIR -o run.png`` draws a run's curves.
 
-Modules: `monitor` (`Monitor`, `NullMonitor`), `timings` (step-time sums), `writer` (the background
-writer thread and what it is handed), `progress` (the progress bar), `system` (`SystemStats`), `plot`.
+Modules: `monitor` (`Monitor`), `null` (`NullMonitor`), `cluster` (the cross-rank step-time view and
+the straggler check), `timings` (step-time sums), `writer` (the background writer thread and what it is
+handed), `progress` (the progress bar), `system` (`SystemStats`), `plot`.
 """
 
 from .monitor import Monitor, NullMonitor, StragglerWarning

@@ -73,19 +73,14 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import all_gather_single
+from .cluster import MEMBERS, StragglerWarning, cluster_view
+from .null import NullMonitor
 from .progress import ProgressBar
 from .system import SystemStats
 from .timings import StepTimings
 from .writer import LogRecord, WriterThread, copy_to_host
 
 __all__ = ["Monitor", "NullMonitor", "StragglerWarning"]
-
-
-MEMBERS = ("rank", "worker")  # what a Monitor calls the members of its group (`member`)
-
-
-class StragglerWarning(UserWarning):
-    """A rank's mean step time exceeded `straggler_threshold` times the median of all ranks'."""
 
 
 def _check_flag(name: str, value: Any) -> None:
@@ -473,28 +468,12 @@ class Monitor:
             self._bar.draw(record.step, self._total_steps, record.rate, scalars.get("train/loss"))
 
     def _cluster_view(self, step: int, times: list[float]) -> dict[str, float]:
-        slowest = max(range(len(times)), key=times.__getitem__)
-        t_max = times[slowest]
-        median = sorted(times)[(len(times) - 1) // 2]
-        ratio = t_max / median if median > 0 else (math.inf if t_max > 0 else 1.0)
-        straggler = ratio > self.straggler_threshold
-        slowest_rank = self._group_ranks[slowest]
-        who = slowest if self.member == "worker" else slowest_rank  # a worker by its index, not its global rank
-        view = {
-            "cluster/step_time_min_s": min(times),
-            "cluster/step_time_mean_s": sum(times) / len(times),
-            "cluster/step_time_max_s": t_max,
-            "cluster/slowest_rank": float(slowest_rank),
-            "cluster/straggler_ratio": ratio,
-            "cluster/straggler": 1.0 if straggler else 0.0,
-        }
+        view, straggler = cluster_view(step, times, self._group_ranks, self.member, self.straggler_threshold)
         self._cluster_last = view
-        if straggler:
+        if straggler is not None:
             self._straggler_events += 1
             if self._writes_cluster:
-                self._warnings.append(
-                    f"straggler at step {step}: {self.member} {who} averages {t_max:.4g} s per step, "
-                    f"{ratio:.2f}x the median {self.member}'s {median:.4g} s (threshold {self.straggler_threshold:g}x)")
+                self._warnings.append(straggler)
         return view
 
     def _member_field(self) -> dict[str, str]:
@@ -551,49 +530,3 @@ def _close_at_exit(ref: "weakref.ReferenceType[Monitor]") -> None:
             monitor.close()
         except Exception:  # noqa: BLE001 - the interpreter is exiting: nobody to tell
             pass
-
-
-class NullMonitor:
-    """A `Monitor` that does nothing: same methods, no files, no collectives.
-
-    Use it on every rank to switch monitoring off without touching the training loop.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def start(self, total_steps: int | None = None) -> None:
-        pass
-
-    def record_step(
-        self,
-        step: int,
-        metrics: Mapping[str, float | torch.Tensor],
-        *,
-        samples: int,
-        tokens: int | None = None,
-        step_time: float,
-        data_time: float = 0.0,
-        comm_time: float | None = None,
-    ) -> None:
-        pass
-
-    def record_eval(self, step: int, mine: Mapping[str, float], whole: Mapping[str, float], *,
-                    seconds: float | None = None) -> None:
-        pass
-
-    def get_performance_metrics(self) -> dict[str, Any]:
-        return {}
-
-    def end_progress(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> "NullMonitor":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
