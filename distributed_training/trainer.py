@@ -11,7 +11,7 @@ The trainer is the only module that knows all the others; strategies never impor
 concept a file: `trainer_fit` (`fit` and its epoch loop), `trainer_checkpoints` (save, load, resume;
 `trainer_checkpoints_async`: in the background), `auto_batch` (``batch_size="auto"``),
 `evaluation`, `batches` (what a batch is), `hangs` (timeouts that name the missing rank), `peer_watch`
-(a dead peer named within seconds), `data`
+(a dead peer named within seconds; `trainer_peers`: the trainer's use of it), `data`
 (sharded loaders), `stopping` (signals), `strategies.registry` (strategy names).
 """
 
@@ -34,11 +34,10 @@ from .checkpoint_async import CheckpointWriteError
 from .checkpoint_layout import DirectoryLayout
 from .evaluation import Evaluation
 from .global_batch import GlobalBatch, check_layout_world
-from .hangs import (CollectiveTimeoutError, _store as _default_store, diagnose_timeout, heartbeat, is_timeout,
-                    stop_heartbeat)
+from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout, stop_heartbeat
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
-from .peer_watch import PeerFailureError, PeerWatch, looks_like_peer_loss
+from .peer_watch import PeerFailureError, PeerWatch
 from .pipeline.meta_init import has_meta, materialize
 from .pipeline.training import PipelineOptions
 from .planner import model_sizes
@@ -48,6 +47,7 @@ from .strategies.registry import check_strategy_argument, make_strategy
 from .tensor.options import TensorOptions
 from .trainer_checkpoints import Checkpointing, _hyperparameters
 from .trainer_fit import Fitting
+from .trainer_peers import PeerWatching
 
 __all__ = ["DistributedTrainer", "CollectiveTimeoutError", "CheckpointWriteError", "PeerFailureError"]
 
@@ -57,7 +57,7 @@ Criterion = Callable[[Any, Any], torch.Tensor]
 log = get_logger()
 
 
-class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
+class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, PeerWatching):
     """Train a model data-parallel across the processes of a torchrun job.
 
     Args:
@@ -460,49 +460,6 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation):
             if is_timeout(err):
                 raise CollectiveTimeoutError(diagnose_timeout(self.context, self.step, err)) from err
             raise
-
-    def _peer_watch(self) -> PeerWatch | None:
-        """This rank's heartbeat and watch over its peers (`heartbeat_timeout`), started at the first step.
-        Independent ranks (a parameter server's workers under ssp / async) watch nobody: a peer that
-        dies is dropped by the servers, and the others go on."""
-        if (self._watch is None and self.heartbeat_timeout is not None and self.context.world_size > 1
-                and not self.context.independent):
-            store = _default_store()
-            if store is None:
-                return None
-            timeout = float(self.heartbeat_timeout)
-            self._watch = PeerWatch(store, self.context.rank, self.context.world_size, timeout,
-                                    exit_after=max(10.0, 2 * timeout), on_failure=self._abort_collectives).start()
-        return self._watch
-
-    def _raise_if_peer_died(self, err: RuntimeError) -> None:
-        """Raise `PeerFailureError` (from `err`) if `err` came from a dead peer, as the watcher finds.
-
-        A collective on a killed peer fails at once, without naming it: wait for the watcher's verdict
-        (up to `heartbeat_timeout`). One that timed out has given the watcher its whole timeout
-        already: take what it knows."""
-        watch = self._watch
-        if getattr(err, "names_lost_peer", False):
-            return  # e.g. the parameter server's WorkerLostError (sync): it names the dead worker, raised as it is
-        if watch is None or (watch.failure is None and not looks_like_peer_loss(err)):
-            return  # after a failure was found, any error is its consequence (an aborted NCCL group's too)
-        failure = watch.verdict(wait=0 if is_timeout(err) else None)
-        if failure is not None:
-            watch.acknowledge()
-            raise failure from err
-
-    def _watching(self):
-        """A block of the job's collectives, under the peer watch if there is one (`PeerWatch.active`)."""
-        return self._watch.active() if self._watch is not None else contextlib.nullcontext()
-
-    def _abort_collectives(self, failure: PeerFailureError) -> None:
-        """On the watcher's thread, when a peer is dead: abort an NCCL process group, which makes a
-        collective waiting for the peer return with an error. gloo's abort does not wake a blocked
-        collective (measured), so a gloo group is left for the watcher's exit (see `peer_watch`)."""
-        if self.context.backend == "nccl":
-            import torch.distributed as dist
-
-            dist.distributed_c10d._abort_process_group()
 
     def _train_step(self, batch: Any, criterion: Criterion | None) -> dict[str, torch.Tensor]:
         if not self.model.training:  # train() walks every module: not per step, and it would undo a

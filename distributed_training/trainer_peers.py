@@ -1,0 +1,59 @@
+"""The trainer's watch over its peers (`DistributedTrainer`'s part for it): the heartbeat and `PeerWatch`
+started at the first step, the collectives of a step run under the watch, an error from a dead peer
+turned into `PeerFailureError`, and NCCL collectives aborted when the watcher finds a peer dead."""
+
+from __future__ import annotations
+
+import contextlib
+
+from .hangs import _store as _default_store, is_timeout
+from .peer_watch import PeerFailureError, PeerWatch, looks_like_peer_loss
+
+__all__ = ["PeerWatching"]
+
+
+class PeerWatching:
+    """Mixed into `DistributedTrainer`; uses its ``context``, ``heartbeat_timeout`` and ``_watch``."""
+
+    def _peer_watch(self) -> PeerWatch | None:
+        """This rank's heartbeat and watch over its peers (`heartbeat_timeout`), started at the first step.
+        Independent ranks (a parameter server's workers under ssp / async) watch nobody: a peer that
+        dies is dropped by the servers, and the others go on."""
+        if (self._watch is None and self.heartbeat_timeout is not None and self.context.world_size > 1
+                and not self.context.independent):
+            store = _default_store()
+            if store is None:
+                return None
+            timeout = float(self.heartbeat_timeout)
+            self._watch = PeerWatch(store, self.context.rank, self.context.world_size, timeout,
+                                    exit_after=max(10.0, 2 * timeout), on_failure=self._abort_collectives).start()
+        return self._watch
+
+    def _raise_if_peer_died(self, err: RuntimeError) -> None:
+        """Raise `PeerFailureError` (from `err`) if `err` came from a dead peer, as the watcher finds.
+
+        A collective on a killed peer fails at once, without naming it: wait for the watcher's verdict
+        (up to `heartbeat_timeout`). One that timed out has given the watcher its whole timeout
+        already: take what it knows."""
+        watch = self._watch
+        if getattr(err, "names_lost_peer", False):
+            return  # e.g. the parameter server's WorkerLostError (sync): it names the dead worker, raised as it is
+        if watch is None or (watch.failure is None and not looks_like_peer_loss(err)):
+            return  # after a failure was found, any error is its consequence (an aborted NCCL group's too)
+        failure = watch.verdict(wait=0 if is_timeout(err) else None)
+        if failure is not None:
+            watch.acknowledge()
+            raise failure from err
+
+    def _watching(self):
+        """A block of the job's collectives, under the peer watch if there is one (`PeerWatch.active`)."""
+        return self._watch.active() if self._watch is not None else contextlib.nullcontext()
+
+    def _abort_collectives(self, failure: PeerFailureError) -> None:
+        """On the watcher's thread, when a peer is dead: abort an NCCL process group, which makes a
+        collective waiting for the peer return with an error. gloo's abort does not wake a blocked
+        collective (measured), so a gloo group is left for the watcher's exit (see `peer_watch`)."""
+        if self.context.backend == "nccl":
+            import torch.distributed as dist
+
+            dist.distributed_c10d._abort_process_group()
