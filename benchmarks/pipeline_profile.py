@@ -35,11 +35,11 @@ TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
     """`name` is ``<impl>[-<option>...]_<schedule>``: impl ``ours`` or ``torch``; options ``headers`` (our
     receives wait for every header), ``nolag`` (known shapes checked only at the step's end), ``params``
-    (stages balanced by parameter count, not by compute), ``time`` (``trainer`` only: by each layer's measured
+    (stages balanced by parameter count, not by compute), ``halves`` (the chain cut at half blocks), ``time`` (``trainer`` only: by each layer's measured
 forward + backward, ``pipeline_balance="time"`` on one microbatch of `x`)."""
     spec, schedule = name.split("_", 1)
     impl, *options = spec.split("-")
-    maker = GPTStages(cfg, seed=0)
+    maker = GPTStages(cfg, seed=0, halves="halves" in options)
     costs = None if "params" in options else maker.compute_costs(x.shape[1])
     module = maker.build(rank, world, device, costs=costs)
     tied = maker.tied_groups(world, costs=costs)
@@ -136,11 +136,50 @@ def summarize(trace_path: str, rank: int) -> dict:
         n = e["name"]
         if any(k in n for k in ("recv", "wait", "synchron", "barrier")):
             blocked[n] = blocked.get(n, 0.0) + e["dur"] / 1e3
+    overlap = _nccl_overlap(ks, nccl)
     return {"rank": rank, "span_ms": round((t1 - t0) / 1e3, 3), "compute_busy_ms": round(busy / 1e3, 3),
+            "nccl_overlap": overlap,
             "compute_streams": {str(s): round(sum(e["dur"] for e in v) / 1e3, 3) for s, v in streams.items()},
             "gaps_over_0.2ms": gaps, "gaps_total_ms": round(sum(g["gap_ms"] for g in gaps), 3),
             "nccl_kernels": nccl_summary[:80], "nccl_total_ms": round(sum(e["dur"] for e in nccl) / 1e3, 3),
             "host_blocked_ms": {k: round(v, 3) for k, v in sorted(blocked.items(), key=lambda kv: -kv[1])[:12]}}
+
+
+def _nccl_overlap(compute: list, nccl: list) -> dict:
+    """How much compute ran beside an NCCL kernel, and what it cost: each compute kernel that overlaps an
+    NCCL kernel against the median of the same kernel (by name) where none ran; ``excess_ms`` sums the
+    differences (the slowdown the NCCL kernels' SMs cost the compute)."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in nccl)
+    merged: list[list[float]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+
+    def overlapped(e) -> bool:
+        a, b = e["ts"], e["ts"] + e["dur"]
+        return any(x < b and a < y for x, y in merged)
+
+    clean: dict[str, list[float]] = {}
+    beside = []
+    for e in compute:
+        if overlapped(e):
+            beside.append(e)
+        else:
+            clean.setdefault(e["name"], []).append(e["dur"])
+    excess, by_name = 0.0, {}
+    for e in beside:
+        ref = clean.get(e["name"])
+        if ref:
+            extra = e["dur"] - statistics.median(ref)
+            excess += extra
+            by_name[e["name"][:60]] = by_name.get(e["name"][:60], 0.0) + extra
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    return {"nccl_span_ms": round(sum(b - a for a, b in merged) / 1e3, 3),
+            "compute_beside_nccl_ms": round(sum(e["dur"] for e in beside) / 1e3, 3),
+            "kernels_beside_nccl": len(beside), "excess_ms": round(excess / 1e3, 3),
+            "excess_by_kernel_ms": {k: round(v / 1e3, 3) for k, v in top}}
 
 
 def main() -> None:

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 21: what issues 14 and 15 still owe, on one 4-GPU machine in two device calls. Usage:
+# benchmarks/device_s21.sh X|Y; everything comes back as one archive, $OUT/s21_<mode>.tar.gz.
+#   X: the pipeline's ZB-H1 against 1F1B at P = 4 under the profiler (per rank: compute beside NCCL
+#      kernels and what it cost, `pipeline_profile.py`), with NCCL's default p2p channels and with at
+#      most 4; the suite's pipeline phase with whole- and half-block cuts; the training phase at 1.3B
+#      with and without NCCL's CTA policy (EFFICIENCY) for the 1 -> 4 scaling.
+#   Y: the models phase at 2 GPUs with 4 rounds (BERT / ViT), the compile phase at 4, the collectives at
+#      2 and 4 with the ring's final lane rule.
+set -o pipefail
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
+start=$(date +%s)
+R=/tmp/s21
+mkdir -p $R
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpus.txt"
+suite() {  # name, seconds, suite.py arguments...
+  local name=$1 limit=$2; shift 2
+  (cd benchmarks && timeout "$limit" python suite.py --out "$R/$name" --timeout $(( limit - 15 )) "$@") \
+    > "$R/$name.log" 2>&1
+  echo "[$name] exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/$name.log"
+}
+profile() {  # name, seconds, extra environment (VAR=value ...)
+  local name=$1 limit=$2; shift 2
+  env "$@" timeout "$limit" torchrun --nproc_per_node=4 benchmarks/pipeline_profile.py --out "$R/$name" \
+    --variants ours_1f1b,ours_zbh1,ours-halves_1f1b,ours-halves_zbh1 --profile ours_1f1b,ours_zbh1 \
+    --rounds 3 --steps 4 > "$R/$name.log" 2>&1
+  echo "[$name] exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/$name.log"
+  rm -f "$R/$name"/trace_*.json.gz
+}
+case "$1" in
+  X) profile prof_default 100
+     profile prof_p2p4 100 NCCL_MAX_P2P_NCHANNELS=4
+     suite P 200 --worlds 4 --phases pipeline --variants pp,compute,halves
+     suite T0 90 --worlds 4 --phases training --models gpt-1.3b:8:1024 --impls torch_ddp,ours_ddp,zero2
+     # NCCL_CTA_POLICY: 1 = NCCL_CTA_POLICY_EFFICIENCY (NCCL >= 2.27); NCCL reads it once per process
+     (export NCCL_CTA_POLICY=1; suite T1 90 --worlds 4 --phases training --models gpt-1.3b:8:1024 \
+        --impls torch_ddp,ours_ddp,zero2) ;;
+  Y) suite M 200 --worlds 2 --phases models --variants plain,torch,ours,trainer,trainer_monitor --rounds 4
+     suite C 220 --worlds 4 --phases compile
+     suite L 100 --worlds 2,4 --phases collectives ;;
+esac
+tar -czf "$OUT/s21_$1.tar.gz" -C $R .
