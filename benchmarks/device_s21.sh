@@ -31,9 +31,9 @@ case "$1" in
   X) profile prof_default 100
      profile prof_p2p4 100 NCCL_MAX_P2P_NCHANNELS=4
      suite P 200 --worlds 4 --phases pipeline --variants pp,compute,halves
-     suite T0 90 --worlds 4 --phases training --models gpt-1.3b:8:1024 --impls torch_ddp,ours_ddp,zero2
+     suite T0 100 --worlds 4 --phases training --models gpt-1.3b:8:1024 --impls torch_ddp,ours_ddp,zero2
      # NCCL_CTA_POLICY: 1 = NCCL_CTA_POLICY_EFFICIENCY (NCCL >= 2.27); NCCL reads it once per process
-     (export NCCL_CTA_POLICY=1; suite T1 90 --worlds 4 --phases training --models gpt-1.3b:8:1024 \
+     (export NCCL_CTA_POLICY=1; suite T1 100 --worlds 4 --phases training --models gpt-1.3b:8:1024 \
         --impls torch_ddp,ours_ddp,zero2) ;;
   Y) suite M 200 --worlds 2 --phases models --variants plain,torch,ours,trainer,trainer_monitor --rounds 4
      suite C 220 --worlds 4 --phases compile
