@@ -137,12 +137,48 @@ def summarize(trace_path: str, rank: int) -> dict:
         if any(k in n for k in ("recv", "wait", "synchron", "barrier")):
             blocked[n] = blocked.get(n, 0.0) + e["dur"] / 1e3
     overlap = _nccl_overlap(ks, nccl)
+    host = _host_ops(events)
     return {"rank": rank, "span_ms": round((t1 - t0) / 1e3, 3), "compute_busy_ms": round(busy / 1e3, 3),
-            "nccl_overlap": overlap,
+            "nccl_overlap": overlap, "host": host,
             "compute_streams": {str(s): round(sum(e["dur"] for e in v) / 1e3, 3) for s, v in streams.items()},
             "gaps_over_0.2ms": gaps, "gaps_total_ms": round(sum(g["gap_ms"] for g in gaps), 3),
             "nccl_kernels": nccl_summary[:80], "nccl_total_ms": round(sum(e["dur"] for e in nccl) / 1e3, 3),
             "host_blocked_ms": {k: round(v, 3) for k, v in sorted(blocked.items(), key=lambda kv: -kv[1])[:12]}}
+
+
+def _host_ops(events: list) -> dict:
+    """The main thread's top-level torch ops (those not inside another op): their count and time by name,
+    and what is left of the thread's span (Python, the engine's own code). Top-level only, so nested ops
+    (aten::mm inside aten::linear) are not counted twice."""
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op" and "dur" in e]
+    if not ops:
+        return {}
+    by_tid: dict = {}
+    for e in ops:
+        by_tid.setdefault(e.get("tid"), []).append(e)
+    # The two busiest threads: the Python thread, and on CUDA autograd's device thread (backward's ops)
+    busiest = sorted(by_tid.items(), key=lambda kv: -len(kv[1]))[:2]
+    return {f"thread_{tid}": _top_level(thread_ops) for tid, thread_ops in busiest}
+
+
+def _top_level(main: list) -> dict:
+    main.sort(key=lambda e: (e["ts"], -e["dur"]))
+    top, end = [], float("-inf")
+    for e in main:
+        if e["ts"] >= end:
+            top.append(e)
+            end = e["ts"] + e["dur"]
+    span = top[-1]["ts"] + top[-1]["dur"] - top[0]["ts"]
+    total: dict[str, list] = {}
+    for e in top:
+        t = total.setdefault(e["name"], [0, 0.0])
+        t[0] += 1
+        t[1] += e["dur"]
+    busy = sum(e["dur"] for e in top)
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][1])[:30]
+    return {"span_ms": round(span / 1e3, 3), "ops": len(top), "ops_ms": round(busy / 1e3, 3),
+            "between_ops_ms": round((span - busy) / 1e3, 3),
+            "top": {k: [n, round(d / 1e3, 3)] for k, (n, d) in ranked}}
 
 
 def _nccl_overlap(compute: list, nccl: list) -> dict:
