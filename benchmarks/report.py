@@ -34,7 +34,7 @@ def render_markdown(results: dict) -> str:
         if entry.get("status") in ("skipped", "error") and entry.get("reason") and not entry.get("worlds"):
             lines.append(f"- {name}: **{entry['status']}**: {entry['reason'].strip()}")
     lines.append("")
-    for section in (_collectives, _training, _models, _images, _accuracy, _precision, _topk, _profiling, _monitor, _checkpoint, _memory,
+    for section in (_collectives, _training, _compile, _models, _images, _accuracy, _precision, _topk, _profiling, _monitor, _checkpoint, _memory,
                     _pipeline,
                     _pipeline_big, _tensor, _ps, _imagenet_projection, _model_check):
         lines += section(results)
@@ -70,6 +70,27 @@ def _collectives(results):
         lines += ["", f"Overlap: an all-reduce of {_size(ov['bytes'])} beside a matmul loop: efficiency "
                       f"{ov['efficiency']:.2f} (alone {ov['comm_s'] * 1e3:.2f} + {ov['compute_s'] * 1e3:.2f} ms, "
                       f"together {ov['both_s'] * 1e3:.2f} ms).", ""]
+    return lines
+
+
+def _compile(results):
+    lines = []
+    for w, part in _ok_worlds(results, "compile"):
+        lines += [f"## torch.compile under DDP, {w} GPU{'s' if w > 1 else ''} ({part.get('backend')}, "
+                  f"{part.get('precision')}; {part.get('rounds')} rounds of {part.get('steps_per_round')} steps)", "",
+                  "| model | variant | step ms | tokens/s/GPU | vs our eager DDP | vs torch's eager DDP | warm-up s "
+                  "(compile included) | last loss |", "|---|---|---|---|---|---|---|---|"]
+        for model, entry in part["models"].items():
+            variants = entry["variants"]
+            torch_eager = variants.get("torch_ddp")
+            for v, fig in variants.items():
+                vs_torch = f"{torch_eager['step_s'] / fig['step_s']:.3f}x" if torch_eager else ""
+                lines.append(f"| {model} | {v} | {fig['step_s'] * 1e3:.2f} | {fig['tokens_per_s_per_gpu']:,.0f} | "
+                             f"{fig.get('speed_vs_ours_ddp', float('nan')):.3f}x | {vs_torch} | {fig['warmup_s']:.1f} | "
+                             f"{fig['last_loss']:.4f} |")
+            for v, err in entry.get("errors", {}).items():
+                lines.append(f"| {model} | {v} | failed: {err} | | | | | |")
+        lines.append("")
     return lines
 
 

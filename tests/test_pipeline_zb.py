@@ -195,6 +195,46 @@ def test_autocast_bf16_matches_plain_autocast(mode):
     split.reset()
 
 
+def _repeated():
+    """Blocks of one shape (as a transformer's): W computes each shape's layers in one batched matmul."""
+    torch.manual_seed(0)
+    mods = []
+    for _ in range(3):
+        mods += [nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH, bias=False), nn.LayerNorm(WIDTH)]
+    return nn.Sequential(*mods)
+
+
+@pytest.mark.parametrize("mode", ["capture", "function"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_weight_pass_batches_layers_of_one_shape(mode, autocast, monkeypatch):
+    batches = []
+    batched = split_backward.batched_grads
+    monkeypatch.setattr(split_backward, "batched_grads",
+                        lambda items, *rest: batches.append(len(items)) or batched(items, *rest))
+    stage, reference = _repeated(), _repeated()
+    split = _split(stage, mode)
+    fired = {id(p): 0 for p in stage.parameters()}
+    for p in stage.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.__setitem__(id(p), fired[id(p)] + 1))
+    for mb in range(2):  # the second microbatch accumulates into .grad
+        x, g = _data(seed=mb)
+        x_ref = x.detach().clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            want = reference(x_ref)
+            with split.record(mb):
+                got = stage(x)
+        want.float().backward(g)
+        dx = split.backward_input(mb, got.float(), g, x)
+        assert split.weight_grad(mb) == 6
+        assert torch.equal(dx, x_ref.grad)
+        assert all(n == mb + 1 for n in fired.values())  # every parameter's hook once per microbatch
+    assert batches == [3, 3, 3, 3]  # per microbatch: the 3 first layers, the 3 second layers
+    assert all(p.grad.dtype == torch.float32 for p in stage.parameters())
+    # Capture: each layer's gradient is its own matmul's, the same bits as a plain backward.
+    assert _max_diff(stage, reference) <= (0.0 if mode == "capture" else 1e-6)
+    split.reset()
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_nothing_leaks_out_of_record(mode):
     stage = _stage()

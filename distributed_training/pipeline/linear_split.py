@@ -49,17 +49,28 @@ class _WeightGrad:
         self.x, self.dy, self.weight, self.bias = x, dy, weight, bias
         self.versions = (x._version if x_version is None else x_version, dy._version)
 
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, dy)``, checked unmodified since they were noted, and dropped from this item."""
+        x, dy = self.x, self.dy
+        self.x = self.dy = None
+        if x._version != self.versions[0] or dy._version != self.versions[1]:
+            raise RuntimeError("a tensor a deferred weight gradient needs (a linear layer's input or output "
+                               "gradient) was modified in place before the weight gradient (W) used it")
+        return x, dy
+
+    def group_key(self) -> tuple:
+        """Items with equal keys can be computed as one batched matmul (`batched_grads`)."""
+        x, dy, weight, bias = self.x, self.dy, self.weight, self.bias
+        return (x.shape, x.dtype, dy.shape, dy.dtype, x.device, weight.dtype, weight.requires_grad,
+                None if bias is None else (bias.dtype, bias.requires_grad))
+
     def grads(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> int:
         """Appends the ``(parameter, gradient)`` pairs to `params` and `grads`; drops ``x`` and ``dy``;
         returns the gradients' bytes in the parameters' dtypes. The gradients are in the compute dtype:
         autograd's engine casts each to its parameter's dtype on the way in (what autocast's graph does
         with a ``ToCopyBackward``, the same cast), saving a Python call per tensor. Autocast must be off
         (W: the caller turns it off once for all its layers: host time)."""
-        x, dy = self.x, self.dy
-        self.x = self.dy = None
-        if x._version != self.versions[0] or dy._version != self.versions[1]:
-            raise RuntimeError("a tensor a deferred weight gradient needs (a linear layer's input or output "
-                               "gradient) was modified in place before the weight gradient (W) used it")
+        x, dy = self.take()
         if x.dim() != 2:
             x, dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, in), (N, out)
         size = 0
@@ -74,6 +85,37 @@ class _WeightGrad:
             params.append(bias)
             grads.append(dy.sum(0))
         return size
+
+
+def batched_grads(items: list[_WeightGrad], params: list[torch.Tensor], grads: list[torch.Tensor]) -> int:
+    """`_WeightGrad.grads` for several layers of one `group_key` at once: their inputs and output
+    gradients stacked, ``dW`` of all of them by one batched matmul and ``db`` by one sum, each cast once
+    to the parameters' dtype. A W of a GPT stage runs the same few layer shapes once per block: this
+    makes its host time a few calls per shape instead of about ten per layer (on a GPU host the W was
+    the pipeline's critical path). Each layer's result is that layer's own matmul (bit for bit on CPU);
+    the stacks are transient copies of the layers' ``x`` and ``dy``, which are released on return."""
+    taken = [item.take() for item in items]
+    xs = torch.stack([x for x, _ in taken])
+    dys = torch.stack([dy for _, dy in taken])
+    del taken
+    if xs.dim() != 3:  # (layers, ..., features) -> (layers, N, features)
+        xs, dys = xs.flatten(1, -2), dys.flatten(1, -2)
+    first = items[0]
+    size = 0
+    if first.weight.requires_grad:
+        g = torch.bmm(dys.transpose(1, 2), xs)  # (layers, out, in): each layer's dy^T x
+        if g.dtype != first.weight.dtype:
+            g = g.to(first.weight.dtype)  # the cast autograd's engine would make per tensor
+        params.extend(item.weight for item in items)
+        grads.extend(g.unbind(0))
+        size += g.numel() * g.element_size()
+    if first.bias is not None and first.bias.requires_grad:
+        b = dys.sum(1)
+        if b.dtype != first.bias.dtype:
+            b = b.to(first.bias.dtype)
+        params.extend(item.bias for item in items)
+        grads.extend(b.unbind(0))
+    return size
 
 
 #: Autograd's engine without `torch.autograd.backward`'s Python checks of each (tensor, gradient) pair

@@ -101,7 +101,7 @@ import torch
 from torch import nn
 
 from .linear_split import (_accumulate, _captured_forward, _cast, _no_autocast, _RecordFunctional,
-                           _swapped_forward, _WeightGrad)
+                           _swapped_forward, _WeightGrad, batched_grads)
 
 __all__ = ["SplitBackward"]
 
@@ -293,9 +293,12 @@ class SplitBackward:
         if not work:
             return 0
         params, grads, size = [], [], 0
+        groups: dict[tuple, list[_WeightGrad]] = {}  # layers of one shape (a block's qkv, ... in every block)
+        for item in work:
+            groups.setdefault(item.group_key(), []).append(item)
         with _no_autocast(work[0].dy.device.type):
-            for item in work:
-                size += item.grads(params, grads)
+            for items in groups.values():
+                size += items[0].grads(params, grads) if len(items) == 1 else batched_grads(items, params, grads)
                 # One autograd call for many small layers (host time), but never a whole stage's gradients
                 # waiting at once (memory): a plain backward frees each gradient once accumulated.
                 if size >= _ACCUMULATE_BYTES:
