@@ -33,10 +33,12 @@ a plain backward). Where one of those parameters has tensor hooks (``register_ho
 (the same parameters and outputs: hooks once, but autograd copies each ``dy`` into ``y.grad``). The W (`SplitBackward.weight_grad`) computes ``dW = dy^T x`` and
 ``db = dy.sum(0)`` with the matmuls of autograd's addmm / mm backward and accumulates them through
 autograd's engine (``backward`` on the parameters: their hooks run as in a plain backward, a
-data-parallel strategy's post-accumulate hooks), releasing ``x`` and ``dy``. So I + W runs the very
-kernels of one backward: the gradients equal a plain backward's bit for bit (CPU tests, fp32 and
-bf16). Host time: a few us per layer in F (the bookkeeping), nothing per layer inside I's backward,
-and W's few Python calls per layer (the plain backward runs the same ops in C++).
+data-parallel strategy's post-accumulate hooks), releasing ``x`` and ``dy``. Layers of one shape (a
+transformer's blocks repeat a few) are computed together: their ``x`` and ``dy`` stacked, one batched
+matmul and one sum (`linear_split.batched_grads`). So I + W does the matmul work of one backward: the
+gradients equal a plain backward's bit for bit (CPU tests, fp32 and bf16). Host time: a few us per
+layer in F (the bookkeeping), nothing per layer inside I's backward, and a few Python calls per layer
+shape in W (the plain backward runs its ops in C++; W's Python was ZB-H1's extra host time on a GPU).
 
 Where capture would be wrong, the layer takes the Function's path (below) or is not deferred:
 
