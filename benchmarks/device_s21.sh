@@ -8,6 +8,8 @@
 #   Y: the host's time by op per rank for our 1F1B, torch's and our ZB-H1 (rank 2's traces come back);
 #      the models phase at 2 GPUs with 4 rounds (BERT / ViT), the compile phase at 4, the collectives at
 #      2 and 4 with the ring's final lane rule.
+#   Z: after W's batched matmul (ZB-H1's host time): the profile again, and the pipeline phase at P = 4
+#      and P = 2 x DP = 2 cut at half blocks, 3 rounds.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -40,5 +42,7 @@ case "$1" in
      suite M 210 --worlds 2 --phases models --variants plain,torch,ours,trainer,trainer_monitor --rounds 4
      suite C 190 --worlds 4 --phases compile
      suite L 70 --worlds 2,4 --phases collectives ;;
+  Z) profile prof_zb 90 $ZB,torch_1f1b ours_1f1b,ours_zbh1
+     suite PZ 260 --worlds 4 --phases pipeline --variants pp,pp_dp,halves --rounds 3 ;;
 esac
 tar -czf "$OUT/s21_$1.tar.gz" -C $R .
