@@ -49,6 +49,7 @@ _PAYLOAD_TAG, _HEADER_TAG = 0, 1
 _ABORT = -1  # a header whose dtype index is this says "stop": the rank in its third field failed
 _ABORT_GRACE_S = 2.0
 _KNOWN_KEYS = 32  # step keys whose message shapes a link remembers (least recently used dropped)
+_KNOWN_HEADERS = 256  # header tensors a link keeps for reuse (all dropped when full)
 
 
 class PipelineAborted(RuntimeError):
@@ -85,6 +86,7 @@ class StageLink:
         self.up_group, self.down_group, self.header_group = up_group, down_group, header_group
         self.device = device
         self._in_flight: list[tuple[list, tuple, int]] = []  # (works, tensors they read, peer) until waited for
+        self._headers: dict[tuple, torch.Tensor] = {}  # (dtype, shape) -> its header tensor (read-only)
         # Known shapes: step key -> {(peer, n): header values of the n-th message from peer in such a step}.
         self._known: OrderedDict[Any, dict[tuple[int, int], list[int]]] = OrderedDict()
         self._step: dict[tuple[int, int], list[int]] | None = None  # the open step's shapes (None: no step)
@@ -131,7 +133,12 @@ class StageLink:
 
     def send(self, tensor: torch.Tensor, me: int, peer: int) -> None:
         """Send `tensor` from pipeline rank `me` to pipeline rank `peer`: header, then payload, now."""
-        head = _header(tensor)
+        key = (tensor.dtype, tensor.shape)
+        head = self._headers.get(key)  # a step sends the same few headers again and again: built once
+        if head is None:
+            if len(self._headers) >= _KNOWN_HEADERS:
+                self._headers.clear()
+            head = self._headers[key] = _header(tensor)  # never modified after this: in-flight sends share it
         payload = tensor if tensor.is_contiguous() else tensor.contiguous()
         works = [dist.isend(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG),
                  dist.isend(payload, self.ranks[peer], group=self._payload_group(me, peer), tag=_PAYLOAD_TAG)]
