@@ -10,6 +10,7 @@
 #      2 and 4 with the ring's final lane rule.
 #   Z: after W's batched matmul (ZB-H1's host time): the profile again, and the pipeline phase at P = 4
 #      and P = 2 x DP = 2 cut at half blocks, 3 rounds.
+#   F: after the header reuse: the NCCL pipeline tests, and the pipeline phase as in Z.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -44,5 +45,9 @@ case "$1" in
      suite L 70 --worlds 2,4 --phases collectives ;;
   Z) profile prof_zb 90 $ZB,torch_1f1b ours_1f1b,ours_zbh1
      suite PZ 260 --worlds 4 --phases pipeline --variants pp,pp_dp,halves --rounds 3 ;;
+  F) timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu_nccl.py -k pipeline \
+       tests/test_gpu_pipeline_timing.py > "$R/gpu_tests.log" 2>&1
+     echo "tests exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/gpu_tests.log"
+     suite PF 230 --worlds 4 --phases pipeline --variants pp,pp_dp,halves --rounds 3 ;;
 esac
 tar -czf "$OUT/s21_$1.tar.gz" -C $R .
