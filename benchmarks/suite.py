@@ -249,7 +249,11 @@ def merge(sources: list[str], out: Path, args) -> None:
         if differs:
             raise SystemExit(f"--merge: {source} differs from {sources[0]} in {', '.join(differs)}: "
                              "results of different machines cannot be merged")
-    merged = {**first, "command": [p["command"] for p in parts], "created": [p["created"] for p in parts],
+    # A part that is itself a merge holds lists (of creation times, of argument lists): joined, not nested.
+    created = [c for p in parts for c in (p["created"] if isinstance(p["created"], list) else [p["created"]])]
+    commands = [c for p in parts for c in (p["command"] if p["command"] and isinstance(p["command"][0], list)
+                                           else [p["command"]])]
+    merged = {**first, "command": commands, "created": created,
               "world_sizes": sorted({w for p in parts for w in p["world_sizes"]}),
               "runs": [r for p in parts for r in p["runs"]], "phases": {}}
     for part in parts:
