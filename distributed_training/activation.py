@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["apply_activation_checkpointing"]
+__all__ = ["apply_activation_checkpointing", "checkpoint_module"]
 
 
 def _selector(policy: Any) -> Callable[[nn.Module, str], bool]:
@@ -37,12 +37,17 @@ def apply_activation_checkpointing(model: nn.Module, policy: Any) -> list[str]:
     chosen = []
     for name, module in model.named_modules():
         if name and select(module, name) and not getattr(module, "_dt_checkpointed", False):
-            module.forward = functools.partial(_run_checkpointed, module.forward)
-            module._dt_checkpointed = True
+            checkpoint_module(module)
             chosen.append(name)
     if not chosen:
         raise ValueError(f"activation_checkpointing policy {policy!r} selected no module of {type(model).__name__}")
     return chosen
+
+
+def checkpoint_module(module: nn.Module) -> None:
+    """Checkpoint `module`'s forward (an instance attribute; marked so it is never wrapped twice)."""
+    module.forward = functools.partial(_run_checkpointed, module.forward)
+    module._dt_checkpointed = True
 
 
 def _run_checkpointed(forward: Callable, *args, **kwargs):

@@ -191,7 +191,7 @@ def run_job(cfg: JobConfig) -> dict:
             pipeline_parallel_size=t.pipeline_parallel_size, pipeline_schedule=t.pipeline_schedule,
             microbatches=t.microbatches, pipeline_split_points=t.pipeline_split_points,
             pipeline_chunks=t.pipeline_chunks, pipeline_balance=t.pipeline_balance,
-            pipeline_sample_input=_sample_input(cfg, model),
+            pipeline_sample_input=_sample_input(cfg, model), pipeline_half_blocks=t.pipeline_half_blocks,
             tensor_parallel_size=t.tensor_parallel_size, sequence_parallel=t.sequence_parallel,
             tensor_parallel_plan=({k: tuple(v) if isinstance(v, list) else v for k, v in t.tensor_parallel_plan.items()}
                                   if t.tensor_parallel_plan is not None else None),
@@ -303,12 +303,16 @@ def _check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
 
     t = cfg.training
     options = PipelineOptions(t.pipeline_parallel_size, t.pipeline_schedule, t.microbatches,
-                              t.pipeline_split_points, t.pipeline_chunks, balance=t.pipeline_balance)
+                              t.pipeline_split_points, t.pipeline_chunks, balance=t.pipeline_balance,
+                              half_blocks=t.pipeline_half_blocks)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world % options.size:
         raise ConfigError(f"training.pipeline_parallel_size={options.size} does not divide the world size {world}: "
                           f"run a multiple of {options.size} processes (torchrun --nproc_per_node)")
-    names = [name for name, _ in chain(model)]
+    try:
+        names = [name for name, _ in chain(model, halves=options.half_blocks and options.enabled)]
+    except ValueError as err:
+        raise ConfigError(f"training.pipeline_half_blocks: {err}") from None
     if options.num_stages > len(names):
         chunks = f" x training.pipeline_chunks={options.chunks}" if options.chunks > 1 else ""
         raise ConfigError(f"training.pipeline_parallel_size={options.size}{chunks} makes {options.num_stages} stages, "

@@ -196,6 +196,9 @@ class TrainingConfig(Section):
     its layers' compute, better for wide models, whose step the GPU bounds; or time: each layer's
     forward + backward measured at setup on one microbatch of the job's inputs (batch_size /
     microbatches rows), averaged over the ranks (up to about 20 s more at start)."""
+    pipeline_half_blocks: bool = False
+    """A GPT only: cut its chain at half blocks (block.i.a, the attention; block.i.m, the MLP), so
+    that a stage may end inside a block: a finer balance; split points may then name half blocks."""
     tensor_parallel_size: PositiveInt = 1
     """Ranks that split each layer's matrices between them (1: none): consecutive ranks, one node;
     ``strategy`` (ddp, zero1, zero2, zero3 / fsdp; not auto) runs data parallelism over the world size
@@ -384,7 +387,8 @@ class JobConfig(Section):
         t = self.training
         try:
             options = PipelineOptions(t.pipeline_parallel_size, t.pipeline_schedule, t.microbatches,
-                                      t.pipeline_split_points, t.pipeline_chunks, balance=t.pipeline_balance)
+                                      t.pipeline_split_points, t.pipeline_chunks, balance=t.pipeline_balance,
+                                      half_blocks=t.pipeline_half_blocks)
         except (TypeError, ValueError) as err:
             raise ConfigError(training_paths(str(err))) from None
         if not options.enabled:
@@ -405,7 +409,8 @@ class JobConfig(Section):
 
 #: The trainer's pipeline arguments, which are fields of the config's ``training`` section.
 _PIPELINE_ARGUMENTS = re.compile(r"(?<![\w.])(pipeline_parallel_size|pipeline_schedule|microbatches|"
-                                 r"pipeline_split_points|pipeline_chunks|pipeline_balance|tensor_parallel_size|"
+                                 r"pipeline_split_points|pipeline_chunks|pipeline_balance|pipeline_half_blocks|"
+                                 r"tensor_parallel_size|"
                                  r"tensor_parallel_plan|sequence_parallel)\b")
 
 

@@ -163,6 +163,12 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
             first layer (a tensor, or a tuple, list or dict of tensors), e.g. ``x[:batch //
             microbatches]``. Our GPT may leave it out (token ids of shape (1, ``cfg.block_size``));
             other models must pass it.
+        pipeline_half_blocks: our GPT only: cut its chain at half blocks, each block two layers
+            (``block.i.a``, its attention; ``block.i.m``, its MLP), so that a stage may end inside a block:
+            a finer balance (measured on 4x H200 at GPT-1.3B: 1F1B's bubble 0.298 against 0.339 with whole
+            blocks, the formula's 0.273). Split points may name half blocks (``"block.6.m"``); a block
+            chosen for activation checkpointing has both halves checkpointed. Checkpoints keep the model's
+            keys, so they load with or without it.
         tensor_parallel_size: ranks that split each layer's matrices between them (default 1: none).
             The world is laid out as ``pipeline x data x tensor``, tensor innermost (consecutive
             ranks: one node); the size must divide the world. The model is changed in place by
@@ -249,6 +255,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         consistency: str | None = None,
         staleness: int | None = None,
         sparse_embeddings: list[str] | tuple[str, ...] | None = None,
+        pipeline_half_blocks: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -284,7 +291,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         check_strategy_argument(strategy, communication, served)  # before any rendezvous
         pipeline = PipelineOptions(pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points,
                                    pipeline_chunks, init_seed=seed, balance=pipeline_balance,
-                                   sample_input=pipeline_sample_input, mixed_precision=mixed_precision)
+                                   sample_input=pipeline_sample_input, mixed_precision=mixed_precision,
+                                   half_blocks=pipeline_half_blocks)
         tensor = TensorOptions(tensor_parallel_size, tensor_parallel_plan, sequence_parallel)
         if pipeline.enabled:
             unsupported = [name for name, value in (("gradient_accumulation_steps", gradient_accumulation_steps != 1),

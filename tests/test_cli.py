@@ -462,6 +462,8 @@ def test_pipeline_checks_that_need_the_model_or_the_world_name_the_field(monkeyp
     (_tiny(pipeline_parallel_size=4), 4),  # as many stages as layers
     (_tiny(pipeline_parallel_size=2, pipeline_split_points=["block.1"]), 2),
     (_tiny(pipeline_parallel_size=2), 4),  # 2 stages x 2 data-parallel replicas
+    (_tiny(1, pipeline_parallel_size=4, pipeline_half_blocks=True), 4),  # embed, block.0.a, block.0.m, head
+    (_tiny(pipeline_parallel_size=2, pipeline_split_points=["block.1.m"], pipeline_half_blocks=True), 2),
 ])
 def test_pipeline_checks_pass_what_fits(monkeypatch, raw, world):
     from distributed_training.cli import _build, _check_pipeline_fits

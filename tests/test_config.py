@@ -75,6 +75,7 @@ def test_scientific_notation_in_files_and_overrides(tmp_path):
         ({"training": {"pipeline_chunks": 0}}, "training.pipeline_chunks"),
         ({"training": {"pipeline_split_points": "block.2"}}, "training.pipeline_split_points"),
         ({"training": {"pipeline_split_points": [""]}}, "training.pipeline_split_points"),
+        ({"training": {"pipeline_half_blocks": "maybe"}}, "training.pipeline_half_blocks"),
         ({"training": {"tensor_parallel_size": 0}}, "training.tensor_parallel_size"),
         ({"training": {"sequence_parallel": "yes"}}, "training.sequence_parallel"),
         ({"training": {"tensor_parallel_plan": ["blocks.*"]}}, "training.tensor_parallel_plan"),
@@ -143,7 +144,7 @@ def test_pipeline_fields_default_to_the_trainers_and_load():
     training = JobConfig().training
     for name in ("tensor_parallel_size", "tensor_parallel_plan", "sequence_parallel",
                  "pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_split_points",
-                 "pipeline_chunks"):
+                 "pipeline_chunks", "pipeline_balance", "pipeline_half_blocks"):
         assert getattr(training, name) == trainer[name].default, name
     # GPipe may run fewer microbatches than stages (wasteful, not wrong); split points load as a list.
     cfg = load_config(_pipeline(pipeline_schedule="gpipe", microbatches=1, pipeline_split_points=["block.2"]))

@@ -60,7 +60,7 @@ def _batch(kind: str, step: int, rows: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def meta_parity_worker(rank, world, kind, pipe, microbatches, balance="parameters"):
+def meta_parity_worker(rank, world, kind, pipe, microbatches, balance="parameters", halves=False):
     if kind == "gpt":
         reference = GPTStages(CFG, SEED).model()
     else:
@@ -70,7 +70,7 @@ def meta_parity_worker(rank, world, kind, pipe, microbatches, balance="parameter
     model = _meta(kind)
     torch.manual_seed(1000 + rank)  # the global RNG differs by rank: the initialisation must not use it
     trainer = DistributedTrainer(model, _sgd, seed=SEED, pipeline_parallel_size=pipe, microbatches=microbatches,
-                                 pipeline_balance=balance)
+                                 pipeline_balance=balance, pipeline_half_blocks=halves)
     # Only this rank's stages were given storage: the rest of the model object stays meta, and the
     # real bytes are exactly the stages'.
     stages = trainer.module.stages
@@ -105,16 +105,18 @@ def meta_parity_worker(rank, world, kind, pipe, microbatches, balance="parameter
     return worst, held
 
 
-@pytest.mark.parametrize("world, kind, microbatches, balance", [
-    (2, "gpt", 2, "parameters"), (4, "gpt", 2, "parameters"), (2, "mlp", 2, "parameters"),
-    (2, "tied", 2, "parameters"), (2, "gpt", 2, "time"), (4, "gpt", 4, "time")])
-def test_meta_model_trains_like_one_process(world, kind, microbatches, balance):
+@pytest.mark.parametrize("world, kind, microbatches, balance, halves", [
+    (2, "gpt", 2, "parameters", False), (4, "gpt", 2, "parameters", False), (2, "mlp", 2, "parameters", False),
+    (2, "tied", 2, "parameters", False), (2, "gpt", 2, "time", False), (4, "gpt", 4, "time", False),
+    (2, "gpt", 2, "time", True)])
+def test_meta_model_trains_like_one_process(world, kind, microbatches, balance, halves):
     """P=2 (and P=2 x DP=2 for the GPT): the initial weights equal the whole-model build's exactly (a
     weight tied across stages: the later stage's copy receives the first stage's), and the parameters
     after every step equal one process's on the whole batch. Balanced by measured time too: each layer
     timed on a copy materialised alone (the model object keeps no storage beyond the stages), the
-    same costs and cut on every rank, and the same training whatever the cut."""
-    results = run_distributed(meta_parity_worker, world, args=(kind, 2, microbatches, balance), timeout=120)
+    same costs and cut on every rank, and the same training whatever the cut. Cut at half blocks
+    (``pipeline_half_blocks``), each half initialised with exactly its block's weights."""
+    results = run_distributed(meta_parity_worker, world, args=(kind, 2, microbatches, balance, halves), timeout=120)
     worst = results[0][0]
     assert worst[0] == 0.0, f"initial weights differ from the whole-model build by {worst[0]:.3g}"
     assert max(worst) <= TOL, f"parameters differ from one process by {worst}"
@@ -124,7 +126,8 @@ def test_meta_model_trains_like_one_process(world, kind, microbatches, balance):
         assert 0 < held["meta_left"] < held["all_params"], (rank, held)
         assert held["costs"] == results[0][1]["costs"] and held["bounds"] == results[0][1]["bounds"], (rank, held)
     if balance == "time":
-        assert len(held["costs"]) == CFG.n_layer + 2 and all(0 < c < 1 for c in held["costs"]), held["costs"]
+        layers = (2 if halves else 1) * CFG.n_layer + 2
+        assert len(held["costs"]) == layers and all(0 < c < 1 for c in held["costs"]), held["costs"]
 
 
 def test_meta_gpt_materialised_whole_equals_the_stage_builder():

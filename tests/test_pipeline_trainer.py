@@ -125,6 +125,11 @@ def test_pipeline_options_errors_name_the_field(kwargs, field):
         PipelineOptions(**{names[k]: v for k, v in kwargs.items()})
 
 
+def test_half_blocks_must_be_a_bool():
+    with pytest.raises(TypeError, match="pipeline_half_blocks"):
+        PipelineOptions(size=2, half_blocks="yes")
+
+
 def test_gpipe_allows_fewer_microbatches_than_stages():
     assert PipelineOptions(size=4, schedule="gpipe", microbatches=2).microbatches == 2
 
@@ -140,6 +145,7 @@ def errors_worker(rank, world):
         "accumulation": dict(pipeline_parallel_size=3, gradient_accumulation_steps=2),
         "balance": dict(pipeline_parallel_size=3, pipeline_balance="compute"),  # an MLP: no compute model
         "sample": dict(pipeline_parallel_size=3, pipeline_balance="time"),  # an MLP: no default sample
+        "half": dict(pipeline_parallel_size=3, pipeline_half_blocks=True),  # an MLP: no blocks to halve
     }
     for name, kwargs in cases.items():
         kwargs = dict(kwargs)
@@ -165,7 +171,7 @@ def test_pipeline_errors_name_the_field():
                 "split": "pipeline_split_points", "strategy": "'auto' with pipeline_parallel_size=3",
                 "optimizer": "pass a callable", "accumulation": "gradient_accumulation_steps",
                 "criterion": "needs a criterion", "balance": "pipeline_balance='compute' knows the compute of our GPT",
-                "sample": "pass pipeline_sample_input"}
+                "sample": "pass pipeline_sample_input", "half": "pipeline_half_blocks=True cuts our GPT's blocks"}
     for case, text in expected.items():
         assert found[case] is not None and text in found[case], (case, found[case])
 
@@ -319,6 +325,52 @@ def checkpointing_worker(rank, world, schedule):
 def test_activation_checkpointing_inside_stages_matches_one_process(schedule):
     """Blocks recomputed in backward (ZB-H1: in its I pass) give one process's parameters."""
     assert run_distributed(checkpointing_worker, 2, args=(schedule,), timeout=120)[0] <= TOL
+
+
+def half_blocks_worker(rank, world, schedule, split, checkpointing):
+    from distributed_training.models.gpt import Block
+
+    base = _gpt()
+    reference = copy.deepcopy(base)
+    ref_opt = _sgd(reference.parameters())
+    trainer = DistributedTrainer(copy.deepcopy(base), _sgd, pipeline_parallel_size=2, pipeline_schedule=schedule,
+                                 microbatches=2, pipeline_half_blocks=True, pipeline_balance="compute",
+                                 pipeline_split_points=split, progress=False,
+                                 activation_checkpointing=Block if checkpointing else None)
+    stage = trainer.strategy.engine.chunks[0]
+    names = list(stage.names)
+    checkpointed = [name for name, layer in zip(stage.names, stage._chain)
+                    if getattr(layer, "_dt_checkpointed", False)]
+    worst = 0.0
+    for step in range(STEPS):
+        x, y = _batch("gpt", step, 4)
+        diff, _, _ = step_against_reference(trainer, reference, ref_opt, x, y, slice(0, 4), "gpt", None, rank)
+        worst = max(worst, diff or 0.0)
+    keys = sorted(trainer.full_state_dict())
+    trainer.close()
+    return worst, names, checkpointed, keys == sorted(reference.state_dict())
+
+
+@pytest.mark.parametrize("schedule, split, checkpointing", [
+    ("1f1b", ["block.0.m"], False),  # a stage boundary inside block 0
+    ("zbh1", None, True),            # balanced by compute over half blocks; blocks checkpointed by halves
+])
+def test_half_blocks_cut_inside_a_block_and_match_one_process(schedule, split, checkpointing):
+    """pipeline_half_blocks: the GPT's chain cut at half blocks (block.i.a attention, block.i.m MLP); the
+    parameters equal one process's after every step, the checkpoint keys are the model's, and a block
+    chosen for activation checkpointing is checkpointed in both halves."""
+    (worst, first, ckpt0, keys0), (_, second, ckpt1, _) = run_distributed(
+        half_blocks_worker, 2, args=(schedule, split, checkpointing), timeout=120)
+    assert worst <= TOL, worst
+    assert keys0, "full_state_dict() keys differ from the model's"
+    layers = first + second
+    assert layers[0] == "embed" and layers[-1] == "head" and "block.0.a" in layers and "block.1.m" in layers
+    if split is not None:
+        assert first == ["embed", "block.0.a"] and second[0] == "block.0.m", (first, second)
+    if checkpointing:
+        assert ckpt0 + ckpt1 == [name for name in layers if name.startswith("block.")], (ckpt0, ckpt1)
+    else:
+        assert ckpt0 == ckpt1 == []
 
 
 def short_tail_worker(rank, world):

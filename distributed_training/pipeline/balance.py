@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.gpt import GPT
-from .gpt_stages import gpt_layer_flops, lm_loss
+from .gpt_stages import AttentionHalf, MLPHalf, gpt_layer_flops, lm_loss
 from .meta_init import _children_first, _reset_method, has_meta
 from .options import BALANCES
 from .stages import Layers
@@ -256,7 +256,8 @@ def layer_costs(module: nn.Module, layers: Layers, balance: str, *, device: torc
         if not isinstance(module, GPT):
             raise ValueError(f"pipeline_balance='compute' knows the compute of our GPT only, not of a "
                              f"{type(module).__name__}: use 'parameters', 'time' or pipeline_split_points")
-        return gpt_layer_flops(module.cfg)
+        halves = any(isinstance(layer, (AttentionHalf, MLPHalf)) for _, layer in layers)
+        return gpt_layer_flops(module.cfg, halves=halves)
     if balance != "time":
         raise ValueError(f"pipeline_balance must be one of {list(BALANCES)}, got {balance!r}")
     if sample is None:

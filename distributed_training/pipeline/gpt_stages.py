@@ -88,11 +88,19 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def gpt_chain(model: GPT) -> Layers:
-    """Our GPT as a chain: ``embed``, ``block.0`` ... ``block.{n-1}``, ``head`` (what `chain` returns for it)."""
+def gpt_chain(model: GPT, halves: bool = False) -> Layers:
+    """Our GPT as a chain: ``embed``, ``block.0`` ... ``block.{n-1}``, ``head`` (what `chain` returns for it).
+    With `halves`, each block is two layers, ``block.i.a`` (`AttentionHalf`) and ``block.i.m`` (`MLPHalf`),
+    holding the block's own modules: together they compute exactly the block's forward."""
     # The wrappers hold the model's own modules: running the chain trains the model's parameters.
-    return [("embed", GPTEmbedding(model.wte, model.wpe, model.drop)),
-            *((f"block.{i}", block) for i, block in enumerate(model.blocks)),
+    blocks: Layers = []
+    for i, block in enumerate(model.blocks):
+        if halves:
+            blocks += [(f"block.{i}.{HALVES[0]}", AttentionHalf(block.ln1, block.attn, block.drop)),
+                       (f"block.{i}.{HALVES[1]}", MLPHalf(block.ln2, block.mlp, block.drop))]
+        else:
+            blocks.append((f"block.{i}", block))
+    return [("embed", GPTEmbedding(model.wte, model.wpe, model.drop)), *blocks,
             ("head", GPTHead(model.ln_f, model.lm_head))]
 
 

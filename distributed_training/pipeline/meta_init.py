@@ -155,7 +155,7 @@ def materialize(model: nn.Module, device: torch.device | str, *, seed: int = 0,
     check_initialisable(model, layers)
     allocate([module for _, module in layers], device)
     if gpt:
-        init_gpt_layers(layers, model.cfg.n_layer, seed)
+        init_gpt_layers(layers, model.cfg.n_layer, seed, model.cfg)  # cfg: a half block's draws
         return
     # The module's name in the model seeds its stream; a module the model does not register (one an
     # adapter made) goes by its path in the chain.

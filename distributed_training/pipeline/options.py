@@ -42,6 +42,11 @@ class PipelineOptions:
             ids of shape (1, ``cfg.block_size``) (`balance.default_sample`); other models need one.
         mixed_precision: the trainer's ``mixed_precision`` (``"bf16"``, ``"fp16"``, ``"fp32"`` or None):
             the autocast the layers are timed under.
+        half_blocks: cut our GPT's chain at half blocks (``pipeline_half_blocks``): each block is two
+            layers, ``block.i.a`` (its attention) and ``block.i.m`` (its MLP), so a stage may end inside a
+            block (a finer balance: at GPT-1.3B on 4 stages the heaviest stage's FLOPs go from 7.8% to
+            2.3% above the mean). Split points may then name half blocks. Our GPT only; no effect
+            without a pipeline.
     """
 
     size: int = 1
@@ -53,9 +58,12 @@ class PipelineOptions:
     balance: str = "parameters"
     sample_input: Any = field(default=None, compare=False, repr=False)
     mixed_precision: str | None = None
+    half_blocks: bool = False
 
     def __post_init__(self) -> None:
         size = self.size
+        if not isinstance(self.half_blocks, bool):
+            raise TypeError(f"pipeline_half_blocks must be True or False, got {self.half_blocks!r}")
         if self.balance not in BALANCES:
             raise ValueError(f"pipeline_balance must be one of {list(BALANCES)}, got {self.balance!r}")
         if self.sample_input is not None:

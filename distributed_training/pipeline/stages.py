@@ -98,7 +98,7 @@ def _check_chain(layers: Sequence) -> Layers:
     return out
 
 
-def chain(model: nn.Module | Sequence[tuple[str, nn.Module]]) -> Layers:
+def chain(model: nn.Module | Sequence[tuple[str, nn.Module]], halves: bool = False) -> Layers:
     """The model as a chain of named layers whose forwards compose.
 
     * `nn.Sequential`: its children, under their names (``"0"``, ``"1"``, ... or the keys of the
@@ -109,13 +109,20 @@ def chain(model: nn.Module | Sequence[tuple[str, nn.Module]]) -> Layers:
     * a list of ``(name, module)`` pairs, what an adapter for another model returns (see the module's
       docstring): checked (unique, non-empty names) and returned as a new list.
 
+    `halves` (our `GPT` only): each block as two layers, ``block.i.a`` (attention) and ``block.i.m`` (MLP),
+    so that a stage may end inside a block.
+
     Raises:
         TypeError: the model is none of these (the message names its type).
+        ValueError: `halves` for a model that is not our `GPT`.
     """
     from .gpt_stages import gpt_chain  # the GPT's own chain (its module imports this one)
 
     if isinstance(model, GPT):
-        return gpt_chain(model)
+        return gpt_chain(model, halves)
+    if halves:
+        raise ValueError(f"half blocks cut our GPT's blocks into their attention and MLP halves; a "
+                         f"{type(model).__name__} has no such blocks: cut it at whole layers")
     if isinstance(model, nn.Sequential):
         # _modules, not named_children(): a module placed twice runs twice, and is two layers.
         return _check_chain(list(model._modules.items()))

@@ -140,7 +140,13 @@ class PipelineStrategy(PipelineState, Strategy):
         if mesh.size("pipeline") != P:
             raise RuntimeError(f"the context's mesh has pipeline={mesh.size('pipeline')}, not {P}: call "
                                f"context.set_mesh(pipeline={P}) first (the trainer does)")
-        layers = chain(module)
+        if opts.half_blocks and not isinstance(module, GPT):
+            raise ValueError(f"pipeline_half_blocks=True cuts our GPT's blocks into their attention and MLP halves; "
+                             f"a {type(module).__name__} has no such blocks: leave it False (or cut at "
+                             "pipeline_split_points)")
+        layers = chain(module, halves=opts.half_blocks)
+        if opts.half_blocks:
+            _checkpoint_halves(module, layers)
         names = [name for name, _ in layers]
         if S > len(layers):
             raise ValueError(f"pipeline_parallel_size={P} x pipeline_chunks={V} = {S} stages, but the model has only "
@@ -439,6 +445,17 @@ class PipelineStrategy(PipelineState, Strategy):
 
 def _global(context: DistributedContext, mesh_rank: int) -> int:
     return dist.get_global_rank(context.group, mesh_rank) if context.group is not None else mesh_rank
+
+
+def _checkpoint_halves(model: GPT, layers) -> None:
+    """A block chosen for activation checkpointing (its forward replaced, `activation`) is not called
+    when the chain runs its halves: each half of such a block is checkpointed instead."""
+    from ..activation import checkpoint_module
+
+    for name, layer in layers:
+        parts = name.split(".")
+        if len(parts) == 3 and getattr(model.blocks[int(parts[1])], "_dt_checkpointed", False):
+            checkpoint_module(layer)
 
 
 def _free_other_layers(model: nn.Module, keep: Sequence[nn.Module]) -> None:
