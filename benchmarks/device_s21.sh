@@ -11,6 +11,7 @@
 #   Z: after W's batched matmul (ZB-H1's host time): the profile again, and the pipeline phase at P = 4
 #      and P = 2 x DP = 2 cut at half blocks, 3 rounds.
 #   F: after the header reuse: the NCCL pipeline tests, and the pipeline phase as in Z.
+#   H: the trainer's pipeline (DDP per stage, bf16) with whole and half blocks, 1F1B and ZB-H1.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -49,5 +50,6 @@ case "$1" in
        tests/test_gpu_pipeline_timing.py > "$R/gpu_tests.log" 2>&1
      echo "tests exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/gpu_tests.log"
      suite PF 230 --worlds 4 --phases pipeline --variants pp,pp_dp,halves --rounds 3 ;;
+  H) profile prof_trainer 150 trainer_1f1b,trainer-halves_1f1b,trainer_zbh1,trainer-halves_zbh1,torch_1f1b none ;;
 esac
 tar -czf "$OUT/s21_$1.tar.gz" -C $R .

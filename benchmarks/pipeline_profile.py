@@ -62,7 +62,7 @@ forward + backward, ``pipeline_balance="time"`` on one microbatch of `x`)."""
                                                        "time" if "time" in options else "compute"),
                                      pipeline_sample_input=(x[:x.shape[0] // microbatches] if "time" in options
                                                             else None),
-                                     microbatches=microbatches)
+                                     microbatches=microbatches, pipeline_half_blocks="halves" in options)
         if rank == 0:
             costs = trainer.strategy.layer_costs
             print(f"        {name}: cut {trainer.strategy.bounds}, layer costs "
