@@ -235,6 +235,30 @@ def test_weight_pass_batches_layers_of_one_shape(mode, autocast, monkeypatch):
     split.reset()
 
 
+@pytest.mark.parametrize("shape", [(WIDTH,), (5, WIDTH), (2, 3, WIDTH)])
+def test_batched_weight_gradients_equal_each_layers_own(shape):
+    """`batched_grads` against `_WeightGrad.grads` layer by layer, for inputs of 1, 2 and 3 dimensions."""
+    from distributed_training.pipeline.linear_split import _WeightGrad, batched_grads
+
+    g = torch.Generator().manual_seed(3)
+    layers = [nn.Linear(WIDTH, 2 * WIDTH) for _ in range(3)]
+
+    def items():
+        g.manual_seed(3)
+        return [_WeightGrad(torch.randn(*shape, generator=g), torch.randn(*shape[:-1], 2 * WIDTH, generator=g),
+                            layer.weight, layer.bias) for layer in layers]
+
+    want_params, want = [], []
+    for item in items():
+        item.grads(want_params, want)
+    got_params, got = [], []
+    batched_grads(items(), got_params, got)
+    order = {id(p): i for i, p in enumerate(got_params)}
+    assert sorted(order) == sorted(id(p) for p in want_params)
+    for p, w in zip(want_params, want):
+        assert torch.equal(got[order[id(p)]], w), p.shape
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_nothing_leaks_out_of_record(mode):
     stage = _stage()

@@ -98,8 +98,8 @@ def batched_grads(items: list[_WeightGrad], params: list[torch.Tensor], grads: l
     xs = torch.stack([x for x, _ in taken])
     dys = torch.stack([dy for _, dy in taken])
     del taken
-    if xs.dim() != 3:  # (layers, ..., features) -> (layers, N, features)
-        xs, dys = xs.flatten(1, -2), dys.flatten(1, -2)
+    if xs.dim() != 3:  # (layers, ..., features) -> (layers, N, features), a 1-D input's N being 1
+        xs, dys = xs.reshape(len(items), -1, xs.shape[-1]), dys.reshape(len(items), -1, dys.shape[-1])
     first = items[0]
     size = 0
     if first.weight.requires_grad:
