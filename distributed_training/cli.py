@@ -116,7 +116,8 @@ def _build(cfg: JobConfig):
     starts = list(range(0, len(tokens) - block - 1, block))
     every = max(2, round(1 / cfg.data.val_fraction)) if cfg.data.val_fraction > 0 else 0
     val_starts = starts[::every] if every else []
-    train_starts = [s for s in starts if s not in set(val_starts)]
+    held_out = set(val_starts)  # built once: in the comprehension it was rebuilt for every window
+    train_starts = [s for s in starts if s not in held_out]
     preset = GPT_PRESETS[cfg.model.preset]
     shape = {"vocab_size": 256, "block_size": max(block, preset.block_size), "dropout": cfg.model.dropout}
     if cfg.model.n_layer is not None:

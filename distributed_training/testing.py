@@ -190,8 +190,11 @@ def run_distributed(
                     grace_deadline = time.monotonic() + grace
     finally:
         started = [p for p in procs if p.pid is not None]  # start() may have failed part-way
-        for p in started:
-            p.join(timeout=5)
+        for rank, p in enumerate(procs):
+            # A rank that answered gets 5 s to exit by itself; one that never did (hung: the timeout or the
+            # grace ran out, or an error here) is killed now, without waiting for it.
+            if p.pid is not None and (rank in results or rank in failures):
+                p.join(timeout=5)
         for p in started:
             if p.is_alive():
                 p.kill()

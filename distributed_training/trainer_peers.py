@@ -15,6 +15,11 @@ __all__ = ["PeerWatching"]
 class PeerWatching:
     """Mixed into `DistributedTrainer`; uses its ``context``, ``heartbeat_timeout`` and ``_watch``."""
 
+    # Seconds after a peer's death is found before a rank still blocked in the job's work exits
+    # (`PeerWatch`'s exit_after). None, the default: max(10, 2 * heartbeat_timeout). For tests only, which
+    # set it on a trainer before its first step so as not to sit through the 10 s.
+    _peer_exit_after: float | None = None
+
     def _peer_watch(self) -> PeerWatch | None:
         """This rank's heartbeat and watch over its peers (`heartbeat_timeout`), started at the first step.
         Independent ranks (a parameter server's workers under ssp / async) watch nobody: a peer that
@@ -25,8 +30,9 @@ class PeerWatching:
             if store is None:
                 return None
             timeout = float(self.heartbeat_timeout)
+            exit_after = max(10.0, 2 * timeout) if self._peer_exit_after is None else self._peer_exit_after
             self._watch = PeerWatch(store, self.context.rank, self.context.world_size, timeout,
-                                    exit_after=max(10.0, 2 * timeout), on_failure=self._abort_collectives).start()
+                                    exit_after=exit_after, on_failure=self._abort_collectives).start()
         return self._watch
 
     def _raise_if_peer_died(self, err: RuntimeError) -> None:

@@ -300,8 +300,16 @@ def _script(tmp_path, where, directory, *, stop_at_midway):
         proc.wait(timeout=30)
 
 
+@pytest.fixture(scope="module")
+def unbroken_run(tmp_path_factory):
+    """The script's checkpoints of a run never interrupted: the same for every `where` (seeded), so made once."""
+    tmp_path = tmp_path_factory.mktemp("unbroken")
+    _script(tmp_path, "none", tmp_path / "unbroken", stop_at_midway=False)
+    return _files(tmp_path / "unbroken")
+
+
 @pytest.mark.parametrize("where", ["rank_file", "meta"])
-def test_killed_during_a_background_write_resumes_from_the_previous_one(tmp_path, where):
+def test_killed_during_a_background_write_resumes_from_the_previous_one(tmp_path, where, unbroken_run):
     directory = tmp_path / "ckpt"
     _script(tmp_path, where, directory, stop_at_midway=True)
     with pytest.warns(UserWarning, match="step_000000004"):
@@ -310,8 +318,7 @@ def test_killed_during_a_background_write_resumes_from_the_previous_one(tmp_path
     # Resuming from there (a new process, as torchrun restarts one) ends where a run never interrupted
     # does: its last checkpoint holds the same state, bit for bit.
     _script(tmp_path, "none", directory, stop_at_midway=False)
-    _script(tmp_path, "none", tmp_path / "unbroken", stop_at_midway=False)
-    resumed, unbroken = _files(directory), _files(tmp_path / "unbroken")
+    resumed, unbroken = _files(directory), unbroken_run
     assert "step_000000006" in resumed
     _same(resumed["step_000000006"], unbroken["step_000000006"])
 

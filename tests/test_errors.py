@@ -170,12 +170,20 @@ def timeout_worker(rank, world, store):
 
     dist.destroy_process_group()
     ctx = init_distributed(timeout=2.0, init_method=f"file://{store}")
+    done = store + ".rank0_done"
     try:
         if rank == 1:
-            time.sleep(6)  # never joins the all-reduce below
+            # Never joins the all-reduce below, and stays alive until rank 0's has ended (at most 60 s):
+            # a wait for rank 0's word rather than a fixed sleep.
+            deadline = time.monotonic() + 60
+            while not os.path.exists(done) and time.monotonic() < deadline:
+                time.sleep(0.05)
             return None
         started = time.monotonic()
-        msg = _catch(lambda: dist.all_reduce(torch.ones(1)))
+        try:
+            msg = _catch(lambda: dist.all_reduce(torch.ones(1)))
+        finally:
+            open(done, "w").close()
         return msg, time.monotonic() - started
     finally:
         ctx.shutdown()

@@ -21,11 +21,15 @@ from distributed_training.testing import DistributedTestError, read_records, run
 from _models import MLP
 
 TIMEOUT = 2.0  # heartbeat_timeout of these tests (the default is 5 s)
+# The trainer's exit_after in the tests that wait for it (the default, max(10, 2 * TIMEOUT), is 10 s).
+EXIT_AFTER = 3.0
 
 
-def _trainer(**kwargs):
+def _trainer(exit_after=None, **kwargs):
     torch.manual_seed(0)
-    return DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.01), heartbeat_timeout=TIMEOUT, **kwargs)
+    trainer = DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.01), heartbeat_timeout=TIMEOUT, **kwargs)
+    trainer._peer_exit_after = exit_after  # None: the default
+    return trainer
 
 
 def _batch(step):
@@ -34,8 +38,8 @@ def _batch(step):
 
 
 # ------------------------------------------------------------------ a killed rank
-def killed_worker(rank, world, directory, victim, how):
-    trainer = _trainer()
+def killed_worker(rank, world, directory, victim, how, exit_after=None):
+    trainer = _trainer(exit_after)
     handler = logging.FileHandler(os.path.join(directory, f"log{rank}.txt"))
     handler.setFormatter(logging.Formatter("%(created)f %(message)s"))  # when each survivor found it
     logging.getLogger("distributed_training").addHandler(handler)
@@ -106,8 +110,11 @@ def test_dead_rank_is_named_on_nccl(tmp_path, how):
 @pytest.mark.timeout(120)
 def test_frozen_rank_makes_blocked_survivors_exit_for_a_restart(tmp_path):
     """gloo cannot wake a collective whose peer is silent: the watcher ends the process (status 75)."""
+    # A shorter exit_after than the default's 10 s; a shorter grace than the harness's 10 s for the frozen
+    # rank, which never reports (the survivors exit within a watch period of each other).
     with pytest.raises(DistributedTestError) as caught:
-        run_distributed(killed_worker, 3, args=(str(tmp_path), 2, signal.SIGSTOP), timeout=90, collective_timeout=100)
+        run_distributed(killed_worker, 3, args=(str(tmp_path), 2, signal.SIGSTOP, EXIT_AFTER), timeout=90,
+                        collective_timeout=100, grace=5)
     killed_at = _killed_at(tmp_path)
     report = str(caught.value)
     for rank in (0, 1):
@@ -116,14 +123,16 @@ def test_frozen_rank_makes_blocked_survivors_exit_for_a_restart(tmp_path):
         assert found and "is dead" in found[0], found
         detected = float(found[0].split()[0]) - killed_at
         print(f"rank {rank}: found the frozen rank 2 {detected:.2f}s after the SIGSTOP, then exited {EXIT_CODE} "
-              "10s later (exit_after)")
+              f"{EXIT_AFTER:g}s later (exit_after)")
         assert detected < 10.0, detected
 
 
 # ------------------------------------------------------------------ no false alarms
 def slow_step_worker(rank, world, close):
-    trainer = _trainer()
-    slow = {3: 3 * TIMEOUT}  # one step three heartbeat timeouts long on rank 0: its beat goes on
+    # The early leaver (close) has a slow step too; the vanished peer's test is about what follows the
+    # steps (exit_after shortened to EXIT_AFTER, for the sleep below to outlast it).
+    trainer = _trainer(None if close else EXIT_AFTER)
+    slow = {3: 3 * TIMEOUT} if close else {}  # one step three heartbeat timeouts long on rank 0: its beat goes on
     for step in range(6):
         if rank == 0 and step in slow:
             trainer.model.register_forward_pre_hook(lambda *_: time.sleep(slow.pop(3, 0)))
@@ -132,7 +141,8 @@ def slow_step_worker(rank, world, close):
         if close:
             trainer.close(barrier=False)  # leaves first, saying so: rank 0 goes on alone for a while
         return None  # else vanishes (the harness's processes end with os._exit: no atexit)
-    time.sleep(3 * TIMEOUT if close else 14.0)  # longer than exit_after (10 s) after detection
+    # Past detection (TIMEOUT and a watch period) and exit_after after it, with 4 s to spare.
+    time.sleep(3 * TIMEOUT if close else TIMEOUT + 0.4 + EXIT_AFTER + 4.0)
     failure = trainer._watch.failure
     trainer.close(barrier=False)
     return failure.rank if failure is not None else None

@@ -159,26 +159,33 @@ def test_uneven_inputs_never_hang(strategy):
 
 
 # ------------------------------------------------------------------ timeouts name the missing rank
-def timeout_worker(rank, world, strategy):
+def timeout_worker(rank, world, strategy, directory):
     torch.manual_seed(0)
     trainer = DistributedTrainer(_gpt(0.0), _sgd, strategy=strategy)
     batch = next(iter(RankDependent(0)))
     trainer.train_step(batch)  # everyone takes part in step 1
+    done = os.path.join(directory, "rank0_done")
     if rank == 1:
-        time.sleep(8)  # rank 1 never reaches step 2's collectives in time
+        # Rank 1 never reaches step 2's collectives, and stays alive (its sockets open) until rank 0's
+        # step 2 has ended: rather than a fixed sleep, until rank 0 says so (at most 60 s).
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return None
     started = time.monotonic()
     try:
         trainer.train_step(batch)
     except RuntimeError as err:
         return type(err).__name__, str(err), time.monotonic() - started
+    finally:
+        open(done, "w").close()
     return None
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_collective_timeout_names_operation_and_missing_rank(strategy):
-    results = run_distributed(timeout_worker, 2, args=(strategy,), timeout=90, collective_timeout=3)
+def test_collective_timeout_names_operation_and_missing_rank(strategy, tmp_path):
+    results = run_distributed(timeout_worker, 2, args=(strategy, str(tmp_path)), timeout=90, collective_timeout=3)
     kind, message, elapsed = results[0]
     assert kind == "CollectiveTimeoutError", message
     assert "rank 1" in message and "never reached step 2" in message, message

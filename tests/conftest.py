@@ -1,0 +1,56 @@
+"""The order in which CI's two pytest workers (`-n 2 --dist loadfile`) are handed the test files.
+
+xdist hands out whole files, by default those with the most tests first: the long files of few tests (the
+benchmark suite's smoke run, the README's snippets, the elastic scenarios) came last, and one worker could
+still be in one of them a minute after the other had finished. Here the files go out longest first, by
+their seconds on 2 CPU cores in `durations.json` (a file not listed there goes first: it may be long), so
+that the last ones are short and the workers end together. The order only decides who runs what when;
+every test runs as before, and a run without workers keeps pytest's own order.
+
+After tests were added or changed a lot, rewrite `durations.json` from a run as CI's:
+``DT_WRITE_DURATIONS=1 python -m pytest -q -n 2 --dist loadfile``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+_seconds: dict[str, float] = defaultdict(float)  # per file, as this run measures them
+
+
+def _durations() -> dict[str, float]:
+    try:
+        return json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def pytest_configure(config):
+    # On the controller: take the files in collection order (the order below), not by their number of tests.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: pytest's order
+    seconds = _durations()
+    # A stable sort: each file's tests stay together and in order, files of equal seconds in pytest's order.
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], float("inf")))
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid.split("::", 1)[0]] += report.duration  # setup, call and teardown
+
+
+def pytest_sessionfinish(session):
+    # On the controller (it sees every worker's reports), when asked to.
+    if os.environ.get("DT_WRITE_DURATIONS") and not hasattr(session.config, "workerinput") and _seconds:
+        ordered = sorted(((f, round(s)) for f, s in _seconds.items()), key=lambda kv: (-kv[1], kv[0]))
+        DURATIONS.write_text(json.dumps(dict(ordered), indent=1) + "\n")
