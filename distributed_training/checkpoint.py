@@ -195,8 +195,8 @@ def write_meta(meta: dict[str, Any], directory: str) -> None:
 
 def read_meta(directory: str) -> dict[str, Any]:
     """The verified metadata of a checkpoint directory; `CheckpointCorruptError` (naming the file) if it
-    is incomplete, corrupt or not a checkpoint. Checkpoints written before `meta.pt.sha256` existed are
-    checked by loading alone."""
+    is incomplete, corrupt or not a checkpoint. Every checkpoint this version reads has `meta.pt.sha256`
+    (written before `meta.pt`): one without it is incomplete or was tampered with, and is refused."""
     meta_path = os.path.join(directory, META)
     if os.path.isfile(directory):
         raise CheckpointCorruptError(
@@ -204,11 +204,13 @@ def read_meta(directory: str) -> dict[str, Any]:
             "per rank plus meta.pt); a file saved with torch.save loads with torch.load and load_state_dict")
     if not os.path.isfile(meta_path):
         raise CheckpointCorruptError(f"{directory!r} is incomplete: no meta.pt (the save did not finish)")
-    expected = None
     sidecar = os.path.join(directory, META_SHA256)
-    if os.path.isfile(sidecar):
-        with open(sidecar, "rb") as f:
-            expected = f.read().decode("ascii", errors="replace").strip()
+    if not os.path.isfile(sidecar):
+        raise CheckpointCorruptError(f"checkpoint {directory!r} has no {META_SHA256}, the checksum meta.pt is verified "
+                                     "against before it is read: the directory is incomplete or was altered (every "
+                                     "checkpoint this version writes has one)")
+    with open(sidecar, "rb") as f:
+        expected = f.read().decode("ascii", errors="replace").strip()
     meta = load_file(meta_path, expected, recorded_in=META_SHA256)
     if not isinstance(meta, dict) or any(key not in meta for key in _META_KEYS):
         raise CheckpointCorruptError(f"checkpoint file {meta_path!r} is corrupted or is not a checkpoint's meta.pt: "

@@ -215,7 +215,7 @@ def agree_on_checkpoint(manager: CheckpointManager, context,
             continue
         lacking = [w for w in writers if answers[w] is None]
         if layout.writer_of[rank] in holders:
-            meta = load_file(os.path.join(path, "meta.pt"))
+            meta = read_meta(path)  # verified against its checksum, as every reader does
         else:
             meta = None
         if lacking:

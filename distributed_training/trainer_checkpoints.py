@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, load_file, read_meta, rng_state, save_file,
-                         set_rng_state, write_meta)
+                         set_rng_state, sha256_file, write_meta)
 from .checkpoint_async import rank_file
 from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
 from .checkpoint_shards import (FORMAT, Sources, build_index, check_shapes, host_clone, pack, summary, unpack_optimizer,
@@ -37,6 +37,10 @@ log = get_logger()
 #: The trainer's config keys that only a run with a pipeline has.
 _PIPELINE_KEYS = ("pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_chunks")
 _TENSOR_DEFAULTS = {"tensor_parallel_size": 1, "sequence_parallel": False}  # their values without tensor parallelism
+
+#: What a failed load raises on every rank: the type the failing rank met.
+_LOAD_ERRORS = {cls.__name__: cls for cls in (CheckpointCorruptError, FileNotFoundError, RuntimeError, ValueError,
+                                              KeyError)}
 
 # Suffixes of single-file checkpoints, which a checkpoint directory's name should not look like.
 _FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
@@ -321,7 +325,17 @@ class Checkpointing(BackgroundCheckpointing):
         if own is not None:  # the strategy took its state (the parameter server's servers): this rank's part
             self._load_own_part(own)
         else:
-            self._load_shards(path, meta, read, old_world)
+            # Every rank checks its share of the rank files before any rank copies anything, and they
+            # agree: one corrupt file stops the load on every rank with the model untouched.
+            self._agree_on_load(path, self._check_rank_files(path, meta, read, old_world), stage="checking")
+            failure = ""
+            try:
+                self._load_shards(path, meta, read, old_world)
+            except (CheckpointCorruptError, FileNotFoundError, RuntimeError, ValueError, KeyError) as err:
+                failure = f"{type(err).__name__}: {err}"
+                if ctx.world_size == 1:
+                    raise
+            self._agree_on_load(path, failure, stage="loading")
         changes = self._apply_changed_hyperparameters(meta)
         if self.lr_scheduler is not None:
             # A schedule added since the checkpoint starts where it would be after the saved steps.
@@ -358,6 +372,49 @@ class Checkpointing(BackgroundCheckpointing):
             self.micro_batch_size = int(self._previous_global_batch["micro_batch_size"])
         if meta.get("batch_size") is not None:
             self.batch_size = int(meta["batch_size"])
+
+    def _check_rank_files(self, path: str, meta: dict[str, Any], read: Callable[[int], dict], old_world: int) -> str:
+        """This rank's share of checking a checkpoint's rank files before anything is loaded: its own
+        file (read, and kept for the load), and every `world_size`-th file after it that the saving job
+        had beyond this one's ranks (checksum only, where this node's directory has it). '' if intact,
+        else what is wrong."""
+        ctx = self.context
+        digests = meta.get("rank_checksums", meta["checksums"])
+        try:
+            for k in range(ctx.rank, old_world, ctx.world_size):
+                name = f"rank{k}.pt"
+                if k == ctx.rank:
+                    read(k)
+                elif os.path.isfile(os.path.join(path, name)) and name in digests:
+                    if sha256_file(os.path.join(path, name)) != digests[name]:
+                        raise CheckpointCorruptError(f"checkpoint file {os.path.join(path, name)!r} is corrupted: its "
+                                                     "SHA-256 does not match meta.pt")
+        except (CheckpointCorruptError, FileNotFoundError) as err:
+            return f"{type(err).__name__}: {err}"
+        return ""
+
+    def _agree_on_load(self, path: str, failure: str, *, stage: str) -> None:
+        """Every rank learns whether any rank failed `stage` ("checking" or "loading") of the load of
+        `path`, and then every rank raises (naming the rank and its reason), or none does."""
+        ctx = self.context
+        if ctx.world_size == 1:
+            every = [failure]
+        else:
+            every = [None] * ctx.world_size
+            dist.all_gather_object(every, failure, group=ctx.group)
+        failed = [(r, why) for r, why in enumerate(every) if why]
+        if not failed:
+            return
+        first, why = failed[0]
+        kind, _, reason = why.partition(": ")
+        if ctx.world_size == 1:
+            text = reason
+        else:
+            untouched = ("nothing was loaded on any rank" if stage == "checking" else
+                         "ranks may hold a partly loaded state: load a good checkpoint, or build the model again")
+            text = (f"loading checkpoint {path!r} failed on rank{'s' if len(failed) > 1 else ''} "
+                    f"{', '.join(str(r) for r, _ in failed)} ({untouched}); rank {first}: {reason}")
+        raise _LOAD_ERRORS.get(kind, RuntimeError)(text)
 
     def _load_shards(self, path: str, meta: dict[str, Any], read: Callable[[int], dict], old_world: int) -> None:
         """`load_checkpoint`'s parameters, optimizer state, buffers, RNG states and the strategy's own state."""

@@ -4,6 +4,7 @@ configuration, `resume=False` / ``dtrain --no-resume`` start over, and a checkpo
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
@@ -139,14 +140,59 @@ def test_garbage_meta_is_skipped_with_a_warning_and_never_weights_only_advice(tm
             assert "weights_only" not in text, text
 
 
+def _load_by_hand(rank, world, path, strategy):
+    """What `load_checkpoint` raises on this rank, and whether this rank's state is untouched by it."""
+    torch.manual_seed(1)  # other weights than the checkpoint's
+    trainer = DistributedTrainer(BNNet(), _sgd(), strategy=strategy)
+    before = _state(trainer)
+    try:
+        trainer.load_checkpoint(path)
+        raised = None
+    except Exception as err:  # noqa: BLE001 - the test inspects whatever comes out
+        raised = (type(err).__name__, str(err))
+    untouched = all(torch.equal(before[k], v) for k, v in _state(trainer).items())
+    trainer.close()
+    return raised, untouched
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_corrupt_rank_file_stops_the_load_on_every_rank_before_anything_is_copied(tmp_path, strategy):
+    """One rank's file flipped: every rank raises, naming it, and no rank's model was changed (each
+    rank checks its share of the files and the ranks agree before any copy)."""
+    directory = str(tmp_path / "ckpt")
+    run_distributed(_make_checkpoints, 2, args=(directory,), timeout=120)
+    path = tmp_path / "ckpt" / "step_000000004"
+    data = bytearray((path / "rank1.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / "rank1.pt").write_bytes(bytes(data))
+    for raised, untouched in run_distributed(_load_by_hand, 2, args=(str(path), strategy), timeout=120):
+        assert raised is not None and raised[0] == "CheckpointCorruptError", raised
+        assert "rank1.pt" in raised[1] and "nothing was loaded" in raised[1], raised[1]
+        assert untouched
+
+
 def test_meta_without_required_fields_counts_as_corrupt(tmp_path):
     path = tmp_path / "step_000000001"
     path.mkdir()
     torch.save({"hello": 1}, path / "meta.pt")
-    with pytest.raises(CheckpointCorruptError, match="meta.pt"):
+    (path / "meta.pt.sha256").write_text(hashlib.sha256((path / "meta.pt").read_bytes()).hexdigest())
+    with pytest.raises(CheckpointCorruptError, match="it must hold"):
         CheckpointManager.verify(str(path))
     with pytest.warns(UserWarning, match="step_000000001"):
         assert CheckpointManager(str(tmp_path)).latest_good() is None
+
+
+def test_meta_without_its_checksum_is_refused_even_when_it_loads(tmp_path):
+    """A meta.pt whose sidecar is gone is not trusted, however well it unpickles (an edited step)."""
+    directory = str(tmp_path / "ckpt")
+    run_distributed(_make_checkpoints, 2, args=(directory,), timeout=120)
+    path = tmp_path / "ckpt" / "step_000000004"
+    meta = torch.load(path / "meta.pt", weights_only=True)
+    meta["step"] += 1000
+    torch.save(meta, path / "meta.pt")
+    os.remove(path / "meta.pt.sha256")
+    with pytest.raises(CheckpointCorruptError, match="meta.pt.sha256"):
+        CheckpointManager.verify(str(path))
 
 
 # ------------------------------------------------------------------ 2. buffers are per-rank state
