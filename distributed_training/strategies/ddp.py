@@ -45,6 +45,7 @@ from ..mesh import Mesh
 from .ddp_buckets import agreed_bucket_order, gather_bucket, index_buckets, move_grads_to_views, resolve_bucket_cap_mb
 from .eager import eager_only
 from .overlap import CommTiming, OverlapTimeline
+from .trainable import TrainableSet
 
 __all__ = ["DDP"]
 
@@ -146,6 +147,7 @@ class DDP(CommTiming, nn.Module):
         check_same_across_ranks(describe_module(module), "model", process_group)
 
         # named_parameters() yields a shared (tied) parameter once: it is bucketed and reduced once.
+        self._trainable = TrainableSet(module.named_parameters(), "DDP")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -210,6 +212,7 @@ class DDP(CommTiming, nn.Module):
         """What runs before the wrapped module. Never traced by torch.compile: under
         ``torch.compile(DDP(model))`` dynamo graph-breaks here, runs this eagerly (collectives, bucket
         rebuild, Python state), and compiles the module's forward after it."""
+        self._trainable.check()
         if torch.is_grad_enabled() and self._backward.sync_enabled:
             self._collectives_before_forward()
 
@@ -453,11 +456,18 @@ class DDP(CommTiming, nn.Module):
                 )
             if self.find_unused_parameters and had_no_grad:
                 globally_used = used.tolist() if used is not None else state.ready
-                for i in had_no_grad:
-                    if not globally_used[i]:
-                        self._params[i].grad = None
+                unused = [i for i in had_no_grad if not globally_used[i]]
+                for i in unused:
+                    self._params[i].grad = None
+                if unused:
+                    self._unused_everywhere(unused)
         finally:
             self._reset_iteration()
+
+
+    def _unused_everywhere(self, indices: list[int]) -> None:
+        """Parameters (indices into `_params`) that got no gradient on any rank this backward: their
+        ``.grad`` was left None, as without DDP. A subclass whose optimizer sees them otherwise says so."""
 
 
 class _BackwardPass:

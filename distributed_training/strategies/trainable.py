@@ -1,0 +1,37 @@
+"""Which parameters train is fixed when a wrapper is built; a change afterwards is an error.
+
+`DDP` buckets, and `FSDP` shards, the parameters that require gradients at construction: a parameter
+unfrozen later (``requires_grad_(True)`` between epochs, a common fine-tuning step) would train on
+each rank without being averaged, and so leave the replicas apart, or, under sharding, not train at all;
+one frozen later would look unused. torch's DDP lets both pass silently. The wrappers check the flags
+before each forward (a loop over the parameters, microseconds) and name the first that changed.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from torch import nn
+
+__all__ = ["TrainableSet"]
+
+
+class TrainableSet:
+    """The `requires_grad` flags of `named` parameters when `wrapper` (its name, for messages) was built."""
+
+    def __init__(self, named: Iterable[tuple[str, nn.Parameter]], wrapper: str) -> None:
+        self._named = list(named)
+        self._flags = [p.requires_grad for _, p in self._named]
+        self._wrapper = wrapper
+
+    def check(self) -> None:
+        """Raise RuntimeError naming the first parameter whose `requires_grad` changed since construction."""
+        for (name, p), flag in zip(self._named, self._flags):
+            if p.requires_grad != flag:
+                change = "made trainable (requires_grad=True)" if p.requires_grad else "frozen (requires_grad=False)"
+                raise RuntimeError(
+                    f"parameter {name!r} was {change} after {self._wrapper} wrapped the model: {self._wrapper} "
+                    "decides when it is built which parameters it averages across ranks (and shards), so the change "
+                    "would leave the ranks or the optimizer out of step. Set requires_grad before wrapping: to "
+                    f"change it mid-training, save a checkpoint, build the model, {self._wrapper} (or the "
+                    "DistributedTrainer) and the optimizer again with the new flags, and load the model's weights")

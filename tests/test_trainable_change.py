@@ -1,0 +1,54 @@
+"""A parameter frozen or unfrozen after DDP / FSDP wrapped the model is an error naming it, on every
+rank, before the step that would have trained it out of step (torch's DDP lets it pass silently)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed_training import DDP, FSDP, DistributedTrainer
+from distributed_training.testing import run_distributed
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def _flip_after_one_step(rank, world, wrapper, unfreeze):
+    model = _net()
+    target = model[0].weight
+    target.requires_grad_(not unfreeze)  # frozen at wrap time when the test unfreezes it later
+    if wrapper == "trainer":
+        trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="zero3")
+
+        def step(x, y):
+            trainer.train_step((x, y), F.mse_loss)
+    else:
+        wrapped = DDP(model) if wrapper == "ddp" else FSDP(model)
+        opt = torch.optim.SGD([p for p in wrapped.parameters() if p.requires_grad], lr=0.1)
+
+        def step(x, y):
+            F.mse_loss(wrapped(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+    step(x, y)
+    target.requires_grad_(unfreeze)
+    try:
+        step(x, y)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp", "trainer"])
+@pytest.mark.parametrize("unfreeze", [True, False], ids=["unfrozen", "frozen"])
+def test_changing_requires_grad_after_wrapping_is_an_error_naming_the_parameter(wrapper, unfreeze):
+    for message in run_distributed(_flip_after_one_step, 2, args=(wrapper, unfreeze), timeout=120):
+        assert message is not None, "the step after the change ran"
+        assert "'0.weight'" in message and ("made trainable" if unfreeze else "frozen") in message, message
+        assert "before wrapping" in message, message
