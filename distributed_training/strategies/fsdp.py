@@ -1,6 +1,6 @@
 """Fully sharded data parallelism (ZeRO-3, and ZeRO-2 with `reshard_after_forward=False`).
 
-The model is cut into *units* (by default: the repeated blocks of every `nn.ModuleList`, plus the root
+The model is cut into *units* (by default: the repeated blocks of every `nn.ModuleList` or `nn.Sequential`, plus the root
 for whatever is left). A unit's parameters are flattened, in registration order, into one flat vector
 padded to a multiple of the shard-group size W; rank r keeps only slice r of it, as an
 `nn.Parameter` of ceil(numel / W) elements (the *shard*, fp32 master weights). `FSDP.parameters()`
@@ -32,7 +32,11 @@ Frozen parameters (`requires_grad=False`) in a unit that also trains get a flat 
 their own (the unit's name + "#frozen"): they are gathered like the rest but never reduced, and an
 optimizer never gives them a state. Parameters shared between modules are owned by the innermost unit
 that contains every use, so tied embeddings work wherever the two uses sit. Every unit must receive gradients on all ranks or on none
-(as DDP without `find_unused_parameters`).
+(as DDP without `find_unused_parameters`). A parameter of a unit that trains but that gets no gradient
+on any rank (a head used only in some steps, a pooler never used) still gets zeros in the unit's flat
+gradient, as in every flat-shard ZeRO: an optimizer with momentum or weight decay moves it, where one
+process would leave it alone. The first `UNUSED_WATCH_STEPS` synchronised backward passes watch for
+such parameters (a hook per parameter view, one small all-reduce) and warn once, naming them.
 
 `torch.compile` works in either order (``torch.compile(FSDP(model))``, ``FSDP(torch.compile(model))``)
 and per block: the methods that communicate or swap the units' views are never traced (dynamo breaks
@@ -43,6 +47,7 @@ unit at most.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -61,6 +66,7 @@ from ..runtime import launcher_ranks_per_node
 from .eager import eager_only
 from .fsdp_state import FSDPStateDict
 from .fsdp_units import Unit, UnitPlacement, alloc_storage, build_units, free_storage, unit_roots
+from .trainable import TrainableSet
 
 __all__ = ["FSDP", "MixedPrecision", "make_hybrid_groups"]
 
@@ -91,9 +97,10 @@ class FSDP(FSDPStateDict, nn.Module):
             ``"data_replicate"`` of the mesh re-split for `sharding_strategy` (`Mesh.with_data_shard`:
             all of them; `Mesh.hybrid`: a node's).
         auto_wrap_policy: how units are chosen. ``None``: each element of every `nn.ModuleList` whose
-            class repeats (transformer blocks); a set/tuple of module classes; an int: bottom-up, any
-            module holding at least that many not-yet-wrapped parameters; or ``fn(module, name) ->
-            bool``. The root is always a unit for what is left.
+            class repeats (transformer blocks), and each child of an `nn.Sequential` whose class repeats
+            and that has submodules (timm's blocks; `fsdp_units.repeated_blocks`); a set/tuple of
+            module classes; an int: bottom-up, any module holding at least that many not-yet-wrapped
+            parameters; or ``fn(module, name) -> bool``. The root is always a unit for what is left.
         reshard_after_forward: free gathered parameters after each unit's forward (ZeRO-3) or keep
             them until its backward (ZeRO-2).
         mixed_precision: a `MixedPrecision` (gather in `param_dtype`, reduce in `reduce_dtype`).
@@ -144,6 +151,7 @@ class FSDP(FSDPStateDict, nn.Module):
         mesh = mesh.hybrid() if sharding_strategy == "hybrid" else mesh.with_data_shard(mesh.dp_size)
 
         self.module = module
+        self._trainable = TrainableSet(module.named_parameters(), "FSDP")
         self.mesh = mesh
         process_group = self.process_group = mesh.group("data")
         self.reshard_after_forward = bool(reshard_after_forward)
@@ -187,6 +195,10 @@ class FSDP(FSDPStateDict, nn.Module):
         # autograd's device thread measured ~3 ms per assignment (see docs/ddp.md).
         self._backward_state = _BackwardState()
         self._join_state = None  # the `join()` context while one is open
+        # Which parameters get a gradient, watched over the first synchronised backward passes: one that
+        # gets none on any rank still gets a zero gradient in its unit's flat vector (see the module
+        # docstring), which the user is told once.
+        self._unused_watch = _UnusedWatch(UNUSED_WATCH_STEPS)
         for unit in self._units:
             self._register_hooks(unit)
 
@@ -216,8 +228,13 @@ class FSDP(FSDPStateDict, nn.Module):
         if unit.padded > unit.numel:
             sizes.append(unit.padded - unit.numel)
         pieces = torch.split(unit.full, sizes) if sizes else []
+        watch = self._unused_watch
+        watched = watch.steps_left > 0 and unit.full.requires_grad and torch.is_grad_enabled()
         for mod, attr, i in unit.refs:
-            setattr(mod, attr, pieces[i].view(unit.infos[i].shape))
+            view = pieces[i].view(unit.infos[i].shape)
+            if watched:
+                view.register_hook(watch.marker(unit, i))
+            setattr(mod, attr, view)
 
     def _start_gather(self, unit: Unit) -> None:
         if unit.gathered or unit.gather_work is not None or unit.padded == 0:
@@ -271,6 +288,7 @@ class FSDP(FSDPStateDict, nn.Module):
 
     @eager_only
     def _before_forward(self) -> None:
+        self._trainable.check()
         if self._backward_state.pending:  # a backward left reductions behind (e.g. it raised): settle them first
             self._finish_backward()
         if self._recording_order:  # also after a first forward that raised: record again
@@ -375,12 +393,38 @@ class FSDP(FSDPStateDict, nn.Module):
                     unit.shard.grad = grad
                 else:
                     unit.shard.grad += grad
+            if self._unused_watch.steps_left > 0 and self._backward_state.pending and self._join_state is None:
+                self._report_unused()
         finally:
             self._backward_state.pending = []
             self._backward_state.callback_queued = False
             if reshard:
                 for unit in self._units:
                     self._reshard(unit)
+
+    def _report_unused(self) -> None:
+        """End of a watched synchronised backward: the parameters that got no gradient on any rank of
+        the data group (one flag each, all-reduced), named once in a warning."""
+        watch = self._unused_watch
+        watch.steps_left -= 1
+        trainable = [(u, i) for u in self._units if u.full.requires_grad for i in range(len(u.infos))]
+        got = [1 if (id(u), i) in watch.used else 0 for u, i in trainable]
+        watch.used = set()
+        if dist.get_world_size(self.process_group) > 1:
+            device = self.device if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
+            flags = torch.tensor(got, dtype=torch.int32, device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+            got = flags.tolist()
+        unused = [u.infos[i].fqns[0] for (u, i), g in zip(trainable, got) if not g]
+        if unused and not watch.reported and dist.get_rank(self.process_group) == 0:
+            watch.reported = True
+            shown = ", ".join(repr(n) for n in unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+            warnings.warn(
+                f"FSDP: {len(unused)} trainable parameter(s) got no gradient on any rank in this backward pass: "
+                f"{shown}. Sharded in a unit's flat vector, they get a zero gradient instead of none (as in "
+                "DeepSpeed's ZeRO and torch's flat-parameter FSDP), so an optimizer with momentum or weight decay "
+                "still moves them, where one process or DDP would leave them alone. Freeze them "
+                "(requires_grad=False) if they never train, or use DDP for exact skipping.", stacklevel=2)
 
     # ------------------------------------------------------------ public helpers
     @contextlib.contextmanager
@@ -455,6 +499,26 @@ class FSDP(FSDPStateDict, nn.Module):
 
 
 # ------------------------------------------------------------------ helpers
+#: Synchronised backward passes over which FSDP watches for parameters that get no gradient.
+UNUSED_WATCH_STEPS = 2
+
+
+class _UnusedWatch:
+    """Which (unit, parameter) views got a gradient since the last watched synchronised backward."""
+
+    __slots__ = ("steps_left", "used", "reported")
+
+    def __init__(self, steps: int) -> None:
+        self.steps_left, self.used, self.reported = steps, set(), False
+
+    def marker(self, unit: Unit, index: int):
+        key = (id(unit), index)
+
+        def mark(grad):
+            self.used.add(key)  # `self.used` is replaced after each report: looked up, not closed over
+        return mark
+
+
 class _BackwardState:
     """Per-backward bookkeeping: the queued finishing callback and the reductions in flight."""
 

@@ -81,6 +81,7 @@ Differences from DDP + a full optimizer:
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -187,6 +188,19 @@ class Zero1DDP(DDP):
         raise RuntimeError("join() is not supported with ZeRO-1: its optimizer step all-gathers the parameters, a "
                            "collective that a rank out of data would issue out of order; use strategy 'ddp' or "
                            "'zero3', or give every rank the same number of batches")
+
+    def _unused_everywhere(self, indices: list[int]) -> None:
+        if getattr(self, "_unused_reported", False) or self.rank != 0:
+            return
+        self._unused_reported = True
+        names = [self._param_names[i] for i in indices]
+        shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        warnings.warn(
+            f"ZeRO-1: {len(names)} parameter(s) got no gradient on any rank in this backward pass: {shown}. The "
+            "optimizer's shards are slices of the gradient buckets, so they get a zero gradient there instead of "
+            "none (as in every flat-shard ZeRO), and an optimizer with momentum or weight decay still moves them, "
+            "where one process or DDP would leave them alone. Freeze them (requires_grad=False) if they never "
+            "train, or use DDP for exact skipping.", stacklevel=2)
 
     # ------------------------------------------------------------- parameter all-gathers
     def forward(self, *args, **kwargs):
