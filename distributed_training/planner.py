@@ -165,10 +165,12 @@ def find_max_batch_size(try_batch: Callable[[int], None], *, start: int = 1, lim
 
 
 def model_sizes(model: nn.Module) -> tuple[int, int]:
-    """Parameter count (shared tensors once) and the largest block's (a child of any ModuleList)."""
+    """Parameter count (shared tensors once) and the largest block's (a unit of FSDP's default policy,
+    `fsdp_units.repeated_blocks`)."""
+    from .strategies.fsdp_units import repeated_blocks
+
     params = sum(p.numel() for p in model.parameters())
-    blocks = [sum(p.numel() for p in child.parameters()) for m in model.modules() if isinstance(m, nn.ModuleList)
-              for child in m]
+    blocks = [sum(p.numel() for p in child.parameters()) for _, child in repeated_blocks(model)]
     return params, max(blocks) if blocks else params
 
 

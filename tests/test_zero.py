@@ -285,3 +285,23 @@ def fsdp_evaluate_worker(rank, world):
 def test_sharded_evaluate_with_uneven_shards_is_exact():
     for ours, expected in run_distributed(fsdp_evaluate_worker, 3, timeout=60):
         assert abs(ours - expected) <= 1e-6, (ours, expected)
+
+
+def test_default_units_include_repeated_blocks_in_a_sequential_but_not_bare_layers():
+    """timm keeps ViT blocks and ResNet bottlenecks in `nn.Sequential`s: each is a unit by default, as a
+    ModuleList's blocks are; a Sequential of bare layers (an MLP) stays in its parent's unit."""
+    from distributed_training.planner import model_sizes
+    from distributed_training.strategies.fsdp_units import unit_roots
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(4), nn.Linear(4, 4)
+
+    model = nn.Module()
+    model.stem = nn.Linear(4, 4)
+    model.blocks = nn.Sequential(Block(), Block(), Block())
+    model.mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    model.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    assert unit_roots(model, None) == ["", "blocks.0", "blocks.1", "blocks.2", "layers.0", "layers.1"]
+    assert model_sizes(model)[1] == 4 * 4 + 4 + 2 * 4  # the planner's largest block is one of them

@@ -63,17 +63,32 @@ def alloc_storage(t: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
+def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The default policy's units: each element with parameters of an `nn.ModuleList` whose class
+    repeats in that list (transformer blocks), and each child of an `nn.Sequential` whose class
+    repeats there and that is made of modules itself (timm's ViT blocks and ResNet bottlenecks sit in
+    Sequentials; a Sequential of bare layers, an MLP, stays whole)."""
+    found = []
+    for path, mod in module.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(mod.named_children())
+        classes = [type(c) for _, c in children]
+        for name, child in children:
+            if classes.count(type(child)) < 2 or not any(True for _ in child.parameters()):
+                continue
+            if isinstance(mod, nn.Sequential) and not any(True for _ in child.children()):
+                continue
+            found.append((f"{path}.{name}" if path else name, child))
+    return found
+
+
 def unit_roots(module: nn.Module, policy: Any) -> list[str]:
     """Module paths that become units, parents before children; "" (the root) first."""
     named = list(module.named_modules())
     chosen: list[str] = []
     if policy is None:
-        for path, mod in named:
-            if isinstance(mod, nn.ModuleList):
-                classes = [type(c) for c in mod]
-                for i, child in enumerate(mod):
-                    if classes.count(type(child)) > 1 and any(True for _ in child.parameters()):
-                        chosen.append(f"{path}.{i}" if path else str(i))
+        chosen = [path for path, _ in repeated_blocks(module)]
     elif isinstance(policy, int) and not isinstance(policy, bool):
         if policy < 1:
             raise ValueError(f"auto_wrap_policy as a parameter count must be >= 1, got {policy}")
