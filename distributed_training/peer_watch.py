@@ -216,7 +216,8 @@ class PeerWatch:
 
     def _fail(self, peer: int, host: str, step: int | None, silent: float, who: str) -> None:
         where = f" during training step {self.step + 1}" if self.step is not None else ""
-        last = f", last seen in step {step + 1}" if step is not None else ""
+        # The heartbeat thread publishes the step every `hangs._Heartbeat.PERIOD_S`: the peer may have got further.
+        last = f", last seen in step {step + 1} or later" if step is not None else ""
         message = (f"rank {self.rank}: peer rank {peer} (host {host}{last}) is dead: its heartbeat stopped "
                    f"{silent:.1f}s ago ({who}; heartbeat_timeout={self.timeout:g}s){where}. Its process was "
                    "killed, crashed or lost its node; under torchrun with --max-restarts the job restarts its "

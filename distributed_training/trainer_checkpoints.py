@@ -351,6 +351,9 @@ class Checkpointing(BackgroundCheckpointing):
         # A pipeline the checkpoint was written with and this run does not have (its keys are absent).
         changes += [f"{key}: {value} -> none" for key, value in meta.get("config", {}).items()
                     if key in _PIPELINE_KEYS and key not in self.config]
+        if "config" in meta:  # and one this run has that the checkpoint was written without
+            changes += [f"{key}: none -> {self.config[key]}" for key in _PIPELINE_KEYS
+                        if key in self.config and key not in meta["config"]]
         # Tensor parallelism the checkpoint was written with and this run does not have, or the reverse
         # (the keys are in a trainer's config only with tensor_parallel_size > 1).
         if "config" in meta:

@@ -79,7 +79,7 @@ def test_sigkilled_rank_is_named_by_every_survivor_within_seconds(tmp_path):
     assert sorted(records) == [0, 2], report
     for rank, rec in records.items():
         assert rec["dead"] == 1 and f"peer rank 1 (host {socket.gethostname()} pid" in rec["message"], rec
-        assert rec["last_step"] in (2, 3, 4) and f"last seen in step {rec['last_step'] + 1}" in rec["message"], rec
+        assert rec["last_step"] in (2, 3, 4) and f"last seen in step {rec['last_step'] + 1} or later" in rec["message"], rec
         elapsed = rec["at"] - killed_at
         print(f"rank {rank}: PeerFailureError {elapsed:.2f}s after the SIGKILL: {rec['message']}")
         assert elapsed < 10.0, (rank, elapsed)

@@ -343,7 +343,7 @@ def test_evaluate_without_criterion_names_it():
         assert message is not None and "evaluate needs a criterion" in message, message
 
 
-def changed_config_worker(rank, world, directory):
+def changed_config_worker(rank, world, directory, pipe=1):
     import logging
 
     from distributed_training.logs import get_logger
@@ -353,7 +353,7 @@ def changed_config_worker(rank, world, directory):
     handler.emit = lambda record: seen.append(record.getMessage())
     get_logger().addHandler(handler)
     try:
-        trainer, _ = _trainer("mlp", 1, seed=1)
+        trainer, _ = _trainer("mlp", pipe, seed=1)
         trainer.load_checkpoint(directory)
         trainer.close()
     finally:
@@ -367,3 +367,10 @@ def test_resuming_a_pipeline_checkpoint_without_a_pipeline_says_so(tmp_path):
     seen = "\n".join(run_distributed(changed_config_worker, 1, args=(directory,), timeout=120)[0])
     assert "the configuration changed" in seen and "pipeline_parallel_size: 2 -> none" in seen, seen
     assert "RNG states not restored" in seen, seen  # said once, by rank 0, through the package's log
+
+
+def test_resuming_a_checkpoint_without_a_pipeline_under_one_says_so(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    run_distributed(save_worker, 1, args=("mlp", 1, directory), timeout=120)
+    seen = "\n".join(run_distributed(changed_config_worker, 2, args=(directory, 2), timeout=120)[0])
+    assert "the configuration changed" in seen and "pipeline_parallel_size: none -> 2" in seen, seen
