@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 22: the pipeline engine's async_backward (issue 15), on one 4-GPU machine. Usage:
+# Session 22: the pipeline engine's async_backward (issue 15), on one 4-GPU machine (A ran; the
+# option was then removed, 30% slower: docs/pipeline.md; B was not run). Usage:
 # benchmarks/device_s22.sh A|B; everything comes back as one archive, $OUT/s22_<mode>.tar.gz.
 #   A: the NCCL pipeline tests (async_backward's bit-parity included); the profile script's step and
 #      host-issue times for our 1F1B / GPipe with and without async_backward and torch's, half-block

@@ -34,10 +34,9 @@ TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
     """`name` is ``<impl>[-<option>...]_<schedule>``: impl ``ours`` or ``torch``; options ``headers`` (our
-    receives wait for every header), ``nolag`` (known shapes checked only at the step's end), ``async``
-    (our engine's `async_backward`), ``params`` (stages balanced by parameter count, not by compute),
-    ``halves`` (the chain cut at half blocks), ``time`` (``trainer`` only: by each layer's measured
-    forward + backward, ``pipeline_balance="time"`` on one microbatch of `x`)."""
+    receives wait for every header), ``nolag`` (known shapes checked only at the step's end), ``params``
+    (stages balanced by parameter count, not by compute), ``halves`` (the chain cut at half blocks), ``time`` (``trainer`` only: by each layer's measured
+forward + backward, ``pipeline_balance="time"`` on one microbatch of `x`)."""
     spec, schedule = name.split("_", 1)
     impl, *options = spec.split("-")
     maker = GPTStages(cfg, seed=0, halves="halves" in options)
@@ -82,7 +81,6 @@ def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
             engine.link.known_shapes = False
         if "nolag" in options:
             engine.link.max_lag = None
-        engine.async_backward = "async" in options
 
         def step():
             with torch.autocast(device.type, dtype=torch.bfloat16):

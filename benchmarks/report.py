@@ -220,12 +220,7 @@ def _pipeline_rows(w: int, part: dict) -> list[tuple[str, str, dict, dict]]:
         impl, schedule = rest.split("_", 1)
         config = r.get("config") or prefix or f"P{w}"
         rows.setdefault((config, schedule), {})[impl] = r
-    out = []
-    for (config, schedule), got in rows.items():
-        out.append((config, schedule, got.get("ours", {}), got.get("torch", {})))
-        if "ours-async" in got:  # the engine's async_backward, against the same torch run
-            out.append((config, f"{schedule}, async backward", got["ours-async"], got.get("torch", {})))
-    return out
+    return [(config, schedule, got.get("ours", {}), got.get("torch", {})) for (config, schedule), got in rows.items()]
 
 
 def _balance(config: dict) -> str:

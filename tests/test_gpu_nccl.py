@@ -98,7 +98,7 @@ def test_trainer_on_nccl_every_strategy_saves_and_the_next_loads_exactly(tmp_pat
     assert problems == [[], []], problems
 
 
-def nccl_pipeline_worker(rank: int, world: int, schedule: str, async_backward: bool = False) -> tuple[float, float]:
+def nccl_pipeline_worker(rank: int, world: int, schedule: str) -> tuple[float, float]:
     import torch.distributed as dist
 
     from distributed_training import init_distributed
@@ -118,7 +118,6 @@ def nccl_pipeline_worker(rank: int, world: int, schedule: str, async_backward: b
     engine = PipelineEngine([stage], ranks=ranks, rank=rank, group=None, up_group=up, down_group=down,
                             header_group=headers, schedule=schedule, microbatches=4, loss_fn=lm_loss,
                             device=ctx.device, after_backward=lambda: sync_tied_grads(stage, tied, None))
-    engine.async_backward = async_backward
     opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     whole = dict(reference.named_parameters(remove_duplicate=False))
@@ -142,13 +141,11 @@ def nccl_pipeline_worker(rank: int, world: int, schedule: str, async_backward: b
     return worst_p, worst_l
 
 
-@pytest.mark.parametrize("schedule,async_backward", [("1f1b", False), ("gpipe", False), ("1f1b", True)])
-def test_pipeline_on_nccl_equals_one_process(schedule, async_backward):
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_on_nccl_equals_one_process(schedule):
     """Two stages over NCCL (payloads on two one-direction groups, headers on gloo): no deadlock in 1F1B's
-    steady state, and the same parameters as one GPU on the whole batch (lengths change each step); also
-    with the backward passes issued from the engine's worker thread."""
-    for worst_p, worst_l in run_distributed(nccl_pipeline_worker, 2, args=(schedule, async_backward), backend="nccl",
-                                            timeout=180):
+    steady state, and the same parameters as one GPU on the whole batch (lengths change each step)."""
+    for worst_p, worst_l in run_distributed(nccl_pipeline_worker, 2, args=(schedule,), backend="nccl", timeout=180):
         assert worst_p <= 1e-4 and worst_l <= 1e-4, (worst_p, worst_l)
 
 

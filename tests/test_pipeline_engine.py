@@ -133,49 +133,6 @@ def test_engine_trains_a_gpt_with_tied_embeddings_like_one_process(schedule, wor
             assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, got, want)
 
 
-def async_worker(rank, world, schedule, microbatches, on, backward_fails=False):
-    """Parameters after every step with the backward issued from the worker thread (`on`) or not."""
-    base = _model(layers=2 * world)
-    mine = [_cut(base, world)[rank]]
-    if backward_fails and rank == 1:
-        mine[0][0].weight.register_hook(lambda g: (_ for _ in ()).throw(ValueError("boom in a backward")))
-    opt = torch.optim.SGD(mine[0].parameters(), lr=0.1, momentum=0.9)
-    engine = PipelineEngine(mine, ranks=list(range(world)), rank=rank, schedule=schedule,
-                            microbatches=microbatches, loss_fn=F.mse_loss)
-    engine.async_backward = on
-    engine.link.known_shapes = True  # as on CUDA: receives posted without waiting for headers
-    trajectory, losses = [], []
-    try:
-        for step in range(STEPS + 1):
-            x, y = _batch(step % 2)
-            losses.append(engine.step(x, y).item())
-            opt.step()
-            opt.zero_grad()
-            trajectory.append([p.detach().clone() for p in mine[0].parameters()])
-    except RuntimeError as err:
-        return type(err).__name__, str(err)
-    return trajectory, losses, engine._worker is not None
-
-
-@pytest.mark.parametrize("schedule,world,microbatches", [
-    ("1f1b", 2, 4), ("gpipe", 3, 5), pytest.param("1f1b", 4, 8, marks=pytest.mark.slow)])
-def test_backward_on_a_worker_thread_trains_bit_for_bit_as_on_one_thread(schedule, world, microbatches):
-    sync = run_distributed(async_worker, world, args=(schedule, microbatches, False), timeout=120)
-    threaded = run_distributed(async_worker, world, args=(schedule, microbatches, True), timeout=120)
-    for rank, ((want, want_losses, _), (got, got_losses, used)) in enumerate(zip(sync, threaded)):
-        assert used, "the worker thread did not run"
-        assert got_losses == want_losses, rank
-        for step, (a, b) in enumerate(zip(want, got)):
-            assert all(torch.equal(p, q) for p, q in zip(a, b)), (rank, step)
-
-
-def test_a_backward_that_raises_on_the_worker_thread_makes_every_rank_raise():
-    results = run_distributed(async_worker, 3, args=("1f1b", 4, True, True), timeout=60)
-    assert results[1][0] == "RuntimeError" and "boom in a backward" in results[1][1], results[1]
-    for rank in (0, 2):
-        assert results[rank][0] == "PipelineAborted" and "global rank 1 failed" in results[rank][1], results[rank]
-
-
 class _Fails(nn.Module):
     """A layer that raises on its third call (a stage that breaks in the middle of a step)."""
 
@@ -190,7 +147,7 @@ class _Fails(nn.Module):
         return x
 
 
-def failing_worker(rank, world, schedule, async_backward=False):
+def failing_worker(rank, world, schedule):
     import time
 
     base = _model(layers=2 * world)
@@ -199,7 +156,6 @@ def failing_worker(rank, world, schedule, async_backward=False):
         stages[1] = nn.Sequential(*stages[1], _Fails())
     engine = PipelineEngine([stages[rank]], ranks=list(range(world)), rank=rank, schedule=schedule, microbatches=4,
                             loss_fn=F.mse_loss)
-    engine.async_backward = async_backward
     x, y = _batch(0)
     started = time.monotonic()
     try:
@@ -209,9 +165,9 @@ def failing_worker(rank, world, schedule, async_backward=False):
     return None
 
 
-@pytest.mark.parametrize("schedule,async_backward", [("1f1b", False), ("gpipe", False), ("1f1b", True)])
-def test_a_stage_that_raises_makes_every_rank_raise(schedule, async_backward):
-    results = run_distributed(failing_worker, 3, args=(schedule, async_backward), timeout=60)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_stage_that_raises_makes_every_rank_raise(schedule):
+    results = run_distributed(failing_worker, 3, args=(schedule,), timeout=60)
     assert all(r is not None for r in results), results
     assert "boom in the middle stage" in results[1][1], results[1]
     for rank in (0, 2):

@@ -62,7 +62,6 @@ TORCH = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
          "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2), "zbh1": ("ScheduleInterleavedZeroBubble", 2)}
 LAYOUTS = ("pp", "pp_dp")       # the whole world one pipeline; pipelines of world / 2 ranks, two side by side
 BALANCES = ("compute", "time", "halves")  # FLOPs per layer; forward + backward measured per layer; FLOPs per half block
-EXTRAS = ("async",)  # ``async``: also our engine with `async_backward` (GPipe and 1F1B), key ``ours-async_<schedule>``
 TIME_BUDGET_S = {"smoke": 2.0, "gpu": 10.0}  # seconds measuring the layers may take (balance.measure_layer_times)
 
 
@@ -73,7 +72,7 @@ def _variants(opts, world: int) -> tuple[list[str], list[str], list[str]]:
     layouts = [v for v in asked if v in LAYOUTS] or list(LAYOUTS)
     balances = [v for v in asked if v in BALANCES] or ["compute"]
     layouts = [v for v in layouts if v == "pp" or (world >= 4 and world % 2 == 0)]
-    return layouts, balances, [v for v in asked if v not in LAYOUTS + BALANCES + EXTRAS]
+    return layouts, balances, [v for v in asked if v not in LAYOUTS + BALANCES]
 
 
 class _Layout:
@@ -166,14 +165,10 @@ def run(ctx, opts) -> dict:
     rounds = opts.rounds or 1
     result["rounds"] = rounds
     per_round: dict[str, list[dict]] = {}
-    asked = [v for v in (opts.variants or "").split(",") if v]
     for r in range(rounds):  # every run once a round, so that a slow spell of the machine hits all alike
         for name, prefix, layout, balance in configs:
             for schedule in OURS:
-                impls = ["ours", "torch"]
-                if "async" in asked and schedule in ("gpipe", "1f1b"):
-                    impls.insert(1, "ours-async")
-                for impl in impls:
+                for impl in ("ours", "torch"):
                     key = f"{prefix}{impl}_{schedule}"
                     try:
                         run_ = _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout,
@@ -197,13 +192,12 @@ def run(ctx, opts) -> dict:
         result["runs"][key] = chosen
     for _, prefix, _, _ in configs:
         for schedule in OURS:
+            ours = result["runs"].get(f"{prefix}ours_{schedule}", {})
             ref = result["runs"].get(f"{prefix}torch_{schedule}", {})
-            for impl in ("ours", "ours-async"):
-                ours = result["runs"].get(f"{prefix}{impl}_{schedule}", {})
-                if ours.get("status") == "ok" and ref.get("status") == "ok":
-                    # Median of the per-round ratios: each round's pair ran back to back.
-                    ours["speed_vs_torch"] = statistics.median(
-                        t / o for t, o in zip(ref["step_ms_rounds"], ours["step_ms_rounds"]))
+            if ours.get("status") == "ok" and ref.get("status") == "ok":
+                # Median of the per-round ratios: each round's pair ran back to back.
+                ours["speed_vs_torch"] = statistics.median(
+                    t / o for t, o in zip(ref["step_ms_rounds"], ours["step_ms_rounds"]))
     return result
 
 
@@ -258,7 +252,7 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout
     P, prank = layout.P, layout.prank
     rows = x.shape[0] // layout.D  # this pipeline's slice of the global batch
     xs, ys = x[layout.index * rows:(layout.index + 1) * rows], y[layout.index * rows:(layout.index + 1) * rows]
-    chunks = OURS[schedule] if impl.startswith("ours") else TORCH[schedule][1]
+    chunks = OURS[schedule] if impl == "ours" else TORCH[schedule][1]
     num_stages = P * chunks
     maker = GPTStages(cfg, seed=0, halves=halves)
     # The tie's group first (made on every rank alike), before anything that may fail on one rank only.
@@ -278,11 +272,10 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout
         _average_over_data(params, layout.data_group, layout.D)
 
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
-    if impl.startswith("ours"):
+    if impl == "ours":
         engine = PipelineEngine(modules, ranks=layout.ranks, rank=prank, group=layout.group, up_group=layout.up,
                                 down_group=layout.down, header_group=layout.headers, schedule=schedule,
                                 microbatches=microbatches, loss_fn=lm_loss, device=device, after_backward=sync_ties)
-        engine.async_backward = impl == "ours-async"
 
         def step():
             with autocast(device):
@@ -323,7 +316,7 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step_s, = slowest(ctx, [statistics.median(times)])
-    timing = _timed_step(engine, step, ctx, layout) if impl.startswith("ours") else {}
+    timing = _timed_step(engine, step, ctx, layout) if impl == "ours" else {}
     gather_device = device if ctx.backend == "nccl" else torch.device("cpu")
     # Each rank's peak memory, and the last stages' losses (the others send zeros).
     mine = torch.tensor([float(peak(device)), float(loss) if loss is not None else 0.0], dtype=torch.float64,
@@ -333,8 +326,7 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout
     losses = [float(every[members[-1]][1]) for members in layout.pipelines]
     return {"status": "ok", "chunks_per_rank": chunks, "step_ms": step_s * 1e3,
             "tokens_per_s_per_gpu": x.numel() / step_s / world, "peak_gib_per_rank": [float(e[0]) / GIB for e in every],
-            "bubble_formula": (bubble_formula(schedule, P, microbatches, chunks=chunks) if impl.startswith("ours")
-                               else None),
+            "bubble_formula": bubble_formula(schedule, P, microbatches, chunks=chunks) if impl == "ours" else None,
             "bounds": maker.bounds(num_stages, costs=costs), "last_loss": statistics.mean(losses),
             "last_loss_per_pipeline": losses, **timing}
 

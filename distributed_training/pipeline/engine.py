@@ -17,25 +17,10 @@ them; the step's loss, the same weighted sum, is returned on every rank of the p
 
 Timing (`PipelineEngine.timing`, off by default): the compute of each action between two marks, the
 step's window and its measured bubble against the formula (`timing.PipelineTiming`, in `last_timing`).
-
-Backward on a second host thread (`PipelineEngine.async_backward`, off by default; GPipe and 1F1B).
-Issuing a microbatch's work is host-bound at small microbatches (docs/pipeline.md: the host needs most
-of a 1F1B step to issue kernels the GPU runs in two thirds of it). With this on, a ``B`` action's
-backward is issued by a worker thread while the Python thread issues the next forward: autograd's
-C++ work runs without the GIL, so the two overlap. Order is kept: the worker runs the backward passes
-one at a time in schedule order and sends their input gradients itself (a rank's gradients all go to
-the previous rank, its activations to the next: each peer still gets its messages from one thread, in
-order), and the Python thread waits for a backward to be issued before it receives the next one's
-gradient, so at most one forward runs ahead of a backward. The two threads' kernels share the compute
-stream in the order they were issued. Not for stages whose backward consumes random numbers
-(activation checkpointing recomputes under a saved RNG state, which a concurrent forward would draw
-from): the trainer leaves it off for them. A timed step (`timing`) runs without it.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
@@ -131,9 +116,6 @@ class PipelineEngine:
         last_timing: the `timing.PipelineTiming` of the latest timed step (None before one): this
             rank's busy ms by action kind, the pipeline's window and bubble, measured, simulated with
             the measured costs, and by the formula. A step without timing leaves it as it is.
-        async_backward: issue ``B`` actions' backward passes from a worker thread, overlapped with the
-            next forward's issue (see the module docstring; default False). Used by GPipe and 1F1B
-            (one chunk a rank, whole backwards); other schedules run as without it.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], *, ranks: Sequence[int], rank: int, group=None,
@@ -169,8 +151,6 @@ class PipelineEngine:
         self.timing = False
         self.last_timing: PipelineTiming | None = None
         self._clock: ActionClock | None = None
-        self.async_backward = False
-        self._worker: _BackwardWorker | None = None
 
     def _forward(self, chunk: int, stage: int, x: Any) -> Any:
         if stage > 0 and self._copy_input[chunk] and isinstance(x, torch.Tensor) and x.requires_grad:
@@ -246,12 +226,6 @@ class PipelineEngine:
             clock = self._clock if self._clock is not None else ActionClock(self.device)
             self._clock = clock
             clock.reset()
-        worker = None
-        if self.async_backward and clock is None and split is None and len(self.chunks) == 1:
-            if self._worker is None:
-                self._worker = _BackwardWorker(self.device)
-            worker = self._worker
-            worker.begin()
         link.begin_step(_shapes_of(xs))
         try:
             for action in actions:
@@ -289,23 +263,29 @@ class PipelineEngine:
                         clock.stop("W", mb, chunk, start)
                 else:  # "B", or "I": the same pass with the recorded linear layers' weight gradients deferred
                     x, out = held.pop((mb, chunk))
-                    if worker is not None:
-                        worker.wait()  # the previous backward issued: this one's gradient, then hand it over
                     grad = None if stage == last else link.recv(me, (stage + 1) % self.pipe_size)
-                    if worker is not None:
-                        worker.submit(lambda a=action, x=x, out=out, grad=grad, stage=stage: self._backward(
-                            a, x, out, grad, stage, None))
-                    else:
-                        self._backward(action, x, out, grad, stage, clock)
-            if worker is not None:
-                worker.wait()
+                    start = clock.start() if clock is not None else None
+                    dx = None
+                    if out.requires_grad:  # not: a stage whose parameters are all frozen, fed the batch
+                        if action.kind == "I":
+                            dx = split.backward_input((mb, chunk), out, grad,
+                                                      x if isinstance(x, torch.Tensor) else None)
+                        else:
+                            out.backward(grad)
+                            dx = x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
+                    back = None
+                    if stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
+                        # An input the stage ignored has no gradient: the previous stage still waits for one.
+                        back = dx if dx is not None else torch.zeros_like(x)
+                    if clock is not None:
+                        clock.stop(action.kind, mb, chunk, start)
+                    if back is not None:
+                        link.send(back, me, (stage - 1) % self.pipe_size)
             if split is not None and split.pending():
                 raise RuntimeError(f"pipeline rank {self.rank}: the schedule left weight gradients of "
                                    f"{sorted(split.pending())} (microbatch, chunk) without a W action")
             link.end_step()
         finally:
-            if worker is not None:
-                worker.settle()  # nothing of this step may still run when it ends (or fails)
             if split is not None:
                 split.reset()  # the step's deferred work and casts: nothing survives the step
         link.wait_all()
@@ -324,28 +304,6 @@ class PipelineEngine:
         if clock is not None:
             self.last_timing = self._exchange_timing(clock, len(xs))
         return loss_sum
-
-    def _backward(self, action, x: Any, out: torch.Tensor, grad: torch.Tensor | None, stage: int,
-                  clock: ActionClock | None) -> None:
-        """One ``B`` or ``I`` action once its output gradient is here: the backward, then the input's
-        gradient to the previous stage (on the worker thread with `async_backward`)."""
-        mb, chunk = action.microbatch, action.chunk
-        start = clock.start() if clock is not None else None
-        dx = None
-        if out.requires_grad:  # not: a stage whose parameters are all frozen, fed the batch
-            if action.kind == "I":
-                dx = self.split.backward_input((mb, chunk), out, grad, x if isinstance(x, torch.Tensor) else None)
-            else:
-                out.backward(grad)
-                dx = x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
-        back = None
-        if stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
-            # An input the stage ignored has no gradient: the previous stage still waits for one.
-            back = dx if dx is not None else torch.zeros_like(x)
-        if clock is not None:
-            clock.stop(action.kind, mb, chunk, start)
-        if back is not None:
-            self.link.send(back, self.rank, (stage - 1) % self.pipe_size)
 
     def _exchange_timing(self, clock: ActionClock, microbatches: int) -> PipelineTiming:
         """Every rank's `timing.rank_row`, gathered by the last rank and sent back to every rank as one
@@ -373,52 +331,3 @@ class PipelineEngine:
                 rows = check(link.recv(me, P - 1), (P, len(mine)), P - 1).tolist()
             link.wait_all()
         return combine(rows, rank=me, schedule=self.schedule, microbatches=microbatches, chunks=len(self.chunks))
-
-
-class _BackwardWorker:
-    """A daemon thread that runs one submitted backward at a time (`PipelineEngine.async_backward`).
-
-    `submit` hands it a job; `wait` returns once the job handed over last has run (re-raising its
-    error); `settle` waits without raising (the end of a step, or a step that failed). On CUDA the
-    thread runs on the engine's device and on the stream the step began on, so its kernels and sends
-    are ordered with the Python thread's as they would be on one thread."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._done = threading.Event()
-        self._done.set()
-        self._error: BaseException | None = None
-        self._stream = None
-        threading.Thread(target=self._run, name="pipeline-backward", daemon=True).start()
-
-    def begin(self) -> None:
-        """At the start of a step: the compute stream its jobs run on."""
-        self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self._done.clear()
-        self._jobs.put(job)
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
-    def settle(self) -> None:
-        self._done.wait()
-        self._error = None
-
-    def _run(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        while True:
-            job = self._jobs.get()
-            try:
-                with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
-                    job()
-            except BaseException as err:  # noqa: BLE001 - handed to the Python thread by wait()
-                self._error = err
-            finally:
-                self._done.set()
