@@ -66,17 +66,23 @@ class OverlapTimeline:
                     end.record()
             self._current.append((start, end, blocking))
             return
+        futures = []
+        for w in works:
+            try:
+                futures.append(w.get_future())
+            except RuntimeError:  # a work without a future (gloo's reduce-scatter, made of other collectives)
+                return  # this transfer goes untimed
         holder = [time.perf_counter() if blocking else None]
-        if works:
-            remaining = [len(works)]
+        if futures:
+            remaining = [len(futures)]
 
             def done(_fut, holder=holder, remaining=remaining) -> None:
                 remaining[0] -= 1
                 if remaining[0] == 0:
                     holder[0] = time.perf_counter()
 
-            for w in works:
-                w.get_future().then(done)
+            for future in futures:
+                future.then(done)
         self._current.append((start, holder, blocking))
 
     def backward_done(self, timing) -> None:
