@@ -363,6 +363,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         # Samples of the current epoch's permutation already trained by the whole job (the data position,
         # at any size; None: a checkpoint from before it was kept, see Fitting._epoch_offset).
         self.samples_in_epoch: int | None = 0
+        self._epoch_finished = False  # the current epoch's last batch trained (fit): a checkpoint is at the next
         self.global_batch: GlobalBatch | None = None  # fit(global_batch_size=...): how it is cut now
         self.micro_batch_size: int | None = None  # ... and the micro-batch it keeps across sizes
         self._previous_global_batch: dict[str, int] | None = None  # the checkpoint's cut

@@ -246,11 +246,14 @@ class Checkpointing(BackgroundCheckpointing):
         """``meta.pt`` but its checksums; `every` holds each rank's (summary of its pieces, buffer keys,
         data-parallel rank); None: without the parts built from it (`_meta_ranks`, added later)."""
         ranks = self._meta_ranks(every, packed["param_groups"]) if every is not None else {}
+        # A checkpoint written after an epoch's last batch is at the start of the next epoch: a resume then
+        # sees the epochs it finished (and a run that ended there, as complete).
+        done = getattr(self, "_epoch_finished", False)
         return {
             "step": self.step,
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "samples_in_epoch": self.samples_in_epoch,  # the data position at any size
+            "epoch": self.epoch + 1 if done else self.epoch,
+            "batch_in_epoch": 0 if done else self.batch_in_epoch,
+            "samples_in_epoch": 0 if done else self.samples_in_epoch,  # the data position at any size
             "batch_size": self.batch_size,
             "global_batch": dataclasses.asdict(self.global_batch) if self.global_batch is not None else None,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,

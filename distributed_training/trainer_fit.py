@@ -284,6 +284,7 @@ class Fitting:
         sampler = getattr(loader, "sampler", None)
         sharded = isinstance(sampler, ShardedSampler)
         history = []
+        self._epoch_finished = False
         reached = lambda: evaluation is not None and evaluation.reached is not None  # noqa: E731
         done = lambda: (max_steps is not None and self.step >= max_steps) or reached()  # noqa: E731
         total = max_steps
@@ -336,6 +337,7 @@ class Fitting:
                 self.batch_in_epoch += 1
                 if sharded:  # every replica trained as many samples as this one (the sampler pads)
                     self.samples_in_epoch += batch_size_of(batch) * sampler.num_replicas
+                    self._epoch_finished = self.batch_in_epoch >= epoch_end  # what a checkpoint of this step says
                 now = time.perf_counter()
                 self.data_wait_s += fetched - last_end
                 metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - last_end)
@@ -362,6 +364,11 @@ class Fitting:
                     break
             if on_step is not None and not logged and metrics is not None:
                 on_step(self.step, {k: float(v) for k, v in metrics.items()})
+            if steps == 0 and exhausted:  # resumed at the epoch's end (an older checkpoint): nothing to record
+                self.epoch += 1
+                self.batch_in_epoch = self.samples_in_epoch = 0
+                self._epoch_finished = False
+                continue
             history.append({
                 "epoch": self.epoch,
                 "steps": steps,
@@ -374,6 +381,7 @@ class Fitting:
             self.epoch += 1
             self.batch_in_epoch = 0
             self.samples_in_epoch = 0
+            self._epoch_finished = False
         if stop.signal is None:
             if evaluation is not None and evaluation.last_step != self.step and metrics is not None:
                 evaluated = self._evaluate_now(evaluation)  # the end of training is always evaluated

@@ -492,3 +492,29 @@ def test_a_file_like_checkpoint_name_is_warned_about_and_a_file_is_not_a_checkpo
     assert (tmp_path / "last.pt" / "meta.pt").is_file()
     kind, message = error
     assert kind == "CheckpointCorruptError" and "weights.pt" in message and "not a checkpoint directory" in message
+
+
+def _fit_twice_ending_on_an_epoch_checkpoint(rank, world, directory):
+    """Checkpoints every epoch (6 steps: 48 samples, 2 ranks x 4): the last one is the run's end."""
+    results = []
+    for _ in range(2):
+        logs = _capture_logs()
+        torch.manual_seed(0)
+        trainer = DistributedTrainer(BNNet(), _sgd(), checkpoint_dir=directory, checkpoint_every=6)
+        history = trainer.fit(_data(), epochs=2, criterion=F.mse_loss, batch_size=4)
+        results.append(([(h["epoch"], h["steps"]) for h in history], trainer.step, trainer.epoch, logs.messages))
+        trainer.close()
+    return results
+
+
+def test_a_run_whose_last_checkpoint_ends_an_epoch_is_complete_on_the_next_start(tmp_path):
+    """The checkpoint written after an epoch's last batch records the next epoch's start, so running the
+    same fit again trains nothing (it used to resume into an empty epoch: a history row of 0 steps and a
+    nan loss)."""
+    first, second = run_distributed(_fit_twice_ending_on_an_epoch_checkpoint, 2, args=(str(tmp_path / "c"),),
+                                     timeout=120)[0]
+    assert first[:3] == ([(0, 6), (1, 6)], 12, 2), first[:3]
+    assert second[:3] == ([], 12, 2), second[:3]
+    assert any("already complete" in m for m in second[3]), second[3]
+    meta = torch.load(tmp_path / "c" / "step_000000006" / "meta.pt", weights_only=True)
+    assert (meta["epoch"], meta["batch_in_epoch"], meta["samples_in_epoch"]) == (1, 0, 0)
