@@ -173,7 +173,7 @@ def run_job(cfg: JobConfig) -> dict:
     replicas = max(1, (int(os.environ.get("WORLD_SIZE", "1")) - (t.num_servers if served else 0))
                    // (t.pipeline_parallel_size * t.tensor_parallel_size))
     optimizer, lr_scheduler = job_optimizer(
-        cfg, model, total_steps=schedule_steps(cfg, train, replicas, user_job.is_iterable(train)))
+        cfg, model, total_steps=schedule_steps(cfg, train, replicas, user_job.is_iterable(train), _resume_meta(cfg)))
     try:
         trainer = DistributedTrainer(
             model, optimizer, lr_scheduler=lr_scheduler, strategy=strategy,
@@ -379,6 +379,22 @@ def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | Non
                  batch_size, needed, epochs)
         return needed
     return epochs
+
+
+def _resume_meta(cfg: JobConfig) -> dict | None:
+    """The metadata of the checkpoint this job would resume from (None: none, or resume is off), read
+    before the trainer exists (the learning-rate schedule's length depends on it)."""
+    if not cfg.checkpoint.dir or not cfg.checkpoint.resume or not os.path.isdir(cfg.checkpoint.dir):
+        return None
+    from .checkpoint import CheckpointCorruptError, CheckpointManager, read_meta
+
+    manager = CheckpointManager(cfg.checkpoint.dir)
+    for step in sorted(manager.steps(), reverse=True):  # meta.pt only: the trainer checks the rank files
+        try:
+            return read_meta(manager.path_for(step))
+        except CheckpointCorruptError:
+            continue
+    return None
 
 
 def _already_complete(trainer, cfg: JobConfig, epochs: int) -> bool:

@@ -96,10 +96,14 @@ def learning_rate(cfg: "JobConfig") -> float:
     return lr
 
 
-def schedule_steps(cfg: "JobConfig", train: Any, data_parallel_size: int, iterable: bool) -> int | None:
+def schedule_steps(cfg: "JobConfig", train: Any, data_parallel_size: int, iterable: bool,
+                   resumed: dict | None = None) -> int | None:
     """The steps a decaying schedule runs over when neither ``schedule.total_steps`` nor
     ``training.max_steps`` says: ``training.epochs`` passes over `train` at `data_parallel_size`
-    replicas (None: no decaying schedule, or a length given)."""
+    replicas (None: no decaying schedule, or a length given). `resumed`: the metadata of the checkpoint
+    the job resumes from; its step plus the steps left at this size, where those differ (a job resumed
+    at another size, whose per-rank batch makes another global batch), so that the schedule ends where
+    training does instead of leaving the last steps at its final rate."""
     from .config import ConfigError
     from .data import ShardedSampler
 
@@ -117,6 +121,21 @@ def schedule_steps(cfg: "JobConfig", train: Any, data_parallel_size: int, iterab
     else:
         per_epoch = math.ceil(len(ShardedSampler(train, data_parallel_size, 0)) / t.batch_size)
     total = max(1, per_epoch) * t.epochs
+    step, position = int((resumed or {}).get("step", 0)), (resumed or {}).get("samples_in_epoch")
+    if step and position is not None and int(resumed.get("epoch", 0)) < t.epochs:
+        # As `fit` counts them: what is left of the current epoch from its sample position, then whole epochs.
+        if t.global_batch_size is not None:
+            current = math.ceil(max(0, len(train) - int(position)) / t.global_batch_size)
+        else:
+            sampler = ShardedSampler(train, data_parallel_size, 0)
+            sampler.set_epoch(int(resumed.get("epoch", 0)), offset=int(position))
+            current = math.ceil(sampler.shard_length() / t.batch_size)
+        left = current + (t.epochs - int(resumed.get("epoch", 0)) - 1) * max(1, per_epoch)
+        if step + left != total:
+            log.info("dtrain: schedule %s over %d steps: the checkpoint's %d and the %d left at %d replica(s) (at this "
+                     "size, training.epochs=%d would be %d steps)", s.kind, step + left, step, left, data_parallel_size,
+                     t.epochs, total)
+            return max(step + left, s.warmup_steps + 1)
     if total <= s.warmup_steps:
         raise ConfigError(f"schedule.warmup_steps ({s.warmup_steps}) must be less than the {total} steps of "
                           f"training.epochs={t.epochs} (or give schedule.total_steps / training.max_steps)")

@@ -347,3 +347,20 @@ def test_a_decaying_schedule_without_a_length_runs_over_the_epochs():
         schedule_steps(short, data, 2, iterable=False)
     fixed = load_config({**cfg.to_dict(), "training": {**cfg.to_dict()["training"], "max_steps": 7}})
     assert schedule_steps(fixed, data, 2, iterable=False) is None  # max_steps is the length
+
+
+def test_a_decaying_schedule_resumed_at_another_size_ends_where_training_does():
+    """A job trained 1.6 epochs at 2 replicas (5 steps an epoch: step 8, 60 samples into the second
+    epoch) and resumed at 4 (3 steps an epoch, 40 samples a step): the second epoch's last 40 samples in
+    1 step, then a whole epoch of 3: 8 + 1 + 3 = 12 steps, not the 9 that 3 epochs at 4 would be (a
+    schedule that ended there left the last steps at its final rate, 0)."""
+    from distributed_training.config import load_config
+    from distributed_training.optim_job import schedule_steps
+
+    cfg = load_config({"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+                       "training": {"epochs": 3, "batch_size": 10}, "schedule": {"kind": "cosine", "warmup_steps": 2}})
+    data = list(range(100))
+    resumed = {"step": 8, "epoch": 1, "samples_in_epoch": 60}
+    assert schedule_steps(cfg, data, 4, iterable=False) == 9
+    assert schedule_steps(cfg, data, 4, iterable=False, resumed=resumed) == 12
+    assert schedule_steps(cfg, data, 2, iterable=False, resumed=resumed) == 15  # the same size: unchanged
