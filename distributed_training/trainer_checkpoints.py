@@ -39,8 +39,8 @@ _PIPELINE_KEYS = ("pipeline_parallel_size", "pipeline_schedule", "microbatches",
 _TENSOR_DEFAULTS = {"tensor_parallel_size": 1, "sequence_parallel": False}  # their values without tensor parallelism
 
 #: What a failed load raises on every rank: the type the failing rank met.
-_LOAD_ERRORS = {cls.__name__: cls for cls in (CheckpointCorruptError, FileNotFoundError, RuntimeError, ValueError,
-                                              KeyError)}
+_LOAD_ERRORS = {cls.__name__: cls for cls in (CheckpointCorruptError, CheckpointMismatchError, FileNotFoundError,
+                                              RuntimeError, ValueError, KeyError)}
 
 # Suffixes of single-file checkpoints, which a checkpoint directory's name should not look like.
 _FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
@@ -436,7 +436,10 @@ class Checkpointing(BackgroundCheckpointing):
         except CheckpointCorruptError:
             raise
         except (RuntimeError, ValueError, KeyError) as err:
-            raise type(err)(f"checkpoint {path!r} does not fit this model: {err}") from None
+            raise CheckpointMismatchError(
+                f"checkpoint {path!r} does not fit this model: {err} (a checkpoint of another model? load it into "
+                "the model that wrote it, or start a new run: another checkpoint directory, or resume=False / "
+                "dtrain --no-resume)") from None
         if same_world:
             set_rng_state(read(ctx.rank)["rng"])
             if meta.get("strategy") == self.strategy.name:  # what only the same strategy understands

@@ -405,6 +405,7 @@ def test_what_cannot_change_is_an_error_that_names_it(tmp_path, strategy):
         shapes = message.replace("torch.Size(", "").replace(")", "")
         named = re.search(r"'?(blocks\.0\.fc\.weight|head\.weight)'?", message)
         assert named and ("[12, 12]" in shapes or "[3, 12]" in shapes) and "step_000000002" in message, message
+        assert kind == "CheckpointMismatchError" and "another model" in message, (kind, message)  # dtrain: one line
     for kind, message in run_distributed(_shape_run, 2, args=(directory, strategy, 8, "adam"), timeout=120):
         # CheckpointMismatchError is a ValueError that dtrain reports in one line.
         assert kind == "CheckpointMismatchError" and "SGD" in message and "Adam" in message, message
