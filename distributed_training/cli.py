@@ -166,6 +166,12 @@ def run_job(cfg: JobConfig) -> dict:
                               f"processes than servers (torchrun --nproc_per_node) or lower training.num_servers")
         served = {"num_servers": t.num_servers, "consistency": t.consistency, "staleness": t.staleness}
     pipelined = t.pipeline_parallel_size > 1
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if t.tensor_parallel_size > 1 and world % (t.tensor_parallel_size * t.pipeline_parallel_size):
+        with_pipeline = f" x training.pipeline_parallel_size={t.pipeline_parallel_size}" if pipelined else ""
+        per_replica = t.tensor_parallel_size * t.pipeline_parallel_size
+        raise ConfigError(f"training.tensor_parallel_size={t.tensor_parallel_size}{with_pipeline} does not divide the "
+                          f"world size {world}: run a multiple of {per_replica} processes (torchrun --nproc_per_node)")
     if pipelined:
         _check_pipeline_fits(cfg, model)
     from .optim_job import job_optimizer, schedule_steps
@@ -245,10 +251,18 @@ def run_job(cfg: JobConfig) -> dict:
         from .image_job import input_watch
 
         watch = input_watch(train, cfg)  # image folders: decode vs training rates, said after fit
-        trainer.fit(data, epochs=epochs, criterion=criterion, **batching, max_steps=t.max_steps,
-                    log_every=cfg.logging.every, drop_last=drop_last, num_workers=cfg.data.num_workers,
-                    **job_fit_evaluation(cfg, val_data),
-                    on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main else None)
+        try:
+            trainer.fit(data, epochs=epochs, criterion=criterion, **batching, max_steps=t.max_steps,
+                        log_every=cfg.logging.every, drop_last=drop_last, num_workers=cfg.data.num_workers,
+                        **job_fit_evaluation(cfg, val_data),
+                        on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main
+                        else None)
+        except ValueError as err:
+            if not str(err).startswith("eval_target names"):
+                raise
+            # Metrics read from the data (evaluation.metrics not given): known only now, on every rank alike.
+            raise ConfigError(f"evaluation.target {str(err).removeprefix('eval_target ')}: name one of those, or list "
+                              "the metric in evaluation.metrics") from None
         watch.report(getattr(trainer, "data_wait_s", None))
         if cfg.evaluation.every is not None:
             metrics = job_results(trainer)

@@ -575,3 +575,35 @@ def test_a_complete_run_run_again_says_so_and_trains_nothing(tmp_path, monkeypat
     said = [r.getMessage() for r in caplog.records]
     assert any("resumed from step 2" in m for m in said) and any("finished at step 3" in m for m in said), said
     assert not any("already complete" in m for m in said), said
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_world_is_a_config_error(monkeypatch):
+    """Said before any rendezvous as an invalid config naming the field (it was a traceback per rank)."""
+    import distributed_training.cli as cli
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = load_config({"model": {"preset": "tiny"}, "training": {"tensor_parallel_size": 2}})
+    with pytest.raises(ConfigError, match=r"^training\.tensor_parallel_size=2 does not divide the world size 3"):
+        cli.run_job(cfg)
+
+
+def test_an_evaluation_target_the_data_does_not_give_is_a_config_error():
+    """With metrics read from the data (evaluation.metrics not given), a target naming another metric is
+    known only at the start of fit: still an invalid config naming the field, exit 2 (it was a traceback)."""
+    import logging
+
+    from distributed_training.cli import main
+    from distributed_training.logs import get_logger
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    get_logger().addHandler(handler)
+    try:
+        code = main([str(REPO / "examples/configs/user_model.yaml"), "--set", "evaluation.metrics=null", "--set",
+                     "evaluation.target={val_accuracy: 0.5}", "--set", "training.max_steps=12", "--set",
+                     "checkpoint.dir=null", "--set", "checkpoint.every=null", "--set", "evaluation.best_metric=null"])
+    finally:
+        get_logger().removeHandler(handler)
+    assert code == 2
+    assert any("invalid config: evaluation.target names 'val_accuracy'" in m for m in seen), seen
