@@ -6,6 +6,9 @@
 #      host-issue times for our 1F1B / GPipe with and without async_backward and torch's, half-block
 #      cut, P = 4, 3 rounds, rank 1's trace of the async 1F1B.
 #   B: the suite's pipeline phase at P = 4 and P = 2 x DP = 2 (half blocks) with the async variant, 3 rounds.
+#   C: after the session's hardening (load agreement, trainable check, unused-parameter watch, FSDP units
+#      for nn.Sequential blocks): every GPU test, and the models phase at 4 GPUs on timm ResNet-50 / ViT
+#      with ZeRO-3 through the trainer (now one unit a block where it was one for the whole model).
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -31,5 +34,8 @@ case "$1" in
      echo "tests exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/gpu_tests.log"
      profile prof_async 200 ours-halves_1f1b,ours-halves-async_1f1b,torch-halves_1f1b,ours-halves_gpipe,ours-halves-async_gpipe,torch-halves_gpipe ours-halves-async_1f1b ;;
   B) suite PA 330 --worlds 4 --phases pipeline --variants pp,pp_dp,halves,async --rounds 3 ;;
+  C) timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu*.py > "$R/gpu_tests.log" 2>&1
+     echo "tests exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/gpu_tests.log"
+     suite M 200 --worlds 4 --phases models --models resnet50,vit --variants plain,torch,ours,trainer_zero3 --rounds 3 ;;
 esac
 tar -czf "$OUT/s22_$1.tar.gz" -C $R .
