@@ -9,6 +9,8 @@
 #   C: after the session's hardening (load agreement, trainable check, unused-parameter watch, FSDP units
 #      for nn.Sequential blocks): every GPU test, and the models phase at 4 GPUs on timm ResNet-50 / ViT
 #      with ZeRO-3 through the trainer (now one unit a block where it was one for the whole model).
+#   D: the models phase at 4 GPUs, four models, 5 rounds: DDP against torch's again (C's 3 rounds had
+#      ResNet-50 / ViT at 0.95x / 0.97x), and ZeRO-3 with block units against one unit for the model.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -37,5 +39,7 @@ case "$1" in
   C) timeout 300 python -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors > "$R/gpu_tests.log" 2>&1
      echo "tests exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/gpu_tests.log"
      suite M 200 --worlds 4 --phases models --third-party resnet50,vit --variants plain,torch,ours,trainer_zero3 --rounds 3 ;;
+  D) suite M2 420 --worlds 4 --phases models --third-party resnet50,vit,bert,gpt2 \
+       --variants plain,torch,ours,trainer,trainer_zero3,trainer_zero3_root --rounds 5 ;;
 esac
 tar -czf "$OUT/s22_$1.tar.gz" -C $R .

@@ -18,6 +18,7 @@ Variants (``--variants``; default: plain,torch,ours,trainer,trainer_monitor,ours
   trainer          DistributedTrainer(strategy="ddp", mixed_precision="bf16" on GPUs).train_step
   trainer_monitor  the same with a Monitor (log_dir, log_every=10), recorded as fit records each step
   trainer_zero3    DistributedTrainer(strategy="zero3").train_step
+  trainer_zero3_root  the same with the whole model one FSDP unit (``auto_wrap_policy=10**15``)
 """
 
 from __future__ import annotations
@@ -126,8 +127,13 @@ class Variant:
         fused = ctx.device.type == "cuda"
         factory = lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=fused)  # noqa: E731
         if name.startswith("trainer"):
+            from distributed_training import FSDPStrategy
+
+            strategy = {"trainer_zero3": "zero3",
+                        # one unit for the whole model: no module holds 10**15 parameters
+                        "trainer_zero3_root": FSDPStrategy(auto_wrap_policy=10 ** 15)}.get(name, "ddp")
             self.trainer = DistributedTrainer(
-                model, factory, strategy="zero3" if name == "trainer_zero3" else "ddp",
+                model, factory, strategy=strategy,
                 mixed_precision="bf16" if fused else None, context=ctx,
                 log_dir=os.path.join(log_dir, name) if name == "trainer_monitor" else None, log_every=10,
                 progress=False)
