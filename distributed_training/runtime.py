@@ -21,6 +21,7 @@ Nothing here is module-level state: the context owns its process group and is pa
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import time
@@ -316,7 +317,7 @@ def init_distributed(
         importlib.import_module("torch._dynamo")
         dist.init_process_group(**kwargs)
 
-    return DistributedContext(
+    context = DistributedContext(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
@@ -326,3 +327,9 @@ def init_distributed(
         group=None,
         owns_process_group=owns,
     )
+    if owns:
+        # A script that ends without closing (an exception before `trainer.close()`) would otherwise reach
+        # interpreter finalization with the group's threads alive, where one still busy aborts the process
+        # ("terminate called without an active exception", exit -6 instead of the script's own status).
+        atexit.register(context.shutdown, barrier=False)  # a no-op once the context was shut down
+    return context
