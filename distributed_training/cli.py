@@ -159,14 +159,13 @@ def run_job(cfg: JobConfig) -> dict:
         cls = DDPStrategy if strategy == "ddp" else Zero1Strategy
         strategy = cls(bucket_cap_mb=c.bucket_cap_mb, communication=communication)
     served = {}
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # checked before the rendezvous: torchrun's value
     if strategy == "parameter_server":
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if t.num_servers >= world:
             raise ConfigError(f"training.num_servers={t.num_servers} leaves no worker in a world of {world}: run more "
                               f"processes than servers (torchrun --nproc_per_node) or lower training.num_servers")
         served = {"num_servers": t.num_servers, "consistency": t.consistency, "staleness": t.staleness}
     pipelined = t.pipeline_parallel_size > 1
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if t.tensor_parallel_size > 1 and world % (t.tensor_parallel_size * t.pipeline_parallel_size):
         with_pipeline = f" x training.pipeline_parallel_size={t.pipeline_parallel_size}" if pipelined else ""
         per_replica = t.tensor_parallel_size * t.pipeline_parallel_size
@@ -176,8 +175,7 @@ def run_job(cfg: JobConfig) -> dict:
         _check_pipeline_fits(cfg, model)
     from .optim_job import job_optimizer, schedule_steps
 
-    replicas = max(1, (int(os.environ.get("WORLD_SIZE", "1")) - (t.num_servers if served else 0))
-                   // (t.pipeline_parallel_size * t.tensor_parallel_size))
+    replicas = max(1, (world - (t.num_servers if served else 0)) // (t.pipeline_parallel_size * t.tensor_parallel_size))
     optimizer, lr_scheduler = job_optimizer(
         cfg, model, total_steps=schedule_steps(cfg, train, replicas, user_job.is_iterable(train), _resume_meta(cfg)))
     try:

@@ -71,7 +71,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         optimizer: a `torch.optim.Optimizer` built over `model.parameters()`, or a callable that
             takes parameters and returns one (needed by sharded strategies, which build the
             optimizer over their shards).
-        strategy: ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` / ``"fsdp"``, ``"parameter_server"``, or a `Strategy`
+        strategy: ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` / ``"fsdp"``, ``"parameter_server"``,
+            ``"auto"`` (the planner picks one against `memory_budget_bytes` and says why), or a `Strategy`
             object (e.g. ``DDPStrategy(bucket_cap_mb=50)``, ``FSDPStrategy(mixed_precision=...)``).
             Sharded strategies need `optimizer` as a callable.
         gradient_accumulation_steps: micro-batches per optimizer step. `train_step` splits its batch
@@ -87,8 +88,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
             where it resumes from the latest good one: what torchrun's ``--max-restarts`` needs.
         checkpoint_every: save every this many optimizer steps during `fit` (and at its end).
         keep_last: how many recent checkpoints to keep; `best_metric` / `best_mode`: the checkpoint
-            with the best value of this metric (from `train_step`'s metrics) is kept too.
-        resume: resume `fit` from the latest good checkpoint in `checkpoint_dir`, if there is one.
+            with the best value of this metric (`train_step`'s, or an evaluation's ``val_*`` during
+            `fit`) is kept too.
         checkpoint_shared: whether `checkpoint_dir` is one directory seen by every node (True) or one
             per node (False); None (default) finds out with marker files on a multi-node job. With a
             directory per node, each node writes, verifies and prunes its own, and a resume picks the
@@ -148,7 +149,7 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         microbatches: microbatches each batch is cut into (default: `pipeline_parallel_size`); at least
             `pipeline_parallel_size` for the 1F1B family, a multiple of it for interleaved.
         pipeline_split_points: the layer names where stages 1, 2, ... start (e.g. ``["block.6"]``);
-            None balances the stages by parameter count.
+            None balances the stages by `pipeline_balance`.
         pipeline_chunks: model chunks per rank (``"interleaved_1f1b"`` only; default 2 there, else 1).
         pipeline_balance: without split points, what the stages are balanced by: ``"parameters"``
             (default), ``"compute"`` (our GPT: FLOPs per layer; better where the GPU bounds the step,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STRATEGIES", "check_strategy_argument", "make_strategy"]
 
-#: name -> factory taking the DDP-backed strategies' keyword arguments (``communication=``).
+#: name -> factory (the DDP-backed ones, ddp and zero1, take ``communication=``; the others no argument).
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "ddp": DDPStrategy,
     "zero1": Zero1Strategy,
