@@ -52,7 +52,6 @@ from .collectives import all_gather_single, reduce_scatter_single
 __all__ = ["ring_all_reduce", "ring_lanes", "tree_all_reduce", "hierarchical_all_reduce"]
 
 MIB = 1024 * 1024
-DEFAULT_SEGMENT_BYTES = 4 * MIB  # kept for callers that import it; the patterns now size segments themselves
 DEFAULT_IN_FLIGHT = 3
 # Automatic segment sizes: a ring's chunk whole up to 256 MiB (in as few segments of at most that as it
 # takes), a tree's half in 4, within [min, max]. Measured at 1 GB on 2x H200 (suite, session 14): the

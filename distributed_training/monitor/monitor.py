@@ -229,7 +229,6 @@ class Monitor:
         self._bar = ProgressBar(sys.stderr) if progress and self.rank == 0 else None
 
         self._started = False
-        self._t0 = 0.0           # time.time() at start
         self._mono0 = 0.0        # perf_counter() at start
         self._last_log_mono = 0.0
         self._total_steps: int | None = None
@@ -251,7 +250,6 @@ class Monitor:
         self._drain()
         self._started = True
         self._total_steps = None if total_steps is None else int(total_steps)
-        self._t0 = time.time()
         self._mono0 = self._last_log_mono = time.perf_counter()
         if self._bar is not None:
             self._bar.draw(0 if self._last_step is None else self._last_step, self._total_steps, None, None)

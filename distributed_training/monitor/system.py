@@ -58,7 +58,6 @@ class SystemStats:
         if device is not None and (not isinstance(device, int) or isinstance(device, bool) or device < 0):
             raise ValueError(f"device must be a non-negative CUDA ordinal or a torch.device, got {device!r}")
         self._device = device
-        self._want_gpu = gpu
         self._nvml: Any = None       # the pynvml module once initialised
         self._handle: Any = None
         self._gpu_failed = not gpu   # True once NVML has proven unusable: stop trying

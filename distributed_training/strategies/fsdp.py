@@ -178,7 +178,6 @@ class FSDP(FSDPStateDict, nn.Module):
             broadcast_coalesced([p.data for p in module.parameters()] + list(module.buffers()), src, process_group)
 
         self._state_keys = list(module.state_dict(keep_vars=True).keys())
-        self._buffer_keys = {n for n, _ in module.named_buffers(remove_duplicate=False)}
         self._units: list[Unit] = build_units(module, unit_roots(module, auto_wrap_policy), UnitPlacement(
             self.shard_world, self.shard_rank, self.device, self.cpu_offload, self._param_dtype))
         self.shards = nn.ParameterList([u.shard for u in self._units if u.padded])
@@ -493,9 +492,6 @@ class FSDP(FSDPStateDict, nn.Module):
         finally:
             for unit in self._units:
                 self._reshard(unit)
-
-
-    # ------------------------------------------------------------ state dicts
 
 
 # ------------------------------------------------------------------ helpers

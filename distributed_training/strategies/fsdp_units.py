@@ -46,7 +46,6 @@ class Unit:
     gathered: bool = False
     gather_work: Any = None
     gather_src: torch.Tensor | None = None
-    grad_reduced: bool = False
     hooks: list = field(default_factory=list)
 
 

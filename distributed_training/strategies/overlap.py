@@ -28,7 +28,6 @@ class OverlapTimeline:
     def __init__(self) -> None:
         self._side: torch.cuda.Stream | None = None
         self._current: list = []      # [(start, end-holder)] of the backward in progress
-        self._backward_end = None
         self._passes: list = []       # finished backwards: (intervals, backward_end)
 
     def launch(self, buffer: torch.Tensor):
