@@ -58,6 +58,11 @@ def _check_dim(dim: str) -> None:
         raise ValueError(f"unknown mesh dimension {dim!r}: expected one of {list(_ALL_DIMS)}")
 
 
+def global_rank(group, rank: int) -> int:
+    """The global rank of `group`'s rank `rank` (`group` None: the default group, where they are equal)."""
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     """The sizes of the dimensions, and the rank arithmetic over them (no process groups).
@@ -205,7 +210,7 @@ class _GroupTable:
         self.groups: dict[tuple[int, ...], object] = {}
 
     def _global(self, rank: int) -> int:
-        return dist.get_global_rank(self.parent, rank) if self.parent is not None else rank
+        return global_rank(self.parent, rank)
 
     def create(self, rank_lists: Sequence[Sequence[int]]) -> None:
         """Create the groups not made yet, in order. Collective over the parent group: every rank must

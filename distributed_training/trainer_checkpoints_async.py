@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import atomic_save, write_meta
+from .mesh import global_rank
 from .checkpoint_async import (BackgroundWrite, CheckpointWriteError, DigestExchange, HostStaging, default_store,
                                host_copy, rank_file)
 from .checkpoint_shards import host_clone, summary
@@ -174,8 +175,7 @@ class BackgroundCheckpointing:
         if self._background_id is None:
             drawn = [uuid.uuid4().hex]
             if self.context.world_size > 1:
-                dist.broadcast_object_list(drawn, src=dist.get_global_rank(self.context.group, 0)
-                                           if self.context.group is not None else 0, group=self.context.group)
+                dist.broadcast_object_list(drawn, src=global_rank(self.context.group, 0), group=self.context.group)
             self._background_id, self._background_count = drawn[0], 0
         self._background_count += 1
         return f"{self._background_id}.{self._background_count}"

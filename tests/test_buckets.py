@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from distributed_training.comm.bucket import MB, allocate_buckets, assign_buckets
+from distributed_training.comm.bucket import MIB, allocate_buckets, assign_buckets
 
 
 def _params(*specs):
@@ -12,15 +12,15 @@ def _params(*specs):
 
 
 def test_first_bucket_is_small_and_the_rest_fill_to_the_cap():
-    params = _params(*[(MB // 4, torch.float32)] * 10)  # 1 MiB each
-    groups = assign_buckets(params, list(reversed(range(10))), cap_bytes=4 * MB, first_cap_bytes=1 * MB)
+    params = _params(*[(MIB // 4, torch.float32)] * 10)  # 1 MiB each
+    groups = assign_buckets(params, list(reversed(range(10))), cap_bytes=4 * MIB, first_cap_bytes=1 * MIB)
     assert groups[0] == [9]
     assert groups[1:] == [[8, 7, 6, 5], [4, 3, 2, 1], [0]]
 
 
 def test_one_dtype_per_bucket_and_oversized_parameters_alone():
-    params = _params((10, torch.float32), (10, torch.bfloat16), (MB, torch.float32), (10, torch.float32))
-    groups = assign_buckets(params, [0, 1, 2, 3], cap_bytes=MB, first_cap_bytes=MB)
+    params = _params((10, torch.float32), (10, torch.bfloat16), (MIB, torch.float32), (10, torch.float32))
+    groups = assign_buckets(params, [0, 1, 2, 3], cap_bytes=MIB, first_cap_bytes=MIB)
     for g in groups:
         assert len({params[i].dtype for i in g}) == 1
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3]

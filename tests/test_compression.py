@@ -508,14 +508,14 @@ def test_enable_overlap_must_be_a_bool():
 
 
 def bucket_cap_worker(rank, world):
-    from distributed_training.comm.bucket import MB
+    from distributed_training.comm.bucket import MIB
 
     caps = {}
     for name, kwargs, comm in (("topk", {}, dict(compression="topk")), ("bf16", {}, dict(compression="bf16")),
                                ("topk_given", {"bucket_cap_mb": 25}, dict(compression="topk")),
                                ("topk_sized", {}, dict(compression="topk", bucket_size_mb=10))):
         ddp = DDP(MLP(), communication=CommunicationOptimizer(**comm), **kwargs)
-        caps[name] = ddp._cap_bytes / MB
+        caps[name] = ddp._cap_bytes / MIB
         ddp.remove_hooks()
     return caps
 

@@ -1,9 +1,9 @@
 """Gradient buckets: flat per-dtype buffers whose slices are the parameters' `.grad` tensors.
 
-A bucket is the unit of communication. Reducing one 25 MB buffer costs about as much as reducing one
+A bucket is the unit of communication. Reducing one 25 MiB buffer costs about as much as reducing one
 tiny tensor plus the bytes, so gradients are packed into few large flat buffers; but a bucket can only
 be sent once its last gradient is ready, so buckets must not be so large that communication starts
-late. PyTorch's choice, which we keep: 25 MB buckets, and a small (1 MB) first bucket so that the
+late. PyTorch's choice, which we keep: 25 MiB buckets, and a small (1 MiB) first bucket so that the
 first all-reduce starts almost as soon as backward does.
 
 Each parameter's `.grad` is a view into its bucket (`gradient_as_bucket_view`): autograd accumulates
@@ -19,7 +19,7 @@ import torch
 
 __all__ = ["Bucket", "assign_buckets", "allocate_buckets"]
 
-MB = 1024 * 1024
+MIB = 1024 * 1024  # bucket caps are given in MiB (the `_mb` arguments, as torch DDP's bucket_cap_mb)
 
 
 @dataclass

@@ -47,11 +47,12 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..mesh import global_rank
+from .bucket import MIB
 from .collectives import all_gather_single, reduce_scatter_single
 
 __all__ = ["ring_all_reduce", "ring_lanes", "tree_all_reduce", "hierarchical_all_reduce"]
 
-MIB = 1024 * 1024
 DEFAULT_IN_FLIGHT = 3
 # Automatic segment sizes: a ring's chunk whole up to 256 MiB (in as few segments of at most that as it
 # takes), a tree's half in 4, within [min, max]. Measured at 1 GB on 2x H200 (suite, session 14): the
@@ -74,10 +75,6 @@ _RING_SEGMENTS, _RING_MIN, _RING_MAX = 1, 8 * MIB, 256 * MIB
 RING_LANES, _LANE_MIN = 4, 64 * MIB
 _lanes_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _TREE_SEGMENTS, _TREE_MIN, _TREE_MAX = 4, 4 * MIB, 256 * MIB
-
-
-def _global(group, r: int) -> int:
-    return dist.get_global_rank(group, r) if group is not None else r
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -130,7 +127,7 @@ def _segment_count(piece: int, element_size: int, segment_bytes, auto: tuple[int
 def _sendrecv(ops: list[tuple[str, torch.Tensor, int]], group) -> list:
     """Post one message: ("send" | "recv", tensor, group rank) operations in one batch; empty tensors
     are skipped (the peer skips the matching one: both cut the same pieces)."""
-    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, _global(group, peer), group)
+    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, global_rank(group, peer), group)
            for kind, t, peer in ops if t.numel()]
     return dist.batch_isend_irecv(p2p) if p2p else []
 

@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import all_gather_single
+from ..mesh import global_rank
 from .cluster import MEMBERS, StragglerWarning, cluster_view
 from .null import NullMonitor
 from .progress import ProgressBar
@@ -198,8 +199,7 @@ class Monitor:
         self._group_ranks: list[int] = list(range(self.world_size))
         self._gather_in = self._gather_out = None
         if self._cluster_on:
-            if group is not None:
-                self._group_ranks = [dist.get_global_rank(group, i) for i in range(self.world_size)]
+            self._group_ranks = [global_rank(group, i) for i in range(self.world_size)]
             device = torch.device("cpu")
             if str(dist.get_backend(group)) == "nccl":
                 device = torch.device("cuda", torch.cuda.current_device())

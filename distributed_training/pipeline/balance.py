@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..mesh import global_rank
 from ..models.gpt import GPT
 from .gpt_stages import AttentionHalf, MLPHalf, gpt_layer_flops, lm_loss
 from .meta_init import _children_first, _reset_method, has_meta
@@ -237,7 +238,7 @@ def agree(values: Sequence[float], device: torch.device, group=None) -> list[flo
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     t /= dist.get_world_size(group)
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+    src = global_rank(group, 0)
     dist.broadcast(t, src=src, group=group)
     return t.tolist()
 

@@ -77,6 +77,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..logs import get_logger
+from ..mesh import global_rank
 from ..models.gpt import GPT
 from ..runtime import DistributedContext
 from ..strategies.base import OptimizerFactory, Strategy
@@ -444,7 +445,7 @@ class PipelineStrategy(PipelineState, Strategy):
 
 
 def _global(context: DistributedContext, mesh_rank: int) -> int:
-    return dist.get_global_rank(context.group, mesh_rank) if context.group is not None else mesh_rank
+    return global_rank(context.group, mesh_rank)
 
 
 def _checkpoint_halves(model: GPT, layers) -> None:

@@ -167,6 +167,8 @@ class Outbox:
     def forget(self, worker: int) -> None:
         """Never wait for the replies to `worker` (lost): they can only fail. Their tensors stay
         referenced, since gloo may still hold the buffers."""
+        # Those whose sends have ended (failed or not) let go of their buffers now.
+        self._abandoned = [p for p in self._abandoned if not p[1].is_completed()]
         self._abandoned += [p for p in self._pending if p[0] == worker]
         self._pending = [p for p in self._pending if p[0] != worker]
 

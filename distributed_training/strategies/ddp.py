@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.bucket import MB, Bucket, allocate_buckets, assign_buckets
+from ..comm.bucket import MIB, Bucket, allocate_buckets, assign_buckets
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module, labelled
 from ..comm.optimizer import CommunicationOptimizer
 from ..comm.reduce import AllReduceMean, BucketReducer, ReduceScatterMean
-from ..mesh import Mesh
+from ..mesh import Mesh, global_rank
 from .ddp_buckets import agreed_bucket_order, gather_bucket, index_buckets, move_grads_to_views, resolve_bucket_cap_mb
 from .eager import eager_only
 from .overlap import CommTiming, OverlapTimeline
@@ -141,8 +141,8 @@ class DDP(CommTiming, nn.Module):
         # Launch each bucket as soon as its last gradient arrives (overlapped with the rest of backward),
         # or all of them once backward is over (`CommunicationOptimizer(enable_overlap=False)`).
         self._launch_during_backward = bool(getattr(self.bucket_reducer, "enable_overlap", True))
-        self._cap_bytes = int(bucket_cap_mb * MB)
-        self._first_cap_bytes = int(first_bucket_cap_mb * MB)
+        self._cap_bytes = int(bucket_cap_mb * MIB)
+        self._first_cap_bytes = int(first_bucket_cap_mb * MIB)
 
         check_same_across_ranks(describe_module(module), "model", process_group)
 
@@ -349,9 +349,7 @@ class DDP(CommTiming, nn.Module):
             self._shadowing = False
 
     def _global_rank(self, group_rank: int) -> int:
-        if self.process_group is None:
-            return group_rank
-        return dist.get_global_rank(self.process_group, group_rank)
+        return global_rank(self.process_group, group_rank)
 
     # ------------------------------------------------------------- iteration
     def _reset_iteration(self) -> None:

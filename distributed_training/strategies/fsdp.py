@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module
 from ..comm.groups import make_hybrid_groups
 from ..comm.sharded import all_gather_flat, reduce_scatter_flat
-from ..mesh import Mesh
+from ..mesh import Mesh, global_rank
 from ..optim import ParamSegments
 from ..runtime import launcher_ranks_per_node
 from .eager import eager_only
@@ -173,7 +173,7 @@ class FSDP(FSDPStateDict, nn.Module):
         self.shard_rank = dist.get_rank(self.shard_group)
 
         check_same_across_ranks(describe_module(module), "model", process_group)
-        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        src = global_rank(process_group, 0)
         with torch.no_grad():
             broadcast_coalesced([p.data for p in module.parameters()] + list(module.buffers()), src, process_group)
 

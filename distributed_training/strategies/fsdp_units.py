@@ -45,7 +45,7 @@ class Unit:
     is_root: bool
     gathered: bool = False
     gather_work: Any = None
-    gather_src: torch.Tensor | None = None
+    gather_src: torch.Tensor | None = None  # the all-gather's input (a cast copy of the shard), alive until waited for
     hooks: list = field(default_factory=list)
 
 

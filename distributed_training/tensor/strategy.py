@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from ..checkpoint_shards import StateLayout
 from ..comm.collectives import broadcast_coalesced
+from ..mesh import global_rank
 from ..runtime import DistributedContext
 from ..strategies.base import Strategy
 from .options import TensorOptions
@@ -76,7 +77,7 @@ class TensorParallelStrategy(Strategy):
             raise ValueError(f"tensor_parallel_size={self.options.size} needs a tensor_parallel_plan for a "
                              f"{type(module).__name__} (module-name pattern -> 'colwise' | 'rowwise' | 'vocab' | "
                              "'sequence' | 'replicate'; see docs/tensor_parallel.md); only our GPT has a built-in one")
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        src = global_rank(self.group, 0)
         _share_random_state(self.group, src, context.device)
         _share_weights(module, src, self.group, context.device)  # the parts are cut from rank src's weights
         self.specs = apply_plan(module, plan, self.group, sequence_parallel=self.options.sequence_parallel)
