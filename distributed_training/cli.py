@@ -12,6 +12,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -138,43 +139,15 @@ def _build(cfg: JobConfig):
 def run_job(cfg: JobConfig) -> dict:
     """Train as the config says; return rank 0's final metrics (others: {})."""
     from . import user_job
+    from .optim_job import job_optimizer, schedule_steps
     from .trainer import DistributedTrainer
 
     model, train, val, criterion = _build(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
     t = cfg.training
-    strategy = t.strategy
-    c = cfg.communication
-    communication = None
-    if c.compression != "none" or c.pattern != "nccl" or c.hierarchical:
-        from .comm.optimizer import CommunicationOptimizer
-
-        communication = CommunicationOptimizer(
-            None if c.compression == "none" else c.compression, compression_ratio=c.compression_ratio,
-            error_feedback=c.error_feedback, pattern=c.pattern, hierarchical=c.hierarchical,
-            ranks_per_node=c.ranks_per_node)
-    if strategy in ("ddp", "zero1"):
-        from .strategies import DDPStrategy, Zero1Strategy
-
-        cls = DDPStrategy if strategy == "ddp" else Zero1Strategy
-        strategy = cls(bucket_cap_mb=c.bucket_cap_mb, communication=communication)
-    served = {}
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # checked before the rendezvous: torchrun's value
-    if strategy == "parameter_server":
-        if t.num_servers >= world:
-            raise ConfigError(f"training.num_servers={t.num_servers} leaves no worker in a world of {world}: run more "
-                              f"processes than servers (torchrun --nproc_per_node) or lower training.num_servers")
-        served = {"num_servers": t.num_servers, "consistency": t.consistency, "staleness": t.staleness}
+    strategy, served = _job_strategy(cfg, world)
     pipelined = t.pipeline_parallel_size > 1
-    if t.tensor_parallel_size > 1 and world % (t.tensor_parallel_size * t.pipeline_parallel_size):
-        with_pipeline = f" x training.pipeline_parallel_size={t.pipeline_parallel_size}" if pipelined else ""
-        per_replica = t.tensor_parallel_size * t.pipeline_parallel_size
-        raise ConfigError(f"training.tensor_parallel_size={t.tensor_parallel_size}{with_pipeline} does not divide the "
-                          f"world size {world}: run a multiple of {per_replica} processes (torchrun --nproc_per_node)")
-    if pipelined:
-        _check_pipeline_fits(cfg, model)
-    from .optim_job import job_optimizer, schedule_steps
-
+    _check_world(cfg, model, world)
     replicas = max(1, (world - (t.num_servers if served else 0)) // (t.pipeline_parallel_size * t.tensor_parallel_size))
     optimizer, lr_scheduler = job_optimizer(
         cfg, model, total_steps=schedule_steps(cfg, train, replicas, user_job.is_iterable(train), _resume_meta(cfg)))
@@ -210,22 +183,9 @@ def run_job(cfg: JobConfig) -> dict:
     ctx = trainer.context
     finished = False  # an error on this rank: close without the barrier its peers would never reach
     try:
-        chunks = trainer.config["pipeline_chunks"] if pipelined else 1
-        stages = (f"{t.pipeline_parallel_size * chunks} stages ({t.pipeline_parallel_size} ranks x {chunks} chunks, "
-                  if chunks > 1 else f"{t.pipeline_parallel_size} stages (")
-        layout = [f"pipeline of {stages}{trainer.config['pipeline_schedule']}, {trainer.config['microbatches']} "
-                  "microbatches)"] if pipelined else []
-        if t.tensor_parallel_size > 1:
-            layout.append(f"tensor-parallel over {t.tensor_parallel_size} ranks"
-                          f"{' with sequence parallelism' if t.sequence_parallel else ''}")
-        pipeline = f", {' x '.join(layout)} x {trainer.dp_world_size} data-parallel" if layout else ""
-        trains = trainer.strategy.trains  # a parameter server's servers train nothing (and write nothing)
-        if t.strategy == "parameter_server":
-            pipeline = (f" ({t.num_servers} server(s), {trainer.dp_world_size} worker(s), consistency "
-                        f"{t.consistency}{f', staleness {t.staleness}' if t.consistency == 'ssp' else ''})")
         log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
-                 type(model).__name__, f"{n_params:,}", trainer.strategy.name, pipeline,
-                 trainer.job_context.world_size, ctx.device, user_job.sample_count(train))
+                 type(model).__name__, f"{sum(p.numel() for p in model.parameters()):,}", trainer.strategy.name,
+                 _layout(trainer, t), trainer.job_context.world_size, ctx.device, user_job.sample_count(train))
         batching = {"batch_size": t.batch_size}
         if t.global_batch_size is not None:  # fit() cuts it at this size (and says how)
             batching = {"global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
@@ -262,31 +222,99 @@ def run_job(cfg: JobConfig) -> dict:
             raise ConfigError(f"evaluation.target {str(err).removeprefix('eval_target ')}: name one of those, or list "
                               "the metric in evaluation.metrics") from None
         watch.report(getattr(trainer, "data_wait_s", None))
-        if cfg.evaluation.every is not None:
-            metrics = job_results(trainer)
-        elif len(val):  # once, at the end: the same values `every` would give
-            functions, perplexity = job_final_metrics(cfg, val_data, criterion)
-            metrics = _validate(trainer, val_data, criterion, trainer.batch_size or batch_size, functions)
-            if perplexity and "loss" in metrics:
-                metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))
-        else:
-            metrics = {}
-        state = trainer.strategy.model_state_dict(trainer.model)
-        extra = "".join(f", {k} {v:.4g}" for k, v in metrics.items() if k not in ("loss", "val_loss", "val_samples"))
-        log.info("dtrain: finished at step %d, validation loss %.4f%s", trainer.step, metrics.get("loss", math.nan),
-                 extra)
-        if ctx.is_main and trains:  # one writer (a parameter server's server holds the same model)
-            if cfg.output:
-                Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-                torch.save(state, cfg.output)
-            if cfg.checkpoint.dir:
-                # The StatefulSet entrypoint idles instead of training again when this marker exists.
-                Path(cfg.checkpoint.dir).mkdir(parents=True, exist_ok=True)
-                (Path(cfg.checkpoint.dir) / "COMPLETED").write_text(f"step {trainer.step}\n")
+        metrics = _final_metrics(cfg, trainer, val, val_data, criterion, trainer.batch_size or batch_size)
+        _write_outputs(cfg, trainer, metrics)
         finished = True
         return metrics if ctx.is_main else {}
     finally:
         trainer.close(barrier=finished)
+
+
+def _job_strategy(cfg: JobConfig, world: int) -> tuple[Any, dict]:
+    """The trainer's `strategy` argument (a name, or a strategy object carrying the communication
+    section), and the parameter server's keyword arguments ({} for the other strategies)."""
+    t, c = cfg.training, cfg.communication
+    strategy = t.strategy
+    communication = None
+    if c.compression != "none" or c.pattern != "nccl" or c.hierarchical:
+        from .comm.optimizer import CommunicationOptimizer
+
+        communication = CommunicationOptimizer(
+            None if c.compression == "none" else c.compression, compression_ratio=c.compression_ratio,
+            error_feedback=c.error_feedback, pattern=c.pattern, hierarchical=c.hierarchical,
+            ranks_per_node=c.ranks_per_node)
+    if strategy in ("ddp", "zero1"):
+        from .strategies import DDPStrategy, Zero1Strategy
+
+        cls = DDPStrategy if strategy == "ddp" else Zero1Strategy
+        strategy = cls(bucket_cap_mb=c.bucket_cap_mb, communication=communication)
+    served = {}
+    if strategy == "parameter_server":
+        if t.num_servers >= world:
+            raise ConfigError(f"training.num_servers={t.num_servers} leaves no worker in a world of {world}: run more "
+                              f"processes than servers (torchrun --nproc_per_node) or lower training.num_servers")
+        served = {"num_servers": t.num_servers, "consistency": t.consistency, "staleness": t.staleness}
+    return strategy, served
+
+
+def _check_world(cfg: JobConfig, model: nn.Module, world: int) -> None:
+    """The model-parallel sizes against the world (and, with a pipeline, the model), before the rendezvous."""
+    t = cfg.training
+    pipelined = t.pipeline_parallel_size > 1
+    if t.tensor_parallel_size > 1 and world % (t.tensor_parallel_size * t.pipeline_parallel_size):
+        with_pipeline = f" x training.pipeline_parallel_size={t.pipeline_parallel_size}" if pipelined else ""
+        per_replica = t.tensor_parallel_size * t.pipeline_parallel_size
+        raise ConfigError(f"training.tensor_parallel_size={t.tensor_parallel_size}{with_pipeline} does not divide the "
+                          f"world size {world}: run a multiple of {per_replica} processes (torchrun --nproc_per_node)")
+    if pipelined:
+        _check_pipeline_fits(cfg, model)
+
+
+def _layout(trainer, t) -> str:
+    """What the start-up line says of the ranks' layout beyond the strategy (pipeline, tensor, servers)."""
+    pipelined = t.pipeline_parallel_size > 1
+    chunks = trainer.config["pipeline_chunks"] if pipelined else 1
+    stages = (f"{t.pipeline_parallel_size * chunks} stages ({t.pipeline_parallel_size} ranks x {chunks} chunks, "
+              if chunks > 1 else f"{t.pipeline_parallel_size} stages (")
+    layout = [f"pipeline of {stages}{trainer.config['pipeline_schedule']}, {trainer.config['microbatches']} "
+              "microbatches)"] if pipelined else []
+    if t.tensor_parallel_size > 1:
+        layout.append(f"tensor-parallel over {t.tensor_parallel_size} ranks"
+                      f"{' with sequence parallelism' if t.sequence_parallel else ''}")
+    if t.strategy == "parameter_server":
+        return (f" ({t.num_servers} server(s), {trainer.dp_world_size} worker(s), consistency "
+                f"{t.consistency}{f', staleness {t.staleness}' if t.consistency == 'ssp' else ''})")
+    return f", {' x '.join(layout)} x {trainer.dp_world_size} data-parallel" if layout else ""
+
+
+def _final_metrics(cfg: JobConfig, trainer, val, val_data, criterion, batch_size: int) -> dict:
+    """The run's last evaluation (with evaluation.every), else one pass over the validation set now."""
+    if cfg.evaluation.every is not None:
+        return job_results(trainer)
+    if not len(val):
+        return {}
+    # Once, at the end: the same values `every` would give.
+    functions, perplexity = job_final_metrics(cfg, val_data, criterion)
+    metrics = _validate(trainer, val_data, criterion, batch_size, functions)
+    if perplexity and "loss" in metrics:
+        metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))
+    return metrics
+
+
+def _write_outputs(cfg: JobConfig, trainer, metrics: dict) -> None:
+    """Say how the run ended; rank 0 writes the final model (`output`) and the run's COMPLETED marker."""
+    state = trainer.strategy.model_state_dict(trainer.model)  # collective: every rank
+    extra = "".join(f", {k} {v:.4g}" for k, v in metrics.items() if k not in ("loss", "val_loss", "val_samples"))
+    log.info("dtrain: finished at step %d, validation loss %.4f%s", trainer.step, metrics.get("loss", math.nan), extra)
+    # One writer (a parameter server's servers train nothing and hold the same model).
+    if trainer.context.is_main and trainer.strategy.trains:
+        if cfg.output:
+            Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, cfg.output)
+        if cfg.checkpoint.dir:
+            # The StatefulSet entrypoint idles instead of training again when this marker exists.
+            Path(cfg.checkpoint.dir).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.checkpoint.dir) / "COMPLETED").write_text(f"step {trainer.step}\n")
 
 
 def _sample_input(cfg: JobConfig, model: nn.Module) -> torch.Tensor | None:
