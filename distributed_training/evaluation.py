@@ -27,7 +27,10 @@ class Evaluation:
         batch_size: int | None = None,
         metrics: Mapping[str, Callable[[Any, Any], torch.Tensor]] | None = None,
     ) -> dict[str, float]:
-        """Mean loss (and optional per-sample metrics) over the whole dataset, across all ranks.
+        """Mean loss (and optional per-sample metrics) over the whole dataset, across all ranks: each
+        batch's loss weighted by its rows (exact for a per-row mean; with targets a cross-entropy
+        ignores, -100, it is the row-weighted mean of the batches' means, not the mean over the targets
+        kept).
 
         Each rank evaluates its exact shard (no padding, nothing counted twice) with the unwrapped
         module, so uneven shard sizes cannot stall a collective; one all-reduce sums the results.

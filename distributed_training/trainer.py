@@ -36,6 +36,7 @@ from .evaluation import Evaluation
 from .global_batch import GlobalBatch, check_layout_world
 from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout, stop_heartbeat
 from .logs import get_logger, install_default_handler
+from .loss_weights import micro_weights
 from .monitor import Monitor, NullMonitor
 from .peer_watch import PeerFailureError, PeerWatch
 from .pipeline.meta_init import has_meta, materialize
@@ -479,18 +480,20 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         # A strategy that schedules forward and backward itself (a pipeline) runs the whole batch.
         loss_sum = self.strategy.forward_backward(self.model, batch, criterion, self.precision)
         micro_batches = split_batch(batch, self.gradient_accumulation_steps) if loss_sum is None else []
-        total = sum(size for _, size in micro_batches)
-        for k, (micro, size) in enumerate(micro_batches):
+        # Each micro-batch's loss weighted so that the accumulated gradient is that of the whole batch's
+        # loss, even when the batch does not split evenly or its micro-batches ignore different numbers of
+        # targets (`loss_weights`). (One micro-batch: weight 1, and no kernel launched for it.)
+        targets = [micro[1] if criterion is not None and isinstance(micro, (tuple, list)) and len(micro) == 2 else None
+                   for micro, _ in micro_batches]
+        weights = micro_weights(criterion, targets, [size for _, size in micro_batches])
+        for k, ((micro, _), share) in enumerate(zip(micro_batches, weights)):
             last = k == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
                 with self.precision.autocast():
                     loss = self._loss(micro, criterion)
-                # Weight by the micro-batch's share so that the accumulated gradient is the gradient of
-                # the mean loss over the whole batch, even when the batch does not split evenly. (One
-                # micro-batch: weight 1, and no kernel launched for it.)
-                share = size / total
-                self.strategy.backward(self.model, loss if share == 1 else loss * share, self.precision)
-            weighted = loss.detach().float() if share == 1 else loss.detach().float() * share
+                one = isinstance(share, float) and share == 1
+                self.strategy.backward(self.model, loss if one else loss * share, self.precision)
+            weighted = loss.detach().float() if one else loss.detach().float() * share
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
 
         metrics: dict[str, torch.Tensor] = {"loss": loss_sum, **self.precision.metrics()}

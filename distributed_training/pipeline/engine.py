@@ -11,9 +11,10 @@ under its (microbatch, chunk), an ``I`` is the backward above with the linear la
 deferred (the input gradient leaves at once), and the ``W`` of that (microbatch, chunk) computes them
 later and accumulates them into ``.grad``. Nothing of it outlives the step.
 
-Each microbatch's loss is its mean loss weighted by its share of the batch, so the gradients autograd
-accumulates over the microbatches are those of the whole batch's mean loss, as one process computes
-them; the step's loss, the same weighted sum, is returned on every rank of the pipeline.
+Each microbatch's loss is weighted by what it stands for of the whole batch's loss (`loss_weights`: its
+share of the rows, or of the targets not ignored, or 1 for a summing criterion), so the gradients autograd
+accumulates over the microbatches are those of the whole batch's loss, as one process computes them; the
+step's loss, the same weighted sum, is returned on every rank of the pipeline.
 
 Timing (`PipelineEngine.timing`, off by default): the compute of each action between two marks, the
 step's window and its measured bubble against the formula (`timing.PipelineTiming`, in `last_timing`).
@@ -27,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..loss_weights import micro_weights
 from .p2p import PipelineAborted, StageLink
 from .schedules import build_schedule, stage_of
 from .split_backward import SplitBackward
@@ -151,6 +153,9 @@ class PipelineEngine:
         self.timing = False
         self.last_timing: PipelineTiming | None = None
         self._clock: ActionClock | None = None
+        #: What the microbatches' loss weights are read from (`loss_weights.micro_weights`: its reduction and
+        #: ignore_index); None: `loss_fn` itself. The trainer sets the user's criterion here.
+        self.criterion: Callable | None = None
 
     def _forward(self, chunk: int, stage: int, x: Any) -> Any:
         if stage > 0 and self._copy_input[chunk] and isinstance(x, torch.Tensor) and x.requires_grad:
@@ -192,7 +197,11 @@ class PipelineEngine:
             m -= m % self.pipe_size
         actions = self.actions if m == self.microbatches else self._actions_for(m)
         xs, ys = _split(inputs, m), _split(targets, m)
-        shares = [_rows(x) / total for x in xs]
+        rows = [_rows(x) for x in xs]
+        # The last stage weighs each microbatch's loss (`loss_weights`: by the targets it does not ignore);
+        # the others never use the weights.
+        shares = (micro_weights(self.criterion if self.criterion is not None else self.loss_fn, ys, rows)
+                  if self.rank == self.pipe_size - 1 else [n / total for n in rows])
         try:
             return self._step(xs, ys, shares, actions)
         except BaseException as err:

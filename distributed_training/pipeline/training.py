@@ -337,6 +337,7 @@ class PipelineStrategy(PipelineState, Strategy):
                          precision) -> torch.Tensor:
         criterion, inputs, targets = self._criterion_and_pair(criterion, batch, "train_step")
         self._loss_fn, self.precision = criterion, precision
+        self.engine.criterion = criterion  # the microbatches' loss weights follow its reduction (loss_weights)
         scaler = precision.scaler
         self._scale = scaler.scale if scaler is not None else None
         before = getattr(model, "before_forward", None)

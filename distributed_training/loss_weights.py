@@ -1,0 +1,56 @@
+"""How much of a batch's loss each of its micro-batches stands for.
+
+A batch cut into micro-batches (gradient accumulation, a pipeline's microbatches) must give the gradient
+of the loss one process computes on the whole batch. For a criterion that averages over the batch's
+rows, a micro-batch's mean loss counts by its share of the rows. But cross-entropy averages over the
+targets that are not ignored (`ignore_index`, -100 in torch and Hugging Face: padding, prompt tokens), so
+a micro-batch holding more ignored targets must count for less; and a criterion that sums
+(``reduction="sum"``) must have its micro-batch sums added as they are. `micro_weights` gives the
+weights:
+
+* a loss module whose ``reduction`` is ``"sum"``: 1 for every micro-batch;
+* integer targets (class indices): each micro-batch's count of targets other than the criterion's
+  ``ignore_index`` (-100 unless the module says otherwise), over the batch's count (tensors on the
+  targets' device: nothing waits for the GPU);
+* anything else: the share of the rows.
+
+A criterion that is a plain function is taken to reduce by the mean (as `F.cross_entropy`, `F.mse_loss`
+do by default); for a sum, pass a loss module (``nn.CrossEntropyLoss(reduction="sum")``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["micro_weights", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100  # torch's cross-entropy / NLL default, and Hugging Face's label padding
+
+
+def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequence[int]) -> list:
+    """The weight of each micro-batch's loss (see the module docstring): `targets` are the micro-batches'
+    targets, `rows` their row counts. Floats, or 0-dim tensors for counted targets."""
+    total = sum(rows)
+    if _setting(criterion, "reduction", "mean") == "sum":
+        return [1.0] * len(rows)
+    if criterion is not None and all(_class_indices(t) for t in targets) and len(targets) > 1:
+        ignore = _setting(criterion, "ignore_index", IGNORE_INDEX)
+        counts = [(t != ignore).sum() for t in targets]
+        whole = torch.stack(counts).sum().clamp(min=1)
+        return [c / whole for c in counts]
+    return [n / total for n in rows]
+
+
+def _setting(criterion: Any, name: str, default: Any) -> Any:
+    """A loss module's attribute, or a `functools.partial`'s keyword (``partial(F.cross_entropy, ...)``)."""
+    if isinstance(criterion, functools.partial):
+        return criterion.keywords.get(name, default)
+    return getattr(criterion, name, default)
+
+
+def _class_indices(targets: Any) -> bool:
+    return (isinstance(targets, torch.Tensor) and not targets.is_floating_point() and not targets.is_complex()
+            and targets.dtype != torch.bool)
