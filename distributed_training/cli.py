@@ -180,6 +180,11 @@ def run_job(cfg: JobConfig) -> dict:
         # What the trainer does not run with a pipeline (yet), refused on every rank alike before any
         # step: said as the config field to change.
         raise ConfigError(training_paths(str(err)).replace("checkpoint_dir", "checkpoint.dir")) from None
+    except ValueError as err:
+        if not str(err).startswith("tensor_parallel_plan"):
+            raise
+        # A plan that does not fit the model is known once the model is built, on every rank alike.
+        raise ConfigError(f"training.{err}") from None
     ctx = trainer.context
     finished = False  # an error on this rank: close without the barrier its peers would never reach
     try:

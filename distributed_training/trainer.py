@@ -259,8 +259,13 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         sparse_embeddings: list[str] | tuple[str, ...] | None = None,
         pipeline_half_blocks: bool = False,
     ) -> None:
+        if isinstance(model, (list, tuple)) and model and all(isinstance(p, tuple) and len(p) == 2 for p in model):
+            from .pipeline.stages import Chain
+
+            model = Chain(model)  # an adapter's (name, layer) pairs (`pipeline.chain`)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+            raise TypeError(f"model must be an nn.Module (or an adapter's list of (name, module) pairs), got "
+                            f"{type(model).__name__}")
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
         if gradient_clip_val is not None and not gradient_clip_val > 0:

@@ -607,3 +607,18 @@ def test_an_evaluation_target_the_data_does_not_give_is_a_config_error():
         get_logger().removeHandler(handler)
     assert code == 2
     assert any("invalid config: evaluation.target names 'val_accuracy'" in m for m in seen), seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_tensor_parallel_plan_that_does_not_fit_the_model_is_a_config_error(tmp_path):
+    """Found when the plan is applied to the built model (on every rank): still one invalid-config line
+    naming the field, exit 2, not a traceback per rank."""
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"model": {"preset": "tiny"}, "training": {
+        "tensor_parallel_size": 2, "tensor_parallel_plan": {"nothing.*": "colwise"}}}))
+    out = run_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=REPO, timeout=100)
+    both = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert both.count("invalid config: training.tensor_parallel_plan: pattern 'nothing.*' matches no module") == 1, both
+    assert "ValueError" not in both, both  # (torchrun prints its own traceback for a worker that exits non-zero)

@@ -37,7 +37,11 @@ returning one tensor. For example, for Hugging Face's GPT-2 (``GPT2LMHeadModel``
             super().__init__()
             self.block = block
         def forward(self, x):
-            out = self.block(x)
+            # The causal mask: GPT2Model builds it above its blocks, so a block called alone gets none
+            # (transformers 5 then attends to future tokens; checked equal to GPT2LMHeadModel's logits).
+            T = x.size(1)
+            causal = torch.full((T, T), torch.finfo(x.dtype).min, device=x.device).triu(1)[None, None]
+            out = self.block(x, attention_mask=causal)
             return out[0] if isinstance(out, tuple) else out   # some versions return a tuple
 
     class Head(nn.Module):
@@ -69,7 +73,7 @@ from torch import nn
 
 from ..models.gpt import GPT
 
-__all__ = ["chain", "partition", "split_at", "Stage", "TiedGroup", "find_ties", "tied_groups", "sync_tied_grads",
+__all__ = ["Chain", "chain", "partition", "split_at", "Stage", "TiedGroup", "find_ties", "tied_groups", "sync_tied_grads",
            "sum_tied_grads", "allocate", "Layers"]
 
 Layers = list[tuple[str, nn.Module]]
@@ -96,6 +100,24 @@ def _check_chain(layers: Sequence) -> Layers:
     if not out:
         raise ValueError("chain: the model has no layers")
     return out
+
+
+class Chain(nn.Module):
+    """An adapter's ``(name, module)`` pairs as one module whose forward runs them in turn: what
+    `DistributedTrainer` makes of a model given as such a list (names may hold dots, as ``"block.0"``,
+    which `nn.Sequential` refuses). `chain` returns the pairs again; the state dict's keys are
+    ``layers.<i>.<the layer's own keys>``."""
+
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        checked = _check_chain(layers)
+        self.names = [name for name, _ in checked]
+        self.layers = nn.ModuleList(module for _, module in checked)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
 
 def chain(model: nn.Module | Sequence[tuple[str, nn.Module]], halves: bool = False) -> Layers:
@@ -126,6 +148,8 @@ def chain(model: nn.Module | Sequence[tuple[str, nn.Module]], halves: bool = Fal
     if isinstance(model, nn.Sequential):
         # _modules, not named_children(): a module placed twice runs twice, and is two layers.
         return _check_chain(list(model._modules.items()))
+    if isinstance(model, Chain):
+        return list(zip(model.names, model.layers))
     if isinstance(model, (list, tuple)):
         return _check_chain(model)
     kind = type(model)
