@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from .batches import batch_size_of, call_module, model_loss, to_device
+from .loss_weights import counted
 from .data import ShardedSampler
 
 __all__ = ["Evaluation"]
@@ -28,9 +29,8 @@ class Evaluation:
         metrics: Mapping[str, Callable[[Any, Any], torch.Tensor]] | None = None,
     ) -> dict[str, float]:
         """Mean loss (and optional per-sample metrics) over the whole dataset, across all ranks: each
-        batch's loss weighted by its rows (exact for a per-row mean; with targets a cross-entropy
-        ignores, -100, it is the row-weighted mean of the batches' means, not the mean over the targets
-        kept).
+        batch's loss weighted by what its mean is over (its rows, or for class-index targets the targets
+        the criterion does not ignore, -100: `loss_weights.counted`), as one pass over the whole set.
 
         Each rank evaluates its exact shard (no padding, nothing counted twice) with the unwrapped
         module, so uneven shard sizes cannot stall a collective; one all-reduce sums the results.
@@ -92,7 +92,9 @@ class Evaluation:
         module.eval()
         names = ["loss", *(metrics or {})]
         summed = [getattr(fn, "reduction", "mean") == "sum" for fn in (metrics or {}).values()]
-        sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
+        # [loss x its count, metrics x rows..., the loss's count, rows]: a cross-entropy's mean is over the
+        # targets it keeps (`loss_weights.counted`), the metrics' over the rows.
+        sums = torch.zeros(len(names) + 2, dtype=torch.float64, device=self.device)
         batches, previous = iter(loader), None
         try:
             while True:
@@ -119,8 +121,15 @@ class Evaluation:
                     outputs = call_module(module, inputs)
                     values = [criterion(outputs, targets)]
                     values += [fn(outputs, targets) for fn in (metrics or {}).values()]
+                kept = n
+                if criterion is not None and isinstance(batch, (tuple, list)) and len(batch) == 2:
+                    kept = counted(criterion, batch[1], n) * weight
                 for k, v in enumerate(values):
-                    sums[k] += v.detach().double() * (weight if k and summed[k - 1] else n)
+                    part = v.detach().double() * (kept if k == 0 else weight if summed[k - 1] else n)
+                    if k == 0 and isinstance(kept, torch.Tensor):  # a batch that keeps no target: its mean
+                        part = torch.where(kept > 0, part, torch.zeros_like(part))  # is nan, and counts 0
+                    sums[k] += part
+                sums[-2] += kept
                 sums[-1] += n
         finally:
             for m, mode in modes:  # one by one: train() on the root would also wake a frozen submodule
@@ -129,4 +138,13 @@ class Evaluation:
         local = sums.clone()
         if shards > 1:  # each replica counted once, whatever shares it
             dist.all_reduce(sums, group=ctx.mesh.group("data"))
-        return names, local, sums
+        return names, _per_row(local), _per_row(sums)
+
+
+def _per_row(sums: torch.Tensor) -> torch.Tensor:
+    """[loss x count, metrics x rows..., count, rows] -> [loss x rows / count x count..., rows]: every value
+    over the last entry, the loss's mean over its own count (what callers divide by the rows)."""
+    out = torch.cat([sums[:-2], sums[-1:]])
+    if float(sums[-2]) > 0:
+        out[0] = sums[0] / sums[-2] * sums[-1]
+    return out

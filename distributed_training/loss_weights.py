@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["micro_weights", "IGNORE_INDEX"]
+__all__ = ["micro_weights", "counted", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # torch's cross-entropy / NLL default, and Hugging Face's label padding
 
@@ -42,6 +42,14 @@ def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequ
         whole = torch.stack(counts).sum().clamp(min=1)
         return [c / whole for c in counts]
     return [n / total for n in rows]
+
+
+def counted(criterion: Callable | None, targets: Any, rows: int):
+    """What `criterion`'s mean over one batch is taken over: its targets other than ``ignore_index`` for
+    class-index targets (a 0-dim tensor), else `rows` (`evaluate` weighs each batch's loss by it)."""
+    if criterion is not None and _class_indices(targets) and _setting(criterion, "reduction", "mean") == "mean":
+        return (targets != _setting(criterion, "ignore_index", IGNORE_INDEX)).sum()
+    return rows
 
 
 def _setting(criterion: Any, name: str, default: Any) -> Any:

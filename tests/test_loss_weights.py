@@ -78,3 +78,25 @@ def test_weights_by_rows_counted_targets_or_one():
     assert [float(w) for w in micro_weights(nn.CrossEntropyLoss(ignore_index=7), other, rows)] == pytest.approx([0.2, 0.8])
     assert micro_weights(None, [None, None], [3, 1]) == [0.75, 0.25]  # the model's own loss: by rows
     assert micro_weights(functools.partial(F.cross_entropy, reduction="sum"), y, rows) == [1.0, 1.0]
+
+
+def _evaluate(rank, world, layout):
+    torch.manual_seed(0)
+    model = _model()
+    reference = copy.deepcopy(model)
+    kwargs = {"pipeline_parallel_size": 2, "microbatches": 2} if layout == "pipeline" else {}
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False, **kwargs)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(12, 6, generator=g), torch.randint(0, 4, (12,), generator=g)
+    y[:5] = -100  # the first batch mostly ignored
+    got = trainer.evaluate(torch.utils.data.TensorDataset(x, y), F.cross_entropy, batch_size=3)["loss"]
+    trainer.close()
+    with torch.no_grad():
+        want = F.cross_entropy(reference(x), y).item()
+    return got, want
+
+
+@pytest.mark.parametrize("layout,world", [("plain", 1), ("plain", 2), ("pipeline", 2)])
+def test_evaluate_averages_a_cross_entropy_over_the_targets_it_keeps(layout, world):
+    for got, want in run_distributed(_evaluate, world, args=(layout,), timeout=120):
+        assert abs(got - want) <= 1e-6, (got, want)
