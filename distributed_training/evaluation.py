@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from .batches import batch_size_of, call_module, model_loss, to_device
-from .loss_weights import counted
 from .data import ShardedSampler
+from .loss_weights import counted
 
 __all__ = ["Evaluation"]
 
@@ -123,7 +123,7 @@ class Evaluation:
                     values += [fn(outputs, targets) for fn in (metrics or {}).values()]
                 kept = n
                 if criterion is not None and isinstance(batch, (tuple, list)) and len(batch) == 2:
-                    kept = counted(criterion, batch[1], n) * weight
+                    kept = counted(criterion, batch[1], batch_size_of(batch)) * weight
                 for k, v in enumerate(values):
                     part = v.detach().double() * (kept if k == 0 else weight if summed[k - 1] else n)
                     if k == 0 and isinstance(kept, torch.Tensor):  # a batch that keeps no target: its mean

@@ -33,15 +33,14 @@ IGNORE_INDEX = -100  # torch's cross-entropy / NLL default, and Hugging Face's l
 def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequence[int]) -> list:
     """The weight of each micro-batch's loss (see the module docstring): `targets` are the micro-batches'
     targets, `rows` their row counts. Floats, or 0-dim tensors for counted targets."""
-    total = sum(rows)
     if _setting(criterion, "reduction", "mean") == "sum":
         return [1.0] * len(rows)
-    if criterion is not None and all(_class_indices(t) for t in targets) and len(targets) > 1:
-        ignore = _setting(criterion, "ignore_index", IGNORE_INDEX)
-        counts = [(t != ignore).sum() for t in targets]
-        whole = torch.stack(counts).sum().clamp(min=1)
-        return [c / whole for c in counts]
-    return [n / total for n in rows]
+    counts = [counted(criterion, t, n) for t, n in zip(targets, rows)] if len(rows) > 1 else list(rows)
+    if all(isinstance(c, int) for c in counts):
+        return [n / sum(rows) for n in rows]
+    # (every micro-batch's targets are class indices: `_split` cuts them alike)
+    whole = torch.stack([torch.as_tensor(c) for c in counts]).sum().clamp(min=1)
+    return [c / whole for c in counts]
 
 
 def counted(criterion: Callable | None, targets: Any, rows: int):

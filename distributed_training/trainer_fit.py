@@ -364,18 +364,14 @@ class Fitting:
                     break
             if on_step is not None and not logged and metrics is not None:
                 on_step(self.step, {k: float(v) for k, v in metrics.items()})
-            if steps == 0 and exhausted:  # resumed at the epoch's end (an older checkpoint): nothing to record
-                self.epoch += 1
-                self.batch_in_epoch = self.samples_in_epoch = 0
-                self._epoch_finished = False
-                continue
-            history.append({
-                "epoch": self.epoch,
-                "steps": steps,
-                "train_loss": float(loss_sum / steps) if steps else float("nan"),
-                "seconds": time.perf_counter() - started,
-                **(evaluated or {}),  # the epoch's last evaluation
-            })
+            if steps or not exhausted:  # (an epoch resumed at its end, by an older checkpoint, trained nothing)
+                history.append({
+                    "epoch": self.epoch,
+                    "steps": steps,
+                    "train_loss": float(loss_sum / steps) if steps else float("nan"),
+                    "seconds": time.perf_counter() - started,
+                    **(evaluated or {}),  # the epoch's last evaluation
+                })
             if not exhausted:
                 break  # max_steps reached inside the epoch: it stays the current one
             self.epoch += 1

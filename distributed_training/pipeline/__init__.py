@@ -20,8 +20,8 @@ from .stages import Chain, Stage, TiedGroup, chain, find_ties, partition, split_
 
 __all__ = [
     "Action", "ScheduleError", "Simulation", "bubble_formula", "build_schedule", "simulate", "stage_of",
-    "Chain", "GPTEmbedding", "GPTHead", "GPTStages", "Stage", "TiedGroup", "chain", "find_ties", "gpt_key", "gpt_layer_flops",
-    "layer_seed",
+    "Chain", "GPTEmbedding", "GPTHead", "GPTStages", "Stage", "TiedGroup", "chain", "find_ties", "gpt_key",
+    "gpt_layer_flops", "layer_seed",
     "lm_loss", "partition", "split_at", "sync_tied_grads", "tied_groups",
     "PipelineEngine", "PipelineTiming", "SplitBackward",
 ]

@@ -197,11 +197,10 @@ class PipelineEngine:
             m -= m % self.pipe_size
         actions = self.actions if m == self.microbatches else self._actions_for(m)
         xs, ys = _split(inputs, m), _split(targets, m)
-        rows = [_rows(x) for x in xs]
         # The last stage weighs each microbatch's loss (`loss_weights`: by the targets it does not ignore);
-        # the others never use the weights.
-        shares = (micro_weights(self.criterion if self.criterion is not None else self.loss_fn, ys, rows)
-                  if self.rank == self.pipe_size - 1 else [n / total for n in rows])
+        # the others never use the weights (by rows: nothing launched).
+        criterion = (self.criterion if self.criterion is not None else self.loss_fn) if self.is_last else None
+        shares = micro_weights(criterion, ys, [_rows(x) for x in xs])
         try:
             return self._step(xs, ys, shares, actions)
         except BaseException as err:

@@ -462,7 +462,6 @@ class DDP(CommTiming, nn.Module):
         finally:
             self._reset_iteration()
 
-
     def _unused_everywhere(self, indices: list[int]) -> None:
         """Parameters (indices into `_params`) that got no gradient on any rank this backward: their
         ``.grad`` was left None, as without DDP. A subclass whose optimizer sees them otherwise says so."""

@@ -1,7 +1,7 @@
 """Fully sharded data parallelism (ZeRO-3, and ZeRO-2 with `reshard_after_forward=False`).
 
-The model is cut into *units* (by default: the repeated blocks of every `nn.ModuleList` or `nn.Sequential`, plus the root
-for whatever is left). A unit's parameters are flattened, in registration order, into one flat vector
+The model is cut into *units* (by default: the repeated blocks of every `nn.ModuleList` or
+`nn.Sequential`, plus the root for whatever is left). A unit's parameters are flattened, in registration order, into one flat vector
 padded to a multiple of the shard-group size W; rank r keeps only slice r of it, as an
 `nn.Parameter` of ceil(numel / W) elements (the *shard*, fp32 master weights). `FSDP.parameters()`
 yields these shards only, so an optimizer built afterwards holds 1/W of the state.
