@@ -452,7 +452,7 @@ def _tiny(n_layer=2, **training):
     ],
 )
 def test_pipeline_checks_that_need_the_model_or_the_world_name_the_field(monkeypatch, raw, world, field):
-    from distributed_training.cli import _build, _check_pipeline_fits
+    from distributed_training.dtrain_job import _build, _check_pipeline_fits
 
     cfg = load_config(raw)
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -468,7 +468,7 @@ def test_pipeline_checks_that_need_the_model_or_the_world_name_the_field(monkeyp
     (_tiny(pipeline_parallel_size=2, pipeline_split_points=["block.1.m"], pipeline_half_blocks=True), 2),
 ])
 def test_pipeline_checks_pass_what_fits(monkeypatch, raw, world):
-    from distributed_training.cli import _build, _check_pipeline_fits
+    from distributed_training.dtrain_job import _build, _check_pipeline_fits
 
     cfg = load_config(raw)
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -496,7 +496,7 @@ def test_what_the_trainer_refuses_with_a_pipeline_is_said_as_config_fields(monke
 def test_an_epochs_last_batch_too_small_for_the_microbatches_is_left_out():
     from types import SimpleNamespace
 
-    from distributed_training.cli import _epochs_for, _short_last_batch
+    from distributed_training.dtrain_job import _epochs_for, _short_last_batch
 
     trainer = SimpleNamespace(dp_world_size=2, config={"microbatches": 4})
     assert _short_last_batch(trainer, list(range(36)), 16)       # 18 a replica: a last batch of 2
@@ -511,6 +511,7 @@ def test_pipeline_balance_time_times_one_microbatch_of_the_jobs_inputs(monkeypat
     """training.pipeline_balance 'time': dtrain hands the trainer one microbatch of its inputs
     (batch_size / microbatches rows: data.block_size token ids for a GPT, 64 pixels for the classifier)."""
     import distributed_training.cli as cli
+    import distributed_training.dtrain_job as dtrain_job
     import distributed_training.trainer as trainer_module
 
     class Seen(Exception):
@@ -535,9 +536,9 @@ def test_pipeline_balance_time_times_one_microbatch_of_the_jobs_inputs(monkeypat
     assert seen["pipeline_balance"] == "time" and sample.shape == (2, 32) and sample.dtype == torch.long
     cfg = load_config({"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
                        "training": {"pipeline_parallel_size": 2, "pipeline_balance": "time", "batch_size": 8}})
-    assert cli._sample_input(cfg, cli._build(cfg)[0]).shape == (4, 64)
+    assert dtrain_job._sample_input(cfg, dtrain_job._build(cfg)[0]).shape == (4, 64)
     cfg = load_config({"model": {"preset": "tiny"}, "training": {"pipeline_parallel_size": 2}})
-    assert cli._sample_input(cfg, cli._build(cfg)[0]) is None  # balanced by parameters: no sample
+    assert dtrain_job._sample_input(cfg, dtrain_job._build(cfg)[0]) is None  # balanced by parameters: no sample
 
 
 # ------------------------------------------------------------------ a run that is already complete

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from distributed_training import cli
+from distributed_training import cli, dtrain_job
 from distributed_training.config import ConfigError, load_config
 from distributed_training.testing import run_torchrun
 from distributed_training.user_job import UserCodeError
@@ -279,7 +279,7 @@ def test_user_code_failures_name_the_field_the_path_and_the_cause(jobs, sections
     if str(jobs) not in sys.path:
         sys.path.insert(0, str(jobs))
     with pytest.raises(UserCodeError, match=message):
-        cli._build(load_config(_job(**sections)))
+        dtrain_job._build(load_config(_job(**sections)))
 
 
 @pytest.mark.parametrize("raw, message", [

@@ -285,14 +285,14 @@ def dtrain_worker(rank, world, checkpoint_dir):
 
 
 def test_dtrain_evaluates_every_n_steps_and_keeps_the_best(tmp_path):
-    from distributed_training import cli
+    from distributed_training import dtrain_job
     from distributed_training.config import load_config
 
     metrics = run_distributed(dtrain_worker, 2, args=(str(tmp_path),), timeout=180)[0]
     assert set(metrics) >= {"loss", "val_loss", "val_accuracy", "val_top3", "val_samples"}, metrics
     assert metrics["loss"] == metrics["val_loss"] and metrics["val_top3"] >= metrics["val_accuracy"]
     # The whole validation split, once: what _build holds out.
-    _, _, val, _ = cli._build(load_config({"model": {"preset": "classifier"}, "data": {"dataset": "digits"}}))
+    _, _, val, _ = dtrain_job._build(load_config({"model": {"preset": "classifier"}, "data": {"dataset": "digits"}}))
     assert metrics["val_samples"] == len(val)
     record = json.loads((tmp_path / "best.json").read_text())
     assert record["metric"] == "val_accuracy" and record["step"] in (2, 4, 6) and not math.isnan(record["value"])

@@ -1,0 +1,409 @@
+"""The job `dtrain` runs: the model, data and trainer a config describes, trained, evaluated and saved
+(`run_job`), with what must be checked before the rendezvous (the world against the model-parallel
+sizes, a pipeline against the model) and after a resume (the schedule's length, a run already complete).
+`cli` parses the command line and reports what goes wrong once."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import ConfigError, JobConfig, training_paths
+from .logs import get_logger
+from .validation import job_best_checkpoint, job_final_metrics, job_fit_evaluation, job_results
+
+__all__ = ["run_job"]
+
+log = get_logger("cli")
+
+
+def _build(cfg: JobConfig):
+    """(model, train set, validation set, criterion or None) for the config."""
+    from . import user_job
+
+    if user_job.uses_user_code(cfg):  # model.target, data.target, ...: the user's own parts
+        return user_job.build(cfg, builtin=_build)
+    from .datasets import TextWindows, digits, repo_text
+    from .models import GPT, GPT_PRESETS
+
+    if cfg.data.dataset == "image_folder":
+        from .image_job import build_image_job
+
+        return build_image_job(cfg)
+    g = torch.Generator().manual_seed(cfg.training.seed)
+    if cfg.data.dataset == "digits":
+        data = digits()
+        order = torch.randperm(len(data), generator=g)
+        n_val = int(len(data) * cfg.data.val_fraction)
+        train = torch.utils.data.Subset(data, order[n_val:].tolist())
+        val = torch.utils.data.Subset(data, order[:n_val].tolist())
+        torch.manual_seed(cfg.training.seed)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(cfg.model.dropout), nn.Linear(128, 10))
+        from .image_job import classification_loss
+
+        return model, train, val, classification_loss(cfg)
+    tokens = repo_text()
+    block = cfg.data.block_size
+    starts = list(range(0, len(tokens) - block - 1, block))
+    every = max(2, round(1 / cfg.data.val_fraction)) if cfg.data.val_fraction > 0 else 0
+    val_starts = starts[::every] if every else []
+    held_out = set(val_starts)  # built once: in the comprehension it was rebuilt for every window
+    train_starts = [s for s in starts if s not in held_out]
+    preset = GPT_PRESETS[cfg.model.preset]
+    shape = {"vocab_size": 256, "block_size": max(block, preset.block_size), "dropout": cfg.model.dropout}
+    if cfg.model.n_layer is not None:
+        shape["n_layer"] = cfg.model.n_layer
+    if cfg.model.n_embd is not None:
+        shape["n_embd"] = cfg.model.n_embd
+    import dataclasses
+
+    # Built on the meta device (shapes only): the trainer gives storage to what each rank runs (with a
+    # pipeline, its stages only, so no rank holds the whole model) and initialises it from
+    # training.seed by the GPT's per-layer scheme (`GPTStages`), the same weights at every pipeline
+    # size on one device type.
+    with torch.device("meta"):
+        model = GPT(dataclasses.replace(preset, **shape))
+    return model, TextWindows(tokens, block, train_starts), TextWindows(tokens, block, val_starts), None
+
+
+def run_job(cfg: JobConfig) -> dict:
+    """Train as the config says; return rank 0's final metrics (others: {})."""
+    from . import user_job
+    from .optim_job import job_optimizer, schedule_steps
+    from .trainer import DistributedTrainer
+
+    model, train, val, criterion = _build(cfg)
+    t = cfg.training
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # checked before the rendezvous: torchrun's value
+    strategy, served = _job_strategy(cfg, world)
+    pipelined = t.pipeline_parallel_size > 1
+    _check_world(cfg, model, world)
+    replicas = max(1, (world - (t.num_servers if served else 0)) // (t.pipeline_parallel_size * t.tensor_parallel_size))
+    optimizer, lr_scheduler = job_optimizer(
+        cfg, model, total_steps=schedule_steps(cfg, train, replicas, user_job.is_iterable(train), _resume_meta(cfg)))
+    try:
+        trainer = DistributedTrainer(
+            model, optimizer, lr_scheduler=lr_scheduler, strategy=strategy,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            gradient_clip_val=None if served else t.gradient_clip_val,  # (config: not given with the parameter server)
+            **served,
+            timeout=t.timeout_s, seed=t.seed, checkpoint_dir=cfg.checkpoint.dir,
+            checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last, resume=cfg.checkpoint.resume,
+            **job_best_checkpoint(cfg),
+            save_on_preemption=cfg.checkpoint.save_on_preemption, checkpoint_async=cfg.checkpoint.asynchronous,
+            log_dir=cfg.logging.dir,
+            log_every=cfg.logging.every, progress=cfg.logging.progress and cfg.logging.dir is not None,
+            mixed_precision=None if t.precision == "fp32" else t.precision,
+            activation_checkpointing=_block_classes(model) if t.activation_checkpointing else None,
+            memory_budget_bytes=t.memory_budget_gb * 2**30 if t.memory_budget_gb is not None else None,
+            pipeline_parallel_size=t.pipeline_parallel_size, pipeline_schedule=t.pipeline_schedule,
+            microbatches=t.microbatches, pipeline_split_points=t.pipeline_split_points,
+            pipeline_chunks=t.pipeline_chunks, pipeline_balance=t.pipeline_balance,
+            pipeline_sample_input=_sample_input(cfg, model), pipeline_half_blocks=t.pipeline_half_blocks,
+            tensor_parallel_size=t.tensor_parallel_size, sequence_parallel=t.sequence_parallel,
+            tensor_parallel_plan=({k: tuple(v) if isinstance(v, list) else v for k, v in t.tensor_parallel_plan.items()}
+                                  if t.tensor_parallel_plan is not None else None),
+        )
+    except NotImplementedError as err:
+        if not pipelined:
+            raise
+        # What the trainer does not run with a pipeline (yet), refused on every rank alike before any
+        # step: said as the config field to change.
+        raise ConfigError(training_paths(str(err)).replace("checkpoint_dir", "checkpoint.dir")) from None
+    except ValueError as err:
+        if not str(err).startswith("tensor_parallel_plan"):
+            raise
+        # A plan that does not fit the model is known once the model is built, on every rank alike.
+        raise ConfigError(f"training.{err}") from None
+    ctx = trainer.context
+    finished = False  # an error on this rank: close without the barrier its peers would never reach
+    try:
+        log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
+                 type(model).__name__, f"{sum(p.numel() for p in model.parameters()):,}", trainer.strategy.name,
+                 _layout(trainer, t), trainer.job_context.world_size, ctx.device, user_job.sample_count(train))
+        batching = {"batch_size": t.batch_size}
+        if t.global_batch_size is not None:  # fit() cuts it at this size (and says how)
+            batching = {"global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
+                        "allow_global_batch_change": t.allow_global_batch_change}
+            batch_size = max(1, round(t.global_batch_size / trainer.dp_world_size))  # a rank's share
+        else:
+            if t.batch_size == "auto" and trainer.batch_size is None and not _resuming(trainer):
+                trainer.auto_batch_size(train, criterion)  # logs what it chose and why
+            batch_size = t.batch_size if t.batch_size != "auto" else trainer.batch_size
+            if batch_size is None and _resuming(trainer):  # fit() restores the batch size "auto" chose before
+                batch_size = trainer.checkpoints.latest_good()[1].get("batch_size")
+        # fit() shards by data-parallel replica: the ranks of one pipeline read the same batches.
+        drop_last = pipelined and _short_last_batch(trainer, train, batch_size)
+        epochs = (user_job.iterable_epochs(t.epochs, t.max_steps) if user_job.is_iterable(train) else
+                  _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last))
+        if _already_complete(trainer, cfg, epochs):
+            finished = True
+            return {}
+        data = user_job.train_data(cfg, train, batch_size, trainer.dp_rank, trainer.dp_world_size)
+        val_data = user_job.val_data(cfg, val, trainer.batch_size or batch_size)
+        from .image_job import input_watch
+
+        watch = input_watch(train, cfg)  # image folders: decode vs training rates, said after fit
+        try:
+            trainer.fit(data, epochs=epochs, criterion=criterion, **batching, max_steps=t.max_steps,
+                        log_every=cfg.logging.every, drop_last=drop_last, num_workers=cfg.data.num_workers,
+                        **job_fit_evaluation(cfg, val_data),
+                        on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main
+                        else None)
+        except ValueError as err:
+            if not str(err).startswith("eval_target names"):
+                raise
+            # Metrics read from the data (evaluation.metrics not given): known only now, on every rank alike.
+            raise ConfigError(f"evaluation.target {str(err).removeprefix('eval_target ')}: name one of those, or list "
+                              "the metric in evaluation.metrics") from None
+        watch.report(getattr(trainer, "data_wait_s", None))
+        metrics = _final_metrics(cfg, trainer, val, val_data, criterion, trainer.batch_size or batch_size)
+        _write_outputs(cfg, trainer, metrics)
+        finished = True
+        return metrics if ctx.is_main else {}
+    finally:
+        trainer.close(barrier=finished)
+
+
+def _job_strategy(cfg: JobConfig, world: int) -> tuple[Any, dict]:
+    """The trainer's `strategy` argument (a name, or a strategy object carrying the communication
+    section), and the parameter server's keyword arguments ({} for the other strategies)."""
+    t, c = cfg.training, cfg.communication
+    strategy = t.strategy
+    communication = None
+    if c.compression != "none" or c.pattern != "nccl" or c.hierarchical:
+        from .comm.optimizer import CommunicationOptimizer
+
+        communication = CommunicationOptimizer(
+            None if c.compression == "none" else c.compression, compression_ratio=c.compression_ratio,
+            error_feedback=c.error_feedback, pattern=c.pattern, hierarchical=c.hierarchical,
+            ranks_per_node=c.ranks_per_node)
+    if strategy in ("ddp", "zero1"):
+        from .strategies import DDPStrategy, Zero1Strategy
+
+        cls = DDPStrategy if strategy == "ddp" else Zero1Strategy
+        strategy = cls(bucket_cap_mb=c.bucket_cap_mb, communication=communication)
+    served = {}
+    if strategy == "parameter_server":
+        if t.num_servers >= world:
+            raise ConfigError(f"training.num_servers={t.num_servers} leaves no worker in a world of {world}: run more "
+                              f"processes than servers (torchrun --nproc_per_node) or lower training.num_servers")
+        served = {"num_servers": t.num_servers, "consistency": t.consistency, "staleness": t.staleness}
+    return strategy, served
+
+
+def _check_world(cfg: JobConfig, model: nn.Module, world: int) -> None:
+    """The model-parallel sizes against the world (and, with a pipeline, the model), before the rendezvous."""
+    t = cfg.training
+    pipelined = t.pipeline_parallel_size > 1
+    if t.tensor_parallel_size > 1 and world % (t.tensor_parallel_size * t.pipeline_parallel_size):
+        with_pipeline = f" x training.pipeline_parallel_size={t.pipeline_parallel_size}" if pipelined else ""
+        per_replica = t.tensor_parallel_size * t.pipeline_parallel_size
+        raise ConfigError(f"training.tensor_parallel_size={t.tensor_parallel_size}{with_pipeline} does not divide the "
+                          f"world size {world}: run a multiple of {per_replica} processes (torchrun --nproc_per_node)")
+    if pipelined:
+        _check_pipeline_fits(cfg, model)
+
+
+def _layout(trainer, t) -> str:
+    """What the start-up line says of the ranks' layout beyond the strategy (pipeline, tensor, servers)."""
+    pipelined = t.pipeline_parallel_size > 1
+    chunks = trainer.config["pipeline_chunks"] if pipelined else 1
+    stages = (f"{t.pipeline_parallel_size * chunks} stages ({t.pipeline_parallel_size} ranks x {chunks} chunks, "
+              if chunks > 1 else f"{t.pipeline_parallel_size} stages (")
+    layout = [f"pipeline of {stages}{trainer.config['pipeline_schedule']}, {trainer.config['microbatches']} "
+              "microbatches)"] if pipelined else []
+    if t.tensor_parallel_size > 1:
+        layout.append(f"tensor-parallel over {t.tensor_parallel_size} ranks"
+                      f"{' with sequence parallelism' if t.sequence_parallel else ''}")
+    if t.strategy == "parameter_server":
+        return (f" ({t.num_servers} server(s), {trainer.dp_world_size} worker(s), consistency "
+                f"{t.consistency}{f', staleness {t.staleness}' if t.consistency == 'ssp' else ''})")
+    return f", {' x '.join(layout)} x {trainer.dp_world_size} data-parallel" if layout else ""
+
+
+def _final_metrics(cfg: JobConfig, trainer, val, val_data, criterion, batch_size: int) -> dict:
+    """The run's last evaluation (with evaluation.every), else one pass over the validation set now."""
+    if cfg.evaluation.every is not None:
+        return job_results(trainer)
+    if not len(val):
+        return {}
+    # Once, at the end: the same values `every` would give.
+    functions, perplexity = job_final_metrics(cfg, val_data, criterion)
+    metrics = _validate(trainer, val_data, criterion, batch_size, functions)
+    if perplexity and "loss" in metrics:
+        metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))
+    return metrics
+
+
+def _write_outputs(cfg: JobConfig, trainer, metrics: dict) -> None:
+    """Say how the run ended; rank 0 writes the final model (`output`) and the run's COMPLETED marker."""
+    state = trainer.strategy.model_state_dict(trainer.model)  # collective: every rank
+    extra = "".join(f", {k} {v:.4g}" for k, v in metrics.items() if k not in ("loss", "val_loss", "val_samples"))
+    log.info("dtrain: finished at step %d, validation loss %.4f%s", trainer.step, metrics.get("loss", math.nan), extra)
+    # One writer (a parameter server's servers train nothing and hold the same model).
+    if trainer.context.is_main and trainer.strategy.trains:
+        if cfg.output:
+            Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, cfg.output)
+        if cfg.checkpoint.dir:
+            # The StatefulSet entrypoint idles instead of training again when this marker exists.
+            Path(cfg.checkpoint.dir).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.checkpoint.dir) / "COMPLETED").write_text(f"step {trainer.step}\n")
+
+
+def _sample_input(cfg: JobConfig, model: nn.Module) -> torch.Tensor | None:
+    """With training.pipeline_balance 'time': one microbatch of the job's inputs, which the layers are
+    timed on (None otherwise): batch_size / microbatches rows of data.block_size token ids for a GPT
+    preset, of 64 pixels for the classifier."""
+    from .models import GPT
+
+    t = cfg.training
+    if t.pipeline_parallel_size == 1 or t.pipeline_balance != "time" or t.pipeline_split_points is not None:
+        return None
+    batch = t.batch_size if isinstance(t.batch_size, int) else 1  # "auto" is refused with a pipeline
+    rows = max(1, batch // (t.microbatches or t.pipeline_parallel_size))
+    g = torch.Generator().manual_seed(0)
+    if isinstance(model, GPT):
+        return torch.randint(0, model.cfg.vocab_size, (rows, cfg.data.block_size), generator=g)
+    return torch.rand(rows, 64, generator=g)  # the classifier's 8x8 digits
+
+
+def _check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
+    """What the pipeline fields ask of the model and the world, checked before the rendezvous (every
+    rank reads the same config and builds the same model, so every rank fails alike): the world size
+    (torchrun's WORLD_SIZE) a multiple of the pipeline's, no more stages than layers, split points that
+    name layers."""
+    from .pipeline.stages import chain, split_at
+    from .pipeline.training import PipelineOptions
+
+    t = cfg.training
+    options = PipelineOptions(t.pipeline_parallel_size, t.pipeline_schedule, t.microbatches,
+                              t.pipeline_split_points, t.pipeline_chunks, balance=t.pipeline_balance,
+                              half_blocks=t.pipeline_half_blocks)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world % options.size:
+        raise ConfigError(f"training.pipeline_parallel_size={options.size} does not divide the world size {world}: "
+                          f"run a multiple of {options.size} processes (torchrun --nproc_per_node)")
+    try:
+        names = [name for name, _ in chain(model, halves=options.half_blocks and options.enabled)]
+    except ValueError as err:
+        raise ConfigError(f"training.pipeline_half_blocks: {err}") from None
+    if options.num_stages > len(names):
+        chunks = f" x training.pipeline_chunks={options.chunks}" if options.chunks > 1 else ""
+        raise ConfigError(f"training.pipeline_parallel_size={options.size}{chunks} makes {options.num_stages} stages, "
+                          f"but the model has only {len(names)} layers to cut ({', '.join(names)}): fewer stages, or "
+                          "more layers (model.n_layer)")
+    if options.split_points is not None:
+        try:
+            split_at(options.split_points, names)
+        except ValueError as err:
+            raise ConfigError(f"training.pipeline_split_points: {str(err).removeprefix('boundary_names: ')}") from None
+
+
+def _short_last_batch(trainer, train, batch_size: int) -> bool:
+    """Whether an epoch ends with a batch too small for the pipeline's microbatches (fewer samples than
+    microbatches): then that batch is left out (``fit(drop_last=True)``), as the pipeline cannot cut it."""
+    from .data import ShardedSampler
+
+    last = len(ShardedSampler(train, trainer.dp_world_size, 0)) % batch_size
+    if 0 < last < trainer.config["microbatches"]:
+        log.info("dtrain: each epoch's last batch (%d samples) is too small for training.microbatches=%d: "
+                 "left out", last, trainer.config["microbatches"])
+        return True
+    return False
+
+
+def _validate(trainer, val, criterion, batch_size: int, metrics: dict | None = None) -> dict:
+    """`trainer.evaluate` on the validation set; with a pipeline, where the trainer cannot evaluate yet
+    (every rank raises alike, at its first batch), the run says so and goes on without."""
+    try:
+        return trainer.evaluate(val, criterion, batch_size=batch_size, metrics=metrics or None)
+    except NotImplementedError as err:
+        if trainer.config.get("pipeline_parallel_size", 1) == 1:
+            raise
+        if trainer.context.is_main:
+            log.warning("dtrain: no validation loss: %s", err)
+        return {}
+
+
+def _block_classes(model: nn.Module) -> tuple[type, ...]:
+    """The classes of the repeated blocks (children of any ModuleList): what activation checkpointing wraps."""
+    found = {type(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
+    if not found:
+        raise ConfigError(f"training.activation_checkpointing: {type(model).__name__} has no repeated blocks to checkpoint")
+    return tuple(found)
+
+
+def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | None, world_size: int,
+                drop_last: bool = False) -> int:
+    """`epochs`, or more when `max_steps` asks for more steps than `epochs` passes hold.
+
+    A dtrain user who writes ``max_steps`` means that many steps, so it wins over ``epochs`` (whose
+    default, 1, would otherwise stop a short dataset's run early); the change is logged."""
+    if max_steps is None or not batch_size:
+        return epochs
+    from .data import ShardedSampler
+
+    per_rank = len(ShardedSampler(train, world_size, 0))  # what fit() gives each rank per epoch
+    per_epoch = max(1, per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size))
+    needed = math.ceil(max_steps / per_epoch)
+    if needed > epochs:
+        log.info("dtrain: training.max_steps=%d needs %d epochs of %d steps (%d samples per rank, batch %d): "
+                 "training for %d epochs instead of training.epochs=%d", max_steps, needed, per_epoch, per_rank,
+                 batch_size, needed, epochs)
+        return needed
+    return epochs
+
+
+def _resume_meta(cfg: JobConfig) -> dict | None:
+    """The metadata of the checkpoint this job would resume from (None: none, or resume is off), read
+    before the trainer exists (the learning-rate schedule's length depends on it)."""
+    if not cfg.checkpoint.dir or not cfg.checkpoint.resume or not os.path.isdir(cfg.checkpoint.dir):
+        return None
+    from .checkpoint import CheckpointCorruptError, CheckpointManager, read_meta
+
+    manager = CheckpointManager(cfg.checkpoint.dir)
+    for step in sorted(manager.steps(), reverse=True):  # meta.pt only: the trainer checks the rank files
+        try:
+            return read_meta(manager.path_for(step))
+        except CheckpointCorruptError:
+            continue
+    return None
+
+
+def _already_complete(trainer, cfg: JobConfig, epochs: int) -> bool:
+    """Whether the checkpoint a resume would load is the end of this run (its step reached
+    training.max_steps, or its epoch the epochs to train): then say so, what to change, and train,
+    evaluate and save nothing (the StatefulSet's marker, checkpoint.dir/COMPLETED, is written if it
+    is missing). Collective, like a resume: every rank reads the same checkpoint and agrees."""
+    if trainer.checkpoints is None or not trainer.resume:
+        return False
+    found = trainer.latest_checkpoint()
+    if found is None:
+        return False
+    path, meta = found
+    step, epoch, max_steps = int(meta["step"]), int(meta.get("epoch", 0)), cfg.training.max_steps
+    reached = ("training.max_steps" if max_steps is not None and step >= max_steps else
+               "training.epochs" if epoch >= epochs else None)
+    if step == 0 or reached is None:  # what `fit` resumes from, and when it would train nothing
+        return False
+    if trainer.context.is_main:
+        limit = f"training.max_steps={max_steps}" if reached == "training.max_steps" else f"{epochs} epoch(s)"
+        log.info("dtrain: the run is already complete at step %d (%s, checkpoint %s): nothing trained or saved. "
+                 "To train further, raise training.max_steps or training.epochs; to start again from step 0, set "
+                 "checkpoint.resume: false (dtrain --no-resume)", step, limit, path)
+        marker = Path(cfg.checkpoint.dir) / "COMPLETED"
+        if not marker.exists():
+            marker.write_text(f"step {step}\n")
+    return True
+
+
+def _resuming(trainer) -> bool:
+    # Collective (every rank agrees), so no rank runs the batch size search while another skips it.
+    return trainer.checkpoints is not None and trainer.resume and trainer.latest_checkpoint() is not None
