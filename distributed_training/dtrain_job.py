@@ -78,6 +78,7 @@ def run_job(cfg: JobConfig) -> dict:
     from .trainer import DistributedTrainer
 
     model, train, val, criterion = _build(cfg)
+    n_params = sum(p.numel() for p in model.parameters())  # before a sharded strategy moves them into its shards
     t = cfg.training
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # checked before the rendezvous: torchrun's value
     strategy, served = _job_strategy(cfg, world)
@@ -124,7 +125,7 @@ def run_job(cfg: JobConfig) -> dict:
     finished = False  # an error on this rank: close without the barrier its peers would never reach
     try:
         log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
-                 type(model).__name__, f"{sum(p.numel() for p in model.parameters()):,}", trainer.strategy.name,
+                 type(model).__name__, f"{n_params:,}", trainer.strategy.name,
                  _layout(trainer, t), trainer.job_context.world_size, ctx.device, user_job.sample_count(train))
         batching = {"batch_size": t.batch_size}
         if t.global_batch_size is not None:  # fit() cuts it at this size (and says how)

@@ -623,3 +623,30 @@ def test_a_tensor_parallel_plan_that_does_not_fit_the_model_is_a_config_error(tm
     assert out.returncode != 0
     assert both.count("invalid config: training.tensor_parallel_plan: pattern 'nothing.*' matches no module") == 1, both
     assert "ValueError" not in both, both  # (torchrun prints its own traceback for a worker that exits non-zero)
+
+
+def test_the_start_line_counts_the_models_parameters_under_zero3_too(tmp_path):
+    """Counted before the strategy moves them into its shards (a refactor once counted after: 0)."""
+    import logging
+
+    from distributed_training.cli import main
+    from distributed_training.dtrain_job import _build
+    from distributed_training.logs import get_logger
+
+    raw = {"model": {"preset": "tiny"}, "training": {"strategy": "zero3", "max_steps": 1},
+           "logging": {"progress": False}}
+    expected = sum(p.numel() for p in _build(load_config(raw))[0].parameters())
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger, level = get_logger(), get_logger().level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        assert main([str(path)]) == 0
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert any(f"with {expected:,} parameters, strategy zero3" in m for m in seen), seen[:3]
