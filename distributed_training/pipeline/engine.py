@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..loss_weights import micro_weights
+from .graphs import StageGraphs, slots_per_chunk
 from .p2p import PipelineAborted, StageLink
 from .schedules import build_schedule, stage_of
 from .split_backward import SplitBackward
@@ -108,6 +109,9 @@ class PipelineEngine:
             gradients (`split_backward.SplitBackward`); default ``SplitBackward(chunks)``: the chunks'
             `nn.Linear` layers. Pass ``SplitBackward(chunks, functional=True)`` to also defer other
             ``F.linear`` calls. Ignored by schedules without split backwards.
+        cuda_graphs: replay each chunk's forward and backward as CUDA graphs (`graphs.StageGraphs`),
+            captured after the first step for the input shape that step had; other shapes run eagerly.
+            CUDA only, not with split backwards (``"zbh1"``), nor with chunks that have module hooks.
 
     Attributes:
         timing: set to True to time the coming steps (default False: nothing is timed, nothing waits
@@ -123,7 +127,7 @@ class PipelineEngine:
     def __init__(self, chunks: Sequence[nn.Module], *, ranks: Sequence[int], rank: int, group=None,
                  up_group=None, down_group=None, header_group=None, schedule: str = "1f1b", microbatches: int, loss_fn: Callable,
                  device: torch.device | str = "cpu", after_backward: Callable[[], None] | None = None,
-                 split_backward: SplitBackward | None = None) -> None:
+                 split_backward: SplitBackward | None = None, cuda_graphs: bool = False) -> None:
         self.chunks = list(chunks)
         # Chunks whose first layer works in place (nn.ReLU(inplace=True)) get a copy of their received
         # input: autograd forbids modifying a leaf that requires grad, which a received input is.
@@ -150,6 +154,13 @@ class PipelineEngine:
             elif not isinstance(split_backward, SplitBackward):
                 raise TypeError(f"split_backward must be a SplitBackward, got {type(split_backward).__name__}")
             self.split = split_backward
+        self.graphs: StageGraphs | None = None
+        if cuda_graphs:
+            if self.split is not None:
+                raise ValueError(f"cuda_graphs does not combine with schedule {schedule!r}: its split backward "
+                                 "defers weight gradients outside the backward a graph would replay")
+            self.graphs = StageGraphs(self.chunks, slots_per_chunk(self.actions, len(self.chunks)), self.device)
+        self._slots: dict[tuple[int, int], Any] = {}  # (microbatch, chunk) -> its graphs' slot, until its B
         self.timing = False
         self.last_timing: PipelineTiming | None = None
         self._clock: ActionClock | None = None
@@ -157,9 +168,14 @@ class PipelineEngine:
         #: ignore_index); None: `loss_fn` itself. The trainer sets the user's criterion here.
         self.criterion: Callable | None = None
 
-    def _forward(self, chunk: int, stage: int, x: Any) -> Any:
+    def _forward(self, chunk: int, stage: int, x: Any, mb: int = 0) -> Any:
         if stage > 0 and self._copy_input[chunk] and isinstance(x, torch.Tensor) and x.requires_grad:
             x = x.clone()  # the gradient still reaches the received tensor, through the copy
+        elif self.graphs is not None:  # (a copied input is no leaf: those chunks run eagerly)
+            replayed = self.graphs.forward(chunk, x)
+            if replayed is not None:
+                out, self._slots[mb, chunk] = replayed
+                return out
         try:
             return self.chunks[chunk](x)
         except RuntimeError as err:
@@ -250,7 +266,7 @@ class PipelineEngine:
                     # payload, so the event fires when the input is there, not when the host got here.
                     start = clock.start() if clock is not None else None
                     with split.record((mb, chunk)) if split is not None else nullcontext():
-                        out = self._forward(chunk, stage, x)
+                        out = self._forward(chunk, stage, x, mb)
                     if stage == last:
                         loss = self.loss_fn(out, ys[mb]) * shares[mb]
                         loss_sum = loss_sum + loss.detach().float()
@@ -281,6 +297,8 @@ class PipelineEngine:
                         else:
                             out.backward(grad)
                             dx = x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
+                    if (mb, chunk) in self._slots:
+                        StageGraphs.release(self._slots.pop((mb, chunk)))
                     back = None
                     if stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
                         # An input the stage ignored has no gradient: the previous stage still waits for one.
@@ -296,6 +314,9 @@ class PipelineEngine:
         finally:
             if split is not None:
                 split.reset()  # the step's deferred work and casts: nothing survives the step
+            if self.graphs is not None:
+                self.graphs.reset()
+                self._slots.clear()
         link.wait_all()
         if held:
             raise RuntimeError(f"pipeline rank {self.rank}: the schedule left {len(held)} microbatch(es) without a "
@@ -311,6 +332,8 @@ class PipelineEngine:
                 loss_sum = link.recv(me, self.pipe_size - 1)
         if clock is not None:
             self.last_timing = self._exchange_timing(clock, len(xs))
+        if self.graphs is not None:  # every message of this rank has completed: nothing waits on a peer
+            self.graphs.capture_pending()
         return loss_sum
 
     def _exchange_timing(self, clock: ActionClock, microbatches: int) -> PipelineTiming:

@@ -1,0 +1,212 @@
+"""CUDA graphs of a stage's forward and backward: the engine's ``cuda_graphs`` option.
+
+At a GPT-1.3B stage with microbatches of 2 x 1024 tokens the host needs about as long to issue a
+step's ~6000 kernels as the GPU needs to run them (docs/pipeline.md): every schedule then waits for the
+host, and its measured bubble sits above the formula. A graph replays a whole forward, or a whole
+backward, with one launch.
+
+How (`StageGraphs`): a step runs as usual, and each forward notes its chunk's input: shape, dtype,
+whether it needs a gradient, the autocast dtype and the chunk's train/eval mode (a `Spec`). After the
+step, once every message of this rank has completed, each chunk's first spec is captured: one pair of
+graphs (forward; backward = ``torch.autograd.grad`` of the output for the input and the parameters) per
+microbatch the schedule keeps in flight on that chunk (a "slot"), each pair in a memory pool of its own,
+since slots are replayed in any order. Later forwards whose input matches take a free slot: the input is
+copied into the slot's static input, the forward graph replays, and the output comes back through an
+autograd Function whose backward copies the output's gradient in, replays the backward graph and returns
+the input's and the parameters' gradients to autograd, which accumulates them into ``.grad`` as
+usual (so post-accumulate hooks, e.g. DDP's, still fire; the static gradients are returned as they are,
+still held by the slot, so autograd adds them into ``.grad`` or copies them, never takes them). A
+forward whose input does not match (another sequence length), or that finds every slot taken, runs
+eagerly, with the same parameters.
+
+Limits (checked where possible): CUDA only; parameters are read where they were at capture (an
+optimizer updating them in place, as torch's do, is fine; `param.data = ...` is not); no module
+hooks in the chunk (a hook that gathers shards, FSDP / ZeRO-3 / ZeRO-1's, would not run on replay:
+refused at capture); the forward must not synchronise with the host; autocast's weight-cast cache is
+off inside the graphs (casts are replayed kernels, no host cost); random ops (dropout) draw fresh
+numbers on every replay, but not the eager pass's numbers. Memory: one set of activations and
+gradients per slot, kept between steps.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["Spec", "StageGraphs", "check_no_hooks", "slots_per_chunk"]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a captured forward was captured for: its input and the mode it ran in."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    autocast: torch.dtype | None
+    training: bool
+
+
+def slots_per_chunk(actions: Sequence, chunks: int) -> list[int]:
+    """The most microbatches each chunk has between forward and backward in `actions` (one rank's)."""
+    open_, most = [0] * chunks, [0] * chunks
+    for action in actions:
+        if action.kind == "F":
+            open_[action.chunk] += 1
+            most[action.chunk] = max(most[action.chunk], open_[action.chunk])
+        elif action.kind in ("B", "I"):
+            open_[action.chunk] -= 1
+    return most
+
+
+def check_no_hooks(chunks: Sequence[nn.Module]) -> None:
+    """Refuse chunks with module hooks: a replayed graph would skip them (FSDP / ZeRO-3 / ZeRO-1 gather
+    parameters in forward hooks)."""
+    for c, module in enumerate(chunks):
+        hooked = [name or "<chunk>" for name, m in module.named_modules()
+                  if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
+        if hooked:
+            raise ValueError(f"pipeline cuda_graphs: chunk {c} has module hooks (on {hooked[:3]}), which a replayed "
+                             "graph would skip: use cuda_graphs with DDP, ZeRO-2 or no data parallelism inside the "
+                             "stages")
+
+
+class _Slot:
+    """One forward graph and its backward graph, with their static tensors."""
+
+    def __init__(self, module: nn.Module, spec: Spec, device: torch.device, warmup: int) -> None:
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.params = tuple(p for _, p in named)
+        self.x = torch.zeros(spec.shape, dtype=spec.dtype, device=device).requires_grad_(spec.requires_grad)
+        cast = (torch.autocast(device.type, dtype=spec.autocast, cache_enabled=False) if spec.autocast is not None
+                else nullcontext())
+
+        def run(x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+            # The forward on new leaves that alias the parameters (same storage: a replay reads the values of
+            # the moment). Autograd keeps, for each leaf, the stream it was first used on and makes the caller
+            # wait on it after a backward; a parameter's leaf node from the eager steps (default stream) would
+            # break the capture. Fresh leaves get theirs inside the capture.
+            leaves = {name: p.detach().requires_grad_(True) for name, p in named}
+            with cast:
+                out = torch.func.functional_call(module, leaves, (x,))
+            return out, ((x,) if spec.requires_grad else ()) + tuple(leaves.values())
+
+        if warmup:  # on a side stream, as CUDA graphs want: libraries' lazy set-up stays out of the capture
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    out, inputs = run(self.x.detach().clone().requires_grad_(spec.requires_grad))
+                    torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+            torch.cuda.current_stream(device).wait_stream(side)
+            del out, inputs
+        pool = torch.cuda.graph_pool_handle()
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # thread_local: the process group's watchdog thread may query its events during the capture.
+        with torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
+            out, inputs = run(self.x)
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
+            raise ValueError("pipeline cuda_graphs: a chunk must return one tensor that requires grad, got "
+                             f"{type(out).__name__}")
+        self.out = out
+        self.grad_out = torch.zeros_like(out)
+        with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
+            grads = torch.autograd.grad(out, inputs, self.grad_out, allow_unused=True)
+        self.grad_x = grads[0] if spec.requires_grad else None
+        self.grad_params = grads[1:] if spec.requires_grad else grads
+        self.busy = False
+
+
+class _Replay(torch.autograd.Function):
+    """A slot's forward graph as an autograd node whose backward replays the slot's backward graph."""
+
+    @staticmethod
+    def forward(ctx, slot: _Slot, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.slot = slot
+        if x.data_ptr() != slot.x.data_ptr():
+            slot.x.copy_(x)
+        slot.forward_graph.replay()
+        return slot.out.detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        slot = ctx.slot
+        slot.grad_out.copy_(grad)
+        slot.backward_graph.replay()
+        return (None, slot.grad_x, *slot.grad_params)
+
+
+class StageGraphs:
+    """The CUDA graphs of one rank's chunks (see the module docstring).
+
+    Args:
+        chunks: the rank's chunks, as the engine runs them.
+        slots: per chunk, how many microbatches the schedule keeps in flight (`slots_per_chunk`).
+        device: the CUDA device.
+        warmup: eager forward + backward passes before the first capture of a spec.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], slots: Sequence[int], device: torch.device,
+                 warmup: int = 2) -> None:
+        check_no_hooks(chunks)
+        if device.type != "cuda":
+            raise ValueError(f"pipeline cuda_graphs needs CUDA devices, got {device}")
+        self.chunks, self.slots, self.device, self.warmup = list(chunks), list(slots), device, warmup
+        self.captured: list[tuple[Spec, list[_Slot]] | None] = [None] * len(self.chunks)
+        self._wanted: list[Spec | None] = [None] * len(self.chunks)
+        #: Forwards that ran from a graph / eagerly (for tests and benchmarks).
+        self.replayed = 0
+        self.eager = 0
+
+    def spec_of(self, chunk: int, x: Any) -> Spec | None:
+        if not isinstance(x, torch.Tensor) or x.device != self.device:
+            return None
+        autocast = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) else None
+        return Spec(tuple(x.shape), x.dtype, x.requires_grad, autocast, self.chunks[chunk].training)
+
+    def forward(self, chunk: int, x: Any) -> tuple[torch.Tensor, _Slot] | None:
+        """The chunk's output from a free slot's graphs, and the slot (`release` it after the backward);
+        None where the forward must run eagerly (noted, for a capture after the step)."""
+        spec = self.spec_of(chunk, x)
+        entry = self.captured[chunk]
+        if spec is not None and entry is not None and entry[0] == spec:
+            slot = next((s for s in entry[1] if not s.busy), None)
+            if slot is not None:
+                slot.busy = True
+                self.replayed += 1
+                return _Replay.apply(slot, x, *slot.params), slot
+        elif spec is not None and entry is None and self._wanted[chunk] is None and self.slots[chunk] > 0:
+            self._wanted[chunk] = spec
+        self.eager += 1
+        return None
+
+    @staticmethod
+    def release(slot: _Slot) -> None:
+        slot.busy = False
+
+    def reset(self) -> None:
+        """Every slot free (after a step, also a failed one)."""
+        for entry in self.captured:
+            for slot in entry[1] if entry is not None else ():
+                slot.busy = False
+
+    def capture_pending(self) -> None:
+        """Capture the specs noted since the last capture. Call it between steps, when none of this
+        rank's messages is in flight (a capture synchronises the device)."""
+        for chunk, spec in enumerate(self._wanted):
+            if spec is None:
+                continue
+            module = self.chunks[chunk]
+            if not spec.requires_grad and not any(p.requires_grad for p in module.parameters()):
+                self.captured[chunk] = (None, [])  # nothing to differentiate (a frozen stage fed the batch): eager
+                self._wanted[chunk] = None
+                continue
+            check_no_hooks([module])
+            made = [_Slot(module, spec, self.device, self.warmup if i == 0 else 0) for i in range(self.slots[chunk])]
+            self.captured[chunk] = (spec, made)
+            self._wanted[chunk] = None

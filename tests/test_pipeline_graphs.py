@@ -1,0 +1,95 @@
+"""The pipeline engine's CUDA graphs (`pipeline/graphs.py`): what can be checked without a GPU (slots per
+schedule, refusals), and on 2 GPUs with NCCL: the graphed engine equal to the eager one after every step,
+with the shape changing between steps (an eager fallback) and back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from distributed_training.pipeline import PipelineEngine, build_schedule
+from distributed_training.pipeline.graphs import check_no_hooks, slots_per_chunk
+from distributed_training.testing import run_distributed
+
+
+@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_slots_are_the_microbatches_in_flight(name, chunks):
+    P, M = 4, 8
+    for rank, actions in enumerate(build_schedule(name, P, M, chunks=chunks)):
+        got = slots_per_chunk(actions, chunks)
+        if name == "gpipe":
+            assert got == [M]  # every forward before the first backward
+        elif name == "1f1b":
+            assert got == [P - rank]  # the warm-up's forwards plus the steady state's one
+        else:
+            assert all(1 <= n <= M for n in got) and got[0] >= got[1], got
+
+
+def test_refused_with_split_backward_on_cpu_and_with_module_hooks():
+    stage = nn.Sequential(nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="zbh1"):
+        PipelineEngine([stage], ranks=[0], rank=0, schedule="zbh1", microbatches=2, loss_fn=None, cuda_graphs=True)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        PipelineEngine([stage], ranks=[0], rank=0, schedule="1f1b", microbatches=2, loss_fn=None, cuda_graphs=True)
+    check_no_hooks([stage])
+    stage[0].register_forward_pre_hook(lambda m, a: None)
+    with pytest.raises(ValueError, match=r"chunk 0 has module hooks \(on \['0'\]\)"):
+        check_no_hooks([stage])
+
+
+def graphs_worker(rank: int, world: int, schedule: str, autocast: bool) -> tuple[float, int, int, bool]:
+    import torch.distributed as dist
+
+    from distributed_training import init_distributed
+    from distributed_training.models import GPTConfig
+    from distributed_training.pipeline import GPTStages, lm_loss, sync_tied_grads
+
+    ctx = init_distributed()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0)
+    maker = GPTStages(cfg, seed=1)
+    tied = maker.tied_groups(world)
+    ranks = list(range(world))
+    engines, opts, stages = [], [], []
+    for graphs in (False, True):
+        stage = maker.build(rank, world, ctx.device)
+        up, down, headers = dist.new_group(ranks), dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
+        engines.append(PipelineEngine([stage], ranks=ranks, rank=rank, up_group=up, down_group=down,
+                                      header_group=headers, schedule=schedule, microbatches=4, loss_fn=lm_loss,
+                                      device=ctx.device, cuda_graphs=graphs,
+                                      after_backward=lambda s=stage: sync_tied_grads(s, tied, None)))
+        opts.append(torch.optim.AdamW(stage.parameters(), lr=1e-3))
+        stages.append(stage)
+    worst = 0.0
+    stolen = False
+    for step, length in enumerate([32, 32, 32, 48, 32, 32]):  # captured after step 0; 48: eager; back to 32
+        g = torch.Generator(device=ctx.device).manual_seed(step)
+        idx = torch.randint(0, 512, (8, length), device=ctx.device, generator=g)
+        targets = torch.roll(idx, -1, 1)
+        losses = []
+        for engine, opt in zip(engines, opts):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                losses.append(engine.step(idx, targets))
+            if engine.graphs is not None:  # autograd added the slots' gradients into .grad, never took them
+                statics = {t.data_ptr() for _, slots in filter(None, engine.graphs.captured) for s in slots
+                           for t in s.grad_params if t is not None}
+                stolen |= any(p.grad.data_ptr() in statics for p in engine.chunks[0].parameters())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        worst = max(worst, abs(losses[0].item() - losses[1].item()))
+        for a, b in zip(stages[0].parameters(), stages[1].parameters()):
+            worst = max(worst, (a - b).abs().max().item())
+    graphs = engines[1].graphs
+    return worst, graphs.replayed, graphs.eager, stolen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("schedule,autocast", [("1f1b", False), ("1f1b", True), ("gpipe", True)])
+def test_graphed_engine_equals_the_eager_one_on_nccl(schedule, autocast):
+    for worst, replayed, eager, stolen in run_distributed(graphs_worker, 2, args=(schedule, autocast),
+                                                         backend="nccl", timeout=240):
+        assert worst <= 1e-6, worst
+        assert (replayed, eager) == (4 * 4, 2 * 4), (replayed, eager)  # steps 1, 2, 4, 5 replayed; 0 and 3 not
+        assert not stolen
