@@ -4,6 +4,9 @@
 #   A: the graphs' NCCL test (graphed engine equal to the eager one, 2 GPUs), then the profile script's
 #      step and host-issue times and engine timing (bubble) at P = 4, half blocks, 3 rounds: our 1F1B /
 #      GPipe eager and graphed against torch's, interleaved.
+#   B: the trainer's pipeline_cuda_graphs at P = 2 x DP = 2 with DDP (NCCL test against the eager trainer),
+#      then the suite's pipeline phase at P = 4 and P = 2 x DP = 2, half blocks, every schedule, ours eager
+#      and with CUDA graphs against torch's, 3 rounds.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -22,5 +25,10 @@ case "$1" in
   A) timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_pipeline_graphs.py > "$R/gpu_tests.log" 2>&1
      echo "tests exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/gpu_tests.log"
      profile prof_graphs 330 ours-halves_1f1b,ours-halves-graphs_1f1b,torch-halves_1f1b,ours-halves_gpipe,ours-halves-graphs_gpipe,torch-halves_gpipe none ;;
+  B) timeout 120 python -m pytest -q -p no:cacheprovider -m gpu tests/test_pipeline_graphs.py -k trainer > "$R/gpu_tests.log" 2>&1
+     echo "tests exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/gpu_tests.log"
+     (cd benchmarks && timeout 420 python suite.py --out "$R/P" --timeout 405 --worlds 4 --phases pipeline \
+        --variants pp,pp_dp,halves,graphs --rounds 3) > "$R/P.log" 2>&1
+     echo "[P] exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/P.log" ;;
 esac
 tar -czf "$OUT/s23_$1.tar.gz" -C $R .

@@ -220,7 +220,12 @@ def _pipeline_rows(w: int, part: dict) -> list[tuple[str, str, dict, dict]]:
         impl, schedule = rest.split("_", 1)
         config = r.get("config") or prefix or f"P{w}"
         rows.setdefault((config, schedule), {})[impl] = r
-    return [(config, schedule, got.get("ours", {}), got.get("torch", {})) for (config, schedule), got in rows.items()]
+    out = []
+    for (config, schedule), got in rows.items():
+        out.append((config, schedule, got.get("ours", {}), got.get("torch", {})))
+        if "graphs" in got:  # ours with CUDA graphs (the phase's ``graphs`` variant), against the same torch runs
+            out.append((config, f"{schedule}, CUDA graphs", got["graphs"], got.get("torch", {})))
+    return out
 
 
 def _balance(config: dict) -> str:

@@ -93,3 +93,63 @@ def test_graphed_engine_equals_the_eager_one_on_nccl(schedule, autocast):
         assert worst <= 1e-6, worst
         assert (replayed, eager) == (4 * 4, 2 * 4), (replayed, eager)  # steps 1, 2, 4, 5 replayed; 0 and 3 not
         assert not stolen
+
+
+# ------------------------------------------------------------------ through the trainer
+def hooks_worker(rank: int, world: int) -> dict[str, str | None]:
+    """Which inner strategies leave the stages without module hooks (what a replay would skip)."""
+    from distributed_training import DistributedTrainer
+
+    found = {}
+    for strategy in ("ddp", "zero2", "zero1", "zero3"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy,
+                                     pipeline_parallel_size=2, microbatches=2, progress=False)
+        try:
+            check_no_hooks(trainer.strategy.engine.chunks)
+            found[strategy] = None
+        except ValueError as err:
+            found[strategy] = str(err)
+        trainer.close()
+    return found
+
+
+def test_the_strategies_graphs_refuse_are_those_with_module_hooks():
+    for found in run_distributed(hooks_worker, 4, timeout=120):
+        assert found["ddp"] is None, found
+        assert all("module hooks" in found[s] for s in ("zero1", "zero2", "zero3")), found
+
+
+def trainer_graphs_worker(rank: int, world: int) -> tuple[float, int]:
+    from distributed_training import DistributedTrainer
+
+    from _models import tiny_gpt
+
+    trainers = []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        trainers.append(DistributedTrainer(tiny_gpt(), lambda ps: torch.optim.AdamW(ps, lr=1e-3), strategy="ddp",
+                                           mixed_precision="bf16", pipeline_parallel_size=2, microbatches=4,
+                                           pipeline_cuda_graphs=graphs, progress=False))
+    worst = 0.0
+    for step, length in enumerate([16, 16, 16, 24, 16]):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 64, (16, length + 1), generator=g)
+        for trainer in trainers:
+            trainer.train_step((tokens[:, :-1], tokens[:, 1:]))
+        for a, b in zip(*(t.strategy.engine.chunks[0].parameters() for t in trainers)):
+            worst = max(worst, (a - b).abs().max().item())
+    replayed = trainers[1].strategy.engine.graphs.replayed
+    for trainer in trainers:
+        trainer.close()
+    return worst, replayed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+def test_trainer_with_graphs_equals_without_at_p2_x_dp2_on_nccl():
+    """P = 2 x DP = 2 with our DDP inside the stages (its gradient hooks fire from the replayed backward)."""
+    for worst, replayed in run_distributed(trainer_graphs_worker, 4, backend="nccl", timeout=240):
+        assert worst <= 1e-6, worst
+        assert replayed == 3 * 4, replayed  # steps 1, 2 and 4 (step 3's length runs eagerly)

@@ -146,6 +146,9 @@ def errors_worker(rank, world):
         "balance": dict(pipeline_parallel_size=3, pipeline_balance="compute"),  # an MLP: no compute model
         "sample": dict(pipeline_parallel_size=3, pipeline_balance="time"),  # an MLP: no default sample
         "half": dict(pipeline_parallel_size=3, pipeline_half_blocks=True),  # an MLP: no blocks to halve
+        "graphs_zb": dict(pipeline_parallel_size=3, pipeline_schedule="zbh1", pipeline_cuda_graphs=True),
+        "graphs_ckpt": dict(pipeline_parallel_size=3, pipeline_cuda_graphs=True, activation_checkpointing=[nn.Linear]),
+        "graphs_cpu": dict(pipeline_parallel_size=3, pipeline_cuda_graphs=True),
     }
     for name, kwargs in cases.items():
         kwargs = dict(kwargs)
@@ -171,7 +174,10 @@ def test_pipeline_errors_name_the_field():
                 "split": "pipeline_split_points", "strategy": "'auto' with pipeline_parallel_size=3",
                 "optimizer": "pass a callable", "accumulation": "gradient_accumulation_steps",
                 "criterion": "needs a criterion", "balance": "pipeline_balance='compute' knows the compute of our GPT",
-                "sample": "pass pipeline_sample_input", "half": "pipeline_half_blocks=True cuts our GPT's blocks"}
+                "sample": "pass pipeline_sample_input", "half": "pipeline_half_blocks=True cuts our GPT's blocks",
+                "graphs_zb": "pipeline_cuda_graphs=True does not combine with pipeline_schedule='zbh1'",
+                "graphs_ckpt": "pipeline_cuda_graphs=True does not combine with activation_checkpointing",
+                "graphs_cpu": "cuda_graphs needs CUDA devices"}
     for case, text in expected.items():
         assert found[case] is not None and text in found[case], (case, found[case])
 

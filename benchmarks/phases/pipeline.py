@@ -23,7 +23,9 @@ model's); the same stage modules go to both implementations, freshly built for e
 (`balance.layer_costs(..., "time")` on one microbatch of the P = world layout, averaged over the ranks),
 the same costs for ours and torch's and for both layouts; ``halves``, the FLOPs of a chain cut at half
 blocks (`GPTStages(halves=True)`: a block's attention and its MLP are layers of their own, so a stage may
-end inside a block: twice as fine a balance); ``compute,time`` runs every layout under both.
+end inside a block: twice as fine a balance); ``compute,time`` runs every layout under both. ``graphs``
+adds a third implementation to each schedule but ZB-H1: ours with each stage's forward and backward
+replayed as CUDA graphs (the engine's ``cuda_graphs``; keys ``graphs_1f1b``, ...), timed like ours.
 Each run records its balance and its cut (``bounds``: stage s holds chain layers bounds[s]:bounds[s+1]
 of embed, the blocks, head); the phase records the per-layer costs of each balance (``layer_costs``).
 
@@ -60,6 +62,7 @@ from common import GIB, autocast, free_memory, peak, peak_reset, skipped, slowes
 OURS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbh1": 1}   # schedule -> chunks a rank
 TORCH = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
          "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2), "zbh1": ("ScheduleInterleavedZeroBubble", 2)}
+EXTRAS = ("graphs",)            # ours with cuda_graphs too, for the schedules it runs
 LAYOUTS = ("pp", "pp_dp")       # the whole world one pipeline; pipelines of world / 2 ranks, two side by side
 BALANCES = ("compute", "time", "halves")  # FLOPs per layer; forward + backward measured per layer; FLOPs per half block
 TIME_BUDGET_S = {"smoke": 2.0, "gpu": 10.0}  # seconds measuring the layers may take (balance.measure_layer_times)
@@ -72,7 +75,7 @@ def _variants(opts, world: int) -> tuple[list[str], list[str], list[str]]:
     layouts = [v for v in asked if v in LAYOUTS] or list(LAYOUTS)
     balances = [v for v in asked if v in BALANCES] or ["compute"]
     layouts = [v for v in layouts if v == "pp" or (world >= 4 and world % 2 == 0)]
-    return layouts, balances, [v for v in asked if v not in LAYOUTS + BALANCES]
+    return layouts, balances, [v for v in asked if v not in LAYOUTS + BALANCES + EXTRAS]
 
 
 class _Layout:
@@ -136,6 +139,7 @@ def run(ctx, opts) -> dict:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     layout_names, balances, ignored = _variants(opts, world)
+    graphs = "graphs" in (opts.variants or "").split(",") and device.type == "cuda"
     if not layout_names:
         return skipped(f"--variants {opts.variants}: pp_dp (P = world / 2 x DP = 2) needs an even world of 4 or more")
     layouts = [_Layout(world, ctx.rank, world if name == "pp" else world // 2, ctx.backend) for name in layout_names]
@@ -168,7 +172,7 @@ def run(ctx, opts) -> dict:
     for r in range(rounds):  # every run once a round, so that a slow spell of the machine hits all alike
         for name, prefix, layout, balance in configs:
             for schedule in OURS:
-                for impl in ("ours", "torch"):
+                for impl in ("ours", "graphs", "torch") if graphs and schedule != "zbh1" else ("ours", "torch"):
                     key = f"{prefix}{impl}_{schedule}"
                     try:
                         run_ = _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout,
@@ -192,12 +196,13 @@ def run(ctx, opts) -> dict:
         result["runs"][key] = chosen
     for _, prefix, _, _ in configs:
         for schedule in OURS:
-            ours = result["runs"].get(f"{prefix}ours_{schedule}", {})
             ref = result["runs"].get(f"{prefix}torch_{schedule}", {})
-            if ours.get("status") == "ok" and ref.get("status") == "ok":
-                # Median of the per-round ratios: each round's pair ran back to back.
-                ours["speed_vs_torch"] = statistics.median(
-                    t / o for t, o in zip(ref["step_ms_rounds"], ours["step_ms_rounds"]))
+            for impl in ("ours", "graphs"):
+                ours = result["runs"].get(f"{prefix}{impl}_{schedule}", {})
+                if ours.get("status") == "ok" and ref.get("status") == "ok":
+                    # Median of the per-round ratios: each round's runs ran back to back.
+                    ours["speed_vs_torch"] = statistics.median(
+                        t / o for t, o in zip(ref["step_ms_rounds"], ours["step_ms_rounds"]))
     return result
 
 
@@ -252,7 +257,7 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout
     P, prank = layout.P, layout.prank
     rows = x.shape[0] // layout.D  # this pipeline's slice of the global batch
     xs, ys = x[layout.index * rows:(layout.index + 1) * rows], y[layout.index * rows:(layout.index + 1) * rows]
-    chunks = OURS[schedule] if impl == "ours" else TORCH[schedule][1]
+    chunks = TORCH[schedule][1] if impl == "torch" else OURS[schedule]
     num_stages = P * chunks
     maker = GPTStages(cfg, seed=0, halves=halves)
     # The tie's group first (made on every rank alike), before anything that may fail on one rank only.
@@ -272,10 +277,11 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout
         _average_over_data(params, layout.data_group, layout.D)
 
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
-    if impl == "ours":
+    if impl != "torch":
         engine = PipelineEngine(modules, ranks=layout.ranks, rank=prank, group=layout.group, up_group=layout.up,
                                 down_group=layout.down, header_group=layout.headers, schedule=schedule,
-                                microbatches=microbatches, loss_fn=lm_loss, device=device, after_backward=sync_ties)
+                                microbatches=microbatches, loss_fn=lm_loss, device=device, after_backward=sync_ties,
+                                cuda_graphs=impl == "graphs")
 
         def step():
             with autocast(device):
@@ -316,7 +322,7 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step_s, = slowest(ctx, [statistics.median(times)])
-    timing = _timed_step(engine, step, ctx, layout) if impl == "ours" else {}
+    timing = _timed_step(engine, step, ctx, layout) if impl != "torch" else {}
     gather_device = device if ctx.backend == "nccl" else torch.device("cpu")
     # Each rank's peak memory, and the last stages' losses (the others send zeros).
     mine = torch.tensor([float(peak(device)), float(loss) if loss is not None else 0.0], dtype=torch.float64,
@@ -326,7 +332,7 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout
     losses = [float(every[members[-1]][1]) for members in layout.pipelines]
     return {"status": "ok", "chunks_per_rank": chunks, "step_ms": step_s * 1e3,
             "tokens_per_s_per_gpu": x.numel() / step_s / world, "peak_gib_per_rank": [float(e[0]) / GIB for e in every],
-            "bubble_formula": bubble_formula(schedule, P, microbatches, chunks=chunks) if impl == "ours" else None,
+            "bubble_formula": bubble_formula(schedule, P, microbatches, chunks=chunks) if impl != "torch" else None,
             "bounds": maker.bounds(num_stages, costs=costs), "last_loss": statistics.mean(losses),
             "last_loss_per_pipeline": losses, **timing}
 

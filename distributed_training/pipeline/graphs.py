@@ -21,8 +21,8 @@ eagerly, with the same parameters.
 
 Limits (checked where possible): CUDA only; parameters are read where they were at capture (an
 optimizer updating them in place, as torch's do, is fine; `param.data = ...` is not); no module
-hooks in the chunk (a hook that gathers shards, FSDP / ZeRO-3 / ZeRO-1's, would not run on replay:
-refused at capture); the forward must not synchronise with the host; autocast's weight-cast cache is
+hooks in the chunk (a hook that gathers parameters, ZeRO's or FSDP's, would not run on replay:
+refused); the forward must not synchronise with the host; autocast's weight-cast cache is
 off inside the graphs (casts are replayed kernels, no host cost); random ops (dropout) draw fresh
 numbers on every replay, but not the eager pass's numbers. Memory: one set of activations and
 gradients per slot, kept between steps.
@@ -64,15 +64,14 @@ def slots_per_chunk(actions: Sequence, chunks: int) -> list[int]:
 
 
 def check_no_hooks(chunks: Sequence[nn.Module]) -> None:
-    """Refuse chunks with module hooks: a replayed graph would skip them (FSDP / ZeRO-3 / ZeRO-1 gather
-    parameters in forward hooks)."""
+    """Refuse chunks with module hooks: a replayed graph would skip them (ZeRO and FSDP gather parameters
+    in forward hooks)."""
     for c, module in enumerate(chunks):
         hooked = [name or "<chunk>" for name, m in module.named_modules()
                   if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
         if hooked:
             raise ValueError(f"pipeline cuda_graphs: chunk {c} has module hooks (on {hooked[:3]}), which a replayed "
-                             "graph would skip: use cuda_graphs with DDP, ZeRO-2 or no data parallelism inside the "
-                             "stages")
+                             "graph would skip: use cuda_graphs with DDP (or no data parallelism) inside the stages")
 
 
 class _Slot:

@@ -47,6 +47,10 @@ class PipelineOptions:
             block (a finer balance: at GPT-1.3B on 4 stages the heaviest stage's FLOPs go from 7.8% to
             2.3% above the mean). Split points may then name half blocks. Our GPT only; no effect
             without a pipeline.
+        cuda_graphs: replay each stage's forward and backward as CUDA graphs
+            (``pipeline_cuda_graphs``; `graphs.StageGraphs`): far fewer host launches, for steps the
+            host bounds. CUDA only; not with ``"zbh1"`` (its split backward), activation
+            checkpointing, or inner strategies that gather parameters in module hooks (ZeRO-1/2/3, FSDP).
     """
 
     size: int = 1
@@ -59,11 +63,14 @@ class PipelineOptions:
     sample_input: Any = field(default=None, compare=False, repr=False)
     mixed_precision: str | None = None
     half_blocks: bool = False
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         size = self.size
         if not isinstance(self.half_blocks, bool):
             raise TypeError(f"pipeline_half_blocks must be True or False, got {self.half_blocks!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"pipeline_cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.balance not in BALANCES:
             raise ValueError(f"pipeline_balance must be one of {list(BALANCES)}, got {self.balance!r}")
         if self.sample_input is not None:
@@ -88,6 +95,9 @@ class PipelineOptions:
         if not interleaved and chunks != 1:
             raise ValueError(f"pipeline_chunks must be 1 for pipeline_schedule={self.schedule!r} (only "
                              f"'interleaved_1f1b' runs several chunks per rank), got {chunks}")
+        if self.cuda_graphs and size > 1 and self.schedule == "zbh1":
+            raise ValueError("pipeline_cuda_graphs=True does not combine with pipeline_schedule='zbh1': its split "
+                             "backward defers weight gradients outside the backward a graph replays")
         microbatches = self.microbatches if self.microbatches is not None else size
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")

@@ -231,7 +231,8 @@ class PipelineStrategy(PipelineState, Strategy):
         self.engine = PipelineEngine(list(stages), ranks=ranks, rank=rank,
                                      group=group, up_group=up, down_group=down, header_group=header,
                                      schedule=opts.schedule, microbatches=opts.microbatches, loss_fn=self._loss,
-                                     device=self.device, after_backward=self._after_backward)
+                                     device=self.device, after_backward=self._after_backward,
+                                     cuda_graphs=opts.cuda_graphs)
         self._loss_fn: Callable | None = None
         self._default_loss = lm_loss if isinstance(module, GPT) else None
         return wrapped
