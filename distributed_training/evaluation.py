@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .batches import batch_size_of, call_module, model_loss, to_device
 from .data import ShardedSampler
-from .loss_weights import counted
+from .loss_weights import counted, weigh
 
 __all__ = ["Evaluation"]
 
@@ -125,9 +125,8 @@ class Evaluation:
                 if criterion is not None and isinstance(batch, (tuple, list)) and len(batch) == 2:
                     kept = counted(criterion, batch[1], batch_size_of(batch)) * weight
                 for k, v in enumerate(values):
-                    part = v.detach().double() * (kept if k == 0 else weight if summed[k - 1] else n)
-                    if k == 0 and isinstance(kept, torch.Tensor):  # a batch that keeps no target: its mean
-                        part = torch.where(kept > 0, part, torch.zeros_like(part))  # is nan, and counts 0
+                    # (a batch that keeps no target: its mean is nan, and counts 0)
+                    part = weigh(v.detach().double(), kept if k == 0 else weight if summed[k - 1] else n)
                     sums[k] += part
                 sums[-2] += kept
                 sums[-1] += n

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["micro_weights", "counted", "IGNORE_INDEX"]
+__all__ = ["micro_weights", "counted", "weigh", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # torch's cross-entropy / NLL default, and Hugging Face's label padding
 
@@ -41,6 +41,16 @@ def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequ
     # (every micro-batch's targets are class indices: `_split` cuts them alike)
     whole = torch.stack([torch.as_tensor(c) for c in counts]).sum().clamp(min=1)
     return [c / whole for c in counts]
+
+
+def weigh(loss: torch.Tensor, weight: Any) -> torch.Tensor:
+    """`loss` times its `weight` (from `micro_weights` or `counted`). A micro-batch whose targets are all
+    ignored has a mean over nothing (0 / 0 = nan) and weight 0: it counts 0, as it adds nothing to the
+    whole batch's mean (its gradient is zero either way; the nan would only poison the reported loss).
+    Decided on the device: nothing waits for the GPU."""
+    if isinstance(weight, torch.Tensor):
+        return torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
+    return loss * weight
 
 
 def counted(criterion: Callable | None, targets: Any, rows: int):

@@ -36,7 +36,7 @@ from .evaluation import Evaluation
 from .global_batch import GlobalBatch, check_layout_world
 from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout, stop_heartbeat
 from .logs import get_logger, install_default_handler
-from .loss_weights import micro_weights
+from .loss_weights import micro_weights, weigh
 from .monitor import Monitor, NullMonitor
 from .peer_watch import PeerFailureError, PeerWatch
 from .pipeline.meta_init import has_meta, materialize
@@ -510,8 +510,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
                 with self.precision.autocast():
                     loss = self._loss(micro, criterion)
                 one = isinstance(share, float) and share == 1
-                self.strategy.backward(self.model, loss if one else loss * share, self.precision)
-            weighted = loss.detach().float() if one else loss.detach().float() * share
+                self.strategy.backward(self.model, loss if one else weigh(loss, share), self.precision)
+            weighted = loss.detach().float() if one else weigh(loss.detach().float(), share)
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
 
         metrics: dict[str, torch.Tensor] = {"loss": loss_sum, **self.precision.metrics()}

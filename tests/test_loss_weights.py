@@ -18,10 +18,10 @@ from distributed_training.loss_weights import micro_weights
 from distributed_training.testing import run_distributed
 
 
-def _data():
+def _data(ignored: int = 3):
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
-    y[:3] = -100  # the first half ignores 3 of its 4 targets, the second none
+    y[:ignored] = -100  # the first half ignores 3 (or all 4) of its 4 targets, the second none
     return x, y
 
 
@@ -34,7 +34,7 @@ CRITERIA = {"ignore": F.cross_entropy, "sum": nn.CrossEntropyLoss(reduction="sum
             "ignore_module": nn.CrossEntropyLoss(ignore_index=-100)}
 
 
-def _train(rank, world, criterion_name, layout):
+def _train(rank, world, criterion_name, layout, ignored=3):
     criterion = CRITERIA[criterion_name]
     model = _model()
     reference = copy.deepcopy(model)
@@ -42,7 +42,7 @@ def _train(rank, world, criterion_name, layout):
               {"pipeline_parallel_size": 2, "microbatches": 2, "pipeline_schedule": layout})
     trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False, **kwargs)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    x, y = _data()
+    x, y = _data(ignored)
     worst, losses = 0.0, []
     for _ in range(3):
         loss = trainer.train_step((x, y), criterion)["loss"]
@@ -62,6 +62,15 @@ def _train(rank, world, criterion_name, layout):
 @pytest.mark.parametrize("layout,world", [("accumulation", 1), ("1f1b", 2), ("zbh1", 2)])
 def test_micro_batches_give_one_process_loss_and_gradient(criterion_name, layout, world):
     for rank, (worst, losses) in enumerate(run_distributed(_train, world, args=(criterion_name, layout), timeout=120)):
+        assert worst <= 1e-6, (rank, worst)
+        for got, want in losses:
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, got, want)
+
+
+@pytest.mark.parametrize("layout,world", [("accumulation", 1), ("1f1b", 2)])
+def test_a_micro_batch_of_ignored_targets_only_counts_zero(layout, world):
+    """Its mean loss is 0 / 0 (nan): the step's loss stayed nan although the gradient was right."""
+    for rank, (worst, losses) in enumerate(run_distributed(_train, world, args=("ignore", layout, 4), timeout=120)):
         assert worst <= 1e-6, (rank, worst)
         for got, want in losses:
             assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, got, want)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..loss_weights import micro_weights
+from ..loss_weights import micro_weights, weigh
 from .graphs import StageGraphs, slots_per_chunk
 from .p2p import PipelineAborted, StageLink
 from .schedules import build_schedule, stage_of
@@ -268,7 +268,7 @@ class PipelineEngine:
                     with split.record((mb, chunk)) if split is not None else nullcontext():
                         out = self._forward(chunk, stage, x, mb)
                     if stage == last:
-                        loss = self.loss_fn(out, ys[mb]) * shares[mb]
+                        loss = weigh(self.loss_fn(out, ys[mb]), shares[mb])
                         loss_sum = loss_sum + loss.detach().float()
                         held[mb, chunk] = (x, loss)
                     if clock is not None:
