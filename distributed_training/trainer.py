@@ -58,6 +58,32 @@ Criterion = Callable[[Any, Any], torch.Tensor]
 log = get_logger()
 
 
+def _check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat_timeout, mixed_precision,
+                     loss_scaler, compile, checkpoint_every, checkpoint_dir, checkpoint_async) -> None:
+    """The trainer's own arguments, checked before any rendezvous (each error names its argument)."""
+    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
+    if gradient_clip_val is not None and not gradient_clip_val > 0:
+        raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}")
+    if heartbeat_timeout is not None and (isinstance(heartbeat_timeout, bool) or
+                                          not isinstance(heartbeat_timeout, (int, float)) or
+                                          not heartbeat_timeout > 0):
+        raise ValueError(f"heartbeat_timeout must be a positive number of seconds or None, got "
+                         f"{heartbeat_timeout!r}")
+    check_precision_argument(mixed_precision, loss_scaler)
+    if not isinstance(compile, (bool, dict)):
+        raise TypeError(f"compile must be True, False or a dict of torch.compile arguments, got "
+                        f"{type(compile).__name__}")
+    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+        raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
+    if not isinstance(checkpoint_async, bool):
+        raise TypeError(f"checkpoint_async must be True or False, got {checkpoint_async!r}")
+    if checkpoint_async and checkpoint_dir is None:
+        raise ValueError("checkpoint_async needs a checkpoint_dir to write to (it applies to fit's checkpoints)")
+
+
 class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, PeerWatching):
     """Train a model data-parallel across the processes of a torchrun job.
 
@@ -275,27 +301,10 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module (or an adapter's list of (name, module) pairs), got "
                             f"{type(model).__name__}")
-        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
-        if gradient_clip_val is not None and not gradient_clip_val > 0:
-            raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}")
-        if heartbeat_timeout is not None and (isinstance(heartbeat_timeout, bool) or
-                                              not isinstance(heartbeat_timeout, (int, float)) or
-                                              not heartbeat_timeout > 0):
-            raise ValueError(f"heartbeat_timeout must be a positive number of seconds or None, got "
-                             f"{heartbeat_timeout!r}")
-        check_precision_argument(mixed_precision, loss_scaler)
-        if not isinstance(compile, (bool, dict)):
-            raise TypeError(f"compile must be True, False or a dict of torch.compile arguments, got "
-                            f"{type(compile).__name__}")
-        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
-            raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
-        if checkpoint_every is not None and checkpoint_dir is None:
-            raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
-        if not isinstance(checkpoint_async, bool):
-            raise TypeError(f"checkpoint_async must be True or False, got {checkpoint_async!r}")
-        if checkpoint_async and checkpoint_dir is None:
-            raise ValueError("checkpoint_async needs a checkpoint_dir to write to (it applies to fit's checkpoints)")
+        _check_arguments(gradient_accumulation_steps=gradient_accumulation_steps, gradient_clip_val=gradient_clip_val,
+                         heartbeat_timeout=heartbeat_timeout, mixed_precision=mixed_precision, loss_scaler=loss_scaler,
+                         compile=compile, checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
+                         checkpoint_async=checkpoint_async)
         self.checkpoints = (CheckpointManager(checkpoint_dir, keep_last=keep_last, best_metric=best_metric,
                                               best_mode=best_mode) if checkpoint_dir is not None else None)
         if context is not None and timeout is not None:
@@ -377,6 +386,40 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
             strategy.measure_communication(self.model, True)
             strategy.time_pipeline(self.model, True)  # a pipeline's stage times and bubble, likewise
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self._init_state(gradient_accumulation_steps, checkpoint_every, resume, checkpoint_shared, checkpoint_async,
+                         save_on_preemption, heartbeat_timeout)
+        if mixed_precision == "fp16" and self.device.type == "cpu" and self.context.is_main:
+            log.warning("mixed_precision='fp16' on CPU: CPUs have no fast fp16 arithmetic, so training runs several "
+                        "times slower than in fp32 (about 7x for a small GPT); use 'bf16' or fp32 on CPUs")
+        self.precision: Precision = make_precision(mixed_precision, self.device.type, loss_scaler=loss_scaler,
+                                                   group=self.context.group)
+        self.mixed_precision = None if self.precision.name == "fp32" else self.precision.name
+        self.monitor = (Monitor(os.fspath(log_dir), rank=self.context.rank, world_size=self.context.world_size,
+                                group=self.context.group, log_every=log_every,
+                                straggler_threshold=straggler_threshold,
+                                progress=progress and self.context.is_main,  # one bar: the job's main rank's
+                                cluster_view=not self.context.independent, member=strategy.member)
+                        if log_dir is not None and strategy.trains else NullMonitor())
+        self.config = {
+            "strategy": strategy.name,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "gradient_clip_val": gradient_clip_val,
+            "seed": seed,
+            "world_size": self.context.world_size,
+            "model": type(model).__name__,  # the user's class (a pipeline's self.module holds its stages)
+            "optimizer": type(self.optimizer).__name__,
+        }
+        if tensor.enabled:
+            self.config.update(tensor_parallel_size=tensor.size, sequence_parallel=tensor.sequence_parallel)
+        if pipeline.enabled:
+            self.config.update(pipeline_parallel_size=pipeline.size, pipeline_schedule=pipeline.schedule,
+                               microbatches=pipeline.microbatches, pipeline_chunks=pipeline.chunks)
+
+    def _init_state(self, gradient_accumulation_steps: int, checkpoint_every: int | None, resume: bool,
+                    checkpoint_shared: bool | None, checkpoint_async: bool, save_on_preemption: bool,
+                    heartbeat_timeout: float | None) -> None:
+        """Where training stands (step, epoch, data position), what checkpoints keep of it, and what the
+        optimizer and schedule were configured with (compared with a checkpoint's on resume)."""
         self.step = 0
         self.epoch = 0
         self.batch_in_epoch = 0  # batches of the current epoch already trained
@@ -413,32 +456,6 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         self._watch: PeerWatch | None = None  # started by the first train_step
         self._last_saved_step: int | None = None
         self._set_aside = False
-        if mixed_precision == "fp16" and self.device.type == "cpu" and self.context.is_main:
-            log.warning("mixed_precision='fp16' on CPU: CPUs have no fast fp16 arithmetic, so training runs several "
-                        "times slower than in fp32 (about 7x for a small GPT); use 'bf16' or fp32 on CPUs")
-        self.precision: Precision = make_precision(mixed_precision, self.device.type, loss_scaler=loss_scaler,
-                                                   group=self.context.group)
-        self.mixed_precision = None if self.precision.name == "fp32" else self.precision.name
-        self.monitor = (Monitor(os.fspath(log_dir), rank=self.context.rank, world_size=self.context.world_size,
-                                group=self.context.group, log_every=log_every,
-                                straggler_threshold=straggler_threshold,
-                                progress=progress and self.context.is_main,  # one bar: the job's main rank's
-                                cluster_view=not self.context.independent, member=strategy.member)
-                        if log_dir is not None and strategy.trains else NullMonitor())
-        self.config = {
-            "strategy": strategy.name,
-            "gradient_accumulation_steps": gradient_accumulation_steps,
-            "gradient_clip_val": gradient_clip_val,
-            "seed": seed,
-            "world_size": self.context.world_size,
-            "model": type(model).__name__,  # the user's class (a pipeline's self.module holds its stages)
-            "optimizer": type(self.optimizer).__name__,
-        }
-        if tensor.enabled:
-            self.config.update(tensor_parallel_size=tensor.size, sequence_parallel=tensor.sequence_parallel)
-        if pipeline.enabled:
-            self.config.update(pipeline_parallel_size=pipeline.size, pipeline_schedule=pipeline.schedule,
-                               microbatches=pipeline.microbatches, pipeline_chunks=pipeline.chunks)
 
     # ------------------------------------------------------------------ steps
     @property
