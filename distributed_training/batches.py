@@ -4,22 +4,39 @@ model returned. A batch is a tensor, or a tuple/list/dict of them (nested)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
-__all__ = ["to_device", "batch_size_of", "token_count", "split_batch", "call_module", "model_loss", "extract_loss"]
+__all__ = ["map_tensors", "tensors_of", "to_device", "batch_size_of", "token_count", "split_batch", "call_module", "model_loss", "extract_loss"]
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """`batch` with every tensor replaced by ``fn(tensor)``: tuples and lists keep their type, mappings
+    become dicts, anything else is kept as it is."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(fn, v) for v in batch)
+    return batch
+
+
+def tensors_of(batch: Any) -> list[torch.Tensor]:
+    """The tensors of a nested batch, in order."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        return [t for v in batch for t in tensors_of(v)]
+    return []
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
 
 
 def batch_size_of(batch: Any) -> int:

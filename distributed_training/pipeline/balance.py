@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..batches import map_tensors, tensors_of
 from ..mesh import global_rank
 from ..models.gpt import GPT
 from .gpt_stages import AttentionHalf, MLPHalf, gpt_layer_flops, lm_loss
@@ -83,26 +84,6 @@ def check_sample(sample: Any, where: str = "pipeline_sample_input") -> None:
         return
     raise TypeError(f"{where} must be a tensor, or a non-empty tuple, list or dict of tensors (one microbatch's "
                     f"input to the model's first layer), got {type(sample).__name__}")
-
-
-def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    return value
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 def _received(t: torch.Tensor) -> torch.Tensor:
@@ -165,7 +146,7 @@ def measure_layer_times(layers: Layers, sample: Any, device: torch.device | str,
     times: list[float] = []
     cuda = device.type == "cuda"
     index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
-    x = _map(sample, lambda t: t.detach().to(device))
+    x = map_tensors(lambda t: t.detach().to(device), sample)
     # fork_rng: the layers' dropout draws leave the trainer's RNG as it was.
     with torch.random.fork_rng(devices=[index] if cuda else []), torch.enable_grad():
         for i, (name, layer) in enumerate(layers):
@@ -180,7 +161,7 @@ def measure_layer_times(layers: Layers, sample: Any, device: torch.device | str,
                 try:
                     with autocast() if autocast is not None else contextlib.nullcontext():
                         out = twin(x)
-                        ends = [last(out)] if last is not None else [t for t in _tensors(out) if t.requires_grad]
+                        ends = [last(out)] if last is not None else [t for t in tensors_of(out) if t.requires_grad]
                         if ends:
                             torch.autograd.backward(ends, [torch.ones_like(t) for t in ends])
                 except (MemoryError, torch.OutOfMemoryError):
@@ -203,7 +184,7 @@ def measure_layer_times(layers: Layers, sample: Any, device: torch.device | str,
                         break
                     untimed = run  # still warming up: one timed run, then stop
             times.append(statistics.median(runs))
-            x = _map(out, _received)
+            x = map_tensors(_received, out)
             del twin, out
     if cuda:
         torch.cuda.empty_cache()  # the copies' blocks, before the stages go to the device

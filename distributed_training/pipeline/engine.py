@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..batches import tensors_of
 from ..loss_weights import micro_weights, weigh
 from .graphs import StageGraphs, slots_per_chunk
 from .p2p import PipelineAborted, StageLink
@@ -81,13 +82,11 @@ def _shapes_of(value: Any) -> Any:
 
 
 def _rows(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.shape[0]
-    if isinstance(value, dict):
-        return _rows(next(iter(value.values())))
-    if isinstance(value, (tuple, list)):
-        return _rows(value[0])
-    raise TypeError(f"cannot tell the batch size of a {type(value).__name__}")
+    """The batch size: the first tensor's first dimension."""
+    tensors = tensors_of(value)
+    if not tensors or tensors[0].dim() == 0:
+        raise TypeError(f"cannot tell the batch size of a {type(value).__name__}")
+    return tensors[0].shape[0]
 
 
 class PipelineEngine:
