@@ -403,10 +403,11 @@ class JobConfig(Section):
         if t.strategy == "auto":
             raise ConfigError(f"training.strategy 'auto' with {size} is not supported yet: choose each stage's "
                               "data parallelism (ddp, zero1, zero2, zero3 or fsdp)")
-        if t.pipeline_cuda_graphs and (t.activation_checkpointing or t.strategy in ("zero1", "zero2", "zero3", "fsdp")):
+        if t.pipeline_cuda_graphs and (t.activation_checkpointing or t.strategy != "ddp" or t.tensor_parallel_size > 1):
             raise ConfigError("training.pipeline_cuda_graphs does not combine with " + (
                 "training.activation_checkpointing" if t.activation_checkpointing else
-                f"training.strategy {t.strategy!r}") + ": use ddp inside the stages, without checkpointing")
+                f"training.strategy {t.strategy!r}" if t.strategy != "ddp" else "training.tensor_parallel_size > 1")
+                + ": use ddp inside the stages, without checkpointing or tensor parallelism")
         if t.gradient_accumulation_steps != 1:
             raise ConfigError(f"training.gradient_accumulation_steps with {size} is not supported: set "
                               "training.microbatches instead (the pipeline accumulates over its microbatches)")

@@ -198,8 +198,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
             chosen for activation checkpointing has both halves checkpointed. Checkpoints keep the model's
             keys, so they load with or without it.
         pipeline_cuda_graphs: replay each stage's forward and backward as CUDA graphs, captured after
-            the first step for the input shape it had (one set of activations per microbatch in flight,
-            kept between steps; other shapes run eagerly, as before). For steps whose host time bounds
+            the first step for the shape of its first microbatch (one set of activations per microbatch in
+            flight, kept between steps; other shapes run eagerly, as before). For steps whose host time bounds
             them: measured on 4x H200 at GPT-1.3B, P = 4, 8 microbatches of 2 x 1024 tokens, 1F1B 134.8
             ms against 142.4 eagerly and torch's 141.2 (docs/pipeline.md). CUDA only; not with
             ``"zbh1"``, activation checkpointing, or ZeRO / FSDP inside the stages (``"ddp"`` only: the
@@ -324,6 +324,13 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
                 raise ValueError("pipeline_cuda_graphs=True does not combine with activation_checkpointing: a "
                                  "checkpointed block recomputes in the backward with the random state set from the "
                                  "host, which a graph cannot replay")
+            if pipeline.cuda_graphs and isinstance(strategy, str) and strategy != "ddp":
+                raise ValueError(f"pipeline_cuda_graphs=True needs strategy='ddp' inside the stages, got "
+                                 f"strategy={strategy!r}: ZeRO and FSDP gather parameters in module hooks, which a "
+                                 "replayed graph would skip")
+            if pipeline.cuda_graphs and tensor.enabled:
+                raise ValueError("pipeline_cuda_graphs=True does not combine with tensor_parallel_size > 1 yet: "
+                                 "the graphs would hold the tensor-parallel collectives (not built, not measured)")
             unsupported = [name for name, value in (("gradient_accumulation_steps", gradient_accumulation_steps != 1),
                                                     ("compile", compile is not False)) if value]
             if unsupported:

@@ -110,6 +110,8 @@ def _pipeline(**fields):
         (_pipeline(pipeline_cuda_graphs=True, strategy="zero2"), "training.pipeline_cuda_graphs"),
         (_pipeline(pipeline_cuda_graphs=True, strategy="ddp", activation_checkpointing=True),
          "training.pipeline_cuda_graphs"),
+        (_pipeline(pipeline_cuda_graphs=True, strategy="ddp", tensor_parallel_size=2), "training.pipeline_cuda_graphs"),
+        ({"training": {"pipeline_cuda_graphs": True}}, "training.pipeline_cuda_graphs"),  # no pipeline
     ],
 )
 def test_pipeline_fields_that_disagree_are_named(raw, field):

@@ -51,18 +51,19 @@ def graphs_worker(rank: int, world: int, schedule: str, autocast: bool) -> tuple
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0)
     maker = GPTStages(cfg, seed=1)
-    tied = maker.tied_groups(world)
+    chunks = 2 if schedule == "interleaved_1f1b" else 1
+    tied = maker.tied_groups(world * chunks)
     ranks = list(range(world))
     engines, opts, stages = [], [], []
     for graphs in (False, True):
-        stage = maker.build(rank, world, ctx.device)
+        mine = [maker.build(c * world + rank, world * chunks, ctx.device) for c in range(chunks)]
         up, down, headers = dist.new_group(ranks), dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
-        engines.append(PipelineEngine([stage], ranks=ranks, rank=rank, up_group=up, down_group=down,
+        engines.append(PipelineEngine(mine, ranks=ranks, rank=rank, up_group=up, down_group=down,
                                       header_group=headers, schedule=schedule, microbatches=4, loss_fn=lm_loss,
                                       device=ctx.device, cuda_graphs=graphs,
-                                      after_backward=lambda s=stage: sync_tied_grads(s, tied, None)))
-        opts.append(torch.optim.AdamW(stage.parameters(), lr=1e-3))
-        stages.append(stage)
+                                      after_backward=lambda m=mine: [sync_tied_grads(s, tied, None) for s in m]))
+        opts.append(torch.optim.AdamW([p for m in mine for p in m.parameters()], lr=1e-3))
+        stages.append(nn.ModuleList(mine))
     worst = 0.0
     stolen = False
     for step, length in enumerate([32, 32, 32, 48, 32, 32]):  # captured after step 0; 48: eager; back to 32
@@ -76,7 +77,7 @@ def graphs_worker(rank: int, world: int, schedule: str, autocast: bool) -> tuple
             if engine.graphs is not None:  # autograd added the slots' gradients into .grad, never took them
                 statics = {t.data_ptr() for _, slots in filter(None, engine.graphs.captured) for s in slots
                            for t in s.grad_params if t is not None}
-                stolen |= any(p.grad.data_ptr() in statics for p in engine.chunks[0].parameters())
+                stolen |= any(p.grad.data_ptr() in statics for c in engine.chunks for p in c.parameters())
             opt.step()
             opt.zero_grad(set_to_none=True)
         worst = max(worst, abs(losses[0].item() - losses[1].item()))
@@ -88,13 +89,62 @@ def graphs_worker(rank: int, world: int, schedule: str, autocast: bool) -> tuple
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("schedule,autocast", [("1f1b", False), ("1f1b", True), ("gpipe", True)])
+@pytest.mark.parametrize("schedule,autocast", [("1f1b", False), ("1f1b", True), ("gpipe", True),
+                                             ("interleaved_1f1b", True)])
 def test_graphed_engine_equals_the_eager_one_on_nccl(schedule, autocast):
+    chunks = 2 if schedule == "interleaved_1f1b" else 1
     for worst, replayed, eager, stolen in run_distributed(graphs_worker, 2, args=(schedule, autocast),
                                                          backend="nccl", timeout=240):
         assert worst <= 1e-6, worst
-        assert (replayed, eager) == (4 * 4, 2 * 4), (replayed, eager)  # steps 1, 2, 4, 5 replayed; 0 and 3 not
+        # steps 1, 2, 4, 5 replayed; 0 and 3 not (4 microbatches through each chunk)
+        assert (replayed, eager) == (4 * 4 * chunks, 2 * 4 * chunks), (replayed, eager)
         assert not stolen
+
+
+def batchnorm_worker(rank: int, world: int) -> tuple[float, float, int]:
+    """Two stages with BatchNorm: the running statistics after each step equal the eager engine's (the
+    capture's warm-up runs forwards too: it must leave them as they were)."""
+    import torch.distributed as dist
+
+    from distributed_training import init_distributed
+
+    ctx = init_distributed()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ranks = list(range(world))
+    engines, opts, stages = [], [], []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        parts = [nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()),
+                 nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))]
+        stage = parts[rank].to(ctx.device)
+        up, down, headers = dist.new_group(ranks), dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
+        engines.append(PipelineEngine([stage], ranks=ranks, rank=rank, up_group=up, down_group=down,
+                                      header_group=headers, schedule="1f1b", microbatches=4,
+                                      loss_fn=torch.nn.functional.mse_loss, device=ctx.device, cuda_graphs=graphs))
+        opts.append(torch.optim.SGD(stage.parameters(), lr=0.05, momentum=0.9))
+        stages.append(stage)
+    worst_p = worst_b = 0.0
+    for step in range(5):
+        g = torch.Generator(device=ctx.device).manual_seed(step)
+        x = torch.randn(16, 8, device=ctx.device, generator=g)
+        y = torch.randn(16, 4, device=ctx.device, generator=g)
+        for engine, opt in zip(engines, opts):
+            engine.step(x, y)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        worst_p = max([worst_p] + [(a - b).abs().max().item()
+                                   for a, b in zip(stages[0].parameters(), stages[1].parameters())])
+        worst_b = max([worst_b] + [(a.double() - b.double()).abs().max().item()
+                                   for a, b in zip(stages[0].buffers(), stages[1].buffers())])
+    return worst_p, worst_b, engines[1].graphs.replayed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_graphs_leave_batchnorm_statistics_as_the_eager_engine_does():
+    for worst_p, worst_b, replayed in run_distributed(batchnorm_worker, 2, backend="nccl", timeout=240):
+        assert worst_p <= 1e-5 and worst_b <= 1e-5, (worst_p, worst_b)
+        assert replayed == 4 * 4, replayed
 
 
 # ------------------------------------------------------------------ through the trainer

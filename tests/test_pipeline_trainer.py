@@ -149,6 +149,8 @@ def errors_worker(rank, world):
         "graphs_zb": dict(pipeline_parallel_size=3, pipeline_schedule="zbh1", pipeline_cuda_graphs=True),
         "graphs_ckpt": dict(pipeline_parallel_size=3, pipeline_cuda_graphs=True, activation_checkpointing=[nn.Linear]),
         "graphs_cpu": dict(pipeline_parallel_size=3, pipeline_cuda_graphs=True),
+        "graphs_zero": dict(pipeline_parallel_size=3, pipeline_cuda_graphs=True, strategy="zero2"),
+        "graphs_p1": dict(pipeline_cuda_graphs=True),
     }
     for name, kwargs in cases.items():
         kwargs = dict(kwargs)
@@ -177,7 +179,9 @@ def test_pipeline_errors_name_the_field():
                 "sample": "pass pipeline_sample_input", "half": "pipeline_half_blocks=True cuts our GPT's blocks",
                 "graphs_zb": "pipeline_cuda_graphs=True does not combine with pipeline_schedule='zbh1'",
                 "graphs_ckpt": "pipeline_cuda_graphs=True does not combine with activation_checkpointing",
-                "graphs_cpu": "cuda_graphs needs CUDA devices"}
+                "graphs_cpu": "cuda_graphs (the trainer's pipeline_cuda_graphs) needs CUDA devices",
+                "graphs_zero": "pipeline_cuda_graphs=True needs strategy='ddp' inside the stages, got strategy='zero2'",
+                "graphs_p1": "pipeline_cuda_graphs=True replays pipeline stages: it needs pipeline_parallel_size > 1"}
     for case, text in expected.items():
         assert found[case] is not None and text in found[case], (case, found[case])
 

@@ -250,6 +250,8 @@ class PipelineEngine:
             self._clock = clock
             clock.reset()
         link.begin_step(_shapes_of(xs))
+        if self.graphs is not None:
+            self.graphs.begin_step()
         try:
             for action in actions:
                 stage = stage_of(me, action.chunk, self.pipe_size)

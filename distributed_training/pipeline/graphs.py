@@ -6,7 +6,8 @@ host, and its measured bubble sits above the formula. A graph replays a whole fo
 backward, with one launch.
 
 How (`StageGraphs`): a step runs as usual, and each forward notes its chunk's input: shape, dtype,
-whether it needs a gradient, the autocast dtype and the chunk's train/eval mode (a `Spec`). After the
+whether it needs a gradient, the autocast dtype and the chunk's mode (every module's train/eval flag and
+every parameter's requires_grad, read once a step) (a `Spec`). After the
 step, once every message of this rank has completed, each chunk's first spec is captured: one pair of
 graphs (forward; backward = ``torch.autograd.grad`` of the output for the input and the parameters) per
 microbatch the schedule keeps in flight on that chunk (a "slot"), each pair in a memory pool of its own,
@@ -19,8 +20,13 @@ still held by the slot, so autograd adds them into ``.grad`` or copies them, nev
 forward whose input does not match (another sequence length), or that finds every slot taken, runs
 eagerly, with the same parameters.
 
+A chunk whose capture fails (an output that is not one tensor, a forward that synchronises with the
+host, memory) warns and stays eager; the step it followed stands. The capture's warm-up passes really
+run: the buffers they update (BatchNorm's statistics) are put back.
+
 Limits (checked where possible): CUDA only; parameters are read where they were at capture (an
-optimizer updating them in place, as torch's do, is fine; `param.data = ...` is not); no module
+optimizer updating them in place, as torch's do, is fine; after `param.data = ...` the chunk's graphs
+are dropped at the next step and captured again); no module
 hooks in the chunk (a hook that gathers parameters, ZeRO's or FSDP's, would not run on replay:
 refused); the forward must not synchronise with the host; autocast's weight-cast cache is
 off inside the graphs (casts are replayed kernels, no host cost); random ops (dropout) draw fresh
@@ -31,6 +37,7 @@ gradients per slot, kept between steps.
 from __future__ import annotations
 
 from contextlib import nullcontext
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -48,7 +55,9 @@ class Spec:
     dtype: torch.dtype
     requires_grad: bool
     autocast: torch.dtype | None
-    training: bool
+    #: The chunk's mode: each module's ``training`` flag and each parameter's ``requires_grad`` (a submodule
+    #: put in eval mode, a layer unfrozen: what a graph captured before would not follow).
+    mode: tuple[bool, ...]
 
 
 def slots_per_chunk(actions: Sequence, chunks: int) -> list[int]:
@@ -95,6 +104,8 @@ class _Slot:
             return out, ((x,) if spec.requires_grad else ()) + tuple(leaves.values())
 
         if warmup:  # on a side stream, as CUDA graphs want: libraries' lazy set-up stays out of the capture
+            # The warm-up really runs: buffers it updates (BatchNorm's running statistics) get their values back.
+            kept = [(b, b.detach().clone()) for b in module.buffers()]
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
@@ -103,6 +114,9 @@ class _Slot:
                     torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
             torch.cuda.current_stream(device).wait_stream(side)
             del out, inputs
+            with torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
         pool = torch.cuda.graph_pool_handle()
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # thread_local: the process group's watchdog thread may query its events during the capture.
@@ -117,6 +131,7 @@ class _Slot:
             grads = torch.autograd.grad(out, inputs, self.grad_out, allow_unused=True)
         self.grad_x = grads[0] if spec.requires_grad else None
         self.grad_params = grads[1:] if spec.requires_grad else grads
+        self.addresses = [p.data_ptr() for p in self.params]  # where the graphs read the parameters
         self.busy = False
 
 
@@ -154,19 +169,35 @@ class StageGraphs:
                  warmup: int = 2) -> None:
         check_no_hooks(chunks)
         if device.type != "cuda":
-            raise ValueError(f"pipeline cuda_graphs needs CUDA devices, got {device}")
+            raise ValueError(f"cuda_graphs (the trainer's pipeline_cuda_graphs) needs CUDA devices, got {device}")
+        if device.index is None:  # inputs are on "cuda:N": compare with that
+            device = torch.device("cuda", torch.cuda.current_device())
         self.chunks, self.slots, self.device, self.warmup = list(chunks), list(slots), device, warmup
-        self.captured: list[tuple[Spec, list[_Slot]] | None] = [None] * len(self.chunks)
+        self.captured: list[tuple[Spec | None, list[_Slot]] | None] = [None] * len(self.chunks)
         self._wanted: list[Spec | None] = [None] * len(self.chunks)
+        self._modes: list[tuple[bool, ...]] = [self._mode(c) for c in range(len(self.chunks))]
         #: Forwards that ran from a graph / eagerly (for tests and benchmarks).
         self.replayed = 0
         self.eager = 0
+
+    def _mode(self, chunk: int) -> tuple[bool, ...]:
+        module = self.chunks[chunk]
+        return (tuple(m.training for m in module.modules()) + tuple(p.requires_grad for p in module.parameters()))
+
+    def begin_step(self) -> None:
+        """Before a step's first forward: read the chunks' modes (once a step: they do not change inside
+        one), and drop the graphs of a chunk whose parameters moved (``param.data = ...``: the graphs would
+        read the old memory); it is captured again after the step."""
+        self._modes = [self._mode(c) for c in range(len(self.chunks))]
+        for chunk, entry in enumerate(self.captured):
+            if entry is not None and entry[1] and [p.data_ptr() for p in entry[1][0].params] != entry[1][0].addresses:
+                self.captured[chunk] = None
 
     def spec_of(self, chunk: int, x: Any) -> Spec | None:
         if not isinstance(x, torch.Tensor) or x.device != self.device:
             return None
         autocast = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) else None
-        return Spec(tuple(x.shape), x.dtype, x.requires_grad, autocast, self.chunks[chunk].training)
+        return Spec(tuple(x.shape), x.dtype, x.requires_grad, autocast, self._modes[chunk])
 
     def forward(self, chunk: int, x: Any) -> tuple[torch.Tensor, _Slot] | None:
         """The chunk's output from a free slot's graphs, and the slot (`release` it after the backward);
@@ -205,7 +236,15 @@ class StageGraphs:
                 self.captured[chunk] = (None, [])  # nothing to differentiate (a frozen stage fed the batch): eager
                 self._wanted[chunk] = None
                 continue
-            check_no_hooks([module])
-            made = [_Slot(module, spec, self.device, self.warmup if i == 0 else 0) for i in range(self.slots[chunk])]
-            self.captured[chunk] = (spec, made)
             self._wanted[chunk] = None
+            try:
+                check_no_hooks([module])
+                made = [_Slot(module, spec, self.device, self.warmup if i == 0 else 0)
+                        for i in range(self.slots[chunk])]
+            except Exception as err:  # noqa: BLE001 - the step itself worked: this chunk stays eager
+                # (rank-local: the graphs exchange nothing, so other ranks may replay theirs)
+                warnings.warn(f"pipeline cuda_graphs: chunk {chunk} could not be captured, it runs eagerly: "
+                              f"{type(err).__name__}: {err}", stacklevel=2)
+                self.captured[chunk] = (None, [])
+                continue
+            self.captured[chunk] = (spec, made)

@@ -95,7 +95,9 @@ class PipelineOptions:
         if not interleaved and chunks != 1:
             raise ValueError(f"pipeline_chunks must be 1 for pipeline_schedule={self.schedule!r} (only "
                              f"'interleaved_1f1b' runs several chunks per rank), got {chunks}")
-        if self.cuda_graphs and size > 1 and self.schedule == "zbh1":
+        if self.cuda_graphs and size == 1:
+            raise ValueError("pipeline_cuda_graphs=True replays pipeline stages: it needs pipeline_parallel_size > 1")
+        if self.cuda_graphs and self.schedule == "zbh1":
             raise ValueError("pipeline_cuda_graphs=True does not combine with pipeline_schedule='zbh1': its split "
                              "backward defers weight gradients outside the backward a graph replays")
         microbatches = self.microbatches if self.microbatches is not None else size
