@@ -7,6 +7,8 @@
 #   B: the trainer's pipeline_cuda_graphs at P = 2 x DP = 2 with DDP (NCCL test against the eager trainer),
 #      then the suite's pipeline phase at P = 4 and P = 2 x DP = 2, half blocks, every schedule, ours eager
 #      and with CUDA graphs against torch's, 3 rounds.
+#   C: after the review's fixes (mode in the spec, capture failures eager, BatchNorm warm-up undone): every
+#      GPU test of the graphs (engine: 1F1B fp32 / bf16, GPipe, interleaved; BatchNorm; the trainer).
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -30,5 +32,7 @@ case "$1" in
      (cd benchmarks && timeout 420 python suite.py --out "$R/P" --timeout 405 --worlds 4 --phases pipeline \
         --variants pp,pp_dp,halves,graphs --rounds 3) > "$R/P.log" 2>&1
      echo "[P] exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/P.log" ;;
+  C) timeout 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_pipeline_graphs.py > "$R/gpu_tests.log" 2>&1
+     echo "tests exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/gpu_tests.log" ;;
 esac
 tar -czf "$OUT/s23_$1.tar.gz" -C $R .
