@@ -143,6 +143,8 @@ def run_job(cfg: JobConfig) -> dict:
         drop_last = pipelined and _short_last_batch(trainer, train, batch_size)
         epochs = (user_job.iterable_epochs(t.epochs, t.max_steps) if user_job.is_iterable(train) else
                   _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last))
+        if epochs != t.epochs:
+            trainer._fit_derived["epochs"] = "derived from training.max_steps"
         if _already_complete(trainer, cfg, epochs):
             finished = True
             return {}

@@ -456,6 +456,9 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         self._configured_schedule = (copy.deepcopy(self.lr_scheduler.state_dict())
                                      if self.lr_scheduler is not None else None)
         self._fit_limits: dict[str, Any] = {}
+        #: Limits a caller derived rather than was given (dtrain: epochs from max_steps), with the reason:
+        #: a resume lists their change with it, not as a change the user made.
+        self._fit_derived: dict[str, str] = {}
         # Whether the `fit` in progress sets the accumulation from a global batch (`_adopt_global_batch`):
         # then a resume does not compare the configured gradient_accumulation_steps with the checkpoint's.
         self._fit_global_batch = False

@@ -343,7 +343,9 @@ class Checkpointing(BackgroundCheckpointing):
         if self.lr_scheduler is not None:
             # A schedule added since the checkpoint starts where it would be after the saved steps.
             changes += self._restore_schedule(meta.get("lr_scheduler") or {"last_epoch": int(meta["step"])})
-        changes += [f"{key}: {meta['fit'].get(key)} -> {value}" for key, value in self._fit_limits.items()
+        changes += [f"{key}: {meta['fit'].get(key)} -> {value}"
+                    + (f" ({self._fit_derived[key]})" if key in self._fit_derived else "")
+                    for key, value in self._fit_limits.items()
                     if "fit" in meta and key in meta["fit"] and meta["fit"][key] != value]
         # With a global batch, `fit` resolves the accumulation after loading (and says what it trains, and
         # what changed): the checkpoint's resolved value is not to be compared with the configured one.

@@ -650,3 +650,23 @@ def test_the_start_line_counts_the_models_parameters_under_zero3_too(tmp_path):
         logger.removeHandler(handler)
         logger.setLevel(level)
     assert any(f"with {expected:,} parameters, strategy zero3" in m for m in seen), seen[:3]
+
+
+@pytest.mark.timeout(180)
+def test_epochs_derived_from_max_steps_are_said_as_derived_on_resume(tmp_path, monkeypatch, caplog):
+    """Raising training.max_steps past an epoch makes dtrain train more epochs than training.epochs; the
+    resume listed that as "epochs: 1 -> 2", a change the user never made."""
+    from distributed_training import cli
+
+    monkeypatch.chdir(tmp_path)
+    config = {"model": {"preset": "classifier"}, "data": {"dataset": "digits", "val_fraction": 0.9},
+              "training": {"max_steps": 2, "batch_size": 64}, "logging": {"progress": False},
+              "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert cli.main([str(path)]) == 0
+    caplog.set_level(logging.INFO, logger="distributed_training")
+    assert cli.main([str(path), "--set", "training.max_steps=5"]) == 0  # 3 steps an epoch: 2 epochs
+    changed = [r.getMessage() for r in caplog.records if "configuration changed" in r.getMessage()]
+    assert len(changed) == 1 and "max_steps: 2 -> 5" in changed[0], changed
+    assert "epochs: 1 -> 2 (derived from training.max_steps)" in changed[0], changed
