@@ -102,13 +102,13 @@ class Evaluation:
                 if lockstep:
                     if self.context.every_rank(batch is None):  # no rank has a batch left
                         break
-                    if batch is None and previous is None:
-                        batch = next(iter(DataLoader(dataset, batch_size=1, collate_fn=collate)))
                 elif batch is None:
                     break
                 weight = 1.0
-                if batch is None:
-                    batch, weight = previous, 0.0
+                if batch is None:  # this rank's shard is done (or was empty): a batch that counts 0
+                    weight = 0.0
+                    batch = previous if previous is not None else next(
+                        iter(DataLoader(dataset, batch_size=1, collate_fn=collate)))
                 previous = batch
                 batch = to_device(batch, self.device)
                 n = batch_size_of(batch) * weight

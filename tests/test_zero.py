@@ -268,23 +268,33 @@ def test_fsdp_strategy_object_accepts_options():
     assert strategy.fsdp_kwargs["reshard_after_forward"] is False
 
 
-def fsdp_evaluate_worker(rank, world):
+def fsdp_evaluate_worker(rank, world, samples):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(3)
-    data = torch.utils.data.TensorDataset(torch.randn(31, 8, generator=g), torch.randint(0, 3, (31,), generator=g))
+    data = torch.utils.data.TensorDataset(torch.randn(samples, 8, generator=g),
+                                          torch.randint(0, 3, (samples,), generator=g))
     trainer = DistributedTrainer(model, _opt("sgd"), strategy="zero3")
-    ours = trainer.evaluate(data, F.cross_entropy, batch_size=5)  # shards of 11/10/10: 3, 2 and 2 batches
+    # 31 samples: shards of 11/10/10, 3, 2 and 2 batches; 2 samples: the third rank's shard is empty
+    ours = trainer.evaluate(data, F.cross_entropy, batch_size=5, metrics={"hits": _hits})
     trainer.close()
     x, y = data.tensors
     with torch.no_grad():
-        return ours["loss"], F.cross_entropy(reference(x), y).item()
+        out = reference(x)
+        return ours["loss"], ours["hits"], F.cross_entropy(out, y).item(), _hits(out, y).item()
 
 
-def test_sharded_evaluate_with_uneven_shards_is_exact():
-    for ours, expected in run_distributed(fsdp_evaluate_worker, 3, timeout=60):
-        assert abs(ours - expected) <= 1e-6, (ours, expected)
+def _hits(out, y):
+    return (out.argmax(-1) == y).float().mean()
+
+
+@pytest.mark.parametrize("samples", [31, 2])
+def test_sharded_evaluate_with_uneven_shards_is_exact(samples):
+    """Every rank runs as many forwards (they gather parameters): a rank whose shard is done repeats a
+    batch that counts 0; one whose shard was empty borrowed the set's first sample and counted it."""
+    for ours, hits, expected, expected_hits in run_distributed(fsdp_evaluate_worker, 3, args=(samples,), timeout=60):
+        assert abs(ours - expected) <= 1e-6 and abs(hits - expected_hits) <= 1e-6, (ours, expected, hits, expected_hits)
 
 
 def test_default_units_include_repeated_blocks_in_a_sequential_but_not_bare_layers():
