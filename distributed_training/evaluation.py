@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .batches import batch_size_of, call_module, model_loss, to_device
 from .data import ShardedSampler
-from .loss_weights import counted, weigh
+from .loss_weights import counted, label_count, weigh
 
 __all__ = ["Evaluation"]
 
@@ -124,6 +124,8 @@ class Evaluation:
                 kept = n
                 if criterion is not None and isinstance(batch, (tuple, list)) and len(batch) == 2:
                     kept = counted(criterion, batch[1], batch_size_of(batch)) * weight
+                elif criterion is None:  # the model's own loss: over the labels it keeps (Hugging Face)
+                    kept = label_count(self.module, batch, batch_size_of(batch)) * weight
                 for k, v in enumerate(values):
                     # (a batch that keeps no target: its mean is nan, and counts 0)
                     part = weigh(v.detach().double(), kept if k == 0 else weight if summed[k - 1] else n)

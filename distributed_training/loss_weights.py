@@ -16,26 +16,36 @@ weights:
 
 A criterion that is a plain function is taken to reduce by the mean (as `F.cross_entropy`, `F.mse_loss`
 do by default); for a sum, pass a loss module (``nn.CrossEntropyLoss(reduction="sum")``).
+
+Without a criterion the model computes its loss itself. A Hugging Face model (a class with a
+``loss_function``) fed a dict batch with integer ``labels`` averages over the labels other than -100,
+shifted by one for a causal language model (its ``loss_type`` ``"ForCausalLM"``, or none: what its
+``loss_function`` then defaults to): `label_count` counts those. Any other model's own loss: by rows.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["micro_weights", "counted", "weigh", "IGNORE_INDEX"]
+__all__ = ["micro_weights", "counted", "label_count", "weigh", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # torch's cross-entropy / NLL default, and Hugging Face's label padding
 
 
-def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequence[int]) -> list:
+def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequence[int],
+                  counts: Sequence[Any] | None = None) -> list:
     """The weight of each micro-batch's loss (see the module docstring): `targets` are the micro-batches'
-    targets, `rows` their row counts. Floats, or 0-dim tensors for counted targets."""
+    targets, `rows` their row counts; `counts`, what each micro-batch's mean is over where the caller
+    knows it (a model's own loss: `label_count`). Floats, or 0-dim tensors for counted targets."""
     if _setting(criterion, "reduction", "mean") == "sum":
         return [1.0] * len(rows)
-    counts = [counted(criterion, t, n) for t, n in zip(targets, rows)] if len(rows) > 1 else list(rows)
+    if len(rows) == 1:
+        counts = list(rows)
+    elif counts is None:
+        counts = [counted(criterion, t, n) for t, n in zip(targets, rows)]
     if all(isinstance(c, int) for c in counts):
         return [n / sum(rows) for n in rows]
     # (every micro-batch's targets are class indices: `_split` cuts them alike)
@@ -51,6 +61,17 @@ def weigh(loss: torch.Tensor, weight: Any) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
     return loss * weight
+
+
+def label_count(model: Any, batch: Any, rows: int):
+    """What a model computing its own loss averages it over (see the module docstring): a Hugging Face
+    model's labels other than -100 (a 0-dim tensor), else `rows`."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not _class_indices(labels) or not hasattr(type(model), "loss_function"):
+        return rows
+    if labels.dim() >= 2 and getattr(model, "loss_type", None) in (None, "ForCausalLM"):
+        labels = labels[..., 1:]  # a causal LM predicts token t + 1 from the tokens up to t
+    return (labels != IGNORE_INDEX).sum()
 
 
 def counted(criterion: Callable | None, targets: Any, rows: int):

@@ -36,7 +36,7 @@ from .evaluation import Evaluation
 from .global_batch import GlobalBatch, check_layout_world
 from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout, stop_heartbeat
 from .logs import get_logger, install_default_handler
-from .loss_weights import micro_weights, weigh
+from .loss_weights import label_count, micro_weights, weigh
 from .monitor import Monitor, NullMonitor
 from .peer_watch import PeerFailureError, PeerWatch
 from .pipeline.meta_init import has_meta, materialize
@@ -530,7 +530,10 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         # targets (`loss_weights`). (One micro-batch: weight 1, and no kernel launched for it.)
         targets = [micro[1] if criterion is not None and isinstance(micro, (tuple, list)) and len(micro) == 2 else None
                    for micro, _ in micro_batches]
-        weights = micro_weights(criterion, targets, [size for _, size in micro_batches])
+        # (a model computing its own loss from the batch's labels: what it averages over, `label_count`)
+        counts = ([label_count(self.module, micro, size) for micro, size in micro_batches]
+                  if criterion is None and len(micro_batches) > 1 else None)
+        weights = micro_weights(criterion, targets, [size for _, size in micro_batches], counts)
         for k, ((micro, _), share) in enumerate(zip(micro_batches, weights)):
             last = k == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
