@@ -3,12 +3,15 @@
 `apply_activation_checkpointing(model, policy)` makes every module the policy selects run through
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`. Non-reentrant checkpointing recomputes
 inside the same backward pass, so each parameter's gradient is accumulated once: DDP marks it ready
-once, and FSDP's recompute reads weights gathered for that unit's backward.
+once, and FSDP's recompute reads weights gathered for that unit's backward. The recompute is the
+forward run again: running statistics it updates (BatchNorm's) get back the values the forward left,
+so that they are updated once a step, as without checkpointing.
 """
 
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -46,11 +49,31 @@ def apply_activation_checkpointing(model: nn.Module, policy: Any) -> list[str]:
 
 def checkpoint_module(module: nn.Module) -> None:
     """Checkpoint `module`'s forward (an instance attribute; marked so it is never wrapped twice)."""
-    module.forward = functools.partial(_run_checkpointed, module.forward)
+    module.forward = functools.partial(_run_checkpointed, module, module.forward)
     module._dt_checkpointed = True
 
 
-def _run_checkpointed(forward: Callable, *args, **kwargs):
+class _KeepRunningStatistics:
+    """The recompute's context: the running statistics of `module`'s normalisation layers are put back
+    to what they were before the recompute updated them a second time."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        # Read now, not when wrapped: `.to()` replaces buffers.
+        self.saved = [(b, b.clone()) for m in self.module.modules()
+                      if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+                      for b in m.buffers(recurse=False)]
+
+    def __exit__(self, *exc) -> None:
+        with torch.no_grad():
+            for buffer, value in self.saved:
+                buffer.copy_(value)
+
+
+def _run_checkpointed(module: nn.Module, forward: Callable, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=lambda: (nullcontext(), _KeepRunningStatistics(module)), **kwargs)
