@@ -21,6 +21,11 @@ Without a criterion the model computes its loss itself. A Hugging Face model (a 
 ``loss_function``) fed a dict batch with integer ``labels`` averages over the labels other than -100,
 shifted by one for a causal language model (its ``loss_type`` ``"ForCausalLM"``, or none: what its
 ``loss_function`` then defaults to): `label_count` counts those. Any other model's own loss: by rows.
+
+Across data-parallel replicas, which average their gradients, the same holds: a replica whose batch keeps
+fewer targets must count for less. `replica_scale` gives the factor (this replica's count x replicas /
+all replicas' count, one small all-reduce) that makes the average of the replicas' gradients the
+gradient of the whole global batch's mean, as one process computes it.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["micro_weights", "counted", "label_count", "weigh", "IGNORE_INDEX"]
+__all__ = ["micro_weights", "counted", "label_count", "replica_scale", "weigh", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # torch's cross-entropy / NLL default, and Hugging Face's label padding
 
@@ -51,6 +57,18 @@ def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequ
     # (every micro-batch's targets are class indices: `_split` cuts them alike)
     whole = torch.stack([torch.as_tensor(c) for c in counts]).sum().clamp(min=1)
     return [c / whole for c in counts]
+
+
+def replica_scale(counts: Sequence[Any], group, replicas: int):
+    """The factor of this replica's loss (see the module docstring), or None where the counts are rows
+    (replicas of equal batches weigh alike) or there is one replica. Collective over `group`: every
+    replica calls it, with counts of the same kind."""
+    if replicas == 1 or all(isinstance(c, int) for c in counts):
+        return None
+    mine = torch.stack([torch.as_tensor(c) for c in counts]).sum()
+    total = mine.clone()
+    dist.all_reduce(total, group=group)
+    return torch.where(total > 0, mine * replicas / total.clamp(min=1), torch.zeros((), device=mine.device))
 
 
 def weigh(loss: torch.Tensor, weight: Any) -> torch.Tensor:

@@ -36,7 +36,7 @@ from .evaluation import Evaluation
 from .global_batch import GlobalBatch, check_layout_world
 from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout, stop_heartbeat
 from .logs import get_logger, install_default_handler
-from .loss_weights import label_count, micro_weights, weigh
+from .loss_weights import counted, label_count, micro_weights, replica_scale, weigh
 from .monitor import Monitor, NullMonitor
 from .peer_watch import PeerFailureError, PeerWatch
 from .pipeline.meta_init import has_meta, materialize
@@ -530,17 +530,23 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         # targets (`loss_weights`). (One micro-batch: weight 1, and no kernel launched for it.)
         targets = [micro[1] if criterion is not None and isinstance(micro, (tuple, list)) and len(micro) == 2 else None
                    for micro, _ in micro_batches]
-        # (a model computing its own loss from the batch's labels: what it averages over, `label_count`)
-        counts = ([label_count(self.module, micro, size) for micro, size in micro_batches]
-                  if criterion is None and len(micro_batches) > 1 else None)
+        # Replicas whose batches keep different numbers of targets count by them too (`replica_scale`).
+        replicas = self.dp_world_size if not self.context.independent and loss_sum is None else 1
+        counts = None
+        if len(micro_batches) > 1 or replicas > 1:
+            # (a model computing its own loss from the batch's labels: what it averages over, `label_count`)
+            counts = [label_count(self.module, micro, size) if criterion is None else counted(criterion, target, size)
+                      for (micro, size), target in zip(micro_batches, targets)]
         weights = micro_weights(criterion, targets, [size for _, size in micro_batches], counts)
+        scale = replica_scale(counts, self.context.mesh.group("data"), replicas) if replicas > 1 else None
         for k, ((micro, _), share) in enumerate(zip(micro_batches, weights)):
             last = k == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
                 with self.precision.autocast():
                     loss = self._loss(micro, criterion)
-                one = isinstance(share, float) and share == 1
-                self.strategy.backward(self.model, loss if one else weigh(loss, share), self.precision)
+                one = isinstance(share, float) and share == 1 and scale is None
+                self.strategy.backward(self.model, loss if one else weigh(loss, share if scale is None else share * scale),
+                                       self.precision)
             weighted = loss.detach().float() if one else weigh(loss.detach().float(), share)
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..batches import tensors_of
-from ..loss_weights import micro_weights, weigh
+from ..loss_weights import counted, micro_weights, replica_scale, weigh
 from .graphs import StageGraphs, slots_per_chunk
 from .p2p import PipelineAborted, StageLink
 from .schedules import build_schedule, stage_of
@@ -166,6 +166,10 @@ class PipelineEngine:
         #: What the microbatches' loss weights are read from (`loss_weights.micro_weights`: its reduction and
         #: ignore_index); None: `loss_fn` itself. The trainer sets the user's criterion here.
         self.criterion: Callable | None = None
+        #: The last stage's data-parallel group and the number of replicas (the trainer sets them): replicas
+        #: whose batches keep different numbers of targets weigh their losses by them (`replica_scale`).
+        self.data_group = None
+        self.data_size = 1
 
     def _forward(self, chunk: int, stage: int, x: Any, mb: int = 0) -> Any:
         if stage > 0 and self._copy_input[chunk] and isinstance(x, torch.Tensor) and x.requires_grad:
@@ -215,7 +219,13 @@ class PipelineEngine:
         # The last stage weighs each microbatch's loss (`loss_weights`: by the targets it does not ignore);
         # the others never use the weights (by rows: nothing launched).
         criterion = (self.criterion if self.criterion is not None else self.loss_fn) if self.is_last else None
-        shares = micro_weights(criterion, ys, [_rows(x) for x in xs])
+        rows = [_rows(x) for x in xs]
+        shares = micro_weights(criterion, ys, rows)
+        if self.is_last and self.data_size > 1:  # (the last stages of the replicas: their own collective)
+            scale = replica_scale([counted(criterion, y, n) for y, n in zip(ys, rows)], self.data_group,
+                                  self.data_size)
+            if scale is not None:
+                shares = [(share, share * scale) for share in shares]  # (reported, backward)
         try:
             return self._step(xs, ys, shares, actions)
         except BaseException as err:
@@ -238,7 +248,7 @@ class PipelineEngine:
             self._short_schedules[microbatches] = actions[self.rank]
         return self._short_schedules[microbatches]
 
-    def _step(self, xs: list[Any], ys: list[Any], shares: list[float], actions: list) -> torch.Tensor:
+    def _step(self, xs: list[Any], ys: list[Any], shares: list[Any], actions: list) -> torch.Tensor:
         held: dict[tuple[int, int], tuple[Any, Any]] = {}  # (microbatch, chunk) -> (input, output or loss)
         loss_sum = torch.zeros((), device=self.device)
         last = self.num_stages - 1
@@ -269,9 +279,10 @@ class PipelineEngine:
                     with split.record((mb, chunk)) if split is not None else nullcontext():
                         out = self._forward(chunk, stage, x, mb)
                     if stage == last:
-                        loss = weigh(self.loss_fn(out, ys[mb]), shares[mb])
-                        loss_sum = loss_sum + loss.detach().float()
-                        held[mb, chunk] = (x, loss)
+                        reported, weight = shares[mb] if isinstance(shares[mb], tuple) else (shares[mb],) * 2
+                        loss = self.loss_fn(out, ys[mb])
+                        loss_sum = loss_sum + weigh(loss.detach().float(), reported)
+                        held[mb, chunk] = (x, weigh(loss, weight))
                     if clock is not None:
                         clock.stop("F", mb, chunk, start)
                     if stage != last:

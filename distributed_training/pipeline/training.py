@@ -233,6 +233,7 @@ class PipelineStrategy(PipelineState, Strategy):
                                      schedule=opts.schedule, microbatches=opts.microbatches, loss_fn=self._loss,
                                      device=self.device, after_backward=self._after_backward,
                                      cuda_graphs=opts.cuda_graphs)
+        self.engine.data_group, self.engine.data_size = mesh.group("data"), mesh.dp_size
         self._loss_fn: Callable | None = None
         self._default_loss = lm_loss if isinstance(module, GPT) else None
         return wrapped
