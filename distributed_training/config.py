@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .config_evaluation import EvaluationConfig
 from .config_fields import ConfigError, Float, Int, PathStr, PositiveFloat, PositiveInt, Section, given
@@ -138,7 +138,13 @@ class TrainingConfig(Section):
     batch_size: PositiveInt | Literal["auto"] = 16
     """Samples per rank per optimizer step; ``auto``: the largest that fits (probed on GPUs, estimated
     against ``memory_budget_gb`` on CPU and for sharded strategies), at most a quarter of a rank's
-    share of the data and 1024."""
+    share of the data and 1024; null: the default (``--set training.batch_size=null`` drops a config's
+    value, e.g. to give ``global_batch_size`` instead)."""
+    @field_validator("batch_size", mode="before")
+    @classmethod
+    def _batch_size_null(cls, value: Any) -> Any:
+        return cls.model_fields["batch_size"].default if value is None else value
+
     global_batch_size: Optional[PositiveInt] = None
     """Samples per optimizer step over all data-parallel replicas, instead of ``batch_size`` a rank:
     kept at any world size (a job resumed at another size recomputes each replica's share and the
@@ -311,7 +317,8 @@ class JobConfig(Section):
             raise ConfigError("checkpoint.every needs checkpoint.dir")
         if t.global_batch_size is not None and given(t, "batch_size"):
             raise ConfigError("training.batch_size (a rank's) and training.global_batch_size (the whole job's): give "
-                              "one of them (training.micro_batch_size bounds a rank's forward with the global one)")
+                              "one of them (training.micro_batch_size bounds a rank's forward with the global one; "
+                              "--set training.batch_size=null drops a config's batch_size)")
         if t.micro_batch_size is not None and t.global_batch_size is None:
             raise ConfigError("training.micro_batch_size needs training.global_batch_size (with training.batch_size, "
                               "set training.gradient_accumulation_steps)")

@@ -111,6 +111,10 @@ def load_config(source: str | dict, overrides: list[str] | None = None) -> JobCo
                 raw = parse_yaml(f.read())
         except FileNotFoundError:
             raise ConfigError(f"config file {source!r} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {source!r} is a directory: give one of its YAML files") from None
+        except (PermissionError, UnicodeDecodeError) as err:
+            raise ConfigError(f"config file {source!r} cannot be read: {err}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {source!r} is not valid YAML: {err}") from None
         if raw is None:

@@ -210,6 +210,14 @@ def _check_world(cfg: JobConfig, model: nn.Module, world: int) -> None:
         per_replica = t.tensor_parallel_size * t.pipeline_parallel_size
         raise ConfigError(f"training.tensor_parallel_size={t.tensor_parallel_size}{with_pipeline} does not divide the "
                           f"world size {world}: run a multiple of {per_replica} processes (torchrun --nproc_per_node)")
+    c = cfg.communication
+    if c.hierarchical and c.ranks_per_node is not None and world % c.ranks_per_node:
+        raise ConfigError(f"communication.ranks_per_node={c.ranks_per_node} does not divide the world size {world} "
+                          f"(nodes of equal size): run a multiple of {c.ranks_per_node} processes, or leave it out "
+                          "(torchrun's LOCAL_WORLD_SIZE)")
+    if t.pipeline_cuda_graphs and pipelined and not torch.cuda.is_available():
+        raise ConfigError("training.pipeline_cuda_graphs needs CUDA devices, and this machine has none: set it to "
+                          "false")
     if pipelined:
         _check_pipeline_fits(cfg, model)
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from distributed_training.config import ConfigError, JobConfig, load_config
@@ -74,6 +75,14 @@ def test_overrides_and_defaults(tmp_path):
         load_config({}, ["no_equals_sign"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="is a directory: give one of its YAML files"):
+        load_config(str(tmp_path))  # was an IsADirectoryError traceback
+    # A config's batch_size dropped from the command line, to give the global one instead (was refused:
+    # null was not a valid integer, and both together are refused).
+    cfg = load_config(str(path), ["training.batch_size=null", "training.global_batch_size=64"])
+    assert (cfg.training.batch_size, cfg.training.global_batch_size) == (16, 64)
+    with pytest.raises(ConfigError, match="--set training.batch_size=null drops"):
+        load_config({"training": {"batch_size": 8, "global_batch_size": 64}})
 
 
 def test_help_and_print_config():
@@ -586,6 +595,23 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_world_is_a_config_error
     cfg = load_config({"model": {"preset": "tiny"}, "training": {"tensor_parallel_size": 2}})
     with pytest.raises(ConfigError, match=r"^training\.tensor_parallel_size=2 does not divide the world size 3"):
         cli.run_job(cfg)
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"training": {"strategy": "ddp"}, "communication": {"hierarchical": True, "ranks_per_node": 3}},
+     r"^communication\.ranks_per_node=3 does not divide the world size 2"),
+    pytest.param({"model": {"preset": "tiny"},
+                  "training": {"strategy": "ddp", "pipeline_parallel_size": 2, "pipeline_cuda_graphs": True}},
+                 r"^training\.pipeline_cuda_graphs needs CUDA devices",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+])
+def test_what_the_world_or_machine_cannot_run_is_a_config_error(monkeypatch, raw, field):
+    """Said before any rendezvous as one line naming the field (each was a traceback per rank)."""
+    import distributed_training.cli as cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=field):
+        cli.run_job(load_config(raw))
 
 
 def test_an_evaluation_target_the_data_does_not_give_is_a_config_error():
