@@ -448,7 +448,8 @@ class Checkpointing(BackgroundCheckpointing):
                 self.strategy.load_shared_state(self.model, meta)
                 self.strategy.load_rank_state(self.model, read(ctx.rank))
         elif ctx.is_main:  # once, not once a rank
-            log.warning("checkpoint %r was written by %s ranks: RNG states not restored", path, meta["world_size"])
+            log.warning("checkpoint %r was written by %s rank(s), this run has %d: RNG states not restored", path,
+                        meta["world_size"], ctx.world_size)
 
     def _load_own_part(self, part: dict[str, Any]) -> None:
         """This rank's RNG states and buffers from what a strategy's `load_checkpoint_files` returned."""
