@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["micro_weights", "counted", "label_count", "replica_scale", "weigh", "IGNORE_INDEX"]
+__all__ = ["micro_weights", "counted", "label_count", "replica_scale", "ReplicaScale", "weigh", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # torch's cross-entropy / NLL default, and Hugging Face's label padding
 
@@ -59,16 +59,31 @@ def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequ
     return [c / whole for c in counts]
 
 
-def replica_scale(counts: Sequence[Any], group, replicas: int):
-    """The factor of this replica's loss (see the module docstring), or None where the counts are rows
-    (replicas of equal batches weigh alike) or there is one replica. Collective over `group`: every
-    replica calls it, with counts of the same kind."""
+class ReplicaScale:
+    """The factor of this replica's loss (see the module docstring), its all-reduce started at once and
+    waited for by the first `value()`: the forward that comes before the first backward overlaps it."""
+
+    def __init__(self, counts: Sequence[Any], group, replicas: int) -> None:
+        self.mine = torch.stack([torch.as_tensor(c) for c in counts]).sum()
+        self.total = self.mine.clone()
+        self.replicas = replicas
+        self._work = dist.all_reduce(self.total, group=group, async_op=True)
+        self._value: torch.Tensor | None = None
+
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            self._work.wait()
+            self._value = torch.where(self.total > 0, self.mine * self.replicas / self.total.clamp(min=1),
+                                      torch.zeros((), device=self.mine.device))
+        return self._value
+
+
+def replica_scale(counts: Sequence[Any], group, replicas: int) -> ReplicaScale | None:
+    """A `ReplicaScale`, or None where the counts are rows (replicas of equal batches weigh alike) or there
+    is one replica. Collective over `group`: every replica calls it, with counts of the same kind."""
     if replicas == 1 or all(isinstance(c, int) for c in counts):
         return None
-    mine = torch.stack([torch.as_tensor(c) for c in counts]).sum()
-    total = mine.clone()
-    dist.all_reduce(total, group=group)
-    return torch.where(total > 0, mine * replicas / total.clamp(min=1), torch.zeros((), device=mine.device))
+    return ReplicaScale(counts, group, replicas)
 
 
 def weigh(loss: torch.Tensor, weight: Any) -> torch.Tensor:

@@ -545,8 +545,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
                 with self.precision.autocast():
                     loss = self._loss(micro, criterion)
                 one = isinstance(share, float) and share == 1 and scale is None
-                self.strategy.backward(self.model, loss if one else weigh(loss, share if scale is None else share * scale),
-                                       self.precision)
+                self.strategy.backward(self.model, loss if one else weigh(loss, share if scale is None
+                                                                          else share * scale.value()), self.precision)
             weighted = loss.detach().float() if one else weigh(loss.detach().float(), share)
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
 

@@ -225,7 +225,7 @@ class PipelineEngine:
             scale = replica_scale([counted(criterion, y, n) for y, n in zip(ys, rows)], self.data_group,
                                   self.data_size)
             if scale is not None:
-                shares = [(share, share * scale) for share in shares]  # (reported, backward)
+                shares = [(share, (share, scale)) for share in shares]  # (reported, backward: times the scale)
         try:
             return self._step(xs, ys, shares, actions)
         except BaseException as err:
@@ -282,6 +282,8 @@ class PipelineEngine:
                         reported, weight = shares[mb] if isinstance(shares[mb], tuple) else (shares[mb],) * 2
                         loss = self.loss_fn(out, ys[mb])
                         loss_sum = loss_sum + weigh(loss.detach().float(), reported)
+                        if isinstance(weight, tuple):  # the replicas' scale: its all-reduce is done by now
+                            weight = weight[0] * weight[1].value()
                         held[mb, chunk] = (x, weigh(loss, weight))
                     if clock is not None:
                         clock.stop("F", mb, chunk, start)
