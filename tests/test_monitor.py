@@ -710,6 +710,38 @@ def test_a_resumed_run_continues_its_series(tmp_path):
     assert [(r["step"], r["train/loss"]) for r in records] == [(1, -1), (2, -2), (3, -3)]
 
 
+def test_ranks_of_an_earlier_larger_run_do_not_mix_into_a_later_one(tmp_path):
+    """A trial: a run of 2 ranks, then `dtrain --no-resume` at 1 rank in the same log dir: the plot drew
+    the old run's rank 1 beside the new run's rank 0 ("2 rank(s)")."""
+    from distributed_training.monitor import plot
+
+    clock = [1000.0]
+
+    def run(world, first, last):  # each run a minute after the one before; its ranks log each step together
+        clock[0] += 60
+        for step in range(first, last + 1):
+            clock[0] += 1
+            for rank in range(world):
+                os.makedirs(tmp_path / f"rank_{rank}", exist_ok=True)
+                with open(tmp_path / f"rank_{rank}" / "metrics.jsonl", "a") as f:
+                    # rank 1 may log a step a little before rank 0: still the same run
+                    f.write(json.dumps({"step": step, "time": clock[0] - 0.5 * rank, "rank": rank}) + "\n")
+
+    def steps():
+        return {k: [r["step"] for r in v] for k, v in plot.load_run(tmp_path).items()}
+
+    run(2, 1, 8)
+    run(2, 1, 2)   # a new run at the same size: both ranks' records replaced
+    assert steps() == {0: [1, 2], 1: [1, 2]}
+    run(2, 3, 8)   # it goes on to step 8
+    run(1, 6, 9)   # resumed from step 5 at one rank: rank 1 keeps steps 1-5, which the later run did not redo
+    assert steps() == {0: list(range(1, 10)), 1: [1, 2, 3, 4, 5]}
+    run(1, 1, 3)   # a new run at one rank: rank 1 is gone
+    assert steps() == {0: [1, 2, 3]}
+    run(2, 1, 2)   # and back at two ranks
+    assert steps() == {0: [1, 2], 1: [1, 2]}
+
+
 def test_plot_without_matplotlib_names_the_extra(tmp_path):
     write_fake_run(tmp_path / "run")
     code = ("import sys; sys.modules['matplotlib'] = None\n"  # as if it were not installed

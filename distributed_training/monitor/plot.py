@@ -37,16 +37,24 @@ PANELS = [
 ]
 
 
+#: Seconds by which another rank may log a step before rank 0 and still be in the same run (ranks meet
+#: every step; a new run starts seconds after the one before it at the least).
+SAME_RUN_S = 5.0
+
+
 def load_run(log_dir: str | os.PathLike) -> dict[int, list[dict]]:
     """rank -> its JSONL records, steps increasing: where a later run (a resumed or a new one) logged a
     step again, its records replace the earlier run's from there on. Lines that do not parse (one
-    being written) are skipped."""
+    being written) are skipped. Where rank 0's run restarted at a step, another rank's records from that
+    step on count only if written by the same run (not before rank 0's restart, within `SAME_RUN_S`):
+    a rank that an earlier, larger run had and the later one has not is left with what came before."""
     runs: dict[int, list[dict]] = {}
+    restart = None  # (step, time) of the record rank 0's file last went back to
     for path in glob.glob(os.path.join(os.fspath(log_dir), "rank_*", "metrics.jsonl")):
         match = re.fullmatch(r"rank_(\d+)", os.path.basename(os.path.dirname(path)))
         if match is None:
             continue
-        records = []
+        rank, records = int(match.group(1)), []
         with open(path, encoding="utf-8") as f:
             for line in f:
                 line = line.strip()
@@ -57,10 +65,19 @@ def load_run(log_dir: str | os.PathLike) -> dict[int, list[dict]]:
                 except json.JSONDecodeError:
                     continue
                 if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+                    if rank == 0 and records and records[-1]["step"] >= record["step"]:
+                        restart = (record["step"], record.get("time"))
                     while records and records[-1]["step"] >= record["step"]:
                         records.pop()  # a run restarted at this step: what came after it is superseded
                     records.append(record)
-        runs[int(match.group(1))] = records
+        runs[rank] = records
+    if restart is not None and isinstance(restart[1], (int, float)):
+        step, started = restart
+        for rank in [r for r in runs if r != 0]:
+            runs[rank] = [r for r in runs[rank] if r["step"] < step
+                          or not isinstance(r.get("time"), (int, float)) or r["time"] >= started - SAME_RUN_S]
+            if not runs[rank]:
+                del runs[rank]
     return dict(sorted(runs.items()))
 
 
