@@ -23,9 +23,12 @@ shifted by one for a causal language model (its ``loss_type`` ``"ForCausalLM"``,
 ``loss_function`` then defaults to): `label_count` counts those. Any other model's own loss: by rows.
 
 Across data-parallel replicas, which average their gradients, the same holds: a replica whose batch keeps
-fewer targets must count for less. `replica_scale` gives the factor (this replica's count x replicas /
-all replicas' count, one small all-reduce) that makes the average of the replicas' gradients the
-gradient of the whole global batch's mean, as one process computes it.
+fewer targets (or holds fewer rows) must count for less, and a summing criterion's replicas must add up.
+`replica_scale` gives the factor (this replica's count x replicas / all replicas' count, one small
+all-reduce; the number of replicas for a sum) that makes the average of the replicas' gradients the
+gradient of the whole global batch's loss, as one process computes it. A class-weighted cross-entropy
+(``weight=``) averages over its kept targets' weights: `counted` counts those. Our GPT computing its own
+loss from ``(idx, targets)`` counts its targets other than -100 (`label_count`).
 """
 
 from __future__ import annotations
@@ -63,8 +66,8 @@ class ReplicaScale:
     """The factor of this replica's loss (see the module docstring), its all-reduce started at once and
     waited for by the first `value()`: the forward that comes before the first backward overlaps it."""
 
-    def __init__(self, counts: Sequence[Any], group, replicas: int) -> None:
-        self.mine = torch.stack([torch.as_tensor(c) for c in counts]).sum()
+    def __init__(self, counts: Sequence[Any], group, replicas: int, device: torch.device) -> None:
+        self.mine = torch.stack([torch.as_tensor(c, device=device) for c in counts]).sum()
         self.total = self.mine.clone()
         self.replicas = replicas
         self._work = dist.all_reduce(self.total, group=group, async_op=True)
@@ -78,12 +81,26 @@ class ReplicaScale:
         return self._value
 
 
-def replica_scale(counts: Sequence[Any], group, replicas: int) -> ReplicaScale | None:
-    """A `ReplicaScale`, or None where the counts are rows (replicas of equal batches weigh alike) or there
-    is one replica. Collective over `group`: every replica calls it, with counts of the same kind."""
-    if replicas == 1 or all(isinstance(c, int) for c in counts):
+class _Constant:
+    """A summing criterion's factor: the replicas' gradients are averaged, the sums must add up."""
+
+    def __init__(self, value: float) -> None:
+        self._value = value
+
+    def value(self) -> float:
+        return self._value
+
+
+def replica_scale(criterion: Callable | None, counts: Sequence[Any], group, replicas: int,
+                  device: torch.device) -> ReplicaScale | _Constant | None:
+    """The factor of this replica's loss, or None for one replica: the number of replicas for a criterion
+    that sums (no collective), else a `ReplicaScale` over `counts` (kept targets, or rows: replicas of
+    uneven batches too). Collective over `group`: every replica calls it, with counts of the same kind."""
+    if replicas == 1:
         return None
-    return ReplicaScale(counts, group, replicas)
+    if _setting(criterion, "reduction", "mean") == "sum":
+        return _Constant(float(replicas))
+    return ReplicaScale(counts, group, replicas, device)
 
 
 def weigh(loss: torch.Tensor, weight: Any) -> torch.Tensor:
@@ -93,25 +110,46 @@ def weigh(loss: torch.Tensor, weight: Any) -> torch.Tensor:
     Decided on the device: nothing waits for the GPU."""
     if isinstance(weight, torch.Tensor):
         return torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
+    if weight == 0:
+        return torch.zeros_like(loss)
     return loss * weight
+
+
+def _base_model(model: Any) -> Any:
+    """Under `torch.compile`'s module (``_orig_mod``) or a PEFT wrapper (``get_base_model()``)."""
+    model = getattr(model, "_orig_mod", model)
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
 
 
 def label_count(model: Any, batch: Any, rows: int):
     """What a model computing its own loss averages it over (see the module docstring): a Hugging Face
-    model's labels other than -100 (a 0-dim tensor), else `rows`."""
+    model's labels other than -100, our GPT's targets other than -100 (0-dim tensors), else `rows`."""
+    from .models.gpt import GPT
+
+    model = _base_model(model)
+    if isinstance(model, GPT) and isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return counted(None, batch[1], rows, own=True)  # GPT(idx, targets): targets already shifted
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if not _class_indices(labels) or not hasattr(type(model), "loss_function"):
         return rows
-    if labels.dim() >= 2 and getattr(model, "loss_type", None) in (None, "ForCausalLM"):
+    encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    if (labels.dim() >= 2 and not encoder_decoder
+            and getattr(model, "loss_type", None) in (None, "ForCausalLM", "ForConditionalGeneration")):
         labels = labels[..., 1:]  # a causal LM predicts token t + 1 from the tokens up to t
     return (labels != IGNORE_INDEX).sum()
 
 
-def counted(criterion: Callable | None, targets: Any, rows: int):
-    """What `criterion`'s mean over one batch is taken over: its targets other than ``ignore_index`` for
-    class-index targets (a 0-dim tensor), else `rows` (`evaluate` weighs each batch's loss by it)."""
-    if criterion is not None and _class_indices(targets) and _setting(criterion, "reduction", "mean") == "mean":
-        return (targets != _setting(criterion, "ignore_index", IGNORE_INDEX)).sum()
+def counted(criterion: Callable | None, targets: Any, rows: int, own: bool = False):
+    """What `criterion`'s mean over one batch is taken over: for class-index targets, those other than
+    ``ignore_index``, each by its class weight where the criterion has one (``weight=``; a 0-dim tensor),
+    else `rows` (`evaluate` weighs each batch's loss by it). `own`: the model's own cross-entropy."""
+    if (criterion is not None or own) and _class_indices(targets) and _setting(criterion, "reduction", "mean") == "mean":
+        kept = targets != _setting(criterion, "ignore_index", IGNORE_INDEX)
+        weight = _setting(criterion, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            return weight[targets[kept]].sum()
+        return kept.sum()
     return rows
 
 

@@ -538,7 +538,8 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
             counts = [label_count(self.module, micro, size) if criterion is None else counted(criterion, target, size)
                       for (micro, size), target in zip(micro_batches, targets)]
         weights = micro_weights(criterion, targets, [size for _, size in micro_batches], counts)
-        scale = replica_scale(counts, self.context.mesh.group("data"), replicas) if replicas > 1 else None
+        scale = (replica_scale(criterion, counts, self.context.mesh.group("data"), replicas, self.device)
+                 if replicas > 1 else None)
         for k, ((micro, _), share) in enumerate(zip(micro_batches, weights)):
             last = k == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):

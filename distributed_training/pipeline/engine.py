@@ -220,12 +220,12 @@ class PipelineEngine:
         # the others never use the weights (by rows: nothing launched).
         criterion = (self.criterion if self.criterion is not None else self.loss_fn) if self.is_last else None
         rows = [_rows(x) for x in xs]
-        shares = micro_weights(criterion, ys, rows)
+        counts = ([counted(criterion, y, n) for y, n in zip(ys, rows)]
+                  if self.is_last and (len(rows) > 1 or self.data_size > 1) else None)
+        shares = micro_weights(criterion, ys, rows, counts)
         if self.is_last and self.data_size > 1:  # (the last stages of the replicas: their own collective)
-            scale = replica_scale([counted(criterion, y, n) for y, n in zip(ys, rows)], self.data_group,
-                                  self.data_size)
-            if scale is not None:
-                shares = [(share, (share, scale)) for share in shares]  # (reported, backward: times the scale)
+            scale = replica_scale(criterion, counts, self.data_group, self.data_size, self.device)
+            shares = [(share, (share, scale)) for share in shares]  # (reported, backward: times the scale)
         try:
             return self._step(xs, ys, shares, actions)
         except BaseException as err:

@@ -323,6 +323,11 @@ class PipelineStrategy(PipelineState, Strategy):
         return self.inner.setup_optimizer(optimizer, model)
 
     # ------------------------------------------------------------------ a step
+    def loss_criterion(self, criterion: Callable | None) -> Callable | None:
+        """The user's criterion, or our GPT's language-model loss where none is given (what the last
+        stage applies: `evaluate` counts a batch's targets by it)."""
+        return criterion if criterion is not None else getattr(self, "_default_loss", None)
+
     def _criterion_and_pair(self, criterion: Callable | None, batch: Any, caller: str):
         if criterion is None:
             if self._default_loss is None:
