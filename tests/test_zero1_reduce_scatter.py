@@ -465,8 +465,9 @@ def test_zero1_puts_a_reduce_scatter_and_an_all_gather_on_the_wire_never_an_all_
         assert views
         assert buckets >= 2 and trainable <= padded < trainable + buckets * world  # padding only
         reduced = [n for op, n in calls if op == "all_reduce"]
-        # What is all-reduced: the clip norm (one element) per step, nothing of the gradient's size.
-        assert len(reduced) == steps and max(reduced) == 1, calls
+        # What is all-reduced: the replicas' row counts (`loss_weights.replica_scale`) and the clip norm,
+        # one element each per step, nothing of the gradient's size.
+        assert len(reduced) == 2 * steps and max(reduced) == 1, calls
         # One reduce-scatter of every (padded) bucket and one all-gather of every parameter buffer per step:
         # (W - 1) / W of the model each, together the bytes of one all-reduce.
         assert sum(n for op, n in calls if op == "reduce_scatter_tensor") == steps * padded, calls
