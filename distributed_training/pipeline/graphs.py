@@ -5,13 +5,13 @@ step's ~6000 kernels as the GPU needs to run them (docs/pipeline.md): every sche
 host, and its measured bubble sits above the formula. A graph replays a whole forward, or a whole
 backward, with one launch.
 
-How (`StageGraphs`): a step runs as usual, and each forward notes its chunk's input: shape, dtype,
-whether it needs a gradient, the autocast dtype and the chunk's mode (every module's train/eval flag and
-every parameter's requires_grad, read once a step) (a `Spec`). After the
-step, once every message of this rank has completed, each chunk's first spec is captured: one pair of
-graphs (forward; backward = ``torch.autograd.grad`` of the output for the input and the parameters) per
-microbatch the schedule keeps in flight on that chunk (a "slot"), each pair in a memory pool of its own,
-since slots are replayed in any order. Later forwards whose input matches take a free slot: the input is
+How (`StageGraphs`): a step runs as usual, and each forward notes its chunk's input (a `Spec`: shape,
+dtype, whether it needs a gradient, the autocast dtype, and the chunk's mode: every module's train/eval
+flag and every parameter's requires_grad, read once a step). After the step, once every message of this
+rank has completed, each chunk's first spec is captured: one pair of graphs (forward; backward =
+``torch.autograd.grad`` of the output for the input and the parameters, run on fresh leaves that alias
+the parameters, see `_Slot`) per microbatch the schedule keeps in flight on that chunk (a "slot"), each
+pair in a memory pool of its own, since slots are replayed in any order. Later forwards whose input matches take a free slot: the input is
 copied into the slot's static input, the forward graph replays, and the output comes back through an
 autograd Function whose backward copies the output's gradient in, replays the backward graph and returns
 the input's and the parameters' gradients to autograd, which accumulates them into ``.grad`` as
@@ -36,8 +36,8 @@ gradients per slot, kept between steps.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Sequence
 
