@@ -39,9 +39,37 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["micro_weights", "counted", "label_count", "replica_scale", "ReplicaScale", "weigh", "IGNORE_INDEX"]
+__all__ = ["StepWeights", "micro_weights", "counted", "label_count", "replica_scale", "ReplicaScale", "weigh",
+           "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # torch's cross-entropy / NLL default, and Hugging Face's label padding
+
+
+class StepWeights:
+    """A step's weights: each micro-batch's share of the whole batch (`micro_weights`) and, over several
+    replicas, this replica's factor (`replica_scale`; its all-reduce starts here, and is waited for by the
+    first `backward` weight). `count(i)` gives micro-batch i's count (`counted` / `label_count`), asked
+    only where needed (several micro-batches or replicas). Collective over `group` when `replicas` > 1."""
+
+    def __init__(self, criterion: Callable | None, targets: Sequence[Any], rows: Sequence[int],
+                 count: Callable[[int], Any], *, group=None, replicas: int = 1, device=None) -> None:
+        counts = [count(i) for i in range(len(rows))] if len(rows) > 1 or replicas > 1 else None
+        self.shares = micro_weights(criterion, targets, rows, counts)
+        self.scale = replica_scale(criterion, counts, group, replicas, device) if replicas > 1 else None
+
+    def plain(self, i: int) -> bool:
+        """Whether micro-batch i's loss goes in as it is (one micro-batch, one replica)."""
+        return self.scale is None and isinstance(self.shares[i], float) and self.shares[i] == 1
+
+    def reported(self, loss: torch.Tensor, i: int) -> torch.Tensor:
+        """Micro-batch i's part of this replica's batch loss (what a step reports)."""
+        return loss if self.plain(i) else weigh(loss, self.shares[i])
+
+    def backward(self, loss: torch.Tensor, i: int) -> torch.Tensor:
+        """Micro-batch i's loss as its backward takes it: its share, times this replica's factor."""
+        if self.plain(i):
+            return loss
+        return weigh(loss, self.shares[i] if self.scale is None else self.shares[i] * self.scale.value())
 
 
 def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequence[int],

@@ -36,7 +36,7 @@ from .evaluation import Evaluation
 from .global_batch import GlobalBatch, check_layout_world
 from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout, stop_heartbeat
 from .logs import get_logger, install_default_handler
-from .loss_weights import counted, label_count, micro_weights, replica_scale, weigh
+from .loss_weights import StepWeights, counted, label_count
 from .monitor import Monitor, NullMonitor
 from .peer_watch import PeerFailureError, PeerWatch
 from .pipeline.meta_init import has_meta, materialize
@@ -530,25 +530,21 @@ class DistributedTrainer(Fitting, Checkpointing, AutoBatchSize, Evaluation, Peer
         # targets (`loss_weights`). (One micro-batch: weight 1, and no kernel launched for it.)
         targets = [micro[1] if criterion is not None and isinstance(micro, (tuple, list)) and len(micro) == 2 else None
                    for micro, _ in micro_batches]
-        # Replicas whose batches keep different numbers of targets count by them too (`replica_scale`).
+        # Replicas whose batches keep different numbers of targets count by them too; a model computing
+        # its own loss from the batch's labels counts what it averages over (`label_count`).
         replicas = self.dp_world_size if not self.context.independent and loss_sum is None else 1
-        counts = None
-        if len(micro_batches) > 1 or replicas > 1:
-            # (a model computing its own loss from the batch's labels: what it averages over, `label_count`)
-            counts = [label_count(self.module, micro, size) if criterion is None else counted(criterion, target, size)
-                      for (micro, size), target in zip(micro_batches, targets)]
-        weights = micro_weights(criterion, targets, [size for _, size in micro_batches], counts)
-        scale = (replica_scale(criterion, counts, self.context.mesh.group("data"), replicas, self.device)
-                 if replicas > 1 else None)
-        for k, ((micro, _), share) in enumerate(zip(micro_batches, weights)):
+        weights = StepWeights(
+            criterion, targets, [size for _, size in micro_batches],
+            lambda i: (label_count(self.module, *micro_batches[i]) if criterion is None
+                       else counted(criterion, targets[i], micro_batches[i][1])),
+            group=self.context.mesh.group("data"), replicas=replicas, device=self.device)
+        for k, (micro, _) in enumerate(micro_batches):
             last = k == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
                 with self.precision.autocast():
                     loss = self._loss(micro, criterion)
-                one = isinstance(share, float) and share == 1 and scale is None
-                self.strategy.backward(self.model, loss if one else weigh(loss, share if scale is None
-                                                                          else share * scale.value()), self.precision)
-            weighted = loss.detach().float() if one else weigh(loss.detach().float(), share)
+                self.strategy.backward(self.model, weights.backward(loss, k), self.precision)
+            weighted = weights.reported(loss.detach().float(), k)
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
 
         metrics: dict[str, torch.Tensor] = {"loss": loss_sum, **self.precision.metrics()}

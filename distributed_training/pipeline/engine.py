@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..batches import tensors_of
-from ..loss_weights import counted, micro_weights, replica_scale, weigh
+from ..loss_weights import StepWeights, counted
 from .graphs import StageGraphs, slots_per_chunk
 from .p2p import PipelineAborted, StageLink
 from .schedules import build_schedule, stage_of
@@ -220,14 +220,11 @@ class PipelineEngine:
         # the others never use the weights (by rows: nothing launched).
         criterion = (self.criterion if self.criterion is not None else self.loss_fn) if self.is_last else None
         rows = [_rows(x) for x in xs]
-        counts = ([counted(criterion, y, n) for y, n in zip(ys, rows)]
-                  if self.is_last and (len(rows) > 1 or self.data_size > 1) else None)
-        shares = micro_weights(criterion, ys, rows, counts)
-        if self.is_last and self.data_size > 1:  # (the last stages of the replicas: their own collective)
-            scale = replica_scale(criterion, counts, self.data_group, self.data_size, self.device)
-            shares = [(share, (share, scale)) for share in shares]  # (reported, backward: times the scale)
+        # (the replicas' factor: the last stages only, their own collective)
+        weights = StepWeights(criterion, ys, rows, lambda i: counted(criterion, ys[i], rows[i]), group=self.data_group,
+                              replicas=self.data_size if self.is_last else 1, device=self.device)
         try:
-            return self._step(xs, ys, shares, actions)
+            return self._step(xs, ys, weights, actions)
         except BaseException as err:
             failed = getattr(err, "failed_rank", None)
             self.link.abort(self.rank, failed)
@@ -248,7 +245,7 @@ class PipelineEngine:
             self._short_schedules[microbatches] = actions[self.rank]
         return self._short_schedules[microbatches]
 
-    def _step(self, xs: list[Any], ys: list[Any], shares: list[Any], actions: list) -> torch.Tensor:
+    def _step(self, xs: list[Any], ys: list[Any], weights: StepWeights, actions: list) -> torch.Tensor:
         held: dict[tuple[int, int], tuple[Any, Any]] = {}  # (microbatch, chunk) -> (input, output or loss)
         loss_sum = torch.zeros((), device=self.device)
         last = self.num_stages - 1
@@ -279,12 +276,9 @@ class PipelineEngine:
                     with split.record((mb, chunk)) if split is not None else nullcontext():
                         out = self._forward(chunk, stage, x, mb)
                     if stage == last:
-                        reported, weight = shares[mb] if isinstance(shares[mb], tuple) else (shares[mb],) * 2
                         loss = self.loss_fn(out, ys[mb])
-                        loss_sum = loss_sum + weigh(loss.detach().float(), reported)
-                        if isinstance(weight, tuple):  # the replicas' scale: its all-reduce is done by now
-                            weight = weight[0] * weight[1].value()
-                        held[mb, chunk] = (x, weigh(loss, weight))
+                        loss_sum = loss_sum + weights.reported(loss.detach().float(), mb)
+                        held[mb, chunk] = (x, weights.backward(loss, mb))
                     if clock is not None:
                         clock.stop("F", mb, chunk, start)
                     if stage != last:
