@@ -1,0 +1,125 @@
+"""The trainer's step (`Stepping`, a mixin of `DistributedTrainer`): one optimizer step on a batch, its
+micro-batches weighted as one process on the whole global batch would weigh them (`loss_weights`);
+and the checks of the trainer's own scalar arguments (`check_arguments`), made before any rendezvous."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from .amp import check_precision_argument
+from .batches import call_module, model_loss, split_batch, to_device
+from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout
+from .loss_weights import StepWeights, counted, label_count
+
+Criterion = Callable[[Any, Any], torch.Tensor]
+
+
+def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat_timeout, mixed_precision,
+                     loss_scaler, compile, checkpoint_every, checkpoint_dir, checkpoint_async) -> None:
+    """The trainer's own arguments, checked before any rendezvous (each error names its argument)."""
+    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
+    if gradient_clip_val is not None and not gradient_clip_val > 0:
+        raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}")
+    if heartbeat_timeout is not None and (isinstance(heartbeat_timeout, bool) or
+                                          not isinstance(heartbeat_timeout, (int, float)) or
+                                          not heartbeat_timeout > 0):
+        raise ValueError(f"heartbeat_timeout must be a positive number of seconds or None, got "
+                         f"{heartbeat_timeout!r}")
+    check_precision_argument(mixed_precision, loss_scaler)
+    if not isinstance(compile, (bool, dict)):
+        raise TypeError(f"compile must be True, False or a dict of torch.compile arguments, got "
+                        f"{type(compile).__name__}")
+    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+        raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
+    if not isinstance(checkpoint_async, bool):
+        raise TypeError(f"checkpoint_async must be True or False, got {checkpoint_async!r}")
+    if checkpoint_async and checkpoint_dir is None:
+        raise ValueError("checkpoint_async needs a checkpoint_dir to write to (it applies to fit's checkpoints)")
+
+
+class Stepping:
+    """`train_step` for `DistributedTrainer` (which holds the model, strategy, precision and the rest)."""
+
+    def train_step(self, batch: Any, criterion: Criterion | None = None) -> dict[str, torch.Tensor]:
+        """One optimizer step on `batch`; returns ``{"loss", "lr"[, "grad_norm"]}``.
+
+        `batch` is ``(inputs, targets)`` when a `criterion` is given (the loss is
+        ``criterion(model(inputs), targets)``); without one, `batch` is the model's input and the
+        model returns the loss (a tensor, a dict with ``"loss"``, or an object with ``.loss``).
+        Inputs that are tuples are unpacked as positional arguments, dicts as keyword arguments.
+
+        The loss values are 0-dim tensors on the device: reading one (``float(...)``) waits for the
+        GPU, so do it only when logging.
+        """
+        if self._checkpoint_write is not None:
+            self._check_checkpoint_write()  # a background checkpoint write that failed raises here
+        watch = self._peer_watch()
+        if watch is not None:
+            watch.step = self.step
+            watch.raise_if_failed()  # a peer died since the last step
+        heartbeat(self.context, self.step)
+        try:
+            with self._watching():
+                return self._train_step(batch, criterion)
+        except RuntimeError as err:
+            self._raise_if_peer_died(err)
+            if is_timeout(err):
+                raise CollectiveTimeoutError(diagnose_timeout(self.context, self.step, err)) from err
+            raise
+
+    def _train_step(self, batch: Any, criterion: Criterion | None) -> dict[str, torch.Tensor]:
+        if not self.model.training:  # train() walks every module: not per step, and it would undo a
+            self.model.train()       # submodule the user put in eval mode on purpose (frozen BatchNorm)
+        batch = to_device(batch, self.device)
+        criterion = self.strategy.loss_criterion(criterion)  # tensor parallelism: the vocabulary-parallel loss
+        # A strategy that schedules forward and backward itself (a pipeline) runs the whole batch.
+        loss_sum = self.strategy.forward_backward(self.model, batch, criterion, self.precision)
+        micro_batches = split_batch(batch, self.gradient_accumulation_steps) if loss_sum is None else []
+        # Each micro-batch's loss weighted so that the accumulated gradient is that of the whole batch's
+        # loss, even when the batch does not split evenly or its micro-batches ignore different numbers of
+        # targets (`loss_weights`). (One micro-batch: weight 1, and no kernel launched for it.)
+        targets = [micro[1] if criterion is not None and isinstance(micro, (tuple, list)) and len(micro) == 2 else None
+                   for micro, _ in micro_batches]
+        # Replicas whose batches keep different numbers of targets count by them too; a model computing
+        # its own loss from the batch's labels counts what it averages over (`label_count`).
+        replicas = self.dp_world_size if not self.context.independent and loss_sum is None else 1
+        weights = StepWeights(
+            criterion, targets, [size for _, size in micro_batches],
+            lambda i: (label_count(self.module, *micro_batches[i]) if criterion is None
+                       else counted(criterion, targets[i], micro_batches[i][1])),
+            group=self.context.mesh.group("data"), replicas=replicas, device=self.device)
+        for k, (micro, _) in enumerate(micro_batches):
+            last = k == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
+                with self.precision.autocast():
+                    loss = self._loss(micro, criterion)
+                self.strategy.backward(self.model, weights.backward(loss, k), self.precision)
+            weighted = weights.reported(loss.detach().float(), k)
+            loss_sum = weighted if loss_sum is None else loss_sum + weighted
+
+        metrics: dict[str, torch.Tensor] = {"loss": loss_sum, **self.precision.metrics()}
+        lr = torch.tensor(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
+        _, grad_norm = self.strategy.optimizer_step(self.model, self.optimizer, self.precision,
+                                                    self.gradient_clip_val)
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        metrics["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.step += 1
+        return metrics
+
+    def _loss(self, batch: Any, criterion: Criterion | None) -> torch.Tensor:
+        if criterion is None:
+            return model_loss(self.model, batch)
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError("with a criterion, each batch must be an (inputs, targets) pair")
+        inputs, targets = batch
+        return criterion(call_module(self.model, inputs), targets)
