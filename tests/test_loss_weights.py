@@ -34,6 +34,16 @@ CRITERIA = {"ignore": F.cross_entropy, "sum": nn.CrossEntropyLoss(reduction="sum
             "ignore_module": nn.CrossEntropyLoss(ignore_index=-100)}
 
 
+def _step_reference(reference, ref_opt, ref_loss, trainer) -> float:
+    """One step of the single-process reference; the largest difference from the trainer's parameters
+    (gathered on rank 0; 0.0 on the others)."""
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    full = trainer.full_state_dict()
+    return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()) if full else 0.0
+
+
 def _train(rank, world, criterion_name, layout, ignored=3):
     criterion = CRITERIA[criterion_name]
     model = _model()
@@ -47,13 +57,8 @@ def _train(rank, world, criterion_name, layout, ignored=3):
     for _ in range(3):
         loss = trainer.train_step((x, y), criterion)["loss"]
         ref_loss = criterion(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
         losses.append((float(loss), float(ref_loss)))
-        full = trainer.full_state_dict()
-        if full:  # rank 0 holds it
-            worst = max(worst, max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()))
+        worst = max(worst, _step_reference(reference, ref_opt, ref_loss, trainer))
     trainer.close()
     return worst, losses
 
@@ -151,12 +156,8 @@ def _own_loss(rank, world, loss_type):
     for _ in range(2):
         loss = trainer.train_step(batch)["loss"]
         ref_loss = reference(**batch)["loss"]
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
         losses.append((float(loss), float(ref_loss)))
-        worst = max(worst, max((a - b).abs().max().item() for a, b in zip(trainer.module.parameters(),
-                                                                          reference.parameters())))
+        worst = max(worst, _step_reference(reference, ref_opt, ref_loss, trainer))
     data = [{k: v[i] for k, v in batch.items()} for i in range(4)]
     evaluated = trainer.evaluate(data, batch_size=2)["loss"]  # batches of 2: one padded, one not
     with torch.no_grad():
@@ -207,12 +208,7 @@ def _replicas(rank, world, strategy, own_loss, accumulation, pipeline=1, criteri
     for _ in range(3):
         trainer.train_step(mine, None if own_loss else criterion)
         ref_loss = reference(**whole)["loss"] if own_loss else criterion(reference(whole[0]), whole[1])
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        full = trainer.full_state_dict()
-        if full:
-            worst = max(worst, max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()))
+        worst = max(worst, _step_reference(reference, ref_opt, ref_loss, trainer))
     trainer.close()
     return worst
 
@@ -244,12 +240,7 @@ def _gpt_own_loss(rank, world, pipeline):
     for _ in range(2):
         trainer.train_step((idx, targets))
         ref_loss = reference(idx, targets)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        full = trainer.full_state_dict()
-        if full:
-            worst = max(worst, max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()))
+        worst = max(worst, _step_reference(reference, ref_opt, ref_loss, trainer))
     data = torch.utils.data.TensorDataset(idx, targets)
     evaluated = trainer.evaluate(data, batch_size=2)["loss"]
     with torch.no_grad():
