@@ -88,7 +88,8 @@ class Stepping:
                    for micro, _ in micro_batches]
         # Replicas whose batches keep different numbers of targets count by them too; a model computing
         # its own loss from the batch's labels counts what it averages over (`label_count`).
-        replicas = self.dp_world_size if not self.context.independent and loss_sum is None else 1
+        meet = self.strategy.replicas_meet and not self.context.independent
+        replicas = self.dp_world_size if meet and loss_sum is None else 1
         weights = StepWeights(
             criterion, targets, [size for _, size in micro_batches],
             lambda i: (label_count(self.module, *micro_batches[i]) if criterion is None

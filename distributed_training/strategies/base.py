@@ -100,6 +100,11 @@ class Strategy(abc.ABC):
     #: True when the wrapped model's forward runs collectives (FSDP gathers parameters): every rank must
     #: then run the same number of forwards, evaluation included.
     collective_forward: bool = False
+    #: True when the data-parallel replicas average their gradients over the mesh's data group, so that
+    #: the trainer may weigh each replica's loss by its share of the batch (`loss_weights.StepWeights`,
+    #: one all-reduce of the counts a step); False for replicas that never meet (a parameter server's
+    #: workers, which survive a dead peer).
+    replicas_meet: bool = True
     #: True when `setup_module` moves (what it keeps of) the model to the device itself; otherwise the
     #: trainer moves the whole model there first.
     places_module: bool = False

@@ -143,6 +143,7 @@ class ParameterServerStrategy(Strategy):
     """
 
     name = "parameter_server"
+    replicas_meet = False  # workers talk to the servers only: a dead worker must not stop the others
     member = "worker"  # the trainer's context on a worker: rank = worker index (monitor labels)
 
     def __init__(self, num_servers: int = 1, consistency: str = "sync", staleness: int = 0,
