@@ -229,8 +229,9 @@ def _pipeline_rows(w: int, part: dict) -> list[tuple[str, str, dict, dict]]:
 
 
 def _balance(config: dict) -> str:
-    return ("compute, the blocks cut in halves (attention, MLP): layers per stage count half blocks"
-            if config["balance"] == "halves" else config["balance"])
+    halves = "the blocks cut in halves (attention, MLP): layers per stage count half blocks"
+    return {"halves": f"compute, {halves}", "halves_time": f"measured time, {halves}"}.get(config["balance"],
+                                                                                         config["balance"])
 
 
 def _stage_layers(r: dict) -> str:
@@ -286,12 +287,16 @@ def _pipeline(results):
             lines += ["", "Per rank: global ranks 0, 1, ... (with several pipelines the mesh puts pipeline i's stage s "
                       "on rank s x DP + i); a window per pipeline. Layers per stage: embed, the blocks and the head "
                       "cut into stages 0, 1, ... (interleaved: stage c x P + rank is chunk c of that rank).", ""]
-        costs = part.get("layer_costs", {}).get("time")
-        if costs:
-            shape = part.get("time_balance", {}).get("sample_shape")
-            lines += [f"Balance by time: each layer's forward + backward on one microbatch"
-                      f"{f' of {shape[0]} x {shape[1]} tokens' if shape else ''}, measured on the device before the "
-                      f"runs (ms, embed, block.0, ..., head): {' / '.join(format(c * 1e3, '.2f') for c in costs)}.", ""]
+        for timed, chain in (("time", "embed, block.0, ..., head"),
+                             ("halves_time", "embed, block.0.a, block.0.m, ..., head")):
+            costs = part.get("layer_costs", {}).get(timed)
+            if costs:
+                balance = part.get("time_balance", {})
+                # Runs before session 24 recorded one timed balance's sample shape at the top level.
+                shape = balance.get(timed, balance).get("sample_shape")
+                lines += [f"Balance by {timed}: each layer's forward + backward on one microbatch"
+                          f"{f' of {shape[0]} x {shape[1]} tokens' if shape else ''}, measured on the device before "
+                          f"the runs (ms, {chain}): {' / '.join(format(c * 1e3, '.2f') for c in costs)}.", ""]
         lines.append("")
     return lines
 

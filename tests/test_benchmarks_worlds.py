@@ -79,3 +79,28 @@ def test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time
     assert abs(halves[0] - halves[1]) > 1e-4  # different data: the agreement above is not a coincidence
     md = (tmp_path / "results.md").read_text()
     assert "| P2xDP2 time | 1f1b |" in md and "Balance by time:" in md
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_phase_balances_half_blocks_by_measured_time(tmp_path):
+    """``--variants halves_time``: the chain cut at half blocks (embed, block.i.a, block.i.m, ..., head), each
+    layer timed on the device, and every run cut by those times; ours and torch's reach the same loss."""
+    from distributed_training.pipeline import partition
+
+    results = _suite(tmp_path, "--phases", "pipeline", "--worlds", "2", "--variants", "pp,halves_time", timeout=280)
+    pipe = results["phases"]["pipeline"]["worlds"]["2"]
+    assert pipe["status"] == "ok" and pipe["balances"] == ["halves_time"], pipe.get("reason")
+    costs = pipe["layer_costs"]["halves_time"]
+    assert len(costs) == 2 + 2 * 8 and all(c > 0 for c in costs)  # the smoke GPT's 8 blocks in halves
+    assert pipe["time_balance"]["halves_time"]["sample_shape"] == [2, 16]
+    reference = pipe["runs"]["ours_1f1b"]["last_loss"]
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zbh1"):
+        for impl in ("ours", "torch"):
+            run = pipe["runs"][f"{impl}_{schedule}"]
+            assert run["status"] == "ok" and run["balance"] == "halves_time", (impl, schedule, run)
+            assert run["bounds"] == partition(costs, 2 * run["chunks_per_rank"]), (impl, schedule)
+            assert run["last_loss"] == pytest.approx(reference, rel=1e-5), (impl, schedule)
+    md = (tmp_path / "results.md").read_text()
+    assert "stages balanced by measured time, the blocks cut in halves" in md
+    assert "Balance by halves_time: each layer's forward + backward on one microbatch of 2 x 16 tokens" in md

@@ -23,7 +23,10 @@ model's); the same stage modules go to both implementations, freshly built for e
 (`balance.layer_costs(..., "time")` on one microbatch of the P = world layout, averaged over the ranks),
 the same costs for ours and torch's and for both layouts; ``halves``, the FLOPs of a chain cut at half
 blocks (`GPTStages(halves=True)`: a block's attention and its MLP are layers of their own, so a stage may
-end inside a block: twice as fine a balance); ``compute,time`` runs every layout under both. ``graphs``
+end inside a block: twice as fine a balance); ``halves_time``, the half-block chain's layers timed as for
+``time`` (the head's softmax over the vocabulary counted as it runs, which FLOPs miss: the last stage's
+forward ran 29 ms against 25-26 under ``halves`` in session 23); ``compute,time`` runs every layout under
+both. ``graphs``
 adds a third implementation to each schedule but ZB-H1: ours with each stage's forward and backward
 replayed as CUDA graphs (the engine's ``cuda_graphs``; keys ``graphs_1f1b``, ...), timed like ours.
 Each run records its balance and its cut (``bounds``: stage s holds chain layers bounds[s]:bounds[s+1]
@@ -64,7 +67,9 @@ TORCH = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
          "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2), "zbh1": ("ScheduleInterleavedZeroBubble", 2)}
 EXTRAS = ("graphs",)            # ours with cuda_graphs too, for the schedules it runs
 LAYOUTS = ("pp", "pp_dp")       # the whole world one pipeline; pipelines of world / 2 ranks, two side by side
-BALANCES = ("compute", "time", "halves")  # FLOPs per layer; forward + backward measured per layer; FLOPs per half block
+BALANCES = ("compute", "time", "halves", "halves_time")  # FLOPs per layer; forward + backward measured per layer;
+# FLOPs per half block; forward + backward measured per half block
+HALF_BLOCKS = ("halves", "halves_time")  # the balances whose chain is cut at half blocks
 TIME_BUDGET_S = {"smoke": 2.0, "gpu": 10.0}  # seconds measuring the layers may take (balance.measure_layer_times)
 
 
@@ -150,12 +155,13 @@ def run(ctx, opts) -> dict:
     result = {"status": "ok", "model": "tiny" if opts.smoke else "gpt-1.3b", "pipeline": world, "batch": batch,
               "seq": seq, "microbatches": microbatches, "steps": steps, "balances": balances,
               "variants_ignored": ignored, "configs": {}, "runs": {}}
-    if "time" in balances:
-        t0 = time.perf_counter()
-        costs["time"] = _time_costs(cfg, x[:batch // microbatches].cpu(), ctx,
-                                    TIME_BUDGET_S["smoke" if opts.smoke else "gpu"])
-        result["time_balance"] = {"sample_shape": [batch // microbatches, seq],
-                                  "seconds": time.perf_counter() - t0}
+    for timed in ("time", "halves_time"):
+        if timed in balances:
+            t0 = time.perf_counter()
+            costs[timed] = _time_costs(cfg, x[:batch // microbatches].cpu(), ctx,
+                                       TIME_BUDGET_S["smoke" if opts.smoke else "gpu"], halves=timed == "halves_time")
+            result.setdefault("time_balance", {})[timed] = {"sample_shape": [batch // microbatches, seq],
+                                                             "seconds": time.perf_counter() - t0}
     result["layer_costs"] = {b: costs[b] for b in balances}
     configs = []  # (name, key prefix, layout, balance)
     for layout in layouts:
@@ -176,7 +182,7 @@ def run(ctx, opts) -> dict:
                     key = f"{prefix}{impl}_{schedule}"
                     try:
                         run_ = _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout,
-                                        costs[balance], halves=balance == "halves")
+                                        costs[balance], halves=balance in HALF_BLOCKS)
                     except Exception as err:  # noqa: BLE001 - recorded; the other runs go on
                         run_ = {"status": "error", "reason": f"{type(err).__name__}: {str(err)[:300]}"}
                     run_.update(config=name, balance=balance, pipeline=layout.P, data=layout.D)
@@ -216,10 +222,11 @@ def _print(config, r, impl, schedule, run_) -> None:
     print(f"[pipeline] {config:12s} round {r} {impl + '_' + schedule:24s} {shown}", flush=True)
 
 
-def _time_costs(cfg, sample, ctx, budget_s: float) -> list[float]:
+def _time_costs(cfg, sample, ctx, budget_s: float, halves: bool = False) -> list[float]:
     """Seconds of each chain layer's forward + backward on `sample` (one microbatch), measured on this
-    rank's device under the phase's autocast, averaged over the ranks (`balance.layer_costs`). The
-    model is built on the meta device: each layer is materialised alone while it is timed."""
+    rank's device under the phase's autocast, averaged over the ranks (`balance.layer_costs`); with
+    `halves`, of the chain cut at half blocks. The model is built on the meta device: each layer is
+    materialised alone while it is timed."""
     from distributed_training.models import GPT
     from distributed_training.pipeline.balance import layer_costs
     from distributed_training.pipeline.gpt_stages import gpt_chain
@@ -227,7 +234,7 @@ def _time_costs(cfg, sample, ctx, budget_s: float) -> list[float]:
     with torch.device("meta"):
         model = GPT(cfg)
     device = ctx.device
-    return layer_costs(model, gpt_chain(model), "time", device=device, sample=sample,
+    return layer_costs(model, gpt_chain(model, halves=halves), "time", device=device, sample=sample,
                        autocast=lambda: autocast(device), budget_s=budget_s,
                        collective_device=device if ctx.backend == "nccl" else None)
 
