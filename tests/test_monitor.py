@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -189,19 +190,45 @@ def test_non_log_steps_read_nothing_and_write_nothing(tmp_path):
         mon.record_step(6, {}, samples=1, step_time=0.1)
 
 
-def test_progress_bar_on_stderr(tmp_path, capsys):
+class _Terminal(io.StringIO):
+    """What stderr is on a terminal, as far as the progress bar asks."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_stderr(tmp_path, capsys, monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
     with Monitor(tmp_path, rank=0, world_size=1, log_every=5, system_stats=False, tensorboard=False) as mon:
         mon.start(total_steps=10)
         for step in range(1, 11):
             mon.record_step(step, {"loss": 0.5}, samples=1, step_time=0.01)
-    err = capsys.readouterr().err
+    err = terminal.getvalue()
     assert "\r" in err and err.endswith("\n")
     assert "step 10/10" in err and "steps/s" in err and "ETA" in err and "loss 0.5" in err
+    monkeypatch.undo()
     # Not on other ranks.
     with Monitor(tmp_path, rank=1, world_size=2, log_every=5, system_stats=False, tensorboard=False) as mon:
         mon.start(total_steps=10)
         mon.record_step(5, {"loss": 0.5}, samples=1, step_time=0.01)
     assert capsys.readouterr().err == ""
+
+
+def test_progress_without_a_terminal_is_one_plain_line_per_log_step(tmp_path, capsys):
+    """stderr to a file or a pipe (capsys is neither a terminal): no carriage returns, no bar redrawn, each
+    log step once, the end drawn once (a trial's log had every step's bar three times in fragments)."""
+    with Monitor(tmp_path, rank=0, world_size=1, log_every=5, system_stats=False, tensorboard=False) as mon:
+        mon.start(total_steps=12)
+        for step in range(1, 13):
+            mon.record_step(step, {"loss": 0.5}, samples=1, step_time=0.01)
+        mon.end_progress()
+    err = capsys.readouterr().err
+    assert "\r" not in err, repr(err)
+    lines = err.splitlines()
+    assert [line.split(" |")[0] for line in lines] == ["step 0/12 (0%)", "step 5/12 (42%)", "step 10/12 (83%)",
+                                                       "step 12/12 (100%)"], lines
+    assert "steps/s" in lines[1] and "ETA" in lines[2] and lines[2].endswith("loss 0.5"), lines
 
 
 def test_end_progress_closes_the_bar_line_at_the_last_step_and_a_new_start_redraws(tmp_path, capsys):

@@ -1,6 +1,10 @@
-"""The monitor's progress bar: one line on rank 0's terminal, drawn through tqdm on log steps only."""
+"""The monitor's progress bar: one line on rank 0's terminal, drawn through tqdm on log steps only; where
+stderr is no terminal (a log file, a pipe, a job scheduler's capture) one plain line per log step instead."""
 
 from __future__ import annotations
+
+import contextlib
+import time
 
 __all__ = ["ProgressBar"]
 
@@ -19,8 +23,17 @@ class ProgressBar:
     def __init__(self, stream) -> None:
         self._stream = stream
         self._bar = None
+        try:
+            self._terminal = stream.isatty()
+        except (AttributeError, ValueError):  # no isatty, or closed
+            self._terminal = False
+        self._line_step: int | None = None  # the last step written as a line (no terminal)
+        self._line_start: tuple[float, int] | None = None  # (time, step) of the first line: for the ETA
 
     def draw(self, step: int, total: int | None, rate: float | None, loss: float | None) -> None:
+        if not self._terminal:
+            self._draw_line(step, total, rate, loss)
+            return
         from tqdm import tqdm
 
         if self._bar is None or self._bar.total != total:
@@ -34,13 +47,40 @@ class ProgressBar:
         else:
             self._bar.refresh()
 
+    def _draw_line(self, step: int, total: int | None, rate: float | None, loss: float | None) -> None:
+        """One line per step drawn, ``step 120/1000 (12%) | 8.31 steps/s | ETA 01:45 | loss 2.31``: a redraw of
+        the same step writes nothing (a log file gets no carriage returns and no repeated lines)."""
+        if step == self._line_step:
+            return
+        now = time.monotonic()
+        if self._line_start is None or self._line_step is None or step < self._line_step:
+            self._line_start = (now, step)
+        self._line_step = step
+        parts = [f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"]
+        if rate:
+            parts.append(f"{rate:.2f} steps/s" if rate >= 1 else f"{1 / rate:.2f} s/step")
+        started, first = self._line_start
+        if total and step > first and step < total:
+            left = (total - step) * (now - started) / (step - first)
+            parts.append(f"ETA {int(left // 60):02d}:{int(left % 60):02d}")
+        if loss is not None:
+            parts.append(f"loss {loss:.4g}")
+        try:
+            self._stream.write(" | ".join(parts) + "\n")
+            self._stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: the run goes on without its progress lines
+            pass
+
     def lifted(self):
         """A context in which writing to the terminal does not mix with the bar (redrawn after it)."""
+        if not self._terminal:
+            return contextlib.nullcontext()  # plain lines: nothing to lift
         from tqdm import tqdm
 
         return tqdm.external_write_mode(file=self._stream)
 
     def finish(self) -> None:
+        self._line_step = self._line_start = None
         bar, self._bar = self._bar, None
         if bar is not None:
             try:
