@@ -7,6 +7,9 @@
 #   C: the pipeline phase at P = 4 and P = 2 x DP = 2: half blocks by FLOPs and by measured time, ours eager
 #      and with CUDA graphs against torch's, 2 rounds; then the NCCL tests (our DDP / trainer / pipeline
 #      against torch's).
+#   D: (2 GPUs, while no 4-GPU machine is lent) the NCCL tests, the pipeline phase at P = 2 (half blocks by
+#      FLOPs and by measured time, eager and graphed, 2 rounds), the models phase at world 2 (the trainer's
+#      overhead with the replicas' count all-reduce a step).
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -30,5 +33,9 @@ case "$1" in
   C) suite P 420 400 --worlds 4 --phases pipeline --variants pp,pp_dp,halves,halves_time,graphs --rounds 2
      timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu_nccl.py > "$R/gpu_tests.log" 2>&1
      echo "tests exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/gpu_tests.log" ;;
+  D) timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu_nccl.py > "$R/gpu_tests.log" 2>&1
+     echo "tests exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/gpu_tests.log"
+     suite P2 220 200 --worlds 2 --phases pipeline --variants pp,halves,halves_time,graphs --rounds 2
+     suite M2 200 185 --worlds 2 --phases models --variants $MODELS ;;
 esac
 tar -czf "$OUT/s24_$1.tar.gz" -C $R .
