@@ -166,3 +166,26 @@ def test_a_sequence_that_does_not_split_names_sequence_parallel():
         assert message is not None, "7 tokens split between 2 ranks: no error"
         for word in ("sequence length 7", "T=2", "sequence_parallel"):
             assert word in message, message
+
+
+def no_sequence_start_worker(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.LayerNorm(16))
+    try:
+        DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), tensor_parallel_size=2,
+                           tensor_parallel_plan={"0": "colwise", "2": "rowwise", "3": "sequence"},
+                           sequence_parallel=True, progress=False)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_sequence_parallel_without_a_sequence_split_module_is_an_error():
+    """Nothing split the input: every tensor rank trained on the whole sequence, which the colwise layers
+    gathered again (T copies of it), and the parameters left one process's from the first step (0.015
+    after 3 SGD steps on a (4, 6, 16) batch) without an error; on a 2-D input the first forward failed in a
+    matmul (``mat1 and mat2 shapes cannot be multiplied (4x32 and 16x16)``)."""
+    for message in run_distributed(no_sequence_start_worker, 2, timeout=60):
+        assert message is not None, "sequence_parallel=True with no 'sequence_split' module: no error"
+        for word in ("sequence_parallel=True", "'sequence_split'", "tensor_parallel_plan", "Sequential"):
+            assert word in message, message

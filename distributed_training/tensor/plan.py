@@ -126,6 +126,14 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
     if unmatched:
         raise ValueError(f"tensor_parallel_plan: pattern {unmatched[0]!r} matches no module of the model "
                          f"({type(model).__name__}; module names look like {_examples(model)})")
+    if sequence_parallel and size > 1 and not any(style == "sequence_split" for _, style, _ in styles.values()):
+        # Without a start the input is never split: every tensor rank would see the whole sequence, and the
+        # colwise layers' gathers along the sequence would train on it T times over (silently wrong numbers).
+        raise ValueError("sequence_parallel=True needs a module styled 'sequence_split' in tensor_parallel_plan: "
+                         "the sequence-parallel region starts there (its input, the whole sequence, is split "
+                         "along dimension {}), e.g. the embedding's dropout, or an nn.Identity placed before the "
+                         "first block; {} has none. Add one, or leave sequence_parallel off"
+                         .format(sequence_dim, type(model).__name__))
 
     # 2. Check every module, then the ties, before changing anything.
     for name, (module, style, chunks) in styles.items():
