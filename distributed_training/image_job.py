@@ -34,9 +34,17 @@ def check_config(cfg) -> None:
             if getattr(d, name) is not None:
                 raise ConfigError(f"data.{name} is the image folder of data.dataset 'image_folder', not "
                                   f"{d.dataset!r}: leave it out")
-        if t.label_smoothing and m.preset != "classifier":
-            raise ConfigError("training.label_smoothing applies to classifiers (data.dataset digits or image_folder); "
-                              "a GPT computes its own loss")
+        if t.label_smoothing:
+            if cfg.loss.target:
+                raise ConfigError(f"training.label_smoothing is for dtrain's own cross-entropy, not loss.target "
+                                  f"{cfg.loss.target}: give it to your loss (loss.kwargs: {{label_smoothing: "
+                                  f"{t.label_smoothing}}})")
+            # dtrain's cross-entropy is the loss of the digits classifier and of a user's model on the digits
+            # (a user's model on a user's data computes its own loss, as does a GPT).
+            if (m.target and d.target) or not (m.preset == "classifier" or d.dataset == "digits"):
+                raise ConfigError("training.label_smoothing applies to dtrain's own cross-entropy (data.dataset digits "
+                                  "or image_folder); " + ("a model on data.target without loss.target computes its own "
+                                                          "loss" if m.target and d.target else "a GPT computes its own loss"))
         return
     if d.root is None:
         raise ConfigError("data.root is required with data.dataset 'image_folder' (a directory of root/<class>/<image>)")

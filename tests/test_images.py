@@ -240,6 +240,21 @@ def test_invalid_image_config_names_the_field(raw, field):
         load_config(raw)
 
 
+
+def test_label_smoothing_with_a_user_model_or_loss():
+    """dtrain's cross-entropy (and its label smoothing) is the loss of a user's model on the digits too;
+    with loss.target the smoothing belongs in loss.kwargs. Both used to be refused with "a GPT computes its
+    own loss", the first wrongly."""
+    cfg = load_config({"model": {"target": "my_pkg.models:build"}, "data": {"dataset": "digits"},
+                       "training": {"label_smoothing": 0.1}})
+    assert cfg.training.label_smoothing == 0.1
+    with pytest.raises(ConfigError, match=re.escape("give it to your loss (loss.kwargs: {label_smoothing: 0.1})")):
+        load_config({"model": {"target": "my_pkg.models:build"}, "data": {"target": "my_pkg.data:Shapes"},
+                     "loss": {"target": "torch.nn:CrossEntropyLoss"}, "training": {"label_smoothing": 0.1}})
+    with pytest.raises(ConfigError, match="data.target without loss.target computes its own loss"):
+        load_config({"model": {"target": "my_pkg.models:build"}, "data": {"target": "my_pkg.data:Shapes"},
+                     "training": {"label_smoothing": 0.1}})
+
 def test_missing_folder_and_too_few_classes_name_the_field(tmp_path):
     from distributed_training.image_job import build_image_job
 
