@@ -77,6 +77,7 @@ def run_job(cfg: JobConfig) -> dict:
     from .optim_job import job_optimizer, schedule_steps
     from .trainer import DistributedTrainer
 
+    _check_paths(cfg)
     model, train, val, criterion = _build(cfg)
     n_params = sum(p.numel() for p in model.parameters())  # before a sharded strategy moves them into its shards
     t = cfg.training
@@ -199,6 +200,24 @@ def _job_strategy(cfg: JobConfig, world: int) -> tuple[Any, dict]:
                               f"processes than servers (torchrun --nproc_per_node) or lower training.num_servers")
         served = {"num_servers": t.num_servers, "consistency": t.consistency, "staleness": t.staleness}
     return strategy, served
+
+
+def _check_paths(cfg: JobConfig) -> None:
+    """Where the job writes can be written, checked before it trains: a checkpoint.dir naming a file
+    failed at the first save, an output naming a directory only after the whole run."""
+    for name, path, is_dir in (("checkpoint.dir", cfg.checkpoint.dir, True), ("logging.dir", cfg.logging.dir, True),
+                               ("output", cfg.output, False)):
+        if path is None:
+            continue
+        target = Path(path)
+        if target.exists() and target.is_dir() != is_dir:
+            raise ConfigError(f"{name}: {path!r} is a file: name a directory" if is_dir else
+                              f"{name}: {path!r} is a directory: name the file to write (e.g. {path}/model.pt)")
+        existing = next(p for p in (target, *target.parents) if p.exists())
+        if existing != target and not existing.is_dir():
+            raise ConfigError(f"{name}: {path!r} cannot be created: {str(existing)!r} is a file")
+        if not os.access(existing, os.W_OK):
+            raise ConfigError(f"{name}: {path!r} cannot be written: no write permission on {str(existing)!r}")
 
 
 def _check_world(cfg: JobConfig, model: nn.Module, world: int) -> None:

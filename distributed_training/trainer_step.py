@@ -5,6 +5,7 @@ and the checks of the trainer's own scalar arguments (`check_arguments`), made b
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Callable
 
 import torch
@@ -37,6 +38,9 @@ def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat
         raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
     if checkpoint_every is not None and checkpoint_dir is None:
         raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
+    if checkpoint_dir is not None and os.path.isfile(checkpoint_dir):  # found at the first save, after training
+        raise ValueError(f"checkpoint_dir {os.fspath(checkpoint_dir)!r} is a file: name a directory (fit writes "
+                         "step_<N>/ checkpoints under it)")
     if not isinstance(checkpoint_async, bool):
         raise TypeError(f"checkpoint_async must be True or False, got {checkpoint_async!r}")
     if checkpoint_async and checkpoint_dir is None:

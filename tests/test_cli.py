@@ -696,3 +696,32 @@ def test_epochs_derived_from_max_steps_are_said_as_derived_on_resume(tmp_path, m
     changed = [r.getMessage() for r in caplog.records if "configuration changed" in r.getMessage()]
     assert len(changed) == 1 and "max_steps: 2 -> 5" in changed[0], changed
     assert "epochs: 1 -> 2 (derived from training.max_steps)" in changed[0], changed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("section, field, value, said", [
+    ("checkpoint", "dir", "a_file", "is a file"),
+    ("checkpoint", "dir", "a_file/ckpt", "is a file"),
+    ("logging", "dir", "a_file", "is a file"),
+    ("output", None, "a_dir", "is a directory"),
+    ("output", None, "a_file/model.pt", "is a file"),
+])
+def test_a_path_the_job_cannot_write_is_a_config_error_before_training(tmp_path, monkeypatch, section, field,
+                                                                         value, said):
+    """checkpoint.dir naming a file failed at the first save, and an output naming a directory after the
+    whole run (its model never written), each with a traceback per rank: now one line naming the field,
+    before anything trains."""
+    from distributed_training import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("not a directory")
+    (tmp_path / "a_dir").mkdir()
+    config = {"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+              "training": {"max_steps": 1}, "logging": {"progress": False}}
+    if field is None:
+        config[section] = value
+    else:
+        config[section] = {field: value}
+    name = section if field is None else f"{section}.{field}"
+    with pytest.raises(ConfigError, match=rf"^{re.escape(name)}: '{re.escape(value)}' .*{said}"):
+        cli.run_job(load_config(config))

@@ -430,6 +430,23 @@ def test_resume_false_starts_over_and_sets_the_old_run_aside(tmp_path):
     assert sorted(os.listdir(directory / "previous_run_1")) == ["step_000000002", "step_000000004"]
 
 
+def _file_as_checkpoint_dir(rank, world, path):
+    try:
+        DistributedTrainer(nn.Linear(4, 2), _sgd(), checkpoint_dir=path).close()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_dir_that_is_a_file_is_refused_before_training(tmp_path):
+    """It failed at fit's first save (NotADirectoryError), after the steps before it had trained."""
+    path = tmp_path / "ckpt"
+    path.write_text("not a directory")
+    [said] = run_distributed(_file_as_checkpoint_dir, world_size=1, args=(str(path),), timeout=50)
+    assert said is not None and f"checkpoint_dir {str(path)!r} is a file" in said, said
+
+
 def test_config_resume_and_save_on_preemption_fields():
     cfg = load_config({"checkpoint": {"dir": "c", "resume": False, "save_on_preemption": False}})
     assert cfg.checkpoint.resume is False and cfg.checkpoint.save_on_preemption is False
