@@ -475,6 +475,16 @@ def test_plot_empty_directory_fails_cleanly(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_plot_to_a_folder_that_does_not_exist_fails_cleanly(tmp_path, capsys):
+    """`-o missing/run.png` ended in matplotlib's and PIL's traceback; now one line naming the file."""
+    from distributed_training.monitor import plot
+
+    write_fake_run(tmp_path / "run")
+    out = tmp_path / "missing" / "run.png"
+    assert plot.main([str(tmp_path / "run"), "-o", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: cannot write {str(out)!r}: No such file or directory"
+
+
 def test_plot_of_a_real_monitor_run(tmp_path):
     from distributed_training.monitor import plot
 

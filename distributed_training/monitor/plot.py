@@ -148,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: nothing to plot in {args.log_dir!r}: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # -o in a folder that does not exist, or one not writable
+        print(f"error: cannot write {args.output!r}: {err.strerror or err}", file=sys.stderr)
+        return 2
     print(f"wrote {args.output} ({len(runs)} {member_of(runs)}(s); panels: {', '.join(drawn)})")
     return 0
 
