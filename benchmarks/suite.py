@@ -15,14 +15,19 @@ Phases (`--phases`, default all; see `phases/__init__.py` for where each runs):
     training      GPT: our DDP / ZeRO-1/2/3 / compressed DDP vs torch DDP and FSDP2, interleaved in one job
     models        timm / Hugging Face models: our DDP and trainer vs torch DDP
     images        our ResNet-50 / ViT-B/16: images/s per GPU, our DDP vs torch DDP, synthetic and from JPEGs
+    accuracy      time to accuracy: the digits image recipe through dtrain until it reaches the target
     precision     our trainer in fp32 / bf16 / fp16: step time, memory, loss against fp32's
     topk          Top-K selection methods and PowerSGD, per bucket and per step (25 and 100 MiB buckets)
     profiling     where a DDP step's time goes, by kernel (GPU) or operator (CPU) category
     monitor       the monitor's cost on the trainer, at every world size
     checkpoint    a checkpoint every N steps, synchronous vs in the background, as % of step time
     memory        GPT 1.3B: activation checkpointing off/on, and batch_size="auto"
+    pipeline      GPT over a pipeline: our GPipe / 1F1B / interleaved / ZB-H1 vs torch.distributed.pipelining
+    compile       GPT tokens/s: eager vs torch.compile in both orders and per block under our DDP
+    pipeline_trainer  GPT through DistributedTrainer(pipeline_parallel_size=P) vs our DDP trainer
     tensor        GPT 1.3B / ~7B: our tensor (and sequence) parallelism vs torch's DTensor TP, same plan
     ps            the parameter server vs our DDP (sparse embedding tables); sync vs ssp vs async
+    imagenet_projection  ResNet-50 / ImageNet epoch time at 8-256 GPUs: the scaling model's projection
     model_check   the scaling model: one calibration, checked on this run and on recorded DDP runs
 
 For each world size the orchestrator starts one job on this script (``--worker``; `torchrun` for two

@@ -258,3 +258,13 @@ def test_bad_arguments_are_named():
     out = subprocess.run([sys.executable, str(SUITE), "--smoke", "--phases", "training,nonsense"], cwd=REPO, env=ENV,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "nonsense" in out.stderr and "collectives" in out.stderr
+
+
+def test_help_describes_every_phase():
+    """`suite.py --help` described 13 of the 18 phases (accuracy, pipeline, compile, pipeline_trainer and
+    imagenet_projection were missing from its list)."""
+    out = subprocess.run([sys.executable, str(SUITE), "--help"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    described = {line.split()[0] for line in out.stdout.split("Phases (")[1].split("\n\n")[1].splitlines()}
+    assert described == ALL_PHASES
