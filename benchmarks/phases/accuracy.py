@@ -1,7 +1,7 @@
 """Time to accuracy: the digits image recipe trained by dtrain's own job (`cli.run_job`) at each world
 size until its validation accuracy reaches the target (``evaluation.target``), in wall-clock seconds.
 
-The package's handwritten digits (1,437 training and 360 validation images, 8x8, upsampled) written
+The package's handwritten digits (1,438 training and 359 validation images, 8x8, upsampled) written
 as PNGs, once per machine under the temporary directory by each node's local rank 0 while the others
 wait. Two recipes, each with the same global batch at every world size (``training.global_batch_size``:
 the same optimisation, so only the wall clock differs), evaluated at the end of every epoch, stopped at
@@ -42,15 +42,15 @@ def _config(name: str, root: str, epochs: int, target: float, smoke: bool) -> di
         return {"model": {"preset": "resnet18", "width": 8, "image_size": 32, "zero_init_residual": True},
                 "data": {**data, "num_workers": 0},
                 "training": {"strategy": "ddp", "epochs": epochs, "global_batch_size": 32, "lr": 1e-3},
-                "evaluation": {**evaluation, "every": math.ceil(1437 / 32)}, "logging": {"every": 10_000}}
+                "evaluation": {**evaluation, "every": math.ceil(1438 / 32)}, "logging": {"every": 10_000}}
     return {"model": {"preset": "resnet50", "image_size": 224, "channels_last": True, "zero_init_residual": True},
             "data": {**data, "num_workers": 8},
             "training": {"strategy": "ddp", "epochs": epochs, "global_batch_size": 128, "precision": "bf16",
                          "label_smoothing": 0.1},
             "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-5,
                           "exclude_from_weight_decay": ["bias", "norm"]},
-            "schedule": {"kind": "cosine", "warmup_steps": 2 * math.ceil(1437 / 128)},
-            "evaluation": {**evaluation, "every": math.ceil(1437 / 128)}, "logging": {"every": 10_000}}
+            "schedule": {"kind": "cosine", "warmup_steps": 2 * math.ceil(1438 / 128)},
+            "evaluation": {**evaluation, "every": math.ceil(1438 / 128)}, "logging": {"every": 10_000}}
 
 
 def _options(opts) -> dict:
