@@ -7,6 +7,7 @@ It writes data/digit_images/train/<digit>/<i>.png (80%) and data/digit_images/va
 """
 
 import argparse
+import sys
 
 from distributed_training.datasets.images import write_digits_folder
 
@@ -16,5 +17,8 @@ if __name__ == "__main__":
     p.add_argument("--size", type=int, default=32, help="side of the images in pixels")
     p.add_argument("--format", default="png", choices=["png", "jpg"], help="image file format")
     args = p.parse_args()
-    counts = write_digits_folder(args.root, args.size, extension=args.format)
+    try:
+        counts = write_digits_folder(args.root, args.size, extension=args.format)
+    except FileExistsError as err:  # an earlier run's images in another format: they would be read too
+        sys.exit(f"error: {err}")
     print(f"wrote {counts['train']} training and {counts['val']} validation images under {args.root}")

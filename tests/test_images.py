@@ -209,6 +209,16 @@ def test_digits_folder_is_written_split_and_readable(tmp_path):
     assert x.shape == (3, 16, 16) and x.max() > 100 and x.min() < 20  # ink on a dark background
 
 
+def test_digits_folder_written_again_in_another_format_is_refused(tmp_path):
+    """`make_digit_images.py` run again with --format jpg over a png folder added the jpgs beside the pngs:
+    every digit twice (2,876 training images), silently. The same call again still just rewrites."""
+    write_digits_folder(tmp_path / "d", 8)
+    assert write_digits_folder(tmp_path / "d", 12) == {"train": 1438, "val": 359}  # another size: the same files
+    with pytest.raises(FileExistsError, match=r"already holds 1797 other files .*\.png"):
+        write_digits_folder(tmp_path / "d", 8, extension="jpg")
+    assert len(list((tmp_path / "d" / "train").rglob("*.*"))) == 1438 and not list((tmp_path / "d").rglob("*.jpg"))
+
+
 # ------------------------------------------------------------------------------------------ config
 IMAGES = {"model": {"preset": "resnet18"}, "data": {"dataset": "image_folder", "root": "x"}}
 

@@ -265,7 +265,9 @@ def write_digits_folder(root: str | Path, image_size: int = 32, *, val_fraction:
                         extension: str = "png") -> dict[str, int]:
     """Write the package's 1,797 8x8 digits, upsampled to ``image_size`` (bicubic), as
     ``root/train/<digit>/<i>.<extension>`` and ``root/val/<digit>/<i>.<extension>`` (a seeded random
-    `val_fraction` of them in val). Returns the images written per split."""
+    `val_fraction` of them in val). Returns the images written per split. A folder already holding
+    other files there (an earlier call's in another format or split) is refused: they would be read
+    as more images."""
     from . import digits
 
     Image = _pil()
@@ -273,12 +275,17 @@ def write_digits_folder(root: str | Path, image_size: int = 32, *, val_fraction:
     pixels = (images.view(-1, 8, 8) * 255).round().to(torch.uint8).numpy()
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = int(len(order) * val_fraction)
+    paths = [Path(root) / ("val" if k < n_val else "train") / str(int(labels[i])) / f"{i:04d}.{extension}"
+             for k, i in enumerate(order)]
+    others = sorted({f for split in ("train", "val") for f in (Path(root) / split).rglob("*") if f.is_file()}
+                    - set(paths))
+    if others:
+        raise FileExistsError(f"{str(root)!r} already holds {len(others)} other files (e.g. {str(others[0])!r}): "
+                              "remove them or write to another folder")
     counts = {"train": 0, "val": 0}
-    for k, i in enumerate(order):
-        split = "val" if k < n_val else "train"
-        folder = Path(root) / split / str(int(labels[i]))
-        folder.mkdir(parents=True, exist_ok=True)
-        img = Image.fromarray(pixels[i]).resize((image_size, image_size), Image.BICUBIC)
-        img.save(folder / f"{i:04d}.{extension}")
-        counts[split] += 1
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        img = Image.fromarray(pixels[int(path.stem)]).resize((image_size, image_size), Image.BICUBIC)
+        img.save(path)
+        counts[path.parts[-3]] += 1
     return counts
