@@ -224,8 +224,9 @@ class TrainingConfig(Section):
 
 
 class CommunicationConfig(Section):
-    bucket_cap_mb: PositiveFloat = 25.0
-    """Size in MiB of the gradient buckets DDP and ZeRO-1 reduce while backward runs."""
+    bucket_cap_mb: Optional[PositiveFloat] = None
+    """Size in MiB of the gradient buckets DDP and ZeRO-1 reduce while backward runs (null: 100 under
+    Top-K compression, else 25)."""
     compression: Literal["none", "topk", "bf16", "fp16", "powersgd"] = "none"
     """Gradient compression for the DDP-based strategies (ddp, zero1)."""
     compression_ratio: Annotated[Float, Field(gt=0, le=1)] = 0.01
