@@ -79,6 +79,10 @@ def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequ
     knows it (a model's own loss: `label_count`). Floats, or 0-dim tensors for counted targets."""
     if _setting(criterion, "reduction", "mean") == "sum":
         return [1.0] * len(rows)
+    if not sum(rows):
+        # An empty batch (a replica with no rows this step, beside replicas with some): its mean is over
+        # nothing (nan) and it stands for nothing: weight 0, as `weigh` gives a micro-batch of no targets.
+        return [0.0] * len(rows)
     if len(rows) == 1:
         counts = list(rows)
     elif counts is None:

@@ -282,3 +282,47 @@ def test_pipeline_replicas_whose_batches_keep_different_targets_give_one_process
     """P = 2 x DP = 2: the last stages of the two pipelines weigh their losses by the targets each keeps."""
     for worst in run_distributed(_replicas, 4, args=(strategy, False, 1, 2), timeout=120):
         assert worst <= 1e-6, worst
+
+
+def _empty_replica(rank, world, strategy, kind):
+    """Rank 1's batch has no rows this step (the others 5 and 3): the step is one process's on the 8
+    rows, and the empty rank reports a loss of 0 (its mean over nothing is nan)."""
+    own = kind == "own"
+    model = _HFLike("ForMaskedLM") if own else _model()
+    reference = copy.deepcopy(model)
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), strategy=strategy,
+                                 progress=False)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    lo, hi = ((0, 5), (5, 5), (5, 8))[rank]
+    if own:
+        whole = _labelled_batch(rows=8)
+        mine = {k: v[lo:hi] for k, v in whole.items()}
+    else:
+        x, y = _data(ignored=0)
+        if kind == "mse":
+            y = F.one_hot(y, 4).float()
+        whole, mine = (x, y), (x[lo:hi], y[lo:hi])
+    criterion = None if own else (F.mse_loss if kind == "mse" else F.cross_entropy)
+    worst, losses = 0.0, []
+    for _ in range(3):
+        losses.append(float(trainer.train_step(mine, criterion)["loss"]))
+        ref_loss = reference(**whole)["loss"] if own else criterion(reference(whole[0]), whole[1])
+        worst = max(worst, _step_reference(reference, ref_opt, ref_loss, trainer))
+    trainer.close()
+    return worst, losses
+
+
+@pytest.mark.parametrize("strategy,kind", [("ddp", "ignore"), ("zero1", "mse"), ("zero3", "own")])
+def test_a_replica_with_an_empty_batch_gives_one_process_step(strategy, kind):
+    """A trial (timm ViT, world 3, one rank's batch empty): the empty rank raised ZeroDivisionError in
+    its batch's weights and its peers died waiting for it."""
+    for rank, (worst, losses) in enumerate(run_distributed(_empty_replica, 3, args=(strategy, kind), timeout=120)):
+        assert worst <= 1e-6, (rank, worst)
+        if rank == 1:
+            assert losses == [0.0, 0.0, 0.0], losses
+        assert all(loss == loss for loss in losses), (rank, losses)  # no nan
+
+
+def test_an_empty_batch_weighs_zero():
+    assert micro_weights(F.cross_entropy, [torch.zeros(0, dtype=torch.long)], [0]) == [0.0]
+    assert micro_weights(None, [None], [0]) == [0.0]
