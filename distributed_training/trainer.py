@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -400,6 +401,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         self.step = 0
         self.epoch = 0
         self.batch_in_epoch = 0  # batches of the current epoch already trained
+        self._step_failed = False  # the last train_step raised: peers may be inside its collectives
         # Samples of the current epoch's permutation already trained by the whole job (the data position,
         # at any size; None: a checkpoint from before it was kept, see Fitting._epoch_offset).
         self.samples_in_epoch: int | None = 0
@@ -478,7 +480,14 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         closing on an error, ``barrier=False``), remove the strategy's hooks and, if the trainer created
         it, destroy the process group. A background write that failed raises `CheckpointWriteError`
         here, after the rest is closed. Watching the peers stops first (this rank's leaving is not
-        a death)."""
+        a death).
+
+        Called while an exception propagates (``try: trainer.fit(...) finally: trainer.close()``) or
+        after a `train_step` that raised, it does not wait for the peers (as ``barrier=False``): they may
+        be inside the failed step's collectives, which this rank's barrier would never answer, and the
+        job would hang until the collective timeout instead of failing."""
+        if barrier and (self._step_failed or sys.exc_info()[0] is not None):
+            barrier = False
         if self._watch is not None:
             self._watch.stop()  # first: the peers must not take this rank's leaving for a death
         stop_heartbeat()  # no daemon thread may be inside a store call when the process exits

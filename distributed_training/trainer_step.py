@@ -68,9 +68,12 @@ class Stepping:
             watch.step = self.step
             watch.raise_if_failed()  # a peer died since the last step
         heartbeat(self.context, self.step)
+        self._step_failed = True  # until it returns: `close` must not wait for peers inside its collectives
         try:
             with self._watching():
-                return self._train_step(batch, criterion)
+                metrics = self._train_step(batch, criterion)
+            self._step_failed = False
+            return metrics
         except RuntimeError as err:
             self._raise_if_peer_died(err)
             if is_timeout(err):
