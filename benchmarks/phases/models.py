@@ -17,6 +17,7 @@ Variants (``--variants``; default: plain,torch,ours,trainer,trainer_monitor,ours
                    nothing; ours_timed: host time of each method of the hook path)
   trainer          DistributedTrainer(strategy="ddp", mixed_precision="bf16" on GPUs).train_step
   trainer_monitor  the same with a Monitor (log_dir, log_every=10), recorded as fit records each step
+  trainer_read     the trainer, its loss read on the host every 10th step (a logging loop's sync, no Monitor)
   trainer_zero3    DistributedTrainer(strategy="zero3").train_step
   trainer_zero3_root  the same with the whole model one FSDP unit (``auto_wrap_policy=10**15``)
 """
@@ -124,6 +125,7 @@ class Variant:
         self.name = name
         self.device = ctx.device
         self.trainer = None
+        self.steps = 0
         fused = ctx.device.type == "cuda"
         factory = lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=fused)  # noqa: E731
         if name.startswith("trainer"):
@@ -168,6 +170,9 @@ class Variant:
             metrics = self.trainer.train_step(batch, criterion)
             if self.name == "trainer_monitor":
                 self.trainer._record_step(batch, metrics, step_time=time.perf_counter() - start, data_time=0.0)
+            self.steps += 1
+            if self.name == "trainer_read" and self.steps % 10 == 0:
+                float(metrics["loss"])
             return
         with self.wrapped.no_sync() if self.name == "ours_nosync" else contextlib.nullcontext():
             with autocast(self.device):

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Session 25 (2 GPUs lent, no 4-GPU kind): issue 14's "the trainer adds no measurable overhead" on the
+# third-party models. Usage: benchmarks/device_s25.sh E|F; everything comes back as $OUT/s25_<mode>.tar.gz.
+#   E: the NCCL tests; then the models phase at world 2 on BERT and ViT, 5 rounds of 30 steps, variants
+#      trainer, ours, torch, trainer_monitor, trainer_read (the loss read every 10th step), with the first
+#      two profiled (host time per op).
+#   F: the models phase at world 2 on all four models, 5 rounds of 30 steps (after a fix).
+set -o pipefail
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
+start=$(date +%s)
+R=/tmp/s25
+mkdir -p $R
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpus.txt"
+python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version())" >> "$R/gpus.txt"
+suite() {  # name, seconds in all, seconds per world size, suite.py arguments
+  local name=$1 limit=$2 per_world=$3; shift 3
+  (cd benchmarks && timeout "$limit" python suite.py --out "$R/$name" --timeout "$per_world" "$@") \
+    2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$R/$name.log"
+  echo "[$name] exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/$name.log"
+}
+case "$1" in
+  E) timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu_nccl.py > "$R/gpu_tests.log" 2>&1
+     echo "tests exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/gpu_tests.log"
+     suite M2 300 285 --worlds 2 --phases models --third-party bert,vit --rounds 5 --steps 30 \
+       --variants trainer,ours,torch,trainer_monitor,trainer_read --models-profile 2 ;;
+  F) suite M2 420 400 --worlds 2 --phases models --rounds 5 --steps 30 \
+       --variants plain,torch,ours,trainer,trainer_monitor,trainer_read ;;
+esac
+tar -czf "$OUT/s25_$1.tar.gz" -C $R .
