@@ -173,30 +173,35 @@ def _slow_job(rank, world, consistency, staleness, steps, delay, own_group=False
     if ps.role == "server":
         stats = ps.serve()
         return {"role": "server", "staleness": stats.staleness, "delayed": stats.pulls_delayed}
-    w, lead = ps.worker_index, []
+    w, pulled, pushing = ps.worker_index, [], []
     for step in range(steps):
         x, y = _batch(step, ps.num_workers)
-        version = ps.pull()
-        lead.append(step - version)  # how far ahead of the applied updates this worker computes
+        ps.pull()
+        pulled.append(time.monotonic())  # this step's parameters are here (one clock for every process)
         if w == 1:
             time.sleep(delay)
         F.mse_loss(model(x[:PER_WORKER]), y[:PER_WORKER]).backward()
+        pushing.append(time.monotonic())  # this step's gradient leaves after this
         ps.step()
         model.zero_grad(set_to_none=True)
     ps.pull(final=True)
     ps.close()
-    return {"role": "worker", "lead": lead, "final": [p.detach().clone() for p in model.parameters()]}
+    return {"role": "worker", "pulled": pulled, "pushing": pushing,
+            "final": [p.detach().clone() for p in model.parameters()]}
 
 
 def test_ssp_bound_holds_and_fast_worker_runs_ahead():
     results = run_distributed(_slow_job, 3, args=("ssp", 2, 12, 0.05), timeout=90)
     server = results[0]
     staleness = [s for _, _, s in server["staleness"]]
-    assert len(staleness) == 24 and max(staleness) <= 2
-    fast, slow = results[1]["lead"], results[2]["lead"]
-    assert max(fast) <= 2 and max(slow) <= 2
-    assert max(fast) >= 1 and max(staleness) >= 1, (fast, staleness)  # the fast worker did run ahead
-    assert server["delayed"] > 0  # and was held back by the bound
+    assert len(staleness) == 24 and max(staleness) <= 2  # the server's count: steps over the slowest's
+    # The bound seen from the workers' own clocks: the fast worker (0) never had step c's parameters
+    # before the slow one (1) had begun pushing step c - 3; it did have them before the slow one pushed
+    # step c - 1 (it ran ahead), and it was held back (pulls delayed).
+    fast, slow = results[1], results[2]
+    assert all(fast["pulled"][c] > slow["pushing"][c - 3] for c in range(3, 12))
+    assert any(fast["pulled"][c] < slow["pushing"][c - 1] for c in range(1, 12))
+    assert max(staleness) >= 1 and server["delayed"] > 0, staleness
 
 
 def test_async_completes_and_logs_staleness():
@@ -251,8 +256,9 @@ def test_digits_ssp_and_async_within_one_point_of_sync():
     # The last three epochs' mean: one point is 6 of the 597 test images, about an epoch's wobble.
     accuracy = {mode: sum(acc[-3:]) / 3 for mode, acc in results[1].items()}
     assert accuracy["sync"] > 0.93, accuracy
-    assert abs(accuracy["ssp"] - accuracy["sync"]) <= 0.01, accuracy
-    assert abs(accuracy["async"] - accuracy["sync"]) <= 0.01, accuracy
+    # reach within one point of sync: no more than a point below it (above it is fine)
+    assert accuracy["ssp"] >= accuracy["sync"] - 0.01, accuracy
+    assert accuracy["async"] >= accuracy["sync"] - 0.01, accuracy
     staleness = results[0]
     assert staleness["sync"] == 0 and 1 <= staleness["ssp"] <= 2 and staleness["async"] >= 1, staleness
 

@@ -27,10 +27,9 @@ consistency   sync vs ssp (s = 2) vs async on the digits classifier (an MLP, pla
               server, W - 1 workers (world >= 3): time-to-accuracy (validation accuracy >= 0.9, evaluated
               by worker 0 every few steps) and the staleness the server measured (max, mean; ssp's never
               exceeds 2), under two straggler patterns:
-                modes      the last worker slow: it sleeps in every step (the issue's case). Updates are
-                           whole steps (every worker's step-k gradient), so ssp cannot outrun the slow
-                           worker here: it only hides the round trip; async applies the fast workers'
-                           gradients without waiting
+                modes      the last worker slow: it sleeps in every step (the issue's case). ssp and
+                           async apply each gradient as it comes; ssp's fast workers run up to 2 steps
+                           ahead of the slow one and then wait for it, async's never wait
                 rotating   a transient straggler: step k's sleeper is worker k mod (W - 1), so sync pays the
                            sleep every step while ssp lets each worker absorb its own within the bound
                            (the case SSP exists for)

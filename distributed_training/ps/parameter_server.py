@@ -287,6 +287,8 @@ class ParameterServer:
             new.optim.load_piece_state(old.optim.piece_state())  # load_piece_state copies
             new.version = old.version
             new.pulled_version = [old.version] * new.num_workers
+            new.pushed = list(old.pushed)
+            new.pulled_clock = [min(old.pushed, default=0)] * new.num_workers
         else:
             if self._worker.step:
                 raise RuntimeError("continue_from: this worker has already stepped")

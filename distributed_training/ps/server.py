@@ -117,11 +117,15 @@ class Server:
         self.optim = ShardOptimizer(pieces, self.values, optimizer, lr=lr, momentum=momentum, betas=betas, eps=eps)
         self.num_workers, self.consistency = num_workers, consistency
         self.staleness = 0 if consistency == "sync" else staleness
+        # Each gradient its own update, as it comes (async; ssp with a bound of 1 or more), or one update a
+        # step of every worker's gradient (sync; ssp with bound 0, which is sync).
+        self.eager = consistency == "async" or self.staleness > 0
         self.outbox = Outbox()
         pg = process_group(group)
         self.links: dict[int, tuple] = {w: (pg, r) for w, r in enumerate(worker_ranks)}  # worker -> (pg, rank)
         self.version = 0
         self.pulled_version = [0] * num_workers
+        self.pulled_clock = [0] * num_workers  # (eager ssp) the slowest worker's step when each last pulled
         self.pending: dict[int, dict[int, tuple[dict, int]]] = {}  # step -> worker -> (grads, version)
         self.finished: set[int] = set()
         self.done: set[int] = set()
@@ -177,6 +181,7 @@ class Server:
                     if worker in self.joining:  # its first request after JOIN: the step it continues from
                         del self.joining[worker]
                         self.joined_at[worker] = step
+                        self.pushed[worker] = max(self.pushed[worker], step)  # (it computes that step now)
                         self.stats.rejoined.append((worker, step))
                     if kind == Kind.PUSH:
                         self.pushed[worker] = step + 1
@@ -306,8 +311,9 @@ class Server:
     def _answer_join(self, worker: int) -> None:
         """Propose the step `worker` continues from; hold updates from that step until it starts."""
         proposal = self.pushed[worker]
-        if self.consistency == "ssp":
-            proposal = max(proposal, self.version)
+        if self.consistency == "ssp":  # not behind the slowest worker still training: nobody waits for it
+            slowest = self._slowest_step(besides=worker) if self.eager else self.version
+            proposal = max(proposal, slowest) if slowest != float("inf") else proposal
         self.joining[worker] = proposal
         self._reply(worker, self.version, torch.empty(0), info=proposal)
 
@@ -387,8 +393,12 @@ class Server:
 
     # ---------------------------------------------------------------- updates
     def _push(self, worker: int, step: int, grads: dict) -> None:
-        if self.consistency == "async":
-            self._update({worker: (grads, self.pulled_version[worker])}, step, scale=1.0 / self.num_workers)
+        if self.eager:
+            # async: staleness in updates since its pull; ssp: in steps, this one's over the slowest
+            # worker's when it pulled (at most the bound: the pull waited for that)
+            stale = step - self.pulled_clock[worker] if self.consistency == "ssp" else \
+                self.version - self.pulled_version[worker]
+            self._update({worker: grads}, {worker: stale}, step, scale=1.0 / self.num_workers)
             return
         if step < self.version or worker in self.pending.get(step, {}):
             raise RuntimeError(f"parameter server: worker {worker} pushed step {step} twice")
@@ -400,7 +410,9 @@ class Server:
             return
         while self.version in self.pending and self._required(self.version) <= set(self.pending[self.version]):
             contributions = self.pending.pop(self.version)
-            self._update(contributions, self.version, scale=1.0 / len(contributions))
+            self._update({w: grads for w, (grads, _) in contributions.items()},
+                         {w: self.version - pulled for w, (_, pulled) in contributions.items()},
+                         self.version, scale=1.0 / len(contributions))
 
     def _required(self, step: int) -> set[int]:
         """The workers whose gradient step `step` waits for: those training, from the step they (re)joined
@@ -417,22 +429,22 @@ class Server:
                 required.add(w)
         return required
 
-    def _update(self, contributions: dict[int, tuple[dict, int]], step: int, scale: float) -> None:
-        """One optimizer update from the gradients of `contributions` (worker -> (grads, version)),
-        summed in worker order and multiplied by `scale`."""
+    def _update(self, contributions: dict[int, dict], staleness: dict[int, int], step: int, scale: float) -> None:
+        """One optimizer update from the gradients of `contributions` (worker -> its push), summed in
+        worker order and multiplied by `scale`; `staleness`: each one's, for the statistics."""
         order = sorted(contributions)
         dense, sparse = {}, {}
         for piece in self.pieces:
             if piece.sparse:
-                sparse[piece.name] = self._sum_rows(piece, [contributions[w][0] for w in order], scale)
+                sparse[piece.name] = self._sum_rows(piece, [contributions[w] for w in order], scale)
             else:
-                total = contributions[order[0]][0]["grads"][piece.name].clone()
+                total = contributions[order[0]]["grads"][piece.name].clone()
                 for w in order[1:]:
-                    total.add_(contributions[w][0]["grads"][piece.name])
+                    total.add_(contributions[w]["grads"][piece.name])
                 dense[piece.name] = total.mul_(scale)
         self.optim.step(dense, sparse)
         for w in order:
-            self.stats.staleness.append((w, step, self.version - contributions[w][1]))
+            self.stats.staleness.append((w, step, staleness[w]))
         self.version += 1
 
     @staticmethod
@@ -453,7 +465,18 @@ class Server:
         if pull.final:
             everyone = len(self.finished | self.done | self.lost) == self.num_workers
             return everyone and not self.pending
-        return self.consistency == "async" or self.version >= pull.step - self.staleness
+        if self.consistency == "async":
+            return True
+        if self.eager:  # ssp: not more than `staleness` steps ahead of the slowest worker still training
+            return self._slowest_step() >= pull.step - self.staleness
+        return self.version >= pull.step - self.staleness
+
+    def _slowest_step(self, besides: int | None = None) -> float:
+        """The step the slowest worker still training computes (the steps it has pushed); inf if none.
+        A rejoining worker counts from its first request (it starts at or after the others)."""
+        steps = [self.pushed[w] for w in range(self.num_workers) if w != besides and w not in self.joining
+                 and w not in self.finished and w not in self.done and w not in self.lost]
+        return min(steps, default=float("inf"))
 
     def _answer_waiting(self) -> None:
         still = []
@@ -472,5 +495,6 @@ class Server:
             parts.append((value if picked is None else value[picked]).reshape(-1))
         values = torch.cat(parts) if parts else torch.empty(0)
         self.pulled_version[pull.worker] = self.version
+        self.pulled_clock[pull.worker] = min(pull.step, self._slowest_step())
         self.stats.bytes_out += 4 * values.numel()
         self._reply(pull.worker, self.version, values)

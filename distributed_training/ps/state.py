@@ -98,6 +98,10 @@ class ServerState:
         version = int((meta.get("ps") or {}).get("version", meta.get("step", 0)))
         self.server.version = version
         self.server.pulled_version = [version] * self.server.num_workers
+        steps = (meta.get("ps") or {}).get("worker_steps") or []
+        if len(steps) == self.server.num_workers:  # where each worker stands (ssp's gate counts steps)
+            self.server.pushed = [int(s) for s in steps]
+            self.server.pulled_clock = [min(self.server.pushed)] * self.server.num_workers
 
 
 def _saved(pieces: list, start: int) -> torch.Tensor:

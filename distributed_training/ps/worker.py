@@ -204,7 +204,8 @@ class Worker:
     def join(self, consistency: str) -> int:
         """(A restarted worker, on its own group with the servers) announce itself to every server and
         take the step to continue from: the steps it had pushed before it was lost, and under ``ssp`` at
-        least the servers' newest version (the steps applied without it are not computed again).
+        least the step of the slowest worker still training (with a bound of 0: the servers' version), so
+        that nobody waits for it and no step applied without it is computed again.
         Returns that step."""
         works, replies = [], []
         for server in range(self.plan.num_servers):
@@ -216,7 +217,7 @@ class Worker:
         versions = [int(h[0]) for h in replies]
         pushed = max(int(h[3]) for h in replies)
         self.versions = versions
-        self.step = max(pushed, max(versions)) if consistency == "ssp" else pushed
+        self.step = pushed  # each server's proposal (under ssp: not behind the slowest worker training)
         return self.step
 
     def _raise_if_lost(self, headers: list[tuple[int, torch.Tensor]], leave: bool = False) -> None:
