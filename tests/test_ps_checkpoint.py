@@ -53,16 +53,17 @@ def _settings(optimizer: str) -> dict:
     return {"lr": 0.05, "momentum": 0.9} if optimizer == "sgd" else {"lr": 0.01}
 
 
-def _phase(optimizer, num_servers, steps, *, start=0, seed=0, load=None, save=None, sparse=False):
+def _phase(optimizer, num_servers, steps, *, start=0, seed=0, load=None, save=None, sparse=False,
+           consistency="sync", staleness=0):
     """One parameter server's life: optionally load, train `steps` steps from step `start`, optionally save.
     Returns a server's values and optimizer state, or a worker's parameters at each pull."""
     model = _model(seed)
     ps = ParameterServer(model, optimizer, num_servers=num_servers, sparse=["emb.weight"] if sparse else [],
-                         **_settings(optimizer))
+                         consistency=consistency, staleness=staleness, **_settings(optimizer))
     loaded = ps.load_state(load) if load else None
     if ps.role == "server":
         stats = ps.serve()
-        out = {"role": "server", "updates": stats.updates, "loaded": loaded,
+        out = {"role": "server", "updates": stats.updates, "loaded": loaded, "staleness": stats.staleness,
                "values": {k: v.clone() for k, v in ps._server.values.items()},
                "optim": {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
                          for k, s in ps._server.optim.piece_state().items()},
@@ -93,6 +94,21 @@ def _resume_job(rank, world, optimizer, directory):
     fresh = _phase(optimizer, 2, M, start=K, seed=1)  # the same without the checkpoint: must differ
     one_server = _phase(optimizer, 1, 0, seed=2, load=f"{directory}/k")
     return {"unbroken": unbroken, "resumed": resumed, "fresh": fresh, "one_server": one_server}
+
+
+def _ssp_resume_job(rank, world, directory):
+    _phase("sgd", 1, K, save=f"{directory}/k", consistency="ssp", staleness=1)
+    return _phase("sgd", 1, M, start=K, load=f"{directory}/k", consistency="ssp", staleness=1)
+
+
+def test_ssp_resumes_with_its_gate_where_the_workers_stood(tmp_path):
+    # ssp's gate counts the workers' steps: a server loaded from a checkpoint must know them, or the
+    # workers' first pulls (step K, more than the bound ahead of step 0) wait for ever (the test's timeout)
+    server, *workers = run_distributed(_ssp_resume_job, 3, args=(str(tmp_path),), timeout=90)
+    assert server["loaded"] == K and all(w["loaded"] == K for w in workers)
+    assert server["updates"] == 2 * K + 2 * M  # one update per gradient, on from the saved version
+    assert sorted(s for _, s, _ in server["staleness"]) == sorted(list(range(K, K + M)) * 2)
+    assert max(st for _, _, st in server["staleness"]) <= 1
 
 
 def _same(a, b) -> bool:
