@@ -88,6 +88,11 @@ def sums_worker(rank, world):
             x = (torch.randn(shape, generator=g) * 10).to(dtype)
             exact, scale = _exact_sum(x)
             for pattern, kw in VARIANTS:
+                if kw.get("segment_bytes") == 2 and x.numel() > 256:
+                    # Segments below one element send one element a message: on (1031,) that is a thousand
+                    # messages a step, half this test's time, for what (97,) and (33, 7) show already (the
+                    # rounding up to whole elements, more segments than buffers, a 2-D input).
+                    continue
                 got = x.clone()
                 back = PATTERNS[pattern](got, **kw)
                 if back is not got:
