@@ -16,7 +16,8 @@ class TensorOptions:
     """Attributes:
         size: ranks that split each layer's matrices between them (``tensor_parallel_size``); 1: none.
         plan: module-name pattern -> style (``tensor_parallel_plan``); None: the model's built-in plan
-            (our GPT's), an error for other models.
+            (our GPT's), an error for other models. At `size` 1 a plan is checked and not applied (the
+            same config runs the model whole: TP = 1 and TP = N start identical).
         sequence_parallel: LayerNorm and dropout regions split along the sequence too
             (``sequence_parallel``); needs `size` > 1.
     """
@@ -34,9 +35,6 @@ class TensorOptions:
             raise ValueError("sequence_parallel=True splits the sequence between tensor-parallel ranks: it needs "
                              "tensor_parallel_size > 1")
         if self.plan is not None:
-            if self.size == 1:
-                raise ValueError("tensor_parallel_plan is given but tensor_parallel_size=1: set the size, or leave "
-                                 "the plan out")
             if not isinstance(self.plan, dict) or not self.plan:
                 raise TypeError("tensor_parallel_plan must be a non-empty dict of module-name pattern -> style, got "
                                 f"{type(self.plan).__name__}")
