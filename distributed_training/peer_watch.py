@@ -111,6 +111,7 @@ class PeerWatch:
         self.on_failure = on_failure
         self.failure: PeerFailureError | None = None
         self.step: int | None = None  # the training thread's current step, for messages
+        self.activity: str | None = None  # what the training thread does ("training step 5"), for messages
         self._detected_at: float | None = None
         self._acknowledged = False
         self._busy = 0  # how deep the training thread is in `active()` blocks
@@ -215,7 +216,8 @@ class PeerWatch:
         self._fail(int(peer), host, int(step) if step else None, float(silent), f"rank {finder} saw it")
 
     def _fail(self, peer: int, host: str, step: int | None, silent: float, who: str) -> None:
-        where = f" during training step {self.step + 1}" if self.step is not None else ""
+        where = (f" during {self.activity}" if self.activity is not None
+                 else f" during training step {self.step + 1}" if self.step is not None else "")
         # The heartbeat thread publishes the step every `hangs._Heartbeat.PERIOD_S`: the peer may have got further.
         last = f", last seen in step {step + 1} or later" if step is not None else ""
         message = (f"rank {self.rank}: peer rank {peer} (host {host}{last}) is dead: its heartbeat stopped "

@@ -355,7 +355,8 @@ class Fitting:
                     last_end = time.perf_counter()  # the evaluation is not the next step's time
                 if (self.checkpoint_every and self.step % self.checkpoint_every == 0) or best_now:
                     try:
-                        with self._watching():  # a peer dying during the save: exit, not hang (`peer_watch`)
+                        # a peer dying during the save: exit, not hang (`peer_watch`)
+                        with self._watching(f"the checkpoint save of step {self.step}"):
                             self._save_numbered(metrics)
                     except RuntimeError as err:
                         self._raise_if_peer_died(err)  # named, as in a step
@@ -395,7 +396,7 @@ class Fitting:
     def _evaluate_now(self, evaluation: PeriodicEvaluation) -> dict[str, float]:
         """`evaluation` at this step, on every rank (a peer dying meanwhile is named, as in a step)."""
         try:
-            with self._watching():
+            with self._watching(f"the evaluation after step {self.step}"):
                 return evaluation.run(self, self.step)
         except RuntimeError as err:
             self._raise_if_peer_died(err)

@@ -51,9 +51,13 @@ class PeerWatching:
             watch.acknowledge()
             raise failure from err
 
-    def _watching(self):
-        """A block of the job's collectives, under the peer watch if there is one (`PeerWatch.active`)."""
-        return self._watch.active() if self._watch is not None else contextlib.nullcontext()
+    def _watching(self, activity: str | None = None):
+        """A block of the job's collectives, under the peer watch if there is one (`PeerWatch.active`);
+        `activity` says what it is in a dead peer's message ("training step 5")."""
+        if self._watch is None:
+            return contextlib.nullcontext()
+        self._watch.activity = activity
+        return self._watch.active()
 
     def _abort_collectives(self, failure: PeerFailureError) -> None:
         """On the watcher's thread, when a peer is dead: abort an NCCL process group, which makes a

@@ -70,7 +70,7 @@ class Stepping:
         heartbeat(self.context, self.step)
         self._step_failed = True  # until it returns: `close` must not wait for peers inside its collectives
         try:
-            with self._watching():
+            with self._watching(f"training step {self.step + 1}"):
                 metrics = self._train_step(batch, criterion)
             self._step_failed = False
             return metrics

@@ -164,3 +164,18 @@ def test_a_vanished_peer_never_ends_a_rank_outside_the_trainers_work():
 def test_heartbeat_timeout_is_checked():
     with pytest.raises(ValueError, match="heartbeat_timeout"):
         DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.1), heartbeat_timeout=0)
+
+
+def test_a_dead_peer_is_said_during_what_the_trainer_was_doing():
+    # the survivors' message names the work they were in (a death during an evaluation or a checkpoint
+    # save was said as "during training step N")
+    from distributed_training.peer_watch import PeerWatch
+
+    watch = PeerWatch(store=None, rank=0, world_size=3, timeout=TIMEOUT)
+    watch.step = 4
+    watch._fail(2, "host pid 1", 3, 2.5, "rank 0 saw it")
+    assert "during training step 5" in str(watch.failure)
+    watch.activity = "the evaluation after step 4"
+    watch._fail(2, "host pid 1", 3, 2.5, "rank 0 saw it")
+    assert "during the evaluation after step 4" in str(watch.failure) and "training step" not in str(watch.failure)
+    assert "peer rank 2 (host host pid 1, last seen in step 4 or later) is dead" in str(watch.failure)
