@@ -424,6 +424,14 @@ def _already_complete(trainer, cfg: JobConfig, epochs: int) -> bool:
                "training.epochs" if epoch >= epochs else None)
     if step == 0 or reached is None:  # what `fit` resumes from, and when it would train nothing
         return False
+    from .checkpoint_shards import check_shapes
+
+    try:  # a finished run of another model is not this run (a resume of it would fail at the load)
+        check_shapes(meta.get("shapes", {}), trainer.strategy.state_layout(trainer.model, trainer.optimizer).shapes)
+    except ValueError as err:
+        raise ConfigError(f"checkpoint.dir {cfg.checkpoint.dir} holds a finished run of another model ({err}): "
+                          "to train this one, start over with --no-resume (checkpoint.resume: false; the "
+                          "old run is kept beside it) or choose another checkpoint.dir") from None
     if trainer.context.is_main:
         limit = f"training.max_steps={max_steps}" if reached == "training.max_steps" else f"{epochs} epoch(s)"
         log.info("dtrain: the run is already complete at step %d (%s, checkpoint %s): nothing trained or saved. "

@@ -467,7 +467,7 @@ def _dtrain(args, cwd):
 @pytest.mark.timeout(600)
 def test_dtrain_rerun_of_a_finished_job_trains_nothing_and_no_resume_starts_over(tmp_path):
     config = {
-        "model": {"preset": "classifier"},
+        "model": {"target": "torch.nn:Linear", "kwargs": {"in_features": 64, "out_features": 10}},
         "data": {"dataset": "digits"},
         "training": {"max_steps": 4, "batch_size": 16},
         "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 2},
@@ -479,6 +479,10 @@ def test_dtrain_rerun_of_a_finished_job_trains_nothing_and_no_resume_starts_over
     code, out = _dtrain([str(job)], tmp_path)  # the job is done: nothing to train, success
     assert code == 0 and "the run is already complete at step 4" in out and "| loss" not in out, out[-3000:]
     assert "finished at step" not in out, out[-3000:]  # nor evaluated again
+    # another model over the finished run: not "already complete" (it was another run), a config error
+    code, out = _dtrain([str(job), "--set", "model.kwargs.bias=false"], tmp_path)
+    assert code != 0 and "holds a finished run of another model" in out and "'bias'" in out, out[-3000:]
+    assert "--no-resume" in out and "already complete" not in out, out[-3000:]
     code, out = _dtrain([str(job), "--no-resume"], tmp_path)
     assert code == 0 and "step      4 | loss" in out, out[-3000:]
     assert (tmp_path / "ckpt" / "previous_run_1" / "step_000000004").is_dir()
