@@ -5,6 +5,8 @@
 #      trainer, ours, torch, trainer_monitor, trainer_read (the loss read every 10th step), with the first
 #      two profiled (host time per op).
 #   F: the models phase at world 2 on all four models, 5 rounds of 30 steps (after a fix).
+#   G: BERT at world 2 only, 8 rounds of 20 steps: torch, ours (both profiled), ours_nobcast, ours_timed,
+#      plain: where our DDP's time goes against torch's on the model where it is not settled.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -25,5 +27,7 @@ case "$1" in
        --variants trainer,ours,torch,trainer_monitor,trainer_read --models-profile 2 ;;
   F) suite M2 420 400 --worlds 2 --phases models --rounds 5 --steps 30 \
        --variants plain,torch,ours,trainer,trainer_monitor,trainer_read ;;
+  G) suite M2 300 285 --worlds 2 --phases models --third-party bert --rounds 8 --steps 20 \
+       --variants torch,ours,ours_nobcast,ours_timed,plain --models-profile 2 ;;
 esac
 tar -czf "$OUT/s25_$1.tar.gz" -C $R .
