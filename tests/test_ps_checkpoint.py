@@ -294,3 +294,37 @@ def test_trainer_checkpoint_options_refused_before_any_rendezvous(tmp_path):
         # in this pytest process: a later test file on the same worker would find it (test_tensor_plan does).
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _ssp_other_workers_job(rank, world, directory):
+    """2 servers x 2 workers save after K steps; 1 server x 3 workers (ssp, s = 1) load and train M steps
+    each from where they stand."""
+    _phase("sgd", 2, K, save=f"{directory}/k", consistency="ssp", staleness=1)
+    model = _model(1)
+    ps = ParameterServer(model, "sgd", num_servers=1, consistency="ssp", staleness=1, **_settings("sgd"))
+    loaded = ps.load_state(f"{directory}/k")
+    if ps.role == "server":
+        stats = ps.serve()
+        return {"role": "server", "loaded": loaded, "staleness": stats.staleness}
+    start = ps.worker_step
+    for step in range(start, start + M):
+        x, y = _batch(step, ps.num_workers)
+        mine = slice(ps.worker_index * PER_WORKER, (ps.worker_index + 1) * PER_WORKER)
+        ps.pull()
+        F.mse_loss(model(x[mine]), y[mine]).backward()
+        ps.step()
+        model.zero_grad(set_to_none=True)
+    ps.pull(final=True)
+    ps.close()
+    return {"role": "worker", "loaded": loaded, "start": start}
+
+
+def test_ssp_loads_a_checkpoint_of_another_number_of_workers(tmp_path):
+    # The checkpoint holds the steps of 2 workers; the 3 that load it start at its step (the workers'
+    # least: worker 2 has none of its own), and the servers' gate must count from there too. It counted
+    # from step 0 (the workers' steps were taken only when the checkpoint had one per worker), so every
+    # first pull, K > s steps ahead of that, waited for ever: the test's timeout.
+    server, *workers = run_distributed(_ssp_other_workers_job, 4, args=(str(tmp_path),), timeout=60)
+    assert server["loaded"] == K and [w["start"] for w in workers] == [K, K, K]
+    assert sorted(s for _, s, _ in server["staleness"]) == sorted(list(range(K, K + M)) * 3)
+    assert max(st for _, _, st in server["staleness"]) <= 1

@@ -15,7 +15,7 @@ from ..checkpoint_shards import FORMAT, Sources, summary
 from .protocol import gloo_group, process_group
 from .server import Server, ServerStats
 from .sharding import ShardPlan, plan_shards
-from .state import ServerState, meta_of, rank_path
+from .state import ServerState, meta_of, rank_path, worker_step
 from .worker import Worker
 
 __all__ = ["ParameterServer"]
@@ -243,7 +243,6 @@ class ParameterServer:
         if meta.get("checkpoint_format") != FORMAT:
             raise CheckpointMismatchError(f"checkpoint {path!r}: format {meta.get('checkpoint_format')!r}, "
                                           f"this version reads {FORMAT!r}")
-        saved_ps = meta.get("ps") or {}
         if self._server is not None:
             if self._server.version:
                 raise RuntimeError("load_state: this parameter server has already applied updates; load a "
@@ -264,10 +263,7 @@ class ParameterServer:
             if self._worker.step:
                 raise RuntimeError("load_state: this worker has already stepped; load a checkpoint into a new "
                                    "parameter server, before its first step")
-            steps = saved_ps.get("worker_steps") or []
-            index = self._worker.index
-            self._worker.step = int(steps[index]) if index < len(steps) else int(saved_ps.get("version",
-                                                                                             meta["step"]))
+            self._worker.step = worker_step(meta, self._worker.index)  # the servers' gate counts from it too
         dist.barrier(group=self.group)
         return int(meta["step"])
 

@@ -98,10 +98,17 @@ class ServerState:
         version = int((meta.get("ps") or {}).get("version", meta.get("step", 0)))
         self.server.version = version
         self.server.pulled_version = [version] * self.server.num_workers
-        steps = (meta.get("ps") or {}).get("worker_steps") or []
-        if len(steps) == self.server.num_workers:  # where each worker stands (ssp's gate counts steps)
-            self.server.pushed = [int(s) for s in steps]
-            self.server.pulled_clock = [min(self.server.pushed)] * self.server.num_workers
+        # where each worker stands, as the workers take it (ssp's gate counts their steps)
+        self.server.pushed = [worker_step(meta, w) for w in range(self.server.num_workers)]
+        self.server.pulled_clock = [min(self.server.pushed)] * self.server.num_workers
+
+
+def worker_step(meta: dict[str, Any], index: int) -> int:
+    """The step worker `index` continues from after loading the checkpoint of `meta`: its saved step,
+    else (a checkpoint of fewer workers, or of another strategy) the checkpoint's step, the workers'
+    least (the servers' version counts updates: one a gradient under ssp / async, not steps)."""
+    steps = (meta.get("ps") or {}).get("worker_steps") or []
+    return int(steps[index]) if index < len(steps) else int(meta.get("step", 0))
 
 
 def _saved(pieces: list, start: int) -> torch.Tensor:
