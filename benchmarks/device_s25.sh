@@ -7,6 +7,8 @@
 #   F: the models phase at world 2 on all four models, 5 rounds of 30 steps (after a fix).
 #   G: BERT at world 2 only, 8 rounds of 20 steps: torch, ours (both profiled), ours_nobcast, ours_timed,
 #      plain: where our DDP's time goes against torch's on the model where it is not settled.
+#   H: the pipeline phase at P = 2 (GPT-1.3B, half blocks, eager and graphed, 2 rounds): the head costing
+#      its loss (halves) against matmul FLOPs alone (halves_matmuls), the cut of sessions 21-24.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -29,5 +31,6 @@ case "$1" in
        --variants plain,torch,ours,trainer,trainer_monitor,trainer_read ;;
   G) suite M2 300 285 --worlds 2 --phases models --third-party bert --rounds 8 --steps 20 \
        --variants torch,ours,ours_nobcast,ours_timed,plain --models-profile 2 ;;
+  H) suite P2 300 285 --worlds 2 --phases pipeline --variants pp,halves,halves_matmuls,graphs --rounds 2 ;;
 esac
 tar -czf "$OUT/s25_$1.tar.gz" -C $R .

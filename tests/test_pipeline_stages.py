@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed_training.models import GPT, GPTConfig
+from distributed_training.pipeline.gpt_stages import LOSS_FLOPS_PER_LOGIT
 from distributed_training.pipeline import (GPTStages, Stage, TiedGroup, chain, find_ties, gpt_key, layer_seed, lm_loss,
                                            partition, split_at, sync_tied_grads, tied_groups)
 from distributed_training.testing import run_distributed
@@ -232,8 +233,10 @@ def test_gpt_stages_costs_and_balance():
         whole = GPT(CFG)
     block = _count(whole.blocks[0])
     assert counts == [V * C + CFG.block_size * C, *[block] * CFG.n_layer, V * C + 2 * C]  # the tie in both
-    flops = builder.compute_costs()  # per token: a lookup, the blocks' matmuls and attention, the head's matmul
-    assert flops == [C, *[24 * C * C + 2 * T * C] * CFG.n_layer, 2 * C * V]
+    # per token: a lookup, the blocks' matmuls and attention, the head's matmul and its loss's memory traffic
+    flops = builder.compute_costs()
+    assert flops == [C, *[24 * C * C + 2 * T * C] * CFG.n_layer, 2 * C * V + LOSS_FLOPS_PER_LOGIT * V]
+    assert builder.compute_costs(loss=False) == [*flops[:-1], 2 * C * V]
     costs = counts
     for S in range(1, 7):
         assert builder.bounds(S) == partition(costs, S)

@@ -25,7 +25,9 @@ the same costs for ours and torch's and for both layouts; ``halves``, the FLOPs 
 blocks (`GPTStages(halves=True)`: a block's attention and its MLP are layers of their own, so a stage may
 end inside a block: twice as fine a balance); ``halves_time``, the half-block chain's layers timed as for
 ``time`` (the head's softmax over the vocabulary counted as it runs, which FLOPs miss: the last stage's
-forward ran 29 ms against 25-26 under ``halves`` in session 23); ``compute,time`` runs every layout under
+forward ran 29 ms against 25-26 under ``halves`` in session 23); ``halves_matmuls``, the half-block
+FLOPs without the loss's cost on the head (what ``halves`` was before session 25, when the head started
+counting its softmax: `gpt_stages.LOSS_FLOPS_PER_LOGIT`); ``compute,time`` runs every layout under
 both. ``graphs``
 adds a third implementation to each schedule but ZB-H1: ours with each stage's forward and backward
 replayed as CUDA graphs (the engine's ``cuda_graphs``; keys ``graphs_1f1b``, ...), timed like ours.
@@ -67,9 +69,9 @@ TORCH = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
          "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2), "zbh1": ("ScheduleInterleavedZeroBubble", 2)}
 EXTRAS = ("graphs",)            # ours with cuda_graphs too, for the schedules it runs
 LAYOUTS = ("pp", "pp_dp")       # the whole world one pipeline; pipelines of world / 2 ranks, two side by side
-BALANCES = ("compute", "time", "halves", "halves_time")  # FLOPs per layer; forward + backward measured per layer;
+BALANCES = ("compute", "time", "halves", "halves_time", "halves_matmuls")  # FLOPs per layer; forward + backward measured per layer;
 # FLOPs per half block; forward + backward measured per half block
-HALF_BLOCKS = ("halves", "halves_time")  # the balances whose chain is cut at half blocks
+HALF_BLOCKS = ("halves", "halves_time", "halves_matmuls")  # the balances whose chain is cut at half blocks
 TIME_BUDGET_S = {"smoke": 2.0, "gpu": 10.0}  # seconds measuring the layers may take (balance.measure_layer_times)
 
 
@@ -151,7 +153,8 @@ def run(ctx, opts) -> dict:
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    costs = {"compute": GPTStages(cfg).compute_costs(seq), "halves": GPTStages(cfg, halves=True).compute_costs(seq)}
+    costs = {"compute": GPTStages(cfg).compute_costs(seq), "halves": GPTStages(cfg, halves=True).compute_costs(seq),
+             "halves_matmuls": GPTStages(cfg, halves=True).compute_costs(seq, loss=False)}  # (before session 25)
     result = {"status": "ok", "model": "tiny" if opts.smoke else "gpt-1.3b", "pipeline": world, "batch": batch,
               "seq": seq, "microbatches": microbatches, "steps": steps, "balances": balances,
               "variants_ignored": ignored, "configs": {}, "runs": {}}

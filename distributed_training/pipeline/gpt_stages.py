@@ -129,7 +129,11 @@ def gpt_key(key: str) -> str:
     raise ValueError(f"key {key!r} is not a GPT chain key (embed.*, block.*, head.*)")
 
 
-def gpt_layer_flops(cfg: GPTConfig, seq: int | None = None, halves: bool = False) -> list[float]:
+#: The loss's cost per token and vocabulary entry, in forward-FLOP equivalents (see `gpt_layer_flops`).
+LOSS_FLOPS_PER_LOGIT = 1900.0
+
+
+def gpt_layer_flops(cfg: GPTConfig, seq: int | None = None, halves: bool = False, loss: bool = True) -> list[float]:
     """Forward FLOPs per token of each layer of the GPT's chain, at sequence length `seq` (default
     `cfg.block_size`): the stages' balance by compute (`GPTStages.compute_costs`, the trainer's
     ``pipeline_balance="compute"``; the backward costs about twice each layer's forward, so the ratios
@@ -144,13 +148,22 @@ def gpt_layer_flops(cfg: GPTConfig, seq: int | None = None, halves: bool = False
     (`benchmarks/pipeline_profile.py`). But a narrow model's step is bound by the host's kernel
     launches, which these costs ignore: GPT-2 124M cut by them (8 blocks / 4 and the head) kept the
     first rank busy 151 ms a step and the last 38 (2x H200), so parameters stay the default. With
-    `halves`, each block is two entries: its attention half (8 C^2 + 2 T C) and its MLP half (16 C^2)."""
+    `halves`, each block is two entries: its attention half (8 C^2 + 2 T C) and its MLP half (16 C^2).
+
+    With `loss` (default), the head also counts the loss it computes (`lm_loss`: the softmax over the
+    vocabulary in fp32), which does few FLOPs but moves about 28 bytes per logit over forward and backward
+    (the bf16 logits read and cast, log-sum-exp, the gradient written and cast back). At an H100 / H200's
+    ~200-300 bf16 FLOPs per byte of memory traffic that is ~5,800 FLOPs of time per logit for the whole
+    step, ~1,900 in these forward-FLOP units (`LOSS_FLOPS_PER_LOGIT`): at GPT-1.3B about 0.9 of the head's
+    matmul, 0.9 of a block. Measured: with matmul FLOPs alone the last of 4 stages' forward took 29 ms
+    against the others' 25-26 (4x H200, session 23), an excess of about 0.8 block."""
     C, T = cfg.n_embd, cfg.block_size if seq is None else seq
     if halves:  # the attention half: qkv, projection and attention; the MLP half: its two matmuls
         blocks = [8.0 * C * C + 2.0 * T * C, 16.0 * C * C] * cfg.n_layer
     else:
         blocks = [24.0 * C * C + 2.0 * T * C] * cfg.n_layer
-    return [float(C), *blocks, 2.0 * C * cfg.vocab_size]
+    head = 2.0 * C * cfg.vocab_size + (LOSS_FLOPS_PER_LOGIT * cfg.vocab_size if loss else 0.0)
+    return [float(C), *blocks, head]
 
 
 class GPTStages:
@@ -211,9 +224,9 @@ class GPTStages:
             return MLPHalf(block.ln2, block.mlp, nn.Dropout(cfg.dropout))
         return block
 
-    def compute_costs(self, seq: int | None = None) -> list[float]:
+    def compute_costs(self, seq: int | None = None, loss: bool = True) -> list[float]:
         """Each layer's forward FLOPs per token (`gpt_layer_flops`): pass as `costs` to balance by compute."""
-        return gpt_layer_flops(self.cfg, seq, halves=self.halves)
+        return gpt_layer_flops(self.cfg, seq, halves=self.halves, loss=loss)
 
     def costs(self) -> list[int]:
         """Parameters per layer (counted on the meta device: nothing allocated), what the stages are
