@@ -47,7 +47,9 @@ def _model() -> nn.Module:
     return nn.Linear(8, 1)
 
 
-def _train(ps, model, w, start, directory, survivor):
+def _train(ps, model, w, start, directory, survivor, times=None):
+    """Train from `start` to the end; `times` (given): step -> (pull answered, push leaving), one clock
+    for every process."""
     done = 0
     for step in range(start, STEPS):
         if survivor and step == WAIT_AT:
@@ -56,8 +58,11 @@ def _train(ps, model, w, start, directory, survivor):
                 assert time.monotonic() < deadline, "the victim did not come back"
                 time.sleep(0.05)
         ps.pull()
+        pulled = time.monotonic()
         x, y = _data(1000 * step + w)
         F.mse_loss(model(x), y).backward()
+        if times is not None:
+            times[step] = (pulled, time.monotonic())
         ps.step()
         model.zero_grad(set_to_none=True)
         done += 1
@@ -66,19 +71,22 @@ def _train(ps, model, w, start, directory, survivor):
     return done
 
 
-def _restarted(directory: str, store_path: str) -> None:
-    """The victim's restart: a new process, not in the job's process group."""
+def _restarted(directory: str, store_path: str, delay: float = 0.0) -> None:
+    """The victim's restart: a new process, not in the job's process group; it takes `delay` seconds
+    between its rejoin and its first pull (loading its data, say)."""
     torch.set_num_threads(1)
     model = _model()
     ps = rejoin(model, VICTIM, dist.FileStore(store_path, -1), timeout=60)
     start = ps.worker_step
     open(os.path.join(directory, "rejoined"), "w").close()
-    done = _train(ps, model, VICTIM, start, directory, survivor=False)
-    write_record(directory, 100, role="rejoined", start=start, done=done,
+    time.sleep(delay)
+    times = {}
+    done = _train(ps, model, VICTIM, start, directory, survivor=False, times=times)
+    write_record(directory, 100, role="rejoined", start=start, done=done, times=times,
                  params=[p.detach().reshape(-1).tolist() for p in model.parameters()])
 
 
-def _job(rank, world, directory, consistency, staleness, num_servers):
+def _job(rank, world, directory, consistency, staleness, num_servers, delay=0.0):
     model = _model()
     ps = ParameterServer(model, "sgd", lr=0.05, num_servers=num_servers, consistency=consistency,
                          staleness=staleness)
@@ -101,14 +109,15 @@ def _job(rank, world, directory, consistency, staleness, num_servers):
             store = store.underlying_store
         code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('ps_rejoin_test', "
                 f"{__file__!r}); m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-                f"m._restarted({directory!r}, {store.path!r})")
+                f"m._restarted({directory!r}, {store.path!r}, {delay!r})")
         with open(os.path.join(directory, "restart.log"), "wb") as log:
             subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
-    done = _train(ps, model, w, 0, directory, survivor=True)
-    write_record(directory, rank, role="worker", done=done,
+    times = {}
+    done = _train(ps, model, w, 0, directory, survivor=True, times=times)
+    write_record(directory, rank, role="worker", done=done, times=times,
                  params=[p.detach().reshape(-1).tolist() for p in model.parameters()])
 
 
@@ -153,6 +162,32 @@ def _check_server(server, consistency, staleness, start):
         assert max(s for _, _, s in server["staleness"]) <= staleness
         survivors = {(w, s) for w, s in applied if w != VICTIM}
         assert survivors == {(w, s) for w in (0, 2) for s in range(STEPS)}
+
+
+@pytest.mark.timeout(150)
+def test_ssp_survivors_wait_for_a_rejoined_worker_that_starts_late(tmp_path):
+    # The restarted worker is given its start at JOIN, then takes 3 s before its first pull. ssp (s = 2)
+    # holds the survivors' pull of step c until it has pushed step c - 3 (from its start on), as for any
+    # worker. The servers counted it only from its first request, so the survivors ran the 5 steps left
+    # to the end while it waited: their pulls of steps start + 3 .. 19 were answered seconds before it
+    # pushed anything (a gap of up to 5 steps where the bound is 2).
+    staleness, delay = 2, 3.0
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_job, 4, args=(str(tmp_path), "ssp", staleness, 1, delay), timeout=90,
+                        collective_timeout=100, grace=60)
+    log = (tmp_path / "restart.log").read_text() if (tmp_path / "restart.log").exists() else ""
+    assert f"--- rank {1 + VICTIM} failed ---" in str(info.value), str(info.value) + log
+    records = read_records(tmp_path)
+    assert sorted(records) == [0, 1, 3, 100], (records, log)
+    back = records[100]
+    start = back["start"]
+    assert KILL_AT <= start <= WAIT_AT and back["done"] == STEPS - start
+    pushing = {int(step): t[1] for step, t in back["times"].items()}
+    late = [(r, c) for r in (1, 3) for c, (pulled, _) in records[r]["times"].items()
+            if int(c) - staleness - 1 >= start and pulled < pushing[int(c) - staleness - 1]]
+    assert not late, (start, late)  # (survivor rank, step) answered before the rejoined worker's push
+    assert records[1]["params"] == back["params"] == records[3]["params"]
+    _check_server(records[0], "ssp", staleness, start)
 
 
 def test_rejoin_refuses_sync_a_bad_index_another_model_and_times_out(tmp_path):

@@ -473,9 +473,17 @@ class Server:
 
     def _slowest_step(self, besides: int | None = None) -> float:
         """The step the slowest worker still training computes (the steps it has pushed); inf if none.
-        A rejoining worker counts from its first request (it starts at or after the others)."""
-        steps = [self.pushed[w] for w in range(self.num_workers) if w != besides and w not in self.joining
-                 and w not in self.finished and w not in self.done and w not in self.lost]
+        A rejoining worker counts from the step this server proposed to it once its JOIN is answered (it
+        starts there or later: the others must not run more than the bound past it while it gets going,
+        before its first request comes), and not before (the proposal is not behind the others)."""
+        steps = []
+        for w in range(self.num_workers):
+            if w == besides or w in self.finished or w in self.done or w in self.lost:
+                continue
+            if w not in self.joining:
+                steps.append(self.pushed[w])
+            elif self.joining[w] >= 0:
+                steps.append(self.joining[w])
         return min(steps, default=float("inf"))
 
     def _answer_waiting(self) -> None:
