@@ -6,7 +6,8 @@ job's rendezvous store instead: it asks under ``dt_ps/join/<worker>`` (a counter
 of its own), each server's watcher counts itself in once it knows the worker is lost, and the servers and
 the new process build a gloo group of their own (servers at ranks ``0 .. S - 1``, the worker at ``S``),
 on which that worker's messages travel from then on. Its first message (`JOIN`) tells it where to continue:
-the steps it had pushed before it died, and under ``ssp`` at least the servers' newest version.
+the steps it had pushed before it died, and under ``ssp`` at least the step of the slowest worker still
+training (with a bound of 0: the servers' newest version).
 
 A script that may be such a restart::
 

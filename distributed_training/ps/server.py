@@ -1,13 +1,16 @@
 """A server's loop: receive pushes and pulls from any worker, apply updates, answer pulls when allowed.
 
 State: the fp32 values of this server's pieces, their optimizer state, the version (updates applied so
-far), the version each worker last pulled, and, in `sync` / `ssp`, each pending step's gradients by
-worker. Updates are step-aggregated: update k is the mean of the step-k gradients of the workers still
-training, applied once all of them are in, in step order, summed in worker order (so that arrival order
-never changes a bit). In `async` each gradient is its own update, scaled by ``1 / num_workers``.
+far), the version each worker last pulled, the steps each worker has pushed, and, in `sync` (and `ssp`
+with bound 0, which is `sync`), each pending step's gradients by worker. Under `sync` updates are
+step-aggregated: update k is the mean of the step-k gradients of the workers still training, applied
+once all of them are in, in step order, summed in worker order (so that arrival order never changes a
+bit). In `async` and in `ssp` with a bound s >= 1 each gradient is its own update, applied on arrival,
+scaled by ``1 / num_workers``.
 
-A pull for step c is answered once ``version >= c - staleness`` (`sync` is staleness 0; `async` never
-waits); until then it waits in a list while the loop serves everyone else. A final pull is answered
+A pull for step c is answered under `sync` once ``version >= c``, under `ssp` once the slowest worker
+still training has pushed every step ``< c - s`` (`_slowest_step`), under `async` at once; until then it
+waits in a list while the loop serves everyone else. A final pull is answered
 once every worker has finished or left and every pending step is applied. A worker's DONE is
 acknowledged once every worker has sent one, which ends the loop.
 
@@ -33,10 +36,11 @@ after `LEAVE_GRACE` seconds (hung, or too old to send LEAVE) it closes this serv
 A lost worker may come back (`ssp` / `async`; `distributed_training.ps.rejoin`): a restarted process asks
 in the rendezvous store, a watcher thread (`_watch_joins`) builds a gloo group of the servers and it, and
 the loop reads the worker on that group from then on. Its `JOIN` is answered with the step it continues
-from (the steps it had pushed; under `ssp` at least the version, so that no applied step is computed
-again). Until its first request names that step, updates from the step this server proposed on are
-held (so that no server applies a step the worker will take part in without it); from then on it counts
-for every step from its start, as any worker.
+from (the steps it had pushed; under `ssp` at least the slowest training worker's step, with bound 0 the
+version, so that nobody waits for it and no applied step is computed again). Until its first request
+names that step, updates from the step this server proposed on are held (step-aggregated: so that no
+server applies a step the worker will take part in without it), and the `ssp` gate counts it at that
+step; from then on it counts for every step from its start, as any worker.
 """
 
 from __future__ import annotations
@@ -69,10 +73,13 @@ class ServerStats:
     Attributes:
         updates: optimizer updates applied (its final version).
         staleness: ``(worker, step, staleness)`` of every gradient applied, in order; staleness is the
-            updates applied before it minus the version its worker had pulled when computing it.
+            updates applied before it minus the version its worker had pulled when computing it (sync,
+            async), or under ssp (s >= 1) in steps: its step minus the slowest training worker's step
+            when its worker pulled (at most s).
         bytes_in: payload bytes received (values and indices; headers not counted).
         bytes_out: payload bytes sent in replies.
-        pulls_delayed: pulls of a step that had to wait for updates (ssp / sync; final pulls not counted).
+        pulls_delayed: pulls of a step that had to wait (sync: for updates; ssp: for the slowest worker's
+            pushes; final pulls not counted).
         dropped: ``(worker, step)`` of every worker lost and dropped (ssp / async), in the order found;
             step is the one it was computing (the steps it had pushed).
         rejoined: ``(worker, step)`` of every worker that came back after a restart, in order; step is
