@@ -156,7 +156,9 @@ def gpt_layer_flops(cfg: GPTConfig, seq: int | None = None, halves: bool = False
     ~200-300 bf16 FLOPs per byte of memory traffic that is ~5,800 FLOPs of time per logit for the whole
     step, ~1,900 in these forward-FLOP units (`LOSS_FLOPS_PER_LOGIT`): at GPT-1.3B about 0.9 of the head's
     matmul, 0.9 of a block. Measured: with matmul FLOPs alone the last of 4 stages' forward took 29 ms
-    against the others' 25-26 (4x H200, session 23), an excess of about 0.8 block."""
+    against the others' 25-26 (4x H200, session 23); at P = 2 the loss's whole step measured about a
+    third of a block, less than this, but the cut it gives made the interleaved schedule's bubble 0.92x
+    its formula against 1.53x, GPipe and 1F1B within 1% (docs/pipeline.md, session 25)."""
     C, T = cfg.n_embd, cfg.block_size if seq is None else seq
     if halves:  # the attention half: qkv, projection and attention; the MLP half: its two matmuls
         blocks = [8.0 * C * C + 2.0 * T * C, 16.0 * C * C] * cfg.n_layer
