@@ -328,3 +328,19 @@ def test_ssp_loads_a_checkpoint_of_another_number_of_workers(tmp_path):
     assert server["loaded"] == K and [w["start"] for w in workers] == [K, K, K]
     assert sorted(s for _, s, _ in server["staleness"]) == sorted(list(range(K, K + M)) * 3)
     assert max(st for _, _, st in server["staleness"]) <= 1
+
+
+def _ssp_then_sync_job(rank, world, directory):
+    _phase("sgd", 1, K, save=f"{directory}/k", consistency="ssp", staleness=1)
+    return _phase("sgd", 1, M, start=K, load=f"{directory}/k")
+
+
+def test_an_ssp_checkpoint_resumes_under_sync(tmp_path):
+    # ssp (s >= 1) applies one update a gradient, so its version (2 K) is no step: a sync server took it
+    # as the next step to apply and refused the workers' first push ("worker 0 pushed step K twice").
+    # Step-aggregated servers continue from the workers' step.
+    server, *workers = run_distributed(_ssp_then_sync_job, 3, args=(str(tmp_path),), timeout=90)
+    assert server["loaded"] == K and all(w["loaded"] == K for w in workers)
+    assert sorted(s for _, s, _ in server["staleness"]) == sorted(list(range(K, K + M)) * 2)
+    assert all(st == 0 for _, _, st in server["staleness"])
+    assert all(torch.equal(a, b) for a, b in zip(workers[0]["snapshots"][-1], workers[1]["snapshots"][-1]))

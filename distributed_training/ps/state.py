@@ -96,11 +96,15 @@ class ServerState:
                 state[piece.key] = entry
         self.server.optim.load_piece_state(state)
         version = int((meta.get("ps") or {}).get("version", meta.get("step", 0)))
-        self.server.version = version
-        self.server.pulled_version = [version] * self.server.num_workers
         # where each worker stands, as the workers take it (ssp's gate counts their steps)
         self.server.pushed = [worker_step(meta, w) for w in range(self.server.num_workers)]
         self.server.pulled_clock = [min(self.server.pushed)] * self.server.num_workers
+        if not self.server.eager:
+            # step-aggregated (sync): the version is the next step to apply. A checkpoint of async or ssp
+            # (s >= 1), one update a gradient, has more updates than steps: no step past the workers'
+            version = min(version, max(self.server.pushed))
+        self.server.version = version
+        self.server.pulled_version = [version] * self.server.num_workers
 
 
 def worker_step(meta: dict[str, Any], index: int) -> int:
