@@ -130,7 +130,7 @@ def _tensor(**fields):
         ({"training": {"sequence_parallel": True}}, "training.sequence_parallel"),
         (_tensor(strategy="auto"), "training.strategy"),
         (_tensor(tensor_parallel_plan={"blocks.*.mlp.0": "sideways"}), "training.tensor_parallel_plan"),
-        ({"training": {"tensor_parallel_plan": {"lm_head": "vocab"}}}, "training.tensor_parallel_plan"),
+        ({"training": {"tensor_parallel_plan": {"lm_head": "sideways"}}}, "training.tensor_parallel_plan"),  # TP 1 too
         ({**_tensor(sequence_parallel=True), "data": {"block_size": 63}}, "training.sequence_parallel"),
     ],
 )
