@@ -344,3 +344,37 @@ def test_an_ssp_checkpoint_resumes_under_sync(tmp_path):
     assert sorted(s for _, s, _ in server["staleness"]) == sorted(list(range(K, K + M)) * 2)
     assert all(st == 0 for _, _, st in server["staleness"])
     assert all(torch.equal(a, b) for a, b in zip(workers[0]["snapshots"][-1], workers[1]["snapshots"][-1]))
+
+
+def _serve_or_train(ps, model, start, steps):
+    if ps.role == "server":
+        return ps.serve().staleness
+    w = ps.worker_index
+    for step in range(start, start + steps):
+        x, y = _batch(step, ps.num_workers)
+        mine = slice(w * PER_WORKER, (w + 1) * PER_WORKER)
+        ps.pull()
+        F.mse_loss(model(x[mine]), y[mine]).backward()
+        ps.step()
+        model.zero_grad(set_to_none=True)
+    ps.pull(final=True)
+    ps.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _ssp_then_sync_in_memory_job(rank, world):
+    model = _model()
+    first = ParameterServer(model, "sgd", num_servers=1, consistency="ssp", staleness=1, **_settings("sgd"))
+    _serve_or_train(first, model, 0, K)
+    second = ParameterServer(model, "sgd", num_servers=1, **_settings("sgd"))
+    second.continue_from(first)
+    return _serve_or_train(second, model, K, M)
+
+
+def test_an_ssp_run_continues_in_memory_under_sync():
+    # continue_from, as load_state: the sync server continues from the workers' step, not from ssp's
+    # version (one update a gradient), which made the workers' first push a "pushed step K twice" error
+    staleness, *finals = run_distributed(_ssp_then_sync_in_memory_job, 3, timeout=90)
+    assert sorted(s for _, s, _ in staleness) == sorted(list(range(K, K + M)) * 2)
+    assert all(st == 0 for _, _, st in staleness)
+    assert all(torch.equal(a, b) for a, b in zip(*finals))

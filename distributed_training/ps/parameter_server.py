@@ -281,8 +281,10 @@ class ParameterServer:
                 for name, value in old.values.items():
                     new.values[name].copy_(value)
             new.optim.load_piece_state(old.optim.piece_state())  # load_piece_state copies
-            new.version = old.version
-            new.pulled_version = [old.version] * new.num_workers
+            # a step-aggregated server (sync) takes the version as the next step to apply: after async or ssp
+            # (s >= 1), one update a gradient, no further than the workers' step (as `load_state` does)
+            new.version = old.version if new.eager else min(old.version, max(old.pushed, default=0))
+            new.pulled_version = [new.version] * new.num_workers
             new.pushed = list(old.pushed)
             new.pulled_clock = [min(old.pushed, default=0)] * new.num_workers
         else:
