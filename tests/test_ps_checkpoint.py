@@ -304,18 +304,9 @@ def _ssp_other_workers_job(rank, world, directory):
     ps = ParameterServer(model, "sgd", num_servers=1, consistency="ssp", staleness=1, **_settings("sgd"))
     loaded = ps.load_state(f"{directory}/k")
     if ps.role == "server":
-        stats = ps.serve()
-        return {"role": "server", "loaded": loaded, "staleness": stats.staleness}
+        return {"role": "server", "loaded": loaded, "staleness": _serve_or_train(ps, model, 0, 0)}
     start = ps.worker_step
-    for step in range(start, start + M):
-        x, y = _batch(step, ps.num_workers)
-        mine = slice(ps.worker_index * PER_WORKER, (ps.worker_index + 1) * PER_WORKER)
-        ps.pull()
-        F.mse_loss(model(x[mine]), y[mine]).backward()
-        ps.step()
-        model.zero_grad(set_to_none=True)
-    ps.pull(final=True)
-    ps.close()
+    _serve_or_train(ps, model, start, M)
     return {"role": "worker", "loaded": loaded, "start": start}
 
 
