@@ -5,10 +5,15 @@ unfrozen later (``requires_grad_(True)`` between epochs, a common fine-tuning st
 each rank without being averaged, and so leave the replicas apart, or, under sharding, not train at all;
 one frozen later would look unused. torch's DDP lets both pass silently. The wrappers check the flags
 before each forward (a loop over the parameters, microseconds) and name the first that changed.
+
+The parameters are held by weak reference: `FSDP` replaces a module's parameters with views of its flat
+units, and a strong reference here kept every original alive (a whole fp32 copy of the model per rank,
+4.9 GiB at 1.3B). An original that nothing else holds can no longer be flipped, so it drops out of the check.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable
 
 from torch import nn
@@ -20,14 +25,14 @@ class TrainableSet:
     """The `requires_grad` flags of `named` parameters when `wrapper` (its name, for messages) was built."""
 
     def __init__(self, named: Iterable[tuple[str, nn.Parameter]], wrapper: str) -> None:
-        self._named = list(named)
-        self._flags = [p.requires_grad for _, p in self._named]
+        self._named = [(name, weakref.ref(p), p.requires_grad) for name, p in named]
         self._wrapper = wrapper
 
     def check(self) -> None:
         """Raise RuntimeError naming the first parameter whose `requires_grad` changed since construction."""
-        for (name, p), flag in zip(self._named, self._flags):
-            if p.requires_grad != flag:
+        for name, ref, flag in self._named:
+            p = ref()
+            if p is not None and p.requires_grad != flag:
                 change = "made trainable (requires_grad=True)" if p.requires_grad else "frozen (requires_grad=False)"
                 raise RuntimeError(
                     f"parameter {name!r} was {change} after {self._wrapper} wrapped the model: {self._wrapper} "
