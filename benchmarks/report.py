@@ -437,11 +437,17 @@ def _profiling(results):
     cats = ["matmul", "attention", "comm", "copy", "optimizer", "other"]
     for w, part in _ok_worlds(results, "profiling"):
         lines += [f"## Profile of a DDP step ({part['model']}, {w} ranks): ms per step of {part['time_kind']}", "",
-                  "| impl | wall | " + " | ".join(cats) + " | hook CPU |", "|---" * (len(cats) + 3) + "|"]
+                  "| impl | wall | " + " | ".join(cats) + " | hook CPU | SM clock MHz | power W |",
+                  "|---" * (len(cats) + 5) + "|"]
         for name, r in part["report"].items():
             k = r["ms_by_category"]
+            clock = r.get("gpu_clock") or {}
+            clock_cells = (f"{clock['sm_clock_mhz']:.0f} | {clock['power_w']:.0f}" if "sm_clock_mhz" in clock else " | ")
             lines.append(f"| {name} | {r['wall_ms_profiled']:.1f} | " + " | ".join(f"{k.get(c, 0.0):.1f}" for c in cats) +
-                         f" | {r['python_hook_cpu_ms']:.1f} |")
+                         f" | {r['python_hook_cpu_ms']:.1f} | {clock_cells} |")
+        errors = {r["gpu_clock"]["error"] for r in part["report"].values() if (r.get("gpu_clock") or {}).get("error")}
+        if errors:
+            lines.append(f"\nGPU clock not sampled: {'; '.join(sorted(errors))}")
         lines.append("")
     return lines
 

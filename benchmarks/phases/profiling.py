@@ -2,10 +2,14 @@
 ``ours_nosync`` (our hooks, no communication), ``ours`` and ``torch`` (their DDPs), a few steps after
 warm-up, time summed by category (matmul, attention, comm, copy: gradient copies into buckets and other
 copies, optimizer, other). On GPUs the categories sum CUDA kernel time; on CPU (the smoke run), operators'
-self CPU time. Also the host time of our hooks, and the heaviest kernels/operators."""
+self CPU time. Also the host time of our hooks, the heaviest kernels/operators, and on GPUs the SM clock
+and power draw sampled during the profiled steps (is a slower matmul beside NCCL a slower clock?)."""
 
 from __future__ import annotations
 
+import statistics
+import subprocess
+import threading
 import time
 from collections import defaultdict
 
@@ -27,12 +31,78 @@ GPU_MODEL = ("gpt-1.3b", 8, 1024)
 SMOKE_MODEL = ("tiny", 4, 32)
 
 
+class ClockSampler:
+    """The GPU's SM clock (MHz) and power draw (W), sampled every `period_s` on a thread while in the block;
+    through torch (pynvml) where it can, else `nvidia-smi`. `result()`: the means, or why there are none."""
+
+    def __init__(self, device: torch.device, period_s: float = 0.02) -> None:
+        self.device, self.period_s = device, period_s
+        self.samples: list[tuple[float, float]] = []
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._read = self._pick_reader()
+
+    def _pick_reader(self):
+        try:
+            torch.cuda.clock_rate(self.device), torch.cuda.power_draw(self.device)
+            return lambda: (float(torch.cuda.clock_rate(self.device)), torch.cuda.power_draw(self.device) / 1e3)
+        except Exception as err:  # pynvml missing: ask the driver's tool
+            first = f"torch: {err}"
+        index = str(self.device.index or 0)
+
+        def smi() -> tuple[float, float]:
+            out = subprocess.run(["nvidia-smi", "-i", index, "--query-gpu=clocks.sm,power.draw",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5)
+            clock, power = (float(v) for v in out.stdout.strip().split(","))
+            return clock, power
+        try:
+            smi()
+            return smi
+        except Exception as err:
+            self.error = f"{first}; nvidia-smi: {err}"
+            return None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self._read())
+            except Exception as err:
+                self.error = str(err)
+                return
+            self._stop.wait(self.period_s)
+
+    def __enter__(self):
+        if self._read is not None:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._read is not None:
+            self._thread.join()
+
+    def result(self) -> dict:
+        if not self.samples:
+            return {"error": self.error or "no samples"}
+        return {"sm_clock_mhz": statistics.mean(c for c, _ in self.samples),
+                "power_w": statistics.mean(p for _, p in self.samples), "samples": len(self.samples)}
+
+
 def category(name: str) -> str:
     low = name.lower()
     for cat, keys in CATEGORIES:
         if any(k in low for k in keys):
             return cat
     return "other"
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
 
 
 def run(ctx, opts) -> dict:
@@ -52,7 +122,8 @@ def run(ctx, opts) -> dict:
         wrapped, opt = build(impl, cfg, device, ctx)
         train_steps(wrapped, opt, batches, 0, 1 if opts.smoke else 3, device, no_sync)
         synchronize(device)
-        with profile(activities=activities) as prof:
+        clocks = ClockSampler(device) if cuda else None
+        with profile(activities=activities) as prof, (clocks or _nothing()):
             t0 = time.perf_counter()
             train_steps(wrapped, opt, batches, 0, steps, device, no_sync)
             synchronize(device)
@@ -70,7 +141,8 @@ def run(ctx, opts) -> dict:
                 top[evt.key[:90]] += evt.self_cpu_time_total / 1e3 / steps
         hook_cpu = sum(e.cpu_time_total for e in prof.key_averages() if "hook" in e.key.lower()) / 1e3 / steps
         report[name] = {"wall_ms_profiled": wall * 1e3, "ms_by_category": dict(by_cat),
-                        "top_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:12]), "python_hook_cpu_ms": hook_cpu}
+                        "top_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:12]), "python_hook_cpu_ms": hook_cpu,
+                        "gpu_clock": clocks.result() if clocks else None}
         teardown(wrapped)
         del wrapped, opt
         free_memory(device)
