@@ -111,3 +111,15 @@ def reference_step(model, optimizer, *inputs, loss_fn=None) -> torch.Tensor:
     optimizer.step()
     optimizer.zero_grad()
     return loss
+
+
+def job_main(rank: int, world_size: int, name: str, argv: list[str]) -> None:
+    """`run_distributed` target: ``tests/jobs/<name>.py``'s ``main(argv)`` on this rank, in the process group
+    that already exists (a job's reference run without torchrun's fresh interpreters)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(f"_job_{name}", Path(__file__).with_name("jobs") / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(argv)

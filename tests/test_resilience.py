@@ -16,7 +16,7 @@ from distributed_training import DistributedTrainer
 from distributed_training.checkpoint import CheckpointManager
 from distributed_training.testing import run_distributed, run_torchrun
 
-from _models import sgd_momentum, tiny_gpt, tiny_gpt_data
+from _models import job_main, sgd_momentum, tiny_gpt, tiny_gpt_data
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +71,10 @@ def _torchrun(args, launcher_args=(), timeout=240):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_sigkilled_rank_restarts_and_matches_an_unbroken_run(tmp_path, strategy):
     job = str(REPO / "tests" / "jobs" / "fault_job.py")
-    _torchrun([job, "--strategy", strategy, "--ckpt", str(tmp_path / "clean"), "--out", str(tmp_path / "clean.pt")])
+    # The unbroken reference: the same job's main() on 2 ranks forked from a warm interpreter (no torchrun
+    # processes to start); the faulty run below is torchrun's, restarted by it.
+    run_distributed(job_main, 2, args=("fault_job", ["--strategy", strategy, "--ckpt", str(tmp_path / "clean"),
+                                                      "--out", str(tmp_path / "clean.pt")]), timeout=240)
     log = _torchrun([job, "--strategy", strategy, "--ckpt", str(tmp_path / "faulty"), "--out", str(tmp_path / "faulty.pt"),
                      "--kill-at", "5"], launcher_args=["--max-restarts=2"])
     clean, faulty = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "faulty.pt")

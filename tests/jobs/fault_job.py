@@ -3,6 +3,9 @@
 With --kill-at K, rank 1 kills itself with SIGKILL after step K on the first attempt only
 (TORCHELASTIC_RESTART_COUNT == 0); torchrun --max-restarts restarts every worker, and the trainer
 resumes from the latest good checkpoint in --ckpt. Rank 0 saves the final full model state to --out.
+
+`main(argv)` also runs inside a process group that already exists (`run_distributed`): the test's unbroken
+reference run, the same training without torchrun's processes to start.
 """
 
 import argparse
@@ -16,14 +19,14 @@ from distributed_training import DistributedTrainer
 from distributed_training.models import GPT, GPTConfig
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="ddp")
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--epochs", type=int, default=2)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
 
     torch.manual_seed(0)

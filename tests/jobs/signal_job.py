@@ -6,6 +6,9 @@ Rank 0 writes the last finished step to ``--out/progress`` so that the test know
 signal. ``--step-sleep`` slows steps down; ``--slow-fsync-from`` makes every fsync of a checkpoint
 written at that step or later take ``--fsync-sleep`` seconds (a slow disk), creating ``--out/writing``
 when the first slow write begins.
+
+`main(argv)` also runs inside a process group that already exists (`run_distributed`): the tests' unbroken
+reference run, the same training without torchrun's processes to start.
 """
 
 import argparse
@@ -22,7 +25,7 @@ from distributed_training import DistributedTrainer
 from distributed_training.models import GPT, GPTConfig
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
@@ -32,7 +35,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--slow-fsync-from", type=int, default=0)
     p.add_argument("--fsync-sleep", type=float, default=1.0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
 
