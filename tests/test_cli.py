@@ -350,49 +350,15 @@ def test_the_packages_warnings_go_through_its_logger(tmp_path):
     assert "UserWarning: the application's own warning" in out, out
 
 
-# ------------------------------------------------------------------ tensor parallelism
+# ------------------------------------------------------------------ tensor and pipeline parallelism
 TENSOR_EXAMPLE = "examples/configs/gpt_tensor_cpu.yaml"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_dtrain_tensor_example_matches_one_process(tmp_path):
-    """The example's 2 tensor-parallel ranks with sequence parallelism against the same config with
-    tensor_parallel_size 1 in one process: fp32 losses within 1e-4 at every step (on both ranks), the
-    final model (gathered to the plain model's keys) alike."""
-    def job(name, *sets):
-        # data.val_fraction=0.01: the final validation (of the example's 10%) was most of the job.
-        return [TENSOR_EXAMPLE, "--set", "training.max_steps=4", "--set", "data.val_fraction=0.01", "--set", "logging.every=1",
-                "--set", "logging.progress=false", "--set", f"logging.dir={tmp_path / name}",
-                "--set", f"output={tmp_path / name}.pt", *[a for s in sets for a in ("--set", s)]]
-
-    code, out = _torchrun("distributed_training", job("tp"), module=True)
-    assert code == 0, out[-3000:]
-    assert "tensor-parallel over 2 ranks with sequence parallelism x 1 data-parallel" in out, out[-3000:]
-    code, ref_out = _run([sys.executable, "-m", "distributed_training",
-                          *job("ref", "training.tensor_parallel_size=1", "training.sequence_parallel=false")])
-    assert code == 0, ref_out[-3000:]
-    want = _losses(tmp_path / "ref")
-    assert len(want) == 4 and want[-1] < want[0] - 0.5, want
-    for rank in (0, 1):
-        got = _losses(tmp_path / "tp", rank)
-        assert len(got) == 4 and all(abs(g - w) <= 1e-4 for g, w in zip(got, want)), (rank, got, want)
-    import torch
-
-    got, ref = torch.load(tmp_path / "tp.pt"), torch.load(tmp_path / "ref.pt")
-    assert list(got) == list(ref)
-    worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
-    assert worst <= 5e-4, worst
-
-
-# ------------------------------------------------------------------ pipeline parallelism
 PIPELINE_EXAMPLE = "examples/configs/gpt_pipeline_cpu.yaml"
 
 
-def _pipeline_job(tmp_path, name, *sets):
-    """The pipeline example for 4 steps, each step's loss logged (JSONL) and the final model written; 1% of
+def _example_job(example, tmp_path, name, *sets):
+    """An example config for 4 steps, each step's loss logged (JSONL) and the final model written; 1% of
     the text held out for validation, not the example's 10% (the one-process run's validation was most of it)."""
-    return [PIPELINE_EXAMPLE, "--set", "training.max_steps=4", "--set", "data.val_fraction=0.01", "--set", "logging.every=1",
+    return [example, "--set", "training.max_steps=4", "--set", "data.val_fraction=0.01", "--set", "logging.every=1",
             "--set", "logging.progress=false", "--set", f"logging.dir={tmp_path / name}",
             "--set", f"output={tmp_path / name}.pt", *[a for s in sets for a in ("--set", s)]]
 
@@ -404,33 +370,57 @@ def _losses(log_dir, rank=0):
     return [json.loads(line)["train/loss"] for line in lines]
 
 
+def _matches_one_process(tmp_path, name, want, ref):
+    """Both ranks' fp32 losses within 1e-4 of the one-process run's at every step, and the final model
+    (gathered to the plain model's keys) alike."""
+    for rank in (0, 1):
+        got = _losses(tmp_path / name, rank)
+        assert len(got) == 4 and all(abs(g - w) <= 1e-4 for g, w in zip(got, want)), (name, rank, got, want)
+    got = torch.load(tmp_path / f"{name}.pt")
+    assert list(got) == list(ref)  # the model's own keys, gathered from the stages / tensor shards
+    worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    assert worst <= 5e-4, (name, worst)  # AdamW, 4 steps: measured 2e-5
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_dtrain_pipeline_example_matches_one_process(tmp_path, strategy):
-    """The example's 2 stages (1F1B, 4 microbatches) on 2 processes against the same config with
-    pipeline_parallel_size 1 in one process, on the same batches: fp32 losses within 1e-4 at every step
-    (reported by both stages), and the final model alike; under ddp, and under zero3 (FSDP's units in
-    each stage)."""
-    chosen = f"training.strategy={strategy}"
-    code, out = _torchrun("distributed_training", _pipeline_job(tmp_path, "pipe", chosen), module=True)
-    assert code == 0, out[-3000:]
-    assert "pipeline of 2 stages (1f1b, 4 microbatches) x 1 data-parallel, world size 2" in out, out[-3000:]
-    assert f"strategy {strategy}," in out and "finished at step 4" in out, out[-3000:]
-    code, ref_out = _run([sys.executable, "-m", "distributed_training",
-                          *_pipeline_job(tmp_path, "ref", "training.pipeline_parallel_size=1", chosen)])
-    assert code == 0, ref_out[-3000:]
+@pytest.mark.timeout(420)
+def test_dtrain_tensor_and_pipeline_examples_match_one_process(tmp_path, monkeypatch):
+    """The tensor example's 2 tensor-parallel ranks with sequence parallelism, and the pipeline example's 2
+    stages (1F1B, 4 microbatches) under ddp and under zero3 (FSDP's units in each stage), each on 2
+    processes under torchrun, against one reference: the same config (the two examples differ only in
+    their parallelism) with tensor_parallel_size and pipeline_parallel_size 1, one process (dtrain's main
+    in this one), on the same batches."""
+    from distributed_training import cli
+
+    monkeypatch.chdir(REPO)
+
+    def without_parallelism(example):  # pipeline_* and microbatches are unused at pipeline_parallel_size 1
+        raw = yaml.safe_load((REPO / example).read_text())
+        raw["training"] = {k: v for k, v in raw["training"].items()
+                           if not k.startswith(("tensor_parallel", "sequence_parallel", "pipeline_", "microbatches"))}
+        del raw["logging"]  # set by the job below
+        return raw
+
+    assert without_parallelism(TENSOR_EXAMPLE) == without_parallelism(PIPELINE_EXAMPLE)
+    assert cli.main(_example_job(TENSOR_EXAMPLE, tmp_path, "ref", "training.tensor_parallel_size=1",
+                                 "training.sequence_parallel=false")) == 0
     want = _losses(tmp_path / "ref")
     assert len(want) == 4 and want[-1] < want[0] - 0.5, want  # it trains
-    for rank in (0, 1):
-        got = _losses(tmp_path / "pipe", rank)
-        assert len(got) == 4 and all(abs(g - w) <= 1e-4 for g, w in zip(got, want)), (rank, got, want)
-    import torch
+    ref = torch.load(tmp_path / "ref.pt")
 
-    got, ref = torch.load(tmp_path / "pipe.pt"), torch.load(tmp_path / "ref.pt")
-    assert list(got) == list(ref)  # the model's own keys, gathered from the stages
-    worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
-    assert worst <= 5e-4, worst  # AdamW, 4 steps: measured 2e-5
+    code, out = _torchrun("distributed_training", _example_job(TENSOR_EXAMPLE, tmp_path, "tp"), module=True)
+    assert code == 0, out[-3000:]
+    assert "tensor-parallel over 2 ranks with sequence parallelism x 1 data-parallel" in out, out[-3000:]
+    _matches_one_process(tmp_path, "tp", want, ref)
+
+    for strategy in ("ddp", "zero3"):
+        chosen = f"training.strategy={strategy}"
+        code, out = _torchrun("distributed_training", _example_job(PIPELINE_EXAMPLE, tmp_path, strategy, chosen),
+                              module=True)
+        assert code == 0, out[-3000:]
+        assert "pipeline of 2 stages (1f1b, 4 microbatches) x 1 data-parallel, world size 2" in out, out[-3000:]
+        assert f"strategy {strategy}," in out and "finished at step 4" in out, out[-3000:]
+        _matches_one_process(tmp_path, strategy, want, ref)
 
 
 @pytest.mark.slow
