@@ -18,6 +18,8 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 DURATIONS = Path(__file__).with_name("durations.json")
 
 
@@ -54,3 +56,16 @@ def pytest_sessionfinish(session):
     if os.environ.get("DT_WRITE_DURATIONS") and not hasattr(session.config, "workerinput") and _seconds:
         ordered = sorted(((f, round(s)) for f, s in _seconds.items()), key=lambda kv: (-kv[1], kv[0]))
         DURATIONS.write_text(json.dumps(dict(ordered), indent=1) + "\n")
+
+
+@pytest.fixture(scope="session")
+def warm_python(tmp_path_factory):
+    """``warm_python(argv, cwd=, env=, timeout=)``: ``python *argv`` as `subprocess.run` with
+    ``capture_output=True, text=True`` would run it, in a process forked from a server that imported torch
+    and the package once (`_warm_runner.py`), not a fresh interpreter (~3 s of imports, far more on loaded
+    cores). One server per pytest process, started on first use, killed with its jobs at the end."""
+    from _warm_runner import WarmPython
+
+    warm = WarmPython(tmp_path_factory.mktemp("warm_python"))
+    yield warm
+    warm.close()

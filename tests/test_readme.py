@@ -5,14 +5,13 @@ block marked ``<!-- prelude -->`` (the README's stand-in for the reader's model 
 order of the README and in one working directory, as a reader following it would. Then the lines of
 ```bash blocks that are cheap to run (`CHEAP`) run there too, with `dtrain` and `python` being this
 interpreter. New snippets are picked up without touching this file. The snippets run in processes
-forked, one at a time, from one interpreter that has imported torch and the package (`_warm_runner.py`),
-not each in a fresh interpreter: the same script, `__main__`, working directory and environment, without
-~3 s of imports a snippet.
+forked from an interpreter that has imported torch and the package (the `warm_python` fixture), not each
+in a fresh interpreter: the same script, `__main__`, working directory and environment, without ~3 s of
+imports a snippet.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
@@ -88,44 +87,19 @@ def test_the_readme_configs_of_shipped_examples_are_the_files():
         load_config(str(REPO / path), sets)
 
 
-def _run_warm(scripts: list[Path], cwd: Path, env: dict, timeout: float) -> list[tuple[int | None, str]]:
-    """Run each script as `python SCRIPT` in `cwd` with `env`, in order, each in a process forked from one
-    interpreter that imported torch and the package once (`_warm_runner.py`): the same script, working
-    directory, environment and `__main__`, without ~3 s of imports each. Returns (exit status, output) per
-    script (exit status None: killed after `timeout` seconds, with what it started)."""
-    from distributed_training.testing import _kill_tree
-
-    out_dir = scripts[0].parent / "outputs"
-    out_dir.mkdir(exist_ok=True)
-    runner = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_warm_runner.py")), str(timeout),
-                               str(out_dir), *map(str, scripts)], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = runner.communicate(timeout=timeout * len(scripts) + 60)
-    finally:  # a timeout here or pytest's: the runner, its children and theirs killed
-        if runner.poll() is None:
-            _kill_tree(runner.pid)
-            runner.communicate()
-    reports = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    assert runner.returncode == 0 and len(reports) == len(scripts), stdout + stderr[-3000:]
-    return [(r["returncode"], (out_dir / f"{i}.out").read_text()) for i, r in enumerate(reports)]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_every_readme_snippet_runs_as_written(tmp_path):
+def test_every_readme_snippet_runs_as_written(tmp_path, warm_python):
     work = tmp_path / "work"
     work.mkdir()
     env = _env(_commands_dir(tmp_path))
     failures = []
-    scripts = []
     for k, snippet in enumerate(SNIPPETS):
         script = tmp_path / f"snippet_{k}.py"
         script.write_text(PRELUDE + "\n# ---- README snippet\n" + snippet)
-        scripts.append(script)
-    for k, (code, output) in enumerate(_run_warm(scripts, work, env, timeout=300)):
-        if code != 0:
-            failures.append(f"snippet {k} (exit {code}):\n{SNIPPETS[k]}\n--- output:\n{output[-3000:]}")
+        out = warm_python([script], cwd=work, env=env, timeout=300)
+        if out.returncode != 0:
+            failures.append(f"snippet {k}:\n{snippet}\n--- stderr:\n{out.stderr[-3000:]}")
     for command in COMMANDS:
         out = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=work, env=env, capture_output=True,
                              text=True, timeout=300)
@@ -144,7 +118,7 @@ def test_every_readme_snippet_runs_as_written(tmp_path):
             assert (work / written.group(1)).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_model_that_returns_logits_without_a_criterion_is_told_what_to_do(tmp_path):
+def test_a_model_that_returns_logits_without_a_criterion_is_told_what_to_do(tmp_path, warm_python):
     """The README's long-job snippet once called fit() without a criterion: the error must say what to do."""
     script = tmp_path / "no_criterion.py"
     script.write_text(PRELUDE + """
@@ -159,8 +133,7 @@ for batch in ((inputs, targets), inputs):          # a pair unpacked into forwar
         raise SystemExit("no error")
 trainer.close()
 """)
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(_commands_dir(tmp_path)),
-                         capture_output=True, text=True, timeout=120)
+    out = warm_python([script], cwd=tmp_path, env=_env(_commands_dir(tmp_path)), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2, out.stdout
