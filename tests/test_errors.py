@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -147,7 +145,7 @@ def test_runtime_bad_environment(monkeypatch):
 
 
 @pytest.mark.slow
-def test_plain_python_runs_as_world_of_one(tmp_path):
+def test_plain_python_runs_as_world_of_one(tmp_path, warm_python):
     code = (
         "import torch, torch.nn as nn\n"
         "from distributed_training import init_distributed, DDP\n"
@@ -159,7 +157,7 @@ def test_plain_python_runs_as_world_of_one(tmp_path):
     )
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = warm_python(["-c", code], env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "0", "gloo", "cpu", "(2,", "3)", "False"], out.stdout
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -83,9 +82,8 @@ def test_torchrun_two_processes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_plain_python_world_of_one():
-    result = _check(subprocess.run([sys.executable, SCRIPT, *PRESET, "--steps", "3"], cwd=ROOT, env=_env(), capture_output=True,
-                                   text=True, timeout=150))
+def test_plain_python_world_of_one(warm_python):
+    result = _check(warm_python([SCRIPT, *PRESET, "--steps", "3"], cwd=ROOT, env=_env(), timeout=150))
     out = result.stdout
     assert "world size 1 on cpu (gloo)" in out, out
     first, last, val_before, val_after = _losses(out)

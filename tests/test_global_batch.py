@@ -13,8 +13,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -235,7 +233,7 @@ def test_dtrain_global_batch_fields_are_checked(training, field):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_dtrain_resumes_a_global_batch_at_another_world_size(tmp_path):
+def test_dtrain_resumes_a_global_batch_at_another_world_size(tmp_path, warm_python):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     # a small validation split: the final evaluation of the whole default one took most of the test's time
     config = {"model": {"preset": "tiny"}, "data": {"dataset": "repo_text", "block_size": 16, "val_fraction": 0.005},
@@ -250,8 +248,7 @@ def test_dtrain_resumes_a_global_batch_at_another_world_size(tmp_path):
     assert "global batch 8 = 2 data-parallel replica(s) x 4 sample(s) in 2 micro-batch(es) of at most 2" in said
     config["training"]["max_steps"] = 3
     path.write_text(yaml.safe_dump(config))
-    out = subprocess.run([sys.executable, "-m", "distributed_training", str(path)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=180)
+    out = warm_python(["-m", "distributed_training", str(path)], cwd=REPO, env=env, timeout=180)
     said = out.stdout + out.stderr
     assert out.returncode == 0, said[-3000:]
     assert ("global batch 8 = 1 data-parallel replica(s) x 8 sample(s) in 4 micro-batch(es) of at most 2 (the "

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -300,7 +298,7 @@ def _accuracy(cfg_path: Path) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_dtrain_resnet_on_the_digits_as_images_reaches_97_percent(tmp_path):
+def test_dtrain_resnet_on_the_digits_as_images_reaches_97_percent(tmp_path, warm_python):
     """The example config as shipped, on the digits written at 32x32: >= 97% of the held-out images."""
     write_digits_folder(tmp_path / "digits", 32)
     config = yaml.safe_load((REPO / "examples" / "configs" / "images_cpu.yaml").read_text())
@@ -308,8 +306,7 @@ def test_dtrain_resnet_on_the_digits_as_images_reaches_97_percent(tmp_path):
     config["output"] = str(tmp_path / "model.pt")
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
-    out = subprocess.run([sys.executable, "-m", "distributed_training", str(path)], cwd=REPO, env=ENV,
-                         capture_output=True, text=True, timeout=200)
+    out = warm_python(["-m", "distributed_training", str(path)], cwd=REPO, env=ENV, timeout=200)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
     assert "finished at step 360" in log and "input pipeline: 11,504 images decoded" in log, log[-2000:]

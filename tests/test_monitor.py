@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
 import sys
 import time
 import types
@@ -456,13 +455,10 @@ def test_plot_writes_png(tmp_path):
     assert sorted(runs) == [0, 1] and len(runs[0]) == 10
 
 
-def test_plot_command_line_and_missing_panel(tmp_path):
+def test_plot_command_line_and_missing_panel(tmp_path, warm_python):
     write_fake_run(tmp_path / "run", with_comm=False)
     out = tmp_path / "run.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "distributed_training.monitor.plot", str(tmp_path / "run"), "-o", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )
+    proc = warm_python(["-m", "distributed_training.monitor.plot", str(tmp_path / "run"), "-o", str(out)], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "perf/exposed_comm_pct" not in proc.stdout and "train/loss" in proc.stdout
     assert out.read_bytes()[:8] == PNG_MAGIC
@@ -551,15 +547,14 @@ def test_writer_thread_writes_log_steps_and_hands_back_its_error(tmp_path):
     assert not mon._thread and mon._closed
 
 
-def test_writer_thread_finishes_when_a_script_exits_without_close(tmp_path):
+def test_writer_thread_finishes_when_a_script_exits_without_close(tmp_path, warm_python):
     code = ("import torch\n"
             "from distributed_training.monitor import Monitor\n"
             f"mon = Monitor({str(tmp_path)!r}, rank=0, world_size=1, log_every=2, progress=False, tensorboard=False,\n"
             "              system_stats=False, background=True)\n"
             "for step in range(1, 5):\n"
             "    mon.record_step(step, {'loss': torch.tensor(float(step))}, samples=1, step_time=0.1)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = warm_python(["-c", code], timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert proc.returncode == 0, proc.stderr
     assert [(line["step"], line["train/loss"]) for line in read_jsonl(str(tmp_path / "rank_0"))] == [(2, 2.0), (4, 4.0)]
 
@@ -779,12 +774,12 @@ def test_ranks_of_an_earlier_larger_run_do_not_mix_into_a_later_one(tmp_path):
     assert steps() == {0: [1, 2], 1: [1, 2]}
 
 
-def test_plot_without_matplotlib_names_the_extra(tmp_path):
+def test_plot_without_matplotlib_names_the_extra(tmp_path, warm_python):
     write_fake_run(tmp_path / "run")
     code = ("import sys; sys.modules['matplotlib'] = None\n"  # as if it were not installed
             "from distributed_training.monitor.plot import main\n"
             f"sys.exit(main([{str(tmp_path / 'run')!r}, '-o', {str(tmp_path / 'x.png')!r}]))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = warm_python(["-c", code], timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "matplotlib" in proc.stderr and 'pip install -e ".[plot]"' in proc.stderr, proc.stderr

@@ -282,13 +282,11 @@ def test_config_sections_and_their_errors_name_the_fields():
     assert learning_rate(cfg) == pytest.approx(0.1 * 64 / 256)  # one process: global batch 32 x 2
 
 
-def _dtrain(tmp_path, name, *sets):
-    import subprocess
-    import sys
+def _dtrain(warm_python, tmp_path, name, *sets):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    args = [sys.executable, "-m", "distributed_training", "examples/configs/digits_zero3.yaml",
+    args = ["-m", "distributed_training", "examples/configs/digits_zero3.yaml",
             "--set", "training.strategy=ddp", "--set", "training.batch_size=64", "--set", "training.epochs=1",
             "--set", "optimizer.name=lars", "--set", "training.lr=2.0", "--set", "optimizer.weight_decay=1e-4",
             "--set", "optimizer.exclude_from_weight_decay=[bias]", "--set", "schedule.kind=cosine",
@@ -296,7 +294,7 @@ def _dtrain(tmp_path, name, *sets):
             "--set", "logging.progress=false", "--set", f"logging.dir={tmp_path / name}",
             "--set", f"output={tmp_path / name}.pt", *[a for s in sets for a in ("--set", s)]]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=240)
+    out = warm_python(args, cwd=repo, env=env, timeout=240)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     return out.stdout + out.stderr
 
@@ -310,15 +308,15 @@ def _lrs_and_losses(log_dir):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("optimizer, strategy, lr", [("lars", "ddp", 2.0), ("adamw", "zero3", 0.01)])
-def test_dtrain_resumed_mid_warmup_equals_an_unbroken_run(tmp_path, optimizer, strategy, lr):
+def test_dtrain_resumed_mid_warmup_equals_an_unbroken_run(tmp_path, optimizer, strategy, lr, warm_python):
     """LARS (DDP), and torch's AdamW with exclusions on ZeRO-3's flat shards (`decay_by_segments`), with
     a warm-up then cosine schedule: 4 steps, checkpoint, then resumed to 12 (mid-warm-up at step 4 of 6),
     against 12 steps in one go: the same learning rates, losses and final weights."""
     ckpt = tmp_path / "ckpt"
     mine = (f"optimizer.name={optimizer}", f"training.strategy={strategy}", f"training.lr={lr}")
-    _dtrain(tmp_path, "whole", "training.max_steps=12", *mine)
-    _dtrain(tmp_path, "first", "training.max_steps=4", f"checkpoint.dir={ckpt}", "checkpoint.every=2", *mine)
-    out = _dtrain(tmp_path, "second", "training.max_steps=12", f"checkpoint.dir={ckpt}", "checkpoint.every=2", *mine)
+    _dtrain(warm_python, tmp_path, "whole", "training.max_steps=12", *mine)
+    _dtrain(warm_python, tmp_path, "first", "training.max_steps=4", f"checkpoint.dir={ckpt}", "checkpoint.every=2", *mine)
+    out = _dtrain(warm_python, tmp_path, "second", "training.max_steps=12", f"checkpoint.dir={ckpt}", "checkpoint.every=2", *mine)
     assert "resumed from step 4" in out, out[-3000:]
     whole = _lrs_and_losses(tmp_path / "whole")
     parts = _lrs_and_losses(tmp_path / "first") + _lrs_and_losses(tmp_path / "second")

@@ -9,8 +9,6 @@ import logging
 import os
 import random
 import re
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -456,16 +454,15 @@ def test_config_resume_and_save_on_preemption_fields():
             load_config({"checkpoint": {field: "no"}})
 
 
-def _dtrain(args, cwd):
+def _dtrain(warm_python, args, cwd):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "distributed_training", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = warm_python(["-m", "distributed_training", *args], cwd=cwd, env=env, timeout=240)
     return proc.returncode, proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_dtrain_rerun_of_a_finished_job_trains_nothing_and_no_resume_starts_over(tmp_path):
+def test_dtrain_rerun_of_a_finished_job_trains_nothing_and_no_resume_starts_over(tmp_path, warm_python):
     config = {
         "model": {"target": "torch.nn:Linear", "kwargs": {"in_features": 64, "out_features": 10}},
         "data": {"dataset": "digits"},
@@ -474,16 +471,16 @@ def test_dtrain_rerun_of_a_finished_job_trains_nothing_and_no_resume_starts_over
     }
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(config))
-    code, out = _dtrain([str(job)], tmp_path)
+    code, out = _dtrain(warm_python, [str(job)], tmp_path)
     assert code == 0 and "finished at step 4" in out, out[-3000:]
-    code, out = _dtrain([str(job)], tmp_path)  # the job is done: nothing to train, success
+    code, out = _dtrain(warm_python, [str(job)], tmp_path)  # the job is done: nothing to train, success
     assert code == 0 and "the run is already complete at step 4" in out and "| loss" not in out, out[-3000:]
     assert "finished at step" not in out, out[-3000:]  # nor evaluated again
     # another model over the finished run: not "already complete" (it was another run), a config error
-    code, out = _dtrain([str(job), "--set", "model.kwargs.bias=false"], tmp_path)
+    code, out = _dtrain(warm_python, [str(job), "--set", "model.kwargs.bias=false"], tmp_path)
     assert code != 0 and "holds a finished run of another model" in out and "'bias'" in out, out[-3000:]
     assert "--no-resume" in out and "already complete" not in out, out[-3000:]
-    code, out = _dtrain([str(job), "--no-resume"], tmp_path)
+    code, out = _dtrain(warm_python, [str(job), "--no-resume"], tmp_path)
     assert code == 0 and "step      4 | loss" in out, out[-3000:]
     assert (tmp_path / "ckpt" / "previous_run_1" / "step_000000004").is_dir()
     assert (tmp_path / "ckpt" / "step_000000004").is_dir()

@@ -176,13 +176,12 @@ def test_the_flat_collectives_are_right_and_warn_nothing():
 
 
 @pytest.mark.timeout(120)
-def test_a_script_without_a_main_guard_is_told_what_to_do(tmp_path):
+def test_a_script_without_a_main_guard_is_told_what_to_do(tmp_path, warm_python):
     script = tmp_path / "unguarded.py"
     script.write_text("from distributed_training.testing import run_distributed\n"
                       "def f(rank, world):\n    return rank\n"
                       "print(run_distributed(f, 2, timeout=60))\n")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    out = warm_python([script], timeout=100, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode != 0
     assert "__name__ == '__main__'" in out.stderr, out.stderr[-3000:]
     assert "can only join a started process" not in out.stderr, out.stderr[-3000:]
