@@ -27,6 +27,12 @@ def _run(args, timeout=180, **kw):
     return out.returncode, out.stdout + out.stderr
 
 
+def _run_warm(warm_python, args, timeout=180):
+    """``python *args`` at the repository root, in a process forked from the warm_python fixture's server."""
+    out = warm_python(args, cwd=REPO, env=ENV, timeout=timeout)
+    return out.returncode, out.stdout + out.stderr
+
+
 def _torchrun(target, args=(), timeout=180, **kw):
     """`target` under torchrun with 2 processes at the repository root: (exit status, stdout + stderr)."""
     out = run_torchrun(target, args, nproc=2, env=ENV, cwd=REPO, timeout=timeout, **kw)
@@ -85,14 +91,15 @@ def test_overrides_and_defaults(tmp_path):
         load_config({"training": {"batch_size": 8, "global_batch_size": 64}})
 
 
-def test_help_and_print_config():
-    code, out = _run([sys.executable, "-m", "distributed_training", "--help"], timeout=60)
+def test_help_and_print_config(warm_python):
+    code, out = _run_warm(warm_python, ["-m", "distributed_training", "--help"], timeout=60)
     assert code == 0 and "training:" in out and "torchrun" in out and "--set" in out, out
-    code, out = _run([sys.executable, "-m", "distributed_training", "--print-config", "--set", "training.lr=0.5"], timeout=60)
+    code, out = _run_warm(warm_python, ["-m", "distributed_training", "--print-config", "--set", "training.lr=0.5"],
+                          timeout=60)
     assert code == 0, out
     assert yaml.safe_load(out)["training"]["lr"] == 0.5
-    code, out = _run([sys.executable, "-m", "distributed_training", "examples/configs/gpt_cpu.yaml",
-                      "--set", "training.batch_size=0"], timeout=60)
+    code, out = _run_warm(warm_python, ["-m", "distributed_training", "examples/configs/gpt_cpu.yaml",
+                                        "--set", "training.batch_size=0"], timeout=60)
     assert code == 2 and "training.batch_size" in out, out
 
 
@@ -143,13 +150,13 @@ def test_digits_example_learns():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_digits_example_resumes_a_zero3_run_under_ddp_on_one_process(tmp_path):
+def test_digits_example_resumes_a_zero3_run_under_ddp_on_one_process(tmp_path, warm_python):
     ckpt = str(tmp_path / "ckpt")
     code, out = _torchrun("examples/train_digits.py", ["--strategy", "zero3", "--max-steps", "20",
                                                        "--checkpoint-dir", ckpt, "--checkpoint-every", "10"])
     assert code == 0 and "20 steps" in out, out[-3000:]
-    code, out = _run([sys.executable, "examples/train_digits.py", "--strategy", "ddp", "--max-steps", "30",
-                      "--checkpoint-dir", ckpt])
+    code, out = _run_warm(warm_python, ["examples/train_digits.py", "--strategy", "ddp", "--max-steps", "30",
+                                        "--checkpoint-dir", ckpt])
     assert code == 0, out[-3000:]
     assert "resumed from step 20" in out and "strategy: zero3 -> ddp" in out and "30 steps" in out, out[-3000:]
 
@@ -340,10 +347,10 @@ CheckpointManager(d + "/").latest_good()     # silenced with the rest of the pac
 
 
 @pytest.mark.slow
-def test_the_packages_warnings_go_through_its_logger(tmp_path):
+def test_the_packages_warnings_go_through_its_logger(tmp_path, warm_python):
     script = tmp_path / "warns.py"
     script.write_text(PACKAGE_WARNINGS)
-    code, out = _run([sys.executable, str(script)], timeout=60)
+    code, out = _run_warm(warm_python, [script], timeout=60)
     assert code == 0, out
     assert out.count("[rank 1] WARNING: skipping checkpoint") == 1, out
     assert "UserWarning: skipping" not in out, out

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,13 +15,13 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def _dtrain(*args, timeout=60):
-    out = subprocess.run([sys.executable, "-m", "distributed_training", *args], cwd=REPO, env=ENV,
-                         capture_output=True, text=True, timeout=timeout)
+def _dtrain(warm_python, *args, timeout=60):
+    """``python -m distributed_training *args`` at the repository root (forked from the warm_python fixture's server)."""
+    out = warm_python(["-m", "distributed_training", *args], cwd=REPO, env=ENV, timeout=timeout)
     return out.returncode, out.stdout, out.stderr
 
 
-def test_scientific_notation_in_files_and_overrides(tmp_path):
+def test_scientific_notation_in_files_and_overrides(tmp_path, warm_python):
     path = tmp_path / "job.yaml"
     path.write_text("training:\n  lr: 1e-3\n  weight_decay: 1E-2\n  max_steps: 1e3\n  timeout_s: 6e+2\n")
     cfg = load_config(str(path))
@@ -33,7 +31,7 @@ def test_scientific_notation_in_files_and_overrides(tmp_path):
     # The --set example of `dtrain --help`; a dict read by plain yaml.safe_load holds such numbers as text.
     assert load_config(str(path), ["training.lr=3e-4"]).training.lr == 3e-4
     assert load_config(yaml.safe_load("training: {lr: 3e-4}")).training.lr == 3e-4
-    code, out, err = _dtrain("--print-config", "--set", "training.lr=3e-4", "--set", "data.block_size=1.28e2")
+    code, out, err = _dtrain(warm_python, "--print-config", "--set", "training.lr=3e-4", "--set", "data.block_size=1.28e2")
     assert code == 0, err
     printed = yaml.safe_load(out)
     assert printed["training"]["lr"] == 3e-4 and printed["data"]["block_size"] == 128
@@ -163,8 +161,8 @@ def test_pipeline_fields_default_to_the_trainers_and_load():
 
 
 @pytest.mark.slow
-def test_a_type_error_fails_before_any_training():
-    code, out, err = _dtrain("examples/configs/gpt_cpu.yaml", "--set", "output=5")
+def test_a_type_error_fails_before_any_training(warm_python):
+    code, out, err = _dtrain(warm_python, "examples/configs/gpt_cpu.yaml", "--set", "output=5")
     assert code == 2, out + err
     assert "output" in err and "step" not in out + err.replace("training.max_steps", ""), out + err
 
@@ -175,8 +173,8 @@ def test_sections_left_empty_keep_their_defaults():
 
 
 @pytest.mark.slow
-def test_print_config_prints_every_field_with_its_default():
-    code, out, err = _dtrain("--print-config")
+def test_print_config_prints_every_field_with_its_default(warm_python):
+    code, out, err = _dtrain(warm_python, "--print-config")
     assert code == 0, err
     printed = yaml.safe_load(out)
     assert printed == JobConfig().model_dump()
