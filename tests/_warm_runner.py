@@ -49,6 +49,17 @@ def _run_child(job: dict) -> None:
     os.chdir(job["cwd"])
     os.environ.clear()
     os.environ.update(job["env"])
+    # The streams as a fresh interpreter makes them over these files: stdout block-buffered, stderr line-
+    # buffered, both unbuffered under PYTHONUNBUFFERED (torchrun's jobs: output in order, none lost).
+    import io
+
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    for name, fd, errors, lines in (("stdout", 1, "strict", False), ("stderr", 2, "backslashreplace", True)):
+        raw = open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)
+        stream = io.TextIOWrapper(raw, encoding=getattr(sys, name).encoding, errors=errors, line_buffering=lines,
+                                  write_through=unbuffered)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))

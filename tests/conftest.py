@@ -69,3 +69,21 @@ def warm_python(tmp_path_factory):
     warm = WarmPython(tmp_path_factory.mktemp("warm_python"))
     yield warm
     warm.close()
+
+
+@pytest.fixture
+def warm_torchrun(warm_python):
+    """`distributed_training.testing.run_torchrun`'s command and environment (``torchrun --standalone
+    --nproc-per-node=N ...``, launcher variables removed, OMP_NUM_THREADS=1, PYTHONUNBUFFERED), with the
+    launcher forked from the warm_python fixture's server rather than a fresh interpreter; its workers are
+    torchrun's own fresh processes, as a user's. Returns a `subprocess.CompletedProcess`; a job past its
+    timeout is killed with its workers and `subprocess.TimeoutExpired` raised. The tests of run_torchrun
+    itself (test_testing.py) use run_torchrun."""
+    from distributed_training.testing import _torchrun_env
+
+    def run(target, args=(), *, nproc=2, module=False, launcher_args=(), env=None, cwd=None, timeout=300.0):
+        cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *map(str, launcher_args),
+               *(["-m"] if module else []), os.fspath(target), *map(str, args)]
+        return warm_python(cmd, cwd=cwd, env=_torchrun_env(env), timeout=timeout)
+
+    return run

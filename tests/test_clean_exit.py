@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-from distributed_training.testing import run_torchrun
 
 SCRIPT = '''
 import os, sys
@@ -43,10 +42,10 @@ print(f"rank {os.environ['RANK']} gloo threads after close: {gloo_threads()}", f
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_close_leaves_no_gloo_thread(tmp_path, strategy):
+def test_close_leaves_no_gloo_thread(tmp_path, strategy, warm_torchrun):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    result = run_torchrun(script, [strategy], nproc=2, timeout=100)
+    result = warm_torchrun(script, [strategy], nproc=2, timeout=100)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     for rank in (0, 1):

@@ -16,7 +16,6 @@ import torch
 import yaml
 
 from distributed_training.config import ConfigError, JobConfig, load_config
-from distributed_training.testing import run_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -33,17 +32,17 @@ def _run_warm(warm_python, args, timeout=180):
     return out.returncode, out.stdout + out.stderr
 
 
-def _torchrun(target, args=(), timeout=180, **kw):
+def _torchrun(warm_torchrun, target, args=(), timeout=180, **kw):
     """`target` under torchrun with 2 processes at the repository root: (exit status, stdout + stderr)."""
-    out = run_torchrun(target, args, nproc=2, env=ENV, cwd=REPO, timeout=timeout, **kw)
+    out = warm_torchrun(target, args, nproc=2, env=ENV, cwd=REPO, timeout=timeout, **kw)
     return out.returncode, out.stdout + out.stderr
 
 
-def _dtrain_on_two_ranks(tmp_path, config: dict):
+def _dtrain_on_two_ranks(warm_torchrun, tmp_path, config: dict):
     """Write `config` to a YAML file and run `dtrain` on it under torchrun with 2 processes."""
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
-    return _torchrun("distributed_training", [str(path)], module=True)
+    return _torchrun(warm_torchrun, "distributed_training", [str(path)], module=True)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +104,7 @@ def test_help_and_print_config(warm_python):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path):
+def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path, warm_torchrun):
     config = {
         "model": {"preset": "tiny"},
         "data": {"dataset": "repo_text", "block_size": 32, "val_fraction": 0.01},
@@ -113,7 +112,7 @@ def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path):
         "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 2},
         "output": str(tmp_path / "final.pt"),
     }
-    code, out = _dtrain_on_two_ranks(tmp_path, config)
+    code, out = _dtrain_on_two_ranks(warm_torchrun, tmp_path, config)
     assert code == 0, out[-3000:]
     assert "finished at step 4" in out, out[-2000:]
     assert (tmp_path / "ckpt" / "COMPLETED").is_file() and (tmp_path / "final.pt").is_file()
@@ -122,14 +121,14 @@ def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(tmp_path):
+def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(tmp_path, warm_torchrun):
     config = {
         "model": {"preset": "tiny"},
         "data": {"dataset": "repo_text", "block_size": 32, "val_fraction": 0.01},
         "training": {"strategy": "auto", "batch_size": "auto", "precision": "bf16", "activation_checkpointing": True,
                      "memory_budget_gb": 0.02, "epochs": 1, "max_steps": 3, "seed": 0},
     }
-    code, out = _dtrain_on_two_ranks(tmp_path, config)
+    code, out = _dtrain_on_two_ranks(warm_torchrun, tmp_path, config)
     assert code == 0, out[-3000:]
     assert re.search(r"strategy auto -> ddp \(", out), out[-3000:]
     match = re.search(r"batch_size auto -> (\d+) per rank \(estimated", out)
@@ -139,8 +138,8 @@ def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_digits_example_learns():
-    code, out = _torchrun("examples/train_digits.py", ["--epochs", "2"])
+def test_digits_example_learns(warm_torchrun):
+    code, out = _torchrun(warm_torchrun, "examples/train_digits.py", ["--epochs", "2"])
     assert code == 0, out[-3000:]
     match = re.search(r"accuracy ([\d.]+) -> ([\d.]+)", out)
     assert match, out[-2000:]
@@ -150,9 +149,9 @@ def test_digits_example_learns():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_digits_example_resumes_a_zero3_run_under_ddp_on_one_process(tmp_path, warm_python):
+def test_digits_example_resumes_a_zero3_run_under_ddp_on_one_process(tmp_path, warm_python, warm_torchrun):
     ckpt = str(tmp_path / "ckpt")
-    code, out = _torchrun("examples/train_digits.py", ["--strategy", "zero3", "--max-steps", "20",
+    code, out = _torchrun(warm_torchrun, "examples/train_digits.py", ["--strategy", "zero3", "--max-steps", "20",
                                                        "--checkpoint-dir", ckpt, "--checkpoint-every", "10"])
     assert code == 0 and "20 steps" in out, out[-3000:]
     code, out = _run_warm(warm_python, ["examples/train_digits.py", "--strategy", "ddp", "--max-steps", "30",
@@ -164,10 +163,10 @@ def test_digits_example_resumes_a_zero3_run_under_ddp_on_one_process(tmp_path, w
 # ------------------------------------------------------------------ config errors under torchrun
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_config_error_under_torchrun_is_said_once(tmp_path):
+def test_config_error_under_torchrun_is_said_once(tmp_path, warm_torchrun):
     path = tmp_path / "bad.yaml"
     path.write_text("training:\n  lr: fast\n")
-    out = run_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=REPO, timeout=100)
+    out = warm_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=REPO, timeout=100)
     assert out.returncode != 0
     both = out.stdout + out.stderr
     assert both.count("invalid config") == 1 and both.count("training.lr") == 1, both
@@ -179,14 +178,14 @@ def test_config_error_under_torchrun_is_said_once(tmp_path):
 # ------------------------------------------------------------------ what dtrain chooses, and says
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_auto_batch_max_steps_fp16_and_strategy_name_are_sensible_and_said(tmp_path):
+def test_auto_batch_max_steps_fp16_and_strategy_name_are_sensible_and_said(tmp_path, warm_torchrun):
     config = {
         "model": {"preset": "classifier"},
         "data": {"dataset": "digits", "val_fraction": 0.1},
         "training": {"strategy": "zero3", "epochs": 1, "max_steps": 10, "batch_size": "auto", "precision": "fp16"},
         "logging": {"every": 1},
     }
-    code, out = _dtrain_on_two_ranks(tmp_path, config)
+    code, out = _dtrain_on_two_ranks(warm_torchrun, tmp_path, config)
     assert code == 0, out[-3000:]
     # The strategy is called what the user called it.
     assert re.search(r"strategy zero3, world size 2", out), out[-3000:]
@@ -225,11 +224,11 @@ trainer.close()
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_messages_go_through_logging_rank_zero_by_default(tmp_path):
+def test_messages_go_through_logging_rank_zero_by_default(tmp_path, warm_torchrun, warm_python):
     script = tmp_path / "script.py"
     script.write_text(LOGGING_SCRIPT)
     # Default: INFO from rank 0 only, warnings from every rank with the rank in front; on stderr.
-    out = run_torchrun(script, ["default"], nproc=2, env=ENV, cwd=REPO, timeout=200)
+    out = warm_torchrun(script, ["default"], nproc=2, env=ENV, cwd=REPO, timeout=200)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.count("strategy auto -> ddp (") == 1, out.stderr
     # fit() says when its epochs end training before max_steps (2 ranks x 2 steps of 8 = 32 samples per epoch).
@@ -237,14 +236,13 @@ def test_messages_go_through_logging_rank_zero_by_default(tmp_path):
     assert "[rank 0] WARNING: a warning on rank 0" in out.stderr and "[rank 1] WARNING: a warning on rank 1" in out.stderr
     assert out.stdout == ""
     # An application that configured logging gets the messages through its own handlers, once each.
-    user = subprocess.run([sys.executable, str(script), "user"], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=120)
+    # (Forked from the warm server, which imported the package: its import configures no logging.)
+    user = warm_python([script, "user"], cwd=REPO, env=ENV, timeout=120)
     assert user.returncode == 0, user.stderr[-3000:]
     assert user.stdout.count("USER distributed_training: strategy auto -> ddp (") == 1, user.stdout
     assert "strategy auto" not in user.stderr and "[rank" not in user.stderr, user.stderr
     # ... and one that silenced the package's INFO messages does not see them.
-    quiet = subprocess.run([sys.executable, str(script), "quiet"], cwd=REPO, env=ENV, capture_output=True, text=True,
-                           timeout=120)
+    quiet = warm_python([script, "quiet"], cwd=REPO, env=ENV, timeout=120)
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     assert "strategy auto" not in quiet.stdout + quiet.stderr and "a warning on rank 0" in quiet.stderr
 
@@ -319,12 +317,12 @@ open(os.path.join(sys.argv[1], "closed_" + os.environ["RANK"]), "w").close()  # 
 
 
 @pytest.mark.slow
-def test_a_second_trainer_after_close_under_torchrun_does_not_hang(tmp_path):
+def test_a_second_trainer_after_close_under_torchrun_does_not_hang(tmp_path, warm_torchrun):
     """close() destroys the process group; a second trainer in the same script makes a new one through
     torchrun's store, whose keys from the first group must not make it wait forever."""
     script = tmp_path / "two_trainers.py"
     script.write_text(SECOND_TRAINER)
-    code, out = _torchrun(script, [str(tmp_path)], timeout=120)  # a hang fails, its workers killed with it
+    code, out = _torchrun(warm_torchrun, script, [str(tmp_path)], timeout=120)  # a hang fails, its workers killed with it
     assert code == 0, out
     assert sorted(p.name for p in tmp_path.glob("closed_*")) == ["closed_0", "closed_1"], out
 
@@ -391,7 +389,7 @@ def _matches_one_process(tmp_path, name, want, ref):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_dtrain_tensor_and_pipeline_examples_match_one_process(tmp_path, monkeypatch):
+def test_dtrain_tensor_and_pipeline_examples_match_one_process(tmp_path, monkeypatch, warm_torchrun):
     """The tensor example's 2 tensor-parallel ranks with sequence parallelism, and the pipeline example's 2
     stages (1F1B, 4 microbatches) under ddp and under zero3 (FSDP's units in each stage), each on 2
     processes under torchrun, against one reference: the same config (the two examples differ only in
@@ -415,14 +413,14 @@ def test_dtrain_tensor_and_pipeline_examples_match_one_process(tmp_path, monkeyp
     assert len(want) == 4 and want[-1] < want[0] - 0.5, want  # it trains
     ref = torch.load(tmp_path / "ref.pt")
 
-    code, out = _torchrun("distributed_training", _example_job(TENSOR_EXAMPLE, tmp_path, "tp"), module=True)
+    code, out = _torchrun(warm_torchrun, "distributed_training", _example_job(TENSOR_EXAMPLE, tmp_path, "tp"), module=True)
     assert code == 0, out[-3000:]
     assert "tensor-parallel over 2 ranks with sequence parallelism x 1 data-parallel" in out, out[-3000:]
     _matches_one_process(tmp_path, "tp", want, ref)
 
     for strategy in ("ddp", "zero3"):
         chosen = f"training.strategy={strategy}"
-        code, out = _torchrun("distributed_training", _example_job(PIPELINE_EXAMPLE, tmp_path, strategy, chosen),
+        code, out = _torchrun(warm_torchrun, "distributed_training", _example_job(PIPELINE_EXAMPLE, tmp_path, strategy, chosen),
                               module=True)
         assert code == 0, out[-3000:]
         assert "pipeline of 2 stages (1f1b, 4 microbatches) x 1 data-parallel, world size 2" in out, out[-3000:]
@@ -432,10 +430,10 @@ def test_dtrain_tensor_and_pipeline_examples_match_one_process(tmp_path, monkeyp
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_dtrain_pipeline_larger_than_the_world_is_said_once(tmp_path):
+def test_dtrain_pipeline_larger_than_the_world_is_said_once(tmp_path, warm_torchrun):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({"model": {"preset": "tiny"}, "training": {"pipeline_parallel_size": 4}}))
-    out = run_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=REPO, timeout=100)
+    out = warm_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=REPO, timeout=100)
     assert out.returncode != 0
     both = out.stdout + out.stderr
     assert both.count("invalid config: training.pipeline_parallel_size=4 does not divide the world size 2") == 1, both
@@ -635,13 +633,13 @@ def test_an_evaluation_target_the_data_does_not_give_is_a_config_error():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_tensor_parallel_plan_that_does_not_fit_the_model_is_a_config_error(tmp_path):
+def test_a_tensor_parallel_plan_that_does_not_fit_the_model_is_a_config_error(tmp_path, warm_torchrun):
     """Found when the plan is applied to the built model (on every rank): still one invalid-config line
     naming the field, exit 2, not a traceback per rank."""
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({"model": {"preset": "tiny"}, "training": {
         "tensor_parallel_size": 2, "tensor_parallel_plan": {"nothing.*": "colwise"}}}))
-    out = run_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=REPO, timeout=100)
+    out = warm_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=REPO, timeout=100)
     both = out.stdout + out.stderr
     assert out.returncode != 0
     assert both.count("invalid config: training.tensor_parallel_plan: pattern 'nothing.*' matches no module") == 1, both
@@ -657,6 +655,7 @@ def test_the_start_line_counts_the_models_parameters_under_zero3_too(tmp_path):
     from distributed_training.logs import get_logger
 
     raw = {"model": {"preset": "tiny"}, "training": {"strategy": "zero3", "max_steps": 1},
+           "data": {"val_fraction": 0.01},  # the final validation of 10% of the text was 90% of the test
            "logging": {"progress": False}}
     expected = sum(p.numel() for p in _build(load_config(raw))[0].parameters())
     path = tmp_path / "job.yaml"

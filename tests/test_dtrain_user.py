@@ -16,7 +16,6 @@ import yaml
 
 from distributed_training import cli, dtrain_job
 from distributed_training.config import ConfigError, load_config
-from distributed_training.testing import run_torchrun
 from distributed_training.user_job import UserCodeError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -218,10 +217,10 @@ def _initial(kind, root):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind, strategy", [("map", "zero3"), ("iterable", "ddp")])
-def test_user_parts_under_torchrun_on_two_ranks_train_like_one_process(jobs, tmp_path, kind, strategy):
+def test_user_parts_under_torchrun_on_two_ranks_train_like_one_process(jobs, tmp_path, kind, strategy, warm_torchrun):
     out = tmp_path / "final.pt"
     path = _write(jobs, f"two_{kind}_{strategy}", _config(kind, strategy, out))
-    run = run_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=tmp_path, timeout=240)
+    run = warm_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=tmp_path, timeout=240)
     both = run.stdout + run.stderr
     assert run.returncode == 0, both[-3000:]
     assert f"finished at step {STEPS}" in both, both[-3000:]
@@ -325,7 +324,7 @@ def model():
 
 
 @pytest.mark.slow
-def test_an_error_on_one_rank_is_said_and_ends_the_job_under_torchrun(tmp_path):
+def test_an_error_on_one_rank_is_said_and_ends_the_job_under_torchrun(tmp_path, warm_torchrun):
     """The rank whose dataset raises closes without the final barrier (its peer is in a step's collective,
     which the barrier would never meet): the job ends at once with the error, not at the collective
     timeout with the error unsaid."""
@@ -335,7 +334,7 @@ def test_an_error_on_one_rank_is_said_and_ends_the_job_under_torchrun(tmp_path):
                    "loss: {target: torch.nn:CrossEntropyLoss}\n"
                    "training: {epochs: 1, batch_size: 4, timeout_s: 300}\nlogging: {progress: false}\n")
     started = time.monotonic()
-    run = run_torchrun("distributed_training", [str(job)], module=True, nproc=2, env=ENV, cwd=tmp_path, timeout=120)
+    run = warm_torchrun("distributed_training", [str(job)], module=True, nproc=2, env=ENV, cwd=tmp_path, timeout=120)
     took = time.monotonic() - started
     assert run.returncode != 0 and "ValueError: bad record 7" in run.stderr, run.stderr[-3000:]
     assert took < 60, took  # the collective timeout is 300 s

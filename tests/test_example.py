@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed_training.testing import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "examples/train_gpt.py"
@@ -60,9 +59,9 @@ def _losses(out: str) -> tuple[float, float, float, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_torchrun_two_processes(tmp_path):
+def test_torchrun_two_processes(tmp_path, warm_torchrun):
     ckpt = tmp_path / "ckpt" / "gpt"  # a checkpoint directory that does not exist yet
-    result = _check(run_torchrun(SCRIPT, [*PRESET, "--steps", "5", "--grad-accum", "2", "--checkpoint", str(ckpt)], nproc=2,
+    result = _check(warm_torchrun(SCRIPT, [*PRESET, "--steps", "5", "--grad-accum", "2", "--checkpoint", str(ckpt)], nproc=2,
                                  env=_env(), cwd=ROOT, timeout=150))
     out = result.stdout
     assert "world size 2 on cpu (gloo)" in out, out

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from distributed_training.testing import run_torchrun
 
 SCRIPT = '''
 import os, sys
@@ -56,11 +55,11 @@ else:  # the error is caught (logged, say), and the trainer closed afterwards
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("strategy,how", [("ddp", "finally"), ("zero3", "caught")])
-def test_a_rank_whose_step_raises_closes_without_waiting_for_its_peers(tmp_path, strategy, how):
+def test_a_rank_whose_step_raises_closes_without_waiting_for_its_peers(tmp_path, strategy, how, warm_torchrun):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     # The old code hung here until run_torchrun's timeout (the collective timeout being 10 minutes).
-    result = run_torchrun(script, [strategy, how], nproc=2, timeout=90, env={"CUDA_VISIBLE_DEVICES": ""})
+    result = warm_torchrun(script, [strategy, how], nproc=2, timeout=90, env={"CUDA_VISIBLE_DEVICES": ""})
     out = result.stdout + result.stderr
     assert result.returncode != 0, out[-3000:]
     assert "boom in rank 1's forward" in out, out[-3000:]

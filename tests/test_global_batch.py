@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from distributed_training import DistributedTrainer
 from distributed_training.global_batch import plan_global_batch, valid_data_parallel_sizes
-from distributed_training.testing import run_distributed, run_torchrun
+from distributed_training.testing import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -233,7 +233,7 @@ def test_dtrain_global_batch_fields_are_checked(training, field):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_dtrain_resumes_a_global_batch_at_another_world_size(tmp_path, warm_python):
+def test_dtrain_resumes_a_global_batch_at_another_world_size(tmp_path, warm_python, warm_torchrun):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     # a small validation split: the final evaluation of the whole default one took most of the test's time
     config = {"model": {"preset": "tiny"}, "data": {"dataset": "repo_text", "block_size": 16, "val_fraction": 0.005},
@@ -242,7 +242,7 @@ def test_dtrain_resumes_a_global_batch_at_another_world_size(tmp_path, warm_pyth
               "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1}, "logging": {"progress": False}}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
-    out = run_torchrun("distributed_training", [str(path)], nproc=2, env=env, cwd=REPO, timeout=180, module=True)
+    out = warm_torchrun("distributed_training", [str(path)], nproc=2, env=env, cwd=REPO, timeout=180, module=True)
     said = out.stdout + out.stderr
     assert out.returncode == 0, said[-3000:]
     assert "global batch 8 = 2 data-parallel replica(s) x 4 sample(s) in 2 micro-batch(es) of at most 2" in said

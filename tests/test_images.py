@@ -16,7 +16,6 @@ from distributed_training.config import ConfigError, load_config
 from distributed_training.datasets.images import (DecodeMeter, EvalTransform, ImageFolder, InputWatch,
                                                    TrainTransform, find_images, write_digits_folder)
 from distributed_training.models.vision import IMAGENET_MEAN, IMAGENET_STD, build_vision_model
-from distributed_training.testing import run_torchrun
 
 Image = pytest.importorskip("PIL.Image")
 
@@ -248,7 +247,6 @@ def test_invalid_image_config_names_the_field(raw, field):
         load_config(raw)
 
 
-
 def test_label_smoothing_with_a_user_model_or_loss():
     """dtrain's cross-entropy (and its label smoothing) is the loss of a user's model on the digits too;
     with loss.target the smoothing belongs in loss.kwargs. Both used to be refused with "a GPT computes its
@@ -316,7 +314,7 @@ def test_dtrain_resnet_on_the_digits_as_images_reaches_97_percent(tmp_path, warm
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_dtrain_zero3_on_two_ranks_trains_from_an_image_folder_with_workers(tmp_path):
+def test_dtrain_zero3_on_two_ranks_trains_from_an_image_folder_with_workers(tmp_path, warm_torchrun):
     write_digits_folder(tmp_path / "digits", 16, val_fraction=0.1)
     config = {
         "model": {"preset": "resnet18", "width": 8, "image_size": 16, "channels_last": True},
@@ -328,7 +326,7 @@ def test_dtrain_zero3_on_two_ranks_trains_from_an_image_folder_with_workers(tmp_
     }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
-    out = run_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=REPO, timeout=200)
+    out = warm_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=REPO, timeout=200)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
     assert "strategy zero3" in log and "world size 2" in log and "finished at step 30" in log, log[-3000:]

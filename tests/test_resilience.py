@@ -14,7 +14,7 @@ from torch.utils.data import IterableDataset
 
 from distributed_training import DistributedTrainer
 from distributed_training.checkpoint import CheckpointManager
-from distributed_training.testing import run_distributed, run_torchrun
+from distributed_training.testing import run_distributed
 
 from _models import job_main, sgd_momentum, tiny_gpt, tiny_gpt_data
 
@@ -47,7 +47,7 @@ def resume_worker(rank, world, directory, strategy, interrupt_at):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero3", "zero1"])
-def test_resume_mid_epoch_is_bit_identical_at_world_3(tmp_path, strategy):
+def test_resume_mid_epoch_is_bit_identical_at_world_3(tmp_path, strategy, warm_torchrun):
     full, steps = run_distributed(resume_worker, 3, args=(str(tmp_path / "a"), strategy, 0), timeout=180)[0]
     # Interrupted at step 5: the checkpoint at step 4 is resumed and step 5 is redone.
     resumed, steps2 = run_distributed(resume_worker, 3, args=(str(tmp_path / "b"), strategy, 5), timeout=180)[0]
@@ -58,8 +58,8 @@ def test_resume_mid_epoch_is_bit_identical_at_world_3(tmp_path, strategy):
 
 
 # ------------------------------------------------------------------ fault injection
-def _torchrun(args, launcher_args=(), timeout=240):
-    out = run_torchrun(args[0], args[1:], nproc=2, launcher_args=launcher_args, cwd=REPO, timeout=timeout,
+def _torchrun(warm_torchrun, args, launcher_args=(), timeout=240):
+    out = warm_torchrun(args[0], args[1:], nproc=2, launcher_args=launcher_args, cwd=REPO, timeout=timeout,
                        env={"CUDA_VISIBLE_DEVICES": ""})
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
@@ -69,13 +69,13 @@ def _torchrun(args, launcher_args=(), timeout=240):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_sigkilled_rank_restarts_and_matches_an_unbroken_run(tmp_path, strategy):
+def test_sigkilled_rank_restarts_and_matches_an_unbroken_run(tmp_path, strategy, warm_torchrun):
     job = str(REPO / "tests" / "jobs" / "fault_job.py")
     # The unbroken reference: the same job's main() on 2 ranks forked from a warm interpreter (no torchrun
     # processes to start); the faulty run below is torchrun's, restarted by it.
     run_distributed(job_main, 2, args=("fault_job", ["--strategy", strategy, "--ckpt", str(tmp_path / "clean"),
                                                       "--out", str(tmp_path / "clean.pt")]), timeout=240)
-    log = _torchrun([job, "--strategy", strategy, "--ckpt", str(tmp_path / "faulty"), "--out", str(tmp_path / "faulty.pt"),
+    log = _torchrun(warm_torchrun, [job, "--strategy", strategy, "--ckpt", str(tmp_path / "faulty"), "--out", str(tmp_path / "faulty.pt"),
                      "--kill-at", "5"], launcher_args=["--max-restarts=2"])
     clean, faulty = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "faulty.pt")
     assert int(faulty["restarts"]) >= 1, f"the job should have been restarted:\n{log[-3000:]}"
