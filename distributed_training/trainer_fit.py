@@ -301,7 +301,7 @@ class Fitting:
             if max_steps is not None and by_epochs < max_steps:
                 log.info("fit: epochs=%d of %d steps end training at step %d, before max_steps=%d (pass more epochs "
                          "to reach it)", epochs, per_epoch, by_epochs, max_steps)
-        self.monitor.start(total)
+        self.monitor.start(total, step=self.step)  # a resumed run's bar and ETA start where it resumed
         self.data_wait_s = 0.0  # seconds this call waited for its next batch (a loader's start included)
         if evaluation is not None:
             evaluation.start()

@@ -230,6 +230,62 @@ def test_progress_without_a_terminal_is_one_plain_line_per_log_step(tmp_path, ca
     assert "steps/s" in lines[1] and "ETA" in lines[2] and lines[2].endswith("loss 0.5"), lines
 
 
+def test_progress_of_a_resumed_run_starts_at_its_step_and_its_eta_counts_from_there(tmp_path, capsys,
+                                                                                   monkeypatch):
+    """A run resumed at step 80 of 200 drew ``step 0/200 (0%)`` and then, at step 90, an ETA as if 90
+    steps had been trained since the start (00:03 where 110 steps at 10 s per 10 steps take 01:50)."""
+    import distributed_training.monitor.progress as progress
+
+    clock = [1000.0]
+    monkeypatch.setattr(progress, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    with Monitor(tmp_path, rank=0, world_size=1, log_every=10, system_stats=False, tensorboard=False) as mon:
+        mon.start(total_steps=200, step=80)
+        for step in range(81, 101):
+            clock[0] += 1.0  # one second a step
+            mon.record_step(step, {"loss": 0.5}, samples=1, step_time=0.01)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" |")[0] for line in lines] == ["step 80/200 (40%)", "step 90/200 (45%)",
+                                                       "step 100/200 (50%)"], lines
+    assert "ETA 01:50" in lines[1] and "ETA 01:40" in lines[2], lines
+    with pytest.raises(ValueError, match="step"):
+        Monitor(tmp_path, rank=0, world_size=1, system_stats=False, tensorboard=False).start(10, step=-1)
+
+
+def resumed_progress_worker(rank, world, ckpt, logs):
+    import io
+
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    from _models import MLP
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g))
+    make = lambda: DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.1), checkpoint_dir=ckpt,  # noqa: E731
+                                      log_dir=logs, log_every=5)
+    trainer = make()
+    trainer.fit(data, epochs=1, criterion=F.cross_entropy, batch_size=4, max_steps=10)
+    trainer.close()
+    stderr, sys.stderr = sys.stderr, io.StringIO()  # the bar draws on the stderr of its construction
+    try:
+        trainer = make()
+        trainer.fit(data, epochs=1, criterion=F.cross_entropy, batch_size=4, max_steps=15)
+        trainer.close()
+        return sys.stderr.getvalue()
+    finally:
+        sys.stderr = stderr
+
+
+def test_fit_resumed_from_a_checkpoint_starts_its_progress_at_the_resumed_step(tmp_path):
+    """dtrain resumed at step 80 of 200 printed ``step 0/200 (0%)`` (and a wrong ETA from it)."""
+    err = run_distributed(resumed_progress_worker, 1, args=(str(tmp_path / "ckpt"), str(tmp_path / "logs")),
+                          timeout=120)[0]
+    bar = [line.split(" |")[0] for line in err.splitlines() if line.startswith("step ") and "/" in line]
+    assert bar[:2] == ["step 10/15 (67%)", "step 15/15 (100%)"], err
+
+
 def test_end_progress_closes_the_bar_line_at_the_last_step_and_a_new_start_redraws(tmp_path, capsys):
     """After fit, what the script prints must start on its own line, and the bar shows where training
     stopped even between log steps (a stop at step 7 with log_every=5)."""

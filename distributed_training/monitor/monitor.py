@@ -240,19 +240,24 @@ class Monitor:
         self._bubble_formula: float | None = None
 
     # ----------------------------------------------------------------- public
-    def start(self, total_steps: int | None = None) -> None:
+    def start(self, total_steps: int | None = None, *, step: int | None = None) -> None:
         """Start the run clock (and, on rank 0, the progress bar). Called by the first `record_step`
-        if you do not; calling it again restarts the clock and sets a new total."""
+        if you do not; calling it again restarts the clock and sets a new total. `step`: the step
+        training starts from (a resumed run's), where the bar and its ETA begin (default: the last
+        recorded step, else 0)."""
         if self._closed:
             raise RuntimeError("Monitor is closed")
         if total_steps is not None and (not _is_int(total_steps) or total_steps < 0):
             raise ValueError(f"total_steps must be a non-negative integer or None, got {total_steps!r}")
+        if step is not None and (not _is_int(step) or step < 0):
+            raise ValueError(f"step must be a non-negative integer or None, got {step!r}")
         self._drain()
         self._started = True
         self._total_steps = None if total_steps is None else int(total_steps)
         self._mono0 = self._last_log_mono = time.perf_counter()
         if self._bar is not None:
-            self._bar.draw(0 if self._last_step is None else self._last_step, self._total_steps, None, None)
+            first = step if step is not None else 0 if self._last_step is None else self._last_step
+            self._bar.draw(first, self._total_steps, None, None)
 
     def record_step(
         self,

@@ -18,7 +18,7 @@ class NullMonitor:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def start(self, total_steps: int | None = None) -> None:
+    def start(self, total_steps: int | None = None, *, step: int | None = None) -> None:
         pass
 
     def record_step(
