@@ -78,7 +78,9 @@ def _yaml_loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_document(self, node):
+            _no_repeated_keys(node, ())
+            return super().construct_document(node)
 
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
@@ -86,6 +88,29 @@ def _yaml_loader():
         list("-+0123456789."),
     )
     return Loader
+
+
+def _no_repeated_keys(node, path: tuple[str, ...]) -> None:
+    """A key given twice in one mapping is an error naming it and its lines: PyYAML would keep the last
+    value and drop the first without a word (``<<`` merge keys are YAML's own way to override: allowed)."""
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if key.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{'.'.join((*path, key.value))} is given twice (line {seen[key.value]} and line "
+                        f"{line}): YAML would keep only the last value; remove one", None)
+                seen[key.value] = line
+                _no_repeated_keys(value, (*path, key.value))
+            else:
+                _no_repeated_keys(value, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _no_repeated_keys(item, (*path, str(i)))
 
 
 def parse_yaml(text: str) -> Any:

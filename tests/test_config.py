@@ -167,6 +167,26 @@ def test_a_type_error_fails_before_any_training(warm_python):
     assert "output" in err and "step" not in out + err.replace("training.max_steps", ""), out + err
 
 
+def test_a_field_given_twice_is_an_error_naming_it_and_its_lines(tmp_path):
+    """``training: {lr: 1e-3}`` then ``lr: 2e-3`` a line later trained at 2e-3, silently (PyYAML keeps the last
+    value of a repeated key), in a config whose every other slip is an error."""
+    path = tmp_path / "job.yaml"
+    path.write_text("training:\n  lr: 1e-3\n  epochs: 2\n  lr: 2e-3\nmodel: {preset: tiny}\n")
+    with pytest.raises(ConfigError, match=r"job\.yaml.*lr.*given twice.*line 2.*line 4"):
+        load_config(str(path))
+    path.write_text("training: {lr: 1e-3}\nmodel: {preset: tiny}\ntraining: {epochs: 2}\n")
+    with pytest.raises(ConfigError, match=r"training.*given twice.*line 1.*line 3"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="given twice"):
+        load_config(str(path), ["training.lr=3e-4"])
+    # YAML's merge keys still override what they merge; the same key in two sections is no repeat.
+    path.write_text("training:\n  <<: {lr: 1e-3, epochs: 2}\n  lr: 2e-3\noptimizer: {lr: 5e-3}\n")
+    cfg = load_config(str(path))
+    assert cfg.training.lr == 2e-3 and cfg.training.epochs == 2 and cfg.optimizer.lr == 5e-3
+    with pytest.raises(ConfigError, match="given twice"):
+        load_config(str(tmp_path / "job.yaml"), ["training.tensor_parallel_plan={a: colwise, a: rowwise}"])
+
+
 def test_sections_left_empty_keep_their_defaults():
     cfg = load_config(yaml.safe_load("training:\nmodel:\n  preset: tiny\n"))
     assert cfg.training == JobConfig().training and cfg.model.preset == "tiny"
