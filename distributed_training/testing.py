@@ -107,6 +107,21 @@ def _child(fn, rank, world_size, args, store_path, backend, collective_timeout, 
         result_queue.put((rank, False, traceback.format_exc()))
 
 
+def _check_picklable(fn: Callable[..., Any]) -> None:
+    """`fn` travels to the ranks by pickle: one that cannot is a TypeError naming it and the rule (pickle's own
+    error names a ``<locals>`` path or a failed attribute lookup)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    try:
+        ForkingPickler.dumps(fn)
+    except RuntimeError:  # e.g. a partial holding a Queue, which pickles only while a process starts: leave it to that
+        return
+    except (pickle.PicklingError, AttributeError, TypeError) as err:  # lambdas, nested functions, local classes
+        raise TypeError(f"run_distributed: fn {getattr(fn, '__qualname__', fn)!r} cannot be pickled to the ranks "
+                        f"({type(err).__name__}: {err}): it must be a module-level function of an importable "
+                        "module (not a lambda, a nested function or a local class's method)") from None
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -143,6 +158,7 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    _check_picklable(fn)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # no-op once started
     result_queue = ctx.Queue()

@@ -58,6 +58,18 @@ def test_run_distributed_kills_a_hung_rank_and_names_it():
     assert time.monotonic() - started < 30
 
 
+def test_a_function_that_cannot_travel_by_pickle_is_named_with_the_rule():
+    """A nested function gave pickle's own "AttributeError: Can't pickle local object 'main.<locals>.inner'",
+    which says nothing of the module-level function run_distributed needs."""
+    def inner(rank, world):
+        return rank
+
+    with pytest.raises(TypeError, match=r"run_distributed: fn .*inner.* module-level function"):
+        run_distributed(inner, 2, timeout=60)
+    with pytest.raises(TypeError, match=r"run_distributed: fn .*lambda.* module-level function"):
+        run_distributed(lambda rank, world: rank, 1, timeout=60)
+
+
 # ------------------------------------------------------------------ run_torchrun
 HELLO = """
 import os, sys, time
