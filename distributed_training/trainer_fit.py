@@ -17,6 +17,7 @@ from .data import ShardedSampler, agree_steps_per_epoch, train_loader
 from .global_batch import GlobalBatch, plan_global_batch
 from .logs import get_logger
 from .stopping import StopSignals
+from .trainer_step import check_criterion
 from .validation import PeriodicEvaluation
 
 __all__ = ["Fitting"]
@@ -116,6 +117,7 @@ class Fitting:
         """
         if not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
+        check_criterion(criterion)
         if isinstance(batch_size, str) and batch_size != "auto":
             raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
         if not isinstance(log_every, int) or log_every < 1:

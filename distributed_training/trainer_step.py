@@ -47,6 +47,15 @@ def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat
         raise ValueError("checkpoint_async needs a checkpoint_dir to write to (it applies to fit's checkpoints)")
 
 
+def check_criterion(criterion: Any) -> None:
+    """A criterion is a callable ``loss(outputs, targets)`` or None (the model returns the loss): anything else
+    (``criterion="cross_entropy"``) is a TypeError naming it, before any step (it failed in the first step's
+    forward with "'str' object is not callable")."""
+    if criterion is not None and not callable(criterion):
+        raise TypeError(f"criterion must be a callable loss(outputs, targets), such as F.cross_entropy or "
+                        f"nn.CrossEntropyLoss(), or None when the model returns the loss; got {criterion!r}")
+
+
 class Stepping:
     """`train_step` for `DistributedTrainer` (which holds the model, strategy, precision and the rest)."""
 
@@ -61,6 +70,7 @@ class Stepping:
         The loss values are 0-dim tensors on the device: reading one (``float(...)``) waits for the
         GPU, so do it only when logging.
         """
+        check_criterion(criterion)
         if self._checkpoint_write is not None:
             self._check_checkpoint_write()  # a background checkpoint write that failed raises here
         watch = self._peer_watch()

@@ -259,3 +259,27 @@ def old_format_checkpoint_worker(rank, world, path):
 def test_a_checkpoint_of_an_earlier_format_is_refused_with_what_to_do(tmp_path):
     for msg in run_distributed(old_format_checkpoint_worker, 2, args=(str(tmp_path / "ck"),), timeout=120):
         assert "earlier version" in msg and "'fsdp'" in msg and "resume=False" in msg, msg
+
+
+def string_criterion_worker(rank, world):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g))
+    trainer = DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    errors = []
+    for call in (lambda: trainer.fit(data, criterion="cross_entropy", batch_size=4),
+                 lambda: trainer.train_step(data[:4], "cross_entropy")):
+        try:
+            call()
+        except TypeError as err:
+            errors.append(str(err))
+    step = trainer.step
+    trainer.close()
+    return errors, step
+
+
+def test_a_criterion_that_is_not_callable_is_named_before_any_step():
+    """fit(criterion="cross_entropy") failed inside the first step with "'str' object is not callable"."""
+    errors, step = run_distributed(string_criterion_worker, 1, timeout=120)[0]
+    assert len(errors) == 2 and step == 0, errors
+    assert all("criterion must be a callable" in e and "'cross_entropy'" in e for e in errors), errors
