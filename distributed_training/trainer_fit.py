@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -159,6 +160,12 @@ class Fitting:
         if plan is not None:
             plan = self._adopt_global_batch(plan, micro_batch_size, resumed_from)
             batch_size = plan.per_rank
+        if (isinstance(data, DataLoader) and plan is None and isinstance(batch_size, int)
+                and batch_size != data.batch_size):
+            warnings.warn(f"fit(batch_size={batch_size}) is not used: the DataLoader given brings its own batch size "
+                          f"({data.batch_size}), which fit keeps; pass the dataset instead (fit shards it and batches "
+                          "it by batch_size), or build the DataLoader with the batch you want", UserWarning,
+                          stacklevel=2)
         if batch_size == "auto":
             if self.batch_size is None:  # not restored from a checkpoint: a resumed run keeps its batch size
                 self.auto_batch_size(data, criterion)

@@ -283,3 +283,28 @@ def test_a_criterion_that_is_not_callable_is_named_before_any_step():
     errors, step = run_distributed(string_criterion_worker, 1, timeout=120)[0]
     assert len(errors) == 2 and step == 0, errors
     assert all("criterion must be a callable" in e and "'cross_entropy'" in e for e in errors), errors
+
+
+def loader_batch_size_worker(rank, world):
+    import warnings
+
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
+    trainer = DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(DataLoader(data, batch_size=16), epochs=1, criterion=F.cross_entropy, batch_size=4)
+        steps = trainer.step
+        trainer.fit(DataLoader(data, batch_size=16), epochs=2, criterion=F.cross_entropy, batch_size=16)
+    trainer.close()
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)], steps
+
+
+def test_a_batch_size_that_a_dataloader_overrides_is_said():
+    """fit(DataLoader(data, batch_size=16), batch_size=4) trained batches of 16 without a word."""
+    messages, steps = run_distributed(loader_batch_size_worker, 1, timeout=120)[0]
+    assert steps == 2, steps  # 32 samples in batches of 16: the loader's size is what trains
+    assert len(messages) == 1 and "fit(batch_size=4) is not used" in messages[0] and "(16)" in messages[0], messages
