@@ -45,6 +45,9 @@ class Evaluation:
         this rank's device's) are put back, so the next training step draws what it would have
         drawn without the evaluation.
         """
+        from .trainer_step import check_criterion
+
+        check_criterion(criterion)
         names, _, total = self._evaluation_sums(data, criterion, batch_size=batch_size, metrics=metrics)
         count = total[-1].item()
         return {name: (total[k].item() / count if count else float("nan")) for k, name in enumerate(names)}

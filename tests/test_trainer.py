@@ -268,7 +268,8 @@ def string_criterion_worker(rank, world):
     trainer = DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.1))
     errors = []
     for call in (lambda: trainer.fit(data, criterion="cross_entropy", batch_size=4),
-                 lambda: trainer.train_step(data[:4], "cross_entropy")):
+                 lambda: trainer.train_step(data[:4], "cross_entropy"),
+                 lambda: trainer.evaluate(data, "cross_entropy", batch_size=4)):
         try:
             call()
         except TypeError as err:
@@ -279,9 +280,10 @@ def string_criterion_worker(rank, world):
 
 
 def test_a_criterion_that_is_not_callable_is_named_before_any_step():
-    """fit(criterion="cross_entropy") failed inside the first step with "'str' object is not callable"."""
+    """fit(criterion="cross_entropy") failed inside the first step with "'str' object is not callable" (and
+    evaluate inside its first batch)."""
     errors, step = run_distributed(string_criterion_worker, 1, timeout=120)[0]
-    assert len(errors) == 2 and step == 0, errors
+    assert len(errors) == 3 and step == 0, errors
     assert all("criterion must be a callable" in e and "'cross_entropy'" in e for e in errors), errors
 
 
