@@ -188,7 +188,7 @@ class Checkpointing(BackgroundCheckpointing):
         own (see `checkpoint_shared`), each node's first rank writes a ``meta.pt`` there, listing that
         node's files.
         """
-        path = os.fspath(path)
+        path = _directory_name(path, "save_checkpoint")
         ctx = self.context
         suffix = os.path.splitext(path.rstrip("/\\"))[1]
         if suffix.lower() in _FILE_SUFFIXES and not os.path.isdir(path) and ctx.is_main:
@@ -295,7 +295,7 @@ class Checkpointing(BackgroundCheckpointing):
         differently from the checkpoint's keep their new values, and the changes are logged (see
         `resume`); a different optimizer class or parameter shape is an error that names it.
         """
-        path = os.fspath(path)
+        path = _directory_name(path, "load_checkpoint")
         ctx = self.context
         if self._staging is not None:
             self._staging.fence()  # a background snapshot's copies read what loading overwrites
@@ -533,3 +533,11 @@ class Checkpointing(BackgroundCheckpointing):
             changes.append(f"learning rate at step {saved.get('last_epoch')}: "
                            f"{_show(saved['_last_lr'])} -> {_show(now.get('_last_lr'))}")
         return changes
+
+
+def _directory_name(path, method: str) -> str:
+    """`path` as a str, or a TypeError naming `method` (``os.fspath(None)`` says nothing of checkpoints)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{method}(path): path must be the checkpoint directory's name (str or os.PathLike), "
+                        f"got {path!r}")
+    return os.fsdecode(os.fspath(path))

@@ -310,3 +310,23 @@ def test_a_batch_size_that_a_dataloader_overrides_is_said():
     messages, steps = run_distributed(loader_batch_size_worker, 1, timeout=120)[0]
     assert steps == 2, steps  # 32 samples in batches of 16: the loader's size is what trains
     assert len(messages) == 1 and "fit(batch_size=4) is not used" in messages[0] and "(16)" in messages[0], messages
+
+
+def checkpoint_path_worker(rank, world):
+    trainer = DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    errors = []
+    for call in (trainer.save_checkpoint, trainer.load_checkpoint):
+        try:
+            call(None)
+        except TypeError as err:
+            errors.append(str(err))
+    trainer.close()
+    return errors
+
+
+def test_a_checkpoint_path_that_is_not_a_name_is_said():
+    """save_checkpoint(None) raised "expected str, bytes or os.PathLike object, not NoneType" from inside."""
+    errors = run_distributed(checkpoint_path_worker, 1, timeout=120)[0]
+    assert len(errors) == 2, errors
+    assert "save_checkpoint(path)" in errors[0] and "load_checkpoint(path)" in errors[1], errors
+    assert all("got None" in e for e in errors), errors
