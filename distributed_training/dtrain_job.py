@@ -158,8 +158,7 @@ def run_job(cfg: JobConfig) -> dict:
             trainer.fit(data, epochs=epochs, criterion=criterion, **batching, max_steps=t.max_steps,
                         log_every=cfg.logging.every, drop_last=drop_last, num_workers=cfg.data.num_workers,
                         **job_fit_evaluation(cfg, val_data),
-                        on_step=(lambda step, m: log.info("step %6d | loss %.4f", step, m["loss"])) if ctx.is_main
-                        else None)
+                        on_step=_step_logger(trainer) if ctx.is_main else None)
         except ValueError as err:
             if not str(err).startswith("eval_target names"):
                 raise
@@ -446,3 +445,12 @@ def _already_complete(trainer, cfg: JobConfig, epochs: int) -> bool:
 def _resuming(trainer) -> bool:
     # Collective (every rank agrees), so no rank runs the batch size search while another skips it.
     return trainer.checkpoints is not None and trainer.resume and trainer.latest_checkpoint() is not None
+
+
+def _step_logger(trainer):
+    """dtrain's line per log step, ``step     10 | loss 3.3389``; left out where the progress is plain lines
+    (stderr no terminal), whose own line per log step already says the step and the loss."""
+    def on_step(step, metrics):
+        if not getattr(trainer.monitor, "progress_lines", False):
+            log.info("step %6d | loss %.4f", step, metrics["loss"])
+    return on_step

@@ -736,3 +736,20 @@ def test_dtrain_buckets_default_as_ddps_do(communication, cap):
     for strategy in ("ddp", "zero1"):
         built, _ = _job_strategy(load_config({"training": {"strategy": strategy}, "communication": communication}), 2)
         assert resolve_bucket_cap_mb(built.ddp_kwargs["bucket_cap_mb"], built.ddp_kwargs["communication"]) == cap
+
+
+@pytest.mark.timeout(240)
+def test_a_log_step_is_one_line_when_the_progress_is_plain_lines(tmp_path, warm_torchrun):
+    """Output to a file or pipe: the progress is a plain line per log step with its loss, and dtrain's own
+    ``step N | loss`` line said every step a second time."""
+    config = {
+        "model": {"preset": "classifier"},
+        "data": {"dataset": "digits", "val_fraction": 0.1},
+        "training": {"epochs": 1, "max_steps": 6, "batch_size": 32},
+        "logging": {"every": 2, "dir": str(tmp_path / "logs")},
+    }
+    code, out = _dtrain_on_two_ranks(warm_torchrun, tmp_path, config)
+    assert code == 0, out[-3000:]
+    progress = [line for line in out.splitlines() if re.match(r"^step \d+/6 \(\d+%\)", line)]
+    assert len(progress) >= 3 and all("| loss " in line for line in progress[1:]), out[-3000:]
+    assert not re.search(r"^step +\d+ \| loss", out, re.M), out[-3000:]

@@ -240,6 +240,12 @@ class Monitor:
         self._bubble_formula: float | None = None
 
     # ----------------------------------------------------------------- public
+    @property
+    def progress_lines(self) -> bool:
+        """True where this rank's progress is a plain line per log step with its loss (stderr is no
+        terminal): a caller's own per-step log line would say the same again."""
+        return self._bar is not None and self._bar.lines
+
     def start(self, total_steps: int | None = None, *, step: int | None = None) -> None:
         """Start the run clock (and, on rank 0, the progress bar). Called by the first `record_step`
         if you do not; calling it again restarts the clock and sets a new total. `step`: the step

@@ -15,6 +15,8 @@ class NullMonitor:
     Use it on every rank to switch monitoring off without touching the training loop.
     """
 
+    progress_lines = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 

@@ -30,6 +30,11 @@ class ProgressBar:
         self._line_step: int | None = None  # the last step written as a line (no terminal)
         self._line_start: tuple[float, int] | None = None  # (time, step) of the first line: for the ETA
 
+    @property
+    def lines(self) -> bool:
+        """Whether it writes plain lines (no terminal): each log step's line already says the step and loss."""
+        return not self._terminal
+
     def draw(self, step: int, total: int | None, rate: float | None, loss: float | None) -> None:
         if not self._terminal:
             self._draw_line(step, total, rate, loss)
