@@ -451,6 +451,6 @@ def _step_logger(trainer):
     """dtrain's line per log step, ``step     10 | loss 3.3389``; left out where the progress is plain lines
     (stderr no terminal), whose own line per log step already says the step and the loss."""
     def on_step(step, metrics):
-        if not getattr(trainer.monitor, "progress_lines", False):
+        if not trainer.monitor.progress_lines:
             log.info("step %6d | loss %.4f", step, metrics["loss"])
     return on_step

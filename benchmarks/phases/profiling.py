@@ -7,6 +7,7 @@ and power draw sampled during the profiled steps (is a slower matmul beside NCCL
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import subprocess
 import threading
@@ -97,14 +98,6 @@ def category(name: str) -> str:
     return "other"
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
 def run(ctx, opts) -> dict:
     from distributed_training.models import GPT_PRESETS
 
@@ -123,7 +116,7 @@ def run(ctx, opts) -> dict:
         train_steps(wrapped, opt, batches, 0, 1 if opts.smoke else 3, device, no_sync)
         synchronize(device)
         clocks = ClockSampler(device) if cuda else None
-        with profile(activities=activities) as prof, (clocks or _nothing()):
+        with profile(activities=activities) as prof, (clocks or contextlib.nullcontext()):
             t0 = time.perf_counter()
             train_steps(wrapped, opt, batches, 0, steps, device, no_sync)
             synchronize(device)
