@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Session 27 (4x H200), what session 26 left to re-measure, in one call (results come back as
+# $OUT/s27_<mode>.tar.gz):
+#   N: T, the training and profiling phases at GPT-1.3B on worlds 1 and 4 (ZeRO-2/3 peak memory after the
+#      TrainableSet leak fix; the profile with the GPU's SM clock and power); P, the pipeline phase at P = 4
+#      with whole blocks and half blocks (both with the head's loss in the compute balance), eager and
+#      CUDA graphs, 2 rounds, in one run so that the two cuts compare.
+set -o pipefail
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
+start=$(date +%s)
+R=/tmp/s27
+mkdir -p $R
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpus.txt"
+python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version())" >> "$R/gpus.txt"
+run() {  # name, seconds in all, seconds per world, suite.py arguments
+  local name=$1 limit=$2 per_world=$3; shift 3
+  (cd benchmarks && timeout "$limit" python suite.py --out "$R/$name" --timeout "$per_world" "$@") 2>&1 \
+    | grep -v -i "warn\|\*\*\*\*\*" > "$R/$name.log"
+  echo "[$name] exit $? at $(( $(date +%s) - start )) s" | tee -a "$R/$name.log"
+}
+case "$1" in
+  N) run P 250 240 --worlds 4 --phases pipeline --variants pp,compute,halves,graphs --rounds 2
+     run T 290 140 --worlds 1,4 --phases training,profiling --models gpt-1.3b:8:1024 \
+       --impls torch_ddp,ours_ddp,zero2,zero3,torch_fsdp2 ;;
+esac
+tar -czf "$OUT/s27_$1.tar.gz" -C $R .
