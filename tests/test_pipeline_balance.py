@@ -17,7 +17,7 @@ from torch import nn
 from distributed_training import DistributedTrainer
 from distributed_training.models import GPT, GPTConfig
 from distributed_training.pipeline import chain, partition
-from distributed_training.pipeline.balance import default_sample, layer_costs, measure_layer_times
+from distributed_training.pipeline.balance import default_sample, layer_costs, measure_layer_times, schedule_cut
 from distributed_training.pipeline.options import PipelineOptions
 from distributed_training.testing import run_distributed
 
@@ -52,10 +52,11 @@ def balance_worker(rank, world):
     found["slow_loss"] = trainer.train_step((x, y), F.mse_loss)["loss"].item()
     trainer.close()
     # Rank-dependent costs: rank 0 alone measures about [40, 10, 10, 2] ms (its own best cut: [0 | 1 2 3]),
-    # rank 1 [2, 10, 10, 40] (its own: [0 1 2 | 3]); their mean [21, 10, 10, 21] cuts [0 1 | 2 3] on both.
+    # rank 1 [2, 10, 10, 40] (its own: [0 1 2 | 3]); their mean [21, 10, 10, 21] cuts [0 1 | 2 3] on both
+    # (with 8 microbatches the step is about 8 x the larger stage's: even stages are best).
     model = nn.Sequential(Sleepy([0.04, 0.002]), Sleepy(0.01), Sleepy(0.01), Sleepy([0.002, 0.04]))
     trainer = DistributedTrainer(model, _sgd, pipeline_parallel_size=2, pipeline_balance="time",
-                                 pipeline_sample_input=torch.randn(2, 8))
+                                 pipeline_sample_input=torch.randn(2, 8), microbatches=8)
     found["ranks"] = (list(trainer.strategy.engine.chunks[0].names), trainer.strategy.layer_costs,
                       trainer.strategy.bounds)
     trainer.close()
@@ -76,8 +77,8 @@ def test_time_balance_puts_the_slow_layer_alone_and_every_rank_cuts_alike():
     assert bounds0 == bounds1 == [0, 2, 4] and names0 == ["0", "1"] and names1 == ["2", "3"], (bounds0, bounds1)
     assert 0.019 <= costs0[0] <= 0.035 and 0.019 <= costs0[3] <= 0.035, costs0  # the mean of 40 and 2 ms
     # neither rank's own times would have given this cut
-    assert partition([0.04, 0.01, 0.01, 0.002], 2) == [0, 1, 4]
-    assert partition([0.002, 0.01, 0.01, 0.04], 2) == [0, 3, 4]
+    for own, its_cut in (([0.04, 0.01, 0.01, 0.002], [0, 1, 4]), ([0.002, 0.01, 0.01, 0.04], [0, 3, 4])):
+        assert schedule_cut([t / 3 for t in own], [2 * t / 3 for t in own], "1f1b", 2, 8) == its_cut
 
 
 def test_measuring_leaves_the_model_and_the_rng_alone():
@@ -168,3 +169,62 @@ def test_a_rank_failing_to_time_makes_every_rank_raise():
     found = run_distributed(failing_worker, 2, timeout=60)
     assert found[1] == "MemoryError: simulated: out of memory while timing", found
     assert found[0] is not None and "failed on another rank" in found[0], found
+
+
+def _makespan(forward, backward, cut, schedule, P, M, V):
+    from distributed_training.pipeline.schedules import build_schedule, simulate, stage_of
+
+    S = P * V
+    fw = [sum(forward[cut[s]:cut[s + 1]]) for s in range(S)]
+    bw = [sum(backward[cut[s]:cut[s + 1]]) for s in range(S)]
+
+    def cost(rank, action):
+        s = stage_of(rank, action.chunk, P)
+        return fw[s] if action.kind == "F" else bw[s] if action.kind == "B" else bw[s] / 2
+
+    return simulate(build_schedule(schedule, P, M, V), P, V, cost, microbatches=M).makespan
+
+
+def _gpt_1p3b_costs(halves: bool):
+    from distributed_training.models.gpt import GPT_PRESETS
+    from distributed_training.pipeline.gpt_stages import GPTStages
+
+    return GPTStages(GPT_PRESETS["gpt-1.3b"], halves=halves).step_costs(1024, microbatch_tokens=2048)
+
+
+@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("zbh1", 1)])
+def test_schedule_cut_finds_the_exhaustive_best_on_gpt_1p3b_whole_blocks(schedule, chunks):
+    import itertools
+
+    forward, backward = _gpt_1p3b_costs(halves=False)
+    P, M, n = 4, 8, len(forward)
+    cut = schedule_cut(forward, backward, schedule, P, M, chunks)
+    best = min(_makespan(forward, backward, [0, *c, n], schedule, P, M, chunks)
+               for c in itertools.combinations(range(1, n), P * chunks - 1))
+    assert _makespan(forward, backward, cut, schedule, P, M, chunks) == pytest.approx(best, rel=1e-9)
+
+
+def test_schedule_cut_beats_the_smallest_largest_stage_where_the_schedule_needs_it():
+    """Interleaved, 2 chunks a rank: the last chunk's forward is on every microbatch's turn to its
+    backward, so the cut that only evens the stages' sums (`partition`) is far from the best."""
+    forward, backward = _gpt_1p3b_costs(halves=True)
+    P, M, V = 4, 8, 2
+    even = partition([f + b for f, b in zip(forward, backward)], P * V)
+    cut = schedule_cut(forward, backward, "interleaved_1f1b", P, M, V)
+    assert cut != even
+    assert _makespan(forward, backward, cut, "interleaved_1f1b", P, M, V) < 0.97 * _makespan(
+        forward, backward, even, "interleaved_1f1b", P, M, V)
+    # never worse than where it starts, on any costs; the same answer every time (every rank cuts alike)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        f = (torch.rand(12, generator=g) + 0.1).tolist()
+        b = [x * (1.5 + torch.rand(1, generator=g).item()) for x in f]
+        for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbh1", 1)):
+            start = partition([x + y for x, y in zip(f, b)], 2 * chunks)
+            cut = schedule_cut(f, b, schedule, 2, 4, chunks)
+            assert cut == schedule_cut(f, b, schedule, 2, 4, chunks)
+            assert cut[0] == 0 and cut[-1] == 12 and all(x < y for x, y in zip(cut, cut[1:]))
+            assert (_makespan(f, b, cut, schedule, 2, 4, chunks)
+                    <= _makespan(f, b, start, schedule, 2, 4, chunks) * (1 + 1e-12)), (trial, schedule)
+    with pytest.raises(ValueError, match="one each per layer"):
+        schedule_cut([1.0, 2.0], [1.0], "1f1b", 2, 2)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed_training.models import GPT, GPTConfig
-from distributed_training.pipeline.gpt_stages import LOSS_FLOPS_PER_LOGIT
+from distributed_training.pipeline.gpt_stages import ATTENTION_CORE_COST, LOSS_FLOPS_PER_LOGIT
 from distributed_training.pipeline import (GPTStages, Stage, TiedGroup, chain, find_ties, gpt_key, layer_seed, lm_loss,
                                            partition, split_at, sync_tied_grads, tied_groups)
 from distributed_training.testing import run_distributed
@@ -234,9 +234,12 @@ def test_gpt_stages_costs_and_balance():
     block = _count(whole.blocks[0])
     assert counts == [V * C + CFG.block_size * C, *[block] * CFG.n_layer, V * C + 2 * C]  # the tie in both
     # per token: a lookup, the blocks' matmuls and attention, the head's matmul and its loss's memory traffic
-    flops = builder.compute_costs()
-    assert flops == [C, *[24 * C * C + 2 * T * C] * CFG.n_layer, 2 * C * V + LOSS_FLOPS_PER_LOGIT * V]
-    assert builder.compute_costs(loss=False) == [*flops[:-1], 2 * C * V]
+    forward, backward = builder.step_costs()
+    attention = 8 * C * C + ATTENTION_CORE_COST * 2 * T * C
+    assert forward == [C, *[attention + 16 * C * C] * CFG.n_layer, 2 * C * V + LOSS_FLOPS_PER_LOGIT * V]
+    assert builder.compute_costs() == [f + b for f, b in zip(forward, backward)]
+    assert builder.step_costs(loss=False)[0] == [*forward[:-1], 2 * C * V]
+    assert builder.step_costs(microbatch_tokens=2 * T)[1][0] == backward[0] / 2  # the embedding's, per microbatch
     costs = counts
     for S in range(1, 7):
         assert builder.bounds(S) == partition(costs, S)
@@ -326,7 +329,7 @@ def test_half_blocks_hold_the_whole_blocks_weights_and_compute_the_same():
     idx, _ = _batch()
     assert torch.equal(halves.build(0, 1)(idx), whole.build(0, 1)(idx))
     C, T = CFG.n_embd, CFG.block_size
-    assert halves.compute_costs()[1:3] == [8 * C * C + 2 * T * C, 16 * C * C]
+    assert halves.step_costs()[0][1:3] == [8 * C * C + ATTENTION_CORE_COST * 2 * T * C, 16 * C * C]
     assert sum(halves.compute_costs()) == sum(whole.compute_costs())
     assert halves.stage_names(1, 2, split=["block.2.m"])[0] == "block.2.m"
     with pytest.raises(ValueError, match="blocks in halves"):
@@ -446,3 +449,21 @@ def test_sync_tied_grads_on_two_ranks():
     for errors in (errors0, errors1):
         assert len(errors) == 2
         assert "span different stages" in errors[0] and "group has 2 ranks but the ties span 3 stages" in errors[1]
+
+
+def test_gpt_compute_model_gives_the_measured_step_ratios():
+    """The compute model against what it was fitted to: session 27's per-stage times on 4x H200 at
+    GPT-1.3B, 8 microbatches of 2 x 1024 tokens (`benchmarks/results/pipeline_2026-11-28_4xh200_s27.md`):
+    per step, forward / backward, an MLP half 2.24 / 5.7 ms, an attention half 1.72 / 4.4, the head
+    11.46 / 19.1, the embedding 0.0 / 2.2."""
+    from distributed_training.models.gpt import GPT_PRESETS
+
+    forward, backward = GPTStages(GPT_PRESETS["gpt-1.3b"], halves=True).step_costs(1024, microbatch_tokens=2048)
+    step = [f + b for f, b in zip(forward, backward)]
+    embed, attention, mlp, head = step[0], step[1], step[2], step[-1]
+    measured = {"attention": (1.72 + 4.4) / (2.24 + 5.7), "head": (11.46 + 19.1) / (2.24 + 5.7),
+                "embed": 2.2 / (2.24 + 5.7)}
+    for name, model in (("attention", attention / mlp), ("head", head / mlp), ("embed", embed / mlp)):
+        assert model == pytest.approx(measured[name], rel=0.03), (name, model, measured[name])
+    assert forward[-1] / forward[2] == pytest.approx(11.46 / 2.24, rel=0.03)  # the head's forward alone
+    assert backward[1] / forward[1] == pytest.approx(4.4 / 1.72, rel=0.03)

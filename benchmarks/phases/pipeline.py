@@ -18,10 +18,13 @@ groups; the tie groups the first time a cut needs them.
 
 Each rank builds only its own stage(s) of our GPT (`pipeline.GPTStages`: weights equal to the whole
 model's); the same stage modules go to both implementations, freshly built for each run. Balance
-(``--variants``, default ``compute``): ``compute``, the layers' FLOPs (`GPTStages.compute_costs`);
+(``--variants``, default ``compute``), each run cut where its schedule's simulated step is shortest
+(`balance.schedule_cut`, from every layer's forward and backward cost; torch's zero-bubble schedule, 2
+stages a rank, cut as the interleaved one): ``compute``, the GPT's compute model (`GPTStages.step_costs`:
+matmul FLOPs, the attention core, the loss, the embedding's gradient; fitted to session 27's run);
 ``time``, each layer's forward + backward measured once on the device before the runs
 (`balance.layer_costs(..., "time")` on one microbatch of the P = world layout, averaged over the ranks),
-the same costs for ours and torch's and for both layouts; ``halves``, the FLOPs of a chain cut at half
+the same costs for ours and torch's and for both layouts; ``halves``, the compute model of a chain cut at half
 blocks (`GPTStages(halves=True)`: a block's attention and its MLP are layers of their own, so a stage may
 end inside a block: twice as fine a balance); ``halves_time``, the half-block chain's layers timed as for
 ``time`` (the head's softmax over the vocabulary counted as it runs, which FLOPs miss: the last stage's
@@ -153,19 +156,24 @@ def run(ctx, opts) -> dict:
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    costs = {"compute": GPTStages(cfg).compute_costs(seq), "halves": GPTStages(cfg, halves=True).compute_costs(seq),
-             "halves_matmuls": GPTStages(cfg, halves=True).compute_costs(seq, loss=False)}  # (before session 25)
+    # (forward, backward) per chain layer; the cut of each run is `schedule_cut` of them for its schedule.
+    tokens_mb = batch // microbatches * seq  # at P = world (the embedding's share is per microbatch: at
+    # P = world / 2 its microbatches are half as large, and these costs put a little less on its first stage)
+    costs = {"compute": GPTStages(cfg).step_costs(seq, microbatch_tokens=tokens_mb),
+             "halves": GPTStages(cfg, halves=True).step_costs(seq, microbatch_tokens=tokens_mb),
+             "halves_matmuls": GPTStages(cfg, halves=True).step_costs(seq, loss=False, microbatch_tokens=tokens_mb)}
     result = {"status": "ok", "model": "tiny" if opts.smoke else "gpt-1.3b", "pipeline": world, "batch": batch,
               "seq": seq, "microbatches": microbatches, "steps": steps, "balances": balances,
               "variants_ignored": ignored, "configs": {}, "runs": {}}
     for timed in ("time", "halves_time"):
         if timed in balances:
             t0 = time.perf_counter()
-            costs[timed] = _time_costs(cfg, x[:batch // microbatches].cpu(), ctx,
-                                       TIME_BUDGET_S["smoke" if opts.smoke else "gpu"], halves=timed == "halves_time")
+            seconds = _time_costs(cfg, x[:batch // microbatches].cpu(), ctx,
+                                  TIME_BUDGET_S["smoke" if opts.smoke else "gpu"], halves=timed == "halves_time")
+            costs[timed] = ([t / 3 for t in seconds], [2 * t / 3 for t in seconds])  # as `balance.split_step`
             result.setdefault("time_balance", {})[timed] = {"sample_shape": [batch // microbatches, seq],
                                                              "seconds": time.perf_counter() - t0}
-    result["layer_costs"] = {b: costs[b] for b in balances}
+    result["layer_costs"] = {b: [f + w for f, w in zip(*costs[b])] for b in balances}
     configs = []  # (name, key prefix, layout, balance)
     for layout in layouts:
         for balance in balances:
@@ -262,6 +270,7 @@ def _average_over_data(params, group, size: int) -> None:
 
 def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout, costs, halves=False) -> dict:
     from distributed_training.pipeline import GPTStages, PipelineEngine, bubble_formula, lm_loss, sync_tied_grads
+    from distributed_training.pipeline.balance import schedule_cut
 
     world, device = ctx.world_size, ctx.device
     P, prank = layout.P, layout.prank
@@ -270,13 +279,16 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout
     chunks = TORCH[schedule][1] if impl == "torch" else OURS[schedule]
     num_stages = P * chunks
     maker = GPTStages(cfg, seed=0, halves=halves)
+    # The cut for this schedule (torch's zero-bubble schedule, 2 stages a rank, as the interleaved one).
+    cut = schedule_cut(*costs, "interleaved_1f1b" if chunks > 1 else schedule, P, microbatches, chunks)
+    split = [maker.layer_names()[b] for b in cut[1:-1]]
     # The tie's group first (made on every rank alike), before anything that may fail on one rank only.
-    tied = maker.tied_groups(num_stages, costs=costs)
+    tied = maker.tied_groups(num_stages, split=split)
     tie_group = layout.tie_group(sorted({s % P for s in tied[0].stages})) if tied else None
     free_memory(device)
     synchronize(device)
     peak_reset(device)
-    modules = [maker.build(c * P + prank, num_stages, device, costs=costs) for c in range(chunks)]
+    modules = [maker.build(c * P + prank, num_stages, device, split=split) for c in range(chunks)]
     params = [p for m in modules for p in m.parameters()]
 
     def sync_ties():
@@ -343,7 +355,7 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout
     return {"status": "ok", "chunks_per_rank": chunks, "step_ms": step_s * 1e3,
             "tokens_per_s_per_gpu": x.numel() / step_s / world, "peak_gib_per_rank": [float(e[0]) / GIB for e in every],
             "bubble_formula": bubble_formula(schedule, P, microbatches, chunks=chunks) if impl != "torch" else None,
-            "bounds": maker.bounds(num_stages, costs=costs), "last_loss": statistics.mean(losses),
+            "bounds": cut, "last_loss": statistics.mean(losses),
             "last_loss_per_pipeline": losses, **timing}
 
 

@@ -129,43 +129,65 @@ def gpt_key(key: str) -> str:
     raise ValueError(f"key {key!r} is not a GPT chain key (embed.*, block.*, head.*)")
 
 
-#: The loss's cost per token and vocabulary entry, in forward-FLOP equivalents (see `gpt_layer_flops`).
-LOSS_FLOPS_PER_LOGIT = 1900.0
+# The compute model of our GPT's layers (`gpt_layer_costs`). Units: the time of one forward FLOP of a
+# large bf16 matmul (the MLP's), per token. The constants were fitted to one run (4x H200, GPT-1.3B, bf16,
+# 8 microbatches of 2 x 1024 tokens, CUDA graphs, session 27: `pipeline_2026-11-28_4xh200_s27.md`), where
+# each stage's forward and backward were timed at two cuts: an MLP half took 2.24 / 5.7 ms a step (forward
+# / backward), an attention half 1.72 / 4.4, the head 11.46 / 19.1, the embedding 0.0 / 2.2.
+
+#: The attention core (flash attention, 2 T C FLOPs a token forward) with the layer norm, dropout and
+#: residual around it, per FLOP of that core: the attention half forwards in 0.77 of the MLP half's time
+#: although its FLOPs are 0.56 of them.
+ATTENTION_CORE_COST = 4.3
+#: A block's backward over its forward (2 for matmuls alone; the attention's backward and the elementwise
+#: work make it 2.54 for the MLP half and 2.56 for the attention half).
+BACKWARD_RATIO = 2.55
+#: The head's loss (`lm_loss`: the softmax over the vocabulary in fp32, memory-bound) per token and
+#: vocabulary entry: forward and backward. It moves ~28 bytes a logit, which costs far more than its FLOPs.
+LOSS_FLOPS_PER_LOGIT = 2730.0
+LOSS_BACKWARD_PER_LOGIT = 930.0
+#: The token embedding's backward writes a dense V x C gradient (and adds it into ``.grad``) once per
+#: microbatch, whatever its tokens: the cost per entry of that table, per microbatch.
+EMBED_BACKWARD_PER_ENTRY = 1300.0
+
+
+def gpt_layer_costs(cfg: GPTConfig, seq: int | None = None, halves: bool = False, loss: bool = True,
+                    microbatch_tokens: int | None = None) -> tuple[list[float], list[float]]:
+    """(forward, backward) cost per token of each layer of the GPT's chain (``embed``, the blocks or their
+    halves, ``head``), at sequence length `seq` (default `cfg.block_size`) with `microbatch_tokens` tokens
+    per microbatch (default one sequence), in units of one forward matmul FLOP (see the constants above).
+
+    * a block: its matmuls, 24 C^2 (qkv 6 C^2, the attention's projection 2 C^2, the MLP 16 C^2), and the
+      causal attention core, 2 T C, weighted by `ATTENTION_CORE_COST`; with `halves` two entries, the
+      attention half (8 C^2 + the core) and the MLP half (16 C^2). Backward: `BACKWARD_RATIO` times that.
+    * ``head``: the vocabulary projection, 2 C V forward and `BACKWARD_RATIO` times it backward, plus (with
+      `loss`, the default) the loss: `LOSS_FLOPS_PER_LOGIT` / `LOSS_BACKWARD_PER_LOGIT` x V.
+    * ``embed``: a lookup forward (C: next to nothing); backward the dense gradient of the V x C token
+      embedding, `EMBED_BACKWARD_PER_ENTRY` x V x C per microbatch, spread over its tokens.
+
+    Fitted to one GPU and model (see above): the cut it gives is right where the ratios hold (wide GPTs on
+    an H100 / H200 class GPU, bf16). Parameter counts, the trainer's default, weigh the tied embedding (a
+    lookup) like the head (a matmul over the vocabulary); FLOPs alone miss the loss and the attention's
+    elementwise work (with matmul FLOPs only, the last of 4 stages' forward took 29 ms against the others'
+    25-26 in session 23); and a narrow model's step is bound by the host's kernel launches, which none of
+    this sees (GPT-2 124M cut by FLOPs kept the first rank busy 151 ms a step and the last 38, 2x H200):
+    ``pipeline_balance="time"`` measures instead."""
+    C, T = cfg.n_embd, cfg.block_size if seq is None else seq
+    tokens = T if microbatch_tokens is None else microbatch_tokens
+    attention, mlp = 8.0 * C * C + ATTENTION_CORE_COST * 2.0 * T * C, 16.0 * C * C
+    blocks = [attention, mlp] * cfg.n_layer if halves else [attention + mlp] * cfg.n_layer
+    V = cfg.vocab_size
+    head_f = 2.0 * C * V + (LOSS_FLOPS_PER_LOGIT * V if loss else 0.0)
+    head_b = BACKWARD_RATIO * 2.0 * C * V + (LOSS_BACKWARD_PER_LOGIT * V if loss else 0.0)
+    forward = [float(C), *blocks, head_f]
+    backward = [EMBED_BACKWARD_PER_ENTRY * V * C / tokens, *(BACKWARD_RATIO * b for b in blocks), head_b]
+    return forward, backward
 
 
 def gpt_layer_flops(cfg: GPTConfig, seq: int | None = None, halves: bool = False, loss: bool = True) -> list[float]:
-    """Forward FLOPs per token of each layer of the GPT's chain, at sequence length `seq` (default
-    `cfg.block_size`): the stages' balance by compute (`GPTStages.compute_costs`, the trainer's
-    ``pipeline_balance="compute"``; the backward costs about twice each layer's forward, so the ratios
-    hold for a whole step).
-
-    ``embed`` is a lookup (counted as ``n_embd``: next to nothing); a block its matmuls, 24 C^2 (qkv
-    6 C^2, the attention's projection 2 C^2, the MLP 16 C^2), and causal attention, 2 T C (half of the
-    scores and the weighted sum); ``head`` the vocabulary projection, 2 C V. Parameter counts weigh
-    the tied embedding on the first stage like the head's matmul on the last: on 2x H200 at GPT-1.3B
-    (16 x 1024 tokens in 8 microbatches) the last stage then computed 184 ms a step against the
-    first's 159, and the cut by these costs (13 blocks / 11) evens them: 214.5 ms a step against 218.7
-    (`benchmarks/pipeline_profile.py`). But a narrow model's step is bound by the host's kernel
-    launches, which these costs ignore: GPT-2 124M cut by them (8 blocks / 4 and the head) kept the
-    first rank busy 151 ms a step and the last 38 (2x H200), so parameters stay the default. With
-    `halves`, each block is two entries: its attention half (8 C^2 + 2 T C) and its MLP half (16 C^2).
-
-    With `loss` (default), the head also counts the loss it computes (`lm_loss`: the softmax over the
-    vocabulary in fp32), which does few FLOPs but moves about 28 bytes per logit over forward and backward
-    (the bf16 logits read and cast, log-sum-exp, the gradient written and cast back). At an H100 / H200's
-    ~200-300 bf16 FLOPs per byte of memory traffic that is ~5,800 FLOPs of time per logit for the whole
-    step, ~1,900 in these forward-FLOP units (`LOSS_FLOPS_PER_LOGIT`): at GPT-1.3B about 0.9 of the head's
-    matmul, 0.9 of a block. Measured: with matmul FLOPs alone the last of 4 stages' forward took 29 ms
-    against the others' 25-26 (4x H200, session 23); at P = 2 the loss's whole step measured about a
-    third of a block, less than this, but the cut it gives made the interleaved schedule's bubble 0.92x
-    its formula against 1.53x, GPipe and 1F1B within 1% (docs/pipeline.md, session 25)."""
-    C, T = cfg.n_embd, cfg.block_size if seq is None else seq
-    if halves:  # the attention half: qkv, projection and attention; the MLP half: its two matmuls
-        blocks = [8.0 * C * C + 2.0 * T * C, 16.0 * C * C] * cfg.n_layer
-    else:
-        blocks = [24.0 * C * C + 2.0 * T * C] * cfg.n_layer
-    head = 2.0 * C * cfg.vocab_size + (LOSS_FLOPS_PER_LOGIT * cfg.vocab_size if loss else 0.0)
-    return [float(C), *blocks, head]
+    """Each layer's forward cost per token (`gpt_layer_costs`' first list): the matmul FLOPs, the attention
+    core weighted, and with `loss` the head's softmax."""
+    return gpt_layer_costs(cfg, seq, halves=halves, loss=loss)[0]
 
 
 class GPTStages:
@@ -226,9 +248,17 @@ class GPTStages:
             return MLPHalf(block.ln2, block.mlp, nn.Dropout(cfg.dropout))
         return block
 
-    def compute_costs(self, seq: int | None = None, loss: bool = True) -> list[float]:
-        """Each layer's forward FLOPs per token (`gpt_layer_flops`): pass as `costs` to balance by compute."""
-        return gpt_layer_flops(self.cfg, seq, halves=self.halves, loss=loss)
+    def compute_costs(self, seq: int | None = None, loss: bool = True,
+                      microbatch_tokens: int | None = None) -> list[float]:
+        """Each layer's forward + backward cost per token (`gpt_layer_costs`): pass as `costs` to balance
+        by compute (or `step_costs` to `balance.schedule_cut`, for a schedule)."""
+        forward, backward = self.step_costs(seq, loss, microbatch_tokens)
+        return [f + b for f, b in zip(forward, backward)]
+
+    def step_costs(self, seq: int | None = None, loss: bool = True,
+                   microbatch_tokens: int | None = None) -> tuple[list[float], list[float]]:
+        """(forward, backward) per layer: `gpt_layer_costs` of this chain."""
+        return gpt_layer_costs(self.cfg, seq, halves=self.halves, loss=loss, microbatch_tokens=microbatch_tokens)
 
     def costs(self) -> list[int]:
         """Parameters per layer (counted on the meta device: nothing allocated), what the stages are

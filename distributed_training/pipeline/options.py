@@ -33,10 +33,11 @@ class PipelineOptions:
             `meta_init`): each rank initialises only its stages' layers, from streams seeded by the
             layer's (GPT) or module's name, so the weights do not depend on the cut.
         balance: what the stages are balanced by when `split_points` is None (``pipeline_balance``):
-            ``"parameters"`` (default: parameter counts) or ``"compute"`` (our GPT only: forward FLOPs per
-            token, `gpt_stages.gpt_layer_flops`; for wide models whose step the GPU, not the host, bounds)
-            or ``"time"`` (each layer's forward + backward measured on the device at setup, averaged over
-            the ranks: `balance.measure_layer_times`).
+            ``"parameters"`` (default: parameter counts) or ``"compute"`` (our GPT only: each layer's
+            forward and backward cost per token, `gpt_stages.gpt_layer_costs`; for wide models whose step
+            the GPU, not the host, bounds) or ``"time"`` (each layer's forward + backward measured on the
+            device at setup, averaged over the ranks: `balance.measure_layer_times`). ``"compute"`` and
+            ``"time"`` cut where the schedule's simulated step is shortest (`balance.schedule_cut`).
         sample_input: for ``balance="time"``, one microbatch's input to the first layer (a tensor, or a
             tuple, list or dict of tensors; ``pipeline_sample_input``); None: our GPT's default, token
             ids of shape (1, ``cfg.block_size``) (`balance.default_sample`); other models need one.

@@ -10,10 +10,11 @@ different batches; the P ranks of a pipeline see the same batches (`fit` shards 
 
 Stages. The model's chain of layers (`stages.chain`: an `nn.Sequential`, our `GPT`, or an adapter's
 list) is cut into S = P x V stages (V = `pipeline_chunks`, 2 by default for ``"interleaved_1f1b"``, 1
-otherwise), balanced by parameter count (`partition` of `balance.layer_costs`; our GPT by compute
-with ``pipeline_balance="compute"``, `gpt_layer_flops`; any chain by each layer's forward + backward
-measured on the device at setup with ``"time"``, averaged over the ranks so that every rank cuts
-alike), or cut at `pipeline_split_points` (`split_at`).
+otherwise), balanced by parameter count (`partition` of `balance.layer_costs`: the largest stage
+smallest); our GPT by compute with ``pipeline_balance="compute"`` (`gpt_layer_costs`), any chain by each
+layer's forward + backward measured on the device at setup with ``"time"`` (averaged over the ranks so
+that every rank cuts alike), both cut where the schedule's simulated step is shortest
+(`balance.schedule_cut`); or cut at `pipeline_split_points` (`split_at`).
 Chunk c of pipeline rank r is stage ``c * P + r``. Every rank receives the user's model object,
 keeps its stages' layers and frees the rest: the other layers' parameters and buffers in the user's
 model object are replaced by meta tensors (shapes only), so the model passed to the trainer is not
@@ -83,7 +84,7 @@ from ..runtime import DistributedContext
 from ..strategies.base import OptimizerFactory, Strategy
 from .engine import PipelineEngine
 from .p2p import PipelineAborted
-from .balance import layer_costs
+from .balance import layer_costs, schedule_cut, split_step
 from .gpt_stages import lm_loss
 from .meta_init import check_initialisable, has_meta, materialize
 from .options import PipelineOptions
@@ -164,7 +165,11 @@ class PipelineStrategy(PipelineState, Strategy):
             costs = layer_costs(module, layers, opts.balance, device=context.device, sample=opts.sample_input,
                                 autocast=_autocast(opts.mixed_precision, context.device), group=context.group,
                                 collective_device=context.device if context.backend == "nccl" else None)
-            bounds = partition(costs, S)
+            if opts.balance == "parameters":
+                bounds = partition(costs, S)  # memory: the largest stage as small as it can be
+            else:  # time: the schedule's simulated step as short as it can be
+                forward, backward = split_step(module, layers, opts.balance, costs)
+                bounds = schedule_cut(forward, backward, opts.schedule, P, opts.microbatches or P, V)
         #: What the cut balanced (one cost per chain layer: parameters, FLOPs per token or seconds; None
         #: with pipeline_split_points) and the cut (stage s holds chain layers bounds[s]:bounds[s + 1]).
         self.layer_costs: list[float] | None = costs
