@@ -5,6 +5,8 @@
 #      TrainableSet leak fix; the profile with the GPU's SM clock and power); P, the pipeline phase at P = 4
 #      with whole blocks and half blocks (both with the head's loss in the compute balance), eager and
 #      CUDA graphs, 2 rounds, in one run so that the two cuts compare.
+#   Q: the pipeline phase after the change of the cut (balance.schedule_cut with the compute model fitted to
+#      N's per-stage times): P = 4 and P = 2 x DP = 2, whole and half blocks, eager and CUDA graphs, 2 rounds.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -22,5 +24,6 @@ case "$1" in
   N) run P 250 240 --worlds 4 --phases pipeline --variants pp,compute,halves,graphs --rounds 2
      run T 290 140 --worlds 1,4 --phases training,profiling --models gpt-1.3b:8:1024 \
        --impls torch_ddp,ours_ddp,zero2,zero3,torch_fsdp2 ;;
+  Q) run Q 400 390 --worlds 4 --phases pipeline --variants pp,pp_dp,compute,halves,graphs --rounds 2 ;;
 esac
 tar -czf "$OUT/s27_$1.tar.gz" -C $R .

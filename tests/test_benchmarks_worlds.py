@@ -44,13 +44,24 @@ def test_ps_phase_at_world_3_compares_sync_ssp_and_async(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+def _cut(pipe, balance, schedule, P, chunks):
+    """The cut the phase makes: the measured times a third forward, two thirds backward, cut for the
+    schedule (torch's zero-bubble schedule, 2 stages a rank, as the interleaved one)."""
+    from distributed_training.pipeline.balance import schedule_cut
+
+    forward, backward = pipe["layer_step_costs"][balance]
+    assert [f + b for f, b in zip(forward, backward)] == pipe["layer_costs"][balance]
+    assert all(b == pytest.approx(2 * f) for f, b in zip(forward, backward))
+    return schedule_cut(forward, backward, "interleaved_1f1b" if chunks > 1 else schedule, P, pipe["microbatches"], chunks)
+
+
 def test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time(tmp_path):
     """The pipeline phase at world 4 (gloo): P = 4 and P = 2 x DP = 2, every schedule of ours and torch's,
     stages balanced by measured time. Same initial weights and global batch everywhere, so every run's
     last loss is the same: the two pipelines of P = 2 x DP = 2 see different halves of the batch (their
     own losses differ), and only the average of their gradients over the data groups keeps them on
     P = 4's trajectory (without it their mean loss moves off by about 6e-3 here)."""
-    from distributed_training.pipeline import bubble_formula, partition
+    from distributed_training.pipeline import bubble_formula
 
     results = _suite(tmp_path, "--phases", "pipeline", "--worlds", "4", "--variants", "time", timeout=400)
     pipe = results["phases"]["pipeline"]["worlds"]["4"]
@@ -67,8 +78,8 @@ def test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time
                 run = pipe["runs"][f"{prefix}{impl}_{schedule}"]
                 assert run["status"] == "ok" and run["step_ms"] > 0, (prefix, impl, schedule, run)
                 assert (run["pipeline"], run["data"], run["balance"]) == (P, 4 // P, "time")
-                # Cut by the measured times.
-                assert run["bounds"] == partition(costs, P * run["chunks_per_rank"]), (prefix, impl, schedule)
+                # Cut by the measured times, for the schedule.
+                assert run["bounds"] == _cut(pipe, "time", schedule, P, run["chunks_per_rank"]), (prefix, impl, schedule)
                 assert run["last_loss"] == pytest.approx(reference, rel=1e-5), (prefix, impl, schedule)
                 assert len(run["last_loss_per_pipeline"]) == 4 // P
             ours = pipe["runs"][f"{prefix}ours_{schedule}"]
@@ -86,8 +97,6 @@ def test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time
 def test_pipeline_phase_balances_half_blocks_by_measured_time(tmp_path):
     """``--variants halves_time``: the chain cut at half blocks (embed, block.i.a, block.i.m, ..., head), each
     layer timed on the device, and every run cut by those times; ours and torch's reach the same loss."""
-    from distributed_training.pipeline import partition
-
     results = _suite(tmp_path, "--phases", "pipeline", "--worlds", "2", "--variants", "pp,halves_time", timeout=280)
     pipe = results["phases"]["pipeline"]["worlds"]["2"]
     assert pipe["status"] == "ok" and pipe["balances"] == ["halves_time"], pipe.get("reason")
@@ -99,7 +108,7 @@ def test_pipeline_phase_balances_half_blocks_by_measured_time(tmp_path):
         for impl in ("ours", "torch"):
             run = pipe["runs"][f"{impl}_{schedule}"]
             assert run["status"] == "ok" and run["balance"] == "halves_time", (impl, schedule, run)
-            assert run["bounds"] == partition(costs, 2 * run["chunks_per_rank"]), (impl, schedule)
+            assert run["bounds"] == _cut(pipe, "halves_time", schedule, 2, run["chunks_per_rank"]), (impl, schedule)
             assert run["last_loss"] == pytest.approx(reference, rel=1e-5), (impl, schedule)
     md = (tmp_path / "results.md").read_text()
     assert "stages balanced by measured time, the blocks cut in halves" in md

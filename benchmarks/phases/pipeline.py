@@ -35,7 +35,8 @@ both. ``graphs``
 adds a third implementation to each schedule but ZB-H1: ours with each stage's forward and backward
 replayed as CUDA graphs (the engine's ``cuda_graphs``; keys ``graphs_1f1b``, ...), timed like ours.
 Each run records its balance and its cut (``bounds``: stage s holds chain layers bounds[s]:bounds[s+1]
-of embed, the blocks, head); the phase records the per-layer costs of each balance (``layer_costs``).
+of embed, the blocks, head); the phase records the per-layer costs of each balance (``layer_costs``, and
+the forward and backward they were cut by, ``layer_step_costs``).
 
 bf16 autocast, fused AdamW; a global batch of 16 sequences of 1024 tokens in 8 microbatches (the
 issue's reference setting; smoke: tiny). Schedules: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (2 chunks
@@ -174,6 +175,7 @@ def run(ctx, opts) -> dict:
             result.setdefault("time_balance", {})[timed] = {"sample_shape": [batch // microbatches, seq],
                                                              "seconds": time.perf_counter() - t0}
     result["layer_costs"] = {b: [f + w for f, w in zip(*costs[b])] for b in balances}
+    result["layer_step_costs"] = {b: [list(costs[b][0]), list(costs[b][1])] for b in balances}  # what cut
     configs = []  # (name, key prefix, layout, balance)
     for layout in layouts:
         for balance in balances:
