@@ -7,6 +7,8 @@
 #      CUDA graphs, 2 rounds, in one run so that the two cuts compare.
 #   Q: the pipeline phase after the change of the cut (balance.schedule_cut with the compute model fitted to
 #      N's per-stage times): P = 4 and P = 2 x DP = 2, whole and half blocks, eager and CUDA graphs, 2 rounds.
+#   R: P = 4 at half blocks with the loss as it is (R0) and through torch.compile (R1, ``fused_loss``; the
+#      head's loss then costs ~nothing in the cut), one after the other on one machine.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 start=$(date +%s)
@@ -24,6 +26,8 @@ case "$1" in
   N) run P 250 240 --worlds 4 --phases pipeline --variants pp,compute,halves,graphs --rounds 2
      run T 290 140 --worlds 1,4 --phases training,profiling --models gpt-1.3b:8:1024 \
        --impls torch_ddp,ours_ddp,zero2,zero3,torch_fsdp2 ;;
+  R) run R0 200 190 --worlds 4 --phases pipeline --variants pp,halves,graphs --rounds 2
+     run R1 260 250 --worlds 4 --phases pipeline --variants pp,halves,graphs,fused_loss --rounds 2 ;;
   Q) run Q 400 390 --worlds 4 --phases pipeline --variants pp,pp_dp,compute,halves,graphs --rounds 2 ;;
 esac
 tar -czf "$OUT/s27_$1.tar.gz" -C $R .

@@ -246,6 +246,9 @@ def _pipeline(results):
         lines += [f"## Pipeline ({part['model']}, world {w}: {', '.join(configs)}; {part['batch']} x {part['seq']} "
                   f"tokens a step, {part['microbatches']} microbatches a pipeline): ours vs torch.distributed.pipelining",
                   ""]
+        if part.get("loss_fn", "lm_loss") != "lm_loss":
+            lines += [f"The loss: `{part['loss_fn']}` for every implementation (the compute model counts the head's "
+                      "matmul only).", ""]
         for name, c in configs.items():
             if c.get("data", 1) > 1:
                 lines.append(f"- {name}: {c['data']} pipelines of {c['pipeline']} stages side by side (ranks by the "

@@ -71,7 +71,7 @@ from common import GIB, autocast, free_memory, peak, peak_reset, skipped, slowes
 OURS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbh1": 1}   # schedule -> chunks a rank
 TORCH = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
          "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2), "zbh1": ("ScheduleInterleavedZeroBubble", 2)}
-EXTRAS = ("graphs",)            # ours with cuda_graphs too, for the schedules it runs
+EXTRAS = ("graphs", "fused_loss")  # ours with cuda_graphs too; the loss compiled (every impl alike)
 LAYOUTS = ("pp", "pp_dp")       # the whole world one pipeline; pipelines of world / 2 ranks, two side by side
 BALANCES = ("compute", "time", "halves", "halves_time", "halves_matmuls")  # FLOPs per layer; forward + backward measured per layer;
 # FLOPs per half block; forward + backward measured per half block
@@ -151,6 +151,10 @@ def run(ctx, opts) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
     layout_names, balances, ignored = _variants(opts, world)
     graphs = "graphs" in (opts.variants or "").split(",") and device.type == "cuda"
+    # fused_loss: the loss (`lm_loss`) through torch.compile on CUDA, for ours and torch's alike: one kernel
+    # reads the bf16 logits instead of an fp32 copy made and read twice; the compute model then counts the
+    # head's matmul only (``loss=False``).
+    fused = "fused_loss" in (opts.variants or "").split(",") and device.type == "cuda"
     if not layout_names:
         return skipped(f"--variants {opts.variants}: pp_dp (P = world / 2 x DP = 2) needs an even world of 4 or more")
     layouts = [_Layout(world, ctx.rank, world if name == "pp" else world // 2, ctx.backend) for name in layout_names]
@@ -160,12 +164,13 @@ def run(ctx, opts) -> dict:
     # (forward, backward) per chain layer; the cut of each run is `schedule_cut` of them for its schedule.
     tokens_mb = batch // microbatches * seq  # at P = world (the embedding's share is per microbatch: at
     # P = world / 2 its microbatches are half as large, and these costs put a little less on its first stage)
-    costs = {"compute": GPTStages(cfg).step_costs(seq, microbatch_tokens=tokens_mb),
-             "halves": GPTStages(cfg, halves=True).step_costs(seq, microbatch_tokens=tokens_mb),
+    costs = {"compute": GPTStages(cfg).step_costs(seq, loss=not fused, microbatch_tokens=tokens_mb),
+             "halves": GPTStages(cfg, halves=True).step_costs(seq, loss=not fused, microbatch_tokens=tokens_mb),
              "halves_matmuls": GPTStages(cfg, halves=True).step_costs(seq, loss=False, microbatch_tokens=tokens_mb)}
     result = {"status": "ok", "model": "tiny" if opts.smoke else "gpt-1.3b", "pipeline": world, "batch": batch,
               "seq": seq, "microbatches": microbatches, "steps": steps, "balances": balances,
-              "variants_ignored": ignored, "configs": {}, "runs": {}}
+              "variants_ignored": ignored, "configs": {}, "runs": {},
+              "loss_fn": "torch.compile(lm_loss)" if fused else "lm_loss"}
     for timed in ("time", "halves_time"):
         if timed in balances:
             t0 = time.perf_counter()
@@ -195,7 +200,7 @@ def run(ctx, opts) -> dict:
                     key = f"{prefix}{impl}_{schedule}"
                     try:
                         run_ = _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout,
-                                        costs[balance], halves=balance in HALF_BLOCKS)
+                                        costs[balance], halves=balance in HALF_BLOCKS, fused_loss=fused)
                     except Exception as err:  # noqa: BLE001 - recorded; the other runs go on
                         run_ = {"status": "error", "reason": f"{type(err).__name__}: {str(err)[:300]}"}
                     run_.update(config=name, balance=balance, pipeline=layout.P, data=layout.D)
@@ -270,9 +275,25 @@ def _average_over_data(params, group, size: int) -> None:
             g.copy_(piece.view_as(g))
 
 
-def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout, costs, halves=False) -> dict:
-    from distributed_training.pipeline import GPTStages, PipelineEngine, bubble_formula, lm_loss, sync_tied_grads
+_COMPILED_LOSS = []
+
+
+def _loss_fn(fused: bool):
+    from distributed_training.pipeline import lm_loss
+
+    if not fused:
+        return lm_loss
+    if not _COMPILED_LOSS:  # one compiled function for every run of the process (compiled once per shape)
+        _COMPILED_LOSS.append(torch.compile(lm_loss))
+    return _COMPILED_LOSS[0]
+
+
+def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout, costs, halves=False,
+             fused_loss=False) -> dict:
+    from distributed_training.pipeline import GPTStages, PipelineEngine, bubble_formula, sync_tied_grads
     from distributed_training.pipeline.balance import schedule_cut
+
+    lm_loss = _loss_fn(fused_loss)
 
     world, device = ctx.world_size, ctx.device
     P, prank = layout.P, layout.prank
