@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -149,6 +150,32 @@ def _worlds(args, top: int) -> list[int]:
     return worlds + [top]
 
 
+def _run_group(cmd: list[str], env: dict, timeout: float):
+    """Run a world's launcher in a session of its own; its exit code, or "timeout" after `timeout` seconds,
+    when the whole session (torchrun and its workers) is stopped: TERM, then KILL 10 s later. Killing
+    torchrun alone left its workers running, holding the suite's output pipe open: a hung world then hung
+    the caller (session 27's device call)."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(proc.pid, signal.SIGKILL)  # workers that outlived the launcher too
+        proc.wait()
+        return "timeout"
+
+
+def _signal_group(pgid: int, sig) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the whole group is gone already
+        pass
+
+
 def _worker_command(args, world: int, phases: list[str], part: Path) -> list[str]:
     launcher = [sys.executable] if world == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
@@ -202,10 +229,7 @@ def run_all(args) -> int:
             env_vars.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
         print(f"[suite] world {w}: {', '.join(phases)}", flush=True)
         t0 = time.perf_counter()
-        try:
-            code = subprocess.run(cmd, env=env_vars, timeout=args.timeout or (300 if args.smoke else 3600)).returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+        code = _run_group(cmd, env_vars, args.timeout or (300 if args.smoke else 3600))
         got = json.loads(part.read_text()) if part.is_file() else {"phases": {}}
         part.unlink(missing_ok=True)
         results["runs"].append({k: v for k, v in got.items() if k != "phases"} |

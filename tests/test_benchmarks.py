@@ -268,3 +268,39 @@ def test_help_describes_every_phase():
     assert out.returncode == 0, out.stderr
     described = {line.split()[0] for line in out.stdout.split("Phases (")[1].split("\n\n")[1].splitlines()}
     assert described == ALL_PHASES
+
+
+@pytest.mark.timeout(60)
+def test_a_world_past_its_timeout_is_stopped_with_every_process_it_started(tmp_path):
+    """`suite._run_group`: a launcher past its time is stopped together with the processes it started (a
+    hung torchrun's workers kept the suite's output pipe open, so a device call waited past its limit)."""
+    import os
+    import time
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from suite import _run_group
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    marker = tmp_path / "child.pid"
+    # The launcher starts a child that ignores TERM and outlives it, as a stuck worker would.
+    script = (f"import os, signal, subprocess, sys, time\n"
+              f"child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+              f"signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)'])\n"
+              f"open({str(marker)!r}, 'w').write(str(child.pid))\n"
+              f"time.sleep(300)\n")
+    t0 = time.monotonic()
+    assert _run_group([sys.executable, "-c", script], dict(os.environ), timeout=3) == "timeout"
+    assert time.monotonic() - t0 < 30
+    pid = int(marker.read_text())
+    for _ in range(50):  # reaped by init once killed; gone from the process table soon after
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{pid}/stat").is_file() and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the launcher's child {pid} is still running")
+    assert _run_group([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), timeout=10) == 3
