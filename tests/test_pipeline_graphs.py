@@ -74,10 +74,12 @@ def graphs_worker(rank: int, world: int, schedule: str, autocast: bool) -> tuple
         for engine, opt in zip(engines, opts):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 losses.append(engine.step(idx, targets))
-            if engine.graphs is not None:  # autograd added the slots' gradients into .grad, never took them
-                statics = {t.data_ptr() for _, slots in filter(None, engine.graphs.captured) for s in slots
-                           for t in s.grad_params if t is not None}
+            if engine.graphs is not None:  # the accumulators were added into .grad, never handed over
+                statics = {t.data_ptr() for accumulators in engine.graphs.accumulators for t in accumulators.values()}
                 stolen |= any(p.grad.data_ptr() in statics for c in engine.chunks for p in c.parameters())
+                # and left at zero for the next step
+                stolen |= any(bool(t.any()) for accumulators in engine.graphs.accumulators
+                              for t in accumulators.values())
             opt.step()
             opt.zero_grad(set_to_none=True)
         worst = max(worst, abs(losses[0].item() - losses[1].item()))

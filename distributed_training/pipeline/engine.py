@@ -318,6 +318,8 @@ class PipelineEngine:
             if split is not None and split.pending():
                 raise RuntimeError(f"pipeline rank {self.rank}: the schedule left weight gradients of "
                                    f"{sorted(split.pending())} (microbatch, chunk) without a W action")
+            if self.graphs is not None:  # the graphed backward passes' parameter gradients, into .grad
+                self.graphs.flush()
             link.end_step()
         finally:
             if split is not None:
