@@ -34,4 +34,11 @@ case "$1" in
      exit 0 ;;
   Q) run Q 400 390 --worlds 4 --phases pipeline --variants pp,pp_dp,compute,halves,graphs --rounds 2 ;;
 esac
-tar -czf "$OUT/s27_$1.tar.gz" -C $R .
+[ "$1" = T ] || tar -czf "$OUT/s27_$1.tar.gz" -C $R .
+# T (written after S): the CUDA graphs' shared gradient accumulators: the GPU tests of the graphs, then the
+# pipeline phase at P = 4 half blocks, graphed, 1 round (peak memory against S's and Q's).
+if [ "$1" = T ]; then
+  timeout -k 5 170 python -m pytest -q -p no:cacheprovider -m gpu tests/test_pipeline_graphs.py > "$OUT/gpu_tests.log" 2>&1
+  echo "tests exit $?" >> "$OUT/gpu_tests.log"
+  R=$OUT; run T 100 90 --worlds 4 --phases pipeline --variants pp,halves,graphs --rounds 1
+fi
