@@ -29,7 +29,9 @@ the device never holds more than one layer and its activations. The global RNG i
 Where the cut falls (`schedule_cut`, for ``"compute"`` and ``"time"``): not only where the largest
 stage is smallest (`stages.partition`, which parameter counts use: memory), but where the schedule's
 simulated step is shortest (`schedules.simulate` with each stage's summed forward and backward costs),
-searched from that cut by moving one boundary at a time. The two differ where a schedule does not wait
+searched from that cut by moving one boundary at a time (each candidate's step computed for all of a
+move's candidates at once, `_StepModel`; the search's work bounded, `MAX_SEARCH_WORK`: a few seconds
+at most, the same cut on every rank). The two differ where a schedule does not wait
 on the largest stage alone: with 2 chunks a rank, the last chunk's forward sits on every microbatch's
 turn from forward to backward. At GPT-1.3B on 4 ranks, 8 microbatches, half blocks (the compute model's
 costs), the interleaved schedule's simulated bubble is 1.08x its formula at the smallest-largest-stage
@@ -50,6 +52,7 @@ import statistics
 import time
 from typing import Any, Callable, ContextManager, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -63,7 +66,7 @@ from .options import BALANCES
 from .schedules import build_schedule, simulate, stage_of
 from .stages import Layers, partition
 
-__all__ = ["BALANCES", "TIME_BUDGET_S", "default_sample", "measure_layer_times", "agree", "layer_costs",
+__all__ = ["BALANCES", "MAX_SEARCH_WORK", "TIME_BUDGET_S", "default_sample", "measure_layer_times", "agree", "layer_costs",
            "schedule_cut", "split_step"]
 
 #: Seconds `measure_layer_times` aims to spend on the whole chain (its warm-ups and repeats included),
@@ -288,17 +291,98 @@ def split_step(module: nn.Module, layers: Layers, balance: str, costs: Sequence[
     return [c / 3.0 for c in costs], [2.0 * c / 3.0 for c in costs]
 
 
+#: How much work `schedule_cut`'s hill climb may do, in simulated actions: a move scoring C candidate
+#: cuts of a schedule of A actions (P x V x M x 2, or x 3 for ZB-H1) costs A x (C + `_PASS_COST`), the
+#: pass over the actions counted too. About 2-3 s on one CPU core; before, the search had no bound but
+#: its 200 moves and took 17 s at 200 layers, P = 8, 2 chunks, 32 microbatches, and 6 minutes at 98
+#: layers, P = 8, 4 chunks, 64 microbatches. A move that would pass the bound is not tried: the best cut
+#: so far is returned. Counted, not timed, so that every rank stops at the same cut. GPT-1.3B's cuts at
+#: P = 4 with 8 microbatches use under a hundredth of it.
+MAX_SEARCH_WORK = 100_000_000
+#: What one pass over a schedule's actions costs besides the candidates, per action (in candidates).
+_PASS_COST = 100
+#: Floats per block of candidates evaluated at once (`_StepModel.makespans`): about 32 MiB.
+_BLOCK_FLOATS = 4_000_000
+
+
+class _StepModel:
+    """`schedules.simulate`'s makespan of one schedule, for many cuts at once (vectorised over the cuts).
+
+    With free communication and each rank running its actions in order, an action starts when the rank's
+    previous action and the action whose output it needs (the previous stage's forward, the next stage's
+    input gradient) have ended: the makespan is a longest path through the actions, taken here in one
+    pass over them in an order where each comes after its inputs (their order by end time in one
+    simulation with positive costs). The same additions and maxima as `simulate`, so the same numbers."""
+
+    def __init__(self, schedule: str, pipe_size: int, microbatches: int, chunks: int) -> None:
+        P, V = pipe_size, chunks
+        actions = build_schedule(schedule, P, microbatches, V)
+        timeline = simulate(actions, P, V, microbatches=microbatches).timeline  # checks it, orders it
+        entries = sorted((end, rank, i) for rank, line in enumerate(timeline) for i, (_, end, _) in enumerate(line))
+        index = {(rank, i): k for k, (_, rank, i) in enumerate(entries)}
+        produced = {}  # ("F" | "G", microbatch, stage) -> the action's index
+        for (rank, i), k in index.items():
+            a = actions[rank][i]
+            if a.kind != "W":
+                produced["F" if a.kind == "F" else "G", a.microbatch, stage_of(rank, a.chunk, P)] = k
+        A, S = len(entries), P * V
+        self.size = A
+        self.kind = [0] * A  # 0: forward; 1: backward; 2: half of it (I or W)
+        self.stage, self.previous, self.input = [0] * A, [A] * A, [A] * A  # index A: a row of zeros
+        self.first: list[int] = []  # each rank's first action
+        for (rank, i), k in index.items():
+            a = actions[rank][i]
+            s = stage_of(rank, a.chunk, P)
+            self.kind[k], self.stage[k] = {"F": 0, "B": 1}.get(a.kind, 2), s
+            if i:
+                self.previous[k] = index[rank, i - 1]
+            else:
+                self.first.append(k)
+            if a.kind == "F" and s > 0:
+                self.input[k] = produced["F", a.microbatch, s - 1]
+            elif a.kind in ("B", "I") and s < S - 1:
+                self.input[k] = produced["G", a.microbatch, s + 1]
+
+    def makespans(self, fsum, bsum, cuts) -> np.ndarray:
+        """The simulated step of each cut (rows of `cuts`, bounds as `stages.partition`), with stage
+        costs from the prefix sums `fsum` and `bsum` of the layers' forward and backward costs."""
+        cuts = np.asarray(cuts, dtype=np.int64)
+        fsum, bsum = np.asarray(fsum, dtype=np.float64), np.asarray(bsum, dtype=np.float64)
+        out = np.empty(len(cuts))
+        block = max(1, _BLOCK_FLOATS // (self.size + 1))
+        kind, stage = np.asarray(self.kind), np.asarray(self.stage)
+        first = set(self.first)
+        for lo in range(0, len(cuts), block):
+            c = cuts[lo:lo + block]
+            fw = fsum[c[:, 1:]] - fsum[c[:, :-1]]
+            bw = bsum[c[:, 1:]] - bsum[c[:, :-1]]
+            cost = np.stack([fw, bw, bw / 2.0])[kind, :, stage]  # (actions, cuts)
+            end = np.zeros((self.size + 1, len(c)))
+            start = None
+            for k in range(self.size):
+                row = end[k]
+                np.maximum(end[self.previous[k]], end[self.input[k]], out=row)
+                if k in first:
+                    start = row.copy() if start is None else np.minimum(start, row)
+                row += cost[k]
+            out[lo:lo + len(c)] = end[:self.size].max(axis=0) - start
+        return out
+
+
 def schedule_cut(forward: Sequence[float], backward: Sequence[float], schedule: str, pipe_size: int,
-                 microbatches: int, chunks: int = 1, *, max_moves: int = 200) -> list[int]:
+                 microbatches: int, chunks: int = 1, *, max_moves: int = 200,
+                 max_work: int = MAX_SEARCH_WORK) -> list[int]:
     """Bounds (as `stages.partition`) of the cut of a chain into ``pipe_size x chunks`` stages whose step
     under `schedule` is shortest by `schedules.simulate` (each stage's forward, backward and, for ZB-H1,
     half of its backward as the weight gradient, summed over its layers; free communication).
 
     Searched, not exhaustive: from `partition` of the step costs (forward + backward), the cut moves to
     its neighbour with the shortest simulated step (a neighbour: a run of consecutive boundaries shifted
-    by one layer, or one boundary by two), while that is shorter (by more than 1e-9 of it) and for at most
-    `max_moves` moves. Deterministic: every rank given the same costs cuts alike. At GPT-1.3B on 4 ranks
-    with 8 microbatches it finds the exhaustive search's cut for GPipe, 1F1B and ZB-H1 (tested)."""
+    by one layer, or one boundary by two), while that is shorter (by more than 1e-9 of it), for at most
+    `max_moves` moves, and while its work stays within `max_work` (`MAX_SEARCH_WORK`, a few seconds: a
+    move that would pass it is not tried, the best cut so far is returned).
+    Deterministic: every rank given the same costs cuts alike. At GPT-1.3B on 4 ranks with 8 microbatches
+    it finds the exhaustive search's cut for GPipe, 1F1B and ZB-H1 (tested)."""
     forward, backward = [float(f) for f in forward], [float(b) for b in backward]
     if len(forward) != len(backward):
         raise ValueError(f"forward has {len(forward)} costs and backward {len(backward)}: one each per layer")
@@ -306,23 +390,14 @@ def schedule_cut(forward: Sequence[float], backward: Sequence[float], schedule: 
     bounds = partition([f + b for f, b in zip(forward, backward)], S)
     if S == 1:
         return bounds
-    actions = build_schedule(schedule, pipe_size, microbatches, chunks)
+    model = _StepModel(schedule, pipe_size, microbatches, chunks)
     fsum, bsum = [0.0], [0.0]
     for f, b in zip(forward, backward):
         fsum.append(fsum[-1] + f)
         bsum.append(bsum[-1] + b)
 
-    def step(cut: list[int]) -> float:
-        fw = [fsum[cut[s + 1]] - fsum[cut[s]] for s in range(S)]
-        bw = [bsum[cut[s + 1]] - bsum[cut[s]] for s in range(S)]
-
-        def cost(rank, action):
-            s = stage_of(rank, action.chunk, pipe_size)
-            return fw[s] if action.kind == "F" else bw[s] if action.kind == "B" else bw[s] / 2.0
-
-        return simulate(actions, pipe_size, chunks, cost, microbatches=microbatches).makespan
-
-    best = step(bounds)
+    best = float(model.makespans(fsum, bsum, [bounds])[0])
+    budget = max_work - model.size * (1 + _PASS_COST)
     for _ in range(max_moves):
         candidates = []
         for i in range(1, S):  # boundaries i..j move together (a run of stages shifts), or one alone by 2
@@ -332,11 +407,14 @@ def schedule_cut(forward: Sequence[float], backward: Sequence[float], schedule: 
                     for k in range(i, j + 1):
                         cut[k] += delta
                     if all(a < b for a, b in zip(cut, cut[1:])):
-                        candidates.append((step(cut), cut))
-        if not candidates:
+                        candidates.append(cut)
+        work = model.size * (len(candidates) + _PASS_COST)
+        if not candidates or work > budget:
             break
-        makespan, cut = min(candidates, key=lambda c: c[0])
-        if makespan >= best * (1.0 - 1e-9):
+        budget -= work
+        steps = model.makespans(fsum, bsum, candidates)
+        pick = int(np.argmin(steps))  # the first of the shortest, as min() over the list
+        if steps[pick] >= best * (1.0 - 1e-9):
             break
-        best, bounds = makespan, cut
+        best, bounds = float(steps[pick]), candidates[pick]
     return bounds

@@ -1,0 +1,83 @@
+"""Defects a new user's trial of the pipeline found (session 27), each tested where it was fixed."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from distributed_training.pipeline import partition
+from distributed_training.pipeline.balance import schedule_cut
+from distributed_training.pipeline.schedules import build_schedule, simulate, stage_of
+
+
+def _costs(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    forward = [1.0 + rng.random() for _ in range(n)]
+    return forward, [2.0 * f for f in forward]
+
+
+def test_schedule_cut_is_quick_at_200_layers_8_ranks_2_chunks():
+    """Every rank runs the search at setup. Each candidate cut was scored by a full `simulate`, a move
+    scoring ~300 of them: 17 s here at 200 layers, P = 8, 2 chunks, 32 microbatches (6 minutes at 98
+    layers, P = 8, 4 chunks, 64 microbatches). Now all of a move's candidates at once, and bounded."""
+    forward, backward = _costs(200)
+    start = time.perf_counter()
+    cut = schedule_cut(forward, backward, "interleaved_1f1b", 8, 32, 2)
+    took = time.perf_counter() - start
+    assert took < 5.0, f"schedule_cut took {took:.1f} s"
+    assert len(cut) == 17 and cut[0] == 0 and cut[-1] == 200 and all(a < b for a, b in zip(cut, cut[1:]))
+
+
+def _makespan(forward, backward, cut, schedule, P, M, V):
+    S = P * V
+    fw = [sum(forward[cut[s]:cut[s + 1]]) for s in range(S)]
+    bw = [sum(backward[cut[s]:cut[s + 1]]) for s in range(S)]
+
+    def cost(rank, action):
+        s = stage_of(rank, action.chunk, P)
+        return fw[s] if action.kind == "F" else bw[s] if action.kind == "B" else bw[s] / 2
+
+    return simulate(build_schedule(schedule, P, M, V), P, V, cost, microbatches=M).makespan
+
+
+def test_schedule_cut_work_is_bounded_and_the_same_on_every_call():
+    """A bound counted in work, not seconds: every rank stops at the same cut. No work at all: the
+    search's starting point (`partition`); a bound in between: a cut no worse than that."""
+    forward, backward = _costs(40, seed=1)
+    start = partition([f + b for f, b in zip(forward, backward)], 8)
+    assert schedule_cut(forward, backward, "interleaved_1f1b", 4, 8, 2, max_work=0) == start
+    some = schedule_cut(forward, backward, "interleaved_1f1b", 4, 8, 2, max_work=200_000)
+    assert some == schedule_cut(forward, backward, "interleaved_1f1b", 4, 8, 2, max_work=200_000)
+    full = schedule_cut(forward, backward, "interleaved_1f1b", 4, 8, 2)
+    spans = [_makespan(forward, backward, cut, "interleaved_1f1b", 4, 8, 2) for cut in (start, some, full)]
+    assert spans[0] >= spans[1] >= spans[2], spans
+
+
+@pytest.mark.parametrize("schedule, P, M, V", [("gpipe", 3, 2, 1), ("1f1b", 4, 6, 1), ("zbh1", 3, 5, 1),
+                                               ("interleaved_1f1b", 2, 4, 3), ("1f1b", 1, 3, 1)])
+def test_the_vectorised_step_equals_simulate_to_the_bit(schedule, P, M, V):
+    """`_StepModel.makespans` (all candidates at once) gives `simulate`'s makespan exactly, so the
+    search picks the cut it picked before."""
+    from distributed_training.pipeline.balance import _StepModel
+
+    rng = random.Random(2)
+    n = P * V + 7
+    forward = [rng.random() + 0.05 for _ in range(n)]
+    backward = [f * (1 + 2 * rng.random()) for f in forward]
+    fsum, bsum = [0.0], [0.0]
+    for f, b in zip(forward, backward):
+        fsum.append(fsum[-1] + f)
+        bsum.append(bsum[-1] + b)
+    cuts = [[0, *sorted(rng.sample(range(1, n), P * V - 1)), n] for _ in range(6)]
+    got = _StepModel(schedule, P, M, V).makespans(fsum, bsum, cuts)
+    for cut, value in zip(cuts, got):
+        fw = [fsum[cut[s + 1]] - fsum[cut[s]] for s in range(P * V)]
+        bw = [bsum[cut[s + 1]] - bsum[cut[s]] for s in range(P * V)]
+
+        def cost(rank, action):
+            s = stage_of(rank, action.chunk, P)
+            return fw[s] if action.kind == "F" else bw[s] if action.kind == "B" else bw[s] / 2.0
+
+        assert value == simulate(build_schedule(schedule, P, M, V), P, V, cost, microbatches=M).makespan
