@@ -66,8 +66,8 @@ from .options import BALANCES
 from .schedules import build_schedule, simulate, stage_of
 from .stages import Layers, partition
 
-__all__ = ["BALANCES", "MAX_SEARCH_WORK", "TIME_BUDGET_S", "default_sample", "measure_layer_times", "agree", "layer_costs",
-           "schedule_cut", "split_step"]
+__all__ = ["BALANCES", "MAX_SEARCH_WORK", "TIME_BUDGET_S", "default_sample", "measure_layer_times", "agree",
+           "layer_costs", "schedule_cut", "split_step"]
 
 #: Seconds `measure_layer_times` aims to spend on the whole chain (its warm-ups and repeats included),
 #: shared evenly among the layers: a layer whose runs use up its share stops early, but every layer runs
