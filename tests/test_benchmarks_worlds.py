@@ -42,8 +42,6 @@ def test_ps_phase_at_world_3_compares_sync_ssp_and_async(tmp_path):
     assert "| ps_s2 | 2 x 1 |" in md
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(420)
 def _cut(pipe, balance, schedule, P, chunks):
     """The cut the phase makes: the measured times a third forward, two thirds backward, cut for the
     schedule (torch's zero-bubble schedule, 2 stages a rank, as the interleaved one)."""
@@ -55,6 +53,8 @@ def _cut(pipe, balance, schedule, P, chunks):
     return schedule_cut(forward, backward, "interleaved_1f1b" if chunks > 1 else schedule, P, pipe["microbatches"], chunks)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time(tmp_path):
     """The pipeline phase at world 4 (gloo): P = 4 and P = 2 x DP = 2, every schedule of ours and torch's,
     stages balanced by measured time. Same initial weights and global batch everywhere, so every run's

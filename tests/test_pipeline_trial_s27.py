@@ -81,3 +81,19 @@ def test_the_vectorised_step_equals_simulate_to_the_bit(schedule, P, M, V):
             return fw[s] if action.kind == "F" else bw[s] if action.kind == "B" else bw[s] / 2.0
 
         assert value == simulate(build_schedule(schedule, P, M, V), P, V, cost, microbatches=M).makespan
+
+
+def test_the_pipeline_phase_world_4_test_keeps_its_slow_mark_and_timeout():
+    """`_cut` was inserted between the marks and the test they were for: the marks went to the helper, and
+    the world-4 pipeline phase (a 400 s suite run) lost ``slow`` and its 420 s timeout (pytest's default is
+    300 s)."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).parent / "test_benchmarks_worlds.py").read_text())
+    marks = {node.name: [ast.unparse(d) for d in node.decorator_list]
+             for node in tree.body if isinstance(node, ast.FunctionDef)}
+    test = marks["test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time"]
+    assert "pytest.mark.slow" in test and "pytest.mark.timeout(420)" in test, test
+    assert not [name for name, decorators in marks.items() if not name.startswith("test") and
+                any("pytest.mark" in d for d in decorators)], marks
