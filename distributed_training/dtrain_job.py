@@ -308,7 +308,8 @@ def _check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
     """What the pipeline fields ask of the model and the world, checked before the rendezvous (every
     rank reads the same config and builds the same model, so every rank fails alike): the world size
     (torchrun's WORLD_SIZE) a multiple of the pipeline's, no more stages than layers, split points that
-    name layers."""
+    name layers, a balance the model has costs for."""
+    from .models import GPT
     from .pipeline.stages import chain, split_at
     from .pipeline.training import PipelineOptions
 
@@ -334,6 +335,10 @@ def _check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
             split_at(options.split_points, names)
         except ValueError as err:
             raise ConfigError(f"training.pipeline_split_points: {str(err).removeprefix('boundary_names: ')}") from None
+    elif options.balance == "compute" and not isinstance(model, GPT):
+        raise ConfigError(f"training.pipeline_balance 'compute' knows the compute of our GPT only, not of a "
+                          f"{type(model).__name__}: balance by parameters or time, or give "
+                          "training.pipeline_split_points")
 
 
 def _short_last_batch(trainer, train, batch_size: int) -> bool:

@@ -97,3 +97,28 @@ def test_the_pipeline_phase_world_4_test_keeps_its_slow_mark_and_timeout():
     assert "pytest.mark.slow" in test and "pytest.mark.timeout(420)" in test, test
     assert not [name for name, decorators in marks.items() if not name.startswith("test") and
                 any("pytest.mark" in d for d in decorators)], marks
+
+
+@pytest.mark.parametrize("preset, refused", [("classifier", True), ("tiny", False)])
+def test_dtrain_refuses_compute_balance_for_a_model_without_a_compute_model_before_the_rendezvous(
+        monkeypatch, preset, refused):
+    """`training.pipeline_balance: compute` on the classifier passed the config's checks and failed in every
+    rank's trainer with a ValueError traceback (torchrun's ChildFailedError around it); the other
+    mismatches of the pipeline fields and the model are an invalid config naming the field, said once."""
+    from distributed_training.config import ConfigError, load_config
+    from distributed_training.dtrain_job import _build, _check_pipeline_fits
+
+    data = {"dataset": "digits"} if preset == "classifier" else {}
+    cfg = load_config({"model": {"preset": preset}, "data": data,
+                       "training": {"pipeline_parallel_size": 2, "pipeline_balance": "compute"}})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if refused:
+        with pytest.raises(ConfigError, match=r"^training\.pipeline_balance 'compute' knows the compute of our GPT "
+                                              r"only, not of a Sequential"):
+            _check_pipeline_fits(cfg, _build(cfg)[0])
+    else:
+        _check_pipeline_fits(cfg, _build(cfg)[0])
+    split = load_config({"model": {"preset": preset}, "data": data,
+                         "training": {"pipeline_parallel_size": 2, "pipeline_balance": "compute",
+                                      "pipeline_split_points": ["2" if preset == "classifier" else "block.1"]}})
+    _check_pipeline_fits(split, _build(split)[0])  # split points decide the cut: the balance is not used
