@@ -194,14 +194,15 @@ class TrainingConfig(Section):
     batch_size."""
     pipeline_split_points: Optional[list[Annotated[str, Field(min_length=1)]]] = None
     """Layer names where stages 1, 2, ... start (e.g. [block.6] for a GPT: embed, block.0, ...,
-    head); null: stages balanced by parameter count."""
+    head); null: the stages cut as pipeline_balance says."""
     pipeline_chunks: Optional[PositiveInt] = None
     """Model chunks per rank: interleaved_1f1b only (null: 2 there, 1 for the others)."""
     pipeline_balance: Literal["parameters", "compute", "time"] = "parameters"
     """Without pipeline_split_points, what the stages are balanced by: parameter counts; (a GPT only)
     its layers' compute, better for wide models, whose step the GPU bounds; or time: each layer's
     forward + backward measured at setup on one microbatch of the job's inputs (batch_size /
-    microbatches rows), averaged over the ranks (up to about 20 s more at start)."""
+    microbatches rows), averaged over the ranks (up to about 20 s more at start). Parameter counts even
+    the stages' memory; compute and time cut where the schedule's simulated step is shortest."""
     pipeline_half_blocks: bool = False
     """A GPT only: cut its chain at half blocks (block.i.a, the attention; block.i.m, the MLP), so
     that a stage may end inside a block: a finer balance; split points may then name half blocks."""

@@ -122,3 +122,14 @@ def test_dtrain_refuses_compute_balance_for_a_model_without_a_compute_model_befo
                          "training": {"pipeline_parallel_size": 2, "pipeline_balance": "compute",
                                       "pipeline_split_points": ["2" if preset == "classifier" else "block.1"]}})
     _check_pipeline_fits(split, _build(split)[0])  # split points decide the cut: the balance is not used
+
+
+def test_the_config_says_what_cuts_the_stages_without_split_points():
+    """`dtrain --print-config` said ``pipeline_split_points: null`` balances the stages by parameter count,
+    whatever ``pipeline_balance`` says."""
+    from distributed_training.config import TrainingConfig
+
+    split = TrainingConfig.model_fields["pipeline_split_points"].description
+    balance = TrainingConfig.model_fields["pipeline_balance"].description
+    assert "parameter count" not in split and "pipeline_balance" in split, split
+    assert "simulated step" in balance, balance

@@ -27,7 +27,7 @@ class PipelineOptions:
         microbatches: microbatches per batch (default: `size`); at least `size` for the 1F1B family,
             a multiple of it for ``"interleaved_1f1b"``.
         split_points: the layer names where stages 1, 2, ... start (``pipeline_split_points``), or None
-            to balance the stages by parameter count.
+            to cut as `balance` says.
         chunks: model chunks per rank (``pipeline_chunks``; default 2 for ``"interleaved_1f1b"``, else 1).
         init_seed: the base seed of a meta-device model's initialisation (the trainer's `seed`; see
             `meta_init`): each rank initialises only its stages' layers, from streams seeded by the
