@@ -289,12 +289,14 @@ def _write_outputs(cfg: JobConfig, trainer, metrics: dict) -> None:
 
 def _sample_input(cfg: JobConfig, model: nn.Module) -> torch.Tensor | None:
     """With training.pipeline_balance 'time': one microbatch of the job's inputs, which the layers are
-    timed on (None otherwise): batch_size / microbatches rows of data.block_size token ids for a GPT
-    preset, of 64 pixels for the classifier."""
+    timed on; with 'compute' (a GPT), one microbatch of token ids, whose shape the compute model takes;
+    None otherwise. batch_size / microbatches rows of data.block_size token ids for a GPT preset, of 64
+    pixels for the classifier."""
     from .models import GPT
 
     t = cfg.training
-    if t.pipeline_parallel_size == 1 or t.pipeline_balance != "time" or t.pipeline_split_points is not None:
+    if (t.pipeline_parallel_size == 1 or t.pipeline_balance not in ("time", "compute")
+            or t.pipeline_split_points is not None or (t.pipeline_balance == "compute" and not isinstance(model, GPT))):
         return None
     batch = t.batch_size if isinstance(t.batch_size, int) else 1  # "auto" is refused with a pipeline
     rows = max(1, batch // (t.microbatches or t.pipeline_parallel_size))

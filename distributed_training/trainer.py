@@ -161,7 +161,9 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         pipeline_sample_input: with ``pipeline_balance="time"``, one microbatch's input to the model's
             first layer (a tensor, or a tuple, list or dict of tensors), e.g. ``x[:batch //
             microbatches]``. Our GPT may leave it out (token ids of shape (1, ``cfg.block_size``));
-            other models must pass it.
+            other models must pass it. With ``"compute"`` (our GPT), one microbatch's token ids: the
+            compute model takes its sequence length and tokens (default: one sequence of
+            ``cfg.block_size``).
         pipeline_half_blocks: our GPT only: cut its chain at half blocks, each block two layers
             (``block.i.a``, its attention; ``block.i.m``, its MLP), so that a stage may end inside a block:
             a finer balance (measured on 4x H200 at GPT-1.3B: 1F1B's bubble 0.298 against 0.339 with whole

@@ -543,6 +543,12 @@ def test_pipeline_balance_time_times_one_microbatch_of_the_jobs_inputs(monkeypat
     assert dtrain_job._sample_input(cfg, dtrain_job._build(cfg)[0]).shape == (4, 64)
     cfg = load_config({"model": {"preset": "tiny"}, "training": {"pipeline_parallel_size": 2}})
     assert dtrain_job._sample_input(cfg, dtrain_job._build(cfg)[0]) is None  # balanced by parameters: no sample
+    # balanced by compute: the GPT's compute model takes the job's sequence length and microbatch from it
+    cfg = load_config({"model": {"preset": "tiny"}, "data": {"block_size": 16},
+                       "training": {"pipeline_parallel_size": 2, "pipeline_balance": "compute", "batch_size": 8,
+                                    "microbatches": 2}})
+    sample = dtrain_job._sample_input(cfg, dtrain_job._build(cfg)[0])
+    assert sample.shape == (4, 16) and sample.dtype == torch.long
 
 
 # ------------------------------------------------------------------ a run that is already complete

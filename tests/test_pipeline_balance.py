@@ -228,3 +228,26 @@ def test_schedule_cut_beats_the_smallest_largest_stage_where_the_schedule_needs_
                     <= _makespan(f, b, start, schedule, 2, 4, chunks) * (1 + 1e-12)), (trial, schedule)
     with pytest.raises(ValueError, match="one each per layer"):
         schedule_cut([1.0, 2.0], [1.0], "1f1b", 2, 2)
+
+
+def test_compute_balance_takes_the_sequence_length_and_microbatch_from_a_sample():
+    """`pipeline_sample_input` with `pipeline_balance="compute"`: the GPT compute model at the sample's
+    sequence length and tokens a microbatch (the attention core grows with the length, the embedding's
+    gradient is per microbatch), not at one sequence of `cfg.block_size`."""
+    from distributed_training.pipeline.balance import _gpt_costs, split_step
+    from distributed_training.pipeline.gpt_stages import gpt_layer_costs
+
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=16, dropout=0.0)
+    model = GPT(cfg)
+    layers = chain(model)
+    sample = torch.zeros(3, 8, dtype=torch.long)
+    assert _gpt_costs(model, layers, sample) == gpt_layer_costs(cfg, 8, microbatch_tokens=24)
+    assert _gpt_costs(model, layers) == gpt_layer_costs(cfg)
+    assert _gpt_costs(model, layers, sample) != _gpt_costs(model, layers)
+    assert split_step(model, layers, "compute", [], sample) == _gpt_costs(model, layers, sample)
+    costs = layer_costs(model, layers, "compute", sample=sample)
+    assert costs == [f + b for f, b in zip(*gpt_layer_costs(cfg, 8, microbatch_tokens=24))]
+    for bad in (torch.zeros(3, 8), torch.zeros(24, dtype=torch.long), torch.zeros(0, 8, dtype=torch.long)):
+        with pytest.raises(ValueError, match="pipeline_sample_input"):
+            _gpt_costs(model, layers, bad)
+    assert PipelineOptions(size=2, balance="compute", sample_input=sample).balance == "compute"

@@ -255,8 +255,7 @@ def layer_costs(module: nn.Module, layers: Layers, balance: str, *, device: torc
         if not isinstance(module, GPT):
             raise ValueError(f"pipeline_balance='compute' knows the compute of our GPT only, not of a "
                              f"{type(module).__name__}: use 'parameters', 'time' or pipeline_split_points")
-        halves = any(isinstance(layer, (AttentionHalf, MLPHalf)) for _, layer in layers)
-        forward, backward = gpt_layer_costs(module.cfg, halves=halves)
+        forward, backward = _gpt_costs(module, layers, sample)
         return [f + b for f, b in zip(forward, backward)]
     if balance != "time":
         raise ValueError(f"pipeline_balance must be one of {list(BALANCES)}, got {balance!r}")
@@ -282,12 +281,29 @@ def layer_costs(module: nn.Module, layers: Layers, balance: str, *, device: torc
     return agreed[:-1]
 
 
-def split_step(module: nn.Module, layers: Layers, balance: str, costs: Sequence[float]) -> tuple[list[float], list[float]]:
-    """(forward, backward) per layer for `schedule_cut`: the GPT's compute model for ``"compute"``;
-    otherwise each layer's step cost (`costs`, e.g. measured seconds) a third forward, two thirds backward."""
+def _gpt_costs(module: GPT, layers: Layers, sample: Any = None) -> tuple[list[float], list[float]]:
+    """The GPT's compute model (`gpt_layer_costs`) for its chain `layers`, at the sequence length and
+    tokens a microbatch of `sample` (one microbatch's token ids, (rows, length); None: one sequence of
+    ``cfg.block_size``)."""
+    halves = any(isinstance(layer, (AttentionHalf, MLPHalf)) for _, layer in layers)
+    seq = tokens = None
+    if sample is not None:
+        if not isinstance(sample, torch.Tensor) or sample.dim() != 2 or sample.is_floating_point():
+            raise ValueError(f"pipeline_sample_input with pipeline_balance='compute' is one microbatch of our "
+                             f"GPT's token ids, an integer tensor (rows, sequence length); got {_describe(sample)}")
+        seq, tokens = int(sample.shape[1]), int(sample.numel())
+        if tokens == 0:
+            raise ValueError(f"pipeline_sample_input is empty ({_describe(sample)}): give one microbatch's token ids")
+    return gpt_layer_costs(module.cfg, seq, halves=halves, microbatch_tokens=tokens)
+
+
+def split_step(module: nn.Module, layers: Layers, balance: str, costs: Sequence[float],
+               sample: Any = None) -> tuple[list[float], list[float]]:
+    """(forward, backward) per layer for `schedule_cut`: the GPT's compute model for ``"compute"`` (at
+    `sample`'s shape, see `_gpt_costs`); otherwise each layer's step cost (`costs`, e.g. measured seconds)
+    a third forward, two thirds backward."""
     if balance == "compute" and isinstance(module, GPT):
-        halves = any(isinstance(layer, (AttentionHalf, MLPHalf)) for _, layer in layers)
-        return gpt_layer_costs(module.cfg, halves=halves)
+        return _gpt_costs(module, layers, sample)
     return [c / 3.0 for c in costs], [2.0 * c / 3.0 for c in costs]
 
 

@@ -40,7 +40,10 @@ class PipelineOptions:
             ``"time"`` cut where the schedule's simulated step is shortest (`balance.schedule_cut`).
         sample_input: for ``balance="time"``, one microbatch's input to the first layer (a tensor, or a
             tuple, list or dict of tensors; ``pipeline_sample_input``); None: our GPT's default, token
-            ids of shape (1, ``cfg.block_size``) (`balance.default_sample`); other models need one.
+            ids of shape (1, ``cfg.block_size``) (`balance.default_sample`); other models need one. For
+            ``balance="compute"``, our GPT's token ids of one microbatch, (rows, sequence length): the
+            compute model's sequence length and tokens a microbatch (default: one sequence of
+            ``cfg.block_size``).
         mixed_precision: the trainer's ``mixed_precision`` (``"bf16"``, ``"fp16"``, ``"fp32"`` or None):
             the autocast the layers are timed under.
         half_blocks: cut our GPT's chain at half blocks (``pipeline_half_blocks``): each block is two
@@ -75,9 +78,10 @@ class PipelineOptions:
         if self.balance not in BALANCES:
             raise ValueError(f"pipeline_balance must be one of {list(BALANCES)}, got {self.balance!r}")
         if self.sample_input is not None:
-            if self.balance != "time":
+            if self.balance not in ("time", "compute"):
                 raise ValueError(f"pipeline_sample_input is for pipeline_balance='time' (it times the layers on "
-                                 f"it), but pipeline_balance={self.balance!r}: leave it out or balance by time")
+                                 f"it) or 'compute' (its shape: the sequence length and tokens a microbatch), but "
+                                 f"pipeline_balance={self.balance!r}: leave it out or balance by time or compute")
             from .balance import check_sample  # the sample's rules live with the timing
 
             check_sample(self.sample_input)

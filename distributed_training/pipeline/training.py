@@ -168,7 +168,7 @@ class PipelineStrategy(PipelineState, Strategy):
             if opts.balance == "parameters":
                 bounds = partition(costs, S)  # memory: the largest stage as small as it can be
             else:  # time: the schedule's simulated step as short as it can be
-                forward, backward = split_step(module, layers, opts.balance, costs)
+                forward, backward = split_step(module, layers, opts.balance, costs, opts.sample_input)
                 bounds = schedule_cut(forward, backward, opts.schedule, P, opts.microbatches or P, V)
         #: What the cut balanced (one cost per chain layer: parameters, FLOPs per token or seconds; None
         #: with pipeline_split_points) and the cut (stage s holds chain layers bounds[s]:bounds[s + 1]).
