@@ -125,6 +125,17 @@ def worker(args) -> None:
 
     args.save_partial = save_partial
     for name in args.phases:
+        if args.smoke:
+            # The phases call gc.collect() before each variant and timed round (free_memory, and to keep the
+            # garbage of one variant out of the next one's timing). With torch and the package imported (and
+            # after the first compile, dynamo's caches), each collection walked ~300,000 objects that live as
+            # long as the process: 0.12-0.19 s a call, ~140 calls a rank at world 2 (22 s of its 49 s on
+            # 2 CPU cores). What is alive between phases is frozen (`gc.freeze`) after one collection, so the
+            # phases' collections look only at what they built since; on CPU no memory figure depends on it.
+            import gc
+
+            gc.collect()
+            gc.freeze()
         t0 = time.perf_counter()
         if ctx.is_main:
             print(f"[suite] world {ctx.world_size}: phase {name}", flush=True)
