@@ -36,6 +36,8 @@ import pytest
 import torch
 import yaml
 
+from distributed_training.testing import run_distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
@@ -975,6 +977,15 @@ output: {output}
 """
 
 
+def reference_worker(rank: int, world_size: int, argv: list[str]) -> int:
+    """`run_distributed` target: STEP_HOOK installed as a pod's sitecustomize installs it, then dtrain's main
+    on `argv` (what `python -m distributed_training` runs) in the process group that already exists."""
+    exec(compile(STEP_HOOK, "sitecustomize.py", "exec"), {"__name__": "sitecustomize"})
+    from distributed_training import cli
+
+    return cli.main(argv)
+
+
 class Pod:
     """One docker/entrypoint.sh as a StatefulSet pod (HOSTNAME dtrain-<i>, its own volume), its output
     in files (read while it runs), in its own process group."""
@@ -1007,7 +1018,7 @@ def test_statefulset_scaled_up_and_down(image_python, tmp_path):
     world 2 the third starts (scale up) and the job re-forms at world 3; once it trains there, the third
     pod's entrypoint gets SIGTERM, as Kubernetes stops the pod a scale-down removes, and the job re-forms
     at world 2 and finishes. The two remaining pods mark the run complete, the removed one does not, and
-    the final model equals a one-pod run of the same config (global batch 6 at 1, 2 and 3 pods).
+    the final model equals a one-process run of the same config (global batch 6 there and at 2 and 3 pods).
 
     The job cannot end before the resizes, however fast it trains: from step `steps - 10` on it holds
     after each step (the hook's DT_TEST_HOLD) until the removed pod's worker got its SIGTERM; a SIGTERM
@@ -1035,13 +1046,15 @@ def test_statefulset_scaled_up_and_down(image_python, tmp_path):
     for path in records.values():
         path.mkdir()
 
-    # The reference: one pod, one process, the same config.
+    # The reference: one process, the same config and the same step hook: the pod's worker's command
+    # (`python -m distributed_training CONFIG --set ...`) as dtrain's main in a process forked from the warm
+    # fork server (`run_distributed`, a world of one), not an entrypoint with torchrun and a fresh worker
+    # (three interpreters to start). The pods below are the entrypoints under test.
     alone_s = time.time()
-    alone = _run_job(lambda endpoint: [pod_env(0, endpoint, DT_NNODES="1", DT_EXTRA_ARGS=(
-        f"--set checkpoint.dir={tmp_path / 'alone'} --set output={tmp_path / 'alone' / 'final.pt'}"),
-        DT_CHECKPOINT_DIR=str(tmp_path / "alone"), PYTHONPATH=str(hook), DT_TEST_RECORD=str(records["alone"]))],
-        timeout=120)
-    assert alone[0].proc.returncode == 0, alone[0].report()
+    codes = run_distributed(reference_worker, 1, args=([str(config), "--set", f"checkpoint.dir={tmp_path / 'alone'}",
+                                                         "--set", f"output={tmp_path / 'alone' / 'final.pt'}"],),
+                            env={"DT_TEST_RECORD": str(records["alone"]), "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert codes == [0], codes
     reference = torch.load(tmp_path / "alone" / "final.pt", map_location="cpu", weights_only=True)
     alone_s = time.time() - alone_s
 
@@ -1095,7 +1108,7 @@ def test_statefulset_scaled_up_and_down(image_python, tmp_path):
     last3 = max(s for s, w, t in trained if w == 3)
     print(f"scale-up: {grown[2] - up:.1f} s from the new pod's start to the first step at world 3 (step {grown[0]} "
           f"after {last2}); scale-down: {shrunk[2] - down:.1f} s from SIGTERM to the next step at world 2 (step "
-          f"{shrunk[0]} after {last3}); whole run {finished - started:.1f} s, one pod alone {alone_s:.1f} s")
+          f"{shrunk[0]} after {last3}); whole run {finished - started:.1f} s, the one-process reference {alone_s:.1f} s")
     assert rcs == [0, 0], logs
     assert removed_rc != 0 or "not marking the run complete" in pods[2].log.read_text(), logs
     assert (volumes[0] / "COMPLETED").is_file() and (volumes[1] / "COMPLETED").is_file(), logs
