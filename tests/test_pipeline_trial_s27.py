@@ -10,6 +10,7 @@ import pytest
 from distributed_training.pipeline import partition
 from distributed_training.pipeline.balance import schedule_cut
 from distributed_training.pipeline.schedules import build_schedule, simulate, stage_of
+from test_pipeline_balance import _makespan  # the simulated step of a cut, as schedule_cut scores it
 
 
 def _costs(n: int, seed: int = 0):
@@ -28,18 +29,6 @@ def test_schedule_cut_is_quick_at_200_layers_8_ranks_2_chunks():
     took = time.perf_counter() - start
     assert took < 5.0, f"schedule_cut took {took:.1f} s"
     assert len(cut) == 17 and cut[0] == 0 and cut[-1] == 200 and all(a < b for a, b in zip(cut, cut[1:]))
-
-
-def _makespan(forward, backward, cut, schedule, P, M, V):
-    S = P * V
-    fw = [sum(forward[cut[s]:cut[s + 1]]) for s in range(S)]
-    bw = [sum(backward[cut[s]:cut[s + 1]]) for s in range(S)]
-
-    def cost(rank, action):
-        s = stage_of(rank, action.chunk, P)
-        return fw[s] if action.kind == "F" else bw[s] if action.kind == "B" else bw[s] / 2
-
-    return simulate(build_schedule(schedule, P, M, V), P, V, cost, microbatches=M).makespan
 
 
 def test_schedule_cut_work_is_bounded_and_the_same_on_every_call():
