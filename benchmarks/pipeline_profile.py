@@ -14,6 +14,7 @@ Diagnostic, not part of the suite: its findings go to docs/pipeline.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -226,6 +227,8 @@ def main() -> None:
     p.add_argument("--variants", default="ours_1f1b,torch_1f1b,ours_gpipe,torch_gpipe")
     p.add_argument("--profile", default="ours_1f1b,torch_1f1b", help="variants to trace")
     p.add_argument("--model", default="gpt-1.3b")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the model's blocks (default: the preset's); e.g. one GPU running a stage-sized GPT")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--microbatches", type=int, default=8)
@@ -242,10 +245,12 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
     cfg = GPT_PRESETS[args.model] if args.model in GPT_PRESETS else GPTConfig(
         vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=16, dropout=0.0)
+    if args.layers is not None:
+        cfg = dataclasses.replace(cfg, n_layer=args.layers)
     ranks = list(range(world))
     groups = {"up": dist.new_group(ranks), "down": dist.new_group(ranks),
               "headers": dist.new_group(ranks, backend="gloo") if device.type == "cuda" else None,
-              "tie": dist.new_group([0, world - 1]), "context": context}
+              "tie": dist.new_group(sorted({0, world - 1})), "context": context}
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

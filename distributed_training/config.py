@@ -209,8 +209,8 @@ class TrainingConfig(Section):
     pipeline_cuda_graphs: bool = False
     """Replay each stage's forward and backward as CUDA graphs (captured after the first step, for
     its input shape; other shapes run eagerly): fewer host launches where the host bounds the step.
-    CUDA only; not with zbh1, activation_checkpointing, or zero1 / zero2 / zero3 / fsdp inside the
-    stages (only ddp)."""
+    zbh1 replays its input- and weight-gradient passes as graphs of their own. CUDA only; not with
+    activation_checkpointing, or zero1 / zero2 / zero3 / fsdp inside the stages (only ddp)."""
     tensor_parallel_size: PositiveInt = 1
     """Ranks that split each layer's matrices between them (1: none): consecutive ranks, one node;
     ``strategy`` (ddp, zero1, zero2, zero3 / fsdp; not auto) runs data parallelism over the world size

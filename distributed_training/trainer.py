@@ -174,8 +174,8 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             the first step for the shape of its first microbatch (one set of activations per microbatch in
             flight, kept between steps; other shapes run eagerly, as before). For steps whose host time bounds
             them: measured on 4x H200 at GPT-1.3B, P = 4, 8 microbatches of 2 x 1024 tokens, 1F1B 134.8
-            ms against 142.4 eagerly and torch's 141.2 (docs/pipeline.md). CUDA only; not with
-            ``"zbh1"``, activation checkpointing, or ZeRO / FSDP inside the stages (``"ddp"`` only: the
+            ms against 142.4 eagerly and torch's 141.2 (docs/pipeline.md); ``"zbh1"`` replays its input- and
+            weight-gradient passes as graphs of their own. CUDA only; not with activation checkpointing, or ZeRO / FSDP inside the stages (``"ddp"`` only: the
             others gather parameters in module hooks, which would not replay: refused). A parameter must stay where it was at
             capture (optimizers update in place: fine).
         tensor_parallel_size: ranks that split each layer's matrices between them (default 1: none).

@@ -104,7 +104,6 @@ def _pipeline(**fields):
         (_pipeline(gradient_accumulation_steps=2), "training.gradient_accumulation_steps"),
         (_pipeline(batch_size="auto"), "training.batch_size"),
         (_pipeline(batch_size=4, microbatches=8), "training.microbatches"),
-        (_pipeline(pipeline_cuda_graphs=True, pipeline_schedule="zbh1"), "training.pipeline_cuda_graphs"),
         (_pipeline(pipeline_cuda_graphs=True, strategy="zero2"), "training.pipeline_cuda_graphs"),
         (_pipeline(pipeline_cuda_graphs=True, strategy="ddp", activation_checkpointing=True),
          "training.pipeline_cuda_graphs"),

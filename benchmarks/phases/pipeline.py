@@ -196,7 +196,7 @@ def run(ctx, opts) -> dict:
     for r in range(rounds):  # every run once a round, so that a slow spell of the machine hits all alike
         for name, prefix, layout, balance in configs:
             for schedule in OURS:
-                for impl in ("ours", "graphs", "torch") if graphs and schedule != "zbh1" else ("ours", "torch"):
+                for impl in ("ours", "graphs", "torch") if graphs else ("ours", "torch"):
                     key = f"{prefix}{impl}_{schedule}"
                     try:
                         run_ = _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout,

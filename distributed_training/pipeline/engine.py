@@ -110,7 +110,8 @@ class PipelineEngine:
             ``F.linear`` calls. Ignored by schedules without split backwards.
         cuda_graphs: replay each chunk's forward and backward as CUDA graphs (`graphs.StageGraphs`),
             captured after the first step for the input shape that step had; other shapes run eagerly.
-            CUDA only, not with split backwards (``"zbh1"``), nor with chunks that have module hooks.
+            CUDA only, not with chunks that have module hooks. With split backwards (``"zbh1"``) the I
+            pass is the replayed backward and W replays a graph of its own (`graphs._Slot`).
 
     Attributes:
         timing: set to True to time the coming steps (default False: nothing is timed, nothing waits
@@ -155,10 +156,8 @@ class PipelineEngine:
             self.split = split_backward
         self.graphs: StageGraphs | None = None
         if cuda_graphs:
-            if self.split is not None:
-                raise ValueError(f"cuda_graphs does not combine with schedule {schedule!r}: its split backward "
-                                 "defers weight gradients outside the backward a graph would replay")
-            self.graphs = StageGraphs(self.chunks, slots_per_chunk(self.actions, len(self.chunks)), self.device)
+            self.graphs = StageGraphs(self.chunks, slots_per_chunk(self.actions, len(self.chunks)), self.device,
+                                      split=self.split is not None)
         self._slots: dict[tuple[int, int], Any] = {}  # (microbatch, chunk) -> its graphs' slot, until its B
         self.timing = False
         self.last_timing: PipelineTiming | None = None
@@ -290,6 +289,9 @@ class PipelineEngine:
                         link.send(out.detach(), me, (stage + 1) % self.pipe_size)
                 elif action.kind == "W":  # the weight gradients that the I of (mb, chunk) deferred
                     start = clock.start() if clock is not None else None
+                    slot = self._slots.pop((mb, chunk), None)
+                    if slot is not None:  # a graphed microbatch: its W graph
+                        self.graphs.weight_grad(chunk, slot)
                     split.weight_grad((mb, chunk))
                     if clock is not None:
                         clock.stop("W", mb, chunk, start)
@@ -305,8 +307,9 @@ class PipelineEngine:
                         else:
                             out.backward(grad)
                             dx = x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
-                    if (mb, chunk) in self._slots:
-                        StageGraphs.release(self._slots.pop((mb, chunk)))
+                    if (mb, chunk) in self._slots and action.kind == "B":
+                        slot = self._slots.pop((mb, chunk))
+                        self.graphs.weight_grad(chunk, slot)  # (a split slot's W right away; else a release)
                     back = None
                     if stage > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
                         # An input the stage ignored has no gradient: the previous stage still waits for one.

@@ -53,8 +53,8 @@ class PipelineOptions:
             without a pipeline.
         cuda_graphs: replay each stage's forward and backward as CUDA graphs
             (``pipeline_cuda_graphs``; `graphs.StageGraphs`): far fewer host launches, for steps the
-            host bounds. CUDA only; not with ``"zbh1"`` (its split backward), activation
-            checkpointing, or inner strategies that gather parameters in module hooks (ZeRO-1/2/3, FSDP).
+            host bounds (``"zbh1"``: its I and W passes as graphs of their own). CUDA only; not with
+            activation checkpointing, or inner strategies that gather parameters in module hooks (ZeRO-1/2/3, FSDP).
     """
 
     size: int = 1
@@ -102,9 +102,6 @@ class PipelineOptions:
                              f"'interleaved_1f1b' runs several chunks per rank), got {chunks}")
         if self.cuda_graphs and size == 1:
             raise ValueError("pipeline_cuda_graphs=True replays pipeline stages: it needs pipeline_parallel_size > 1")
-        if self.cuda_graphs and self.schedule == "zbh1":
-            raise ValueError("pipeline_cuda_graphs=True does not combine with pipeline_schedule='zbh1': its split "
-                             "backward defers weight gradients outside the backward a graph replays")
         microbatches = self.microbatches if self.microbatches is not None else size
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session 28: only the 1-GPU machine (nvidia-h200) was lent. Results go straight to $OUT (no tar).
+#   A: ZB-H1 with CUDA graphs (its I and W passes as graphs of their own): the graphs' GPU tests (the
+#      one-GPU ones run; those needing 2 or 4 GPUs skip), then on one GPU a stage-sized GPT-1.3B (6
+#      blocks with the embedding and the tied head, 8 microbatches of 2 x 1024 tokens, bf16) through our
+#      engine at P = 1: 1F1B and ZB-H1, eager and graphed, interleaved over 3 rounds (no pipeline: what
+#      the split and the graphs cost or save on the GPU and the host, not the bubble).
+#   B: A again after the linear layers' weight casts were cached once a step in the graphs (A: the graphed
+#      forwards 8% slower than eager ones, each replay casting every weight again).
+set -o pipefail
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
+start=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
+python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version())" >> "$OUT/gpus.txt"
+case "$1" in
+  A|B) timeout -k 5 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_pipeline_graphs.py \
+       > "$OUT/gpu_tests.log" 2>&1
+     echo "tests exit $? at $(( $(date +%s) - start )) s" >> "$OUT/gpu_tests.log"
+     timeout -k 5 300 torchrun --standalone --nproc_per_node=1 benchmarks/pipeline_profile.py --out "$OUT/stage" \
+       --layers 6 --variants ours_1f1b,ours-graphs_1f1b,ours_zbh1,ours-graphs_zbh1 --profile none \
+       --rounds 3 --steps 4 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/stage.log"
+     echo "stage exit $? at $(( $(date +%s) - start )) s" >> "$OUT/stage.log" ;;
+esac
