@@ -266,7 +266,7 @@ def test_the_strategies_graphs_refuse_are_those_with_module_hooks():
         assert all("module hooks" in found[s] for s in ("zero1", "zero2", "zero3")), found
 
 
-def trainer_graphs_worker(rank: int, world: int, variants=(False, True)) -> tuple[float, int]:
+def trainer_graphs_worker(rank: int, world: int, variants=(False, True), schedule: str = "1f1b") -> tuple[float, int]:
     from distributed_training import DistributedTrainer
 
     trainers = []
@@ -274,7 +274,7 @@ def trainer_graphs_worker(rank: int, world: int, variants=(False, True)) -> tupl
         torch.manual_seed(0)
         trainers.append(DistributedTrainer(tiny_gpt(), lambda ps: torch.optim.AdamW(ps, lr=1e-3), strategy="ddp",
                                            mixed_precision="bf16", pipeline_parallel_size=2, microbatches=4,
-                                           pipeline_cuda_graphs=graphs, progress=False))
+                                           pipeline_schedule=schedule, pipeline_cuda_graphs=graphs, progress=False))
     worst = 0.0
     for step, length in enumerate([12, 12, 12, 16, 12]):
         g = torch.Generator().manual_seed(step)
@@ -292,8 +292,10 @@ def trainer_graphs_worker(rank: int, world: int, variants=(False, True)) -> tupl
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
-def test_trainer_with_graphs_equals_without_at_p2_x_dp2_on_nccl():
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_trainer_with_graphs_equals_without_at_p2_x_dp2_on_nccl(schedule):
     """P = 2 x DP = 2 with our DDP inside the stages (its gradient hooks fire from the replayed backward)."""
-    for worst, replayed in run_distributed(trainer_graphs_worker, 4, backend="nccl", timeout=240):
+    for worst, replayed in run_distributed(trainer_graphs_worker, 4, args=((False, True), schedule), backend="nccl",
+                                           timeout=240):
         assert worst <= 1e-6, worst
         assert replayed == 3 * 4, replayed  # steps 1, 2 and 4 (step 3's length runs eagerly)
