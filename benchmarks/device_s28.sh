@@ -20,4 +20,11 @@ case "$1" in
        --layers 6 --variants ours_1f1b,ours-graphs_1f1b,ours_zbh1,ours-graphs_zbh1 --profile none \
        --rounds 3 --steps 4 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/stage.log"
      echo "stage exit $? at $(( $(date +%s) - start )) s" >> "$OUT/stage.log" ;;
+  # C: the graphed stage's step against its busy time (~7 ms apart in B): one step of graphed 1F1B traced
+  #    (the summary's gaps); and the loss through torch.compile ("closs") against lm_loss as it is, graphed
+  #    1F1B / ZB-H1 / GPipe: what the head's loss costs at P = 1.
+  C) timeout -k 5 400 torchrun --standalone --nproc_per_node=1 benchmarks/pipeline_profile.py --out "$OUT/stage" \
+       --layers 6 --variants ours-graphs_1f1b,ours-graphs-closs_1f1b,ours-graphs_zbh1,ours-graphs-closs_zbh1,ours-graphs_gpipe,ours-graphs-closs_gpipe \
+       --profile ours-graphs_1f1b --rounds 3 --steps 4 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/stage.log"
+     echo "stage exit $? at $(( $(date +%s) - start )) s" >> "$OUT/stage.log" ;;
 esac

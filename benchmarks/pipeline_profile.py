@@ -36,7 +36,8 @@ TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
     """`name` is ``<impl>[-<option>...]_<schedule>``: impl ``ours`` or ``torch``; options ``headers`` (our
     receives wait for every header), ``nolag`` (known shapes checked only at the step's end), ``graphs``
-    (each stage's forward and backward replayed as CUDA graphs: the engine's ``cuda_graphs``), ``params``
+    (each stage's forward and backward replayed as CUDA graphs: the engine's ``cuda_graphs``), ``closs`` (ours
+only: the loss through ``torch.compile``), ``params``
     (stages balanced by parameter count, not by compute), ``halves`` (the chain cut at half blocks), ``time`` (``trainer`` only: by each layer's measured
 forward + backward, ``pipeline_balance="time"`` on one microbatch of `x`)."""
     spec, schedule = name.split("_", 1)
@@ -76,9 +77,10 @@ forward + backward, ``pipeline_balance="time"`` on one microbatch of `x`)."""
         step.trainer = trainer
         return step
     if impl == "ours":
+        loss_fn = torch.compile(lm_loss) if "closs" in options else lm_loss
         engine = PipelineEngine([module], ranks=list(range(world)), rank=rank, up_group=groups["up"],
                                 down_group=groups["down"], header_group=groups["headers"], schedule=schedule,
-                                microbatches=microbatches, loss_fn=lm_loss, device=device, after_backward=sync_ties,
+                                microbatches=microbatches, loss_fn=loss_fn, device=device, after_backward=sync_ties,
                                 cuda_graphs="graphs" in options)
         if "headers" in options:
             engine.link.known_shapes = False

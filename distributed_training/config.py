@@ -211,6 +211,10 @@ class TrainingConfig(Section):
     its input shape; other shapes run eagerly): fewer host launches where the host bounds the step.
     zbh1 replays its input- and weight-gradient passes as graphs of their own. CUDA only; not with
     activation_checkpointing, or zero1 / zero2 / zero3 / fsdp inside the stages (only ddp)."""
+    pipeline_compile_loss: bool = False
+    """Run the last stage's loss through torch.compile on CUDA: one fused pass over the logits instead
+    of several, so the stage with the head carries no extra loss work (the compute balance then counts
+    none). On CPU, or where compiling fails (a warning), the loss runs as it is."""
     tensor_parallel_size: PositiveInt = 1
     """Ranks that split each layer's matrices between them (1: none): consecutive ranks, one node;
     ``strategy`` (ddp, zero1, zero2, zero3 / fsdp; not auto) runs data parallelism over the world size
@@ -403,7 +407,8 @@ class JobConfig(Section):
         try:
             options = PipelineOptions(t.pipeline_parallel_size, t.pipeline_schedule, t.microbatches,
                                       t.pipeline_split_points, t.pipeline_chunks, balance=t.pipeline_balance,
-                                      half_blocks=t.pipeline_half_blocks, cuda_graphs=t.pipeline_cuda_graphs)
+                                      half_blocks=t.pipeline_half_blocks, cuda_graphs=t.pipeline_cuda_graphs,
+                                      compile_loss=t.pipeline_compile_loss)
         except (TypeError, ValueError) as err:
             raise ConfigError(training_paths(str(err))) from None
         if not options.enabled:
@@ -430,7 +435,7 @@ class JobConfig(Section):
 #: The trainer's pipeline arguments, which are fields of the config's ``training`` section.
 _PIPELINE_ARGUMENTS = re.compile(r"(?<![\w.])(pipeline_parallel_size|pipeline_schedule|microbatches|"
                                  r"pipeline_split_points|pipeline_chunks|pipeline_balance|pipeline_half_blocks|"
-                                 r"pipeline_cuda_graphs|"
+                                 r"pipeline_cuda_graphs|pipeline_compile_loss|"
                                  r"tensor_parallel_size|"
                                  r"tensor_parallel_plan|sequence_parallel)\b")
 

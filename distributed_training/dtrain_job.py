@@ -107,7 +107,7 @@ def run_job(cfg: JobConfig) -> dict:
             microbatches=t.microbatches, pipeline_split_points=t.pipeline_split_points,
             pipeline_chunks=t.pipeline_chunks, pipeline_balance=t.pipeline_balance,
             pipeline_sample_input=_sample_input(cfg, model), pipeline_half_blocks=t.pipeline_half_blocks,
-            pipeline_cuda_graphs=t.pipeline_cuda_graphs,
+            pipeline_cuda_graphs=t.pipeline_cuda_graphs, pipeline_compile_loss=t.pipeline_compile_loss,
             tensor_parallel_size=t.tensor_parallel_size, sequence_parallel=t.sequence_parallel,
             tensor_parallel_plan=({k: tuple(v) if isinstance(v, list) else v for k, v in t.tensor_parallel_plan.items()}
                                   if t.tensor_parallel_plan is not None else None),

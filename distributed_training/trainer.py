@@ -178,6 +178,11 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             weight-gradient passes as graphs of their own. CUDA only; not with activation checkpointing, or ZeRO / FSDP inside the stages (``"ddp"`` only: the
             others gather parameters in module hooks, which would not replay: refused). A parameter must stay where it was at
             capture (optimizers update in place: fine).
+        pipeline_compile_loss: run the last stage's loss (the criterion, or our GPT's `lm_loss`) through
+            ``torch.compile`` on CUDA: one fused pass over the logits instead of several (on one H200, a
+            GPT-1.3B stage of 6 blocks with the head: 109.8 ms a step against 117.8). With
+            ``pipeline_balance="compute"`` the head then carries no loss in the cut. On CPU, or where
+            compiling fails (a warning), the loss runs as it is.
         tensor_parallel_size: ranks that split each layer's matrices between them (default 1: none).
             The world is laid out as ``pipeline x data x tensor``, tensor innermost (consecutive
             ranks: one node); the size must divide the world. The model is changed in place by
@@ -266,6 +271,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         sparse_embeddings: list[str] | tuple[str, ...] | None = None,
         pipeline_half_blocks: bool = False,
         pipeline_cuda_graphs: bool = False,
+        pipeline_compile_loss: bool = False,
     ) -> None:
         if isinstance(model, (list, tuple)) and model and all(isinstance(p, tuple) and len(p) == 2 for p in model):
             from .pipeline.stages import Chain
@@ -290,7 +296,8 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         pipeline = PipelineOptions(pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points,
                                    pipeline_chunks, init_seed=seed, balance=pipeline_balance,
                                    sample_input=pipeline_sample_input, mixed_precision=mixed_precision,
-                                   half_blocks=pipeline_half_blocks, cuda_graphs=pipeline_cuda_graphs)
+                                   half_blocks=pipeline_half_blocks, cuda_graphs=pipeline_cuda_graphs,
+                                   compile_loss=pipeline_compile_loss)
         tensor = TensorOptions(tensor_parallel_size, tensor_parallel_plan, sequence_parallel)
         if pipeline.enabled:
             if pipeline.cuda_graphs and activation_checkpointing is not None:

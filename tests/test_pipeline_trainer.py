@@ -295,11 +295,16 @@ def balance_worker(rank, world):
 
     cfg = GPTConfig(vocab_size=512, block_size=16, n_layer=6, n_head=2, n_embd=16, dropout=0.0)
     held = {}
-    for balance in ("parameters", "compute"):
+    for balance, compiled in (("parameters", False), ("compute", False), ("compute", True)):
         with torch.device("meta"):
             model = GPT(cfg)
-        trainer = DistributedTrainer(model, _sgd, pipeline_parallel_size=2, pipeline_balance=balance)
-        held[balance] = list(trainer.strategy.engine.chunks[0].names)
+        trainer = DistributedTrainer(model, _sgd, pipeline_parallel_size=2, pipeline_balance=balance,
+                                     pipeline_compile_loss=compiled, progress=False)
+        held[balance + (" compiled" if compiled else "")] = list(trainer.strategy.engine.chunks[0].names)
+        if compiled:  # the step's loss goes through CompiledLoss (on CPU: the loss as it is)
+            tokens = torch.randint(0, 512, (4, 9), generator=torch.Generator().manual_seed(0))
+            held["loss"] = trainer.train_step((tokens[:, :-1], tokens[:, 1:]))["loss"]
+            held["loss_fn"] = repr(trainer.strategy._loss_fn)
         trainer.close()
     return held
 
@@ -312,6 +317,10 @@ def test_pipeline_balance_by_compute_moves_blocks_off_the_head_stage():
     assert first["parameters"] != first["compute"], first
     assert len(first["compute"]) > len(first["parameters"]), first  # blocks move to the embedding's stage
     assert first["compute"][-1] not in last["compute"] and "head" in last["compute"][-1], (first, last)
+    # With pipeline_compile_loss the head carries no loss in the compute model: blocks move back to it.
+    assert len(last["compute compiled"]) > len(last["compute"]), (first, last)
+    assert first["loss_fn"] == last["loss_fn"] == "CompiledLoss(lm_loss, devices=('cuda',))", last
+    assert first["loss"] == last["loss"] > 0
 
 
 def checkpointing_worker(rank, world, schedule):

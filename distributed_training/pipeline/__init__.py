@@ -8,9 +8,11 @@ whose copies on several stages sum their gradients. `meta_init`: a model built o
 storage and initial weights for one rank's stages only. `engine`: one rank's actions run for a training
 step, over `p2p`'s messages. `split_backward`: ZB-H1's split backward (`SplitBackward`: the linear
 layers' weight gradients deferred from I to W). `timing`: a step's busy time by action and measured
-bubble (`PipelineTiming`, `PipelineEngine.timing`).
+bubble (`PipelineTiming`, `PipelineEngine.timing`). `graphs`: stages replayed as CUDA graphs.
+`compiled_loss`: the last stage's loss through ``torch.compile`` (`CompiledLoss`).
 """
 
+from .compiled_loss import CompiledLoss
 from .engine import PipelineEngine
 from .schedules import Action, ScheduleError, Simulation, bubble_formula, build_schedule, simulate, stage_of
 from .split_backward import SplitBackward
@@ -23,5 +25,5 @@ __all__ = [
     "Chain", "GPTEmbedding", "GPTHead", "GPTStages", "Stage", "TiedGroup", "chain", "find_ties", "gpt_key",
     "gpt_layer_flops", "layer_seed",
     "lm_loss", "partition", "split_at", "sync_tied_grads", "tied_groups",
-    "PipelineEngine", "PipelineTiming", "SplitBackward",
+    "CompiledLoss", "PipelineEngine", "PipelineTiming", "SplitBackward",
 ]

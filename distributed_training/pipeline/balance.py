@@ -243,19 +243,21 @@ def agree(values: Sequence[float], device: torch.device, group=None) -> list[flo
 
 def layer_costs(module: nn.Module, layers: Layers, balance: str, *, device: torch.device | str = "cpu",
                 sample: Any = None, autocast: Callable[[], ContextManager] | None = None, group=None,
-                collective_device: torch.device | None = None, budget_s: float = TIME_BUDGET_S) -> list[float]:
+                collective_device: torch.device | None = None, budget_s: float = TIME_BUDGET_S,
+                loss: bool = True) -> list[float]:
     """One cost per chain layer for `partition`, by `balance` (``"parameters"``, ``"compute"`` or
     ``"time"``; see the module docstring). For ``"time"``, collective over `group` (every rank measures
     on `device` and `agree` averages), with `sample` the input of one microbatch (None: `default_sample`;
     a ValueError naming ``pipeline_sample_input`` where there is none) and `collective_device` where the
-    agreement's tensor lives (the backend's: CUDA for NCCL)."""
+    agreement's tensor lives (the backend's: CUDA for NCCL). `loss`: whether the GPT's last layer counts
+    its loss (`lm_loss` as it is; False where it is compiled: next to nothing)."""
     if balance == "parameters":
         return [sum(p.numel() for p in layer.parameters()) for _, layer in layers]
     if balance == "compute":
         if not isinstance(module, GPT):
             raise ValueError(f"pipeline_balance='compute' knows the compute of our GPT only, not of a "
                              f"{type(module).__name__}: use 'parameters', 'time' or pipeline_split_points")
-        forward, backward = _gpt_costs(module, layers, sample)
+        forward, backward = _gpt_costs(module, layers, sample, loss)
         return [f + b for f, b in zip(forward, backward)]
     if balance != "time":
         raise ValueError(f"pipeline_balance must be one of {list(BALANCES)}, got {balance!r}")
@@ -267,7 +269,7 @@ def layer_costs(module: nn.Module, layers: Layers, balance: str, *, device: torc
                          "microbatch's input to the first layer: a tensor, or a tuple or dict of tensors)")
     try:
         mine = measure_layer_times(layers, sample, device, autocast=autocast, budget_s=budget_s,
-                                   loss=_gpt_loss if isinstance(module, GPT) else None)
+                                   loss=_gpt_loss if isinstance(module, GPT) and loss else None)
         failure = None
     except Exception as err:  # out of memory on one rank, say: every rank must leave, not wait for it
         mine, failure = [0.0] * len(layers), err
@@ -281,7 +283,7 @@ def layer_costs(module: nn.Module, layers: Layers, balance: str, *, device: torc
     return agreed[:-1]
 
 
-def _gpt_costs(module: GPT, layers: Layers, sample: Any = None) -> tuple[list[float], list[float]]:
+def _gpt_costs(module: GPT, layers: Layers, sample: Any = None, loss: bool = True) -> tuple[list[float], list[float]]:
     """The GPT's compute model (`gpt_layer_costs`) for its chain `layers`, at the sequence length and
     tokens a microbatch of `sample` (one microbatch's token ids, (rows, length); None: one sequence of
     ``cfg.block_size``)."""
@@ -294,16 +296,16 @@ def _gpt_costs(module: GPT, layers: Layers, sample: Any = None) -> tuple[list[fl
         seq, tokens = int(sample.shape[1]), int(sample.numel())
         if tokens == 0:
             raise ValueError(f"pipeline_sample_input is empty ({_describe(sample)}): give one microbatch's token ids")
-    return gpt_layer_costs(module.cfg, seq, halves=halves, microbatch_tokens=tokens)
+    return gpt_layer_costs(module.cfg, seq, halves=halves, loss=loss, microbatch_tokens=tokens)
 
 
 def split_step(module: nn.Module, layers: Layers, balance: str, costs: Sequence[float],
-               sample: Any = None) -> tuple[list[float], list[float]]:
+               sample: Any = None, loss: bool = True) -> tuple[list[float], list[float]]:
     """(forward, backward) per layer for `schedule_cut`: the GPT's compute model for ``"compute"`` (at
     `sample`'s shape, see `_gpt_costs`); otherwise each layer's step cost (`costs`, e.g. measured seconds)
     a third forward, two thirds backward."""
     if balance == "compute" and isinstance(module, GPT):
-        return _gpt_costs(module, layers, sample)
+        return _gpt_costs(module, layers, sample, loss)
     return [c / 3.0 for c in costs], [2.0 * c / 3.0 for c in costs]
 
 

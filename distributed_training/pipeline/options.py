@@ -55,6 +55,10 @@ class PipelineOptions:
             (``pipeline_cuda_graphs``; `graphs.StageGraphs`): far fewer host launches, for steps the
             host bounds (``"zbh1"``: its I and W passes as graphs of their own). CUDA only; not with
             activation checkpointing, or inner strategies that gather parameters in module hooks (ZeRO-1/2/3, FSDP).
+        compile_loss: run the last stage's loss through ``torch.compile`` on CUDA
+            (``pipeline_compile_loss``; `compiled_loss.CompiledLoss`): one fused pass over the logits
+            instead of several, so the stage holding the head carries no extra loss work (the compute
+            balance then counts none). The loss as it is on CPU, and where compiling fails (a warning).
     """
 
     size: int = 1
@@ -68,9 +72,12 @@ class PipelineOptions:
     mixed_precision: str | None = None
     half_blocks: bool = False
     cuda_graphs: bool = False
+    compile_loss: bool = False
 
     def __post_init__(self) -> None:
         size = self.size
+        if not isinstance(self.compile_loss, bool):
+            raise TypeError(f"pipeline_compile_loss must be True or False, got {self.compile_loss!r}")
         if not isinstance(self.half_blocks, bool):
             raise TypeError(f"pipeline_half_blocks must be True or False, got {self.half_blocks!r}")
         if not isinstance(self.cuda_graphs, bool):
@@ -102,6 +109,9 @@ class PipelineOptions:
                              f"'interleaved_1f1b' runs several chunks per rank), got {chunks}")
         if self.cuda_graphs and size == 1:
             raise ValueError("pipeline_cuda_graphs=True replays pipeline stages: it needs pipeline_parallel_size > 1")
+        if self.compile_loss and size == 1:
+            raise ValueError("pipeline_compile_loss=True compiles the last pipeline stage's loss: it needs "
+                             "pipeline_parallel_size > 1 (without a pipeline, compile the model: compile=True)")
         microbatches = self.microbatches if self.microbatches is not None else size
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")

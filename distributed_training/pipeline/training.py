@@ -85,6 +85,7 @@ from ..strategies.base import OptimizerFactory, Strategy
 from .engine import PipelineEngine
 from .p2p import PipelineAborted
 from .balance import layer_costs, schedule_cut, split_step
+from .compiled_loss import CompiledLoss
 from .gpt_stages import lm_loss
 from .meta_init import check_initialisable, has_meta, materialize
 from .options import PipelineOptions
@@ -164,11 +165,13 @@ class PipelineStrategy(PipelineState, Strategy):
                 check_initialisable(module, layers)  # its error before any timing, on every rank alike
             costs = layer_costs(module, layers, opts.balance, device=context.device, sample=opts.sample_input,
                                 autocast=_autocast(opts.mixed_precision, context.device), group=context.group,
-                                collective_device=context.device if context.backend == "nccl" else None)
+                                collective_device=context.device if context.backend == "nccl" else None,
+                                loss=not opts.compile_loss)
             if opts.balance == "parameters":
                 bounds = partition(costs, S)  # memory: the largest stage as small as it can be
             else:  # time: the schedule's simulated step as short as it can be
-                forward, backward = split_step(module, layers, opts.balance, costs, opts.sample_input)
+                forward, backward = split_step(module, layers, opts.balance, costs, opts.sample_input,
+                                               loss=not opts.compile_loss)
                 bounds = schedule_cut(forward, backward, opts.schedule, P, opts.microbatches or P, V)
         #: What the cut balanced (one cost per chain layer: parameters, FLOPs per token or seconds; None
         #: with pipeline_split_points) and the cut (stage s holds chain layers bounds[s]:bounds[s + 1]).
@@ -348,7 +351,7 @@ class PipelineStrategy(PipelineState, Strategy):
     def forward_backward(self, model: nn.Module, batch: Any, criterion: Callable | None,
                          precision) -> torch.Tensor:
         criterion, inputs, targets = self._criterion_and_pair(criterion, batch, "train_step")
-        self._loss_fn, self.precision = criterion, precision
+        self._loss_fn, self.precision = self._compiled(criterion), precision
         self.engine.criterion = criterion  # the microbatches' loss weights follow its reduction (loss_weights)
         scaler = precision.scaler
         self._scale = scaler.scale if scaler is not None else None
@@ -361,6 +364,16 @@ class PipelineStrategy(PipelineState, Strategy):
         with self.inner.no_sync(model), precision.autocast():
             loss = self.engine.step(inputs, targets)
         return loss / self._scale if self._scale is not None else loss
+
+    def _compiled(self, criterion: Callable) -> Callable:
+        """`criterion` through `CompiledLoss` with ``pipeline_compile_loss`` (one per criterion object,
+        kept: compiled once), else as it is."""
+        if not self.options.compile_loss:
+            return criterion
+        cache = self.__dict__.setdefault("_compiled_losses", {})
+        if id(criterion) not in cache:
+            cache[id(criterion)] = (criterion, CompiledLoss(criterion))
+        return cache[id(criterion)][1]
 
     def _loss(self, output, target) -> torch.Tensor:
         loss = self._loss_fn(output, target)  # under the step's autocast (forward_backward)
