@@ -27,4 +27,14 @@ case "$1" in
        --layers 6 --variants ours-graphs_1f1b,ours-graphs-closs_1f1b,ours-graphs_zbh1,ours-graphs-closs_zbh1,ours-graphs_gpipe,ours-graphs-closs_gpipe \
        --profile ours-graphs_1f1b --rounds 3 --steps 4 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/stage.log"
      echo "stage exit $? at $(( $(date +%s) - start )) s" >> "$OUT/stage.log" ;;
+  # D: the compiled loss's GPU test; then GPT-2 124M whole on one GPU (12 blocks of width 768, 8 microbatches
+  #    of 2 x 1024 tokens, bf16): a model whose step the host bounds, eager against graphed, 1F1B and ZB-H1,
+  #    with the loss as it is and compiled.
+  D) timeout -k 5 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_compiled_loss.py \
+       > "$OUT/gpu_tests.log" 2>&1
+     echo "tests exit $? at $(( $(date +%s) - start )) s" >> "$OUT/gpu_tests.log"
+     timeout -k 5 300 torchrun --standalone --nproc_per_node=1 benchmarks/pipeline_profile.py --out "$OUT/gpt2" \
+       --model gpt2-124m --variants ours_1f1b,ours-graphs_1f1b,ours_zbh1,ours-graphs_zbh1,ours-graphs-closs_1f1b,ours-graphs-closs_zbh1 \
+       --profile none --rounds 3 --steps 4 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/gpt2.log"
+     echo "gpt2 exit $? at $(( $(date +%s) - start )) s" >> "$OUT/gpt2.log" ;;
 esac
