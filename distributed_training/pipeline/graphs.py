@@ -161,12 +161,16 @@ def _warm_up(module: nn.Module, spec: Spec, device: torch.device, passes: int,
 
 def _linears(module: nn.Module) -> dict[nn.Linear, tuple[str, str | None]]:
     """The layers of `module` running `nn.Linear`'s own forward (and no instance forward of someone
-    else's), with their weight's and bias's names in ``named_parameters()`` (a tied weight: its first)."""
+    else's) on registered parameters, with their weight's and bias's names in ``named_parameters()`` (a
+    tied weight: its first). Other layers keep their own forward in the graphs (autocast's casts)."""
     names = {id(p): name for name, p in module.named_parameters(remove_duplicate=True)}
     found = {}
     for m in module.modules():
-        if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__:
-            found[m] = (names[id(m.weight)], None if m.bias is None else names[id(m.bias)])
+        if not (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__):
+            continue
+        weight, bias = m.weight, m.bias  # (a parametrized weight is computed on access: not a parameter here)
+        if id(weight) in names and (bias is None or id(bias) in names):
+            found[m] = (names[id(weight)], None if bias is None else names[id(bias)])
     return found
 
 
