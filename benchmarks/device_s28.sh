@@ -37,4 +37,20 @@ case "$1" in
        --model gpt2-124m --variants ours_1f1b,ours-graphs_1f1b,ours_zbh1,ours-graphs_zbh1,ours-graphs-closs_1f1b,ours-graphs-closs_zbh1 \
        --profile none --rounds 3 --steps 4 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/gpt2.log"
      echo "gpt2 exit $? at $(( $(date +%s) - start )) s" >> "$OUT/gpt2.log" ;;
+  # For a 4-GPU machine (not lent in session 28; run with kind nvidia-h200-x4 when it is):
+  # E: the graphs' and the compiled loss's GPU tests (2- and 4-GPU ones included: ZB-H1 graphed over NCCL
+  #    and through the trainer at P = 2 x DP = 2), then P = 4 at half blocks with the loss compiled for
+  #    ours and torch's (fused_loss; torch's ZB schedule skipped: it hangs on it), eager and graphed, 2
+  #    rounds: ZB-H1's graphed bubble, GPipe's bubble with the compiled loss.
+  E) timeout -k 5 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_pipeline_graphs.py \
+       tests/test_compiled_loss.py > "$OUT/gpu_tests.log" 2>&1
+     echo "tests exit $? at $(( $(date +%s) - start )) s" >> "$OUT/gpu_tests.log"
+     (cd benchmarks && timeout -k 5 340 python suite.py --out "$OUT/E" --timeout 330 --worlds 4 --phases pipeline \
+        --variants pp,halves,graphs,fused_loss --rounds 2) 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/E.log"
+     echo "E exit $? at $(( $(date +%s) - start )) s" >> "$OUT/E.log" ;;
+  # F: the README's table: P = 4 and P = 2 x DP = 2, half blocks, eager and graphed (ZB-H1 too),
+  #    the loss as it is, 3 rounds.
+  F) (cd benchmarks && timeout -k 5 580 python suite.py --out "$OUT/F" --timeout 570 --worlds 4 --phases pipeline \
+        --variants pp,pp_dp,halves,graphs --rounds 3) 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/F.log"
+     echo "F exit $? at $(( $(date +%s) - start )) s" >> "$OUT/F.log" ;;
 esac

@@ -198,6 +198,13 @@ def run(ctx, opts) -> dict:
             for schedule in OURS:
                 for impl in ("ours", "graphs", "torch") if graphs else ("ours", "torch"):
                     key = f"{prefix}{impl}_{schedule}"
+                    if fused and impl == "torch" and schedule == "zbh1":
+                        # Session 27, call S: torch's ScheduleInterleavedZeroBubble failed on the compiled loss
+                        # and its ranks hung until the suite stopped the world (every result of it lost).
+                        per_round.setdefault(key, []).append(
+                            {"status": "skipped", "reason": "torch's zero-bubble schedule hangs with the compiled "
+                             "loss (session 27, call S)", "config": name})
+                        continue
                     try:
                         run_ = _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout,
                                         costs[balance], halves=balance in HALF_BLOCKS, fused_loss=fused)
