@@ -62,6 +62,23 @@ def test_a_failing_compiler_warns_once_and_leaves_the_loss_as_it_is():
     assert len(calls) == 1 and "no compiler here" in compiled.failure and "failed" in repr(compiled)
 
 
+def test_a_backward_the_compiler_fails_on_falls_back_before_the_step_goes_on():
+    """AOTAutograd compiles the backward lazily; CompiledLoss makes it compile with the forward, so that
+    its failure is caught where the forward's is (not raised by the step's backward, every step)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def no_backward(gm, example_inputs):
+        raise RuntimeError("no backward compiler")
+
+    logits, targets = _logits()
+    compiled = CompiledLoss(lm_loss, devices=("cpu",),
+                            backend=aot_autograd(fw_compiler=lambda gm, example_inputs: gm, bw_compiler=no_backward))
+    with pytest.warns(RuntimeWarning, match="no backward compiler"):
+        got = _value_and_grad(compiled, logits, targets)
+    torch.testing.assert_close(got, _value_and_grad(lm_loss, logits, targets), rtol=0, atol=0)
+    assert compiled.failure is not None
+
+
 def test_an_error_of_the_inputs_is_raised_as_the_loss_raises_it():
     logits, targets = _logits()
     targets[1, 1] = 1000  # out of the vocabulary

@@ -105,6 +105,8 @@ def _pipeline(**fields):
         (_pipeline(batch_size="auto"), "training.batch_size"),
         (_pipeline(batch_size=4, microbatches=8), "training.microbatches"),
         (_pipeline(pipeline_cuda_graphs=True, strategy="zero2"), "training.pipeline_cuda_graphs"),
+        (_pipeline(pipeline_compile_loss="yes"), "training.pipeline_compile_loss"),
+        ({"training": {"pipeline_compile_loss": True}}, "training.pipeline_compile_loss"),  # no pipeline
         (_pipeline(pipeline_cuda_graphs=True, strategy="ddp", activation_checkpointing=True),
          "training.pipeline_cuda_graphs"),
         (_pipeline(pipeline_cuda_graphs=True, strategy="ddp", tensor_parallel_size=2), "training.pipeline_cuda_graphs"),
@@ -147,7 +149,8 @@ def test_pipeline_fields_default_to_the_trainers_and_load():
     training = JobConfig().training
     for name in ("tensor_parallel_size", "tensor_parallel_plan", "sequence_parallel",
                  "pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_split_points",
-                 "pipeline_chunks", "pipeline_balance", "pipeline_half_blocks"):
+                 "pipeline_chunks", "pipeline_balance", "pipeline_half_blocks", "pipeline_cuda_graphs",
+                 "pipeline_compile_loss"):
         assert getattr(training, name) == trainer[name].default, name
     # GPipe may run fewer microbatches than stages (wasteful, not wrong); split points load as a list.
     cfg = load_config(_pipeline(pipeline_schedule="gpipe", microbatches=1, pipeline_split_points=["block.2"]))

@@ -20,6 +20,7 @@ recompile, then compile for dynamic shapes (its default): a few recompilations, 
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 import torch
@@ -53,11 +54,15 @@ class CompiledLoss:
         if self._compiled is None:
             self._compiled = torch.compile(self.fn, backend=self.backend)
         try:
-            return self._compiled(output, target)
+            with _backward_compiled_now():
+                return self._compiled(output, target)
         except Exception as err:  # noqa: BLE001 - sorted out below
             # The loss as it is: where it raises too, the error is the inputs' (wrong targets, say), and
-            # that error is the one to see; where it works, the compiler failed: as it is from now on.
+            # that error is the one to see; where it works, the compiler failed: as it is from now on
+            # (unless the device ran out of memory: that is the moment's, not the compiler's).
             loss = self.fn(output, target)
+            if isinstance(err, torch.OutOfMemoryError):
+                return loss
             self.failure = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
             warnings.warn(f"pipeline_compile_loss: compiling the loss failed, it runs as it is from now on "
                           f"({self.failure})", RuntimeWarning, stacklevel=2)
@@ -66,3 +71,13 @@ class CompiledLoss:
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         return f"CompiledLoss({name}, devices={self.devices}{', failed' if self.failure else ''})"
+
+
+def _backward_compiled_now():
+    """AOTAutograd compiles a backward lazily, at the first ``backward()``: a failure there would escape
+    the fallback (raised in the middle of a pipeline step, every step). This compiles it with the
+    forward, inside the ``try`` (a no-op where torch lacks the setting)."""
+    config = getattr(getattr(torch, "_functorch", None), "config", None)
+    if config is None or not hasattr(config, "force_non_lazy_backward_lowering"):
+        return nullcontext()
+    return config.patch(force_non_lazy_backward_lowering=True)

@@ -158,7 +158,7 @@ class PipelineEngine:
         if cuda_graphs:
             self.graphs = StageGraphs(self.chunks, slots_per_chunk(self.actions, len(self.chunks)), self.device,
                                       split=self.split is not None)
-        self._slots: dict[tuple[int, int], Any] = {}  # (microbatch, chunk) -> its graphs' slot, until its B
+        self._slots: dict[tuple[int, int], Any] = {}  # (microbatch, chunk) -> its graphs' slot, until its B or W
         self.timing = False
         self.last_timing: PipelineTiming | None = None
         self._clock: ActionClock | None = None
@@ -318,9 +318,10 @@ class PipelineEngine:
                         clock.stop(action.kind, mb, chunk, start)
                     if back is not None:
                         link.send(back, me, (stage - 1) % self.pipe_size)
-            if split is not None and split.pending():
+            if split is not None and (split.pending() or self._slots):
                 raise RuntimeError(f"pipeline rank {self.rank}: the schedule left weight gradients of "
-                                   f"{sorted(split.pending())} (microbatch, chunk) without a W action")
+                                   f"{sorted(set(split.pending()) | set(self._slots))} (microbatch, chunk) "
+                                   "without a W action")
             if self.graphs is not None:  # the graphed backward passes' parameter gradients, into .grad
                 self.graphs.flush()
             link.end_step()

@@ -51,7 +51,8 @@ refused); the forward must not synchronise with the host; autocast's own weight-
 inside the graphs (the linear layers' casts come from the chunk's cache above; other ops' casts are
 replayed kernels); random ops (dropout) draw fresh
 numbers on every replay, but not the eager pass's numbers. Memory: one set of activations per slot,
-kept between steps, and one set of gradient accumulators per chunk.
+kept between steps, one set of gradient accumulators per chunk, and under autocast one low-precision
+copy of the chunk's linear layers' weights (the cast cache).
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def _linear_forwards(linears: dict[nn.Linear, tuple[str, str | None]], leaves: d
                 weight = _CachedCast.apply(weight, w_cast) if w_cast is not None else _cast(weight, dtype)
                 bias = _CachedCast.apply(bias, b_cast) if b_cast is not None else _cast(bias, dtype)
             y = F.linear(x, weight, bias)
-            if record:
+            if record and y.requires_grad:  # (a call under no_grad has nothing to defer)
                 records.append((x, y, y._version, *names))
             return y
         return forward
@@ -335,6 +336,8 @@ class _Slot:
             item = _WeightGrad(x, dy, by_name[w], by_name.get(b, every.get(b)))
             work.setdefault(item.group_key(), []).append(item)
         names = {id(leaf): name for name, leaf in by_name.items()}
+        if not work:  # nothing deferred on this chunk (an embedding alone, say): W has nothing to do
+            return
         self.weight_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.weight_graph, pool=pool, capture_error_mode="thread_local"), \
                 torch.autocast("cuda", enabled=False):
@@ -439,8 +442,9 @@ class StageGraphs:
         return Spec(tuple(x.shape), x.dtype, x.requires_grad, autocast, self._modes[chunk])
 
     def forward(self, chunk: int, x: Any) -> tuple[torch.Tensor, _Slot] | None:
-        """The chunk's output from a free slot's graphs, and the slot (`release` it after the backward);
-        None where the forward must run eagerly (noted, for a capture after the step)."""
+        """The chunk's output from a free slot's graphs, and the slot (give it back with `weight_grad`
+        after its backward, or after its W with a split backward); None where the forward must run
+        eagerly (noted, for a capture after the step)."""
         spec = self.spec_of(chunk, x)
         entry = self.captured[chunk]
         if spec is not None and entry is not None and entry[0] == spec:
@@ -454,13 +458,9 @@ class StageGraphs:
         self.eager += 1
         return None
 
-    @staticmethod
-    def release(slot: _Slot) -> None:
-        slot.busy = False
-
     def weight_grad(self, chunk: int, slot: _Slot) -> None:
-        """A split slot's W pass: its deferred weight gradients into the chunk's accumulators; the slot is
-        free again."""
+        """The slot back, after its W where the backward is split (its deferred weight gradients into the
+        chunk's accumulators first), after its backward otherwise."""
         if slot.weight_graph is not None:
             slot.weight_graph.replay()
             self.dirty[chunk] = True

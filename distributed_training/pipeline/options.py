@@ -111,7 +111,7 @@ class PipelineOptions:
             raise ValueError("pipeline_cuda_graphs=True replays pipeline stages: it needs pipeline_parallel_size > 1")
         if self.compile_loss and size == 1:
             raise ValueError("pipeline_compile_loss=True compiles the last pipeline stage's loss: it needs "
-                             "pipeline_parallel_size > 1 (without a pipeline, compile the model: compile=True)")
+                             "pipeline_parallel_size > 1")
         microbatches = self.microbatches if self.microbatches is not None else size
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")

@@ -161,17 +161,20 @@ class PipelineStrategy(PipelineState, Strategy):
                 raise ValueError(f"pipeline_split_points: {str(err).removeprefix('boundary_names: ')}") from None
             costs = None
         else:
+            # The GPT's loss counts on the head's layer unless it is compiled (CUDA only: on a CPU it runs
+            # as it is).
+            counted_loss = not (opts.compile_loss and torch.device(context.device).type == "cuda")
             if has_meta(module) and opts.balance == "time":
                 check_initialisable(module, layers)  # its error before any timing, on every rank alike
             costs = layer_costs(module, layers, opts.balance, device=context.device, sample=opts.sample_input,
                                 autocast=_autocast(opts.mixed_precision, context.device), group=context.group,
                                 collective_device=context.device if context.backend == "nccl" else None,
-                                loss=not opts.compile_loss)
+                                loss=counted_loss)
             if opts.balance == "parameters":
                 bounds = partition(costs, S)  # memory: the largest stage as small as it can be
             else:  # time: the schedule's simulated step as short as it can be
                 forward, backward = split_step(module, layers, opts.balance, costs, opts.sample_input,
-                                               loss=not opts.compile_loss)
+                                               loss=counted_loss)
                 bounds = schedule_cut(forward, backward, opts.schedule, P, opts.microbatches or P, V)
         #: What the cut balanced (one cost per chain layer: parameters, FLOPs per token or seconds; None
         #: with pipeline_split_points) and the cut (stage s holds chain layers bounds[s]:bounds[s + 1]).
