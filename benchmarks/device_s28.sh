@@ -53,4 +53,12 @@ case "$1" in
   F) (cd benchmarks && timeout -k 5 580 python suite.py --out "$OUT/F" --timeout 570 --worlds 4 --phases pipeline \
         --variants pp,pp_dp,halves,graphs --rounds 3) 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/F.log"
      echo "F exit $? at $(( $(date +%s) - start )) s" >> "$OUT/F.log" ;;
+  # G (4 GPUs): is graphed 1F1B held back by receives posted far ahead of the GPU? Ours graphed with and
+  #    without the receive throttle against torch's 1F1B at P = 4, 3 rounds, one step of each traced
+  #    (summary: the NCCL kernels' overlap with the compute stream).
+  G) timeout -k 5 300 torchrun --standalone --nproc_per_node=4 benchmarks/pipeline_profile.py --out "$OUT/G" \
+       --variants ours-graphs_1f1b,ours-graphs-throttle_1f1b,torch_1f1b \
+       --profile ours-graphs_1f1b,ours-graphs-throttle_1f1b,torch_1f1b --rounds 3 --steps 4 2>&1 \
+       | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/G.log"
+     echo "G exit $? at $(( $(date +%s) - start )) s" >> "$OUT/G.log" ;;
 esac

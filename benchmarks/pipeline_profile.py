@@ -37,7 +37,8 @@ def build_variant(name, cfg, x, y, microbatches, groups, rank, world, device):
     """`name` is ``<impl>[-<option>...]_<schedule>``: impl ``ours`` or ``torch``; options ``headers`` (our
     receives wait for every header), ``nolag`` (known shapes checked only at the step's end), ``graphs``
     (each stage's forward and backward replayed as CUDA graphs: the engine's ``cuda_graphs``), ``closs`` (ours
-only: the loss through ``torch.compile``), ``params``
+only: the loss through ``torch.compile``), ``throttle`` (ours on CUDA: each receive posted only once the GPU
+has reached the previous one, `_throttle`), ``params``
     (stages balanced by parameter count, not by compute), ``halves`` (the chain cut at half blocks), ``time`` (``trainer`` only: by each layer's measured
 forward + backward, ``pipeline_balance="time"`` on one microbatch of `x`)."""
     spec, schedule = name.split("_", 1)
@@ -82,6 +83,8 @@ forward + backward, ``pipeline_balance="time"`` on one microbatch of `x`)."""
                                 down_group=groups["down"], header_group=groups["headers"], schedule=schedule,
                                 microbatches=microbatches, loss_fn=loss_fn, device=device, after_backward=sync_ties,
                                 cuda_graphs="graphs" in options)
+        if "throttle" in options and device.type == "cuda":
+            _throttle(engine.link)
         if "headers" in options:
             engine.link.known_shapes = False
         if "nolag" in options:
@@ -109,6 +112,27 @@ forward + backward, ``pipeline_balance="time"`` on one microbatch of `x`)."""
             opt.step()
             opt.zero_grad(set_to_none=True)
     return step
+
+
+def _throttle(link) -> None:
+    """``throttle``: before each receive the host waits until the GPU has reached the point where the
+    previous receive was posted, so a graphed host (far ahead of its GPU) posts each payload receive
+    about one action before the GPU needs it instead of many. The question it answers: do our early
+    receives' NCCL kernels, spinning beside the stage's matmuls, slow the matmuls (graphed 1F1B only at
+    torch's speed when both are GPU-bound, session 27)?"""
+    receive = link.recv
+    last: list = [None]
+
+    def recv(*args, **kwargs):
+        if last[0] is not None:
+            last[0].synchronize()
+        got = receive(*args, **kwargs)
+        event = torch.cuda.Event()
+        event.record()
+        last[0] = event
+        return got
+
+    link.recv = recv
 
 
 def summarize(trace_path: str, rank: int) -> dict:
