@@ -37,6 +37,24 @@ case "$1" in
        --model gpt2-124m --variants ours_1f1b,ours-graphs_1f1b,ours_zbh1,ours-graphs_zbh1,ours-graphs-closs_1f1b,ours-graphs-closs_zbh1 \
        --profile none --rounds 3 --steps 4 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/gpt2.log"
      echo "gpt2 exit $? at $(( $(date +%s) - start )) s" >> "$OUT/gpt2.log" ;;
+  # H1 (2 GPUs, lent late in session 28): the graphs' and compiled loss's GPU tests (the 2-GPU NCCL ones
+  #    with ZB-H1 graphed run; the 4-GPU trainer test skips), then the pipeline phase at P = 2, half blocks,
+  #    eager / graphed / torch's, every schedule (ZB-H1 graphed too), 2 rounds.
+  H1) timeout -k 5 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_pipeline_graphs.py \
+        tests/test_compiled_loss.py > "$OUT/gpu_tests.log" 2>&1
+      echo "tests exit $? at $(( $(date +%s) - start )) s" >> "$OUT/gpu_tests.log"
+      (cd benchmarks && timeout -k 5 330 python suite.py --out "$OUT/H1" --timeout 320 --worlds 2 --phases pipeline \
+         --variants pp,halves,graphs --rounds 2) 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/H1.log"
+      echo "H1 exit $? at $(( $(date +%s) - start )) s" >> "$OUT/H1.log" ;;
+  # H2 (2 GPUs): the same phase with the loss compiled for ours and torch's (fused_loss), 2 rounds; then the
+  #    receive throttle at P = 2 (pipeline_profile: ours graphed with and without it, torch's 1F1B, 3 rounds).
+  H2) (cd benchmarks && timeout -k 5 300 python suite.py --out "$OUT/H2" --timeout 290 --worlds 2 --phases pipeline \
+         --variants pp,halves,graphs,fused_loss --rounds 2) 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/H2.log"
+      echo "H2 exit $? at $(( $(date +%s) - start )) s" >> "$OUT/H2.log"
+      timeout -k 5 200 torchrun --standalone --nproc_per_node=2 benchmarks/pipeline_profile.py --out "$OUT/G2" \
+        --variants ours-graphs_1f1b,ours-graphs-throttle_1f1b,torch_1f1b --profile none --rounds 3 --steps 4 2>&1 \
+        | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/G2.log"
+      echo "G2 exit $? at $(( $(date +%s) - start )) s" >> "$OUT/G2.log" ;;
   # For a 4-GPU machine (not lent in session 28; run with kind nvidia-h200-x4 when it is):
   # E: the graphs' and the compiled loss's GPU tests (2- and 4-GPU ones included: ZB-H1 graphed over NCCL
   #    and through the trainer at P = 2 x DP = 2), then P = 4 at half blocks with the loss compiled for
