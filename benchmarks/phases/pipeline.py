@@ -202,8 +202,8 @@ def run(ctx, opts) -> dict:
                         # Session 27, call S: torch's ScheduleInterleavedZeroBubble failed on the compiled loss
                         # and its ranks hung until the suite stopped the world (every result of it lost).
                         per_round.setdefault(key, []).append(
-                            {"status": "skipped", "reason": "torch's zero-bubble schedule hangs with the compiled "
-                             "loss (session 27, call S)", "config": name})
+                            {"status": "skipped", "reason": "skipped: hangs with a compiled loss (s27)",
+                             "config": name})
                         continue
                     try:
                         run_ = _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout,
