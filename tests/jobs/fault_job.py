@@ -35,8 +35,11 @@ def main(argv: list[str] | None = None) -> None:
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 64, (48, 17), generator=g)
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    # heartbeat_timeout 2 s (the default is 5 s, as tests/jobs/elastic_job.py and test_peer_watch.py use): rank 0's
+    # collective fails at once when rank 1 is SIGKILLed, then waits that long for the watcher to name the dead peer
+    # before it raises and torchrun can restart the job.
     trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), strategy=args.strategy,
-                                 checkpoint_dir=args.ckpt, checkpoint_every=3, keep_last=2, seed=7)
+                                 checkpoint_dir=args.ckpt, checkpoint_every=3, keep_last=2, seed=7, heartbeat_timeout=2.0)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
     def on_step(step: int, metrics: dict) -> None:
