@@ -75,10 +75,12 @@ def _trajectory(out: Path, n: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path, strategy, torchrun_job):
+def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path, strategy, torchrun_job,
+                                                                        warm_torchrun):
     base = ["--strategy", strategy]
     # The unbroken reference: the same job's main() on 2 ranks forked from a warm interpreter (no torchrun
-    # processes to start); the stopped and resumed runs below are torchrun's.
+    # processes to start); the stopped and resumed runs below are torchrun's (the resumed one, which is not
+    # signalled, with its launcher forked from the warm interpreter: its workers are torchrun's fresh ones).
     run_distributed(job_main, 2, args=("signal_job", base + ["--ckpt", str(tmp_path / "clean"), "--out",
                                                             str(tmp_path / "clean_out")]), timeout=300)
     unbroken = _trajectory(tmp_path / "clean_out", 0)
@@ -101,9 +103,9 @@ def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path
     assert found is not None and found[1]["step"] == stopped, "the checkpoint must be at the step where it stopped"
     assert not _tmp_files(ckpt), _tmp_files(ckpt)
 
-    resumed = torchrun_job(base + ["--ckpt", str(ckpt), "--out", str(out), "--every", "100"])
-    _wait(resumed, 300)
-    assert resumed.poll() == 0, resumed.output()[-3000:]
+    resumed = warm_torchrun(JOB, base + ["--ckpt", str(ckpt), "--out", str(out), "--every", "100"], nproc=2, cwd=REPO,
+                            env={"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}, timeout=300)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     after = _trajectory(out, 1)
     assert after["step"] == 24 and sorted(after["trajectory"]) == list(range(stopped + 1, 25))
     for step, state in after["trajectory"].items():
