@@ -14,9 +14,16 @@ SUITE = REPO / "benchmarks" / "suite.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
 
 
-def _suite(tmp_path, *args, timeout):
-    out = subprocess.run([sys.executable, str(SUITE), "--smoke", "--out", str(tmp_path), *args], cwd=REPO, env=ENV,
-                         capture_output=True, text=True, timeout=timeout)
+def _suite(tmp_path, *args, timeout, warm_python=None):
+    """``suite.py --smoke --out TMP_PATH *args``; its orchestrator forked from `warm_python` (the conftest
+    fixture: torch and the package imported once) when given, else a fresh interpreter. The world jobs it
+    starts are its own fresh processes (python / torchrun) either way."""
+    argv = [str(SUITE), "--smoke", "--out", str(tmp_path), *args]
+    if warm_python is not None:
+        out = warm_python(argv, cwd=REPO, env=ENV, timeout=timeout)
+    else:
+        out = subprocess.run([sys.executable, *argv], cwd=REPO, env=ENV, capture_output=True, text=True,
+                             timeout=timeout)
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     return json.loads((tmp_path / "results.json").read_text())
 

@@ -21,12 +21,12 @@ ALL_PHASES = {"collectives", "training", "models", "images", "accuracy", "precis
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_smoke_runs_every_phase(tmp_path):
+def test_smoke_runs_every_phase(tmp_path, warm_python):
     import shutil
     import tempfile
 
     shutil.rmtree(Path(tempfile.gettempdir()) / "dt-suite-images-64x40", ignore_errors=True)  # written afresh
-    results = _suite(tmp_path, timeout=540)
+    results = _suite(tmp_path, timeout=540, warm_python=warm_python)
     assert results["smoke"] and results["card"] == "cpu" and results["world_sizes"] == [1, 2]
     assert {"torch", "nccl", "cuda", "python"} <= set(results)
     assert [r["world_size"] for r in results["runs"]] == [1, 2]
@@ -222,10 +222,11 @@ def _check_projection(projection, images):
 
 
 @pytest.mark.timeout(120)
-def test_a_phase_that_cannot_run_records_why(tmp_path):
+def test_a_phase_that_cannot_run_records_why(tmp_path, warm_python):
     """At world 1 alone there is nothing to all-reduce: collectives are skipped, with the reason, and the
     model check on this run says what it lacks (no job is started at all)."""
-    results = _suite(tmp_path, "--worlds", "1", "--phases", "collectives,model_check", "--recorded", timeout=100)
+    results = _suite(tmp_path, "--worlds", "1", "--phases", "collectives,model_check", "--recorded", timeout=100,
+                     warm_python=warm_python)
     coll = results["phases"]["collectives"]
     assert coll["status"] == "skipped" and "multi" in coll["reason"] and coll["worlds"] == {}
     assert results["runs"] == []

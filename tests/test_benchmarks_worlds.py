@@ -11,11 +11,11 @@ from _bench import _check_ps_recommender, _suite
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ps_phase_at_world_3_compares_sync_ssp_and_async(tmp_path):
+def test_ps_phase_at_world_3_compares_sync_ssp_and_async(tmp_path, warm_python):
     """The ps phase at world 3: the recommender with one and two servers; on the digits one server and two
     workers, the second slow: every mode reaches 0.9, sync measures no staleness, ssp at most its bound
     (and some: the fast worker ran ahead), async one update per gradient."""
-    results = _suite(tmp_path, "--phases", "ps", "--worlds", "3", timeout=280)
+    results = _suite(tmp_path, "--phases", "ps", "--worlds", "3", timeout=280, warm_python=warm_python)
     part = results["phases"]["ps"]["worlds"]["3"]
     assert part["status"] == "ok", part.get("reason")
     _check_ps_recommender(part["recommender"], 3)
@@ -55,7 +55,7 @@ def _cut(pipe, balance, schedule, P, chunks):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time(tmp_path):
+def test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time(tmp_path, warm_python):
     """The pipeline phase at world 4 (gloo): P = 4 and P = 2 x DP = 2, every schedule of ours and torch's,
     stages balanced by measured time. Same initial weights and global batch everywhere, so every run's
     last loss is the same: the two pipelines of P = 2 x DP = 2 see different halves of the batch (their
@@ -63,7 +63,8 @@ def test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time
     P = 4's trajectory (without it their mean loss moves off by about 6e-3 here)."""
     from distributed_training.pipeline import bubble_formula
 
-    results = _suite(tmp_path, "--phases", "pipeline", "--worlds", "4", "--variants", "time", timeout=400)
+    results = _suite(tmp_path, "--phases", "pipeline", "--worlds", "4", "--variants", "time", timeout=400,
+                     warm_python=warm_python)
     pipe = results["phases"]["pipeline"]["worlds"]["4"]
     assert pipe["status"] == "ok" and pipe["balances"] == ["time"], pipe.get("reason")
     assert list(pipe["configs"]) == ["P4 time", "P2xDP2 time"]
@@ -94,10 +95,11 @@ def test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_pipeline_phase_balances_half_blocks_by_measured_time(tmp_path):
+def test_pipeline_phase_balances_half_blocks_by_measured_time(tmp_path, warm_python):
     """``--variants halves_time``: the chain cut at half blocks (embed, block.i.a, block.i.m, ..., head), each
     layer timed on the device, and every run cut by those times; ours and torch's reach the same loss."""
-    results = _suite(tmp_path, "--phases", "pipeline", "--worlds", "2", "--variants", "pp,halves_time", timeout=280)
+    results = _suite(tmp_path, "--phases", "pipeline", "--worlds", "2", "--variants", "pp,halves_time", timeout=280,
+                     warm_python=warm_python)
     pipe = results["phases"]["pipeline"]["worlds"]["2"]
     assert pipe["status"] == "ok" and pipe["balances"] == ["halves_time"], pipe.get("reason")
     costs = pipe["layer_costs"]["halves_time"]
