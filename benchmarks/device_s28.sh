@@ -55,6 +55,13 @@ case "$1" in
         --variants ours-graphs_1f1b,ours-graphs-throttle_1f1b,torch_1f1b --profile none --rounds 3 --steps 4 2>&1 \
         | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/G2.log"
       echo "G2 exit $? at $(( $(date +%s) - start )) s" >> "$OUT/G2.log" ;;
+  # H3 (2 GPUs): the user's path, DistributedTrainer (DDP inside the stages, a meta-built GPT-1.3B, cut by
+  #    compute at half blocks) at P = 2: ZB-H1 eager / graphed / graphed with the loss compiled, graphed
+  #    1F1B, against torch's 1F1B on the engine's stages; 3 rounds.
+  H3) timeout -k 5 400 torchrun --standalone --nproc_per_node=2 benchmarks/pipeline_profile.py --out "$OUT/H3" \
+        --variants trainer-halves_zbh1,trainer-halves-graphs_zbh1,trainer-halves-graphs-closs_zbh1,trainer-halves-graphs_1f1b,torch-halves_1f1b \
+        --profile none --rounds 3 --steps 4 2>&1 | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/H3.log"
+      echo "H3 exit $? at $(( $(date +%s) - start )) s" >> "$OUT/H3.log" ;;
   # For a 4-GPU machine (not lent in session 28; run with kind nvidia-h200-x4 when it is):
   # E: the graphs' and the compiled loss's GPU tests (2- and 4-GPU ones included: ZB-H1 graphed over NCCL
   #    and through the trainer at P = 2 x DP = 2), then P = 4 at half blocks with the loss compiled for

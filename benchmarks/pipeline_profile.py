@@ -66,7 +66,8 @@ forward + backward, ``pipeline_balance="time"`` on one microbatch of `x`)."""
                                                        "time" if "time" in options else "compute"),
                                      pipeline_sample_input=(x[:x.shape[0] // microbatches] if "time" in options
                                                             else None),
-                                     microbatches=microbatches, pipeline_half_blocks="halves" in options)
+                                     microbatches=microbatches, pipeline_half_blocks="halves" in options,
+                                     pipeline_cuda_graphs="graphs" in options, pipeline_compile_loss="closs" in options)
         if rank == 0:
             costs = trainer.strategy.layer_costs
             print(f"        {name}: cut {trainer.strategy.bounds}, layer costs "

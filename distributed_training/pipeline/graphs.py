@@ -496,6 +496,16 @@ class StageGraphs:
                     acc.zero_()
                 self.dirty[chunk] = False
 
+    def clear(self) -> None:
+        """Drop every captured graph, its memory pool (freed once nothing else holds it), the gradient
+        accumulators and the weight-cast cache (the trainer's ``close()``: graphs' private pools are not
+        otherwise returned before the engine is garbage-collected, which a reference cycle can delay)."""
+        self.captured = [None] * len(self.chunks)
+        self.accumulators = [{} for _ in self.chunks]
+        self.casts = [{} for _ in self.chunks]
+        self.dirty = [False] * len(self.chunks)
+        self._wanted = [None] * len(self.chunks)
+
     def capture_pending(self) -> None:
         """Capture the specs noted since the last capture. Call it between steps, when none of this
         rank's messages is in flight (a capture synchronises the device)."""

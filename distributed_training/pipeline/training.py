@@ -470,6 +470,13 @@ class PipelineStrategy(PipelineState, Strategy):
         return self.inner.planner_kind()
 
     def teardown(self, model: nn.Module) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None and engine.graphs is not None:
+            # The CUDA graphs' memory pools back to the allocator now (a trainer built after this one in the
+            # same process would otherwise find them held: 36 GiB after three graphed GPT-1.3B trainers at
+            # P = 2, session 28); the engine runs eagerly if stepped again.
+            engine.graphs.clear()
+            engine.graphs = None
         self.inner.teardown(model)
 
 
