@@ -9,8 +9,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -242,7 +240,7 @@ def test_checkpoint_async_arguments(tmp_path):
 
 # ----------------------------------------------------------------- killed midway, then resumed
 _KILLED = textwrap.dedent("""
-    import io, os, random, sys, time
+    import io, os, random, signal, sys, time
     import numpy, torch
     sys.path.insert(0, {tests!r})
     numpy.random.seed(0)  # every RNG a checkpoint holds is the same in every run of this script
@@ -255,8 +253,11 @@ _KILLED = textwrap.dedent("""
     from distributed_training.checkpoint import atomic_write_bytes as original_write
 
     def stall(message):
+        # The write stops here, half done, and the process dies: SIGKILL (no cleanup, no atexit, the
+        # writer thread and training cut wherever they are), as a node lost or the OOM killer would.
         print(message, flush=True)
-        time.sleep(120)
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)  # never reached
 
     def write(obj, path):
         if where == "rank_file" and "step_000000004" in path:
@@ -280,44 +281,40 @@ _KILLED = textwrap.dedent("""
 """)
 
 
-def _script(tmp_path, where, directory, *, stop_at_midway):
+def _script(warm_python, tmp_path, where, directory, *, stop_at_midway):
+    """The script in a new process forked from the warm_python server (a fresh process as torchrun's
+    restart makes one, without a fresh interpreter's imports); with `stop_at_midway` it must die by
+    SIGKILL in the middle of the write (it kills itself there), else finish."""
     script = tmp_path / "killed.py"
     script.write_text(_KILLED.format(tests=str(REPO / "tests")))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(script), where, str(directory)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        lines = []
-        for line in proc.stdout:  # training goes on while the write stalls; kill it there
-            lines.append(line)
-            if stop_at_midway and line.strip() == "MIDWAY":
-                proc.send_signal(signal.SIGKILL)
-                return
-        assert not stop_at_midway, "the script ended without reaching the write:\n" + "".join(lines)
-        assert proc.wait(timeout=60) == 0, "".join(lines)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
+    proc = warm_python([str(script), where, str(directory)], cwd=tmp_path, env=env, timeout=120)
+    output = proc.stdout + proc.stderr
+    if stop_at_midway:
+        assert proc.returncode == -signal.SIGKILL and "MIDWAY" in proc.stdout.split(), \
+            f"the script was not killed in the middle of the write (status {proc.returncode}):\n{output}"
+    else:
+        assert proc.returncode == 0 and "MIDWAY" not in proc.stdout, output
 
 
 @pytest.fixture(scope="module")
-def unbroken_run(tmp_path_factory):
+def unbroken_run(tmp_path_factory, warm_python):
     """The script's checkpoints of a run never interrupted: the same for every `where` (seeded), so made once."""
     tmp_path = tmp_path_factory.mktemp("unbroken")
-    _script(tmp_path, "none", tmp_path / "unbroken", stop_at_midway=False)
+    _script(warm_python, tmp_path, "none", tmp_path / "unbroken", stop_at_midway=False)
     return _files(tmp_path / "unbroken")
 
 
 @pytest.mark.parametrize("where", ["rank_file", "meta"])
-def test_killed_during_a_background_write_resumes_from_the_previous_one(tmp_path, where, unbroken_run):
+def test_killed_during_a_background_write_resumes_from_the_previous_one(tmp_path, where, unbroken_run, warm_python):
     directory = tmp_path / "ckpt"
-    _script(tmp_path, where, directory, stop_at_midway=True)
+    _script(warm_python, tmp_path, where, directory, stop_at_midway=True)
     with pytest.warns(UserWarning, match="step_000000004"):
         latest = CheckpointManager(str(directory)).latest_good()
     assert latest[0].endswith("step_000000002")
     # Resuming from there (a new process, as torchrun restarts one) ends where a run never interrupted
     # does: its last checkpoint holds the same state, bit for bit.
-    _script(tmp_path, "none", directory, stop_at_midway=False)
+    _script(warm_python, tmp_path, "none", directory, stop_at_midway=False)
     resumed, unbroken = _files(directory), unbroken_run
     assert "step_000000006" in resumed
     _same(resumed["step_000000006"], unbroken["step_000000006"])
