@@ -8,8 +8,11 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +42,8 @@ def _batch(step):
 
 # ------------------------------------------------------------------ a killed rank
 def killed_worker(rank, world, directory, victim, how, exit_after=None):
+    with open(os.path.join(directory, f"pid{rank}"), "w") as f:  # for the frozen rank's test (_end_frozen)
+        f.write(str(os.getpid()))
     trainer = _trainer(exit_after)
     handler = logging.FileHandler(os.path.join(directory, f"log{rank}.txt"))
     handler.setFormatter(logging.Formatter("%(created)f %(message)s"))  # when each survivor found it
@@ -65,13 +70,62 @@ def _killed_at(directory):
         return float(f.read())
 
 
+# ------------------------------------------------------------------ the slow scenarios, run side by side
+# The four scenarios below mostly wait (a heartbeat timeout, exit_after, slow steps, a rank left alone): each
+# runs exactly as it would alone, on processes and a process group of its own (run_distributed: its own
+# file:// store), but all are started together when the first of their tests asks, in threads of this
+# process, and each test waits for its own one and checks it. Alone, one after the other, they took ~35 s
+# of waiting; side by side, the longest one's ~13 s. Only the scenarios of the tests selected are run.
+class _Scenario(threading.Thread):
+    def __init__(self, fn, directory):
+        super().__init__(name=f"scenario-{fn.__name__}", daemon=True)
+        self.fn, self.directory, self.value, self.error, self.seconds = fn, directory, None, None, None
+
+    def run(self):
+        started = time.monotonic()
+        try:
+            self.value = self.fn(self.directory)
+        except BaseException as err:  # noqa: BLE001 - handed to the test, which expects one or fails
+            self.error = err
+        self.seconds = time.monotonic() - started
+
+    def result(self, timeout=110.0):
+        """The scenario's return value, or its exception raised here; a scenario still running after `timeout`
+        seconds fails the test (run_distributed's own timeout, 90 s, kills its processes before)."""
+        self.join(timeout)
+        if self.is_alive():
+            raise AssertionError(f"{self.name} still running after {timeout:g}s")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@pytest.fixture(scope="module")
+def scenarios(request, tmp_path_factory):
+    """{test name: its scenario's thread}, started together at the first request."""
+    wanted = {item.originalname for item in request.session.items if item.module is request.module}
+    started = {}
+    for name, fn in SCENARIOS.items():
+        if name in wanted:
+            started[name] = _Scenario(fn, str(tmp_path_factory.mktemp(name[5:40])))
+            started[name].start()
+    yield started
+    for thread in started.values():
+        thread.join(120)
+
+
+def _sigkilled(directory):
+    # collective_timeout=100: the collective timeout is not what ends it (the bound below is 10 s).
+    return run_distributed(killed_worker, 3, args=(directory, 1, signal.SIGKILL), timeout=90, collective_timeout=100)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_sigkilled_rank_is_named_by_every_survivor_within_seconds(tmp_path):
-    started = time.monotonic()
-    # collective_timeout=100: the collective timeout is not what ends it (the bound below is 10 s).
+def test_sigkilled_rank_is_named_by_every_survivor_within_seconds(scenarios):
+    scenario = scenarios["test_sigkilled_rank_is_named_by_every_survivor_within_seconds"]
+    tmp_path = scenario.directory
     with pytest.raises(DistributedTestError) as caught:
-        run_distributed(killed_worker, 3, args=(str(tmp_path), 1, signal.SIGKILL), timeout=90, collective_timeout=100)
+        scenario.result()
     report = str(caught.value)
     assert "--- rank 1 failed ---" in report and "code -9" in report, report
     assert "rank 0 failed" not in report and "rank 2 failed" not in report, report
@@ -83,7 +137,7 @@ def test_sigkilled_rank_is_named_by_every_survivor_within_seconds(tmp_path):
         elapsed = rec["at"] - killed_at
         print(f"rank {rank}: PeerFailureError {elapsed:.2f}s after the SIGKILL: {rec['message']}")
         assert elapsed < 10.0, (rank, elapsed)
-    assert time.monotonic() - started < 60
+    assert scenario.seconds < 60
 
 
 @pytest.mark.gpu
@@ -106,15 +160,58 @@ def test_dead_rank_is_named_on_nccl(tmp_path, how):
         assert elapsed < 10.0, (rank, elapsed)
 
 
+def _end_frozen(directory, frozen, survivors, done):
+    """(A thread) once every survivor's process has ended (exit 75), SIGKILL the frozen rank: it can never
+    report, and run_distributed would otherwise wait out its whole grace for it."""
+    def pid(rank):
+        try:
+            with open(os.path.join(directory, f"pid{rank}")) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return None
+
+    def gone(p):
+        try:
+            return psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    while not done.wait(0.1):
+        pids = [pid(r) for r in survivors]
+        if None in pids or not os.path.exists(os.path.join(directory, "killed_at")) or not all(map(gone, pids)):
+            continue
+        try:
+            victim = psutil.Process(pid(frozen))
+            if victim.status() == psutil.STATUS_STOPPED:
+                victim.kill()
+        except (psutil.NoSuchProcess, TypeError):
+            pass
+        return
+
+
+def _frozen(directory):
+    # A shorter exit_after than the default's 10 s. The frozen rank never reports: it is SIGKILLed once both
+    # survivors have exited (_end_frozen), so the harness's grace (30 s here) is only a bound on how long
+    # the second survivor may take to exit after the first, not a wait for the frozen one.
+    done = threading.Event()
+    ender = threading.Thread(target=_end_frozen, args=(directory, 2, (0, 1), done), daemon=True)
+    ender.start()
+    try:
+        return run_distributed(killed_worker, 3, args=(directory, 2, signal.SIGSTOP, EXIT_AFTER), timeout=90,
+                               collective_timeout=100, grace=30)
+    finally:
+        done.set()
+        ender.join()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_frozen_rank_makes_blocked_survivors_exit_for_a_restart(tmp_path):
+def test_frozen_rank_makes_blocked_survivors_exit_for_a_restart(scenarios):
     """gloo cannot wake a collective whose peer is silent: the watcher ends the process (status 75)."""
-    # A shorter exit_after than the default's 10 s; a shorter grace than the harness's 10 s for the frozen
-    # rank, which never reports (the survivors exit within a watch period of each other).
+    scenario = scenarios["test_frozen_rank_makes_blocked_survivors_exit_for_a_restart"]
+    tmp_path = Path(scenario.directory)
     with pytest.raises(DistributedTestError) as caught:
-        run_distributed(killed_worker, 3, args=(str(tmp_path), 2, signal.SIGSTOP, EXIT_AFTER), timeout=90,
-                        collective_timeout=100, grace=5)
+        scenario.result()
     killed_at = _killed_at(tmp_path)
     report = str(caught.value)
     for rank in (0, 1):
@@ -148,17 +245,31 @@ def slow_step_worker(rank, world, close):
     return failure.rank if failure is not None else None
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_slow_step_and_early_leaver_are_not_deaths():
-    assert run_distributed(slow_step_worker, 2, args=(True,), timeout=90) == [None, None]
+def _slow_step(directory):
+    return run_distributed(slow_step_worker, 2, args=(True,), timeout=90)
+
+
+def _vanished(directory):
+    return run_distributed(slow_step_worker, 2, args=(False,), timeout=90)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_vanished_peer_never_ends_a_rank_outside_the_trainers_work():
+def test_slow_step_and_early_leaver_are_not_deaths(scenarios):
+    assert scenarios["test_slow_step_and_early_leaver_are_not_deaths"].result() == [None, None]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_vanished_peer_never_ends_a_rank_outside_the_trainers_work(scenarios):
     # rank 1 vanished without saying so: a death (reported), but rank 0, outside train_step, is not exited.
-    assert run_distributed(slow_step_worker, 2, args=(False,), timeout=90) == [1, None]
+    assert scenarios["test_a_vanished_peer_never_ends_a_rank_outside_the_trainers_work"].result() == [1, None]
+
+
+SCENARIOS = {"test_sigkilled_rank_is_named_by_every_survivor_within_seconds": _sigkilled,
+             "test_frozen_rank_makes_blocked_survivors_exit_for_a_restart": _frozen,
+             "test_slow_step_and_early_leaver_are_not_deaths": _slow_step,
+             "test_a_vanished_peer_never_ends_a_rank_outside_the_trainers_work": _vanished}
 
 
 def test_heartbeat_timeout_is_checked():
