@@ -6,7 +6,9 @@ at the interpreter's exit ("terminate called without an active exception", SIGAB
 the server's thread reading a surviving worker, left blocked in a gloo receive when the interpreter
 finalized. The survivors now send a LEAVE before they raise, and the server waits for its threads; a
 survivor that says nothing (here: one whose LEAVE is switched off, and that lingers after its error)
-has the server close its connections after `LEAVE_GRACE` seconds.
+has the server close its connections after `LEAVE_GRACE` seconds (shortened to 1 s in that case: the test is
+about the grace running out, not its length; the mute survivor stays alive until every server has exited, so
+that its connection cannot close by itself before, and a server left waiting for it is a hang, not a pass).
 
 Each rank is a fresh interpreter (`subprocess`, ``file://`` rendezvous), not a forked test child: the
 abort only shows at a real interpreter exit.
@@ -27,10 +29,13 @@ from torch import nn
 from distributed_training.ps import ParameterServer
 
 rank, world, init, num_servers, mute = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+release = sys.argv[6]  # made by the test once every server has exited
 dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
 if mute == "1":  # a survivor that never sends LEAVE, as if hung after its error
+    import distributed_training.ps.server as server
     from distributed_training.ps.worker import Worker
     Worker._leave = lambda self: None
+    server.LEAVE_GRACE = 1.0  # (5 s by default) the grace runs out all the same: nothing comes
 torch.manual_seed(0)
 model = nn.Linear(8, 1)
 ps = ParameterServer(model, "sgd", lr=0.1, num_servers=num_servers, consistency="sync")
@@ -48,8 +53,10 @@ else:
             model.zero_grad()
         ps.close()
     except Exception:
-        if mute == "1":
-            time.sleep(8)  # alive past the server's grace: its connection does not close by itself
+        if mute == "1":  # alive until the servers have exited: its connection does not close by itself
+            deadline = time.monotonic() + 60
+            while not os.path.exists(release) and time.monotonic() < deadline:
+                time.sleep(0.05)
         raise
 dist.destroy_process_group()
 '''
@@ -61,13 +68,14 @@ def _launch(tmp_path, num_servers: int, mute: bool) -> list[tuple[int, str]]:
     script.write_text(SCRIPT)
     world = num_servers + 2
     init = f"file://{tmp_path / 'rendezvous'}"
+    release = tmp_path / "servers_exited"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("RANK", None)
     procs = []
     for rank in range(world):
         out = open(tmp_path / f"rank{rank}.log", "wb")
         procs.append((subprocess.Popen([sys.executable, str(script), str(rank), str(world), init, str(num_servers),
-                                        "1" if mute else "0"], stdout=out, stderr=subprocess.STDOUT, env=env), out))
+                                        "1" if mute else "0", str(release)], stdout=out, stderr=subprocess.STDOUT, env=env), out))
     results = []
     try:
         for rank, (proc, out) in enumerate(procs):
@@ -77,6 +85,8 @@ def _launch(tmp_path, num_servers: int, mute: bool) -> list[tuple[int, str]]:
                 code = "hung"
             out.close()
             results.append((code, (tmp_path / f"rank{rank}.log").read_text(errors="replace")))
+            if rank == num_servers - 1:  # the servers (the first ranks) are done: a lingering worker may go
+                release.touch()
     finally:
         for proc, _ in procs:
             if proc.poll() is None:
