@@ -15,8 +15,9 @@ import torch
 
 from distributed_training import DistributedTrainer
 from distributed_training.checkpoint import CheckpointManager
-from distributed_training.testing import TorchrunJob, run_distributed, start_torchrun
+from distributed_training.testing import TorchrunJob, run_distributed
 
+import _forked_torchrun
 from _models import job_main, sgd_momentum, tiny_gpt, tiny_gpt_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,11 +32,15 @@ def _tmp_files(directory) -> list[str]:
 @pytest.fixture
 def torchrun_job():
     """Start tests/jobs/signal_job.py under torchrun with two workers (in a session of their own, so
-    that a signal to torchrun is what a scheduler sends); every job is killed and removed afterwards."""
+    that a signal to torchrun is what a scheduler sends); every job is killed and removed afterwards.
+    The launcher is forked from the warm fork server (`_forked_torchrun`: no fresh interpreter importing
+    torch before the workers start); it is torchrun all the same, its signal handling and forwarding
+    included, and its workers are torchrun's fresh processes."""
     jobs: list[TorchrunJob] = []
 
     def start(args: list[str]) -> TorchrunJob:
-        jobs.append(start_torchrun(JOB, args, nproc=2, cwd=REPO, env={"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}))
+        jobs.append(_forked_torchrun.start(JOB, args, nproc=2, cwd=REPO,
+                                           env={"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}))
         return jobs[-1]
 
     yield start
@@ -75,12 +80,11 @@ def _trajectory(out: Path, n: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path, strategy, torchrun_job,
-                                                                        warm_torchrun):
+def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path, strategy, torchrun_job):
     base = ["--strategy", strategy]
-    # The unbroken reference: the same job's main() on 2 ranks forked from a warm interpreter (no torchrun
-    # processes to start); the stopped and resumed runs below are torchrun's (the resumed one, which is not
-    # signalled, with its launcher forked from the warm interpreter: its workers are torchrun's fresh ones).
+    # The unbroken reference and the resumed run: the same job's main() on 2 ranks forked from a warm
+    # interpreter (no torchrun processes to start: neither is signalled); the stopped run below is torchrun's,
+    # signalled as a scheduler does, and the resumed one picks up the checkpoint it saved on the way out.
     run_distributed(job_main, 2, args=("signal_job", base + ["--ckpt", str(tmp_path / "clean"), "--out",
                                                             str(tmp_path / "clean_out")]), timeout=300)
     unbroken = _trajectory(tmp_path / "clean_out", 0)
@@ -103,9 +107,8 @@ def test_sigterm_stops_saves_and_the_resumed_run_equals_an_unbroken_one(tmp_path
     assert found is not None and found[1]["step"] == stopped, "the checkpoint must be at the step where it stopped"
     assert not _tmp_files(ckpt), _tmp_files(ckpt)
 
-    resumed = warm_torchrun(JOB, base + ["--ckpt", str(ckpt), "--out", str(out), "--every", "100"], nproc=2, cwd=REPO,
-                            env={"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}, timeout=300)
-    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    run_distributed(job_main, 2, args=("signal_job", base + ["--ckpt", str(ckpt), "--out", str(out), "--every", "100"]),
+                    timeout=300)
     after = _trajectory(out, 1)
     assert after["step"] == 24 and sorted(after["trajectory"]) == list(range(stopped + 1, 25))
     for step, state in after["trajectory"].items():
