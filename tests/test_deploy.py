@@ -1023,7 +1023,7 @@ def test_statefulset_scaled_up_and_down(image_python, tmp_path):
     The job cannot end before the resizes, however fast it trains: from step `steps - 10` on it holds
     after each step (the hook's DT_TEST_HOLD) until the removed pod's worker got its SIGTERM; a SIGTERM
     ends a worker's hold at once, so the resizes are not slowed down by it."""
-    steps = 30
+    steps = 12
     sts = next(d for (kind, _), d in _manifests().items() if kind == "StatefulSet")
     trainer = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer")
     manifest = {k: e["value"] for k, e in _env_of(trainer).items()
