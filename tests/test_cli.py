@@ -389,14 +389,49 @@ def _matches_one_process(tmp_path, name, want, ref):
     assert worst <= 5e-4, (name, worst)  # AdamW, 4 steps: measured 2e-5
 
 
+# Several dtrain jobs one after another in one torchrun launch (its workers' ~3 s of imports each paid
+# once): each job is `dtrain ARGV` as `cli.main` runs it, its process group made through torchrun's store
+# and destroyed at its end (test_a_second_trainer_after_close_under_torchrun_does_not_hang); rank 0 marks
+# on stderr where each job's output starts. The first job that fails ends the launch with its status.
+DTRAIN_JOBS = """
+import json, logging, os, sys
+from distributed_training import cli
+code = 0
+for i, argv in enumerate(json.loads(sys.argv[1])):
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"==== dtrain job {i}\\n")
+        sys.stderr.flush()
+    code = cli.main(argv)
+    if code:
+        break
+logging.shutdown()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
+"""
+
+
+def _dtrain_jobs(warm_torchrun, tmp_path, jobs, timeout=300):
+    """`jobs` (argument lists of dtrain) in one torchrun launch of 2 processes at the repository root:
+    (exit status, each job's stderr as rank 0 marked it, the whole stdout + stderr)."""
+    import json
+
+    script = tmp_path / "dtrain_jobs.py"
+    script.write_text(DTRAIN_JOBS)
+    out = warm_torchrun(script, [json.dumps([[str(a) for a in job] for job in jobs])], nproc=2, env=ENV, cwd=REPO,
+                        timeout=timeout)
+    parts = re.split(r"^==== dtrain job \d+$", out.stderr, flags=re.M)[1:]
+    return out.returncode, parts, out.stdout + out.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_dtrain_tensor_and_pipeline_examples_match_one_process(tmp_path, monkeypatch, warm_torchrun):
     """The tensor example's 2 tensor-parallel ranks with sequence parallelism, and the pipeline example's 2
     stages (1F1B, 4 microbatches) under ddp and under zero3 (FSDP's units in each stage), each on 2
-    processes under torchrun, against one reference: the same config (the two examples differ only in
-    their parallelism) with tensor_parallel_size and pipeline_parallel_size 1, one process (dtrain's main
-    in this one), on the same batches."""
+    processes under torchrun (the three jobs one after another in one launch), against one reference: the
+    same config (the two examples differ only in their parallelism) with tensor_parallel_size and
+    pipeline_parallel_size 1, one process (dtrain's main in this one), on the same batches."""
     from distributed_training import cli
 
     monkeypatch.chdir(REPO)
@@ -415,18 +450,18 @@ def test_dtrain_tensor_and_pipeline_examples_match_one_process(tmp_path, monkeyp
     assert len(want) == 4 and want[-1] < want[0] - 0.5, want  # it trains
     ref = torch.load(tmp_path / "ref.pt")
 
-    code, out = _torchrun(warm_torchrun, "distributed_training", _example_job(TENSOR_EXAMPLE, tmp_path, "tp"), module=True)
+    strategies = ("ddp", "zero3")
+    code, said, out = _dtrain_jobs(warm_torchrun, tmp_path, [_example_job(TENSOR_EXAMPLE, tmp_path, "tp")] + [
+        _example_job(PIPELINE_EXAMPLE, tmp_path, strategy, f"training.strategy={strategy}") for strategy in strategies])
     assert code == 0, out[-3000:]
-    assert "tensor-parallel over 2 ranks with sequence parallelism x 1 data-parallel" in out, out[-3000:]
+    assert len(said) == 3, out[-3000:]
+    assert "tensor-parallel over 2 ranks with sequence parallelism x 1 data-parallel" in said[0], said[0][-3000:]
+    assert "finished at step 4" in said[0], said[0][-3000:]
     _matches_one_process(tmp_path, "tp", want, ref)
 
-    for strategy in ("ddp", "zero3"):
-        chosen = f"training.strategy={strategy}"
-        code, out = _torchrun(warm_torchrun, "distributed_training", _example_job(PIPELINE_EXAMPLE, tmp_path, strategy, chosen),
-                              module=True)
-        assert code == 0, out[-3000:]
-        assert "pipeline of 2 stages (1f1b, 4 microbatches) x 1 data-parallel, world size 2" in out, out[-3000:]
-        assert f"strategy {strategy}," in out and "finished at step 4" in out, out[-3000:]
+    for strategy, job in zip(strategies, said[1:]):
+        assert "pipeline of 2 stages (1f1b, 4 microbatches) x 1 data-parallel, world size 2" in job, job[-3000:]
+        assert f"strategy {strategy}," in job and "finished at step 4" in job, job[-3000:]
         _matches_one_process(tmp_path, strategy, want, ref)
 
 
