@@ -24,9 +24,14 @@ def patterns_worker(rank, world, ranks_per_node):
             x = (torch.randn(n, generator=g) * 100).to(dtype)
             expected = x.clone()
             dist.all_reduce(expected)
+            # Tiny segments: many messages (on 1000 elements 13-63 segments a ring chunk, 8-16 a tree
+            # half, all more than the buffers). On the long input 16x larger ones keep about as many
+            # (ring 10-49, tree 7-13); 64 B there cut a chunk into 155-772, 1,000-6,000 messages a call
+            # on gloo: four fifths of this test, for nothing the ring or the tree does by length.
+            long = n > 1000
             candidates = {
-                "ring": ring_all_reduce(x.clone(), segment_bytes=64),  # tiny segments: many messages
-                "tree": tree_all_reduce(x.clone(), segment_bytes=256),
+                "ring": ring_all_reduce(x.clone(), segment_bytes=1024 if long else 64),
+                "tree": tree_all_reduce(x.clone(), segment_bytes=4096 if long else 256),
                 "ring_2d": ring_all_reduce(x.clone().view(-1, 1)).view(-1),
             }
             if groups:
@@ -45,8 +50,10 @@ def test_patterns_equal_all_reduce(world, ranks_per_node):
         assert not failures, failures[:5]
 
 
-# Lengths below the world size, not divisible by the world or by any segment, and a 2-D one.
-SHAPES = [(1,), (3,), (5,), (97,), (1031,), (33, 7)]
+# Lengths below the world size, not divisible by the world or by any segment, and a 2-D one. (257,) is
+# the long one: 12-byte segments cut its chunk into 11-43 of them (1031's 43-172 were 4x the messages, a
+# third of the sums test and half the lanes test, for nothing the ring or the tree does by length).
+SHAPES = [(1,), (3,), (5,), (97,), (257,), (33, 7)]
 # (pattern, keyword arguments): automatic and tiny segments (many messages, several in flight), one
 # message at a time, more buffers than segments, segments that are not a whole number of elements.
 VARIANTS = [("ring", {}), ("ring", {"segment_bytes": 12, "in_flight": 1}), ("ring", {"segment_bytes": 40, "in_flight": 2}),
@@ -89,9 +96,9 @@ def sums_worker(rank, world):
             exact, scale = _exact_sum(x)
             for pattern, kw in VARIANTS:
                 if kw.get("segment_bytes") == 2 and x.numel() > 256:
-                    # Segments below one element send one element a message: on (1031,) that is a thousand
-                    # messages a step, half this test's time, for what (97,) and (33, 7) show already (the
-                    # rounding up to whole elements, more segments than buffers, a 2-D input).
+                    # Segments below one element send one element a message: on the long input that is
+                    # one message an element, for what (97,) and (33, 7) show already (the rounding up
+                    # to whole elements, more segments than buffers, a 2-D input).
                     continue
                 got = x.clone()
                 back = PATTERNS[pattern](got, **kw)
@@ -154,7 +161,7 @@ def lanes_worker(rank, world):
         for group, lanes in ((None, world_lanes), (sub, sub_lanes)):
             if group is not None and rank not in members:
                 continue
-            for shape in [(5,), (97,), (1031,), (33, 7)]:
+            for shape in [(5,), (97,), (257,), (33, 7)]:
                 g = torch.Generator().manual_seed(17 * rank + sum(shape))
                 x = torch.randn(shape, generator=g) * 10
                 exact, scale = _exact_sum(x, group)
@@ -165,7 +172,7 @@ def lanes_worker(rank, world):
                         where = "world" if group is None else "subgroup"
                         _check_sum(f"ring {kw} lanes={count + 1} {where}", got, x, exact, scale, group, failures)
                         # A chunk long enough for a segment per lane sends through every lane.
-                        if shape == (1031,) and {id(g) for g in used} != {id(g) for g in [group, *lanes[:count]]}:
+                        if shape == (257,) and {id(g) for g in used} != {id(g) for g in [group, *lanes[:count]]}:
                             failures.append(f"ring {kw} lanes={count + 1} {where} {shape}: messages went through "
                                             f"{len({id(g) for g in used})} groups, not {count + 1}")
     finally:
