@@ -1,6 +1,6 @@
 """The two-node elastic harness (issue 17, item 6): two torchrun agents on one host (``--nnodes=1:2``, 2
 workers each) train one epoch of a fixed global batch (`fit(global_batch_size=8)`, a checkpoint every
-step). At step 6 one agent is killed with its workers: the other restarts its workers, re-forms the job
+step). At step 4 one agent is killed with its workers: the other restarts its workers, re-forms the job
 at world 2 and resumes from the latest good checkpoint; a new agent then starts and the job grows back
 to world 4 and finishes the epoch (while the new node is on its way, the job holds before its last steps,
 so that a slow machine cannot end the epoch at world 2 first; its agent's SIGTERM ends the hold). The
@@ -25,11 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from _forked_torchrun import ForkedTorchrunJob
+
 REPO = Path(__file__).resolve().parents[1]
 # The epoch's global batches and the step after which one agent is killed: enough steps for every world
-# to train some (the kill, the restart at world 2, the hold, the growth back to 4), no more, since every
-# step at world 4 costs a checkpoint and a record on each of the 4 ranks.
-STEPS, KILL_AFTER = 20, 6
+# to train some (4 at world 4 before the kill, the restart at world 2 trains from the last checkpoint up
+# to the hold at step STEPS - 4, the growth back to 4 trains the last 4), no more, since every step costs
+# a checkpoint and a record on each rank, CPU that the replacement workers' imports need.
+STEPS, KILL_AFTER = 12, 4
 
 
 def _load(name: str):
@@ -133,7 +136,7 @@ def _leave_and_join(tmp_path, strategy, devices=("", "")):
     records_dir = tmp_path / "records"
     records_dir.mkdir()
     result = scenario.run(steps=STEPS, kill_after=KILL_AFTER, strategy=strategy, timeout=240, grow=True,
-                          records=str(records_dir), step_seconds=0.1, devices=devices)
+                          records=str(records_dir), step_seconds=0.1, devices=devices, job_class=ForkedTorchrunJob)
     log = result.pop("log")
     killed_at, joined_at = result.pop("killed_at"), result.pop("joined_at")
     assert "PeerFailureError" in log and "is dead" in log, log[-4000:]  # named, not a gloo error alone

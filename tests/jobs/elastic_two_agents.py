@@ -31,7 +31,7 @@ LINE = re.compile(r"ELASTIC step=(\d+) world=(\d+) attempt=(\d+) time=([\d.]+)")
 
 def _agent(port: int, run_id: str, ckpt: str, steps: int, strategy: str, unshared: bool = False,
            records: str | None = None, step_seconds: float = 0.2, hold: str | None = None,
-           devices: str = "") -> TorchrunJob:
+           devices: str = "", job_class: type[TorchrunJob] = TorchrunJob) -> TorchrunJob:
     conf = ("is_host=false,join_timeout=60,last_call_timeout=1,close_timeout=10,"
             "keep_alive_interval=1,keep_alive_max_attempt=3")
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
@@ -40,7 +40,7 @@ def _agent(port: int, run_id: str, ckpt: str, steps: int, strategy: str, unshare
             "--strategy", strategy, "--step-seconds", str(step_seconds), *(["--records", records] if records else []),
             *(["--hold", hold] if hold else [])]
     env = {"CUDA_VISIBLE_DEVICES": devices, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if unshared else {})}
-    return TorchrunJob(args, env=_torchrun_env(env), cwd=None)
+    return job_class(args, env=_torchrun_env(env), cwd=None)
 
 
 def _steps(job: TorchrunJob) -> list[tuple[int, int, int, float]]:
@@ -60,7 +60,7 @@ def _wait(predicate, jobs, timeout: float, what: str) -> None:
 
 def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: float = 240.0,
         grow: bool = False, records: str | None = None, step_seconds: float = 0.2,
-        devices: tuple[str, str] = ("", "")) -> dict:
+        devices: tuple[str, str] = ("", ""), job_class: type[TorchrunJob] = TorchrunJob) -> dict:
     """Run the scenario (a job of `steps` global batches, one epoch); return ``{"recovery_s", "kill_step",
     "resumed_step", "final_step", "steps_lost", "after_kill_s"}`` (the survivor's worker events after the
     kill), and with `grow` (a third agent starts once the job runs at world 2) ``"grow_s"`` (from its start
@@ -68,7 +68,9 @@ def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: f
     With `records` (a directory) every worker writes what it trained there after each step (see
     `elastic_job`; read them with `read_records`). `devices`: the GPUs (``CUDA_VISIBLE_DEVICES``) of the
     surviving agent and of the killed one (the joining agent takes the killed one's); empty: CPU and gloo,
-    else each agent's 2 workers use its 2 GPUs and NCCL."""
+    else each agent's 2 workers use its 2 GPUs and NCCL. `job_class`: how an agent (a torchrun launcher) is
+    started: a `TorchrunJob` (a fresh interpreter), or one taking the same arguments (the tests' launcher
+    forked from a warm interpreter, `tests/_forked_torchrun.py`); its workers are torchrun's own either way."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
                           timeout=timedelta(seconds=60))
     ckpt = tempfile.mkdtemp(prefix="dt-elastic-")
@@ -77,7 +79,7 @@ def run(steps: int = 60, kill_after: int = 10, strategy: str = "ddp", timeout: f
     # it holds before its last steps while this file exists (a SIGTERM from its agent ends the hold).
     hold = ckpt.rstrip("/") + ".hold"
     agent = lambda devices: _agent(store.port, run_id, ckpt, steps, strategy, grow, records,  # noqa: E731
-                                   step_seconds, hold if grow else None, devices)
+                                   step_seconds, hold if grow else None, devices, job_class)
     survivor = agent(devices[0])
     victim = agent(devices[1])
     jobs = [survivor, victim]  # and the joining agent
