@@ -214,16 +214,61 @@ def _initial(kind, root):
     return (parts.build(D_IN, WIDTH) if kind == "map" else parts.Regressor(D_IN)).state_dict()
 
 
+TWO_RANK_JOBS = [("map", "zero3"), ("iterable", "ddp")]
+# The dtrain jobs one after another in one torchrun launch (its workers' ~3 s of imports paid once): each
+# is `dtrain CONFIG` as `cli.main` runs it, with its own process group (made through torchrun's store,
+# destroyed at the job's end); rank 0 marks on stderr where each job's output starts.
+DTRAIN_JOBS = """
+import json, logging, os, sys
+from distributed_training import cli
+code = 0
+for i, argv in enumerate(json.loads(sys.argv[1])):
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"==== dtrain job {i}\\n")
+        sys.stderr.flush()
+    code = cli.main(argv)
+    if code:
+        break
+logging.shutdown()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
+"""
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(jobs, tmp_path_factory, warm_python):
+    """Every (kind, strategy) of TWO_RANK_JOBS trained by dtrain under torchrun on 2 ranks, in one launch
+    started in a directory of its own (the package found through the config files' directory only):
+    {(kind, strategy): (final model path, rank 0's stderr for that job)}, and the launch's result."""
+    import json
+    import re
+
+    from distributed_training.testing import _torchrun_env
+
+    work = tmp_path_factory.mktemp("two_ranks")
+    paths, outs = [], {}
+    for kind, strategy in TWO_RANK_JOBS:
+        outs[kind, strategy] = work / f"final_{kind}_{strategy}.pt"
+        paths.append([str(_write(jobs, f"two_{kind}_{strategy}", _config(kind, strategy, outs[kind, strategy])))])
+    script = work / "dtrain_jobs.py"
+    script.write_text(DTRAIN_JOBS)
+    run = warm_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                       json.dumps(paths)], cwd=work, env=_torchrun_env(ENV), timeout=240)
+    said = re.split(r"^==== dtrain job \d+$", run.stderr, flags=re.M)[1:]
+    return {job: (outs[job], said[k] if k < len(said) else "") for k, job in enumerate(TWO_RANK_JOBS)}, run
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind, strategy", [("map", "zero3"), ("iterable", "ddp")])
-def test_user_parts_under_torchrun_on_two_ranks_train_like_one_process(jobs, tmp_path, kind, strategy, warm_torchrun):
-    out = tmp_path / "final.pt"
-    path = _write(jobs, f"two_{kind}_{strategy}", _config(kind, strategy, out))
-    run = warm_torchrun("distributed_training", [str(path)], module=True, nproc=2, env=ENV, cwd=tmp_path, timeout=240)
+@pytest.mark.parametrize("kind, strategy", TWO_RANK_JOBS)
+def test_user_parts_under_torchrun_on_two_ranks_train_like_one_process(jobs, two_rank_runs, kind, strategy):
+    runs, run = two_rank_runs
+    out, said = runs[kind, strategy]
     both = run.stdout + run.stderr
+    assert said, both[-3000:]  # the job started (the one before it ended well)
+    assert f"finished at step {STEPS}" in said, said[-3000:]
     assert run.returncode == 0, both[-3000:]
-    assert f"finished at step {STEPS}" in both, both[-3000:]
     _assert_same(torch.load(out), _reference(kind, 2, jobs))
 
 
