@@ -159,10 +159,35 @@ CASES = [
 ]
 
 
+def fsdp_cases_worker(rank, world, cases):
+    """`fsdp_parity_worker` for each case in turn, in one launch (each case seeds itself and builds its own
+    model, reference and optimizers, as in a launch of its own); any failure fails the launch."""
+    return [fsdp_parity_worker(rank, world, *case) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def parity_results():
+    """``parity_results(world)``: rank 0's (worst difference, unit names) per case of CASES at that world
+    size, from one launch of all the cases (made on first use; a failed launch fails each of its tests)."""
+    launched: dict[int, list | BaseException] = {}
+
+    def get(world):
+        if world not in launched:
+            try:
+                launched[world] = run_distributed(fsdp_cases_worker, world, args=(CASES,), timeout=120 + 60 * len(CASES))[0]
+            except Exception as err:  # noqa: BLE001 - re-raised by every test of this world
+                launched[world] = err
+        if isinstance(launched[world], BaseException):
+            raise launched[world]
+        return launched[world]
+
+    return get
+
+
 @pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case, optim, accumulate, clip", CASES, ids=[f"{c[0]}-{c[1]}{'-acc' if c[2] else ''}{'-clip' if c[3] else ''}" for c in CASES])
-def test_fsdp_matches_single_process(world, case, optim, accumulate, clip):
-    worst, units = run_distributed(fsdp_parity_worker, world, args=(case, optim, accumulate, clip), timeout=120)[0]
+def test_fsdp_matches_single_process(world, case, optim, accumulate, clip, parity_results):
+    worst, units = parity_results(world)[CASES.index((case, optim, accumulate, clip))]
     assert worst <= TOL, f"{case}: differs from one process by {worst:.3g}"
     if case == "nested":
         assert "blocks.0" in units and "blocks.0.inner" in units, units
