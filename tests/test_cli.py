@@ -45,6 +45,47 @@ def _dtrain_on_two_ranks(warm_torchrun, tmp_path, config: dict):
     return _torchrun(warm_torchrun, "distributed_training", [str(path)], module=True)
 
 
+# Several dtrain jobs one after another in one torchrun launch (its workers' ~3 s of imports each paid
+# once): each job is `dtrain ARGV` as `cli.main` runs it, its process group made through torchrun's store
+# and destroyed at its end (test_a_second_trainer_after_close_under_torchrun_does_not_hang); rank 0 marks
+# on stdout and stderr where each job's output starts. The first job that fails ends the launch with its status.
+DTRAIN_JOBS = """
+import json, logging, os, sys
+from distributed_training import cli
+code = 0
+for i, argv in enumerate(json.loads(sys.argv[1])):
+    if os.environ.get("RANK", "0") == "0":
+        for stream in (sys.stdout, sys.stderr):
+            stream.write(f"==== dtrain job {i}\\n")
+            stream.flush()
+    code = cli.main(argv)
+    if code:
+        break
+logging.shutdown()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
+"""
+
+
+def _dtrain_jobs(warm_python, tmp_path, jobs, timeout=300):
+    """`jobs` (argument lists of dtrain) in one torchrun launch of 2 processes at the repository root, the
+    launcher forked from the warm server as the warm_torchrun fixture does: (exit status, each job's stdout
+    + stderr as rank 0 marked them, the whole stdout + stderr)."""
+    import json
+
+    from distributed_training.testing import _torchrun_env
+
+    script = tmp_path / "dtrain_jobs.py"
+    script.write_text(DTRAIN_JOBS)
+    out = warm_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                       json.dumps([[str(a) for a in job] for job in jobs])], cwd=REPO, env=_torchrun_env(ENV),
+                      timeout=timeout)
+    marked = [re.split(r"^==== dtrain job \d+\n", text, flags=re.M)[1:] for text in (out.stdout, out.stderr)]
+    parts = [a + b for a, b in zip(*marked)] if len(marked[0]) == len(marked[1]) else marked[1]
+    return out.returncode, parts, out.stdout + out.stderr
+
+
 @pytest.mark.parametrize(
     "raw, field",
     [
@@ -119,19 +160,59 @@ def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path, warm_torchr
     assert {"step_000000002", "step_000000004"} <= set(os.listdir(tmp_path / "ckpt"))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(tmp_path, warm_torchrun):
+# Three jobs of what dtrain chooses and says under torchrun on 2 ranks, one after another in one launch
+# (`_dtrain_jobs`), each checked by its own test on its own output below.
+CHOICE_JOBS = {
     # A budget of 5 MB: DDP still fits and the batch chosen is ~46 a rank (0.02 GB chose 279: bf16 on CPU
     # took ~9 s for the 3 steps at that size).
-    config = {
+    "bf16": {
         "model": {"preset": "tiny"},
         "data": {"dataset": "repo_text", "block_size": 32, "val_fraction": 0.01},
         "training": {"strategy": "auto", "batch_size": "auto", "precision": "bf16", "activation_checkpointing": True,
                      "memory_budget_gb": 0.005, "epochs": 1, "max_steps": 3, "seed": 0},
-    }
-    code, out = _dtrain_on_two_ranks(warm_torchrun, tmp_path, config)
+    },
+    "plain_lines": {
+        "model": {"preset": "classifier"},
+        "data": {"dataset": "digits", "val_fraction": 0.1},
+        "training": {"epochs": 1, "max_steps": 6, "batch_size": 32},
+        "logging": {"every": 2, "dir": "LOGS"},
+    },
+    # last: its counts of warnings and loss lines would also see a handler left over from the jobs before
+    "fp16": {
+        "model": {"preset": "classifier"},
+        "data": {"dataset": "digits", "val_fraction": 0.1},
+        "training": {"strategy": "zero3", "epochs": 1, "max_steps": 10, "batch_size": "auto", "precision": "fp16"},
+        "logging": {"every": 1},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def choice_jobs(tmp_path_factory, warm_python):
+    """CHOICE_JOBS run by dtrain under torchrun on 2 ranks in one launch: ({name: that job's output}, the
+    launch's exit status, its whole output)."""
+    tmp = tmp_path_factory.mktemp("choice_jobs")
+    argvs = []
+    for name, config in CHOICE_JOBS.items():
+        config = yaml.safe_load(yaml.safe_dump(config).replace("LOGS", str(tmp / "logs")))
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        argvs.append([str(path)])
+    code, said, out = _dtrain_jobs(warm_python, tmp, argvs)
+    return dict(zip(CHOICE_JOBS, said)), code, out
+
+
+def _choice_job(choice_jobs, name):
+    said, code, out = choice_jobs
+    assert name in said, out[-3000:]  # the jobs before it ended well
     assert code == 0, out[-3000:]
+    return said[name], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(choice_jobs):
+    out, _ = _choice_job(choice_jobs, "bf16")
     assert re.search(r"strategy auto -> ddp \(", out), out[-3000:]
     match = re.search(r"batch_size auto -> (\d+) per rank \(estimated", out)
     assert match and int(match.group(1)) >= 1, out[-3000:]
@@ -179,16 +260,9 @@ def test_config_error_under_torchrun_is_said_once(tmp_path, warm_torchrun):
 
 # ------------------------------------------------------------------ what dtrain chooses, and says
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_auto_batch_max_steps_fp16_and_strategy_name_are_sensible_and_said(tmp_path, warm_torchrun):
-    config = {
-        "model": {"preset": "classifier"},
-        "data": {"dataset": "digits", "val_fraction": 0.1},
-        "training": {"strategy": "zero3", "epochs": 1, "max_steps": 10, "batch_size": "auto", "precision": "fp16"},
-        "logging": {"every": 1},
-    }
-    code, out = _dtrain_on_two_ranks(warm_torchrun, tmp_path, config)
-    assert code == 0, out[-3000:]
+@pytest.mark.timeout(300)
+def test_auto_batch_max_steps_fp16_and_strategy_name_are_sensible_and_said(choice_jobs):
+    out, whole = _choice_job(choice_jobs, "fp16")
     # The strategy is called what the user called it.
     assert re.search(r"strategy zero3, world size 2", out), out[-3000:]
     # On CPU the memory estimate allows the whole shard (810 samples per rank): capped so an epoch has 4+ steps.
@@ -200,9 +274,11 @@ def test_auto_batch_max_steps_fp16_and_strategy_name_are_sensible_and_said(tmp_p
     # max_steps is what the user asked for: epochs are extended to reach it, and that is said.
     assert re.search(r"training.max_steps=10 needs 2 epochs of 5 steps .* training for 2 epochs", out), out[-3000:]
     assert "finished at step 10" in out and out.count("| loss") == 10, out[-3000:]
-    # fp16 on a CPU: one warning, from rank 0, naming the slowdown and the alternatives.
+    # fp16 on a CPU: one warning, from rank 0, naming the slowdown and the alternatives (counted over the
+    # whole launch too: the other jobs are not fp16, and a rank 1's line may land in any job's part).
     warnings = [line for line in out.splitlines() if "mixed_precision='fp16' on CPU" in line]
     assert len(warnings) == 1 and warnings[0].startswith("[rank 0] WARNING") and "bf16" in warnings[0], out[-3000:]
+    assert whole.count("mixed_precision='fp16' on CPU") == 1, whole[-3000:]
 
 
 # ------------------------------------------------------------------ logging
@@ -389,44 +465,9 @@ def _matches_one_process(tmp_path, name, want, ref):
     assert worst <= 5e-4, (name, worst)  # AdamW, 4 steps: measured 2e-5
 
 
-# Several dtrain jobs one after another in one torchrun launch (its workers' ~3 s of imports each paid
-# once): each job is `dtrain ARGV` as `cli.main` runs it, its process group made through torchrun's store
-# and destroyed at its end (test_a_second_trainer_after_close_under_torchrun_does_not_hang); rank 0 marks
-# on stderr where each job's output starts. The first job that fails ends the launch with its status.
-DTRAIN_JOBS = """
-import json, logging, os, sys
-from distributed_training import cli
-code = 0
-for i, argv in enumerate(json.loads(sys.argv[1])):
-    if os.environ.get("RANK", "0") == "0":
-        sys.stderr.write(f"==== dtrain job {i}\\n")
-        sys.stderr.flush()
-    code = cli.main(argv)
-    if code:
-        break
-logging.shutdown()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
-"""
-
-
-def _dtrain_jobs(warm_torchrun, tmp_path, jobs, timeout=300):
-    """`jobs` (argument lists of dtrain) in one torchrun launch of 2 processes at the repository root:
-    (exit status, each job's stderr as rank 0 marked it, the whole stdout + stderr)."""
-    import json
-
-    script = tmp_path / "dtrain_jobs.py"
-    script.write_text(DTRAIN_JOBS)
-    out = warm_torchrun(script, [json.dumps([[str(a) for a in job] for job in jobs])], nproc=2, env=ENV, cwd=REPO,
-                        timeout=timeout)
-    parts = re.split(r"^==== dtrain job \d+$", out.stderr, flags=re.M)[1:]
-    return out.returncode, parts, out.stdout + out.stderr
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_dtrain_tensor_and_pipeline_examples_match_one_process(tmp_path, monkeypatch, warm_torchrun):
+def test_dtrain_tensor_and_pipeline_examples_match_one_process(tmp_path, monkeypatch, warm_python):
     """The tensor example's 2 tensor-parallel ranks with sequence parallelism, and the pipeline example's 2
     stages (1F1B, 4 microbatches) under ddp and under zero3 (FSDP's units in each stage), each on 2
     processes under torchrun (the three jobs one after another in one launch), against one reference: the
@@ -451,7 +492,7 @@ def test_dtrain_tensor_and_pipeline_examples_match_one_process(tmp_path, monkeyp
     ref = torch.load(tmp_path / "ref.pt")
 
     strategies = ("ddp", "zero3")
-    code, said, out = _dtrain_jobs(warm_torchrun, tmp_path, [_example_job(TENSOR_EXAMPLE, tmp_path, "tp")] + [
+    code, said, out = _dtrain_jobs(warm_python, tmp_path, [_example_job(TENSOR_EXAMPLE, tmp_path, "tp")] + [
         _example_job(PIPELINE_EXAMPLE, tmp_path, strategy, f"training.strategy={strategy}") for strategy in strategies])
     assert code == 0, out[-3000:]
     assert len(said) == 3, out[-3000:]
@@ -781,18 +822,11 @@ def test_dtrain_buckets_default_as_ddps_do(communication, cap):
         assert resolve_bucket_cap_mb(built.ddp_kwargs["bucket_cap_mb"], built.ddp_kwargs["communication"]) == cap
 
 
-@pytest.mark.timeout(240)
-def test_a_log_step_is_one_line_when_the_progress_is_plain_lines(tmp_path, warm_torchrun):
+@pytest.mark.timeout(300)
+def test_a_log_step_is_one_line_when_the_progress_is_plain_lines(choice_jobs):
     """Output to a file or pipe: the progress is a plain line per log step with its loss, and dtrain's own
     ``step N | loss`` line said every step a second time."""
-    config = {
-        "model": {"preset": "classifier"},
-        "data": {"dataset": "digits", "val_fraction": 0.1},
-        "training": {"epochs": 1, "max_steps": 6, "batch_size": 32},
-        "logging": {"every": 2, "dir": str(tmp_path / "logs")},
-    }
-    code, out = _dtrain_on_two_ranks(warm_torchrun, tmp_path, config)
-    assert code == 0, out[-3000:]
+    out, _ = _choice_job(choice_jobs, "plain_lines")
     progress = [line for line in out.splitlines() if re.match(r"^step \d+/6 \(\d+%\)", line)]
     assert len(progress) >= 3 and all("| loss " in line for line in progress[1:]), out[-3000:]
-    assert not re.search(r"^step +\d+ \| loss", out, re.M), out[-3000:]
+    assert not re.search(r"^step +\d+ \| loss", out, re.M), out[-3000:]  # rank 0's lines: this job's part
