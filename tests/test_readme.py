@@ -7,16 +7,22 @@ order of the README and in one working directory, as a reader following it would
 interpreter. New snippets are picked up without touching this file. The snippets run in processes
 forked from an interpreter that has imported torch and the package (the `warm_python` fixture), not each
 in a fresh interpreter: the same script, `__main__`, working directory and environment, without ~3 s of
-imports a snippet.
+imports a snippet. So do the bash lines' `python` and `dtrain`: on PATH they are a small client (no torch
+import) that hands its arguments, working directory and environment to the warm server through a socket
+(`_warm_bridge`) and gives back the job's output and exit status as its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+import socket
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -48,15 +54,71 @@ def _env(bin_dir: Path) -> dict:
     return env
 
 
-def _commands_dir(tmp: Path) -> Path:
-    """`python` and `dtrain` on PATH: this interpreter and the package's command (`python -m distributed_training`)."""
+def _commands_dir(tmp: Path, bridge: Path | None = None) -> Path:
+    """`python` and `dtrain` on PATH: this interpreter and the package's command (`python -m distributed_training`);
+    with `bridge` (a `_warm_bridge` socket), run as the warm server's jobs through `CLIENT`."""
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
+    if bridge is not None:
+        (bin_dir / "warm_client.py").write_text(CLIENT)
     for name, args in (("python", ""), ("dtrain", " -m distributed_training")):
         path = bin_dir / name  # a script, not a link: a link out of a virtual environment loses its packages
-        path.write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
+        if bridge is None:
+            path.write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
+        else:
+            path.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "{bin_dir / "warm_client.py"}" "{bridge}"{args} "$@"\n')
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return bin_dir
+
+
+# `python ARGS` for a bash line: sends ARGS, its working directory and environment to the bridge, writes
+# the job's stdout and stderr as its own (after the job: these commands are short) and exits with its status.
+CLIENT = """
+import json, os, socket, sys
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(sys.argv[1])
+    s.sendall(json.dumps({"argv": sys.argv[2:], "cwd": os.getcwd(), "env": dict(os.environ)}).encode() + b"\\n")
+    answer = json.loads(s.makefile("rb").readline())
+sys.stdout.write(answer["stdout"])
+sys.stderr.write(answer["stderr"])
+sys.exit(answer["returncode"] if answer["returncode"] is not None else 124)
+"""
+
+
+@contextlib.contextmanager
+def _warm_bridge(warm_python, path: Path, timeout: float):
+    """A Unix socket at `path` on which a thread runs each client's job on the warm server (one at a time,
+    as the server does): yields `path`; the thread and the socket end with the block."""
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except (socket.timeout, OSError):
+                continue
+            with conn:
+                conn.settimeout(None)
+                job = json.loads(conn.makefile("rb").readline())
+                try:
+                    out = warm_python(job["argv"], cwd=job["cwd"], env=job["env"], timeout=timeout)
+                    answer = {"returncode": out.returncode, "stdout": out.stdout, "stderr": out.stderr}
+                except subprocess.TimeoutExpired as err:
+                    answer = {"returncode": None, "stdout": err.stdout or "", "stderr": f"{err.stderr or ''}\n{err}"}
+                conn.sendall(json.dumps(answer).encode() + b"\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield path
+    finally:
+        stop.set()
+        thread.join(timeout + 30)
+        server.close()
 
 
 def test_the_readme_has_snippets_and_a_prelude():
@@ -92,19 +154,20 @@ def test_the_readme_configs_of_shipped_examples_are_the_files():
 def test_every_readme_snippet_runs_as_written(tmp_path, warm_python):
     work = tmp_path / "work"
     work.mkdir()
-    env = _env(_commands_dir(tmp_path))
     failures = []
-    for k, snippet in enumerate(SNIPPETS):
-        script = tmp_path / f"snippet_{k}.py"
-        script.write_text(PRELUDE + "\n# ---- README snippet\n" + snippet)
-        out = warm_python([script], cwd=work, env=env, timeout=300)
-        if out.returncode != 0:
-            failures.append(f"snippet {k}:\n{snippet}\n--- stderr:\n{out.stderr[-3000:]}")
-    for command in COMMANDS:
-        out = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=work, env=env, capture_output=True,
-                             text=True, timeout=300)
-        if out.returncode != 0:
-            failures.append(f"$ {command}\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
+    with _warm_bridge(warm_python, tmp_path / "warm.sock", timeout=300) as bridge:
+        env = _env(_commands_dir(tmp_path, bridge))
+        for k, snippet in enumerate(SNIPPETS):
+            script = tmp_path / f"snippet_{k}.py"
+            script.write_text(PRELUDE + "\n# ---- README snippet\n" + snippet)
+            out = warm_python([script], cwd=work, env=env, timeout=300)
+            if out.returncode != 0:
+                failures.append(f"snippet {k}:\n{snippet}\n--- stderr:\n{out.stderr[-3000:]}")
+        for command in COMMANDS:
+            out = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=work, env=env, capture_output=True,
+                                 text=True, timeout=330)
+            if out.returncode != 0:
+                failures.append(f"$ {command}\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
     assert not failures, "\n\n".join(failures)
     # What the commands wrote is what they promise: a config that loads, a PNG of the run.
     from distributed_training.config import load_config
