@@ -90,6 +90,25 @@ def _capture_logs() -> _Records:
     return handler
 
 
+def _in_turn(rank, world, calls):
+    """Several `run_distributed` targets one after the other in one launch (what separate launches did, in
+    one set of processes): ``calls`` is ``[(fn, args), ...]``; returns ``[fn(rank, world, *args), ...]``, each
+    result copied when its call returns (a log handler a call left on the logger appends no later message)."""
+    import pickle
+
+    return [pickle.loads(pickle.dumps(fn(rank, world, *args))) for fn, args in calls]
+
+
+def _on_rank0_between_barriers(rank, world, fn, *args):
+    """``fn(*args)`` on rank 0 alone, what the test did between two launches, with every rank waiting for it."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        fn(*args)
+    dist.barrier()
+
+
 # ------------------------------------------------------------------ 1. every file verified, meta.pt included
 def _make_checkpoints(rank, world, directory):
     torch.manual_seed(0)
@@ -119,15 +138,21 @@ def _resume_after_garbage(rank, world, directory):
 _GARBAGE = bytes(random.Random(3).randrange(256) for _ in range(400))
 
 
+def _garbage_meta(meta, sidecar):
+    with open(meta, "wb") as f:
+        f.write(_GARBAGE)
+    if sidecar == "removed" and os.path.exists(meta + ".sha256"):
+        os.remove(meta + ".sha256")  # as in a checkpoint written before meta.pt had a checksum
+
+
 @pytest.mark.parametrize("sidecar", ["kept", "removed"])
 def test_garbage_meta_is_skipped_with_a_warning_and_never_weights_only_advice(tmp_path, sidecar):
     directory = str(tmp_path / "ckpt")
-    run_distributed(_make_checkpoints, 2, args=(directory,), timeout=120)
-    meta = tmp_path / "ckpt" / "step_000000004" / "meta.pt"
-    meta.write_bytes(_GARBAGE)
-    if sidecar == "removed" and os.path.exists(str(meta) + ".sha256"):
-        os.remove(str(meta) + ".sha256")  # as in a checkpoint written before meta.pt had a checksum
-    results = run_distributed(_resume_after_garbage, 2, args=(directory,), timeout=120)
+    meta = str(tmp_path / "ckpt" / "step_000000004" / "meta.pt")
+    # Checkpoints made, meta.pt overwritten with garbage, then a resume: one launch (new trainers each).
+    results = [r[2] for r in run_distributed(_in_turn, 2, args=([
+        (_make_checkpoints, (directory,)), (_on_rank0_between_barriers, (_garbage_meta, meta, sidecar)),
+        (_resume_after_garbage, (directory,))],), timeout=180)]
     assert "resumed from step 2 (" in " ".join(results[0][1]), results[0][1]  # rank 0 reports
     for warned, logged, by_hand in results:
         assert any("step_000000004" in w and "meta.pt" in w for w in warned), warned
@@ -153,17 +178,25 @@ def _load_by_hand(rank, world, path, strategy):
     return raised, untouched
 
 
+def _flip_a_byte(file):
+    with open(file, "rb") as f:
+        data = bytearray(f.read())
+    data[len(data) // 2] ^= 0xFF
+    with open(file, "wb") as f:
+        f.write(bytes(data))
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_a_corrupt_rank_file_stops_the_load_on_every_rank_before_anything_is_copied(tmp_path, strategy):
     """One rank's file flipped: every rank raises, naming it, and no rank's model was changed (each
     rank checks its share of the files and the ranks agree before any copy)."""
     directory = str(tmp_path / "ckpt")
-    run_distributed(_make_checkpoints, 2, args=(directory,), timeout=120)
     path = tmp_path / "ckpt" / "step_000000004"
-    data = bytearray((path / "rank1.pt").read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    (path / "rank1.pt").write_bytes(bytes(data))
-    for raised, untouched in run_distributed(_load_by_hand, 2, args=(str(path), strategy), timeout=120):
+    # Checkpoints made, one byte of rank1.pt flipped, then the load: one launch (a new trainer for the load).
+    results = run_distributed(_in_turn, 2, args=([
+        (_make_checkpoints, (directory,)), (_on_rank0_between_barriers, (_flip_a_byte, str(path / "rank1.pt"))),
+        (_load_by_hand, (str(path), strategy))],), timeout=180)
+    for raised, untouched in (r[2] for r in results):
         assert raised is not None and raised[0] == "CheckpointCorruptError", raised
         assert "rank1.pt" in raised[1] and "nothing was loaded" in raised[1], raised[1]
         assert untouched
@@ -219,8 +252,9 @@ def _bn_run(rank, world, directory, strategy, interrupt_at):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero2", "zero3", "ddp_local_buffers"])
 def test_resume_restores_every_ranks_own_buffers_bit_for_bit(tmp_path, strategy):
-    unbroken = run_distributed(_bn_run, 2, args=(str(tmp_path / "a"), strategy, 0), timeout=180)
-    resumed = run_distributed(_bn_run, 2, args=(str(tmp_path / "b"), strategy, 3), timeout=180)
+    runs = run_distributed(_in_turn, 2, args=([(_bn_run, (str(tmp_path / "a"), strategy, 0)),
+                                               (_bn_run, (str(tmp_path / "b"), strategy, 3))],), timeout=240)
+    unbroken, resumed = [r[0] for r in runs], [r[1] for r in runs]
     # The ranks' statistics really differ, so restoring rank 0's everywhere would be caught.
     assert not torch.equal(unbroken[0][12]["blocks.0.bn.running_mean"], unbroken[1][12]["blocks.0.bn.running_mean"])
     for rank in range(2):
@@ -284,8 +318,9 @@ def _lr_run(rank, world, directory, first_lr, second_lr, restart):
 
 
 def test_changed_learning_rate_applies_after_resume_and_is_reported(tmp_path):
-    reference = run_distributed(_lr_run, 2, args=(str(tmp_path / "a"), 0.1, 0.03, False), timeout=180)
-    resumed = run_distributed(_lr_run, 2, args=(str(tmp_path / "b"), 0.1, 0.03, True), timeout=180)
+    runs = run_distributed(_in_turn, 2, args=([(_lr_run, (str(tmp_path / "a"), 0.1, 0.03, False)),
+                                               (_lr_run, (str(tmp_path / "b"), 0.1, 0.03, True))],), timeout=240)
+    reference, resumed = [r[0] for r in runs], [r[1] for r in runs]
     for rank in range(2):
         expected, _ = reference[rank]
         got, logged = resumed[rank]
@@ -337,8 +372,9 @@ _SCHEDULES = {
                                               ("warmup4", "warmup10", "learning rate at step 5"),
                                               ("cosine4", "cosine6", "lr schedule warmup_steps: 4 -> 6; learning rate")])
 def test_changed_schedule_applies_after_resume_and_is_reported(tmp_path, old, new, reported):
-    unbroken, _ = run_distributed(_schedule_run, 1, args=(str(tmp_path / "a"), [new], 0), timeout=120)[0]
-    changed, logged = run_distributed(_schedule_run, 1, args=(str(tmp_path / "b"), [old, new], 5), timeout=120)[0]
+    (unbroken, _), (changed, logged) = run_distributed(_in_turn, 1, args=([
+        (_schedule_run, (str(tmp_path / "a"), [new], 0)), (_schedule_run, (str(tmp_path / "b"), [old, new], 5))],),
+        timeout=180)[0]
     assert len(unbroken) == 12 and sorted(changed) == sorted(unbroken)
     for step in range(6, 13):  # after the restart: the new schedule, as if it had been there from the start
         assert changed[step] == unbroken[step], (step, changed[step], unbroken[step])
@@ -348,9 +384,9 @@ def test_changed_schedule_applies_after_resume_and_is_reported(tmp_path, old, ne
 
 
 def test_unchanged_schedule_resumes_silently_and_exactly(tmp_path):
-    unbroken, _ = run_distributed(_schedule_run, 1, args=(str(tmp_path / "a"), ["halve"], 0), timeout=120)[0]
-    resumed, logged = run_distributed(_schedule_run, 1, args=(str(tmp_path / "b"), ["halve", "halve"], 5),
-                                      timeout=120)[0]
+    (unbroken, _), (resumed, logged) = run_distributed(_in_turn, 1, args=([
+        (_schedule_run, (str(tmp_path / "a"), ["halve"], 0)),
+        (_schedule_run, (str(tmp_path / "b"), ["halve", "halve"], 5))],), timeout=180)[0]
     assert resumed == unbroken
     assert not any("lr_scheduler" in m or "learning rate" in m or "optimizer" in m for m in logged), logged
 
@@ -398,13 +434,17 @@ def _shape_run(rank, world, directory, strategy, width, optimizer):
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_what_cannot_change_is_an_error_that_names_it(tmp_path, strategy):
     directory = str(tmp_path / "ckpt")
-    assert run_distributed(_shape_run, 2, args=(directory, strategy, 8, "sgd"), timeout=120) == [None, None]
-    for kind, message in run_distributed(_shape_run, 2, args=(directory, strategy, 12, "sgd"), timeout=120):
+    # The run, then a wider model and another optimizer over its checkpoint: one launch, a new trainer each.
+    results = run_distributed(_in_turn, 2, args=([(_shape_run, (directory, strategy, 8, "sgd")),
+                                                  (_shape_run, (directory, strategy, 12, "sgd")),
+                                                  (_shape_run, (directory, strategy, 8, "adam"))],), timeout=240)
+    assert [r[0] for r in results] == [None, None]
+    for kind, message in (r[1] for r in results):
         shapes = message.replace("torch.Size(", "").replace(")", "")
         named = re.search(r"'?(blocks\.0\.fc\.weight|head\.weight)'?", message)
         assert named and ("[12, 12]" in shapes or "[3, 12]" in shapes) and "step_000000002" in message, message
         assert kind == "CheckpointMismatchError" and "another model" in message, (kind, message)  # dtrain: one line
-    for kind, message in run_distributed(_shape_run, 2, args=(directory, strategy, 8, "adam"), timeout=120):
+    for kind, message in (r[2] for r in results):
         # CheckpointMismatchError is a ValueError that dtrain reports in one line.
         assert kind == "CheckpointMismatchError" and "SGD" in message and "Adam" in message, message
 
@@ -420,8 +460,8 @@ def _fresh_run(rank, world, directory, resume):
 
 def test_resume_false_starts_over_and_sets_the_old_run_aside(tmp_path):
     directory = tmp_path / "ckpt"
-    run_distributed(_make_checkpoints, 2, args=(str(directory),), timeout=120)
-    steps, logged = run_distributed(_fresh_run, 2, args=(str(directory), False), timeout=120)[0]
+    _, (steps, logged) = run_distributed(_in_turn, 2, args=([(_make_checkpoints, (str(directory),)),
+                                                             (_fresh_run, (str(directory), False))],), timeout=180)[0]
     assert steps == 2, "a run that does not resume trains from step 0"
     assert any("previous_run_1" in m for m in logged), logged
     assert sorted(os.listdir(directory)) == ["previous_run_1", "step_000000002"]
