@@ -44,7 +44,7 @@ a rank) and ``zbh1`` for ours; torch's `ScheduleGPipe`, `Schedule1F1B`, `Schedul
 `ScheduleInterleavedZeroBubble` (its zero-bubble schedule, 2 stages a rank; the nearest it has to
 ZB-H1). A run that fails is recorded with its error. With `--rounds R` every run is repeated R times in
 turn (the round with the median step stands for it; ours / torch is the median of the per-round
-ratios); `--steps N` timed steps a run (default 5, smoke 2). Run keys: ``ours_1f1b`` for P = world
+ratios); `--steps N` timed steps a run (default 5, smoke 1). Run keys: ``ours_1f1b`` for P = world
 under the first balance asked for, else prefixed by the configuration, e.g. ``P2xDP2 ours_1f1b``, ``P4
 time ours_1f1b`` (`configs` describes each). Figures: the slowest rank's median step, tokens/s per GPU
 (the global batch's tokens over all the ranks), each rank's peak memory, the last loss (the mean over
@@ -143,7 +143,7 @@ def run(ctx, opts) -> dict:
         return skipped("a pipeline needs 2 ranks or more")
     if opts.smoke:
         cfg, batch, seq, microbatches, steps, warmup = (
-            GPTConfig(vocab_size=64, block_size=32, n_layer=4 * world, n_head=2, n_embd=16, dropout=0.0), 8, 16, 4, 2, 1)
+            GPTConfig(vocab_size=64, block_size=32, n_layer=4 * world, n_head=2, n_embd=16, dropout=0.0), 8, 16, 4, 1, 1)
     else:
         cfg, batch, seq, microbatches, steps, warmup = GPT_PRESETS["gpt-1.3b"], 16, 1024, 8, 5, 2
     steps = opts.steps or steps
