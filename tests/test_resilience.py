@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,32 +59,55 @@ def test_resume_mid_epoch_is_bit_identical_at_world_3(tmp_path, strategy, warm_t
 
 
 # ------------------------------------------------------------------ fault injection
-def _torchrun(warm_torchrun, args, launcher_args=(), timeout=240):
-    out = warm_torchrun(args[0], args[1:], nproc=2, launcher_args=launcher_args, cwd=REPO, timeout=timeout,
-                       env={"CUDA_VISIBLE_DEVICES": ""})
+@pytest.fixture(scope="module")
+def sigkilled_runs(request, tmp_path_factory, warm_python):
+    """The strategies of the selected `test_sigkilled_rank_restarts_and_matches_an_unbroken_run` cases, each
+    with an unbroken reference run and a faulty torchrun run, all the faulty ones in ONE torchrun job:
+    `fault_job.py --strategy ddp,fsdp` trains them one after the other, rank 1 SIGKILLs itself after step 5
+    of each strategy on that strategy's first attempt (attempt i for the i-th), torchrun restarts the
+    workers each time (--max-restarts=3: the two restarts and one to spare, as before) and the trainer
+    resumes from the strategy's own latest good checkpoint. One launcher and three generations of fresh
+    workers instead of two launchers and four generations. Returns ``(tmp, log)``."""
+    wanted = [s for s in ("ddp", "fsdp") if any(item.originalname == "test_sigkilled_rank_restarts_and_matches_an_unbroken_run"
+                                                 and item.callspec.params["strategy"] == s
+                                                 for item in request.session.items if item.module is request.module)]
+    tmp = tmp_path_factory.mktemp("sigkilled")
+    job = str(REPO / "tests" / "jobs" / "fault_job.py")
+
+    def references():
+        # The unbroken references: the same job's main() on 2 ranks forked from a warm interpreter (no torchrun
+        # processes to start), in a thread while the faulty job runs (its workers' imports, its restarts).
+        for strategy in wanted:
+            run_distributed(job_main, 2, args=("fault_job", ["--strategy", strategy, "--ckpt", str(tmp / f"clean_{strategy}"),
+                                                              "--out", str(tmp / f"clean_{strategy}.pt")]), timeout=240)
+
+    from distributed_training.testing import _torchrun_env
+
+    with ThreadPoolExecutor(1) as pool:
+        clean = pool.submit(references)
+        out = warm_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
+                           job, "--strategy", ",".join(wanted), "--ckpt", str(tmp / "faulty_{strategy}"),
+                           "--out", str(tmp / "faulty_{strategy}.pt"), "--kill-at", "5"],
+                          cwd=REPO, env=_torchrun_env({"CUDA_VISIBLE_DEVICES": ""}), timeout=400)
+        clean.result()
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
-    return log
+    return tmp, log
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_sigkilled_rank_restarts_and_matches_an_unbroken_run(tmp_path, strategy, warm_torchrun):
-    job = str(REPO / "tests" / "jobs" / "fault_job.py")
-    # The unbroken reference: the same job's main() on 2 ranks forked from a warm interpreter (no torchrun
-    # processes to start); the faulty run below is torchrun's, restarted by it.
-    run_distributed(job_main, 2, args=("fault_job", ["--strategy", strategy, "--ckpt", str(tmp_path / "clean"),
-                                                      "--out", str(tmp_path / "clean.pt")]), timeout=240)
-    log = _torchrun(warm_torchrun, [job, "--strategy", strategy, "--ckpt", str(tmp_path / "faulty"), "--out", str(tmp_path / "faulty.pt"),
-                     "--kill-at", "5"], launcher_args=["--max-restarts=2"])
-    clean, faulty = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "faulty.pt")
+def test_sigkilled_rank_restarts_and_matches_an_unbroken_run(strategy, sigkilled_runs):
+    tmp_path, log = sigkilled_runs
+    clean, faulty = torch.load(tmp_path / f"clean_{strategy}.pt"), torch.load(tmp_path / f"faulty_{strategy}.pt")
     assert int(faulty["restarts"]) >= 1, f"the job should have been restarted:\n{log[-3000:]}"
-    assert "exitcode: -9" in log, "rank 1 should have died of SIGKILL"
+    assert f"FAULT rank 1 kills itself after step 5 of {strategy}" in log, log[-3000:]
+    assert log.count("exitcode: -9") >= log.count("FAULT rank 1 kills itself"), "rank 1 should have died of SIGKILL"
     assert clean["step"] == faulty["step"] == 12
     for key, value in clean["state"].items():
         assert torch.equal(value, faulty["state"][key]), f"{key} differs from the unbroken run"
-    kept = sorted(os.listdir(tmp_path / "faulty"))
+    kept = sorted(os.listdir(tmp_path / f"faulty_{strategy}"))
     assert kept == ["step_000000009", "step_000000012"], kept  # keep_last=2
 
 

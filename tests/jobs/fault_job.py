@@ -4,6 +4,13 @@ With --kill-at K, rank 1 kills itself with SIGKILL after step K on the first att
 (TORCHELASTIC_RESTART_COUNT == 0); torchrun --max-restarts restarts every worker, and the trainer
 resumes from the latest good checkpoint in --ckpt. Rank 0 saves the final full model state to --out.
 
+With several strategies (``--strategy ddp,fsdp``; --ckpt and --out then hold ``{strategy}``), one job
+trains them one after the other, each as a run of its own (its own trainer, checkpoints and --out), and
+strategy number i is killed as above on attempt i (its first): attempt 0 kills the first, attempt 1
+resumes it, finishes it and kills the second, and so on; a strategy whose --out exists is done and is
+skipped on a later attempt. The test runs its strategies this way, one torchrun job (and one generation
+of fresh workers fewer) instead of one job per strategy.
+
 `main(argv)` also runs inside a process group that already exists (`run_distributed`): the test's unbroken
 reference run, the same training without torchrun's processes to start.
 """
@@ -28,7 +35,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    strategies = args.strategy.split(",")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for i, strategy in enumerate(strategies):
+        ckpt, out = args.ckpt.replace("{strategy}", strategy), args.out.replace("{strategy}", strategy)
+        if len(strategies) > 1 and os.path.exists(out):
+            continue  # finished on an earlier attempt
+        _train(strategy, ckpt, out, args.kill_at if restart == i else 0, args.epochs)
 
+
+def _train(strategy: str, ckpt: str, out: str, kill_at: int, epochs: int) -> None:
     torch.manual_seed(0)
     # Dropout draws from the RNG: resuming must restore every rank's generator to be bit-exact.
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
@@ -38,19 +54,19 @@ def main(argv: list[str] | None = None) -> None:
     # heartbeat_timeout 2 s (the default is 5 s, as tests/jobs/elastic_job.py and test_peer_watch.py use): rank 0's
     # collective fails at once when rank 1 is SIGKILLed, then waits that long for the watcher to name the dead peer
     # before it raises and torchrun can restart the job.
-    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), strategy=args.strategy,
-                                 checkpoint_dir=args.ckpt, checkpoint_every=3, keep_last=2, seed=7, heartbeat_timeout=2.0)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), strategy=strategy,
+                                 checkpoint_dir=ckpt, checkpoint_every=3, keep_last=2, seed=7, heartbeat_timeout=2.0)
 
     def on_step(step: int, metrics: dict) -> None:
-        if args.kill_at and step == args.kill_at and first_attempt and trainer.context.rank == 1:
+        if kill_at and step == kill_at and trainer.context.rank == 1:
+            print(f"FAULT rank 1 kills itself after step {step} of {strategy}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    trainer.fit(data, epochs=args.epochs, batch_size=4, log_every=1, on_step=on_step)
+    trainer.fit(data, epochs=epochs, batch_size=4, log_every=1, on_step=on_step)
     state = trainer.strategy.model_state_dict(trainer.model)
     if trainer.context.is_main:
         torch.save({"state": state, "step": trainer.step, "restarts": os.environ.get("TORCHELASTIC_RESTART_COUNT")},
-                   args.out)
+                   out)
     trainer.close()
 
 
