@@ -174,7 +174,7 @@ def parity_results():
     def get(world):
         if world not in launched:
             try:
-                launched[world] = run_distributed(fsdp_cases_worker, world, args=(CASES,), timeout=120 + 60 * len(CASES))[0]
+                launched[world] = run_distributed(fsdp_cases_worker, world, args=(CASES,), timeout=240)[0]
             except Exception as err:  # noqa: BLE001 - re-raised by every test of this world
                 launched[world] = err
         if isinstance(launched[world], BaseException):
