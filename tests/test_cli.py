@@ -143,26 +143,17 @@ def test_help_and_print_config(warm_python):
     assert code == 2 and "training.batch_size" in out, out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_dtrain_trains_under_torchrun_and_marks_completion(tmp_path, warm_torchrun):
-    config = {
+# Four jobs of dtrain under torchrun on 2 ranks (one that checkpoints and writes its model, and three of
+# what dtrain chooses and says), one after another in one launch (`_dtrain_jobs`), each checked by its own
+# test on its own output below. TMP: the launch's directory.
+CHOICE_JOBS = {
+    "completion": {
         "model": {"preset": "tiny"},
         "data": {"dataset": "repo_text", "block_size": 32, "val_fraction": 0.01},
         "training": {"strategy": "zero2", "epochs": 1, "max_steps": 4, "batch_size": 4, "seed": 0},
-        "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 2},
-        "output": str(tmp_path / "final.pt"),
-    }
-    code, out = _dtrain_on_two_ranks(warm_torchrun, tmp_path, config)
-    assert code == 0, out[-3000:]
-    assert "finished at step 4" in out, out[-2000:]
-    assert (tmp_path / "ckpt" / "COMPLETED").is_file() and (tmp_path / "final.pt").is_file()
-    assert {"step_000000002", "step_000000004"} <= set(os.listdir(tmp_path / "ckpt"))
-
-
-# Three jobs of what dtrain chooses and says under torchrun on 2 ranks, one after another in one launch
-# (`_dtrain_jobs`), each checked by its own test on its own output below.
-CHOICE_JOBS = {
+        "checkpoint": {"dir": "TMP/ckpt", "every": 2},
+        "output": "TMP/final.pt",
+    },
     # A budget of 5 MB: DDP still fits and the batch chosen is ~46 a rank (0.02 GB chose 279: bf16 on CPU
     # took ~9 s for the 3 steps at that size).
     "bf16": {
@@ -175,7 +166,7 @@ CHOICE_JOBS = {
         "model": {"preset": "classifier"},
         "data": {"dataset": "digits", "val_fraction": 0.1},
         "training": {"epochs": 1, "max_steps": 6, "batch_size": 32},
-        "logging": {"every": 2, "dir": "LOGS"},
+        "logging": {"every": 2, "dir": "TMP/logs"},
     },
     # last: its counts of warnings and loss lines would also see a handler left over from the jobs before
     "fp16": {
@@ -190,23 +181,33 @@ CHOICE_JOBS = {
 @pytest.fixture(scope="module")
 def choice_jobs(tmp_path_factory, warm_python):
     """CHOICE_JOBS run by dtrain under torchrun on 2 ranks in one launch: ({name: that job's output}, the
-    launch's exit status, its whole output)."""
+    launch's exit status, its whole output, the launch's directory)."""
     tmp = tmp_path_factory.mktemp("choice_jobs")
     argvs = []
     for name, config in CHOICE_JOBS.items():
-        config = yaml.safe_load(yaml.safe_dump(config).replace("LOGS", str(tmp / "logs")))
+        config = yaml.safe_load(yaml.safe_dump(config).replace("TMP/", f"{tmp}/"))
         path = tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
         argvs.append([str(path)])
     code, said, out = _dtrain_jobs(warm_python, tmp, argvs)
-    return dict(zip(CHOICE_JOBS, said)), code, out
+    return dict(zip(CHOICE_JOBS, said)), code, out, tmp
 
 
 def _choice_job(choice_jobs, name):
-    said, code, out = choice_jobs
+    said, code, out, _ = choice_jobs
     assert name in said, out[-3000:]  # the jobs before it ended well
     assert code == 0, out[-3000:]
     return said[name], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dtrain_trains_under_torchrun_and_marks_completion(choice_jobs):
+    out, _ = _choice_job(choice_jobs, "completion")
+    tmp = choice_jobs[3]
+    assert "finished at step 4" in out, out[-2000:]
+    assert (tmp / "ckpt" / "COMPLETED").is_file() and (tmp / "final.pt").is_file()
+    assert {"step_000000002", "step_000000004"} <= set(os.listdir(tmp / "ckpt"))
 
 
 @pytest.mark.slow
