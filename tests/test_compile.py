@@ -14,6 +14,12 @@ from distributed_training.testing import run_distributed
 
 from _models import ConvBN
 
+# The compiled tests' parts run in one job (`compiled_job`, at the end). Its limit: a hang is a failure
+# after it (all the parts: ~145 s in CI's last run as nine jobs; 203 s as one on 2 cores at a load of
+# 10-13). The tests that use it wait for it within pytest's own limit, raised to past it.
+JOB_TIMEOUT = 900
+waits_for_the_job = pytest.mark.timeout(JOB_TIMEOUT + 60)
+
 
 def state_dict_worker(rank, world):
     torch.manual_seed(0)
@@ -58,9 +64,10 @@ def compile_worker(rank, world, order):
 
 
 @pytest.mark.slow
-def test_torch_compile_in_either_order_matches_eager():
+@waits_for_the_job
+def test_torch_compile_in_either_order_matches_eager(compiled_job):
     for order in ("compile(ddp)", "ddp(compile)"):
-        assert run_distributed(compile_worker, 2, args=(order,), timeout=240) == [True, True]
+        assert compiled_job(("order", order)) == [True, True]
 
 
 # ------------------------------------------------------------------ every wrapper, every order, against eager and one process
@@ -222,8 +229,9 @@ def wrappers_worker(rank, world, kind, backend):
 
 
 @pytest.mark.parametrize("kind", ["ddp", "zero1", "fsdp"])
-def test_every_compile_order_trains_as_eager_and_as_one_process(kind):
-    for worst, moved, late_compiles in run_distributed(wrappers_worker, 2, args=(kind, "aot_eager"), timeout=240):
+@waits_for_the_job
+def test_every_compile_order_trains_as_eager_and_as_one_process(kind, compiled_job):
+    for worst, moved, late_compiles in compiled_job(("wrappers", kind, "aot_eager")):
         assert moved > 1e-3, moved  # training moved the parameters: the comparisons below can fail
         assert not any(late_compiles.values()), late_compiles
         assert worst["eager vs one process"] <= TOL, worst
@@ -286,8 +294,9 @@ def trainer_worker(rank, world, strategy, backend):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3"])
-def test_trainer_compiles_under_every_strategy(strategy):
-    for worst, plain_keys in run_distributed(trainer_worker, 2, args=(strategy, "aot_eager"), timeout=240):
+@waits_for_the_job
+def test_trainer_compiles_under_every_strategy(strategy, compiled_job):
+    for worst, plain_keys in compiled_job(("trainer", strategy, "aot_eager")):
         assert plain_keys
         assert worst["eager vs one process"] <= TOL, worst
         for mode in TRAINER_MODES[1:]:
@@ -327,9 +336,69 @@ def _cxx_works() -> bool:
         return subprocess.run([cxx, src, "-o", os.path.join(d, "t")], capture_output=True).returncode == 0
 
 
+CXX = _cxx_works()
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not _cxx_works(), reason="inductor on CPU needs a working C++ compiler")
-def test_inductor_compile_of_fsdp_matches_eager():
+@pytest.mark.skipif(not CXX, reason="inductor on CPU needs a working C++ compiler")
+@waits_for_the_job
+def test_inductor_compile_of_fsdp_matches_eager(compiled_job):
     # FSDP: compiled code reads views of storage that is freed after each unit and gathered again.
-    for worst in run_distributed(inductor_worker, 2, args=("fsdp",), timeout=400):
+    for worst in compiled_job(("inductor", "fsdp")):
         assert worst <= TOL, worst
+
+
+# ------------------------------------------------------------------ the compiled tests' one job
+# Each compiled test was a job of its own (nine in all), and each paid a fresh process's first compile
+# (torch._dynamo's and aot_autograd's first use: as long as compiling the GPT itself on 2 loaded cores)
+# once more. One job runs the parts of every test selected in this module, one after another, each
+# from torch._dynamo.reset() (what a fresh process's cache holds: nothing) and with the zero1 gather
+# restored after it; each test checks its own part's results as before. A rank that raises fails the
+# job, and every test of the module with it (a rank stuck in a collective can't go on to the next part).
+PARTS = {"order": compile_worker, "wrappers": wrappers_worker, "trainer": trainer_worker, "inductor": inductor_worker}
+
+
+def _parts_of(item) -> list[tuple]:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return {"test_torch_compile_in_either_order_matches_eager": [("order", "compile(ddp)"), ("order", "ddp(compile)")],
+            "test_every_compile_order_trains_as_eager_and_as_one_process": [("wrappers", params.get("kind"), "aot_eager")],
+            "test_trainer_compiles_under_every_strategy": [("trainer", params.get("strategy"), "aot_eager")],
+            "test_inductor_compile_of_fsdp_matches_eager": [("inductor", "fsdp")] if CXX else [],
+            }.get(getattr(item, "originalname", item.name), [])
+
+
+def compiled_job_worker(rank, world, parts):
+    from distributed_training.strategies import zero1_ddp
+
+    gather = zero1_ddp.all_gather_flat
+    results = []
+    for name, *args in parts:
+        torch._dynamo.reset()
+        try:
+            results.append(PARTS[name](rank, world, *args))
+        finally:
+            zero1_ddp.all_gather_flat = gather  # the wrappers' zero1 part holds its gathers back
+    return results
+
+
+@pytest.fixture(scope="module")
+def compiled_job(request):
+    """``compiled_job(part)``: every rank's result of `part` (``(name, *args)`` of `PARTS`), from the one
+    job that ran the parts of the module's selected tests."""
+    parts = list(dict.fromkeys(p for item in request.session.items if item.module is request.module
+                               for p in _parts_of(item)))
+    results, failed = {}, []
+
+    def get(part):
+        if failed:  # once: the tests after the first see its error, not a second run
+            raise failed[0]
+        if not results:
+            try:
+                per_rank = run_distributed(compiled_job_worker, 2, args=(parts,), timeout=JOB_TIMEOUT)
+            except Exception as err:
+                failed.append(err)
+                raise
+            results.update({p: [r[i] for r in per_rank] for i, p in enumerate(parts)})
+        return results[part]
+
+    return get
