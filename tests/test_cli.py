@@ -220,24 +220,58 @@ def test_dtrain_auto_strategy_auto_batch_bf16_checkpointed_blocks(choice_jobs):
     assert "finished at step 3" in out, out[-2000:]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_digits_example_learns(warm_torchrun):
-    code, out = _torchrun(warm_torchrun, "examples/train_digits.py", ["--epochs", "2"])
-    assert code == 0, out[-3000:]
-    match = re.search(r"accuracy ([\d.]+) -> ([\d.]+)", out)
-    assert match, out[-2000:]
-    before, after = map(float, match.groups())
-    assert after > 0.85 and after > before + 0.5, (before, after)
+# The digits example run twice under torchrun on 2 ranks, one run after the other in one launch (as
+# `python examples/train_digits.py ARGS` runs it: runpy, as __main__, with its argv); rank 0 marks on
+# stdout (where the example prints) where each run's output starts.
+DIGITS_RUNS = """
+import json, os, runpy, sys
+for i, argv in enumerate(json.loads(sys.argv[1])):
+    if os.environ.get("RANK", "0") == "0":
+        print(f"==== digits run {i}", flush=True)
+    sys.argv = ["examples/train_digits.py", *argv]
+    runpy.run_path("examples/train_digits.py", run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def digits_runs(tmp_path_factory, warm_python):
+    """The digits example's 2-epoch run, and its zero3 run of 20 steps checkpointing every 10, under
+    torchrun on 2 ranks in one launch: (each run's stdout, the launch's exit status and whole output, the
+    checkpoint directory)."""
+    import json
+
+    from distributed_training.testing import _torchrun_env
+
+    tmp = tmp_path_factory.mktemp("digits")
+    ckpt = str(tmp / "ckpt")
+    script = tmp / "digits_runs.py"
+    script.write_text(DIGITS_RUNS)
+    runs = [["--epochs", "2"],
+            ["--strategy", "zero3", "--max-steps", "20", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"]]
+    out = warm_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                       json.dumps(runs)], cwd=REPO, env=_torchrun_env(ENV), timeout=240)
+    said = re.split(r"^==== digits run \d+\n", out.stdout, flags=re.M)[1:]
+    return said, out.returncode, out.stdout + out.stderr, ckpt
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_digits_example_resumes_a_zero3_run_under_ddp_on_one_process(tmp_path, warm_python, warm_torchrun):
-    ckpt = str(tmp_path / "ckpt")
-    code, out = _torchrun(warm_torchrun, "examples/train_digits.py", ["--strategy", "zero3", "--max-steps", "20",
-                                                       "--checkpoint-dir", ckpt, "--checkpoint-every", "10"])
-    assert code == 0 and "20 steps" in out, out[-3000:]
+def test_digits_example_learns(digits_runs):
+    said, code, whole, _ = digits_runs
+    assert said, whole[-3000:]
+    out = said[0]
+    match = re.search(r"accuracy ([\d.]+) -> ([\d.]+)", out)
+    assert match, out[-2000:]
+    before, after = map(float, match.groups())
+    assert after > 0.85 and after > before + 0.5, (before, after)
+    assert code == 0, whole[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_digits_example_resumes_a_zero3_run_under_ddp_on_one_process(digits_runs, warm_python):
+    said, code, whole, ckpt = digits_runs
+    assert code == 0 and len(said) == 2 and "20 steps" in said[1], whole[-3000:]
     code, out = _run_warm(warm_python, ["examples/train_digits.py", "--strategy", "ddp", "--max-steps", "30",
                                         "--checkpoint-dir", ckpt])
     assert code == 0, out[-3000:]
