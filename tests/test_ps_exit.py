@@ -10,8 +10,9 @@ has the server close its connections after `LEAVE_GRACE` seconds (shortened to 1
 about the grace running out, not its length; the mute survivor stays alive until every server has exited, so
 that its connection cannot close by itself before, and a server left waiting for it is a hang, not a pass).
 
-Each rank is a fresh interpreter (`subprocess`, ``file://`` rendezvous), not a forked test child: the
-abort only shows at a real interpreter exit.
+Each rank that exits by itself is a fresh interpreter (`subprocess`, ``file://`` rendezvous), not a forked
+test child: the abort only shows at a real interpreter exit. The victim, which SIGKILLs itself and never
+reaches an exit, is forked from the warm_python server (no torch import to pay for it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -62,20 +64,35 @@ dist.destroy_process_group()
 '''
 
 
-def _launch(tmp_path, num_servers: int, mute: bool) -> list[tuple[int, str]]:
-    """Run the script on ``num_servers + 2`` fresh processes; their (exit status, output)."""
+def _launch(tmp_path, num_servers: int, mute: bool, warm_python) -> list[tuple[int, str]]:
+    """Run the script on ``num_servers + 2`` processes; their (exit status, output). Every rank that exits by
+    itself is a fresh interpreter; the victim (the last rank), which SIGKILLs itself and so never reaches an
+    interpreter's exit, is forked from the warm_python server (torch imported) and waited for in a thread."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     world = num_servers + 2
+    victim = world - 1
     init = f"file://{tmp_path / 'rendezvous'}"
     release = tmp_path / "servers_exited"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("RANK", None)
+    argv = lambda rank: [str(script), str(rank), str(world), init, str(num_servers), "1" if mute else "0",  # noqa: E731
+                         str(release)]
+    victim_run: dict = {}
+
+    def run_victim():
+        try:
+            victim_run["done"] = warm_python(argv(victim), env=env, timeout=90)
+        except subprocess.TimeoutExpired as err:
+            victim_run["hung"] = err
+
+    thread = threading.Thread(target=run_victim, name="victim", daemon=True)
+    thread.start()
     procs = []
-    for rank in range(world):
+    for rank in range(victim):
         out = open(tmp_path / f"rank{rank}.log", "wb")
-        procs.append((subprocess.Popen([sys.executable, str(script), str(rank), str(world), init, str(num_servers),
-                                        "1" if mute else "0", str(release)], stdout=out, stderr=subprocess.STDOUT, env=env), out))
+        procs.append((subprocess.Popen([sys.executable, *argv(rank)], stdout=out, stderr=subprocess.STDOUT, env=env),
+                      out))
     results = []
     try:
         for rank, (proc, out) in enumerate(procs):
@@ -92,14 +109,17 @@ def _launch(tmp_path, num_servers: int, mute: bool) -> list[tuple[int, str]]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        thread.join(120)
+    done = victim_run.get("done")
+    results.append((done.returncode, done.stdout + done.stderr) if done is not None else ("hung", str(victim_run)))
     return results
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL, file:// rendezvous")
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("num_servers,mute", [(1, False), (2, False), (1, True)], ids=["1-server", "2-servers", "mute"])
-def test_a_server_that_raises_worker_lost_exits_normally(tmp_path, num_servers, mute):
-    results = _launch(tmp_path, num_servers, mute)
+def test_a_server_that_raises_worker_lost_exits_normally(tmp_path, num_servers, mute, warm_python):
+    results = _launch(tmp_path, num_servers, mute, warm_python)
     victim = num_servers + 1
     assert results[victim][0] == -9, results[victim]
     for rank, (code, out) in enumerate(results):
