@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Mapping, Sequence
 
 from distributed_training.testing import TorchrunJob, _PRELOAD, _torchrun_env
@@ -100,11 +101,13 @@ class ForkedTorchrunJob(TorchrunJob):
         process.start()
         self.proc = _Process(process, args)
         # In its own session before it is handed out: `kill` (a process group) must find it there.
-        if not started.wait(60):
-            process.kill()
-            process.join(5)
-            shutil.rmtree(self._dir, ignore_errors=True)
-            raise RuntimeError("the forked torchrun launcher did not start within 60 s")
+        deadline = time.monotonic() + 60
+        while not started.wait(0.05):
+            if process.exitcode is not None or time.monotonic() > deadline:
+                process.kill()
+                process.join(5)
+                shutil.rmtree(self._dir, ignore_errors=True)
+                raise RuntimeError(f"the forked torchrun launcher did not start (exit code {process.exitcode})")
 
 
 def start(target: str | os.PathLike, args: Sequence[str] = (), *, nproc: int = 2,
