@@ -11,6 +11,14 @@ from distributed_training.comm.patterns import hierarchical_all_reduce, ring_all
 from distributed_training.strategies.fsdp import make_hybrid_groups
 from distributed_training.testing import run_distributed
 
+# Each world's parts (the workers of the selected tests at that world size) run in one job, `world_job`
+# at the end: a job per test made 15 launches of 2-5 processes and their process groups. Its limit is the sum of
+# its parts' former limits (a hang stays a failure); the tests wait for it within pytest's own limit,
+# raised to past that.
+LIMITS = {"patterns_worker": 120, "sums_worker": 180, "lanes_worker": 120, "subgroup_worker": 120,
+          "hierarchical_worker": 120, "flat_path_worker": 60, "bad_knobs_worker": 60}
+waits_for_its_world = pytest.mark.timeout(sum(LIMITS.values()) + 60)
+
 LENGTHS = [1, 2, 7, 1000, 12347]
 DTYPES = [torch.float32, torch.float64, torch.int64]
 
@@ -45,8 +53,9 @@ def patterns_worker(rank, world, ranks_per_node):
 
 
 @pytest.mark.parametrize("world, ranks_per_node", [(2, 1), (3, None), (4, 2), (5, None)])
-def test_patterns_equal_all_reduce(world, ranks_per_node):
-    for failures in run_distributed(patterns_worker, world, args=(ranks_per_node,), timeout=120):
+@waits_for_its_world
+def test_patterns_equal_all_reduce(world, ranks_per_node, world_job):
+    for failures in world_job(world, "patterns_worker", ranks_per_node):
         assert not failures, failures[:5]
 
 
@@ -114,11 +123,12 @@ def sums_worker(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_ring_and_tree_sum_exactly_enough_and_agree(world):
+@waits_for_its_world
+def test_ring_and_tree_sum_exactly_enough_and_agree(world, world_job):
     """fp32 and bf16, lengths below the world size and not divisible by the world or the segment,
     every knob: the float64 sum of all inputs within the rounding of W - 1 adds, the same bits on
     every rank."""
-    for failures in run_distributed(sums_worker, world, timeout=180):
+    for failures in world_job(world, "sums_worker"):
         assert not failures, failures[:5]
 
 
@@ -182,14 +192,16 @@ def lanes_worker(rank, world):
 
 
 @pytest.mark.parametrize("world", [3, 4])
-def test_ring_over_lanes(world):
-    for failures in run_distributed(lanes_worker, world, timeout=120):
+@waits_for_its_world
+def test_ring_over_lanes(world, world_job):
+    for failures in world_job(world, "lanes_worker"):
         assert not failures, failures[:5]
 
 
 @pytest.mark.parametrize("world", [3, 4])
-def test_patterns_on_a_subgroup(world):
-    for failures in run_distributed(subgroup_worker, world, timeout=120):
+@waits_for_its_world
+def test_patterns_on_a_subgroup(world, world_job):
+    for failures in world_job(world, "subgroup_worker"):
         assert not failures, failures[:5]
 
 
@@ -213,8 +225,9 @@ def hierarchical_worker(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_hierarchical_every_node_layout(world):
-    for failures in run_distributed(hierarchical_worker, world, timeout=120):
+@waits_for_its_world
+def test_hierarchical_every_node_layout(world, world_job):
+    for failures in world_job(world, "hierarchical_worker"):
         assert not failures, failures[:5]
 
 
@@ -240,8 +253,9 @@ def flat_path_worker(rank, world):
     return calls, x.tolist() == [total] * 7, y.tolist() == [total] * 7
 
 
-def test_hierarchical_on_one_node_is_the_flat_all_reduce():
-    for calls, one_ok, two_ok in run_distributed(flat_path_worker, 4, timeout=60):
+@waits_for_its_world
+def test_hierarchical_on_one_node_is_the_flat_all_reduce(world_job):
+    for calls, one_ok, two_ok in world_job(4, "flat_path_worker"):
         assert one_ok and two_ok
         assert calls == ["reduce_scatter", "all_gather"]  # from the two-node call only
 
@@ -258,6 +272,55 @@ def bad_knobs_worker(rank, world):
     return messages
 
 
-def test_bad_knobs_name_the_parameter():
-    messages = run_distributed(bad_knobs_worker, 2, timeout=60)[0]
+@waits_for_its_world
+def test_bad_knobs_name_the_parameter(world_job):
+    messages = world_job(2, "bad_knobs_worker")[0]
     assert [m.split(" ")[0] for m in messages] == ["segment_bytes", "in_flight", "segment_bytes", "segment_bytes"]
+
+
+# ------------------------------------------------------------------ one job per world size
+def _part_of(item) -> tuple | None:
+    """(world, worker's name, its arguments) of one of this module's tests."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    world = params.get("world")
+    return {"test_patterns_equal_all_reduce": (world, "patterns_worker", (params.get("ranks_per_node"),)),
+            "test_ring_and_tree_sum_exactly_enough_and_agree": (world, "sums_worker", ()),
+            "test_ring_over_lanes": (world, "lanes_worker", ()),
+            "test_patterns_on_a_subgroup": (world, "subgroup_worker", ()),
+            "test_hierarchical_every_node_layout": (world, "hierarchical_worker", ()),
+            "test_hierarchical_on_one_node_is_the_flat_all_reduce": (4, "flat_path_worker", ()),
+            "test_bad_knobs_name_the_parameter": (2, "bad_knobs_worker", ()),
+            }.get(getattr(item, "originalname", item.name))
+
+
+def world_job_worker(rank, world, parts):
+    """Each part's worker in turn, as its own job ran it (each returns its failures rather than raising;
+    the process groups a part makes stay, as other groups do in a user's job)."""
+    return [globals()[name](rank, world, *args) for name, args in parts]
+
+
+@pytest.fixture(scope="module")
+def world_job(request):
+    """``world_job(world, name, *args)``: every rank's result of worker `name`, from the one job that ran
+    the parts of the selected tests at that world size. A rank that raises fails that world's job and
+    each of its tests (the later ones re-raise the first's error rather than rerun the job)."""
+    parts: dict[int, list] = {}
+    for item in request.session.items:
+        part = _part_of(item) if item.module is request.module else None
+        if part is not None and (part[1], part[2]) not in parts.setdefault(part[0], []):
+            parts[part[0]].append((part[1], part[2]))
+    done: dict[int, object] = {}
+
+    def get(world, name, *args):
+        if world not in done:
+            try:
+                per_rank = run_distributed(world_job_worker, world, args=(parts[world],),
+                                           timeout=sum(LIMITS[n] for n, _ in parts[world]))
+                done[world] = {part: [r[i] for r in per_rank] for i, part in enumerate(parts[world])}
+            except Exception as err:
+                done[world] = err
+        if isinstance(done[world], Exception):
+            raise done[world]
+        return done[world][(name, tuple(args))]
+
+    return get
