@@ -31,7 +31,8 @@ Phases (`--phases`, default all; see `phases/__init__.py` for where each runs):
     model_check   the scaling model: one calibration, checked on this run and on recorded DDP runs
 
 For each world size the orchestrator starts one job on this script (``--worker``; `torchrun` for two
-or more ranks), which runs every selected phase that belongs at that size in the same processes and
+or more ranks; a smoke run with DT_SUITE_FORK_WORKERS=1, as the tests make it, forks the job's ranks from
+the orchestrator instead, with torchrun's variables and the same arguments), which runs every selected phase that belongs at that size in the same processes and
 writes its part after each phase (so a phase that dies leaves the earlier ones). Then it merges the
 parts into ``results.json`` under ``--out`` (default ``benchmarks/results/<date>-<card>/``): the
 environment (card, torch, CUDA, NCCL, driver, world sizes) and every phase's raw figures, a skipped
@@ -180,6 +181,80 @@ def _run_group(cmd: list[str], env: dict, timeout: float):
         return "timeout"
 
 
+# A smoke run whose orchestrator has torch imported already (the tests fork it from their warm server) may
+# start its world jobs as forks of itself instead of fresh interpreters: DT_SUITE_FORK_WORKERS=1, --smoke only.
+FORK_VAR = "DT_SUITE_FORK_WORKERS"
+
+
+def _fork_group(cmd: list[str], world: int, env: dict, timeout: float):
+    """`_run_group` for a smoke run's world job, with the job's ranks forked from this process (torch and the
+    package imported once, not once per rank and launcher: ~3 s of CPU each on 2 cores) in place of
+    ``python`` / ``torchrun``: a launcher in a session of its own forks `world` ranks, each with torchrun's
+    variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT; none at
+    world 1, as a plain ``python``), which parse `cmd`'s own arguments (`_worker_command`'s) and run `worker`.
+    A rank that fails stops the others, as torchrun does; past `timeout` the whole session is stopped."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    argv = cmd[cmd.index(str(HERE / "suite.py")) + 1:]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    launcher = fork.Process(target=_fork_launcher, args=(fork, argv, world, env), name="suite-launcher")
+    launcher.start()
+    launcher.join(timeout)
+    if launcher.exitcode is not None:
+        return launcher.exitcode
+    _signal_group(launcher.pid, signal.SIGTERM)
+    # The launcher itself, 10 s at most (its ranks hold its sentinel open, so not `join(10)`), as `_run_group`.
+    deadline = time.monotonic() + 10
+    while launcher.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _signal_group(launcher.pid, signal.SIGKILL)  # ranks that outlived the launcher too
+    launcher.join()
+    return "timeout"
+
+
+def _fork_launcher(fork, argv: list[str], world: int, env: dict) -> None:
+    import socket
+    from multiprocessing.connection import wait
+
+    os.setsid()  # the session `_fork_group` stops on a timeout, the ranks in it
+    os.environ.clear()
+    os.environ.update(env)
+    ranks_env = [{}]
+    if world > 1:
+        with socket.socket() as s:  # a free port for rank 0's store, as torchrun --standalone picks one
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ranks_env = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+                      "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for r in range(world)]
+    ranks = [fork.Process(target=_fork_rank, args=(argv, e), name=f"suite-rank{i}") for i, e in enumerate(ranks_env)]
+    for rank in ranks:
+        rank.start()
+    code = 0
+    running = list(ranks)
+    while running:
+        for sentinel in wait([r.sentinel for r in running]):
+            rank = next(r for r in running if r.sentinel == sentinel)
+            rank.join()
+            running.remove(rank)
+            if rank.exitcode != 0 and code == 0:
+                code = rank.exitcode if rank.exitcode > 0 else 1
+                print(f"[suite] {rank.name} exited with {rank.exitcode}: stopping the others", file=sys.stderr,
+                      flush=True)
+                for other in running:
+                    other.terminate()
+    sys.exit(code)
+
+
+def _fork_rank(argv: list[str], rank_env: dict) -> None:
+    import torch
+
+    os.environ.update(rank_env)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
+    worker(parse_args(argv))
+
+
 def _signal_group(pgid: int, sig) -> None:
     try:
         os.killpg(pgid, sig)
@@ -240,7 +315,11 @@ def run_all(args) -> int:
             env_vars.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
         print(f"[suite] world {w}: {', '.join(phases)}", flush=True)
         t0 = time.perf_counter()
-        code = _run_group(cmd, env_vars, args.timeout or (300 if args.smoke else 3600))
+        timeout = args.timeout or (300 if args.smoke else 3600)
+        if args.smoke and os.environ.get(FORK_VAR) == "1":
+            code = _fork_group(cmd, w, env_vars, timeout)
+        else:
+            code = _run_group(cmd, env_vars, timeout)
         got = json.loads(part.read_text()) if part.is_file() else {"phases": {}}
         part.unlink(missing_ok=True)
         results["runs"].append({k: v for k, v in got.items() if k != "phases"} |

@@ -14,13 +14,17 @@ SUITE = REPO / "benchmarks" / "suite.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
 
 
-def _suite(tmp_path, *args, timeout, warm_python=None):
+def _suite(tmp_path, *args, timeout, warm_python=None, fork=True):
     """``suite.py --smoke --out TMP_PATH *args``; its orchestrator forked from `warm_python` (the conftest
-    fixture: torch and the package imported once) when given, else a fresh interpreter. The world jobs it
-    starts are its own fresh processes (python / torchrun) either way."""
+    fixture: torch and the package imported once) when given, else a fresh interpreter. With `fork` (and
+    `warm_python`) the world jobs' ranks are forked from the orchestrator (DT_SUITE_FORK_WORKERS=1,
+    `suite._fork_group`: the same ranks, torchrun's variables, arguments and phases, without each rank and
+    launcher importing torch afresh, ~3 s of CPU a process); without, they are the fresh python / torchrun
+    processes a GPU run starts (one test keeps that path covered)."""
     argv = [str(SUITE), "--smoke", "--out", str(tmp_path), *args]
     if warm_python is not None:
-        out = warm_python(argv, cwd=REPO, env=ENV, timeout=timeout)
+        env = {**ENV, "DT_SUITE_FORK_WORKERS": "1"} if fork else ENV
+        out = warm_python(argv, cwd=REPO, env=env, timeout=timeout)
     else:
         out = subprocess.run([sys.executable, *argv], cwd=REPO, env=ENV, capture_output=True, text=True,
                              timeout=timeout)

@@ -305,3 +305,43 @@ def test_a_world_past_its_timeout_is_stopped_with_every_process_it_started(tmp_p
     else:
         raise AssertionError(f"the launcher's child {pid} is still running")
     assert _run_group([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), timeout=10) == 3
+
+
+@pytest.mark.timeout(90)
+def test_a_forked_world_past_its_timeout_is_stopped_with_every_rank(tmp_path, warm_python):
+    """`suite._fork_group` (how the tests' smoke runs start a world: its ranks forked from the orchestrator,
+    DT_SUITE_FORK_WORKERS=1): ranks that hang past the timeout, ignoring TERM, are stopped with their
+    launcher; a rank that fails stops the others and fails the world with its exit code."""
+    import time
+
+    script = (f"import os, signal, sys, time\n"
+              f"sys.path.insert(0, {str(REPO / 'benchmarks')!r})\n"
+              f"import suite\n"
+              f"def hang(args):\n"
+              f"    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              f"    open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+              f"    time.sleep(300)\n"
+              f"def fail(args):\n"
+              f"    if os.environ['RANK'] == '1':\n"
+              f"        raise SystemExit(3)\n"
+              f"    time.sleep(300)\n"
+              f"cmd = [sys.executable, str(suite.HERE / 'suite.py'), '--worker', '--smoke']\n"
+              f"suite.worker = hang\n"
+              f"t0 = time.monotonic()\n"
+              f"assert suite._fork_group(cmd, 2, dict(os.environ), timeout=3) == 'timeout'\n"
+              f"assert time.monotonic() - t0 < 20, time.monotonic() - t0\n"
+              f"suite.worker = fail\n"
+              f"t0 = time.monotonic()\n"
+              f"assert suite._fork_group(cmd, 2, dict(os.environ), timeout=60) == 3\n"
+              f"assert time.monotonic() - t0 < 20, time.monotonic() - t0\n")
+    out = warm_python(["-c", script], cwd=REPO, env=ENV, timeout=80)
+    assert out.returncode == 0, out.stdout + out.stderr
+    pids = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+    for _ in range(50):  # killed; reaped by init, then gone from the process table (or a zombie till then)
+        alive = [pid for pid in pids if Path(f"/proc/{pid}/stat").is_file()
+                 and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
+        if not alive:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the hung ranks {alive} are still running")

@@ -98,8 +98,10 @@ def test_pipeline_phase_at_world_4_with_data_parallel_pipelines_balanced_by_time
 def test_pipeline_phase_balances_half_blocks_by_measured_time(tmp_path, warm_python):
     """``--variants halves_time``: the chain cut at half blocks (embed, block.i.a, block.i.m, ..., head), each
     layer timed on the device, and every run cut by those times; ours and torch's reach the same loss."""
+    # fork=False: this world job is started as a GPU run starts it (torchrun, fresh workers), so that the
+    # suite's own launch stays covered; the other suite runs fork their ranks (cheaper, same phases).
     results = _suite(tmp_path, "--phases", "pipeline", "--worlds", "2", "--variants", "pp,halves_time", timeout=280,
-                     warm_python=warm_python)
+                     warm_python=warm_python, fork=False)
     pipe = results["phases"]["pipeline"]["worlds"]["2"]
     assert pipe["status"] == "ok" and pipe["balances"] == ["halves_time"], pipe.get("reason")
     costs = pipe["layer_costs"]["halves_time"]
