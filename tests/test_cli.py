@@ -189,7 +189,7 @@ def choice_jobs(tmp_path_factory, warm_python):
         path = tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
         argvs.append([str(path)])
-    code, said, out = _dtrain_jobs(warm_python, tmp, argvs)
+    code, said, out = _dtrain_jobs(warm_python, tmp, argvs, timeout=240)  # within the tests' 300 s
     return dict(zip(CHOICE_JOBS, said)), code, out, tmp
 
 
