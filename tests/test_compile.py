@@ -361,7 +361,8 @@ PARTS = {"order": compile_worker, "wrappers": wrappers_worker, "trainer": traine
 def _parts_of(item) -> list[tuple]:
     params = getattr(getattr(item, "callspec", None), "params", {})
     return {"test_torch_compile_in_either_order_matches_eager": [("order", "compile(ddp)"), ("order", "ddp(compile)")],
-            "test_every_compile_order_trains_as_eager_and_as_one_process": [("wrappers", params.get("kind"), "aot_eager")],
+            "test_every_compile_order_trains_as_eager_and_as_one_process":
+                [("wrappers", params.get("kind"), "aot_eager")],
             "test_trainer_compiles_under_every_strategy": [("trainer", params.get("strategy"), "aot_eager")],
             "test_inductor_compile_of_fsdp_matches_eager": [("inductor", "fsdp")] if CXX else [],
             }.get(getattr(item, "originalname", item.name), [])

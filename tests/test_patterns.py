@@ -12,12 +12,13 @@ from distributed_training.strategies.fsdp import make_hybrid_groups
 from distributed_training.testing import run_distributed
 
 # Each world's parts (the workers of the selected tests at that world size) run in one job, `world_job`
-# at the end: a job per test made 15 launches of 2-5 processes and their process groups. Its limit is the sum of
-# its parts' former limits (a hang stays a failure); the tests wait for it within pytest's own limit,
-# raised to past that.
+# at the end: a job per test made 15 launches of 2-5 processes and their process groups. Its limit is
+# the sum of its parts' former limits, at most 600 s (world 4's six parts take ~15 s on 2 loaded
+# cores): a hang stays a failure; the tests wait for it within pytest's own limit, raised past that.
 LIMITS = {"patterns_worker": 120, "sums_worker": 180, "lanes_worker": 120, "subgroup_worker": 120,
           "hierarchical_worker": 120, "flat_path_worker": 60, "bad_knobs_worker": 60}
-waits_for_its_world = pytest.mark.timeout(sum(LIMITS.values()) + 60)
+JOB_LIMIT = 600
+waits_for_its_world = pytest.mark.timeout(JOB_LIMIT + 60)
 
 LENGTHS = [1, 2, 7, 1000, 12347]
 DTYPES = [torch.float32, torch.float64, torch.int64]
@@ -315,7 +316,7 @@ def world_job(request):
         if world not in done:
             try:
                 per_rank = run_distributed(world_job_worker, world, args=(parts[world],),
-                                           timeout=sum(LIMITS[n] for n, _ in parts[world]))
+                                           timeout=min(JOB_LIMIT, sum(LIMITS[n] for n, _ in parts[world])))
                 done[world] = {part: [r[i] for r in per_rank] for i, part in enumerate(parts[world])}
             except Exception as err:
                 done[world] = err
