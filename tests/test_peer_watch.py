@@ -73,9 +73,9 @@ def _killed_at(directory):
 # ------------------------------------------------------------------ the slow scenarios, run side by side
 # The four scenarios below mostly wait (a heartbeat timeout, exit_after, slow steps, a rank left alone): each
 # runs exactly as it would alone, on processes and a process group of its own (run_distributed: its own
-# file:// store), but all are started together when the first of their tests asks, in threads of this
-# process, and each test waits for its own one and checks it. Alone, one after the other, they took ~35 s
-# of waiting; side by side, the longest one's ~13 s. Only the scenarios of the tests selected are run.
+# file:// store), but three are started together when the first of their tests asks, in threads of this
+# process (the frozen rank's one runs alone before them: ALONE), and each test waits for its own one and
+# checks it. One after the other they took ~35 s of waiting; so, ~20 s. Only the selected tests' scenarios run.
 class _Scenario(threading.Thread):
     def __init__(self, fn, directory):
         super().__init__(name=f"scenario-{fn.__name__}", daemon=True)
@@ -102,13 +102,16 @@ class _Scenario(threading.Thread):
 
 @pytest.fixture(scope="module")
 def scenarios(request, tmp_path_factory):
-    """{test name: its scenario's thread}, started together at the first request."""
+    """{test name: its scenario's thread}, started together at the first request; the frozen rank's one first
+    and alone (see ALONE)."""
     wanted = {item.originalname for item in request.session.items if item.module is request.module}
     started = {}
-    for name, fn in SCENARIOS.items():
+    for name, fn in sorted(SCENARIOS.items(), key=lambda kv: kv[0] not in ALONE):
         if name in wanted:
             started[name] = _Scenario(fn, str(tmp_path_factory.mktemp(name[5:40])))
             started[name].start()
+            if name in ALONE:
+                started[name].join(120)
     yield started
     for thread in started.values():
         thread.join(120)
@@ -266,6 +269,11 @@ def test_a_vanished_peer_never_ends_a_rank_outside_the_trainers_work(scenarios):
     assert scenarios["test_a_vanished_peer_never_ends_a_rank_outside_the_trainers_work"].result() == [1, None]
 
 
+# The frozen rank's scenario has a race of its own (known before these ran side by side): the survivor that
+# exits first (75) can break the other's blocked collective, which then raises PeerFailureError instead of
+# being exited. Side by side with the others it lost that race far more often (4 of 6 runs of this file, against
+# none of 3 alone), so it runs alone, before the others start.
+ALONE = {"test_frozen_rank_makes_blocked_survivors_exit_for_a_restart"}
 SCENARIOS = {"test_sigkilled_rank_is_named_by_every_survivor_within_seconds": _sigkilled,
              "test_frozen_rank_makes_blocked_survivors_exit_for_a_restart": _frozen,
              "test_slow_step_and_early_leaver_are_not_deaths": _slow_step,
