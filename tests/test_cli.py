@@ -45,27 +45,8 @@ def _dtrain_on_two_ranks(warm_torchrun, tmp_path, config: dict):
     return _torchrun(warm_torchrun, "distributed_training", [str(path)], module=True)
 
 
-# Several dtrain jobs one after another in one torchrun launch (its workers' ~3 s of imports each paid
-# once): each job is `dtrain ARGV` as `cli.main` runs it, its process group made through torchrun's store
-# and destroyed at its end (test_a_second_trainer_after_close_under_torchrun_does_not_hang); rank 0 marks
-# on stdout and stderr where each job's output starts. The first job that fails ends the launch with its status.
-DTRAIN_JOBS = """
-import json, logging, os, sys
-from distributed_training import cli
-code = 0
-for i, argv in enumerate(json.loads(sys.argv[1])):
-    if os.environ.get("RANK", "0") == "0":
-        for stream in (sys.stdout, sys.stderr):
-            stream.write(f"==== dtrain job {i}\\n")
-            stream.flush()
-    code = cli.main(argv)
-    if code:
-        break
-logging.shutdown()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
-"""
+# Several dtrain jobs one after another in one torchrun launch (tests/jobs/dtrain_jobs.py says how).
+DTRAIN_JOBS = (Path(__file__).parent / "jobs" / "dtrain_jobs.py").read_text()
 
 
 def _dtrain_jobs(warm_python, tmp_path, jobs, timeout=300):

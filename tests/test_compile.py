@@ -13,6 +13,7 @@ from distributed_training import DDP
 from distributed_training.testing import run_distributed
 
 from _models import ConvBN
+from _once import run_once
 
 # The compiled tests' parts run in one job (`compiled_job`, at the end). Its limit: a hang is a failure
 # after it (all the parts: ~145 s in CI's last run as nine jobs; 203 s as one on 2 cores at a load of
@@ -388,18 +389,9 @@ def compiled_job(request):
     job that ran the parts of the module's selected tests."""
     parts = list(dict.fromkeys(p for item in request.session.items if item.module is request.module
                                for p in _parts_of(item)))
-    results, failed = {}, []
 
-    def get(part):
-        if failed:  # once: the tests after the first see its error, not a second run
-            raise failed[0]
-        if not results:
-            try:
-                per_rank = run_distributed(compiled_job_worker, 2, args=(parts,), timeout=JOB_TIMEOUT)
-            except Exception as err:
-                failed.append(err)
-                raise
-            results.update({p: [r[i] for r in per_rank] for i, p in enumerate(parts)})
-        return results[part]
+    def launch():
+        per_rank = run_distributed(compiled_job_worker, 2, args=(parts,), timeout=JOB_TIMEOUT)
+        return {p: [r[i] for r in per_rank] for i, p in enumerate(parts)}
 
-    return get
+    return run_once(launch)

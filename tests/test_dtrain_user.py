@@ -215,25 +215,9 @@ def _initial(kind, root):
 
 
 TWO_RANK_JOBS = [("map", "zero3"), ("iterable", "ddp")]
-# The dtrain jobs one after another in one torchrun launch (its workers' ~3 s of imports paid once): each
-# is `dtrain CONFIG` as `cli.main` runs it, with its own process group (made through torchrun's store,
-# destroyed at the job's end); rank 0 marks on stderr where each job's output starts.
-DTRAIN_JOBS = """
-import json, logging, os, sys
-from distributed_training import cli
-code = 0
-for i, argv in enumerate(json.loads(sys.argv[1])):
-    if os.environ.get("RANK", "0") == "0":
-        sys.stderr.write(f"==== dtrain job {i}\\n")
-        sys.stderr.flush()
-    code = cli.main(argv)
-    if code:
-        break
-logging.shutdown()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
-"""
+# The dtrain jobs one after another in one torchrun launch (tests/jobs/dtrain_jobs.py; rank 0 marks where
+# each job's output starts on stdout and on stderr: the tests read stderr).
+DTRAIN_JOBS = (Path(__file__).parent / "jobs" / "dtrain_jobs.py").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from distributed_training import DistributedTrainer
 from distributed_training.models import GPT, GPTConfig
 from distributed_training.testing import run_distributed
 
+from _once import run_once
 from _pipeline import train_against_reference
 
 TOL = 1e-5
@@ -209,21 +210,12 @@ def compiled_parity(request):
     name = "test_compiled_tensor_parallel_model_matches_one_process"
     variants = [item.callspec.params["sequence_parallel"] for item in request.session.items
                 if item.module is request.module and getattr(item, "originalname", None) == name]
-    done, failed = {}, []
 
-    def get(sequence_parallel):
-        if failed:  # the second test sees the first's error, not a second run
-            raise failed[0]
-        if not done:
-            try:
-                per_rank = run_distributed(compiled_parity_worker, 2, args=(variants,), timeout=240 * len(variants))
-            except Exception as err:
-                failed.append(err)
-                raise
-            done.update({v: [r[i] for r in per_rank] for i, v in enumerate(variants)})
-        return done[sequence_parallel]
+    def launch():
+        per_rank = run_distributed(compiled_parity_worker, 2, args=(variants,), timeout=240 * len(variants))
+        return {v: [r[i] for r in per_rank] for i, v in enumerate(variants)}
 
-    return get
+    return run_once(launch)
 
 
 @pytest.mark.timeout(540)  # the first waits for both variants' job
