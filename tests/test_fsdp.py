@@ -13,6 +13,7 @@ from distributed_training import FSDP, MixedPrecision
 from distributed_training.testing import run_distributed
 
 from _models import MLP, tiny_gpt
+from _once import once_per_key
 
 TOL = 1e-5
 STEPS = 4
@@ -169,19 +170,7 @@ def fsdp_cases_worker(rank, world, cases):
 def parity_results():
     """``parity_results(world)``: rank 0's (worst difference, unit names) per case of CASES at that world
     size, from one launch of all the cases (made on first use; a failed launch fails each of its tests)."""
-    launched: dict[int, list | BaseException] = {}
-
-    def get(world):
-        if world not in launched:
-            try:
-                launched[world] = run_distributed(fsdp_cases_worker, world, args=(CASES,), timeout=240)[0]
-            except Exception as err:  # noqa: BLE001 - re-raised by every test of this world
-                launched[world] = err
-        if isinstance(launched[world], BaseException):
-            raise launched[world]
-        return launched[world]
-
-    return get
+    return once_per_key(lambda world: run_distributed(fsdp_cases_worker, world, args=(CASES,), timeout=240)[0])
 
 
 @pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])

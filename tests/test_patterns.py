@@ -11,6 +11,8 @@ from distributed_training.comm.patterns import hierarchical_all_reduce, ring_all
 from distributed_training.strategies.fsdp import make_hybrid_groups
 from distributed_training.testing import run_distributed
 
+from _once import once_per_key
+
 # Each world's parts (the workers of the selected tests at that world size) run in one job, `world_job`
 # at the end: a job per test made 15 launches of 2-5 processes and their process groups. Its limit is
 # the sum of its parts' former limits, at most 600 s (world 4's six parts take ~15 s on 2 loaded
@@ -310,18 +312,10 @@ def world_job(request):
         part = _part_of(item) if item.module is request.module else None
         if part is not None and (part[1], part[2]) not in parts.setdefault(part[0], []):
             parts[part[0]].append((part[1], part[2]))
-    done: dict[int, object] = {}
+    def launch(world):
+        per_rank = run_distributed(world_job_worker, world, args=(parts[world],),
+                                   timeout=min(JOB_LIMIT, sum(LIMITS[n] for n, _ in parts[world])))
+        return {part: [r[i] for r in per_rank] for i, part in enumerate(parts[world])}
 
-    def get(world, name, *args):
-        if world not in done:
-            try:
-                per_rank = run_distributed(world_job_worker, world, args=(parts[world],),
-                                           timeout=min(JOB_LIMIT, sum(LIMITS[n] for n, _ in parts[world])))
-                done[world] = {part: [r[i] for r in per_rank] for i, part in enumerate(parts[world])}
-            except Exception as err:
-                done[world] = err
-        if isinstance(done[world], Exception):
-            raise done[world]
-        return done[world][(name, tuple(args))]
-
-    return get
+    job = once_per_key(launch)
+    return lambda world, name, *args: job(world)[(name, tuple(args))]

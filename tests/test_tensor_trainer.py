@@ -19,7 +19,7 @@ from distributed_training import DistributedTrainer
 from distributed_training.models import GPT, GPTConfig
 from distributed_training.testing import run_distributed
 
-from _once import run_once
+from _once import once_per_key, run_once
 from _pipeline import train_against_reference
 
 TOL = 1e-5
@@ -149,21 +149,13 @@ def parity_job(request):
         found = _parity_args(item) if item.module is request.module else None
         if found is not None and found[1] not in runs.setdefault(found[0], []):
             runs[found[0]].append(found[1])
-    done: dict[int, object] = {}
+    def launch(world):
+        per_rank = run_distributed(parity_job_worker, world, args=(runs[world],),
+                                   timeout=min(JOB_LIMIT, PARITY_LIMIT * len(runs[world])))
+        return {run: [r[i] for r in per_rank] for i, run in enumerate(runs[world])}
 
-    def get(world, *args):
-        if world not in done:
-            try:
-                per_rank = run_distributed(parity_job_worker, world, args=(runs[world],),
-                                           timeout=min(JOB_LIMIT, PARITY_LIMIT * len(runs[world])))
-                done[world] = {run: [r[i] for r in per_rank] for i, run in enumerate(runs[world])}
-            except Exception as err:
-                done[world] = err
-        if isinstance(done[world], Exception):
-            raise done[world]
-        return done[world][args]
-
-    return get
+    job = once_per_key(launch)
+    return lambda world, *args: job(world)[args]
 
 
 @pytest.mark.parametrize("kind, world, tp, strategy, sequence_parallel, clip, optimizer", [
