@@ -475,15 +475,15 @@ class StageGraphs:
             if not self.dirty[chunk]:
                 continue
             params = dict(module.named_parameters())
+            pairs = [(params[name], acc) for name, acc in self.accumulators[chunk].items()]
             with torch.no_grad():
-                for name, acc in self.accumulators[chunk].items():
-                    p = params[name]
+                added = [(p.grad, acc) for p, acc in pairs if p.grad is not None]
+                if added:  # one multi-tensor add over the chunk, not a kernel launch per parameter
+                    torch._foreach_add_([g for g, _ in added], [acc for _, acc in added])
+                for p, acc in pairs:
                     if p.grad is None:
                         p.grad = acc.clone()
-                    else:
-                        p.grad.add_(acc)
-                    acc.zero_()
-            self.dirty[chunk] = False
+            self._zero_accumulators(chunk)
 
     def reset(self) -> None:
         """Every slot free and nothing accumulated (after a step, also a failed one: its partial sums go)."""
@@ -492,9 +492,14 @@ class StageGraphs:
                 slot.busy = False
         for chunk, dirty in enumerate(self.dirty):
             if dirty:
-                for acc in self.accumulators[chunk].values():
-                    acc.zero_()
-                self.dirty[chunk] = False
+                self._zero_accumulators(chunk)
+
+    def _zero_accumulators(self, chunk: int) -> None:
+        accumulators = list(self.accumulators[chunk].values())
+        if accumulators:  # (the multi-tensor ops refuse an empty list)
+            with torch.no_grad():
+                torch._foreach_zero_(accumulators)
+        self.dirty[chunk] = False
 
     def clear(self) -> None:
         """Drop every captured graph, its memory pool (freed once nothing else holds it), the gradient
