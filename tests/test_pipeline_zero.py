@@ -99,6 +99,44 @@ def test_zero_inside_stages_matches_one_process(kind, strategy, schedule, microb
             assert any(want > clip for _, want in norms), "the clip threshold must actually clip"
 
 
+# Rows of each replica's batch, step by step: one replica's batch shorter than the microbatches (4) while
+# the other's is not, then both full, then the other way round.
+UNEVEN_ROWS = [(2, 14), (8, 8), (13, 3)]
+
+
+def uneven_replicas_worker(rank, world, schedule):
+    """ZeRO-3 at P=2 x DP=2 with replicas whose batches differ in rows (as `fit` gives them at an epoch's
+    end): the replicas must run as many microbatches as each other, since ZeRO-3 gathers each stage's
+    parameters over the data group in every microbatch; one process on the whole batch is the reference."""
+    base = _model("mlp")
+    reference = copy.deepcopy(base)
+    ref_opt = _sgd(reference.parameters())
+    trainer = DistributedTrainer(copy.deepcopy(base), _sgd, strategy="zero3", pipeline_parallel_size=2,
+                                 pipeline_schedule=schedule, microbatches=4, progress=False)
+    worst, losses = [], []
+    for step, counts in enumerate(UNEVEN_ROWS):
+        x, y = _batch("mlp", step, sum(counts))
+        first = sum(counts[:trainer.dp_rank])
+        diff, loss, _ = step_against_reference(trainer, reference, ref_opt, x, y,
+                                               slice(first, first + counts[trainer.dp_rank]), "mlp", None, rank)
+        worst += [diff] if diff is not None else []
+        losses.append(loss)
+    trainer.close()
+    return worst, losses
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_zero3_replicas_with_uneven_batches_match_one_process(schedule):
+    """Was a hang (or gloo's "collective mismatch" abort): the short replica ran fewer microbatches,
+    so fewer gathers, than the other."""
+    results = run_distributed(uneven_replicas_worker, 4, args=(schedule,), timeout=120)
+    worst = results[0][0]
+    assert len(worst) == len(UNEVEN_ROWS) and max(worst) <= TOL, f"parameters differ from one process by {worst}"
+    for rank, (_, losses) in enumerate(results):
+        for got, want in losses:
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, losses)
+
+
 # ------------------------------------------------------------------ checkpoints
 ROWS = 8
 

@@ -26,6 +26,7 @@ from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..batches import tensors_of
@@ -79,6 +80,13 @@ def _shapes_of(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(_shapes_of(v) for v in value)
     return type(value).__name__
+
+
+def _fewest_rows(rows: int, group, device: torch.device) -> int:
+    """The fewest rows of any rank's batch in `group` (every rank of it calls this)."""
+    fewest = torch.tensor([rows], dtype=torch.int64, device=device)
+    dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=group)
+    return int(fewest.item())
 
 
 def _rows(value: Any) -> int:
@@ -169,6 +177,9 @@ class PipelineEngine:
         #: whose batches keep different numbers of targets weigh their losses by them (`replica_scale`).
         self.data_group = None
         self.data_size = 1
+        #: Whether the replicas must run as many microbatches as each other (the trainer sets it where the
+        #: data-parallel strategy gathers the stage's parameters in each microbatch's forward: FSDP / ZeRO-3).
+        self.lockstep_replicas = False
 
     def _forward(self, chunk: int, stage: int, x: Any, mb: int = 0) -> Any:
         if stage > 0 and self._copy_input[chunk] and isinstance(x, torch.Tensor) and x.requires_grad:
@@ -210,6 +221,11 @@ class PipelineEngine:
         # runs the largest such multiple (microbatches of one or two samples), and refuses a batch of
         # fewer samples than ranks with the pipeline still usable.
         total = _rows(inputs)
+        if self.lockstep_replicas and self.data_size > 1:
+            # FSDP's per-microbatch gathers pair up over the data-parallel group only if every replica
+            # runs as many microbatches: a replica's short batch shortens the others' schedules too
+            # (their rows spread over fewer microbatches; the loss weights stay each row's share).
+            total = _fewest_rows(total, self.data_group, self.device)
         m = self.microbatches if total >= self.microbatches else total
         if m < self.microbatches and self.schedule == "interleaved_1f1b" and m >= self.pipe_size:
             m -= m % self.pipe_size
@@ -238,7 +254,10 @@ class PipelineEngine:
             try:
                 actions = build_schedule(self.schedule, self.pipe_size, microbatches, chunks=len(self.chunks))
             except ValueError as err:
-                raise ValueError(f"a batch of {microbatches} samples is smaller than microbatches={self.microbatches} "
+                lockstep = self.lockstep_replicas and self.data_size > 1
+                whose = " (the fewest of any data-parallel replica's)" if lockstep else ""
+                raise ValueError(f"a batch of {microbatches} samples{whose} is smaller than "
+                                 f"microbatches={self.microbatches} "
                                  f"and schedule {self.schedule!r} cannot run it in {microbatches} ({err}): give "
                                  "batches of at least `microbatches` samples (fit(drop_last=True))") from err
             self._short_schedules[microbatches] = actions[self.rank]

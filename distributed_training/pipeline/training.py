@@ -245,6 +245,7 @@ class PipelineStrategy(PipelineState, Strategy):
                                      device=self.device, after_backward=self._after_backward,
                                      cuda_graphs=opts.cuda_graphs)
         self.engine.data_group, self.engine.data_size = mesh.group("data"), mesh.dp_size
+        self.engine.lockstep_replicas = self.inner.collective_forward
         self._loss_fn: Callable | None = None
         self._default_loss = lm_loss if isinstance(module, GPT) else None
         return wrapped
