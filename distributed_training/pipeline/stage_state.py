@@ -68,7 +68,8 @@ class PipelineState:
         several pipeline ranks only the lowest rank's pieces are written (the copies and their
         optimizer states are equal: their gradients are summed before every step); on loading, every
         copy reads them."""
-        inner = self.inner.state_layout(model, optimizer)
+        # (a rank without parameters: its optimizer's only tensor is a placeholder, nothing to save)
+        inner = self.inner.state_layout(model, None if getattr(self, "_placeholder", None) is not None else optimizer)
         skip = frozenset(self._model_name[name] for name in self._not_counted)
 
         def renamed(holding: Holding) -> Holding:

@@ -332,6 +332,16 @@ class PipelineStrategy(PipelineState, Strategy):
             raise TypeError(f"with pipeline_parallel_size={self.options.size} the optimizer is built over this "
                             "rank's stages only: pass a callable that takes parameters (e.g. lambda params: "
                             f"torch.optim.AdamW(params, lr=3e-4)), not {type(optimizer).__name__}")
+        if next(iter(model.parameters()), None) is None:
+            # This rank's stages hold no parameter (only layers like ReLU or Flatten: a model may leave no
+            # other cut at this many stages). Its optimizer is still the factory's, over one empty
+            # placeholder, so the hyperparameters and an lr schedule are there as on the other ranks;
+            # its steps change nothing, and the checkpoints hold no optimizer state of this rank.
+            self._placeholder = nn.Parameter(torch.zeros(0, device=self.device))
+            built = optimizer([self._placeholder])
+            if not isinstance(built, torch.optim.Optimizer):
+                raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+            return built
         return self.inner.setup_optimizer(optimizer, model)
 
     # ------------------------------------------------------------------ a step

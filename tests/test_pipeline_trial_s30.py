@@ -1,0 +1,80 @@
+"""Defects a new user's trial of the pipeline found (session 30), each tested where it was fixed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed_training import DistributedTrainer
+from distributed_training.testing import run_distributed
+
+from _pipeline import step_against_reference
+
+TOL = 1e-5
+
+
+def _paramless_first_stage_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def paramless_stage_worker(rank, world, strategy, directory):
+    """Stage 0 is the Flatten alone (cut at "1"): its ranks hold no parameter. Three steps with
+    clipping and an lr schedule against one process on the whole batch, then a checkpoint saved and
+    loaded by a fresh trainer of the same shape."""
+    base = _paramless_first_stage_model()
+    reference = copy.deepcopy(base)
+    ref_opt = _sgd(reference.parameters())
+    ref_schedule = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+
+    def trainer_of(model):
+        return DistributedTrainer(model, _sgd, strategy=strategy, pipeline_parallel_size=2, microbatches=2,
+                                  pipeline_split_points=["1"], gradient_clip_val=0.5, progress=False,
+                                  lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+
+    trainer = trainer_of(copy.deepcopy(base))
+    per = 8 // trainer.dp_world_size
+    rows = slice(trainer.dp_rank * per, (trainer.dp_rank + 1) * per)
+    worst, losses, norms, rates = [], [], [], []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, 4, generator=g), torch.randn(8, 4, generator=g)
+        diff, loss, norm = step_against_reference(trainer, reference, ref_opt, x, y, rows, "mlp", 0.5, rank)
+        ref_schedule.step()
+        worst += [diff] if diff is not None else []
+        losses.append(loss)
+        norms.append(norm)
+        rates.append((trainer.optimizer.param_groups[0]["lr"], ref_opt.param_groups[0]["lr"]))
+    trainer.save_checkpoint(directory)
+    state = trainer.full_state_dict()
+    trainer.close()
+    again = trainer_of(_paramless_first_stage_model())
+    again.load_checkpoint(directory)
+    loaded = again.full_state_dict()
+    again.close()
+    same = rank != 0 or all(torch.equal(loaded[k], v) for k, v in state.items())
+    return worst, losses, norms, rates, same
+
+
+@pytest.mark.parametrize("strategy, world", [("ddp", 2), ("zero1", 4), ("zero3", 4)])
+def test_a_stage_without_parameters_trains_like_one_process(strategy, world, tmp_path):
+    """The trainer failed to build: the factory was given an empty list ("optimizer got an empty parameter
+    list" on that rank, a lost peer on the others). `Sequential(Linear, ReLU, Linear, ReLU, Linear)` at 4
+    stages has no cut without such a stage."""
+    results = run_distributed(paramless_stage_worker, world, args=(strategy, str(tmp_path / "ckpt")), timeout=120)
+    worst = results[0][0]
+    assert len(worst) == 3 and max(worst) <= TOL, f"parameters differ from one process by {worst}"
+    for rank, (_, losses, norms, rates, same) in enumerate(results):
+        for got, want in losses + norms:
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, losses, norms)
+        assert any(want > 0.5 for _, want in norms), "the clip threshold must actually clip"
+        assert all(got == want for got, want in rates), (rank, rates)  # the schedule stepped on every rank
+        assert same, "the checkpoint loaded back differs"
