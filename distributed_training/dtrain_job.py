@@ -344,14 +344,17 @@ def _check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
 
 
 def _short_last_batch(trainer, train, batch_size: int) -> bool:
-    """Whether an epoch ends with a batch too small for the pipeline's microbatches (fewer samples than
-    microbatches): then that batch is left out (``fit(drop_last=True)``), as the pipeline cannot cut it."""
+    """Whether an epoch ends with a batch the pipeline cannot run (`smallest_batch`: interleaved needs a
+    sample per pipeline rank; other schedules run a short batch in fewer microbatches): then that batch is
+    left out (``fit(drop_last=True)``), where fit would refuse it."""
     from .data import ShardedSampler
 
     last = len(ShardedSampler(train, trainer.dp_world_size, 0)) % batch_size
-    if 0 < last < trainer.config["microbatches"]:
-        log.info("dtrain: each epoch's last batch (%d samples) is too small for training.microbatches=%d: "
-                 "left out", last, trainer.config["microbatches"])
+    smallest = trainer.strategy.smallest_batch()
+    if 0 < last < smallest:
+        log.info("dtrain: each epoch's last batch (%d samples) is too small for training.pipeline_schedule=%r, "
+                 "which needs at least %d (one a pipeline rank): left out", last,
+                 trainer.config["pipeline_schedule"], smallest)
         return True
     return False
 

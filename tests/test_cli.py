@@ -591,18 +591,29 @@ def test_what_the_trainer_refuses_with_a_pipeline_is_said_as_config_fields(monke
         cli.run_job(cfg)
 
 
-def test_an_epochs_last_batch_too_small_for_the_microbatches_is_left_out():
+def test_an_epochs_last_batch_is_left_out_only_where_the_schedule_cannot_run_it():
+    """A short last batch runs in fewer microbatches (left out until session 30, when it had fewer samples
+    than microbatches); only interleaved needs a sample per pipeline rank."""
     from types import SimpleNamespace
 
     from distributed_training.dtrain_job import _epochs_for, _short_last_batch
+    from distributed_training.pipeline.options import PipelineOptions
+    from distributed_training.pipeline.training import PipelineStrategy
+    from distributed_training.strategies import DDPStrategy
 
-    trainer = SimpleNamespace(dp_world_size=2, config={"microbatches": 4})
-    assert _short_last_batch(trainer, list(range(36)), 16)       # 18 a replica: a last batch of 2
-    assert not _short_last_batch(trainer, list(range(40)), 16)   # 20: a last batch of 4, one a microbatch
-    assert not _short_last_batch(trainer, list(range(64)), 16)   # 32: no short batch
+    def trainer(schedule):
+        strategy = PipelineStrategy(DDPStrategy(), PipelineOptions(size=4, schedule=schedule, microbatches=8))
+        return SimpleNamespace(dp_world_size=2, strategy=strategy, config={"pipeline_schedule": schedule})
+
+    for schedule in ("1f1b", "gpipe", "zbh1"):
+        assert not _short_last_batch(trainer(schedule), list(range(34)), 16)  # 17 a replica: a last batch of 1
+    interleaved = trainer("interleaved_1f1b")
+    assert _short_last_batch(interleaved, list(range(38)), 16)       # 19: a last batch of 3, fewer than 4 ranks
+    assert not _short_last_batch(interleaved, list(range(40)), 16)   # 20: a last batch of 4, one a rank
+    assert not _short_last_batch(interleaved, list(range(64)), 16)   # 32: no short batch
     # max_steps=3 with 1 full batch an epoch (the short one left out) needs 3 epochs, not 2.
-    assert _epochs_for(1, 3, list(range(36)), 16, 2, drop_last=True) == 3
-    assert _epochs_for(1, 3, list(range(36)), 16, 2) == 2
+    assert _epochs_for(1, 3, list(range(38)), 16, 2, drop_last=True) == 3
+    assert _epochs_for(1, 3, list(range(38)), 16, 2) == 2
 
 
 def test_pipeline_balance_time_times_one_microbatch_of_the_jobs_inputs(monkeypatch):
