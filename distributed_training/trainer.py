@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -299,6 +300,10 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
                                    half_blocks=pipeline_half_blocks, cuda_graphs=pipeline_cuda_graphs,
                                    compile_loss=pipeline_compile_loss)
         tensor = TensorOptions(tensor_parallel_size, tensor_parallel_plan, sequence_parallel)
+        if not pipeline.enabled and microbatches not in (None, 1):
+            warnings.warn(f"microbatches={microbatches} does nothing without a pipeline (pipeline_parallel_size=1): "
+                          "each batch runs whole; to accumulate gradients over smaller batches use "
+                          "gradient_accumulation_steps", stacklevel=2)
         if pipeline.enabled:
             if pipeline.cuda_graphs and activation_checkpointing is not None:
                 raise ValueError("pipeline_cuda_graphs=True does not combine with activation_checkpointing: a "

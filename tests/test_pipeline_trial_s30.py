@@ -78,3 +78,20 @@ def test_a_stage_without_parameters_trains_like_one_process(strategy, world, tmp
         assert any(want > 0.5 for _, want in norms), "the clip threshold must actually clip"
         assert all(got == want for got, want in rates), (rank, rates)  # the schedule stepped on every rank
         assert same, "the checkpoint loaded back differs"
+
+
+def microbatches_alone_worker(rank, world):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = DistributedTrainer(nn.Linear(4, 2), _sgd, microbatches=4, progress=False)
+        trainer.train_step((torch.randn(8, 4), torch.randn(8, 2)), F.mse_loss)
+        trainer.close()
+    return [str(w.message) for w in caught if "microbatches" in str(w.message)]
+
+
+def test_microbatches_without_a_pipeline_warn_that_they_do_nothing():
+    """`microbatches=4` at pipeline_parallel_size=1 was silently ignored (the batch ran whole)."""
+    said = run_distributed(microbatches_alone_worker, 1, timeout=60)[0]
+    assert len(said) == 1 and "gradient_accumulation_steps" in said[0], said
