@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from .runtime import DistributedContext
 
-__all__ = ["ShardedSampler", "agree_steps_per_epoch", "train_loader"]
+__all__ = ["MapDataset", "ShardedSampler", "agree_steps_per_epoch", "map_style", "train_loader"]
 
 
 class ShardedSampler(Sampler[int]):
@@ -145,6 +145,27 @@ def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: Dist
     return min(counts)
 
 
+class MapDataset(Dataset):
+    """A map-style dataset that is not a `torch.utils.data.Dataset` (a list of samples, a Hugging Face
+    ``datasets.Dataset``, a class of one's own with ``__getitem__`` and ``__len__``), wrapped so that
+    `fit` shards and batches it as `DataLoader` would take it, instead of reading its items as batches."""
+
+    def __init__(self, data) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+
+def map_style(data) -> bool:
+    """Whether `data` is a map-style collection of samples that is not a torch `Dataset` (`MapDataset`)."""
+    return (not isinstance(data, (Dataset, DataLoader, str, bytes, dict)) and hasattr(data, "__getitem__")
+            and hasattr(data, "__len__"))
+
+
 def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, drop_last: bool, num_workers: int,
                  seed: int, dp_rank: int | None = None, dp_world_size: int | None = None,
                  loader_batch_size: int | None = None):
@@ -167,6 +188,10 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
             num_workers=data.num_workers, pin_memory=data.pin_memory, drop_last=data.drop_last or drop_last,
         )
     if isinstance(data, IterableDataset) or not isinstance(data, Dataset):
+        if isinstance(batch_size, int):
+            warnings.warn(f"fit(batch_size={batch_size}) is not used: a {type(data).__name__} is iterated as given, "
+                          "each item one batch, on every rank as it is; for fit to shard and batch samples, pass a "
+                          "map-style dataset (a torch Dataset, or a list of samples)", UserWarning, stacklevel=3)
         return data
     if batch_size is None or batch_size < 1:
         raise ValueError(f"fit() on a Dataset needs batch_size >= 1, got {batch_size!r}")

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .batches import batch_size_of, token_count
 from .checkpoint_layout import replicate_checkpoint
-from .data import ShardedSampler, agree_steps_per_epoch, train_loader
+from .data import MapDataset, ShardedSampler, agree_steps_per_epoch, map_style, train_loader
 from .global_batch import GlobalBatch, plan_global_batch
 from .logs import get_logger
 from .stopping import StopSignals
@@ -65,7 +65,10 @@ class Fitting:
         A map-style `Dataset` (or a `DataLoader` over one) is sharded across ranks with
         `ShardedSampler`: each rank sees distinct samples, reshuffled every epoch, and every rank runs
         the same number of steps; a resumed epoch skips the samples already trained. Any other
-        iterable is used as given; ranks that run out of batches early stop everyone at the shortest
+        iterable is used as given, each item one batch (a list with `batch_size` is refused: samples
+        or batches? a list of samples goes in as ``MapDataset(samples)``; any other indexable
+        collection with a length, e.g. a Hugging Face ``datasets.Dataset``, is taken as samples when
+        a batch size is given); ranks that run out of batches early stop everyone at the shortest
         (one tiny all-reduce per step), so uneven inputs never hang the job.
         `on_step(step, metrics)` is called every `log_every` steps, and after the last step, with float
         metrics. Losses (in `on_step` and in the returned summaries) are this rank's own, not averaged
@@ -123,6 +126,17 @@ class Fitting:
             raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
         if not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every must be a positive integer, got {log_every!r}")
+        if map_style(data) and (batch_size is not None or global_batch_size is not None):
+            if isinstance(data, (list, tuple)):  # samples (as DataLoader reads it) or batches (as fit did)?
+                given = f"batch_size={batch_size}" if batch_size is not None else f"global_batch_size={global_batch_size}"
+                raise ValueError(
+                    f"fit({given}) with a {type(data).__name__}: is it a list of samples or of batches? Of "
+                    f"samples: pass MapDataset(samples) (distributed_training.data), which fit shards and batches "
+                    f"by {given.split('=')[0]}; of batches: leave out {given.split('=')[0]} (each item is then one "
+                    "batch, on every rank as it is)")
+            data = MapDataset(data)  # e.g. a Hugging Face datasets.Dataset: sharded and batched like a Dataset
+        if map_style(eval_dataset):
+            eval_dataset = MapDataset(eval_dataset)  # (evaluate takes a list of samples as it is)
         plan = None
         if global_batch_size is not None:
             self._check_global_batch_arguments(data, batch_size, micro_batch_size)

@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .config import ConfigError, JobConfig
+from .data import MapDataset, map_style
 
 __all__ = ["UserCodeError", "ShardedIterable", "add_import_dirs", "import_target", "uses_user_code", "build",
            "train_data", "val_data"]
@@ -149,20 +150,6 @@ def _callable(path: str, kwargs: dict, field: str, kwargs_field: str) -> Callabl
 
 
 # ------------------------------------------------------------------ datasets
-class _MapDataset(Dataset):
-    """A map-style dataset that is not a `torch.utils.data.Dataset` (a list, a user class with
-    ``__getitem__`` and ``__len__``): wrapped so `fit` shards it rather than reading it as batches."""
-
-    def __init__(self, data) -> None:
-        self.data = data
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, index):
-        return self.data[index]
-
-
 class _IterableDataset(IterableDataset):
     """Any iterable of samples, read once per epoch (``iter()`` each time)."""
 
@@ -194,8 +181,8 @@ def _dataset(made: Any, field: str, path: str) -> Dataset:
     """What a data factory returned, as a map-style `Dataset` or an `IterableDataset`."""
     if isinstance(made, IterableDataset) or (isinstance(made, Dataset) and hasattr(made, "__len__")):
         return made
-    if hasattr(made, "__getitem__") and hasattr(made, "__len__"):
-        return _MapDataset(made)
+    if map_style(made):
+        return MapDataset(made)
     if hasattr(made, "__iter__") and not isinstance(made, (str, bytes, dict)):
         return _IterableDataset(made)
     raise UserCodeError(f"{field}: {path} returned a {type(made).__name__}, not a dataset: a map-style one "
@@ -280,7 +267,7 @@ def _datasets(cfg: JobConfig) -> tuple[Dataset, Any]:
         field = "data.val_target" if d.val_target else "data.target"
         val = _dataset(_call(path, d.val_kwargs or {}, field, "data.val_kwargs"), field, path)
         if is_iterable(val):  # evaluate() shards by index: a validation stream is read into memory once
-            val = _MapDataset(list(val))
+            val = MapDataset(list(val))
         return train, val
     if is_iterable(train) or d.val_fraction == 0:
         return train, []

@@ -188,22 +188,24 @@ def _bad_arguments(rank, world):
             trainer.fit(Indexed(), criterion=F.mse_loss, **kwargs)
         except ValueError as err:
             errors.append(str(err))
-    try:
-        trainer.fit([(torch.randn(2, 4), torch.randn(2, 2))], criterion=F.mse_loss, global_batch_size=4)
-    except ValueError as err:
-        errors.append(str(err))
+    for batches in ([(torch.randn(2, 4), torch.randn(2, 2))], iter([(torch.randn(2, 4), torch.randn(2, 2))])):
+        try:
+            trainer.fit(batches, criterion=F.mse_loss, global_batch_size=4)
+        except ValueError as err:
+            errors.append(str(err))
     trainer.close()
     return errors
 
 
 def test_bad_arguments_name_the_parameter():
     errors = run_distributed(_bad_arguments, 1, timeout=120)[0]
-    assert len(errors) == 5
+    assert len(errors) == 6
     assert "batch_size=2" in errors[0] and "global_batch_size" in errors[0]
     assert "micro_batch_size=...) needs global_batch_size" in errors[1]
     assert "micro_batch_size must be a positive integer" in errors[2]
     assert "global_batch_size must be a positive integer" in errors[3]
-    assert "needs a map-style Dataset" in errors[4]
+    assert "global_batch_size=4) with a list: is it a list of samples or of batches?" in errors[4]
+    assert "needs a map-style Dataset" in errors[5] and "list_iterator" in errors[5]
 
 
 def test_plan():

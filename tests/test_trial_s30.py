@@ -1,4 +1,5 @@
-"""Defects a new user's trial of the pipeline found (session 30), each tested where it was fixed."""
+"""Defects the new users' trials found (session 30: the pipeline; Hugging Face and timm models), each tested where
+it was fixed."""
 
 from __future__ import annotations
 
@@ -95,3 +96,64 @@ def test_microbatches_without_a_pipeline_warn_that_they_do_nothing():
     """`microbatches=4` at pipeline_parallel_size=1 was silently ignored (the batch ran whole)."""
     said = run_distributed(microbatches_alone_worker, 1, timeout=60)[0]
     assert len(said) == 1 and "gradient_accumulation_steps" in said[0], said
+
+
+class Samples:
+    """Indexable, with a length, not a torch Dataset (as a Hugging Face ``datasets.Dataset`` is)."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+
+def list_of_samples_worker(rank, world):
+    import warnings
+
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+    states, steps = [], []
+    for data, val in ((Samples(list(zip(x, y))), list(zip(x[:8], y[:8]))),
+                      (TensorDataset(x, y), TensorDataset(x[:8], y[:8]))):
+        torch.manual_seed(0)
+        trainer = DistributedTrainer(nn.Linear(6, 3), _sgd, progress=False)
+        history = trainer.fit(data, epochs=2, criterion=F.cross_entropy, batch_size=4, eval_dataset=val)
+        states.append(trainer.full_state_dict())
+        steps.append((trainer.step, history[-1]["val_loss"]))
+        trainer.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = DistributedTrainer(nn.Linear(6, 3), _sgd, progress=False)
+        trainer.fit(iter([(x[:4], y[:4])]), epochs=1, criterion=F.cross_entropy, batch_size=4)
+        trainer.close()
+    said = [str(w.message) for w in caught if "is not used" in str(w.message)]
+    same = all(torch.equal(states[0][k], v) for k, v in states[1].items())
+    try:  # a list: samples, or batches? Asked, not guessed.
+        trainer = DistributedTrainer(nn.Linear(6, 3), _sgd, progress=False)
+        trainer.fit(list(zip(x, y)), epochs=1, criterion=F.cross_entropy, batch_size=4)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    finally:
+        trainer.close()
+    return steps, same, said, refused
+
+
+def test_fit_batches_samples_that_are_not_a_torch_dataset_and_asks_about_a_list():
+    """`fit(list_of_samples, batch_size=4)` read each sample as a batch, on every rank (32 steps an epoch
+    on each of 2 ranks instead of 4; a Hugging Face dataset the same), batch_size silently unused. Now an
+    indexable collection with a length given a batch size is a dataset, as DataLoader takes one: the same
+    steps and parameters as a TensorDataset of the same samples (an eval_dataset list too); a list with a
+    batch size is refused, naming both readings (it was read as batches); an iterator given a batch size
+    it cannot use says so."""
+    for steps, same, said, refused in run_distributed(list_of_samples_worker, 2, timeout=120):
+        assert steps[0] == steps[1] and steps[0][0] == 2 * 32 // (4 * 2), steps
+        assert same, "the samples' run differs from the TensorDataset's"
+        assert len(said) == 1 and "list_iterator" in said[0], said
+        assert refused is not None and "samples or of batches" in refused and "MapDataset" in refused, refused
