@@ -11,6 +11,7 @@ so that they are updated once a step, as without checkpointing.
 from __future__ import annotations
 
 import functools
+import warnings
 from contextlib import nullcontext
 from typing import Any, Callable
 
@@ -44,7 +45,22 @@ def apply_activation_checkpointing(model: nn.Module, policy: Any) -> list[str]:
             chosen.append(name)
     if not chosen:
         raise ValueError(f"activation_checkpointing policy {policy!r} selected no module of {type(model).__name__}")
+    _turn_off_key_value_cache(model)
     return chosen
+
+
+def _turn_off_key_value_cache(model: nn.Module) -> None:
+    """A Hugging Face model's attention layers append each forward's keys and values to a cache while
+    ``config.use_cache`` is on (its default): a checkpointed layer's recompute appends them a second
+    time, and its backward then fails on a cache twice the sequence long. As Hugging Face's own
+    ``gradient_checkpointing_enable`` does, the cache is turned off, with a warning."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True}
+    for config in configs.values():
+        config.use_cache = False
+    if configs:
+        warnings.warn(f"activation_checkpointing: {type(model).__name__}'s config.use_cache set to False (a "
+                      "checkpointed layer's recompute would write its keys and values into the cache a second time)",
+                      UserWarning, stacklevel=3)
 
 
 def checkpoint_module(module: nn.Module) -> None:

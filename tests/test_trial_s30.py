@@ -157,3 +157,43 @@ def test_fit_batches_samples_that_are_not_a_torch_dataset_and_asks_about_a_list(
         assert same, "the samples' run differs from the TensorDataset's"
         assert len(said) == 1 and "list_iterator" in said[0], said
         assert refused is not None and "samples or of batches" in refused and "MapDataset" in refused, refused
+
+
+class _CachingAttention(nn.Module):
+    """The Hugging Face pattern: with ``config.use_cache`` on (the default), each forward appends its keys to
+    a cache and attends over everything cached, under a mask as long as the input."""
+
+    def __init__(self):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(use_cache=True)
+        self.key = nn.Linear(4, 4)
+        self.cache: list[torch.Tensor] = []
+
+    def forward(self, x):
+        keys = self.key(x)
+        if self.config.use_cache:
+            self.cache.append(keys)
+            keys = torch.cat(self.cache)
+        mask = torch.zeros(x.shape[0], x.shape[0])
+        return (x @ keys.T + mask).softmax(-1) @ x
+
+
+def test_activation_checkpointing_turns_off_a_key_value_cache():
+    """`activation_checkpointing=[GPT2Block]` on a stock GPT2LMHeadModel with an attention mask failed in
+    backward: the recompute appended its keys to the cache again ("size of tensor a (32) must match ... (16)").
+    The cache is now turned off with a warning, as Hugging Face's gradient_checkpointing_enable does."""
+    from distributed_training.activation import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_CachingAttention())
+    plain = copy.deepcopy(model)
+    plain[0].config.use_cache = False
+    with pytest.warns(UserWarning, match=r"config\.use_cache set to False"):
+        apply_activation_checkpointing(model, [_CachingAttention])
+    assert model[0].config.use_cache is False
+    x = torch.randn(3, 4)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    assert torch.equal(model[0].key.weight.grad, plain[0].key.weight.grad)
