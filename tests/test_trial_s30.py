@@ -197,3 +197,59 @@ def test_activation_checkpointing_turns_off_a_key_value_cache():
     model(x).square().sum().backward()
     plain(x).square().sum().backward()
     assert torch.equal(model[0].key.weight.grad, plain[0].key.weight.grad)
+
+
+class _TinyLM(nn.Module):
+    """Shaped as Hugging Face's GPT2LMHeadModel: ``transformer.{wte, wpe, h, ln_f}`` and a tied ``lm_head``."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(16, 8), wpe=nn.Embedding(4, 8),
+                                              h=nn.ModuleList(nn.Linear(8, 8) for _ in range(2)), ln_f=nn.LayerNorm(8)))
+        self.lm_head = nn.Linear(8, 16, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+
+class _Embed(nn.Module):  # an adapter's wrapper around the model's own modules
+    def __init__(self, t):
+        super().__init__()
+        self.wte, self.wpe = t.wte, t.wpe
+
+    def forward(self, idx):
+        return self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+
+
+class _Head(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
+
+
+def _tiny_lm_chain(model):
+    t = model.transformer
+    return [("embed", _Embed(t)), *((f"block.{i}", b) for i, b in enumerate(t.h)), ("head", _Head(model))]
+
+
+def test_model_keys_map_an_adapters_chain_back_to_the_models_own_keys():
+    """A pipelined Hugging Face model's full_state_dict has Chain keys (``layers.0.wte.weight``), which
+    GPT2LMHeadModel.load_state_dict refuses; `model_keys` maps them back (the tie under both names)."""
+    from distributed_training.pipeline import Chain, model_keys
+
+    torch.manual_seed(0)
+    model = _TinyLM()
+    pairs = _tiny_lm_chain(model)
+    names = model_keys(model, pairs)
+    assert names["layers.0.wte.weight"] == "transformer.wte.weight"
+    assert names["layers.1.bias"] == "transformer.h.0.bias"
+    assert names["layers.3.lm_head.weight"] == "lm_head.weight"
+    assert names["layers.3.ln_f.weight"] == "transformer.ln_f.weight"
+    fresh = _TinyLM()
+    fresh.load_state_dict({names[k]: v for k, v in Chain(pairs).state_dict().items()})  # strict: every key
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(ValueError, match=r"'layers.0.scale' belongs to no module of the _TinyLM"):
+        extra = _Embed(model.transformer)
+        extra.scale = nn.Parameter(torch.ones(1))
+        model_keys(model, [("embed", extra), *pairs[1:]])

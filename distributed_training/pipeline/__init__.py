@@ -18,12 +18,13 @@ from .schedules import Action, ScheduleError, Simulation, bubble_formula, build_
 from .split_backward import SplitBackward
 from .timing import PipelineTiming
 from .gpt_stages import GPTEmbedding, GPTHead, GPTStages, gpt_key, gpt_layer_flops, layer_seed, lm_loss
-from .stages import Chain, Stage, TiedGroup, chain, find_ties, partition, split_at, sync_tied_grads, tied_groups
+from .stages import (Chain, Stage, TiedGroup, chain, find_ties, model_keys, partition, split_at, sync_tied_grads,
+                     tied_groups)
 
 __all__ = [
     "Action", "ScheduleError", "Simulation", "bubble_formula", "build_schedule", "simulate", "stage_of",
     "Chain", "GPTEmbedding", "GPTHead", "GPTStages", "Stage", "TiedGroup", "chain", "find_ties", "gpt_key",
     "gpt_layer_flops", "layer_seed",
-    "lm_loss", "partition", "split_at", "sync_tied_grads", "tied_groups",
+    "lm_loss", "model_keys", "partition", "split_at", "sync_tied_grads", "tied_groups",
     "CompiledLoss", "PipelineEngine", "PipelineTiming", "SplitBackward",
 ]

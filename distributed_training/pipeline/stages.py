@@ -59,6 +59,8 @@ returning one tensor. For example, for Hugging Face's GPT-2 (``GPT2LMHeadModel``
     layers = chain(gpt2_chain(model))
 
 `find_ties(layers)` then finds the tied embedding (the same `nn.Parameter` in ``embed`` and ``head``).
+The trainer's state dicts of such a chain have `Chain`'s keys (``layers.<i>.…``); `model_keys(model,
+layers)`, taken before training, maps them to the model's own (``transformer.wte.weight``, ...).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ from torch import nn
 
 from ..models.gpt import GPT
 
-__all__ = ["Chain", "chain", "partition", "split_at", "Stage", "TiedGroup", "find_ties", "tied_groups", "sync_tied_grads",
+__all__ = ["Chain", "chain", "model_keys", "partition", "split_at", "Stage", "TiedGroup", "find_ties", "tied_groups", "sync_tied_grads",
            "sum_tied_grads", "allocate", "Layers"]
 
 Layers = list[tuple[str, nn.Module]]
@@ -118,6 +120,43 @@ class Chain(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+def model_keys(model: nn.Module, layers: Sequence[tuple[str, nn.Module]]) -> dict[str, str]:
+    """``{Chain key: model key}``: the key in `model`'s own state dict of each key of ``Chain(layers)``'s
+    (what the trainer's `full_state_dict` and checkpoints use for a model given as an adapter's pairs).
+
+    Call it before training (the trainer frees what is not a rank's stage). Each key goes by the
+    innermost module on its path that `model` holds (an adapter's wrapper, such as ``Embed`` in this
+    module's docstring, is looked through): ``layers.0.wte.weight`` -> ``transformer.wte.weight``. A
+    tied weight keeps each of its names (``lm_head.weight`` and ``transformer.wte.weight``).
+
+        names = model_keys(model, pairs)
+        state = {names[k]: v for k, v in trainer.full_state_dict().items()}
+        model.load_state_dict(state)   # e.g. a fresh GPT2LMHeadModel, then save_pretrained
+
+    Raises:
+        ValueError: a key whose modules `model` holds none of (an adapter's own parameter), named.
+    """
+    path_of: dict[int, str] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        path_of.setdefault(id(module), path)
+    container = Chain(layers)
+    modules = dict(container.named_modules(remove_duplicate=False))
+    out = {}
+    for key in container.state_dict(keep_vars=True):
+        parts = key.split(".")
+        for cut in range(len(parts) - 1, 0, -1):  # the innermost module on the key's path first
+            module = modules.get(".".join(parts[:cut]))
+            if module is not None and id(module) in path_of:
+                prefix = path_of[id(module)]
+                rest = ".".join(parts[cut:])
+                out[key] = f"{prefix}.{rest}" if prefix else rest
+                break
+        else:
+            raise ValueError(f"model_keys: {key!r} belongs to no module of the {type(model).__name__} given (a "
+                             "parameter or buffer of the adapter's own?)")
+    return out
 
 
 def chain(model: nn.Module | Sequence[tuple[str, nn.Module]], halves: bool = False) -> Layers:
