@@ -35,6 +35,8 @@ from typing import Any, ContextManager, Iterable
 import torch
 import torch.distributed as dist
 
+from .runtime import collective_device
+
 __all__ = ["DynamicLossScaler", "Precision", "BF16Precision", "FP16Precision", "check_precision_argument",
            "make_precision"]
 
@@ -90,7 +92,7 @@ class DynamicLossScaler:
         if self._unscaled:
             return self.found_inf
         grads = [g for g in grads if g is not None]
-        device = grads[0].device if grads else torch.device("cpu")
+        device = collective_device(self.group, grads[0].device if grads else None)
         flag = torch.zeros((), dtype=torch.float32, device=device)
         if grads:
             # A few multi-tensor kernels instead of three per gradient. The largest magnitude is inf

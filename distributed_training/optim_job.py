@@ -183,7 +183,8 @@ def job_optimizer(cfg: "JobConfig", model: nn.Module, total_steps: int | None = 
         params = list(params)
         if exclude:
             names = {id(p): n for n, p in model.named_parameters()}
-            unknown = [p for p in params if id(p) not in names and getattr(p, "segments", None) is None]
+            # (an empty tensor holds no weight to exclude: a pipeline rank without parameters gets one)
+            unknown = [p for p in params if id(p) not in names and getattr(p, "segments", None) is None and p.numel()]
             if unknown:
                 raise ValueError("optimizer.exclude_from_weight_decay: the strategy hands the optimizer tensors that "
                                  "are not the model's parameters (flat shards without layer names, e.g. zero1)")

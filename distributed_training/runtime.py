@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .mesh import Mesh
 
-__all__ = ["DistributedContext", "init_distributed", "DEFAULT_TIMEOUT", "launcher_ranks_per_node"]
+__all__ = ["DistributedContext", "init_distributed", "DEFAULT_TIMEOUT", "collective_device", "launcher_ranks_per_node"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -187,6 +187,16 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def collective_device(group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> torch.device:
+    """Where a small tensor for a collective over `group` lives: `device` (e.g. the gradients') unless
+    NCCL needs a GPU and `device` is not one (a rank holding no gradient: a frozen or empty pipeline
+    stage); without `device`, this rank's GPU under NCCL and the CPU otherwise."""
+    nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
+    if device is not None and (device.type == "cuda" or not nccl):
+        return device
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def launcher_ranks_per_node(group: dist.ProcessGroup | None = None) -> int:

@@ -74,6 +74,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import all_gather_single
 from ..mesh import global_rank
+from ..runtime import collective_device
 from .cluster import MEMBERS, StragglerWarning, cluster_view
 from .null import NullMonitor
 from .progress import ProgressBar
@@ -200,9 +201,7 @@ class Monitor:
         self._gather_in = self._gather_out = None
         if self._cluster_on:
             self._group_ranks = [global_rank(group, i) for i in range(self.world_size)]
-            device = torch.device("cpu")
-            if str(dist.get_backend(group)) == "nccl":
-                device = torch.device("cuda", torch.cuda.current_device())
+            device = collective_device(group)
             self._gather_in = torch.zeros(1, dtype=torch.float64, device=device)
             self._gather_out = torch.zeros(self.world_size, dtype=torch.float64, device=device)
 

@@ -42,6 +42,7 @@ from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, des
 from ..comm.optimizer import CommunicationOptimizer
 from ..comm.reduce import AllReduceMean, BucketReducer, ReduceScatterMean
 from ..mesh import Mesh, global_rank
+from ..runtime import collective_device
 from .ddp_buckets import agreed_bucket_order, gather_bucket, index_buckets, move_grads_to_views, resolve_bucket_cap_mb
 from .eager import eager_only
 from .overlap import CommTiming, OverlapTimeline
@@ -423,7 +424,8 @@ class DDP(CommTiming, nn.Module):
             if self.find_unused_parameters and self.world_size > 1:
                 # Which parameters got a gradient on *some* rank: those untouched everywhere keep
                 # `.grad = None`, as if DDP were not there.
-                device = self._buckets[0].buffer.device if self._buckets else torch.device("cpu")
+                device = collective_device(self.process_group,
+                                           self._buckets[0].buffer.device if self._buckets else None)
                 used = torch.tensor(state.ready, dtype=torch.int32, device=device)
                 used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
             for index, handle in enumerate(state.handles):

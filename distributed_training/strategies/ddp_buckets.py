@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..comm.bucket import Bucket
 from ..comm.collectives import labelled
+from ..runtime import collective_device
 
 __all__ = ["agreed_bucket_order", "gather_bucket", "index_buckets", "move_grads_to_views", "resolve_bucket_cap_mb"]
 
@@ -65,9 +66,7 @@ def agreed_bucket_order(arrived: list[int], n_params: int, buckets: Sequence[Buc
     order = arrived + [i for i in reversed(range(n_params)) if i not in seen]
     if world_size > 1:
         # Every rank must bucket identically: take the first rank's observed order.
-        device = buckets[0].buffer.device if buckets else torch.device("cpu")
-        if dist.get_backend(group) == "nccl" and device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = collective_device(group, buckets[0].buffer.device if buckets else None)
         order_t = torch.tensor(order, dtype=torch.int64, device=device)
         with labelled("DDP broadcast of the bucket order"):
             dist.broadcast(order_t, src=src, group=group)

@@ -62,7 +62,7 @@ from ..comm.groups import make_hybrid_groups
 from ..comm.sharded import all_gather_flat, reduce_scatter_flat
 from ..mesh import Mesh, global_rank
 from ..optim import ParamSegments
-from ..runtime import launcher_ranks_per_node
+from ..runtime import collective_device, launcher_ranks_per_node
 from .eager import eager_only
 from .fsdp_state import FSDPStateDict
 from .fsdp_units import Unit, UnitPlacement, alloc_storage, build_units, free_storage, unit_roots
@@ -157,7 +157,9 @@ class FSDP(FSDPStateDict, nn.Module):
         self.reshard_after_forward = bool(reshard_after_forward)
         self.cpu_offload = bool(cpu_offload)
         first = next(module.parameters(), None)
-        self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
+        # (no parameter at all, e.g. an empty pipeline stage: where its collectives' tensors must live)
+        self.device = (torch.device(device) if device is not None else
+                       first.device if first is not None else collective_device(process_group))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         mp = mixed_precision or MixedPrecision()

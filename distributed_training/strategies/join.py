@@ -55,6 +55,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..comm.collectives import labelled
+from ..runtime import collective_device
 from .ddp import DDP
 from .fsdp import FSDP
 
@@ -100,8 +101,7 @@ class Join:
         self.replays = isinstance(model, FSDP)
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        nccl = dist.get_backend(self.group) == "nccl"
-        self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self._device = collective_device(self.group)
         self._handle = None
         self._inputs: tuple[tuple, dict] | None = None
         self._replaying = False

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint_shards import Holding, StateLayout, flat_pieces, whole_tensors
-from ..runtime import DistributedContext
+from ..runtime import DistributedContext, collective_device
 from .base import ParamNames, Strategy, check_optimizer_params, require_factory, sum_of_squares
 from .ddp import DDP
 from .ddp_strategy import DDPBacked
@@ -109,9 +109,7 @@ class Zero1Strategy(DDPBacked, Strategy):
         """The sum of squares of every rank's reduced slices (one all-reduce over the data-parallel
         group), less the elements of the parameters named in `skip` that fall in them."""
         grads = [s.grad for s in model.shards]
-        device = grads[0].device if grads else torch.device("cpu")
-        if dist.get_backend(model.process_group) == "nccl" and device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = collective_device(model.process_group, grads[0].device if grads else None)
         total = sum_of_squares(grads, device)
         if skip:
             total = total - sum_of_squares(self.reduced_gradients_of(model, skip), device)

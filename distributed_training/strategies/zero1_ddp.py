@@ -92,6 +92,7 @@ from torch import nn
 from ..comm.bucket import Bucket
 from ..comm.reduce import ReduceScatterMean
 from ..comm.sharded import all_gather_flat
+from ..runtime import collective_device
 from .ddp import DDP
 from .eager import eager_only
 
@@ -358,9 +359,7 @@ class Zero1DDP(DDP):
             self._join_state.announce_clip(max_norm)
         norm_type = float(norm_type)
         grads = [s.grad for s in self.shards]
-        device = grads[0].device if grads else torch.device("cpu")
-        if dist.get_backend(self.process_group) == "nccl" and device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = collective_device(self.process_group, grads[0].device if grads else None)
         if grads:
             norms = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)]).to(device)
             local = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
