@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["apply_activation_checkpointing", "checkpoint_module"]
+__all__ = ["apply_activation_checkpointing", "checkpoint_module", "restore_key_value_cache"]
 
 
 def _selector(policy: Any) -> Callable[[nn.Module, str], bool]:
@@ -52,15 +52,23 @@ def apply_activation_checkpointing(model: nn.Module, policy: Any) -> list[str]:
 def _turn_off_key_value_cache(model: nn.Module) -> None:
     """A Hugging Face model's attention layers append each forward's keys and values to a cache while
     ``config.use_cache`` is on (its default): a checkpointed layer's recompute appends them a second
-    time, and its backward then fails on a cache twice the sequence long. As Hugging Face's own
-    ``gradient_checkpointing_enable`` does, the cache is turned off, with a warning."""
+    time, and its backward then fails on a cache twice the sequence long (Hugging Face's own
+    checkpointing hands its layers no cache while training). The config's ``use_cache`` is turned off,
+    with a warning, until `restore_key_value_cache` (the trainer's ``close()``) turns it on again."""
     configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True}
     for config in configs.values():
         config.use_cache = False
     if configs:
-        warnings.warn(f"activation_checkpointing: {type(model).__name__}'s config.use_cache set to False (a "
-                      "checkpointed layer's recompute would write its keys and values into the cache a second time)",
-                      UserWarning, stacklevel=3)
+        model._dt_cache_configs = list(configs.values())
+        warnings.warn(f"activation_checkpointing: {type(model).__name__}'s config.use_cache is False until the "
+                      "trainer's close() (a checkpointed layer's recompute would write its keys and values into the "
+                      "cache a second time)", UserWarning, stacklevel=3)
+
+
+def restore_key_value_cache(model: nn.Module) -> None:
+    """Turn ``config.use_cache`` on again where `apply_activation_checkpointing` turned it off."""
+    for config in model.__dict__.pop("_dt_cache_configs", ()):
+        config.use_cache = True
 
 
 def checkpoint_module(module: nn.Module) -> None:

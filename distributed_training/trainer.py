@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .activation import apply_activation_checkpointing
+from .activation import apply_activation_checkpointing, restore_key_value_cache
 from .amp import DynamicLossScaler, Precision, make_precision
 from .auto_batch import AutoBatchSize
 from .checkpoint import CheckpointManager
@@ -367,6 +367,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             model.to(self.device)
         if activation_checkpointing is not None:
             apply_activation_checkpointing(model, activation_checkpointing)
+            self._checkpointed_model = model  # its key/value cache, if any, turned on again at close()
         self.model = strategy.setup_module(model, self.context)
         if compile is not False:
             # In place: `self.model` stays the strategy's wrapper (what its methods take) and keeps its keys.
@@ -515,6 +516,8 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             self._abandon_checkpoint_write()
         self.monitor.close()
         self.strategy.teardown(self.model)
+        if getattr(self, "_checkpointed_model", None) is not None:
+            restore_key_value_cache(self._checkpointed_model)
         if self._owns_context:
             self.job_context.shutdown(barrier=barrier)
         if error is not None:

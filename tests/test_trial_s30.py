@@ -183,20 +183,23 @@ class _CachingAttention(nn.Module):
 def test_activation_checkpointing_turns_off_a_key_value_cache():
     """`activation_checkpointing=[GPT2Block]` on a stock GPT2LMHeadModel with an attention mask failed in
     backward: the recompute appended its keys to the cache again ("size of tensor a (32) must match ... (16)").
-    The cache is now turned off with a warning, as Hugging Face's gradient_checkpointing_enable does."""
-    from distributed_training.activation import apply_activation_checkpointing
+    The cache is now turned off with a warning (HF's own checkpointing hands its layers no cache while
+    training), and on again at the trainer's close()."""
+    from distributed_training.activation import apply_activation_checkpointing, restore_key_value_cache
 
     torch.manual_seed(0)
     model = nn.Sequential(_CachingAttention())
     plain = copy.deepcopy(model)
     plain[0].config.use_cache = False
-    with pytest.warns(UserWarning, match=r"config\.use_cache set to False"):
+    with pytest.warns(UserWarning, match=r"config\.use_cache is False until the trainer's close\(\)"):
         apply_activation_checkpointing(model, [_CachingAttention])
     assert model[0].config.use_cache is False
     x = torch.randn(3, 4)
     model(x).square().sum().backward()
     plain(x).square().sum().backward()
     assert torch.equal(model[0].key.weight.grad, plain[0].key.weight.grad)
+    restore_key_value_cache(model)
+    assert model[0].config.use_cache is True and plain[0].config.use_cache is False
 
 
 class _TinyLM(nn.Module):
@@ -242,14 +245,39 @@ def test_model_keys_map_an_adapters_chain_back_to_the_models_own_keys():
     model = _TinyLM()
     pairs = _tiny_lm_chain(model)
     names = model_keys(model, pairs)
-    assert names["layers.0.wte.weight"] == "transformer.wte.weight"
-    assert names["layers.1.bias"] == "transformer.h.0.bias"
-    assert names["layers.3.lm_head.weight"] == "lm_head.weight"
-    assert names["layers.3.ln_f.weight"] == "transformer.ln_f.weight"
+    assert names["layers.0.wte.weight"] == ("transformer.wte.weight",)
+    assert names["layers.1.bias"] == ("transformer.h.0.bias",)
+    assert names["layers.3.lm_head.weight"] == ("lm_head.weight",)
+    assert names["layers.3.ln_f.weight"] == ("transformer.ln_f.weight",)
     fresh = _TinyLM()
-    fresh.load_state_dict({names[k]: v for k, v in Chain(pairs).state_dict().items()})  # strict: every key
+    fresh.load_state_dict({key: v for k, v in Chain(pairs).state_dict().items() for key in names[k]})  # strict
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    # A module the model holds at two paths (T5's `shared` and `encoder.embed_tokens`): both keys.
+    model.transformer["alias"] = model.transformer.wpe
+    assert model_keys(model, pairs)["layers.0.wpe.weight"] == ("transformer.wpe.weight", "transformer.alias.weight")
     with pytest.raises(ValueError, match=r"'layers.0.scale' belongs to no module of the _TinyLM"):
         extra = _Embed(model.transformer)
         extra.scale = nn.Parameter(torch.ones(1))
         model_keys(model, [("embed", extra), *pairs[1:]])
+
+
+def test_dtrain_optimizer_with_exclusions_takes_an_empty_rank_placeholder():
+    """(A review of this session's fixes.) dtrain's factory with `optimizer.exclude_from_weight_decay`
+    refused the empty placeholder a pipeline rank without parameters hands it ("tensors that are not the
+    model's parameters"): the stage-of-Flatten job failed at setup. A tensor with elements is still refused."""
+    from distributed_training.config import load_config
+    from distributed_training.optim_job import job_optimizer
+
+    model = _paramless_first_stage_model()
+    factory, _ = job_optimizer(load_config({"optimizer": {"exclude_from_weight_decay": ["bias"]}}), model)
+    placeholder = nn.Parameter(torch.zeros(0))
+    assert [g["params"] for g in factory([placeholder]).param_groups] == [[placeholder]]
+    with pytest.raises(ValueError, match="not the model's parameters"):
+        factory([nn.Parameter(torch.zeros(3))])
+
+
+def test_collective_device_needs_a_gpu_only_under_nccl():
+    from distributed_training.runtime import collective_device
+
+    assert collective_device() == torch.device("cpu")  # no process group: the CPU
+    assert collective_device(None, torch.device("cuda", 0)) == torch.device("cuda", 0)  # the device given

@@ -122,25 +122,27 @@ class Chain(nn.Module):
         return x
 
 
-def model_keys(model: nn.Module, layers: Sequence[tuple[str, nn.Module]]) -> dict[str, str]:
-    """``{Chain key: model key}``: the key in `model`'s own state dict of each key of ``Chain(layers)``'s
-    (what the trainer's `full_state_dict` and checkpoints use for a model given as an adapter's pairs).
+def model_keys(model: nn.Module, layers: Sequence[tuple[str, nn.Module]]) -> dict[str, tuple[str, ...]]:
+    """``{Chain key: model keys}``: the keys in `model`'s own state dict of each key of
+    ``Chain(layers)``'s (what the trainer's `full_state_dict` and checkpoints use for a model given as an
+    adapter's pairs). Usually one; a module that `model` holds at several paths (T5's ``shared`` and
+    ``encoder.embed_tokens``) gives each of them.
 
     Call it before training (the trainer frees what is not a rank's stage). Each key goes by the
     innermost module on its path that `model` holds (an adapter's wrapper, such as ``Embed`` in this
     module's docstring, is looked through): ``layers.0.wte.weight`` -> ``transformer.wte.weight``. A
-    tied weight keeps each of its names (``lm_head.weight`` and ``transformer.wte.weight``).
+    tied weight held by two modules (GPT-2's ``lm_head`` and ``wte``) is a key of each.
 
         names = model_keys(model, pairs)
-        state = {names[k]: v for k, v in trainer.full_state_dict().items()}
+        state = {key: v for k, v in trainer.full_state_dict().items() for key in names[k]}
         model.load_state_dict(state)   # e.g. a fresh GPT2LMHeadModel, then save_pretrained
 
     Raises:
         ValueError: a key whose modules `model` holds none of (an adapter's own parameter), named.
     """
-    path_of: dict[int, str] = {}
+    paths_of: dict[int, list[str]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        path_of.setdefault(id(module), path)
+        paths_of.setdefault(id(module), []).append(path)
     container = Chain(layers)
     modules = dict(container.named_modules(remove_duplicate=False))
     out = {}
@@ -148,10 +150,9 @@ def model_keys(model: nn.Module, layers: Sequence[tuple[str, nn.Module]]) -> dic
         parts = key.split(".")
         for cut in range(len(parts) - 1, 0, -1):  # the innermost module on the key's path first
             module = modules.get(".".join(parts[:cut]))
-            if module is not None and id(module) in path_of:
-                prefix = path_of[id(module)]
+            if module is not None and id(module) in paths_of:
                 rest = ".".join(parts[cut:])
-                out[key] = f"{prefix}.{rest}" if prefix else rest
+                out[key] = tuple(f"{path}.{rest}" if path else rest for path in paths_of[id(module)])
                 break
         else:
             raise ValueError(f"model_keys: {key!r} belongs to no module of the {type(model).__name__} given (a "
