@@ -7,11 +7,7 @@
 #      the split and the graphs cost or save on the GPU and the host, not the bubble).
 #   B: A again after the linear layers' weight casts were cached once a step in the graphs (A: the graphed
 #      forwards 8% slower than eager ones, each replay casting every weight again).
-set -o pipefail
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
-start=$(date +%s)
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
-python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version())" >> "$OUT/gpus.txt"
+. benchmarks/device_env.sh
 case "$1" in
   A|B) timeout -k 5 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_pipeline_graphs.py \
        > "$OUT/gpu_tests.log" 2>&1

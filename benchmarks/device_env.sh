@@ -1,0 +1,15 @@
+# Sourced by benchmarks/device_s*.sh on the device machine (repository root, $OUT set): the environment,
+# the machine in "$OUT/gpus.txt", `start` for elapsed seconds, and `gpu_tests NAME LIMIT ARGS...`, which
+# runs pytest's GPU tests (ARGS: files, -k, ...) into "$OUT/NAME.log" with its exit status and time.
+set -o pipefail
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD
+start=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
+python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version())" >> "$OUT/gpus.txt"
+
+gpu_tests() {
+  local name=$1 limit=$2
+  shift 2
+  timeout -k 5 "$limit" python -m pytest -q -p no:cacheprovider -m gpu "$@" > "$OUT/$name.log" 2>&1
+  echo "tests exit $? at $(( $(date +%s) - start )) s" >> "$OUT/$name.log"
+}
