@@ -128,12 +128,12 @@ class Fitting:
             raise ValueError(f"log_every must be a positive integer, got {log_every!r}")
         if map_style(data) and (batch_size is not None or global_batch_size is not None):
             if isinstance(data, (list, tuple)):  # samples (as DataLoader reads it) or batches (as fit did)?
-                given = f"batch_size={batch_size}" if batch_size is not None else f"global_batch_size={global_batch_size}"
+                name, value = (("batch_size", batch_size) if batch_size is not None else
+                               ("global_batch_size", global_batch_size))
                 raise ValueError(
-                    f"fit({given}) with a {type(data).__name__}: is it a list of samples or of batches? Of "
+                    f"fit({name}={value}) with a {type(data).__name__}: is it a list of samples or of batches? Of "
                     f"samples: pass MapDataset(samples) (distributed_training.data), which fit shards and batches "
-                    f"by {given.split('=')[0]}; of batches: leave out {given.split('=')[0]} (each item is then one "
-                    "batch, on every rank as it is)")
+                    f"by {name}; of batches: leave out {name} (each item is then one batch, on every rank as it is)")
             data = MapDataset(data)  # e.g. a Hugging Face datasets.Dataset: sharded and batched like a Dataset
         if map_style(eval_dataset):
             eval_dataset = MapDataset(eval_dataset)  # (evaluate takes a list of samples as it is)

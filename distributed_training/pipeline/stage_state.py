@@ -69,7 +69,7 @@ class PipelineState:
         optimizer states are equal: their gradients are summed before every step); on loading, every
         copy reads them."""
         # (a rank without parameters: its optimizer's only tensor is a placeholder, nothing to save)
-        inner = self.inner.state_layout(model, None if getattr(self, "_placeholder", None) is not None else optimizer)
+        inner = self.inner.state_layout(model, optimizer if self._placeholder is None else None)
         skip = frozenset(self._model_name[name] for name in self._not_counted)
 
         def renamed(holding: Holding) -> Holding:

@@ -81,7 +81,7 @@ from ..logs import get_logger
 from ..mesh import global_rank
 from ..models.gpt import GPT
 from ..runtime import DistributedContext
-from ..strategies.base import OptimizerFactory, Strategy
+from ..strategies.base import OptimizerFactory, Strategy, checked_optimizer
 from .engine import PipelineEngine
 from .p2p import PipelineAborted
 from .balance import layer_costs, schedule_cut, split_step
@@ -133,6 +133,7 @@ class PipelineStrategy(PipelineState, Strategy):
         self.options = options
         self.name = inner.name
         self.collective_forward = inner.collective_forward  # FSDP gathers in each stage's forward
+        self._placeholder: nn.Parameter | None = None  # the optimizer's tensor on a rank without parameters
         self.precision = None  # the trainer's, set by forward_backward
 
     # ------------------------------------------------------------------ setup
@@ -338,10 +339,7 @@ class PipelineStrategy(PipelineState, Strategy):
             # placeholder, so the hyperparameters and an lr schedule are there as on the other ranks;
             # its steps change nothing, and the checkpoints hold no optimizer state of this rank.
             self._placeholder = nn.Parameter(torch.zeros(0, device=self.device))
-            built = optimizer([self._placeholder])
-            if not isinstance(built, torch.optim.Optimizer):
-                raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
-            return built
+            return checked_optimizer(optimizer([self._placeholder]))
         return self.inner.setup_optimizer(optimizer, model)
 
     # ------------------------------------------------------------------ a step

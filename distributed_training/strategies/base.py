@@ -67,6 +67,13 @@ def require_factory(optimizer, name: str) -> OptimizerFactory:
     return optimizer
 
 
+def checked_optimizer(built: Any) -> torch.optim.Optimizer:
+    """`built`, what an optimizer factory returned, if it is an optimizer (else a TypeError naming it)."""
+    if not isinstance(built, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+    return built
+
+
 def check_optimizer_params(
     optimizer: torch.optim.Optimizer,
     expected: Iterable[torch.Tensor],
@@ -153,9 +160,7 @@ class Strategy(abc.ABC):
                 "optimizer must be a torch.optim.Optimizer or a callable taking parameters, "
                 f"got {type(optimizer).__name__}"
             )
-        built = optimizer(model.parameters())
-        if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+        built = checked_optimizer(optimizer(model.parameters()))
         # A replicated model's parameters are the user's own tensors, so a factory that ignores its
         # argument and uses model.parameters() is fine; anything else gets no averaged gradient.
         check_optimizer_params(built, model.parameters(), strategy=self.name,

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..checkpoint_shards import Holding, StateLayout, flat_pieces
 from ..runtime import DistributedContext
-from .base import ParamNames, Strategy, check_optimizer_params, require_factory, sum_of_squares
+from .base import ParamNames, Strategy, check_optimizer_params, checked_optimizer, require_factory, sum_of_squares
 from .fsdp import FSDP, _cast_floats
 from .fsdp_units import unit_roots
 
@@ -133,8 +133,7 @@ class FSDPStrategy(Strategy):
                 "FSDP moves the model's parameters into this rank's shards, which are what the factory is "
                 "given: use its argument, e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
             ) from err
-        if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+        checked_optimizer(built)
         check_optimizer_params(
             built, model.parameters(), strategy=self.name, expected_what="this rank's shards",
             names=getattr(self, "_names", None),

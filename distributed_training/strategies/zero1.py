@@ -20,7 +20,7 @@ from torch import nn
 
 from ..checkpoint_shards import Holding, StateLayout, flat_pieces, whole_tensors
 from ..runtime import DistributedContext, collective_device
-from .base import ParamNames, Strategy, check_optimizer_params, require_factory, sum_of_squares
+from .base import ParamNames, Strategy, check_optimizer_params, checked_optimizer, require_factory, sum_of_squares
 from .ddp import DDP
 from .ddp_strategy import DDPBacked
 from .zero1_ddp import Zero1DDP, _BucketShard
@@ -82,8 +82,7 @@ class Zero1Strategy(DDPBacked, Strategy):
             built = factory(frozen) if frozen else _NothingToStep()
         else:
             built = factory(shards)
-        if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+        checked_optimizer(built)
         if shards:
             check_optimizer_params(
                 built, shards, strategy=self.name, expected_what="this rank's shards",
