@@ -76,10 +76,11 @@ class Zero1Strategy(DDPBacked, Strategy):
         self.process_group = model.process_group
         shards = [s.param for s in self.groups]
         if not shards:
-            # Nothing to train here (every parameter frozen, e.g. a frozen pipeline stage): an optimizer
-            # over the frozen parameters, as DDP's would be, which never steps anything.
+            # Nothing to train here (every parameter frozen, e.g. a frozen pipeline stage): the factory's
+            # optimizer over the frozen parameters, as DDP's would be, which never steps anything; with no
+            # parameters at all, over an empty placeholder (so that lr schedules and logging find its groups).
             frozen = list(model.module.parameters())
-            built = factory(frozen) if frozen else _NothingToStep()
+            built = factory(frozen or [nn.Parameter(torch.zeros(0, device=self.context.device))])
         else:
             built = factory(shards)
         checked_optimizer(built)
@@ -168,12 +169,3 @@ def _zero_grad_clears_buckets(optimizer: torch.optim.Optimizer, model: Zero1DDP)
 
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
-
-class _NothingToStep(torch.optim.Optimizer):
-    """The optimizer of a rank with no parameters at all: stepping it does nothing."""
-
-    def __init__(self) -> None:
-        super().__init__([torch.zeros(0)], {})
-
-    def step(self, closure=None):
-        return closure() if closure is not None else None
