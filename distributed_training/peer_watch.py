@@ -18,6 +18,12 @@ rank reads each period (one `check`), so all ranks learn it one period later. A 
 after its first beat (before it, a slow start-up is not a death), and a rank that left cleanly
 (`PeerWatch.stop`, or at interpreter exit) says so, so finishing early is never mistaken for dying.
 
+A peer that raised. A rank whose own step raises (not a consequence of a peer: a closed connection, a
+timeout, a pipeline's abort) writes its error to the same failure key (`publish_error`). Its process may
+still be alive, or may close its sockets as it ends: either way its peers' collectives with it cannot
+complete, and their watchers adopt the record as they would a death, so that they name that rank and its
+error. A rank that raised itself adopts no peer's error.
+
 Getting the training thread out. A rank blocked in a collective on a dead peer cannot receive a Python
 exception: it waits in C++. What works, measured on CPU (gloo, torch 2.13) and by construction on NCCL:
 
@@ -59,18 +65,21 @@ _FAILURE_KEY = _PREFIX + "peer_failure"
 
 
 class PeerFailureError(RuntimeError):
-    """A peer rank's process is gone (its heartbeat stopped): the message names it and its host.
+    """A peer rank's process is gone (its heartbeat stopped), or its step raised an error of its own, which
+    left this rank's collectives with it unable to complete: the message names it, its host and its error.
 
     Attributes:
-        rank: the dead rank.
+        rank: the failed rank.
         host: its host name and process id, as it published them (``"?"`` if it never did).
         last_step: the last training step it started (None if unknown).
-        silent_s: how long its heartbeat had been silent when it was declared dead.
+        silent_s: how long its heartbeat had been silent when it was declared dead (0 if it raised).
+        error: what it raised (``"ValueError: ..."``), None if its process died.
     """
 
-    def __init__(self, message: str, rank: int, host: str, last_step: int | None, silent_s: float) -> None:
+    def __init__(self, message: str, rank: int, host: str, last_step: int | None, silent_s: float,
+                 error: str | None = None) -> None:
         super().__init__(message)
-        self.rank, self.host, self.last_step, self.silent_s = rank, host, last_step, silent_s
+        self.rank, self.host, self.last_step, self.silent_s, self.error = rank, host, last_step, silent_s, error
 
 
 def looks_like_peer_loss(err: BaseException) -> bool:
@@ -113,6 +122,7 @@ class PeerWatch:
         self.step: int | None = None  # the training thread's current step, for messages
         self.activity: str | None = None  # what the training thread does ("training step 5"), for messages
         self._detected_at: float | None = None
+        self._raised = False  # this rank's own step raised (`publish_error`): it adopts no peer's error
         self._acknowledged = False
         self._busy = 0  # how deep the training thread is in `active()` blocks
         self._found = threading.Event()
@@ -152,6 +162,22 @@ class PeerWatch:
         if self.failure is None and self._thread.is_alive():
             self._found.wait(self.timeout + 2 * self.period if wait is None else wait)
         return self.failure
+
+    def publish_error(self, err: BaseException) -> None:
+        """This rank's training thread raised `err` of its own (not because of a peer): write it where the
+        peers' watchers look for failures, so that a peer whose collective with this rank then fails (a
+        closed connection) or waits (NCCL, or gloo while this process lives on) names this rank and its
+        error within one period, instead of a closed connection without a name or a wait until the
+        collective timeout. The record is the same as a death's, with the error appended."""
+        self._raised = True
+        text = " ".join(f"{type(err).__name__}: {err}".split())  # one line, no tabs
+        text = text if len(text) <= 400 else text[:397] + "..."
+        during = f" during {self.activity}" if self.activity is not None else ""
+        try:
+            self.store.set(_FAILURE_KEY, "\t".join([str(self.rank), f"{socket.gethostname()} pid {os.getpid()}",
+                                                    "", "0", str(self.rank), text + during]))
+        except Exception:
+            pass  # the store is gone: so is the job
 
     def acknowledge(self) -> None:
         """The training thread raises the failure itself: the watcher need not end the process."""
@@ -212,19 +238,27 @@ class PeerWatch:
         self._fail(peer, host, int(step) if step else None, silent, f"rank {self.rank} saw it")
 
     def _adopt(self, record: str) -> None:
-        peer, host, step, silent, finder = record.split("\t")
-        self._fail(int(peer), host, int(step) if step else None, float(silent), f"rank {finder} saw it")
+        peer, host, step, silent, finder, *error = record.split("\t", 5)
+        if error and self._raised:
+            return  # this rank raised in the same step: its own error says what happened here
+        self._fail(int(peer), host, int(step) if step else None, float(silent), f"rank {finder} saw it",
+                   error[0] if error else None)
 
-    def _fail(self, peer: int, host: str, step: int | None, silent: float, who: str) -> None:
+    def _fail(self, peer: int, host: str, step: int | None, silent: float, who: str, error: str | None = None) -> None:
         where = (f" during {self.activity}" if self.activity is not None
                  else f" during training step {self.step + 1}" if self.step is not None else "")
-        # The heartbeat thread publishes the step every `hangs._Heartbeat.PERIOD_S`: the peer may have got further.
-        last = f", last seen in step {step + 1} or later" if step is not None else ""
-        message = (f"rank {self.rank}: peer rank {peer} (host {host}{last}) is dead: its heartbeat stopped "
-                   f"{silent:.1f}s ago ({who}; heartbeat_timeout={self.timeout:g}s){where}. Its process was "
-                   "killed, crashed or lost its node; under torchrun with --max-restarts the job restarts its "
-                   "workers and resumes from the latest good checkpoint")
-        self.failure = PeerFailureError(message, peer, host, step, silent)
+        if error is not None:
+            message = (f"rank {self.rank}: peer rank {peer} (host {host}) raised {error}, so this rank's collectives "
+                       f"with it cannot complete{where.replace(' during', '; this rank was in', 1)}. Its traceback is "
+                       "in that rank's output")
+        else:
+            # The heartbeat thread publishes the step every `hangs._Heartbeat.PERIOD_S`: the peer may have got further.
+            last = f", last seen in step {step + 1} or later" if step is not None else ""
+            message = (f"rank {self.rank}: peer rank {peer} (host {host}{last}) is dead: its heartbeat stopped "
+                       f"{silent:.1f}s ago ({who}; heartbeat_timeout={self.timeout:g}s){where}. Its process was "
+                       "killed, crashed or lost its node; under torchrun with --max-restarts the job restarts its "
+                       "workers and resumes from the latest good checkpoint")
+        self.failure = PeerFailureError(message, peer, host, step, silent, error)
         self._detected_at = time.monotonic()
         self._found.set()
         log.error("%s", message)

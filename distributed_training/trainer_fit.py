@@ -381,8 +381,8 @@ class Fitting:
                         # a peer dying during the save: exit, not hang (`peer_watch`)
                         with self._watching(f"the checkpoint save of step {self.step}"):
                             self._save_numbered(metrics)
-                    except RuntimeError as err:
-                        self._raise_if_peer_died(err)  # named, as in a step
+                    except Exception as err:
+                        self._failed(err)  # named, as in a step
                         raise
                 if stop.agreed() is not None:
                     break
@@ -421,8 +421,8 @@ class Fitting:
         try:
             with self._watching(f"the evaluation after step {self.step}"):
                 return evaluation.run(self, self.step)
-        except RuntimeError as err:
-            self._raise_if_peer_died(err)
+        except Exception as err:
+            self._failed(err)
             raise
 
     def _record_step(self, batch: Any, metrics: dict[str, torch.Tensor], *, step_time: float,

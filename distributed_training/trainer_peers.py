@@ -1,6 +1,7 @@
 """The trainer's watch over its peers (`DistributedTrainer`'s part for it): the heartbeat and `PeerWatch`
-started at the first step, the collectives of a step run under the watch, an error from a dead peer
-turned into `PeerFailureError`, and NCCL collectives aborted when the watcher finds a peer dead."""
+started at the first step, the collectives of a step run under the watch, an error from a dead (or failed)
+peer turned into `PeerFailureError`, this rank's own error published for its peers, and NCCL collectives
+aborted when the watcher finds a peer dead or failed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 
 from .hangs import _store as _default_store, is_timeout
 from .peer_watch import PeerFailureError, PeerWatch, looks_like_peer_loss
+from .pipeline.p2p import PipelineAborted
 
 __all__ = ["PeerWatching"]
 
@@ -34,6 +36,20 @@ class PeerWatching:
             self._watch = PeerWatch(store, self.context.rank, self.context.world_size, timeout,
                                     exit_after=exit_after, on_failure=self._abort_collectives).start()
         return self._watch
+
+    def _failed(self, err: Exception) -> None:
+        """The job's collectives (a step, an evaluation, a checkpoint save) raised `err` on this rank. Raise
+        `PeerFailureError` if a peer's death or error caused it (`_raise_if_peer_died`). Else, if it is
+        this rank's own error (not a timeout or a closed connection, which a peer causes), publish it
+        (`PeerWatch.publish_error`): the peers, left inside collectives this rank will not join, then
+        raise an error naming this rank and its error rather than gloo's nameless "connection closed",
+        and on NCCL they are woken instead of waiting for the collective timeout."""
+        if isinstance(err, RuntimeError):
+            self._raise_if_peer_died(err)
+        watch = self._watch
+        if (watch is not None and watch.failure is None and not looks_like_peer_loss(err)
+                and not isinstance(err, (PeerFailureError, PipelineAborted))):
+            watch.publish_error(err)
 
     def _raise_if_peer_died(self, err: RuntimeError) -> None:
         """Raise `PeerFailureError` (from `err`) if `err` came from a dead peer, as the watcher finds.

@@ -84,8 +84,8 @@ class Stepping:
                 metrics = self._train_step(batch, criterion)
             self._step_failed = False
             return metrics
-        except RuntimeError as err:
-            self._raise_if_peer_died(err)
+        except Exception as err:
+            self._failed(err)  # a peer's failure named; this rank's own error told to the peers
             if is_timeout(err):
                 raise CollectiveTimeoutError(diagnose_timeout(self.context, self.step, err)) from err
             raise
