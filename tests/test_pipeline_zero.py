@@ -104,15 +104,18 @@ def test_zero_inside_stages_matches_one_process(kind, strategy, schedule, microb
 UNEVEN_ROWS = [(2, 14), (8, 8), (13, 3)]
 
 
-def uneven_replicas_worker(rank, world, schedule):
+def uneven_replicas_worker(rank, world, schedule, host_group):
     """ZeRO-3 at P=2 x DP=2 with replicas whose batches differ in rows (as `fit` gives them at an epoch's
     end): the replicas must run as many microbatches as each other, since ZeRO-3 gathers each stage's
-    parameters over the data group in every microbatch; one process on the whole batch is the reference."""
+    parameters over the data group in every microbatch; one process on the whole batch is the reference.
+    `host_group`: they agree over the gloo groups the trainer builds for it on NCCL (`rows_group`)."""
     base = _model("mlp")
     reference = copy.deepcopy(base)
     ref_opt = _sgd(reference.parameters())
     trainer = DistributedTrainer(copy.deepcopy(base), _sgd, strategy="zero3", pipeline_parallel_size=2,
                                  pipeline_schedule=schedule, microbatches=4, progress=False)
+    if host_group:
+        trainer.strategy.engine.rows_group = trainer.strategy._gloo_data_group(trainer.context)
     worst, losses = [], []
     for step, counts in enumerate(UNEVEN_ROWS):
         x, y = _batch("mlp", step, sum(counts))
@@ -125,11 +128,11 @@ def uneven_replicas_worker(rank, world, schedule):
     return worst, losses
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
-def test_zero3_replicas_with_uneven_batches_match_one_process(schedule):
+@pytest.mark.parametrize("schedule, host_group", [("1f1b", False), ("interleaved_1f1b", True)])
+def test_zero3_replicas_with_uneven_batches_match_one_process(schedule, host_group):
     """Was a hang (or gloo's "collective mismatch" abort): the short replica ran fewer microbatches,
     so fewer gathers, than the other."""
-    results = run_distributed(uneven_replicas_worker, 4, args=(schedule,), timeout=120)
+    results = run_distributed(uneven_replicas_worker, 4, args=(schedule, host_group), timeout=120)
     worst = results[0][0]
     assert len(worst) == len(UNEVEN_ROWS) and max(worst) <= TOL, f"parameters differ from one process by {worst}"
     for rank, (_, losses) in enumerate(results):

@@ -180,6 +180,10 @@ class PipelineEngine:
         #: Whether the replicas must run as many microbatches as each other (the trainer sets it where the
         #: data-parallel strategy gathers the stage's parameters in each microbatch's forward: FSDP / ZeRO-3).
         self.lockstep_replicas = False
+        #: Where the replicas agree on that: a CPU (gloo) group over this rank's data-parallel group (the
+        #: trainer sets it on NCCL), so that reading the agreement back never waits for the GPU's queue;
+        #: None: `data_group` on `device`.
+        self.rows_group = None
 
     def _forward(self, chunk: int, stage: int, x: Any, mb: int = 0) -> Any:
         if stage > 0 and self._copy_input[chunk] and isinstance(x, torch.Tensor) and x.requires_grad:
@@ -225,7 +229,10 @@ class PipelineEngine:
             # FSDP's per-microbatch gathers pair up over the data-parallel group only if every replica
             # runs as many microbatches: a replica's short batch shortens the others' schedules too
             # (their rows spread over fewer microbatches; the loss weights stay each row's share).
-            total = _fewest_rows(total, self.data_group, self.device)
+            if self.rows_group is not None:
+                total = _fewest_rows(total, self.rows_group, torch.device("cpu"))
+            else:
+                total = _fewest_rows(total, self.data_group, self.device)
         m = self.microbatches if total >= self.microbatches else total
         if m < self.microbatches and self.schedule == "interleaved_1f1b" and m >= self.pipe_size:
             m -= m % self.pipe_size
