@@ -60,8 +60,10 @@ class PeerWatching:
         watch = self._watch
         if getattr(err, "names_lost_peer", False):
             return  # e.g. the parameter server's WorkerLostError (sync): it names the dead worker, raised as it is
-        if watch is None or (watch.failure is None and not looks_like_peer_loss(err)):
-            return  # after a failure was found, any error is its consequence (an aborted NCCL group's too)
+        if watch is None or (not looks_like_peer_loss(err) and (watch.failure is None or watch.failure.error)):
+            # After a peer's death any error is its consequence (an aborted NCCL group's too); after a peer's
+            # own error, only those of a lost peer: this rank may have raised the same error itself.
+            return
         failure = watch.verdict(wait=0 if is_timeout(err) else None)
         if failure is not None:
             watch.acknowledge()

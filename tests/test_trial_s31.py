@@ -30,8 +30,12 @@ def test_zero1_over_a_model_without_parameters_builds_the_factorys_optimizer():
     assert run_distributed(parameterless_zero1_worker, 2, timeout=60) == [("SGD", 0.05)] * 2
 
 
-def raising_rank_worker(rank, world, strategy, stages):
-    """The last rank's criterion raises in the second step; the others' steps wait for it in a collective."""
+def raising_rank_worker(rank, world, strategy, stages, everyone=False):
+    """The last rank's criterion raises in the second step; the others' steps wait for it in a collective.
+    `everyone`: every rank raises the same RuntimeError there, rank 0 first and the others a watcher's
+    period later (after adopting rank 0's record)."""
+    import time
+
     from distributed_training.trainer import PeerFailureError
 
     trainer = DistributedTrainer(
@@ -39,6 +43,9 @@ def raising_rank_worker(rank, world, strategy, stages):
         strategy=strategy, progress=False, pipeline_parallel_size=stages, microbatches=2 if stages > 1 else 1)
 
     def criterion(out, y):
+        if everyone and trainer.step == 1:
+            time.sleep(2.5 if rank else 0)
+            raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied on rank {rank}")
         if rank == world - 1 and trainer.step == 1:
             raise ValueError("a label out of range on this rank")
         return torch.nn.functional.mse_loss(out, y)
@@ -71,3 +78,11 @@ def test_a_rank_whose_step_raises_is_named_with_its_error_by_the_peers_waiting_f
         assert kind == "peer" and peer == world - 1, (rank, kind, said)
         assert "a label out of range on this rank" in error and f"peer rank {world - 1}" in said, said
     assert sum(kind == "peer" for kind, *_ in results) >= world - 2
+
+
+def test_ranks_that_raise_the_same_error_each_raise_their_own():
+    """A rank that adopted a peer's published error and then raised one of its own (every rank's batch was
+    bad alike) raises its own error, not the peer's."""
+    results = run_distributed(raising_rank_worker, 2, args=("ddp", 1, True), timeout=90)
+    assert [(kind, said) for kind, _, _, said in results] == [
+        ("RuntimeError", f"mat1 and mat2 shapes cannot be multiplied on rank {rank}") for rank in range(2)], results
