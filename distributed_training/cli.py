@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("config", nargs="?", help="the job's YAML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override one config field (repeatable), e.g. --set training.lr=3e-4")
+                   help="override one config field (repeatable), e.g. --set training.lr=3e-4; a whole section "
+                        "(--set 'training={strategy: zero3, lr: 3e-4}') is merged into the file's")
     p.add_argument("--print-config", action="store_true", help="print the effective config as YAML and exit")
     p.add_argument("--no-resume", action="store_true",
                    help="start from step 0 even if checkpoint.dir holds checkpoints (they are moved into "

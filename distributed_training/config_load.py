@@ -153,15 +153,20 @@ def load_config(source: str | dict, overrides: list[str] | None = None) -> JobCo
         node = raw
         parts = key.split(".")
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if node is None:
-                node = raw[part] = {}
+            if node.get(part) is None:  # absent, or null in the file (as --print-config writes empty fields)
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
         try:
-            node[parts[-1]] = parse_yaml(text)
+            value = parse_yaml(text)
         except yaml.YAMLError as err:
             raise ConfigError(f"override {item!r}: the value is not valid YAML: {err}") from None
+        if len(parts) == 1 and isinstance(value, dict) and isinstance(node.get(key), dict):
+            # A whole section (--set "training={strategy: zero3}"): merged into the file's, whose other
+            # fields stay, not replaced by the section's defaults.
+            value = {**node[key], **value}
+        node[parts[-1]] = value
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as err:

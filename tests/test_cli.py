@@ -110,6 +110,15 @@ def test_overrides_and_defaults(tmp_path):
     assert (cfg.training.batch_size, cfg.training.global_batch_size) == (16, 64)
     with pytest.raises(ConfigError, match="--set training.batch_size=null drops"):
         load_config({"training": {"batch_size": 8, "global_batch_size": 64}})
+    # A field under a section that is null in the file (as --print-config writes an empty one) is set
+    # there (was "unknown field target": the empty section went to the top level).
+    cfg = load_config({"evaluation": {"every": 10, "target": None}, "model": {"target": "torch.nn:Linear", "kwargs": None}},
+                      ["evaluation.target.val_loss=3.0", "model.kwargs.in_features=2"])
+    assert cfg.evaluation.target == {"val_loss": 3.0} and cfg.model.kwargs == {"in_features": 2}
+    # A whole section from the command line is merged into the file's (was: replaced, the file's other
+    # fields back at their defaults, silently).
+    cfg = load_config(str(path), ["training={strategy: ddp, max_steps: 3}"])
+    assert (cfg.training.strategy, cfg.training.lr, cfg.training.max_steps) == ("ddp", 0.01, 3)
 
 
 def test_help_and_print_config(warm_python):
