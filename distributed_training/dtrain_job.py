@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from .config import ConfigError, JobConfig, training_paths
+from .global_batch import plan_global_batch
 from .logs import get_logger
+from .tensor.strategy import _builtin_plan
 from .validation import job_best_checkpoint, job_final_metrics, job_fit_evaluation, job_results
 
 __all__ = ["run_job"]
@@ -86,6 +88,11 @@ def run_job(cfg: JobConfig) -> dict:
     pipelined = t.pipeline_parallel_size > 1
     _check_world(cfg, model, world)
     replicas = max(1, (world - (t.num_servers if served else 0)) // (t.pipeline_parallel_size * t.tensor_parallel_size))
+    if t.global_batch_size is not None and not t.allow_global_batch_change:
+        try:  # what fit() would refuse on every rank once the model is built, said once before it
+            plan_global_batch(t.global_batch_size, replicas, others=t.pipeline_parallel_size * t.tensor_parallel_size)
+        except ValueError as err:
+            raise ConfigError(f"training.global_batch_size: {err}") from None
     optimizer, lr_scheduler = job_optimizer(
         cfg, model, total_steps=schedule_steps(cfg, train, replicas, user_job.is_iterable(train), _resume_meta(cfg)))
     try:
@@ -228,6 +235,10 @@ def _check_world(cfg: JobConfig, model: nn.Module, world: int) -> None:
         per_replica = t.tensor_parallel_size * t.pipeline_parallel_size
         raise ConfigError(f"training.tensor_parallel_size={t.tensor_parallel_size}{with_pipeline} does not divide the "
                           f"world size {world}: run a multiple of {per_replica} processes (torchrun --nproc_per_node)")
+    if t.tensor_parallel_size > 1 and t.tensor_parallel_plan is None and _builtin_plan(model) is None:
+        raise ConfigError(f"training.tensor_parallel_size={t.tensor_parallel_size} needs training.tensor_parallel_plan "
+                          f"for a {type(model).__name__} (module-name pattern -> colwise | rowwise | vocab | sequence | "
+                          "replicate; see docs/tensor_parallel.md): only our GPT has a built-in plan")
     c = cfg.communication
     if c.hierarchical and c.ranks_per_node is not None and world % c.ranks_per_node:
         raise ConfigError(f"communication.ranks_per_node={c.ranks_per_node} does not divide the world size {world} "

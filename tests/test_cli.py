@@ -719,6 +719,14 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_world_is_a_config_error
                   "training": {"strategy": "ddp", "pipeline_parallel_size": 2, "pipeline_cuda_graphs": True}},
                  r"^training\.pipeline_cuda_graphs needs CUDA devices",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+    # (each was a ValueError traceback from every rank once the model was built)
+    ({"model": {"preset": "tiny"}, "training": {"batch_size": None, "global_batch_size": 5}},
+     r"^training\.global_batch_size: global_batch_size=5 cannot be split evenly over 2 data-parallel replicas"),
+    ({"model": {"target": "examples.user_model:SmallConvNet"},
+      "data": {"target": "examples.user_model:Digits", "kwargs": {"split": "train"}, "val_kwargs": {"split": "val"},
+               "collate": "examples.user_model:collate"},
+      "training": {"tensor_parallel_size": 2}},
+     r"^training\.tensor_parallel_size=2 needs training\.tensor_parallel_plan for a SmallConvNet"),
 ])
 def test_what_the_world_or_machine_cannot_run_is_a_config_error(monkeypatch, raw, field):
     """Said before any rendezvous as one line naming the field (each was a traceback per rank)."""
