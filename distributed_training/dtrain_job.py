@@ -17,7 +17,8 @@ from .config import ConfigError, JobConfig, training_paths
 from .global_batch import plan_global_batch
 from .logs import get_logger
 from .tensor.strategy import _builtin_plan
-from .validation import job_best_checkpoint, job_final_metrics, job_fit_evaluation, job_results
+from .validation import (check_classifier_targets, job_best_checkpoint, job_final_metrics, job_fit_evaluation,
+                         job_results)
 
 __all__ = ["run_job"]
 
@@ -81,6 +82,15 @@ def run_job(cfg: JobConfig) -> dict:
 
     _check_paths(cfg)
     model, train, val, criterion = _build(cfg)
+    if cfg.evaluation.every is not None and not len(val):  # (your own data: known once it is built)
+        raise ConfigError("evaluation.every needs a validation set, and this job's is empty: give data.val_target "
+                          "(or data.val_kwargs), or data.val_fraction > 0 of a map-style training set large enough "
+                          "to leave a sample")
+    if cfg.evaluation.metrics is not None and len(val):
+        try:  # (failed at the first evaluation, after training)
+            check_classifier_targets(val, cfg.evaluation.metrics, parameter="evaluation.metrics")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     n_params = sum(p.numel() for p in model.parameters())  # before a sharded strategy moves them into its shards
     t = cfg.training
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # checked before the rendezvous: torchrun's value
@@ -167,11 +177,15 @@ def run_job(cfg: JobConfig) -> dict:
                         **job_fit_evaluation(cfg, val_data),
                         on_step=_step_logger(trainer) if ctx.is_main else None)
         except ValueError as err:
-            if not str(err).startswith("eval_target names"):
-                raise
             # Metrics read from the data (evaluation.metrics not given): known only now, on every rank alike.
-            raise ConfigError(f"evaluation.target {str(err).removeprefix('eval_target ')}: name one of those, or list "
-                              "the metric in evaluation.metrics") from None
+            said = str(err)
+            if said.startswith("eval_target names"):
+                raise ConfigError(f"evaluation.target {said.removeprefix('eval_target ')}: name one of those, or "
+                                  "list the metric in evaluation.metrics") from None
+            if said.startswith("best_metric="):
+                raise ConfigError(f"evaluation.{said}: name one of those, or list the metric in evaluation.metrics"
+                                  ) from None
+            raise
         watch.report(getattr(trainer, "data_wait_s", None))
         metrics = _final_metrics(cfg, trainer, val, val_data, criterion, trainer.batch_size or batch_size)
         _write_outputs(cfg, trainer, metrics)
@@ -286,7 +300,11 @@ def _write_outputs(cfg: JobConfig, trainer, metrics: dict) -> None:
     """Say how the run ended; rank 0 writes the final model (`output`) and the run's COMPLETED marker."""
     state = trainer.strategy.model_state_dict(trainer.model)  # collective: every rank
     extra = "".join(f", {k} {v:.4g}" for k, v in metrics.items() if k not in ("loss", "val_loss", "val_samples"))
-    log.info("dtrain: finished at step %d, validation loss %.4f%s", trainer.step, metrics.get("loss", math.nan), extra)
+    if "loss" in metrics:
+        log.info("dtrain: finished at step %d, validation loss %.4f%s", trainer.step, metrics["loss"], extra)
+    else:  # (was "validation loss nan")
+        log.info("dtrain: finished at step %d (no validation set: data.val_target, or data.val_fraction > 0 of a "
+                 "map-style training set, gives one)", trainer.step)
     # One writer (a parameter server's servers train nothing and hold the same model).
     if trainer.context.is_main and trainer.strategy.trains:
         if cfg.output:

@@ -155,6 +155,7 @@ class Fitting:
             evaluation = PeriodicEvaluation(eval_dataset, eval_every, 1 if eval_batch_size is None else eval_batch_size,
                                             eval_metrics, criterion, eval_target)
         self.evaluation = evaluation
+        self._best_checked = self._check_best_metric(evaluation)  # (a training metric: at the first step)
         if not self.strategy.trains:  # a parameter server's server: it serves the workers' fit
             # A signal (torchrun's SIGTERM reaches every rank) waits until the workers, which stop on it,
             # have left: a server that died at once would fail their last pulls.
@@ -364,6 +365,8 @@ class Fitting:
                 now = time.perf_counter()
                 self.data_wait_s += fetched - last_end
                 metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - last_end)
+                if not self._best_checked:  # (against what the checkpoints record)
+                    self._best_checked = self._check_best_metric(evaluation, metrics)
                 last_end = now
                 loss_sum = metrics["loss"] if loss_sum is None else loss_sum + metrics["loss"]
                 steps += 1
@@ -415,6 +418,29 @@ class Fitting:
         if stop.signal is not None:
             self._stop_on_signal(stop.signal, metrics, bool(stop.received))
         return history
+
+    def _check_best_metric(self, evaluation: PeriodicEvaluation | None, metrics: dict | None = None) -> bool:
+        """Refuse a `best_metric` that this fit never records (it kept no best checkpoint, silently, while
+        `keep_last` pruned the others): an evaluation's value is checked before training, anything else
+        against the first step's metrics (the same names on every rank, so every rank raises alike).
+        Returns whether the check is done."""
+        best = self.checkpoints.best_metric if self.checkpoints is not None else None
+        evaluated = evaluation.keys if evaluation is not None else []
+        if best is None or best in evaluated:
+            return True
+        if best.startswith("val_"):
+            if evaluation is None:
+                raise ValueError(f"best_metric={best!r} is an evaluation's value: pass fit an eval_dataset (and "
+                                 "eval_every to evaluate during training)")
+            raise ValueError(f"best_metric={best!r} is none of the values the evaluation gives "
+                             f"({', '.join(evaluated)})")
+        if metrics is None:
+            return False  # a training metric: known after the first step
+        if best not in metrics:
+            also = f" and the evaluation's ({', '.join(evaluated)})" if evaluated else ""
+            raise ValueError(f"best_metric={best!r} is none of the values this fit records: train_step's "
+                             f"({', '.join(metrics)}){also}")
+        return True
 
     def _evaluate_now(self, evaluation: PeriodicEvaluation) -> dict[str, float]:
         """`evaluation` at this step, on every rank (a peer dying meanwhile is named, as in a step)."""

@@ -125,6 +125,30 @@ def auto_metrics(dataset: Any, criterion: Callable | None) -> tuple[str, ...]:
     return ()
 
 
+def check_classifier_targets(dataset: Any, names: Sequence[str], *, parameter: str = "eval_metrics") -> None:
+    """Refuse classifier metrics (``accuracy``, ``top<k>``) for a validation set whose first sample's target is
+    no class index (a float: a regression; a sequence: token ids), before training rather than at the
+    first evaluation. Samples that are not an (inputs, target) pair (a collate function's to shape) pass."""
+    wanted = [n for n in names if n == "accuracy" or n.startswith("top")]
+    if not wanted:
+        return
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001 - read at the first evaluation instead
+        return
+    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        return
+    target = sample[1]
+    if isinstance(target, float):
+        got = "a float"
+    elif torch.is_tensor(target) and (target.is_floating_point() or target.dim() > 0):
+        got = f"a {str(target.dtype).removeprefix('torch.')} tensor of shape {tuple(target.shape)}"
+    else:
+        return
+    raise ValueError(f"{parameter}: {wanted[0]} is for classifiers (one integer class per sample), but the validation "
+                     f"set's first target is {got}: leave it out (the loss is always evaluated)")
+
+
 class PeriodicEvaluation:
     """What `fit` evaluates, how often, and what it does with the results (log, monitor, keep-best).
 
@@ -163,6 +187,7 @@ class PeriodicEvaluation:
         else:
             self.names = auto_metrics(inner, criterion) if metrics == "auto" else tuple(metrics)
             self.functions, self.perplexity = metric_functions(list(self.names))
+            check_classifier_targets(inner, self.names)
         if self.functions and criterion is None:
             raise ValueError(f"eval_metrics {list(self.functions)} are computed from (outputs, targets): they need "
                              "a criterion (a model that computes its own loss gets val_loss and val_perplexity)")

@@ -737,9 +737,16 @@ def test_what_the_world_or_machine_cannot_run_is_a_config_error(monkeypatch, raw
         cli.run_job(load_config(raw))
 
 
-def test_an_evaluation_target_the_data_does_not_give_is_a_config_error():
-    """With metrics read from the data (evaluation.metrics not given), a target naming another metric is
-    known only at the start of fit: still an invalid config naming the field, exit 2 (it was a traceback)."""
+@pytest.mark.parametrize("field, said", [
+    ("evaluation.target={val_accuracy: 0.5}", "invalid config: evaluation.target names 'val_accuracy'"),
+    # (was silently ignored: no best checkpoint kept while keep_last pruned the others)
+    ("evaluation.best_metric=val_accuracy", "invalid config: evaluation.best_metric='val_accuracy' is none of the "
+                                            "values the evaluation gives (val_loss, val_samples)"),
+])
+def test_an_evaluation_value_the_data_does_not_give_is_a_config_error(tmp_path, field, said):
+    """With metrics read from the data (evaluation.metrics not given), a target or a best checkpoint's metric
+    naming another metric is known only at the start of fit: still an invalid config naming the field, exit
+    2 (it was a traceback, or nothing)."""
     import logging
 
     from distributed_training.cli import main
@@ -751,12 +758,12 @@ def test_an_evaluation_target_the_data_does_not_give_is_a_config_error():
     get_logger().addHandler(handler)
     try:
         code = main([str(REPO / "examples/configs/user_model.yaml"), "--set", "evaluation.metrics=null", "--set",
-                     "evaluation.target={val_accuracy: 0.5}", "--set", "training.max_steps=12", "--set",
-                     "checkpoint.dir=null", "--set", "checkpoint.every=null", "--set", "evaluation.best_metric=null"])
+                     "evaluation.target=null", "--set", "evaluation.best_metric=null", "--set", field, "--set",
+                     "training.max_steps=12", "--set", f"checkpoint.dir={tmp_path}", "--set", "checkpoint.every=null"])
     finally:
         get_logger().removeHandler(handler)
     assert code == 2
-    assert any("invalid config: evaluation.target names 'val_accuracy'" in m for m in seen), seen
+    assert any(said in m for m in seen), seen
 
 
 @pytest.mark.slow
@@ -874,3 +881,47 @@ def test_a_log_step_is_one_line_when_the_progress_is_plain_lines(choice_jobs):
     progress = [line for line in out.splitlines() if re.match(r"^step \d+/6 \(\d+%\)", line)]
     assert len(progress) >= 3 and all("| loss " in line for line in progress[1:]), out[-3000:]
     assert not re.search(r"^step +\d+ \| loss", out, re.M), out[-3000:]  # rank 0's lines: this job's part
+
+
+def test_a_job_without_a_validation_set_says_so_and_classifier_metrics_need_class_targets(tmp_path):
+    """Your own data without a validation set ended with "validation loss nan", and with evaluation.every
+    evaluated 0 samples every time (best.json kept NaN); classifier metrics on a regression's float targets
+    failed at the first evaluation, after training, with a traceback per rank."""
+    import logging
+
+    from distributed_training.cli import main
+    from distributed_training.logs import get_logger
+
+    (tmp_path / "regression.py").write_text(
+        "import torch\n\nclass Points(torch.utils.data.Dataset):\n    def __len__(self):\n        return 16\n\n"
+        "    def __getitem__(self, i):\n        g = torch.Generator().manual_seed(i)\n"
+        "        return torch.randn(4, generator=g), torch.randn((), generator=g)\n\n"
+        "def model():\n    return torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Flatten(0))\n")
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"target": "regression:model"}, "data": {"target": "regression:Points", "val_fraction": 0},
+        "loss": {"target": "torch.nn:MSELoss"}, "training": {"max_steps": 2, "batch_size": 4},
+        "logging": {"progress": False, "dir": None}, "checkpoint": {"dir": None}, "output": None}))
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    level = get_logger().level
+    get_logger().addHandler(handler)
+    get_logger().setLevel(logging.INFO)
+    try:
+        trained = main([str(config)])
+        said_trained = list(seen)
+        every = main([str(config), "--set", "evaluation.every=1"])
+        said_every = seen[len(said_trained):]
+        accuracy = main([str(config), "--set", "data.val_fraction=0.25", "--set", "evaluation.metrics=[accuracy]"])
+        said_accuracy = seen[len(said_trained) + len(said_every):]
+    finally:
+        get_logger().removeHandler(handler)
+        get_logger().setLevel(level)
+    assert trained == 0 and any("dtrain: finished at step 2 (no validation set" in m for m in said_trained), seen
+    assert not any("nan" in m for m in said_trained), said_trained
+    assert every == 2 and any("invalid config: evaluation.every needs a validation set, and this job's is empty" in m
+                              for m in said_every), said_every
+    assert accuracy == 2 and any(
+        "invalid config: evaluation.metrics: accuracy is for classifiers (one integer class per sample), but the "
+        "validation set's first target is a float32 tensor of shape ()" in m for m in said_accuracy), said_accuracy

@@ -196,7 +196,7 @@ def error_worker(rank, world):
             messages.append(None)
         except ValueError as err:
             messages.append(str(err))
-    # A regression target with a classifier's metric: named when the metric meets it.
+    # A regression target with a classifier's metric: named before training (it was at the first evaluation).
     regression = TensorDataset(torch.randn(4, FEATURES), torch.randn(4, CLASSES))
     try:
         trainer.fit(regression, criterion=F.mse_loss, batch_size=2, max_steps=2, eval_dataset=regression,
@@ -228,7 +228,7 @@ def test_bad_evaluation_arguments_are_named():
     assert "eval_metrics" in messages[2] and "'acc'" in messages[2]
     assert "eval_batch_size" in messages[3]
     assert "eval_dataset must be a map-style Dataset" in messages[4]
-    assert "'accuracy' is for classifiers" in messages[5]
+    assert "eval_metrics: accuracy is for classifiers" in messages[5] and "float32 tensor of shape (7,)" in messages[5]
     assert messages[6] == ["seconds", "step", "val_loss", "val_samples"]
     assert "eval_target" in messages[7] and "eval_dataset" in messages[7]
     assert "'val_acc'" in messages[8] and "val_accuracy" in messages[8]

@@ -86,3 +86,53 @@ def test_ranks_that_raise_the_same_error_each_raise_their_own():
     results = run_distributed(raising_rank_worker, 2, args=("ddp", 1, True), timeout=90)
     assert [(kind, said) for kind, _, _, said in results] == [
         ("RuntimeError", f"mat1 and mat2 shapes cannot be multiplied on rank {rank}") for rank in range(2)], results
+
+
+def best_metric_worker(rank, world, directory):
+    """fit with a checkpoint directory and `best_metric`: what it says for each name."""
+    import os
+
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 3, (32,)))
+    said = {}
+    for k, (best, evaluate) in enumerate([("val_acc", True), ("val_accuracy", False), ("los", False),
+                                          ("loss", False), ("val_accuracy", True)]):
+        path = os.path.join(directory, str(k))
+        trainer = DistributedTrainer(nn.Linear(4, 3), lambda params: torch.optim.SGD(params, lr=0.1), progress=False,
+                                     checkpoint_dir=path, checkpoint_every=2, keep_last=1, best_metric=best,
+                                     best_mode="min" if best == "loss" else "max")
+        evaluation = {"eval_dataset": data, "eval_every": 2, "eval_metrics": ["accuracy"]} if evaluate else {}
+        try:
+            trainer.fit(data, criterion=torch.nn.functional.cross_entropy, batch_size=8, max_steps=4, **evaluation)
+            said[best, evaluate] = ("trained", trainer.step, os.path.isfile(os.path.join(path, "best.json")))
+        except ValueError as err:
+            said[best, evaluate] = ("refused", trainer.step, str(err))
+        finally:
+            trainer.close()
+    # Classifier metrics on a regression's float targets: refused before training (it failed at the first
+    # evaluation).
+    points = TensorDataset(torch.randn(16, 4), torch.randn(16))
+    trainer = DistributedTrainer(nn.Linear(4, 1), lambda params: torch.optim.SGD(params, lr=0.1), progress=False)
+    try:
+        trainer.fit(points, criterion=torch.nn.functional.mse_loss, batch_size=8, max_steps=4, eval_dataset=points,
+                    eval_every=2, eval_metrics=["accuracy"])
+        said["accuracy"] = ("trained", trainer.step, "")
+    except ValueError as err:
+        said["accuracy"] = ("refused", trainer.step, str(err))
+    finally:
+        trainer.close()
+    return said
+
+
+def test_a_best_metric_that_fit_never_records_is_refused(tmp_path):
+    """`best_metric="val_acc"` (a typo) kept no best checkpoint, silently, while keep_last pruned the
+    others. An evaluation's name is checked before training; a training metric's after the first step."""
+    said = run_distributed(best_metric_worker, 1, args=(str(tmp_path),), timeout=90)[0]
+    assert said["val_acc", True][:2] == ("refused", 0), said
+    assert "(val_loss, val_accuracy, val_samples)" in said["val_acc", True][2], said
+    assert said["val_accuracy", False][:2] == ("refused", 0) and "eval_dataset" in said["val_accuracy", False][2]
+    assert said["los", False][:2] == ("refused", 1) and "train_step's (loss, lr" in said["los", False][2], said
+    assert said["loss", False] == ("trained", 4, True) and said["val_accuracy", True] == ("trained", 4, True), said
+    assert said["accuracy"][:2] == ("refused", 0) and "eval_metrics: accuracy is for classifiers" in said["accuracy"][2]
