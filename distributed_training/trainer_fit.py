@@ -167,6 +167,10 @@ class Fitting:
         self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
         self._fit_global_batch = plan is not None and "pipeline_parallel_size" not in self.config
         resumed_from = self._resume_or_start_fresh()
+        if resumed_from is None and self.step == 0 and self.context.is_main and self.monitor.found_earlier_records:
+            log.warning("%s holds an earlier run's logs: this run's, from step 0, are appended to them (TensorBoard "
+                        "draws both on one curve; the plot tool keeps the last run). Give another log_dir (dtrain: "
+                        "logging.dir) to keep them apart", self.monitor.log_dir)
         if resumed_from is not None and (self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)):
             if self.context.is_main:
                 log.info("training is already complete at step %d (%s): nothing to do (to train further, raise "

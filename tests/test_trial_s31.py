@@ -136,3 +136,36 @@ def test_a_best_metric_that_fit_never_records_is_refused(tmp_path):
     assert said["los", False][:2] == ("refused", 1) and "train_step's (loss, lr" in said["los", False][2], said
     assert said["loss", False] == ("trained", 4, True) and said["val_accuracy", True] == ("trained", 4, True), said
     assert said["accuracy"][:2] == ("refused", 0) and "eval_metrics: accuracy is for classifiers" in said["accuracy"][2]
+
+
+def earlier_logs_worker(rank, world, directory):
+    """Three fits over one log_dir: the first, a resumed one, and one with resume=False (started over)."""
+    import logging
+    import os
+
+    from torch.utils.data import TensorDataset
+
+    from distributed_training.logs import get_logger
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    get_logger().addHandler(handler)
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 2))
+    said = []
+    for resume, steps in ((True, 2), (True, 4), (False, 2)):
+        del seen[:]
+        trainer = DistributedTrainer(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1), progress=False,
+                                     log_dir=os.path.join(directory, "runs"), log_every=1, resume=resume,
+                                     checkpoint_dir=os.path.join(directory, "ckpt"), checkpoint_every=2)
+        trainer.fit(data, criterion=torch.nn.functional.mse_loss, batch_size=4, max_steps=steps)
+        trainer.close()
+        said.append([m for m in seen if "earlier run's logs" in m])
+    return said
+
+
+def test_a_run_started_over_on_an_earlier_runs_logs_says_they_mix(tmp_path):
+    """resume=False (dtrain --no-resume) set the checkpoints aside but appended the new run's records to the
+    old ones without a word (TensorBoard drew both runs on one curve)."""
+    first, resumed, over = run_distributed(earlier_logs_worker, 1, args=(str(tmp_path),), timeout=90)[0]
+    assert first == [] and resumed == [] and len(over) == 1 and "logging.dir" in over[0], (first, resumed, over)

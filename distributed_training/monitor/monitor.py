@@ -193,6 +193,10 @@ class Monitor:
         self.straggler_threshold = float(straggler_threshold)
         self.rank_dir = os.path.join(self.log_dir, f"rank_{self.rank}")
         os.makedirs(self.rank_dir, exist_ok=True)
+        records = os.path.join(self.rank_dir, "metrics.jsonl")
+        #: Whether this rank's directory held an earlier run's records when this monitor opened it (its own
+        #: are appended to them).
+        self.found_earlier_records = os.path.isfile(records) and os.path.getsize(records) > 0
 
         # Cluster view: one all-gather of the mean step time on every log step.
         self._cluster_on = initialised and self.world_size > 1 and bool(cluster_view)

@@ -16,6 +16,7 @@ class NullMonitor:
     """
 
     progress_lines = False
+    found_earlier_records = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
