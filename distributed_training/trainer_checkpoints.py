@@ -311,9 +311,10 @@ class Checkpointing(BackgroundCheckpointing):
                 "dtrain --no-resume)")
         saved_optimizer = (meta.get("config") or {}).get("optimizer")
         if saved_optimizer is not None and saved_optimizer != self.config["optimizer"]:
-            raise CheckpointMismatchError(f"checkpoint {path!r} holds the state of a {saved_optimizer} optimizer, and this trainer's "
-                             f"is a {self.config['optimizer']}: optimizer state cannot carry over to another class "
-                             "(start a new run: another checkpoint directory, or resume=False)")
+            raise CheckpointMismatchError(
+                f"checkpoint {path!r} holds the state of a {saved_optimizer} optimizer, and this trainer's optimizer "
+                f"is {self.config['optimizer']}: optimizer state cannot carry over to another class (start a new run: "
+                "another checkpoint directory, or resume=False)")
         old_world = int(meta["world_size"])
         cache: dict[int, dict] = {}
 

@@ -56,11 +56,13 @@ def main() -> None:
     with DistributedTrainer(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr), strategy=args.strategy,
                             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every) as trainer:
         before = trainer.evaluate(val, F.cross_entropy, batch_size=128, metrics={"accuracy": accuracy})
-        trainer.fit(train, epochs=args.epochs, criterion=F.cross_entropy, batch_size=args.batch_size,
-                    max_steps=args.max_steps)
+        history = trainer.fit(train, epochs=args.epochs, criterion=F.cross_entropy, batch_size=args.batch_size,
+                              max_steps=args.max_steps)
         after = trainer.evaluate(val, F.cross_entropy, batch_size=128, metrics={"accuracy": accuracy})
+        resumed_at = trainer.step - sum(epoch["steps"] for epoch in history)  # fit loaded a checkpoint of this step
         if trainer.context.is_main:
-            print(f"world size {trainer.context.world_size}, strategy {args.strategy}, {trainer.step} steps")
+            print(f"world size {trainer.context.world_size}, strategy {args.strategy}, {trainer.step} steps"
+                  + (f" (resumed at step {resumed_at}; 'before' is the model as built)" if resumed_at else ""))
             print(f"validation loss {before['loss']:.4f} -> {after['loss']:.4f}, "
                   f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")
 

@@ -266,6 +266,7 @@ def test_digits_example_resumes_a_zero3_run_under_ddp_on_one_process(digits_runs
                                         "--checkpoint-dir", ckpt])
     assert code == 0, out[-3000:]
     assert "resumed from step 20" in out and "strategy: zero3 -> ddp" in out and "30 steps" in out, out[-3000:]
+    assert "30 steps (resumed at step 20; 'before' is the model as built)" in out, out[-3000:]
 
 
 # ------------------------------------------------------------------ config errors under torchrun

@@ -169,3 +169,14 @@ def test_a_run_started_over_on_an_earlier_runs_logs_says_they_mix(tmp_path):
     old ones without a word (TensorBoard drew both runs on one curve)."""
     first, resumed, over = run_distributed(earlier_logs_worker, 1, args=(str(tmp_path),), timeout=90)[0]
     assert first == [] and resumed == [] and len(over) == 1 and "logging.dir" in over[0], (first, resumed, over)
+
+
+def test_the_plot_counts_only_ranks_with_records(tmp_path):
+    """A rank whose file holds no record (a relaunch that found the run complete) was counted: "wrote
+    run.png (2 rank(s))" with one line drawn."""
+    from distributed_training.monitor.plot import load_run
+
+    for rank, lines in ((0, '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'), (1, "")):
+        (tmp_path / f"rank_{rank}").mkdir()
+        (tmp_path / f"rank_{rank}" / "metrics.jsonl").write_text(lines)
+    assert list(load_run(tmp_path)) == [0]

@@ -70,7 +70,8 @@ def load_run(log_dir: str | os.PathLike) -> dict[int, list[dict]]:
                     while records and records[-1]["step"] >= record["step"]:
                         records.pop()  # a run restarted at this step: what came after it is superseded
                     records.append(record)
-        runs[rank] = records
+        if records:  # (a rank whose run logged no step: an empty file, not a series)
+            runs[rank] = records
     if restart is not None and isinstance(restart[1], (int, float)):
         step, started = restart
         for rank in [r for r in runs if r != 0]:
