@@ -273,6 +273,7 @@ class Mesh:
         self._coords = self.layout.coords(self._rank)
         self._table = _table if _table is not None else _GroupTable(group, world_size)
         self._table.create([members for dim in _ALL_DIMS for members in self.layout.groups(dim)])
+        self._host_groups: dict[str, dist.ProcessGroup | None] = {}
 
     # ------------------------------------------------------------ sizes, ranks, groups
     def size(self, dim: str | None = None) -> int:
@@ -292,6 +293,26 @@ class Mesh:
         over the whole job)."""
         _check_dim(dim)
         return self._table.get(self.layout.ranks_along(dim, self._rank), self._rank, dim)
+
+    def host_group(self, dim: str) -> dist.ProcessGroup | None:
+        """A CPU (gloo) group along `dim`, for agreeing on values the host holds (a batch's rows) without
+        waiting for the GPU's queue: `group(dim)` itself on a gloo job. On another backend the first call
+        creates the gloo groups of every group along `dim`, so every rank must make it at the same point."""
+        _check_dim(dim)
+        if dist.get_backend(self.group_of_mesh) == "gloo":
+            return self.group(dim)
+        if dim not in self._host_groups:
+            self._host_groups[dim] = self._new_host_groups(dim)
+        return self._host_groups[dim]
+
+    def _new_host_groups(self, dim: str) -> dist.ProcessGroup:
+        """New gloo groups over every group along `dim` (each rank creates all, in one order); this rank's."""
+        mine = None
+        for members in self.layout.groups(dim):
+            made = dist.new_group([global_rank(self.group_of_mesh, m) for m in members], backend="gloo")
+            if self._rank in members:
+                mine = made
+        return mine
 
     def ranks(self, dim: str) -> list[int]:
         """Mesh ranks of `group(dim)`'s members, in group-rank order."""

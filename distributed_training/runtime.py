@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from .mesh import Mesh
 
-__all__ = ["DistributedContext", "init_distributed", "DEFAULT_TIMEOUT", "collective_device", "launcher_ranks_per_node"]
+__all__ = ["DistributedContext", "init_distributed", "DEFAULT_TIMEOUT", "collective_device", "launcher_ranks_per_node",
+           "fewest"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -343,3 +344,11 @@ def init_distributed(
         # ("terminate called without an active exception", exit -6 instead of the script's own status).
         atexit.register(context.shutdown, barrier=False)  # a no-op once the context was shut down
     return context
+
+
+def fewest(value: int, group) -> int:
+    """The smallest of every rank's `value` in `group` (every rank of it calls this), over a CPU group
+    (`Mesh.host_group`): reading it back waits for the peers, never for a GPU."""
+    least = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
+    return int(least.item())

@@ -11,9 +11,10 @@ from typing import Any, Callable
 import torch
 
 from .amp import check_precision_argument
-from .batches import call_module, model_loss, split_batch, to_device
+from .batches import batch_size_of, call_module, model_loss, split_batch, to_device
 from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout
 from .loss_weights import StepWeights, counted, label_count
+from .runtime import fewest
 
 Criterion = Callable[[Any, Any], torch.Tensor]
 
@@ -97,7 +98,14 @@ class Stepping:
         criterion = self.strategy.loss_criterion(criterion)  # tensor parallelism: the vocabulary-parallel loss
         # A strategy that schedules forward and backward itself (a pipeline) runs the whole batch.
         loss_sum = self.strategy.forward_backward(self.model, batch, criterion, self.precision)
-        micro_batches = split_batch(batch, self.gradient_accumulation_steps) if loss_sum is None else []
+        parts = self.gradient_accumulation_steps
+        if (loss_sum is None and parts > 1 and self.strategy.collective_forward and self.dp_world_size > 1
+                and not self.context.independent):
+            # FSDP gathers parameters in every forward: the replicas must run as many micro-batches as each
+            # other, and a replica whose batch has fewer rows than `parts` (an epoch's short last batch)
+            # runs fewer. They agree on the fewest (each micro-batch's weight keeps the whole batch's loss).
+            parts = fewest(max(1, min(parts, batch_size_of(batch))), self.context.mesh.host_group("data"))
+        micro_batches = split_batch(batch, parts) if loss_sum is None else []
         # Each micro-batch's loss weighted so that the accumulated gradient is that of the whole batch's
         # loss, even when the batch does not split evenly or its micro-batches ignore different numbers of
         # targets (`loss_weights`). (One micro-batch: weight 1, and no kernel launched for it.)

@@ -181,7 +181,7 @@ def test_a_models_own_loss_from_labels_is_weighted_by_the_labels_it_keeps(loss_t
 CLASS_WEIGHTS = torch.tensor([1.0, 3.0, 0.5, 2.0])
 REPLICA_CRITERIA = {"ignore": F.cross_entropy, "sum": nn.CrossEntropyLoss(reduction="sum"),
                     "class_weights": nn.CrossEntropyLoss(weight=CLASS_WEIGHTS),
-                    "mse_uneven": F.mse_loss}
+                    "mse_uneven": F.mse_loss, "mse_one_row": F.mse_loss}
 
 
 def _replicas(rank, world, strategy, own_loss, accumulation, pipeline=1, criterion_name="ignore"):
@@ -200,9 +200,10 @@ def _replicas(rank, world, strategy, own_loss, accumulation, pipeline=1, criteri
         mine = {k: v[4 * r:4 * r + 4] for k, v in whole.items()}
     else:
         x, y = _data()
-        if criterion_name == "mse_uneven":  # float targets: a mean over rows
+        if criterion_name in ("mse_uneven", "mse_one_row"):  # float targets: a mean over rows
             y = F.one_hot(y.clamp(min=0), 4).float()
-        lo, hi = ((0, 6), (6, 8))[r] if criterion_name == "mse_uneven" else (4 * r, 4 * r + 4)
+        lo, hi = {"mse_uneven": ((0, 6), (6, 8)), "mse_one_row": ((0, 7), (7, 8))}.get(
+            criterion_name, ((0, 4), (4, 8)))[r]
         whole, mine = (x, y), (x[lo:hi], y[lo:hi])
     worst = 0.0
     for _ in range(3):
@@ -265,6 +266,15 @@ def test_label_count_sees_through_compile():
     batch = _labelled_batch()
     model = _HFLike(None)
     assert int(label_count(torch.compile(model), batch, 4)) == int(label_count(model, batch, 4)) == 2 * 1 + 2 * 5
+
+
+@pytest.mark.parametrize("strategy, accumulation", [("zero3", 2), ("fsdp", 3)])
+def test_sharded_replicas_with_fewer_rows_than_micro_batches_give_one_process_step(strategy, accumulation):
+    """A trial: a replica of 1 row among replicas of 7 ran fewer micro-batches than gradient_accumulation_steps,
+    so fewer forwards, each of which gathers the parameters under ZeRO-3 / FSDP: a hang. The replicas now
+    agree on the number of micro-batches."""
+    for worst in run_distributed(_replicas, 2, args=(strategy, False, accumulation, 1, "mse_one_row"), timeout=120):
+        assert worst <= 1e-6, worst
 
 
 @pytest.mark.parametrize("strategy,own_loss,accumulation", [("ddp", False, 1), ("zero3", False, 2), ("ddp", True, 2),

@@ -108,14 +108,14 @@ def uneven_replicas_worker(rank, world, schedule, host_group):
     """ZeRO-3 at P=2 x DP=2 with replicas whose batches differ in rows (as `fit` gives them at an epoch's
     end): the replicas must run as many microbatches as each other, since ZeRO-3 gathers each stage's
     parameters over the data group in every microbatch; one process on the whole batch is the reference.
-    `host_group`: they agree over the gloo groups the trainer builds for it on NCCL (`rows_group`)."""
+    `host_group`: they agree over new gloo groups, as `Mesh.host_group` builds them on NCCL."""
     base = _model("mlp")
     reference = copy.deepcopy(base)
     ref_opt = _sgd(reference.parameters())
     trainer = DistributedTrainer(copy.deepcopy(base), _sgd, strategy="zero3", pipeline_parallel_size=2,
                                  pipeline_schedule=schedule, microbatches=4, progress=False)
     if host_group:
-        trainer.strategy.engine.rows_group = trainer.strategy._gloo_data_group(trainer.context)
+        trainer.strategy.engine.rows_group = trainer.context.mesh._new_host_groups("data")
     worst, losses = [], []
     for step, counts in enumerate(UNEVEN_ROWS):
         x, y = _batch("mlp", step, sum(counts))

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..batches import tensors_of
 from ..loss_weights import StepWeights, counted
+from ..runtime import fewest
 from .graphs import StageGraphs, slots_per_chunk
 from .p2p import PipelineAborted, StageLink
 from .schedules import build_schedule, stage_of
@@ -80,13 +81,6 @@ def _shapes_of(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(_shapes_of(v) for v in value)
     return type(value).__name__
-
-
-def _fewest_rows(rows: int, group, device: torch.device) -> int:
-    """The fewest rows of any rank's batch in `group` (every rank of it calls this)."""
-    fewest = torch.tensor([rows], dtype=torch.int64, device=device)
-    dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=group)
-    return int(fewest.item())
 
 
 def _rows(value: Any) -> int:
@@ -180,9 +174,8 @@ class PipelineEngine:
         #: Whether the replicas must run as many microbatches as each other (the trainer sets it where the
         #: data-parallel strategy gathers the stage's parameters in each microbatch's forward: FSDP / ZeRO-3).
         self.lockstep_replicas = False
-        #: Where the replicas agree on that: a CPU (gloo) group over this rank's data-parallel group (the
-        #: trainer sets it on NCCL), so that reading the agreement back never waits for the GPU's queue;
-        #: None: `data_group` on `device`.
+        #: Where the replicas agree on that: a CPU group over this rank's data-parallel group
+        #: (`Mesh.host_group`), so that reading the agreement back never waits for the GPU's queue.
         self.rows_group = None
 
     def _forward(self, chunk: int, stage: int, x: Any, mb: int = 0) -> Any:
@@ -229,10 +222,7 @@ class PipelineEngine:
             # FSDP's per-microbatch gathers pair up over the data-parallel group only if every replica
             # runs as many microbatches: a replica's short batch shortens the others' schedules too
             # (their rows spread over fewer microbatches; the loss weights stay each row's share).
-            if self.rows_group is not None:
-                total = _fewest_rows(total, self.rows_group, torch.device("cpu"))
-            else:
-                total = _fewest_rows(total, self.data_group, self.device)
+            total = fewest(total, self.rows_group)
         m = self.microbatches if total >= self.microbatches else total
         if m < self.microbatches and self.schedule == "interleaved_1f1b" and m >= self.pipe_size:
             m -= m % self.pipe_size

@@ -247,8 +247,8 @@ class PipelineStrategy(PipelineState, Strategy):
                                      cuda_graphs=opts.cuda_graphs)
         self.engine.data_group, self.engine.data_size = mesh.group("data"), mesh.dp_size
         self.engine.lockstep_replicas = self.inner.collective_forward
-        if context.backend == "nccl" and self.engine.lockstep_replicas and mesh.dp_size > 1:
-            self.engine.rows_group = self._gloo_data_group(context)
+        if self.engine.lockstep_replicas and mesh.dp_size > 1:
+            self.engine.rows_group = mesh.host_group("data")
         self._loss_fn: Callable | None = None
         self._default_loss = lm_loss if isinstance(module, GPT) else None
         return wrapped
@@ -324,17 +324,6 @@ class PipelineStrategy(PipelineState, Strategy):
             groups = (dist.new_group(ranks), dist.new_group(ranks), dist.new_group(ranks, backend="gloo"))
             if mesh.rank() in pipeline:
                 mine = groups
-        return mine
-
-    @staticmethod
-    def _gloo_data_group(context: DistributedContext):
-        """A gloo group over this rank's data-parallel group (every rank creates one per data-parallel group,
-        in the same order), for the replicas' per-step agreement on their rows on the host."""
-        mine = None
-        for replicas in context.mesh.layout.groups("data"):
-            group = dist.new_group([_global(context, r) for r in replicas], backend="gloo")
-            if context.mesh.rank() in replicas:
-                mine = group
         return mine
 
     def unwrap(self, model: nn.Module) -> nn.Module:
