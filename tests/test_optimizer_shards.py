@@ -20,7 +20,12 @@ def ignoring_factory_worker(rank, world, strategy, captured):
     model = _model()
     params = list(model.parameters())
     # The factory ignores its argument: over a list captured before wrapping, or model.parameters().
-    if captured:
+    if captured == "groups":  # Hugging Face's no-decay recipe, over model.named_parameters()
+        def factory(ps):
+            named = list(model.named_parameters())
+            return torch.optim.SGD([{"params": [p for n, p in named if "bias" not in n], "weight_decay": 0.01},
+                                    {"params": [p for n, p in named if "bias" in n], "weight_decay": 0.0}], lr=0.1)
+    elif captured:
         factory = lambda ps: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     else:
         factory = lambda ps: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
@@ -44,6 +49,14 @@ def test_optimizer_that_ignores_the_shards_is_an_error(strategy, captured):
         assert f"strategy '{strategy}'" in msg, msg  # the name the user chose
         assert "holds 4 tensor(s) that are not this rank's shards" in msg, msg
         assert "first: '0.weight' of shape (10, 20)" in msg, msg
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero2"])
+def test_parameter_groups_over_the_emptied_model_are_an_error(strategy):
+    """Groups built over model.named_parameters() after the strategy emptied it: torch accepts empty groups, and
+    training silently did nothing."""
+    msg = run_distributed(ignoring_factory_worker, 1, args=(strategy, "groups"), timeout=120)[0]
+    assert f"strategy '{strategy}': the optimizer holds none of this rank's shards" in msg, msg
 
 
 def test_zero3_factory_over_emptied_model_parameters_says_why():

@@ -83,11 +83,18 @@ def check_optimizer_params(
     names: ParamNames | None = None,
     consequence: str,
 ) -> None:
-    """Raise if `optimizer` holds a tensor outside `expected`: the optimizer a factory returned must
-    hold what the strategy handed it, or its steps update tensors that never receive gradients."""
+    """Raise if `optimizer` holds a tensor outside `expected`, or none of them: the optimizer a factory
+    returned must hold what the strategy handed it, or its steps update tensors that never receive
+    gradients (or nothing: groups built over ``model.named_parameters()`` after the strategy emptied it)."""
     allowed = {id(t) for t in expected}
     held = [p for group in optimizer.param_groups for p in group["params"]]
     foreign = [p for p in held if id(p) not in allowed]
+    if not foreign and allowed and not held:
+        raise ValueError(
+            f"strategy '{strategy}': the optimizer holds none of {expected_what} (its parameter groups are "
+            "empty), so training would silently do nothing. Build it over the parameters the factory is given, "
+            "e.g. lambda params: torch.optim.SGD(params, lr=0.1). Weight-decay exclusions over flat shards: "
+            "distributed_training.optim.param_groups and decay_by_segments (docs/dtrain_jobs.md)")
     if not foreign:
         return
     first = foreign[0]
