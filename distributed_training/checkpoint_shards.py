@@ -380,6 +380,18 @@ def unpack_optimizer(layout: StateLayout, optimizer: torch.optim.Optimizer, inde
             if ranks:
                 entry = {**sources.pick(ranks)["optim_scalars"][piece.key], **entry}
         names = sorted({name for piece in holding.pieces for name in index["optim_names"].get(piece.key, [])})
+        stateless = [piece.key for piece in holding.pieces if not index["optim_names"].get(piece.key)]
+        if names and stateless:
+            from .checkpoint import CheckpointMismatchError  # (checkpoint imports this module)
+
+            raise CheckpointMismatchError(
+                f"the checkpoint has no optimizer state for {stateless[0]!r} (it had no gradient when saved: frozen "
+                f"or unused), and this rank's optimizer keeps it in one tensor with parameters that have some "
+                f"({', '.join(sorted({p.key for p in holding.pieces} - set(stateless))[:3])}): a shard or bucket "
+                "holds one state and one step count, so a part of it cannot start afresh. To change which "
+                "parameters train, load the model's weights instead (the saved run's full_state_dict(), loaded "
+                "into the model before building the trainer) and let the optimizer start afresh; under ddp each "
+                "parameter keeps its own state, and a checkpoint loads across such a change")
         for name in names:
             flat = torch.zeros(holding.tensor.numel(), dtype=holding.tensor.dtype)
             for piece in holding.pieces:

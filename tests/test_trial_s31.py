@@ -180,3 +180,57 @@ def test_the_plot_counts_only_ranks_with_records(tmp_path):
         (tmp_path / f"rank_{rank}").mkdir()
         (tmp_path / f"rank_{rank}" / "metrics.jsonl").write_text(lines)
     assert list(load_run(tmp_path)) == [0]
+
+
+def unfreeze_through_a_checkpoint_worker(rank, world, strategy, directory):
+    """Step 1 trains the last layer only; its checkpoint is loaded by a trainer of the same model with every
+    layer trainable (what the trainable-change error tells users to do), and step 2 trains them all. The
+    reference: one process, the new parameters added to its AdamW as a fresh group."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    factory = lambda params: torch.optim.AdamW(params, lr=0.01)  # noqa: E731
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(2)]
+    mine = slice(4 * rank, 4 * rank + 4)
+    frozen = model()
+    frozen[0].requires_grad_(False)
+    trainer = DistributedTrainer(frozen, factory, strategy=strategy, progress=False)
+    trainer.train_step((batches[0][0][mine], batches[0][1][mine]), torch.nn.functional.mse_loss)
+    trainer.save_checkpoint(directory)
+    trainer.close()
+    trainer = DistributedTrainer(model(), factory, strategy=strategy, progress=False)
+    try:
+        trainer.load_checkpoint(directory)
+    except ValueError as err:
+        trainer.close()
+        return type(err).__name__, str(err)
+    trainer.train_step((batches[1][0][mine], batches[1][1][mine]), torch.nn.functional.mse_loss)
+    state = trainer.full_state_dict()
+    trainer.close()
+    reference = model()
+    reference[0].requires_grad_(False)
+    opt = factory([p for p in reference.parameters() if p.requires_grad])
+    for k, (x, y) in enumerate(batches):
+        if k == 1:
+            reference[0].requires_grad_(True)
+            opt.add_param_group({"params": list(reference[0].parameters())})
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        opt.step()
+    return "trained", max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) if rank == 0 else 0
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_a_checkpoint_loads_into_a_trainer_with_more_trainable_parameters(strategy, tmp_path):
+    """DDP refused it ("bucket layout does not cover this model's parameters"), though each parameter keeps its
+    own optimizer state there. ZeRO-1 cannot (a bucket's slice holds one state for parameters with and without
+    one) and now says so and what to do, rather than that state is 'in no rank's file'."""
+    results = run_distributed(unfreeze_through_a_checkpoint_worker, 2, args=(strategy, str(tmp_path)), timeout=120)
+    if strategy == "ddp":
+        assert results[0][0] == "trained" and results[0][1] <= 1e-6, results
+    else:
+        kind, said = results[0]
+        assert kind == "CheckpointMismatchError" and "no optimizer state for '0." in said, said
+        assert "load the model's weights instead" in said, said

@@ -296,12 +296,15 @@ class DDP(CommTiming, nn.Module):
         and its own (none) leaves the current one."""
         if self._solo or not groups:
             return
-        flat = sorted(i for g in groups for i in g)
-        if flat != list(range(len(self._params))):
+        if not self.bucket_layout_fits(groups):
             raise ValueError(f"bucket layout does not cover this model's {len(self._params)} parameters exactly once")
         self._rebuild_pending = False
         self._arrival_order = None
         self._install_buckets([list(g) for g in groups])
+
+    def bucket_layout_fits(self, groups: list[list[int]]) -> bool:
+        """Whether `groups` (a saved `bucket_groups()`) covers this wrapper's parameters exactly once."""
+        return sorted(i for g in groups for i in g) == list(range(len(self._params)))
 
     def _build_buckets(self, order: list[int]) -> None:
         self._place_buckets(assign_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes))

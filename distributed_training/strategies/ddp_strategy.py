@@ -32,7 +32,8 @@ class DDPBacked:
         return {"ddp_bucket_groups": model.bucket_groups()}
 
     def load_shared_state(self, model: DDP, meta: dict[str, Any]) -> None:
-        if "ddp_bucket_groups" in meta:
+        # A layout over other parameters (the checkpoint was saved with others frozen) starts afresh.
+        if "ddp_bucket_groups" in meta and model.bucket_layout_fits(meta["ddp_bucket_groups"]):
             model.set_bucket_groups(meta["ddp_bucket_groups"])
 
     def measure_communication(self, model: DDP, on: bool) -> None:
