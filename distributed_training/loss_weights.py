@@ -83,7 +83,7 @@ def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequ
         # An empty batch (a replica with no rows this step, beside replicas with some): its mean is over
         # nothing (nan) and it stands for nothing: weight 0, as `weigh` gives a micro-batch of no targets.
         return [0.0] * len(rows)
-    if len(rows) == 1:
+    if len(rows) == 1 and counts is None:
         counts = list(rows)
     elif counts is None:
         counts = [counted(criterion, t, n) for t, n in zip(targets, rows)]

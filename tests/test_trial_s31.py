@@ -234,3 +234,21 @@ def test_a_checkpoint_loads_into_a_trainer_with_more_trainable_parameters(strate
         kind, said = results[0]
         assert kind == "CheckpointMismatchError" and "no optimizer state for '0." in said, said
         assert "load the model's weights instead" in said, said
+
+
+def ignored_replica_worker(rank, world, accumulation):
+    """Rank 1's targets are all ignored (-100); each rank reports its replica's loss."""
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(nn.Linear(4, 3), lambda params: torch.optim.SGD(params, lr=0.1), progress=False,
+                                 gradient_accumulation_steps=accumulation)
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 1]) if rank == 0 else torch.full((4,), -100)
+    loss = float(trainer.train_step((x, y), torch.nn.functional.cross_entropy)["loss"])
+    trainer.close()
+    return loss
+
+
+def test_a_replica_whose_targets_are_all_ignored_reports_zero_at_any_accumulation():
+    """It reported nan with one micro-batch and 0 with several (its weight in the step is 0 either way)."""
+    for accumulation in (1, 2):
+        losses = run_distributed(ignored_replica_worker, 2, args=(accumulation,), timeout=60)
+        assert losses[1] == 0.0 and losses[0] > 0, (accumulation, losses)
