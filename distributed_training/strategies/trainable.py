@@ -9,6 +9,9 @@ before each forward (a loop over the parameters, microseconds) and name the firs
 The parameters are held by weak reference: `FSDP` replaces a module's parameters with views of its flat
 units, and a strong reference here kept every original alive (a whole fp32 copy of the model per rank,
 4.9 GiB at 1.3B). An original that nothing else holds can no longer be flipped, so it drops out of the check.
+So under `FSDP` (ZeRO-2/3) the check covers what the user still holds: ``model.encoder.requires_grad_(True)``
+on the wrapped module reaches no parameter at all (the module holds views, not parameters) and changes
+nothing, which no check can see. Set the flags before wrapping.
 """
 
 from __future__ import annotations
