@@ -346,9 +346,9 @@ def init_distributed(
     return context
 
 
-def fewest(value: int, group) -> int:
-    """The smallest of every rank's `value` in `group` (every rank of it calls this), over a CPU group
-    (`Mesh.host_group`): reading it back waits for the peers, never for a GPU."""
-    least = torch.tensor([value], dtype=torch.int64)
+def fewest(value: int, group, device: torch.device | None = None) -> int:
+    """The smallest of every rank's `value` in `group` (every rank of it calls this). Over a CPU group
+    (`Mesh.host_group`; `device` None) reading it back waits for the peers, never for a GPU."""
+    least = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
     return int(least.item())

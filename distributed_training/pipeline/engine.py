@@ -175,7 +175,8 @@ class PipelineEngine:
         #: data-parallel strategy gathers the stage's parameters in each microbatch's forward: FSDP / ZeRO-3).
         self.lockstep_replicas = False
         #: Where the replicas agree on that: a CPU group over this rank's data-parallel group
-        #: (`Mesh.host_group`), so that reading the agreement back never waits for the GPU's queue.
+        #: (`Mesh.host_group`), so that reading the agreement back never waits for the GPU's queue (None:
+        #: `data_group`, on this rank's device).
         self.rows_group = None
 
     def _forward(self, chunk: int, stage: int, x: Any, mb: int = 0) -> Any:
@@ -222,7 +223,8 @@ class PipelineEngine:
             # FSDP's per-microbatch gathers pair up over the data-parallel group only if every replica
             # runs as many microbatches: a replica's short batch shortens the others' schedules too
             # (their rows spread over fewer microbatches; the loss weights stay each row's share).
-            total = fewest(total, self.rows_group)
+            total = (fewest(total, self.rows_group) if self.rows_group is not None
+                     else fewest(total, self.data_group, self.device))
         m = self.microbatches if total >= self.microbatches else total
         if m < self.microbatches and self.schedule == "interleaved_1f1b" and m >= self.pipe_size:
             m -= m % self.pipe_size
