@@ -90,7 +90,7 @@ def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequ
     if all(isinstance(c, int) for c in counts):
         return [n / sum(rows) for n in rows]
     # (every micro-batch's targets are class indices: `_split` cuts them alike)
-    whole = torch.stack([torch.as_tensor(c) for c in counts]).sum().clamp(min=1)
+    whole = torch.stack([torch.as_tensor(c) for c in counts]).sum().clamp(min=1).double()
     return [c / whole for c in counts]
 
 
@@ -108,8 +108,8 @@ class ReplicaScale:
     def value(self) -> torch.Tensor:
         if self._value is None:
             self._work.wait()
-            self._value = torch.where(self.total > 0, self.mine * self.replicas / self.total.clamp(min=1),
-                                      torch.zeros((), device=self.mine.device))
+            self._value = torch.where(self.total > 0, self.mine * self.replicas / self.total.clamp(min=1).double(),
+                                      torch.zeros((), dtype=torch.float64, device=self.mine.device))
         return self._value
 
 
@@ -141,6 +141,8 @@ def weigh(loss: torch.Tensor, weight: Any) -> torch.Tensor:
     whole batch's mean (its gradient is zero either way; the nan would only poison the reported loss).
     Decided on the device: nothing waits for the GPU."""
     if isinstance(weight, torch.Tensor):
+        # (computed in float64: a float64 loss keeps its precision; others are weighed at float32 or wider)
+        weight = weight.to(torch.promote_types(loss.dtype, torch.float32))
         return torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
     if weight == 0:
         return torch.zeros_like(loss)

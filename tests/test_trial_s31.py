@@ -252,3 +252,28 @@ def test_a_replica_whose_targets_are_all_ignored_reports_zero_at_any_accumulatio
     for accumulation in (1, 2):
         losses = run_distributed(ignored_replica_worker, 2, args=(accumulation,), timeout=60)
         assert losses[1] == 0.0 and losses[0] > 0, (accumulation, losses)
+
+
+def float64_accumulation_worker(rank, world):
+    """A float64 model, 7 rows (2 targets ignored) in 3 micro-batches, against one float64 step on the whole batch."""
+    torch.manual_seed(0)
+    x, y = torch.randn(7, 16, dtype=torch.float64), torch.randint(0, 5, (7,))
+    y[[1, 4]] = -100
+    torch.manual_seed(1)
+    reference = nn.Linear(16, 5).double()
+    model = nn.Linear(16, 5).double()
+    model.load_state_dict(reference.state_dict())
+    opt = torch.optim.SGD(reference.parameters(), lr=1.0)
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    opt.step()
+    trainer = DistributedTrainer(model, lambda params: torch.optim.SGD(params, lr=1.0), progress=False,
+                                 gradient_accumulation_steps=3)
+    trainer.train_step((x, y), torch.nn.functional.cross_entropy)
+    worst = max((a - b).abs().max().item() for a, b in zip(trainer.module.parameters(), reference.parameters()))
+    trainer.close()
+    return worst
+
+
+def test_float64_accumulation_keeps_float64_precision():
+    """The micro-batches' loss weights were float32 tensors: 9.5e-9 off one process in float64."""
+    assert run_distributed(float64_accumulation_worker, 1, timeout=60)[0] <= 1e-14
