@@ -19,10 +19,13 @@ after its first beat (before it, a slow start-up is not a death), and a rank tha
 (`PeerWatch.stop`, or at interpreter exit) says so, so finishing early is never mistaken for dying.
 
 A peer that raised. A rank whose own step raises (not a consequence of a peer: a closed connection, a
-timeout, a pipeline's abort) writes its error to the same failure key (`publish_error`). Its process may
-still be alive, or may close its sockets as it ends: either way its peers' collectives with it cannot
-complete, and their watchers adopt the record as they would a death, so that they name that rank and its
-error. A rank that raised itself adopts no peer's error.
+timeout, a pipeline's abort) writes its error to a key of that step (`publish_error`; a key per job
+incarnation, trainer and step, so that no record outlives its step; the first rank to raise is named).
+Its process may still be alive, or may close its sockets as it ends: either way its peers' collectives
+with it cannot complete. A peer adopts the record as it would a death, once this rank's collective has
+failed (gloo's closed connection: at once) or `timeout` after seeing it (a wait, as on NCCL), unless its
+own step raises meanwhile (every rank's batch was bad alike: each says its own, and none is left with
+an aborted group for the steps after).
 
 Getting the training thread out. A rank blocked in a collective on a dead peer cannot receive a Python
 exception: it waits in C++. What works, measured on CPU (gloo, torch 2.13) and by construction on NCCL:
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -62,6 +66,7 @@ EXIT_CODE = 75
 
 _PREFIX = "distributed_training/"
 _FAILURE_KEY = _PREFIX + "peer_failure"
+_GENERATIONS = itertools.count()  # the watches this process started: every rank starts its n-th alike
 
 
 class PeerFailureError(RuntimeError):
@@ -122,7 +127,15 @@ class PeerWatch:
         self.step: int | None = None  # the training thread's current step, for messages
         self.activity: str | None = None  # what the training thread does ("training step 5"), for messages
         self._detected_at: float | None = None
-        self._raised = False  # this rank's own step raised (`publish_error`): it adopts no peer's error
+        # Peers' own errors (`publish_error`): a key per job incarnation, trainer of this process and step, so
+        # that no record outlives the step it was raised in; the step this rank raised in itself; a peer's
+        # record seen and adopted after a grace (`_check_errors`), unless this rank raises in that step too.
+        self._errors_prefix = (f"{_PREFIX}raised/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+                               f"{next(_GENERATIONS)}/")
+        self._raised_step: int | None = None
+        self._pending: tuple[str, float] | None = None
+        self._adopting = threading.Lock()
+        self._collective_failed = False
         self._acknowledged = False
         self._busy = 0  # how deep the training thread is in `active()` blocks
         self._found = threading.Event()
@@ -158,7 +171,10 @@ class PeerWatch:
 
     def verdict(self, wait: float | None = None) -> PeerFailureError | None:
         """The failure, waiting up to `wait` seconds (default: `timeout` and two periods) for one: a
-        collective that failed on a killed peer fails before the peer's silence is long enough."""
+        collective that failed on a killed peer fails before the peer's silence is long enough. A peer's
+        published error seen already is adopted at once (this rank's collective with it has failed)."""
+        self._collective_failed = True  # a peer's error the watcher sees next is adopted without its grace
+        self._adopt_pending(grace=0.0)
         if self.failure is None and self._thread.is_alive():
             self._found.wait(self.timeout + 2 * self.period if wait is None else wait)
         return self.failure
@@ -168,14 +184,17 @@ class PeerWatch:
         peers' watchers look for failures, so that a peer whose collective with this rank then fails (a
         closed connection) or waits (NCCL, or gloo while this process lives on) names this rank and its
         error within one period, instead of a closed connection without a name or a wait until the
-        collective timeout. The record is the same as a death's, with the error appended."""
-        self._raised = True
+        collective timeout. The record is a death's, with the error appended, under this step's key (the
+        first rank to raise in a step is the one named)."""
+        self._raised_step = self.step
+        self._pending = None
         text = " ".join(f"{type(err).__name__}: {err}".split())  # one line, no tabs
         text = text if len(text) <= 400 else text[:397] + "..."
         during = f" during {self.activity}" if self.activity is not None else ""
+        record = "\t".join([str(self.rank), f"{socket.gethostname()} pid {os.getpid()}", "", "0", str(self.rank),
+                            text + during])
         try:
-            self.store.set(_FAILURE_KEY, "\t".join([str(self.rank), f"{socket.gethostname()} pid {os.getpid()}",
-                                                    "", "0", str(self.rank), text + during]))
+            self.store.compare_set(self._errors_key(), "", record)
         except Exception:
             pass  # the store is gone: so is the job
 
@@ -218,6 +237,8 @@ class PeerWatch:
                             break
                 if self.failure is None and self.store.check([_FAILURE_KEY]):
                     self._adopt(self.store.get(_FAILURE_KEY).decode())
+                if self.failure is None:
+                    self._check_errors()
             except Exception as err:  # the store stopped answering: the job is being torn down
                 log.debug("rank %d: peer watch stopped: %s", self.rank, err)
                 return
@@ -237,10 +258,33 @@ class PeerWatch:
         self.store.set(_FAILURE_KEY, f"{peer}\t{host}\t{step or ''}\t{silent:.1f}\t{self.rank}")
         self._fail(peer, host, int(step) if step else None, silent, f"rank {self.rank} saw it")
 
+    def _errors_key(self) -> str:
+        return f"{self._errors_prefix}{self.step}"
+
+    def _check_errors(self) -> None:
+        """A peer's error published in this rank's current step: adopted one `timeout` after it was seen,
+        unless this rank's own step raises meanwhile (the same bad batch on every rank: each says its own;
+        a rank that adopted and aborted there would be left broken for the steps after)."""
+        if self._raised_step is not None and self._raised_step == self.step:
+            self._pending = None
+            return
+        if self._pending is None and self.store.check([self._errors_key()]):
+            record = self.store.get(self._errors_key()).decode()
+            if int(record.split("\t", 1)[0]) != self.rank:
+                self._pending = (record, time.monotonic())
+        self._adopt_pending(grace=0.0 if self._collective_failed else self.timeout)
+
+    def _adopt_pending(self, grace: float) -> None:
+        with self._adopting:
+            pending = self._pending
+            if (pending is None or self.failure is not None or time.monotonic() - pending[1] < grace
+                    or (self._raised_step is not None and self._raised_step == self.step)):
+                return
+            self._pending = None
+            self._adopt(pending[0])
+
     def _adopt(self, record: str) -> None:
         peer, host, step, silent, finder, *error = record.split("\t", 5)
-        if error and self._raised:
-            return  # this rank raised in the same step: its own error says what happened here
         self._fail(int(peer), host, int(step) if step else None, float(silent), f"rank {finder} saw it",
                    error[0] if error else None)
 

@@ -277,3 +277,46 @@ def float64_accumulation_worker(rank, world):
 def test_float64_accumulation_keeps_float64_precision():
     """The micro-batches' loss weights were float32 tensors: 9.5e-9 off one process in float64."""
     assert run_distributed(float64_accumulation_worker, 1, timeout=60)[0] <= 1e-14
+
+
+def caught_error_worker(rank, world):
+    """Every rank's second step raises alike (rank 1 2.5 s later, after rank 0's error is published); the
+    script catches it and trains on with the same trainer, then with a new one, steps 1.2 s apart (longer
+    than the watcher's period)."""
+    import time
+
+    def trainer_of():
+        torch.manual_seed(0)
+        return DistributedTrainer(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1), progress=False)
+
+    good = (torch.randn(4, 4), torch.randn(4, 2))
+    said = []
+    first = trainer_of()
+    first.train_step(good, torch.nn.functional.mse_loss)
+
+    def bad(out, y):
+        time.sleep(2.5 if rank else 0)
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    try:
+        first.train_step(good, bad)
+    except RuntimeError as err:
+        said.append(type(err).__name__)
+    for trainer in (first, trainer_of()):
+        for _ in range(3):
+            try:
+                trainer.train_step(good, torch.nn.functional.mse_loss)
+                said.append("trained")
+            except Exception as err:  # noqa: BLE001 - what the test reports
+                said.append(f"{type(err).__name__}: {err}"[:200])
+            time.sleep(1.2)
+        trainer.close()
+    return said
+
+
+def test_an_error_every_rank_caught_leaves_no_record_for_later_steps_or_trainers():
+    """A review: a published error stayed in the store, so a later trainer of the process adopted it
+    (rank 0 then blamed itself for another trainer's error), and a rank that adopted a peer's record
+    before raising the same error itself failed every later step."""
+    for said in run_distributed(caught_error_worker, 2, timeout=120):
+        assert said == ["RuntimeError"] + ["trained"] * 6, said
