@@ -183,8 +183,8 @@ def run_job(cfg: JobConfig) -> dict:
                 raise ConfigError(f"evaluation.target {said.removeprefix('eval_target ')}: name one of those, or "
                                   "list the metric in evaluation.metrics") from None
             if said.startswith("best_metric="):
-                raise ConfigError(f"evaluation.{said}: name one of those, or list the metric in evaluation.metrics"
-                                  ) from None
+                advice = ", or list the metric in evaluation.metrics" if said.startswith("best_metric='val_") else ""
+                raise ConfigError(f"evaluation.{said}: name one of those{advice}") from None
             raise
         watch.report(getattr(trainer, "data_wait_s", None))
         metrics = _final_metrics(cfg, trainer, val, val_data, criterion, trainer.batch_size or batch_size)

@@ -369,7 +369,8 @@ class Fitting:
                 now = time.perf_counter()
                 self.data_wait_s += fetched - last_end
                 metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - last_end)
-                if not self._best_checked:  # (against what the checkpoints record)
+                # (what checkpoints record: with a log_dir, a log step's hold the communication figures too)
+                if not self._best_checked and (self.step % log_every == 0 or not self._monitoring):
                     self._best_checked = self._check_best_metric(evaluation, metrics)
                 last_end = now
                 loss_sum = metrics["loss"] if loss_sum is None else loss_sum + metrics["loss"]
@@ -426,7 +427,8 @@ class Fitting:
     def _check_best_metric(self, evaluation: PeriodicEvaluation | None, metrics: dict | None = None) -> bool:
         """Refuse a `best_metric` that this fit never records (it kept no best checkpoint, silently, while
         `keep_last` pruned the others): an evaluation's value is checked before training, anything else
-        against the first step's metrics (the same names on every rank, so every rank raises alike).
+        against the first step's metrics, or the first log step's with a log_dir (whose hold the communication
+        and pipeline figures too); the same names on every rank, so every rank raises alike.
         Returns whether the check is done."""
         best = self.checkpoints.best_metric if self.checkpoints is not None else None
         evaluated = evaluation.keys if evaluation is not None else []

@@ -141,7 +141,7 @@ def check_classifier_targets(dataset: Any, names: Sequence[str], *, parameter: s
     target = sample[1]
     if isinstance(target, float):
         got = "a float"
-    elif torch.is_tensor(target) and (target.is_floating_point() or target.dim() > 0):
+    elif torch.is_tensor(target) and (target.is_floating_point() or target.numel() > 1):
         got = f"a {str(target.dtype).removeprefix('torch.')} tensor of shape {tuple(target.shape)}"
     else:
         return
