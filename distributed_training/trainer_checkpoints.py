@@ -398,6 +398,9 @@ class Checkpointing(BackgroundCheckpointing):
                     if sha256_file(os.path.join(path, name)) != digests[name]:
                         raise CheckpointCorruptError(f"checkpoint file {os.path.join(path, name)!r} is corrupted: its "
                                                      "SHA-256 does not match meta.pt")
+                elif name in digests and "rank_checksums" not in meta:  # (one directory for all: it must be here)
+                    raise FileNotFoundError(f"checkpoint file {os.path.join(path, name)!r} is missing (meta.pt lists "
+                                            "it): the checkpoint is incomplete")
         except (CheckpointCorruptError, FileNotFoundError) as err:
             return f"{type(err).__name__}: {err}"
         return ""

@@ -320,3 +320,37 @@ def test_an_error_every_rank_caught_leaves_no_record_for_later_steps_or_trainers
     before raising the same error itself failed every later step."""
     for said in run_distributed(caught_error_worker, 2, timeout=120):
         assert said == ["RuntimeError"] + ["trained"] * 6, said
+
+
+def missing_rank_file_worker(rank, world, directory, save):
+    def trainer_of():
+        torch.manual_seed(0)
+        return DistributedTrainer(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+                                  lambda params: torch.optim.SGD(params, lr=0.1), strategy="zero3", progress=False)
+
+    trainer = trainer_of()
+    if save:
+        trainer.train_step((torch.randn(6, 4), torch.randn(6, 2)), torch.nn.functional.mse_loss)
+        trainer.save_checkpoint(directory)
+        trainer.close()
+        return None
+    before = trainer.full_state_dict()
+    try:
+        trainer.load_checkpoint(directory)
+        said = "loaded"
+    except (ValueError, FileNotFoundError) as err:
+        said = str(err)
+    after = trainer.full_state_dict()  # (collective: once on every rank)
+    untouched = all(torch.equal(v, after[k]) for k, v in before.items())
+    trainer.close()
+    return said, untouched
+
+
+def test_a_rank_file_missing_from_a_checkpoint_is_found_before_anything_loads(tmp_path):
+    """Saved at world 3 and read at world 2, a deleted rank2.pt was found mid-load, the model partly loaded."""
+    directory = str(tmp_path / "ckpt")
+    run_distributed(missing_rank_file_worker, 3, args=(directory, True), timeout=90)
+    (tmp_path / "ckpt" / "rank2.pt").unlink()
+    for said, untouched in run_distributed(missing_rank_file_worker, 2, args=(directory, False), timeout=90):
+        assert "rank2.pt' is missing (meta.pt lists it)" in said and "partly loaded" not in said, said
+        assert untouched
