@@ -135,7 +135,7 @@ class PeerWatch:
         self._raised_step: int | None = None
         self._pending: tuple[str, float] | None = None
         self._adopting = threading.Lock()
-        self._collective_failed = False
+        self._collective_failed_step: int | None = None  # the step in which a collective of this rank failed
         self._acknowledged = False
         self._busy = 0  # how deep the training thread is in `active()` blocks
         self._found = threading.Event()
@@ -173,7 +173,7 @@ class PeerWatch:
         """The failure, waiting up to `wait` seconds (default: `timeout` and two periods) for one: a
         collective that failed on a killed peer fails before the peer's silence is long enough. A peer's
         published error seen already is adopted at once (this rank's collective with it has failed)."""
-        self._collective_failed = True  # a peer's error the watcher sees next is adopted without its grace
+        self._collective_failed_step = self.step  # a peer's error seen in this step is adopted without its grace
         self._adopt_pending(grace=0.0)
         if self.failure is None and self._thread.is_alive():
             self._found.wait(self.timeout + 2 * self.period if wait is None else wait)
@@ -265,20 +265,24 @@ class PeerWatch:
         """A peer's error published in this rank's current step: adopted one `timeout` after it was seen,
         unless this rank's own step raises meanwhile (the same bad batch on every rank: each says its own;
         a rank that adopted and aborted there would be left broken for the steps after)."""
-        if self._raised_step is not None and self._raised_step == self.step:
+        if self._raised_in_this_step():
             self._pending = None
             return
         if self._pending is None and self.store.check([self._errors_key()]):
             record = self.store.get(self._errors_key()).decode()
             if int(record.split("\t", 1)[0]) != self.rank:
                 self._pending = (record, time.monotonic())
-        self._adopt_pending(grace=0.0 if self._collective_failed else self.timeout)
+        failed_here = self._collective_failed_step is not None and self._collective_failed_step == self.step
+        self._adopt_pending(grace=0.0 if failed_here else self.timeout)
+
+    def _raised_in_this_step(self) -> bool:
+        return self._raised_step is not None and self._raised_step == self.step
 
     def _adopt_pending(self, grace: float) -> None:
         with self._adopting:
             pending = self._pending
             if (pending is None or self.failure is not None or time.monotonic() - pending[1] < grace
-                    or (self._raised_step is not None and self._raised_step == self.step)):
+                    or self._raised_in_this_step()):
                 return
             self._pending = None
             self._adopt(pending[0])

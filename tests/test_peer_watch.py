@@ -308,3 +308,33 @@ def test_a_dead_peer_is_said_during_what_the_trainer_was_doing():
     watch._fail(2, "host pid 1", 3, 2.5, "rank 0 saw it")
     assert "during the evaluation after step 4" in str(watch.failure) and "training step" not in str(watch.failure)
     assert "peer rank 2 (host host pid 1, last seen in step 4 or later) is dead" in str(watch.failure)
+
+
+def test_a_failed_collective_drops_the_grace_only_in_its_own_step():
+    # After a collective of this rank failed in one step (the verdict found no peer to blame; the user
+    # caught the error and trained on), a peer's error published in a later step must still wait for its
+    # grace: the rank may raise the same error itself. The flag was never reset, so it was adopted at once.
+    from torch.distributed import HashStore
+    from distributed_training.peer_watch import PeerWatch
+
+    store = HashStore()
+    mine, peer = (PeerWatch(store, rank=r, world_size=2, timeout=60.0) for r in (0, 1))
+    mine._errors_prefix = peer._errors_prefix  # one process's trainers in the same position on both ranks
+    mine.step = 3
+    assert mine.verdict(wait=0) is None  # this rank's collective failed in step 3, no peer to blame
+    mine.step = peer.step = 4
+    peer.publish_error(RuntimeError("bad batch"))
+    mine._check_errors()
+    assert mine.failure is None, "adopted without the grace in a later step"
+    mine._pending = (mine._pending[0], mine._pending[1] - 61.0)  # the grace has passed
+    mine._check_errors()
+    assert mine.failure is not None and "raised RuntimeError: bad batch" in str(mine.failure)
+    # within the failed collective's own step, a published error is adopted at once
+    other = PeerWatch(store, rank=0, world_size=2, timeout=60.0)
+    other.step = 5
+    assert other.verdict(wait=0) is None
+    peer.step = 5
+    peer.publish_error(RuntimeError("bad batch"))
+    other._errors_prefix = peer._errors_prefix
+    other._check_errors()
+    assert other.failure is not None
