@@ -17,6 +17,7 @@ concept a file: `trainer_fit` (`fit` and its epoch loop), `trainer_checkpoints` 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -464,6 +465,14 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
     def module(self) -> nn.Module:
         """The user's model, unwrapped."""
         return self.strategy.unwrap(self.model)
+
+    def summon_full_params(self) -> contextlib.AbstractContextManager:
+        """A block in which `module` holds its full weights, as parameters, whatever the strategy
+        (ZeRO-2/3 and FSDP keep only a shard per rank outside a step: this gathers them; the others hold
+        them already): for a forward of your own, HF's ``generate()`` or ``save_pretrained()``.
+        Collective: every rank enters it. Read-only: the shards are what trains. Under tensor
+        parallelism each rank's module still holds its slices, under a pipeline its own stages."""
+        return self.strategy.summon_full_params(self.model)
 
     @property
     def dp_rank(self) -> int:

@@ -156,6 +156,11 @@ class Strategy(abc.ABC):
         """The user's module inside the wrapper."""
         return getattr(model, "module", model)
 
+    def summon_full_params(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """A block in which the unwrapped module holds its full weights (a sharded strategy gathers
+        them; this one holds them already)."""
+        return contextlib.nullcontext()
+
     def setup_optimizer(
         self, optimizer: torch.optim.Optimizer | OptimizerFactory, model: nn.Module
     ) -> torch.optim.Optimizer:

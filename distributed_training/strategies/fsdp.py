@@ -200,8 +200,11 @@ class FSDP(FSDPStateDict, nn.Module):
         # gets none on any rank still gets a zero gradient in its unit's flat vector (see the module
         # docstring), which the user is told once.
         self._unused_watch = _UnusedWatch(UNUSED_WATCH_STEPS)
+        self._summoned = False  # inside `summon_full_params`
         for unit in self._units:
             self._register_hooks(unit)
+        me = weakref.ref(self)
+        self._outside_hook = module.register_forward_pre_hook(lambda m, a: me() is not None and me()._check_called())
 
     # ------------------------------------------------------------ construction
 
@@ -222,6 +225,18 @@ class FSDP(FSDPStateDict, nn.Module):
             unit.hooks.append(unit.module.register_forward_hook(lambda m, a, out: call("_post_forward", out)))
         if unit.full.requires_grad:
             unit.hooks.append(unit.full.register_post_accumulate_grad_hook(lambda t: call("_on_unit_grad")))
+
+    def _check_called(self) -> None:
+        """The module itself was called (not through this wrapper, which gathers its root first):
+        outside a step and outside `summon_full_params` its weights are freed views of their shards."""
+        if (torch.compiler.is_compiling() or self._summoned
+                or all(u.gathered for u in self._units if u.is_root)):
+            return
+        raise RuntimeError(
+            f"{type(self.module).__name__} was called directly, but FSDP / ZeRO-2/3 keeps only this rank's "
+            "shard of its weights outside a step. Call the wrapper instead (`trainer.model(...)`, on every "
+            "rank), or run the module inside `with trainer.summon_full_params():` (FSDP's "
+            "`summon_full_params()`; every rank enters it), e.g. for HF's generate() or save_pretrained()")
 
     # ------------------------------------------------------------ gather / free
     def _set_views(self, unit: Unit) -> None:
@@ -289,6 +304,9 @@ class FSDP(FSDPStateDict, nn.Module):
 
     @eager_only
     def _before_forward(self) -> None:
+        if self._summoned:
+            raise RuntimeError("the FSDP wrapper cannot run inside summon_full_params(), whose weights are not "
+                               "the ones it trains: call the module itself there (`trainer.module`)")
         self._trainable.check()
         if self._backward_state.pending:  # a backward left reductions behind (e.g. it raised): settle them first
             self._finish_backward()
@@ -310,6 +328,8 @@ class FSDP(FSDPStateDict, nn.Module):
 
     @eager_only
     def _pre_forward(self, unit: Unit) -> None:
+        if self._summoned:  # the modules hold their full weights as parameters
+            return
         if self._recording_order and unit not in self._forward_order:
             self._forward_order.append(unit)
         self._unshard(unit)
@@ -318,6 +338,8 @@ class FSDP(FSDPStateDict, nn.Module):
 
     @eager_only
     def _post_forward(self, unit: Unit, output):
+        if self._summoned:
+            return output
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self._reshard(unit)
         if not torch.is_grad_enabled():
@@ -484,16 +506,46 @@ class FSDP(FSDPStateDict, nn.Module):
 
     @contextlib.contextmanager
     def summon_full_params(self) -> Iterator[None]:
-        """Gather every unit so the module's weights can be read (collective: call on every rank)."""
-        for unit in self._units:
-            self._unshard(unit)
-            with torch.no_grad():
-                self._set_views(unit)
+        """The module itself holds its full weights inside this block, as parameters again (so that
+        `module.parameters()`, HF's `device` / `dtype`, `generate()` and `save_pretrained()` work): the
+        shards' own values (fp32 masters under mixed precision), gathered into buffers of their own.
+        Collective: every rank enters it. Read-only: what is written into the weights here is lost when
+        it ends (the shards are what trains). The wrapper cannot run inside it; the module can."""
+        if self._summoned:
+            raise RuntimeError("summon_full_params() is already open")
+        if self._backward_state.pending:
+            self._finish_backward()
+        self._summoned, restore = True, []
         try:
+            with torch.no_grad():
+                for unit in self._units:
+                    restore.extend(self._register_full(unit))
             yield
         finally:
-            for unit in self._units:
-                self._reshard(unit)
+            for mod, attr, old in restore:
+                del mod._parameters[attr]
+                setattr(mod, attr, old)
+            self._summoned = False
+
+    def _register_full(self, unit: Unit) -> list[tuple[nn.Module, str, Any]]:
+        """Gather the unit's shards into a new flat buffer and register its pieces as the modules'
+        parameters (one per parameter, shared where the model ties it). Returns what they replaced."""
+        shard = unit.shard.detach().to(self.device)
+        flat = torch.empty(unit.padded, dtype=shard.dtype, device=self.device)
+        if unit.padded:
+            all_gather_flat(flat, shard, self.shard_group, async_op=False).wait()
+        pieces = torch.split(flat[:unit.numel], [info.numel for info in unit.infos]) if unit.infos else []
+        made: dict[int, nn.Parameter] = {}
+        replaced, seen = [], set()
+        for mod, attr, i in unit.refs:
+            if (id(mod), attr) in seen:  # one module reached by two paths
+                continue
+            seen.add((id(mod), attr))
+            if i not in made:
+                made[i] = nn.Parameter(pieces[i].view(unit.infos[i].shape), requires_grad=unit.shard.requires_grad)
+            replaced.append((mod, attr, mod.__dict__.pop(attr, None)))
+            mod.register_parameter(attr, made[i])
+        return replaced
 
 
 # ------------------------------------------------------------------ helpers

@@ -14,6 +14,7 @@ gathers each unit again for every microbatch's forward and backward; ZeRO-2 gath
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -82,6 +83,9 @@ class FSDPStrategy(Strategy):
             self._stage_hooks = [stage.register_forward_pre_hook(lambda _m, args: _cast_floats(args, dtype))
                                  for stage in stages]
         return model
+
+    def summon_full_params(self, model: FSDP) -> contextlib.AbstractContextManager:
+        return model.summon_full_params()
 
     def sync_gradients(self, model: FSDP) -> None:
         model.sync_gradients()
