@@ -12,6 +12,7 @@ import os
 import sys
 
 from .checkpoint import CheckpointMismatchError
+from .checkpoint_lock import CheckpointDirectoryInUseError
 from .config import ConfigError, JobConfig, dump_config, load_config
 from .dtrain_job import run_job
 from .logs import get_logger, install_default_handler
@@ -103,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         _report_once(f"dtrain: invalid config: {err}")
         return 2
-    except CheckpointMismatchError as err:  # every rank reads the same checkpoint and fails alike
-        _report_once(f"dtrain: {err}")
+    except (CheckpointMismatchError, CheckpointDirectoryInUseError) as err:  # every rank fails alike
+        _report_once(f"dtrain: {err}".replace("checkpoint_dir ", "checkpoint.dir ", 1))
         return 2
     return 0
 

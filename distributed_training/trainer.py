@@ -454,6 +454,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         self._watch: PeerWatch | None = None  # started by the first train_step
         self._last_saved_step: int | None = None
         self._set_aside = False
+        self._locked_directory: str | None = None  # `checkpoint_dir` while this rank holds its lock ("": checked)
 
     # ------------------------------------------------------------------ steps
     @property
@@ -523,6 +524,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
                 error = err
         else:
             self._abandon_checkpoint_write()
+        self._unlock_checkpoint_directory()  # after the last write: another run may start on the directory
         self.monitor.close()
         self.strategy.teardown(self.model)
         if getattr(self, "_checkpointed_model", None) is not None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, load_file, read_meta, rng_state, save_file,
                          set_rng_state, sha256_file, write_meta)
 from .checkpoint_async import rank_file
+from .checkpoint_lock import CheckpointDirectoryInUseError, in_use_message, lock_directory, unlock_directory
 from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
 from .checkpoint_shards import (FORMAT, Sources, build_index, check_shapes, host_clone, pack, summary, unpack_optimizer,
                                 unpack_params)
@@ -104,6 +105,7 @@ class Checkpointing(BackgroundCheckpointing):
         at the start of training, move an earlier run's checkpoints aside."""
         if self.checkpoints is None:
             return None
+        self._lock_checkpoint_directory()
         ctx = self.context
         if not self.resume:
             if self.step == 0 and not self._set_aside:
@@ -125,6 +127,32 @@ class Checkpointing(BackgroundCheckpointing):
         if ctx.is_main:
             log.info("resumed from step %d (%s)", self.step, found[0])
         return found[0]
+
+    def _lock_checkpoint_directory(self) -> None:
+        """Hold `checkpoint_dir`'s run lock for the trainer's life (`checkpoint_lock`): each directory's
+        writer takes it, and every rank raises if any writer found it held by another run."""
+        if self._locked_directory is not None:
+            return
+        ctx, directory = self.context, self.checkpoints.directory
+        writer = self._layout(self.checkpoints.path_for(0)).writer_of[ctx.rank] == ctx.rank
+        holder = lock_directory(directory) if writer else None
+        holders = [holder]
+        if ctx.world_size > 1:
+            holders = [None] * ctx.world_size
+            dist.all_gather_object(holders, holder, group=ctx.group)
+        found = [(rank, h) for rank, h in enumerate(holders) if h is not None]
+        if found:
+            if writer and holder is None:
+                unlock_directory(directory)
+            rank, h = found[0]
+            raise CheckpointDirectoryInUseError(in_use_message(directory, h)
+                                                + (f" (rank {rank} found it)" if ctx.world_size > 1 else ""))
+        self._locked_directory = directory if writer else ""
+
+    def _unlock_checkpoint_directory(self) -> None:
+        if self._locked_directory:
+            unlock_directory(self._locked_directory)
+        self._locked_directory = None
 
     def _save_numbered(self, metrics: dict[str, torch.Tensor] | None) -> None:
         path = self.checkpoints.path_for(self.step)

@@ -1,0 +1,101 @@
+"""One run per checkpoint directory.
+
+Two jobs started on one `checkpoint_dir` (a job launched twice, a second config pointing at the first's
+directory) would destroy each other's work: with ``resume=False`` the second moves the first's
+checkpoints aside while the first writes into it, and each one's keep-last-N prunes the other's newer
+steps. `fit` therefore holds an exclusive `flock` on ``<checkpoint_dir>/.dtrain.lock`` for the
+trainer's life, taken by each directory's writer (rank 0, or each node's first rank with a directory
+per node) before anything in the directory is read or moved.
+
+The kernel drops the lock when its process ends, however it ends (SIGKILL, a lost node's restart by
+torchrun): a crashed run never leaves a stale lock behind. Trainers of one process share the lock (a
+script that resumes in a second trainer). On a file system without locks (some network mounts) the
+run goes on unlocked, with a warning. The file says who holds it; the holder removes it when it closes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: no lock there
+    fcntl = None
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".dtrain.lock"
+
+_held: dict[str, list[int]] = {}  # lock file -> [descriptor, trainers of this process holding it]
+
+
+class CheckpointDirectoryInUseError(RuntimeError):
+    """Another process (another run) holds the checkpoint directory's lock; the message names it."""
+
+
+def _lock_path(directory: str | os.PathLike) -> str:
+    return os.path.join(os.path.realpath(os.fspath(directory)), LOCK_NAME)
+
+
+def lock_directory(directory: str | os.PathLike) -> str | None:
+    """Take `directory`'s run lock (creating the directory): None once this process holds it, else a
+    description of the holder. Never waits."""
+    path = _lock_path(directory)
+    if path in _held:
+        _held[path][1] += 1
+        return None
+    if fcntl is None:
+        return None
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for _ in range(5):  # a holder that removed the file as this process opened it: open the new one
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
+            os.close(fd)
+            return holder or "another process"
+        except OSError as err:
+            os.close(fd)
+            log.warning("cannot lock checkpoint directory %s (%s): two runs started on it would not be kept "
+                        "apart", os.path.dirname(path), err)
+            return None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            continue
+        since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}, since {since}\n".encode(), 0)
+        _held[path] = [fd, 1]
+        return None
+    return None
+
+
+def unlock_directory(directory: str | os.PathLike) -> None:
+    """Give back one trainer's hold on `directory`'s lock; the last one removes the file and unlocks."""
+    path = _lock_path(directory)
+    entry = _held.get(path)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] > 0:
+        return
+    del _held[path]
+    try:
+        os.unlink(path)  # while still locked: a process that opens the old file now sees it removed
+    except OSError:
+        pass
+    os.close(entry[0])
+
+
+def in_use_message(directory: str | os.PathLike, holder: str) -> str:
+    return (f"checkpoint_dir {os.fspath(directory)!r} is in use by another run ({holder}; it holds "
+            f"{_lock_path(directory)}). Two runs writing one directory move aside or prune each other's "
+            "checkpoints: give this run a checkpoint_dir of its own, or stop the other run first")
