@@ -9,7 +9,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from .batches import batch_size_of, call_module, model_loss, to_device
+from .comm.collectives import broadcast_coalesced
 from .data import ShardedSampler
+from .mesh import global_rank
 from .loss_weights import counted, label_count, weigh
 
 __all__ = ["Evaluation"]
@@ -40,6 +42,10 @@ class Evaluation:
         a function with the attribute ``reduction = "sum"`` returns the batch's sum instead (a count,
         such as `validation.correct_count`: summed exactly), divided by the number of samples.
 
+        Buffers that each replica updates with its own batches (BatchNorm's running statistics) are the
+        first replica's during the evaluation, on every rank: the model `full_state_dict()` exports is
+        the one scored. Each rank's own come back afterwards.
+
         Training is left as it was: every module's train/eval mode is restored one by one (a
         submodule you froze in eval mode stays so), and the random number generators (the CPU's and
         this rank's device's) are put back, so the next training step draws what it would have
@@ -51,6 +57,18 @@ class Evaluation:
         names, _, total = self._evaluation_sums(data, criterion, batch_size=batch_size, metrics=metrics)
         count = total[-1].item()
         return {name: (total[k].item() / count if count else float("nan")) for k, name in enumerate(names)}
+
+    def _use_first_replicas_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every replica evaluates with the first replica's buffers (BatchNorm's running statistics,
+        which each rank updates with its own batches): the model that `full_state_dict()` and a
+        checkpoint's rank 0 hold, scored as one. Returns (buffer, this rank's own value) to put back."""
+        buffers = _buffers(self.module)
+        if not buffers:
+            return []
+        own = [(b, b.clone()) for b in buffers]
+        group = self.context.mesh.group("data")
+        broadcast_coalesced(buffers, global_rank(group, 0), group)
+        return own
 
     @torch.no_grad()
     def _evaluation_sums(
@@ -92,6 +110,7 @@ class Evaluation:
         lockstep = self.strategy.collective_forward and ctx.world_size > 1
         module = self.model if self.strategy.collective_forward else self.module
         modes = [(m, m.training) for m in module.modules()]
+        own_buffers = self._use_first_replicas_buffers() if shards > 1 else []
         module.eval()
         names = ["loss", *(metrics or {})]
         summed = [getattr(fn, "reduction", "mean") == "sum" for fn in (metrics or {}).values()]
@@ -138,11 +157,17 @@ class Evaluation:
         finally:
             for m, mode in modes:  # one by one: train() on the root would also wake a frozen submodule
                 m.training = mode
+            for buffer, own in own_buffers:
+                buffer.copy_(own)
         sums = self.strategy.evaluation_sums(sums)  # a pipeline: its last stage's values to its other ranks
         local = sums.clone()
         if shards > 1:  # each replica counted once, whatever shares it
             dist.all_reduce(sums, group=ctx.mesh.group("data"))
         return names, _per_row(local), _per_row(sums)
+
+
+def _buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [b for b in module.buffers() if b.numel()]
 
 
 def _per_row(sums: torch.Tensor) -> torch.Tensor:
