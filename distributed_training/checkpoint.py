@@ -342,8 +342,11 @@ class CheckpointManager:
         # One listing, and only checkpoints up to this one count: with background writes the other
         # ranks may already be writing newer ones (a directory made after a first listing and seen by a
         # second would be taken for an old checkpoint and deleted under its writer).
+        # Only finished checkpoints count towards keep_last (one whose save was killed has no meta.pt;
+        # counting it would delete a good one in its place); an unfinished one older than this is removed.
         done = [s for s in self.steps() if s <= step]
-        keep = set(done[-self.keep_last:])
+        finished = [s for s in done if s == step or os.path.isfile(os.path.join(self.path_for(s), META))]
+        keep = set(finished[-self.keep_last:])
         if best is not None:
             keep.add(best["step"])
         for old in done:
@@ -359,5 +362,28 @@ class CheckpointManager:
         path = os.path.join(self.directory, "best.json")
         if not os.path.isfile(path):
             return None
-        with open(path) as f:
-            return json.load(f)
+        try:
+            with open(path) as f:
+                record = json.load(f)
+            int(record["step"]), float(record["value"])
+            return record
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            record = self._best_of_checkpoints()
+            warnings.warn(f"{path} is damaged ({type(err).__name__}: {err}); the best checkpoint is found again from "
+                          f"the checkpoints' own metrics: {record or 'none recorded one'}", stacklevel=2)
+            if record is not None:
+                atomic_write_bytes(json.dumps(record).encode(), path)
+            return record
+
+    def _best_of_checkpoints(self) -> dict[str, Any] | None:
+        """best.json's record rebuilt from the `best_metric` value each finished checkpoint's meta.pt holds."""
+        best = None
+        for step in self.steps():
+            try:
+                value = read_meta(self.path_for(step)).get("metrics", {}).get(self.best_metric)
+            except CheckpointCorruptError:
+                continue
+            if value is not None and (best is None or (value < best["value"] if self.best_mode == "min"
+                                                       else value > best["value"])):
+                best = {"step": step, "metric": self.best_metric, "value": float(value)}
+        return best

@@ -51,7 +51,11 @@ def lock_directory(directory: str | os.PathLike) -> str | None:
         return None
     os.makedirs(os.path.dirname(path), exist_ok=True)
     for _ in range(5):  # a holder that removed the file as this process opened it: open the new one
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # a read-only directory (a finished run's, mounted to be read): nothing to guard
+            log.debug("no run lock in %s: %s", os.path.dirname(path), err)
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

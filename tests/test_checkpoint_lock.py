@@ -88,3 +88,17 @@ def test_trainers_of_one_process_share_the_lock_and_give_it_back(tmp_path):
     assert LOCK_NAME in os.listdir(directory)  # the second trainer still holds it
     second.close()
     assert LOCK_NAME not in os.listdir(directory)
+
+
+def test_a_read_only_directory_is_used_without_a_lock(tmp_path, monkeypatch):
+    """A finished run's directory on a read-only mount failed with EROFS on the lock file (a new user's
+    trial, session 32): nothing can be written there, so there is nothing to guard."""
+    import errno
+
+    from distributed_training import checkpoint_lock
+
+    def read_only(path, flags, mode=0o777):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(checkpoint_lock.os, "open", read_only)
+    assert checkpoint_lock.lock_directory(tmp_path) is None and not checkpoint_lock._held

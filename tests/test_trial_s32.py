@@ -10,6 +10,8 @@ torch, or HF's bare StopIteration)."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 
 import pytest
 import torch
@@ -147,3 +149,44 @@ def test_evaluate_scores_the_model_full_state_dict_exports(strategy):
     for loss, kept, _ in results:
         assert kept, "evaluate() left the first replica's buffers on this rank"
         assert abs(loss - expected) < 1e-6, (loss, expected)
+
+
+# ------------------------------------------------------------------ checkpoints a killed save or a bad disk left
+def _fit_to(directory, max_steps, every, **kw):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    trainer = DistributedTrainer(nn.Linear(4, 1), lambda ps: torch.optim.SGD(ps, lr=0.05), progress=False,
+                                 checkpoint_dir=directory, checkpoint_every=every, keep_last=2, **kw)
+    trainer.fit(data, epochs=10, batch_size=4, criterion=nn.functional.mse_loss, max_steps=max_steps)
+    trainer.close()
+
+
+def test_keep_last_counts_only_finished_checkpoints(tmp_path):
+    """A save killed part-way (no meta.pt) counted as one of the last `keep_last`: good checkpoints were
+    deleted for it, leaving one good checkpoint under keep_last=2. It is now removed instead."""
+    from distributed_training.checkpoint import CheckpointManager
+
+    directory = tmp_path / "ckpt"
+    _fit_to(directory, 20, 5)
+    os.remove(directory / "step_000000020" / "meta.pt")
+    _fit_to(directory, 21, 3)  # resumes from 15: saves 18 and 21
+    assert CheckpointManager(directory).steps() == [18, 21]
+
+
+def test_a_damaged_best_json_is_rebuilt_from_the_checkpoints(tmp_path):
+    """A truncated best.json crashed the resumed run at its first save with a bare JSONDecodeError (and
+    again at every restart)."""
+    from distributed_training.checkpoint import CheckpointManager
+
+    directory = tmp_path / "ckpt"
+    _fit_to(directory, 8, 2, best_metric="loss")
+    record = CheckpointManager(directory, best_metric="loss").best()[1]
+    (directory / "best.json").write_text('{"step": 4, "met')
+    with pytest.warns(UserWarning, match="best.json is damaged"):
+        rebuilt = CheckpointManager(directory, best_metric="loss").best()[1]
+    assert rebuilt == record
+    (directory / "best.json").write_text('{"step": 4, "met')
+    with pytest.warns(UserWarning, match="best.json is damaged"):
+        _fit_to(directory, 10, 2, best_metric="loss")  # resumes, saves step 10 and finalizes: no crash
+    assert json.loads((directory / "best.json").read_text())["step"] in (record["step"], 10)
