@@ -20,7 +20,7 @@ from typing import Iterator, Sized
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from .runtime import DistributedContext
 
@@ -114,6 +114,26 @@ class ShardedSampler(Sampler[int]):
         return max(0, self.shard_length() - self.start)
 
 
+def _check_loader_order(loader: DataLoader, shuffle: bool) -> None:
+    """`fit` shards a DataLoader's dataset with its own sampler: a sampler of the user's own (weights,
+    classes balanced) cannot be kept and is refused; a loader's shuffle setting that `fit`'s differs
+    from is said (fit's ``shuffle`` decides)."""
+    if isinstance(loader.sampler, ShardedSampler):
+        return
+    if not isinstance(loader.sampler, (SequentialSampler, RandomSampler)):
+        raise ValueError(
+            f"fit() cannot use this DataLoader's sampler ({type(loader.sampler).__name__}): fit shards the loader's "
+            "dataset over the data-parallel ranks with a sampler of its own, which would replace yours. Pass the "
+            "dataset and batch_size (each rank gets its shard, reshuffled each epoch), or a DataLoader over an "
+            "IterableDataset that yields this rank's batches (iterated as given)")
+    if isinstance(loader.sampler, RandomSampler) != bool(shuffle):
+        warnings.warn(
+            f"fit(shuffle={bool(shuffle)}) decides the order, not the DataLoader's "
+            f"shuffle={isinstance(loader.sampler, RandomSampler)}: fit shards the loader's dataset with its own "
+            f"sampler; pass fit(..., shuffle={isinstance(loader.sampler, RandomSampler)}) for the loader's",
+            UserWarning, stacklevel=4)
+
+
 def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: DistributedContext, *,
                           warn: bool = True) -> int:
     """Steps per epoch of a sharded loader (from the sampler's `offset`), the same on every rank.
@@ -181,11 +201,15 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
             return data
         if data.batch_size is None and loader_batch_size is None:
             raise ValueError("fit() needs a DataLoader with a batch_size (batch_sampler loaders are used as given)")
+        _check_loader_order(data, shuffle)
         sampler = ShardedSampler(data.dataset, dp_world_size, dp_rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last)
+        workers = dict(persistent_workers=data.persistent_workers, prefetch_factor=data.prefetch_factor,
+                       multiprocessing_context=data.multiprocessing_context) if data.num_workers else {}
         return DataLoader(
             data.dataset, batch_size=loader_batch_size or data.batch_size, sampler=sampler, collate_fn=data.collate_fn,
             num_workers=data.num_workers, pin_memory=data.pin_memory, drop_last=data.drop_last or drop_last,
+            worker_init_fn=data.worker_init_fn, timeout=data.timeout, **workers,
         )
     if isinstance(data, IterableDataset) or not isinstance(data, Dataset):
         if isinstance(batch_size, int):

@@ -1,4 +1,5 @@
-"""Stopping a training loop cleanly on SIGINT (Ctrl-C) and SIGTERM (preemption), with every rank agreeing.
+"""Stopping a training loop cleanly on SIGINT (Ctrl-C), SIGTERM (preemption) and SIGHUP (the terminal
+closed, an ssh session dropped), with every rank agreeing.
 
 A signal may reach only some ranks (one process killed by hand, a node drained) or reach them while
 they are at different steps. A rank that simply stopped would leave its peers waiting in the next
@@ -10,35 +11,49 @@ async) each stop on the signal they got, at their own step.
 
 The all-reduce of step k is started without waiting and read at step k + 1's boundary, so the host
 never waits for the device's current step: a signal stops the loop one or two steps after it arrives.
+
+A second Ctrl-C, pressed after the first was said (`AGAIN_AFTER_S`), raises `KeyboardInterrupt` at once:
+a step stuck in a data loader or a peer never reaches the boundary. (One press under torchrun reaches a
+worker twice, from the terminal and forwarded by torchrun, within milliseconds: that is still one.)
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from .logs import get_logger
 from .runtime import DistributedContext
 
-__all__ = ["StopSignals"]
+__all__ = ["StopSignals", "SAVING_SIGNALS"]
 
-# All-reduced as a MAX, so SIGTERM (stop and save) wins over SIGINT (stop) when ranks got different ones.
-_PRIORITY = {signal.SIGINT: 1, signal.SIGTERM: 2}
+log = get_logger(__name__)
+
+# All-reduced as a MAX, so a signal that saves (SIGTERM, SIGHUP) wins over SIGINT (stop) when ranks got
+# different ones.
+_PRIORITY = {signal.SIGINT: 1, signal.SIGTERM: 2, signal.SIGHUP: 3}
+#: The signals on which `fit` saves a checkpoint before it stops (with ``save_on_preemption``).
+SAVING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+#: Seconds after a first SIGINT from which another one raises KeyboardInterrupt at once.
+AGAIN_AFTER_S = 1.0
 _BY_PRIORITY = {code: sig for sig, code in _PRIORITY.items()}
 
 
 class StopSignals:
-    """Within ``with``: SIGINT and SIGTERM set a flag instead of interrupting; `agreed()` at each step
+    """Within ``with``: SIGINT, SIGTERM and SIGHUP set a flag instead of interrupting (a second Ctrl-C
+    raises `KeyboardInterrupt` at once); `agreed()` at each step
     boundary says, identically on every rank, whether and on which signal to stop.
 
     Handlers are installed only in the main thread (Python delivers signals there), only when every
     rank can install them (one all-reduce on entry, `every_rank`), never over a signal that was ignored
     (``SIG_IGN``), and the previous handlers are restored on exit. After a stop, `deliver()` hands the
     signal to the previous handler: Python's default turns SIGINT into `KeyboardInterrupt`; SIGTERM's
-    default (terminate) becomes ``SystemExit(128 + SIGTERM)`` so that ``finally`` blocks and ``with``
+    and SIGHUP's default (terminate) becomes ``SystemExit(128 + signal)`` so that ``finally`` blocks and ``with``
     statements still run.
     """
 
@@ -52,6 +67,7 @@ class StopSignals:
         self.signal: signal.Signals | None = None  # what the ranks agreed to stop on
         self._previous: dict[signal.Signals, object] = {}
         self._pending = None
+        self._first_interrupt: float | None = None  # when this rank's first SIGINT came
 
     # ------------------------------------------------------------ handlers
     def __enter__(self) -> "StopSignals":
@@ -68,8 +84,19 @@ class StopSignals:
         return self
 
     def _record(self, signum, frame) -> None:
-        # Only a flag: raising here could abandon a checkpoint write or a collective half done.
-        self.received = max(self.received, _PRIORITY[signal.Signals(signum)])
+        # Only a flag: raising here could abandon a checkpoint write or a collective half done. But a
+        # user who presses Ctrl-C again wants out now, whatever is stuck.
+        sig = signal.Signals(signum)
+        if sig == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_interrupt is None:
+                self._first_interrupt = now
+                log.warning("SIGINT: stopping at the next step boundary, with the other ranks (press Ctrl-C again "
+                            "to stop at once)")
+            elif now - self._first_interrupt > AGAIN_AFTER_S:
+                self.restore()
+                raise KeyboardInterrupt("Ctrl-C pressed twice: stopped at once, not at a step boundary")
+        self.received = max(self.received, _PRIORITY[sig])
 
     def __exit__(self, exc_type, *exc) -> None:
         self.restore()

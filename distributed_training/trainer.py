@@ -109,9 +109,9 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             `fit` returns only once its last checkpoint is complete. `save_checkpoint` stays
             synchronous. See `distributed_training.checkpoint_async`.
         save_on_preemption: on SIGTERM (what Kubernetes and batch schedulers send before killing a
-            job) `fit` stops at the next step boundary that every rank agrees on, writes a checkpoint
-            there (with `checkpoint_dir`), and exits; SIGINT (Ctrl-C) stops the same way without the
-            save. See `fit`.
+            job) or SIGHUP (a closed terminal) `fit` stops at the next step boundary that every rank
+            agrees on, writes a checkpoint there (with `checkpoint_dir`), and exits; SIGINT (Ctrl-C)
+            stops the same way without the save (twice: at once). See `fit`.
         log_dir: write per-rank TensorBoard and JSONL metrics under ``log_dir/rank_<i>`` during `fit`
             (see `distributed_training.monitor.Monitor`); `log_every` steps apart; ranks slower than
             `straggler_threshold` times the median are flagged; `progress` draws a bar on rank 0.
@@ -421,6 +421,8 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         # Samples of the current epoch's permutation already trained by the whole job (the data position,
         # at any size; None: a checkpoint from before it was kept, see Fitting._epoch_offset).
         self.samples_in_epoch: int | None = 0
+        self._dataset_len: int | None = None  # fit's sharded dataset's, kept in checkpoints with the position
+        self._saved_dataset_len: int | None = None  # the loaded checkpoint's
         self._epoch_finished = False  # the current epoch's last batch trained (fit): a checkpoint is at the next
         self.global_batch: GlobalBatch | None = None  # fit(global_batch_size=...): how it is cut now
         self.micro_batch_size: int | None = None  # ... and the micro-batch it keeps across sizes

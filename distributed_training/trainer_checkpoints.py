@@ -282,6 +282,7 @@ class Checkpointing(BackgroundCheckpointing):
             "epoch": self.epoch + 1 if done else self.epoch,
             "batch_in_epoch": 0 if done else self.batch_in_epoch,
             "samples_in_epoch": 0 if done else self.samples_in_epoch,  # the data position at any size
+            "dataset_len": self._dataset_len,  # of the data that position is in (fit's sharded dataset)
             "batch_size": self.batch_size,
             "global_batch": dataclasses.asdict(self.global_batch) if self.global_batch is not None else None,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
@@ -404,6 +405,7 @@ class Checkpointing(BackgroundCheckpointing):
         self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
         samples = meta.get("samples_in_epoch")
         self.samples_in_epoch = int(samples) if samples is not None else (None if self.batch_in_epoch else 0)
+        self._saved_dataset_len = meta.get("dataset_len")
         self._previous_global_batch = meta.get("global_batch")
         if self._previous_global_batch is not None and self._previous_global_batch.get("micro_batch_size"):
             self.micro_batch_size = int(self._previous_global_batch["micro_batch_size"])

@@ -4,7 +4,6 @@ periodic checkpoints, and stopping on a signal at a step boundary every rank agr
 
 from __future__ import annotations
 
-import signal
 import time
 import warnings
 from typing import Any, Callable, Iterable
@@ -13,11 +12,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .batches import batch_size_of, token_count
+from .checkpoint import rng_state, set_rng_state
 from .checkpoint_layout import replicate_checkpoint
 from .data import MapDataset, ShardedSampler, agree_steps_per_epoch, map_style, train_loader
 from .global_batch import GlobalBatch, plan_global_batch
 from .logs import get_logger
-from .stopping import StopSignals
+from .stopping import SAVING_SIGNALS, StopSignals
 from .trainer_step import check_criterion
 from .validation import PeriodicEvaluation
 
@@ -93,12 +93,14 @@ class Fitting:
         (padded by wrapping around to a multiple of W, or dropped with `drop_last`).
 
         Resuming (see `resume`) is logged on rank 0 ("resumed from step N (path)"); a run that the
-        checkpoint shows complete logs so and returns ``[]`` without training. SIGINT and SIGTERM during
-        `fit` stop every rank at the same step boundary shortly after either reaches any of them (a step
-        or a checkpoint write in progress finishes first); on SIGTERM, with `save_on_preemption`, a
-        checkpoint is written at that step. The signal then goes to the handler that was in place
-        before `fit` (restored on return): by default SIGINT raises `KeyboardInterrupt` and SIGTERM
-        ``SystemExit(143)``, so a preempted job exits with nothing lost and resumes where it stopped.
+        checkpoint shows complete logs so and returns ``[]`` without training. SIGINT, SIGTERM and SIGHUP
+        during `fit` stop every rank at the same step boundary shortly after one reaches any of them (a
+        step or a checkpoint write in progress finishes first); on SIGTERM or SIGHUP (a closed terminal),
+        with `save_on_preemption`, a checkpoint is written at that step. The signal then goes to the
+        handler that was in place before `fit` (restored on return): by default SIGINT raises
+        `KeyboardInterrupt`, SIGTERM ``SystemExit(143)`` and SIGHUP ``SystemExit(129)``, so a preempted
+        job exits with nothing lost and resumes where it stopped. A second Ctrl-C (a second after the
+        first) raises `KeyboardInterrupt` at once, wherever the step is stuck.
 
         Evaluation during training: with `eval_dataset` (a map-style validation set), every
         `eval_every` optimizer steps (counted from the start of training, as a resumed run counts them)
@@ -193,6 +195,7 @@ class Fitting:
                               num_workers=num_workers, seed=self.seed, dp_rank=self.dp_rank,
                               dp_world_size=self.dp_world_size, loader_batch_size=plan and plan.per_rank)
         self._check_last_batch(loader)
+        self._check_dataset_length(loader, resumed_from)
         if evaluation is not None and eval_batch_size is None and not isinstance(eval_dataset, DataLoader):
             # What one training forward takes on a replica (its batch cut in the accumulation steps).
             size = getattr(loader, "batch_size", None)
@@ -294,6 +297,21 @@ class Fitting:
             self.samples_in_epoch = self.batch_in_epoch * loader.batch_size * loader.sampler.num_replicas
         return self.samples_in_epoch
 
+    def _check_dataset_length(self, loader, resumed_from: str | None) -> None:
+        """Record the sharded dataset's length (what checkpoints keep beside the data position) and say
+        when a resumed epoch continues over data of another length than the one it started on: its
+        saved position then points into another order (some samples trained twice in that epoch, others
+        not at all)."""
+        sampler = getattr(loader, "sampler", None)
+        saved, self._dataset_len = self._saved_dataset_len, getattr(sampler, "dataset_len", None)
+        if (resumed_from is not None and isinstance(sampler, ShardedSampler) and saved is not None
+                and saved != sampler.dataset_len and self.samples_in_epoch and self.context.is_main):
+            log.warning("the training data has %d samples, the run in checkpoint %s had %d: epoch %d continues at "
+                        "sample %d of the new data's order, so in this epoch some samples may train twice and others "
+                        "not at all (the next epochs are whole). Resume with the data the run started on, or start "
+                        "again (resume=False)", sampler.dataset_len, resumed_from, saved, self.epoch,
+                        self.samples_in_epoch)
+
     def _check_last_batch(self, loader) -> None:
         """Refuse now, not after an epoch, a sharded loader whose last batch the strategy cannot run."""
         smallest = self.strategy.smallest_batch()
@@ -319,6 +337,11 @@ class Fitting:
         if sharded:
             sampler.set_epoch(self.epoch)  # a whole epoch's steps
             per_epoch = agree_steps_per_epoch(loader, sampler, self.context)
+            if per_epoch == 0:  # (every rank agreed on the fewest)
+                raise ValueError(
+                    f"fit(): the training data gives no step in an epoch: {sampler.dataset_len} sample(s) over "
+                    f"{sampler.num_replicas} data-parallel replica(s) in batches of {loader.batch_size}"
+                    + (" with drop_last=True" if loader.drop_last else "") + ". An empty dataset or a wrong path?")
             # The steps left in the current epoch, where the data position says (in samples: the job
             # may have trained them at another size) and every rank agrees.
             offset = self._epoch_offset(loader)
@@ -348,8 +371,11 @@ class Fitting:
             # stream training uses, so that a resumed epoch sees the same random numbers as an unbroken one.
             with torch.random.fork_rng(devices=[]):
                 batches = iter(loader)
-            for _ in range(skip):  # a resumed epoch over a loader we cannot seek: replay its start
-                next(batches, None)
+            if skip:  # a resumed epoch over a loader we cannot seek: replay its start, drawing nothing from
+                state = rng_state()  # the random streams the checkpoint restored (a loader's augmentation would)
+                for _ in range(skip):
+                    next(batches, None)
+                set_rng_state(state)
             last_end = time.perf_counter()
             while not done():
                 if sharded and self.batch_in_epoch >= epoch_end:
@@ -396,6 +422,9 @@ class Fitting:
                     break
             if on_step is not None and not logged and metrics is not None:
                 on_step(self.step, {k: float(v) for k, v in metrics.items()})
+            if not sharded and exhausted and not steps and not skip and not history and self.batch_in_epoch == 0:
+                raise ValueError(f"fit(): the training data ({type(loader).__name__}) yielded no batch in epoch "
+                                 f"{self.epoch}, on any rank. An empty dataset or a wrong path?")
             if steps or not exhausted:  # (an epoch resumed at its end, by an older checkpoint, trained nothing)
                 history.append({
                     "epoch": self.epoch,
@@ -485,7 +514,7 @@ class Fitting:
         """Every rank, at the step boundary they agreed on: save on SIGTERM if asked, and say why we stop.
         `signalled`: whether this rank got the signal itself (its peers may have got it for all)."""
         ctx = self.context
-        if sig == signal.SIGTERM and self.save_on_preemption and self.checkpoints is not None:
+        if sig in SAVING_SIGNALS and self.save_on_preemption and self.checkpoints is not None:
             if self._last_saved_step != self.step:
                 self._save_numbered(metrics)
             self.wait_for_checkpoint()  # checkpoint_async: complete before the process is told to exit
