@@ -296,8 +296,8 @@ def train_data(cfg: JobConfig, train: Dataset, batch_size: int | None, dp_rank: 
         if cfg.data.shard_iterable and dp_world_size > 1:
             train = ShardedIterable(train, dp_rank, dp_world_size)
         return DataLoader(train, batch_size=batch_size, collate_fn=collate)
-    if collate is not None:
-        return DataLoader(train, batch_size=batch_size, collate_fn=collate)
+    if collate is not None:  # (shuffle: what fit does to it, so that fit does not warn of a difference)
+        return DataLoader(train, batch_size=batch_size, collate_fn=collate, shuffle=True)
     return train
 
 

@@ -298,9 +298,9 @@ def loader_batch_size_worker(rank, world):
     trainer = DistributedTrainer(MLP(), lambda ps: torch.optim.SGD(ps, lr=0.1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(DataLoader(data, batch_size=16), epochs=1, criterion=F.cross_entropy, batch_size=4)
+        trainer.fit(DataLoader(data, batch_size=16, shuffle=True), epochs=1, criterion=F.cross_entropy, batch_size=4)
         steps = trainer.step
-        trainer.fit(DataLoader(data, batch_size=16), epochs=2, criterion=F.cross_entropy, batch_size=16)
+        trainer.fit(DataLoader(data, batch_size=16, shuffle=True), epochs=2, criterion=F.cross_entropy, batch_size=16)
     trainer.close()
     return [str(w.message) for w in caught if issubclass(w.category, UserWarning)], steps
 
