@@ -73,11 +73,25 @@ def _atomic_file(path: str):
             yield raw
             os.fsync(raw.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        cause = _os_error_in(err)
+        if cause is not None and cause is not err:  # torch's zip writer raised again over it ("unexpected pos")
+            raise OSError(cause.errno, f"writing {path} failed: {cause.strerror or cause}", path) from err
         raise
     _fsync_dir(directory)
+
+
+def _os_error_in(err: BaseException) -> OSError | None:
+    """The OSError (a full disk, a lost mount) that `err` is, or that it was raised while handling."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError) and err.errno is not None:
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def atomic_write_bytes(data: bytes, path: str) -> None:

@@ -364,3 +364,26 @@ def test_a_resume_over_data_of_another_length_is_said(tmp_path, caplog):
     fit(60, 30)
     said = [r.getMessage() for r in caplog.records if "the training data has" in r.getMessage()]
     assert len(said) == 1 and "has 60 samples" in said[0] and "had 203" in said[0] and "sample 100" in said[0], said
+
+
+def test_a_full_disk_names_the_file_and_the_error(tmp_path, monkeypatch):
+    """A checkpoint write on a full disk ended in torch's zip writer's own error ("unexpected pos 24570 vs
+    24540"), naming neither the file nor ENOSPC, which was only the context of it."""
+    import errno
+
+    from distributed_training import checkpoint
+
+    written = []
+
+    def full_disk(self, data):
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(len(data))
+        return original(self, data)
+
+    original = checkpoint._HashingFile.write
+    monkeypatch.setattr(checkpoint._HashingFile, "write", full_disk)
+    path = str(tmp_path / "rank0.pt")
+    with pytest.raises(OSError, match=r"writing .*rank0\.pt failed: No space left on device") as caught:
+        checkpoint.atomic_save({"w": torch.randn(1000)}, path)
+    assert caught.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []  # no temporary left
