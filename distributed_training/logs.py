@@ -50,7 +50,9 @@ class _RankZeroHandler(logging.Handler):
                 text += "\n" + logging.Formatter().formatException(record.exc_info)
             from tqdm import tqdm
 
-            tqdm.write(text, file=sys.stderr)  # clears a progress bar, writes the line, redraws the bar
+            # Clears a progress bar, writes the line, redraws the bar. The line and its end in one write:
+            # two ranks' lines sharing a terminal do not run into each other.
+            tqdm.write(text + "\n", file=sys.stderr, end="")
         except Exception:
             self.handleError(record)
 

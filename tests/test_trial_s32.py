@@ -387,3 +387,27 @@ def test_a_full_disk_names_the_file_and_the_error(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=r"writing .*rank0\.pt failed: No space left on device") as caught:
         checkpoint.atomic_save({"w": torch.randn(1000)}, path)
     assert caught.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []  # no temporary left
+
+
+def test_a_log_line_is_one_write(monkeypatch):
+    """Two ranks' warnings ran into one line ('...earlier one[rank 1] WARNING: skipping...'): the text and
+    its newline went out in two writes."""
+    import io
+    import logging
+    import sys
+
+    from distributed_training import logs
+    from distributed_training.logs import _RankZeroHandler
+
+    monkeypatch.setattr(logs, "_configured_elsewhere", lambda ours: False)  # (pytest's capture handler)
+    writes = []
+
+    class Terminal(io.StringIO):
+        def write(self, s):
+            writes.append(s)
+            return len(s)
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    handler = _RankZeroHandler(rank=1)
+    handler.emit(logging.LogRecord("distributed_training", logging.WARNING, __file__, 1, "skipping checkpoint", (), None))
+    assert [w for w in writes if w] == ["[rank 1] WARNING: skipping checkpoint\n"], writes
