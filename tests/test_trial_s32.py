@@ -20,6 +20,8 @@ from torch import nn
 from distributed_training import DistributedTrainer
 from distributed_training.testing import run_distributed
 
+from _once import run_once
+
 
 class TinyLM(nn.Module):
     """A language model written the way Hugging Face writes one: tied head, repeated blocks, and a
@@ -98,9 +100,27 @@ def summon_worker(rank, world, strategy):
     return errors
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "fsdp"])
-def test_summon_full_params_gives_the_module_its_weights_as_parameters(strategy):
-    errors = run_distributed(summon_worker, 2, args=(strategy,), timeout=90)
+SUMMONED, EVALUATED = ("ddp", "zero2", "zero3", "fsdp"), ("ddp", "zero3")
+
+
+def shared_worker(rank, world):
+    """The summon and evaluate cases of every strategy, one trainer after another, in one launch."""
+    return ({("summon", s): summon_worker(rank, world, s) for s in SUMMONED}
+            | {("evaluate", s): bn_evaluate_worker(rank, world, s) for s in EVALUATED})
+
+
+@pytest.fixture(scope="module")
+def shared_launch():
+    def launch():
+        per_rank = run_distributed(shared_worker, 2, timeout=180)
+        return {key: [r[key] for r in per_rank] for key in per_rank[0]}
+
+    return run_once(launch)
+
+
+@pytest.mark.parametrize("strategy", SUMMONED)
+def test_summon_full_params_gives_the_module_its_weights_as_parameters(strategy, shared_launch):
+    errors = shared_launch(("summon", strategy))
     for said in errors:
         if strategy == "ddp":
             assert said == [], said
@@ -134,12 +154,12 @@ def bn_evaluate_worker(rank, world, strategy):
     return scored["loss"], kept, state
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_evaluate_scores_the_model_full_state_dict_exports(strategy):
+@pytest.mark.parametrize("strategy", EVALUATED)
+def test_evaluate_scores_the_model_full_state_dict_exports(strategy, shared_launch):
     """Each rank evaluated with its own BatchNorm statistics and the losses were averaged: a score of no
     model anyone holds. Now every replica uses the first replica's (what `full_state_dict()` exports)
     for the evaluation, and keeps its own for training."""
-    results = run_distributed(bn_evaluate_worker, 2, args=(strategy,), timeout=90)
+    results = shared_launch(("evaluate", strategy))
     model = _bn_model()
     model.load_state_dict(results[0][2])
     model.eval()
