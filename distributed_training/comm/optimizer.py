@@ -390,6 +390,30 @@ class CommunicationOptimizer:
         self.powersgd_q[key] = q
         flat.copy_(approx.reshape(-1)[:n])
 
+    def rebucket(self, moves: list[tuple[int, int, int, int, int]], sizes: dict[int, int]) -> None:
+        """The buckets were laid out anew (DDP's rebuild in arrival order, after the first step): carry
+        each parameter's error-feedback residual to its new place. `moves` holds (old bucket, old
+        offset, new bucket, new offset, numel) per parameter, `sizes` each new bucket's numel. PowerSGD's
+        factors belong to the old buckets' matrices and start again."""
+        self.powersgd_q.clear()
+        self._topk_buffers.clear()
+        if not self.residuals:
+            return
+        old = {k: v.reshape(-1) for k, v in self.residuals.items()}
+        new: dict[int, torch.Tensor] = {}
+        for old_key, old_offset, new_key, new_offset, n in moves:
+            src = old.get(old_key)
+            if src is None or old_offset + n > src.numel():
+                continue
+            if new_key not in new:
+                size = sizes[new_key]
+                if self.compression == "powersgd":  # the residual of the bucket's padded matrix
+                    cols = max(1, int(math.sqrt(size)))
+                    size = -(-size // cols) * cols
+                new[new_key] = torch.zeros(size, dtype=src.dtype, device=src.device)
+            new[new_key][new_offset:new_offset + n] = src[old_offset:old_offset + n]
+        self.residuals = new
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         # A copy: a residual is a view of a buffer that the next step overwrites.

@@ -328,7 +328,19 @@ class DDP(CommTiming, nn.Module):
                                     world_size=self.world_size, group=self.process_group, src=self._global_rank(0))
         self._rebuild_pending = False
         self._arrival_order = None
+        before = self._placements()
         self._install_buckets(assign_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes))
+        after = self._placements()
+        rebucket = getattr(self.bucket_reducer, "rebucket", None)
+        if rebucket is not None and after != before:  # error feedback's residuals follow their parameters
+            rebucket([(*before[i][:2], *after[i][:2], n) for i, (_, _, n) in before.items()],
+                     {b.index: b.buffer.numel() for b in self._buckets})
+
+    def _placements(self) -> dict[int, tuple[int, int, int]]:
+        """Where each parameter's gradient lives: (its bucket's index, its offset there, its numel)."""
+        return {i: (self._buckets[self._bucket_of[i]].index,
+                    view.storage_offset() - self._buckets[self._bucket_of[i]].buffer.storage_offset(), view.numel())
+                for i, view in enumerate(self._view_of)}
 
     def _collectives_before_forward(self) -> None:
         """What a forward followed by a synchronised backward communicates before the module runs."""
