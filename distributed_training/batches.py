@@ -64,16 +64,22 @@ def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
     """Split every tensor of `batch` into `parts` chunks along dim 0; return (chunk, size) pairs.
 
     A batch smaller than `parts` (the short last batch of an epoch) is split into one chunk per sample:
-    accumulation only bounds memory, so fewer micro-batches give the same gradient.
+    accumulation only bounds memory, so fewer micro-batches give the same gradient. A 1-D tensor of a
+    whole multiple of the rows (targets flattened to one per token, ``tokens[:, 1:].flatten()``, as
+    with logits flattened to (rows x tokens, classes)) is split at the same rows.
     """
     n = batch_size_of(batch)
     parts = min(parts, n) if n else 1
     if parts == 1:
         return [(batch, n)]
+    rows = [len(piece) for piece in torch.tensor_split(torch.empty(n, 0), parts)]
 
     def chunk(x, k):
         if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n:
             return torch.tensor_split(x, parts)[k]
+        if isinstance(x, torch.Tensor) and x.dim() == 1 and x.shape[0] > n and x.shape[0] % n == 0:
+            per_row = x.shape[0] // n
+            return x[sum(rows[:k]) * per_row:sum(rows[:k + 1]) * per_row]
         if isinstance(x, Mapping):
             return {key: chunk(v, k) for key, v in x.items()}
         if isinstance(x, (tuple, list)):

@@ -500,3 +500,25 @@ def test_topk_error_feedback_follows_its_parameters_when_ddp_rebuilds_its_bucket
         for name, p in params.items():
             for rank in range(world):
                 assert torch.allclose(results[rank][step][name], p, atol=1e-6), (step, rank, name)
+
+
+def test_accumulation_splits_targets_flattened_per_token():
+    """The documented recipe for a language model (logits flattened to (B*T, V), targets
+    `tokens[:, 1:].flatten()`) failed with gradient_accumulation_steps=2: the inputs were split, the
+    flattened targets passed whole ("Expected input batch_size (16) to match target batch_size (32)")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 11))
+    reference = copy.deepcopy(model)
+    tokens = torch.randint(0, 11, (6, 5), generator=torch.Generator().manual_seed(3))
+    targets = tokens[:, 1:].flatten()
+    targets[::7] = -100
+    criterion = lambda logits, y: nn.functional.cross_entropy(logits.flatten(0, 1), y)  # noqa: E731
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.5), progress=False,
+                                 gradient_accumulation_steps=4)  # rows of 2, 2, 1, 1
+    trainer.train_step((tokens[:, :-1], targets), criterion)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    criterion(reference(tokens[:, :-1]), targets).backward()
+    opt.step()
+    for (name, p), q in zip(trainer.module.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), name
+    trainer.close()
