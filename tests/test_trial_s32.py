@@ -522,3 +522,27 @@ def test_accumulation_splits_targets_flattened_per_token():
     for (name, p), q in zip(trainer.module.named_parameters(), reference.parameters()):
         assert torch.allclose(p, q, atol=1e-6), name
     trainer.close()
+
+
+def late_parameter_worker(rank, world):
+    said = {}
+    for strategy in ("ddp", "zero1", "zero3"):
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        trainer = DistributedTrainer(net, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, progress=False)
+        net[1] = nn.Linear(4, 1)  # a head swapped after wrapping
+        try:
+            trainer.train_step((torch.randn(4, 4), torch.randn(4, 1)), nn.functional.mse_loss)
+            said[strategy] = None
+        except RuntimeError as err:
+            said[strategy] = str(err)
+        trainer.close()
+    return said
+
+
+def test_a_parameter_registered_after_wrapping_is_an_error():
+    """A head swapped (or a parameter added) after the trainer wrapped the model was never trained, never
+    averaged, and missing from ZeRO-3's full_state_dict, without a word."""
+    for said in run_distributed(late_parameter_worker, 2, timeout=90):
+        for strategy, message in said.items():
+            assert message is not None and "parameter '1.weight' was registered on the model after" in message, (
+                strategy, message)

@@ -148,7 +148,7 @@ class DDP(CommTiming, nn.Module):
         check_same_across_ranks(describe_module(module), "model", process_group)
 
         # named_parameters() yields a shared (tied) parameter once: it is bucketed and reduced once.
-        self._trainable = TrainableSet(module.named_parameters(), "DDP")
+        self._trainable = TrainableSet(module.named_parameters(), "DDP", module)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]

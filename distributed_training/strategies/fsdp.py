@@ -151,7 +151,7 @@ class FSDP(FSDPStateDict, nn.Module):
         mesh = mesh.hybrid() if sharding_strategy == "hybrid" else mesh.with_data_shard(mesh.dp_size)
 
         self.module = module
-        self._trainable = TrainableSet(module.named_parameters(), "FSDP")
+        self._trainable = TrainableSet(module.named_parameters(), "FSDP", module)
         self.mesh = mesh
         process_group = self.process_group = mesh.group("data")
         self.reshard_after_forward = bool(reshard_after_forward)

@@ -27,12 +27,25 @@ __all__ = ["TrainableSet"]
 class TrainableSet:
     """The `requires_grad` flags of `named` parameters when `wrapper` (its name, for messages) was built."""
 
-    def __init__(self, named: Iterable[tuple[str, nn.Parameter]], wrapper: str) -> None:
+    def __init__(self, named: Iterable[tuple[str, nn.Parameter]], wrapper: str, module: nn.Module | None = None) -> None:
+        named = list(named)
         self._named = [(name, weakref.ref(p), p.requires_grad) for name, p in named]
         self._wrapper = wrapper
+        # A parameter registered on `module` after wrapping (a head swapped for fine-tuning) is one the
+        # wrapper never averages, shards or hands to the optimizer: looked for at the first checks, then
+        # every `NEW_EVERY`-th (a walk over the modules, too slow for every forward of a large model).
+        self._module = weakref.ref(module) if module is not None else None
+        self._known = {id(p) for _, p in named}
+        self._checks = 0
+
+    NEW_EVERY = 100
 
     def check(self) -> None:
-        """Raise RuntimeError naming the first parameter whose `requires_grad` changed since construction."""
+        """Raise RuntimeError naming the first parameter whose `requires_grad` changed since construction,
+        or (at the first checks and every `NEW_EVERY`-th) one registered on the module since."""
+        self._checks += 1
+        if self._module is not None and (self._checks <= 2 or self._checks % self.NEW_EVERY == 0):
+            self._check_new()
         for name, ref, flag in self._named:
             p = ref()
             if p is not None and p.requires_grad != flag:
@@ -43,3 +56,15 @@ class TrainableSet:
                     "would leave the ranks or the optimizer out of step. Set requires_grad before wrapping: to "
                     f"change it mid-training, save a checkpoint, build the model, {self._wrapper} (or the "
                     "DistributedTrainer) and the optimizer again with the new flags, and load the model's weights")
+
+    def _check_new(self) -> None:
+        module = self._module()
+        if module is None:
+            return
+        for name, p in module.named_parameters():
+            if id(p) not in self._known:
+                raise RuntimeError(
+                    f"parameter {name!r} was registered on the model after {self._wrapper} wrapped it: "
+                    f"{self._wrapper} never averages (or shards) it across ranks, and an optimizer built before "
+                    "never updates it. Add every parameter (a new head, an adapter) before wrapping the model, "
+                    "or build the DistributedTrainer (and the optimizer) again after the change")
