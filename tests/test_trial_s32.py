@@ -546,3 +546,29 @@ def test_a_parameter_registered_after_wrapping_is_an_error():
         for strategy, message in said.items():
             assert message is not None and "parameter '1.weight' was registered on the model after" in message, (
                 strategy, message)
+
+
+def test_zero1_says_when_parameters_no_rank_used_are_stepped():
+    """ZeRO-1 stepped a layer no rank used (zero gradient in its bucket slice: momentum moved it, 0.027 off
+    one process) without the warning ZeRO-2/3 give: the gradient was a zeroed bucket view, not None."""
+    from distributed_training.strategies.zero1 import Zero1Strategy
+
+    class Skipping(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.skip, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+            self.use_skip = True
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            return self.head(torch.tanh(self.skip(h)) if self.use_skip else h)
+
+    net = Skipping()
+    trainer = DistributedTrainer(net, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), progress=False,
+                                 strategy=Zero1Strategy(find_unused_parameters=True))
+    batch = (torch.randn(4, 4), torch.randint(0, 2, (4,)))
+    trainer.train_step(batch, nn.functional.cross_entropy)
+    net.use_skip = False
+    with pytest.warns(UserWarning, match=r"ZeRO-1: 2 parameter\(s\) got no gradient on any rank.*'skip.weight'"):
+        trainer.train_step(batch, nn.functional.cross_entropy)
+    trainer.close()

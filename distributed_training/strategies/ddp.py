@@ -469,19 +469,24 @@ class DDP(CommTiming, nn.Module):
                     f"{shown}. If they are unused in some iterations or on some ranks, pass "
                     "find_unused_parameters=True; if they are never used, set requires_grad=False or remove them."
                 )
-            if self.find_unused_parameters and had_no_grad:
+            if self.find_unused_parameters and unready:
                 globally_used = used.tolist() if used is not None else state.ready
                 unused = [i for i in had_no_grad if not globally_used[i]]
                 for i in unused:
                     self._params[i].grad = None
                 if unused:
                     self._unused_everywhere(unused)
+                self._unready_everywhere([i for i in unready if not globally_used[i]])
         finally:
             self._reset_iteration()
 
     def _unused_everywhere(self, indices: list[int]) -> None:
         """Parameters (indices into `_params`) that got no gradient on any rank this backward: their
         ``.grad`` was left None, as without DDP. A subclass whose optimizer sees them otherwise says so."""
+
+    def _unready_everywhere(self, indices: list[int]) -> None:
+        """Parameters that no rank's backward reached this time, whatever their ``.grad`` holds (a
+        gradient view of a bucket, zeroed after the last step, is not None)."""
 
 
 class _BackwardPass:

@@ -191,7 +191,17 @@ class Zero1DDP(DDP):
                            "'zero3', or give every rank the same number of batches")
 
     def _unused_everywhere(self, indices: list[int]) -> None:
-        if getattr(self, "_unused_reported", False) or self.rank != 0:
+        self._report_unused(indices)
+
+    def _unready_everywhere(self, indices: list[int]) -> None:
+        # Gradients live in the buckets: one no rank reached is a zeroed view, not None (unless earlier
+        # micro-batches under no_sync accumulated into it: then it trained). Read only until said once.
+        if indices and not getattr(self, "_unused_reported", False) and self.rank == 0:
+            self._report_unused([i for i in indices if self._params[i].grad is None
+                                 or not bool(self._params[i].grad.any())])
+
+    def _report_unused(self, indices: list[int]) -> None:
+        if not indices or getattr(self, "_unused_reported", False) or self.rank != 0:
             return
         self._unused_reported = True
         names = [self._param_names[i] for i in indices]
