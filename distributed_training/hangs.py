@@ -120,4 +120,7 @@ def diagnose_timeout(context: DistributedContext, step: int, err: Exception) -> 
             behind.append(f"rank {r} (last seen at step {seen + 1 if seen is not None else 'none'})")
     if behind:
         return f"{where}; missing: {', '.join(behind)} never reached step {step + 1}. Cause: {err}"
-    return f"{where}; every rank reached step {step + 1}, so a rank is stuck inside it. Cause: {err}"
+    return (f"{where}; every rank reached step {step + 1}, so a rank is stuck inside it: a peer waiting on its "
+            "device or data, or ranks that issued different collectives (control flow that depends on a rank's "
+            "data, such as experts of a mixture that are FSDP units of their own and run on some ranks only). "
+            f"Cause: {err}")
