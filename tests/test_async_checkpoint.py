@@ -351,6 +351,8 @@ def test_pruning_leaves_newer_checkpoints_being_written_alone(tmp_path):
     manager = CheckpointManager(str(tmp_path), keep_last=1)
     for step in (2, 4, 6):
         os.makedirs(manager.path_for(step))
+    for step in (2, 4):  # finished (meta.pt written last); 6 is still being written
+        open(os.path.join(manager.path_for(step), "meta.pt"), "wb").close()
     manager.finalize(4)
     assert manager.steps() == [4, 6]  # 2 pruned; 6, being written, untouched
     manager = CheckpointManager(str(tmp_path), keep_last=2)
