@@ -33,6 +33,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import warnings
 from typing import Any
 
@@ -68,6 +69,7 @@ def _atomic_file(path: str):
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
+    handling = sys.exc_info()[1]  # an error the caller is handling: not this write's
     try:
         with open(tmp, "wb", buffering=0) as raw:
             yield raw
@@ -76,17 +78,18 @@ def _atomic_file(path: str):
     except BaseException as err:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        cause = _os_error_in(err)
+        cause = _os_error_in(err, handling) if isinstance(err, Exception) else None
         if cause is not None and cause is not err:  # torch's zip writer raised again over it ("unexpected pos")
             raise OSError(cause.errno, f"writing {path} failed: {cause.strerror or cause}", path) from err
         raise
     _fsync_dir(directory)
 
 
-def _os_error_in(err: BaseException) -> OSError | None:
-    """The OSError (a full disk, a lost mount) that `err` is, or that it was raised while handling."""
+def _os_error_in(err: BaseException, outer: BaseException | None) -> OSError | None:
+    """The OSError (a full disk, a lost mount) that `err` is, or that it was raised while handling,
+    raised inside the write (the chain is followed down to `outer`, what the caller was handling)."""
     seen = set()
-    while err is not None and id(err) not in seen:
+    while err is not None and err is not outer and id(err) not in seen:
         if isinstance(err, OSError) and err.errno is not None:
             return err
         seen.add(id(err))

@@ -3,22 +3,28 @@
 Two jobs started on one `checkpoint_dir` (a job launched twice, a second config pointing at the first's
 directory) would destroy each other's work: with ``resume=False`` the second moves the first's
 checkpoints aside while the first writes into it, and each one's keep-last-N prunes the other's newer
-steps. `fit` therefore holds an exclusive `flock` on ``<checkpoint_dir>/.dtrain.lock`` for the
-trainer's life, taken by each directory's writer (rank 0, or each node's first rank with a directory
-per node) before anything in the directory is read or moved.
+steps. `fit` therefore holds an exclusive lock on ``<checkpoint_dir>/.dtrain.lock`` for the trainer's
+life, taken by each directory's writer (rank 0, or each node's first rank with a directory per node)
+before anything in the directory is read or moved.
 
-The kernel drops the lock when its process ends, however it ends (SIGKILL, a lost node's restart by
-torchrun): a crashed run never leaves a stale lock behind. Trainers of one process share the lock (a
-script that resumes in a second trainer). On a file system without locks (some network mounts) the
-run goes on unlocked, with a warning. The file says who holds it; the holder removes it when it closes.
+It is a POSIX record lock (`fcntl.lockf`, which network file systems honour too), not an `flock`: a
+process forked from the holder (a DataLoader's worker) does not inherit it, so the kernel drops it
+when the holder's process ends, however it ends (SIGKILL, a lost node's restart by torchrun): a crashed
+run leaves no stale lock behind. A restarted worker (torchrun's ``--max-restarts``) waits up to
+`RESTART_WAIT_S` for its predecessor's lock to go. Trainers of one process share the lock (a script
+that resumes in a second trainer). Where no lock can be taken (a file system without locks, a lock
+file another user owns) the run goes on unlocked, with a warning; a read-only directory needs none.
+The file says who holds it; the holder removes it when it closes.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import os
 import socket
+import time
 
 try:
     import fcntl
@@ -28,6 +34,8 @@ except ImportError:  # not on Windows: no lock there
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".dtrain.lock"
+#: Seconds a restarted worker waits for the lock of the incarnation it replaces (still saving, or dying).
+RESTART_WAIT_S = 30.0
 
 _held: dict[str, list[int]] = {}  # lock file -> [descriptor, trainers of this process holding it]
 
@@ -50,23 +58,30 @@ def lock_directory(directory: str | os.PathLike) -> str | None:
     if fcntl is None:
         return None
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    for _ in range(5):  # a holder that removed the file as this process opened it: open the new one
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    deadline = time.monotonic() + (RESTART_WAIT_S if restarted else 0.0)
+    for _ in range(1000):  # a holder that removed the file as this process opened it: open the new one
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:  # a read-only directory (a finished run's, mounted to be read): nothing to guard
-            log.debug("no run lock in %s: %s", os.path.dirname(path), err)
-            return None
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o664)
+        except OSError as err:
+            if err.errno != errno.EROFS and os.access(os.path.dirname(path), os.W_OK):
+                log.warning("cannot lock checkpoint directory %s (%s): two runs started on it would not be kept "
+                            "apart", os.path.dirname(path), err)
+            return None  # (a read-only directory, a finished run's mounted to be read: nothing to guard)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                log.warning("cannot lock checkpoint directory %s (%s): two runs started on it would not be kept "
+                            "apart", os.path.dirname(path), err)
+                return None
             holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
             os.close(fd)
+            if time.monotonic() < deadline:
+                time.sleep(0.5)
+                continue
             return holder or "another process"
-        except OSError as err:
-            os.close(fd)
-            log.warning("cannot lock checkpoint directory %s (%s): two runs started on it would not be kept "
-                        "apart", os.path.dirname(path), err)
-            return None
         try:
             same = os.path.samestat(os.fstat(fd), os.stat(path))
         except FileNotFoundError:
@@ -75,10 +90,14 @@ def lock_directory(directory: str | os.PathLike) -> str | None:
             os.close(fd)
             continue
         since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        job = os.environ.get("TORCHELASTIC_RUN_ID")
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}, since {since}\n".encode(), 0)
+        os.pwrite(fd, (f"host {socket.gethostname()} pid {os.getpid()}" + (f" of job {job}" if job else "")
+                       + f", since {since}\n").encode(), 0)
         _held[path] = [fd, 1]
         return None
+    log.warning("cannot lock checkpoint directory %s: its lock file kept being replaced; going on unlocked",
+                os.path.dirname(path))
     return None
 
 

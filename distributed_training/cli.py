@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         _report_once(f"dtrain: invalid config: {err}")
         return 2
     except (CheckpointMismatchError, CheckpointDirectoryInUseError) as err:  # every rank fails alike
-        _report_once(f"dtrain: {err}".replace("checkpoint_dir ", "checkpoint.dir ", 1))
+        _report_once(f"dtrain: {err}".replace("checkpoint_dir", "checkpoint.dir"))
         return 2
     return 0
 

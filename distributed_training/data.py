@@ -20,7 +20,8 @@ from typing import Iterator, Sized
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler,
+                              SequentialSampler)
 
 from .runtime import DistributedContext
 
@@ -120,17 +121,19 @@ def _check_loader_order(loader: DataLoader, shuffle: bool) -> None:
     from is said (fit's ``shuffle`` decides)."""
     if isinstance(loader.sampler, ShardedSampler):
         return
-    if not isinstance(loader.sampler, (SequentialSampler, RandomSampler)):
+    shuffles = isinstance(loader.sampler, RandomSampler)
+    if isinstance(loader.sampler, DistributedSampler):  # shards as fit does: a script ported from torch DDP
+        shuffles = loader.sampler.shuffle
+    elif not isinstance(loader.sampler, (SequentialSampler, RandomSampler)):
         raise ValueError(
             f"fit() cannot use this DataLoader's sampler ({type(loader.sampler).__name__}): fit shards the loader's "
             "dataset over the data-parallel ranks with a sampler of its own, which would replace yours. Pass the "
             "dataset and batch_size (each rank gets its shard, reshuffled each epoch), or a DataLoader over an "
             "IterableDataset that yields this rank's batches (iterated as given)")
-    if isinstance(loader.sampler, RandomSampler) != bool(shuffle):
+    if shuffles != bool(shuffle):
         warnings.warn(
-            f"fit(shuffle={bool(shuffle)}) decides the order, not the DataLoader's "
-            f"shuffle={isinstance(loader.sampler, RandomSampler)}: fit shards the loader's dataset with its own "
-            f"sampler; pass fit(..., shuffle={isinstance(loader.sampler, RandomSampler)}) for the loader's",
+            f"fit(shuffle={bool(shuffle)}) decides the order, not the DataLoader's shuffle={shuffles}: fit shards "
+            f"the loader's dataset with its own sampler; pass fit(..., shuffle={shuffles}) for the loader's",
             UserWarning, stacklevel=4)
 
 

@@ -42,9 +42,10 @@ class Evaluation:
         a function with the attribute ``reduction = "sum"`` returns the batch's sum instead (a count,
         such as `validation.correct_count`: summed exactly), divided by the number of samples.
 
-        Buffers that each replica updates with its own batches (BatchNorm's running statistics) are the
-        first replica's during the evaluation, on every rank: the model `full_state_dict()` exports is
-        the one scored. Each rank's own come back afterwards.
+        Buffers that each replica updates with its own batches (BatchNorm's running statistics: those
+        a state dict holds, when every replica holds the same ones) are the first replica's during the
+        evaluation, on every rank: the model `full_state_dict()` exports is the one scored. Each rank's
+        own come back afterwards.
 
         Training is left as it was: every module's train/eval mode is restored one by one (a
         submodule you froze in eval mode stays so), and the random number generators (the CPU's and
@@ -63,11 +64,16 @@ class Evaluation:
         which each rank updates with its own batches): the model that `full_state_dict()` and a
         checkpoint's rank 0 hold, scored as one. Returns (buffer, this rank's own value) to put back."""
         buffers = _buffers(self.module)
-        if not buffers:
-            return []
-        own = [(b, b.clone()) for b in buffers]
         group = self.context.mesh.group("data")
-        broadcast_coalesced(buffers, global_rank(group, 0), group)
+        # Only if every replica holds the same buffers (a cache grown to each rank's longest sequence
+        # does not): one small gather of their names and shapes first.
+        layout = [(name, tuple(b.shape), str(b.dtype)) for name, b in buffers]
+        layouts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(layouts, layout, group=group)
+        if not buffers or any(other != layout for other in layouts):
+            return []
+        own = [(b, b.clone()) for _, b in buffers]
+        broadcast_coalesced([b for _, b in buffers], global_rank(group, 0), group)
         return own
 
     @torch.no_grad()
@@ -166,8 +172,10 @@ class Evaluation:
         return names, _per_row(local), _per_row(sums)
 
 
-def _buffers(module: torch.nn.Module) -> list[torch.Tensor]:
-    return [b for b in module.buffers() if b.numel()]
+def _buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a state dict holds (running statistics; not caches registered non-persistent), by name."""
+    kept = set(module.state_dict(keep_vars=True))
+    return sorted((name, b) for name, b in module.named_buffers() if name in kept)
 
 
 def _per_row(sums: torch.Tensor) -> torch.Tensor:

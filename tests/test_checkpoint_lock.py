@@ -19,10 +19,14 @@ from distributed_training.checkpoint_lock import LOCK_NAME
 from distributed_training.testing import run_distributed
 
 HOLDER = """
-import sys, time
+import os, sys, time
 from distributed_training.checkpoint_lock import lock_directory
 assert lock_directory(sys.argv[1]) is None
-print("locked", flush=True)
+child = os.fork()  # as a DataLoader's worker: it must not keep the lock after the holder dies
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print("locked", child, flush=True)
 time.sleep(120)
 """
 
@@ -51,12 +55,14 @@ def other_run(tmp_path):
     (directory / "step_000000004").mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)], stdout=subprocess.PIPE, text=True, env=env)
+    said, child = proc.stdout.readline().split()
     try:
-        assert proc.stdout.readline().strip() == "locked"
+        assert said == "locked"
         yield directory, proc
     finally:
         proc.kill()
         proc.wait(timeout=30)
+        os.kill(int(child), signal.SIGKILL)
 
 
 def test_a_second_run_on_a_directory_in_use_is_refused_on_every_rank(other_run):
@@ -67,7 +73,8 @@ def test_a_second_run_on_a_directory_in_use_is_refused_on_every_rank(other_run):
         assert kind == "CheckpointDirectoryInUseError", said
         assert str(directory) in said and f"pid {proc.pid}" in said and "rank 0 found it" in said, said
     assert sorted(os.listdir(directory)) == [LOCK_NAME, "step_000000004"]  # nothing moved aside or pruned
-    # the other run dies without closing: the kernel drops its lock, and a run starts there
+    # the other run dies without closing (its forked child lives on): the kernel drops its lock, and a run
+    # starts there
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     results = run_distributed(fit_worker, 2, args=(str(directory), resume), timeout=60)

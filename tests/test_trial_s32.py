@@ -143,7 +143,11 @@ def _bn_data(n, seed):
 
 
 def bn_evaluate_worker(rank, world, strategy):
-    trainer = DistributedTrainer(_bn_model(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, progress=False)
+    model = _bn_model()
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, progress=False)
+    # A cache each rank grows to its own longest input during training (as HF's rotary caches did): not in
+    # the state dict, of another size on each rank; the evaluation must leave it alone (it crashed gloo).
+    model[0].register_buffer("cache", torch.zeros(rank + 1), persistent=False)
     for step in range(3):
         x, y = _bn_data(8, 10 * step + rank)  # each replica's running statistics follow its own batches
         trainer.train_step((x * (rank + 1), y), nn.functional.mse_loss)
@@ -306,6 +310,10 @@ def test_fit_refuses_a_dataloader_whose_sampler_it_would_replace():
     with pytest.raises(ValueError, match="cannot use this DataLoader's sampler .WeightedRandomSampler."):
         trainer.fit(torch.utils.data.DataLoader(data, batch_size=4, sampler=weighted), epochs=1,
                     criterion=nn.functional.mse_loss)
+    # torch's DistributedSampler shards as fit does (a script ported from torch DDP): taken, its shuffle read
+    ported = torch.utils.data.distributed.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)
+    trainer.fit(torch.utils.data.DataLoader(data, batch_size=4, sampler=ported), epochs=1, max_steps=1,
+                criterion=nn.functional.mse_loss)
     seen = []
     with pytest.warns(UserWarning, match=r"fit\(shuffle=True\) decides the order, not the DataLoader's shuffle=False"):
         trainer.fit(torch.utils.data.DataLoader(data, batch_size=4), epochs=1, criterion=nn.functional.mse_loss,

@@ -203,8 +203,7 @@ class FSDP(FSDPStateDict, nn.Module):
         self._summoned = False  # inside `summon_full_params`
         for unit in self._units:
             self._register_hooks(unit)
-        me = weakref.ref(self)
-        self._outside_hook = module.register_forward_pre_hook(lambda m, a: me() is not None and me()._check_called())
+        self._outside_hook = module.register_forward_pre_hook(_RootGuard(self))
 
     # ------------------------------------------------------------ construction
 
@@ -577,6 +576,19 @@ class _BackwardState:
     def __init__(self) -> None:
         self.callback_queued = False
         self.pending: list[tuple[Unit, torch.Tensor, Any]] = []
+
+
+class _RootGuard:
+    """The root module's forward pre-hook: `FSDP._check_called` for that module only (a copy made in
+    `summon_full_params` shares the hook and holds real parameters), and never replacing the inputs."""
+
+    def __init__(self, fsdp: "FSDP") -> None:
+        self._fsdp = weakref.ref(fsdp)
+
+    def __call__(self, module: nn.Module, args) -> None:
+        fsdp = self._fsdp()
+        if fsdp is not None and module is fsdp.module:
+            fsdp._check_called()
 
 
 def _cast_floats(tree, dtype: torch.dtype):
