@@ -64,22 +64,24 @@ def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
     """Split every tensor of `batch` into `parts` chunks along dim 0; return (chunk, size) pairs.
 
     A batch smaller than `parts` (the short last batch of an epoch) is split into one chunk per sample:
-    accumulation only bounds memory, so fewer micro-batches give the same gradient. A 1-D tensor of a
-    whole multiple of the rows (targets flattened to one per token, ``tokens[:, 1:].flatten()``, as
-    with logits flattened to (rows x tokens, classes)) is split at the same rows.
+    accumulation only bounds memory, so fewer micro-batches give the same gradient. The targets of an
+    ``(inputs, targets)`` batch flattened to one per token (1-D, rows x tokens long for inputs of
+    (rows, tokens, ...): ``tokens[:, 1:].flatten()``, as with logits flattened to (rows x tokens,
+    classes)) are split at the same rows.
     """
     n = batch_size_of(batch)
     parts = min(parts, n) if n else 1
     if parts == 1:
         return [(batch, n)]
     rows = [len(piece) for piece in torch.tensor_split(torch.empty(n, 0), parts)]
+    per_token = _flattened_targets(batch, n)
 
     def chunk(x, k):
         if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n:
             return torch.tensor_split(x, parts)[k]
-        if isinstance(x, torch.Tensor) and x.dim() == 1 and x.shape[0] > n and x.shape[0] % n == 0:
-            per_row = x.shape[0] // n
-            return x[sum(rows[:k]) * per_row:sum(rows[:k + 1]) * per_row]
+        if x is per_token:
+            tokens = x.shape[0] // n
+            return x[sum(rows[:k]) * tokens:sum(rows[:k + 1]) * tokens]
         if isinstance(x, Mapping):
             return {key: chunk(v, k) for key, v in x.items()}
         if isinstance(x, (tuple, list)):
@@ -88,6 +90,18 @@ def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
 
     pieces = [chunk(batch, k) for k in range(parts)]
     return [(piece, batch_size_of(piece)) for piece in pieces]
+
+
+def _flattened_targets(batch: Any, n: int) -> torch.Tensor | None:
+    """The targets of an ``(inputs, targets)`` batch when they are one per token of (n, T, ...) inputs,
+    flattened to n x T (what `split_batch` cuts at the inputs' rows), else None."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        return None
+    inputs, targets = batch
+    if (isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and isinstance(targets, torch.Tensor)
+            and targets.dim() == 1 and n > 0 and targets.shape[0] == n * inputs.shape[1] and inputs.shape[1] > 1):
+        return targets
+    return None
 
 
 def call_module(module: nn.Module, inputs: Any):

@@ -55,6 +55,7 @@ class Evaluation:
         from .trainer_step import check_criterion
 
         check_criterion(criterion)
+        self._check_not_summoned("evaluate()")
         names, _, total = self._evaluation_sums(data, criterion, batch_size=batch_size, metrics=metrics)
         count = total[-1].item()
         return {name: (total[k].item() / count if count else float("nan")) for k, name in enumerate(names)}

@@ -22,7 +22,7 @@ import copy
 import os
 import sys
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -456,6 +456,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         self._watch: PeerWatch | None = None  # started by the first train_step
         self._last_saved_step: int | None = None
         self._set_aside = False
+        self._summoned = False  # inside `summon_full_params`
         self._locked_directory: str | None = None  # `checkpoint_dir` while this rank holds its lock ("": checked)
 
     # ------------------------------------------------------------------ steps
@@ -469,13 +470,27 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         """The user's model, unwrapped."""
         return self.strategy.unwrap(self.model)
 
-    def summon_full_params(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def summon_full_params(self) -> Iterator[None]:
         """A block in which `module` holds its full weights, as parameters, whatever the strategy
-        (ZeRO-2/3 and FSDP keep only a shard per rank outside a step: this gathers them; the others hold
-        them already): for a forward of your own, HF's ``generate()`` or ``save_pretrained()``.
-        Collective: every rank enters it. Read-only: the shards are what trains. Under tensor
-        parallelism each rank's module still holds its slices, under a pipeline its own stages."""
-        return self.strategy.summon_full_params(self.model)
+        (ZeRO-2/3 and FSDP keep only a shard per rank outside a step: this gathers them, in the
+        shards' dtype, fp32 under mixed precision, on the device, or on the CPU with ``cpu_offload``;
+        the others hold them already): for a forward of your own, HF's ``generate()`` or
+        ``save_pretrained()``. Collective: every rank enters it. Read-only: the shards are what trains,
+        and `train_step` / `evaluate` are refused inside it. Under tensor parallelism each rank's
+        module still holds its slices, under a pipeline its own stages. A copy of the module made
+        inside it keeps FSDP's hooks: for a model of its own, load `full_state_dict()` into a new one."""
+        with self.strategy.summon_full_params(self.model):
+            self._summoned = True
+            try:
+                yield
+            finally:
+                self._summoned = False
+
+    def _check_not_summoned(self, what: str) -> None:
+        if self._summoned:
+            raise RuntimeError(f"{what} inside summon_full_params(): the weights there are a read-only copy; "
+                               "train and evaluate outside the block")
 
     @property
     def dp_rank(self) -> int:

@@ -72,6 +72,7 @@ class Stepping:
         GPU, so do it only when logging.
         """
         check_criterion(criterion)
+        self._check_not_summoned("train_step()")
         if self._checkpoint_write is not None:
             self._check_checkpoint_write()  # a background checkpoint write that failed raises here
         watch = self._peer_watch()

@@ -580,3 +580,18 @@ def test_zero1_says_when_parameters_no_rank_used_are_stepped():
     with pytest.warns(UserWarning, match=r"ZeRO-1: 2 parameter\(s\) got no gradient on any rank.*'skip.weight'"):
         trainer.train_step(batch, nn.functional.cross_entropy)
     trainer.close()
+
+
+def test_training_inside_summon_full_params_is_refused():
+    """Under a pipeline the engine calls the stages, never FSDP's wrapper: a train_step inside the block
+    ran on its temporary parameters, whose gradients reach no shard (a step that silently did nothing)."""
+    trainer = DistributedTrainer(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 strategy="zero3", progress=False)
+    batch = (torch.randn(4, 4), torch.randn(4, 1))
+    with trainer.summon_full_params():
+        with pytest.raises(RuntimeError, match=r"train_step\(\) inside summon_full_params"):
+            trainer.train_step(batch, nn.functional.mse_loss)
+        with pytest.raises(RuntimeError, match=r"evaluate\(\) inside summon_full_params"):
+            trainer.evaluate(torch.utils.data.TensorDataset(*batch), nn.functional.mse_loss, batch_size=2)
+    trainer.train_step(batch, nn.functional.mse_loss)  # after the block: trains
+    trainer.close()

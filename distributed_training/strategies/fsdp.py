@@ -507,7 +507,8 @@ class FSDP(FSDPStateDict, nn.Module):
     def summon_full_params(self) -> Iterator[None]:
         """The module itself holds its full weights inside this block, as parameters again (so that
         `module.parameters()`, HF's `device` / `dtype`, `generate()` and `save_pretrained()` work): the
-        shards' own values (fp32 masters under mixed precision), gathered into buffers of their own.
+        shards' own values (fp32 masters under mixed precision), gathered into buffers of their own,
+        the whole model at once (on the CPU with ``cpu_offload``, one unit on the device at a time).
         Collective: every rank enters it. Read-only: what is written into the weights here is lost when
         it ends (the shards are what trains). The wrapper cannot run inside it; the module can."""
         if self._summoned:
@@ -533,6 +534,8 @@ class FSDP(FSDPStateDict, nn.Module):
         flat = torch.empty(unit.padded, dtype=shard.dtype, device=self.device)
         if unit.padded:
             all_gather_flat(flat, shard, self.shard_group, async_op=False).wait()
+        if self.cpu_offload:  # a model offloaded for want of device memory: one unit on the device at a time
+            flat = flat.cpu()
         pieces = torch.split(flat[:unit.numel], [info.numel for info in unit.infos]) if unit.infos else []
         made: dict[int, nn.Parameter] = {}
         replaced, seen = [], set()
