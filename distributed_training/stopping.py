@@ -12,9 +12,11 @@ async) each stop on the signal they got, at their own step.
 The all-reduce of step k is started without waiting and read at step k + 1's boundary, so the host
 never waits for the device's current step: a signal stops the loop one or two steps after it arrives.
 
-A second Ctrl-C, pressed after the first was said (`AGAIN_AFTER_S`), raises `KeyboardInterrupt` at once:
-a step stuck in a data loader or a peer never reaches the boundary. (One press under torchrun reaches a
-worker twice, from the terminal and forwarded by torchrun, within milliseconds: that is still one.)
+A second Ctrl-C that reaches the process, `AGAIN_AFTER_S` or more after the first, raises
+`KeyboardInterrupt` at once: a step stuck in a data loader or a peer never reaches the boundary. (A
+launcher that forwards the signal to workers still in the terminal's process group delivers one press
+twice within milliseconds: that is still one.) torchrun starts its workers in sessions of their own and
+forwards one signal only: there a second Ctrl-C stops torchrun, which then ends its workers itself.
 """
 
 from __future__ import annotations
@@ -91,8 +93,9 @@ class StopSignals:
             now = time.monotonic()
             if self._first_interrupt is None:
                 self._first_interrupt = now
-                log.warning("SIGINT: stopping at the next step boundary, with the other ranks (press Ctrl-C again "
-                            "to stop at once)")
+                if self.context.rank == 0:  # every rank got it (a launcher forwards it): said once
+                    log.warning("SIGINT: stopping at the next step boundary, with the other ranks (press Ctrl-C "
+                                "again to stop at once)")
             elif now - self._first_interrupt > AGAIN_AFTER_S:
                 self.restore()
                 raise KeyboardInterrupt("Ctrl-C pressed twice: stopped at once, not at a step boundary")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import weakref
 from typing import Iterable
 
+import torch
 from torch import nn
 
 __all__ = ["TrainableSet"]
@@ -35,7 +36,8 @@ class TrainableSet:
         # wrapper never averages, shards or hands to the optimizer: looked for at the first checks, then
         # every `NEW_EVERY`-th (a walk over the modules, too slow for every forward of a large model).
         self._module = weakref.ref(module) if module is not None else None
-        self._known = {id(p) for _, p in named}
+        # id -> weak reference: an id alone is no proof (FSDP frees the originals, and ids get reused)
+        self._known = {id(p): weakref.ref(p) for _, p in named}
         self._checks = 0
 
     NEW_EVERY = 100
@@ -43,9 +45,10 @@ class TrainableSet:
     def check(self) -> None:
         """Raise RuntimeError naming the first parameter whose `requires_grad` changed since construction,
         or (at the first checks and every `NEW_EVERY`-th) one registered on the module since."""
-        self._checks += 1
-        if self._module is not None and (self._checks <= 2 or self._checks % self.NEW_EVERY == 0):
-            self._check_new()
+        if torch.is_grad_enabled():  # training forwards only: every rank runs as many (not a rank's own sampling)
+            self._checks += 1
+            if self._module is not None and (self._checks <= 2 or self._checks % self.NEW_EVERY == 0):
+                self._check_new()
         for name, ref, flag in self._named:
             p = ref()
             if p is not None and p.requires_grad != flag:
@@ -62,7 +65,8 @@ class TrainableSet:
         if module is None:
             return
         for name, p in module.named_parameters():
-            if id(p) not in self._known:
+            known = self._known.get(id(p))
+            if known is None or known() is not p:
                 raise RuntimeError(
                     f"parameter {name!r} was registered on the model after {self._wrapper} wrapped it: "
                     f"{self._wrapper} never averages (or shards) it across ranks, and an optimizer built before "

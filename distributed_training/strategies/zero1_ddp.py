@@ -193,12 +193,28 @@ class Zero1DDP(DDP):
     def _unused_everywhere(self, indices: list[int]) -> None:
         self._report_unused(indices)
 
+    #: Synchronised backward passes watched for parameters that no rank reached (as FSDP's watch).
+    UNREADY_WATCH = 2
+
+    def no_sync(self):
+        self._accumulated = True  # what no_sync micro-batches fed shows in another rank's bucket only
+        return super().no_sync()
+
     def _unready_everywhere(self, indices: list[int]) -> None:
-        # Gradients live in the buckets: one no rank reached is a zeroed view, not None (unless earlier
-        # micro-batches under no_sync accumulated into it: then it trained). Read only until said once.
-        if indices and not getattr(self, "_unused_reported", False) and self.rank == 0:
-            self._report_unused([i for i in indices if self._params[i].grad is None
-                                 or not bool(self._params[i].grad.any())])
+        # Gradients live in the buckets: one no rank reached is a zeroed view, not None. Watched over the
+        # first backward passes without accumulation (after no_sync micro-batches a zero on this rank says
+        # nothing of the others'), in one read of the device.
+        accumulated, self._accumulated = getattr(self, "_accumulated", False), False
+        watched = getattr(self, "_unready_watched", 0)
+        if (not indices or accumulated or watched >= self.UNREADY_WATCH or self.rank != 0
+                or getattr(self, "_unused_reported", False)):
+            return
+        self._unready_watched = watched + 1
+        grads = [self._params[i].grad for i in indices]
+        zero = torch.stack([g.any() for g in grads if g is not None]).logical_not().tolist() if any(
+            g is not None for g in grads) else []
+        flags = iter(zero)
+        self._report_unused([i for i, g in zip(indices, grads) if g is None or next(flags)])
 
     def _report_unused(self, indices: list[int]) -> None:
         if not indices or getattr(self, "_unused_reported", False) or self.rank != 0:
