@@ -169,7 +169,8 @@ class DDP(CommTiming, nn.Module):
                       and not self.find_unused_parameters)
         # Reverse registration order approximates the order gradients become ready in backward.
         self._build_buckets(list(reversed(range(len(self._params)))) if not self._solo else [])
-        self._rebuild_pending = bool(rebuild_buckets) and not self._solo
+        self._rebuild_buckets = bool(rebuild_buckets) and not self._solo
+        self._rebuild_pending = self._rebuild_buckets
         self._arrival_order: list[int] | None = [] if rebuild_buckets else None
         # Set by the first synchronised backward on every rank alike (a rank whose parameters all went
         # unused has an empty arrival order, yet must take part in the rebuild broadcast).
@@ -288,19 +289,24 @@ class DDP(CommTiming, nn.Module):
         """Parameter indices of each bucket, in launch order (saved in checkpoints)."""
         return [list(b.param_indices) for b in self._buckets]
 
-    def set_bucket_groups(self, groups: list[list[int]]) -> None:
+    def set_bucket_groups(self, groups: list[list[int]], rebuild_pending: bool = False,
+                          arrival_order: list[int] | None = None) -> None:
         """Adopt a saved bucket layout (every rank must pass the same), keeping current gradients.
 
         Resuming with the buckets of the interrupted run keeps the reduction order, and so the
-        floating-point result, identical. A run of one rank has no buckets: it ignores a saved layout,
-        and its own (none) leaves the current one."""
+        floating-point result, identical; so do `rebuild_pending`, whether that run had still to
+        rebuild them in arrival order (saved before its second step), and the `arrival_order` it had
+        seen for it (the rebuild then comes at the next forward, as it would have). A run of one rank has no buckets:
+        it ignores a saved layout, and its own (none) leaves the current one."""
         if self._solo or not groups:
             return
         if not self.bucket_layout_fits(groups):
             raise ValueError(f"bucket layout does not cover this model's {len(self._params)} parameters exactly once")
-        self._rebuild_pending = False
-        self._arrival_order = None
         self._install_buckets([list(g) for g in groups])
+        self._rebuild_pending = bool(rebuild_pending) and self._rebuild_buckets
+        self._arrival_order = list(arrival_order or []) if self._rebuild_pending else None
+        if self._rebuild_pending and arrival_order:
+            self._rebuild_ready = True
 
     def bucket_layout_fits(self, groups: list[list[int]]) -> bool:
         """Whether `groups` (a saved `bucket_groups()`) covers this wrapper's parameters exactly once."""

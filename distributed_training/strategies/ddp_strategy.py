@@ -29,12 +29,14 @@ class DDPBacked:
             reducer.load_state_dict(state["communication"])
 
     def shared_state(self, model: DDP) -> dict[str, Any]:
-        return {"ddp_bucket_groups": model.bucket_groups()}
+        return {"ddp_bucket_groups": model.bucket_groups(), "ddp_rebuild_pending": model._rebuild_pending,
+                "ddp_arrival_order": list(model._arrival_order or []) if model._rebuild_pending else None}
 
     def load_shared_state(self, model: DDP, meta: dict[str, Any]) -> None:
         # A layout over other parameters (the checkpoint was saved with others frozen) starts afresh.
         if "ddp_bucket_groups" in meta and model.bucket_layout_fits(meta["ddp_bucket_groups"]):
-            model.set_bucket_groups(meta["ddp_bucket_groups"])
+            model.set_bucket_groups(meta["ddp_bucket_groups"], meta.get("ddp_rebuild_pending", False),
+                                    meta.get("ddp_arrival_order"))
 
     def measure_communication(self, model: DDP, on: bool) -> None:
         if model.measure_overlap != on:
