@@ -312,14 +312,15 @@ class CheckpointManager:
                 raise CheckpointCorruptError(f"{path!r} is corrupted: {name} does not match its checksum")
         return meta
 
-    def latest_good(self) -> tuple[str, dict[str, Any]] | None:
-        """The newest checkpoint that verifies, warning about each newer one that does not."""
+    def latest_good(self, warn: bool = True) -> tuple[str, dict[str, Any]] | None:
+        """The newest checkpoint that verifies, warning (with `warn`) about each newer one that does not."""
         for step in reversed(self.steps()):
             path = self.path_for(step)
             try:
                 return path, self.verify(path)
             except Exception as err:  # whatever is wrong with a checkpoint, an older good one is better
-                warnings.warn(f"skipping checkpoint {path}: {err}; falling back to an earlier one", stacklevel=2)
+                if warn:
+                    warnings.warn(f"skipping checkpoint {path}: {err}; falling back to an earlier one", stacklevel=2)
         return None
 
     def set_aside(self) -> str | None:

@@ -200,10 +200,8 @@ class Checkpointing(BackgroundCheckpointing):
     def _resume_point(self) -> tuple[str, dict[str, Any], dict | None] | None:
         layout = self._layout(self.checkpoints.path_for(0))
         if layout.shared:
-            with warnings.catch_warnings():
-                if not self.context.is_main:  # every rank reads the same directory: one says what it skips
-                    warnings.simplefilter("ignore")
-                found = self.checkpoints.latest_good()
+            # Every rank reads the same directory: one says what it skips.
+            found = self.checkpoints.latest_good(warn=self.context.is_main)
             return (*found, None) if found is not None else None
         return agree_on_checkpoint(self.checkpoints, self.context, layout)
 

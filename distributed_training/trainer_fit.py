@@ -424,7 +424,8 @@ class Fitting:
                 on_step(self.step, {k: float(v) for k, v in metrics.items()})
             if not sharded and exhausted and not steps and not skip and not history and self.batch_in_epoch == 0:
                 raise ValueError(f"fit(): the training data ({type(loader).__name__}) yielded no batch in epoch "
-                                 f"{self.epoch}, on any rank. An empty dataset or a wrong path?")
+                                 f"{self.epoch} on at least one rank (every rank stops with the first to run out). "
+                                 "An empty dataset or a wrong path?")
             if steps or not exhausted:  # (an epoch resumed at its end, by an older checkpoint, trained nothing)
                 history.append({
                     "epoch": self.epoch,
