@@ -65,13 +65,17 @@ class Evaluation:
         which each rank updates with its own batches): the model that `full_state_dict()` and a
         checkpoint's rank 0 hold, scored as one. Returns (buffer, this rank's own value) to put back."""
         buffers = _buffers(self.module)
+        if not buffers or self.strategy.name == "parameter_server":
+            # Nothing to agree on (every rank built the same model: no collective); a parameter server's
+            # workers evaluate what the servers hold, each with its own buffers, and may lose a peer.
+            return []
         group = self.context.mesh.group("data")
         # Only if every replica holds the same buffers (a cache grown to each rank's longest sequence
         # does not): one small gather of their names and shapes first.
         layout = [(name, tuple(b.shape), str(b.dtype)) for name, b in buffers]
         layouts = [None] * dist.get_world_size(group)
         dist.all_gather_object(layouts, layout, group=group)
-        if not buffers or any(other != layout for other in layouts):
+        if any(other != layout for other in layouts):
             return []
         own = [(b, b.clone()) for _, b in buffers]
         broadcast_coalesced([b for _, b in buffers], global_rank(group, 0), group)
