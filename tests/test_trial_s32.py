@@ -628,3 +628,22 @@ def test_a_compressed_run_resumes_bit_exactly_either_side_of_ddps_bucket_rebuild
         for split in (1, 2):
             for name, value in runs[None].items():
                 assert torch.equal(runs[split][name], value), (split, name)
+
+
+def test_a_copy_made_inside_summon_full_params_runs_after_it(tmp_path):
+    """FSDP's guard on the root module followed a deep copy made inside the block (the copy, holding real
+    parameters, was refused after it) and could not be pickled (`torch.save` of the module)."""
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(nn.Sequential(nn.Linear(4, 3)), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 strategy="zero3", progress=False)
+    x = torch.randn(2, 4)
+    trainer.train_step((x, torch.randn(2, 3)), nn.functional.mse_loss)
+    with trainer.summon_full_params():
+        copied = copy.deepcopy(trainer.module)
+        expected = trainer.module(x)
+        torch.save(trainer.module, tmp_path / "model.pt")
+    assert torch.equal(copied(x), expected)
+    assert torch.equal(torch.load(tmp_path / "model.pt", weights_only=False)(x), expected)
+    with pytest.raises(RuntimeError, match="called directly"):
+        trainer.module(x)  # the original is still guarded
+    trainer.close()

@@ -593,6 +593,14 @@ class _RootGuard:
         if fsdp is not None and module is fsdp.module:
             fsdp._check_called()
 
+    # A copy or a pickle of the module (`copy.deepcopy`, `torch.save` inside `summon_full_params`) holds
+    # its weights itself: its guard guards nothing.
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._fsdp = lambda: None
+
 
 def _cast_floats(tree, dtype: torch.dtype):
     flat, spec = tree_flatten(tree)
