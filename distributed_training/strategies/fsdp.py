@@ -183,6 +183,7 @@ class FSDP(FSDPStateDict, nn.Module):
         self._units: list[Unit] = build_units(module, unit_roots(module, auto_wrap_policy), UnitPlacement(
             self.shard_world, self.shard_rank, self.device, self.cpu_offload, self._param_dtype))
         self.shards = nn.ParameterList([u.shard for u in self._units if u.padded])
+        self._roots = [u for u in self._units if u.is_root]  # the root unit, and its frozen part if it has one
         for u in self._units:  # which layer each element is, for layer-wise optimizers (LARS, LAMB)
             u.shard.segments = ParamSegments.for_shard(u.infos, self.shard_rank, u.shard.numel(), self.shard_group,
                                                        self.shard_world)
@@ -229,7 +230,7 @@ class FSDP(FSDPStateDict, nn.Module):
         """The module itself was called (not through this wrapper, which gathers its root first):
         outside a step and outside `summon_full_params` its weights are freed views of their shards."""
         if (torch.compiler.is_compiling() or self._summoned
-                or all(u.gathered for u in self._units if u.is_root)):
+                or all(u.gathered for u in self._roots)):
             return
         raise RuntimeError(
             f"{type(self.module).__name__} was called directly, but FSDP / ZeRO-2/3 keeps only this rank's "
@@ -311,10 +312,9 @@ class FSDP(FSDPStateDict, nn.Module):
             self._finish_backward()
         if self._recording_order:  # also after a first forward that raised: record again
             self._forward_order = []
-        for root in self._units:  # the root unit, and its frozen part if it has one
-            if root.is_root:
-                self._unshard(root)
-                self._set_views(root)
+        for root in self._roots:
+            self._unshard(root)
+            self._set_views(root)
         if self._forward_order and not self._recording_order:
             self._start_gather(self._forward_order[0])
 
