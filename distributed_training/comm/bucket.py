@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Bucket", "assign_buckets", "allocate_buckets"]
+__all__ = ["Bucket", "assign_buckets", "allocate_buckets", "bucket_layout"]
 
 MIB = 1024 * 1024  # bucket caps are given in MiB (the `_mb` arguments, as torch DDP's bucket_cap_mb)
 
@@ -125,3 +125,15 @@ def allocate_buckets(params: Sequence[torch.Tensor], groups: list[list[int]], pa
             offset += n
         buckets.append(Bucket(index=b, param_indices=list(members), buffer=buffer, views=views))
     return buckets
+
+
+def bucket_layout(bucket: Bucket) -> list[tuple[int, tuple[int, ...]]]:
+    """(offset in the buffer, shape in memory order) of each view: what a reducer that treats tensors
+    differently (PowerSGD's matrices) needs. Memory order puts the outermost dimension first, so a
+    ``channels_last`` convolution's (out, in, kh, kw) is (out, kh, kw, in): still one row per output."""
+    start = bucket.buffer.storage_offset()
+    layout = []
+    for view in bucket.views:
+        dims = sorted(range(view.dim()), key=lambda d: -view.stride(d)) if view.dim() else []
+        layout.append((view.storage_offset() - start, tuple(view.shape[d] for d in dims)))
+    return layout

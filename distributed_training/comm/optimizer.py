@@ -19,8 +19,9 @@ It is a bucket reducer (see `comm/reduce.py`): pass it as `DDP(module, communica
   residual. Each bucket's residual lives in a buffer kept from step to step (no allocation of the
   bucket's size per call).
 * ``"bf16"`` / ``"fp16"``: cast, all-reduce, cast back (fp16 divides by the world size first).
-* ``"powersgd"``: rank-r approximation P Q^T of the bucket seen as a matrix, two small all-reduces,
-  warm-started Q, error feedback.
+* ``"powersgd"``: each gradient matrix (a layer's weight) as a rank-r product P Q^T, two small
+  all-reduces a bucket, warm-started Q, error feedback; vectors and small matrices go exactly (see
+  `comm/powersgd.py`).
 
 Residuals and PowerSGD's Q are state: `state_dict()` / `load_state_dict()` put them in checkpoints.
 `bytes_sent` counts what this rank put on the wire.
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from ..mesh import Mesh
 from ..runtime import launcher_ranks_per_node
 from .collectives import all_gather_single
+from .powersgd import BucketLayout, PowerSGDPlan, initial_q, plan_bucket, powersgd_finish, powersgd_start
 from .patterns import hierarchical_all_reduce, ring_all_reduce, tree_all_reduce
 from ._topk_kernels import blockmax_eager, blockmax_fused, fused_available
 from .reduce import CompletedWork
@@ -140,7 +142,9 @@ class CommunicationOptimizer:
         self.residuals: dict[int, torch.Tensor] = {}
         self._topk_buffers: dict[int, torch.Tensor] = {}
         self._bases: dict[tuple, torch.Tensor] = {}
-        self.powersgd_q: dict[int, torch.Tensor] = {}
+        self.powersgd_q: dict[int, torch.Tensor] = {}  # per bucket: every matrix's Q, flat
+        self._layouts: dict[int, BucketLayout] = {}
+        self._plans: dict[int, tuple[BucketLayout | None, PowerSGDPlan]] = {}
         self.bytes_sent = 0
         self.steps = 0
         self._groups: tuple | None = None
@@ -185,11 +189,13 @@ class CommunicationOptimizer:
 
     def all_reduce_compressed(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                               key: int = -1) -> torch.Tensor:
-        """The mean of `tensor` over `group`, in place, through this optimizer's compression."""
+        """The mean of `tensor` over `group`, in place, through this optimizer's compression (PowerSGD
+        takes a tensor of two or more dimensions as one matrix of its shape)."""
         if self.compression is None:
             self(tensor.view(-1), group, key).wait()
         else:
-            self._compressed_mean(tensor.view(-1), group, key).wait()
+            layout = [(0, tuple(tensor.shape))] if tensor.dim() >= 2 else None
+            self._compressed_mean(tensor.view(-1), group, key, layout).wait()
         return tensor
 
     def hierarchical_all_reduce(self, tensor: torch.Tensor, intra_node_group=None, inter_node_group=None) -> torch.Tensor:
@@ -208,7 +214,8 @@ class CommunicationOptimizer:
             return math.exp(math.log(self.compression_ratio) * progress)
         return self.compression_ratio
 
-    def _compressed_mean(self, flat: torch.Tensor, group, key: int) -> "_Finish":
+    def _compressed_mean(self, flat: torch.Tensor, group, key: int,
+                         layout: BucketLayout | None = None) -> "_Finish":
         """Start the compressed mean of `flat`; the returned handle's `wait()` finishes it in place.
 
         Compression runs now, the collectives are launched asynchronously, and decoding waits for
@@ -228,7 +235,7 @@ class CommunicationOptimizer:
             return _Finish([work], lambda: flat.copy_(low), keep=(low,))
         if self.compression == "topk":
             return self._topk_mean(flat, group, key, world)
-        return self._powersgd_mean(flat, group, key, world)
+        return self._powersgd_mean(flat, group, key, world, layout)
 
     def compress_topk(self, flat: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, values) this rank sends for `flat`, updating the error-feedback residual.
@@ -354,41 +361,46 @@ class CommunicationOptimizer:
 
         return _Finish(works, decode, keep=(idx32, values, all_idx, all_val))
 
-    def _powersgd_mean(self, flat: torch.Tensor, group, key: int, world: int) -> "_Finish":
-        n = flat.numel()
-        cols = max(1, int(math.sqrt(n)))
-        rows = -(-n // cols)
-        r = min(self.powersgd_rank, rows, cols)
-        matrix = torch.zeros(rows * cols, dtype=torch.float32, device=flat.device)
-        matrix[:n] = flat.float()
-        if self.error_feedback:
-            residual = self.residuals.get(key)
-            if residual is not None and residual.numel() == rows * cols:
-                matrix += residual
-        m = matrix.view(rows, cols)
-        q = self.powersgd_q.get(key)
-        if q is None or q.shape != (cols, r):
-            g = torch.Generator(device="cpu").manual_seed(1234 + key)  # same start on every rank
-            q = torch.randn(cols, r, generator=g).to(flat.device)
-        p = m @ q
-        work = dist.all_reduce(p, group=group, async_op=True) if world > 1 else None
-        return _Finish([work], lambda: self._powersgd_finish(flat, m, p, group, key, world), keep=(p, m))
+    def set_bucket_layout(self, layouts: dict[int, BucketLayout]) -> None:
+        """Where each tensor sits in each bucket (DDP calls it whenever it lays out its buckets):
+        PowerSGD compresses each matrix on its own and sends the rest exactly."""
+        self._layouts = dict(layouts)
+        self._plans.clear()
 
-    def _powersgd_finish(self, flat: torch.Tensor, m: torch.Tensor, p: torch.Tensor, group, key: int,
-                         world: int) -> None:
+    def _powersgd_plan(self, n: int, key: int, layout: BucketLayout | None) -> PowerSGDPlan:
+        layout = layout if layout is not None else self._layouts.get(key)
+        cached = self._plans.get(key)
+        if cached is not None and cached[0] is layout and cached[1].numel == n:
+            return cached[1]
+        if layout is not None and max((o + math.prod(s) for o, s in layout), default=0) > n:
+            layout = None  # not this bucket's (a direct call with a bucket's key): one matrix
+        plan = plan_bucket(n, layout, self.powersgd_rank)
+        self._plans[key] = (layout, plan)
+        return plan
+
+    def _powersgd_mean(self, flat: torch.Tensor, group, key: int, world: int,
+                       layout: BucketLayout | None = None) -> "_Finish":
         n = flat.numel()
-        p, _ = torch.linalg.qr(p)
-        q = m.t() @ p
-        if world > 1:
-            dist.all_reduce(q, group=group)
-        q = q / world
-        self.bytes_sent += (p.numel() + q.numel()) * 4
-        approx = p @ q.t()  # the mean over ranks of the rank-r approximation
-        if self.error_feedback:
-            # What the rank-r subspace misses of this rank's own matrix is fed back next step.
-            self.residuals[key] = (m - p @ (p.t() @ m)).reshape(-1)
-        self.powersgd_q[key] = q
-        flat.copy_(approx.reshape(-1)[:n])
+        plan = self._powersgd_plan(n, key, layout)
+        residual = self.residuals.get(key) if self.error_feedback else None
+        if residual is not None and residual.numel() == n and residual.device == flat.device:
+            m = residual.add_(flat)  # this rank's gradient plus what earlier steps left out, in place
+        elif self.error_feedback:
+            m = flat.to(torch.float32, copy=True)
+        else:
+            m = flat.float()  # `flat` itself when fp32: read (steps 1-2) before it is overwritten
+        q = self.powersgd_q.get(key)
+        if q is None or q.numel() != plan.q_numel or q.device != flat.device:
+            q = initial_q(plan, key, flat.device)  # the same start on every rank
+        sent, work = powersgd_start(m, plan, q, group, world)
+        self.bytes_sent += (plan.p_numel + plan.exact_numel + plan.q_numel) * 4
+
+        def finish() -> None:
+            self.powersgd_q[key] = powersgd_finish(flat, m, sent, plan, group, world, self.error_feedback)
+            if self.error_feedback:
+                self.residuals[key] = m
+
+        return _Finish([work], finish, keep=(sent, m))
 
     def rebucket(self, moves: list[tuple[int, int, int, int, int]], sizes: dict[int, int]) -> None:
         """The buckets were laid out anew (DDP's rebuild in arrival order, after the first step): carry
@@ -407,9 +419,6 @@ class CommunicationOptimizer:
                 continue
             if new_key not in new:
                 size = sizes[new_key]
-                if self.compression == "powersgd":  # the residual of the bucket's padded matrix
-                    cols = max(1, int(math.sqrt(size)))
-                    size = -(-size // cols) * cols
                 new[new_key] = torch.zeros(size, dtype=src.dtype, device=src.device)
             new[new_key][new_offset:new_offset + n] = src[old_offset:old_offset + n]
         self.residuals = new

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.bucket import MIB, Bucket, allocate_buckets, assign_buckets
+from ..comm.bucket import MIB, Bucket, allocate_buckets, assign_buckets, bucket_layout
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module, labelled
 from ..comm.optimizer import CommunicationOptimizer
 from ..comm.reduce import AllReduceMean, BucketReducer, ReduceScatterMean
@@ -328,6 +328,9 @@ class DDP(CommTiming, nn.Module):
         self._buckets: list[Bucket] = allocate_buckets(self._params, groups, pad_to=self._bucket_pad_to,
                                                        keep_layout=self._bucket_keep_layout)
         self._bucket_of, self._view_of = index_buckets(self._buckets, len(self._params))
+        set_layout = getattr(self.bucket_reducer, "set_bucket_layout", None)
+        if set_layout is not None:  # e.g. PowerSGD: one matrix per weight
+            set_layout({b.index: bucket_layout(b) for b in self._buckets})
 
     def _rebuild_buckets_in_arrival_order(self) -> None:
         order = agreed_bucket_order(self._arrival_order or [], len(self._params), self._buckets,
