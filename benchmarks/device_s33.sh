@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Session 33: only the 1-GPU machine (nvidia-h200) was lent. Results go straight to $OUT.
+#   A: PowerSGD's cost per step at GPT-1.3B, per weight matrix (new) against the whole bucket as one
+#      (benchmarks/powersgd_cost.py, 3 rounds), then every GPU test one GPU can run.
+. benchmarks/device_env.sh
+case "$1" in
+  A) timeout -k 5 300 torchrun --nproc_per_node=1 benchmarks/powersgd_cost.py --out "$OUT" --rounds 3 \
+       > "$OUT/powersgd_cost.log" 2>&1
+     echo "powersgd_cost exit $? at $(( $(date +%s) - start )) s" >> "$OUT/powersgd_cost.log"
+     gpu_tests gpu_tests_all 240 --continue-on-collection-errors --durations=15 -rs ;;
+esac
