@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--profile", action="store_true", help="after the rounds: the per-matrix step's top ops")
     args = p.parse_args()
     dist.init_process_group("gloo" if args.smoke else "nccl")
     if args.smoke:
@@ -92,6 +93,19 @@ def main() -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    if args.profile:  # where the per-matrix form's time goes: its ops by device (or CPU) time
+        from torch.profiler import ProfilerActivity, profile
+
+        wrapped, opt, comm = build("per_matrix", cfg, device, args.smoke)
+        train_steps(wrapped, opt, batches, 0, 3, device, no_sync=False)
+        synchronize(device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            train_steps(wrapped, opt, batches, 3, 2, device, no_sync=False)
+            synchronize(device)
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+        del wrapped, opt, comm
     result = {"model": "tiny" if args.smoke else "gpt-1.3b", "micro": micro, "seq": seq, "rank": 4,
               "rounds": args.rounds, "steps": args.steps, "step_ms": times,
               "median_ms": {v: statistics.median(t) for v, t in times.items()},
