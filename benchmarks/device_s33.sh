@@ -15,3 +15,12 @@ esac
 case "$1" in
   B) PSGD_ARGS=--profile bash benchmarks/device_s33.sh A ;;
 esac
+# C (B: both forms slower in that run, per matrix +105.7 ms and whole bucket +79.4 over dense; its profile:
+#   the thin GEMMs of 4 columns ~250 us per 2048 x 8192 matrix, and Gram-Schmidt's ~1,200 small batched
+#   matmuls a step on the host): QR and the A-form products again, the thin products split along their
+#   inner dimension (per_matrix) against plain (per_matrix_unsplit), same run.
+case "$1" in
+  C) timeout -k 5 400 torchrun --nproc_per_node=1 benchmarks/powersgd_cost.py --out "$OUT" --rounds 3 \
+       > "$OUT/powersgd_cost.log" 2>&1
+     echo "powersgd_cost exit $? at $(( $(date +%s) - start )) s" >> "$OUT/powersgd_cost.log" ;;
+esac
