@@ -2,8 +2,7 @@
 
 Our DDP on GPT-1.3B (bf16 autocast, fused AdamW, micro-batch 8 x 1024), one process: the step with
 nothing to send (``dense``: DDP alone in its world reduces nothing), with PowerSGD rank 4 per weight
-matrix (``per_matrix``: what `CommunicationOptimizer("powersgd")` does since session 33;
-``per_matrix_unsplit``: the same with its thin products as plain matmuls, `powersgd.SPLIT_K` off) and with each
+matrix (``per_matrix``: what `CommunicationOptimizer("powersgd")` does since session 33) and with each
 bucket compressed as one near-square matrix (``whole_bucket``: the earlier form, kept here by a reducer
 that ignores DDP's bucket layout). One GPU has no collective to hide, so the difference from ``dense`` is
 compression and decoding alone: the compute PowerSGD adds to every rank's step. Also the bytes each form
@@ -31,7 +30,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import make_batches, synchronize, train_steps  # noqa: E402
 from distributed_training import DDP, CommunicationOptimizer  # noqa: E402
-from distributed_training.comm import powersgd  # noqa: E402
 from distributed_training.models import GPT, GPT_PRESETS, GPTConfig  # noqa: E402
 
 
@@ -46,7 +44,6 @@ def build(variant: str, cfg, device, smoke: bool):
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(cfg)
-    powersgd.SPLIT_K = variant != "per_matrix_unsplit"
     comm = None if variant == "dense" else (WholeBucket if variant == "whole_bucket" else CommunicationOptimizer)(
         "powersgd", powersgd_rank=4)
     wrapped = DDP(model, communication=comm)
@@ -71,7 +68,7 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
         cfg = GPT_PRESETS["gpt-1.3b"]
     batches = make_batches(cfg, micro, seq, device, 0)
-    variants = ("dense", "per_matrix", "per_matrix_unsplit", "whole_bucket")
+    variants = ("dense", "per_matrix", "whole_bucket")
     times: dict[str, list[float]] = {v: [] for v in variants}
     sent: dict[str, float] = {}
     peak: dict[str, float] = {}

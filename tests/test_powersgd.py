@@ -11,7 +11,6 @@ from torch import nn
 
 from distributed_training import DDP, CommunicationOptimizer
 from distributed_training.comm.bucket import bucket_layout
-from distributed_training.comm import powersgd
 from distributed_training.comm.powersgd import plan_bucket
 from distributed_training.testing import run_distributed
 
@@ -181,17 +180,3 @@ def test_powersgd_rank_one_converges_like_dense_on_digits():
     assert acc >= dense_acc - 0.02 and loss <= dense_loss + 0.05, (loss, acc, dense_loss, dense_acc)
 
 
-
-def test_thin_products_split_along_the_inner_dimension_equal_the_plain_ones(monkeypatch):
-    g = torch.Generator().manual_seed(0)
-    buf = torch.randn(40 * 2048 + 7, generator=g)
-    for rows, cols in ((8, 2048), (2048, 8), (24, 1536)):
-        m = buf[7:7 + rows * cols].view(rows, cols)  # a view at an offset, as inside a bucket
-        x, y = torch.randn(cols, 4, generator=g), torch.randn(rows, 4, generator=g)
-        monkeypatch.setattr(powersgd, "SPLIT_K", True)
-        split = powersgd._m_times(m, x), powersgd._mt_times(m, y)
-        monkeypatch.setattr(powersgd, "SPLIT_K", False)
-        plain = powersgd._m_times(m, x), powersgd._mt_times(m, y)
-        assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(split, plain)), (rows, cols)
-        assert torch.allclose(plain[0], m @ x) and torch.allclose(plain[1], m.t() @ y)
-    assert powersgd._chunks(8192) == 16 and powersgd._chunks(1536) == 3 and powersgd._chunks(1000) == 1

@@ -120,48 +120,13 @@ def powersgd_start(m: torch.Tensor, plan: PowerSGDPlan, q: torch.Tensor, group, 
     one buffer whose all-reduce (a sum) is launched. Returns (buffer, work or None)."""
     sent = torch.empty(plan.p_numel + plan.exact_numel, dtype=torch.float32, device=m.device)
     for (offset, rows, cols, _), p, qi in zip(plan.matrices, _views(sent, plan, "p"), _views(q, plan, "q")):
-        p.copy_(_m_times(m[offset:offset + rows * cols].view(rows, cols), qi))
+        torch.matmul(m[offset:offset + rows * cols].view(rows, cols), qi, out=p)
     at = plan.p_numel
     for offset, size in plan.exact:
         sent[at:at + size].copy_(m[offset:offset + size])
         at += size
     work = dist.all_reduce(sent, group=group, async_op=True) if world > 1 else None
     return sent, work
-
-
-#: Thin products (a gradient matrix times r columns) split along their long inner dimension into a
-#: batch of chunks whose partial products are summed: a GPU GEMM of 4 output columns over a 2048 x 8192
-#: matrix otherwise runs on few thread blocks, each streaming a long stretch of it.
-SPLIT_K = True
-
-
-def _chunks(k: int) -> int:
-    """How many chunks to split an inner dimension of `k` into: the most that divide it, at least 512 long."""
-    for s in range(max(1, k // 512), 0, -1):
-        if k % s == 0:
-            return s
-    return 1
-
-
-def _m_times(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """M @ x for a (rows x cols) matrix view M and thin x (cols x r)."""
-    s = _chunks(m.shape[1]) if SPLIT_K else 1
-    if s == 1:
-        return m @ x
-    rows, cols = m.shape
-    c = cols // s
-    parts = m.as_strided((s, rows, c), (c, m.stride(0), 1))  # column blocks of M, no copy
-    return torch.bmm(parts, x.view(s, c, x.shape[1])).sum(0)
-
-
-def _mt_times(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """M^T @ x for a (rows x cols) matrix view M and thin x (rows x r)."""
-    s = _chunks(m.shape[0]) if SPLIT_K else 1
-    if s == 1:
-        return m.t() @ x
-    rows, cols = m.shape
-    c = rows // s
-    return torch.bmm(m.view(s, c, cols).transpose(1, 2), x.view(s, c, x.shape[1])).sum(0)
 
 
 def powersgd_finish(flat: torch.Tensor, m: torch.Tensor, sent: torch.Tensor, plan: PowerSGDPlan, group,
@@ -176,7 +141,7 @@ def powersgd_finish(flat: torch.Tensor, m: torch.Tensor, sent: torch.Tensor, pla
     ps = _views(p_all, plan, "p")
     q = torch.empty(plan.q_numel, dtype=torch.float32, device=m.device)
     for (offset, rows, cols, _), p, qi in zip(plan.matrices, ps, _views(q, plan, "q")):
-        qi.copy_(_mt_times(m[offset:offset + rows * cols].view(rows, cols), p))
+        torch.matmul(m[offset:offset + rows * cols].view(rows, cols).t(), p, out=qi)
     own = q.clone() if feedback else None
     if world > 1:
         dist.all_reduce(q, group=group)
