@@ -423,6 +423,21 @@ class CommunicationOptimizer:
             new[new_key][new_offset:new_offset + n] = src[old_offset:old_offset + n]
         self.residuals = new
 
+    def loss_scale_changed(self, ratio: float, skipped: bool) -> None:
+        """The loss scaler (fp16) multiplied its scale by `ratio` after a step it took or, `skipped`, skipped
+        for an overflow. Residuals hold gradients as reduced, loss-scaled: they are rescaled with it, or the
+        next step would add them at the old scale. After an overflow, their inf / NaN entries are dropped
+        (zeroed) and a PowerSGD Q that is not finite starts again; without that, one bad step poisons
+        every later one. What stays of the skipped step's finite gradient waits in the residual, as any."""
+        if skipped:
+            for residual in self.residuals.values():
+                residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            for key in [k for k, q in self.powersgd_q.items() if not bool(torch.isfinite(q).all())]:
+                del self.powersgd_q[key]  # a host sync, on skipped steps only
+        if ratio != 1.0:
+            for residual in self.residuals.values():
+                residual.mul_(ratio)
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         # A copy: a residual is a view of a buffer that the next step overwrites.

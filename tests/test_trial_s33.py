@@ -1,0 +1,60 @@
+"""Defects found by session 33's trials (helpers), each test failing on the code before its fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed_training import CommunicationOptimizer
+from distributed_training.testing import run_distributed
+
+
+def fp16_overflow_worker(rank, world, options):
+    import warnings
+
+    from distributed_training import DDPStrategy, DistributedTrainer
+    from distributed_training.amp import DynamicLossScaler
+
+    warnings.filterwarnings("ignore", message=".*fp16.*CPU")
+    scaler = DynamicLossScaler()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 strategy=DDPStrategy(communication=CommunicationOptimizer(**options)),
+                                 mixed_precision="fp16", loss_scaler=scaler, progress=False, seed=0)
+    losses = []
+    for step in range(6):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        if step == 1:
+            x = x * 1e5  # one bad batch: fp16 overflows, the scaler skips this step
+        losses.append(float(trainer.train_step((x, y), F.cross_entropy)["loss"]))
+    comm = trainer.model.bucket_reducer
+    finite = all(bool(torch.isfinite(r).all()) for r in comm.residuals.values())
+    finite_q = all(bool(torch.isfinite(q).all()) for q in comm.powersgd_q.values())
+    trainer.close()
+    return scaler.skipped_steps, losses, finite and finite_q
+
+
+@pytest.mark.parametrize("options", [{"compression": "topk", "compression_ratio": 0.25},
+                                     {"compression": "powersgd", "powersgd_rank": 2}], ids=["topk", "powersgd"])
+def test_one_fp16_overflow_skips_one_step_under_error_feedback(options):
+    """The overflowing step's inf / NaN went into the error-feedback residuals (and PowerSGD's Q), and every
+    later step overflowed again: all 5 later steps skipped, training over for good."""
+    for skipped, losses, finite in run_distributed(fp16_overflow_worker, 2, args=(options,), timeout=120):
+        assert skipped == 1 and finite, (skipped, losses)
+        assert all(torch.isfinite(torch.tensor(losses[2:]))), losses
+
+
+def test_loss_scale_change_rescales_residuals_and_drops_what_overflowed():
+    comm = CommunicationOptimizer("powersgd")
+    comm.residuals = {0: torch.tensor([1.0, float("inf"), float("nan"), -2.0]), 1: torch.tensor([4.0])}
+    comm.powersgd_q = {0: torch.tensor([float("nan"), 1.0]), 1: torch.tensor([3.0])}
+    comm.loss_scale_changed(0.5, skipped=True)
+    assert torch.equal(comm.residuals[0], torch.tensor([0.5, 0.0, 0.0, -1.0]))
+    assert torch.equal(comm.residuals[1], torch.tensor([2.0]))
+    assert list(comm.powersgd_q) == [1]  # the non-finite Q starts again; the Q's scale does not matter
+    comm.loss_scale_changed(2.0, skipped=False)  # growth after clean steps: the residuals follow
+    assert torch.equal(comm.residuals[1], torch.tensor([4.0]))
