@@ -246,6 +246,12 @@ class CommunicationConfig(Section):
     between nodes)."""
     ranks_per_node: Optional[PositiveInt] = None
     """With ``hierarchical``: ranks per node (default: the launcher's LOCAL_WORLD_SIZE)."""
+    powersgd_rank: PositiveInt = 4
+    """PowerSGD: the rank r of each weight matrix's approximation (r x (rows + cols) values sent)."""
+    warmup_steps: Annotated[Int, Field(ge=0)] = 0
+    """Top-K: steps over which the density decays from 1 (dense) to compression_ratio."""
+    topk_select: Literal["blockmax", "exact", "chunked", "sampled"] = "blockmax"
+    """Top-K: how entries are chosen (blockmax: each row of 1/ratio values' largest; exact: one top-k)."""
 
 
 class CheckpointConfig(Section):
@@ -316,6 +322,12 @@ class JobConfig(Section):
         if custom and t.strategy not in ("ddp", "zero1"):  # "auto" may pick a sharded strategy
             raise ConfigError(f"communication.compression / pattern / hierarchical apply to training.strategy ddp or "
                               f"zero1, not {t.strategy!r}")
+        if c.compression != "none" and c.hierarchical:
+            raise ConfigError(f"communication.hierarchical and communication.compression {c.compression!r} cannot be "
+                              "combined yet: choose one")
+        if c.compression != "none" and c.pattern != "nccl":
+            raise ConfigError(f"communication.pattern {c.pattern!r} is how uncompressed buckets are all-reduced; "
+                              f"communication.compression {c.compression!r} sends its own messages: choose one")
         if c.ranks_per_node is not None and not c.hierarchical:
             raise ConfigError("communication.ranks_per_node is the node size of hierarchical all-reduce: set "
                               "communication.hierarchical: true with it, or leave it out")

@@ -207,7 +207,8 @@ def _job_strategy(cfg: JobConfig, world: int) -> tuple[Any, dict]:
         communication = CommunicationOptimizer(
             None if c.compression == "none" else c.compression, compression_ratio=c.compression_ratio,
             error_feedback=c.error_feedback, pattern=c.pattern, hierarchical=c.hierarchical,
-            ranks_per_node=c.ranks_per_node)
+            ranks_per_node=c.ranks_per_node, powersgd_rank=c.powersgd_rank, warmup_steps=c.warmup_steps,
+            topk_select=c.topk_select)
     if strategy in ("ddp", "zero1"):
         from .strategies import DDPStrategy, Zero1Strategy
 

@@ -79,7 +79,8 @@ def test_topk_bytes_and_warmup():
     for _ in range(6):
         comm.steps += 1
         densities.append(comm.density())
-    assert densities[0] > 0.3 and abs(densities[3] - 0.01) < 1e-9 and densities[-1] == 0.01
+    # Dense at the first step (the docstring's promise; it started at 0.316 before session 33), the ratio at step 5.
+    assert densities[0] == 1.0 and 0.01 < densities[3] < 0.1 and densities[4] == densities[-1] == 0.01, densities
     comm = CommunicationOptimizer("topk", compression_ratio=0.01, topk_select="exact")  # k = 100
     comm._topk_mean(x.clone(), None, 0, 1)
     assert comm.bytes_sent == 100 * (4 + 4)
@@ -189,7 +190,7 @@ def test_blockmax_warmup_and_without_error_feedback():
     for _ in range(5):
         comm.steps += 1
         counts.append(comm.compress_topk(grad, key=0)[0].numel())
-    assert counts[-1] == 10 and counts == sorted(counts, reverse=True) and counts[0] > 10, counts
+    assert counts[0] == 1000 and counts[-1] == 10 and counts == sorted(counts, reverse=True), counts
     comm = CommunicationOptimizer("topk", compression_ratio=0.01, error_feedback=False)
     idx, vals = comm.compress_topk(grad, key=0)
     assert not comm.residuals and torch.equal(vals, grad[idx.long()])
@@ -309,11 +310,20 @@ def test_powersgd_trains_and_keeps_replicas_identical():
 
 @pytest.mark.parametrize("kwargs, field", [({"compression": "gzip"}, "compression"), ({"pattern": "star"}, "pattern"),
                                            ({"compression_ratio": 0}, "compression_ratio"),
+                                           ({"compression_ratio": "0.1"}, "compression_ratio"),
+                                           ({"ranks_per_node": 0, "hierarchical": True}, "ranks_per_node"),
+                                           ({"compression": "topk", "pattern": "ring"}, "pattern"),
                                            ({"bucket_size_mb": 0}, "bucket_size_mb"),
                                            ({"ranks_per_node": 2}, "ranks_per_node")])
 def test_bad_arguments(kwargs, field):
     with pytest.raises(ValueError, match=field):
         CommunicationOptimizer(**kwargs)
+
+
+@pytest.mark.parametrize("field", ["error_feedback", "hierarchical"])
+def test_switches_must_be_bools(field):
+    with pytest.raises(TypeError, match=field):  # "no" is a true string: it was taken as on
+        CommunicationOptimizer(**{field: "no"})
 
 
 def digits_worker(rank, world, mode, steps):

@@ -58,3 +58,54 @@ def test_loss_scale_change_rescales_residuals_and_drops_what_overflowed():
     assert list(comm.powersgd_q) == [1]  # the non-finite Q starts again; the Q's scale does not matter
     comm.loss_scale_changed(2.0, skipped=False)  # growth after clean steps: the residuals follow
     assert torch.equal(comm.residuals[1], torch.tensor([4.0]))
+
+
+def shared_comm_worker(rank, world):
+    from distributed_training import DDP
+
+    comm = CommunicationOptimizer("topk", compression_ratio=0.5)
+    first = nn.Linear(4, 4)
+    DDP(first, communication=comm)
+    again = DDP(first, communication=comm)  # the same module wrapped again: allowed
+    try:
+        DDP(nn.Linear(4, 4), communication=comm)
+    except ValueError as e:
+        return str(e), again is not None
+    return None, again is not None
+
+
+def test_one_communication_optimizer_for_two_models_is_refused():
+    """Its residuals, Q's and step count are per bucket index: two models' buckets mixed (weights 2.0 and
+    4.0 off separate instances in the trial), and the warm-up ran at twice the speed."""
+    for message, rewrapped in run_distributed(shared_comm_worker, 2, timeout=60):
+        assert rewrapped and message and "one CommunicationOptimizer per model" in message, message
+
+
+def test_trainer_names_a_communication_given_as_a_string():
+    from distributed_training import DistributedTrainer
+
+    with pytest.raises(TypeError, match=r"communication must be a CommunicationOptimizer.*CommunicationOptimizer\('topk'\)"):
+        DistributedTrainer(nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), communication="topk")
+
+
+@pytest.mark.parametrize("section, field", [({"compression": "topk", "hierarchical": True}, "communication.hierarchical"),
+                                            ({"compression": "powersgd", "pattern": "ring"}, "communication.pattern")])
+def test_dtrain_config_refuses_compression_with_hierarchical_or_a_pattern(section, field):
+    """hierarchical + compression crashed on every rank with a traceback (exit 1) instead of a config error;
+    ring / tree with compression were silently ignored."""
+    from distributed_training.config import ConfigError, JobConfig
+
+    with pytest.raises((ConfigError, ValueError), match=field):
+        JobConfig.model_validate({"communication": section})
+
+
+def test_dtrain_config_sets_powersgd_rank_and_topk_options():
+    from distributed_training.config import JobConfig
+    from distributed_training.dtrain_job import _job_strategy
+
+    cfg = JobConfig.model_validate({"communication": {"compression": "powersgd", "powersgd_rank": 2}})
+    comm = _job_strategy(cfg, 2)[0].ddp_kwargs["communication"]
+    assert comm.powersgd_rank == 2
+    cfg = JobConfig.model_validate({"communication": {"compression": "topk", "warmup_steps": 5, "topk_select": "exact"}})
+    comm = _job_strategy(cfg, 2)[0].ddp_kwargs["communication"]
+    assert (comm.warmup_steps, comm.topk_select) == (5, "exact")

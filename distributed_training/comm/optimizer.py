@@ -30,6 +30,7 @@ Residuals and PowerSGD's Q are state: `state_dict()` / `load_state_dict()` put t
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -104,8 +105,15 @@ class CommunicationOptimizer:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}, got {compression!r}")
         if pattern not in _PATTERNS:
             raise ValueError(f"pattern must be one of {list(_PATTERNS)}, got {pattern!r}")
-        if not 0 < compression_ratio <= 1:
-            raise ValueError(f"compression_ratio must be in (0, 1], got {compression_ratio!r}")
+        if isinstance(compression_ratio, bool) or not isinstance(compression_ratio, (int, float)) \
+                or not 0 < compression_ratio <= 1:
+            raise ValueError(f"compression_ratio must be a number in (0, 1], got {compression_ratio!r}")
+        for name, value in (("error_feedback", error_feedback), ("hierarchical", hierarchical)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+                                           or ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}")
         if not isinstance(powersgd_rank, int) or powersgd_rank < 1:
             raise ValueError(f"powersgd_rank must be an integer >= 1, got {powersgd_rank!r}")
         if bucket_size_mb is not None and (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float))
@@ -124,6 +132,9 @@ class CommunicationOptimizer:
             raise ValueError(f"topk_chunk must be a positive integer, got {topk_chunk!r}")
         if hierarchical and compression is not None:
             raise ValueError("hierarchical all-reduce and compression cannot be combined yet: choose one")
+        if pattern != "nccl" and compression is not None:
+            raise ValueError(f"pattern={pattern!r} is how an uncompressed bucket is all-reduced; compression "
+                             f"{compression!r} sends its own messages (all-gather / all-reduce): choose one")
         self.compression = compression
         self.compression_ratio = compression_ratio
         self.error_feedback = error_feedback
@@ -148,6 +159,7 @@ class CommunicationOptimizer:
         self.bytes_sent = 0
         self.steps = 0
         self._groups: tuple | None = None
+        self._served: weakref.ref | None = None  # the model whose buckets these are (`serve`)
 
     # ------------------------------------------------------------------ setup
     def setup(self, group: dist.ProcessGroup | None, mesh: Mesh | None = None) -> None:
@@ -160,6 +172,17 @@ class CommunicationOptimizer:
             elif self.ranks_per_node:
                 mesh = mesh.with_ranks_per_node(self.ranks_per_node)
             self._groups = mesh.node_groups()
+
+    def serve(self, module: torch.nn.Module) -> None:
+        """Bind to the model whose buckets this reduces (DDP calls it). Residuals, Q's and the step count
+        are keyed by bucket: a second model's buckets would mix with the first's, so a second live model
+        is refused. The same module wrapped again (a rebuilt DDP) is fine."""
+        served = self._served() if self._served is not None else None
+        if served is not None and served is not module:
+            raise ValueError(f"this CommunicationOptimizer already reduces the gradients of another model (a "
+                             f"{type(served).__name__}): its error-feedback state is per bucket, so create one "
+                             f"CommunicationOptimizer per model")
+        self._served = weakref.ref(module)
 
     # ------------------------------------------------------------------ DDP's reducer
     def __call__(self, bucket: torch.Tensor, group: dist.ProcessGroup | None, index: int = 0):
@@ -208,9 +231,10 @@ class CommunicationOptimizer:
 
     # ------------------------------------------------------------------ compression
     def density(self) -> float:
-        """Fraction of entries Top-K sends now: 1 at the start of warm-up, decaying to the target ratio."""
+        """Fraction of entries Top-K sends now: 1 at the first step, decaying geometrically to the target
+        ratio, which step ``warmup_steps + 1`` reaches (`steps` counts from 1 at the first bucket)."""
         if self.warmup_steps and self.steps <= self.warmup_steps:
-            progress = self.steps / self.warmup_steps
+            progress = max(0, self.steps - 1) / self.warmup_steps
             return math.exp(math.log(self.compression_ratio) * progress)
         return self.compression_ratio
 

@@ -113,6 +113,10 @@ class DDP(CommTiming, nn.Module):
             raise TypeError("module is already wrapped in DDP")
         if communication is not None and bucket_reducer is not None:
             raise ValueError("pass either communication= (a CommunicationOptimizer) or bucket_reducer=, not both")
+        if communication is not None and not callable(communication):
+            raise TypeError(f"communication must be a CommunicationOptimizer (or another bucket reducer), got "
+                            f"{communication!r}" + (f": CommunicationOptimizer({communication!r})?"
+                                                   if isinstance(communication, str) else ""))
         bucket_reducer = communication if communication is not None else bucket_reducer
         if bucket_reducer is not None and not callable(bucket_reducer):
             raise TypeError(f"bucket_reducer must be callable, got {type(bucket_reducer).__name__}")
@@ -136,6 +140,8 @@ class DDP(CommTiming, nn.Module):
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.bucket_reducer: BucketReducer = bucket_reducer or AllReduceMean()
+        if hasattr(self.bucket_reducer, "serve"):
+            self.bucket_reducer.serve(module)  # one model per reducer: its state is per bucket
         if hasattr(self.bucket_reducer, "setup"):
             self.bucket_reducer.setup(process_group, mesh=self.mesh)  # e.g. node groups for hierarchical all-reduce
         self._pass_index = getattr(self.bucket_reducer, "wants_bucket_index", False)

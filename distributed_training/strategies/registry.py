@@ -41,6 +41,9 @@ def check_strategy_argument(strategy: Any, communication: Any = None,
     """Raise for a `strategy` / `communication` / `parameter_server` options combination the trainer
     cannot use (before any rendezvous). `parameter_server`: the trainer's ``num_servers``,
     ``consistency``, ``staleness`` and ``sparse_embeddings`` that were given (not None)."""
+    if communication is not None and not callable(communication):
+        hint = f": CommunicationOptimizer({communication!r})?" if isinstance(communication, str) else ""
+        raise TypeError(f"communication must be a CommunicationOptimizer, got {communication!r}{hint}")
     given = sorted(parameter_server or {})
     if given and strategy != "parameter_server":
         where = ("to the Strategy object you pass (ParameterServerStrategy(...))" if isinstance(strategy, Strategy)
