@@ -483,8 +483,11 @@ class Checkpointing(BackgroundCheckpointing):
                 self.strategy.load_shared_state(self.model, meta)
                 self.strategy.load_rank_state(self.model, read(ctx.rank))
         elif ctx.is_main:  # once, not once a rank
-            log.warning("checkpoint %r was written by %s rank(s), this run has %d: RNG states not restored", path,
-                        meta["world_size"], ctx.world_size)
+            per_rank = "communication" in read(0)  # a compressing reducer's residuals, Top-K's warm-up position
+            log.warning("checkpoint %r was written by %s rank(s), this run has %d: RNG states not restored%s", path,
+                        meta["world_size"], ctx.world_size,
+                        ", nor gradient compression's error-feedback residuals and step count (per rank: they "
+                        "start afresh)" if per_rank else "")
 
     def _load_own_part(self, part: dict[str, Any]) -> None:
         """This rank's RNG states and buffers from what a strategy's `load_checkpoint_files` returned."""

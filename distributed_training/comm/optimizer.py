@@ -30,6 +30,7 @@ Residuals and PowerSGD's Q are state: `state_dict()` / `load_state_dict()` put t
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from typing import Any
 
@@ -166,6 +167,10 @@ class CommunicationOptimizer:
         """Take the node groups for hierarchical all-reduce from `mesh` (DDP passes its own), over
         nodes of `ranks_per_node` ranks when that was given (emulated nodes); without a mesh, lay out
         `group` over the launcher's nodes. Collective: every rank calls it."""
+        if self.compression is not None and dist.get_world_size(group) == 1 and dist.get_rank() == 0:
+            warnings.warn(f"compression {self.compression!r} over a data-parallel group of one rank: nothing is "
+                          "sent, and the gradients are still compressed (changed); leave compression off here "
+                          "(e.g. a pipeline or tensor-parallel layout with one replica)", stacklevel=3)
         if self.hierarchical and self._groups is None:
             if mesh is None:
                 mesh = Mesh(group=group, ranks_per_node=self.ranks_per_node or launcher_ranks_per_node(group))
