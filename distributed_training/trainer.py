@@ -46,7 +46,8 @@ from .runtime import DistributedContext, init_distributed
 from .strategies.base import OptimizerFactory, Strategy
 from .strategies.registry import check_strategy_argument, make_strategy
 from .tensor.options import TensorOptions
-from .trainer_checkpoints import Checkpointing, _hyperparameters
+from .trainer_checkpoints import Checkpointing
+from .trainer_hyperparameters import hyperparameters
 from .trainer_fit import Fitting
 from .trainer_peers import PeerWatching
 from .trainer_step import Stepping, check_arguments
@@ -442,7 +443,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         self.save_on_preemption = save_on_preemption
         # What the optimizer and the schedule were configured with, before any step or resume: compared
         # with what a checkpoint was configured with, to apply (and report) changed hyperparameters.
-        self._configured_hparams = _hyperparameters(self.optimizer)
+        self._configured_hparams = hyperparameters(self.optimizer)
         self._configured_schedule = (copy.deepcopy(self.lr_scheduler.state_dict())
                                      if self.lr_scheduler is not None else None)
         self._fit_limits: dict[str, Any] = {}

@@ -1,4 +1,4 @@
-"""The trainer's checkpoints: save, load, resume (agreed across nodes), and hyperparameters that changed.
+"""The trainer's checkpoints: save, load, resume (agreed across nodes).
 
 A mixin of `DistributedTrainer`. Every strategy's state is saved in one format: the strategy says
 which pieces of the full parameters and optimizer state this rank holds (`Strategy.state_layout`),
@@ -8,12 +8,11 @@ strategy keeps per rank (`rank_state`, e.g. compression residuals), and rank 0 p
 position (step, epoch, data position in samples, global batch, schedule) and the index of the pieces
 in ``meta.pt``. The files and their crash-proofing are in `distributed_training.checkpoint`; `fit`'s
 checkpoints written in the background (``checkpoint_async``), in `trainer_checkpoints_async` (the
-base of `Checkpointing`).
+base of `Checkpointing`); hyperparameters changed since the checkpoint, in `trainer_hyperparameters`.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import warnings
@@ -31,6 +30,7 @@ from .checkpoint_shards import (FORMAT, Sources, build_index, check_shapes, host
                                 unpack_params)
 from .logs import get_logger
 from .trainer_checkpoints_async import BackgroundCheckpointing
+from .trainer_hyperparameters import HyperparameterRestore
 
 __all__ = ["Checkpointing"]
 
@@ -47,57 +47,7 @@ _LOAD_ERRORS = {cls.__name__: cls for cls in (CheckpointCorruptError, Checkpoint
 _FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
 
 
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """A copy of each param group's settings (lr, betas, weight decay, ...), without the parameters."""
-    return [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    try:
-        return bool(a == b)
-    except Exception:
-        return a is b
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, (list, tuple)) and len(value) == 1:
-        value = value[0]
-    return repr(value)
-
-
-def _lambda_changes(saved: Any, now: Any) -> list[str]:
-    """What differs between two `LambdaLR` states' ``lr_lambdas``, field by field, in words
-    (``lr schedule warmup_steps: 4 -> 6``). Each entry is a schedule object's fields (a plain function's
-    is None, and a field holding a function cannot be compared: both are left out; the learning rate
-    they give is compared anyway). Changes the same for every param group are said once."""
-    saved, now = list(saved or []), list(now or [])
-    if len(saved) != len(now):
-        return [f"lr schedule: {len(saved)} -> {len(now)} param group schedules"]
-    per_group = []
-    for old, new in zip(saved, now):
-        if not isinstance(old, dict) or not isinstance(new, dict):
-            per_group.append([])
-            continue
-        per_group.append([f"{key}: {_show(old.get(key))} -> {_show(new.get(key))}"
-                          for key in sorted(set(old) | set(new), key=str)
-                          if not callable(old.get(key)) and not callable(new.get(key))
-                          and not _same(old.get(key), new.get(key))])
-    if not per_group:
-        return []
-    if all(group == per_group[0] for group in per_group):
-        return [f"lr schedule {change}" for change in per_group[0]]
-    return [f"lr schedule param_groups[{i}].{change}" for i, group in enumerate(per_group) for change in group]
-
-
-class Checkpointing(BackgroundCheckpointing):
+class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
     """`DistributedTrainer`'s checkpoint methods."""
 
     def _resume_or_start_fresh(self) -> str | None:
@@ -522,56 +472,6 @@ class Checkpointing(BackgroundCheckpointing):
                 same = [r for r in ranks if replica_of[r] == self.dp_rank]
                 source = ctx.rank if ctx.rank in same else min(same or ranks)
                 buffer.copy_(sources.pick([source])["buffers"][key])
-
-    def _apply_changed_hyperparameters(self, meta: dict[str, Any]) -> list[str]:
-        """Loading the optimizer's state brings back the saved param groups' hyperparameters: where this
-        trainer was configured differently from the run that wrote the checkpoint, put the new value
-        back, and describe the change. Values the run itself changed (a schedule's lr) are left alone."""
-        saved = meta.get("optimizer_hparams")
-        groups = self.optimizer.param_groups
-        if saved is None or len(saved) != len(groups):
-            return []  # a checkpoint from before hyperparameters were recorded
-        changes = []
-        for i, (old, new, group) in enumerate(zip(saved, self._configured_hparams, groups)):
-            for key, value in new.items():
-                if self.lr_scheduler is not None and key in ("lr", "initial_lr"):
-                    continue  # the schedule is rebuilt from its new configuration (see _restore_schedule)
-                if key in old and not _same(old[key], value):
-                    group[key] = copy.deepcopy(value)
-                    where = f"param_groups[{i}]." if len(groups) > 1 else ""
-                    changes.append(f"optimizer {where}{key}: {_show(old[key])} -> {_show(value)}")
-        return changes
-
-    def _restore_schedule(self, saved: dict[str, Any]) -> list[str]:
-        """Bring the LR scheduler to the checkpoint's step *as it is configured now*.
-
-        Loading the saved scheduler state would bring back the old run's base learning rates and
-        schedule parameters. Instead the scheduler is reset to its state at construction and stepped
-        as many times as the saved one was (microseconds per step); with an unchanged configuration that
-        reproduces the saved state exactly, and with a changed one (lr, warmup, decay, a schedule given
-        as a function) the new schedule applies from here on. Returns what differs from the saved state.
-        """
-        sched, fresh = self.lr_scheduler, self._configured_schedule
-        for group, configured in zip(self.optimizer.param_groups, self._configured_hparams):
-            for key in ("lr", "initial_lr"):
-                if key in configured:
-                    group[key] = copy.deepcopy(configured[key])
-        sched.load_state_dict(copy.deepcopy(fresh))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": we only replay
-            for _ in range(int(saved.get("last_epoch", 0)) - int(fresh.get("last_epoch", 0))):
-                sched.step()
-        now = sched.state_dict()
-        counters = {"last_epoch", "_step_count", "_last_lr", "_is_initial", "_get_lr_called_within_step"}
-        changes = [f"lr_scheduler {key}: {_show(saved.get(key))} -> {_show(now.get(key))}"
-                   for key in sorted(set(saved) | set(now), key=str)
-                   if key not in counters | {"lr_lambdas"} and not _same(saved.get(key), now.get(key))]
-        changes += _lambda_changes(saved.get("lr_lambdas"), now.get("lr_lambdas"))
-        if "_last_lr" in saved and not _same(saved["_last_lr"], now.get("_last_lr")):
-            changes.append(f"learning rate at step {saved.get('last_epoch')}: "
-                           f"{_show(saved['_last_lr'])} -> {_show(now.get('_last_lr'))}")
-        return changes
-
 
 def _directory_name(path, method: str) -> str:
     """`path` as a str, or a TypeError naming `method` (``os.fspath(None)`` says nothing of checkpoints)."""
