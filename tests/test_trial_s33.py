@@ -11,19 +11,26 @@ from distributed_training import CommunicationOptimizer
 from distributed_training.testing import run_distributed
 
 
-def fp16_overflow_worker(rank, world, options):
+def _reducer(trainer):
+    model = trainer.strategy._model if hasattr(trainer.strategy, "inner") else trainer.model
+    return model.bucket_reducer
+
+
+def fp16_overflow_worker(rank, world, options, pipeline=1):
     import warnings
 
     from distributed_training import DDPStrategy, DistributedTrainer
     from distributed_training.amp import DynamicLossScaler
 
     warnings.filterwarnings("ignore", message=".*fp16.*CPU")
+    warnings.filterwarnings("ignore", message=".*group of one rank")
     scaler = DynamicLossScaler()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1),
                                  strategy=DDPStrategy(communication=CommunicationOptimizer(**options)),
-                                 mixed_precision="fp16", loss_scaler=scaler, progress=False, seed=0)
+                                 mixed_precision="fp16", loss_scaler=scaler, progress=False, seed=0,
+                                 **({"pipeline_parallel_size": pipeline, "microbatches": 2} if pipeline > 1 else {}))
     losses = []
     for step in range(6):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -31,7 +38,7 @@ def fp16_overflow_worker(rank, world, options):
         if step == 1:
             x = x * 1e5  # one bad batch: fp16 overflows, the scaler skips this step
         losses.append(float(trainer.train_step((x, y), F.cross_entropy)["loss"]))
-    comm = trainer.model.bucket_reducer
+    comm = _reducer(trainer)
     finite = all(bool(torch.isfinite(r).all()) for r in comm.residuals.values())
     finite_q = all(bool(torch.isfinite(q).all()) for q in comm.powersgd_q.values())
     trainer.close()
@@ -46,6 +53,13 @@ def test_one_fp16_overflow_skips_one_step_under_error_feedback(options):
     for skipped, losses, finite in run_distributed(fp16_overflow_worker, 2, args=(options,), timeout=120):
         assert skipped == 1 and finite, (skipped, losses)
         assert all(torch.isfinite(torch.tensor(losses[2:]))), losses
+
+
+def test_one_fp16_overflow_skips_one_step_with_compression_inside_pipeline_stages():
+    """The same through a pipeline's stages (its own optimizer step, DDP inside each stage)."""
+    options = {"compression": "topk", "compression_ratio": 0.25}
+    for skipped, losses, finite in run_distributed(fp16_overflow_worker, 2, args=(options, 2), timeout=120):
+        assert skipped == 1 and finite, (skipped, losses)
 
 
 def test_loss_scale_change_rescales_residuals_and_drops_what_overflowed():

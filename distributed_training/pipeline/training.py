@@ -454,6 +454,9 @@ class PipelineStrategy(PipelineState, Strategy):
         timing, self.engine.last_timing = self.engine.last_timing, None
         return None if timing is None else timing.metrics()
 
+    def loss_scale_changed(self, model: nn.Module, ratio: float, skipped: bool) -> None:
+        self.inner.loss_scale_changed(self._model, ratio, skipped)
+
     def no_sync(self, model: nn.Module):
         return self.inner.no_sync(model)  # a pipeline step syncs once anyway; kept for the interface
 

@@ -261,10 +261,19 @@ class Strategy(abc.ABC):
         Clipping runs on a skipped step too (every rank alike, as the decision is agreed): its norm is
         then inf or NaN, which the step's metrics show."""
         grads = self.gradients(model) if precision.reads_gradients else []
+        scaler = getattr(precision, "scaler", None)
+        before = scaler.scale if scaler is not None else None
         precision.unscale_(grads)  # before clipping, so the threshold applies to the true gradients
         norm = self.clip_grad_norm(model, max_grad_norm) if max_grad_norm is not None else None
         stepped = precision.step(optimizer, grads)
+        if before is not None:
+            self.loss_scale_changed(model, scaler.scale / before, skipped=not stepped)
         return stepped, norm
+
+    def loss_scale_changed(self, model: nn.Module, ratio: float, skipped: bool) -> None:
+        """The loss scaler (fp16) multiplied its scale by `ratio` after this step, which it skipped for an
+        overflow if `skipped`: for state kept in loss-scaled units (compression's error-feedback residuals,
+        `CommunicationOptimizer.loss_scale_changed`). Nothing by default."""
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip gradients in place by their global 2-norm; return the norm before clipping."""

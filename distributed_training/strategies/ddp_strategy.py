@@ -38,17 +38,10 @@ class DDPBacked:
             model.set_bucket_groups(meta["ddp_bucket_groups"], meta.get("ddp_rebuild_pending", False),
                                     meta.get("ddp_arrival_order"))
 
-    def optimizer_step(self, model: DDP, optimizer, precision, max_grad_norm: float | None = None):
-        """`Strategy.optimizer_step`, then tell a reducer that keeps state in the gradients' units (error
-        feedback's residuals, which hold loss-scaled values under fp16) what the loss scaler did: it
-        rescales them to the new scale and, after a skipped step, drops what overflowed."""
+    def loss_scale_changed(self, model: DDP, ratio: float, skipped: bool) -> None:
         follow = getattr(model.bucket_reducer, "loss_scale_changed", None)
-        scaler = getattr(precision, "scaler", None)
-        before = scaler.scale if scaler is not None else None
-        stepped, norm = super().optimizer_step(model, optimizer, precision, max_grad_norm)
-        if follow is not None and before is not None:
-            follow(scaler.scale / before, skipped=not stepped)
-        return stepped, norm
+        if follow is not None:  # error feedback's residuals hold loss-scaled gradients
+            follow(ratio, skipped)
 
     def measure_communication(self, model: DDP, on: bool) -> None:
         if model.measure_overlap != on:
