@@ -39,7 +39,7 @@ class DDPBacked:
                                     meta.get("ddp_arrival_order"))
 
     def loss_scale_changed(self, model: DDP, ratio: float, skipped: bool) -> None:
-        follow = getattr(model.bucket_reducer, "loss_scale_changed", None)
+        follow = getattr(getattr(model, "bucket_reducer", None), "loss_scale_changed", None)
         if follow is not None:  # error feedback's residuals hold loss-scaled gradients
             follow(ratio, skipped)
 
