@@ -328,6 +328,11 @@ class JobConfig(Section):
         if c.compression != "none" and c.pattern != "nccl":
             raise ConfigError(f"communication.pattern {c.pattern!r} is how uncompressed buckets are all-reduced; "
                               f"communication.compression {c.compression!r} sends its own messages: choose one")
+        for name, applies in (("powersgd_rank", "powersgd"), ("compression_ratio", "topk"), ("warmup_steps", "topk"),
+                              ("topk_select", "topk")):
+            if given(c, name) and c.compression != applies:
+                raise ConfigError(f"communication.{name} applies to communication.compression {applies!r}, not "
+                                  f"{c.compression!r}: set the compression, or leave {name} out")
         if c.ranks_per_node is not None and not c.hierarchical:
             raise ConfigError("communication.ranks_per_node is the node size of hierarchical all-reduce: set "
                               "communication.hierarchical: true with it, or leave it out")

@@ -427,17 +427,18 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
                 f"checkpoint {path!r} does not fit this model: {err} (a checkpoint of another model? load it into "
                 "the model that wrote it, or start a new run: another checkpoint directory, or resume=False / "
                 "dtrain --no-resume)") from None
+        residuals = ", nor gradient compression's error-feedback residuals and step count (per rank: they start afresh)"
         if same_world:
             set_rng_state(read(ctx.rank)["rng"])
             if meta.get("strategy") == self.strategy.name:  # what only the same strategy understands
                 self.strategy.load_shared_state(self.model, meta)
                 self.strategy.load_rank_state(self.model, read(ctx.rank))
+            elif ctx.is_main and _has_residuals(read(0)):
+                log.warning("checkpoint %r was written under strategy %r, this run uses %r: its per-rank state is not "
+                            "restored%s", path, meta.get("strategy"), self.strategy.name, residuals)
         elif ctx.is_main:  # once, not once a rank
-            per_rank = "communication" in read(0)  # a compressing reducer's residuals, Top-K's warm-up position
             log.warning("checkpoint %r was written by %s rank(s), this run has %d: RNG states not restored%s", path,
-                        meta["world_size"], ctx.world_size,
-                        ", nor gradient compression's error-feedback residuals and step count (per rank: they "
-                        "start afresh)" if per_rank else "")
+                        meta["world_size"], ctx.world_size, residuals if _has_residuals(read(0)) else "")
 
     def _load_own_part(self, part: dict[str, Any]) -> None:
         """This rank's RNG states and buffers from what a strategy's `load_checkpoint_files` returned."""
@@ -472,6 +473,11 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
                 same = [r for r in ranks if replica_of[r] == self.dp_rank]
                 source = ctx.rank if ctx.rank in same else min(same or ranks)
                 buffer.copy_(sources.pick([source])["buffers"][key])
+
+def _has_residuals(rank_part: dict[str, Any]) -> bool:
+    """Whether a rank file holds a compressing reducer's error-feedback residuals (`rank_state`)."""
+    return bool(rank_part.get("communication", {}).get("residuals"))
+
 
 def _directory_name(path, method: str) -> str:
     """`path` as a str, or a TypeError naming `method` (``os.fspath(None)`` says nothing of checkpoints)."""

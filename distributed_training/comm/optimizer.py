@@ -30,6 +30,7 @@ Residuals and PowerSGD's Q are state: `state_dict()` / `load_state_dict()` put t
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 import weakref
 from typing import Any
@@ -106,7 +107,7 @@ class CommunicationOptimizer:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}, got {compression!r}")
         if pattern not in _PATTERNS:
             raise ValueError(f"pattern must be one of {list(_PATTERNS)}, got {pattern!r}")
-        if isinstance(compression_ratio, bool) or not isinstance(compression_ratio, (int, float)) \
+        if isinstance(compression_ratio, bool) or not isinstance(compression_ratio, numbers.Real) \
                 or not 0 < compression_ratio <= 1:
             raise ValueError(f"compression_ratio must be a number in (0, 1], got {compression_ratio!r}")
         for name, value in (("error_feedback", error_feedback), ("hierarchical", hierarchical)):
@@ -115,7 +116,7 @@ class CommunicationOptimizer:
         if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
                                            or ranks_per_node < 1):
             raise ValueError(f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}")
-        if not isinstance(powersgd_rank, int) or powersgd_rank < 1:
+        if isinstance(powersgd_rank, bool) or not isinstance(powersgd_rank, int) or powersgd_rank < 1:
             raise ValueError(f"powersgd_rank must be an integer >= 1, got {powersgd_rank!r}")
         if bucket_size_mb is not None and (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float))
                                            or not bucket_size_mb > 0):
@@ -125,7 +126,7 @@ class CommunicationOptimizer:
         if ranks_per_node is not None and not hierarchical:
             raise ValueError(f"ranks_per_node={ranks_per_node!r} is the node size of hierarchical all-reduce: "
                              "pass hierarchical=True with it, or leave it out")
-        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
         if topk_select not in _TOPK_SELECTIONS:
             raise ValueError(f"topk_select must be one of {list(_TOPK_SELECTIONS)}, got {topk_select!r}")
@@ -180,13 +181,21 @@ class CommunicationOptimizer:
 
     def serve(self, module: torch.nn.Module) -> None:
         """Bind to the model whose buckets this reduces (DDP calls it). Residuals, Q's and the step count
-        are keyed by bucket: a second model's buckets would mix with the first's, so a second live model
-        is refused. The same module wrapped again (a rebuilt DDP) is fine."""
-        served = self._served() if self._served is not None else None
-        if served is not None and served is not module:
-            raise ValueError(f"this CommunicationOptimizer already reduces the gradients of another model (a "
-                             f"{type(served).__name__}): its error-feedback state is per bucket, so create one "
-                             f"CommunicationOptimizer per model")
+        are keyed by bucket: a second model's buckets would mix with the first's, so another model is
+        refused while the first lives, and once it is gone the state starts afresh (it belonged to the
+        first). The same module wrapped again (a rebuilt DDP) keeps the state."""
+        if self._served is not None:
+            served = self._served()
+            if served is module:
+                return
+            if served is not None:
+                raise ValueError(f"this CommunicationOptimizer already reduces the gradients of another model (a "
+                                 f"{type(served).__name__}): its error-feedback state is per bucket, so create one "
+                                 f"CommunicationOptimizer per model")
+            self.load_state_dict({})  # the first model's state, which nothing can use now
+            self._topk_buffers.clear()
+            self._layouts.clear()
+            self._plans.clear()
         self._served = weakref.ref(module)
 
     # ------------------------------------------------------------------ DDP's reducer
@@ -219,11 +228,15 @@ class CommunicationOptimizer:
                               key: int = -1) -> torch.Tensor:
         """The mean of `tensor` over `group`, in place, through this optimizer's compression (PowerSGD
         takes a tensor of two or more dimensions as one matrix of its shape)."""
+        flat = tensor.reshape(-1)  # a copy when `tensor` is not contiguous (channels_last, transposed)
         if self.compression is None:
-            self(tensor.view(-1), group, key).wait()
+            self(flat, group, key).wait()
         else:
-            layout = [(0, tuple(tensor.shape))] if tensor.dim() >= 2 else None
-            self._compressed_mean(tensor.view(-1), group, key, layout).wait()
+            # Its own shape, never a DDP bucket's layout of the same key (); 1-D: one near-square matrix.
+            layout = [(0, tuple(tensor.shape))] if tensor.dim() >= 2 else ()
+            self._compressed_mean(flat, group, key, layout).wait()
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view(tensor.shape))
         return tensor
 
     def hierarchical_all_reduce(self, tensor: torch.Tensor, intra_node_group=None, inter_node_group=None) -> torch.Tensor:
@@ -401,8 +414,8 @@ class CommunicationOptimizer:
         cached = self._plans.get(key)
         if cached is not None and cached[0] is layout and cached[1].numel == n:
             return cached[1]
-        if layout is not None and max((o + math.prod(s) for o, s in layout), default=0) > n:
-            layout = None  # not this bucket's (a direct call with a bucket's key): one matrix
+        if layout and max((o + math.prod(s) for o, s in layout), default=0) > n:
+            layout = ()  # not this bucket's: one matrix
         plan = plan_bucket(n, layout, self.powersgd_rank)
         self._plans[key] = (layout, plan)
         return plan
@@ -412,15 +425,19 @@ class CommunicationOptimizer:
         n = flat.numel()
         plan = self._powersgd_plan(n, key, layout)
         residual = self.residuals.get(key) if self.error_feedback else None
-        if residual is not None and residual.numel() == n and residual.device == flat.device:
+        if residual is not None and residual.numel() == n:
+            if residual.device != flat.device:  # loaded from a checkpoint (on the CPU)
+                residual = residual.to(flat.device, torch.float32)
             m = residual.add_(flat)  # this rank's gradient plus what earlier steps left out, in place
         elif self.error_feedback:
             m = flat.to(torch.float32, copy=True)
         else:
             m = flat.float()  # `flat` itself when fp32: read (steps 1-2) before it is overwritten
         q = self.powersgd_q.get(key)
-        if q is None or q.numel() != plan.q_numel or q.device != flat.device:
+        if q is None or q.numel() != plan.q_numel:
             q = initial_q(plan, key, flat.device)  # the same start on every rank
+        elif q.device != flat.device:  # loaded from a checkpoint (on the CPU)
+            q = q.to(flat.device)
         sent, work = powersgd_start(m, plan, q, group, world)
         self.bytes_sent += (plan.p_numel + plan.exact_numel + plan.q_numel) * 4
 
@@ -457,7 +474,9 @@ class CommunicationOptimizer:
         for an overflow. Residuals hold gradients as reduced, loss-scaled: they are rescaled with it, or the
         next step would add them at the old scale. After an overflow, their inf / NaN entries are dropped
         (zeroed) and a PowerSGD Q that is not finite starts again; without that, one bad step poisons
-        every later one. What stays of the skipped step's finite gradient waits in the residual, as any."""
+        every later one. So a skipped step is not free for error feedback: what it sent of the residuals is
+        gone, its finite gradient stays in them, and a PowerSGD matrix that overflowed on any rank loses its
+        residual on every rank (its P was shared). Overflows are rare after the scaler's first steps."""
         if skipped:
             for residual in self.residuals.values():
                 residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)

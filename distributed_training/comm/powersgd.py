@@ -10,7 +10,8 @@ convolution's out x in*kh*kw) is approximated by P Q^T, with P = M Q (rows x r) 
 
 Two small all-reduces of r (rows + cols) values instead of rows x cols. With error feedback, what
 the projection misses of a rank's own M_i (M_i - P P^T M_i, which is M_i - P Q_i^T) is added to its
-next step's gradient, so nothing is lost, only delayed.
+next step's gradient, so nothing is lost, only delayed (except across a step the fp16 loss scaler
+skips: see `CommunicationOptimizer.loss_scale_changed`).
 
 What is a matrix is decided per tensor, from a bucket's layout (`BucketLayout`, which DDP hands to its
 reducer): a tensor of two or more dimensions whose rank-r factors are smaller than it. Everything else
@@ -59,8 +60,9 @@ class PowerSGDPlan:
 
 
 def plan_bucket(numel: int, layout: BucketLayout | None, rank: int) -> PowerSGDPlan:
-    """The plan for a bucket of `numel` values laid out as `layout` (None: one near-square matrix)."""
-    if layout is None:
+    """The plan for a bucket of `numel` values laid out as `layout` (None or empty: one near-square
+    matrix and an exact tail)."""
+    if not layout:
         cols = max(1, math.isqrt(numel))
         rows = numel // cols
         layout = [(0, (rows, cols))] + ([(rows * cols, (numel - rows * cols,))] if numel > rows * cols else [])
@@ -96,11 +98,11 @@ def plan_bucket(numel: int, layout: BucketLayout | None, rank: int) -> PowerSGDP
 
 def initial_q(plan: PowerSGDPlan, key: int, device: torch.device) -> torch.Tensor:
     """Every matrix's first Q, flat: standard normal, the same on every rank. The matrix at `offset`
-    of bucket `key` draws its (cols x r) values from a generator seeded ``1234 + ((key + 1) << 40) +
-    offset``: a rule that does not depend on how the plan orders the matrices."""
+    of bucket `key` draws its (cols x r) values from a generator seeded ``(1234 + ((key + 1) << 40) +
+    offset) mod 2^63``: a rule that does not depend on how the plan orders the matrices."""
     q = torch.empty(plan.q_numel, dtype=torch.float32)
     for (offset, _, cols, r), qi in zip(plan.matrices, _views(q, plan, "q")):
-        g = torch.Generator(device="cpu").manual_seed(1234 + ((key + 1) << 40) + offset)
+        g = torch.Generator(device="cpu").manual_seed((1234 + ((key + 1) << 40) + offset) % (1 << 63))
         qi.copy_(torch.randn(cols, r, generator=g))
     return q.to(device)
 

@@ -117,6 +117,9 @@ class TensorParallelStrategy(Strategy):
     def sync_gradients(self, model: nn.Module) -> None:
         self.inner.sync_gradients(model)
 
+    def loss_scale_changed(self, model: nn.Module, ratio: float, skipped: bool) -> None:
+        self.inner.loss_scale_changed(model, ratio, skipped)
+
     def forward_backward(self, model, batch, criterion, precision):
         return self.inner.forward_backward(model, batch, criterion, precision)
 
