@@ -9,6 +9,7 @@ import warnings
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .batches import batch_size_of, token_count
@@ -387,6 +388,7 @@ class Fitting:
                 if not has_batch:
                     exhausted = True
                     break
+                waited = self._straggler_probe()
                 metrics = self.train_step(batch, criterion)
                 self.batch_in_epoch += 1
                 if sharded:  # every replica trained as many samples as this one (the sampler pads)
@@ -394,6 +396,8 @@ class Fitting:
                     self._epoch_finished = self.batch_in_epoch >= epoch_end  # what a checkpoint of this step says
                 now = time.perf_counter()
                 self.data_wait_s += fetched - last_end
+                if waited is not None:  # the measured step: its time less the data wait on the others
+                    self._own_time = now - last_end - waited
                 metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - last_end)
                 # (what checkpoints record: with a log_dir, a log step's hold the communication figures too)
                 if not self._best_checked and (self.step % log_every == 0 or not self._monitoring):
@@ -507,9 +511,31 @@ class Fitting:
         # long done); reading the log step's own would (with log_every=1 it has to).
         self.strategy.measure_communication(self.model, self.step % log_every == 0)
         self.strategy.time_pipeline(self.model, self.step % log_every == 0)
+        own = None
+        if self.step % log_every == 0 and getattr(self, "_own_time", None) is not None:
+            own, self._own_time = max(0.0, self._own_time - (comm or 0.0)), None  # less its wait in backward
         self.monitor.record_step(self.step, metrics, samples=batch_size_of(batch), tokens=token_count(batch),
-                                 step_time=step_time, data_time=data_time, comm_time=comm)
+                                 step_time=step_time, data_time=data_time, comm_time=comm, own_time=own)
         return metrics
+
+    def _straggler_probe(self) -> float | None:
+        """On the step whose communication is measured (the first of a log window), before it trains:
+        seconds this rank waits for the others to have their batch, or None on other steps. What it
+        waits here is another rank's data loading; what it waits in the step is in the communication
+        figures: the two out of its step time leave its own work, which the straggler check compares
+        (in synchronous training every rank's step lasts as long as the slowest one's). Costs one tiny
+        all-reduce per log window (and, on a GPU, draining this rank's queue first: its own work)."""
+        if not self._monitoring or self.step % self.monitor_log_every or not getattr(self.monitor, "_cluster_on", False):
+            return None
+        group = self.monitor.group
+        device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        flag = torch.zeros(1, device=device)
+        dist.all_reduce(flag, group=group)
+        flag.item()  # on the host: waited for every rank
+        return time.perf_counter() - start
 
     def _stop_on_signal(self, sig, metrics: dict[str, torch.Tensor] | None, signalled: bool = True) -> None:
         """Every rank, at the step boundary they agreed on: save on SIGTERM if asked, and say why we stop.

@@ -854,7 +854,7 @@ def test_workers_are_labelled_workers(tmp_path, capsys):
         for step in range(1, 5):
             mon.record_step(step, {"loss": torch.tensor(1.0 / step)}, samples=4, step_time=0.02)
         mon._group_ranks = [1, 2]  # the workers' group: worker w is global rank 1 + w
-        mon._cluster_view(4, [0.1, 0.3])
+        mon._cluster_view(4, [0.1, -1.0, 0.3, -1.0])  # (step time, own time or -1) per worker
         assert mon._warnings[-1].startswith("straggler at step 4: worker 1 averages 0.3 s"), mon._warnings
         assert "the median worker's" in mon._warnings[-1]
         mon._warnings.clear()

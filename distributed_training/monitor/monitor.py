@@ -107,9 +107,10 @@ class Monitor:
         group: process group of the cluster view's all-gather (None: the default group). Its first
             member (group rank 0) writes the ``cluster/*`` figures.
         log_every: log on steps where ``step % log_every == 0``.
-        straggler_threshold: flag a straggler when the slowest rank's mean step time exceeds this
-            multiple of the median (for an even number of ranks the lower of the two middle values, so
-            that in a world of two the slower rank is compared with the faster one). Must be > 1.
+        straggler_threshold: flag a straggler when the slowest rank's own time per step (`record_step`'s
+            ``own_time``; its mean step time where not given) exceeds this multiple of the median (for an
+            even number of ranks the lower of the two middle values, so that in a world of two the slower
+            rank is compared with the faster one), by 5 ms or more. Must be > 1.
         tensorboard: write TensorBoard event files.
         jsonl: append to ``metrics.jsonl``.
         system_stats: log host CPU and memory, and the GPU's utilisation, memory, power and
@@ -206,8 +207,9 @@ class Monitor:
         if self._cluster_on:
             self._group_ranks = [global_rank(group, i) for i in range(self.world_size)]
             device = collective_device(group)
-            self._gather_in = torch.zeros(1, dtype=torch.float64, device=device)
-            self._gather_out = torch.zeros(self.world_size, dtype=torch.float64, device=device)
+            # (mean step time, own time or -1) per rank: see `record_step`'s own_time
+            self._gather_in = torch.zeros(2, dtype=torch.float64, device=device)
+            self._gather_out = torch.zeros(2 * self.world_size, dtype=torch.float64, device=device)
 
         self._writer = None
         self._jsonl = None
@@ -278,6 +280,7 @@ class Monitor:
         step_time: float,
         data_time: float = 0.0,
         comm_time: float | None = None,
+        own_time: float | None = None,
     ) -> None:
         """Account for one training step; on log steps, write and compare across ranks.
 
@@ -290,6 +293,10 @@ class Monitor:
             step_time: seconds the whole step took on this rank (data loading included).
             data_time: seconds of it spent waiting for data.
             comm_time: seconds of it spent in communication not hidden behind compute, if known.
+            own_time: on a log step, seconds of a recent step this rank spent on its own work: its step
+                time less what it waited for the other ranks, if known (`fit` measures it). In synchronous
+                training every rank's step takes as long as the slowest rank's, so step times cannot tell a
+                straggler; the straggler check compares these (the window's mean step time without them).
 
         Collective on log steps (``step % log_every == 0``) when torch.distributed is initialised and
         world_size > 1: every rank must make the call.
@@ -306,7 +313,7 @@ class Monitor:
             self.start()
         self._timings.add(step_time, data_time, samples, tokens, comm_time)
         if step % self.log_every == 0:
-            self._log(step, metrics)
+            self._log(step, metrics, own_time)
 
     def record_eval(self, step: int, mine: Mapping[str, float], whole: Mapping[str, float], *,
                     seconds: float | None = None) -> None:
@@ -401,7 +408,7 @@ class Monitor:
         self.close()
 
     # ---------------------------------------------------------------- private
-    def _log(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def _log(self, step: int, metrics: Mapping[str, Any], own_time: float | None = None) -> None:
         """On the training thread: take this log step's figures without waiting for the device, run
         the all-gather, and write the record (or hand it to the writer thread)."""
         record = LogRecord(step=step, now=time.time())
@@ -423,10 +430,11 @@ class Monitor:
         if self._cluster_on:
             # The one collective of a log step, issued here so that every rank issues it in the same
             # order relative to training's own collectives. Over NCCL nothing waits for it here.
-            self._gather_in.fill_(record.perf["perf/step_time_s"])
+            step_mean = record.perf["perf/step_time_s"]
+            self._gather_in.copy_(torch.tensor([step_mean, -1.0 if own_time is None else own_time]))  # -1: not measured
             all_gather_single(self._gather_out, self._gather_in, group=self.group)
             if self._gather_out.is_cuda:
-                record.gathered = self.world_size
+                record.gathered = 2 * self.world_size
                 device_values.append(self._gather_out)
             else:
                 record.times = self._gather_out.tolist()
@@ -480,7 +488,9 @@ class Monitor:
             self._bar.draw(record.step, self._total_steps, record.rate, scalars.get("train/loss"))
 
     def _cluster_view(self, step: int, times: list[float]) -> dict[str, float]:
-        view, straggler = cluster_view(step, times, self._group_ranks, self.member, self.straggler_threshold)
+        own = times[1::2]  # (step time, own time or -1) per member
+        view, straggler = cluster_view(step, times[0::2], self._group_ranks, self.member, self.straggler_threshold,
+                                       own_times=own if min(own) >= 0 else None)
         self._cluster_last = view
         if straggler is not None:
             self._straggler_events += 1

@@ -34,6 +34,7 @@ class NullMonitor:
         step_time: float,
         data_time: float = 0.0,
         comm_time: float | None = None,
+        own_time: float | None = None,
     ) -> None:
         pass
 
