@@ -187,6 +187,23 @@ class StepProfile:
     0: communication and compute share the hardware and serialise). Measured by running an all-reduce
     beside a matmul loop."""
 
+    def __post_init__(self) -> None:
+        # (overhead_s is measured as a difference of two step times: slightly negative is noise, kept)
+        for name in ("params", "bucket_bytes", "grad_bytes", "gather_bytes", "units"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"StepProfile.{name} must be a positive number, got {value!r}")
+        for name in ("compute_s", "optimizer_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"StepProfile.{name} must be a number of seconds >= 0, got {value!r}")
+        for name in ("backward_fraction", "overlap", "topk_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"StepProfile.{name} is a fraction in [0, 1], got {value!r}")
+        if self.powersgd_bytes is not None and not self.powersgd_bytes >= 0:
+            raise ValueError(f"StepProfile.powersgd_bytes must be >= 0 or None, got {self.powersgd_bytes!r}")
+
 
 def _pipeline(ready: list[float], cost: list[float]) -> float:
     """Messages sent one after another on one stream, message i not before ready[i]: when the last ends."""

@@ -361,3 +361,14 @@ def test_a_slow_rank_is_named_a_straggler(where, tmp_path):
     (said, slowest), (said_1, _) = run_distributed(straggler_worker, 2, args=(where, str(tmp_path)), timeout=120)
     assert said and all("rank 1 works" in m for m in said) and slowest == 1, (said, slowest)
     assert not said_1  # rank 0 says it
+
+
+@pytest.mark.parametrize("field, value", [("compute_s", -0.1), ("overlap", 2.0), ("backward_fraction", 1.5),
+                                          ("params", 0)])
+def test_step_profile_refuses_impossible_inputs(field, value):
+    """Negative compute gave an exposed time longer than the whole step; overlap=2.0 hid all communication."""
+    from distributed_training.scaling import StepProfile
+
+    kwargs = {"params": 10**6, "compute_s": 0.1, "optimizer_s": 0.01, field: value}
+    with pytest.raises(ValueError, match=f"StepProfile.{field}"):
+        StepProfile(**kwargs)
