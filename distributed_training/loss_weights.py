@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["StepWeights", "micro_weights", "counted", "label_count", "replica_scale", "ReplicaScale", "weigh",
+           "batch_count",
            "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # torch's cross-entropy / NLL default, and Hugging Face's label padding
@@ -133,6 +134,15 @@ def replica_scale(criterion: Callable | None, counts: Sequence[Any], group, repl
     if _setting(criterion, "reduction", "mean") == "sum":
         return _Constant(float(replicas))
     return ReplicaScale(counts, group, replicas, device)
+
+
+def batch_count(criterion: Callable | None, counts: Sequence[Any]) -> float | None:
+    """What a replica's whole batch counts (the sum of its micro-batches' `counts`), by which a parameter
+    server's ``sync`` update weighs its gradient; None for a summing criterion (its replicas add up, which
+    a weighted mean cannot express)."""
+    if _setting(criterion, "reduction", "mean") == "sum":
+        return None
+    return float(sum(float(c) for c in counts))
 
 
 def weigh(loss: torch.Tensor, weight: Any) -> torch.Tensor:

@@ -42,7 +42,7 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p.detach() - q.detach()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
-def _step_parity_job(rank, world, kind):
+def _step_parity_job(rank, world, kind, uneven=False):
     from distributed_training import DistributedTrainer
 
     trainer = DistributedTrainer(_model(), _factory(kind), strategy="parameter_server", num_servers=1,
@@ -54,8 +54,9 @@ def _step_parity_job(rank, world, kind):
     if trainer.strategy.trains:
         assert (trainer.dp_rank, trainer.dp_world_size) == (rank - 1, workers)
         for step in range(STEPS):
-            x, y = _batch(step, PER_WORKER * workers)
-            mine = slice(trainer.dp_rank * PER_WORKER, (trainer.dp_rank + 1) * PER_WORKER)
+            x, y = _uneven(*_batch(step, PER_WORKER * workers)) if uneven else _batch(step, PER_WORKER * workers)
+            bounds = ([0, 5, 12] if uneven else [w * PER_WORKER for w in range(workers + 1)])
+            mine = slice(bounds[trainer.dp_rank], bounds[trainer.dp_rank + 1])
             trainer.train_step((x[mine], y[mine]), F.cross_entropy)
             ref_opt.zero_grad()
             F.cross_entropy(ref(x), y).backward()
@@ -67,7 +68,7 @@ def _step_parity_job(rank, world, kind):
         stats = trainer.strategy.serve(trainer.model)
         assert stats.updates == STEPS and stats.max_staleness == 0
         for step in range(STEPS):
-            x, y = _batch(step, PER_WORKER * workers)
+            x, y = _uneven(*_batch(step, PER_WORKER * workers)) if uneven else _batch(step, PER_WORKER * workers)
             ref_opt.zero_grad()
             F.cross_entropy(ref(x), y).backward()
             ref_opt.step()
@@ -76,9 +77,18 @@ def _step_parity_job(rank, world, kind):
     return diffs, final
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_sync_equals_one_process_after_every_step(kind):
-    results = run_distributed(_step_parity_job, 3, (kind,), timeout=120)
+def _uneven(x, y):
+    """Worker 0 gets 5 rows, worker 1 7 with 3 ignored targets (``-100``, padding)."""
+    y = y.clone()
+    y[-3:] = -100
+    return x, y
+
+
+@pytest.mark.parametrize("kind, uneven", [("sgd", False), ("adam", False), ("sgd", True)])
+def test_sync_equals_one_process_after_every_step(kind, uneven):
+    """`uneven`: workers' batches of 5 and 7 rows, 3 targets of the second ignored. Servers weighed each
+    worker's mean gradient equally (1.2e-2 off one process after 4 steps): now by its batch's count."""
+    results = run_distributed(_step_parity_job, 3, (kind, uneven), timeout=120)
     for rank, (diffs, final) in enumerate(results):
         assert final < 1e-5, (rank, final)
         if rank:

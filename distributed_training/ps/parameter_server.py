@@ -298,14 +298,15 @@ class ParameterServer:
         See `Worker.pull`."""
         return self._need_worker().pull(rows, final=final)
 
-    def push(self) -> None:
-        """(Workers) send the model's gradients for the current step (after backward)."""
-        self._need_worker().push()
+    def push(self, weight: float | None = None) -> None:
+        """(Workers) send the model's gradients for the current step (after backward); `weight`: what this
+        worker's batch counts (targets kept, or rows), by which ``sync`` weighs its gradient (None: equally)."""
+        self._need_worker().push(weight)
 
-    def step(self) -> None:
+    def step(self, weight: float | None = None) -> None:
         """(Workers) push, then go to the next step."""
         worker = self._need_worker()
-        worker.push()
+        worker.push(weight)
         worker.step += 1
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """The messages between workers and servers, on torch.distributed point-to-point over gloo.
 
-A request (worker -> server) is an int64 header ``[kind, worker, step, n_values, n_indices]`` sent with
+A request (worker -> server) is an int64 header ``[kind, worker, step, n_values, n_indices, weight]`` sent with
 tag `HEADER`, then, when not empty, an fp32 values tensor (tag `VALUES`) and an int64 indices tensor (tag
 `INDICES`). A server reads each worker's stream on a thread of its own (header, then payload, from that
 worker's rank); distinct tags keep a header from ever matching a payload. A reply (server -> worker, to a
@@ -26,6 +26,10 @@ to the piece; a count of -1 means "all rows" (the whole piece moves, as a dense 
 Deadlock freedom: a worker posts its receives before its sends, and sends without blocking; a server
 only ever blocks to receive (a header, or a payload already posted by its sender) and replies with
 non-blocking sends that it completes later (`Outbox`). See docs/parameter_server.md.
+
+A push's ``weight`` (float64 bits in the int64 header; -1: none) is what its worker's batch counts (kept
+targets, or rows) where the trainer knows it: under ``sync`` a step's update weighs each worker's gradient
+by it, as data parallelism weighs its replicas.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ __all__ = ["Kind", "HEADER", "VALUES", "INDICES", "REPLY", "REPLY_VALUES", "HEAD
 
 HEADER, VALUES, INDICES, REPLY, REPLY_VALUES = 1001, 1002, 1003, 1004, 1005
 CLOSE = 1099  # never sent: a receive on it only times out (`close_connections`)
-HEADER_LEN = 5
+HEADER_LEN = 6
 REPLY_LEN = 4
 
 
@@ -104,13 +108,17 @@ def close_connections(pg: dist.ProcessGroup, src: int) -> None:
         pass  # the expected timeout (or the connection had already failed)
 
 
+def _weight_bits(weight: float | None) -> int:
+    return int(torch.tensor([-1.0 if weight is None else float(weight)], dtype=torch.float64).view(torch.int64))
+
+
 def send_request(pg: dist.ProcessGroup, dst: int, kind: Kind, worker: int, step: int,
-                 values: torch.Tensor | None, indices: torch.Tensor | None) -> list:
+                 values: torch.Tensor | None, indices: torch.Tensor | None, weight: float | None = None) -> list:
     """Post a request's messages to rank `dst` of `pg` without blocking; returns the work handles (keep
     the tensors alive until they complete)."""
     n_values = 0 if values is None else values.numel()
     n_indices = 0 if indices is None else indices.numel()
-    header = torch.tensor([int(kind), worker, step, n_values, n_indices], dtype=torch.int64)
+    header = torch.tensor([int(kind), worker, step, n_values, n_indices, _weight_bits(weight)], dtype=torch.int64)
     works = [pg.send([header], dst, HEADER)]
     if n_values:
         works.append(pg.send([values], dst, VALUES))
@@ -119,13 +127,15 @@ def send_request(pg: dist.ProcessGroup, dst: int, kind: Kind, worker: int, step:
     return works
 
 
-def recv_request(pg: dist.ProcessGroup, src: int) -> tuple[Kind, int, int, torch.Tensor | None, torch.Tensor | None]:
-    """Block for the next request from rank `src` of `pg`: ``(kind, worker, step, values, indices)``.
+def recv_request(pg: dist.ProcessGroup, src: int) -> tuple[Kind, int, int, torch.Tensor | None, torch.Tensor | None,
+                                                            float | None]:
+    """Block for the next request from rank `src` of `pg`: ``(kind, worker, step, values, indices, weight)``.
     Raises when `src`'s connection closes (gloo: "Connection closed by peer"); a receive from any source
     would not (it waits for the others), which is why a server reads each worker on a thread of its own."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     pg.recv([header], src, HEADER).wait()
-    kind, worker, step, n_values, n_indices = header.tolist()
+    weight = float(header[5:].view(torch.float64))
+    kind, worker, step, n_values, n_indices, _ = header.tolist()
     values = indices = None
     if n_values:
         values = torch.empty(n_values, dtype=torch.float32)
@@ -133,7 +143,7 @@ def recv_request(pg: dist.ProcessGroup, src: int) -> tuple[Kind, int, int, torch
     if n_indices:
         indices = torch.empty(n_indices, dtype=torch.int64)
         pg.recv([indices], src, INDICES).wait()
-    return Kind(kind), worker, step, values, indices
+    return Kind(kind), worker, step, values, indices, (None if weight < 0 else weight)
 
 
 def recv_reply(pg: dist.ProcessGroup, src: int, n_values: int) -> tuple[list, torch.Tensor, torch.Tensor]:

@@ -133,7 +133,8 @@ class Server:
         self.version = 0
         self.pulled_version = [0] * num_workers
         self.pulled_clock = [0] * num_workers  # (eager ssp) the slowest worker's step when each last pulled
-        self.pending: dict[int, dict[int, tuple[dict, int]]] = {}  # step -> worker -> (grads, version)
+        # step -> worker -> (grads, version, weight or None)
+        self.pending: dict[int, dict[int, tuple[dict, int, float | None]]] = {}
         self.finished: set[int] = set()
         self.done: set[int] = set()
         self.waiting: list[_Pull] = []
@@ -173,7 +174,7 @@ class Server:
                 elif error is not None:
                     self._lose(worker, error)
                 else:
-                    kind, sender, step, values, indices = request
+                    kind, sender, step, values, indices, weight = request
                     if sender != worker:
                         raise RuntimeError(f"parameter server: rank {self.links[worker][1]} (worker {worker}) "
                                            f"sent a request as worker {sender}")
@@ -193,7 +194,7 @@ class Server:
                     if kind == Kind.PUSH:
                         self.pushed[worker] = step + 1
                         if self.failure is None:
-                            self._push(worker, step, self._grads(self._rows(indices), values))
+                            self._push(worker, step, self._grads(self._rows(indices), values), weight)
                     elif kind in (Kind.PULL, Kind.FINAL):
                         if kind == Kind.FINAL:
                             self.finished.add(worker)
@@ -399,7 +400,7 @@ class Server:
         return {"rows": rows, "grads": grads}
 
     # ---------------------------------------------------------------- updates
-    def _push(self, worker: int, step: int, grads: dict) -> None:
+    def _push(self, worker: int, step: int, grads: dict, weight: float | None = None) -> None:
         if self.eager:
             # async: staleness in updates since its pull; ssp: in steps, this one's over the slowest
             # worker's when it pulled (at most the bound: the pull waited for that)
@@ -409,7 +410,7 @@ class Server:
             return
         if step < self.version or worker in self.pending.get(step, {}):
             raise RuntimeError(f"parameter server: worker {worker} pushed step {step} twice")
-        self.pending.setdefault(step, {})[worker] = (grads, self.pulled_version[worker])
+        self.pending.setdefault(step, {})[worker] = (grads, self.pulled_version[worker], weight)
 
     def _apply_ready(self) -> None:
         """Apply pending steps in order while the next one has every training worker's gradient."""
@@ -417,9 +418,14 @@ class Server:
             return
         while self.version in self.pending and self._required(self.version) <= set(self.pending[self.version]):
             contributions = self.pending.pop(self.version)
-            self._update({w: grads for w, (grads, _) in contributions.items()},
-                         {w: self.version - pulled for w, (_, pulled) in contributions.items()},
-                         self.version, scale=1.0 / len(contributions))
+            # Each worker's gradient weighted by what its batch counts (targets kept, or rows), as data
+            # parallelism weighs its replicas: the whole batch's mean. Without every weight: the plain mean.
+            weights = {w: weight for w, (_, _, weight) in contributions.items()}
+            total = sum(weights.values()) if None not in weights.values() else 0.0
+            scale = {w: weight / total for w, weight in weights.items()} if total > 0 else 1.0 / len(contributions)
+            self._update({w: grads for w, (grads, _, _) in contributions.items()},
+                         {w: self.version - pulled for w, (_, pulled, _) in contributions.items()},
+                         self.version, scale=scale)
 
     def _required(self, step: int) -> set[int]:
         """The workers whose gradient step `step` waits for: those training, from the step they (re)joined
@@ -436,14 +442,22 @@ class Server:
                 required.add(w)
         return required
 
-    def _update(self, contributions: dict[int, dict], staleness: dict[int, int], step: int, scale: float) -> None:
+    def _update(self, contributions: dict[int, dict], staleness: dict[int, int], step: int,
+                scale: float | dict[int, float]) -> None:
         """One optimizer update from the gradients of `contributions` (worker -> its push), summed in
-        worker order and multiplied by `scale`; `staleness`: each one's, for the statistics."""
+        worker order and multiplied by `scale` (or each by its worker's, a dict); `staleness`: each one's,
+        for the statistics."""
         order = sorted(contributions)
         dense, sparse = {}, {}
         for piece in self.pieces:
             if piece.sparse:
-                sparse[piece.name] = self._sum_rows(piece, [contributions[w] for w in order], scale)
+                sparse[piece.name] = self._sum_rows(piece, [contributions[w] for w in order], scale if isinstance(
+                    scale, float) else [scale[w] for w in order])
+            elif isinstance(scale, dict):
+                total = contributions[order[0]]["grads"][piece.name] * scale[order[0]]
+                for w in order[1:]:
+                    total.add_(contributions[w]["grads"][piece.name], alpha=scale[w])
+                dense[piece.name] = total
             else:
                 total = contributions[order[0]]["grads"][piece.name].clone()
                 for w in order[1:]:
@@ -455,15 +469,19 @@ class Server:
         self.version += 1
 
     @staticmethod
-    def _sum_rows(piece: Piece, pushes: list[dict], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(unique rows, their summed gradient x scale) of a sparse piece over several pushes."""
+    def _sum_rows(piece: Piece, pushes: list[dict], scale: float | list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unique rows, their summed gradient x scale) of a sparse piece over several pushes (`scale` a
+        list: each push's own)."""
         rows = torch.cat([torch.arange(piece.rows) if p["rows"].get(piece.name) is None else p["rows"][piece.name]
                           for p in pushes])
-        grads = torch.cat([p["grads"][piece.name] for p in pushes])
+        if isinstance(scale, list):
+            grads = torch.cat([p["grads"][piece.name] * s for p, s in zip(pushes, scale)])
+        else:
+            grads = torch.cat([p["grads"][piece.name] for p in pushes])
         unique, inverse = torch.unique(rows, return_inverse=True)
         total = torch.zeros((unique.numel(), *piece.local_shape[1:]))
         total.index_add_(0, inverse, grads)
-        return unique, total.mul_(scale)
+        return unique, total if isinstance(scale, list) else total.mul_(scale)
 
     # ---------------------------------------------------------------- pulls
     def _allowed(self, pull: _Pull) -> bool:

@@ -133,8 +133,9 @@ class Worker:
                 param.data.index_copy_(0, rows, chunk.view(-1, *piece.shape[1:]).to(param.device, param.dtype))
 
     # ---------------------------------------------------------------- push
-    def push(self) -> None:
-        """Send the model's gradients of the current step to the servers (zeros where a gradient is None).
+    def push(self, weight: float | None = None) -> None:
+        """Send the model's gradients of the current step to the servers (zeros where a gradient is None),
+        with what this worker's batch counts (`weight`, for ``sync``'s weighted mean; None: equal weights).
 
         A sparse table sends the rows of its last pull; without one, the rows its (sparse) gradient names,
         or the whole table (dense gradient)."""
@@ -149,7 +150,7 @@ class Worker:
             indices, local = self._indices(server, rows)
             parts = [self._grad(piece, local.get(piece.name)) for piece in self.plan.pieces[server]]
             values = torch.cat(parts) if parts else torch.empty(0)
-            works += send_request(self.pg, server, Kind.PUSH, self.index, self.step, values, indices)
+            works += send_request(self.pg, server, Kind.PUSH, self.index, self.step, values, indices, weight)
             keep.append((values, indices))
             self.traffic["push_values"] += 4 * values.numel()
             self.traffic["push_indices"] += 0 if indices is None else 8 * indices.numel()

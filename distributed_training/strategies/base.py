@@ -119,6 +119,9 @@ class Strategy(abc.ABC):
     #: one all-reduce of the counts a step); False for replicas that never meet (a parameter server's
     #: workers, which survive a dead peer).
     replicas_meet: bool = True
+    #: Whether `train_step` tells the strategy what each step's batch counts (`set_batch_count`): a
+    #: parameter server's ``sync`` servers weigh each worker's gradient by it.
+    wants_batch_count: bool = False
     #: True when `setup_module` moves (what it keeps of) the model to the device itself; otherwise the
     #: trainer moves the whole model there first.
     places_module: bool = False
@@ -269,6 +272,10 @@ class Strategy(abc.ABC):
         if before is not None:
             self.loss_scale_changed(model, scaler.scale / before, skipped=not stepped)
         return stepped, norm
+
+    def set_batch_count(self, model: nn.Module, count: float | None) -> None:
+        """What this rank's batch of the coming optimizer step counts (targets kept, or rows; None for a
+        summing criterion), for a strategy that `wants_batch_count`."""
 
     def loss_scale_changed(self, model: nn.Module, ratio: float, skipped: bool) -> None:
         """The loss scaler (fp16) multiplied its scale by `ratio` after this step, which it skipped for an

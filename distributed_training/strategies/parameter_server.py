@@ -156,6 +156,7 @@ class ParameterServerStrategy(Strategy):
         if isinstance(sparse_embeddings, str) or not all(isinstance(n, str) for n in sparse_embeddings):
             raise TypeError(f"sparse_embeddings must be a sequence of parameter names, got {sparse_embeddings!r}")
         self.num_servers, self.consistency, self.staleness = num_servers, consistency, staleness
+        self._batch_count: float | None = None  # this step's (`set_batch_count`), sent with its push
         self.sparse_embeddings = tuple(sparse_embeddings)
         self.is_server = False
         self.trains = True
@@ -395,9 +396,17 @@ class ParameterServerStrategy(Strategy):
             self.start(model)
         if model.stale:  # a step without a forward: its parameters were never pulled
             model.refresh()
-        model.ps.step()
+        model.ps.step(self._batch_count)
+        self._batch_count = None
         model.stale = True
         return True, None
+
+    @property
+    def wants_batch_count(self) -> bool:  # sync weighs each worker's gradient by its batch's count
+        return self.consistency == "sync"
+
+    def set_batch_count(self, model: ParameterServerModel, count: float | None) -> None:
+        self._batch_count = count
 
     def model_state_dict(self, model: ParameterServerModel) -> dict[str, Any]:
         """The module's state; a worker in the middle of training pulls the latest parameters first."""
