@@ -24,3 +24,8 @@ case "$1" in
        > "$OUT/powersgd_cost.log" 2>&1
      echo "powersgd_cost exit $? at $(( $(date +%s) - start )) s" >> "$OUT/powersgd_cost.log" ;;
 esac
+# D (after the review's and trials' fixes): every GPU test one GPU can run, tests/test_gpu_powersgd.py new
+#   (Top-K and PowerSGD state resumed bit-exactly on NCCL).
+case "$1" in
+  D) gpu_tests gpu_tests_all 400 --continue-on-collection-errors --durations=15 -rs ;;
+esac
