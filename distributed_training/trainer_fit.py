@@ -9,10 +9,9 @@ import warnings
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from .batches import batch_size_of, token_count
+from .batches import batch_size_of
 from .checkpoint import rng_state, set_rng_state
 from .checkpoint_layout import replicate_checkpoint
 from .data import MapDataset, ShardedSampler, agree_steps_per_epoch, map_style, train_loader
@@ -20,6 +19,7 @@ from .global_batch import GlobalBatch, plan_global_batch
 from .logs import get_logger
 from .stopping import SAVING_SIGNALS, StopSignals
 from .trainer_step import check_criterion
+from .trainer_recording import StepRecording
 from .validation import PeriodicEvaluation
 
 __all__ = ["Fitting"]
@@ -28,7 +28,7 @@ log = get_logger()
 Criterion = Callable[[Any, Any], torch.Tensor]
 
 
-class Fitting:
+class Fitting(StepRecording):
     """`fit` and its loop; the trainer provides the state it reads (see `DistributedTrainer`)."""
 
     #: The last `fit`'s evaluation during training (its `history` holds every evaluation's values), if any.
@@ -490,52 +490,6 @@ class Fitting:
         except Exception as err:
             self._failed(err)
             raise
-
-    def _record_step(self, batch: Any, metrics: dict[str, torch.Tensor], *, step_time: float,
-                     data_time: float) -> dict[str, torch.Tensor]:
-        """Hand the step just trained to the monitor (with the strategy's communication figures, and a
-        pipeline's stage times and bubble, on log steps); returns the metrics with those figures added."""
-        if not self._monitoring:
-            return metrics
-        comm = None
-        log_every = self.monitor_log_every
-        if self.step % log_every == 0:
-            comm, extra = self.strategy.pop_communication_metrics(self.model)
-            if extra:
-                metrics = {**metrics, **{k: torch.tensor(v) for k, v in extra.items()}}
-            pipeline = self.strategy.pop_pipeline_timing(self.model)
-            if pipeline:
-                metrics = {**metrics, **{k: torch.tensor(v) for k, v in pipeline.items()}}
-        # Timing communication costs events (DDP: per bucket): only for the first step of the next window.
-        # Reading its events at the log step ending that window does not wait for the GPU (they are
-        # long done); reading the log step's own would (with log_every=1 it has to).
-        self.strategy.measure_communication(self.model, self.step % log_every == 0)
-        self.strategy.time_pipeline(self.model, self.step % log_every == 0)
-        own = None
-        if self.step % log_every == 0 and getattr(self, "_own_time", None) is not None:
-            own, self._own_time = max(0.0, self._own_time - (comm or 0.0)), None  # less its wait in backward
-        self.monitor.record_step(self.step, metrics, samples=batch_size_of(batch), tokens=token_count(batch),
-                                 step_time=step_time, data_time=data_time, comm_time=comm, own_time=own)
-        return metrics
-
-    def _straggler_probe(self) -> float | None:
-        """On the step whose communication is measured (the first of a log window), before it trains:
-        seconds this rank waits for the others to have their batch, or None on other steps. What it
-        waits here is another rank's data loading; what it waits in the step is in the communication
-        figures: the two out of its step time leave its own work, which the straggler check compares
-        (in synchronous training every rank's step lasts as long as the slowest one's). Costs one tiny
-        all-reduce per log window (and, on a GPU, draining this rank's queue first: its own work)."""
-        if not self._monitoring or self.step % self.monitor_log_every or not getattr(self.monitor, "_cluster_on", False):
-            return None
-        group = self.monitor.group
-        device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        flag = torch.zeros(1, device=device)
-        dist.all_reduce(flag, group=group)
-        flag.item()  # on the host: waited for every rank
-        return time.perf_counter() - start
 
     def _stop_on_signal(self, sig, metrics: dict[str, torch.Tensor] | None, signalled: bool = True) -> None:
         """Every rank, at the step boundary they agreed on: save on SIGTERM if asked, and say why we stop.
