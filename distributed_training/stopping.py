@@ -101,6 +101,17 @@ class StopSignals:
                 raise KeyboardInterrupt("Ctrl-C pressed twice: stopped at once, not at a step boundary")
         self.received = max(self.received, _PRIORITY[sig])
 
+    def request(self, sig: signal.Signals, why: str) -> None:
+        """Stop as if `sig` had reached this rank (a parameter server's server got it: the workers stop,
+        and save, with it); `why` is said once."""
+        if _PRIORITY[sig] > self.received and self.context.rank == 0:
+            log.warning("%s: stopping at the next step boundary", why)
+        self.received = max(self.received, _PRIORITY[sig])
+
+    def pending(self) -> signal.Signals | None:
+        """The strongest signal this rank got so far (not yet agreed on), or None."""
+        return _BY_PRIORITY.get(self.received)
+
     def __exit__(self, exc_type, *exc) -> None:
         self.restore()
         if exc_type is None:

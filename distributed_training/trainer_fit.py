@@ -4,6 +4,7 @@ periodic checkpoints, and stopping on a signal at a step boundary every rank agr
 
 from __future__ import annotations
 
+import signal
 import time
 import warnings
 from typing import Any, Callable, Iterable
@@ -162,8 +163,9 @@ class Fitting(StepRecording):
         if not self.strategy.trains:  # a parameter server's server: it serves the workers' fit
             # A signal (torchrun's SIGTERM reaches every rank) waits until the workers, which stop on it,
             # have left: a server that died at once would fail their last pulls.
+            # The workers hear of it in the server's replies, and stop (and save) at a step they agree on.
             with StopSignals(self.context, self.device, self.context.every_rank) as stop:
-                self.strategy.serve(self.model)
+                self.strategy.serve(self.model, lambda: int(stop.pending() or 0))
                 stop.finish()
             stop.deliver()
             return []
@@ -422,6 +424,9 @@ class Fitting(StepRecording):
                     except Exception as err:
                         self._failed(err)  # named, as in a step
                         raise
+                told = self.strategy.stop_requested(self.model)
+                if told is not None:  # a parameter server's server got a signal: stop with it
+                    stop.request(signal.Signals(told[1]), f"parameter server {told[0]} got {signal.Signals(told[1]).name}")
                 if stop.agreed() is not None:
                     break
             if on_step is not None and not logged and metrics is not None:

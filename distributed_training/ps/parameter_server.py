@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -185,12 +185,20 @@ class ParameterServer:
     _rejoin = False  # built by ps.rejoin: not in the job's process group
 
     # ---------------------------------------------------------------- servers
-    def serve(self) -> ServerStats:
+    def serve(self, stop_requested: Callable[[], int] | None = None) -> ServerStats:
         """(Server ranks) run the server loop until every worker has closed or is lost; return its
-        `ServerStats`. Raises `WorkerLostError` under ``"sync"`` when a worker is lost."""
+        `ServerStats`. Raises `WorkerLostError` under ``"sync"`` when a worker is lost. `stop_requested`:
+        () -> the number of a signal this process got (0: none), which pull replies then tell the
+        workers (`stop_signal`)."""
         if self._server is None:
             raise RuntimeError(f"serve() is for server ranks (0 .. {self.num_servers - 1}); this rank is a worker")
+        self._server.stop_requested = stop_requested
         return self._server.serve()
+
+    @property
+    def stop_signal(self) -> tuple[int, int] | None:
+        """(Workers) (server, signal number) when a server's replies said it got a signal, else None."""
+        return None if self._worker is None else self._worker.stop_signal
 
     @property
     def server_values(self) -> dict[str, torch.Tensor]:

@@ -40,13 +40,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["Kind", "HEADER", "VALUES", "INDICES", "REPLY", "REPLY_VALUES", "HEADER_LEN", "REPLY_LEN",
+__all__ = ["STOP_WORKER", "Kind", "HEADER", "VALUES", "INDICES", "REPLY", "REPLY_VALUES", "HEADER_LEN", "REPLY_LEN",
            "WorkerLostError", "gloo_group", "process_group", "Outbox", "send_request", "recv_request", "recv_reply",
            "close_connections"]
 
 HEADER, VALUES, INDICES, REPLY, REPLY_VALUES = 1001, 1002, 1003, 1004, 1005
 CLOSE = 1099  # never sent: a receive on it only times out (`close_connections`)
 HEADER_LEN = 6
+#: A reply's ``lost_worker`` when no worker is lost but the server got a signal (``lost_step``: its
+#: number): the workers stop at an agreed step, as if they had got it (`fit` saves on SIGTERM).
+STOP_WORKER = -2
 REPLY_LEN = 4
 
 

@@ -51,12 +51,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .optim import ShardOptimizer
-from .protocol import Kind, Outbox, WorkerLostError, close_connections, process_group, recv_request
+from .protocol import STOP_WORKER, Kind, Outbox, WorkerLostError, close_connections, process_group, recv_request
 from .sharding import Piece
 
 __all__ = ["Server", "ServerStats"]
@@ -135,6 +136,8 @@ class Server:
         self.pulled_clock = [0] * num_workers  # (eager ssp) the slowest worker's step when each last pulled
         # step -> worker -> (grads, version, weight or None)
         self.pending: dict[int, dict[int, tuple[dict, int, float | None]]] = {}
+        #: () -> the signal number this server's process got (0: none), told to workers in pull replies
+        self.stop_requested: Callable[[], int] | None = None
         self.finished: set[int] = set()
         self.done: set[int] = set()
         self.waiting: list[_Pull] = []
@@ -359,6 +362,9 @@ class Server:
         """A reply to `worker`, carrying the failure under sync (else `info` in its last field); a send that
         fails (the worker just died) loses that worker."""
         lost = (-1, info) if self.failure is None else (self.failure.worker, self.failure.step)
+        stop = self.stop_requested() if self.stop_requested is not None and info == -1 else 0
+        if stop and self.failure is None:
+            lost = (STOP_WORKER, stop)  # this server got a signal: the workers stop with it (and save)
         pg, rank = self.links[worker]
         try:
             self.outbox.reply(worker, pg, rank, version, values, lost)

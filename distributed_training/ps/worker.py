@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .protocol import Kind, WorkerLostError, recv_reply, send_request
+from .protocol import STOP_WORKER, Kind, WorkerLostError, recv_reply, send_request
 from .sharding import Piece, ShardPlan
 
 __all__ = ["Worker"]
@@ -46,6 +46,7 @@ class Worker:
         self.step = 0
         self.versions: list[int] = [0] * plan.num_servers
         self.traffic = {"push_values": 0, "push_indices": 0, "pull_values": 0, "pull_indices": 0}
+        self.stop_signal: tuple[int, int] | None = None  # (server, signal number) a server said it got
         self.wait_seconds = 0.0
         self._rows: dict[str, torch.Tensor] = {}  # sparse table -> unique global rows of the last pull
         self._closed = False
@@ -226,6 +227,8 @@ class Worker:
         with `leave`, after sending every server a LEAVE: not after close, whose DONE ended their reading)."""
         for server, header in headers:
             _, _, worker, step = header.tolist()
+            if worker == STOP_WORKER:
+                self.stop_signal = (server, step)
             if worker >= 0:
                 self._closed = True
                 if leave:

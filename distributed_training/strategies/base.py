@@ -273,6 +273,11 @@ class Strategy(abc.ABC):
             self.loss_scale_changed(model, scaler.scale / before, skipped=not stepped)
         return stepped, norm
 
+    def stop_requested(self, model: nn.Module) -> tuple[int, int] | None:
+        """(rank, signal number) when a process this rank depends on but does not share a stop agreement
+        with (a parameter server's server) got a signal to stop; checked by `fit` at step boundaries."""
+        return None
+
     def set_batch_count(self, model: nn.Module, count: float | None) -> None:
         """What this rank's batch of the coming optimizer step counts (targets kept, or rows; None for a
         summing criterion), for a strategy that `wants_batch_count`."""

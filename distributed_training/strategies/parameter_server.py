@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -278,16 +278,18 @@ class ParameterServerStrategy(Strategy):
         dist.recv(payload, src=self.num_servers, group=self._ps_group, tag=CONTROL_TAG)
         return pickle.loads(payload.numpy().tobytes())
 
-    def serve(self, model: ParameterServerModel):
+    def serve(self, model: ParameterServerModel, stop_requested: Callable[[], int] | None = None):
         """(Servers) run the server loop until every worker has finished or is lost; then put the
         servers' final values into this rank's model (each server sends its pieces to the others) and
-        tell the workers left which workers were dropped. Returns the `ServerStats`."""
+        tell the workers left which workers were dropped. Returns the `ServerStats`. `stop_requested`:
+        () -> a signal's number this server got (0: none): its replies tell the workers, which stop
+        (`stop_requested` on their side) and, on SIGTERM in `fit`, save."""
         if not self.is_server:
             raise RuntimeError("serve() is for the parameter server's server ranks (0 .. num_servers - 1)")
         self.start(model)
         while True:
             ps = model.ps
-            stats = ps.serve()
+            stats = ps.serve(stop_requested)
             model.ps = None
             self._take_final_values(ps, model)
             self._tell_dropped(stats.dropped)
@@ -400,6 +402,10 @@ class ParameterServerStrategy(Strategy):
         self._batch_count = None
         model.stale = True
         return True, None
+
+    def stop_requested(self, model: ParameterServerModel) -> tuple[int, int] | None:
+        """(Workers) (server, signal number) when a server said it got a signal, else None."""
+        return None if self.is_server or model.ps is None else model.ps.stop_signal
 
     @property
     def wants_batch_count(self) -> bool:  # sync weighs each worker's gradient by its batch's count
