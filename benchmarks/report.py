@@ -696,7 +696,7 @@ def _model_check(results):
             lines.append(f"| {r['model']} | {r['micro_batch']} | {r['world']} | {r['measured_s'] * 1e3:.1f} | "
                          f"{r['predicted_overlap1_s'] * 1e3:.1f} ({100 * r['error_overlap1']:+.1f}%) | "
                          f"{r['predicted_overlap0_s'] * 1e3:.1f} ({100 * r['error_overlap0']:+.1f}%) | "
-                         f"{r['implied_overlap']:.2f} |")
+                         f"{'n/a' if r.get('implied_overlap') is None else format(r['implied_overlap'], '.2f')} |")
         lines.append("")
     return lines
 

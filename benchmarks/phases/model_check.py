@@ -147,7 +147,8 @@ def check_points(points: list[dict]) -> tuple[list[dict], list[dict]]:
         row["link_gbs"] = models[1.0].link.bandwidth / 1e9
         # The overlap that would make the model exact (the prediction is linear in it), for the record.
         lo, hi = row["predicted_overlap1_s"], row["predicted_overlap0_s"]
-        row["implied_overlap"] = max(0.0, min(1.0, 1 - (measured - lo) / (hi - lo))) if hi > lo else 1.0
+        # None where the two bounds are equal (no communication to hide): no overlap would explain it.
+        row["implied_overlap"] = max(0.0, min(1.0, 1 - (measured - lo) / (hi - lo))) if hi > lo else None
         rows.append(row)
         for n in DDP_PROJECT_GPUS:
             entry = {"model": p["model"], "micro_batch": p["micro_batch"], "gpus": n, "nodes": -(-n // GPUS_PER_NODE)}
