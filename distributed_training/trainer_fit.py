@@ -435,6 +435,13 @@ class Fitting(StepRecording):
                 raise ValueError(f"fit(): the training data ({type(loader).__name__}) yielded no batch in epoch "
                                  f"{self.epoch} on at least one rank (every rank stops with the first to run out). "
                                  "An empty dataset or a wrong path?")
+            if not sharded and exhausted and not steps and not skip and history and self.batch_in_epoch == 0:
+                if self.context.is_main:  # an iterator (a generator) is used up after one pass: say so, once
+                    warnings.warn(f"fit(): the training data yielded no batch in epoch {self.epoch}, after "
+                                  f"{len(history)} epoch(s) that had some: an iterator (a generator?) is used up "
+                                  f"after one pass, so training stops here; to train {epochs} epochs pass data "
+                                  "that can be iterated again (a list, a Dataset, a DataLoader)", stacklevel=4)
+                break
             if steps or not exhausted:  # (an epoch resumed at its end, by an older checkpoint, trained nothing)
                 history.append({
                     "epoch": self.epoch,

@@ -372,3 +372,30 @@ def test_step_profile_refuses_impossible_inputs(field, value):
     kwargs = {"params": 10**6, "compute_s": 0.1, "optimizer_s": 0.01, field: value}
     with pytest.raises(ValueError, match=f"StepProfile.{field}"):
         StepProfile(**kwargs)
+
+
+def generator_worker(rank, world):
+    import warnings
+
+    from distributed_training import DistributedTrainer
+
+    def batches():
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            yield torch.randn(4, 10, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(nn.Linear(10, 3), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = trainer.fit(batches(), epochs=3, criterion=F.cross_entropy)
+    steps = trainer.step
+    trainer.close()
+    return steps, len(history), [str(w.message) for w in caught if "used up" in str(w.message)]
+
+
+def test_fit_says_a_generator_is_used_up_after_one_epoch():
+    """fit(generator, epochs=3) trained one epoch and returned without a word."""
+    (steps, epochs, said), (_, _, said_1) = run_distributed(generator_worker, 2, timeout=60)
+    assert steps == 3 and epochs == 1 and len(said) == 1 and "to train 3 epochs" in said[0], (steps, epochs, said)
+    assert not said_1  # the main rank says it
