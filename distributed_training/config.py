@@ -336,6 +336,9 @@ class JobConfig(Section):
         if c.ranks_per_node is not None and not c.hierarchical:
             raise ConfigError("communication.ranks_per_node is the node size of hierarchical all-reduce: set "
                               "communication.hierarchical: true with it, or leave it out")
+        if t.epochs == 0 and t.max_steps is None:
+            raise ConfigError("training.epochs is 0 and training.max_steps is not given: nothing would be trained "
+                              "(give epochs >= 1, or max_steps)")
         if self.checkpoint.every is not None and self.checkpoint.dir is None:
             raise ConfigError("checkpoint.every needs checkpoint.dir")
         if t.global_batch_size is not None and given(t, "batch_size"):

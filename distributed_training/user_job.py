@@ -149,6 +149,35 @@ def _callable(path: str, kwargs: dict, field: str, kwargs_field: str) -> Callabl
     return target
 
 
+def _named_on_first_call(criterion: Callable, path: str, kwargs: dict) -> Callable:
+    """`criterion`, whose first call's failure names ``loss.target`` / ``loss.kwargs``: a torch loss checks
+    some arguments only when called (``label_smoothing: 2``). The same object (a module keeps its
+    ``ignore_index`` / ``reduction``, which the loss weights read; a partial its keywords)."""
+    calls = {"ok": False}
+
+    def checked(fn):
+        @functools.wraps(fn)
+        def call(*args, **kw):
+            if calls["ok"]:
+                return fn(*args, **kw)
+            try:
+                out = fn(*args, **kw)
+            except Exception as err:
+                given = f" with loss.kwargs {kwargs}" if kwargs else ""
+                raise UserCodeError(f"loss.target: {path}{given} failed on the first batch: "
+                                    f"{type(err).__name__}: {err}") from err
+            calls["ok"] = True
+            return out
+        return call
+
+    if isinstance(criterion, torch.nn.Module):
+        criterion.forward = checked(criterion.forward)  # an instance attribute: nn.Module's call takes it
+        return criterion
+    if isinstance(criterion, functools.partial):
+        return functools.partial(checked(criterion.func), *criterion.args, **criterion.keywords)
+    return checked(criterion)
+
+
 # ------------------------------------------------------------------ datasets
 class _IterableDataset(IterableDataset):
     """Any iterable of samples, read once per epoch (``iter()`` each time)."""
@@ -227,7 +256,8 @@ def build(cfg: JobConfig, builtin: Callable[[JobConfig], tuple]) -> tuple:
                                 f"but data.target {d.target} returned an iterable one: give training.batch_size")
     _collate(cfg)  # a collate function that cannot be imported fails now, not at the first batch
     if cfg.loss.target:
-        criterion = _callable(cfg.loss.target, cfg.loss.kwargs, "loss.target", "loss.kwargs")
+        criterion = _named_on_first_call(_callable(cfg.loss.target, cfg.loss.kwargs, "loss.target", "loss.kwargs"),
+                                         cfg.loss.target, cfg.loss.kwargs)
     if d.target and d.collate is None and criterion is not None:
         _check_pairs(cfg, train)
     if cfg.training.pipeline_parallel_size > 1 and m.target:

@@ -399,3 +399,32 @@ def test_fit_says_a_generator_is_used_up_after_one_epoch():
     (steps, epochs, said), (_, _, said_1) = run_distributed(generator_worker, 2, timeout=60)
     assert steps == 3 and epochs == 1 and len(said) == 1 and "to train 3 epochs" in said[0], (steps, epochs, said)
     assert not said_1  # the main rank says it
+
+
+# ---- from the README walk-through (helper) ----
+
+def test_a_loss_that_fails_on_its_first_batch_names_loss_kwargs():
+    """`loss.kwargs: {label_smoothing: 2}` passed the config check (torch checks it in forward) and failed at
+    the first step with a 30-line traceback that never named loss.kwargs."""
+    import functools
+
+    from distributed_training.loss_weights import counted
+    from distributed_training.user_job import UserCodeError, _named_on_first_call
+
+    bad = _named_on_first_call(nn.CrossEntropyLoss(label_smoothing=2.0), "torch.nn:CrossEntropyLoss",
+                               {"label_smoothing": 2})
+    with pytest.raises(UserCodeError, match=r"loss.target: torch.nn:CrossEntropyLoss with loss.kwargs .*label_smoothing"):
+        bad(torch.randn(3, 4), torch.tensor([0, 1, 2]))
+    targets = torch.tensor([0, 1, 2])
+    for good in (_named_on_first_call(nn.CrossEntropyLoss(ignore_index=1), "m", {"ignore_index": 1}),
+                 _named_on_first_call(functools.partial(F.cross_entropy, ignore_index=1), "f", {"ignore_index": 1})):
+        assert torch.isfinite(good(torch.randn(3, 4), targets))
+        assert int(counted(good, targets, 3)) == 2  # still read as ignoring index 1: the loss weights count 2
+
+
+def test_dtrain_config_refuses_zero_epochs_without_max_steps():
+    from distributed_training.config import ConfigError, JobConfig
+
+    with pytest.raises((ConfigError, ValueError), match="training.epochs is 0"):
+        JobConfig.model_validate({"training": {"epochs": 0}})
+    JobConfig.model_validate({"training": {"epochs": 0, "max_steps": 5}})  # max_steps decides
