@@ -96,15 +96,18 @@ def _no_repeated_keys(node, path: tuple[str, ...]) -> None:
     import yaml
 
     if isinstance(node, yaml.MappingNode):
-        seen: dict[str, int] = {}
+        seen: dict[str, tuple[int, int]] = {}
         for key, value in node.value:
             if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-                line = key.start_mark.line + 1
+                here = (key.start_mark.line + 1, key.start_mark.column + 1)
                 if key.value in seen:
+                    first = seen[key.value]
+                    where = (f"line {first[0]} and line {here[0]}" if first[0] != here[0] else
+                             f"line {here[0]}, columns {first[1]} and {here[1]}")
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"{'.'.join((*path, key.value))} is given twice (line {seen[key.value]} and line "
-                        f"{line}): YAML would keep only the last value; remove one", None)
-                seen[key.value] = line
+                        None, None, f"{'.'.join((*path, key.value))} is given twice ({where}): YAML would keep only "
+                        "the last value; remove one", None)
+                seen[key.value] = here
                 _no_repeated_keys(value, (*path, key.value))
             else:
                 _no_repeated_keys(value, path)

@@ -181,6 +181,9 @@ def test_a_field_given_twice_is_an_error_naming_it_and_its_lines(tmp_path):
         load_config(str(path))
     with pytest.raises(ConfigError, match="given twice"):
         load_config(str(path), ["training.lr=3e-4"])
+    path.write_text("training: {lr: 1e-3, epochs: 2, lr: 2e-3}\n")  # one line: the columns say which
+    with pytest.raises(ConfigError, match=r"training\.lr is given twice \(line 1, columns 12 and 33\)"):
+        load_config(str(path))
     # YAML's merge keys still override what they merge; the same key in two sections is no repeat.
     path.write_text("training:\n  <<: {lr: 1e-3, epochs: 2}\n  lr: 2e-3\noptimizer: {lr: 5e-3}\n")
     cfg = load_config(str(path))
