@@ -91,7 +91,9 @@ def micro_weights(criterion: Callable | None, targets: Sequence[Any], rows: Sequ
     if all(isinstance(c, int) for c in counts):
         return [n / sum(rows) for n in rows]
     # (every micro-batch's targets are class indices: `_split` cuts them alike)
-    whole = torch.stack([torch.as_tensor(c) for c in counts]).sum().clamp(min=1).double()
+    # (a sum of class weights may be below 1: divide by it as it is; 0, every target ignored, counts 0)
+    whole = torch.stack([torch.as_tensor(c) for c in counts]).sum().double()
+    whole = torch.where(whole > 0, whole, torch.ones_like(whole))
     return [c / whole for c in counts]
 
 
@@ -109,7 +111,8 @@ class ReplicaScale:
     def value(self) -> torch.Tensor:
         if self._value is None:
             self._work.wait()
-            self._value = torch.where(self.total > 0, self.mine * self.replicas / self.total.clamp(min=1).double(),
+            total = torch.where(self.total > 0, self.total, torch.ones_like(self.total)).double()  # sums of class
+            self._value = torch.where(self.total > 0, self.mine * self.replicas / total,   # weights may be < 1
                                       torch.zeros((), dtype=torch.float64, device=self.mine.device))
         return self._value
 

@@ -315,7 +315,9 @@ class PipelineEngine:
                         clock.stop("W", mb, chunk, start)
                 else:  # "B", or "I": the same pass with the recorded linear layers' weight gradients deferred
                     x, out = held.pop((mb, chunk))
-                    grad = None if stage == last else link.recv(me, (stage + 1) % self.pipe_size)
+                    # An integer activation (token ids) has no gradient: the next stage sends none back.
+                    sent_float = isinstance(out, torch.Tensor) and out.is_floating_point()
+                    grad = None if stage == last or not sent_float else link.recv(me, (stage + 1) % self.pipe_size)
                     start = clock.start() if clock is not None else None
                     dx = None
                     if out.requires_grad:  # not: a stage whose parameters are all frozen, fed the batch
