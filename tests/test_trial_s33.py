@@ -502,3 +502,42 @@ def test_class_weights_summing_below_one_weigh_like_one_process():
     gradient came out 0.04x, parameters 7.5e-3 off one process after one step (pipeline, DDP, accumulation)."""
     for worst in run_distributed(class_weight_worker, 2, timeout=60):
         assert worst <= 1e-6, worst
+
+
+class _MaskProbe(nn.Module):
+    """Dropout that keeps its masks (one per microbatch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.masks = []
+
+    def forward(self, x):
+        mask = F.dropout(torch.ones_like(x), 0.5, self.training)
+        self.masks.append(mask.detach().clone())
+        return x * mask
+
+
+def dropout_stages_worker(rank, world):
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _MaskProbe(), nn.Linear(8, 8), _MaskProbe(), nn.Linear(8, 2))
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), pipeline_parallel_size=2,
+                                 microbatches=2, pipeline_split_points=["2"], progress=False)
+    torch.manual_seed(1)  # the data drawn from the global stream, as a quick script would
+    for _ in range(2):
+        x, y = torch.randn(4, 8), torch.randn(4, 2)
+        trainer.train_step((x, y), F.mse_loss)
+    probe = [m for m in trainer.module.modules() if isinstance(m, _MaskProbe) and m.masks][0]
+    masks, after = torch.stack(probe.masks), torch.rand(3)
+    trainer.close()
+    return masks, after
+
+
+def test_dropout_draws_its_own_masks_on_each_stage():
+    """Every rank started from the same random state, so stage 1's dropout repeated stage 0's masks exactly."""
+    (m0, after0), (m1, after1) = run_distributed(dropout_stages_worker, 2, timeout=60)
+    assert m0.shape == m1.shape == (4, 2, 8)  # 2 steps x 2 microbatches
+    assert not torch.equal(m0, m1)  # stage 0's masks are not stage 1's
+    assert not torch.equal(m0[0], m0[1]) and not torch.equal(m0[0], m0[2])  # nor another microbatch's or step's
+    assert torch.equal(after0, after1)  # the global stream still agrees between the stages (the user's data)

@@ -161,6 +161,7 @@ class PipelineEngine:
             self.graphs = StageGraphs(self.chunks, slots_per_chunk(self.actions, len(self.chunks)), self.device,
                                       split=self.split is not None)
         self._slots: dict[tuple[int, int], Any] = {}  # (microbatch, chunk) -> its graphs' slot, until its B or W
+        self._rng_base: int | None = None  # this step's random streams (`_forward`); None outside `step`
         self.timing = False
         self.last_timing: PipelineTiming | None = None
         self._clock: ActionClock | None = None
@@ -188,7 +189,18 @@ class PipelineEngine:
                 out, self._slots[mb, chunk] = replayed
                 return out
         try:
-            return self.chunks[chunk](x)
+            if self._rng_base is None:
+                return self.chunks[chunk](x)
+            # Each (stage, microbatch) draws from a stream of its own (dropout's masks differ from stage to
+            # stage, as the layers' draws do in one process), off the global stream, which stays the same
+            # on every rank (a user's data drawn from it after this step still agrees between stages).
+            cuda = self.device.type == "cuda"
+            with torch.random.fork_rng(devices=[self.device] if cuda else []):
+                seed = (self._rng_base + 1_000_003 * stage + mb) % (1 << 63)
+                torch.default_generator.manual_seed(seed)
+                if cuda:
+                    torch.cuda.default_generators[self.device.index].manual_seed(seed)
+                return self.chunks[chunk](x)
         except RuntimeError as err:
             # A received input is a leaf that requires grad (its gradient goes back to the previous stage),
             # which autograd forbids modifying in place; in one process it was an intermediate result.
@@ -237,6 +249,8 @@ class PipelineEngine:
         # (the replicas' factor: the last stages only, their own collective)
         weights = StepWeights(criterion, ys, rows, lambda i: counted(criterion, ys[i], rows[i]), group=self.data_group,
                               replicas=self.data_size if self.is_last else 1, device=self.device)
+        # The step's random streams (see `_forward`): one draw of the global generator, alike on every rank.
+        self._rng_base = int(torch.randint(0, 1 << 62, (1,)).item())
         try:
             return self._step(xs, ys, weights, actions)
         except BaseException as err:
