@@ -190,6 +190,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
             meta = self._meta(held, packed, [rest for _, *rest in every], metrics)
             meta.update(layout.checksums(ctx.rank, digests))
             write_meta(meta, path)
+            _remove_stale_rank_files(path, ctx.world_size)
         ctx.barrier()
 
     def _rank_part(self, to_host: Callable[[torch.Tensor], torch.Tensor] = host_clone,
@@ -473,6 +474,19 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
                 same = [r for r in ranks if replica_of[r] == self.dp_rank]
                 source = ctx.rank if ctx.rank in same else min(same or ranks)
                 buffer.copy_(sources.pick([source])["buffers"][key])
+
+def _remove_stale_rank_files(path: str, world_size: int) -> None:
+    """The rank files of an earlier save into the same directory by more ranks (``checkpoints/last``
+    saved at 2 ranks, then at 1): nothing reads them (meta.pt lists the files), but they look like part
+    of the checkpoint."""
+    for name in os.listdir(path):
+        stem, ext = os.path.splitext(name)
+        if ext == ".pt" and stem.startswith("rank") and stem[4:].isdigit() and int(stem[4:]) >= world_size:
+            try:
+                os.remove(os.path.join(path, name))
+            except OSError:
+                pass  # (another node's writer removed it first, on a shared directory)
+
 
 def _has_residuals(rank_part: dict[str, Any]) -> bool:
     """Whether a rank file holds a compressing reducer's error-feedback residuals (`rank_state`)."""

@@ -541,3 +541,27 @@ def test_dropout_draws_its_own_masks_on_each_stage():
     assert not torch.equal(m0, m1)  # stage 0's masks are not stage 1's
     assert not torch.equal(m0[0], m0[1]) and not torch.equal(m0[0], m0[2])  # nor another microbatch's or step's
     assert torch.equal(after0, after1)  # the global stream still agrees between the stages (the user's data)
+
+
+def resave_worker(rank, world, path):
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    trainer.train_step((torch.randn(4, 4), torch.randn(4, 2)), F.mse_loss)
+    trainer.save_checkpoint(path)
+    state = trainer.full_state_dict()
+    trainer.close()
+    return state
+
+
+def test_saving_again_at_fewer_ranks_leaves_no_stale_rank_files(tmp_path):
+    """`checkpoints/last` saved at 2 ranks, then at 1, still held rank1.pt (nothing read it, but it looked
+    like part of the checkpoint)."""
+    import os
+
+    path = str(tmp_path / "last")
+    run_distributed(resave_worker, 2, args=(path,), timeout=60)
+    assert sorted(n for n in os.listdir(path) if n.startswith("rank")) == ["rank0.pt", "rank1.pt"]
+    run_distributed(resave_worker, 1, args=(path,), timeout=60)
+    assert sorted(n for n in os.listdir(path) if n.startswith("rank")) == ["rank0.pt"]
