@@ -377,7 +377,7 @@ def _measure(impl, schedule, cfg, x, y, microbatches, steps, warmup, ctx, layout
     timing = _timed_step(engine, step, ctx, layout) if impl != "torch" else {}
     gather_device = device if ctx.backend == "nccl" else torch.device("cpu")
     # Each rank's peak memory, and the last stages' losses (the others send zeros).
-    mine = torch.tensor([float(peak(device)), float(loss) if loss is not None else 0.0], dtype=torch.float64,
+    mine = torch.tensor([float(peak(device)), float(loss.detach()) if loss is not None else 0.0], dtype=torch.float64,
                         device=gather_device)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
