@@ -171,6 +171,7 @@ def run_job(cfg: JobConfig) -> dict:
         from .image_job import input_watch
 
         watch = input_watch(train, cfg)  # image folders: decode vs training rates, said after fit
+        first_step = trainer.step
         try:
             trainer.fit(data, epochs=epochs, criterion=criterion, **batching, max_steps=t.max_steps,
                         log_every=cfg.logging.every, drop_last=drop_last, num_workers=cfg.data.num_workers,
@@ -185,6 +186,10 @@ def run_job(cfg: JobConfig) -> dict:
             if said.startswith("best_metric="):
                 advice = ", or list the metric in evaluation.metrics" if said.startswith("best_metric='val_") else ""
                 raise ConfigError(f"evaluation.{said}: name one of those{advice}") from None
+            _raise_loss_failure(cfg, criterion, err, trainer.step == first_step)
+            raise
+        except Exception as err:
+            _raise_loss_failure(cfg, criterion, err, trainer.step == first_step)
             raise
         watch.report(getattr(trainer, "data_wait_s", None))
         metrics = _final_metrics(cfg, trainer, val, val_data, criterion, trainer.batch_size or batch_size)
@@ -221,6 +226,15 @@ def _job_strategy(cfg: JobConfig, world: int) -> tuple[Any, dict]:
                               f"processes than servers (torchrun --nproc_per_node) or lower training.num_servers")
         served = {"num_servers": t.num_servers, "consistency": t.consistency, "staleness": t.staleness}
     return strategy, served
+
+
+def _raise_loss_failure(cfg: JobConfig, criterion: Any, err: BaseException, first: bool) -> None:
+    """Before any step trained: an error inside ``loss.target``'s code, raised as one naming the field."""
+    from .user_job import loss_failure
+
+    named = loss_failure(cfg, criterion, err) if first else None
+    if named is not None:
+        raise named from err
 
 
 def _check_paths(cfg: JobConfig) -> None:

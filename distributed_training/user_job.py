@@ -149,33 +149,30 @@ def _callable(path: str, kwargs: dict, field: str, kwargs_field: str) -> Callabl
     return target
 
 
-def _named_on_first_call(criterion: Callable, path: str, kwargs: dict) -> Callable:
-    """`criterion`, whose first call's failure names ``loss.target`` / ``loss.kwargs``: a torch loss checks
-    some arguments only when called (``label_smoothing: 2``). The same object (a module keeps its
-    ``ignore_index`` / ``reduction``, which the loss weights read; a partial its keywords)."""
-    calls = {"ok": False}
-
-    def checked(fn):
-        @functools.wraps(fn)
-        def call(*args, **kw):
-            if calls["ok"]:
-                return fn(*args, **kw)
-            try:
-                out = fn(*args, **kw)
-            except Exception as err:
-                given = f" with loss.kwargs {kwargs}" if kwargs else ""
-                raise UserCodeError(f"loss.target: {path}{given} failed on the first batch: "
-                                    f"{type(err).__name__}: {err}") from err
-            calls["ok"] = True
-            return out
-        return call
-
-    if isinstance(criterion, torch.nn.Module):
-        criterion.forward = checked(criterion.forward)  # an instance attribute: nn.Module's call takes it
-        return criterion
-    if isinstance(criterion, functools.partial):
-        return functools.partial(checked(criterion.func), *criterion.args, **criterion.keywords)
-    return checked(criterion)
+def loss_failure(cfg: JobConfig, criterion: Any, err: BaseException) -> UserCodeError | None:
+    """An error of the first training step raised inside ``loss.target``'s own code, as one naming
+    ``loss.target`` / ``loss.kwargs`` (a torch loss checks some arguments only when called:
+    ``label_smoothing: 2``); None for any other error. Read from the tracebacks (the criterion itself is
+    passed on untouched: tensor parallelism and the loss weights recognise it by what it is)."""
+    if not cfg.loss.target or criterion is None:
+        return None
+    func = criterion.func if isinstance(criterion, functools.partial) else criterion
+    own = getattr(type(func), "forward", None) if isinstance(func, torch.nn.Module) else func
+    code = getattr(inspect.unwrap(own), "__code__", None) if own is not None else None
+    if code is None:
+        return None
+    seen, chained = set(), err
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        tb = chained.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is code:
+                given = f" with loss.kwargs {cfg.loss.kwargs}" if cfg.loss.kwargs else ""
+                return UserCodeError(f"loss.target: {cfg.loss.target}{given} failed on the first batch: "
+                                     f"{type(chained).__name__}: {chained}")
+            tb = tb.tb_next
+        chained = chained.__cause__ or chained.__context__
+    return None
 
 
 # ------------------------------------------------------------------ datasets
@@ -256,8 +253,7 @@ def build(cfg: JobConfig, builtin: Callable[[JobConfig], tuple]) -> tuple:
                                 f"but data.target {d.target} returned an iterable one: give training.batch_size")
     _collate(cfg)  # a collate function that cannot be imported fails now, not at the first batch
     if cfg.loss.target:
-        criterion = _named_on_first_call(_callable(cfg.loss.target, cfg.loss.kwargs, "loss.target", "loss.kwargs"),
-                                         cfg.loss.target, cfg.loss.kwargs)
+        criterion = _callable(cfg.loss.target, cfg.loss.kwargs, "loss.target", "loss.kwargs")
     if d.target and d.collate is None and criterion is not None:
         _check_pairs(cfg, train)
     if cfg.training.pipeline_parallel_size > 1 and m.target:
