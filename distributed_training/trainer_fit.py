@@ -384,6 +384,7 @@ class Fitting(StepRecording):
                 if sharded and self.batch_in_epoch >= epoch_end:
                     exhausted = True  # a rank with a longer dataset stops with the others
                     break
+                began = time.perf_counter()  # (after the last step's logging, on_step, evaluation, save)
                 batch = next(batches, None)
                 fetched = time.perf_counter()
                 has_batch = batch is not None if sharded else self.context.every_rank(batch is not None)
@@ -398,8 +399,8 @@ class Fitting(StepRecording):
                     self._epoch_finished = self.batch_in_epoch >= epoch_end  # what a checkpoint of this step says
                 now = time.perf_counter()
                 self.data_wait_s += fetched - last_end
-                if waited is not None:  # the measured step: its time less the data wait on the others
-                    self._own_time = now - last_end - waited
+                if waited is not None:  # the measured step: its data and compute less its wait on the others
+                    self._own_time = now - began - waited  # (not what one rank did after the last step alone)
                 metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - last_end)
                 # (what checkpoints record: with a log_dir, a log step's hold the communication figures too)
                 if not self._best_checked and (self.step % log_every == 0 or not self._monitoring):

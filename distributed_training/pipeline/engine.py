@@ -161,7 +161,7 @@ class PipelineEngine:
             self.graphs = StageGraphs(self.chunks, slots_per_chunk(self.actions, len(self.chunks)), self.device,
                                       split=self.split is not None)
         self._slots: dict[tuple[int, int], Any] = {}  # (microbatch, chunk) -> its graphs' slot, until its B or W
-        self._rng_base: int | None = None  # this step's random streams (`_forward`); None outside `step`
+        self._rng_base: int | None = None  # the last step's random streams (`_forward`); None before any
         self.timing = False
         self.last_timing: PipelineTiming | None = None
         self._clock: ActionClock | None = None
