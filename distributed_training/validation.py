@@ -27,6 +27,8 @@ lockstep; a pipeline evaluates through its stages.
 
 from __future__ import annotations
 
+import warnings
+
 import math
 import re
 import time
@@ -78,6 +80,10 @@ class TopKCount:
 
     def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         _check_classifier_shapes(outputs, targets, f"top{self.k}")
+        if self.k >= outputs.shape[-1] and not getattr(self, "_said", False):
+            self._said = True
+            warnings.warn(f"top{self.k} accuracy over {outputs.shape[-1]} classes counts every sample (always 1): "
+                          f"k should be below the number of classes", stacklevel=2)
         top = outputs.topk(min(self.k, outputs.shape[-1]), dim=-1).indices  # (B, k)
         return (top == targets.unsqueeze(-1)).any(dim=-1).sum()
 

@@ -598,3 +598,17 @@ def test_saving_again_at_fewer_ranks_leaves_no_stale_rank_files(tmp_path):
     assert sorted(n for n in os.listdir(path) if n.startswith("rank")) == ["rank0.pt", "rank1.pt"]
     run_distributed(resave_worker, 1, args=(path,), timeout=60)
     assert sorted(n for n in os.listdir(path) if n.startswith("rank")) == ["rank0.pt"]
+
+
+def test_top_k_at_or_above_the_class_count_is_said():
+    """`evaluation.metrics: [top50]` on the 10 digits logged val_top50 = 1 at every evaluation, silently."""
+    import warnings
+
+    from distributed_training.validation import TopKCount
+
+    metric = TopKCount(50)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert int(metric(torch.randn(4, 10), torch.tensor([1, 2, 3, 4]))) == 4
+    assert len([w for w in caught if "top50 accuracy over 10 classes" in str(w.message)]) == 1
