@@ -387,7 +387,15 @@ class Fitting(StepRecording):
                 began = time.perf_counter()  # (after the last step's logging, on_step, evaluation, save)
                 batch = next(batches, None)
                 fetched = time.perf_counter()
-                has_batch = batch is not None if sharded else self.context.every_rank(batch is not None)
+                if sharded:
+                    has_batch = batch is not None
+                else:
+                    try:  # a collective: a peer dead here is named, as in a step
+                        with self._watching(f"the agreement on a batch before training step {self.step + 1}"):
+                            has_batch = self.context.every_rank(batch is not None)
+                    except Exception as err:
+                        self._failed(err)
+                        raise
                 if not has_batch:
                     exhausted = True
                     break

@@ -61,7 +61,12 @@ class StepRecording:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        flag = torch.zeros(1, device=device)
-        dist.all_reduce(flag, group=group)
-        flag.item()  # on the host: waited for every rank
+        try:
+            with self._watching(f"the straggler probe before training step {self.step + 1}"):  # a dead peer named
+                flag = torch.zeros(1, device=device)
+                dist.all_reduce(flag, group=group)
+                flag.item()  # on the host: waited for every rank
+        except Exception as err:
+            self._failed(err)  # named, as in a step
+            raise
         return time.perf_counter() - start

@@ -612,3 +612,37 @@ def test_top_k_at_or_above_the_class_count_is_said():
         for _ in range(2):
             assert int(metric(torch.randn(4, 10), torch.tensor([1, 2, 3, 4]))) == 4
     assert len([w for w in caught if "top50 accuracy over 10 classes" in str(w.message)]) == 1
+
+
+def dead_before_agreement_worker(rank, world, directory):
+    import os
+
+    from distributed_training import DistributedTrainer
+    from distributed_training.testing import write_record
+
+    trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                 heartbeat_timeout=2)
+    data = [(torch.randn(4, 4), torch.randn(4, 2)) for _ in range(10)]  # a list: the ranks agree on each batch
+
+    def on_step(step, metrics):
+        if step == 2 and rank == 1:
+            os._exit(3)  # dies between two steps
+
+    try:
+        trainer.fit(data, epochs=1, criterion=F.mse_loss, on_step=on_step, log_every=1)
+    except Exception as err:  # noqa: BLE001
+        write_record(directory, rank, error=type(err).__name__, message=str(err))
+        raise
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_dead_before_the_batch_agreement_is_named(tmp_path):
+    """The survivor's agreement on the next batch (a collective outside the step) raised gloo's "Connection
+    reset by peer" instead of the peer watch's message naming the dead rank."""
+    from distributed_training.testing import DistributedTestError, read_records
+
+    with pytest.raises(DistributedTestError):
+        run_distributed(dead_before_agreement_worker, 2, args=(str(tmp_path),), timeout=60)
+    record = read_records(str(tmp_path))[0]
+    assert record["error"] == "PeerFailureError" and "peer rank 1" in record["message"], record
+    assert "the agreement on a batch before training step 3" in record["message"], record["message"]
