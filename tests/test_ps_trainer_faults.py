@@ -126,22 +126,28 @@ def test_sync_a_worker_killed_in_fit_is_an_error_naming_it(tmp_path):
 
 
 # ------------------------------------------------------------------ SIGTERM
-def _sigterm_job(rank, world, directory):
+def _sigterm_job(rank, world, directory, server_only=False):
+    """ssp: SIGTERM to every rank, each worker at a step of its own (as torchrun would send it).
+    `server_only`: sync with checkpoints, SIGTERM to the server alone at worker 0's step 3 (a preempted
+    server pod)."""
     from distributed_training import DistributedTrainer
 
     if rank == 0:
         with open(os.path.join(directory, "server.pid"), "w") as f:
             f.write(str(os.getpid()))
+    options = (dict(consistency="sync", checkpoint_dir=os.path.join(directory, "ck")) if server_only
+               else dict(consistency="ssp", staleness=2))
     trainer = DistributedTrainer(_model(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="parameter_server",
-                                 num_servers=1, consistency="ssp", staleness=2)
-    stop_at = 3 + (trainer.dp_rank if trainer.strategy.trains else 0)  # each worker at a step of its own
+                                 num_servers=1, **options)
+    stop_at = 3 + (trainer.dp_rank if trainer.strategy.trains and not server_only else 0)
 
     def on_step(step, metrics):
         if step == stop_at:
-            if trainer.dp_rank == 0:  # as torchrun would: every rank gets it
+            if trainer.dp_rank == 0:
                 with open(os.path.join(directory, "server.pid")) as f:
                     os.kill(int(f.read()), signal.SIGTERM)
-            os.kill(os.getpid(), signal.SIGTERM)
+            if not server_only:
+                os.kill(os.getpid(), signal.SIGTERM)
 
     code = None
     try:
@@ -163,35 +169,11 @@ def test_sigterm_stops_an_ssp_fit_cleanly(tmp_path):
         assert r["state"] == results[0]["state"]
 
 
-def _server_sigterm_job(rank, world, directory):
-    from distributed_training import DistributedTrainer
-
-    if rank == 0:
-        with open(os.path.join(directory, "server.pid"), "w") as f:
-            f.write(str(os.getpid()))
-    trainer = DistributedTrainer(_model(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="parameter_server",
-                                 num_servers=1, consistency="sync", checkpoint_dir=os.path.join(directory, "ck"))
-
-    def on_step(step, metrics):
-        if step == 3 and trainer.dp_rank == 0:  # a preempted server pod: the signal reaches the server only
-            with open(os.path.join(directory, "server.pid")) as f:
-                os.kill(int(f.read()), signal.SIGTERM)
-
-    code = None
-    try:
-        trainer.fit(_Data(), epochs=EPOCHS, criterion=F.cross_entropy, batch_size=BATCH, log_every=1, on_step=on_step)
-    except SystemExit as err:
-        code = err.code
-    result = {"code": code, "steps": trainer.step, "state": _state(trainer)}
-    trainer.close()
-    return result
-
-
 @pytest.mark.timeout(120)
 def test_sigterm_to_a_sync_server_stops_the_workers_with_a_checkpoint(tmp_path):
     """The workers never heard of it: they trained to the end (step 12) while the signalled server waited, so
     a preempted server pod outlived its grace period. Now its replies tell them; they stop together, save."""
-    results = run_distributed(_server_sigterm_job, 1 + WORKERS, (str(tmp_path),), timeout=90)
+    results = run_distributed(_sigterm_job, 1 + WORKERS, (str(tmp_path), True), timeout=90)
     steps = {r["steps"] for r in results[1:]}
     assert [r["code"] for r in results] == [143] * (1 + WORKERS), results
     assert len(steps) == 1 and 3 <= min(steps) < STEPS, results  # every worker at one step, before the end
