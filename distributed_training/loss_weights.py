@@ -50,11 +50,14 @@ class StepWeights:
     """A step's weights: each micro-batch's share of the whole batch (`micro_weights`) and, over several
     replicas, this replica's factor (`replica_scale`; its all-reduce starts here, and is waited for by the
     first `backward` weight). `count(i)` gives micro-batch i's count (`counted` / `label_count`), asked
-    only where needed (several micro-batches or replicas). Collective over `group` when `replicas` > 1."""
+    only where needed (several micro-batches or replicas, or `keep_counts`: then in `counts`, for a
+    parameter server's `batch_count`). Collective over `group` when `replicas` > 1."""
 
     def __init__(self, criterion: Callable | None, targets: Sequence[Any], rows: Sequence[int],
-                 count: Callable[[int], Any], *, group=None, replicas: int = 1, device=None) -> None:
-        counts = [count(i) for i in range(len(rows))] if len(rows) > 1 or replicas > 1 else None
+                 count: Callable[[int], Any], *, group=None, replicas: int = 1, device=None,
+                 keep_counts: bool = False) -> None:
+        needed = len(rows) > 1 or replicas > 1 or keep_counts
+        counts = self.counts = [count(i) for i in range(len(rows))] if needed else None
         self.shares = micro_weights(criterion, targets, rows, counts)
         self.scale = replica_scale(criterion, counts, group, replicas, device) if replicas > 1 else None
 

@@ -116,15 +116,14 @@ class Stepping:
         # its own loss from the batch's labels counts what it averages over (`label_count`).
         meet = self.strategy.replicas_meet and not self.context.independent
         replicas = self.dp_world_size if meet and loss_sum is None else 1
-        def count(i: int):
-            return (label_count(self.module, *micro_batches[i]) if criterion is None
-                    else counted(criterion, targets[i], micro_batches[i][1]))
-
-        weights = StepWeights(criterion, targets, [size for _, size in micro_batches], count,
-                              group=self.context.mesh.group("data"), replicas=replicas, device=self.device)
-        if self.strategy.wants_batch_count and micro_batches:  # a parameter server's sync update weighs by it
-            self.strategy.set_batch_count(self.model, batch_count(criterion, [count(i) for i in
-                                                                              range(len(micro_batches))]))
+        wants_count = self.strategy.wants_batch_count and bool(micro_batches)  # a parameter server's sync
+        weights = StepWeights(
+            criterion, targets, [size for _, size in micro_batches],
+            lambda i: (label_count(self.module, *micro_batches[i]) if criterion is None
+                       else counted(criterion, targets[i], micro_batches[i][1])),
+            group=self.context.mesh.group("data"), replicas=replicas, device=self.device, keep_counts=wants_count)
+        if wants_count:  # its servers weigh each worker's gradient by what its batch counts
+            self.strategy.set_batch_count(self.model, batch_count(criterion, weights.counts))
         for k, (micro, _) in enumerate(micro_batches):
             last = k == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):

@@ -161,7 +161,7 @@ class PipelineEngine:
             self.graphs = StageGraphs(self.chunks, slots_per_chunk(self.actions, len(self.chunks)), self.device,
                                       split=self.split is not None)
         self._slots: dict[tuple[int, int], Any] = {}  # (microbatch, chunk) -> its graphs' slot, until its B or W
-        self._rng_base: int | None = None  # the last step's random streams (`_forward`); None before any
+        self._rng_base = 0  # the step's random streams (`_forward`), drawn in `step`
         self.timing = False
         self.last_timing: PipelineTiming | None = None
         self._clock: ActionClock | None = None
@@ -189,8 +189,6 @@ class PipelineEngine:
                 out, self._slots[mb, chunk] = replayed
                 return out
         try:
-            if self._rng_base is None:
-                return self.chunks[chunk](x)
             # Each (stage, microbatch) draws from a stream of its own (dropout's masks differ from stage to
             # stage, as the layers' draws do in one process), off the global stream, which stays the same
             # on every rank (a user's data drawn from it after this step still agrees between stages).
