@@ -321,7 +321,7 @@ def straggler_worker(rank, world, where, log_dir):
     torch.manual_seed(0)
     model = _SlowForward(1 if where == "forward" else -1)
     trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), log_dir=log_dir, log_every=5,
-                                 progress=False, straggler_threshold=1.5)
+                                 progress=False, straggler_threshold=4.0 if where == "on_step" else 1.5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         import time
@@ -336,7 +336,8 @@ def straggler_worker(rank, world, where, log_dir):
 
 def test_work_one_rank_does_between_steps_is_not_a_straggler(tmp_path):
     """Rank 0's 30 ms `on_step` on log steps landed in the measured step's time: balanced ranks, and rank 0 was
-    named a straggler 5 times in 30 steps (a review)."""
+    named a straggler 5 times in 30 steps (a review). (Threshold 4x: the artefact was ~8x; a loaded 2-core
+    machine's millisecond steps can pass 1.5x by noise.)"""
     (said, _), (said_1, _) = run_distributed(straggler_worker, 2, args=("on_step", str(tmp_path)), timeout=120)
     assert not said and not said_1, (said, said_1)
 
