@@ -431,7 +431,8 @@ class Monitor:
             # The one collective of a log step, issued here so that every rank issues it in the same
             # order relative to training's own collectives. Over NCCL nothing waits for it here.
             step_mean = record.perf["perf/step_time_s"]
-            self._gather_in.copy_(torch.tensor([step_mean, -1.0 if own_time is None else own_time]))  # -1: not measured
+            self._gather_in[0].fill_(step_mean)  # (fill_: no host-to-device copy to wait for)
+            self._gather_in[1].fill_(-1.0 if own_time is None else own_time)  # -1: not measured
             all_gather_single(self._gather_out, self._gather_in, group=self.group)
             if self._gather_out.is_cuda:
                 record.gathered = 2 * self.world_size
