@@ -1,0 +1,49 @@
+"""On 2 GPUs with NCCL, what sessions 31 and 33 built and checked only on gloo: a raising rank named by
+the peer waiting for it in an NCCL collective (the watcher aborts the communicator), the replicas' per-step
+agreement on rows over `Mesh.host_group`'s gloo group under accumulation with ZeRO-3 / FSDP, and the
+straggler probe (which drains the rank's GPU queue before its tiny all-reduce)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed_training.testing import run_distributed
+
+from test_loss_weights import _replicas
+from test_trial_s31 import raising_rank_worker
+from test_trial_s33 import straggler_worker
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_rank_whose_step_raises_is_named_by_its_peer_on_nccl(strategy):
+    (kind, peer, error, said), (kind_1, _, _, said_1) = run_distributed(
+        raising_rank_worker, 2, args=(strategy, 1), backend="nccl", timeout=180)
+    assert kind_1 in ("ValueError", "RuntimeError") and "a label out of range" in said_1, said_1
+    assert kind == "peer" and peer == 1 and "a label out of range on this rank" in error, said
+
+
+@pytest.mark.parametrize("strategy, accumulation", [("zero3", 2), ("fsdp", 3)])
+def test_replicas_of_uneven_rows_under_accumulation_on_nccl_equal_one_process(strategy, accumulation):
+    """Rank 1 holds 1 row, rank 0 7: the replicas agree on the micro-batches over the gloo host group."""
+    for worst in run_distributed(_replicas, 2, args=(strategy, False, accumulation, 1, "mse_one_row"),
+                                 backend="nccl", timeout=180):
+        assert worst <= 1e-5, worst
+
+
+@pytest.mark.parametrize("where", ["data", "forward"])
+def test_a_slow_rank_is_named_a_straggler_on_nccl(where, tmp_path):
+    (said, slowest), (said_1, _) = run_distributed(straggler_worker, 2, args=(where, str(tmp_path)),
+                                                   backend="nccl", timeout=180)
+    assert said and all("rank 1 works" in m for m in said) and slowest == 1, (said, slowest)
+    assert not said_1
+
+
+def test_balanced_ranks_on_nccl_name_no_straggler(tmp_path):
+    """The probe's drain of the GPU queue is the rank's own work: balanced ranks stay unflagged."""
+    (said, _), (said_1, _) = run_distributed(straggler_worker, 2, args=("on_step", str(tmp_path)),
+                                             backend="nccl", timeout=180)
+    assert not said and not said_1, (said, said_1)
