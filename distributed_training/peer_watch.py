@@ -20,12 +20,14 @@ after its first beat (before it, a slow start-up is not a death), and a rank tha
 
 A peer that raised. A rank whose own step raises (not a consequence of a peer: a closed connection, a
 timeout, a pipeline's abort) writes its error to a key of that step (`publish_error`; a key per job
-incarnation, trainer and step, so that no record outlives its step; the first rank to raise is named).
-Its process may still be alive, or may close its sockets as it ends: either way its peers' collectives
-with it cannot complete. A peer adopts the record as it would a death, once this rank's collective has
-failed (gloo's closed connection: at once) or `timeout` after seeing it (a wait, as on NCCL), unless its
-own step raises meanwhile (every rank's batch was bad alike: each says its own, and none is left with
-an aborted group for the steps after).
+incarnation, trainer and step; the first rank to raise in a step is named) and, once per step, the step
+to a log (a counter and a key per entry) that the watchers read each period with one `add(0)`. Its
+process may still be alive, or may close its sockets as it ends: either way its peers' collectives with
+it cannot complete. A peer adopts the record as it would a death when it has reached that step (on NCCL
+its host may be several steps ahead, its collectives of that step still queued on the GPU), once its own
+collective has failed (gloo's closed connection: at once) or `timeout` after seeing it (a wait, as on
+NCCL), unless it raised in that step itself (every rank's batch was bad alike: each says its own, and none
+is left with an aborted group for the steps after).
 
 Getting the training thread out. A rank blocked in a collective on a dead peer cannot receive a Python
 exception: it waits in C++. What works, measured on CPU (gloo, torch 2.13) and by construction on NCCL:
@@ -133,6 +135,9 @@ class PeerWatch:
         self._errors_prefix = (f"{_PREFIX}raised/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
                                f"{next(_GENERATIONS)}/")
         self._raised_step: int | None = None
+        self._raised_steps: set[int] = set()  # every step this rank raised in
+        self._log_read = 0  # entries of the errors' log read so far
+        self._log_steps: list[int] = []  # steps peers raised in that this rank has not reached or judged yet
         self._pending: tuple[str, float] | None = None
         self._adopting = threading.Lock()
         self._collective_failed_step: int | None = None  # the step in which a collective of this rank failed
@@ -187,6 +192,8 @@ class PeerWatch:
         collective timeout. The record is a death's, with the error appended, under this step's key (the
         first rank to raise in a step is the one named)."""
         self._raised_step = self.step
+        if self.step is not None:
+            self._raised_steps.add(self.step)
         self._pending = None
         text = " ".join(f"{type(err).__name__}: {err}".split())  # one line, no tabs
         text = text if len(text) <= 400 else text[:397] + "..."
@@ -194,7 +201,9 @@ class PeerWatch:
         record = "\t".join([str(self.rank), f"{socket.gethostname()} pid {os.getpid()}", "", "0", str(self.rank),
                             text + during])
         try:
-            self.store.compare_set(self._errors_key(), "", record)
+            if self.store.compare_set(self._errors_key(), "", record).decode() == record and self.step is not None:
+                entry = self.store.add(self._errors_prefix + "count", 1)  # the first to raise in this step logs it
+                self.store.set(f"{self._errors_prefix}log/{entry}", str(self.step))
         except Exception:
             pass  # the store is gone: so is the job
 
@@ -258,22 +267,43 @@ class PeerWatch:
         self.store.set(_FAILURE_KEY, f"{peer}\t{host}\t{step or ''}\t{silent:.1f}\t{self.rank}")
         self._fail(peer, host, int(step) if step else None, silent, f"rank {self.rank} saw it")
 
-    def _errors_key(self) -> str:
-        return f"{self._errors_prefix}{self.step}"
+    def _errors_key(self, step: int | None = None) -> str:
+        return f"{self._errors_prefix}{self.step if step is None else step}"
 
     def _check_errors(self) -> None:
-        """A peer's error published in this rank's current step: adopted one `timeout` after it was seen,
-        unless this rank's own step raises meanwhile (the same bad batch on every rank: each says its own;
-        a rank that adopted and aborted there would be left broken for the steps after)."""
+        """A peer's error published in a step this rank has reached: adopted one `timeout` after it was
+        seen, unless this rank's own step raises meanwhile (the same bad batch on every rank: each says its
+        own; a rank that adopted and aborted there would be left broken for the steps after)."""
         if self._raised_in_this_step():
             self._pending = None
             return
-        if self._pending is None and self.store.check([self._errors_key()]):
-            record = self.store.get(self._errors_key()).decode()
-            if int(record.split("\t", 1)[0]) != self.rank:
+        if self._pending is None:
+            record = self._peer_error()
+            if record is not None:
                 self._pending = (record, time.monotonic())
         failed_here = self._collective_failed_step is not None and self._collective_failed_step == self.step
         self._adopt_pending(grace=0.0 if failed_here else self.timeout)
+
+    def _peer_error(self) -> str | None:
+        """The record of the earliest step a peer raised in that this rank has reached and did not raise in
+        itself (None if none): the errors' log read on from where the last call left it."""
+        count = self.store.add(self._errors_prefix + "count", 0)  # reads without blocking
+        while self._log_read < count:
+            key = f"{self._errors_prefix}log/{self._log_read + 1}"
+            if not self.store.check([key]):
+                break  # being written: the next period reads it
+            self._log_steps.append(int(self.store.get(key).decode()))
+            self._log_read += 1
+        if self.step is None:
+            return None
+        for step in sorted(self._log_steps):
+            if step > self.step:
+                break  # a step this rank has not reached: its collectives there will wait
+            self._log_steps.remove(step)
+            record = self._get(self._errors_key(step))
+            if step not in self._raised_steps and record and int(record.split("\t", 1)[0]) != self.rank:
+                return record
+        return None
 
     def _raised_in_this_step(self) -> bool:
         return self._raised_step is not None and self._raised_step == self.step

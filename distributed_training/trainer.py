@@ -523,7 +523,9 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         closing on an error, ``barrier=False``), remove the strategy's hooks and, if the trainer created
         it, destroy the process group. A background write that failed raises `CheckpointWriteError`
         here, after the rest is closed. Watching the peers stops first (this rank's leaving is not
-        a death).
+        a death); on a GPU, this rank's queued work is waited for before, under the watch, so that a
+        peer that raised or died in the last steps (which the host ran ahead of) raises
+        `PeerFailureError` naming it here, after the rest is closed, instead of a hang.
 
         Called while an exception propagates (``try: trainer.fit(...) finally: trainer.close()``) or
         after a `train_step` that raised, it does not wait for the peers (as ``barrier=False``): they may
@@ -531,10 +533,11 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         job would hang until the collective timeout instead of failing."""
         if barrier and (self._step_failed or sys.exc_info()[0] is not None):
             barrier = False
+        error = self._drain_watched() if barrier else None  # a peer's failure in the last steps, named
+        barrier = barrier and error is None
         if self._watch is not None:
             self._watch.stop()  # first: the peers must not take this rank's leaving for a death
         stop_heartbeat()  # no daemon thread may be inside a store call when the process exits
-        error = None
         if barrier and self.checkpoint_async:  # every rank closes: the wait agrees on the outcome
             try:
                 self.wait_for_checkpoint()

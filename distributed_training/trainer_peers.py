@@ -77,6 +77,32 @@ class PeerWatching:
         self._watch.activity = activity
         return self._watch.active()
 
+    def _drain_watched(self) -> Exception | None:
+        """At `close`, on a GPU: wait for this rank's queued work under the watch. Its host may have run
+        steps ahead of its collectives (nothing in a step waits for the GPU), so a peer that raised or died
+        in those steps is found here, and named (the error returned), instead of a hang in whatever waits
+        for the GPU next (the process group's destruction)."""
+        if self._watch is None or self.device.type != "cuda":
+            return None
+        import time
+
+        import torch
+
+        try:
+            with self._watching("closing the trainer (the last steps' collectives)"):
+                done = torch.cuda.Event()
+                done.record()
+                while not done.query() and self._watch.failure is None:  # (polled: never blocked in the driver
+                    time.sleep(0.005)                                    # while the watcher aborts NCCL)
+            self._watch.raise_if_failed()
+        except Exception as err:
+            try:
+                self._failed(err)
+            except Exception as named:
+                return named
+            return err
+        return None
+
     def _abort_collectives(self, failure: PeerFailureError) -> None:
         """On the watcher's thread, when a peer is dead: abort an NCCL process group, which makes a
         collective waiting for the peer return with an error. gloo's abort does not wake a blocked

@@ -42,7 +42,7 @@ class StepRecording:
         self.strategy.time_pipeline(self.model, self.step % log_every == 0)
         own = None
         if self.step % log_every == 0 and getattr(self, "_own_time", None) is not None:
-            own, self._own_time = max(0.0, self._own_time - (comm or 0.0)), None  # less its wait in backward
+            own, self._own_time = max(0.0, _seconds(self._own_time) - (comm or 0.0)), None  # less its wait in backward
         self.monitor.record_step(self.step, metrics, samples=batch_size_of(batch), tokens=token_count(batch),
                                  step_time=step_time, data_time=data_time, comm_time=comm, own_time=own)
         return metrics
@@ -53,8 +53,11 @@ class StepRecording:
         waits here is another rank's data loading; what it waits in the step is in the communication
         figures: the two out of its step time leave its own work, which the straggler check compares
         (in synchronous training every rank's step lasts as long as the slowest one's). Costs one tiny
-        all-reduce per log window (and, on a GPU, draining this rank's queue first: its own work)."""
-        if not self._monitoring or self.step % self.monitor_log_every or not getattr(self.monitor, "_cluster_on", False):
+        all-reduce per log window (and, on a GPU, draining this rank's queue first: see `_own_work`). The
+        first step this process trains is not probed: it warms up (kernels, allocator, communicators)."""
+        first, self._probed = not getattr(self, "_probed", False), True
+        if (first or not self._monitoring or self.step % self.monitor_log_every
+                or not getattr(self.monitor, "_cluster_on", False)):
             return None
         group = self.monitor.group
         device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
@@ -69,4 +72,29 @@ class StepRecording:
         except Exception as err:
             self._failed(err)  # named, as in a step
             raise
+        if self.device.type == "cuda":  # the step's own work on the GPU starts here (see `_own_work`)
+            self._probe_event = torch.cuda.Event(enable_timing=True)
+            self._probe_event.record()
         return time.perf_counter() - start
+
+    def _own_work(self, host_s: float, fetch_s: float) -> float | tuple:
+        """The probed step's own work, given its host time less the probe's wait (`host_s`) and its data
+        fetch (`fetch_s`). On a GPU the host runs ahead of the device, and draining its queue before the
+        probe waits for the peers' collectives of the last steps too: the own work is the fetch and the
+        GPU's span from the probe to the step's end (the peers' waits in it are exposed communication,
+        which `_record_step` takes off), read at the log step from ``(fetch_s, start, end)``."""
+        start, self._probe_event = getattr(self, "_probe_event", None), None
+        if start is None:
+            return host_s
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return fetch_s, start, end
+
+
+def _seconds(own: float | tuple) -> float:
+    """`StepRecording._own_work`'s figure in seconds (a GPU's events: long done by the log step)."""
+    if isinstance(own, tuple):
+        fetch_s, start, end = own
+        end.synchronize()
+        return fetch_s + start.elapsed_time(end) / 1e3
+    return own

@@ -310,6 +310,39 @@ def test_a_dead_peer_is_said_during_what_the_trainer_was_doing():
     assert "peer rank 2 (host host pid 1, last seen in step 4 or later) is dead" in str(watch.failure)
 
 
+def test_a_peers_error_in_a_step_this_rank_ran_ahead_of_is_adopted():
+    # On NCCL a rank's host runs steps ahead of its collectives (nothing in a DDP step waits for the GPU):
+    # its watcher looked only at the key of the step it was in, so a peer's error two steps back was never
+    # seen and the job hung (2x H200, session 34). A step not reached yet waits; one this rank raised in
+    # itself is its own.
+    from torch.distributed import HashStore
+    from distributed_training.peer_watch import PeerWatch
+
+    store = HashStore()
+    mine, peer = (PeerWatch(store, rank=r, world_size=2, timeout=60.0) for r in (0, 1))
+    mine._errors_prefix = peer._errors_prefix
+    peer.step = 1
+    peer.publish_error(ValueError("a label out of range"))
+    mine.step = 0
+    mine._check_errors()
+    assert mine._pending is None, "adopted an error of a step this rank has not reached"
+    mine.step = 3
+    mine._check_errors()
+    assert mine.failure is None and mine._pending is not None  # seen, within its grace
+    mine._pending = (mine._pending[0], mine._pending[1] - 61.0)
+    mine._check_errors()
+    assert mine.failure is not None and mine.failure.rank == 1 and "a label out of range" in str(mine.failure)
+
+    both = [PeerWatch(store, rank=r, world_size=2, timeout=60.0) for r in (0, 1)]
+    both[0]._errors_prefix = both[1]._errors_prefix
+    for watch in both:
+        watch.step = 2
+        watch.publish_error(RuntimeError("bad batch"))
+        watch.step = 5
+        watch._check_errors()
+        assert watch._pending is None and watch.failure is None
+
+
 def test_a_failed_collective_drops_the_grace_only_in_its_own_step():
     # After a collective of this rank failed in one step (the verdict found no peer to blame; the user
     # caught the error and trained on), a peer's error published in a later step must still wait for its
