@@ -56,8 +56,9 @@ class Evaluation:
 
         check_criterion(criterion)
         self._check_not_summoned("evaluate()")
-        names, _, total = self._evaluation_sums(data, criterion, batch_size=batch_size, metrics=metrics)
-        count = total[-1].item()
+        with self._watched(f"the evaluation after step {self.step}"):  # a peer failing meanwhile is named
+            names, _, total = self._evaluation_sums(data, criterion, batch_size=batch_size, metrics=metrics)
+            count = total[-1].item()
         return {name: (total[k].item() / count if count else float("nan")) for k, name in enumerate(names)}
 
     def _use_first_replicas_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -175,23 +175,24 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
                        f"rank plus meta.pt), not a single {suffix} file; name it without a suffix, e.g. "
                        f"{path[:-len(suffix)]!r}, and load it with load_checkpoint")
             warnings.warn(message, stacklevel=2)
-        held, packed, part = self._rank_part()
-        if self.strategy.save_checkpoint_files(self.model, path, part, self._meta(held, packed, None, metrics)):
-            return  # the strategy wrote it (the parameter server: its servers' state)
-        digest = save_file(part, rank_file(path, ctx.rank))
-        mine = (digest, summary(packed), sorted(part["buffers"]), self.dp_rank)
-        every = [mine]
-        if ctx.world_size > 1:
-            every = [None] * ctx.world_size
-            dist.all_gather_object(every, mine, group=ctx.group)
-        digests = [d for d, *_ in every]
-        layout = self._layout(path)
-        if layout.writer_of[ctx.rank] == ctx.rank:  # rank 0, or each node's first rank with a directory per node
-            meta = self._meta(held, packed, [rest for _, *rest in every], metrics)
-            meta.update(layout.checksums(ctx.rank, digests))
-            write_meta(meta, path)
-            _remove_stale_rank_files(path, ctx.world_size)
-        ctx.barrier()
+        with self._watched(f"the checkpoint save to {path}"):  # a peer failing meanwhile is named
+            held, packed, part = self._rank_part()
+            if self.strategy.save_checkpoint_files(self.model, path, part, self._meta(held, packed, None, metrics)):
+                return  # the strategy wrote it (the parameter server: its servers' state)
+            digest = save_file(part, rank_file(path, ctx.rank))
+            mine = (digest, summary(packed), sorted(part["buffers"]), self.dp_rank)
+            every = [mine]
+            if ctx.world_size > 1:
+                every = [None] * ctx.world_size
+                dist.all_gather_object(every, mine, group=ctx.group)
+            digests = [d for d, *_ in every]
+            layout = self._layout(path)
+            if layout.writer_of[ctx.rank] == ctx.rank:  # rank 0, or each node's first rank with a directory per node
+                meta = self._meta(held, packed, [rest for _, *rest in every], metrics)
+                meta.update(layout.checksums(ctx.rank, digests))
+                write_meta(meta, path)
+                _remove_stale_rank_files(path, ctx.world_size)
+            ctx.barrier()
 
     def _rank_part(self, to_host: Callable[[torch.Tensor], torch.Tensor] = host_clone,
                    buffers_to_host: Callable[[torch.Tensor], torch.Tensor] | None = None):
@@ -255,7 +256,8 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         """The model's state for inference or another tool, whatever the strategy: on rank 0 the plain
         module's ``state_dict()`` (same keys, full tensors on the CPU), ``{}`` on the other ranks.
         Collective (a sharded strategy gathers the parameters unit by unit): call it on every rank."""
-        state = self.strategy.model_state_dict(self.model)
+        with self._watched("full_state_dict()"):
+            state = self.strategy.model_state_dict(self.model)
         if not self.context.is_main:
             return {}
         return {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}

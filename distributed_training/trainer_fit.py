@@ -390,12 +390,9 @@ class Fitting(StepRecording):
                 if sharded:
                     has_batch = batch is not None
                 else:
-                    try:  # a collective: a peer dead here is named, as in a step
-                        with self._watching(f"the agreement on a batch before training step {self.step + 1}"):
-                            has_batch = self.context.every_rank(batch is not None)
-                    except Exception as err:
-                        self._failed(err)
-                        raise
+                    # (a collective: a peer dead here is named, as in a step)
+                    with self._watched(f"the agreement on a batch before training step {self.step + 1}"):
+                        has_batch = self.context.every_rank(batch is not None)
                 if not has_batch:
                     exhausted = True
                     break
@@ -427,13 +424,9 @@ class Fitting(StepRecording):
                     best_now = self.checkpoints is not None and evaluation.feeds(self.checkpoints.best_metric)
                     last_end = time.perf_counter()  # the evaluation is not the next step's time
                 if (self.checkpoint_every and self.step % self.checkpoint_every == 0) or best_now:
-                    try:
-                        # a peer dying during the save: exit, not hang (`peer_watch`)
-                        with self._watching(f"the checkpoint save of step {self.step}"):
-                            self._save_numbered(metrics)
-                    except Exception as err:
-                        self._failed(err)  # named, as in a step
-                        raise
+                    # a peer dying during the save: exit, not hang (`peer_watch`)
+                    with self._watched(f"the checkpoint save of step {self.step}"):
+                        self._save_numbered(metrics)
                 told = self.strategy.stop_requested(self.model)
                 if told is not None:  # a parameter server's server got a signal: stop with it
                     stop.request(signal.Signals(told[1]), f"parameter server {told[0]} got {signal.Signals(told[1]).name}")
@@ -506,12 +499,8 @@ class Fitting(StepRecording):
 
     def _evaluate_now(self, evaluation: PeriodicEvaluation) -> dict[str, float]:
         """`evaluation` at this step, on every rank (a peer dying meanwhile is named, as in a step)."""
-        try:
-            with self._watching(f"the evaluation after step {self.step}"):
-                return evaluation.run(self, self.step)
-        except Exception as err:
-            self._failed(err)
-            raise
+        with self._watched(f"the evaluation after step {self.step}"):
+            return evaluation.run(self, self.step)
 
     def _stop_on_signal(self, sig, metrics: dict[str, torch.Tensor] | None, signalled: bool = True) -> None:
         """Every rank, at the step boundary they agreed on: save on SIGTERM if asked, and say why we stop.

@@ -69,6 +69,23 @@ class PeerWatching:
             watch.acknowledge()
             raise failure from err
 
+    @contextlib.contextmanager
+    def _watched(self, activity: str):
+        """A block of the job's collectives outside a step (an evaluation, a checkpoint save, a gather), under
+        the peer watch, its error handled as a step's (`_failed`): a peer's death or error is named within
+        seconds instead of a hang (NCCL) or a nameless closed connection (gloo), and this rank's own error
+        is published for its peers. Inside a watched block already (fit's save calls `save_checkpoint`),
+        that block's handling is the one."""
+        if self._watch is None or self._watch._busy:
+            yield
+            return
+        try:
+            with self._watching(activity):
+                yield
+        except Exception as err:
+            self._failed(err)
+            raise
+
     def _watching(self, activity: str | None = None):
         """A block of the job's collectives, under the peer watch if there is one (`PeerWatch.active`);
         `activity` says what it is in a dead peer's message ("training step 5")."""
@@ -89,17 +106,13 @@ class PeerWatching:
         import torch
 
         try:
-            with self._watching("closing the trainer (the last steps' collectives)"):
+            with self._watched("closing the trainer (the last steps' collectives)"):
                 done = torch.cuda.Event()
                 done.record()
                 while not done.query() and self._watch.failure is None:  # (polled: never blocked in the driver
                     time.sleep(0.005)                                    # while the watcher aborts NCCL)
             self._watch.raise_if_failed()
         except Exception as err:
-            try:
-                self._failed(err)
-            except Exception as named:
-                return named
             return err
         return None
 

@@ -64,14 +64,10 @@ class StepRecording:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        try:
-            with self._watching(f"the straggler probe before training step {self.step + 1}"):  # a dead peer named
-                flag = torch.zeros(1, device=device)
-                dist.all_reduce(flag, group=group)
-                flag.item()  # on the host: waited for every rank
-        except Exception as err:
-            self._failed(err)  # named, as in a step
-            raise
+        with self._watched(f"the straggler probe before training step {self.step + 1}"):  # a dead peer named
+            flag = torch.zeros(1, device=device)
+            dist.all_reduce(flag, group=group)
+            flag.item()  # on the host: waited for every rank
         if self.device.type == "cuda":  # the step's own work on the GPU starts here (see `_own_work`)
             self._probe_event = torch.cuda.Event(enable_timing=True)
             self._probe_event.record()
