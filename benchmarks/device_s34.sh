@@ -37,3 +37,15 @@ case "$1" in
        --set training.strategy=parameter_server --set training.num_servers=1 --set optimizer.name=sgd \
        --set training.lr=0.05 ;;
 esac
+# E (2 GPUs): the final GPU tests (pydantic carried), then PowerSGD per weight matrix (session 33's form)
+#    against dense DDP and torch DDP at GPT-1.3B on 2 GPUs, 2 interleaved rounds (the README's 4-GPU row
+#    is the old whole-bucket form).
+case "$1" in
+  E) pip install -q --no-index --find-links .wheels --target /tmp/pyd pydantic > "$OUT/pip.log" 2>&1
+     export PYTHONPATH=$PWD:/tmp/pyd
+     gpu_tests gpu_tests_all 300 --durations=10 -rs
+     (cd benchmarks && timeout -k 5 280 python suite.py --out "$OUT/E" --timeout 270 --worlds 2 --phases training \
+        --models gpt-1.3b:8:1024 --impls torch_ddp,ours_ddp,ddp_powersgd --rounds 2) 2>&1 \
+        | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/E.log"
+     echo "E exit $? at $(( $(date +%s) - start )) s" >> "$OUT/E.log" ;;
+esac
