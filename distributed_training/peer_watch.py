@@ -134,11 +134,15 @@ class PeerWatch:
         # record seen and adopted after a grace (`_check_errors`), unless this rank raises in that step too.
         self._errors_prefix = (f"{_PREFIX}raised/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
                                f"{next(_GENERATIONS)}/")
-        self._raised_step: int | None = None
-        self._raised_steps: set[int] = set()  # every step this rank raised in
+        # Where the training thread is: (step, block), the block counting the watched blocks (`active`) it
+        # entered in that step (a step, then e.g. fit's save and evaluation, or a script's), alike on every
+        # rank; a retried step or a second failure after a caught one is a new position.
+        self._block, self._block_step = -1, None
+        self._raised_at: tuple[int, int] | None = None  # the position this rank last raised at
+        self._raised: set[tuple[int, int]] = set()  # every position this rank raised at
         self._log_read = 0  # entries of the errors' log read so far
-        self._log_steps: list[int] = []  # steps peers raised in that this rank has not reached or judged yet
-        self._pending: tuple[str, float] | None = None
+        self._logged: list[tuple[int, int]] = []  # peers' positions this rank has not reached or judged yet
+        self._pending: tuple[str, float, tuple[int, int]] | None = None  # (record, seen at, its position)
         self._adopting = threading.Lock()
         self._collective_failed_step: int | None = None  # the step in which a collective of this rank failed
         self._acknowledged = False
@@ -162,6 +166,8 @@ class PeerWatch:
         """The training thread runs the job's collectives in this block (a step, a checkpoint save):
         if it is still inside `exit_after` seconds after a failure was found, the process exits. Outside
         (a script's own work after training), a peer that ended without `stop` never ends this one."""
+        if not self._busy:
+            self._block, self._block_step = (self._block + 1, self.step) if self._block_step == self.step else (0, self.step)
         self._busy += 1
         try:
             yield self
@@ -189,11 +195,12 @@ class PeerWatch:
         peers' watchers look for failures, so that a peer whose collective with this rank then fails (a
         closed connection) or waits (NCCL, or gloo while this process lives on) names this rank and its
         error within one period, instead of a closed connection without a name or a wait until the
-        collective timeout. The record is a death's, with the error appended, under this step's key (the
-        first rank to raise in a step is the one named)."""
-        self._raised_step = self.step
-        if self.step is not None:
-            self._raised_steps.add(self.step)
+        collective timeout. The record is a death's, with the error appended, under this position's key
+        (the first rank to raise there is the one named), which the errors' log lists once."""
+        position = self._position()
+        first = position not in self._raised
+        self._raised_at = position
+        self._raised.add(position)
         self._pending = None
         text = " ".join(f"{type(err).__name__}: {err}".split())  # one line, no tabs
         text = text if len(text) <= 400 else text[:397] + "..."
@@ -201,9 +208,10 @@ class PeerWatch:
         record = "\t".join([str(self.rank), f"{socket.gethostname()} pid {os.getpid()}", "", "0", str(self.rank),
                             text + during])
         try:
-            if self.store.compare_set(self._errors_key(), "", record).decode() == record and self.step is not None:
-                entry = self.store.add(self._errors_prefix + "count", 1)  # the first to raise in this step logs it
-                self.store.set(f"{self._errors_prefix}log/{entry}", str(self.step))
+            key = self._errors_key(position)
+            if self.store.compare_set(key, "", record).decode() == record and first:  # the first to raise logs it
+                entry = self.store.add(self._errors_prefix + "count", 1)
+                self.store.set(f"{self._errors_prefix}log/{entry}", "%d.%d" % position)
         except Exception:
             pass  # the store is gone: so is the job
 
@@ -267,55 +275,62 @@ class PeerWatch:
         self.store.set(_FAILURE_KEY, f"{peer}\t{host}\t{step or ''}\t{silent:.1f}\t{self.rank}")
         self._fail(peer, host, int(step) if step else None, silent, f"rank {self.rank} saw it")
 
-    def _errors_key(self, step: int | None = None) -> str:
-        return f"{self._errors_prefix}{self.step if step is None else step}"
+    def _position(self) -> tuple[int, int]:
+        return (-1 if self.step is None else self.step, self._block)
+
+    def _errors_key(self, position: tuple[int, int]) -> str:
+        return "%s%d.%d" % (self._errors_prefix, *position)
 
     def _check_errors(self) -> None:
-        """A peer's error published in a step this rank has reached: adopted one `timeout` after it was
-        seen, unless this rank's own step raises meanwhile (the same bad batch on every rank: each says its
+        """A peer's error published at a position this rank has reached: adopted one `timeout` after it was
+        seen, unless this rank raises there too meanwhile (the same bad batch on every rank: each says its
         own; a rank that adopted and aborted there would be left broken for the steps after)."""
-        if self._raised_in_this_step():
+        if self._raised_here():
             self._pending = None
             return
         if self._pending is None:
-            record = self._peer_error()
-            if record is not None:
-                self._pending = (record, time.monotonic())
+            found = self._peer_error()
+            if found is not None:
+                self._pending = (*found[:1], time.monotonic(), found[1])
         failed_here = self._collective_failed_step is not None and self._collective_failed_step == self.step
         self._adopt_pending(grace=0.0 if failed_here else self.timeout)
 
-    def _peer_error(self) -> str | None:
-        """The record of the earliest step a peer raised in that this rank has reached and did not raise in
-        itself (None if none): the errors' log read on from where the last call left it."""
-        count = self.store.add(self._errors_prefix + "count", 0)  # reads without blocking
-        while self._log_read < count:
-            key = f"{self._errors_prefix}log/{self._log_read + 1}"
-            if not self.store.check([key]):
-                break  # being written: the next period reads it
-            self._log_steps.append(int(self.store.get(key).decode()))
-            self._log_read += 1
-        if self.step is None:
+    def _peer_error(self) -> tuple[str, tuple[int, int]] | None:
+        """(record, position) of the earliest position a peer raised at that this rank has reached and did
+        not raise at itself, or None: the errors' log read on from where the last call left it."""
+        count_key = self._errors_prefix + "count"
+        if not self.store.check([count_key]):  # (no write: a FileStore grows with every add)
             return None
-        for step in sorted(self._log_steps):
-            if step > self.step:
-                break  # a step this rank has not reached: its collectives there will wait
-            self._log_steps.remove(step)
-            record = self._get(self._errors_key(step))
-            if step not in self._raised_steps and record and int(record.split("\t", 1)[0]) != self.rank:
-                return record
+        count = self.store.add(count_key, 0)
+        while self._log_read < count:
+            entry = self._get(f"{self._errors_prefix}log/{self._log_read + 1}")
+            if entry is None:
+                break  # being written: the next period reads it
+            step, block = entry.split(".")
+            self._logged.append((int(step), int(block)))
+            self._log_read += 1
+        here = self._position()
+        for position in sorted(self._logged):
+            if position > here:
+                break  # not reached yet: this rank's collectives there will wait
+            self._logged.remove(position)
+            record = self._get(self._errors_key(position))
+            if position not in self._raised and record and int(record.split("\t", 1)[0]) != self.rank:
+                return record, position
         return None
 
-    def _raised_in_this_step(self) -> bool:
-        return self._raised_step is not None and self._raised_step == self.step
+    def _raised_here(self) -> bool:
+        return self._raised_at is not None and self._raised_at == self._position()
 
     def _adopt_pending(self, grace: float) -> None:
         with self._adopting:
             pending = self._pending
             if (pending is None or self.failure is not None or time.monotonic() - pending[1] < grace
-                    or self._raised_in_this_step()):
+                    or self._raised_here()):
                 return
             self._pending = None
-            self._adopt(pending[0])
+            if pending[2] not in self._raised:  # (this rank raised there after the record was seen)
+                self._adopt(pending[0])
 
     def _adopt(self, record: str) -> None:
         peer, host, step, silent, finder, *error = record.split("\t", 5)
@@ -323,7 +338,7 @@ class PeerWatch:
                    error[0] if error else None)
 
     def _fail(self, peer: int, host: str, step: int | None, silent: float, who: str, error: str | None = None) -> None:
-        where = (f" during {self.activity}" if self.activity is not None
+        where = (f" during {self.activity}" if self.activity is not None and self._busy
                  else f" during training step {self.step + 1}" if self.step is not None else "")
         if error is not None:
             message = (f"rank {self.rank}: peer rank {peer} (host {host}) raised {error}, so this rank's collectives "

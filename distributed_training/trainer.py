@@ -534,7 +534,8 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         if barrier and (self._step_failed or sys.exc_info()[0] is not None):
             barrier = False
         error = self._drain_watched() if barrier else None  # a peer's failure in the last steps, named
-        barrier = barrier and error is None
+        # (a failed peer joins nothing)
+        barrier = barrier and error is None and (self._watch is None or self._watch.failure is None)
         if self._watch is not None:
             self._watch.stop()  # first: the peers must not take this rank's leaving for a death
         stop_heartbeat()  # no daemon thread may be inside a store call when the process exits

@@ -105,6 +105,11 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         self._locked_directory = None
 
     def _save_numbered(self, metrics: dict[str, torch.Tensor] | None) -> None:
+        """`fit`'s checkpoint of this step, under the peer watch (a peer dying meanwhile: named, not a hang)."""
+        with self._watched(f"the checkpoint save of step {self.step}"):
+            self._save_numbered_watched(metrics)
+
+    def _save_numbered_watched(self, metrics: dict[str, torch.Tensor] | None) -> None:
         path = self.checkpoints.path_for(self.step)
         layout = self._layout(path)
         broadcast = not layout.shared and self.checkpoints.best_metric is not None

@@ -160,6 +160,7 @@ class Fitting(StepRecording):
                                             eval_metrics, criterion, eval_target)
         self.evaluation = evaluation
         self._best_checked = self._check_best_metric(evaluation)  # (a training metric: at the first step)
+        self._own_time = None  # (a measure of an earlier fit's window that never logged)
         if not self.strategy.trains:  # a parameter server's server: it serves the workers' fit
             # A signal (torchrun's SIGTERM reaches every rank) waits until the workers, which stop on it,
             # have left: a server that died at once would fail their last pulls.
@@ -386,13 +387,14 @@ class Fitting(StepRecording):
                     break
                 began = time.perf_counter()  # (after the last step's logging, on_step, evaluation, save)
                 batch = next(batches, None)
-                fetched = time.perf_counter()
+                fetched = agreed = time.perf_counter()
                 if sharded:
                     has_batch = batch is not None
                 else:
                     # (a collective: a peer dead here is named, as in a step)
                     with self._watched(f"the agreement on a batch before training step {self.step + 1}"):
                         has_batch = self.context.every_rank(batch is not None)
+                    agreed = time.perf_counter()  # (its wait: a slower rank's fetch, not this one's work)
                 if not has_batch:
                     exhausted = True
                     break
@@ -406,7 +408,7 @@ class Fitting(StepRecording):
                 self.data_wait_s += fetched - last_end
                 if waited is not None:  # the measured step: its data and compute less its wait on the others
                     # (not what one rank did after the last step alone)
-                    self._own_time = self._own_work(now - began - waited, fetched - began)
+                    self._own_time = self._own_work(now - began - waited - (agreed - fetched), fetched - began)
                 metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - last_end)
                 # (what checkpoints record: with a log_dir, a log step's hold the communication figures too)
                 if not self._best_checked and (self.step % log_every == 0 or not self._monitoring):
@@ -424,9 +426,7 @@ class Fitting(StepRecording):
                     best_now = self.checkpoints is not None and evaluation.feeds(self.checkpoints.best_metric)
                     last_end = time.perf_counter()  # the evaluation is not the next step's time
                 if (self.checkpoint_every and self.step % self.checkpoint_every == 0) or best_now:
-                    # a peer dying during the save: exit, not hang (`peer_watch`)
-                    with self._watched(f"the checkpoint save of step {self.step}"):
-                        self._save_numbered(metrics)
+                    self._save_numbered(metrics)
                 told = self.strategy.stop_requested(self.model)
                 if told is not None:  # a parameter server's server got a signal: stop with it
                     stop.request(signal.Signals(told[1]), f"parameter server {told[0]} got {signal.Signals(told[1]).name}")

@@ -74,17 +74,18 @@ class PeerWatching:
         """A block of the job's collectives outside a step (an evaluation, a checkpoint save, a gather), under
         the peer watch, its error handled as a step's (`_failed`): a peer's death or error is named within
         seconds instead of a hang (NCCL) or a nameless closed connection (gloo), and this rank's own error
-        is published for its peers. Inside a watched block already (fit's save calls `save_checkpoint`),
-        that block's handling is the one."""
+        is published for its peers. A failure found already raises at once, as at a step's start. Inside a
+        watched block already (fit's save calls `save_checkpoint`), that block's handling is the one."""
         if self._watch is None or self._watch._busy:
             yield
             return
-        try:
-            with self._watching(activity):
+        self._watch.raise_if_failed()
+        with self._watching(activity):
+            try:
                 yield
-        except Exception as err:
-            self._failed(err)
-            raise
+            except Exception as err:
+                self._failed(err)  # (inside the block: a failure found meanwhile is said during `activity`)
+                raise
 
     def _watching(self, activity: str | None = None):
         """A block of the job's collectives, under the peer watch if there is one (`PeerWatch.active`);
@@ -98,23 +99,30 @@ class PeerWatching:
         """At `close`, on a GPU: wait for this rank's queued work under the watch. Its host may have run
         steps ahead of its collectives (nothing in a step waits for the GPU), so a peer that raised or died
         in those steps is found here, and named (the error returned), instead of a hang in whatever waits
-        for the GPU next (the process group's destruction)."""
-        if self._watch is None or self.device.type != "cuda":
+        for the GPU next (the process group's destruction). A failure the script was told of already is
+        not returned again (`close` then waits for nothing)."""
+        watch = self._watch
+        if watch is None or self.device.type != "cuda" or (watch.failure is not None and watch._acknowledged):
             return None
+        try:
+            with self._watched("closing the trainer (the last steps' collectives)"):
+                self._wait_for_device()
+            watch.raise_if_failed()
+        except Exception as err:
+            return err
+        return None
+
+    def _wait_for_device(self) -> None:
+        """Wait until this rank's GPU has done what is queued: polled, so that the training thread is never
+        blocked in the driver while the watcher aborts NCCL, and leaves as soon as a peer's failure is found."""
         import time
 
         import torch
 
-        try:
-            with self._watched("closing the trainer (the last steps' collectives)"):
-                done = torch.cuda.Event()
-                done.record()
-                while not done.query() and self._watch.failure is None:  # (polled: never blocked in the driver
-                    time.sleep(0.005)                                    # while the watcher aborts NCCL)
-            self._watch.raise_if_failed()
-        except Exception as err:
-            return err
-        return None
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query() and (self._watch is None or self._watch.failure is None):
+            time.sleep(0.002)
 
     def _abort_collectives(self, failure: PeerFailureError) -> None:
         """On the watcher's thread, when a peer is dead: abort an NCCL process group, which makes a

@@ -54,17 +54,17 @@ class StepRecording:
         figures: the two out of its step time leave its own work, which the straggler check compares
         (in synchronous training every rank's step lasts as long as the slowest one's). Costs one tiny
         all-reduce per log window (and, on a GPU, draining this rank's queue first: see `_own_work`). The
-        first step this process trains is not probed: it warms up (kernels, allocator, communicators)."""
+        first step this trainer trains is not probed: it warms up (kernels, allocator, communicators)."""
         first, self._probed = not getattr(self, "_probed", False), True
         if (first or not self._monitoring or self.step % self.monitor_log_every
                 or not getattr(self.monitor, "_cluster_on", False)):
             return None
         group = self.monitor.group
         device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
         with self._watched(f"the straggler probe before training step {self.step + 1}"):  # a dead peer named
+            if device.type == "cuda":
+                self._wait_for_device()
+            start = time.perf_counter()
             flag = torch.zeros(1, device=device)
             dist.all_reduce(flag, group=group)
             flag.item()  # on the host: waited for every rank

@@ -47,3 +47,20 @@ def test_balanced_ranks_on_nccl_name_no_straggler(tmp_path):
     (said, _), (said_1, _) = run_distributed(straggler_worker, 2, args=("on_step", str(tmp_path)),
                                              backend="nccl", timeout=180)
     assert not said and not said_1, (said, said_1)
+
+
+def test_a_peer_dead_after_the_loop_is_named_on_nccl_and_close_does_not_raise_it_again(tmp_path):
+    """save_checkpoint names the dead peer (NCCL: it would wait for the collective timeout), the calls after
+    it raise the same at once, and close() does not raise the failure the script already caught."""
+    import json
+
+    from distributed_training.testing import DistributedTestError
+
+    from test_trial_s34 import dead_peer_after_training_worker
+
+    with pytest.raises(DistributedTestError) as caught:  # rank 1's os._exit(1)
+        run_distributed(dead_peer_after_training_worker, 2, args=(str(tmp_path),), backend="nccl", timeout=180,
+                        grace=90)
+    assert "rank 1 failed" in str(caught.value) and "rank 0" not in str(caught.value), caught.value
+    for name, text in json.loads((tmp_path / "said.json").read_text()).items():
+        assert text.startswith("peer 1: "), (name, text)

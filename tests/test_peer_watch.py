@@ -305,8 +305,11 @@ def test_a_dead_peer_is_said_during_what_the_trainer_was_doing():
     watch._fail(2, "host pid 1", 3, 2.5, "rank 0 saw it")
     assert "during training step 5" in str(watch.failure)
     watch.activity = "the evaluation after step 4"
-    watch._fail(2, "host pid 1", 3, 2.5, "rank 0 saw it")
+    with watch.active():
+        watch._fail(2, "host pid 1", 3, 2.5, "rank 0 saw it")
     assert "during the evaluation after step 4" in str(watch.failure) and "training step" not in str(watch.failure)
+    watch._fail(2, "host pid 1", 3, 2.5, "rank 0 saw it")  # found while the trainer was idle: not the old activity
+    assert "during training step 5" in str(watch.failure), watch.failure
     assert "peer rank 2 (host host pid 1, last seen in step 4 or later) is dead" in str(watch.failure)
 
 
@@ -329,7 +332,7 @@ def test_a_peers_error_in_a_step_this_rank_ran_ahead_of_is_adopted():
     mine.step = 3
     mine._check_errors()
     assert mine.failure is None and mine._pending is not None  # seen, within its grace
-    mine._pending = (mine._pending[0], mine._pending[1] - 61.0)
+    mine._pending = (mine._pending[0], mine._pending[1] - 61.0, mine._pending[2])
     mine._check_errors()
     assert mine.failure is not None and mine.failure.rank == 1 and "a label out of range" in str(mine.failure)
 
@@ -359,7 +362,7 @@ def test_a_failed_collective_drops_the_grace_only_in_its_own_step():
     peer.publish_error(RuntimeError("bad batch"))
     mine._check_errors()
     assert mine.failure is None, "adopted without the grace in a later step"
-    mine._pending = (mine._pending[0], mine._pending[1] - 61.0)  # the grace has passed
+    mine._pending = (mine._pending[0], mine._pending[1] - 61.0, mine._pending[2])  # the grace has passed
     mine._check_errors()
     assert mine.failure is not None and "raised RuntimeError: bad batch" in str(mine.failure)
     # within the failed collective's own step, a published error is adopted at once

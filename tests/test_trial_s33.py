@@ -327,8 +327,12 @@ def straggler_worker(rank, world, where, log_dir):
         import time
 
         on_step = (lambda step, metrics: time.sleep(0.03) if rank == 0 else None) if where == "on_step" else None
-        trainer.fit(_SlowData(1 if where == "data" else -1), epochs=1, max_steps=10, criterion=F.cross_entropy,
-                    batch_size=8, on_step=on_step, log_every=5)
+        data = samples = _SlowData(1 if where in ("data", "iterable") else -1)
+        if where == "iterable":  # a plain iterable: fit agrees on each batch with the others before training it
+            data = (tuple(torch.stack(column) for column in zip(*(samples[8 * k + i] for i in range(8))))
+                    for k in range(12))
+        trainer.fit(data, epochs=1, max_steps=10, criterion=F.cross_entropy, batch_size=None if where == "iterable" else 8,
+                    on_step=on_step, log_every=5)
     slowest = trainer.get_performance_metrics()["cluster_slowest_rank"]
     trainer.close()
     return [str(w.message) for w in caught if "straggler" in str(w.message)], slowest

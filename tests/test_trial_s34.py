@@ -58,3 +58,100 @@ def test_a_peer_dead_after_the_loop_is_named_by_save_evaluate_and_full_state_dic
     said = json.loads((tmp_path / "said.json").read_text())
     for name, text in said.items():
         assert text.startswith("peer 1: "), (name, text)
+
+
+def test_a_slow_iterable_is_named_a_straggler():
+    """With a plain iterable, fit's agreement on each batch ran before the probe: the fast rank's wait for
+    the slow one's fetch was counted as its own work (1.04x, never flagged; a review)."""
+    from test_trial_s33 import straggler_worker
+
+    import tempfile
+
+    (said, slowest), (said_1, _) = run_distributed(straggler_worker, 2, args=("iterable", tempfile.mkdtemp()),
+                                                   timeout=120)
+    assert said and all("rank 1 works" in m for m in said) and slowest == 1, (said, slowest)
+    assert not said_1
+
+
+def _watches(store, positions=2):
+    from distributed_training.peer_watch import PeerWatch
+
+    mine, peer = (PeerWatch(store, rank=r, world_size=2, timeout=60.0) for r in (0, 1))
+    mine._errors_prefix = peer._errors_prefix
+    return mine, peer
+
+
+def _enter(*watches):
+    for watch in watches:
+        with watch.active():
+            pass
+
+
+def test_a_peers_error_after_one_every_rank_caught_is_adopted():
+    """Every rank's evaluate() raised alike after step 2 (each its own; the script caught it), then rank 1's
+    save failed: the record key of that step was taken and this rank skipped the whole step as its own, so
+    rank 0 was left with gloo's nameless closed connection (a review). A watched block is a position."""
+    from torch.distributed import HashStore
+
+    mine, peer = _watches(HashStore())
+    mine.step = peer.step = 2
+    _enter(mine, peer)  # the step
+    _enter(mine, peer)  # the evaluation: both raise
+    for watch in (mine, peer):
+        watch.publish_error(ValueError("a metric that does not fit the data"))
+    mine._check_errors()
+    assert mine._pending is None  # each says its own
+    _enter(mine, peer)  # the save: rank 1's fails
+    peer.publish_error(NotADirectoryError("checkpoints/last"))
+    mine._check_errors()
+    mine._pending = (mine._pending[0], mine._pending[1] - 61.0, mine._pending[2])
+    mine._check_errors()
+    assert mine.failure is not None and "NotADirectoryError" in str(mine.failure), mine.failure
+
+
+def test_a_peers_record_seen_just_before_this_rank_raised_there_is_not_adopted_later():
+    """The watcher picked a peer's record of a position this rank had not raised at yet, and the training
+    thread raised there (alike) before the record was set pending: once the script retried and went on,
+    the record was adopted, and a failure every rank had caught ended this one (a review)."""
+    from torch.distributed import HashStore
+
+    mine, peer = _watches(HashStore())
+    mine.step = peer.step = 2
+    peer.publish_error(RuntimeError("a bad batch"))
+    found = mine._peer_error()
+    mine.publish_error(RuntimeError("a bad batch"))  # (the training thread, between the two)
+    mine._peer_error = lambda: found
+    mine._check_errors()  # (pending: this rank has raised there, so it is dropped at once)
+    mine._pending = (found[0], 0.0, found[1])  # as if set just before
+    mine.step = 3
+    mine._check_errors()
+    assert mine.failure is None, mine.failure
+
+
+def known_failure_worker(rank, world):
+    """Rank 0's watch has found rank 1 dead; the script then calls save_checkpoint: it raises at once."""
+    import time
+
+    from distributed_training.peer_watch import PeerFailureError
+
+    trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    trainer.train_step((torch.randn(4, 4), torch.randn(4, 2)), torch.nn.functional.mse_loss)
+    if rank == 1:
+        trainer.close(barrier=False)
+        return None
+    trainer._watch.failure = PeerFailureError("rank 0: peer rank 1 is dead", 1, "host", 0, 9.0)
+    start = time.monotonic()
+    try:
+        trainer.save_checkpoint("unused")
+        said = "returned"
+    except PeerFailureError as err:
+        said = str(err)
+    trainer.close(barrier=False)
+    return said, time.monotonic() - start
+
+
+def test_a_failure_found_already_raises_when_a_watched_call_starts():
+    """save_checkpoint entered its collectives with a peer known dead: a silent peer meant the watcher ended
+    the process (status 75) instead of the caller getting the error (a review)."""
+    said, seconds = run_distributed(known_failure_worker, 2, timeout=60)[0]
+    assert said == "rank 0: peer rank 1 is dead" and seconds < 1.0, (said, seconds)
