@@ -30,7 +30,7 @@ NCCL), unless it raised in that step itself (every rank's batch was bad alike: e
 is left with an aborted group for the steps after).
 
 Getting the training thread out. A rank blocked in a collective on a dead peer cannot receive a Python
-exception: it waits in C++. What works, measured on CPU (gloo, torch 2.13) and by construction on NCCL:
+exception: it waits in C++. What works, measured on CPU (gloo, torch 2.13) and on 2x H200 (NCCL 2.28.9):
 
 * A peer killed outright (its sockets closed by the kernel): gloo fails at once ("Connection closed by
   peer", no rank named). The trainer then asks the watcher for its verdict (`PeerWatch.verdict`, which
@@ -40,7 +40,7 @@ exception: it waits in C++. What works, measured on CPU (gloo, torch 2.13) and b
   keeps waiting). NCCL's communicator abort does make its kernels and waits return with an error, so
   on NCCL the trainer aborts the process group on detection (`on_failure`) and the step raises.
 * Whatever is still blocked `exit_after` seconds after detection inside the trainer's work (`active`:
-  a step, `fit`'s checkpoint saves; gloo's silent peer): the watcher logs the error and ends the process with
+  a step, an evaluation, a checkpoint save, `close`'s wait for the GPU; gloo's silent peer): the watcher logs the error and ends the process with
   `os._exit(EXIT_CODE)`. That is clean where it matters: torchrun's agent sees a failed worker, stops
   its other workers and re-forms the job (``--max-restarts``, ``--nnodes=MIN:MAX``), which is the
   recovery anyway; a process whose peer is dead has no collective it can ever finish.

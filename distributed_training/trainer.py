@@ -218,7 +218,9 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             no watch). From the first `train_step` on, each rank beats in the rendezvous store from a
             background thread (a long step keeps beating: silence means the process is gone, frozen or
             cut off) and watches its neighbours; a dead peer becomes a `PeerFailureError` naming it and
-            its host, raised by `train_step`, instead of a hang until the collective `timeout`. On NCCL
+            its host, raised by `train_step` (and by `fit`'s evaluations and saves, `evaluate`,
+            `save_checkpoint`, `full_state_dict` and, on a GPU, `close`; a rank's own error in them is
+            named to its peers alike), instead of a hang until the collective `timeout`. On NCCL
             the process group is aborted so that a blocked collective returns; a rank still blocked
             ``max(10, 2 * heartbeat_timeout)`` seconds later (gloo cannot be woken) logs the error and
             exits with status `peer_watch.EXIT_CODE` (75), for torchrun to restart. See
