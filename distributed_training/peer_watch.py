@@ -19,15 +19,17 @@ after its first beat (before it, a slow start-up is not a death), and a rank tha
 (`PeerWatch.stop`, or at interpreter exit) says so, so finishing early is never mistaken for dying.
 
 A peer that raised. A rank whose own step raises (not a consequence of a peer: a closed connection, a
-timeout, a pipeline's abort) writes its error to a key of that step (`publish_error`; a key per job
-incarnation, trainer and step; the first rank to raise in a step is named) and, once per step, the step
-to a log (a counter and a key per entry) that the watchers read each period with one `add(0)`. Its
-process may still be alive, or may close its sockets as it ends: either way its peers' collectives with
-it cannot complete. A peer adopts the record as it would a death when it has reached that step (on NCCL
-its host may be several steps ahead, its collectives of that step still queued on the GPU), once its own
-collective has failed (gloo's closed connection: at once) or `timeout` after seeing it (a wait, as on
-NCCL), unless it raised in that step itself (every rank's batch was bad alike: each says its own, and none
-is left with an aborted group for the steps after).
+timeout, a pipeline's abort) writes its error to a key of its position (`publish_error`; a key per job
+incarnation, trainer and position; the first rank to raise there is named) and the position to a log (a
+counter and a key per entry, which the watchers read when the counter exists). A position is the step and
+the watched block in it (`active`: the step itself, then e.g. fit's evaluation and save, or a script's
+`save_checkpoint`), alike on every rank, so that a retried step, or a second failure after one the script
+caught, is a new one. Its process may still be alive, or may close its sockets as it ends: either way its
+peers' collectives with it cannot complete. A peer adopts the record as it would a death once it has
+reached that position (on NCCL its host may be several steps ahead, its collectives there still queued on
+the GPU), at once if its own collective has failed (gloo's closed connection) or `timeout` after seeing it
+(a wait, as on NCCL), unless it raised at that position itself (every rank's batch was bad alike: each
+says its own, and none is left with an aborted group for the steps after).
 
 Getting the training thread out. A rank blocked in a collective on a dead peer cannot receive a Python
 exception: it waits in C++. What works, measured on CPU (gloo, torch 2.13) and on 2x H200 (NCCL 2.28.9):
@@ -129,9 +131,9 @@ class PeerWatch:
         self.step: int | None = None  # the training thread's current step, for messages
         self.activity: str | None = None  # what the training thread does ("training step 5"), for messages
         self._detected_at: float | None = None
-        # Peers' own errors (`publish_error`): a key per job incarnation, trainer of this process and step, so
-        # that no record outlives the step it was raised in; the step this rank raised in itself; a peer's
-        # record seen and adopted after a grace (`_check_errors`), unless this rank raises in that step too.
+        # Peers' own errors (`publish_error`): keys per job incarnation and trainer of this process, then per
+        # position; a peer's record seen is adopted after a grace (`_check_errors`) unless this rank raises
+        # at that position too.
         self._errors_prefix = (f"{_PREFIX}raised/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
                                f"{next(_GENERATIONS)}/")
         # Where the training thread is: (step, block), the block counting the watched blocks (`active`) it
