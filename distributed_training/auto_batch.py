@@ -97,7 +97,9 @@ class AutoBatchSize:
         # The search must leave no trace: dropout's RNG and BatchNorm's statistics are put back.
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
-        self.model.train()
+        modes = [(m, m.training) for m in self.model.modules()]  # (a submodule frozen in eval mode stays so)
+        if not self.model.training:  # as train_step does
+            self.model.train()
         failure, micro, why = None, 0, ""
         try:
             if method == "probe":
@@ -113,6 +115,8 @@ class AutoBatchSize:
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
+            for m, mode in modes:
+                m.training = mode
         if ctx.world_size > 1:
             agreed = torch.tensor([micro], dtype=torch.int64, device=self.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ctx.group)

@@ -527,7 +527,9 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         here, after the rest is closed. Watching the peers stops first (this rank's leaving is not
         a death); on a GPU, this rank's queued work is waited for before, under the watch, so that a
         peer that raised or died in the last steps (which the host ran ahead of) raises
-        `PeerFailureError` naming it here, after the rest is closed, instead of a hang.
+        `PeerFailureError` naming it here, after the rest is closed, instead of a hang. Under ZeRO-2/3
+        and FSDP a clean close (every rank) gathers the trained weights back into the model you passed,
+        whole on every rank, so that its ``state_dict()``, ``save_pretrained()`` or a plain forward work.
 
         Called while an exception propagates (``try: trainer.fit(...) finally: trainer.close()``) or
         after a `train_step` that raised, it does not wait for the peers (as ``barrier=False``): they may
@@ -538,6 +540,12 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         error = self._drain_watched() if barrier else None  # a peer's failure in the last steps, named
         # (a failed peer joins nothing)
         barrier = barrier and error is None and (self._watch is None or self._watch.failure is None)
+        if barrier:  # every rank is here: the model you passed gets its full weights back (ZeRO-2/3, FSDP)
+            try:
+                with self._watched("closing the trainer (the model's weights given back)"):
+                    self.strategy.give_back(self.model)
+            except Exception as err:  # (a peer failed meanwhile: named; the rest still closes)
+                error, barrier = err, False
         if self._watch is not None:
             self._watch.stop()  # first: the peers must not take this rank's leaving for a death
         stop_heartbeat()  # no daemon thread may be inside a store call when the process exits

@@ -48,6 +48,15 @@ METRIC_NAMES = ("accuracy", "top<k>", "perplexity")
 _TOP = re.compile(r"top([1-9][0-9]*)")
 
 
+def _logits(outputs: Any) -> Any:
+    """A classifier's logits: the outputs themselves, or their ``"logits"`` entry (a dict) or ``.logits``
+    attribute (a Hugging Face output), as a criterion reading ``out["logits"]`` takes them."""
+    if isinstance(outputs, Mapping) and "logits" in outputs:
+        return outputs["logits"]
+    logits = getattr(outputs, "logits", None)
+    return logits if torch.is_tensor(logits) else outputs
+
+
 def _check_classifier_shapes(outputs: torch.Tensor, targets: torch.Tensor, name: str) -> None:
     if not (torch.is_tensor(outputs) and torch.is_tensor(targets) and outputs.dim() == 2 and targets.dim() == 1
             and not targets.is_floating_point()):
@@ -60,6 +69,7 @@ def _check_classifier_shapes(outputs: torch.Tensor, targets: torch.Tensor, name:
 
 def correct_count(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """How many samples of the batch have their highest logit at the target class (a count, summed)."""
+    outputs = _logits(outputs)
     _check_classifier_shapes(outputs, targets, "accuracy")
     return (outputs.argmax(dim=-1) == targets).sum()
 
@@ -69,18 +79,20 @@ correct_count.reduction = "sum"  # type: ignore[attr-defined]
 
 class TopKCount:
     """How many samples of the batch have their target among the `k` highest logits (a count, summed).
-    With `k` at least the number of classes every sample counts."""
+    With `k` at least the number of classes every sample counts (said once, unless `eval_metrics="auto"`
+    chose it: `quiet`)."""
 
     reduction = "sum"
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, quiet: bool = False) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"top-k accuracy needs an integer k >= 1, got {k!r}")
-        self.k = k
+        self.k, self._said = k, quiet
 
     def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        outputs = _logits(outputs)
         _check_classifier_shapes(outputs, targets, f"top{self.k}")
-        if self.k >= outputs.shape[-1] and not getattr(self, "_said", False):
+        if self.k >= outputs.shape[-1] and not self._said:
             self._said = True
             warnings.warn(f"top{self.k} accuracy over {outputs.shape[-1]} classes counts every sample (always 1): "
                           f"k should be below the number of classes", stacklevel=2)
@@ -191,8 +203,13 @@ class PeriodicEvaluation:
             self.functions, self.perplexity = dict(metrics), False
             self.names = tuple(self.functions)
         else:
-            self.names = auto_metrics(inner, criterion) if metrics == "auto" else tuple(metrics)
+            # (one name as a string is that metric)
+            self.names = (auto_metrics(inner, criterion) if metrics == "auto" else
+                          (metrics,) if isinstance(metrics, str) else tuple(metrics))
             self.functions, self.perplexity = metric_functions(list(self.names))
+            if metrics == "auto":  # top5 of fewer classes is 1 by definition: not a mistake of the user's
+                self.functions = {k: TopKCount(f.k, quiet=True) if isinstance(f, TopKCount) else f
+                                  for k, f in self.functions.items()}
             check_classifier_targets(inner, self.names)
         if self.functions and criterion is None:
             raise ValueError(f"eval_metrics {list(self.functions)} are computed from (outputs, targets): they need "

@@ -155,3 +155,92 @@ def test_a_failure_found_already_raises_when_a_watched_call_starts():
     the process (status 75) instead of the caller getting the error (a review)."""
     said, seconds = run_distributed(known_failure_worker, 2, timeout=60)[0]
     assert said == "rank 0: peer rank 1 is dead" and seconds < 1.0, (said, seconds)
+
+
+def _nanogpt_factory(params):
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=1e-3)
+
+
+def shards_factory_worker(rank, world, strategy):
+    try:
+        DistributedTrainer(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2)), _nanogpt_factory,
+                           strategy=strategy, progress=False).close()
+    except ValueError as err:
+        return str(err)
+    return "built"
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_a_factory_splitting_by_shape_over_flat_shards_is_refused(strategy):
+    """The shards are 1-D: nanoGPT's decay split put every shard in the no-decay group, and training ran
+    without weight decay, 5e-2 off one process (a trial). DDP hands the parameters themselves."""
+    said = run_distributed(shards_factory_worker, 1, args=(strategy,), timeout=60)[0]
+    assert "weight_decay=0.1" in said and "decay_by_segments" in said, said
+    assert run_distributed(shards_factory_worker, 1, args=("ddp",), timeout=60) == ["built"]
+
+
+def frozen_bn_auto_batch_worker(rank, world):
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+    model[1].eval()
+    model[1].requires_grad_(False)
+    before = model[1].running_mean.clone()
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    trainer.fit(TensorDataset(torch.randn(64, 10), torch.randint(0, 5, (64,))), epochs=1,
+                criterion=torch.nn.functional.cross_entropy, batch_size="auto", max_steps=3)
+    said = model[1].training, (model[1].running_mean - before).abs().max().item()
+    trainer.close()
+    return said
+
+
+def test_the_automatic_batch_search_leaves_a_frozen_batchnorm_frozen():
+    """The search called model.train() and never put the modes back: the frozen BatchNorm trained on, its
+    running mean moved by 0.26 (a trial)."""
+    assert run_distributed(frozen_bn_auto_batch_worker, 1, timeout=120) == [(False, 0.0)]
+
+
+def test_eval_metrics_take_one_name_hf_outputs_and_stay_quiet_about_their_own_top5():
+    """A trial: eval_metrics="accuracy" was split into letters; "auto" crashed on a model returning a dict
+    with logits (at the first evaluation, after training); "auto" warned about its own top5 of 4 classes."""
+    import warnings
+
+    from distributed_training.validation import PeriodicEvaluation
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.tensor([0, 1, 2, 3] * 2))
+    assert PeriodicEvaluation(data, None, 4, "accuracy", torch.nn.functional.cross_entropy).names == ("accuracy",)
+    auto = PeriodicEvaluation(data, None, 4, "auto", torch.nn.functional.cross_entropy)
+    logits = torch.randn(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        counts = [int(f({"logits": logits}, data.tensors[1])) for f in auto.functions.values()]
+    assert counts == [int((logits.argmax(-1) == data.tensors[1]).sum()), 8], counts
+
+
+def given_back_worker(rank, world, strategy):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)  # a frozen unit comes back frozen
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, progress=False)
+    for _ in range(2):
+        trainer.train_step((torch.randn(4, 4), torch.randn(4, 2)), torch.nn.functional.mse_loss)
+    full = trainer.full_state_dict()
+    trainer.close()
+    state = model.state_dict()
+    x = torch.randn(3, 4)
+    out = model(x)  # runs by itself
+    if rank:
+        return None
+    return (sorted(state) == sorted(full) and all(torch.equal(state[k], full[k]) for k in full),
+            [p.requires_grad for p in model.parameters()], tuple(out.shape))
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_close_gives_the_model_its_trained_weights_back(strategy):
+    """Under ZeRO-2/3 the model object the user built kept no parameters after close(): its state_dict()
+    was {} (a script's torch.save after training saved nothing) and HF's save_pretrained failed (a trial)."""
+    assert run_distributed(given_back_worker, 2, args=(strategy,), timeout=90)[0] == (
+        True, [False, False, True, True], (3, 2))

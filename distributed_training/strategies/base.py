@@ -74,6 +74,28 @@ def checked_optimizer(built: Any) -> torch.optim.Optimizer:
     return built
 
 
+def check_groups_over_shards(optimizer: torch.optim.Optimizer, strategy: str) -> None:
+    """Raise if a param group the factory made is empty while another, with other hyperparameters, is
+    not: over flat 1-D shards (each holding slices of several layers), a factory that splits parameters
+    by shape or name (decay only where ``p.dim() >= 2``, as nanoGPT does) puts every shard in one group,
+    so the other group's setting (its weight decay) silently applies to nothing."""
+    def settings(group):
+        return {k: v for k, v in group.items() if k != "params"}
+
+    full = [g for g in optimizer.param_groups if g["params"]]
+    for group in optimizer.param_groups:
+        if group["params"] or all(settings(group) == settings(other) for other in full):
+            continue
+        differ = sorted(k for k in settings(group) if any(settings(other).get(k) != group[k] for other in full))
+        shown = ", ".join(f"{k}={group[k]!r}" for k in differ[:3])
+        raise ValueError(
+            f"strategy '{strategy}' hands the optimizer factory flat 1-D shards, each holding slices of several "
+            f"layers, and the factory left its param group with {shown} empty: no parameter would train with it "
+            "(a split by p.dim() or by name puts every shard in one group). For weight decay with exclusions use "
+            "distributed_training.optim.param_groups with decay_by_segments under 'zero2' / 'zero3' / 'fsdp' "
+            "(docs/dtrain_jobs.md), or strategy 'ddp', whose factory gets the parameters themselves")
+
+
 def check_optimizer_params(
     optimizer: torch.optim.Optimizer,
     expected: Iterable[torch.Tensor],
@@ -214,9 +236,9 @@ class Strategy(abc.ABC):
         group (a collective where gradients are sharded). Parameters named in `skip` (names in the
         wrapped module) are left out: a pipeline counts a tied weight's copies once. Here: replicated
         gradients, each rank holds them all."""
-        grads = [p.grad for name, p in _named_once(self.unwrap(model)) if p.grad is not None
-                 and not (name & skip)]
-        return sum_of_squares(grads)
+        named = _named_once(self.unwrap(model))
+        grads = [p.grad for name, p in named if p.grad is not None and not (name & skip)]
+        return sum_of_squares(grads, dtype=norm_dtype([p for _, p in named]))
 
     def reduced_gradients_of(self, model: nn.Module, names: frozenset[str]) -> list[torch.Tensor]:
         """Views of this rank's reduced gradients (after the step's synchronisation) holding the
@@ -408,6 +430,10 @@ class Strategy(abc.ABC):
         """Bytes of state the first step allocates besides the optimizer's (e.g. compression residuals)."""
         return 0.0
 
+    def give_back(self, model: nn.Module) -> None:
+        """At a clean `close` (every rank, before `teardown`): leave the user's module holding its full
+        weights, where the strategy moved them elsewhere (FSDP's shards). Collective where it gathers."""
+
     def teardown(self, model: nn.Module) -> None:
         """Release what `setup_module` attached (hooks, buffers)."""
 
@@ -422,9 +448,16 @@ def _named_once(module: nn.Module) -> list[tuple[frozenset[str], nn.Parameter]]:
     return [(frozenset(names[i]), params[i]) for i in params]
 
 
-def sum_of_squares(grads: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """The sum of squares of `grads` in float32 (0-dim, on `device` or the first gradient's)."""
+def norm_dtype(tensors) -> torch.dtype:
+    """What a gradient norm over `tensors` is summed in: float64 for a float64 model, else float32 (every
+    rank alike: pass the parameters or shards, which every rank holds, not only the gradients present)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def sum_of_squares(grads: list[torch.Tensor], device: torch.device | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The sum of squares of `grads` in `dtype` (0-dim, on `device` or the first gradient's)."""
     if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device or torch.device("cpu"))
-    total = torch.stack([n.float() for n in torch._foreach_norm(grads)]).square().sum()
+        return torch.zeros((), dtype=dtype, device=device or torch.device("cpu"))
+    total = torch.stack([n.to(dtype) for n in torch._foreach_norm(grads)]).square().sum()
     return total.to(device) if device is not None else total

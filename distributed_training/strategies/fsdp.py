@@ -63,6 +63,7 @@ from ..comm.sharded import all_gather_flat, reduce_scatter_flat
 from ..mesh import Mesh, global_rank
 from ..optim import ParamSegments
 from ..runtime import collective_device, launcher_ranks_per_node
+from .base import norm_dtype
 from .eager import eager_only
 from .fsdp_state import FSDPStateDict
 from .fsdp_units import Unit, UnitPlacement, alloc_storage, build_units, free_storage, unit_roots
@@ -84,6 +85,17 @@ class MixedPrecision:
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+
+
+def _refuse_low_precision_batchnorm(module: nn.Module, dtype: torch.dtype) -> None:
+    """`MixedPrecision(param_dtype)` computes every parameter in `dtype`: a BatchNorm's weight too, while its
+    running statistics stay float32, which `F.batch_norm` refuses at the first forward. Said up front."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.weight is not None:
+            raise ValueError(
+                f"FSDP mixed_precision=MixedPrecision(param_dtype={dtype}) would compute BatchNorm '{name or type(m).__name__}' "
+                f"in {dtype} against its float32 running statistics, which BatchNorm refuses. Use the trainer's "
+                f"mixed_precision='bf16' / 'fp16' (autocast, which keeps BatchNorm in float32) for this model")
 
 
 class FSDP(FSDPStateDict, nn.Module):
@@ -163,6 +175,8 @@ class FSDP(FSDPStateDict, nn.Module):
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         mp = mixed_precision or MixedPrecision()
+        if mp.param_dtype is not None and mp.param_dtype != torch.float32:
+            _refuse_low_precision_batchnorm(module, mp.param_dtype)
         self._param_dtype = mp.param_dtype
         self._reduce_dtype = mp.reduce_dtype or mp.param_dtype
 
@@ -202,6 +216,7 @@ class FSDP(FSDPStateDict, nn.Module):
         # docstring), which the user is told once.
         self._unused_watch = _UnusedWatch(UNUSED_WATCH_STEPS)
         self._summoned = False  # inside `summon_full_params`
+        self._released = False  # `release`: the module holds its weights again, the wrapper is done
         for unit in self._units:
             self._register_hooks(unit)
         self._outside_hook = module.register_forward_pre_hook(_RootGuard(self))
@@ -304,6 +319,9 @@ class FSDP(FSDPStateDict, nn.Module):
 
     @eager_only
     def _before_forward(self) -> None:
+        if self._released:
+            raise RuntimeError("this FSDP wrapper was released (the trainer was closed): its module holds its full "
+                               "weights again and runs by itself; wrap it anew to train it sharded")
         if self._summoned:
             raise RuntimeError("the FSDP wrapper cannot run inside summon_full_params(), whose weights are not "
                                "the ones it trains: call the module itself there (`trainer.module`)")
@@ -492,9 +510,10 @@ class FSDP(FSDPStateDict, nn.Module):
             self._join_state.announce_clip(max_norm)  # ranks out of data join this all-reduce
         grads = [u.shard.grad for u in self._units if u.shard.grad is not None]
         comm_device = self.device if dist.get_backend(self.shard_group) == "nccl" else torch.device("cpu")
-        total = torch.zeros((), dtype=torch.float32, device=comm_device)
+        dtype = norm_dtype([u.shard for u in self._units])
+        total = torch.zeros((), dtype=dtype, device=comm_device)
         for g in grads:
-            total += g.detach().float().pow(2).sum().to(comm_device)
+            total += g.detach().to(dtype).pow(2).sum().to(comm_device)
         if self.shard_world > 1:
             dist.all_reduce(total, group=self.shard_group)
         norm = total.sqrt()
@@ -526,6 +545,29 @@ class FSDP(FSDPStateDict, nn.Module):
                 del mod._parameters[attr]
                 setattr(mod, attr, old)
             self._summoned = False
+
+    def release(self) -> None:
+        """After training (the trainer's clean `close`): the module holds its full weights again, as
+        parameters of its own (the shards' values; on the CPU with ``cpu_offload``), and FSDP's hooks are
+        removed, so that ``model.state_dict()``, ``save_pretrained()`` or a plain forward work on the
+        model object the user built (without this, its parameters stay freed views of shards that go away
+        with the trainer). Collective: every rank calls it, and holds the whole model after it. The wrapper
+        cannot run after it."""
+        if self._released:
+            return
+        if self._summoned:
+            raise RuntimeError("release() inside summon_full_params()")
+        if self._backward_state.pending:
+            self._finish_backward()
+        with torch.no_grad():
+            for unit in self._units:
+                self._register_full(unit)
+        self._outside_hook.remove()
+        for unit in self._units:
+            for hook in unit.hooks:
+                hook.remove()
+            unit.hooks.clear()
+        self._released = True
 
     def _register_full(self, unit: Unit) -> list[tuple[nn.Module, str, Any]]:
         """Gather the unit's shards into a new flat buffer and register its pieces as the modules'

@@ -23,7 +23,9 @@ from torch import nn
 
 from ..checkpoint_shards import Holding, StateLayout, flat_pieces
 from ..runtime import DistributedContext
-from .base import ParamNames, Strategy, check_optimizer_params, checked_optimizer, require_factory, sum_of_squares
+from .base import (ParamNames, Strategy, check_groups_over_shards, check_optimizer_params,
+                   checked_optimizer, norm_dtype, require_factory,
+                   sum_of_squares)
 from .fsdp import FSDP, _cast_floats
 from .fsdp_units import unit_roots
 
@@ -84,6 +86,10 @@ class FSDPStrategy(Strategy):
                                  for stage in stages]
         return model
 
+    def give_back(self, model: nn.Module) -> None:
+        if isinstance(model, FSDP):  # (a pipeline's stages keep theirs: each rank holds its stage only)
+            model.release()
+
     def summon_full_params(self, model: FSDP) -> contextlib.AbstractContextManager:
         return model.summon_full_params()
 
@@ -105,9 +111,10 @@ class FSDPStrategy(Strategy):
         hybrid replicas hold the same shards), less the elements of the parameters named in `skip`."""
         device = model.device if dist.get_backend(model.shard_group) == "nccl" else torch.device("cpu")
         units = [u for u in model._units if u.shard.grad is not None]
-        total = sum_of_squares([u.shard.grad for u in units], device)
+        dtype = norm_dtype([u.shard for u in model._units])
+        total = sum_of_squares([u.shard.grad for u in units], device, dtype)
         if skip:
-            total = total - sum_of_squares(self.reduced_gradients_of(model, skip), device)
+            total = total - sum_of_squares(self.reduced_gradients_of(model, skip), device, dtype)
         if model.shard_world > 1:
             dist.all_reduce(total, group=model.shard_group)
         return total
@@ -138,6 +145,7 @@ class FSDPStrategy(Strategy):
                 "given: use its argument, e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
             ) from err
         checked_optimizer(built)
+        check_groups_over_shards(built, self.name)
         check_optimizer_params(
             built, model.parameters(), strategy=self.name, expected_what="this rank's shards",
             names=getattr(self, "_names", None),

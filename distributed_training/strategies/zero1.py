@@ -20,7 +20,9 @@ from torch import nn
 
 from ..checkpoint_shards import Holding, StateLayout, flat_pieces, whole_tensors
 from ..runtime import DistributedContext, collective_device
-from .base import ParamNames, Strategy, check_optimizer_params, checked_optimizer, require_factory, sum_of_squares
+from .base import (ParamNames, Strategy, check_groups_over_shards, check_optimizer_params,
+                   checked_optimizer, norm_dtype, require_factory,
+                   sum_of_squares)
 from .ddp import DDP
 from .ddp_strategy import DDPBacked
 from .zero1_ddp import Zero1DDP, _BucketShard
@@ -85,6 +87,7 @@ class Zero1Strategy(DDPBacked, Strategy):
             built = factory(shards)
         checked_optimizer(built)
         if shards:
+            check_groups_over_shards(built, self.name)
             check_optimizer_params(
                 built, shards, strategy=self.name, expected_what="this rank's shards",
                 names=getattr(self, "_names", None),
@@ -110,9 +113,10 @@ class Zero1Strategy(DDPBacked, Strategy):
         group), less the elements of the parameters named in `skip` that fall in them."""
         grads = [s.grad for s in model.shards]
         device = collective_device(model.process_group, grads[0].device if grads else None)
-        total = sum_of_squares(grads, device)
+        dtype = norm_dtype([s.flat for s in model.shards])
+        total = sum_of_squares(grads, device, dtype)
         if skip:
-            total = total - sum_of_squares(self.reduced_gradients_of(model, skip), device)
+            total = total - sum_of_squares(self.reduced_gradients_of(model, skip), device, dtype)
         if model.world_size > 1:
             dist.all_reduce(total, group=model.process_group)
         return total

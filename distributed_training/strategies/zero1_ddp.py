@@ -93,6 +93,7 @@ from ..comm.bucket import Bucket
 from ..comm.reduce import ReduceScatterMean
 from ..comm.sharded import all_gather_flat
 from ..runtime import collective_device
+from .base import norm_dtype
 from .ddp import DDP
 from .eager import eager_only
 
@@ -386,11 +387,12 @@ class Zero1DDP(DDP):
         norm_type = float(norm_type)
         grads = [s.grad for s in self.shards]
         device = collective_device(self.process_group, grads[0].device if grads else None)
+        dtype = norm_dtype([s.flat for s in self.shards])
         if grads:
-            norms = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)]).to(device)
+            norms = torch.stack([n.to(dtype) for n in torch._foreach_norm(grads, norm_type)]).to(device)
             local = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
         else:
-            local = torch.zeros((), device=device)
+            local = torch.zeros((), dtype=dtype, device=device)
         if self.world_size > 1:
             op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
             dist.all_reduce(local, op=op, group=self.process_group)
