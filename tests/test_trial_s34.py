@@ -294,3 +294,37 @@ def test_a_float64_model_is_clipped_in_float64(strategy):
     """The global norm was summed in float32 under the sharded strategies: 2e-9 off one process after 3
     clipped steps against DDP's 3e-17 (a trial)."""
     assert run_distributed(float64_clip_worker, 2, args=(strategy,), timeout=90)[0] <= 1e-14
+
+
+class _ReusedBlockWeight(nn.Module):
+    """The root applies block 0's weight again after the blocks ran (weight reuse without a tie)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(torch.nn.functional.linear(x, self.blocks[0][0].weight))
+
+
+def reused_weight_worker(rank, world):
+    trainer = DistributedTrainer(_ReusedBlockWeight(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="zero3",
+                                 progress=False)
+    try:
+        trainer.train_step((torch.randn(8, 16), torch.randint(0, 3, (8,))), torch.nn.functional.cross_entropy)
+        said = "trained"
+    except RuntimeError as err:
+        said = str(err)
+    trainer.close(barrier=False)
+    return said
+
+
+def test_a_units_weight_used_outside_its_forward_is_said():
+    """ZeRO-3 raised "setStorage: ... out of bounds for storage of size 0", naming neither the parameter's
+    use nor the cause (a trial)."""
+    for said in run_distributed(reused_weight_worker, 2, timeout=90):
+        assert said.startswith("a parameter of an FSDP unit was used while its weights were freed"), said

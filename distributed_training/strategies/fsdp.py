@@ -313,7 +313,17 @@ class FSDP(FSDPStateDict, nn.Module):
         if self._param_dtype is not None:
             # Like the weights, floating-point inputs run in the compute dtype.
             args, kwargs = _cast_floats((args, kwargs), self._param_dtype)
-        out = self.module(*args, **kwargs)
+        try:
+            out = self.module(*args, **kwargs)
+        except RuntimeError as err:
+            if "out of bounds for storage of size 0" not in str(err):
+                raise
+            raise RuntimeError(
+                "a parameter of an FSDP unit was used while its weights were freed: outside that unit's own "
+                "forward (e.g. a block's weight used again by the model's head after the block ran). FSDP / "
+                "ZeRO-3 gathers a unit's weights only around its own forward. Make the module that uses it "
+                "part of the same unit (auto_wrap_policy), register the weight where it is used as the same "
+                f"parameter (a tie), or use zero2 / zero1 / ddp. ({err})") from err
         self._after_forward()
         return out
 
