@@ -35,7 +35,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 __all__ = ["FORMAT", "Piece", "Holding", "StateLayout", "whole_tensors", "flat_pieces", "pack", "summary",
-           "build_index", "check_shapes", "Sources", "unpack_params", "unpack_optimizer"]
+           "extra_states", "load_extra_states", "build_index", "check_shapes", "Sources", "unpack_params", "unpack_optimizer"]
 
 #: The value of ``checkpoint_format`` in ``meta.pt``. Strided pieces did not change it: a file without
 #: them is written exactly as before, and every file written before reads the same way.
@@ -410,3 +410,22 @@ def unpack_optimizer(layout: StateLayout, optimizer: torch.optim.Optimizer, inde
     groups = ([dict(_same_decay(old, mine), params=mine["params"]) for old, mine in zip(saved, current)]
               if len(saved) == len(current) else current)
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def extra_states(module: torch.nn.Module) -> dict[str, Any]:
+    """What `module`'s submodules keep besides tensors (``get_extra_state()``, under the state dict's
+    ``<prefix>_extra_state`` keys), copied: only those that override it (an fp8 recipe's metadata, a
+    vocabulary, a counter)."""
+    import copy
+
+    base = torch.nn.Module.get_extra_state
+    return {f"{name}._extra_state" if name else "_extra_state": copy.deepcopy(m.get_extra_state())
+            for name, m in module.named_modules() if type(m).get_extra_state is not base}
+
+
+def load_extra_states(module: torch.nn.Module, states: dict[str, Any]) -> None:
+    """Give `module`'s submodules back what `extra_states` took (``set_extra_state``), by key."""
+    for name, m in module.named_modules():
+        key = f"{name}._extra_state" if name else "_extra_state"
+        if key in states:
+            m.set_extra_state(states[key])

@@ -26,8 +26,8 @@ from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, load_f
 from .checkpoint_async import rank_file
 from .checkpoint_lock import CheckpointDirectoryInUseError, in_use_message, lock_directory, unlock_directory
 from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
-from .checkpoint_shards import (FORMAT, Sources, build_index, check_shapes, host_clone, pack, summary, unpack_optimizer,
-                                unpack_params)
+from .checkpoint_shards import (FORMAT, Sources, build_index, check_shapes, extra_states, host_clone, load_extra_states,
+                                pack, summary, unpack_optimizer, unpack_params)
 from .logs import get_logger
 from .trainer_checkpoints_async import BackgroundCheckpointing
 from .trainer_hyperparameters import HyperparameterRestore
@@ -211,6 +211,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         # rank's are state, under the model's keys (a pipeline rank holds its stages' only).
         buffers_to_host = buffers_to_host or to_host
         part["buffers"] = {k: buffers_to_host(b.detach()) for k, b in self.strategy.buffers(self.model).items()}
+        part["extra_state"] = extra_states(self.module)  # modules' `get_extra_state()`, each rank its own
         return held, packed, part
 
     @staticmethod
@@ -428,6 +429,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
             unpack_params(held, meta["index"], sources)
             unpack_optimizer(held, self.optimizer, meta["index"], sources)
             self._load_buffers(meta, sources, old_world)
+            load_extra_states(self.module, read(ctx.rank if ctx.rank < old_world else 0).get("extra_state", {}))
         except CheckpointCorruptError:
             raise
         except (RuntimeError, ValueError, KeyError) as err:
@@ -457,6 +459,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
             for key, buffer in self.strategy.buffers(self.model).items():
                 if key in saved:
                     buffer.copy_(saved[key])
+        load_extra_states(self.module, part.get("extra_state", {}))
 
     def _load_buffers(self, meta: dict[str, Any], sources: Sources, old_world: int) -> None:
         """Each buffer this rank holds from a saving rank of the same data-parallel replica that held it

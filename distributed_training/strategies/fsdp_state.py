@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..checkpoint_shards import extra_states, load_extra_states
 from ..comm.sharded import all_gather_flat, reshard_flat
 
 __all__ = ["FSDPStateDict"]
@@ -67,12 +68,15 @@ class FSDPStateDict:
         if not is_main:
             return {}
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
+        extra = extra_states(self.module)
         out = {}
         for key in self._state_keys:
             if key in values:
                 out[key] = values[key]
             elif key in buffers:
                 out[key] = buffers[key].detach().cpu().clone()
+            elif key in extra:  # a module's `get_extra_state()`, as the plain module's state_dict holds it
+                out[key] = extra[key]
         return out
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -93,6 +97,7 @@ class FSDPStateDict:
             buffers = dict(self.module.named_buffers(remove_duplicate=False))
             for key, buf in buffers.items():
                 buf.copy_(state[key])
+        load_extra_states(self.module, state)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shards plus the metadata to re-shard them for another world size."""
