@@ -383,6 +383,11 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             strategy.measure_communication(self.model, True)
             strategy.time_pipeline(self.model, True)  # a pipeline's stage times and bubble, likewise
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError("lr_scheduler: ReduceLROnPlateau steps on a metric (scheduler.step(val_loss)), but the "
+                             "trainer steps its schedule once per optimizer step without one. Leave lr_scheduler "
+                             "out and step a ReduceLROnPlateau of your own over trainer.optimizer with what "
+                             "evaluate() or fit's history returns")
         self._init_state(gradient_accumulation_steps, checkpoint_every, resume, checkpoint_shared, checkpoint_async,
                          save_on_preemption, heartbeat_timeout)
         if mixed_precision == "fp16" and self.device.type == "cpu" and self.context.is_main:

@@ -377,3 +377,19 @@ def test_a_modules_extra_state_is_exported_and_resumed(strategy, tmp_path):
     """full_state_dict() under ZeRO-2/3 dropped `_extra_state` (a strict load into the plain model failed), and
     load_checkpoint never restored it under any strategy: a resumed run was not the unbroken one (a trial)."""
     assert run_distributed(extra_state_worker, 2, args=(strategy, str(tmp_path)), timeout=90) == [(3, 3), (None, 3)]
+
+
+def plateau_worker(rank, world):
+    try:
+        DistributedTrainer(nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                           lr_scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    except ValueError as err:
+        return str(err)
+    return "built"
+
+
+def test_reduce_lr_on_plateau_is_refused_up_front():
+    """It failed inside the first train_step (its step() needs a metric), after the optimizer had stepped
+    (a trial)."""
+    said = run_distributed(plateau_worker, 1, timeout=60)[0]
+    assert said.startswith("lr_scheduler: ReduceLROnPlateau steps on a metric"), said
