@@ -556,17 +556,32 @@ class FSDP(FSDPStateDict, nn.Module):
                 setattr(mod, attr, old)
             self._summoned = False
 
-    def release(self) -> None:
+    def release(self) -> bool:
         """After training (the trainer's clean `close`): the module holds its full weights again, as
-        parameters of its own (the shards' values; on the CPU with ``cpu_offload``), and FSDP's hooks are
-        removed, so that ``model.state_dict()``, ``save_pretrained()`` or a plain forward work on the
-        model object the user built (without this, its parameters stay freed views of shards that go away
-        with the trainer). Collective: every rank calls it, and holds the whole model after it. The wrapper
-        cannot run after it."""
+        parameters of its own (the shards' values), and FSDP's hooks are removed, so that
+        ``model.state_dict()``, ``save_pretrained()`` or a plain forward work on the model object the user
+        built (without this, its parameters stay freed views of shards that go away with the trainer).
+        Collective: every rank calls it, and holds the whole model after it. The wrapper cannot run after
+        it. Not done (False, every rank alike) with ``cpu_offload`` or where the whole model does not fit
+        in the free memory of some rank's GPU beside what the trainer still holds: a model sharded
+        because it is too large for one GPU must not fail its job at the end."""
         if self._released:
-            return
+            return True
         if self._summoned:
             raise RuntimeError("release() inside summon_full_params()")
+        fits = not self.cpu_offload
+        if fits and self.device.type == "cuda":
+            need = sum(u.numel * u.shard.element_size() for u in self._units)
+            free = torch.cuda.mem_get_info(self.device)[0] + (torch.cuda.memory_reserved(self.device)
+                                                               - torch.cuda.memory_allocated(self.device))
+            fits = need < 0.8 * free
+        if dist.get_world_size(self.process_group) > 1:  # every rank alike
+            device = self.device if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
+            flag = torch.tensor([int(fits)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
+            fits = bool(flag.item())
+        if not fits:
+            return False
         if self._backward_state.pending:
             self._finish_backward()
         with torch.no_grad():
@@ -578,6 +593,7 @@ class FSDP(FSDPStateDict, nn.Module):
                 hook.remove()
             unit.hooks.clear()
         self._released = True
+        return True
 
     def _register_full(self, unit: Unit) -> list[tuple[nn.Module, str, Any]]:
         """Gather the unit's shards into a new flat buffer and register its pieces as the modules'

@@ -15,6 +15,7 @@ gathers each unit again for every microbatch's forward and backward; ZeRO-2 gath
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -87,8 +88,11 @@ class FSDPStrategy(Strategy):
         return model
 
     def give_back(self, model: nn.Module) -> None:
-        if isinstance(model, FSDP):  # (a pipeline's stages keep theirs: each rank holds its stage only)
-            model.release()
+        if isinstance(model, FSDP) and not model.release():  # (a pipeline's stages keep theirs)
+            if dist.get_rank() == 0:
+                warnings.warn("the model's full weights were not given back to it at close (cpu_offload, or they do "
+                              "not fit in a GPU's free memory): the model object holds no weights; take "
+                              "trainer.full_state_dict() (rank 0) or save_checkpoint() before close()", stacklevel=3)
 
     def summon_full_params(self, model: FSDP) -> contextlib.AbstractContextManager:
         return model.summon_full_params()
