@@ -64,3 +64,11 @@ def test_a_peer_dead_after_the_loop_is_named_on_nccl_and_close_does_not_raise_it
     assert "rank 1 failed" in str(caught.value) and "rank 0" not in str(caught.value), caught.value
     for name, text in json.loads((tmp_path / "said.json").read_text()).items():
         assert text.startswith("peer 1: "), (name, text)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_close_gives_the_model_its_trained_weights_back_on_nccl(strategy):
+    from test_trial_s34 import given_back_worker
+
+    assert run_distributed(given_back_worker, 2, args=(strategy,), backend="nccl", timeout=180)[0] == (
+        True, [False, False, True, True], (3, 2))

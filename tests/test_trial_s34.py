@@ -229,8 +229,8 @@ def given_back_worker(rank, world, strategy):
         trainer.train_step((torch.randn(4, 4), torch.randn(4, 2)), torch.nn.functional.mse_loss)
     full = trainer.full_state_dict()
     trainer.close()
-    state = model.state_dict()
-    x = torch.randn(3, 4)
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 4, device=next(model.parameters()).device)
     out = model(x)  # runs by itself
     if rank:
         return None
