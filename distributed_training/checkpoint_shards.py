@@ -415,12 +415,33 @@ def unpack_optimizer(layout: StateLayout, optimizer: torch.optim.Optimizer, inde
 def extra_states(module: torch.nn.Module) -> dict[str, Any]:
     """What `module`'s submodules keep besides tensors (``get_extra_state()``, under the state dict's
     ``<prefix>_extra_state`` keys), copied: only those that override it (an fp8 recipe's metadata, a
-    vocabulary, a counter)."""
+    vocabulary, a counter), and only what a checkpoint reads back under ``weights_only`` (tensors,
+    numbers, strings and containers of them: another object is left out, with a warning)."""
     import copy
+    import warnings
 
-    base = torch.nn.Module.get_extra_state
-    return {f"{name}._extra_state" if name else "_extra_state": copy.deepcopy(m.get_extra_state())
-            for name, m in module.named_modules() if type(m).get_extra_state is not base}
+    base, out = torch.nn.Module.get_extra_state, {}
+    for name, m in module.named_modules():
+        if type(m).get_extra_state is base:
+            continue
+        key = f"{name}._extra_state" if name else "_extra_state"
+        value = m.get_extra_state()
+        if _plain(value):
+            out[key] = copy.deepcopy(value)
+        else:
+            warnings.warn(f"checkpoint: {key} ({type(value).__name__}) is left out: a checkpoint keeps a module's extra "
+                          "state only as tensors, numbers, strings and lists / tuples / dicts of them", stacklevel=3)
+    return out
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and _plain(v) for k, v in value.items())
+    return False
 
 
 def load_extra_states(module: torch.nn.Module, states: dict[str, Any]) -> None:

@@ -205,9 +205,9 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
         if data.batch_size is None and loader_batch_size is None:
             raise ValueError("fit() shards a DataLoader's dataset over the data-parallel replicas by sample, which "
                              "needs its batch_size; this one has none (a batch_sampler, or batch_size=None). Pass "
-                             "a DataLoader with a batch_size, or an iterable of this rank's own batches (e.g. "
-                             "iter(loader) over a batch sampler that shards for this rank): any iterable that is "
-                             "not a DataLoader or a Dataset is used as given")
+                             "a DataLoader with a batch_size, or an iterable of this rank's own batches (a batch sampler "
+                             "that shards for this rank, in an iterable that is not a DataLoader: any such iterable "
+                             "is used as given, and one that iter() gives again each epoch serves every epoch)")
         _check_loader_order(data, shuffle)
         sampler = ShardedSampler(data.dataset, dp_world_size, dp_rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last)

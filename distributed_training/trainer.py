@@ -534,7 +534,9 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         peer that raised or died in the last steps (which the host ran ahead of) raises
         `PeerFailureError` naming it here, after the rest is closed, instead of a hang. Under ZeRO-2/3
         and FSDP a clean close (every rank) gathers the trained weights back into the model you passed,
-        whole on every rank, so that its ``state_dict()``, ``save_pretrained()`` or a plain forward work.
+        whole on every rank, so that its ``state_dict()``, ``save_pretrained()`` or a plain forward work
+        (where they fit a GPU's free memory; not with ``cpu_offload``, nor under a pipeline, whose ranks
+        hold their stages).
 
         Called while an exception propagates (``try: trainer.fit(...) finally: trainer.close()``) or
         after a `train_step` that raised, it does not wait for the peers (as ``barrier=False``): they may

@@ -211,7 +211,8 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         # rank's are state, under the model's keys (a pipeline rank holds its stages' only).
         buffers_to_host = buffers_to_host or to_host
         part["buffers"] = {k: buffers_to_host(b.detach()) for k, b in self.strategy.buffers(self.model).items()}
-        part["extra_state"] = extra_states(self.module)  # modules' `get_extra_state()`, each rank its own
+        # the modules' `get_extra_state()`, each rank its own (where the module holds its weights)
+        part["extra_state"] = extra_states(self.module) if self.strategy.whole_module else {}
         return held, packed, part
 
     @staticmethod
@@ -429,7 +430,8 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
             unpack_params(held, meta["index"], sources)
             unpack_optimizer(held, self.optimizer, meta["index"], sources)
             self._load_buffers(meta, sources, old_world)
-            load_extra_states(self.module, read(ctx.rank if ctx.rank < old_world else 0).get("extra_state", {}))
+            if self.strategy.whole_module:
+                load_extra_states(self.module, read(ctx.rank if ctx.rank < old_world else 0).get("extra_state", {}))
         except CheckpointCorruptError:
             raise
         except (RuntimeError, ValueError, KeyError) as err:
@@ -459,7 +461,8 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
             for key, buffer in self.strategy.buffers(self.model).items():
                 if key in saved:
                     buffer.copy_(saved[key])
-        load_extra_states(self.module, part.get("extra_state", {}))
+        if self.strategy.whole_module:
+            load_extra_states(self.module, part.get("extra_state", {}))
 
     def _load_buffers(self, meta: dict[str, Any], sources: Sources, old_world: int) -> None:
         """Each buffer this rank holds from a saving rank of the same data-parallel replica that held it

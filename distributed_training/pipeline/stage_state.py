@@ -36,7 +36,8 @@ class PipelineState:
         if self._dp_rank == 0:
             for key, value in state.items():
                 for own in self._own_keys[key]:
-                    mine[own] = value.detach().cpu().clone()
+                    # (a module's extra state, `get_extra_state()`, is no tensor: as it is)
+                    mine[own] = value.detach().cpu().clone() if torch.is_tensor(value) else value
             if whole is not None:
                 full = whole(mine)  # collective over the tensor group; on its device (NCCL: the GPU)
                 # Pickled to rank 0 below: CPU tensors (a CUDA one is rebuilt there on its sender's GPU).

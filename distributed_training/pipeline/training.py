@@ -121,6 +121,8 @@ class PipelineStrategy(PipelineState, Strategy):
         options: the pipeline's shape, schedule and microbatches.
     """
 
+    whole_module = False  # (see `Strategy.whole_module`)
+
     places_module = True
 
     def __init__(self, inner: Strategy, options: PipelineOptions) -> None:

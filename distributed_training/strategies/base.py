@@ -79,15 +79,14 @@ def check_groups_over_shards(optimizer: torch.optim.Optimizer, strategy: str) ->
     not: over flat 1-D shards (each holding slices of several layers), a factory that splits parameters
     by shape or name (decay only where ``p.dim() >= 2``, as nanoGPT does) puts every shard in one group,
     so the other group's setting (its weight decay) silently applies to nothing."""
-    def settings(group):
-        return {k: v for k, v in group.items() if k != "params"}
-
     full = [g for g in optimizer.param_groups if g["params"]]
     for group in optimizer.param_groups:
-        if group["params"] or all(settings(group) == settings(other) for other in full):
+        # Only a weight decay that would apply to nothing (an empty group of frozen parameters at lr 0, one
+        # named for logging, or a no-decay group a shard-aware factory leaves empty, is fine).
+        if (group["params"] or not group.get("weight_decay")
+                or all(group.get("weight_decay") == other.get("weight_decay") for other in full)):
             continue
-        differ = sorted(k for k in settings(group) if any(settings(other).get(k) != group[k] for other in full))
-        shown = ", ".join(f"{k}={group[k]!r}" for k in differ[:3])
+        shown = f"weight_decay={group.get('weight_decay')!r}"
         raise ValueError(
             f"strategy '{strategy}' hands the optimizer factory flat 1-D shards, each holding slices of several "
             f"layers, and the factory left its param group with {shown} empty: no parameter would train with it "
@@ -153,6 +152,9 @@ class Strategy(abc.ABC):
 
     #: False on a rank that does not train (a parameter server's server): its `fit` runs `serve`.
     trains: bool = True
+    #: Whether the unwrapped module holds its own weights and keys between steps (not FSDP's freed views, a
+    #: pipeline rank's stages or a tensor-parallel split): checkpoints then keep its modules' extra state.
+    whole_module: bool = True
     #: What the ranks of the context this strategy gives the trainer are (the monitor's `member`):
     #: ``"worker"`` for a parameter server's workers, whose context rank is the worker index.
     member: str = "rank"
@@ -449,9 +451,11 @@ def _named_once(module: nn.Module) -> list[tuple[frozenset[str], nn.Parameter]]:
 
 
 def norm_dtype(tensors) -> torch.dtype:
-    """What a gradient norm over `tensors` is summed in: float64 for a float64 model, else float32 (every
-    rank alike: pass the parameters or shards, which every rank holds, not only the gradients present)."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    """What a gradient norm over `tensors` is summed in: float64 where every one is float64 (a float64
+    model), else float32. Every rank alike: pass the parameters or shards, which every rank holds, not
+    only the gradients present; a pipeline's stages of a model of mixed dtypes all sum in float32."""
+    tensors = list(tensors)
+    return torch.float64 if tensors and all(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def sum_of_squares(grads: list[torch.Tensor], device: torch.device | None = None,

@@ -91,10 +91,11 @@ def _refuse_low_precision_batchnorm(module: nn.Module, dtype: torch.dtype) -> No
     """`MixedPrecision(param_dtype)` computes every parameter in `dtype`: a BatchNorm's weight too, while its
     running statistics stay float32, which `F.batch_norm` refuses at the first forward. Said up front."""
     for name, m in module.named_modules():
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.weight is not None:
+        if (isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.weight is not None
+                and m.running_mean is not None and m.running_mean.dtype != dtype):
             raise ValueError(
                 f"FSDP mixed_precision=MixedPrecision(param_dtype={dtype}) would compute BatchNorm '{name or type(m).__name__}' "
-                f"in {dtype} against its float32 running statistics, which BatchNorm refuses. Use the trainer's "
+                f"in {dtype} against its {m.running_mean.dtype} running statistics, which BatchNorm refuses. Use the trainer's "
                 f"mixed_precision='bf16' / 'fp16' (autocast, which keeps BatchNorm in float32) for this model")
 
 
@@ -539,7 +540,11 @@ class FSDP(FSDPStateDict, nn.Module):
         shards' own values (fp32 masters under mixed precision), gathered into buffers of their own,
         the whole model at once (on the CPU with ``cpu_offload``, one unit on the device at a time).
         Collective: every rank enters it. Read-only: what is written into the weights here is lost when
-        it ends (the shards are what trains). The wrapper cannot run inside it; the module can."""
+        it ends (the shards are what trains). The wrapper cannot run inside it; the module can. After
+        `release` the module holds its weights itself: nothing to do."""
+        if self._released:
+            yield
+            return
         if self._summoned:
             raise RuntimeError("summon_full_params() is already open")
         if self._backward_state.pending:
@@ -586,7 +591,7 @@ class FSDP(FSDPStateDict, nn.Module):
             self._finish_backward()
         with torch.no_grad():
             for unit in self._units:
-                self._register_full(unit)
+                self._register_full(unit, own_storage=True)
         self._outside_hook.remove()
         for unit in self._units:
             for hook in unit.hooks:
@@ -595,9 +600,10 @@ class FSDP(FSDPStateDict, nn.Module):
         self._released = True
         return True
 
-    def _register_full(self, unit: Unit) -> list[tuple[nn.Module, str, Any]]:
+    def _register_full(self, unit: Unit, own_storage: bool = False) -> list[tuple[nn.Module, str, Any]]:
         """Gather the unit's shards into a new flat buffer and register its pieces as the modules'
-        parameters (one per parameter, shared where the model ties it). Returns what they replaced."""
+        parameters (one per parameter, shared where the model ties it; each with a storage of its own if
+        `own_storage`: what a saved bias or safetensors expects). Returns what they replaced."""
         shard = unit.shard.detach().to(self.device)
         flat = torch.empty(unit.padded, dtype=shard.dtype, device=self.device)
         if unit.padded:
@@ -612,7 +618,8 @@ class FSDP(FSDPStateDict, nn.Module):
                 continue
             seen.add((id(mod), attr))
             if i not in made:
-                made[i] = nn.Parameter(pieces[i].view(unit.infos[i].shape), requires_grad=unit.shard.requires_grad)
+                piece = pieces[i].view(unit.infos[i].shape)
+                made[i] = nn.Parameter(piece.clone() if own_storage else piece, requires_grad=unit.shard.requires_grad)
             replaced.append((mod, attr, mod.__dict__.pop(attr, None)))
             mod.register_parameter(attr, made[i])
         return replaced

@@ -8,7 +8,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_shards import extra_states, load_extra_states
 from ..comm.sharded import all_gather_flat, reshard_flat
 
 __all__ = ["FSDPStateDict"]
@@ -50,7 +49,11 @@ class FSDPStateDict:
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The unsharded state on rank 0 (on the CPU; other ranks get `{}` unless `rank0_only=False`),
         with the same keys as the plain module's `state_dict()`. Units are gathered one at a time, so
-        peak memory grows by one unit, not by the model. Collective: call on every rank."""
+        peak memory grows by one unit, not by the model. Collective: call on every rank. After `release`,
+        the module's own."""
+        if self._released:
+            main = dist.get_rank(self.process_group) == 0 or not rank0_only
+            return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()} if main else {}
         is_main = dist.get_rank(self.process_group) == 0 or not rank0_only
         values: dict[str, torch.Tensor] = {}
         for unit in self._units:
@@ -68,19 +71,19 @@ class FSDPStateDict:
         if not is_main:
             return {}
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
-        extra = extra_states(self.module)
         out = {}
         for key in self._state_keys:
             if key in values:
                 out[key] = values[key]
             elif key in buffers:
                 out[key] = buffers[key].detach().cpu().clone()
-            elif key in extra:  # a module's `get_extra_state()`, as the plain module's state_dict holds it
-                out[key] = extra[key]
         return out
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load an unsharded state dict (the plain module's keys); every rank passes the same dict."""
+        if self._released:
+            self.module.load_state_dict(state)
+            return
         _check_keys(set(state), set(self._state_keys), "state dict")
         with torch.no_grad():
             for unit in self._units:
@@ -97,7 +100,6 @@ class FSDPStateDict:
             buffers = dict(self.module.named_buffers(remove_duplicate=False))
             for key, buf in buffers.items():
                 buf.copy_(state[key])
-        load_extra_states(self.module, state)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shards plus the metadata to re-shard them for another world size."""

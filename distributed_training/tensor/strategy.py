@@ -47,6 +47,8 @@ class TensorParallelStrategy(Strategy):
     """A data-parallel strategy (`inner`) over the parts of a model split by tensor parallelism (see
     the module docstring)."""
 
+    whole_module = False  # (see `Strategy.whole_module`)
+
     def __init__(self, inner: Strategy, options: TensorOptions) -> None:
         self.inner = inner
         self.options = options
@@ -252,6 +254,9 @@ class TensorParallelStrategy(Strategy):
 
     def state_reserve_bytes(self, model: nn.Module, trainable_params: int) -> float:
         return self.inner.state_reserve_bytes(model, trainable_params)
+
+    def give_back(self, model: nn.Module) -> None:
+        self.inner.give_back(model)
 
     def teardown(self, model: nn.Module) -> None:
         self.inner.teardown(model)
