@@ -43,8 +43,8 @@ esac
 case "$1" in
   E) pip install -q --no-index --find-links .wheels --target /tmp/pyd pydantic > "$OUT/pip.log" 2>&1
      export PYTHONPATH=$PWD:/tmp/pyd
-     gpu_tests gpu_tests_all 300 --durations=10 -rs
-     (cd benchmarks && timeout -k 5 280 python suite.py --out "$OUT/E" --timeout 270 --worlds 2 --phases training \
+     gpu_tests gpu_tests_all 260 --durations=10 -rs
+     (cd benchmarks && timeout -k 5 240 python suite.py --out "$OUT/E" --timeout 230 --worlds 2 --phases training \
         --models gpt-1.3b:8:1024 --impls torch_ddp,ours_ddp,ddp_powersgd --rounds 2) 2>&1 \
         | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/E.log"
      echo "E exit $? at $(( $(date +%s) - start )) s" >> "$OUT/E.log" ;;
