@@ -139,7 +139,5 @@ def extract_loss(output: Any) -> torch.Tensor:
         return output["loss"]
     if hasattr(output, "loss"):
         return output.loss
-    raise TypeError(
-        "without a criterion the model must return the loss (a tensor, a dict with 'loss', or an object with .loss); "
-        f"it returned {type(output).__name__}"
-    )
+    raise TypeError(f"the model returned {type(output).__name__}, not a loss (a tensor, a dict with 'loss', or an "
+                    f"object with .loss): {NO_CRITERION}")

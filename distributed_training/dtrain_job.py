@@ -86,6 +86,12 @@ def run_job(cfg: JobConfig) -> dict:
         raise ConfigError("evaluation.every needs a validation set, and this job's is empty: give data.val_target "
                           "(or data.val_kwargs), or data.val_fraction > 0 of a map-style training set large enough "
                           "to leave a sample")
+    classifying = [n for n in cfg.evaluation.metrics or () if n != "perplexity"]
+    if criterion is None and classifying:  # (failed at the final evaluation, after training)
+        raise ConfigError(f"evaluation.metrics: {classifying[0]} compares the model's outputs with the targets, but "
+                          "this job has no loss.target: its model computes its own loss from each batch, and is "
+                          "evaluated by val_loss and perplexity. Give loss.target (batches are then (inputs, "
+                          "targets)), or leave evaluation.metrics out")
     if cfg.evaluation.metrics is not None and len(val):
         try:  # (failed at the first evaluation, after training)
             check_classifier_targets(val, cfg.evaluation.metrics, parameter="evaluation.metrics")
@@ -160,7 +166,8 @@ def run_job(cfg: JobConfig) -> dict:
         # fit() shards by data-parallel replica: the ranks of one pipeline read the same batches.
         drop_last = pipelined and _short_last_batch(trainer, train, batch_size)
         epochs = (user_job.iterable_epochs(t.epochs, t.max_steps) if user_job.is_iterable(train) else
-                  _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last))
+                  _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last,
+                              _resume_meta(cfg) if t.max_steps is not None else None))
         if epochs != t.epochs:
             trainer._fit_derived["epochs"] = "derived from training.max_steps"
         if _already_complete(trainer, cfg, epochs):
@@ -425,11 +432,13 @@ def _block_classes(model: nn.Module) -> tuple[type, ...]:
 
 
 def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | None, world_size: int,
-                drop_last: bool = False) -> int:
+                drop_last: bool = False, resumed: dict | None = None) -> int:
     """`epochs`, or more when `max_steps` asks for more steps than `epochs` passes hold.
 
     A dtrain user who writes ``max_steps`` means that many steps, so it wins over ``epochs`` (whose
-    default, 1, would otherwise stop a short dataset's run early); the change is logged."""
+    default, 1, would otherwise stop a short dataset's run early); the change is logged. A run resumed
+    from `resumed` (a checkpoint's meta) counts from its epoch and step: written at another batch or
+    world size, its epochs held other numbers of steps."""
     if max_steps is None or not batch_size:
         return epochs
     from .data import ShardedSampler
@@ -437,6 +446,10 @@ def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | Non
     per_rank = len(ShardedSampler(train, world_size, 0))  # what fit() gives each rank per epoch
     per_epoch = max(1, per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size))
     needed = math.ceil(max_steps / per_epoch)
+    if resumed is not None:
+        left = max(0, max_steps - int(resumed.get("step", 0)))
+        partial = 1 if resumed.get("batch_in_epoch") or resumed.get("samples_in_epoch") else 0
+        needed = max(needed, int(resumed.get("epoch", 0)) + partial + math.ceil(left / per_epoch))
     if needed > epochs:
         log.info("dtrain: training.max_steps=%d needs %d epochs of %d steps (%d samples per rank, batch %d): "
                  "training for %d epochs instead of training.epochs=%d", max_steps, needed, per_epoch, per_rank,
@@ -473,8 +486,8 @@ def _already_complete(trainer, cfg: JobConfig, epochs: int) -> bool:
         return False
     path, meta = found
     step, epoch, max_steps = int(meta["step"]), int(meta.get("epoch", 0)), cfg.training.max_steps
-    reached = ("training.max_steps" if max_steps is not None and step >= max_steps else
-               "training.epochs" if epoch >= epochs else None)
+    reached = ("training.max_steps" if max_steps is not None and step >= max_steps else  # (max_steps is the
+               "training.epochs" if max_steps is None and epoch >= epochs else None)   # steps trained: it rules)
     if step == 0 or reached is None:  # what `fit` resumes from, and when it would train nothing
         return False
     from .checkpoint_shards import check_shapes

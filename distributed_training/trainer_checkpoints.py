@@ -58,17 +58,13 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         self._lock_checkpoint_directory()
         ctx = self.context
         if not self.resume:
-            if self.step == 0 and not self._set_aside:
-                self._set_aside = True
-                layout = self._layout(self.checkpoints.path_for(0))
-                # Each directory's writer (rank 0, or each node's first rank with a directory per node).
-                moved = self.checkpoints.set_aside() if layout.writer_of[ctx.rank] == ctx.rank else None
-                if moved is not None:
-                    log.warning("resume is off: moved the checkpoints already in %s to %s; training starts "
-                                 "from step 0", self.checkpoints.directory, moved)
-                ctx.barrier()  # nobody writes into a directory before its writer has cleared it
+            self._set_checkpoints_aside("resume is off")
             return None
         found = self._resume_point()
+        if found is None and self.step == 0:
+            # Every checkpoint there failed its check (each said why): not resumable, and not to be mixed
+            # with this run's (keep-last-N would delete the new ones in favour of their later steps).
+            self._set_checkpoints_aside("resume found no intact checkpoint (each one skipped is said above)")
         if found is None or int(found[1]["step"]) <= self.step:
             return None
         if found[2] is not None:  # a directory per node: bring each node the rank files it lacks
@@ -77,6 +73,21 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         if ctx.is_main:
             log.info("resumed from step %d (%s)", self.step, found[0])
         return found[0]
+
+    def _set_checkpoints_aside(self, why: str) -> None:
+        """Before the first step, once: move the checkpoints already in the directory into
+        ``previous_run_<k>/`` (each directory's writer; the others wait), saying `why`."""
+        if self.step != 0 or self._set_aside:
+            return
+        self._set_aside = True
+        ctx = self.context
+        layout = self._layout(self.checkpoints.path_for(0))
+        # Each directory's writer (rank 0, or each node's first rank with a directory per node).
+        moved = self.checkpoints.set_aside() if layout.writer_of[ctx.rank] == ctx.rank else None
+        if moved is not None:
+            log.warning("%s: moved the checkpoints already in %s to %s; training starts from step 0", why,
+                        self.checkpoints.directory, moved)
+        ctx.barrier()  # nobody writes into a directory before its writer has cleared it
 
     def _lock_checkpoint_directory(self) -> None:
         """Hold `checkpoint_dir`'s run lock for the trainer's life (`checkpoint_lock`): each directory's

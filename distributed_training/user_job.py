@@ -153,8 +153,23 @@ def loss_failure(cfg: JobConfig, criterion: Any, err: BaseException) -> UserCode
     """An error of the first training step raised inside ``loss.target``'s own code, as one naming
     ``loss.target`` / ``loss.kwargs`` (a torch loss checks some arguments only when called:
     ``label_smoothing: 2``); None for any other error. Read from the tracebacks (the criterion itself is
-    passed on untouched: tensor parallelism and the loss weights recognise it by what it is)."""
-    if not cfg.loss.target or criterion is None:
+    passed on untouched: tensor parallelism and the loss weights recognise it by what it is). Without
+    ``loss.target``, a model that returns no loss is said in the config's terms."""
+    if criterion is None:
+        from .batches import NO_CRITERION
+
+        chained, seen = err, set()
+        while chained is not None and id(chained) not in seen:
+            seen.add(id(chained))
+            if NO_CRITERION in str(chained):
+                what = str(chained).replace(NO_CRITERION, "").rstrip(" :;,.")
+                return UserCodeError(f"loss.target is not set, so each batch goes to the model whole and the model "
+                                     f"must return the loss: {what}. For a model that returns outputs (logits), give "
+                                     "loss.target (e.g. torch.nn.functional:cross_entropy); its batches are then "
+                                     "(inputs, targets)")
+            chained = chained.__cause__ or chained.__context__
+        return None
+    if not cfg.loss.target:
         return None
     func = criterion.func if isinstance(criterion, functools.partial) else criterion
     own = getattr(type(func), "forward", None) if isinstance(func, torch.nn.Module) else func
@@ -323,7 +338,8 @@ def train_data(cfg: JobConfig, train: Dataset, batch_size: int | None, dp_rank: 
             train = ShardedIterable(train, dp_rank, dp_world_size)
         return DataLoader(train, batch_size=batch_size, collate_fn=collate)
     if collate is not None:  # (shuffle: what fit does to it, so that fit does not warn of a difference)
-        return DataLoader(train, batch_size=batch_size, collate_fn=collate, shuffle=True)
+        return DataLoader(train, batch_size=batch_size, collate_fn=collate, shuffle=True,
+                          num_workers=cfg.data.num_workers)  # (which fit's re-sharded loader keeps)
     return train
 
 

@@ -207,9 +207,8 @@ class PeriodicEvaluation:
             self.names = (auto_metrics(inner, criterion) if metrics == "auto" else
                           (metrics,) if isinstance(metrics, str) else tuple(metrics))
             self.functions, self.perplexity = metric_functions(list(self.names))
-            if metrics == "auto":  # top5 of fewer classes is 1 by definition: not a mistake of the user's
-                self.functions = {k: TopKCount(f.k, quiet=True) if isinstance(f, TopKCount) else f
-                                  for k, f in self.functions.items()}
+            if metrics == "auto":
+                self.functions = _quiet_top_k(self.functions)
             check_classifier_targets(inner, self.names)
         if self.functions and criterion is None:
             raise ValueError(f"eval_metrics {list(self.functions)} are computed from (outputs, targets): they need "
@@ -385,10 +384,17 @@ def job_final_metrics(job: Any, val: Any, criterion: Callable | None) -> tuple[d
     """Without ``evaluation.every`` dtrain evaluates once, at the end: the job's metrics for that pass
     (`evaluate`'s functions, and whether to add perplexity), as ``every`` would have evaluated them."""
     names = _job_metric_names(job.evaluation, job)
-    if names == "auto":
+    auto = names == "auto"
+    if auto:
         inner = getattr(val, "dataset", val)
         names = auto_metrics(inner, criterion) if hasattr(inner, "__getitem__") else ()
-    return metric_functions(list(names), parameter="evaluation.metrics")
+    functions, perplexity = metric_functions(list(names), parameter="evaluation.metrics")
+    return (_quiet_top_k(functions) if auto else functions), perplexity
+
+
+def _quiet_top_k(functions: dict[str, Callable]) -> dict[str, Callable]:
+    """Top-k chosen by "auto": k at or above the number of classes is 1 by definition, not the user's mistake."""
+    return {k: TopKCount(f.k, quiet=True) if isinstance(f, TopKCount) else f for k, f in functions.items()}
 
 
 def job_results(trainer: Any) -> dict[str, float]:

@@ -384,3 +384,34 @@ def test_a_printed_config_loads_back_and_takes_the_newer_fields():
     load_config(template)
     with pytest.raises(ConfigError, match=r"training.lr \(0.5\) and optimizer.lr \(0.05\) disagree"):
         load_config(str(REPO / "examples" / "configs" / "user_model.yaml"), ["training.lr=0.5"])
+
+
+# ------------------------------------------------------------------ from session 34's dtrain trial
+def test_classifier_metrics_without_a_loss_target_are_a_config_error(jobs, monkeypatch):
+    """The model computes its own loss (no loss.target): evaluation.metrics [accuracy] failed with a traceback
+    at the final evaluation, after the whole run (output and COMPLETED never written)."""
+    said = []
+    monkeypatch.setattr(cli, "_report_once", said.append)
+    path = _write(jobs, "own_loss_metrics", _job(loss={"target": None}, evaluation={"metrics": ["accuracy"]}))
+    assert cli.main([str(path)]) == 2
+    assert said and said[0].startswith("dtrain: invalid config: evaluation.metrics: accuracy compares"), said
+
+
+def test_a_model_returning_logits_without_a_loss_target_is_said_in_the_configs_terms(jobs, monkeypatch, tmp_path):
+    """It was a traceback from every rank at the first step, telling the user to pass criterion= (the Python
+    API's argument)."""
+    said = []
+    monkeypatch.setattr(cli, "_report_once", said.append)
+    path = _write(jobs, "logits_no_loss", _job(loss={"target": None}, training={"max_steps": 2},
+                                               checkpoint={"dir": str(tmp_path / "ckpt")}))
+    assert cli.main([str(path)]) == 2
+    assert said and said[0].startswith("dtrain: invalid config: loss.target is not set") and "criterion=" not in said[0]
+
+
+def test_max_steps_counts_from_a_checkpoint_of_another_batch_size():
+    """Resumed at a smaller batch, the run's epochs were derived as if from step 0 while the checkpoint's epoch
+    counted the old run's larger epochs: it stopped early or said the run was already complete."""
+    resumed = {"step": 300, "epoch": 13, "batch_in_epoch": 0}
+    assert dtrain_job._epochs_for(1, 400, list(range(100)), 4, 1, resumed=resumed) == 13 + 4  # 25 steps an epoch
+    assert dtrain_job._epochs_for(1, 400, list(range(100)), 4, 1, resumed={**resumed, "batch_in_epoch": 3}) == 18
+    assert dtrain_job._epochs_for(1, 400, list(range(100)), 4, 1) == 16
