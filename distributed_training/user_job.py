@@ -158,16 +158,13 @@ def loss_failure(cfg: JobConfig, criterion: Any, err: BaseException) -> UserCode
     if criterion is None:
         from .batches import NO_CRITERION
 
-        chained, seen = err, set()
-        while chained is not None and id(chained) not in seen:
-            seen.add(id(chained))
+        for chained in _chain(err):
             if NO_CRITERION in str(chained):
                 what = str(chained).replace(NO_CRITERION, "").rstrip(" :;,.")
                 return UserCodeError(f"loss.target is not set, so each batch goes to the model whole and the model "
                                      f"must return the loss: {what}. For a model that returns outputs (logits), give "
                                      "loss.target (e.g. torch.nn.functional:cross_entropy); its batches are then "
                                      "(inputs, targets)")
-            chained = chained.__cause__ or chained.__context__
         return None
     if not cfg.loss.target:
         return None
@@ -176,9 +173,7 @@ def loss_failure(cfg: JobConfig, criterion: Any, err: BaseException) -> UserCode
     code = getattr(inspect.unwrap(own), "__code__", None) if own is not None else None
     if code is None:
         return None
-    seen, chained = set(), err
-    while chained is not None and id(chained) not in seen:
-        seen.add(id(chained))
+    for chained in _chain(err):
         tb = chained.__traceback__
         while tb is not None:
             if tb.tb_frame.f_code is code:
@@ -186,8 +181,16 @@ def loss_failure(cfg: JobConfig, criterion: Any, err: BaseException) -> UserCode
                 return UserCodeError(f"loss.target: {cfg.loss.target}{given} failed on the first batch: "
                                      f"{type(chained).__name__}: {chained}")
             tb = tb.tb_next
-        chained = chained.__cause__ or chained.__context__
     return None
+
+
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    """`err` and the exceptions it came from (its cause, else its context), each once."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
 
 
 # ------------------------------------------------------------------ datasets
