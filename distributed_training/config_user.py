@@ -53,7 +53,8 @@ def check_user_code(job: JobConfig) -> None:
     each ``kwargs`` goes with its ``target`` (called by `JobConfig`'s validator)."""
     m, d = job.model, job.data
     if m.target is not None:
-        chosen = [f"model.{f}" for f in ("preset", "n_layer", "n_embd") if given(m, f)]
+        chosen = [f"model.{f}" for f in ("preset", "n_layer", "n_embd", "dropout", "num_classes", "width",
+                                          "zero_init_residual", "channels_last") if given(m, f)]
         if chosen:
             raise ConfigError(f"model.target builds your own model: {', '.join(chosen)} (the built-in presets') "
                               "cannot go with it (pass what your model takes in model.kwargs)")

@@ -313,6 +313,8 @@ def test_user_code_failures_name_the_field_the_path_and_the_cause(jobs, sections
 @pytest.mark.parametrize("raw, message", [
     ({"model": {"target": "build"}}, r"^model\.target: value error, an import path looks like 'package\.module:name'"),
     ({"model": {"target": "a.b:c", "preset": "tiny"}}, r"^model\.target builds your own model: model\.preset"),
+    ({"model": {"target": "a.b:c", "dropout": 0.1, "channels_last": True}},  # (were silently ignored: a trial)
+     r"^model\.target builds your own model: model\.dropout, model\.channels_last"),
     ({"model": {"kwargs": {"width": 3}}}, r"^model\.kwargs are the arguments of model\.target"),
     ({"data": {"val_kwargs": {"split": "val"}}}, r"^data\.val_kwargs go with data\.target"),
     ({"data": {"target": "a.b:c", "block_size": 8}}, r"^data\.target reads your own data: data\.block_size"),
