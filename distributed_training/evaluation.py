@@ -180,7 +180,10 @@ class Evaluation:
 
 def _buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The buffers a state dict holds (running statistics; not caches registered non-persistent), by name."""
-    kept = set(module.state_dict(keep_vars=True))
+    kept = set()
+    for prefix, m in module.named_modules():
+        kept.update(f"{prefix}.{name}" if prefix else name for name, b in m._buffers.items()
+                    if b is not None and name not in m._non_persistent_buffers_set)
     return sorted((name, b) for name, b in module.named_buffers() if name in kept)
 
 

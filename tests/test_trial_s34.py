@@ -394,3 +394,32 @@ def test_reduce_lr_on_plateau_is_refused_up_front():
     (a trial)."""
     said = run_distributed(plateau_worker, 1, timeout=60)[0]
     assert said.startswith("lr_scheduler: ReduceLROnPlateau steps on a metric"), said
+
+
+def empty_state_worker(rank, world):
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="zero3", progress=False)
+    trainer.train_step((torch.randn(4, 4), torch.randn(4, 2)), torch.nn.functional.mse_loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        during = sorted(model.state_dict())
+        model.state_dict()  # (said once)
+        with trainer.summon_full_params():
+            summoned = len(model.state_dict())
+        trainer.evaluate(torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 2)),
+                         torch.nn.functional.mse_loss, batch_size=4)
+    trainer.close()
+    said = [str(w.message) for w in caught if "state_dict()" in str(w.message)]
+    return during, summoned, len(said), said[0][:60] if said else "", len(model.state_dict())
+
+
+def test_the_state_dict_of_a_sharded_model_between_steps_says_it_is_empty():
+    """model.state_dict() under ZeRO-3 between steps held no parameter, without a word: a script's
+    torch.save(model.state_dict()) saved an empty model (a trial). Said once; not inside summon, nor by
+    the trainer's own evaluation."""
+    during, summoned, said, first, after = run_distributed(empty_state_worker, 2, timeout=90)[0]
+    assert during == ["1.num_batches_tracked", "1.running_mean", "1.running_var"], during
+    assert (summoned, said, after) == (9, 1, 9) and first.startswith("Sequential.state_dict() under FSDP"), first

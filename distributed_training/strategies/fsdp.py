@@ -221,6 +221,7 @@ class FSDP(FSDPStateDict, nn.Module):
         for unit in self._units:
             self._register_hooks(unit)
         self._outside_hook = module.register_forward_pre_hook(_RootGuard(self))
+        self._state_hook = module._register_state_dict_hook(_EmptyStateWarning(self))
 
     # ------------------------------------------------------------ construction
 
@@ -593,6 +594,7 @@ class FSDP(FSDPStateDict, nn.Module):
             for unit in self._units:
                 self._register_full(unit, own_storage=True)
         self._outside_hook.remove()
+        self._state_hook.remove()
         for unit in self._units:
             for hook in unit.hooks:
                 hook.remove()
@@ -675,6 +677,33 @@ class _RootGuard:
 
     def __setstate__(self, state: dict) -> None:
         self._fsdp = lambda: None
+
+
+class _EmptyStateWarning:
+    """The root module's state-dict hook: ``model.state_dict()`` between steps holds none of the
+    parameters (they live in the shards), which the user is told once rather than saving an empty
+    model without a word."""
+
+    def __init__(self, fsdp: "FSDP") -> None:
+        self._fsdp, self._said = weakref.ref(fsdp), False
+
+    def __call__(self, module: nn.Module, state: dict, prefix: str, local_metadata) -> None:
+        fsdp = self._fsdp()
+        if fsdp is None or module is not fsdp.module or fsdp._summoned or fsdp._released or self._said:
+            return
+        if any(info.fqns[0] in state for unit in fsdp._units for info in unit.infos[:1]):
+            return
+        self._said = True
+        warnings.warn(f"{type(module).__name__}.state_dict() under FSDP / ZeRO-2/3 holds none of the model's "
+                      "parameters between steps: they live in each rank's shards. Take trainer.full_state_dict() "
+                      "(rank 0: the whole model; every rank calls it), save_checkpoint(), or the state inside "
+                      "summon_full_params(); a clean close() gives the model its weights back", stacklevel=3)
+
+    def __getstate__(self) -> dict:  # (a copy of the module holds its weights itself)
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._fsdp, self._said = (lambda: None), True
 
 
 def _cast_floats(tree, dtype: torch.dtype):
