@@ -94,9 +94,10 @@ def _refuse_low_precision_batchnorm(module: nn.Module, dtype: torch.dtype) -> No
         if (isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.weight is not None
                 and m.running_mean is not None and m.running_mean.dtype != dtype):
             raise ValueError(
-                f"FSDP mixed_precision=MixedPrecision(param_dtype={dtype}) would compute BatchNorm '{name or type(m).__name__}' "
-                f"in {dtype} against its {m.running_mean.dtype} running statistics, which BatchNorm refuses. Use the trainer's "
-                f"mixed_precision='bf16' / 'fp16' (autocast, which keeps BatchNorm in float32) for this model")
+                f"FSDP mixed_precision=MixedPrecision(param_dtype={dtype}) would compute BatchNorm "
+                f"'{name or type(m).__name__}' in {dtype} against its {m.running_mean.dtype} running statistics, "
+                "which BatchNorm refuses. Use the trainer's mixed_precision='bf16' / 'fp16' (autocast, which keeps "
+                "BatchNorm in float32) for this model")
 
 
 class FSDP(FSDPStateDict, nn.Module):
