@@ -321,7 +321,10 @@ def _final_metrics(cfg: JobConfig, trainer, val, val_data, criterion, batch_size
 def _write_outputs(cfg: JobConfig, trainer, metrics: dict) -> None:
     """Say how the run ended; rank 0 writes the final model (`output`) and the run's COMPLETED marker."""
     state = trainer.strategy.model_state_dict(trainer.model)  # collective: every rank
-    extra = "".join(f", {k} {v:.4g}" for k, v in metrics.items() if k not in ("loss", "val_loss", "val_samples"))
+    # (the evaluation's names, val_*, with or without evaluation.every)
+    named = {k if k.startswith("val_") or k in ("time_to_target_s", "target_step") else f"val_{k}": v
+             for k, v in metrics.items() if k not in ("loss", "val_loss", "val_samples", "samples")}
+    extra = "".join(f", {k} {v:.4g}" for k, v in named.items())
     if "loss" in metrics:
         log.info("dtrain: finished at step %d, validation loss %.4f%s", trainer.step, metrics["loss"], extra)
     else:  # (was "validation loss nan")
