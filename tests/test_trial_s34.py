@@ -423,3 +423,40 @@ def test_the_state_dict_of_a_sharded_model_between_steps_says_it_is_empty():
     during, summoned, said, first, after = run_distributed(empty_state_worker, 2, timeout=90)[0]
     assert during == ["1.num_batches_tracked", "1.running_mean", "1.running_var"], during
     assert (summoned, said, after) == (9, 1, 9) and first.startswith("Sequential.state_dict() under FSDP"), first
+
+
+class _LaterUnusedBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.branch = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.use_branch = True
+
+    def forward(self, x):
+        x = self.trunk(x)
+        return x + self.branch(x) if self.use_branch else x
+
+
+def later_unused_worker(rank, world):
+    import warnings
+
+    from distributed_training.strategies import fsdp
+
+    fsdp.UNUSED_RECHECK_EVERY = 3  # (1000 by default)
+    model = _LaterUnusedBranch()
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), strategy="zero3",
+                                 progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(10):
+            model.use_branch = step < 4
+            trainer.train_step((torch.randn(4, 4), torch.randn(4, 4)), torch.nn.functional.mse_loss)
+    trainer.close()
+    return [str(w.message)[:90] for w in caught if "got no gradient" in str(w.message)]
+
+
+def test_a_parameter_that_stops_getting_gradients_later_is_named():
+    """FSDP watched only the first two backward passes: a branch unused from step 5 on was never named,
+    while momentum kept moving it (a trial)."""
+    said = run_distributed(later_unused_worker, 2, timeout=90)
+    assert len(said[0]) == 1 and "got no gradient on any rank in this backward pass: 'branch." in said[0][0] and not said[1], said

@@ -36,7 +36,9 @@ that contains every use, so tied embeddings work wherever the two uses sit. Ever
 on any rank (a head used only in some steps, a pooler never used) still gets zeros in the unit's flat
 gradient, as in every flat-shard ZeRO: an optimizer with momentum or weight decay moves it, where one
 process would leave it alone. The first `UNUSED_WATCH_STEPS` synchronised backward passes watch for
-such parameters (a hook per parameter view, one small all-reduce) and warn once, naming them.
+such parameters (a hook per parameter view, one small all-reduce) and warn once, naming them; so does
+one pass in every `UNUSED_RECHECK_EVERY` after them, until a warning was given (a parameter that stops
+being used later in training).
 
 `torch.compile` works in either order (``torch.compile(FSDP(model))``, ``FSDP(torch.compile(model))``)
 and per block: the methods that communicate or swap the units' views are never traced (dynamo breaks
@@ -446,8 +448,13 @@ class FSDP(FSDPStateDict, nn.Module):
                     unit.shard.grad = grad
                 else:
                     unit.shard.grad += grad
-            if self._unused_watch.steps_left > 0 and self._backward_state.pending and self._join_state is None:
+            watch = self._unused_watch
+            if watch.steps_left > 0 and self._backward_state.pending and self._join_state is None:
                 self._report_unused()
+            elif self._backward_state.pending and self._join_state is None and not watch.reported:
+                watch.passes += 1  # (every rank alike: synchronised backward passes)
+                if watch.passes % UNUSED_RECHECK_EVERY == 0:
+                    watch.steps_left = 1  # the next pass is watched (its forward sets the hooks)
         finally:
             self._backward_state.pending = []
             self._backward_state.callback_queued = False
@@ -469,8 +476,8 @@ class FSDP(FSDPStateDict, nn.Module):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
             got = flags.tolist()
         unused = [u.infos[i].fqns[0] for (u, i), g in zip(trainable, got) if not g]
-        if unused and not watch.reported and dist.get_rank(self.process_group) == 0:
-            watch.reported = True
+        said, watch.reported = watch.reported, watch.reported or bool(unused)  # (every rank alike: no more watching)
+        if unused and not said and dist.get_rank(self.process_group) == 0:
             shown = ", ".join(repr(n) for n in unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
             warnings.warn(
                 f"FSDP: {len(unused)} trainable parameter(s) got no gradient on any rank in this backward pass: "
@@ -631,15 +638,17 @@ class FSDP(FSDPStateDict, nn.Module):
 # ------------------------------------------------------------------ helpers
 #: Synchronised backward passes over which FSDP watches for parameters that get no gradient.
 UNUSED_WATCH_STEPS = 2
+#: After them, one pass in this many is watched again, until a warning was given.
+UNUSED_RECHECK_EVERY = 1000
 
 
 class _UnusedWatch:
     """Which (unit, parameter) views got a gradient since the last watched synchronised backward."""
 
-    __slots__ = ("steps_left", "used", "reported")
+    __slots__ = ("steps_left", "used", "reported", "passes")
 
     def __init__(self, steps: int) -> None:
-        self.steps_left, self.used, self.reported = steps, set(), False
+        self.steps_left, self.used, self.reported, self.passes = steps, set(), False, 0
 
     def marker(self, unit: Unit, index: int):
         key = (id(unit), index)
