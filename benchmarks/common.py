@@ -7,7 +7,9 @@ Implementations (`build`): ``plain`` (no wrapper: the 1-GPU baseline), ``torch_d
 does), ``ours_ddp``, ``zero1``, ``zero2``, ``zero3`` (ours), ``torch_fsdp2`` (`fully_shard` per block
 and root), and our DDP with a `CommunicationOptimizer`: ``ddp_bf16``, ``ddp_topk`` (1%, error feedback),
 ``ddp_powersgd`` (rank 4), ``ddp_ring``, ``ddp_tree``; ``ours_ddp_b100`` (our DDP with 100 MiB buckets) and
-``torch_ddp_bf16`` (torch's DDP with its bf16 compression hook, the reference for ``ddp_bf16``). A suffix on a
+``torch_ddp_bf16`` (torch's DDP with its bf16 compression hook, the reference for ``ddp_bf16``),
+``torch_ddp_powersgd`` (torch's DDP with its PowerSGD hook at rank 4, error feedback and warm start, compressing
+from the third step: the reference for ``ddp_powersgd``). A suffix on a
 plain DDP name (``ours_ddp``, ``torch_ddp``, ``torch_ddp_gav``) puts its communication on an NCCL group built
 differently (`GROUP_SUFFIXES`): ``_hp`` high-priority streams, ``_ctas8`` at most 8 CTAs per collective (fewer SMs
 taken from the overlapped backward), ``_ctas32`` exactly 32 (more bandwidth while backward competes).
@@ -44,7 +46,7 @@ COMPRESSED = {
     "ddp_ring": dict(pattern="ring"),
     "ddp_tree": dict(pattern="tree"),
 }
-IMPLS = ("plain", "torch_ddp", "torch_ddp_gav", "torch_ddp_bf16", "ours_ddp", "ours_ddp_b100", "zero1", "zero2", "zero3", "torch_fsdp2", *COMPRESSED)
+IMPLS = ("plain", "torch_ddp", "torch_ddp_gav", "torch_ddp_bf16", "torch_ddp_powersgd", "ours_ddp", "ours_ddp_b100", "zero1", "zero2", "zero3", "torch_fsdp2", *COMPRESSED)
 
 # The suite runs compressed DDP on one process on purpose (compression's cost alone, nothing sent): the
 # package's warning about compression over a one-rank data group is expected there.
@@ -264,7 +266,7 @@ def build(impl: str, cfg, device, ctx, groups: dict | None = None):
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=fused)  # noqa: E731
     if base == "plain":
         return model, adamw(model.parameters())
-    if base in ("torch_ddp", "torch_ddp_gav", "torch_ddp_bf16"):
+    if base in ("torch_ddp", "torch_ddp_gav", "torch_ddp_bf16", "torch_ddp_powersgd"):
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if fused else None,
@@ -273,6 +275,12 @@ def build(impl: str, cfg, device, ctx, groups: dict | None = None):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
             wrapped.register_comm_hook(None, bf16_compress_hook)
+        if base == "torch_ddp_powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+            state = torch_powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=4,
+                                                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+            wrapped.register_comm_hook(state, torch_powersgd.powerSGD_hook)
         return wrapped, adamw(wrapped.parameters())
     if base in ("ours_ddp", "ours_ddp_b100"):
         wrapped = DDP(model, process_group=group, bucket_cap_mb=100 if base == "ours_ddp_b100" else None)
