@@ -442,22 +442,24 @@ class DDP(CommTiming, nn.Module):
                        if self._params[i].grad is not self._view_of[i] or self._view_of[i]._version != version]
             unready = [i for i, ready in enumerate(state.ready) if not ready]
             had_no_grad = {i for i in unready if self._params[i].grad is None}
+            used_work = used = None
+            if self.find_unused_parameters and (self.world_size > 1 or unready):
+                # Which parameters got a gradient on *some* rank, in this backward or in the no_sync
+                # micro-batches before it (read before their buckets are reduced): those with none anywhere
+                # keep `.grad = None`, as if DDP were not there; the others are averaged on every rank.
+                # (Its all-reduce follows the buckets' on every rank: a bucket some rank launched during
+                # backward another launches only now.)
+                used = self._used_flags(state.ready, [i for i in unready if i not in had_no_grad])
             for i in unready:
                 # Its bucket gathers it at launch: an absent gradient contributes zeros, an accumulated one
                 # (from no_sync steps, or all of them for `sync_gradients`) counts, one foreach copy a bucket.
                 state.pending[self._bucket_of[i]] -= 1
             self._launch_ready_buckets()
+            if used is not None and self.world_size > 1:
+                used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
             timing = self._start_comm_timer()
             if self.measure_overlap:
                 self._overlap.backward_done(timing)
-            used_work = used = None
-            if self.find_unused_parameters and self.world_size > 1:
-                # Which parameters got a gradient on *some* rank: those untouched everywhere keep
-                # `.grad = None`, as if DDP were not there.
-                device = collective_device(self.process_group,
-                                           self._buckets[0].buffer.device if self._buckets else None)
-                used = torch.tensor(state.ready, dtype=torch.int32, device=device)
-                used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
             for index, handle in enumerate(state.handles):
                 try:
                     handle.wait()
@@ -485,8 +487,13 @@ class DDP(CommTiming, nn.Module):
                     "find_unused_parameters=True; if they are never used, set requires_grad=False or remove them."
                 )
             if self.find_unused_parameters and unready:
-                globally_used = used.tolist() if used is not None else state.ready
+                globally_used = used.tolist()
                 unused = [i for i in had_no_grad if not globally_used[i]]
+                if unused and getattr(self.bucket_reducer, "residuals", None):
+                    # Error feedback may have sent some of their residuals (compression picked them): that
+                    # delayed gradient is applied, the same on every rank, not dropped (it left the residuals).
+                    sent = torch.stack(torch._foreach_norm([self._view_of[i] for i in unused])).ne(0).tolist()
+                    unused = [i for i, s in zip(unused, sent) if not s]
                 for i in unused:
                     self._params[i].grad = None
                 if unused:
@@ -494,6 +501,16 @@ class DDP(CommTiming, nn.Module):
                 self._unready_everywhere([i for i in unready if not globally_used[i]])
         finally:
             self._reset_iteration()
+
+    def _used_flags(self, ready: list[bool], held: list[int]) -> torch.Tensor:
+        """This rank's flag per parameter for the all-reduce (MAX) that finds the parameters no rank
+        gave a gradient: reached in this backward (`ready`), or, of the others, holding a `.grad`
+        (`held`: what earlier no_sync micro-batches fed, or one kept across steps)."""
+        flags = [int(r) for r in ready]
+        for i in held:
+            flags[i] = 1
+        device = collective_device(self.process_group, self._buckets[0].buffer.device if self._buckets else None)
+        return torch.tensor(flags, dtype=torch.int32, device=device)
 
     def _unused_everywhere(self, indices: list[int]) -> None:
         """Parameters (indices into `_params`) that got no gradient on any rank this backward: their

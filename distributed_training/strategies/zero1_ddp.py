@@ -191,31 +191,20 @@ class Zero1DDP(DDP):
                            "collective that a rank out of data would issue out of order; use strategy 'ddp' or "
                            "'zero3', or give every rank the same number of batches")
 
-    def _unused_everywhere(self, indices: list[int]) -> None:
-        self._report_unused(indices)
-
-    #: Synchronised backward passes watched for parameters that no rank reached (as FSDP's watch).
-    UNREADY_WATCH = 2
-
-    def no_sync(self):
-        self._accumulated = True  # what no_sync micro-batches fed shows in another rank's bucket only
-        return super().no_sync()
+    def _used_flags(self, ready: list[bool], held: list[int]) -> torch.Tensor:
+        # Gradients live in the buckets: a `.grad` held is a bucket view, zeroed after each step, so what
+        # counts is whether it holds anything (what no_sync micro-batches fed it). One multi-tensor norm,
+        # on the device: no host sync beyond the flags' own.
+        used = super()._used_flags(ready, [])
+        if held:
+            norms = torch.stack(torch._foreach_norm([self._params[i].grad for i in held]))
+            used.index_copy_(0, torch.tensor(held, device=used.device), norms.ne(0).to(used.device, used.dtype))
+        return used
 
     def _unready_everywhere(self, indices: list[int]) -> None:
-        # Gradients live in the buckets: one no rank reached is a zeroed view, not None. Watched over the
-        # first backward passes without accumulation (after no_sync micro-batches a zero on this rank says
-        # nothing of the others'), in one read of the device.
-        accumulated, self._accumulated = getattr(self, "_accumulated", False), False
-        watched = getattr(self, "_unready_watched", 0)
-        if (not indices or accumulated or watched >= self.UNREADY_WATCH or self.rank != 0
-                or getattr(self, "_unused_reported", False)):
-            return
-        self._unready_watched = watched + 1
-        grads = [self._params[i].grad for i in indices]
-        zero = torch.stack([g.any() for g in grads if g is not None]).logical_not().tolist() if any(
-            g is not None for g in grads) else []
-        flags = iter(zero)
-        self._report_unused([i for i, g in zip(indices, grads) if g is None or next(flags)])
+        # No rank reached them in this backward and none holds a gradient for them (`_used_flags`): the
+        # flat shards give them zeros, which momentum or weight decay still act on. Named once.
+        self._report_unused(indices)
 
     def _report_unused(self, indices: list[int]) -> None:
         if not indices or getattr(self, "_unused_reported", False) or self.rank != 0:
