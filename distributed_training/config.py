@@ -325,6 +325,12 @@ class JobConfig(Section):
         if c.compression != "none" and c.hierarchical:
             raise ConfigError(f"communication.hierarchical and communication.compression {c.compression!r} cannot be "
                               "combined yet: choose one")
+        if c.hierarchical and c.pattern != "nccl":
+            raise ConfigError(f"communication.hierarchical runs the backend's collectives in and across nodes; "
+                              f"communication.pattern {c.pattern!r} is another way to all-reduce a bucket: choose one")
+        if given(c, "error_feedback") and c.compression not in ("topk", "powersgd"):
+            raise ConfigError(f"communication.error_feedback applies to communication.compression 'topk' or "
+                              f"'powersgd', not {c.compression!r}: set the compression, or leave error_feedback out")
         if c.compression != "none" and c.pattern != "nccl":
             raise ConfigError(f"communication.pattern {c.pattern!r} is how uncompressed buckets are all-reduced; "
                               f"communication.compression {c.compression!r} sends its own messages: choose one")

@@ -130,10 +130,13 @@ class CommunicationOptimizer:
             raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
         if topk_select not in _TOPK_SELECTIONS:
             raise ValueError(f"topk_select must be one of {list(_TOPK_SELECTIONS)}, got {topk_select!r}")
-        if not isinstance(topk_chunk, int) or topk_chunk < 1:
+        if isinstance(topk_chunk, bool) or not isinstance(topk_chunk, int) or topk_chunk < 1:
             raise ValueError(f"topk_chunk must be a positive integer, got {topk_chunk!r}")
         if hierarchical and compression is not None:
             raise ValueError("hierarchical all-reduce and compression cannot be combined yet: choose one")
+        if hierarchical and pattern != "nccl":
+            raise ValueError(f"hierarchical all-reduce runs the backend's collectives in and across nodes; pattern="
+                             f"{pattern!r} is another way to all-reduce a whole bucket: choose one")
         if pattern != "nccl" and compression is not None:
             raise ValueError(f"pattern={pattern!r} is how an uncompressed bucket is all-reduced; compression "
                              f"{compression!r} sends its own messages (all-gather / all-reduce): choose one")
@@ -230,8 +233,10 @@ class CommunicationOptimizer:
         takes a tensor of two or more dimensions as one matrix of its shape)."""
         flat = tensor.reshape(-1)  # a copy when `tensor` is not contiguous (channels_last, transposed)
         if self.compression is None:
-            self(flat, group, key).wait()
+            self(flat, group, max(key, 0)).wait()
         else:
+            if key <= 0:  # a step: each call with the default key, or the first of keyed tensors (as bucket 0)
+                self.steps += 1
             # Its own shape, never a DDP bucket's layout of the same key (); 1-D: one near-square matrix.
             layout = [(0, tuple(tensor.shape))] if tensor.dim() >= 2 else ()
             self._compressed_mean(flat, group, key, layout).wait()
@@ -289,7 +294,7 @@ class CommunicationOptimizer:
         density = self.density()
         keep = self.error_feedback
         if self.topk_select == "blockmax":
-            row = self._row(density)
+            row = self._row(density, n)
             if fused_available(flat, row):
                 return blockmax_fused(flat, self._topk_buffer(flat, key)[:n] if keep else None, row, keep)
             if keep:
@@ -311,9 +316,10 @@ class CommunicationOptimizer:
             acc.index_fill_(0, indices, 0)  # what was sent leaves the residual; the rest waits for the next step
         return indices, values
 
-    def _row(self, density: float) -> int:
-        """Block-max's row length: one entry sent per `row` values."""
-        return max(1, round(1 / density))
+    def _row(self, density: float, n: int) -> int:
+        """Block-max's row length for a bucket of `n` values: one entry sent per `row` values (at most the
+        bucket: a tiny density sends one entry of it, and pads no further)."""
+        return max(1, min(n, round(1 / density)))
 
     def _topk_buffer(self, flat: torch.Tensor, key: int) -> torch.Tensor:
         """This key's float32 buffer: its first n values hold the residual (zeros at first), the
@@ -323,7 +329,7 @@ class CommunicationOptimizer:
         it. A residual that is not (loaded from a checkpoint) is copied in; one of another length
         (the buckets changed) is dropped, as before."""
         n = flat.numel()
-        size = n + self._row(self.compression_ratio)  # the longest row any density of the warm-up uses
+        size = n + self._row(self.compression_ratio, n)  # the longest row any density of the warm-up uses
         buf = self._topk_buffers.get(key)
         residual = self.residuals.get(key)
         if (buf is not None and buf.numel() == size and buf.device == flat.device and residual is not None

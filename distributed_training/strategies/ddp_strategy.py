@@ -21,12 +21,21 @@ class DDPBacked:
 
     def rank_state(self, model: DDP) -> dict[str, Any]:
         reducer = model.bucket_reducer
-        return {"communication": reducer.state_dict()} if hasattr(reducer, "state_dict") else {}
+        if not hasattr(reducer, "state_dict"):
+            return {}
+        return {"communication": reducer.state_dict(), "communication_places": _places(model)}
 
     def load_rank_state(self, model: DDP, state: dict[str, Any]) -> None:
         reducer = model.bucket_reducer
         if hasattr(reducer, "load_state_dict") and "communication" in state:
             reducer.load_state_dict(state["communication"])
+            saved, now = state.get("communication_places"), _places(model)
+            if saved is not None and saved != now and hasattr(reducer, "rebucket"):
+                # The buckets differ from the saved run's (a parameter frozen or unfrozen since): the
+                # reducer's per-bucket state (error-feedback residuals) follows each parameter by name.
+                moves = [(*saved[name][:2], *now[name][:2], now[name][2]) for name in now
+                         if name in saved and saved[name][2] == now[name][2]]
+                reducer.rebucket(moves, {b.index: b.buffer.numel() for b in model._buckets})
 
     def shared_state(self, model: DDP) -> dict[str, Any]:
         return {"ddp_bucket_groups": model.bucket_groups(), "ddp_rebuild_pending": model._rebuild_pending,
@@ -85,3 +94,14 @@ class DDPStrategy(DDPBacked, Strategy):
     def teardown(self, model: nn.Module) -> None:
         if isinstance(model, DDP):
             model.remove_hooks()
+
+
+def _places(model: DDP) -> dict[str, tuple[int, int, int]]:
+    """(bucket index, offset in its buffer, numel) of each parameter in `model`'s gradient buckets, by name."""
+    places = {}
+    for bucket in model._buckets:
+        start = bucket.buffer.storage_offset()
+        for i in bucket.param_indices:
+            view = model._view_of[i]
+            places[model._param_names[i]] = (bucket.index, view.storage_offset() - start, view.numel())
+    return places

@@ -15,6 +15,7 @@ gathers each unit again for every microbatch's forward and backward; ZeRO-2 gath
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from typing import Any
 
@@ -47,6 +48,15 @@ class FSDPStrategy(Strategy):
     deferred_gradient_sync = True
 
     def __init__(self, **fsdp_kwargs: Any) -> None:
+        if "communication" in fsdp_kwargs:
+            raise ValueError("FSDPStrategy takes no communication= (a CommunicationOptimizer): compression and "
+                             "the ring / tree / hierarchical patterns apply to DDPStrategy and Zero1Strategy, whose "
+                             "gradients are all-reduced; FSDP reduce-scatters its units' gradients as they are")
+        takes = [n for n in inspect.signature(FSDP.__init__).parameters if n not in ("self", "module", "mesh")]
+        unknown = sorted(set(fsdp_kwargs) - set(takes))
+        if unknown:
+            raise TypeError(f"FSDPStrategy got unexpected argument(s) {', '.join(unknown)}; it takes FSDP's: "
+                            f"{', '.join(takes)}")
         self.fsdp_kwargs = fsdp_kwargs
 
     def planner_kind(self) -> str:
