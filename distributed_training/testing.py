@@ -122,6 +122,17 @@ def _check_picklable(fn: Callable[..., Any]) -> None:
                         "module (not a lambda, a nested function or a local class's method)") from None
 
 
+def _silent_exit(code: int) -> str:
+    """What a rank that ended with exit status `code` without reporting a result or an error says."""
+    from .peer_watch import EXIT_CODE
+
+    if code == EXIT_CODE:
+        return (f"process exited with code {code} (the peer watch's: a peer had failed, and this rank, stuck "
+                "waiting for it, was ended; the peer's error is the one to read)")
+    return (f"process exited with code {code} without reporting (a script that calls run_distributed at module "
+            "level must do it under `if __name__ == '__main__':`: each rank imports the main module)")
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -191,9 +202,7 @@ def run_distributed(
             except queue_module.Empty:
                 for rank, p in enumerate(procs):
                     if rank not in results and rank not in failures and not p.is_alive() and p.exitcode not in (0, None):
-                        failures[rank] = (f"process exited with code {p.exitcode} without reporting (a script that "
-                                          "calls run_distributed at module level must do it under "
-                                          "`if __name__ == '__main__':`: each rank imports the main module)")
+                        failures[rank] = _silent_exit(p.exitcode)
                 if failures and grace_deadline is None:
                     grace_deadline = time.monotonic() + grace
                 continue

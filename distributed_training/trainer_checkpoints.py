@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, load_file, read_meta, rng_state, save_file,
-                         set_rng_state, sha256_file, write_meta)
+from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, _fsync_dir, load_file, read_meta, rng_state,
+                         save_file, set_rng_state, sha256_file, write_meta)
 from .checkpoint_async import rank_file
 from .checkpoint_lock import CheckpointDirectoryInUseError, in_use_message, lock_directory, unlock_directory
 from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
@@ -195,7 +195,12 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
             held, packed, part = self._rank_part()
             if self.strategy.save_checkpoint_files(self.model, path, part, self._meta(held, packed, None, metrics)):
                 return  # the strategy wrote it (the parameter server: its servers' state)
-            digest = save_file(part, rank_file(path, ctx.rank))
+            # A checkpoint already at `path` (``checkpoints/last`` saved again) stays whole until the new one
+            # is: this one is written beside it and swapped in (`_swap_in`). Every rank writing into the
+            # directory sees the same files here (the last save ended with a barrier).
+            replacing = os.path.isfile(os.path.join(path, "meta.pt"))
+            target = _staged(path) if replacing else path
+            digest = save_file(part, rank_file(target, ctx.rank))
             mine = (digest, summary(packed), sorted(part["buffers"]), self.dp_rank)
             every = [mine]
             if ctx.world_size > 1:
@@ -206,8 +211,10 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
             if layout.writer_of[ctx.rank] == ctx.rank:  # rank 0, or each node's first rank with a directory per node
                 meta = self._meta(held, packed, [rest for _, *rest in every], metrics)
                 meta.update(layout.checksums(ctx.rank, digests))
-                write_meta(meta, path)
-                _remove_stale_rank_files(path, ctx.world_size)
+                write_meta(meta, target)
+                _remove_stale_rank_files(target, ctx.world_size)
+                if replacing:
+                    _swap_in(target, path)
             ctx.barrier()
 
     def _rank_part(self, to_host: Callable[[torch.Tensor], torch.Tensor] = host_clone,
@@ -301,8 +308,18 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         if self._staging is not None:
             self._staging.fence()  # a background snapshot's copies read what loading overwrites
         meta_path = os.path.join(path, "meta.pt")
+        previous = _previous(path)
+        if not os.path.isfile(meta_path) and os.path.isfile(os.path.join(previous, "meta.pt")):
+            # A save over `path` stopped between its two renames (`_swap_in`): the checkpoint it replaced.
+            if ctx.is_main:
+                log.warning("checkpoint %r is incomplete (a save over it was interrupted): loading the one it was "
+                            "replacing, %r", path, previous)
+            path, meta_path = previous, os.path.join(previous, "meta.pt")
         if not os.path.isfile(meta_path) and not os.path.isfile(path):
-            raise FileNotFoundError(f"rank {ctx.rank}: {meta_path!r} does not exist: not a complete checkpoint")
+            steps = sorted(n for n in os.listdir(path) if n.startswith("step_")) if os.path.isdir(path) else []
+            hint = (f"; it holds fit's checkpoints ({steps[-1]} the newest): load one of those, e.g. "
+                    f"trainer.latest_checkpoint()[0] with checkpoint_dir={path!r}" if steps else "")
+            raise FileNotFoundError(f"rank {ctx.rank}: {meta_path!r} does not exist: not a complete checkpoint{hint}")
         meta = read_meta(path)
         if meta.get("checkpoint_format") != FORMAT:
             raise CheckpointMismatchError(
@@ -510,6 +527,30 @@ def _remove_stale_rank_files(path: str, world_size: int) -> None:
                 os.remove(os.path.join(path, name))
             except OSError:
                 pass  # (another node's writer removed it first, on a shared directory)
+
+
+def _staged(path: str) -> str:
+    """Where a save over the checkpoint at `path` writes before it is swapped in."""
+    return os.path.normpath(path) + ".saving"
+
+
+def _previous(path: str) -> str:
+    """Where the checkpoint at `path` waits while a new one takes its name (`_swap_in`)."""
+    return os.path.normpath(path) + ".previous"
+
+
+def _swap_in(staged: str, path: str) -> None:
+    """Put the complete checkpoint `staged` at `path` in place of the one there, by two renames: a crash
+    between them leaves the old one at `_previous(path)`, which `load_checkpoint(path)` then loads."""
+    import shutil
+
+    previous = _previous(path)
+    if os.path.isdir(previous):
+        shutil.rmtree(previous)  # an earlier swap's leftover: `path` is whole (it is being replaced)
+    os.rename(path, previous)
+    os.rename(staged, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    shutil.rmtree(previous, ignore_errors=True)
 
 
 def _has_residuals(rank_part: dict[str, Any]) -> bool:

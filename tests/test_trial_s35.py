@@ -252,3 +252,100 @@ def test_all_reduce_compressed_leaves_the_warm_up():
     """Only DDP's buckets counted steps: `all_reduce_compressed` stayed at density 1 (sent everything)."""
     for densities in run_distributed(warmup_direct_worker, 2, timeout=60):
         assert densities[-1] == 0.25 and densities[0] > densities[-1], densities
+
+
+def overwrite_crash_worker(rank, world, directory, crash):
+    """`save_checkpoint("last")` at step 2, two more steps, then the save over it dies: `crash` "rank_files"
+    (the rank files written, meta.pt not) or "swap" (between the two renames). A fresh trainer then
+    loads "last": the step-2 checkpoint, whole."""
+    import os
+
+    import distributed_training.trainer_checkpoints as checkpoints
+
+    def build():
+        torch.manual_seed(0)
+        return DistributedTrainer(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+                                  lambda ps: torch.optim.AdamW(ps, lr=1e-2), strategy="ddp", progress=False)
+
+    last = os.path.join(directory, crash, "last")
+    trainer = build()
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        trainer.train_step((torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)),
+                           nn.functional.cross_entropy)
+    trainer.save_checkpoint(last)
+    for _ in range(2):
+        trainer.train_step((torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)),
+                           nn.functional.cross_entropy)
+    real_rename = os.rename
+    if crash == "rank_files":  # every rank's file written, then the writer dies (a SIGKILL, an OOM kill)
+        checkpoints.write_meta = lambda *args, **kwargs: os._exit(9)
+    else:
+        def rename(src, dst):
+            real_rename(src, dst)
+            if dst.endswith(".previous"):
+                os._exit(9)
+        os.rename = rename
+    if rank == 0:
+        trainer.save_checkpoint(last)  # dies inside
+    os._exit(0)  # rank 1: its part written, gone before the end (its peer died)
+
+
+def load_after_crash_worker(rank, world, directory, crash):
+    import os
+
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+                                 lambda ps: torch.optim.AdamW(ps, lr=1e-2), strategy="ddp", progress=False)
+    trainer.load_checkpoint(os.path.join(directory, crash, "last"))
+    step, state = trainer.step, {k: v.clone() for k, v in trainer.module.state_dict().items()}
+    trainer.close()
+    return step, state
+
+
+def saved_at_step_two_worker(rank, world, directory):
+    """The step-2 weights of `overwrite_crash_worker`'s run, without a crash."""
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+                                 lambda ps: torch.optim.AdamW(ps, lr=1e-2), strategy="ddp", progress=False)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        trainer.train_step((torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)),
+                           nn.functional.cross_entropy)
+    state = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+    trainer.close()
+    return state
+
+
+def test_a_save_over_a_checkpoint_that_dies_leaves_the_old_one(tmp_path):
+    """`save_checkpoint("checkpoints/last")` again (the README's pattern) replaced rank0.pt in place: a
+    process killed before meta.pt left "last" failing its checksum, the old checkpoint gone with it. Now a
+    save over a checkpoint writes beside it and swaps it in; killed anywhere, "last" loads a whole one."""
+    from distributed_training.testing import DistributedTestError
+
+    expected = run_distributed(saved_at_step_two_worker, 2, (str(tmp_path),), timeout=60)[0]
+    for crash in ("rank_files", "swap"):
+        try:
+            run_distributed(overwrite_crash_worker, 2, (str(tmp_path), crash), timeout=60, grace=2.0)
+        except DistributedTestError:
+            pass  # (the ranks end as a crash does: that is the point)
+        for step, state in run_distributed(load_after_crash_worker, 2, (str(tmp_path), crash), timeout=60):
+            assert step == 2 and all(torch.equal(state[k], expected[k]) for k in expected), (crash, step)
+
+
+def test_loading_fits_checkpoint_directory_points_to_its_checkpoints(tmp_path):
+    """`load_checkpoint(checkpoint_dir)` said only "meta.pt does not exist" of the directory holding fit's
+    `step_*` checkpoints; and a rank ended by the peer watch (status 75) was said by `run_distributed` to
+    have skipped `if __name__ == '__main__':`."""
+    import pytest
+
+    from distributed_training.testing import _silent_exit
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                 checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1)
+    trainer.fit(data, epochs=1, criterion=nn.functional.cross_entropy, batch_size=4)
+    with pytest.raises(FileNotFoundError, match=r"holds fit's checkpoints \(step_0+2 the newest\).*latest_checkpoint"):
+        trainer.load_checkpoint(str(tmp_path / "ck"))
+    trainer.close()
+    assert "peer watch" in _silent_exit(75) and "__main__" in _silent_exit(1)
