@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from typing import Any, Callable
 
@@ -139,7 +140,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
             self._save_in_background(path, values)
             self._last_saved_step = self.step
             return
-        self.save_checkpoint(path, metrics=values)
+        self._save_checkpoint(path, values, staged=False)  # a new directory: nothing there to keep whole
         if layout.writer_of[self.context.rank] == self.context.rank:
             self.checkpoints.finalize(self.step, values)
         self.context.barrier()
@@ -181,9 +182,18 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         checksum ``meta.pt.sha256``. Files are written atomically. A path that looks like a file name
         (``last.pt``) still becomes a directory, with a warning. When each node has a directory of its
         own (see `checkpoint_shared`), each node's first rank writes a ``meta.pt`` there, listing that
-        node's files.
+        node's files. The files go into ``<path>.saving`` first, which replaces `path` once whole (two
+        renames): a checkpoint already there (``checkpoints/last`` saved again) stays whole until then,
+        and a save killed anywhere leaves one that `load_checkpoint(path)` loads.
         """
         path = _directory_name(path, "save_checkpoint")
+        if os.path.isfile(path):
+            raise FileExistsError(f"rank {self.context.rank}: save_checkpoint({path!r}): a file is there, and a "
+                                  "checkpoint is a directory (one file per rank plus meta.pt): pick another name, or "
+                                  "remove the file")
+        self._save_checkpoint(path, metrics, staged=True)
+
+    def _save_checkpoint(self, path: str, metrics: dict[str, float] | None, staged: bool) -> None:
         ctx = self.context
         suffix = os.path.splitext(path.rstrip("/\\"))[1]
         if suffix.lower() in _FILE_SUFFIXES and not os.path.isdir(path) and ctx.is_main:
@@ -195,11 +205,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
             held, packed, part = self._rank_part()
             if self.strategy.save_checkpoint_files(self.model, path, part, self._meta(held, packed, None, metrics)):
                 return  # the strategy wrote it (the parameter server: its servers' state)
-            # A checkpoint already at `path` (``checkpoints/last`` saved again) stays whole until the new one
-            # is: this one is written beside it and swapped in (`_swap_in`). Every rank writing into the
-            # directory sees the same files here (the last save ended with a barrier).
-            replacing = os.path.isfile(os.path.join(path, "meta.pt"))
-            target = _staged(path) if replacing else path
+            target = _staged(path) if staged else path
             digest = save_file(part, rank_file(target, ctx.rank))
             mine = (digest, summary(packed), sorted(part["buffers"]), self.dp_rank)
             every = [mine]
@@ -213,8 +219,8 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
                 meta.update(layout.checksums(ctx.rank, digests))
                 write_meta(meta, target)
                 _remove_stale_rank_files(target, ctx.world_size)
-                if replacing:
-                    _swap_in(target, path)
+                if staged:
+                    _put_in_place(target, path)
             ctx.barrier()
 
     def _rank_part(self, to_host: Callable[[torch.Tensor], torch.Tensor] = host_clone,
@@ -308,13 +314,16 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         if self._staging is not None:
             self._staging.fence()  # a background snapshot's copies read what loading overwrites
         meta_path = os.path.join(path, "meta.pt")
-        previous = _previous(path)
-        if not os.path.isfile(meta_path) and os.path.isfile(os.path.join(previous, "meta.pt")):
-            # A save over `path` stopped between its two renames (`_swap_in`): the checkpoint it replaced.
-            if ctx.is_main:
-                log.warning("checkpoint %r is incomplete (a save over it was interrupted): loading the one it was "
-                            "replacing, %r", path, previous)
-            path, meta_path = previous, os.path.join(previous, "meta.pt")
+        if not os.path.isfile(meta_path):
+            # A save stopped before it replaced `path` (`_put_in_place`): its own checkpoint if whole, else
+            # the one it was replacing.
+            found = next((p for p in (_staged(path), _previous(path)) if os.path.isfile(os.path.join(p, "meta.pt"))),
+                         None)
+            if found is not None:
+                if ctx.is_main:
+                    log.warning("checkpoint %r is missing or incomplete (a save over it was interrupted): loading "
+                                "%r", path, found)
+                path, meta_path = found, os.path.join(found, "meta.pt")
         if not os.path.isfile(meta_path) and not os.path.isfile(path):
             steps = sorted(n for n in os.listdir(path) if n.startswith("step_")) if os.path.isdir(path) else []
             hint = (f"; it holds fit's checkpoints ({steps[-1]} the newest): load one of those, e.g. "
@@ -529,28 +538,53 @@ def _remove_stale_rank_files(path: str, world_size: int) -> None:
                 pass  # (another node's writer removed it first, on a shared directory)
 
 
+#: The files a checkpoint directory holds: rank files, meta.pt and its checksum, and write temporaries.
+_CHECKPOINT_FILE = re.compile(r"^(rank\d+\.pt|meta\.pt|meta\.pt\.sha256)(\.tmp\.\d+)?$")
+
+
 def _staged(path: str) -> str:
     """Where a save over the checkpoint at `path` writes before it is swapped in."""
     return os.path.normpath(path) + ".saving"
 
 
 def _previous(path: str) -> str:
-    """Where the checkpoint at `path` waits while a new one takes its name (`_swap_in`)."""
+    """Where the checkpoint at `path` waits while a new one takes its name (`_put_in_place`)."""
     return os.path.normpath(path) + ".previous"
 
 
-def _swap_in(staged: str, path: str) -> None:
-    """Put the complete checkpoint `staged` at `path` in place of the one there, by two renames: a crash
-    between them leaves the old one at `_previous(path)`, which `load_checkpoint(path)` then loads."""
-    import shutil
-
+def _put_in_place(staged: str, path: str) -> None:
+    """Give the whole checkpoint `staged` the name `path`. What is there (a checkpoint, a symlink, a
+    save's leftovers) steps aside to `_previous(path)` first and is removed after, so a crash leaves a
+    whole checkpoint at `path`, at `staged` or at `_previous(path)` (`load_checkpoint` looks in that
+    order). A directory holding other files than a checkpoint's gets the files moved in instead, one by
+    one, meta.pt last (as saves into it always did)."""
     previous = _previous(path)
-    if os.path.isdir(previous):
-        shutil.rmtree(previous)  # an earlier swap's leftover: `path` is whole (it is being replaced)
-    os.rename(path, previous)
+    _remove(previous)  # an earlier save's leftover: `path` or `staged` is newer and whole
+    if os.path.isdir(path) and not os.path.islink(path) and not all(_CHECKPOINT_FILE.match(n) for n in os.listdir(path)):
+        for name in sorted(os.listdir(staged), key=lambda n: (n == "meta.pt", n.startswith("meta.pt"))):
+            os.replace(os.path.join(staged, name), os.path.join(path, name))
+        _fsync_dir(path)
+        _remove(staged)
+        return
+    if os.path.lexists(path):
+        os.rename(path, previous)
     os.rename(staged, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    shutil.rmtree(previous, ignore_errors=True)
+    _remove(previous)
+
+
+def _remove(path: str) -> None:
+    """Remove a file, a symlink (not what it points to) or a directory tree, whichever `path` is; what
+    cannot be removed (a file held open on NFS) is renamed out of the way."""
+    import shutil
+    import time
+
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):
+            os.rename(path, f"{path}.stale-{time.time_ns()}")
 
 
 def _has_residuals(rank_part: dict[str, Any]) -> bool:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -443,20 +443,23 @@ class DDP(CommTiming, nn.Module):
             unready = [i for i, ready in enumerate(state.ready) if not ready]
             had_no_grad = {i for i in unready if self._params[i].grad is None}
             used_work = used = None
-            if self.find_unused_parameters and (self.world_size > 1 or unready):
-                # Which parameters got a gradient on *some* rank, in this backward or in the no_sync
-                # micro-batches before it (read before their buckets are reduced): those with none anywhere
-                # keep `.grad = None`, as if DDP were not there; the others are averaged on every rank.
-                # (Its all-reduce follows the buckets' on every rank: a bucket some rank launched during
-                # backward another launches only now.)
-                used = self._used_flags(state.ready, [i for i in unready if i not in had_no_grad])
+            # Which parameters got a gradient on *some* rank, in this backward or in the no_sync micro-batches
+            # before it (what a rank holds is read before its bucket is reduced): those with none anywhere
+            # keep `.grad = None`, as if DDP were not there; the others are averaged on every rank.
+            flag_used = self.find_unused_parameters and (self.world_size > 1 or bool(unready))
+            held = [i for i in unready if i not in had_no_grad] if flag_used else []
+            read = self._read_held(held) if held else None
             for i in unready:
                 # Its bucket gathers it at launch: an absent gradient contributes zeros, an accumulated one
                 # (from no_sync steps, or all of them for `sync_gradients`) counts, one foreach copy a bucket.
                 state.pending[self._bucket_of[i]] -= 1
             self._launch_ready_buckets()
-            if used is not None and self.world_size > 1:
-                used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+            if flag_used:
+                # (After the launches: the flags' copy to a GPU waits for the device, and their all-reduce
+                # follows the buckets' on every rank, some of which a rank launched during backward.)
+                used = self._used_flags(state.ready, held, read)
+                if self.world_size > 1:
+                    used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
             timing = self._start_comm_timer()
             if self.measure_overlap:
                 self._overlap.backward_done(timing)
@@ -502,10 +505,16 @@ class DDP(CommTiming, nn.Module):
         finally:
             self._reset_iteration()
 
-    def _used_flags(self, ready: list[bool], held: list[int]) -> torch.Tensor:
+    def _read_held(self, held: list[int]) -> Any:
+        """What `_used_flags` needs to know of the gradients `held` before their buckets are reduced:
+        nothing here (a `.grad` held counts)."""
+        return None
+
+    def _used_flags(self, ready: list[bool], held: list[int], read: Any) -> torch.Tensor:
         """This rank's flag per parameter for the all-reduce (MAX) that finds the parameters no rank
         gave a gradient: reached in this backward (`ready`), or, of the others, holding a `.grad`
-        (`held`: what earlier no_sync micro-batches fed, or one kept across steps)."""
+        (`held`: what earlier no_sync micro-batches fed, or one kept across steps; `read`: what
+        `_read_held` found of them)."""
         flags = [int(r) for r in ready]
         for i in held:
             flags[i] = 1

@@ -191,14 +191,16 @@ class Zero1DDP(DDP):
                            "collective that a rank out of data would issue out of order; use strategy 'ddp' or "
                            "'zero3', or give every rank the same number of batches")
 
-    def _used_flags(self, ready: list[bool], held: list[int]) -> torch.Tensor:
+    def _read_held(self, held: list[int]) -> torch.Tensor:
         # Gradients live in the buckets: a `.grad` held is a bucket view, zeroed after each step, so what
-        # counts is whether it holds anything (what no_sync micro-batches fed it). One multi-tensor norm,
-        # on the device: no host sync beyond the flags' own.
-        used = super()._used_flags(ready, [])
+        # counts is whether it holds anything (what no_sync micro-batches fed it). One multi-tensor norm
+        # on the device, before the reduce-scatter overwrites this rank's shard of it.
+        return torch.stack(torch._foreach_norm([self._params[i].grad for i in held])).ne(0)
+
+    def _used_flags(self, ready: list[bool], held: list[int], read: torch.Tensor | None) -> torch.Tensor:
+        used = super()._used_flags(ready, [], None)
         if held:
-            norms = torch.stack(torch._foreach_norm([self._params[i].grad for i in held]))
-            used.index_copy_(0, torch.tensor(held, device=used.device), norms.ne(0).to(used.device, used.dtype))
+            used.index_copy_(0, torch.tensor(held, device=used.device), read.to(used.device, used.dtype))
         return used
 
     def _unready_everywhere(self, indices: list[int]) -> None:
