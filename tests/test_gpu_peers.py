@@ -34,9 +34,10 @@ def test_replicas_of_uneven_rows_under_accumulation_on_nccl_equal_one_process(st
         assert worst <= 1e-5, worst
 
 
-@pytest.mark.parametrize("where", ["data", "forward"])
-def test_a_slow_rank_is_named_a_straggler_on_nccl(where, tmp_path):
-    (said, slowest), (said_1, _) = run_distributed(straggler_worker, 2, args=(where, str(tmp_path)),
+@pytest.mark.parametrize("where, strategy", [("data", "ddp"), ("forward", "ddp"), ("forward", "zero3"),
+                                             ("forward", "tensor")])
+def test_a_slow_rank_is_named_a_straggler_on_nccl(where, strategy, tmp_path):
+    (said, slowest), (said_1, _) = run_distributed(straggler_worker, 2, args=(where, str(tmp_path), strategy),
                                                    backend="nccl", timeout=180)
     assert said and all("rank 1 works" in m for m in said) and slowest == 1, (said, slowest)
     assert not said_1

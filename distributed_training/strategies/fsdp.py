@@ -62,6 +62,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module
 from ..comm.groups import make_hybrid_groups
 from ..comm.sharded import all_gather_flat, reduce_scatter_flat
+from ..comm.wait_meter import WaitMeter
 from ..mesh import Mesh, global_rank
 from ..optim import ParamSegments
 from ..runtime import collective_device, launcher_ranks_per_node
@@ -220,6 +221,7 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
         # gets none on any rank still gets a zero gradient in its unit's flat vector (see the module
         # docstring), which the user is told once.
         self._unused_watch = _UnusedWatch(UNUSED_WATCH_STEPS)
+        self.waits = WaitMeter()  # the exposed communication, on the steps the trainer logs
         self._summoned = False  # inside `summon_full_params`
         self._released = False  # `release`: the module holds its weights again, the wrapper is done
         for unit in self._units:
@@ -277,7 +279,8 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
         self._start_gather(unit)
         if unit.gather_work is not None:
             try:
-                unit.gather_work.wait()
+                with self.waits.waiting(self.device):
+                    unit.gather_work.wait()
             except RuntimeError as err:
                 raise RuntimeError(f"FSDP all-gather of unit '{unit.name or '<root>'}' failed: {err}") from err
         unit.gather_work = unit.gather_src = None
@@ -416,7 +419,8 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
         try:
             for unit, out, work in self._backward_state.pending:
                 try:
-                    work.wait()
+                    with self.waits.waiting(self.device):
+                        work.wait()
                 except RuntimeError as err:
                     raise RuntimeError(
                         f"FSDP reduce-scatter of unit '{unit.name or '<root>'}' failed: {err}"
@@ -429,8 +433,9 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
                     else:
                         out.div_(self.replicate_world)
                         works.append(dist.all_reduce(out, group=self.replicate_group, async_op=True))
-                for w in works:
-                    w.wait()
+                with self.waits.waiting(self.device):
+                    for w in works:
+                        w.wait()
             for unit, out, _ in self._backward_state.pending:
                 grad = out.to(unit.shard.device, unit.shard.dtype, non_blocking=True)
                 if unit.shard.grad is None:
@@ -444,6 +449,8 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
                 watch.passes += 1  # (every rank alike: synchronised backward passes)
                 if watch.passes % UNUSED_RECHECK_EVERY == 0:
                     watch.steps_left = 1  # the next pass is watched (its forward sets the hooks)
+            if self._sync_enabled:
+                self.waits.count_pass()
         finally:
             self._backward_state.pending = []
             self._backward_state.callback_queued = False

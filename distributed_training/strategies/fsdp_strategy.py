@@ -106,6 +106,14 @@ class FSDPStrategy(Strategy):
                               "not fit in a GPU's free memory): the model object holds no weights; take "
                               "trainer.full_state_dict() (rank 0) or save_checkpoint() before close()", stacklevel=3)
 
+    def measure_communication(self, model: nn.Module, on: bool) -> None:
+        if isinstance(model, FSDP):  # (not a pipeline's stages: the pipeline times its own)
+            model.waits.on = on
+
+    def pop_communication_metrics(self, model: nn.Module) -> tuple[float | None, dict[str, float]]:
+        # The waits in the units' all-gathers and reduce-scatters, per synchronised backward.
+        return (model.waits.pop() if isinstance(model, FSDP) else None), {}
+
     def summon_full_params(self, model: FSDP) -> contextlib.AbstractContextManager:
         return model.summon_full_params()
 

@@ -31,12 +31,16 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import all_gather_single, reduce_scatter_single
+from ..comm.wait_meter import WaitMeter
 
 __all__ = ["copy_to", "reduce_from", "gather_last", "split_last", "split_sequence", "gather_sequence",
            "reduce_scatter_sequence", "group_size", "group_rank"]
 
 # Backends on which a flat collective raised: the list / all-reduce fallback is used from then on.
 _NO_FLAT: set[str] = set()
+#: The time this process's tensor-parallel collectives take, on the steps the trainer logs (they are not
+#: overlapped with compute: all of it is exposed, waiting for the slowest rank of the group included).
+WAITS = WaitMeter()
 
 
 def group_size(group) -> int:
@@ -64,15 +68,16 @@ def _check_divisible(x: torch.Tensor, dim: int, parts: int, what: str) -> int:
 def _flat(op, fallback, group, *args) -> None:
     """Run the flat collective `op(*args, group=group)`, or `fallback` where the backend lacks it."""
     backend = dist.get_backend(group)
-    if backend not in _NO_FLAT:
-        try:
-            op(*args, group=group)
-            return
-        except (RuntimeError, NotImplementedError, ValueError):
-            if backend == "nccl":
-                raise
-            _NO_FLAT.add(backend)  # this backend lacks the flat collective: fall back, now and later
-    fallback(*args, group=group)
+    with WAITS.waiting(args[0].device):
+        if backend not in _NO_FLAT:
+            try:
+                op(*args, group=group)
+                return
+            except (RuntimeError, NotImplementedError, ValueError):
+                if backend == "nccl":
+                    raise
+                _NO_FLAT.add(backend)  # this backend lacks the flat collective: fall back, now and later
+        fallback(*args, group=group)
 
 
 def _gather_list(out: torch.Tensor, flat: torch.Tensor, group) -> None:
@@ -88,7 +93,8 @@ def _reduce_scatter_via_all_reduce(out: torch.Tensor, flat: torch.Tensor, group)
 def _all_reduce(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
     """The sum of `x` over the group: `x` itself reduced where `inplace` (and contiguous), else a copy."""
     out = x if inplace and x.is_contiguous() else x.contiguous().clone()
-    dist.all_reduce(out, group=group)
+    with WAITS.waiting(out.device):
+        dist.all_reduce(out, group=group)
     return out
 
 

@@ -37,6 +37,7 @@ from ..comm.collectives import broadcast_coalesced
 from ..mesh import global_rank
 from ..runtime import DistributedContext
 from ..strategies.base import Strategy
+from .functional import WAITS
 from .options import TensorOptions
 from .spec import ShardSpec, is_sequence_parallel, shard
 
@@ -134,6 +135,7 @@ class TensorParallelStrategy(Strategy):
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision,
                        max_grad_norm: float | None = None):
         self._sum_sequence_parallel(model)
+        WAITS.count_pass()
         return super().optimizer_step(model, optimizer, precision, max_grad_norm)
 
     def _sum_sequence_parallel(self, model: nn.Module) -> None:
@@ -245,9 +247,15 @@ class TensorParallelStrategy(Strategy):
     # ------------------------------------------------------------------ monitoring, planning, teardown
     def measure_communication(self, model: nn.Module, on: bool) -> None:
         self.inner.measure_communication(model, on)
+        WAITS.on = on
 
     def pop_communication_metrics(self, model: nn.Module):
-        return self.inner.pop_communication_metrics(model)
+        # The data group's exposed communication (the inner strategy's) and the layers' collectives.
+        seconds, extra = self.inner.pop_communication_metrics(model)
+        layers = WAITS.pop()
+        if layers is not None:
+            seconds = (seconds or 0.0) + layers
+        return seconds, extra
 
     def planner_kind(self) -> str:
         return self.inner.planner_kind()
