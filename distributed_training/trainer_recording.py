@@ -28,6 +28,8 @@ class StepRecording:
             return metrics
         comm = None
         log_every = self.monitor_log_every
+        if getattr(self, "_measuring", False):  # this step's communication was timed: keep its own times
+            self._measured_times = (step_time, data_time)
         if self.step % log_every == 0:
             comm, extra = self.strategy.pop_communication_metrics(self.model)
             if extra:
@@ -38,13 +40,17 @@ class StepRecording:
         # Timing communication costs events (DDP: per bucket): only for the first step of the next window.
         # Reading its events at the log step ending that window does not wait for the GPU (they are
         # long done); reading the log step's own would (with log_every=1 it has to).
-        self.strategy.measure_communication(self.model, self.step % log_every == 0)
+        self._measuring = self.step % log_every == 0
+        self.strategy.measure_communication(self.model, self._measuring)
         self.strategy.time_pipeline(self.model, self.step % log_every == 0)
         own = None
         if self.step % log_every == 0 and getattr(self, "_own_time", None) is not None:
             own, self._own_time = max(0.0, _seconds(self._own_time) - (comm or 0.0)), None  # less its wait in backward
+        measured = getattr(self, "_measured_times", None) if comm is not None else None
         self.monitor.record_step(self.step, metrics, samples=batch_size_of(batch), tokens=token_count(batch),
-                                 step_time=step_time, data_time=data_time, comm_time=comm, own_time=own)
+                                 step_time=step_time, data_time=data_time, comm_time=comm, own_time=own,
+                                 comm_step_time=measured[0] if measured else None,
+                                 comm_data_time=measured[1] if measured else None)
         return metrics
 
     def _straggler_probe(self) -> float | None:

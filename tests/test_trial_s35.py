@@ -363,3 +363,39 @@ def test_save_checkpoint_replaces_a_symlink_keeps_foreign_files_and_refuses_a_fi
     assert trainer.step == 2
     trainer.load_checkpoint(str(run))
     trainer.close()
+
+
+def test_the_window_compute_and_exposed_share_come_from_the_step_that_was_measured():
+    """fit times one step's communication per log window and hands it over at the log step: it was divided
+    by the log step's time (exposed_comm_pct up to 399%, compute_time_s negative in plain DDP runs)."""
+    from distributed_training.monitor.timings import StepTimings
+
+    timings = StepTimings()
+    timings.add(0.100, 0.010, 8, None, None)  # the measured step: 100 ms, 10 of data, 60 of waiting
+    timings.add(0.020, 0.001, 8, None, 0.060, comm_step_time=0.100, comm_data_time=0.010)  # the log step
+    perf = timings.window_perf()
+    assert abs(perf["perf/exposed_comm_pct"] - 60.0) < 1e-9 and abs(perf["perf/compute_time_s"] - 0.030) < 1e-9, perf
+    assert abs(perf["perf/step_time_s"] - 0.060) < 1e-9, perf
+
+
+def test_tensorboard_drops_the_earlier_runs_steps_after_the_resume_point(tmp_path):
+    """A run killed at step 8 after a checkpoint at step 5, resumed: TensorBoard read steps ..., 7, 8, 6, 7,
+    8, ... (every curve folded back); the writer is now opened with `purge_step` at the resumed step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from distributed_training.monitor import Monitor
+
+    def run(first, last):
+        monitor = Monitor(tmp_path, rank=0, world_size=1, log_every=1, system_stats=False, progress=False,
+                          background=False)
+        monitor.start(step=first - 1)
+        for step in range(first, last + 1):
+            monitor.record_step(step, {"loss": float(step)}, samples=1, step_time=0.01)
+        monitor.close()
+
+    run(1, 8)
+    run(6, 10)  # resumed from the step-5 checkpoint
+    events = EventAccumulator(str(tmp_path / "rank_0"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == list(range(1, 11)), steps

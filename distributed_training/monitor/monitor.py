@@ -212,6 +212,7 @@ class Monitor:
             self._gather_out = torch.zeros(2 * self.world_size, dtype=torch.float64, device=device)
 
         self._writer = None
+        self._writer_used = False  # (set by the first scalar written through it)
         self._jsonl = None
         self._system = None
         self._closed = False
@@ -263,6 +264,13 @@ class Monitor:
         if step is not None and (not _is_int(step) or step < 0):
             raise ValueError(f"step must be a non-negative integer or None, got {step!r}")
         self._drain()
+        if step and self._writer is not None and self.found_earlier_records and not self._writer_used:
+            # A resumed run: TensorBoard drops the earlier run's events from step + 1 on (written after its
+            # checkpoint, before it stopped), which it would show beside this run's and fold its curves.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer.close()
+            self._writer = SummaryWriter(log_dir=self.rank_dir, purge_step=step + 1)
         self._started = True
         self._total_steps = None if total_steps is None else int(total_steps)
         self._mono0 = self._last_log_mono = time.perf_counter()
@@ -281,6 +289,8 @@ class Monitor:
         data_time: float = 0.0,
         comm_time: float | None = None,
         own_time: float | None = None,
+        comm_step_time: float | None = None,
+        comm_data_time: float | None = None,
     ) -> None:
         """Account for one training step; on log steps, write and compare across ranks.
 
@@ -292,7 +302,10 @@ class Monitor:
             tokens: tokens this rank processed in the step, if the notion applies.
             step_time: seconds the whole step took on this rank (data loading included).
             data_time: seconds of it spent waiting for data.
-            comm_time: seconds of it spent in communication not hidden behind compute, if known.
+            comm_time: seconds of it spent in communication not hidden behind compute, if known; or of
+                an earlier step's, whose step and data times are then `comm_step_time` and
+                `comm_data_time` (`fit` times the communication of one step per log window, and hands
+                it over at the log step).
             own_time: on a log step, seconds of a recent step this rank spent on its own work: its step
                 time less what it waited for the other ranks, if known (`fit` measures it). In synchronous
                 training every rank's step takes as long as the slowest rank's, so step times cannot tell a
@@ -311,7 +324,7 @@ class Monitor:
         self._last_step = step
         if not self._started:
             self.start()
-        self._timings.add(step_time, data_time, samples, tokens, comm_time)
+        self._timings.add(step_time, data_time, samples, tokens, comm_time, comm_step_time, comm_data_time)
         if step % self.log_every == 0:
             self._log(step, metrics, own_time)
 
@@ -332,6 +345,7 @@ class Monitor:
             scalars.update({f"cluster/{name}": float(value) for name, value in whole.items()})
         now = time.time()
         if self._writer is not None:
+            self._writer_used = True
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, global_step=step, walltime=now)
             self._writer.flush()
@@ -476,6 +490,7 @@ class Monitor:
                 scalars.update(view)
 
         if self._writer is not None:
+            self._writer_used = True
             add = self._writer.add_scalar
             for tag, value in scalars.items():
                 add(tag, value, global_step=record.step, walltime=record.now)

@@ -16,7 +16,7 @@ __all__ = ["StepTimings"]
 class _Sums:
     """Sums over some steps of the figures `record_step` is given."""
 
-    __slots__ = ("n", "step", "data", "samples", "comm", "comm_n", "comm_step", "tokens", "tok_step")
+    __slots__ = ("n", "step", "data", "samples", "comm", "comm_n", "comm_step", "comm_data", "tokens", "tok_step")
 
     def __init__(self) -> None:
         self.n = 0               # steps
@@ -25,7 +25,8 @@ class _Sums:
         self.samples = 0
         self.comm = 0.0          # exposed communication time, over the steps that gave one
         self.comm_n = 0          # steps that gave comm_time
-        self.comm_step = 0.0     # step time of the steps that gave comm_time
+        self.comm_step = 0.0     # step time of the steps whose communication comm_time measured
+        self.comm_data = 0.0     # their data-loading time
         self.tokens = 0
         self.tok_step = 0.0      # step time of the steps that gave tokens
 
@@ -46,8 +47,10 @@ class StepTimings:
         self.run = _Sums()
 
     def add(self, step_time: float, data_time: float, samples: int, tokens: int | None,
-            comm_time: float | None) -> None:
-        """Account for one step (`tokens` and `comm_time` None where the caller does not know them)."""
+            comm_time: float | None, comm_step_time: float | None = None, comm_data_time: float | None = None) -> None:
+        """Account for one step (`tokens` and `comm_time` None where the caller does not know them;
+        `comm_time` is of the step whose times are `comm_step_time` and `comm_data_time`, by default this
+        one's)."""
         w = self.window
         w.n += 1
         w.step += step_time
@@ -56,7 +59,8 @@ class StepTimings:
         if comm_time is not None:
             w.comm += comm_time
             w.comm_n += 1
-            w.comm_step += step_time
+            w.comm_step += step_time if comm_step_time is None else comm_step_time
+            w.comm_data += data_time if comm_data_time is None else comm_data_time
         if tokens is not None:
             w.tokens += tokens
             w.tok_step += step_time
@@ -69,11 +73,13 @@ class StepTimings:
         data_mean = w.data / w.n
         perf = {"perf/step_time_s": step_mean, "perf/data_time_s": data_mean}
         if w.comm_n:
+            # Of the steps whose communication was measured: their own step, data and communication times
+            # (a step measured on a GPU by events and on the host by the clock: its parts may overlap).
             comm_mean = w.comm / w.comm_n
-            perf["perf/compute_time_s"] = step_mean - data_mean - comm_mean
+            perf["perf/compute_time_s"] = max(0.0, (w.comm_step - w.comm_data) / w.comm_n - comm_mean)
             perf["perf/comm_time_s"] = comm_mean
             if w.comm_step > 0:
-                perf["perf/exposed_comm_pct"] = 100.0 * w.comm / w.comm_step
+                perf["perf/exposed_comm_pct"] = min(100.0, 100.0 * w.comm / w.comm_step)
         if w.step > 0:
             perf["perf/samples_per_s"] = w.samples / w.step
         if w.tok_step > 0:
