@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import nn
 from .config import ConfigError, JobConfig, training_paths
 from .global_batch import plan_global_batch
 from .logs import get_logger
+from .planner import NoStrategyFits
 from .tensor.strategy import _builtin_plan
 from .validation import (check_classifier_targets, job_best_checkpoint, job_final_metrics, job_fit_evaluation,
                          job_results)
@@ -141,6 +143,10 @@ def run_job(cfg: JobConfig) -> dict:
         # What the trainer does not run with a pipeline (yet), refused on every rank alike before any
         # step: said as the config field to change.
         raise ConfigError(training_paths(str(err)).replace("checkpoint_dir", "checkpoint.dir")) from None
+    except NoStrategyFits as err:  # training.strategy: auto, and nothing fits the budget
+        budget = (f"training.memory_budget_gb={t.memory_budget_gb}" if t.memory_budget_gb is not None
+                  else "this device's free memory")
+        raise ConfigError(f"training.strategy auto with {budget}: {str(err).split(': ', 1)[-1]}") from None
     except ValueError as err:
         if not str(err).startswith("tensor_parallel_plan"):
             raise
@@ -260,6 +266,13 @@ def _check_paths(cfg: JobConfig) -> None:
             raise ConfigError(f"{name}: {path!r} cannot be created: {str(existing)!r} is a file")
         if not os.access(existing, os.W_OK):
             raise ConfigError(f"{name}: {path!r} cannot be written: no write permission on {str(existing)!r}")
+        try:  # (root passes os.access everywhere: /proc, a read-only mount)
+            fd, probe = tempfile.mkstemp(prefix=".dtrain-write-probe-", dir=existing)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as err:
+            raise ConfigError(f"{name}: {path!r} cannot be written: creating a file in {str(existing)!r} failed "
+                              f"({err.strerror or err})") from None
 
 
 def _check_world(cfg: JobConfig, model: nn.Module, world: int) -> None:
@@ -452,6 +465,12 @@ def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | Non
     if resumed is not None:
         left = max(0, max_steps - int(resumed.get("step", 0)))
         partial = 1 if resumed.get("batch_in_epoch") or resumed.get("samples_in_epoch") else 0
+        if partial:  # the steps the resumed epoch still holds come first
+            if resumed.get("samples_in_epoch"):
+                rest = math.ceil(max(0, len(train) - int(resumed["samples_in_epoch"])) / (batch_size * world_size))
+            else:
+                rest = per_epoch - int(resumed.get("batch_in_epoch", 0))
+            left = max(0, left - max(0, rest))
         needed = max(needed, int(resumed.get("epoch", 0)) + partial + math.ceil(left / per_epoch))
     if needed > epochs:
         log.info("dtrain: training.max_steps=%d needs %d epochs of %d steps (%d samples per rank, batch %d): "

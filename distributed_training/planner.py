@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["Plan", "choose_strategy", "model_sizes", "default_budget", "state_bytes", "activation_bytes_per_sample", "max_batch_size_for_budget",
+__all__ = ["Plan", "NoStrategyFits", "choose_strategy", "model_sizes", "default_budget", "state_bytes", "activation_bytes_per_sample", "max_batch_size_for_budget",
            "find_max_batch_size"]
 
 GIB = 2**30
@@ -59,11 +59,22 @@ def choose_strategy(num_params: int, world_size: int, device_bytes: float, *, ac
         return Plan("zero3", True, f"only ZeRO-3 with CPU offload fits: {estimates['zero3_offload'] / GIB:.1f} GiB "
                                    f"on the device, {16 * p / n / GIB:.1f} GiB of state in host memory; "
                                    + _why_not_earlier("zero3_offload", estimates, usable), estimates)
-    raise ValueError(
-        f"no strategy fits: even ZeRO-3 with CPU offload needs {estimates['zero3_offload'] / GIB:.1f} GiB per device "
-        f"(activations {activation_bytes / GIB:.1f} GiB) of {usable / GIB:.1f} usable; use more ranks, a smaller "
-        "batch or activation checkpointing"
+    advice = "more ranks or a larger memory budget" + (", a smaller batch or activation checkpointing"
+                                                       if activation_bytes > 0 else "")
+    raise NoStrategyFits(
+        f"no strategy fits: even ZeRO-3 with CPU offload needs {_gib(estimates['zero3_offload'])} GiB per device "
+        f"(activations {_gib(activation_bytes)} GiB) of {_gib(usable)} usable ({headroom:.0%} of "
+        f"{_gib(device_bytes)} GiB); use {advice}"
     )
+
+
+class NoStrategyFits(ValueError):
+    """`choose_strategy` found nothing that fits the memory it was given."""
+
+
+def _gib(n_bytes: float) -> str:
+    """Bytes in GiB, to three significant figures (0.0 said nothing of a budget of 1 KiB)."""
+    return f"{n_bytes / GIB:.3g}"
 
 
 def state_bytes(strategy: str, num_params: int, world_size: int, *, largest_unit_params: int | None = None,

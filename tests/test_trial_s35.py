@@ -399,3 +399,34 @@ def test_tensorboard_drops_the_earlier_runs_steps_after_the_resume_point(tmp_pat
     events.Reload()
     steps = [e.step for e in events.Scalars("train/loss")]
     assert steps == list(range(1, 11)), steps
+
+
+def test_a_mid_epoch_resume_counts_the_steps_its_epoch_still_holds():
+    """dtrain resumed mid-epoch with `training.max_steps` counted the unfinished epoch twice: every such
+    resume said "needs 2 epochs" and warned "epochs: 1 -> 2" (a change that was not made)."""
+    from distributed_training import dtrain_job
+
+    resumed = {"step": 10, "epoch": 0, "batch_in_epoch": 10, "samples_in_epoch": 40}  # 25 steps an epoch
+    assert dtrain_job._epochs_for(1, 20, list(range(100)), 4, 1, resumed=resumed) == 1
+    assert dtrain_job._epochs_for(1, 40, list(range(100)), 4, 1, resumed=resumed) == 2  # 15 here, 15 more
+    assert dtrain_job._epochs_for(1, 20, list(range(100)), 4, 1, resumed={**resumed, "samples_in_epoch": 0}) == 1
+
+
+def test_strategy_auto_that_nothing_fits_and_an_unwritable_directory_are_config_errors(tmp_path, monkeypatch):
+    """dtrain with `training.strategy: auto` and a budget nothing fits was a traceback ("needs 0.0 GiB of 0.0
+    usable"); `logging.dir: /proc/runs` passed the os.access check as root and failed after the model was
+    built. Both are now one config error naming the field (exit 2)."""
+    import os
+
+    from distributed_training import cli
+
+    said = []
+    monkeypatch.setattr(cli, "_report_once", said.append)
+    config = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "gpt_cpu.yaml")
+    common = ["--set", "training.max_steps=1", "--set", f"checkpoint.dir={tmp_path / 'ck'}"]
+    assert cli.main([config, *common, "--set", "training.strategy=auto", "--set", "training.memory_budget_gb=1e-6"]) == 2
+    assert "training.strategy auto with training.memory_budget_gb=1e-06: no strategy fits" in said[-1], said
+    assert "of 9e-07 usable" in said[-1], said  # (was "of 0.0 usable")
+    if os.path.isdir("/proc"):
+        assert cli.main([config, *common, "--set", "logging.dir=/proc/runs"]) == 2
+        assert "logging.dir: '/proc/runs' cannot be written" in said[-1], said

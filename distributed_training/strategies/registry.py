@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
-from ..planner import Plan, choose_strategy, default_budget, model_sizes
+from ..planner import NoStrategyFits, Plan, choose_strategy, default_budget, model_sizes
 from .base import Strategy
 from .ddp_strategy import DDPStrategy
 from .fsdp_strategy import FSDPStrategy
@@ -107,7 +107,12 @@ def make_strategy(strategy: str | Strategy, model: nn.Module, *, world_size: int
         params, unit = model_sizes(model)
         budget = (memory_budget_bytes if memory_budget_bytes is not None
                   else default_budget(local_rank, local_world_size or world_size))
-        plan = choose_strategy(params, world_size, budget, largest_unit_params=unit)
+        try:
+            plan = choose_strategy(params, world_size, budget, largest_unit_params=unit)
+        except NoStrategyFits as err:
+            given = (f"memory_budget_bytes={memory_budget_bytes:.4g}" if memory_budget_bytes is not None
+                     else "this device's free memory")
+            raise NoStrategyFits(f"strategy='auto' with {given}: {err}") from None
         name = plan.strategy
         built: Strategy = (DDPStrategy() if name == "ddp" else
                            FSDPStrategy(reshard_after_forward=name == "zero3", cpu_offload=plan.cpu_offload))
