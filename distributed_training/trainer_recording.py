@@ -47,7 +47,12 @@ class StepRecording:
         if self.step % log_every == 0 and getattr(self, "_own_time", None) is not None:
             own, self._own_time = max(0.0, _seconds(self._own_time) - (comm or 0.0)), None  # less its wait in backward
         measured = getattr(self, "_measured_times", None) if comm is not None else None
-        self.monitor.record_step(self.step, metrics, samples=batch_size_of(batch), tokens=token_count(batch),
+        # A replica's stages and tensor ranks all handle its whole batch: each GPU's share is theirs over them.
+        mesh = self.context.mesh
+        ways = mesh.size("pipeline") * mesh.size("tensor")
+        tokens = token_count(batch)
+        self.monitor.record_step(self.step, metrics, samples=batch_size_of(batch) / ways,
+                                 tokens=tokens / ways if tokens is not None else None,
                                  step_time=step_time, data_time=data_time, comm_time=comm, own_time=own,
                                  comm_step_time=measured[0] if measured else None,
                                  comm_data_time=measured[1] if measured else None)

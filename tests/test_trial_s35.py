@@ -430,3 +430,27 @@ def test_strategy_auto_that_nothing_fits_and_an_unwritable_directory_are_config_
     if os.path.isdir("/proc"):
         assert cli.main([config, *common, "--set", "logging.dir=/proc/runs"]) == 2
         assert "logging.dir: '/proc/runs' cannot be written" in said[-1], said
+
+
+def throughput_share_worker(rank, world, log_dir, layout):
+    """A fit of 4 steps of 8 rows under tensor parallelism or a pipeline, both ranks one replica: each
+    rank's samples per second times its step time."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    options = (dict(tensor_parallel_size=2, tensor_parallel_plan={"0": "colwise", "2": "rowwise"}) if layout == "tensor"
+               else dict(pipeline_parallel_size=2, microbatches=2))
+    trainer = DistributedTrainer(net, lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False, log_dir=log_dir,
+                                 log_every=2, **options)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 2, (32,)))
+    trainer.fit(data, epochs=1, criterion=nn.functional.cross_entropy, batch_size=8)
+    perf = trainer.get_performance_metrics()
+    trainer.close()
+    return perf["samples_per_s_per_gpu"] * perf["mean_step_time_s"]
+
+
+def test_per_gpu_throughput_counts_a_replicas_batch_once_over_its_ranks(tmp_path):
+    """Every rank of a tensor-parallel group or a pipeline logged its replica's whole batch as its own: the
+    per-GPU figures summed to P x T times the job's."""
+    for layout in ("tensor", "pipeline"):
+        for per_step in run_distributed(throughput_share_worker, 2, (str(tmp_path / layout), layout), timeout=120):
+            assert abs(per_step - 4.0) < 1e-6, (layout, per_step)  # 8 rows a step, over 2 ranks

@@ -298,8 +298,10 @@ class Monitor:
             step: the step number; strictly increasing, and the same sequence on every rank.
             metrics: name -> float or 0-dim tensor (``{"loss": ..., "lr": ..., "grad_norm": ...}``);
                 only read on log steps. Names without ``/`` are logged as ``train/<name>``.
-            samples: samples this rank processed in the step.
-            tokens: tokens this rank processed in the step, if the notion applies.
+            samples: samples this rank processed in the step (its share where several ranks process one
+                batch: `fit` divides a replica's batch by its pipeline stages times its tensor ranks, so
+                that the ``*_per_gpu`` figures add up to the job's).
+            tokens: tokens this rank processed in the step, if the notion applies (its share, likewise).
             step_time: seconds the whole step took on this rank (data loading included).
             data_time: seconds of it spent waiting for data.
             comm_time: seconds of it spent in communication not hidden behind compute, if known; or of
