@@ -277,7 +277,7 @@ class LoggingConfig(Section):
     every: PositiveInt = 10
     """Log metrics every this many steps."""
     progress: bool = True
-    """Show a progress bar on rank 0."""
+    """Show a progress bar on rank 0 (drawn by the monitor: only with logging.dir set)."""
 
 
 class JobConfig(Section):

@@ -35,6 +35,8 @@ class NullMonitor:
         data_time: float = 0.0,
         comm_time: float | None = None,
         own_time: float | None = None,
+        comm_step_time: float | None = None,
+        comm_data_time: float | None = None,
     ) -> None:
         pass
 
