@@ -454,3 +454,29 @@ def test_per_gpu_throughput_counts_a_replicas_batch_once_over_its_ranks(tmp_path
     for layout in ("tensor", "pipeline"):
         for per_step in run_distributed(throughput_share_worker, 2, (str(tmp_path / layout), layout), timeout=120):
             assert abs(per_step - 4.0) < 1e-6, (layout, per_step)  # 8 rows a step, over 2 ranks
+
+
+def test_the_monitor_refuses_a_bad_metric_before_taking_its_step_and_plots_a_pdf(tmp_path):
+    """A non-scalar or string metric failed inside the log step without naming it, after the step had been
+    taken (a retry: "step must increase"; the record lost); negative or NaN step times went through (negative
+    throughput); `-o run.pdf` wrote PNG bytes."""
+    import math
+
+    import pytest
+
+    from distributed_training.monitor import Monitor
+    from distributed_training.monitor.plot import load_run, plot_run
+
+    monitor = Monitor(tmp_path, rank=0, world_size=1, log_every=1, system_stats=False, progress=False,
+                      background=False)
+    for bad in (torch.tensor([1.0, 2.0]), "warmup"):
+        with pytest.raises(ValueError, match="metric 'phase' at step 1"):
+            monitor.record_step(1, {"loss": 1.0, "phase": bad}, samples=4, step_time=0.01)
+    for field, value in (("step_time", -1.0), ("step_time", math.nan), ("samples", -4)):
+        with pytest.raises(ValueError, match=field):
+            monitor.record_step(1, {"loss": 1.0}, **{"samples": 4, "step_time": 0.01, field: value})
+    monitor.record_step(1, {"loss": 1.0}, samples=4, step_time=0.01)  # the step was not taken by the failures
+    monitor.record_step(2, {"loss": 0.5}, samples=4, step_time=0.01)
+    monitor.close()
+    plot_run(load_run(tmp_path), tmp_path / "run.pdf")
+    assert (tmp_path / "run.pdf").read_bytes().startswith(b"%PDF")

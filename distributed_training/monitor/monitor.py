@@ -90,6 +90,14 @@ def _check_flag(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+def _check_timings(**figures: float) -> None:
+    """`record_step`'s timings and counts: finite and not negative (a negative step time gave negative
+    throughput, a NaN one a NaN mean)."""
+    for name, value in figures.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -323,6 +331,12 @@ class Monitor:
         last = self._last_step
         if last is not None and step <= last:
             raise ValueError(f"step must increase from call to call: got {step} after {last}")
+        _check_timings(step_time=step_time, data_time=data_time, samples=samples)
+        if step % self.log_every == 0:  # (read on log steps only; a bad one refused before the step is taken)
+            for name, value in metrics.items():
+                if not (isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, numbers.Real)):
+                    raise ValueError(f"metric {name!r} at step {step} must be a number or a one-element tensor, got "
+                                     f"{value!r:.80}")
         self._last_step = step
         if not self._started:
             self.start()

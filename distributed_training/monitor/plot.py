@@ -122,7 +122,10 @@ def plot_run(runs: dict[int, list[dict]], output: str | os.PathLike, *, title: s
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(os.fspath(output), format="png", dpi=100)
+    suffix = os.path.splitext(os.fspath(output))[1].lower().lstrip(".")
+    # The file's suffix says its format (run.pdf, run.svg); PNG for a name without one it knows.
+    known = suffix in fig.canvas.get_supported_filetypes()
+    fig.savefig(os.fspath(output), format=suffix if known else "png", dpi=100)
     plt.close(fig)
     return [p[0] for p in present]
 
