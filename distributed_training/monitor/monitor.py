@@ -334,7 +334,7 @@ class Monitor:
         _check_timings(step_time=step_time, data_time=data_time, samples=samples)
         if step % self.log_every == 0:  # (read on log steps only; a bad one refused before the step is taken)
             for name, value in metrics.items():
-                if not (isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, numbers.Real)):
+                if not (value.numel() == 1 if isinstance(value, torch.Tensor) else hasattr(value, "__float__")):
                     raise ValueError(f"metric {name!r} at step {step} must be a number or a one-element tensor, got "
                                      f"{value!r:.80}")
         self._last_step = step
