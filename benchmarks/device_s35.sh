@@ -15,3 +15,12 @@ case "$1" in
         | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/A.log"
      echo "A exit $? at $(( $(date +%s) - start )) s" >> "$OUT/A.log" ;;
 esac
+# B (2 GPUs): every GPU test two GPUs can run (pydantic from the carried wheels), after this session's
+#    changes on GPU paths: DDP's used flags and ZeRO-1's read of held gradients (find_unused_parameters),
+#    FSDP's and tensor parallelism's exposed-wait timing by CUDA events (the straggler tests now run
+#    ZeRO-3 and tensor parallelism on NCCL too).
+case "$1" in
+  B) pip install -q --no-index --find-links .wheels --target /tmp/pyd pydantic > "$OUT/pip.log" 2>&1
+     export PYTHONPATH=$PWD:/tmp/pyd
+     gpu_tests gpu_tests_all 480 --durations=15 -rs ;;
+esac
