@@ -194,6 +194,8 @@ def nccl_known_shape_failure_worker(rank: int, world: int, directory: str):
         outcome = None
     with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
         json.dump(outcome, f)
+    if rank == 1:  # the failing stage: its notice to rank 0 in flight must arrive before its process ends
+        time.sleep(2.0)  # (ended at once, rank 0 saw the connection reset first: "went away", session 35)
     os._exit(3)  # the harness counts a silent exit with a code other than 0 as done (failed) at once
 
 
