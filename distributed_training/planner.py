@@ -15,6 +15,8 @@ measures activations by counting what autograd saves for backward, on any device
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,8 +43,14 @@ def choose_strategy(num_params: int, world_size: int, device_bytes: float, *, ac
                     largest_unit_params: int | None = None, param_dtype_bytes: int = 2,
                     host_bytes: float | None = None, headroom: float = 0.9) -> Plan:
     """Pick DDP, ZeRO-2, ZeRO-3 or ZeRO-3 with CPU offload for this model on this hardware."""
-    if num_params < 1 or world_size < 1 or device_bytes <= 0:
-        raise ValueError("num_params, world_size and device_bytes must be positive")
+    for name, value in (("num_params", num_params), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    for name, value, least in (("device_bytes", device_bytes, 0.0), ("activation_bytes", activation_bytes, 0.0)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < math.inf \
+                or (name == "device_bytes" and value == 0):
+            raise ValueError(f"{name} must be a finite number of bytes {'> 0' if name == 'device_bytes' else '>= 0'}, "
+                             f"got {value!r}")
     if not 0 < headroom <= 1:
         raise ValueError(f"headroom must be in (0, 1], got {headroom}")
     usable = headroom * device_bytes
@@ -81,6 +89,8 @@ def state_bytes(strategy: str, num_params: int, world_size: int, *, largest_unit
                 param_dtype_bytes: int = 2) -> float:
     """Per-rank bytes of weights, gradients and Adam state (the table above; ``zero1`` shards only the
     optimizer state: 4P + 4P + 8P/N). Without `largest_unit_params`, a unit is taken as 1/12 of the model."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     p, n = float(num_params), float(world_size)
     unit = float(largest_unit_params if largest_unit_params is not None else max(1, num_params // 12))
     table = {

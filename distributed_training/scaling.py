@@ -42,8 +42,9 @@ class Link:
     bandwidth: float
 
     def __post_init__(self) -> None:
-        if self.alpha < 0 or not self.bandwidth > 0:
-            raise ValueError(f"a link needs alpha >= 0 and bandwidth > 0, got {self}")
+        if not _number(self.alpha) or not 0 <= self.alpha < math.inf or not _number(self.bandwidth) \
+                or not 0 < self.bandwidth < math.inf:
+            raise ValueError(f"a link needs a finite alpha >= 0 and a finite bandwidth > 0, got {self}")
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,13 @@ class Cluster:
     inter: Link
 
     def __post_init__(self) -> None:
-        if self.gpus < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"gpus and gpus_per_node must be >= 1, got {self.gpus}, {self.gpus_per_node}")
+        for name in ("gpus", "gpus_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Cluster.{name} must be an integer >= 1, got {value!r}")
+        for name in ("intra", "inter"):
+            if not isinstance(getattr(self, name), Link):
+                raise TypeError(f"Cluster.{name} must be a Link, got {getattr(self, name)!r}")
 
     @property
     def nodes(self) -> int:
@@ -69,6 +75,10 @@ class Cluster:
         if self.nodes == 1:
             return self.intra
         return Link(max(self.intra.alpha, self.inter.alpha), min(self.intra.bandwidth, self.inter.bandwidth))
+
+
+def _number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
 # ------------------------------------------------------------------------------------- collectives
@@ -127,8 +137,18 @@ def all_gather(cluster: Cluster, nbytes: float) -> float:
 def calibrate_link(n: int, sizes: list[float], seconds: list[float], op: str = "ring_all_reduce") -> Link:
     """Fit ``t = a + b * size`` to measured times of `op` over `n` ranks (least squares on relative
     error), turned into the link's alpha and bandwidth through that op's formula."""
+    formulas = {  # (messages on the critical path, bytes sent per byte of the op's buffer)
+        "ring_all_reduce": (2 * (n - 1), 2 * (n - 1) / n),
+        "tree_all_reduce": (2 * math.ceil(math.log2(max(n, 1))), 2.0),
+        "all_gather": (n - 1, (n - 1) / n),
+        "reduce_scatter": (n - 1, (n - 1) / n),
+    }
+    if op not in formulas:
+        raise ValueError(f"op must be one of {list(formulas)}, got {op!r}")
     if n < 2:
         raise ValueError("a link is calibrated from a collective over at least 2 ranks")
+    if any(not _number(t) or not 0 < t < math.inf for t in seconds):
+        raise ValueError(f"calibrate_link needs measured times > 0 seconds, got {list(seconds)!r}")
     if len(sizes) != len(seconds) or len(sizes) < 2:
         raise ValueError("calibrate_link needs at least two (size, seconds) points of equal count")
     # Weighted by 1/t^2, i.e. least squares on relative errors: otherwise the largest messages' noise
@@ -144,12 +164,7 @@ def calibrate_link(n: int, sizes: list[float], seconds: list[float], op: str = "
     a = max(0.0, mean_y - b * mean_x)
     if not b > 0:
         raise ValueError(f"the measured times do not grow with size (slope {b:.3g} s/byte): cannot calibrate")
-    hops, volume = {
-        "ring_all_reduce": (2 * (n - 1), 2 * (n - 1) / n),
-        "tree_all_reduce": (2 * math.ceil(math.log2(n)), 2.0),
-        "all_gather": (n - 1, (n - 1) / n),
-        "reduce_scatter": (n - 1, (n - 1) / n),
-    }[op]
+    hops, volume = formulas[op]
     return Link(alpha=a / hops, bandwidth=volume / b)
 
 
@@ -201,8 +216,14 @@ class StepProfile:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ValueError(f"StepProfile.{name} is a fraction in [0, 1], got {value!r}")
-        if self.powersgd_bytes is not None and not self.powersgd_bytes >= 0:
+        if self.powersgd_bytes is not None and not 0 <= self.powersgd_bytes < math.inf:
             raise ValueError(f"StepProfile.powersgd_bytes must be >= 0 or None, got {self.powersgd_bytes!r}")
+        for name, value in self.overhead_s.items():
+            if name not in STRATEGIES:
+                raise ValueError(f"StepProfile.overhead_s: {name!r} is not a strategy (one of {list(STRATEGIES)})")
+            if not _number(value) or not math.isfinite(value) or value < -self.compute_s:
+                raise ValueError(f"StepProfile.overhead_s[{name!r}] must be a finite number of seconds, no more "
+                                 f"negative than -compute_s (noise of a measured difference), got {value!r}")
 
 
 def _pipeline(ready: list[float], cost: list[float]) -> float:
@@ -217,6 +238,8 @@ def step_time(profile: StepProfile, cluster: Cluster, strategy: str = "ddp", alg
     """Predicted seconds of one step: ``{"total", "compute", "optimizer", "comm", "exposed"}``."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+    if algorithm not in ("auto", "ring", "tree", "hierarchical"):
+        raise ValueError(f"algorithm must be one of ['auto', 'hierarchical', 'ring', 'tree'], got {algorithm!r}")
     n, p = cluster.gpus, profile.params
     fwd = profile.compute_s * (1 - profile.backward_fraction)
     bwd = profile.compute_s * profile.backward_fraction
@@ -283,6 +306,8 @@ def break_even_bandwidth(profile: StepProfile, gpus: int, strategy: str, alpha: 
         raise ValueError(f"strategy must be a compressed DDP variant of {list(STRATEGIES)}, got {strategy!r}")
     if gpus < 2:
         raise ValueError(f"break-even needs at least 2 GPUs (nothing is sent on one), got {gpus}")
+    if not 0 < low < high:
+        raise ValueError(f"break-even searches bandwidths low < high, both > 0: got low={low!r}, high={high!r}")
 
     def gain(bandwidth: float) -> float:
         cluster = Cluster(gpus, gpus, Link(alpha, bandwidth), Link(alpha, bandwidth))

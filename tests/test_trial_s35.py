@@ -480,3 +480,37 @@ def test_the_monitor_refuses_a_bad_metric_before_taking_its_step_and_plots_a_pdf
     monitor.close()
     plot_run(load_run(tmp_path), tmp_path / "run.pdf")
     assert (tmp_path / "run.pdf").read_bytes().startswith(b"%PDF")
+
+
+def test_the_scaling_model_and_planner_refuse_impossible_inputs():
+    """A negative overhead gave a negative step time (-4.89 s) and a misspelt strategy in it was ignored; a
+    bad `algorithm` was ignored for ZeRO; a NaN latency, 2.5 or True GPUs, low > high, an unknown `op`, zero
+    or negative times, world 0 and a NaN budget went through or failed with a bare KeyError /
+    ZeroDivisionError."""
+    import math
+
+    import pytest
+
+    from distributed_training import planner
+    from distributed_training import scaling as S
+
+    link = S.Link(5e-6, 100e9)
+    profile = S.StepProfile(params=10**8, compute_s=0.1, optimizer_s=0.01)
+    cases = [
+        (lambda: S.Link(math.nan, 1e9), "finite alpha"),
+        (lambda: S.Cluster(2.5, 8, link, link), "Cluster.gpus"),
+        (lambda: S.Cluster(True, 8, link, link), "Cluster.gpus"),
+        (lambda: S.StepProfile(params=10, compute_s=0.1, optimizer_s=0.01, overhead_s={"ddp": -5}), "overhead_s"),
+        (lambda: S.StepProfile(params=10, compute_s=0.1, optimizer_s=0.01, overhead_s={"zero9": 1}), "'zero9'"),
+        (lambda: S.step_time(profile, S.Cluster(4, 8, link, link), "zero3", algorithm="bogus"), "algorithm"),
+        (lambda: S.break_even_bandwidth(profile, 4, "ddp_bf16", 1e-6, low=1e12, high=1e6), "low < high"),
+        (lambda: S.calibrate_link(4, [1e6, 1e8], [1e-3, 1e-2], op="bogus"), "op must be"),
+        (lambda: S.calibrate_link(4, [1e6, 1e8], [0, 0]), "times > 0"),
+        (lambda: planner.state_bytes("ddp", 1000, 0), "world_size"),
+        (lambda: planner.choose_strategy(1000, 2, math.nan), "device_bytes"),
+        (lambda: planner.choose_strategy(1000, 2.5, 80e9), "world_size"),
+        (lambda: planner.choose_strategy(1000, 2, 80e9, activation_bytes=-1e15), "activation_bytes"),
+    ]
+    for call, said in cases:
+        with pytest.raises((ValueError, TypeError), match=said):
+            call()
