@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import sys
 import warnings
@@ -56,6 +57,28 @@ __all__ = ["DistributedTrainer", "CollectiveTimeoutError", "CheckpointWriteError
 
 
 log = get_logger()
+
+
+def _released_if_it_raises(init):
+    """`DistributedTrainer.__init__`, which, when it raises, gives back what it had set up: the process
+    group it created and the monitor's files (a script or notebook that catches the error, a dtrain run
+    refused by its config, can build another trainer; the group stayed initialised)."""
+
+    @functools.wraps(init)
+    def constructed(self, *args, **kwargs) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            monitor = getattr(self, "monitor", None)
+            if monitor is not None:
+                with contextlib.suppress(Exception):
+                    monitor.close()
+            context = getattr(self, "job_context", None) or getattr(self, "context", None)
+            if getattr(self, "_owns_context", False) and context is not None:
+                context.shutdown(barrier=False)  # (the peers may never get this far)
+            raise
+
+    return constructed
 
 
 class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evaluation, PeerWatching):
@@ -228,6 +251,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             they never meet, and the servers drop a worker that dies.
     """
 
+    @_released_if_it_raises
     def __init__(
         self,
         model: nn.Module,

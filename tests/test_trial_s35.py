@@ -432,6 +432,21 @@ def test_strategy_auto_that_nothing_fits_and_an_unwritable_directory_are_config_
         assert "logging.dir: '/proc/runs' cannot be written" in said[-1], said
 
 
+def test_a_trainer_that_fails_to_build_gives_its_process_group_back():
+    """A constructor that raised after creating the process group (strategy auto that nothing fits, a
+    ReduceLROnPlateau) left it initialised: the next trainer in the process, or the next test, met it
+    (found by CI: three later tests in the same worker failed)."""
+    import torch.distributed as dist
+
+    import pytest
+
+    for options in (dict(strategy="auto", memory_budget_bytes=16),
+                    dict(lr_scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt))):
+        with pytest.raises(ValueError):
+            DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False, **options)
+        assert not dist.is_initialized(), options
+
+
 def throughput_share_worker(rank, world, log_dir, layout):
     """A fit of 4 steps of 8 rows under tensor parallelism or a pipeline, both ranks one replica: each
     rank's samples per second times its step time."""
