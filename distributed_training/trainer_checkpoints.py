@@ -317,8 +317,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         if not os.path.isfile(meta_path):
             # A save stopped before it replaced `path` (`_put_in_place`): its own checkpoint if whole, else
             # the one it was replacing.
-            found = next((p for p in (_staged(path), _previous(path)) if os.path.isfile(os.path.join(p, "meta.pt"))),
-                         None)
+            found = next((p for p in (_staged(path), _previous(path)) if _whole(p)), None)
             if found is not None:
                 if ctx.is_main:
                     log.warning("checkpoint %r is missing or incomplete (a save over it was interrupted): loading "
@@ -550,6 +549,17 @@ def _staged(path: str) -> str:
 def _previous(path: str) -> str:
     """Where the checkpoint at `path` waits while a new one takes its name (`_put_in_place`)."""
     return os.path.normpath(path) + ".previous"
+
+
+def _whole(path: str) -> bool:
+    """Whether `path` holds a whole checkpoint: its meta.pt intact and every file it lists there, each
+    matching its checksum (a `.saving` a later save began to overwrite does not)."""
+    try:
+        meta = read_meta(path)
+        return all(os.path.isfile(os.path.join(path, name)) and sha256_file(os.path.join(path, name)) == digest
+                   for name, digest in meta["checksums"].items())
+    except (CheckpointCorruptError, FileNotFoundError, KeyError, OSError):
+        return False
 
 
 def _put_in_place(staged: str, path: str) -> None:

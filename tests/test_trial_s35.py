@@ -362,6 +362,14 @@ def test_save_checkpoint_replaces_a_symlink_keeps_foreign_files_and_refuses_a_fi
     trainer.load_checkpoint(str(tmp_path / "last"))
     assert trainer.step == 2
     trainer.load_checkpoint(str(run))
+    # A save killed between its renames (no "last", a whole "last.saving"), then a later save killed while
+    # rewriting "last.saving": the load takes "last.previous", not the torn "last.saving".
+    os.rename(tmp_path / "last", tmp_path / "last.previous")
+    trainer.train_step(batch, nn.functional.cross_entropy)
+    trainer._save_checkpoint(str(tmp_path / "last.saving"), None, staged=False)
+    (tmp_path / "last.saving" / "rank0.pt").write_bytes(b"torn")
+    trainer.load_checkpoint(str(tmp_path / "last"))
+    assert trainer.step == 2
     trainer.close()
 
 
