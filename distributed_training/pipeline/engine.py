@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..batches import tensors_of
+from ..batches import _flattened_targets, tensors_of
 from ..loss_weights import StepWeights, counted
 from ..runtime import fewest
 from .graphs import StageGraphs, slots_per_chunk
@@ -56,6 +56,18 @@ def _split(value: Any, parts: int) -> list[Any]:
         cut = [_split(v, parts) for v in value]
         return [type(value)(c[i] for c in cut) for i in range(parts)]
     return [value] * parts
+
+
+def _split_targets(targets: Any, inputs: Any, pieces: list[Any]) -> list[Any]:
+    """`targets` cut as `inputs` was into `pieces`: along dim 0, or, flattened to one per token of
+    (rows, tokens, ...) inputs (``tokens[:, 1:].flatten()`` beside flattened logits, as a vocabulary-split
+    head needs), at the same rows (cut along their own dim 0, an uneven batch's split them elsewhere)."""
+    per_token = _flattened_targets((inputs, targets), _rows(inputs)) if isinstance(inputs, torch.Tensor) else None
+    if per_token is None:
+        return _split(targets, len(pieces))
+    tokens = inputs.shape[1]
+    ends = torch.tensor([_rows(x) for x in pieces]).cumsum(0).tolist()
+    return [per_token[(end - _rows(x)) * tokens:end * tokens] for x, end in zip(pieces, ends)]
 
 
 def _starts_in_place(module: nn.Module) -> bool:
@@ -239,7 +251,8 @@ class PipelineEngine:
         if m < self.microbatches and self.schedule == "interleaved_1f1b" and m >= self.pipe_size:
             m -= m % self.pipe_size
         actions = self.actions if m == self.microbatches else self._actions_for(m)
-        xs, ys = _split(inputs, m), _split(targets, m)
+        xs = _split(inputs, m)
+        ys = _split_targets(targets, inputs, xs)
         # The last stage weighs each microbatch's loss (`loss_weights`: by the targets it does not ignore);
         # the others never use the weights (by rows: nothing launched).
         criterion = (self.criterion if self.criterion is not None else self.loss_fn) if self.is_last else None
