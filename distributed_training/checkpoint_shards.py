@@ -333,8 +333,12 @@ def check_shapes(saved: dict[str, tuple], mine: dict[str, tuple]) -> None:
     """Raise `ValueError` naming the first parameter missing, unexpected or of another shape."""
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     if missing or unexpected:
+        chained = (all(k.startswith("layers.") for k in saved) and not all(k.startswith("layers.") for k in mine))
+        hint = ("; its keys are an adapter chain's (`layers.<i>.*`: a model passed to the trainer as (name, "
+                "layer) pairs): load it into a trainer given the same pairs, at any pipeline size (1 included), "
+                "and map `full_state_dict()`'s keys back with `pipeline.model_keys(model, pairs)`" if chained else "")
         raise ValueError(f"parameters missing from the checkpoint {missing[:5]}, in it but not in this model "
-                         f"{unexpected[:5]}")
+                         f"{unexpected[:5]}{hint}")
     for key, shape in mine.items():
         if tuple(saved[key]) != tuple(shape):
             raise ValueError(f"'{key}': the checkpoint has shape {list(saved[key])}, this model {list(shape)}")

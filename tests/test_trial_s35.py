@@ -584,3 +584,17 @@ def test_a_pipeline_cuts_targets_flattened_per_token_at_the_inputs_rows():
     (28)"), an epoch's short last batch under pipeline x tensor parallelism included."""
     worst = run_distributed(flat_targets_pipeline_worker, 2, timeout=120)[0]
     assert worst < 1e-5, worst
+
+
+def test_a_chains_checkpoint_loaded_into_the_plain_model_says_how_to_load_it():
+    """A checkpoint of an adapter chain (`layers.<i>.*` keys) loaded into the user's own model said only
+    "parameters missing", and the caller's message "a checkpoint of another model?"."""
+    import pytest
+
+    from distributed_training.checkpoint_shards import check_shapes
+
+    with pytest.raises(ValueError, match=r"adapter chain's .*same pairs.*model_keys"):
+        check_shapes({"layers.0.weight": (2, 2)}, {"embed.weight": (2, 2)})
+    with pytest.raises(ValueError) as plain:
+        check_shapes({"a.weight": (2, 2)}, {"b.weight": (2, 2)})
+    assert "adapter" not in str(plain.value)
