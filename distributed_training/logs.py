@@ -33,9 +33,10 @@ def get_logger(name: str | None = None) -> logging.Logger:
 class _RankZeroHandler(logging.Handler):
     """INFO from rank 0, WARNING and above from every rank (prefixed with the rank), to stderr."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, label: int | None = None) -> None:
         super().__init__(logging.INFO)
         self.rank = rank
+        self.label = rank if label is None else label  # the rank a message is prefixed with
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.levelno < logging.WARNING and self.rank != 0:
@@ -45,7 +46,7 @@ class _RankZeroHandler(logging.Handler):
         try:
             text = record.getMessage()
             if record.levelno >= logging.WARNING:
-                text = f"[rank {self.rank}] {record.levelname}: {text}"
+                text = f"[rank {self.label}] {record.levelname}: {text}"
             if record.exc_info:
                 text += "\n" + logging.Formatter().formatException(record.exc_info)
             from tqdm import tqdm
@@ -62,8 +63,10 @@ def _configured_elsewhere(ours: logging.Handler | None = None) -> bool:
     return bool(logging.getLogger().handlers) or any(h is not ours for h in package.handlers)
 
 
-def install_default_handler(rank: int | None = None) -> None:
+def install_default_handler(rank: int | None = None, *, label: int | None = None) -> None:
     """Add the default handler once (see the module's docstring); later calls only update the rank.
+    `rank` 0 prints INFO; `label` (default: `rank`) is the rank warnings are prefixed with, the global
+    one where another rank speaks for the job (a parameter server's first worker).
 
     Does nothing when the application configured logging: a handler on the root logger or on
     ``distributed_training``, or a level set on ``distributed_training``.
@@ -73,11 +76,11 @@ def install_default_handler(rank: int | None = None) -> None:
     package = logging.getLogger(LOGGER_NAME)
     for handler in package.handlers:
         if isinstance(handler, _RankZeroHandler):
-            handler.rank = rank
+            handler.rank, handler.label = rank, rank if label is None else label
             return
     if _configured_elsewhere() or package.level != logging.NOTSET:
         return
-    package.addHandler(_RankZeroHandler(rank))
+    package.addHandler(_RankZeroHandler(rank, label))
     package.setLevel(logging.INFO)
     _route_package_warnings()
 

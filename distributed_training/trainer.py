@@ -375,7 +375,8 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         self.context = strategy.setup_context(ctx)
         if self.context is not ctx:
             # The job's messages come from the first rank that trains (servers log warnings only).
-            install_default_handler(0 if self.context.is_main and strategy.trains else max(1, ctx.rank))
+            speaks = self.context.is_main and strategy.trains
+            install_default_handler(0 if speaks else max(1, ctx.rank), label=ctx.rank)  # (prefixed: its global rank)
         if self.plan is not None:
             log.info("strategy auto -> %s%s (%s)", self.plan.strategy, " with CPU offload" if self.plan.cpu_offload
                      else "", self.plan.reason)

@@ -598,3 +598,18 @@ def test_a_chains_checkpoint_loaded_into_the_plain_model_says_how_to_load_it():
     with pytest.raises(ValueError) as plain:
         check_shapes({"a.weight": (2, 2)}, {"b.weight": (2, 2)})
     assert "adapter" not in str(plain.value)
+
+
+def test_a_rank_speaking_for_the_job_is_prefixed_with_its_own_rank(capsys, monkeypatch):
+    """Under a parameter server the first worker speaks for the job (INFO) and the servers do not: the
+    prefix took that role's number, so every server printed "[rank 1]" and worker 0 (global rank 1) "[rank 0]"."""
+    import logging
+
+    from distributed_training import logs
+    from distributed_training.logs import _RankZeroHandler
+
+    monkeypatch.setattr(logs, "_configured_elsewhere", lambda ours=None: False)  # (pytest's own handler)
+    for rank, label, said in ((0, 1, "[rank 1] WARNING: lost"), (1, 0, "[rank 0] WARNING: lost")):
+        handler = _RankZeroHandler(rank, label)
+        handler.emit(logging.LogRecord("distributed_training", logging.WARNING, __file__, 1, "lost", None, None))
+        assert said in capsys.readouterr().err
