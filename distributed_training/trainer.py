@@ -406,6 +406,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         # first (`_record_step` arms it after each log step), and read at the window's log step.
         if log_dir is not None:
             strategy.measure_communication(self.model, True)
+            self._measuring = True  # (`_record_step` keeps the measured step's own times)
             strategy.time_pipeline(self.model, True)  # a pipeline's stage times and bubble, likewise
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
