@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, _fsync_dir, load_file, read_meta, rng_state,
-                         save_file, set_rng_state, sha256_file, write_meta)
+from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, load_file, read_meta, rng_state, save_file,
+                         set_rng_state, sha256_file, write_meta)
 from .checkpoint_async import rank_file
+from .checkpoint_swap import previous_of, put_in_place, remove_stale_rank_files, staged_of, whole
 from .checkpoint_lock import CheckpointDirectoryInUseError, in_use_message, lock_directory, unlock_directory
 from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layout, fetch_missing_files
 from .checkpoint_shards import (FORMAT, Sources, build_index, check_shapes, extra_states, host_clone, load_extra_states,
@@ -205,7 +205,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
             held, packed, part = self._rank_part()
             if self.strategy.save_checkpoint_files(self.model, path, part, self._meta(held, packed, None, metrics)):
                 return  # the strategy wrote it (the parameter server: its servers' state)
-            target = _staged(path) if staged else path
+            target = staged_of(path) if staged else path
             digest = save_file(part, rank_file(target, ctx.rank))
             mine = (digest, summary(packed), sorted(part["buffers"]), self.dp_rank)
             every = [mine]
@@ -218,9 +218,9 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
                 meta = self._meta(held, packed, [rest for _, *rest in every], metrics)
                 meta.update(layout.checksums(ctx.rank, digests))
                 write_meta(meta, target)
-                _remove_stale_rank_files(target, ctx.world_size)
+                remove_stale_rank_files(target, ctx.world_size)
                 if staged:
-                    _put_in_place(target, path)
+                    put_in_place(target, path)
             ctx.barrier()
 
     def _rank_part(self, to_host: Callable[[torch.Tensor], torch.Tensor] = host_clone,
@@ -315,9 +315,9 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
             self._staging.fence()  # a background snapshot's copies read what loading overwrites
         meta_path = os.path.join(path, "meta.pt")
         if not os.path.isfile(meta_path):
-            # A save stopped before it replaced `path` (`_put_in_place`): its own checkpoint if whole, else
+            # A save stopped before it replaced `path` (`checkpoint_swap.put_in_place`): its own checkpoint if whole, else
             # the one it was replacing.
-            found = next((p for p in (_staged(path), _previous(path)) if _whole(p)), None)
+            found = next((p for p in (staged_of(path), previous_of(path)) if whole(p)), None)
             if found is not None:
                 if ctx.is_main:
                     log.warning("checkpoint %r is missing or incomplete (a save over it was interrupted): loading "
@@ -523,79 +523,6 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
                 same = [r for r in ranks if replica_of[r] == self.dp_rank]
                 source = ctx.rank if ctx.rank in same else min(same or ranks)
                 buffer.copy_(sources.pick([source])["buffers"][key])
-
-def _remove_stale_rank_files(path: str, world_size: int) -> None:
-    """The rank files of an earlier save into the same directory by more ranks (``checkpoints/last``
-    saved at 2 ranks, then at 1): nothing reads them (meta.pt lists the files), but they look like part
-    of the checkpoint."""
-    for name in os.listdir(path):
-        stem, ext = os.path.splitext(name)
-        if ext == ".pt" and stem.startswith("rank") and stem[4:].isdigit() and int(stem[4:]) >= world_size:
-            try:
-                os.remove(os.path.join(path, name))
-            except OSError:
-                pass  # (another node's writer removed it first, on a shared directory)
-
-
-#: The files a checkpoint directory holds: rank files, meta.pt and its checksum, and write temporaries.
-_CHECKPOINT_FILE = re.compile(r"^(rank\d+\.pt|meta\.pt|meta\.pt\.sha256)(\.tmp\.\d+)?$")
-
-
-def _staged(path: str) -> str:
-    """Where a save over the checkpoint at `path` writes before it is swapped in."""
-    return os.path.normpath(path) + ".saving"
-
-
-def _previous(path: str) -> str:
-    """Where the checkpoint at `path` waits while a new one takes its name (`_put_in_place`)."""
-    return os.path.normpath(path) + ".previous"
-
-
-def _whole(path: str) -> bool:
-    """Whether `path` holds a whole checkpoint: its meta.pt intact and every file it lists there, each
-    matching its checksum (a `.saving` a later save began to overwrite does not)."""
-    try:
-        meta = read_meta(path)
-        return all(os.path.isfile(os.path.join(path, name)) and sha256_file(os.path.join(path, name)) == digest
-                   for name, digest in meta["checksums"].items())
-    except (CheckpointCorruptError, FileNotFoundError, KeyError, OSError):
-        return False
-
-
-def _put_in_place(staged: str, path: str) -> None:
-    """Give the whole checkpoint `staged` the name `path`. What is there (a checkpoint, a symlink, a
-    save's leftovers) steps aside to `_previous(path)` first and is removed after, so a crash leaves a
-    whole checkpoint at `path`, at `staged` or at `_previous(path)` (`load_checkpoint` looks in that
-    order). A directory holding other files than a checkpoint's gets the files moved in instead, one by
-    one, meta.pt last (as saves into it always did)."""
-    previous = _previous(path)
-    _remove(previous)  # an earlier save's leftover: `path` or `staged` is newer and whole
-    if os.path.isdir(path) and not os.path.islink(path) and not all(_CHECKPOINT_FILE.match(n) for n in os.listdir(path)):
-        for name in sorted(os.listdir(staged), key=lambda n: (n == "meta.pt", n.startswith("meta.pt"))):
-            os.replace(os.path.join(staged, name), os.path.join(path, name))
-        _fsync_dir(path)
-        _remove(staged)
-        return
-    if os.path.lexists(path):
-        os.rename(path, previous)
-    os.rename(staged, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    _remove(previous)
-
-
-def _remove(path: str) -> None:
-    """Remove a file, a symlink (not what it points to) or a directory tree, whichever `path` is; what
-    cannot be removed (a file held open on NFS) is renamed out of the way."""
-    import shutil
-    import time
-
-    if os.path.islink(path) or os.path.isfile(path):
-        os.unlink(path)
-    elif os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-        if os.path.lexists(path):
-            os.rename(path, f"{path}.stale-{time.time_ns()}")
-
 
 def _has_residuals(rank_part: dict[str, Any]) -> bool:
     """Whether a rank file holds a compressing reducer's error-feedback residuals (`rank_state`)."""
