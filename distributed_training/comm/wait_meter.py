@@ -17,6 +17,8 @@ import torch
 
 __all__ = ["WaitMeter"]
 
+_OFF = contextlib.nullcontext()
+
 
 class WaitMeter:
     """Sums the waits inside `waiting` blocks while `on`; `passes` counts what the owner calls a pass
@@ -31,11 +33,12 @@ class WaitMeter:
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.passes = 0
 
+    def waiting(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """A block whose time is a wait (a shared no-op while off: FSDP asks per unit, every step)."""
+        return _OFF if not self.on else self._timed(device)
+
     @contextlib.contextmanager
-    def waiting(self, device: torch.device):
-        if not self.on:
-            yield
-            return
+    def _timed(self, device: torch.device):
         if device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
