@@ -314,7 +314,11 @@ def test_powersgd_trains_and_keeps_replicas_identical():
                                            ({"ranks_per_node": 0, "hierarchical": True}, "ranks_per_node"),
                                            ({"compression": "topk", "pattern": "ring"}, "pattern"),
                                            ({"bucket_size_mb": 0}, "bucket_size_mb"),
-                                           ({"ranks_per_node": 2}, "ranks_per_node")])
+                                           ({"ranks_per_node": 2}, "ranks_per_node"),
+                                           ({"compression": "bf16", "compression_ratio": 0.1}, "compression_ratio"),
+                                           ({"compression": "topk", "powersgd_rank": 2}, "powersgd_rank"),
+                                           ({"compression": "powersgd", "warmup_steps": 5}, "warmup_steps"),
+                                           ({"topk_select": "exact"}, "topk_select")])
 def test_bad_arguments(kwargs, field):
     with pytest.raises(ValueError, match=field):
         CommunicationOptimizer(**kwargs)
@@ -395,7 +399,8 @@ def test_error_feedback_residuals_are_checkpointed(tmp_path):
 
 
 def deferred_worker(rank, world, compression):
-    comm = CommunicationOptimizer(compression, compression_ratio=1.0, error_feedback=False)
+    ratio = dict(compression_ratio=1.0) if compression == "topk" else {}
+    comm = CommunicationOptimizer(compression, error_feedback=False, **ratio)
     x = torch.full((4096,), float(rank + 1))
     handle = comm(x, None, 0)
     untouched = bool((x == rank + 1).all())  # launched, not yet decoded: the hook did not block on it

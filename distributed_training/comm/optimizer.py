@@ -132,6 +132,15 @@ class CommunicationOptimizer:
             raise ValueError(f"topk_select must be one of {list(_TOPK_SELECTIONS)}, got {topk_select!r}")
         if isinstance(topk_chunk, bool) or not isinstance(topk_chunk, int) or topk_chunk < 1:
             raise ValueError(f"topk_chunk must be a positive integer, got {topk_chunk!r}")
+        # A setting of one compression given with another is a mistake the user would not see: refuse it
+        # (only a changed value can be told from the default; the config refuses any given one).
+        for name, value, default, applies in (
+                ("compression_ratio", compression_ratio, 0.01, "topk"), ("warmup_steps", warmup_steps, 0, "topk"),
+                ("topk_select", topk_select, "blockmax", "topk"), ("topk_chunk", topk_chunk, 4096, "topk"),
+                ("powersgd_rank", powersgd_rank, 4, "powersgd")):
+            if value != default and compression != applies:
+                raise ValueError(f"{name}={value!r} applies to compression={applies!r}, not {compression!r}: "
+                                 f"set the compression, or leave {name} out")
         if hierarchical and compression is not None:
             raise ValueError("hierarchical all-reduce and compression cannot be combined yet: choose one")
         if hierarchical and pattern != "nccl":
