@@ -22,7 +22,6 @@ import copy
 import functools
 import os
 import sys
-import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -51,7 +50,8 @@ from .trainer_checkpoints import Checkpointing
 from .trainer_hyperparameters import hyperparameters
 from .trainer_fit import Fitting
 from .trainer_peers import PeerWatching
-from .trainer_step import Stepping, check_arguments
+from .trainer_arguments import check_arguments, check_parallel_arguments
+from .trainer_step import Stepping
 
 __all__ = ["DistributedTrainer", "CollectiveTimeoutError", "CheckpointWriteError", "PeerFailureError"]
 
@@ -328,28 +328,9 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
                                    half_blocks=pipeline_half_blocks, cuda_graphs=pipeline_cuda_graphs,
                                    compile_loss=pipeline_compile_loss)
         tensor = TensorOptions(tensor_parallel_size, tensor_parallel_plan, sequence_parallel)
-        if not pipeline.enabled and microbatches not in (None, 1):
-            warnings.warn(f"microbatches={microbatches} does nothing without a pipeline (pipeline_parallel_size=1): "
-                          "each batch runs whole; to accumulate gradients over smaller batches use "
-                          "gradient_accumulation_steps", stacklevel=2)
-        if pipeline.enabled:
-            if pipeline.cuda_graphs and activation_checkpointing is not None:
-                raise ValueError("pipeline_cuda_graphs=True does not combine with activation_checkpointing: a "
-                                 "checkpointed block recomputes in the backward with the random state set from the "
-                                 "host, which a graph cannot replay")
-            if pipeline.cuda_graphs and isinstance(strategy, str) and strategy != "ddp":
-                raise ValueError(f"pipeline_cuda_graphs=True needs strategy='ddp' inside the stages, got "
-                                 f"strategy={strategy!r}: ZeRO and FSDP gather parameters in module hooks, which a "
-                                 "replayed graph would skip")
-            if pipeline.cuda_graphs and tensor.enabled:
-                raise ValueError("pipeline_cuda_graphs=True does not combine with tensor_parallel_size > 1 yet: "
-                                 "the graphs would hold the tensor-parallel collectives (not built, not measured)")
-            unsupported = [name for name, value in (("gradient_accumulation_steps", gradient_accumulation_steps != 1),
-                                                    ("compile", compile is not False)) if value]
-            if unsupported:
-                raise NotImplementedError(f"{unsupported[0]} with pipeline_parallel_size={pipeline.size} is not "
-                                          "supported yet" + (": use microbatches" if unsupported[0] ==
-                                                             "gradient_accumulation_steps" else ""))
+        check_parallel_arguments(pipeline, tensor, strategy=strategy, microbatches=microbatches,
+                                 activation_checkpointing=activation_checkpointing,
+                                 gradient_accumulation_steps=gradient_accumulation_steps, compile=compile)
         self.memory_budget_bytes = memory_budget_bytes
         self._model_sizes = model_sizes(model)  # before any wrapper shards the parameters
 
@@ -406,7 +387,6 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         # first (`_record_step` arms it after each log step), and read at the window's log step.
         if log_dir is not None:
             strategy.measure_communication(self.model, True)
-            self._measuring = True  # (`_record_step` keeps the measured step's own times)
             strategy.time_pipeline(self.model, True)  # a pipeline's stage times and bubble, likewise
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -416,6 +396,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
                              "evaluate() or fit's history returns")
         self._init_state(gradient_accumulation_steps, checkpoint_every, resume, checkpoint_shared, checkpoint_async,
                          save_on_preemption, heartbeat_timeout)
+        self._measuring = log_dir is not None  # the next step's communication is timed (see above)
         if mixed_precision == "fp16" and self.device.type == "cpu" and self.context.is_main:
             log.warning("mixed_precision='fp16' on CPU: CPUs have no fast fp16 arithmetic, so training runs several "
                         "times slower than in fp32 (about 7x for a small GPT); use 'bf16' or fp32 on CPUs")
@@ -452,6 +433,12 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         self.epoch = 0
         self.batch_in_epoch = 0  # batches of the current epoch already trained
         self._step_failed = False  # the last train_step raised: peers may be inside its collectives
+        # What the monitor is told of the step whose communication is timed (`StepRecording`): its own
+        # (step_time, data_time), this rank's own work in it, and whether the straggler probe has warmed up.
+        self._measured_times: tuple[float, float] | None = None
+        self._own_time = None
+        self._probed = False
+        self._probe_event = None  # on a GPU: where the probed step's own work began
         # Samples of the current epoch's permutation already trained by the whole job (the data position,
         # at any size; None: a checkpoint from before it was kept, see Fitting._epoch_offset).
         self.samples_in_epoch: int | None = 0

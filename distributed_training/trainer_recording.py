@@ -28,7 +28,7 @@ class StepRecording:
             return metrics
         comm = None
         log_every = self.monitor_log_every
-        if getattr(self, "_measuring", False):  # this step's communication was timed: keep its own times
+        if self._measuring:  # this step's communication was timed: keep its own times
             self._measured_times = (step_time, data_time)
         if self.step % log_every == 0:
             comm, extra = self.strategy.pop_communication_metrics(self.model)
@@ -44,9 +44,9 @@ class StepRecording:
         self.strategy.measure_communication(self.model, self._measuring)
         self.strategy.time_pipeline(self.model, self.step % log_every == 0)
         own = None
-        if self.step % log_every == 0 and getattr(self, "_own_time", None) is not None:
+        if self.step % log_every == 0 and self._own_time is not None:
             own, self._own_time = max(0.0, _seconds(self._own_time) - (comm or 0.0)), None  # less its wait in backward
-        measured = getattr(self, "_measured_times", None) if comm is not None else None
+        measured = self._measured_times if comm is not None else None
         # A replica's stages and tensor ranks all handle its whole batch: each GPU's share is theirs over them.
         mesh = self.context.mesh
         ways = mesh.size("pipeline") * mesh.size("tensor")
@@ -66,9 +66,9 @@ class StepRecording:
         (in synchronous training every rank's step lasts as long as the slowest one's). Costs one tiny
         all-reduce per log window (and, on a GPU, draining this rank's queue first: see `_own_work`). The
         first step this trainer trains is not probed: it warms up (kernels, allocator, communicators)."""
-        first, self._probed = not getattr(self, "_probed", False), True
+        first, self._probed = not self._probed, True
         if (first or not self._monitoring or self.step % self.monitor_log_every
-                or not getattr(self.monitor, "_cluster_on", False)):
+                or not self.monitor._cluster_on):
             return None
         group = self.monitor.group
         device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
@@ -90,7 +90,7 @@ class StepRecording:
         probe waits for the peers' collectives of the last steps too: the own work is the fetch and the
         GPU's span from the probe to the step's end (the peers' waits in it are exposed communication,
         which `_record_step` takes off), read at the log step from ``(fetch_s, start, end)``."""
-        start, self._probe_event = getattr(self, "_probe_event", None), None
+        start, self._probe_event = self._probe_event, None
         if start is None:
             return host_s
         end = torch.cuda.Event(enable_timing=True)

@@ -1,51 +1,20 @@
 """The trainer's step (`Stepping`, a mixin of `DistributedTrainer`): one optimizer step on a batch, its
 micro-batches weighted as one process on the whole global batch would weigh them (`loss_weights`);
-and the checks of the trainer's own scalar arguments (`check_arguments`), made before any rendezvous."""
+and the check of its criterion."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Callable
 
 import torch
 
-from .amp import check_precision_argument
 from .batches import batch_size_of, call_module, model_loss, split_batch, to_device
 from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout
 from .loss_weights import StepWeights, batch_count, counted, label_count
 from .runtime import fewest
 
 Criterion = Callable[[Any, Any], torch.Tensor]
-
-
-def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat_timeout, mixed_precision,
-                     loss_scaler, compile, checkpoint_every, checkpoint_dir, checkpoint_async) -> None:
-    """The trainer's own arguments, checked before any rendezvous (each error names its argument)."""
-    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
-        raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
-    if gradient_clip_val is not None and not gradient_clip_val > 0:
-        raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}")
-    if heartbeat_timeout is not None and (isinstance(heartbeat_timeout, bool) or
-                                          not isinstance(heartbeat_timeout, (int, float)) or
-                                          not heartbeat_timeout > 0):
-        raise ValueError(f"heartbeat_timeout must be a positive number of seconds or None, got "
-                         f"{heartbeat_timeout!r}")
-    check_precision_argument(mixed_precision, loss_scaler)
-    if not isinstance(compile, (bool, dict)):
-        raise TypeError(f"compile must be True, False or a dict of torch.compile arguments, got "
-                        f"{type(compile).__name__}")
-    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
-        raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
-    if checkpoint_every is not None and checkpoint_dir is None:
-        raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
-    if checkpoint_dir is not None and os.path.isfile(checkpoint_dir):  # found at the first save, after training
-        raise ValueError(f"checkpoint_dir {os.fspath(checkpoint_dir)!r} is a file: name a directory (fit writes "
-                         "step_<N>/ checkpoints under it)")
-    if not isinstance(checkpoint_async, bool):
-        raise TypeError(f"checkpoint_async must be True or False, got {checkpoint_async!r}")
-    if checkpoint_async and checkpoint_dir is None:
-        raise ValueError("checkpoint_async needs a checkpoint_dir to write to (it applies to fit's checkpoints)")
 
 
 def check_criterion(criterion: Any) -> None:

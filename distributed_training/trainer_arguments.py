@@ -1,0 +1,69 @@
+"""The checks of `DistributedTrainer`'s own arguments, made before any rendezvous: each error names its
+argument, and every rank raises alike (no rank waits in a collective the others never reach)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+from .amp import check_precision_argument
+
+__all__ = ["check_arguments", "check_parallel_arguments"]
+
+
+def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat_timeout, mixed_precision,
+                     loss_scaler, compile, checkpoint_every, checkpoint_dir, checkpoint_async) -> None:
+    """The trainer's own arguments, checked before any rendezvous (each error names its argument)."""
+    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
+    if gradient_clip_val is not None and not gradient_clip_val > 0:
+        raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}")
+    if heartbeat_timeout is not None and (isinstance(heartbeat_timeout, bool) or
+                                          not isinstance(heartbeat_timeout, (int, float)) or
+                                          not heartbeat_timeout > 0):
+        raise ValueError(f"heartbeat_timeout must be a positive number of seconds or None, got "
+                         f"{heartbeat_timeout!r}")
+    check_precision_argument(mixed_precision, loss_scaler)
+    if not isinstance(compile, (bool, dict)):
+        raise TypeError(f"compile must be True, False or a dict of torch.compile arguments, got "
+                        f"{type(compile).__name__}")
+    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+        raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
+    if checkpoint_dir is not None and os.path.isfile(checkpoint_dir):  # found at the first save, after training
+        raise ValueError(f"checkpoint_dir {os.fspath(checkpoint_dir)!r} is a file: name a directory (fit writes "
+                         "step_<N>/ checkpoints under it)")
+    if not isinstance(checkpoint_async, bool):
+        raise TypeError(f"checkpoint_async must be True or False, got {checkpoint_async!r}")
+    if checkpoint_async and checkpoint_dir is None:
+        raise ValueError("checkpoint_async needs a checkpoint_dir to write to (it applies to fit's checkpoints)")
+
+
+def check_parallel_arguments(pipeline: Any, tensor: Any, *, strategy: Any, microbatches: int | None,
+                             activation_checkpointing: Any, gradient_accumulation_steps: int, compile: Any) -> None:
+    """The pipeline's and tensor parallelism's options (`PipelineOptions`, `TensorOptions`, already
+    checked one by one) against the trainer's other arguments."""
+    if not pipeline.enabled and microbatches not in (None, 1):
+        warnings.warn(f"microbatches={microbatches} does nothing without a pipeline (pipeline_parallel_size=1): "
+                      "each batch runs whole; to accumulate gradients over smaller batches use "
+                      "gradient_accumulation_steps", stacklevel=4)  # the user's line (through the constructor's wrapper)
+    if not pipeline.enabled:
+        return
+    if pipeline.cuda_graphs and activation_checkpointing is not None:
+        raise ValueError("pipeline_cuda_graphs=True does not combine with activation_checkpointing: a "
+                         "checkpointed block recomputes in the backward with the random state set from the "
+                         "host, which a graph cannot replay")
+    if pipeline.cuda_graphs and isinstance(strategy, str) and strategy != "ddp":
+        raise ValueError(f"pipeline_cuda_graphs=True needs strategy='ddp' inside the stages, got "
+                         f"strategy={strategy!r}: ZeRO and FSDP gather parameters in module hooks, which a "
+                         "replayed graph would skip")
+    if pipeline.cuda_graphs and tensor.enabled:
+        raise ValueError("pipeline_cuda_graphs=True does not combine with tensor_parallel_size > 1 yet: "
+                         "the graphs would hold the tensor-parallel collectives (not built, not measured)")
+    if gradient_accumulation_steps != 1:
+        raise NotImplementedError(f"gradient_accumulation_steps with pipeline_parallel_size={pipeline.size} is not "
+                                  "supported yet: use microbatches")
+    if compile is not False:
+        raise NotImplementedError(f"compile with pipeline_parallel_size={pipeline.size} is not supported yet")
