@@ -50,7 +50,7 @@ from .trainer_checkpoints import Checkpointing
 from .trainer_hyperparameters import hyperparameters
 from .trainer_fit import Fitting
 from .trainer_peers import PeerWatching
-from .trainer_arguments import check_arguments, check_parallel_arguments
+from .trainer_arguments import check_arguments, check_optimizer, check_parallel_arguments
 from .trainer_step import Stepping
 
 __all__ = ["DistributedTrainer", "CollectiveTimeoutError", "CheckpointWriteError", "PeerFailureError"]
@@ -309,6 +309,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module (or an adapter's list of (name, module) pairs), got "
                             f"{type(model).__name__}")
+        check_optimizer(optimizer, model)
         check_arguments(gradient_accumulation_steps=gradient_accumulation_steps, gradient_clip_val=gradient_clip_val,
                          heartbeat_timeout=heartbeat_timeout, mixed_precision=mixed_precision, loss_scaler=loss_scaler,
                          compile=compile, checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,

@@ -9,7 +9,7 @@ from typing import Any
 
 from .amp import check_precision_argument
 
-__all__ = ["check_arguments", "check_parallel_arguments"]
+__all__ = ["check_arguments", "check_optimizer", "check_parallel_arguments"]
 
 
 def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat_timeout, mixed_precision,
@@ -39,6 +39,29 @@ def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat
         raise TypeError(f"checkpoint_async must be True or False, got {checkpoint_async!r}")
     if checkpoint_async and checkpoint_dir is None:
         raise ValueError("checkpoint_async needs a checkpoint_dir to write to (it applies to fit's checkpoints)")
+
+
+def check_optimizer(optimizer: Any, model: Any) -> None:
+    """An optimizer object must step the model's own parameters: one built over another module (or a
+    copy of the model) trained nothing, silently. An optimizer over some of them (the rest frozen by
+    leaving them out) is fine."""
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    own = {id(p) for p in model.parameters()}
+    given = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [i for i, p in enumerate(given) if id(p) not in own]
+    if not foreign:
+        return
+    which = f"{len(foreign)} of its {len(given)} parameters (indices {foreign[:5]}{' ...' if len(foreign) > 5 else ''})"
+    if len(foreign) == len(given):
+        raise ValueError(f"optimizer: {which} are not the model's, so stepping it would not train the model: build "
+                         "it over model.parameters() of the model given to the trainer (not a copy of it), or pass "
+                         "a callable such as lambda params: torch.optim.AdamW(params)")
+    warnings.warn(f"optimizer: {which} are not the model's (a criterion's own parameters?): the strategy does not "
+                  "average their gradients across ranks, so each rank's copies drift apart. Make them part of the "
+                  "model given to the trainer", stacklevel=4)
 
 
 def check_parallel_arguments(pipeline: Any, tensor: Any, *, strategy: Any, microbatches: int | None,

@@ -194,3 +194,16 @@ def test_collective_timeout_is_configurable(tmp_path):
     msg, elapsed = results[0]
     assert msg is not None, "the all-reduce should have timed out"
     assert elapsed < 5.5, f"timed out after {elapsed:.1f}s, expected about 2s"
+
+
+def test_an_optimizer_over_other_parameters_is_refused_and_a_partly_foreign_one_warned(monkeypatch):
+    # Built over another module it trained nothing, silently; a criterion's own parameters in it drift per rank.
+    from distributed_training.trainer_arguments import check_optimizer
+
+    model, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"optimizer: 2 of its 2 parameters .* not the model's"):
+        check_optimizer(torch.optim.SGD(other.parameters(), lr=0.1), model)
+    with pytest.warns(UserWarning, match=r"1 of its 3 parameters \(indices \[2\]\)"):
+        check_optimizer(torch.optim.SGD([*model.parameters(), other.bias], lr=0.1), model)
+    check_optimizer(torch.optim.SGD([model.weight], lr=0.1), model)  # a subset: the rest frozen, fine
+    check_optimizer(lambda params: torch.optim.SGD(params, lr=0.1), model)
