@@ -160,6 +160,26 @@ def test_single_process_without_process_group(tmp_path):
     assert perf["cluster_slowest_rank"] is None and perf["straggler_events"] == 0
 
 
+def test_jsonl_is_strict_json_with_a_nan_loss(tmp_path):
+    # json.dumps wrote NaN / Infinity, which jq and JavaScript refuse: a non-finite value is null now.
+    with Monitor(tmp_path, rank=0, world_size=1, log_every=1, progress=False, system_stats=False) as mon:
+        mon.record_step(1, {"loss": float("nan"), "grad_norm": float("inf")}, samples=4, step_time=0.5)
+        mon.record_step(2, {"loss": 2.0, "grad_norm": 1.0}, samples=4, step_time=0.5)
+        mon.record_eval(2, {"loss": float("nan")}, {"loss": float("-inf")})
+
+    def strict(token):
+        raise ValueError(f"not strict JSON: {token}")
+
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        path = tmp_path / "rank_0" / name
+        records = [json.loads(line, parse_constant=strict) for line in path.read_text().splitlines()]
+        if name == "metrics.jsonl":
+            assert records[0]["train/loss"] is None and records[0]["train/grad_norm"] is None
+            assert records[1]["train/loss"] == 2.0
+        else:
+            assert records[0]["val/loss"] is None
+
+
 class CountingScalar:
     """A metric that counts how often it is read."""
 

@@ -12,7 +12,8 @@
     monitor.close()
 
 Every rank writes its own directory, ``log_dir/rank_<r>/``, holding TensorBoard event files and
-``metrics.jsonl`` (one JSON object per logged step). Point ``tensorboard --logdir log_dir`` at the
+``metrics.jsonl`` (one JSON object per logged step; a value that is not finite, such as a NaN loss,
+is ``null``). Point ``tensorboard --logdir log_dir`` at the
 parent to see the ranks side by side, or draw a PNG with
 ``python -m distributed_training.monitor.plot log_dir -o run.png``.
 
@@ -58,7 +59,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import json
 import math
 import numbers
 import os
@@ -80,7 +80,7 @@ from .null import NullMonitor
 from .progress import ProgressBar
 from .system import SystemStats
 from .timings import StepTimings
-from .writer import LogRecord, WriterThread, copy_to_host
+from .writer import LogRecord, WriterThread, copy_to_host, json_line
 
 __all__ = ["Monitor", "NullMonitor", "StragglerWarning"]
 
@@ -367,8 +367,7 @@ class Monitor:
             self._writer.flush()
         if self._jsonl is not None:
             with open(os.path.join(self.rank_dir, "eval.jsonl"), "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step, "time": now, "rank": self.rank, **self._member_field(),
-                                    **scalars}) + "\n")
+                f.write(json_line({"step": step, "time": now, "rank": self.rank, **self._member_field(), **scalars}))
 
     def get_performance_metrics(self) -> dict[str, Any]:
         """Summary of the whole run so far (this rank; ``cluster_*`` from the last log step).
@@ -514,7 +513,7 @@ class Monitor:
         if self._jsonl is not None:
             line = {"step": record.step, "time": record.now, "rank": self.rank, **self._member_field()}
             line.update(scalars)
-            self._jsonl.write(json.dumps(line) + "\n")
+            self._jsonl.write(json_line(line))
             self._jsonl.flush()
         if self._bar is not None:
             self._bar.draw(record.step, self._total_steps, record.rate, scalars.get("train/loss"))

@@ -11,13 +11,23 @@ it are dropped until that error has been taken (`take_error`).
 
 from __future__ import annotations
 
+import json
+import math
 import queue
 import threading
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["LogRecord", "WriterThread", "copy_to_host"]
+__all__ = ["LogRecord", "WriterThread", "copy_to_host", "json_line"]
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One line of ``metrics.jsonl`` / ``eval.jsonl``: strict JSON, so a value that is not a finite
+    number (a NaN loss, an infinite gradient norm) is written as ``null``; ``json.dumps`` alone writes
+    ``NaN`` / ``Infinity``, which Python reads but jq, JavaScript and most JSON tools refuse."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
 
 
 class LogRecord:
