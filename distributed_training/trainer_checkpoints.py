@@ -268,7 +268,8 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
             "samples_in_epoch": 0 if done else self.samples_in_epoch,  # the data position at any size
             "dataset_len": self._dataset_len,  # of the data that position is in (fit's sharded dataset)
             "batch_size": self.batch_size,
-            "global_batch": dataclasses.asdict(self.global_batch) if self.global_batch is not None else None,
+            "global_batch": ({**dataclasses.asdict(self.global_batch), "micro_batch_limit": self.micro_batch_size}
+                             if self.global_batch is not None else None),  # (the limit: before a replica's share cut it)
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": self.precision.state_dict() or None,  # the fp16 scaler's state
             "world_size": self.context.world_size,
@@ -404,8 +405,12 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         self.samples_in_epoch = int(samples) if samples is not None else (None if self.batch_in_epoch else 0)
         self._saved_dataset_len = meta.get("dataset_len")
         self._previous_global_batch = meta.get("global_batch")
-        if self._previous_global_batch is not None and self._previous_global_batch.get("micro_batch_size"):
-            self.micro_batch_size = int(self._previous_global_batch["micro_batch_size"])
+        previous = self._previous_global_batch or {}
+        # The micro-batch limit itself, not the micro-batch it gave at the checkpoint's size (clipped there to a
+        # replica's share: kept, a later run at fewer replicas would accumulate more passes than it needs).
+        limit = previous.get("micro_batch_limit") or previous.get("micro_batch_size")
+        if limit:
+            self.micro_batch_size = int(limit)
         if meta.get("batch_size") is not None:
             self.batch_size = int(meta["batch_size"])
 

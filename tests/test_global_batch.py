@@ -292,3 +292,17 @@ def test_an_identical_resume_reports_no_change_of_the_accumulation(tmp_path):
     # A micro-batch that did change is said where the global batch is: with what the checkpoint trained.
     assert any("in 2 micro-batch(es) of at most 6 (the checkpoint was trained in 4 micro-batch(es) of at most 3)"
                in m for m in messages), messages
+
+
+@pytest.mark.timeout(300)
+def test_the_micro_batch_limit_survives_a_pass_through_a_larger_world(tmp_path):
+    """Micro-batches of at most 6 (12 at world 1 over the configured 2 passes); at world 3 a replica's
+    share, 4, cut them to 4, and the checkpoint kept that cut as the limit: back at world 1 the step ran
+    in 3 passes of 4 instead of 2 of 6 (the same result, more passes)."""
+    directory, expected = str(tmp_path / "c"), _reference()
+    cuts = []
+    for world, steps in ((1, 1), (3, 2), (1, 3)):
+        job = run_distributed(_train, world, args=(directory, steps, B), timeout=180)
+        cuts.append(job[0][1])
+        _check_step(steps, job, expected)
+    assert cuts == [(12, 2, 12), (4, 1, 12), (12, 2, 12)]
