@@ -157,9 +157,11 @@ def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: Dist
     lengths = [int(t[0]) for t in gathered]
     counts = [int(t[1]) for t in gathered]
     if warn and (len(set(lengths)) > 1 or len(set(counts)) > 1):
+        # Named by their ranks in the job, as the log prefixes are (a group's members: a parameter server's workers).
+        ranks = dist.get_process_group_ranks(ctx.group) if ctx.group is not None else range(ctx.world_size)
         warnings.warn(
             "fit(): the dataset's length differs across ranks ("
-            + ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
+            + ", ".join(f"rank {r}: {n}" for r, n in zip(ranks, lengths))
             + f"), which gives {counts} steps per epoch; every rank runs {min(counts)} so that none waits for "
             "the others forever. fit() shards a map-style dataset as one dataset seen by every rank: for data "
             "of your own per rank, pass an IterableDataset (ranks then stop together at the shortest)",

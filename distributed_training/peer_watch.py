@@ -58,7 +58,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 __all__ = ["PeerFailureError", "PeerWatch", "EXIT_CODE", "looks_like_peer_loss"]
 
@@ -78,7 +78,7 @@ class PeerFailureError(RuntimeError):
     left this rank's collectives with it unable to complete: the message names it, its host and its error.
 
     Attributes:
-        rank: the failed rank.
+        rank: the failed rank (its rank in the job).
         host: its host name and process id, as it published them (``"?"`` if it never did).
         last_step: the last training step it started (None if unknown).
         silent_s: how long its heartbeat had been silent when it was declared dead (0 if it raised).
@@ -115,11 +115,16 @@ class PeerWatch:
             thread has not taken the error (`acknowledge`); None never exits.
         on_failure: called once, on the watcher's thread, with the error (the trainer aborts an NCCL
             process group there, which wakes a blocked collective).
+        global_ranks: each member's rank in the job, where the watched ranks are a group of it (a
+            parameter server's workers): messages and `PeerFailureError.rank` name those, with the
+            member's index ("worker 1 (rank 3)"). None: the members are the job's ranks.
+        member: what a member is called in messages with `global_ranks` (default "worker").
     """
 
     def __init__(self, store, rank: int, world_size: int, timeout: float, *, period: float | None = None,
                  watch: int = 3, exit_after: float | None = None,
-                 on_failure: Callable[[PeerFailureError], None] | None = None) -> None:
+                 on_failure: Callable[[PeerFailureError], None] | None = None,
+                 global_ranks: Sequence[int] | None = None, member: str = "worker") -> None:
         if not timeout > 0:
             raise ValueError(f"heartbeat_timeout must be positive, got {timeout!r}")
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, float(timeout)
@@ -127,6 +132,8 @@ class PeerWatch:
         self.peers = [(rank + k) % world_size for k in range(1, min(watch, world_size - 1) + 1)]
         self.exit_after = exit_after
         self.on_failure = on_failure
+        self._global = list(global_ranks) if global_ranks is not None else None
+        self._member = member
         self.failure: PeerFailureError | None = None
         self.step: int | None = None  # the training thread's current step, for messages
         self.activity: str | None = None  # what the training thread does ("training step 5"), for messages
@@ -275,7 +282,7 @@ class PeerWatch:
         host = self._get(f"{_PREFIX}host/{peer}") or "?"
         step = self._get(f"{_PREFIX}heartbeat/{peer}")  # `hangs.heartbeat`'s last published step
         self.store.set(_FAILURE_KEY, f"{peer}\t{host}\t{step or ''}\t{silent:.1f}\t{self.rank}")
-        self._fail(peer, host, int(step) if step else None, silent, f"rank {self.rank} saw it")
+        self._fail(peer, host, int(step) if step else None, silent, f"{self._name(self.rank)} saw it")
 
     def _position(self) -> tuple[int, int]:
         return (-1 if self.step is None else self.step, self._block)
@@ -336,24 +343,31 @@ class PeerWatch:
 
     def _adopt(self, record: str) -> None:
         peer, host, step, silent, finder, *error = record.split("\t", 5)
-        self._fail(int(peer), host, int(step) if step else None, float(silent), f"rank {finder} saw it",
+        self._fail(int(peer), host, int(step) if step else None, float(silent), f"{self._name(int(finder))} saw it",
                    error[0] if error else None)
+
+    def _name(self, member: int) -> str:
+        """How messages name a member: its rank in the job (and its index among the watched ranks)."""
+        if self._global is None:
+            return f"rank {member}"
+        return f"{self._member} {member} (rank {self._global[member]})"
 
     def _fail(self, peer: int, host: str, step: int | None, silent: float, who: str, error: str | None = None) -> None:
         where = (f" during {self.activity}" if self.activity is not None and self._busy
                  else f" during training step {self.step + 1}" if self.step is not None else "")
         if error is not None:
-            message = (f"rank {self.rank}: peer rank {peer} (host {host}) raised {error}, so this rank's collectives "
+            message = (f"{self._name(self.rank)}: peer {self._name(peer)} (host {host}) raised {error}, so this rank's collectives "
                        f"with it cannot complete{where.replace(' during', '; this rank was in', 1)}. Its traceback is "
                        "in that rank's output")
         else:
             # The heartbeat thread publishes the step every `hangs._Heartbeat.PERIOD_S`: the peer may have got further.
             last = f", last seen in step {step + 1} or later" if step is not None else ""
-            message = (f"rank {self.rank}: peer rank {peer} (host {host}{last}) is dead: its heartbeat stopped "
+            message = (f"{self._name(self.rank)}: peer {self._name(peer)} (host {host}{last}) is dead: its heartbeat stopped "
                        f"{silent:.1f}s ago ({who}; heartbeat_timeout={self.timeout:g}s){where}. Its process was "
                        "killed, crashed or lost its node; under torchrun with --max-restarts the job restarts its "
                        "workers and resumes from the latest good checkpoint")
-        self.failure = PeerFailureError(message, peer, host, step, silent, error)
+        job_rank = peer if self._global is None else self._global[peer]
+        self.failure = PeerFailureError(message, job_rank, host, step, silent, error)
         self._detected_at = time.monotonic()
         self._found.set()
         log.error("%s", message)

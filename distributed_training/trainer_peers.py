@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch.distributed as dist
+
 from .hangs import _store as _default_store, is_timeout
 from .peer_watch import PeerFailureError, PeerWatch, looks_like_peer_loss
 from .pipeline.p2p import PipelineAborted
@@ -33,8 +35,13 @@ class PeerWatching:
                 return None
             timeout = float(self.heartbeat_timeout)
             exit_after = max(10.0, 2 * timeout) if self._peer_exit_after is None else self._peer_exit_after
+            # A role's group (a parameter server's workers) watches its members by their index in it, and
+            # names them by their rank in the job, as the log prefixes do.
+            members = (dist.get_process_group_ranks(self.context.group) if self.context is not self.job_context
+                       else None)
             self._watch = PeerWatch(store, self.context.rank, self.context.world_size, timeout,
-                                    exit_after=exit_after, on_failure=self._abort_collectives).start()
+                                    exit_after=exit_after, on_failure=self._abort_collectives,
+                                    global_ranks=members).start()
         return self._watch
 
     def _failed(self, err: Exception) -> None:

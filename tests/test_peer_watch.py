@@ -374,3 +374,21 @@ def test_a_failed_collective_drops_the_grace_only_in_its_own_step():
     other._errors_prefix = peer._errors_prefix
     other._check_errors()
     assert other.failure is not None
+
+
+def test_a_groups_members_are_named_by_their_rank_in_the_job():
+    # A parameter server's workers watch each other by their index among the workers: the messages said
+    # "rank 0: peer rank 1" for the job's ranks 2 and 3 (the log prefixes name the job's ranks).
+    from torch.distributed import HashStore
+    from distributed_training.peer_watch import PeerWatch
+
+    store = HashStore()
+    watch = PeerWatch(store, rank=0, world_size=2, timeout=TIMEOUT, global_ranks=[2, 3])
+    watch.step = 4
+    watch._declare(1, 6.0)
+    assert watch.failure.rank == 3, watch.failure.rank
+    said = str(watch.failure)
+    assert said.startswith("worker 0 (rank 2): peer worker 1 (rank 3) (host ?") and "worker 0 (rank 2) saw it" in said
+    other = PeerWatch(store, rank=1, world_size=2, timeout=TIMEOUT, global_ranks=[2, 3])
+    other._adopt(store.get("distributed_training/peer_failure").decode())  # what the finder wrote, read by another
+    assert other.failure.rank == 3 and "peer worker 1 (rank 3)" in str(other.failure)
