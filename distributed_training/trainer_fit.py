@@ -341,6 +341,11 @@ class Fitting(StepRecording):
         if sharded:
             sampler.set_epoch(self.epoch)  # a whole epoch's steps
             per_epoch = agree_steps_per_epoch(loader, sampler, self.context)
+            if per_epoch == 0 and sampler.shard_length() >= (loader.batch_size if loader.drop_last else 1):
+                raise ValueError(  # (this rank has a step: another's data has none)
+                    f"fit(): another rank's training data gives no step in an epoch (this rank's: "
+                    f"{sampler.dataset_len} sample(s)); the warning above names each rank's dataset length: "
+                    "an empty dataset or a wrong path on that rank?")
             if per_epoch == 0:  # (every rank agreed on the fewest)
                 raise ValueError(
                     f"fit(): the training data gives no step in an epoch: {sampler.dataset_len} sample(s) over "

@@ -36,3 +36,30 @@ def test_the_dataset_length_warning_names_a_groups_members_by_their_job_rank():
     results = run_distributed(group_dataset_worker, 3, timeout=60)
     for said in results[1:]:
         assert len(said) == 1 and "(rank 1: 8, rank 2: 12)" in said[0], said
+
+
+def empty_on_one_rank_worker(rank, world):
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    n = 0 if rank == 1 else 16
+    trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(TensorDataset(torch.randn(n, 4), torch.randn(n, 2)), epochs=1, criterion=F.mse_loss,
+                        batch_size=4)
+    except ValueError as err:
+        return str(err)
+    finally:
+        trainer.close()
+    return None
+
+
+def test_an_empty_dataset_on_one_rank_is_not_blamed_on_the_others():
+    # The rank holding 16 samples said "the training data gives no step: 16 sample(s) ... An empty dataset?"
+    said = run_distributed(empty_on_one_rank_worker, 2, timeout=60)
+    assert said[0].startswith("fit(): another rank's training data gives no step") and "16 sample(s)" in said[0]
+    assert said[1].startswith("fit(): the training data gives no step in an epoch: 0 sample(s)"), said[1]

@@ -70,7 +70,7 @@ class WorkerLostError(RuntimeError):
     @classmethod
     def of(cls, worker: int, rank: int, step: int, seen_by: str) -> "WorkerLostError":
         return cls(f"parameter server: worker {worker} (rank {rank}) is lost at step {step} (its connection "
-                   f"closed: the process died; {seen_by}); consistency='sync' needs every worker's gradient of "
+                   f"closed: the process died or its training raised, which its own output says; {seen_by}); consistency='sync' needs every worker's gradient of "
                    "every step, so the training stops (ssp and async drop a lost worker and go on)", worker, step)
 
 
