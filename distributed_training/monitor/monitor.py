@@ -56,17 +56,9 @@ writer thread), `progress` (the progress bar) and `system` (host and GPU figures
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import functools
-import math
-import numbers
 import os
 import sys
-import threading
 import time
-import warnings
-import weakref
 from typing import Any, Mapping
 
 import torch
@@ -75,34 +67,18 @@ import torch.distributed as dist
 from ..comm.collectives import all_gather_single
 from ..mesh import global_rank
 from ..runtime import collective_device
-from .cluster import MEMBERS, StragglerWarning, cluster_view
+from .cluster import StragglerWarning, cluster_view
 from .null import NullMonitor
 from .progress import ProgressBar
 from .system import SystemStats
 from .timings import StepTimings
-from .writer import LogRecord, WriterThread, copy_to_host, json_line
+from .arguments import check_monitor_arguments, check_timings, is_int
+from .writer import LogRecord, WriterHandling, WriterThread, copy_to_host, json_line
 
 __all__ = ["Monitor", "NullMonitor", "StragglerWarning"]
 
 
-def _check_flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def _check_timings(**figures: float) -> None:
-    """`record_step`'s timings and counts: finite and not negative (a negative step time gave negative
-    throughput, a NaN one a NaN mean)."""
-    for name, value in figures.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-class Monitor:
+class Monitor(WriterHandling):
     """Log one rank's training metrics, timings and system figures; compare step times across ranks.
 
     Args:
@@ -155,44 +131,11 @@ class Monitor:
         cluster_view: bool = True,
         member: str = "rank",
     ) -> None:
-        if not isinstance(log_dir, (str, os.PathLike)) or os.fspath(log_dir) == "":
-            raise ValueError(f"log_dir must be a non-empty path, got {log_dir!r}")
-        if not _is_int(world_size) or world_size < 1:
-            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-        if not _is_int(rank) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
-        if not _is_int(log_every) or log_every < 1:
-            raise ValueError(f"log_every must be an integer >= 1, got {log_every!r}")
-        if (
-            not isinstance(straggler_threshold, numbers.Real)
-            or isinstance(straggler_threshold, bool)
-            or not math.isfinite(straggler_threshold)
-            or straggler_threshold <= 1
-        ):
-            raise ValueError(f"straggler_threshold must be a finite number > 1, got {straggler_threshold!r}")
-        for name, flag in (("tensorboard", tensorboard), ("jsonl", jsonl),
-                           ("system_stats", system_stats), ("progress", progress)):
-            _check_flag(name, flag)
-        if member not in MEMBERS:
-            raise ValueError(f"member must be one of {MEMBERS}, got {member!r}")
-        if background is not None and not isinstance(background, bool):
-            raise ValueError(f"background must be True, False or None, got {background!r}")
-
         initialised = dist.is_available() and dist.is_initialized()
-        if group is not None and not initialised:
-            raise ValueError("group was given but torch.distributed is not initialised")
-        group_rank = 0
-        if initialised:
-            dist_world = dist.get_world_size(group)
-            if world_size != dist_world:
-                raise ValueError(
-                    f"world_size={world_size} but the process group has {dist_world} ranks"
-                )
-            group_rank = dist.get_rank(group)
-            if rank != group_rank:
-                where = "" if group is None else " in the given group"
-                raise ValueError(f"rank={rank} but torch.distributed says this is rank {group_rank}{where}")
-
+        group_rank = check_monitor_arguments(
+            log_dir, rank=rank, world_size=world_size, group=group, log_every=log_every,
+            straggler_threshold=straggler_threshold, member=member, background=background,
+            flags=dict(tensorboard=tensorboard, jsonl=jsonl, system_stats=system_stats, progress=progress))
         self.log_dir = os.fspath(log_dir)
         self.rank = int(rank)
         self.member = member
@@ -267,9 +210,9 @@ class Monitor:
         recorded step, else 0)."""
         if self._closed:
             raise RuntimeError("Monitor is closed")
-        if total_steps is not None and (not _is_int(total_steps) or total_steps < 0):
+        if total_steps is not None and (not is_int(total_steps) or total_steps < 0):
             raise ValueError(f"total_steps must be a non-negative integer or None, got {total_steps!r}")
-        if step is not None and (not _is_int(step) or step < 0):
+        if step is not None and (not is_int(step) or step < 0):
             raise ValueError(f"step must be a non-negative integer or None, got {step!r}")
         self._drain()
         if step and self._writer is not None and self.found_earlier_records and not self._writer_used:
@@ -331,7 +274,7 @@ class Monitor:
         last = self._last_step
         if last is not None and step <= last:
             raise ValueError(f"step must increase from call to call: got {step} after {last}")
-        _check_timings(step_time=step_time, data_time=data_time, samples=samples)
+        check_timings(step_time=step_time, data_time=data_time, samples=samples)
         if step % self.log_every == 0:  # (read on log steps only; a bad one refused before the step is taken)
             for name, value in metrics.items():
                 if not (value.numel() == 1 if isinstance(value, torch.Tensor) else hasattr(value, "__float__")):
@@ -532,54 +475,3 @@ class Monitor:
     def _member_field(self) -> dict[str, str]:
         """``{"member": ...}`` in a JSONL record when the members are not ranks (nothing otherwise)."""
         return {} if self.member == "rank" else {"member": self.member}
-
-    # ------------------------------------------------------- the writer thread
-    @property
-    def _thread(self) -> threading.Thread | None:
-        """The writer thread while it runs (None before the first hand-over and after `close`)."""
-        writer = self._writer_thread
-        return writer.thread if writer is not None else None
-
-    def _hand_to_writer(self, record: LogRecord) -> None:
-        if self._writer_thread is None:
-            self._writer_thread = WriterThread(self._write, name=f"monitor-writer-rank{self.rank}")
-            # A script that ends without closing the monitor still gets its last records written.
-            self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
-            atexit.register(self._at_exit)
-        self._writer_thread.put(record)
-
-    def _busy(self) -> bool:
-        """Whether the writer still holds records (a record written now must wait its turn)."""
-        return self._writer_thread is not None and self._writer_thread.busy()
-
-    def _drain(self, stacklevel: int = 3) -> None:
-        """Wait until the writer has written everything handed to it; raise what it found."""
-        if self._writer_thread is not None:
-            self._writer_thread.join()
-        self._surface(stacklevel + 1)
-
-    def _surface(self, stacklevel: int = 3) -> None:
-        """On the training thread: warn of the stragglers the writer found, raise the error it met.
-        `stacklevel` as `warnings.warn` counts it from here (3: the caller of the public method that
-        called this one directly)."""
-        while self._warnings:
-            message = self._warnings.pop(0)
-            with self._bar.lifted() if self._bar is not None else contextlib.nullcontext():
-                warnings.warn(message, StragglerWarning, stacklevel=stacklevel)
-        err = self._writer_thread.take_error() if self._writer_thread is not None else None
-        if err is not None:
-            raise RuntimeError(f"the monitor could not write its log under {self.rank_dir}: {err}") from err
-
-    def _stop_writer(self) -> None:
-        if self._writer_thread.thread is not None:
-            atexit.unregister(self._at_exit)
-            self._writer_thread.stop()
-
-
-def _close_at_exit(ref: "weakref.ReferenceType[Monitor]") -> None:
-    monitor = ref()
-    if monitor is not None:
-        try:
-            monitor.close()
-        except Exception:  # noqa: BLE001 - the interpreter is exiting: nobody to tell
-            pass

@@ -11,15 +11,22 @@ it are dropped until that error has been taken (`take_error`).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import json
 import math
 import queue
 import threading
+import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["LogRecord", "WriterThread", "copy_to_host", "json_line"]
+from .cluster import StragglerWarning
+
+__all__ = ["LogRecord", "WriterHandling", "WriterThread", "copy_to_host", "json_line"]
 
 
 def json_line(record: dict[str, Any]) -> str:
@@ -113,3 +120,61 @@ class WriterThread:
                 self.error = err
             finally:
                 self._queue.task_done()
+
+
+class WriterHandling:
+    """`Monitor`'s side of its writer thread: started by the first record handed over, drained before a
+    file is written out of turn, stopped at close; what it found (straggler messages, an error) raised
+    on the training thread. Uses the monitor's ``rank``, ``rank_dir``, ``_bar`` and ``_warnings``."""
+
+    _writer_thread: WriterThread | None
+
+    @property
+    def _thread(self) -> threading.Thread | None:
+        """The writer thread while it runs (None before the first hand-over and after `close`)."""
+        writer = self._writer_thread
+        return writer.thread if writer is not None else None
+
+    def _hand_to_writer(self, record: LogRecord) -> None:
+        if self._writer_thread is None:
+            self._writer_thread = WriterThread(self._write, name=f"monitor-writer-rank{self.rank}")
+            # A script that ends without closing the monitor still gets its last records written.
+            self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+            atexit.register(self._at_exit)
+        self._writer_thread.put(record)
+
+    def _busy(self) -> bool:
+        """Whether the writer still holds records (a record written now must wait its turn)."""
+        return self._writer_thread is not None and self._writer_thread.busy()
+
+    def _drain(self, stacklevel: int = 3) -> None:
+        """Wait until the writer has written everything handed to it; raise what it found."""
+        if self._writer_thread is not None:
+            self._writer_thread.join()
+        self._surface(stacklevel + 1)
+
+    def _surface(self, stacklevel: int = 3) -> None:
+        """On the training thread: warn of the stragglers the writer found, raise the error it met.
+        `stacklevel` as `warnings.warn` counts it from here (3: the caller of the public method that
+        called this one directly)."""
+        while self._warnings:
+            message = self._warnings.pop(0)
+            with self._bar.lifted() if self._bar is not None else contextlib.nullcontext():
+                warnings.warn(message, StragglerWarning, stacklevel=stacklevel)
+        err = self._writer_thread.take_error() if self._writer_thread is not None else None
+        if err is not None:
+            raise RuntimeError(f"the monitor could not write its log under {self.rank_dir}: {err}") from err
+
+    def _stop_writer(self) -> None:
+        if self._writer_thread.thread is not None:
+            atexit.unregister(self._at_exit)
+            self._writer_thread.stop()
+
+
+def _close_at_exit(ref: "weakref.ReferenceType[WriterHandling]") -> None:
+    monitor = ref()
+    if monitor is not None:
+        try:
+            monitor.close()
+        except Exception:  # noqa: BLE001 - the interpreter is exiting: nobody to tell
+            pass
