@@ -440,9 +440,9 @@ class _LaterUnusedBranch(nn.Module):
 def later_unused_worker(rank, world):
     import warnings
 
-    from distributed_training.strategies import fsdp
+    from distributed_training.strategies import fsdp_unused
 
-    fsdp.UNUSED_RECHECK_EVERY = 3  # (1000 by default)
+    fsdp_unused.UNUSED_RECHECK_EVERY = 3  # (1000 by default)
     model = _LaterUnusedBranch()
     trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), strategy="zero3",
                                  progress=False)

@@ -38,7 +38,7 @@ gradient, as in every flat-shard ZeRO: an optimizer with momentum or weight deca
 process would leave it alone. The first `UNUSED_WATCH_STEPS` synchronised backward passes watch for
 such parameters (a hook per parameter view, one small all-reduce) and warn once, naming them; so does
 one pass in every `UNUSED_RECHECK_EVERY` after them, until a warning was given (a parameter that stops
-being used later in training).
+being used later in training): `fsdp_unused.py`.
 
 `torch.compile` works in either order (``torch.compile(FSDP(model))``, ``FSDP(torch.compile(model))``)
 and per block: the methods that communicate or swap the units' views are never traced (dynamo breaks
@@ -49,15 +49,13 @@ unit at most.
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
+from torch.utils._pytree import tree_flatten
 
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module
 from ..comm.groups import make_hybrid_groups
@@ -70,38 +68,14 @@ from .base import norm_dtype
 from .eager import eager_only
 from .fsdp_full import FullWeights, _EmptyStateWarning, _RootGuard
 from .fsdp_state import FSDPStateDict
+from .fsdp_precision import MixedPrecision, cast_floats, refuse_low_precision_batchnorm
 from .fsdp_units import Unit, UnitPlacement, alloc_storage, build_units, free_storage, unit_roots
+from .fsdp_unused import UnusedWatch
 from .trainable import TrainableSet
 
 __all__ = ["FSDP", "MixedPrecision", "make_hybrid_groups"]
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """Dtypes for communication and compute; the shards (master weights) keep their own dtype.
-
-    Attributes:
-        param_dtype: dtype parameters are gathered and computed in (bf16 halves the gather bytes).
-        reduce_dtype: dtype gradients are reduce-scattered in (default: `param_dtype`).
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-
-
-def _refuse_low_precision_batchnorm(module: nn.Module, dtype: torch.dtype) -> None:
-    """`MixedPrecision(param_dtype)` computes every parameter in `dtype`: a BatchNorm's weight too, while its
-    running statistics stay float32, which `F.batch_norm` refuses at the first forward. Said up front."""
-    for name, m in module.named_modules():
-        if (isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.weight is not None
-                and m.running_mean is not None and m.running_mean.dtype != dtype):
-            raise ValueError(
-                f"FSDP mixed_precision=MixedPrecision(param_dtype={dtype}) would compute BatchNorm "
-                f"'{name or type(m).__name__}' in {dtype} against its {m.running_mean.dtype} running statistics, "
-                "which BatchNorm refuses. Use the trainer's mixed_precision='bf16' / 'fp16' (autocast, which keeps "
-                "BatchNorm in float32) for this model")
 
 
 class FSDP(FSDPStateDict, FullWeights, nn.Module):
@@ -182,7 +156,7 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
             self.device = torch.device("cuda", torch.cuda.current_device())
         mp = mixed_precision or MixedPrecision()
         if mp.param_dtype is not None and mp.param_dtype != torch.float32:
-            _refuse_low_precision_batchnorm(module, mp.param_dtype)
+            refuse_low_precision_batchnorm(module, mp.param_dtype)
         self._param_dtype = mp.param_dtype
         self._reduce_dtype = mp.reduce_dtype or mp.param_dtype
 
@@ -220,7 +194,7 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
         # Which parameters get a gradient, watched over the first synchronised backward passes: one that
         # gets none on any rank still gets a zero gradient in its unit's flat vector (see the module
         # docstring), which the user is told once.
-        self._unused_watch = _UnusedWatch(UNUSED_WATCH_STEPS)
+        self._unused_watch = UnusedWatch()
         self.waits = WaitMeter()  # the exposed communication, on the steps the trainer logs
         self._summoned = False  # inside `summon_full_params`
         self._released = False  # `release`: the module holds its weights again, the wrapper is done
@@ -309,7 +283,7 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
         self._before_forward()
         if self._param_dtype is not None:
             # Like the weights, floating-point inputs run in the compute dtype.
-            args, kwargs = _cast_floats((args, kwargs), self._param_dtype)
+            args, kwargs = cast_floats((args, kwargs), self._param_dtype)
         try:
             out = self.module(*args, **kwargs)
         except RuntimeError as err:
@@ -442,13 +416,8 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
                     unit.shard.grad = grad
                 else:
                     unit.shard.grad += grad
-            watch = self._unused_watch
-            if watch.steps_left > 0 and self._backward_state.pending and self._join_state is None:
-                self._report_unused()
-            elif self._backward_state.pending and self._join_state is None and not watch.reported:
-                watch.passes += 1  # (every rank alike: synchronised backward passes)
-                if watch.passes % UNUSED_RECHECK_EVERY == 0:
-                    watch.steps_left = 1  # the next pass is watched (its forward sets the hooks)
+            if self._backward_state.pending and self._join_state is None:  # (a synchronised pass, every rank)
+                self._unused_watch.after_backward(self._units, self.process_group, self.device)
             if self._sync_enabled:
                 self.waits.count_pass()
         finally:
@@ -457,30 +426,6 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
             if reshard:
                 for unit in self._units:
                     self._reshard(unit)
-
-    def _report_unused(self) -> None:
-        """End of a watched synchronised backward: the parameters that got no gradient on any rank of
-        the data group (one flag each, all-reduced), named once in a warning."""
-        watch = self._unused_watch
-        watch.steps_left -= 1
-        trainable = [(u, i) for u in self._units if u.full.requires_grad for i in range(len(u.infos))]
-        got = [1 if (id(u), i) in watch.used else 0 for u, i in trainable]
-        watch.used = set()
-        if dist.get_world_size(self.process_group) > 1:
-            device = self.device if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
-            flags = torch.tensor(got, dtype=torch.int32, device=device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-            got = flags.tolist()
-        unused = [u.infos[i].fqns[0] for (u, i), g in zip(trainable, got) if not g]
-        said, watch.reported = watch.reported, watch.reported or bool(unused)  # (every rank alike: no more watching)
-        if unused and not said and dist.get_rank(self.process_group) == 0:
-            shown = ", ".join(repr(n) for n in unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
-            warnings.warn(
-                f"FSDP: {len(unused)} trainable parameter(s) got no gradient on any rank in this backward pass: "
-                f"{shown}. Sharded in a unit's flat vector, they get a zero gradient instead of none (as in "
-                "DeepSpeed's ZeRO and torch's flat-parameter FSDP), so an optimizer with momentum or weight decay "
-                "still moves them, where one process or DDP would leave them alone. Freeze them "
-                "(requires_grad=False) if they never train, or use DDP for exact skipping.", stacklevel=2)
 
     # ------------------------------------------------------------ public helpers
     @contextlib.contextmanager
@@ -540,28 +485,6 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
 
 
 # ------------------------------------------------------------------ helpers
-#: Synchronised backward passes over which FSDP watches for parameters that get no gradient.
-UNUSED_WATCH_STEPS = 2
-#: After them, one pass in this many is watched again, until a warning was given.
-UNUSED_RECHECK_EVERY = 1000
-
-
-class _UnusedWatch:
-    """Which (unit, parameter) views got a gradient since the last watched synchronised backward."""
-
-    __slots__ = ("steps_left", "used", "reported", "passes")
-
-    def __init__(self, steps: int) -> None:
-        self.steps_left, self.used, self.reported, self.passes = steps, set(), False, 0
-
-    def marker(self, unit: Unit, index: int):
-        key = (id(unit), index)
-
-        def mark(grad):
-            self.used.add(key)  # `self.used` is replaced after each report: looked up, not closed over
-        return mark
-
-
 class _BackwardState:
     """Per-backward bookkeeping: the queued finishing callback and the reductions in flight."""
 
@@ -570,11 +493,3 @@ class _BackwardState:
     def __init__(self) -> None:
         self.callback_queued = False
         self.pending: list[tuple[Unit, torch.Tensor, Any]] = []
-
-
-def _cast_floats(tree, dtype: torch.dtype):
-    flat, spec = tree_flatten(tree)
-    flat = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in flat]
-    return tree_unflatten(flat, spec)
-
-

@@ -28,7 +28,8 @@ from ..runtime import DistributedContext
 from .base import (ParamNames, Strategy, check_groups_over_shards, check_optimizer_params,
                    checked_optimizer, norm_dtype, require_factory,
                    sum_of_squares)
-from .fsdp import FSDP, _cast_floats
+from .fsdp import FSDP
+from .fsdp_precision import cast_floats
 from .fsdp_units import unit_roots
 
 __all__ = ["FSDPStrategy"]
@@ -95,7 +96,7 @@ class FSDPStrategy(Strategy):
         model._hold_until_sync = not model.reshard_after_forward
         if model._param_dtype is not None:
             dtype = model._param_dtype
-            self._stage_hooks = [stage.register_forward_pre_hook(lambda _m, args: _cast_floats(args, dtype))
+            self._stage_hooks = [stage.register_forward_pre_hook(lambda _m, args: cast_floats(args, dtype))
                                  for stage in stages]
         return model
 
