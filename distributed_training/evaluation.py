@@ -94,9 +94,18 @@ class Evaluation:
         """`evaluate`'s sums: (names, this replica's sums, every replica's), each sum vector float64 with
         one entry per name (``"loss"`` first, then `metrics`) and the number of samples last."""
         devices = [self.device] if self.device.type == "cuda" else []
-        # A DataLoader draws its base seed from the global generator, and a model may draw in eval mode.
-        with torch.random.fork_rng(devices=devices):
-            return self._sums(data, criterion, batch_size, metrics)
+        # Not the next training step's communication: a strategy timing it (the step after a log step, see
+        # `StepRecording`) would count the evaluation's collectives (FSDP's gathers, tensor-parallel layers').
+        measuring = self._measuring
+        if measuring:
+            self.strategy.measure_communication(self.model, False)
+        try:
+            # A DataLoader draws its base seed from the global generator, and a model may draw in eval mode.
+            with torch.random.fork_rng(devices=devices):
+                return self._sums(data, criterion, batch_size, metrics)
+        finally:
+            if measuring:
+                self.strategy.measure_communication(self.model, True)
 
     def _sums(self, data, criterion, batch_size, metrics) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         ctx = self.context

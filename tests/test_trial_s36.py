@@ -63,3 +63,29 @@ def test_an_empty_dataset_on_one_rank_is_not_blamed_on_the_others():
     said = run_distributed(empty_on_one_rank_worker, 2, timeout=60)
     assert said[0].startswith("fit(): another rank's training data gives no step") and "16 sample(s)" in said[0]
     assert said[1].startswith("fit(): the training data gives no step in an epoch: 0 sample(s)"), said[1]
+
+
+def evaluation_waits_worker(rank, world, log_dir):
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="zero3", log_dir=log_dir,
+                                 progress=False)
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 2))
+    waits = trainer.model.waits
+    armed = waits.on  # the first step's communication is timed
+    trainer.evaluate(data, F.mse_loss, batch_size=4)
+    result = armed, waits.on, waits._host_s
+    trainer.close()
+    return result
+
+
+def test_an_evaluation_between_timed_steps_is_not_counted_as_their_communication(tmp_path):
+    # The waits of the evaluation's all-gathers were added to the next step's exposed communication.
+    for armed, still_on, waited in run_distributed(evaluation_waits_worker, 2, args=(str(tmp_path / "logs"),),
+                                                   timeout=90):
+        assert armed and still_on and waited == 0.0, (armed, still_on, waited)
