@@ -89,3 +89,77 @@ def test_an_evaluation_between_timed_steps_is_not_counted_as_their_communication
     for armed, still_on, waited in run_distributed(evaluation_waits_worker, 2, args=(str(tmp_path / "logs"),),
                                                    timeout=90):
         assert armed and still_on and waited == 0.0, (armed, still_on, waited)
+
+
+class _Experts(torch.nn.Module):
+    """A mixture of experts routed by the data: each sample goes to the expert its first feature's sign
+    picks, and an expert no sample of the batch goes to does not run (as in Mixtral-style layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+                                            for _ in range(2)])
+
+    def forward(self, h, route):
+        out = torch.zeros_like(h)
+        for k, expert in enumerate(self.experts):
+            rows = (route == k).nonzero().flatten()
+            if len(rows):
+                out = out.index_add(0, rows, expert(h[rows]))
+        return out
+
+
+class _MoENet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.moe, self.out = torch.nn.Linear(4, 8), _Experts(), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.moe(self.inp(x), (x[:, 0] > 0).long()))
+
+
+def experts_worker(rank, world, policy):
+    import torch.nn.functional as F
+
+    from distributed_training import DistributedTrainer
+    from distributed_training.strategies import FSDPStrategy
+
+    torch.manual_seed(0)
+    model = _MoENet()
+    reference = _MoENet()
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    strategy = FSDPStrategy(auto_wrap_policy={_Experts}) if policy else "zero3"
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), strategy=strategy,
+                                 progress=False)
+    g = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for step in range(3):
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        x[:4, 0] = x[:4, 0].abs()  # rank 0's rows all go to expert 1, rank 1's to expert 0
+        x[4:, 0] = -x[4:, 0].abs()
+        before = {k: v.clone() for k, v in trainer.full_state_dict().items()}
+        try:
+            trainer.train_step((x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]), F.mse_loss)
+        except RuntimeError as err:
+            after = trainer.full_state_dict()
+            trainer.close(barrier=False)
+            return "raised", str(err), all(torch.equal(before[k], after[k]) for k in before)  # (rank 0's only)
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        full = trainer.full_state_dict()
+        if full:  # (rank 0's)
+            worst = max(worst, max(float((full[k] - v).abs().max()) for k, v in reference.state_dict().items()))
+    trainer.close()
+    return "trained", worst, None
+
+
+def test_fsdp_ranks_running_different_units_raise_and_one_unit_for_the_experts_trains_exactly():
+    # Each expert a unit (the default policy: a ModuleList's repeated blocks), rank 0 ran expert 1 where
+    # rank 1 ran expert 0: their gathers met and both trained on mixed weights, silently.
+    for outcome, said, unchanged in run_distributed(experts_worker, 2, args=(False,), timeout=90):
+        assert outcome == "raised" and "ran different units" in said, said
+        assert "rank 0 ran 'moe.experts.1'; rank 1 ran 'moe.experts.0'" in said and unchanged, said
+    for outcome, worst, _ in run_distributed(experts_worker, 2, args=(True,), timeout=90):
+        assert outcome == "trained" and worst < 1e-5, (outcome, worst)

@@ -330,6 +330,7 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
             return
         if self._recording_order and unit not in self._forward_order:
             self._forward_order.append(unit)
+        self._unused_watch.unit_ran(unit.name)  # (on watched passes: every rank must run the same units)
         self._unshard(unit)
         self._prefetch_after(unit, backward=False)
         self._set_views(unit)
