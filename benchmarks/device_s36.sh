@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Session 36: the 2-GPU kind (nvidia-h200-x2) lent, not the 4-GPU one. Results go straight to $OUT.
+#   B (2 GPUs): every GPU test two GPUs can run (pydantic from the carried wheels, `carry: [".wheels"]`),
+#      after this session's changes on GPU paths: FSDP's check that every rank ran the same units (an
+#      int64 all-reduce and, on a mismatch, an all_gather_object on NCCL: test_gpu_fsdp_units.py), the
+#      wait meters switched off around evaluations, DDP's bucket layout and FSDP's watch moved into
+#      modules of their own, the monitor's writer-thread side moved into monitor/writer.py.
+. benchmarks/device_env.sh
+case "$1" in
+  B) pip install -q --no-index --find-links .wheels --target /tmp/pyd pydantic > "$OUT/pip.log" 2>&1
+     export PYTHONPATH=$PWD:/tmp/pyd
+     gpu_tests gpu_tests_all 540 --durations=15 -rs ;;
+esac
