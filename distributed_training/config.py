@@ -78,7 +78,7 @@ class DataConfig(Section):
     shipped with the package (classification); image_folder: root/<class>/<image> files (with an
     image preset)."""
     block_size: Annotated[PositiveInt, Field(le=8192)] = 64
-    """Tokens per language-model sample, 1 to 8192 (repo_text, this package's own source: about 1.3 MB)."""
+    """Tokens per language-model sample, 1 to 8192 (repo_text, this package's own source: about 1.5 MB)."""
     val_fraction: Annotated[Float, Field(ge=0, lt=1)] = 0.1
     """Share of the samples held out for validation, in [0, 1)."""
     target: Optional[ImportPath] = None
