@@ -163,3 +163,58 @@ def test_fsdp_ranks_running_different_units_raise_and_one_unit_for_the_experts_t
         assert "rank 0 ran 'moe.experts.1'; rank 1 ran 'moe.experts.0'" in said and unchanged, said
     for outcome, worst, _ in run_distributed(experts_worker, 2, args=(True,), timeout=90):
         assert outcome == "trained" and worst < 1e-5, (outcome, worst)
+
+
+def _head_faster(params):
+    """The head at a higher learning rate than the backbone, chosen by identity (a fine-tuning habit)."""
+    params = list(params)
+    head = {id(p) for p in _HEAD}
+    return torch.optim.SGD([{"params": [p for p in params if id(p) not in head], "lr": 0.001},
+                            {"params": [p for p in params if id(p) in head], "lr": 0.1}], lr=0.001, momentum=0.9)
+
+
+_HEAD: list = []
+
+
+def lr_groups_worker(rank, world, strategy):
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    _HEAD[:] = list(model[2].parameters())
+    try:
+        DistributedTrainer(model, _head_faster, strategy=strategy, progress=False).close()
+    except ValueError as err:
+        return str(err)
+    return "built"
+
+
+def test_a_learning_rate_per_group_over_flat_shards_is_refused():
+    # The head's group came out empty over the flat shards: it trained at the backbone's rate, silently
+    # (3.7e-2 off one process in 3 steps, a trial); only a differing weight decay was refused.
+    for strategy in ("zero1", "zero3"):
+        said = run_distributed(lr_groups_worker, 1, args=(strategy,), timeout=60)[0]
+        assert "lr=0.1 (the trained group's 0.001)" in said and "strategy 'ddp'" in said, said
+    assert run_distributed(lr_groups_worker, 1, args=("ddp",), timeout=60) == ["built"]
+
+
+def frozen_differently_worker(rank, world, strategy):
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    model[2 * rank].weight.requires_grad_(False)  # rank 0 freezes 0.weight, rank 1 2.weight: the same size
+    try:
+        DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, progress=False).close()
+    except ValueError as err:
+        return str(err)
+    return "built"
+
+
+def test_ranks_that_froze_different_parameters_are_refused_naming_them():
+    # Every collective lined up: gradients of different parameters were averaged together (a frozen weight
+    # moved by 0.5 under ZeRO-3, the replicas 0.54 apart in 3 steps: a trial).
+    for strategy in ("ddp", "zero3"):
+        for said in run_distributed(frozen_differently_worker, 2, args=(strategy,), timeout=60):
+            assert "rank 0 has parameter '0.weight' shape [8, 8] dtype torch.float32 frozen" in said, said
+            assert "rank 1 has parameter '0.weight' shape [8, 8] dtype torch.float32." in said, said

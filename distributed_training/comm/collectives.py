@@ -71,10 +71,12 @@ def _broadcast_chunk(chunk: list[torch.Tensor], src: int, group, via: torch.devi
             torch._foreach_copy_(chunk, _unflatten_dense_tensors(sent.to(flat.device) if staged else flat, chunk))
 
 
-def describe_module(module: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """(kind, name, shape, dtype) for every parameter and buffer, in registration order."""
-    entries = [("parameter", n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
-    entries += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
+def describe_module(module: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
+    """(kind, name, shape, dtype, trains) for every parameter and buffer, in registration order. Whether
+    a parameter trains counts too: ranks that froze different parameters of the same size would average
+    the gradients of different parameters together, every collective lining up."""
+    entries = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+    entries += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
     return entries
 
 
@@ -103,7 +105,8 @@ def check_same_across_ranks(
             if a != b:
                 raise ValueError(
                     f"{what} differs across ranks at entry {k}: rank 0 has {_fmt(a)}, rank {rank} has {_fmt(b)}. "
-                    "Every rank must build the same model (same parameter names, shapes and dtypes)."
+                    "Every rank must build the same model (same parameter names, shapes and dtypes) and freeze the "
+                    "same parameters."
                 )
     return
 
@@ -111,8 +114,9 @@ def check_same_across_ranks(
 def _fmt(entry) -> str:
     if entry is None:
         return "nothing (fewer entries)"
-    kind, name, shape, dtype = entry
-    return f"{kind} '{name}' shape {list(shape)} dtype {dtype}"
+    kind, name, shape, dtype, *trains = entry
+    frozen = " frozen (requires_grad=False)" if kind == "parameter" and trains and not trains[0] else ""
+    return f"{kind} '{name}' shape {list(shape)} dtype {dtype}{frozen}"
 
 
 @contextlib.contextmanager

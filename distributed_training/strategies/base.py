@@ -77,22 +77,38 @@ def checked_optimizer(built: Any) -> torch.optim.Optimizer:
 def check_groups_over_shards(optimizer: torch.optim.Optimizer, strategy: str) -> None:
     """Raise if a param group the factory made is empty while another, with other hyperparameters, is
     not: over flat 1-D shards (each holding slices of several layers), a factory that splits parameters
-    by shape or name (decay only where ``p.dim() >= 2``, as nanoGPT does) puts every shard in one group,
-    so the other group's setting (its weight decay) silently applies to nothing."""
+    by shape or name (decay only where ``p.dim() >= 2``, as nanoGPT does) or by identity (the head at a
+    higher learning rate than the backbone) puts every shard in one group, so the other group's settings
+    silently apply to nothing and its parameters train with the first group's."""
     full = [g for g in optimizer.param_groups if g["params"]]
+    if not full:
+        return  # (check_optimizer_params names an optimizer over nothing)
+    keys = [k for k in optimizer.defaults if k != "params"]
     for group in optimizer.param_groups:
-        # Only a weight decay that would apply to nothing (an empty group of frozen parameters at lr 0, one
-        # named for logging, or a no-decay group a shard-aware factory leaves empty, is fine).
-        if (group["params"] or not group.get("weight_decay")
-                or all(group.get("weight_decay") == other.get("weight_decay") for other in full)):
+        if group["params"] or _number(group.get("lr")) == 0:
+            continue  # (an empty group at lr 0: frozen parameters, which the strategy leaves out, fine)
+        # A weight decay of 0 that applies to nothing is fine too (a no-decay group that a shard-aware
+        # factory, `decay_by_segments`, leaves empty); any other setting that differs is lost.
+        differs = [k for k in keys if k in group and group[k] != full[0].get(k)
+                   and not (k == "weight_decay" and not group[k])]
+        if not differs or any(all(group.get(k) == other.get(k) for k in differs) for other in full[1:]):
             continue
-        shown = f"weight_decay={group.get('weight_decay')!r}"
+        shown = ", ".join(f"{k}={group[k]!r} (the trained group's {full[0].get(k)!r})" for k in differs)
         raise ValueError(
             f"strategy '{strategy}' hands the optimizer factory flat 1-D shards, each holding slices of several "
-            f"layers, and the factory left its param group with {shown} empty: no parameter would train with it "
-            "(a split by p.dim() or by name puts every shard in one group). For weight decay with exclusions use "
-            "distributed_training.optim.param_groups with decay_by_segments under 'zero2' / 'zero3' / 'fsdp' "
-            "(docs/dtrain_jobs.md), or strategy 'ddp', whose factory gets the parameters themselves")
+            f"layers, and the factory left its param group with {shown} empty: no parameter trains with those "
+            "settings (a split by p.dim(), by name or by the parameters themselves puts every shard in one "
+            "group). For weight decay with exclusions use distributed_training.optim.param_groups with "
+            "decay_by_segments under 'zero2' / 'zero3' / 'fsdp' (docs/dtrain_jobs.md); for other "
+            "per-layer settings (a learning rate per group) use strategy 'ddp', whose factory gets the "
+            "parameters themselves")
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def check_optimizer_params(
