@@ -49,6 +49,10 @@ def check_optimizer(optimizer: Any, model: Any) -> None:
 
     if not isinstance(optimizer, torch.optim.Optimizer):
         return
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("optimizer: an optimizer object over a model on the meta device would step the meta "
+                         "tensors, which the trainer replaces when it gives the model storage (training nothing): "
+                         "pass a callable instead, such as lambda params: torch.optim.AdamW(params, lr=3e-4)")
     own = {id(p) for p in model.parameters()}
     given = [p for group in optimizer.param_groups for p in group["params"]]
     foreign = [i for i, p in enumerate(given) if id(p) not in own]

@@ -207,3 +207,7 @@ def test_an_optimizer_over_other_parameters_is_refused_and_a_partly_foreign_one_
         check_optimizer(torch.optim.SGD([*model.parameters(), other.bias], lr=0.1), model)
     check_optimizer(torch.optim.SGD([model.weight], lr=0.1), model)  # a subset: the rest frozen, fine
     check_optimizer(lambda params: torch.optim.SGD(params, lr=0.1), model)
+    with torch.device("meta"):  # its meta tensors are replaced when the model gets storage: it trained nothing
+        meta = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="meta device"):
+        check_optimizer(torch.optim.SGD(meta.parameters(), lr=0.1), meta)

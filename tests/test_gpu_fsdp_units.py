@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 
 def test_nccl_ranks_running_different_fsdp_units_raise():
     for outcome, said, unchanged in run_distributed(experts_worker, 2, args=(False,), backend="nccl", timeout=180):
-        assert outcome == "raised" and "rank 0 ran 'moe.experts.1'; rank 1 ran 'moe.experts.0'" in said, said
+        assert outcome == "raised" and "rank 0 gathered 'moe.experts.1'; rank 1 gathered 'moe.experts.0'" in said, said
         assert unchanged
     for outcome, worst, _ in run_distributed(experts_worker, 2, args=(True,), backend="nccl", timeout=180):
         assert outcome == "trained" and worst < 1e-4, (outcome, worst)  # (GPU against the CPU reference)

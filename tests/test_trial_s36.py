@@ -160,7 +160,7 @@ def test_fsdp_ranks_running_different_units_raise_and_one_unit_for_the_experts_t
     # rank 1 ran expert 0: their gathers met and both trained on mixed weights, silently.
     for outcome, said, unchanged in run_distributed(experts_worker, 2, args=(False,), timeout=90):
         assert outcome == "raised" and "ran different units" in said, said
-        assert "rank 0 ran 'moe.experts.1'; rank 1 ran 'moe.experts.0'" in said and unchanged, said
+        assert "rank 0 gathered 'moe.experts.1'; rank 1 gathered 'moe.experts.0'" in said and unchanged, said
     for outcome, worst, _ in run_distributed(experts_worker, 2, args=(True,), timeout=90):
         assert outcome == "trained" and worst < 1e-5, (outcome, worst)
 
@@ -218,3 +218,88 @@ def test_ranks_that_froze_different_parameters_are_refused_naming_them():
         for said in run_distributed(frozen_differently_worker, 2, args=(strategy,), timeout=60):
             assert "rank 0 has parameter '0.weight' shape [8, 8] dtype torch.float32 frozen" in said, said
             assert "rank 1 has parameter '0.weight' shape [8, 8] dtype torch.float32." in said, said
+
+
+def groups_by_rank_worker(rank, world, empty_everywhere):
+    """A param group empty on rank 1 only (a factory that reads what a rank's shards hold) loses nothing:
+    rank 1 alone refused it, and rank 0 went on into its next collective. Empty on every rank: refused
+    on both."""
+    from distributed_training import DistributedTrainer
+
+    def factory(params):
+        params = list(params)
+        mine = [] if (rank == 1 or empty_everywhere) else params[1:]
+        rest = params if (rank == 1 or empty_everywhere) else params[:1]
+        return torch.optim.SGD([{"params": rest, "lr": 0.001}, {"params": mine, "lr": 0.1}], lr=0.001)
+
+    torch.manual_seed(0)
+    try:
+        DistributedTrainer(_MoENet(), factory, strategy="zero3", progress=False).close()
+    except ValueError as err:
+        return str(err)
+    return "built"
+
+
+def test_a_param_group_empty_on_some_ranks_only_is_not_refused_and_nothing_hangs():
+    assert run_distributed(groups_by_rank_worker, 2, args=(False,), timeout=60) == ["built", "built"]
+    for said in run_distributed(groups_by_rank_worker, 2, args=(True,), timeout=60):
+        assert "lr=0.1 (the trained group's 0.001)" in said, said
+
+
+class _Looped(torch.nn.Module):
+    """A block (a unit of its own) applied a number of times each rank's data decides."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+                                           for _ in range(2)])
+        self.out = torch.nn.Linear(8, 2)
+
+    def forward(self, x, depth=None):
+        h = self.blocks[0](self.inp(x))
+        for _ in range(int(x[0, 0].item() > 0) + 2 if depth is None else depth):
+            h = self.blocks[1](h)
+        return self.out(h)
+
+
+def repeated_unit_worker(rank, world):
+    import torch.nn.functional as F
+
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    model, reference = _Looped(), _Looped()
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="zero2", progress=False)
+    g, worst = torch.Generator().manual_seed(2), 0.0
+    for step in range(3):
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        x[0, 0], x[4, 0] = 1.0, -1.0  # rank 0 applies the block 3 times, rank 1 twice
+        trainer.train_step((x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]), F.mse_loss)
+        ref_opt.zero_grad()
+        ((F.mse_loss(reference(x[:4], 3), y[:4]) + F.mse_loss(reference(x[4:], 2), y[4:])) / 2).backward()
+        ref_opt.step()
+        full = trainer.full_state_dict()
+        if full:
+            worst = max(worst, max(float((full[k] - v).abs().max()) for k, v in reference.state_dict().items()))
+    trainer.close()
+    return worst
+
+
+def test_zero2_calling_a_gathered_unit_more_often_on_one_rank_is_not_refused():
+    # ZeRO-2 keeps a unit gathered through the step: a second call issues no collective, so the ranks'
+    # collectives line up and the result is exact; the check compares gathers, not calls (a review).
+    for worst in run_distributed(repeated_unit_worker, 2, timeout=90):
+        assert worst < 1e-5, worst
+
+
+def test_the_watch_over_gathered_units_keeps_constant_memory():
+    # A wrapper that never reduces (everything frozen) never reports: the names it kept grew without bound.
+    from distributed_training.strategies.fsdp_unused import NAMES_KEPT, UnusedWatch
+
+    watch = UnusedWatch()
+    for k in range(10 * NAMES_KEPT):
+        watch.unit_gathered(f"blocks.{k % 4}")
+    assert len(watch.gathered) == NAMES_KEPT and watch.count == 10 * NAMES_KEPT

@@ -142,7 +142,8 @@ def _check_records(path: str, rank: int, world: int) -> dict:
     """What the monitored trainer wrote on this rank: how many records, and whether each is whole."""
     with open(path, encoding="utf-8") as f:
         lines = [json.loads(line) for line in f if line.strip()]
-    finite = all(math.isfinite(line.get("train/loss", math.nan)) for line in lines)
+    # (a loss that is not finite is written as null: strict JSON)
+    finite = all(isinstance(line.get("train/loss"), (int, float)) and math.isfinite(line["train/loss"]) for line in lines)
     cluster = all("cluster/step_time_max_s" in line for line in lines) if rank == 0 and world > 1 else None
     return {"count": len(lines), "steps_increasing": all(a["step"] < b["step"] for a, b in zip(lines, lines[1:])),
             "loss_finite": finite, "cluster_view_on_rank0": cluster, "ok": bool(lines) and finite and cluster is not False}

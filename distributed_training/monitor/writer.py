@@ -33,8 +33,17 @@ def json_line(record: dict[str, Any]) -> str:
     """One line of ``metrics.jsonl`` / ``eval.jsonl``: strict JSON, so a value that is not a finite
     number (a NaN loss, an infinite gradient norm) is written as ``null``; ``json.dumps`` alone writes
     ``NaN`` / ``Infinity``, which Python reads but jq, JavaScript and most JSON tools refuse."""
-    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-    return json.dumps(clean, allow_nan=False) + "\n"
+    return json.dumps(_finite_or_null(record), allow_nan=False) + "\n"
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 class LogRecord:

@@ -27,6 +27,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint_shards import StateLayout, whole_tensors
@@ -74,34 +75,48 @@ def checked_optimizer(built: Any) -> torch.optim.Optimizer:
     return built
 
 
-def check_groups_over_shards(optimizer: torch.optim.Optimizer, strategy: str) -> None:
-    """Raise if a param group the factory made is empty while another, with other hyperparameters, is
-    not: over flat 1-D shards (each holding slices of several layers), a factory that splits parameters
-    by shape or name (decay only where ``p.dim() >= 2``, as nanoGPT does) or by identity (the head at a
-    higher learning rate than the backbone) puts every shard in one group, so the other group's settings
-    silently apply to nothing and its parameters train with the first group's."""
+def check_groups_over_shards(optimizer: torch.optim.Optimizer, strategy: str,
+                             group: "dist.ProcessGroup | None" = None) -> None:
+    """Raise, on every rank of `group` alike, if a param group the factory made is empty on every rank
+    while another, with other hyperparameters, is not: over flat 1-D shards (each holding slices of
+    several layers), a factory that splits parameters by shape or name (decay only where
+    ``p.dim() >= 2``, as nanoGPT does) or by identity (the head at a higher learning rate than the
+    backbone) puts every shard in one group, so the other group's settings silently apply to nothing and
+    its parameters train with the first group's. A group empty on some ranks only (a factory that reads
+    which layers a shard holds) loses nothing. Collective over `group` when it has several ranks."""
+    lost = _lost_group_settings(optimizer)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, lost, group=group)
+        lost = {i: said for i, said in lost.items() if all(i in other for other in everyone)}
+    for said in lost.values():
+        raise ValueError(
+            f"strategy '{strategy}' hands the optimizer factory flat 1-D shards, each holding slices of several "
+            f"layers, and the factory left its param group with {said} empty: no parameter trains with those "
+            "settings (a split by p.dim(), by name or by the parameters themselves puts every shard in one "
+            "group). For weight decay with exclusions use distributed_training.optim.param_groups with "
+            "decay_by_segments under 'zero2' / 'zero3' / 'fsdp' (docs/dtrain_jobs.md); for other per-layer "
+            "settings (a learning rate per group) use strategy 'ddp', whose factory gets the parameters themselves")
+
+
+def _lost_group_settings(optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """{index: its settings} of this rank's empty param groups whose settings differ from every group
+    that holds parameters (`check_groups_over_shards`)."""
     full = [g for g in optimizer.param_groups if g["params"]]
     if not full:
-        return  # (check_optimizer_params names an optimizer over nothing)
+        return {}  # (check_optimizer_params names an optimizer over nothing)
     keys = [k for k in optimizer.defaults if k != "params"]
-    for group in optimizer.param_groups:
+    lost = {}
+    for index, group in enumerate(optimizer.param_groups):
         if group["params"] or _number(group.get("lr")) == 0:
             continue  # (an empty group at lr 0: frozen parameters, which the strategy leaves out, fine)
         # A weight decay of 0 that applies to nothing is fine too (a no-decay group that a shard-aware
         # factory, `decay_by_segments`, leaves empty); any other setting that differs is lost.
         differs = [k for k in keys if k in group and group[k] != full[0].get(k)
                    and not (k == "weight_decay" and not group[k])]
-        if not differs or any(all(group.get(k) == other.get(k) for k in differs) for other in full[1:]):
-            continue
-        shown = ", ".join(f"{k}={group[k]!r} (the trained group's {full[0].get(k)!r})" for k in differs)
-        raise ValueError(
-            f"strategy '{strategy}' hands the optimizer factory flat 1-D shards, each holding slices of several "
-            f"layers, and the factory left its param group with {shown} empty: no parameter trains with those "
-            "settings (a split by p.dim(), by name or by the parameters themselves puts every shard in one "
-            "group). For weight decay with exclusions use distributed_training.optim.param_groups with "
-            "decay_by_segments under 'zero2' / 'zero3' / 'fsdp' (docs/dtrain_jobs.md); for other "
-            "per-layer settings (a learning rate per group) use strategy 'ddp', whose factory gets the "
-            "parameters themselves")
+        if differs and not any(all(group.get(k) == other.get(k) for k in differs) for other in full[1:]):
+            lost[index] = ", ".join(f"{k}={group[k]!r} (the trained group's {full[0].get(k)!r})" for k in differs)
+    return lost
 
 
 def _number(value: Any) -> float | None:

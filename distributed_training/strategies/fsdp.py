@@ -70,7 +70,7 @@ from .fsdp_full import FullWeights, _EmptyStateWarning, _RootGuard
 from .fsdp_state import FSDPStateDict
 from .fsdp_precision import MixedPrecision, cast_floats, refuse_low_precision_batchnorm
 from .fsdp_units import Unit, UnitPlacement, alloc_storage, build_units, free_storage, unit_roots
-from .fsdp_unused import UnusedWatch
+from .fsdp_unused import UNUSED_RECHECK_EVERY, UNUSED_WATCH_STEPS, UnusedWatch  # noqa: F401 (their old home)
 from .trainable import TrainableSet
 
 __all__ = ["FSDP", "MixedPrecision", "make_hybrid_groups"]
@@ -230,7 +230,7 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
             sizes.append(unit.padded - unit.numel)
         pieces = torch.split(unit.full, sizes) if sizes else []
         watch = self._unused_watch
-        watched = watch.steps_left > 0 and unit.full.requires_grad and torch.is_grad_enabled()
+        watched = watch.watching_parameters and unit.full.requires_grad and torch.is_grad_enabled()
         for mod, attr, i in unit.refs:
             view = pieces[i].view(unit.infos[i].shape)
             if watched:
@@ -245,6 +245,8 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
         if src.device != self.device or src.dtype != unit.full_data.dtype:
             src = src.to(self.device, unit.full_data.dtype, non_blocking=True)
         unit.gather_src = src
+        if self._join_state is None:  # (watched passes: every rank must gather the same units, in order)
+            self._unused_watch.unit_gathered(unit.name)
         unit.gather_work = all_gather_flat(unit.full_data, src, self.shard_group, async_op=True)
 
     def _unshard(self, unit: Unit) -> None:
@@ -330,7 +332,6 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
             return
         if self._recording_order and unit not in self._forward_order:
             self._forward_order.append(unit)
-        self._unused_watch.unit_ran(unit.name)  # (on watched passes: every rank must run the same units)
         self._unshard(unit)
         self._prefetch_after(unit, backward=False)
         self._set_views(unit)

@@ -170,7 +170,7 @@ class FSDPStrategy(Strategy):
                 "given: use its argument, e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
             ) from err
         checked_optimizer(built)
-        check_groups_over_shards(built, self.name)
+        check_groups_over_shards(built, self.name, model.process_group)  # (collective: every rank of the data group)
         check_optimizer_params(
             built, model.parameters(), strategy=self.name, expected_what="this rank's shards",
             names=getattr(self, "_names", None),

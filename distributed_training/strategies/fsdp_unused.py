@@ -7,8 +7,9 @@ units that not every rank ran.
 * A unit some ranks ran and others did not (a mixture of experts routed by the data, each expert a
   unit): its all-gather on one rank met another unit's on the others, and where the two have the same
   size nothing fails: each rank computed with pieces of two different units' weights, and the
-  reduce-scatters mixed their gradients. The watch compares the units each rank's forward ran and
-  raises on every rank, naming them, before the optimizer steps.
+  reduce-scatters mixed their gradients. The watch compares the units each rank's forward gathered
+  (the collectives themselves: a unit ZeRO-2 keeps gathered and calls again issues none) and raises on
+  every rank, naming the first that differs, before the optimizer steps.
 
 The first `UNUSED_WATCH_STEPS` synchronised backward passes are watched (a hook per parameter view,
 set by the forward, the units' names as they run, and one small all-reduce at the end), then one
@@ -27,6 +28,9 @@ from ..mesh import global_rank
 
 __all__ = ["UNUSED_RECHECK_EVERY", "UNUSED_WATCH_STEPS", "UnusedWatch"]
 
+#: Gathers whose unit names a watch keeps for its message (the comparison covers all of them).
+NAMES_KEPT = 64
+
 #: Synchronised backward passes over which FSDP watches for parameters that get no gradient.
 UNUSED_WATCH_STEPS = 2
 #: After them, one pass in this many is watched again, until a warning was given.
@@ -36,15 +40,29 @@ UNUSED_RECHECK_EVERY = 1000
 class UnusedWatch:
     """Which (unit, parameter) views got a gradient since the last watched synchronised backward."""
 
-    __slots__ = ("steps_left", "used", "reported", "passes", "ran")
+    __slots__ = ("steps_left", "used", "reported", "passes", "gathered", "signature", "count")
 
-    def __init__(self, steps: int = UNUSED_WATCH_STEPS) -> None:
-        self.steps_left, self.used, self.reported, self.passes = steps, set(), False, 0
-        self.ran: list[str] = []  # the units this rank's forwards ran since the last report, in order
+    def __init__(self, steps: int | None = None) -> None:
+        self.steps_left = UNUSED_WATCH_STEPS if steps is None else steps
+        self.used, self.reported, self.passes = set(), False, 0
+        # The units this rank's forwards gathered since the last report: a running CRC of their names in
+        # order and their count (constant memory however long nobody reports: a frozen wrapper never
+        # reduces), and the first `NAMES_KEPT` names for the message.
+        self.gathered: list[str] = []
+        self.signature = self.count = 0
 
-    def unit_ran(self, name: str) -> None:
+    def unit_gathered(self, name: str) -> None:
+        """A unit's all-gather is issued (in a forward with grad on: a training pass)."""
         if self.steps_left > 0 and torch.is_grad_enabled():
-            self.ran.append(name)
+            self.signature = zlib.crc32(name.encode() + b"\n", self.signature)
+            self.count += 1
+            if len(self.gathered) < NAMES_KEPT:
+                self.gathered.append(name)
+
+    @property
+    def watching_parameters(self) -> bool:
+        """Whether the coming forward hooks the parameter views (a watched pass, no warning given yet)."""
+        return self.steps_left > 0 and not self.reported
 
     def marker(self, unit, index: int):
         key = (id(unit), index)
@@ -67,17 +85,19 @@ class UnusedWatch:
         """The parameters that got no gradient on any rank of the data group (one flag each,
         all-reduced), named once in a warning."""
         self.steps_left -= 1
-        trainable = [(u, i) for u in units if u.full.requires_grad for i in range(len(u.infos))]
+        trainable = ([(u, i) for u in units if u.full.requires_grad for i in range(len(u.infos))]
+                     if not self.reported else [])  # (after a warning only the units are compared)
         got = [1 if (id(u), i) in self.used else 0 for u, i in trainable]
-        ran, self.ran, self.used = self.ran, [], set()
+        gathered, signature = (self.gathered, self.count), self.signature
+        self.gathered, self.signature, self.count, self.used = [], 0, 0, set()
         if dist.get_world_size(group) > 1:
             on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-            signature = zlib.crc32("\n".join(ran).encode())  # the units run, in order: max and -min over ranks
+            signature = (signature << 20) ^ gathered[1]  # the gathers in order, and how many: max and -min
             flags = torch.tensor(got + [signature, -signature], dtype=torch.int64, device=on)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
             *got, highest, lowest = flags.tolist()
             if highest != -lowest:
-                _refuse_different_units(ran, group)
+                _refuse_different_units(*gathered, group)
         if self.reported:
             return
         unused = [u.infos[i].fqns[0] for (u, i), g in zip(trainable, got) if not g]
@@ -89,23 +109,30 @@ class UnusedWatch:
                 f"{shown}. Sharded in a unit's flat vector, they get a zero gradient instead of none (as in "
                 "DeepSpeed's ZeRO and torch's flat-parameter FSDP), so an optimizer with momentum or weight decay "
                 "still moves them, where one process or DDP would leave them alone. Freeze them "
-                "(requires_grad=False) if they never train, or use DDP for exact skipping.", stacklevel=2)
+                "(requires_grad=False) if they never train, or use DDP for exact skipping.", stacklevel=3)
 
 
-def _refuse_different_units(ran: list[str], group) -> None:
-    """Every rank of `group` found that they ran different units: raise there, naming them."""
+def _refuse_different_units(gathered: list[str], count: int, group) -> None:
+    """Every rank of `group` found that they gathered different units: raise there, naming them."""
     runs: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(runs, ran, group=group)
-    first = next(k for k in range(len(runs[0]) + 1) if any(r[k:k + 1] != runs[0][k:k + 1] for r in runs))
+    dist.all_gather_object(runs, (gathered, count), group=group)
+    names = [r[0] for r in runs]
+    first = next((k for k in range(NAMES_KEPT) if any(n[k:k + 1] != names[0][k:k + 1] for n in names)), None)
 
     def named(r: list[str]) -> str:
         return repr(r[first] or "<root>") if first < len(r) else "no further unit"
 
-    said = "; ".join(f"rank {global_rank(group, k)} ran {named(r)}" for k, r in enumerate(runs))
+    if first is None:  # the first NAMES_KEPT gathers agree: a later one or their number differs
+        said = (f"the first {NAMES_KEPT} agree; then " +
+                "; ".join(f"rank {global_rank(group, k)} gathered {r[1]} in all" for k, r in enumerate(runs)))
+    else:
+        said = f"gather {first + 1} since the last check: " + "; ".join(
+            f"rank {global_rank(group, k)} gathered {named(n)}" for k, n in enumerate(names))
     raise RuntimeError(
-        f"FSDP: the ranks ran different units in this step's forward (unit {first + 1} in order: {said}). Each "
-        "unit's all-gather must meet the same unit's on every rank: these met another unit's, so the weights "
-        "computed with and the gradients reduced were mixtures of two units' (nothing was stepped). A module "
-        "that runs on some ranks only, such as a mixture of experts routed by the data, must sit inside one "
-        "unit with what chooses it: pass FSDP / FSDPStrategy auto_wrap_policy a set holding the expert layer's "
-        "class, or use DDP with find_unused_parameters=True")
+        f"FSDP: the ranks ran different units in this step's forward passes ({said}). Each unit's all-gather "
+        "must meet the same unit's on every rank: these met another unit's, so the weights computed with and "
+        "the gradients reduced were mixtures of two units' (nothing was stepped). A module that runs on some "
+        "ranks only, such as an expert of a mixture of experts routed by the data, must sit inside one unit "
+        "with what chooses it: pass FSDP / FSDPStrategy an auto_wrap_policy holding the class of the layer "
+        "that holds the router and all its experts, beside your block class (e.g. {Block, MoELayer}); or use "
+        "DDP with find_unused_parameters=True")

@@ -86,8 +86,8 @@ class Zero1Strategy(DDPBacked, Strategy):
         else:
             built = factory(shards)
         checked_optimizer(built)
+        check_groups_over_shards(built, self.name, model.process_group)  # (collective: every rank)
         if shards:
-            check_groups_over_shards(built, self.name)
             check_optimizer_params(
                 built, shards, strategy=self.name, expected_what="this rank's shards",
                 names=getattr(self, "_names", None),
