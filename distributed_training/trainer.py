@@ -50,7 +50,7 @@ from .trainer_checkpoints import Checkpointing
 from .trainer_hyperparameters import hyperparameters
 from .trainer_fit import Fitting
 from .trainer_peers import PeerWatching
-from .trainer_arguments import check_arguments, check_optimizer, check_parallel_arguments
+from .trainer_arguments import check_arguments, check_optimizer, check_optimizer_after_setup, check_parallel_arguments
 from .trainer_step import Stepping
 
 __all__ = ["DistributedTrainer", "CollectiveTimeoutError", "CheckpointWriteError", "PeerFailureError"]
@@ -334,6 +334,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
                                  gradient_accumulation_steps=gradient_accumulation_steps, compile=compile)
         self.memory_budget_bytes = memory_budget_bytes
         self._model_sizes = model_sizes(model)  # before any wrapper shards the parameters
+        model_params = {id(p) for p in model.parameters()}  # (an optimizer object over them: checked after set-up)
 
         self._owns_context = context is None
         self.context = context if context is not None else init_distributed(timeout=timeout)
@@ -384,6 +385,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             # In place: `self.model` stays the strategy's wrapper (what its methods take) and keeps its keys.
             self.model.compile(**(compile if isinstance(compile, dict) else {}))
         self.optimizer = strategy.setup_optimizer(optimizer, self.model)
+        check_optimizer_after_setup(optimizer, model_params, self.model)
         # Communication is timed (DDP: comm_hidden_pct / comm_wire_ms) on one step per log window, the
         # first (`_record_step` arms it after each log step), and read at the window's log step.
         if log_dir is not None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from .amp import check_precision_argument
 
-__all__ = ["check_arguments", "check_optimizer", "check_parallel_arguments"]
+__all__ = ["check_arguments", "check_optimizer", "check_optimizer_after_setup", "check_parallel_arguments"]
 
 
 def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat_timeout, mixed_precision,
@@ -66,6 +66,24 @@ def check_optimizer(optimizer: Any, model: Any) -> None:
     warnings.warn(f"optimizer: {which} are not the model's (a criterion's own parameters?): the strategy does not "
                   "average their gradients across ranks, so each rank's copies drift apart. Make them part of the "
                   "model given to the trainer", stacklevel=4)
+
+
+def check_optimizer_after_setup(given: Any, model_params: set[int], set_up: Any) -> None:
+    """An optimizer object holding parameters of the model that the strategy replaced while setting it up
+    (tensor parallelism splits layers into new parameters) would step tensors nothing trains with: the
+    split layers would silently stay as they were. `model_params`: ids of the model's parameters before."""
+    import torch
+
+    if not isinstance(given, torch.optim.Optimizer):
+        return
+    now = {id(p) for p in set_up.parameters()}
+    replaced = [p for group in given.param_groups for p in group["params"] if id(p) in model_params and id(p) not in now]
+    if replaced:
+        raise ValueError(f"optimizer: {len(replaced)} of its parameters (first of shape {tuple(replaced[0].shape)}) "
+                         "were replaced when the strategy set the model up (tensor parallelism splits layers into "
+                         "new parameters), so stepping it would leave them untrained: pass a callable that builds "
+                         "the optimizer over the parameters it is given, such as "
+                         "lambda params: torch.optim.AdamW(params, lr=3e-4)")
 
 
 def check_parallel_arguments(pipeline: Any, tensor: Any, *, strategy: Any, microbatches: int | None,

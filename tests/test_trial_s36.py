@@ -303,3 +303,23 @@ def test_the_watch_over_gathered_units_keeps_constant_memory():
     for k in range(10 * NAMES_KEPT):
         watch.unit_gathered(f"blocks.{k % 4}")
     assert len(watch.gathered) == NAMES_KEPT and watch.count == 10 * NAMES_KEPT
+
+
+def tensor_parallel_optimizer_object_worker(rank, world):
+    from distributed_training import DistributedTrainer
+    from distributed_training.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    try:
+        DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tensor_parallel_size=2,
+                           progress=False).close()
+    except ValueError as err:
+        return str(err)
+    return "built"
+
+
+def test_an_optimizer_object_over_layers_tensor_parallelism_replaces_is_refused():
+    # It stepped the layers' old parameters: the split layers never trained, silently (no error, loss flat).
+    for said in run_distributed(tensor_parallel_optimizer_object_worker, 2, timeout=90):
+        assert "were replaced when the strategy set the model up" in said and "pass a callable" in said, said
