@@ -234,6 +234,22 @@ def test_progress_bar_on_stderr(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err == ""
 
 
+def test_the_bars_rate_leaves_an_evaluation_out(tmp_path, monkeypatch):
+    # An evaluation between two log steps counted as training time: the bar's steps/s dropped after each.
+    rates = []
+    with Monitor(tmp_path, rank=0, world_size=1, log_every=2, system_stats=False, tensorboard=False,
+                 background=False) as mon:
+        monkeypatch.setattr(mon._bar, "draw", lambda step, total, rate, loss: rates.append(rate))
+        mon.start(total_steps=4)
+        mon.record_step(1, {"loss": 0.5}, samples=1, step_time=0.01)
+        mon.record_step(2, {"loss": 0.5}, samples=1, step_time=0.01)
+        time.sleep(0.3)  # an evaluation of 0.3 s
+        mon.record_eval(2, {"loss": 0.4}, {"loss": 0.4}, seconds=0.3)
+        mon.record_step(3, {"loss": 0.5}, samples=1, step_time=0.01)
+        mon.record_step(4, {"loss": 0.5}, samples=1, step_time=0.01)
+    assert rates[-1] > 20, rates  # 2 steps in a few milliseconds, not in the 0.3 s of the evaluation
+
+
 def test_progress_without_a_terminal_is_one_plain_line_per_log_step(tmp_path, capsys):
     """stderr to a file or a pipe (capsys is neither a terminal): no carriage returns, no bar redrawn, each
     log step once, the end drawn once (a trial's log had every step's bar three times in fragments)."""

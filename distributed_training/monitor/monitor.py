@@ -300,6 +300,8 @@ class Monitor(WriterHandling):
         scalars = {f"val/{name}": float(value) for name, value in mine.items()}
         if seconds is not None:
             scalars["val/seconds"] = float(seconds)
+            # The bar's rate is training's: the evaluation's time is not in the window it divides by.
+            self._last_log_mono += float(seconds)
         if self._writes_cluster:
             scalars.update({f"cluster/{name}": float(value) for name, value in whole.items()})
         now = time.time()
