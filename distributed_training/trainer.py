@@ -386,7 +386,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             self.model.compile(**(compile if isinstance(compile, dict) else {}))
         self.optimizer = strategy.setup_optimizer(optimizer, self.model)
         check_optimizer_after_setup(optimizer, model_params, self.model)
-        # Communication is timed (DDP: comm_hidden_pct / comm_wire_ms) on one step per log window, the
+        # Communication is timed (DDP: perf/comm_hidden_pct, perf/comm_wire_ms) on one step per log window, the
         # first (`_record_step` arms it after each log step), and read at the window's log step.
         if log_dir is not None:
             strategy.measure_communication(self.model, True)

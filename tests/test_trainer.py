@@ -204,7 +204,7 @@ def test_fit_writes_per_rank_metrics(tmp_path):
         lines = [json.loads(l) for l in (tmp_path / f"rank_{rank}" / "metrics.jsonl").read_text().splitlines()]
         assert [l["step"] for l in lines] == [2, 4, 6, 8], lines
         assert all("train/loss" in l and "perf/samples_per_s" in l and "perf/comm_time_s" in l for l in lines), lines[0]
-        assert all(0 <= l["train/comm_hidden_pct"] <= 100 and l["train/comm_wire_ms"] > 0 for l in lines), lines[0]
+        assert all(0 <= l["perf/comm_hidden_pct"] <= 100 and l["perf/comm_wire_ms"] > 0 for l in lines), lines[0]
         assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / f"rank_{rank}"))
         assert summary["steps"] == 8 and summary["samples_per_s_per_gpu"] > 0
         assert summary["communication_overhead_pct"] is not None

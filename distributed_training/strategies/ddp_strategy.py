@@ -61,8 +61,8 @@ class DDPBacked:
         overlap = model.pop_overlap_stats()
         metrics = {}
         if overlap["passes"]:
-            metrics = {"comm_hidden_pct": 100.0 * overlap["hidden_fraction"],
-                       "comm_wire_ms": 1e3 * overlap["comm_s"] / overlap["passes"]}
+            metrics = {"perf/comm_hidden_pct": 100.0 * overlap["hidden_fraction"],
+                       "perf/comm_wire_ms": 1e3 * overlap["comm_s"] / overlap["passes"]}
         return (seconds / count if count else None), metrics
 
     def state_reserve_bytes(self, model: DDP, trainable_params: int) -> float:
