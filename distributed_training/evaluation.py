@@ -12,7 +12,7 @@ from .batches import batch_size_of, call_module, model_loss, to_device
 from .comm.collectives import broadcast_coalesced
 from .data import ShardedSampler
 from .mesh import global_rank
-from .loss_weights import counted, label_count, weigh
+from .loss_weights import counted, label_count, sums as sums_over_batch, weigh
 
 __all__ = ["Evaluation"]
 
@@ -32,7 +32,9 @@ class Evaluation:
     ) -> dict[str, float]:
         """Mean loss (and optional per-sample metrics) over the whole dataset, across all ranks: each
         batch's loss weighted by what its mean is over (its rows, or for class-index targets the targets
-        the criterion does not ignore, -100: `loss_weights.counted`), as one pass over the whole set.
+        the criterion does not ignore, -100: `loss_weights.counted`), as one pass over the whole set. A
+        criterion that sums (``nn.CrossEntropyLoss(reduction="sum")``) has its batches' sums added and
+        divided by the samples: the loss per sample, the same at any batch size and world size.
 
         Each rank evaluates its exact shard (no padding, nothing counted twice) with the unwrapped
         module, so uneven shard sizes cannot stall a collective; one all-reduce sums the results.
@@ -135,6 +137,7 @@ class Evaluation:
         module.eval()
         names = ["loss", *(metrics or {})]
         summed = [getattr(fn, "reduction", "mean") == "sum" for fn in (metrics or {}).values()]
+        loss_sums = criterion is not None and sums_over_batch(criterion)
         # [loss x its count, metrics x rows..., the loss's count, rows]: a cross-entropy's mean is over the
         # targets it keeps (`loss_weights.counted`), the metrics' over the rows.
         sums = torch.zeros(len(names) + 2, dtype=torch.float64, device=self.device)
@@ -170,8 +173,10 @@ class Evaluation:
                 elif criterion is None:  # the model's own loss: over the labels it keeps (Hugging Face)
                     kept = label_count(self.module, batch, batch_size_of(batch)) * weight
                 for k, v in enumerate(values):
-                    # (a batch that keeps no target: its mean is nan, and counts 0)
-                    part = weigh(v.detach().double(), kept if k == 0 else weight if summed[k - 1] else n)
+                    # (a batch that keeps no target: its mean is nan, and counts 0; a summing criterion's
+                    # sums are added as they are, over the rows: the per-sample loss at any batch and world)
+                    part = weigh(v.detach().double(), (weight if loss_sums else kept) if k == 0
+                                 else weight if summed[k - 1] else n)
                     sums[k] += part
                 sums[-2] += kept
                 sums[-1] += n

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["StepWeights", "micro_weights", "counted", "label_count", "replica_scale", "ReplicaScale", "weigh",
-           "batch_count",
+           "batch_count", "sums",
            "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # torch's cross-entropy / NLL default, and Hugging Face's label padding
@@ -201,6 +201,11 @@ def counted(criterion: Callable | None, targets: Any, rows: int, own: bool = Fal
             return weight[targets[kept]].sum()
         return kept.sum()
     return rows
+
+
+def sums(criterion: Any) -> bool:
+    """Whether `criterion` sums over its batch (a loss module, or a partial, with ``reduction="sum"``)."""
+    return _setting(criterion, "reduction", "mean") == "sum"
 
 
 def _setting(criterion: Any, name: str, default: Any) -> Any:

@@ -323,3 +323,26 @@ def test_an_optimizer_object_over_layers_tensor_parallelism_replaces_is_refused(
     # It stepped the layers' old parameters: the split layers never trained, silently (no error, loss flat).
     for said in run_distributed(tensor_parallel_optimizer_object_worker, 2, timeout=90):
         assert "were replaced when the strategy set the model up" in said and "pass a callable" in said, said
+
+
+def summing_criterion_evaluation_worker(rank, world, batch_size):
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(29, 4), torch.randint(0, 3, (29,))
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    got = trainer.evaluate(TensorDataset(x, y), torch.nn.CrossEntropyLoss(reduction="sum"), batch_size=batch_size)
+    trainer.close()
+    return got["loss"], float(F.cross_entropy(model(x), y, reduction="sum")) / 29
+
+
+def test_evaluate_with_a_summing_criterion_gives_the_loss_per_sample_at_any_world_and_batch():
+    # Each batch's sum was weighted as a mean (by its rows): 6.3 at world 2 in batches of 4, 24.3 in one
+    # batch, for a per-sample loss of 1.67 (a trial).
+    for world, batch_size in ((1, 4), (2, 4), (3, 29)):
+        for got, want in run_distributed(summing_criterion_evaluation_worker, world, args=(batch_size,), timeout=60):
+            assert abs(got - want) < 1e-5, (world, batch_size, got, want)
