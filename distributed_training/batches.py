@@ -129,6 +129,9 @@ def model_loss(module: nn.Module, batch: Any) -> torch.Tensor:
     return extract_loss(output)
 
 
+_NONE_GIVEN = object()
+
+
 def extract_loss(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         if output.numel() != 1:
@@ -136,8 +139,16 @@ def extract_loss(output: Any) -> torch.Tensor:
                              f"{NO_CRITERION}")
         return output
     if isinstance(output, Mapping) and "loss" in output:
-        return output["loss"]
-    if hasattr(output, "loss"):
-        return output.loss
+        loss = output["loss"]
+    elif hasattr(output, "loss"):
+        loss = output.loss  # (a Hugging Face ModelOutput: None where no labels were given, and then not `in` it)
+    else:
+        loss = _NONE_GIVEN
+    if loss is None:
+        raise ValueError(f"the model returned {type(output).__name__} with loss=None: a Hugging Face model computes "
+                         "its loss only when the batch holds 'labels' (input_ids again for a causal language "
+                         f"model; -100 where a position does not count). {NO_CRITERION}")
+    if loss is not _NONE_GIVEN:
+        return loss
     raise TypeError(f"the model returned {type(output).__name__}, not a loss (a tensor, a dict with 'loss', or an "
                     f"object with .loss): {NO_CRITERION}")

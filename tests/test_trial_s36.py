@@ -346,3 +346,40 @@ def test_evaluate_with_a_summing_criterion_gives_the_loss_per_sample_at_any_worl
     for world, batch_size in ((1, 4), (2, 4), (3, 29)):
         for got, want in run_distributed(summing_criterion_evaluation_worker, world, args=(batch_size,), timeout=60):
             assert abs(got - want) < 1e-5, (world, batch_size, got, want)
+
+
+class _Output(dict):
+    """Like a Hugging Face ModelOutput without labels: a mapping that leaves out its None fields, and a
+    ``loss`` attribute that is None."""
+
+    loss = None
+
+
+class _NoLabelsModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, input_ids, labels=None):
+        return _Output(logits=self.lin(input_ids))
+
+
+def no_loss_worker(rank, world):
+    from distributed_training import DistributedTrainer
+
+    trainer = DistributedTrainer(_NoLabelsModel(), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    said = []
+    for call in (lambda: trainer.train_step({"input_ids": torch.randn(4, 4)}),
+                 lambda: trainer.evaluate([{"input_ids": torch.randn(4)}] * 4, batch_size=2)):
+        try:
+            call()
+        except ValueError as err:
+            said.append(str(err))
+    trainer.close()
+    return said
+
+
+def test_a_model_that_returns_no_loss_is_said_plainly():
+    # "'NoneType' object has no attribute 'dtype'" in train_step, "... 'detach'" in evaluate (a trial).
+    said = run_distributed(no_loss_worker, 1, timeout=60)[0]
+    assert len(said) == 2 and all("with loss=None" in s and "'labels'" in s for s in said), said
