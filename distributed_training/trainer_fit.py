@@ -391,7 +391,12 @@ class Fitting(StepRecording):
                     exhausted = True  # a rank with a longer dataset stops with the others
                     break
                 began = time.perf_counter()  # (after the last step's logging, on_step, evaluation, save)
-                batch = next(batches, None)
+                try:
+                    batch = next(batches, None)
+                except Exception as err:  # the peers wait in the next step's collectives (or the agreement's)
+                    self._data_failed(err, f"training step {self.step + 1}" if sharded else
+                                      f"the agreement on a batch before training step {self.step + 1}", sharded)
+                    raise
                 fetched = agreed = time.perf_counter()
                 if sharded:
                     has_batch = batch is not None

@@ -94,6 +94,22 @@ class PeerWatching:
                 self._failed(err)  # (inside the block: a failure found meanwhile is said during `activity`)
                 raise
 
+    def _data_failed(self, err: Exception, activity: str, next_step: bool) -> None:
+        """This rank's data raised before the collectives its peers now wait in (`activity`: the next
+        training step's when `next_step`, else a watched block between steps): publish it at the position
+        of that block, as if it had raised there, so that they name this rank and its error instead of
+        waiting for a closed connection or the collective timeout."""
+        watch = self._peer_watch()
+        if watch is None:
+            return
+        if next_step:
+            watch.step = self.step  # (what `train_step` sets before its block)
+        try:
+            with self._watched(activity):
+                raise err
+        except Exception:  # noqa: BLE001 - the caller raises `err` itself
+            pass
+
     def _watching(self, activity: str | None = None):
         """A block of the job's collectives, under the peer watch if there is one (`PeerWatch.active`);
         `activity` says what it is in a dead peer's message ("training step 5")."""

@@ -383,3 +383,55 @@ def test_a_model_that_returns_no_loss_is_said_plainly():
     # "'NoneType' object has no attribute 'dtype'" in train_step, "... 'detach'" in evaluate (a trial).
     said = run_distributed(no_loss_worker, 1, timeout=60)[0]
     assert len(said) == 2 and all("with loss=None" in s and "'labels'" in s for s in said), said
+
+
+def data_fails_worker(rank, world, sharded):
+    """Rank 1's dataset raises in the fourth batch; its process stays (a notebook, cleanup code): the other
+    rank waited in the step's collectives until the connection closed or the collective timeout, told
+    neither who failed nor what it raised (a trial). Now it names rank 1 and its error within seconds."""
+    import time
+
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, Dataset
+
+    from distributed_training import DistributedTrainer
+    from distributed_training.peer_watch import PeerFailureError
+
+    class Data(Dataset):
+        calls = 0
+
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            Data.calls += 1
+            if rank == 1 and Data.calls > 12:
+                raise OSError(f"corrupt sample {i} on rank 1")
+            return torch.full((8,), float(i)), torch.tensor(i % 4)
+
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(torch.nn.Linear(8, 4), lambda ps: torch.optim.SGD(ps, lr=0.01), progress=False,
+                                 timeout=60)
+    trainer._peer_exit_after = 30.0
+    # A DataLoader of the user's own (not sharded by fit): the ranks agree on each batch first.
+    data = Data() if sharded else DataLoader(Data(), batch_size=4)
+    start = time.monotonic()
+    try:
+        trainer.fit(data, epochs=1, criterion=F.cross_entropy, batch_size=4 if sharded else None)
+        said = "returned"
+    except PeerFailureError as err:
+        said = f"peer {err.rank}: {err}"
+    except OSError as err:
+        said = f"own: {err}"
+    seconds = time.monotonic() - start
+    if rank == 1:
+        time.sleep(6)  # alive while the other rank finds out
+    trainer.close(barrier=False)
+    return said, seconds
+
+
+def test_a_rank_whose_data_raises_is_named_to_the_others_with_its_error():
+    for sharded in (True, False):
+        (said0, seconds0), (said1, _) = run_distributed(data_fails_worker, 2, args=(sharded,), timeout=90)
+        assert said1.startswith("own: corrupt sample"), said1
+        assert said0.startswith("peer 1:") and "OSError: corrupt sample" in said0 and seconds0 < 20, (said0, seconds0)
