@@ -11,3 +11,10 @@ case "$1" in
      export PYTHONPATH=$PWD:/tmp/pyd
      gpu_tests gpu_tests_all 540 --durations=15 -rs ;;
 esac
+# C (2 GPUs): B again with the session's last code (the later changes touch the trainer's constructor, fit's
+#    batch fetch and its peers' watch, evaluate, DDP's logged figures, FSDP's check of gathered units).
+case "$1" in
+  C) pip install -q --no-index --find-links .wheels --target /tmp/pyd pydantic > "$OUT/pip.log" 2>&1
+     export PYTHONPATH=$PWD:/tmp/pyd
+     gpu_tests gpu_tests_all_C 540 --durations=15 -rs ;;
+esac
