@@ -136,7 +136,7 @@ class Evaluation:
         own_buffers = self._use_first_replicas_buffers() if shards > 1 else []
         module.eval()
         names = ["loss", *(metrics or {})]
-        summed = [getattr(fn, "reduction", "mean") == "sum" for fn in (metrics or {}).values()]
+        summed = [sums_over_batch(fn) for fn in (metrics or {}).values()]
         loss_sums = criterion is not None and sums_over_batch(criterion)
         # [loss x its count, metrics x rows..., the loss's count, rows]: a cross-entropy's mean is over the
         # targets it keeps (`loss_weights.counted`), the metrics' over the rows.

@@ -365,6 +365,7 @@ class Fitting(StepRecording):
         self.data_wait_s = 0.0  # seconds this call waited for its next batch (a loader's start included)
         if evaluation is not None:
             evaluation.start()
+        self._peer_watch()  # (on every rank before the first batch: a rank whose data raises is named from there)
         while self.epoch < epochs and not done():
             skip = self.batch_in_epoch
             if sharded:
@@ -378,12 +379,13 @@ class Fitting(StepRecording):
             loss_sum, steps, metrics, logged, exhausted, evaluated = None, 0, None, True, False, None
             # A DataLoader draws a base seed from the global RNG when iterated; keep that draw off the
             # stream training uses, so that a resumed epoch sees the same random numbers as an unbroken one.
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), self._fetching(sharded):
                 batches = iter(loader)
             if skip:  # a resumed epoch over a loader we cannot seek: replay its start, drawing nothing from
                 state = rng_state()  # the random streams the checkpoint restored (a loader's augmentation would)
-                for _ in range(skip):
-                    next(batches, None)
+                with self._fetching(sharded):
+                    for _ in range(skip):
+                        next(batches, None)
                 set_rng_state(state)
             last_end = time.perf_counter()
             while not done():
@@ -391,12 +393,8 @@ class Fitting(StepRecording):
                     exhausted = True  # a rank with a longer dataset stops with the others
                     break
                 began = time.perf_counter()  # (after the last step's logging, on_step, evaluation, save)
-                try:
+                with self._fetching(sharded):  # (an error of the data: published where the peers wait)
                     batch = next(batches, None)
-                except Exception as err:  # the peers wait in the next step's collectives (or the agreement's)
-                    self._data_failed(err, f"training step {self.step + 1}" if sharded else
-                                      f"the agreement on a batch before training step {self.step + 1}", sharded)
-                    raise
                 fetched = agreed = time.perf_counter()
                 if sharded:
                     has_batch = batch is not None

@@ -94,21 +94,24 @@ class PeerWatching:
                 self._failed(err)  # (inside the block: a failure found meanwhile is said during `activity`)
                 raise
 
-    def _data_failed(self, err: Exception, activity: str, next_step: bool) -> None:
-        """This rank's data raised before the collectives its peers now wait in (`activity`: the next
-        training step's when `next_step`, else a watched block between steps): publish it at the position
-        of that block, as if it had raised there, so that they name this rank and its error instead of
-        waiting for a closed connection or the collective timeout."""
-        watch = self._peer_watch()
-        if watch is None:
-            return
-        if next_step:
-            watch.step = self.step  # (what `train_step` sets before its block)
+    @contextlib.contextmanager
+    def _fetching(self, sharded: bool):
+        """`fit` reads its data in this block: an error of the data (a corrupt sample, a collate that
+        raises, a dataset's own connection reset) is published where the peers wait for this rank next,
+        so that they name it and its error instead of waiting for a closed connection or the collective
+        timeout: the agreement on a batch (a loader `fit` does not shard), else the straggler probe when
+        one is due, else the next training step."""
         try:
-            with self._watched(activity):
-                raise err
-        except Exception:  # noqa: BLE001 - the caller raises `err` itself
-            pass
+            yield
+        except Exception as err:
+            watch = self._watch
+            if watch is not None and watch.failure is None:  # (after a peer's failure: its consequence)
+                probe = self._probe_due()
+                if sharded and not probe:
+                    watch.step = self.step  # (what `train_step` sets before its block)
+                with self._watching(f"loading its batch for training step {self.step + 1}"):
+                    watch.publish_error(err)  # (its own, whatever it says: not a collective's lost peer)
+            raise
 
     def _watching(self, activity: str | None = None):
         """A block of the job's collectives, under the peer watch if there is one (`PeerWatch.active`);

@@ -66,9 +66,8 @@ class StepRecording:
         (in synchronous training every rank's step lasts as long as the slowest one's). Costs one tiny
         all-reduce per log window (and, on a GPU, draining this rank's queue first: see `_own_work`). The
         first step this trainer trains is not probed: it warms up (kernels, allocator, communicators)."""
-        first, self._probed = not self._probed, True
-        if (first or not self._monitoring or self.step % self.monitor_log_every
-                or not self.monitor._cluster_on):
+        due, self._probed = self._probe_due(), True
+        if not due:
             return None
         group = self.monitor.group
         device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
@@ -83,6 +82,11 @@ class StepRecording:
             self._probe_event = torch.cuda.Event(enable_timing=True)
             self._probe_event.record()
         return time.perf_counter() - start
+
+    def _probe_due(self) -> bool:
+        """Whether `_straggler_probe` probes before the coming step (the same answer on every rank)."""
+        return (self._probed and self._monitoring and self.step % self.monitor_log_every == 0
+                and self.monitor._cluster_on)
 
     def _own_work(self, host_s: float, fetch_s: float) -> float | tuple:
         """The probed step's own work, given its host time less the probe's wait (`host_s`) and its data

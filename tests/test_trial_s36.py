@@ -385,7 +385,7 @@ def test_a_model_that_returns_no_loss_is_said_plainly():
     assert len(said) == 2 and all("with loss=None" in s and "'labels'" in s for s in said), said
 
 
-def data_fails_worker(rank, world, sharded):
+def data_fails_worker(rank, world, sharded, fail_after, log_dir):
     """Rank 1's dataset raises in the fourth batch; its process stays (a notebook, cleanup code): the other
     rank waited in the step's collectives until the connection closed or the collective timeout, told
     neither who failed nor what it raised (a trial). Now it names rank 1 and its error within seconds."""
@@ -405,13 +405,13 @@ def data_fails_worker(rank, world, sharded):
 
         def __getitem__(self, i):
             Data.calls += 1
-            if rank == 1 and Data.calls > 12:
+            if rank == 1 and Data.calls > fail_after:
                 raise OSError(f"corrupt sample {i} on rank 1")
             return torch.full((8,), float(i)), torch.tensor(i % 4)
 
     torch.manual_seed(0)
     trainer = DistributedTrainer(torch.nn.Linear(8, 4), lambda ps: torch.optim.SGD(ps, lr=0.01), progress=False,
-                                 timeout=60)
+                                 timeout=60, log_dir=log_dir, log_every=1)
     trainer._peer_exit_after = 30.0
     # A DataLoader of the user's own (not sharded by fit): the ranks agree on each batch first.
     data = Data() if sharded else DataLoader(Data(), batch_size=4)
@@ -425,13 +425,19 @@ def data_fails_worker(rank, world, sharded):
         said = f"own: {err}"
     seconds = time.monotonic() - start
     if rank == 1:
-        time.sleep(6)  # alive while the other rank finds out
+        time.sleep(4)  # alive while the other rank finds out
     trainer.close(barrier=False)
     return said, seconds
 
 
-def test_a_rank_whose_data_raises_is_named_to_the_others_with_its_error():
-    for sharded in (True, False):
-        (said0, seconds0), (said1, _) = run_distributed(data_fails_worker, 2, args=(sharded,), timeout=90)
+def test_a_rank_whose_data_raises_is_named_to_the_others_with_its_error(tmp_path):
+    # Where the peers wait: the next step (sharded), the batch agreement (the user's DataLoader), the
+    # agreement before the first step, the straggler probe (a log_dir, log_every=1: before every step).
+    cases = [(True, 12, None), (False, 12, None), (False, 0, None), (True, 12, str(tmp_path / "logs"))]
+    for sharded, fail_after, log_dir in cases:
+        (said0, seconds0), (said1, _) = run_distributed(data_fails_worker, 2, args=(sharded, fail_after, log_dir),
+                                                        timeout=90)
         assert said1.startswith("own: corrupt sample"), said1
-        assert said0.startswith("peer 1:") and "OSError: corrupt sample" in said0 and seconds0 < 20, (said0, seconds0)
+        assert said0.startswith("peer 1:") and "OSError: corrupt sample" in said0 and seconds0 < 20, \
+            (sharded, fail_after, log_dir, said0, seconds0)
+        assert "during loading its batch for training step" in said0, said0
