@@ -18,3 +18,9 @@ case "$1" in
      export PYTHONPATH=$PWD:/tmp/pyd
      gpu_tests gpu_tests_all_C 540 --durations=15 -rs ;;
 esac
+# D (2 GPUs): the peers' GPU tests with the one added after C (a rank whose data raises inside fit, on NCCL).
+case "$1" in
+  D) pip install -q --no-index --find-links .wheels --target /tmp/pyd pydantic > "$OUT/pip.log" 2>&1
+     export PYTHONPATH=$PWD:/tmp/pyd
+     gpu_tests gpu_tests_peers_D 300 -rs tests/test_gpu_peers.py tests/test_gpu_fsdp_units.py ;;
+esac

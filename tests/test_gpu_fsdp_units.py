@@ -22,3 +22,4 @@ def test_nccl_ranks_running_different_fsdp_units_raise():
         assert unchanged
     for outcome, worst, _ in run_distributed(experts_worker, 2, args=(True,), backend="nccl", timeout=180):
         assert outcome == "trained" and worst < 1e-4, (outcome, worst)  # (GPU against the CPU reference)
+

@@ -1,7 +1,8 @@
 """On 2 GPUs with NCCL, what sessions 31 and 33 built and checked only on gloo: a raising rank named by
 the peer waiting for it in an NCCL collective (the watcher aborts the communicator), the replicas' per-step
-agreement on rows over `Mesh.host_group`'s gloo group under accumulation with ZeRO-3 / FSDP, and the
-straggler probe (which drains the rank's GPU queue before its tiny all-reduce)."""
+agreement on rows over `Mesh.host_group`'s gloo group under accumulation with ZeRO-3 / FSDP, the
+straggler probe (which drains the rank's GPU queue before its tiny all-reduce), and (session 36) a rank
+whose data raises inside `fit`, named to the peer spinning in the step's or the batch agreement's collective."""
 
 from __future__ import annotations
 
@@ -73,3 +74,15 @@ def test_close_gives_the_model_its_trained_weights_back_on_nccl(strategy):
 
     assert run_distributed(given_back_worker, 2, args=(strategy,), backend="nccl", timeout=180)[0] == (
         True, [False, False, True, True], (3, 2))
+
+
+def test_nccl_a_rank_whose_data_raises_is_named_to_the_others():
+    # On NCCL the peers' collectives spin: the published error must wake them (the group aborted), not the
+    # collective timeout (60 s here).
+    from test_trial_s36 import data_fails_worker
+
+    for sharded, fail_after in ((True, 12), (False, 0)):
+        (said0, seconds0), (said1, _) = run_distributed(data_fails_worker, 2, args=(sharded, fail_after, None),
+                                                        backend="nccl", timeout=180)
+        assert said1.startswith("own: corrupt sample"), said1
+        assert said0.startswith("peer 1:") and "OSError: corrupt sample" in said0 and seconds0 < 30, (said0, seconds0)
