@@ -438,7 +438,9 @@ class Fitting(StepRecording):
                 told = self.strategy.stop_requested(self.model)
                 if told is not None:  # a parameter server's server got a signal: stop with it
                     stop.request(signal.Signals(told[1]), f"parameter server {told[0]} got {signal.Signals(told[1]).name}")
-                if stop.agreed() is not None:
+                with self._watched(f"the agreement on a stop signal after training step {self.step}"):
+                    stopping = stop.agreed() is not None  # (a collective: a failed peer is named here too)
+                if stopping:
                     break
             if on_step is not None and not logged and metrics is not None:
                 on_step(self.step, {k: float(v) for k, v in metrics.items()})
@@ -476,7 +478,8 @@ class Fitting(StepRecording):
             if self.checkpoints is not None and self._last_saved_step != self.step and (
                     not self.checkpoint_every or self.step % self.checkpoint_every):
                 self._save_numbered(metrics)
-            stop.finish()  # a signal during the last steps: acted on by every rank or by none
+            with self._watched(f"the agreement on a stop signal after training step {self.step}"):
+                stop.finish()  # a signal during the last steps: acted on by every rank or by none
         if stop.signal is not None:
             self._stop_on_signal(stop.signal, metrics, bool(stop.received))
         return history
