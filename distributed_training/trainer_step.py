@@ -103,7 +103,7 @@ class Stepping:
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
 
         metrics: dict[str, torch.Tensor] = {"loss": loss_sum, **self.precision.metrics()}
-        lr = torch.tensor(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
+        lr = torch.tensor(self.optimizer.param_groups[0]["lr"], dtype=torch.float64)  # the rate this step uses
         _, grad_norm = self.strategy.optimizer_step(self.model, self.optimizer, self.precision,
                                                     self.gradient_clip_val)
         if grad_norm is not None:
