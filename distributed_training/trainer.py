@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import os
-import sys
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from .activation import apply_activation_checkpointing, restore_key_value_cache
+from .activation import apply_activation_checkpointing
 from .amp import DynamicLossScaler, Precision, make_precision
 from .auto_batch import AutoBatchSize
 from .checkpoint import CheckpointManager
@@ -35,7 +33,7 @@ from .checkpoint_async import CheckpointWriteError
 from .checkpoint_layout import DirectoryLayout
 from .evaluation import Evaluation
 from .global_batch import GlobalBatch, check_layout_world
-from .hangs import CollectiveTimeoutError, stop_heartbeat
+from .hangs import CollectiveTimeoutError
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
 from .peer_watch import PeerFailureError, PeerWatch
@@ -47,6 +45,7 @@ from .strategies.base import OptimizerFactory, Strategy
 from .strategies.registry import check_strategy_argument, make_strategy
 from .tensor.options import TensorOptions
 from .trainer_checkpoints import Checkpointing
+from .trainer_closing import Closing, released_if_it_raises
 from .trainer_hyperparameters import hyperparameters
 from .trainer_fit import Fitting
 from .trainer_peers import PeerWatching
@@ -59,29 +58,7 @@ __all__ = ["DistributedTrainer", "CollectiveTimeoutError", "CheckpointWriteError
 log = get_logger()
 
 
-def _released_if_it_raises(init):
-    """`DistributedTrainer.__init__`, which, when it raises, gives back what it had set up: the process
-    group it created and the monitor's files (a script or notebook that catches the error, a dtrain run
-    refused by its config, can build another trainer; the group stayed initialised)."""
-
-    @functools.wraps(init)
-    def constructed(self, *args, **kwargs) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except BaseException:
-            monitor = getattr(self, "monitor", None)
-            if monitor is not None:
-                with contextlib.suppress(Exception):
-                    monitor.close()
-            context = getattr(self, "job_context", None) or getattr(self, "context", None)
-            if getattr(self, "_owns_context", False) and context is not None:
-                context.shutdown(barrier=False)  # (the peers may never get this far)
-            raise
-
-    return constructed
-
-
-class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evaluation, PeerWatching):
+class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evaluation, PeerWatching, Closing):
     """Train a model data-parallel across the processes of a torchrun job.
 
     Args:
@@ -251,7 +228,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             they never meet, and the servers drop a worker that dies.
     """
 
-    @_released_if_it_raises
+    @released_if_it_raises
     def __init__(
         self,
         model: nn.Module,
@@ -477,7 +454,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         # then a resume does not compare the configured gradient_accumulation_steps with the checkpoint's.
         self._fit_global_batch = False
         self.heartbeat_timeout = heartbeat_timeout
-        self._watch: PeerWatch | None = None  # started by the first train_step
+        self._watch: PeerWatch | None = None  # started by `fit` or the first train_step
         self._last_saved_step: int | None = None
         self._set_aside = False
         self._summoned = False  # inside `summon_full_params`
@@ -541,56 +518,3 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         return self.monitor.get_performance_metrics()
 
     # -------------------------------------------------------------- teardown
-    def close(self, barrier: bool = True) -> None:
-        """Wait for a checkpoint being written in the background (``checkpoint_async``; abandon it when
-        closing on an error, ``barrier=False``), remove the strategy's hooks and, if the trainer created
-        it, destroy the process group. A background write that failed raises `CheckpointWriteError`
-        here, after the rest is closed. Watching the peers stops first (this rank's leaving is not
-        a death); on a GPU, this rank's queued work is waited for before, under the watch, so that a
-        peer that raised or died in the last steps (which the host ran ahead of) raises
-        `PeerFailureError` naming it here, after the rest is closed, instead of a hang. Under ZeRO-2/3
-        and FSDP a clean close (every rank) gathers the trained weights back into the model you passed,
-        whole on every rank, so that its ``state_dict()``, ``save_pretrained()`` or a plain forward work
-        (where they fit a GPU's free memory; not with ``cpu_offload``, nor under a pipeline, whose ranks
-        hold their stages).
-
-        Called while an exception propagates (``try: trainer.fit(...) finally: trainer.close()``) or
-        after a `train_step` that raised, it does not wait for the peers (as ``barrier=False``): they may
-        be inside the failed step's collectives, which this rank's barrier would never answer, and the
-        job would hang until the collective timeout instead of failing."""
-        if barrier and (self._step_failed or sys.exc_info()[0] is not None):
-            barrier = False
-        error = self._drain_watched() if barrier else None  # a peer's failure in the last steps, named
-        # (a failed peer joins nothing)
-        barrier = barrier and error is None and (self._watch is None or self._watch.failure is None)
-        if barrier:  # every rank is here: the model you passed gets its full weights back (ZeRO-2/3, FSDP)
-            try:
-                with self._watched("closing the trainer (the model's weights given back)"):
-                    self.strategy.give_back(self.model)
-            except Exception as err:  # (a peer failed meanwhile: named; the rest still closes)
-                error, barrier = err, False
-        if self._watch is not None:
-            self._watch.stop()  # first: the peers must not take this rank's leaving for a death
-        stop_heartbeat()  # no daemon thread may be inside a store call when the process exits
-        if barrier and self.checkpoint_async:  # every rank closes: the wait agrees on the outcome
-            try:
-                self.wait_for_checkpoint()
-            except CheckpointWriteError as err:
-                error = err
-        else:
-            self._abandon_checkpoint_write()
-        self._unlock_checkpoint_directory()  # after the last write: another run may start on the directory
-        self.monitor.close()
-        self.strategy.teardown(self.model)
-        if getattr(self, "_checkpointed_model", None) is not None:
-            restore_key_value_cache(self._checkpointed_model)
-        if self._owns_context:
-            self.job_context.shutdown(barrier=barrier)
-        if error is not None:
-            raise error
-
-    def __enter__(self) -> "DistributedTrainer":
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        self.close(barrier=exc_type is None)
