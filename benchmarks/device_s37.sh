@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Session 37: the 1- and 2-GPU kinds lent, not the 4-GPU one (issue 15 still waits for it). Results go to $OUT.
+#   A (2 GPUs): a regression check of sessions 27-36's hardening on the hot paths (the replica count's small
+#      all-reduce a step, FSDP's watched passes, the peer watch in fit, the trainer's checks): the models
+#      phase (ResNet-50, BERT, ViT, GPT-2 against torch DDP, 5 rounds of 30 steps, as session 26's
+#      models_2026-11-28_4xh200_s26_5x30.md) and the training phase at 1.3B (torch DDP, our DDP, ZeRO-2/3,
+#      torch FSDP2), world 2, in one call.
+. benchmarks/device_env.sh
+pip install -q --no-index --find-links .wheels --target /tmp/pyd pydantic > "$OUT/pip.log" 2>&1
+export PYTHONPATH=$PWD:/tmp/pyd
+suite() {  # name, seconds in all, seconds per world, suite.py arguments
+  local name=$1 limit=$2 per_world=$3; shift 3
+  (cd benchmarks && timeout -k 5 "$limit" python suite.py --out "$OUT/$name" --timeout "$per_world" "$@") 2>&1 \
+    | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/$name.log"
+  echo "exit $? at $(( $(date +%s) - start )) s" >> "$OUT/$name.log"
+}
+case "$1" in
+  A) suite M 260 250 --worlds 2 --phases models --variants plain,torch,ours,trainer --rounds 5 --steps 30
+     suite T 260 250 --worlds 2 --phases training --models gpt-1.3b:8:1024 \
+       --impls torch_ddp,ours_ddp,zero2,zero3,torch_fsdp2 ;;
+esac
