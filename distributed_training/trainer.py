@@ -36,6 +36,7 @@ from .global_batch import GlobalBatch, check_layout_world
 from .hangs import CollectiveTimeoutError
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
+from .monitor.null import ProgressOnly
 from .peer_watch import PeerFailureError, PeerWatch
 from .pipeline.meta_init import has_meta, materialize
 from .pipeline.training import PipelineOptions
@@ -115,7 +116,9 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             stops the same way without the save (twice: at once). See `fit`.
         log_dir: write per-rank TensorBoard and JSONL metrics under ``log_dir/rank_<i>`` during `fit`
             (see `distributed_training.monitor.Monitor`); `log_every` steps apart; ranks slower than
-            `straggler_threshold` times the median are flagged; `progress` draws a bar on rank 0.
+            `straggler_threshold` times the median are flagged. `progress` draws a bar on the job's main
+            rank during `fit`, with or without `log_dir` (one line per log step where stderr is no
+            terminal); False: none.
         mixed_precision: ``"bf16"``, ``"fp16"`` or None (``"fp32"``): autocast for forward and loss, fp32 master
             weights. fp16 uses a `DynamicLossScaler` (ours; pass one as `loss_scaler` to tune it),
             agreed across ranks. bf16 has fp32's exponent range and needs no scaler: passing one with
@@ -388,7 +391,9 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
                                 straggler_threshold=straggler_threshold,
                                 progress=progress and self.context.is_main,  # one bar: the job's main rank's
                                 cluster_view=not self.context.independent, member=strategy.member)
-                        if log_dir is not None and strategy.trains else NullMonitor())
+                        if log_dir is not None and strategy.trains
+                        else ProgressOnly(log_every) if progress and self.context.is_main and strategy.trains
+                        else NullMonitor())
         self.config = {
             "strategy": strategy.name,
             "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -507,7 +512,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
 
     @property
     def _monitoring(self) -> bool:
-        return not isinstance(self.monitor, NullMonitor)
+        return not isinstance(self.monitor, NullMonitor)  # (ProgressOnly is one: a bar, no figures)
 
     @property
     def monitor_log_every(self) -> int:

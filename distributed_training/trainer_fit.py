@@ -124,7 +124,8 @@ class Fitting(StepRecording):
         See `distributed_training.validation`.
         """
         if not isinstance(epochs, int) or epochs < 0:
-            raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
+            hint = " (fit's arguments are data, epochs, criterion: pass criterion= by name)" if callable(epochs) else ""
+            raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}{hint}")
         check_criterion(criterion)
         if isinstance(batch_size, str) and batch_size != "auto":
             raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")

@@ -24,7 +24,8 @@ class StepRecording:
                      data_time: float) -> dict[str, torch.Tensor]:
         """Hand the step just trained to the monitor (with the strategy's communication figures, and a
         pipeline's stage times and bubble, on log steps); returns the metrics with those figures added."""
-        if not self._monitoring:
+        if not self._monitoring:  # (a progress bar only, if any: `ProgressOnly`)
+            self.monitor.record_step(self.step, metrics, samples=0, step_time=step_time)
             return metrics
         comm = None
         log_every = self.monitor_log_every

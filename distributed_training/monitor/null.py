@@ -1,4 +1,5 @@
-"""`NullMonitor`: a `Monitor` that does nothing (same methods, no files, no collectives)."""
+"""`NullMonitor`: a `Monitor` that does nothing (same methods, no files, no collectives); `ProgressOnly`:
+one that only draws the progress bar."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["NullMonitor"]
+__all__ = ["NullMonitor", "ProgressOnly"]
 
 
 class NullMonitor:
@@ -59,3 +60,53 @@ class NullMonitor:
     def __exit__(self, *exc) -> None:
         pass
 
+
+
+class ProgressOnly(NullMonitor):
+    """No files and no collectives, only the progress bar (`ProgressBar` on stderr): what a trainer
+    without a ``log_dir`` uses on its main rank, so that a run in a terminal still shows where it is.
+
+    The bar moves on log steps (`log_every`) with the step's loss (read there: one wait for the device
+    per log window) and the steps per second of the window's training steps (evaluations left out)."""
+
+    def __init__(self, log_every: int = 50, stream=None) -> None:
+        import sys
+
+        from .progress import ProgressBar
+
+        self.log_every = log_every
+        self._bar = ProgressBar(sys.stderr if stream is None else stream)
+        self._total: int | None = None
+        self._last_step: int | None = None
+        self._window = [0, 0.0]  # steps and their seconds since the last drawing
+
+    @property
+    def progress_lines(self) -> bool:
+        return self._bar.lines
+
+    def start(self, total_steps: int | None = None, *, step: int | None = None) -> None:
+        self._total = total_steps
+        self._window = [0, 0.0]
+        first = step if step is not None else self._last_step or 0
+        self._bar.draw(first, total_steps, None, None)
+
+    def record_step(self, step: int, metrics: Mapping[str, float | torch.Tensor], *, samples: int,
+                    step_time: float, **timings: Any) -> None:
+        self._last_step = step
+        self._window[0] += 1
+        self._window[1] += step_time
+        if step % self.log_every:
+            return
+        steps, seconds = self._window
+        self._window = [0, 0.0]
+        loss = metrics.get("loss")
+        self._bar.draw(step, self._total, steps / seconds if seconds > 0 else None,
+                       None if loss is None else float(loss))
+
+    def end_progress(self) -> None:
+        if self._last_step is not None:
+            self._bar.draw(self._last_step, self._total, None, None)  # where training stopped
+        self._bar.finish()
+
+    def close(self) -> None:
+        self._bar.finish()

@@ -4,6 +4,7 @@ stderr is no terminal (a log file, a pipe, a job scheduler's capture) one plain 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 __all__ = ["ProgressBar"]
@@ -43,7 +44,10 @@ class ProgressBar:
 
         if self._bar is None or self._bar.total != total:
             self.finish()
-            self._bar = tqdm(total=total, initial=step, file=self._stream, unit=" steps", dynamic_ncols=True,
+            columns, lines = _size(self._stream)
+            sized = columns > 0 and lines > 0  # (a terminal that says it has no rows or columns: tqdm drew nothing)
+            self._bar = tqdm(total=total, initial=step, file=self._stream, unit=" steps", dynamic_ncols=sized,
+                             ncols=None if sized else columns or 100, nrows=None if sized else lines or 24,
                              bar_format=self._KNOWN if total else self._OPEN, mininterval=0.0)
         if loss is not None:
             self._bar.set_postfix_str(f"loss {loss:.4g}", refresh=False)
@@ -92,3 +96,12 @@ class ProgressBar:
                 bar.close()
             except (OSError, ValueError):
                 pass
+
+
+def _size(stream) -> tuple[int, int]:
+    """The terminal's columns and lines (0 where it does not say: a pseudo-terminal nobody sized)."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return 0, 0
+    return size.columns, size.lines

@@ -1,0 +1,83 @@
+"""Defects found in session 37 (trials and the ROADMAP's open points), each tested where it can fail on CPU."""
+
+from __future__ import annotations
+
+import os
+import pty
+
+import pytest
+import torch
+
+from distributed_training.testing import run_distributed
+
+
+def bar_without_log_dir_worker(rank, world, progress):
+    """fit with no log_dir: what each rank wrote on stderr (the bar's plain lines where it is no terminal)."""
+    import io
+    import sys
+
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    stderr, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        trainer = DistributedTrainer(torch.nn.Linear(4, 1), lambda ps: torch.optim.SGD(ps, lr=0.05), log_every=5,
+                                     progress=progress)
+        trainer.fit(TensorDataset(torch.randn(80, 4), torch.randn(80, 1)), epochs=1, criterion=F.mse_loss,
+                    batch_size=4)
+        trainer.close()
+        return sys.stderr.getvalue()
+    finally:
+        sys.stderr = stderr
+
+
+def test_the_progress_bar_shows_without_a_log_dir_on_the_main_rank_only():
+    said = run_distributed(bar_without_log_dir_worker, 2, args=(True,), timeout=90)
+    lines = [line for line in said[0].splitlines() if line.startswith("step ")]
+    # 80 rows, 2 ranks, batches of 4: 10 steps; a line at the start, at steps 5 and 10.
+    assert [line.split(" ")[1] for line in lines] == ["0/10", "5/10", "10/10"], said[0]
+    assert "loss " in lines[1] and "steps/s" in lines[1], lines
+    assert "step " not in said[1], said[1]
+    quiet = run_distributed(bar_without_log_dir_worker, 2, args=(False,), timeout=90)
+    assert not any(line.startswith("step ") for text in quiet for line in text.splitlines()), quiet
+
+
+def test_the_bar_draws_on_a_terminal_that_reports_no_size():
+    """A pseudo-terminal nobody sized says 0 columns and 0 lines: tqdm drew nothing at all there."""
+    from distributed_training.monitor.progress import ProgressBar
+
+    master, slave = pty.openpty()
+    try:
+        if os.get_terminal_size(slave).columns:
+            pytest.skip("this system's pseudo-terminals come sized")
+        with os.fdopen(slave, "w", closefd=False) as stream:
+            bar = ProgressBar(stream)
+            bar.draw(3, 10, 2.0, 1.5)
+            bar.finish()
+        drawn = os.read(master, 4096).decode(errors="replace")
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert "step 3/10" in drawn and "loss 1.5" in drawn, repr(drawn)
+
+
+def criterion_as_epochs_worker(rank, world):
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    trainer = DistributedTrainer(torch.nn.Linear(2, 1), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    try:
+        trainer.fit(TensorDataset(torch.randn(4, 2), torch.randn(4, 1)), torch.nn.MSELoss())
+    except ValueError as err:
+        return str(err)
+    finally:
+        trainer.close()
+
+
+def test_a_criterion_given_where_fit_takes_epochs_says_how_to_pass_it():
+    said = run_distributed(criterion_as_epochs_worker, 1, timeout=60)
+    assert "pass criterion= by name" in said[0], said
