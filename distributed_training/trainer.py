@@ -50,7 +50,8 @@ from .trainer_closing import Closing, released_if_it_raises
 from .trainer_hyperparameters import hyperparameters
 from .trainer_fit import Fitting
 from .trainer_peers import PeerWatching
-from .trainer_arguments import check_arguments, check_optimizer, check_optimizer_after_setup, check_parallel_arguments
+from .trainer_arguments import (check_arguments, check_optimizer, check_optimizer_after_setup, check_parallel_arguments,
+                                check_same_options)
 from .trainer_step import Stepping
 
 __all__ = ["DistributedTrainer", "CollectiveTimeoutError", "CheckpointWriteError", "PeerFailureError"]
@@ -320,6 +321,25 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         self.context = context if context is not None else init_distributed(timeout=timeout)
         install_default_handler(self.context.rank)
         ctx = self.context
+        # First, over the whole job: what decides its collectives is the same on every rank (a log_dir
+        # given on rank 0 only hung the job at its first log step, unnamed).
+        check_same_options({
+            "strategy": strategy if isinstance(strategy, str) else type(strategy).__name__,
+            "pipeline_parallel_size": pipeline_parallel_size, "tensor_parallel_size": tensor_parallel_size,
+            "gradient_accumulation_steps": gradient_accumulation_steps, "gradient_clip_val": gradient_clip_val,
+            "mixed_precision": mixed_precision, "seed": seed, "log_dir": None if log_dir is None else "set",
+            "log_every": log_every, "checkpoint_dir": None if checkpoint_dir is None else "set",
+            "checkpoint_every": checkpoint_every, "checkpoint_async": checkpoint_async,
+            "checkpoint_shared": checkpoint_shared, "resume": resume, "save_on_preemption": save_on_preemption,
+            "heartbeat_timeout": heartbeat_timeout, "memory_budget_bytes": memory_budget_bytes,
+            "activation_checkpointing": activation_checkpointing, "communication": communication,
+            "compile": compile if isinstance(compile, bool) else "arguments", "loss_scaler": loss_scaler,
+            "pipeline_schedule": pipeline_schedule, "microbatches": microbatches, "pipeline_chunks": pipeline_chunks,
+            "pipeline_split_points": pipeline_split_points, "pipeline_balance": pipeline_balance,
+            "pipeline_half_blocks": pipeline_half_blocks, "pipeline_cuda_graphs": pipeline_cuda_graphs,
+            "pipeline_compile_loss": pipeline_compile_loss, "sequence_parallel": sequence_parallel,
+            "tensor_parallel_plan": tensor_parallel_plan, **served,
+        }, "DistributedTrainer", ctx.group)
         # Before any group or checkpoint: a job restarted at a size that cannot keep the layout fails
         # here, on every rank alike, naming the sizes that can.
         check_layout_world(ctx.world_size, pipeline.size, tensor.size)

@@ -9,7 +9,8 @@ from typing import Any
 
 from .amp import check_precision_argument
 
-__all__ = ["check_arguments", "check_optimizer", "check_optimizer_after_setup", "check_parallel_arguments"]
+__all__ = ["check_arguments", "check_optimizer", "check_optimizer_after_setup", "check_parallel_arguments",
+           "check_same_options"]
 
 
 def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat_timeout, mixed_precision,
@@ -112,3 +113,53 @@ def check_parallel_arguments(pipeline: Any, tensor: Any, *, strategy: Any, micro
                                   "supported yet: use microbatches")
     if compile is not False:
         raise NotImplementedError(f"compile with pipeline_parallel_size={pipeline.size} is not supported yet")
+
+
+#: Said with an option set on some ranks only, most often a file written "on rank 0 only".
+_ON_EVERY_RANK = {
+    "log_dir": "the monitor exchanges step times at its log steps (each rank writes its own files under "
+               "log_dir/rank_<i>; the bar and the messages come from rank 0 only)",
+    "checkpoint_dir": "every rank writes its own part of a checkpoint and the ranks agree on each one; with "
+                      "node-local disks give each node's ranks their own directory",
+    "eval_dataset": "an evaluation adds up every rank's sums",
+}
+
+
+def describe_option(value: Any) -> Any:
+    """What of an option must be equal on every rank: its value where it is a plain one, whether it is set
+    for a path (ranks on different nodes may name their own), its kind for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, os.PathLike):
+        return "set"
+    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        return tuple(value)
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return tuple(sorted(value))
+    return f"<{type(value).__name__}>"
+
+
+def check_same_options(options: dict[str, Any], where: str, group: Any) -> None:
+    """Raise the same ValueError on every rank of `group` where `options` (described by `describe_option`;
+    paths and datasets by whether they are given) differ between ranks, naming the first that differs and
+    two ranks' values. These options decide what the ranks communicate: given on some ranks only, the
+    ranks would wait for one another in collectives the others never reach (a job that hangs, unnamed).
+    One all-gather of a few small values."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = {name: describe_option(value) for name, value in options.items()}
+    every: list[dict[str, Any] | None] = [None] * world
+    dist.all_gather_object(every, mine, group=group)
+    for name in mine:
+        values = [d.get(name) for d in every]
+        if all(v == values[0] for v in values):
+            continue
+        other = next(r for r, v in enumerate(values) if v != values[0])
+        shown = [("set" if v == "set" else "not given" if v is None else repr(v)) for v in (values[0], values[other])]
+        why = _ON_EVERY_RANK.get(name, "it decides what the ranks communicate and compute together")
+        raise ValueError(f"{where}: {name} differs across ranks: rank 0 has {shown[0]}, rank {other} has {shown[1]}. "
+                         f"Give every rank the same {name}: {why}; given on some ranks only, the ranks would "
+                         "wait for each other in collectives the others never reach")

@@ -19,6 +19,7 @@ from .data import MapDataset, ShardedSampler, agree_steps_per_epoch, map_style, 
 from .global_batch import GlobalBatch, plan_global_batch
 from .logs import get_logger
 from .stopping import SAVING_SIGNALS, StopSignals
+from .trainer_arguments import check_same_options
 from .trainer_step import check_criterion
 from .trainer_recording import StepRecording
 from .validation import PeriodicEvaluation
@@ -171,6 +172,16 @@ class Fitting(StepRecording):
                 stop.finish()
             stop.deliver()
             return []
+        if not self.context.independent:  # (ranks that never meet: a parameter server's ssp / async workers)
+            check_same_options({
+                "data": "a dataset (sharded)" if map_style(data) else "batches as given", "epochs": epochs,
+                "max_steps": max_steps, "shuffle": shuffle, "drop_last": drop_last,
+                "batch_size": "auto" if batch_size == "auto" else "a number or None",
+                "global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
+                "allow_global_batch_change": allow_global_batch_change,
+                "eval_dataset": None if eval_dataset is None else "set", "eval_every": eval_every,
+                "eval_metrics": eval_metrics, "eval_target": eval_target,
+            }, "fit", self.context.group)
         self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
         self._fit_global_batch = plan is not None and "pipeline_parallel_size" not in self.config
         resumed_from = self._resume_or_start_fresh()

@@ -81,3 +81,38 @@ def criterion_as_epochs_worker(rank, world):
 def test_a_criterion_given_where_fit_takes_epochs_says_how_to_pass_it():
     said = run_distributed(criterion_as_epochs_worker, 1, timeout=60)
     assert "pass criterion= by name" in said[0], said
+
+
+def options_on_one_rank_worker(rank, world, where, tmp):
+    """A trainer (or fit) option given on rank 0 only: every rank raises, naming it (it hung before)."""
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    extra = {"log_dir": f"{tmp}/runs"} if where == "log_dir" and rank == 0 else {}
+    extra.update({"gradient_clip_val": 1.0} if where == "clip" and rank == 0 else {})
+    fit_extra = ({"eval_dataset": TensorDataset(torch.randn(8, 4), torch.randn(8, 1))}
+                 if where == "eval_dataset" and rank == 0 else {})
+    try:
+        trainer = DistributedTrainer(torch.nn.Linear(4, 1), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="zero3",
+                                     progress=False, log_every=2, **extra)
+    except ValueError as err:
+        return str(err)
+    try:
+        trainer.fit(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), 1, F.mse_loss, batch_size=4, **fit_extra)
+    except ValueError as err:
+        return str(err)
+    finally:
+        trainer.close()
+    return None
+
+
+@pytest.mark.parametrize("where,name", [("log_dir", "DistributedTrainer: log_dir"),
+                                        ("clip", "DistributedTrainer: gradient_clip_val"),
+                                        ("eval_dataset", "fit: eval_dataset")])
+def test_an_option_given_on_one_rank_only_is_refused_on_every_rank_naming_it(tmp_path, where, name):
+    said = run_distributed(options_on_one_rank_worker, 2, args=(where, str(tmp_path)), timeout=60)
+    for text in said:
+        assert text is not None and text.startswith(name + " differs across ranks: rank 0 has"), said
