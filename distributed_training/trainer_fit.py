@@ -223,7 +223,10 @@ class Fitting(StepRecording):
                 history = self._train_epochs(loader, epochs, criterion, max_steps, log_every, on_step, stop,
                                              evaluation)
                 self.strategy.end_fit(self.model)  # the parameter server: the final parameters, on every rank
-            except BaseException:
+            except BaseException as err:
+                # An error of this rank's outside the blocks that publish it (fit's logging, `on_step`, a
+                # warning turned into an error): told to the peers, which wait in the next collective.
+                self._publish_own_error(err, f"fit, after training step {self.step} (logging, on_step)")
                 self._abandon_checkpoint_write()  # checkpoint_async: a peer may be gone; never wait on it
                 raise
             finally:

@@ -53,10 +53,20 @@ class PeerWatching:
         and on NCCL they are woken instead of waiting for the collective timeout."""
         if isinstance(err, RuntimeError):
             self._raise_if_peer_died(err)
+        self._publish_own_error(err)
+
+    def _publish_own_error(self, err: BaseException, activity: str | None = None) -> None:
+        """Publish `err` for the peers (`PeerWatch.publish_error`) unless a peer caused it (a lost peer, a
+        failure found) or it is no error of the job's (Ctrl-C, an exit). Where this rank
+        published at this position already (inside a step), the first record stays: `activity` only says
+        where an error raised outside the watched blocks was (fit's logging, `on_step`)."""
         watch = self._watch
-        if (watch is not None and watch.failure is None and not looks_like_peer_loss(err)
-                and not isinstance(err, (PeerFailureError, PipelineAborted))):
-            watch.publish_error(err)
+        if (watch is None or watch.failure is not None or not isinstance(err, Exception) or looks_like_peer_loss(err)
+                or isinstance(err, (PeerFailureError, PipelineAborted))):
+            return
+        if activity is not None:
+            watch.activity = activity
+        watch.publish_error(err)
 
     def _raise_if_peer_died(self, err: RuntimeError) -> None:
         """Raise `PeerFailureError` (from `err`) if `err` came from a dead peer, as the watcher finds.

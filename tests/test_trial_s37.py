@@ -116,3 +116,48 @@ def test_an_option_given_on_one_rank_only_is_refused_on_every_rank_naming_it(tmp
     said = run_distributed(options_on_one_rank_worker, 2, args=(where, str(tmp_path)), timeout=60)
     for text in said:
         assert text is not None and text.startswith(name + " differs across ranks: rank 0 has"), said
+
+
+def on_step_fails_worker(rank, world, log_dir):
+    """Rank 1's on_step raises after step 4 (an experiment tracker that is down), its process alive: the
+    other rank, waiting in the next collective, names it and its error (it was told "dead" once the
+    heartbeat stopped, or waited forever while the process lived)."""
+    import time
+
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+    from distributed_training.peer_watch import PeerFailureError
+
+    def on_step(step, metrics):
+        if rank == 1 and step == 4:
+            raise ConnectionError("experiment tracker unreachable")
+
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(torch.nn.Linear(8, 4), lambda ps: torch.optim.SGD(ps, lr=0.01), progress=False,
+                                 timeout=60, log_dir=log_dir, log_every=2)
+    trainer._peer_exit_after = 30.0
+    start = time.monotonic()
+    try:
+        trainer.fit(TensorDataset(torch.randn(160, 8), torch.randint(0, 4, (160,))), 1, F.cross_entropy,
+                    batch_size=4, log_every=2, on_step=on_step)
+        said = "returned"
+    except PeerFailureError as err:
+        said = f"peer {err.rank}: {err}"
+    except ConnectionError as err:
+        said = f"own: {err}"
+    seconds = time.monotonic() - start
+    if rank == 1:
+        time.sleep(4)  # alive while the other rank finds out
+    trainer.close(barrier=False)
+    return said, seconds
+
+
+@pytest.mark.parametrize("logs", [False, True])
+def test_an_error_raised_in_on_step_is_named_to_the_other_ranks(tmp_path, logs):
+    (said0, seconds0), (said1, _) = run_distributed(on_step_fails_worker, 2,
+                                                    args=(str(tmp_path / "logs") if logs else None,), timeout=90)
+    assert said1 == "own: experiment tracker unreachable", said1
+    assert said0.startswith("peer 1:") and "ConnectionError: experiment tracker unreachable" in said0, said0
+    assert "after training step 4" in said0 and seconds0 < 20, (said0, seconds0)
