@@ -226,7 +226,7 @@ class Fitting(StepRecording):
             except BaseException as err:
                 # An error of this rank's outside the blocks that publish it (fit's logging, `on_step`, a
                 # warning turned into an error): told to the peers, which wait in the next collective.
-                self._publish_own_error(err, f"fit, after training step {self.step} (logging, on_step)")
+                self._publish_own_error(err, f"fit, after training step {self.step}")
                 self._abandon_checkpoint_write()  # checkpoint_async: a peer may be gone; never wait on it
                 raise
             finally:

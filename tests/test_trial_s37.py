@@ -160,4 +160,46 @@ def test_an_error_raised_in_on_step_is_named_to_the_other_ranks(tmp_path, logs):
                                                     args=(str(tmp_path / "logs") if logs else None,), timeout=90)
     assert said1 == "own: experiment tracker unreachable", said1
     assert said0.startswith("peer 1:") and "ConnectionError: experiment tracker unreachable" in said0, said0
-    assert "after training step 4" in said0 and seconds0 < 20, (said0, seconds0)
+    assert "during fit, after training step 4" in said0 and seconds0 < 20, (said0, seconds0)
+
+
+def async_write_fails_worker(rank, world, tmp):
+    """checkpoint_async with rank 1's disk full: rank 1 raises the write's error at a later step (a local
+    check, outside the step's collectives); the other rank names it instead of waiting for a dead peer."""
+    import errno
+
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    import distributed_training.trainer_checkpoints_async as background
+    from distributed_training import DistributedTrainer
+    from distributed_training.checkpoint_async import CheckpointWriteError
+    from distributed_training.peer_watch import PeerFailureError
+
+    if rank == 1:
+        def full_disk(part, file):
+            raise OSError(errno.ENOSPC, "No space left on device", file)
+        background.atomic_save = full_disk
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(torch.nn.Linear(8, 4), lambda ps: torch.optim.SGD(ps, lr=0.01), progress=False,
+                                 timeout=60, checkpoint_dir=f"{tmp}/ckpt", checkpoint_every=2, checkpoint_async=True)
+    trainer._peer_exit_after = 30.0
+    try:
+        trainer.fit(TensorDataset(torch.randn(400, 8), torch.randint(0, 4, (400,))), 1, F.cross_entropy,
+                    batch_size=2, max_steps=60)
+        said = "returned"
+    except PeerFailureError as err:
+        said = f"peer {err.rank}: {err}"
+    except CheckpointWriteError as err:
+        said = f"own: {err}"
+    if rank == 1:
+        import time
+        time.sleep(4)
+    trainer.close(barrier=False)
+    return said
+
+
+def test_a_background_checkpoint_write_that_fails_on_one_rank_is_named_to_the_others(tmp_path):
+    said0, said1 = run_distributed(async_write_fails_worker, 2, args=(str(tmp_path),), timeout=90)
+    assert said1.startswith("own: rank 1: writing checkpoint file") and "No space left" in said1, said1
+    assert said0.startswith("peer 1:") and "No space left" in said0, said0
