@@ -168,7 +168,7 @@ def run_job(cfg: JobConfig) -> dict:
                 trainer.auto_batch_size(train, criterion)  # logs what it chose and why
             batch_size = t.batch_size if t.batch_size != "auto" else trainer.batch_size
             if batch_size is None and _resuming(trainer):  # fit() restores the batch size "auto" chose before
-                batch_size = trainer.checkpoints.latest_good()[1].get("batch_size")
+                batch_size = trainer.latest_checkpoint()[1].get("batch_size")  # (agreed: every rank calls it)
         # fit() shards by data-parallel replica: the ranks of one pipeline read the same batches.
         drop_last = pipelined and _short_last_batch(trainer, train, batch_size)
         epochs = (user_job.iterable_epochs(t.epochs, t.max_steps) if user_job.is_iterable(train) else

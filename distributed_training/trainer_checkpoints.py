@@ -30,6 +30,7 @@ from .checkpoint_layout import DirectoryLayout, agree_on_checkpoint, detect_layo
 from .checkpoint_shards import (FORMAT, Sources, build_index, check_shapes, extra_states, host_clone, load_extra_states,
                                 pack, summary, unpack_optimizer, unpack_params)
 from .logs import get_logger
+from .mesh import global_rank
 from .trainer_checkpoints_async import BackgroundCheckpointing
 from .trainer_hyperparameters import HyperparameterRestore
 
@@ -42,7 +43,7 @@ _TENSOR_DEFAULTS = {"tensor_parallel_size": 1, "sequence_parallel": False}  # th
 
 #: What a failed load raises on every rank: the type the failing rank met.
 _LOAD_ERRORS = {cls.__name__: cls for cls in (CheckpointCorruptError, CheckpointMismatchError, FileNotFoundError,
-                                              RuntimeError, ValueError, KeyError)}
+                                              OSError, RuntimeError, ValueError, KeyError)}
 
 # Suffixes of single-file checkpoints, which a checkpoint directory's name should not look like.
 _FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
@@ -134,7 +135,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         if broadcast:
             # Losses are each rank's own: every directory must rank checkpoints by the same (rank 0's) values.
             box = [values]
-            dist.broadcast_object_list(box, src=0, group=self.context.group)
+            dist.broadcast_object_list(box, src=global_rank(self.context.group, 0), group=self.context.group)
             values = box[0]
         if self.checkpoint_async:
             self._save_in_background(path, values)
@@ -157,7 +158,8 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
     def latest_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
         """(path, meta) of the checkpoint `fit` resumes from, or None; every rank must call it.
 
-        With one shared directory this is `CheckpointManager.latest_good`. With one directory per node,
+        With one shared directory this is `CheckpointManager.latest_good` as the main rank finds it (told to
+        the others: no two ranks load different steps after a read failed on one). With one directory per node,
         the newest step that is intact wherever it is held and whole between the nodes
         (`checkpoint_layout.agree_on_checkpoint`), so that no two nodes load different steps.
         """
@@ -167,8 +169,15 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
     def _resume_point(self) -> tuple[str, dict[str, Any], dict | None] | None:
         layout = self._layout(self.checkpoints.path_for(0))
         if layout.shared:
-            # Every rank reads the same directory: one says what it skips.
-            found = self.checkpoints.latest_good(warn=self.context.is_main)
+            # Every rank reads the same directory: the main rank picks, says what it skips, and tells the
+            # others (each verifying on its own, a read that failed on one rank only made it load an
+            # older step than its peers: a silent mix, then a crash).
+            ctx = self.context
+            found = self.checkpoints.latest_good(warn=True) if ctx.is_main else None
+            if ctx.world_size > 1:
+                box = [found]
+                dist.broadcast_object_list(box, src=global_rank(ctx.group, 0), group=ctx.group)
+                found = box[0]
             return (*found, None) if found is not None else None
         return agree_on_checkpoint(self.checkpoints, self.context, layout)
 
@@ -324,12 +333,21 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
                     log.warning("checkpoint %r is missing or incomplete (a save over it was interrupted): loading "
                                 "%r", path, found)
                 path, meta_path = found, os.path.join(found, "meta.pt")
-        if not os.path.isfile(meta_path) and not os.path.isfile(path):
-            steps = sorted(n for n in os.listdir(path) if n.startswith("step_")) if os.path.isdir(path) else []
-            hint = (f"; it holds fit's checkpoints ({steps[-1]} the newest): load one of those, e.g. "
-                    f"trainer.latest_checkpoint()[0] with checkpoint_dir={path!r}" if steps else "")
-            raise FileNotFoundError(f"rank {ctx.rank}: {meta_path!r} does not exist: not a complete checkpoint{hint}")
-        meta = read_meta(path)
+        # meta.pt read and verified by every rank, which agree (a read that failed on one rank only, a
+        # network file system's transient error, left the others waiting in the load's collectives).
+        meta, failure = None, ""
+        try:
+            if not os.path.isfile(meta_path) and not os.path.isfile(path):
+                steps = sorted(n for n in os.listdir(path) if n.startswith("step_")) if os.path.isdir(path) else []
+                hint = (f"; it holds fit's checkpoints ({steps[-1]} the newest): load one of those, e.g. "
+                        f"trainer.latest_checkpoint()[0] with checkpoint_dir={path!r}" if steps else "")
+                raise FileNotFoundError(f"rank {ctx.rank}: {meta_path!r} does not exist: not a complete checkpoint{hint}")
+            meta = read_meta(path)
+        except (CheckpointCorruptError, OSError) as err:
+            if ctx.world_size == 1:
+                raise
+            failure = f"{type(err).__name__}: {err}"
+        self._agree_on_load(path, failure, stage="checking")
         if meta.get("checkpoint_format") != FORMAT:
             raise CheckpointMismatchError(
                 f"checkpoint {path!r} was written by an earlier version of distributed_training (format "
@@ -433,7 +451,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
                 elif name in digests and "rank_checksums" not in meta:  # (one directory for all: it must be here)
                     raise FileNotFoundError(f"checkpoint file {os.path.join(path, name)!r} is missing (meta.pt lists "
                                             "it): the checkpoint is incomplete")
-        except (CheckpointCorruptError, FileNotFoundError) as err:
+        except (CheckpointCorruptError, OSError) as err:  # (OSError: a read error, FileNotFoundError)
             return f"{type(err).__name__}: {err}"
         return ""
 

@@ -203,3 +203,47 @@ def test_a_background_checkpoint_write_that_fails_on_one_rank_is_named_to_the_ot
     said0, said1 = run_distributed(async_write_fails_worker, 2, args=(str(tmp_path),), timeout=90)
     assert said1.startswith("own: rank 1: writing checkpoint file") and "No space left" in said1, said1
     assert said0.startswith("peer 1:") and "No space left" in said0, said0
+
+
+def resume_with_a_read_error_worker(rank, world, directory, max_steps, flaky):
+    """fit resuming from a shared checkpoint directory; with `flaky`, rank 1's first checksum read fails
+    (EIO: a network file system's transient error)."""
+    import errno
+
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    import distributed_training.checkpoint as checkpoint
+    from distributed_training import DistributedTrainer
+
+    if flaky and rank == 1:
+        real, calls = checkpoint.sha256_file, [0]
+
+        def sha256_file(path, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise OSError(errno.EIO, "Input/output error", path)
+            return real(path, *args, **kwargs)
+        checkpoint.sha256_file = sha256_file
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(torch.nn.Linear(8, 4), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                 checkpoint_dir=directory, checkpoint_every=2, keep_last=5)
+    try:
+        trainer.fit(TensorDataset(torch.randn(200, 8), torch.randint(0, 4, (200,))), 1, F.cross_entropy,
+                    batch_size=2, max_steps=max_steps)
+        said = f"step {trainer.step}"
+    except OSError as err:
+        said = f"{type(err).__name__}: {err}"
+    trainer.close(barrier=False)
+    return said
+
+
+def test_a_read_error_on_one_rank_while_resuming_fails_every_rank_alike(tmp_path):
+    """Each rank picked the newest checkpoint it could verify on its own: rank 1, after one failed read,
+    loaded step 4 while rank 0 loaded step 6 (different weights, silently), and the job crashed later."""
+    directory = str(tmp_path / "ckpt")
+    assert run_distributed(resume_with_a_read_error_worker, 2, args=(directory, 6, False), timeout=60) == ["step 6"] * 2
+    said = run_distributed(resume_with_a_read_error_worker, 2, args=(directory, 10, True), timeout=60)
+    assert said[0] == said[1] and said[0].startswith("OSError: loading checkpoint"), said
+    assert "failed on rank 1 (nothing was loaded on any rank)" in said[0] and "Input/output error" in said[0], said
+    assert run_distributed(resume_with_a_read_error_worker, 2, args=(directory, 10, False), timeout=60) == ["step 10"] * 2
