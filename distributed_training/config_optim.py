@@ -40,7 +40,7 @@ class OptimizerConfig(Section):
     exclude_from_weight_decay: list[Annotated[str, Field(min_length=1)]] = []
     """Parameters without weight decay (nor, for lars / lamb, trust ratio): bias, norm (normalisation
     layers), embedding, or a glob on parameter names ("head.*": one that matches no parameter is an
-    error). With adamw / sgd, strategies ddp and zero1 only (zero2 / zero3 / fsdp shards mix layers)."""
+    error). Not with strategy zero1 (its flat shards say no layers; zero2 / zero3 shards do)."""
 
 
 class ScheduleConfig(Section):

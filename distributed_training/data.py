@@ -218,7 +218,7 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
         return DataLoader(
             data.dataset, batch_size=loader_batch_size or data.batch_size, sampler=sampler, collate_fn=data.collate_fn,
             num_workers=data.num_workers, pin_memory=data.pin_memory, drop_last=data.drop_last or drop_last,
-            worker_init_fn=data.worker_init_fn, timeout=data.timeout, **workers,
+            worker_init_fn=WorkerSignals(data.worker_init_fn), timeout=data.timeout, **workers,
         )
     if isinstance(data, IterableDataset) or not isinstance(data, Dataset):
         if isinstance(batch_size, int):
@@ -230,4 +230,26 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
         raise ValueError(f"fit() on a Dataset needs batch_size >= 1, got {batch_size!r}")
     sampler = ShardedSampler(data, dp_world_size, dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=ctx.device.type == "cuda", drop_last=drop_last)
+                      pin_memory=ctx.device.type == "cuda", drop_last=drop_last,
+                      worker_init_fn=WorkerSignals(None) if num_workers else None)
+
+
+class WorkerSignals:
+    """A DataLoader's `worker_init_fn` that first makes its worker ignore SIGINT, SIGTERM and SIGHUP, then
+    calls `fn` (the user's, if any). A signal sent to the job's whole process group (Ctrl-C in a
+    terminal, ``kill -TERM -<pgid>``, Slurm's scancel, systemd) reached the workers too: they died, and the
+    training process's save on that signal failed reading its next batch ("DataLoader worker is killed
+    by signal: Terminated"). The training process stops at a step boundary and shuts its workers down;
+    a worker whose parent is gone exits by itself (DataLoader's watchdog)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, worker_id: int) -> None:
+        import signal
+
+        for number in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if number is not None:
+                signal.signal(number, signal.SIG_IGN)
+        if self.fn is not None:
+            self.fn(worker_id)

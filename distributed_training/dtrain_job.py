@@ -264,6 +264,10 @@ def _check_paths(cfg: JobConfig) -> None:
         existing = next(p for p in (target, *target.parents) if p.exists())
         if existing != target and not existing.is_dir():
             raise ConfigError(f"{name}: {path!r} cannot be created: {str(existing)!r} is a file")
+        if existing == target and not is_dir:  # the file of an earlier run: replaced, so its directory is written
+            if not os.access(target, os.W_OK):
+                raise ConfigError(f"{name}: {path!r} cannot be written: no write permission on it")
+            existing = target.parent
         if not os.access(existing, os.W_OK):
             raise ConfigError(f"{name}: {path!r} cannot be written: no write permission on {str(existing)!r}")
         try:  # (root passes os.access everywhere: /proc, a read-only mount)
@@ -347,7 +351,13 @@ def _write_outputs(cfg: JobConfig, trainer, metrics: dict) -> None:
     if trainer.context.is_main and trainer.strategy.trains:
         if cfg.output:
             Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-            torch.save(state, cfg.output)
+            try:  # (atomically: a full disk left a truncated model.pt under the final name)
+                atomic_save(state, cfg.output)
+            except (OSError, RuntimeError) as err:
+                cause = " ".join(str(err).split())[:300]
+                raise OSError(f"dtrain: writing the trained model to output {cfg.output!r} failed ({cause}; a full "
+                              "disk?): nothing was written there, an earlier file stays as it was; the checkpoints "
+                              "hold the model too") from err
         if cfg.checkpoint.dir:
             # The StatefulSet entrypoint idles instead of training again when this marker exists.
             Path(cfg.checkpoint.dir).mkdir(parents=True, exist_ok=True)

@@ -311,6 +311,11 @@ def param_groups(params: Iterable[torch.Tensor], names: dict[int, str], exclude:
     -> name) the excluded ones, with ``weight_decay=0`` and ``layerwise=False`` (LARS / LAMB do not adapt
     them either). A shard of several layers (``p.segments``) stays in the first group, the exclusions
     travelling as its ``exclude``. An empty group is left out."""
+    params = list(params)
+    if exclude and any(_segments(p) is None and id(p) not in names and p.numel() for p in params):
+        raise ValueError("param_groups: the strategy hands the optimizer tensors that are neither the model's "
+                         "parameters nor shards that say their layers (strategy 'zero1''s flat shards), so the "
+                         "exclusions from weight decay cannot be applied: use ddp, zero2 or zero3")
     decay, kept = [], []
     for p in params:
         (kept if _segments(p) is None and names.get(id(p)) in exclude else decay).append(p)

@@ -4,13 +4,14 @@ argument, and every rank raises alike (no rank waits in a collective the others 
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from typing import Any
 
 from .amp import check_precision_argument
 
 __all__ = ["check_arguments", "check_optimizer", "check_optimizer_after_setup", "check_parallel_arguments",
-           "check_same_options"]
+           "check_optimizer_layout", "check_same_options"]
 
 
 def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat_timeout, mixed_precision,
@@ -163,3 +164,40 @@ def check_same_options(options: dict[str, Any], where: str, group: Any) -> None:
         raise ValueError(f"{where}: {name} differs across ranks: rank 0 has {shown[0]}, rank {other} has {shown[1]}. "
                          f"Give every rank the same {name}: {why}; given on some ranks only, the ranks would "
                          "wait for each other in collectives the others never reach")
+
+
+#: Optimizers whose step reads a tensor's shape or its whole norm (factored moments, orthogonalised
+#: matrices, per-layer trust ratios): over a slice of a tensor they run another algorithm.
+_SHAPED = re.compile(r"lamb|lars|adafactor|muon|shampoo|soap|novograd", re.IGNORECASE)
+
+
+def check_optimizer_layout(optimizer: Any, module: Any, tensor_parallel: bool) -> None:
+    """The optimizer the strategy built, against what it is handed: our LARS / LAMB need each layer's whole
+    norm, which ZeRO-2/3's shards carry (``segments``) but ZeRO-1's flat shards and tensor parallelism's
+    slices do not (refused: they ran silently as another algorithm, 1e-3 off one process in 3 steps);
+    other optimizers that read a tensor's shape or norm (Adafactor, Muon, others' LAMB) are warned about
+    under any of them."""
+    from .optim import LAMB, LARS
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    own = {id(p) for p in module.parameters()}
+    flat = any(getattr(p, "segments", None) is None and id(p) not in own and p.numel() for p in params)
+    segmented = any(getattr(p, "segments", None) is not None for p in params)
+    name = type(optimizer).__name__
+    if tensor_parallel:
+        where = "tensor parallelism (each rank holds a slice of a layer)"
+    elif flat:
+        where = "strategy 'zero1' (flat shards without layer boundaries)"
+    elif segmented:
+        where = "flat shards of several layers (ZeRO-2/3, FSDP)"
+    else:
+        return
+    if isinstance(optimizer, (LARS, LAMB)):
+        if tensor_parallel or flat:
+            raise ValueError(f"optimizer {name} needs each layer's whole norm, which it does not see under {where}: "
+                             "use strategy ddp, zero2 or zero3 (their shards tell it the layers)")
+        return
+    if _SHAPED.search(name):
+        warnings.warn(f"optimizer {name} computes with each tensor's shape or whole norm, but under {where} it is "
+                      "handed slices: it then runs another algorithm than on one process, silently. Use DDP, or "
+                      "an elementwise optimizer (SGD, Adam, AdamW, ...)", stacklevel=4)

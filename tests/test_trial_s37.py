@@ -247,3 +247,45 @@ def test_a_read_error_on_one_rank_while_resuming_fails_every_rank_alike(tmp_path
     assert said[0] == said[1] and said[0].startswith("OSError: loading checkpoint"), said
     assert "failed on rank 1 (nothing was loaded on any rank)" in said[0] and "Input/output error" in said[0], said
     assert run_distributed(resume_with_a_read_error_worker, 2, args=(directory, 10, False), timeout=60) == ["step 10"] * 2
+
+
+def layerwise_optimizer_worker(rank, world, strategy, tp, kind):
+    import warnings
+
+    from distributed_training import DistributedTrainer
+    from distributed_training.logs import install_default_handler
+    from distributed_training.optim import LAMB, excluded_names, param_groups
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    if kind == "lamb":
+        factory = lambda ps: LAMB(ps, lr=1e-2)  # noqa: E731
+    elif kind == "adafactor":
+        factory = lambda ps: torch.optim.Adafactor(ps, lr=1e-2)  # noqa: E731
+    else:  # weight-decay exclusions by name (the biases)
+        names = {id(p): n for n, p in model.named_parameters()}
+        exclude = excluded_names(model, ["bias"])
+        factory = lambda ps: torch.optim.AdamW(param_groups(list(ps), names, exclude, 0.1), lr=1e-2)  # noqa: E731
+    kw = dict(tensor_parallel_size=tp, tensor_parallel_plan={"0": "colwise", "2": "rowwise"}) if tp > 1 else {}
+    install_default_handler(rank)  # (first: the trainer's own call would route warnings to logging, unrecorded)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            trainer = DistributedTrainer(model, factory, strategy=strategy, progress=False, **kw)
+        except ValueError as err:
+            return f"refused: {err}"
+    trainer.close()
+    return "warned: " + " | ".join(str(w.message) for w in said if "elementwise" in str(w.message))
+
+
+@pytest.mark.parametrize("strategy,tp,kind,expect", [
+    ("zero1", 1, "lamb", "refused: optimizer LAMB needs each layer's whole norm"),
+    ("ddp", 2, "lamb", "refused: optimizer LAMB needs each layer's whole norm"),
+    ("zero3", 1, "lamb", "warned: "),  # (exact: its shards say their layers)
+    ("zero1", 1, "exclusions", "refused: param_groups: the strategy hands the optimizer tensors"),
+    ("zero2", 1, "adafactor", "warned: optimizer Adafactor computes with each tensor's shape"),
+])
+def test_optimizers_that_need_whole_layers_are_refused_or_warned_where_they_see_slices(strategy, tp, kind, expect):
+    said = run_distributed(layerwise_optimizer_worker, 2, args=(strategy, tp, kind), timeout=90)
+    for text in said:
+        assert text.startswith(expect) and (expect != "warned: " or text == expect), (text, expect)
