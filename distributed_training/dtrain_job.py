@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint import atomic_save
 from .config import ConfigError, JobConfig, training_paths
 from .global_batch import plan_global_batch
 from .logs import get_logger

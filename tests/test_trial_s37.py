@@ -289,3 +289,74 @@ def test_optimizers_that_need_whole_layers_are_refused_or_warned_where_they_see_
     said = run_distributed(layerwise_optimizer_worker, 2, args=(strategy, tp, kind), timeout=90)
     for text in said:
         assert text.startswith(expect) and (expect != "warned: " or text == expect), (text, expect)
+
+
+def test_a_second_dtrain_run_writes_its_output_over_the_first(tmp_path, monkeypatch):
+    """The output check probed for a temporary file *inside* an existing output file: every second run
+    with `output:` set (the README's image example run twice) was refused as unwritable."""
+    from distributed_training import cli
+
+    said = []
+    monkeypatch.setattr(cli, "_report_once", said.append)
+    config = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "gpt_cpu.yaml")
+    output = tmp_path / "model.pt"
+    for run in range(2):
+        args = ["--set", "training.max_steps=1", "--set", f"checkpoint.dir={tmp_path / f'ck{run}'}",
+                "--set", f"logging.dir={tmp_path / f'logs{run}'}", "--set", f"output={output}"]
+        assert cli.main([config, *args]) == 0, said
+        assert output.is_file() and torch.load(output, weights_only=True)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")], os.listdir(tmp_path)  # no temporary left
+
+
+SIGNALLED_JOB = r'''
+import os, sys, time, torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+from distributed_training import DistributedTrainer
+
+class Slow(Dataset):
+    def __len__(self):
+        return 400
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return torch.full((4,), float(i % 7)), torch.tensor(i % 2)
+
+def on_step(step, metrics):
+    if step == 3:
+        open(sys.argv[2], "w").close()
+
+torch.manual_seed(0)
+trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                             checkpoint_dir=sys.argv[1])
+trainer.fit(Slow(), 1, F.cross_entropy, batch_size=4, num_workers=2, log_every=1, on_step=on_step)
+'''
+
+
+def test_sigterm_to_the_process_group_with_loader_workers_still_saves(tmp_path):
+    """`kill -TERM -<pgid>` (Slurm's scancel, systemd, a closed terminal's group) reached the DataLoader's
+    workers too: they died, and the save at the stop failed reading the next batch ("DataLoader worker is
+    killed by signal: Terminated"), so the preemption checkpoint was lost."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script, marker = tmp_path / "job.py", tmp_path / "step3"
+    script.write_text(SIGNALLED_JOB)
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..")}
+    job = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ck"), str(marker)], env=env,
+                           start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.05)
+        assert marker.exists(), job.communicate(timeout=30)[0]
+        os.killpg(job.pid, signal.SIGTERM)
+        out, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    saved = sorted(os.listdir(tmp_path / "ck")) if (tmp_path / "ck").is_dir() else []
+    assert job.returncode == 128 + signal.SIGTERM and any(n.startswith("step_") for n in saved), (job.returncode, saved, out[-2000:])
+    assert "on SIGTERM: checkpoint saved" in out, out[-2000:]
