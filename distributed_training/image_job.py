@@ -48,6 +48,11 @@ def check_config(cfg) -> None:
         return
     if d.root is None:
         raise ConfigError("data.root is required with data.dataset 'image_folder' (a directory of root/<class>/<image>)")
+    if m.target:  # the user's model on the folder's images: the image preset's fields do not apply
+        return
+    if m.preset not in VISION_PRESETS:
+        raise ConfigError(f"model.preset {m.preset!r} is not an image classifier; data.dataset 'image_folder' takes "
+                          f"{', '.join(VISION_PRESETS)} (or your own model: model.target)")
     preset = VISION_PRESETS[m.preset]
     if m.dropout:
         raise ConfigError(f"model.dropout is not used by the image preset {m.preset!r}: leave it at 0")

@@ -246,13 +246,30 @@ def uses_user_code(cfg: JobConfig) -> bool:
 def build(cfg: JobConfig, builtin: Callable[[JobConfig], tuple]) -> tuple:
     """(model, train set, validation set, criterion or None), the user's parts where the config names
     them, the built-in ones (`builtin`, dtrain's own `_build`) elsewhere."""
+    from .models import VISION_PRESETS
+
     m, d = cfg.model, cfg.data
     model = train = val = criterion = None
-    if not (m.target and d.target):
+    vision = m.preset in VISION_PRESETS
+    if vision and d.target and not m.target:
+        # An image preset on the user's data: the preset's model, its classes given (no folder to count).
+        from .image_job import classification_loss
+        from .models import build_vision_model
+
+        if m.num_classes is None:
+            raise ConfigError(f"model.preset {m.preset!r} on data.target needs model.num_classes (the classes of "
+                              "your data: with data.dataset image_folder they are counted from the folder)")
+        torch.manual_seed(cfg.training.seed)  # the same initial weights on every rank
+        model = build_vision_model(m.preset, m.num_classes, m.image_size, width=m.width, depth=m.n_layer,
+                                   dim=m.n_embd, zero_init_residual=m.zero_init_residual,
+                                   channels_last=m.channels_last)
+        criterion = classification_loss(cfg)
+    elif not (m.target and d.target):
         # The built-in half of the job (with its loss: cross-entropy for digits, the GPT's own for text),
         # from a copy of the config without the user's parts.
         plain = cfg.model_copy(update={
             "model": m.model_copy(update={"target": None, "preset": "classifier" if d.dataset == "digits" and m.target
+                                          else "resnet18" if d.dataset == "image_folder" and m.target
                                           else m.preset}),
             "data": d.model_copy(update={"target": None, "collate": None, "dataset": "digits"
                                          if m.preset == "classifier" and d.target else d.dataset}),

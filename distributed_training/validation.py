@@ -303,7 +303,8 @@ def _job_metric_names(section: Any, job: Any) -> list[str] | str:
     if _user_code(job):
         return "auto"
     classifier = job.model.preset == "classifier" or job.data.dataset == "image_folder"
-    return ["accuracy", "top5"] if classifier else ["perplexity"]
+    # (a classifier's defaults as "auto" chooses them: top5 over 5 classes or fewer, always 1, not warned about)
+    return "auto" if classifier else ["perplexity"]
 
 
 def check_job_evaluation(section: Any, job: Any = None) -> None:

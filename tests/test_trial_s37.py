@@ -360,3 +360,51 @@ def test_sigterm_to_the_process_group_with_loader_workers_still_saves(tmp_path):
     saved = sorted(os.listdir(tmp_path / "ck")) if (tmp_path / "ck").is_dir() else []
     assert job.returncode == 128 + signal.SIGTERM and any(n.startswith("step_") for n in saved), (job.returncode, saved, out[-2000:])
     assert "on SIGTERM: checkpoint saved" in out, out[-2000:]
+
+
+def bn_last_batch_worker(rank, world):
+    """A model with BatchNorm, 18 samples over 2 ranks in batches of 4: each replica's last batch is 1
+    sample, which BatchNorm cannot train on ("Expected more than 1 value per channel"): the job failed at
+    every epoch's end, and again after each resume. Now that batch is left out, said once."""
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+    from distributed_training.logs import install_default_handler
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    install_default_handler(rank)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+        history = trainer.fit(TensorDataset(torch.randn(18, 4), torch.randint(0, 2, (18,))), 2, F.cross_entropy,
+                              batch_size=4)
+    trainer.close()
+    return [h["steps"] for h in history], [str(w.message) for w in said if "BatchNorm" in str(w.message)]
+
+
+def test_a_last_batch_of_one_sample_is_left_out_for_batch_norm():
+    (steps, said), (steps1, said1) = run_distributed(bn_last_batch_worker, 2, timeout=90)
+    assert steps == steps1 == [2, 2], (steps, steps1)
+    assert len(said) == 1 and "last batch would hold 1 sample" in said[0] and not said1, (said, said1)
+
+
+def test_an_image_preset_on_your_data_and_your_model_on_an_image_folder_are_configs_not_key_errors(tmp_path,
+                                                                                                    monkeypatch):
+    """model.target with data.dataset image_folder failed validation with KeyError: 'small'; an image preset
+    on data.target with KeyError: 'resnet18'. The first is checked as the user's model; the second needs the
+    number of classes, said by name."""
+    from distributed_training import cli
+
+    said = []
+    monkeypatch.setattr(cli, "_report_once", said.append)
+    mine = tmp_path / "user_img.yaml"
+    mine.write_text(f"model: {{target: mypkg.models:build}}\ndata: {{dataset: image_folder, root: {tmp_path}}}\n")
+    assert cli.main([str(mine), "--print-config"]) == 0, said
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("model: {preset: resnet18, image_size: 24}\ndata: {target: mypkg.data:Folder}\n")
+    assert cli.main([str(preset), "--set", "checkpoint.dir=null"]) == 2, said
+    assert "model.preset 'resnet18' on data.target needs model.num_classes" in said[-1], said
