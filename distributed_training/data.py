@@ -108,8 +108,13 @@ class ShardedSampler(Sampler[int]):
             order += (order * repeats)[: self.total - len(order)]
         return order[: self.total]
 
+    #: Yield ``(epoch, index)`` keys instead of indices, for `SeededSamples` (`train_loader` sets it on the
+    #: samplers of loaders with worker processes).
+    keyed = False
+
     def __iter__(self) -> Iterator[int]:
-        return iter(self._indices()[self.offset + self.rank :: self.num_replicas][self.start :])
+        indices = self._indices()[self.offset + self.rank :: self.num_replicas][self.start :]
+        return iter([(self.epoch, i) for i in indices] if self.keyed else indices)
 
     def __len__(self) -> int:
         return max(0, self.shard_length() - self.start)
@@ -215,8 +220,10 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
                                  drop_last=drop_last)
         workers = dict(persistent_workers=data.persistent_workers, prefetch_factor=data.prefetch_factor,
                        multiprocessing_context=data.multiprocessing_context) if data.num_workers else {}
+        sampler.keyed = bool(data.num_workers)
         return DataLoader(
-            data.dataset, batch_size=loader_batch_size or data.batch_size, sampler=sampler, collate_fn=data.collate_fn,
+            SeededSamples(data.dataset, seed) if data.num_workers else data.dataset,
+            batch_size=loader_batch_size or data.batch_size, sampler=sampler, collate_fn=data.collate_fn,
             num_workers=data.num_workers, pin_memory=data.pin_memory, drop_last=data.drop_last or drop_last,
             worker_init_fn=WorkerSignals(data.worker_init_fn), timeout=data.timeout, **workers,
         )
@@ -229,9 +236,44 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
     if batch_size is None or batch_size < 1:
         raise ValueError(f"fit() on a Dataset needs batch_size >= 1, got {batch_size!r}")
     sampler = ShardedSampler(data, dp_world_size, dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-    return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+    sampler.keyed = bool(num_workers)
+    return DataLoader(SeededSamples(data, seed) if num_workers else data, batch_size=batch_size, sampler=sampler,
+                      num_workers=num_workers,
                       pin_memory=ctx.device.type == "cuda", drop_last=drop_last,
                       worker_init_fn=WorkerSignals(None) if num_workers else None)
+
+
+class SeededSamples(Dataset):
+    """A map-style dataset read in DataLoader worker processes, each sample with the worker's random number
+    generators (torch's, Python's, NumPy's) seeded from the job's seed, the epoch and the sample's index:
+    the keys are ``(epoch, index)`` (`ShardedSampler.keyed`). A sample's random augmentation is then the
+    same whichever worker reads it and however many there are, so a run resumed in the middle of an
+    epoch draws what the unbroken run drew (a worker's generator otherwise advanced over the samples it
+    happened to read since the epoch began: a resume, restarting the workers at another sample, drew
+    other augmentations, 1.9 off the unbroken run's weights in a trial). The training process's own
+    generators are not touched."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, int(seed)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _reseed(self, epoch: int, index: int) -> None:
+        import random
+        import sys
+
+        value = (((self.seed * 1_000_003) + epoch) * 2_147_483_647 + index) % (2**63 - 1)
+        torch.manual_seed(value)
+        random.seed(value)
+        numpy = sys.modules.get("numpy")  # (only if the dataset's code uses it)
+        if numpy is not None:
+            numpy.random.seed(value % 2**32)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        self._reseed(epoch, index)
+        return self.dataset[index]
 
 
 class WorkerSignals:
