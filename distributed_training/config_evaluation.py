@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from .config_fields import PositiveInt, Section
 
@@ -39,6 +39,11 @@ class EvaluationConfig(Section):
     """Stop at the first evaluation that reaches this value of one evaluated metric, e.g.
     {val_accuracy: 0.97} (at least it for accuracies, at most for val_loss / val_perplexity); the run's
     results then give time_to_target_s and target_step (time to accuracy). Needs every."""
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _one_metric(cls, value):  # (``--set evaluation.metrics=accuracy``: one name is that metric)
+        return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _known_metrics(self) -> "EvaluationConfig":

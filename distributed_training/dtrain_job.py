@@ -270,7 +270,9 @@ def _check_paths(cfg: JobConfig) -> None:
                 raise ConfigError(f"{name}: {path!r} cannot be written: no write permission on it")
             existing = target.parent
         if not os.access(existing, os.W_OK):
-            raise ConfigError(f"{name}: {path!r} cannot be written: no write permission on {str(existing)!r}")
+            read_only = hasattr(os, "statvfs") and os.statvfs(existing).f_flag & getattr(os, "ST_RDONLY", 1)
+            why = "it is on a read-only file system" if read_only else "no write permission"
+            raise ConfigError(f"{name}: {path!r} cannot be written: {why} ({str(existing)!r})")
         try:  # (root passes os.access everywhere: /proc, a read-only mount)
             fd, probe = tempfile.mkstemp(prefix=".dtrain-write-probe-", dir=existing)
             os.close(fd)

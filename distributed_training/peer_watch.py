@@ -364,7 +364,7 @@ class PeerWatch:
             last = f", last seen in step {step + 1} or later" if step is not None else ""
             message = (f"{self._name(self.rank)}: peer {self._name(peer)} (host {host}{last}) is dead: its heartbeat stopped "
                        f"{silent:.1f}s ago ({who}; heartbeat_timeout={self.timeout:g}s){where}. Its process was "
-                       "killed, crashed or lost its node; under torchrun with --max-restarts the job restarts its "
+                       "killed, crashed, lost its node or stopped running (SIGSTOP, a frozen host); under torchrun with --max-restarts the job restarts its "
                        "workers and resumes from the latest good checkpoint")
         job_rank = peer if self._global is None else self._global[peer]
         self.failure = PeerFailureError(message, job_rank, host, step, silent, error)

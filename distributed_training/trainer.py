@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -290,6 +291,14 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module (or an adapter's list of (name, module) pairs), got "
                             f"{type(model).__name__}")
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            # Its state dict's keys carry "_orig_mod.": checkpoints and full_state_dict() did not load into the
+            # plain model. The module inside it is compiled in place instead (its keys stay the model's).
+            model, compile = model._orig_mod, (compile or True) if pipeline_parallel_size == 1 else False
+            warnings.warn("model is a torch.compile'd module: the trainer takes the module inside it and "
+                          + ("compiles that in place (compile=True; pass compile={...} for options)" if compile
+                             else "runs it eagerly (compile is not supported with a pipeline yet)")
+                          + ", so that checkpoints and full_state_dict() keep the model's own keys", stacklevel=3)
         check_optimizer(optimizer, model)
         check_arguments(gradient_accumulation_steps=gradient_accumulation_steps, gradient_clip_val=gradient_clip_val,
                          heartbeat_timeout=heartbeat_timeout, mixed_precision=mixed_precision, loss_scaler=loss_scaler,

@@ -62,7 +62,8 @@ class BackgroundCheckpointing:
                     # previous.seconds (set before wait() returns): the write's whole duration, from its start.
                     log.warning("rank %d: the checkpoint of step %d waited %.2f s for the background write of step "
                                 "%d, which took %.2f s in all while %d step(s) trained in %.2f s: checkpoints come "
-                                "faster than they are written; raise checkpoint_every", ctx.rank, self.step, waited,
+                                "faster than they are written; raise checkpoint_every", ctx.rank, self.step,
+                                min(waited, previous.seconds or waited),  # (a loaded host wakes this a bit after the end)
                                 previous.step, previous.seconds, self.step - previous.step, training)
             self._checkpoint_write = None
             previous.raise_error()

@@ -456,3 +456,50 @@ def test_a_run_resumed_mid_epoch_with_loader_workers_is_bit_identical(tmp_path):
         assert torch.equal(value, resumed[name]), (name, (value - resumed[name]).abs().max())
     fewer = run("c", 6, 1)
     assert all(torch.equal(v, fewer[k]) for k, v in unbroken.items())  # (and whatever the number of workers)
+
+
+def compiled_model_worker(rank, world):
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = DistributedTrainer(torch.compile(model), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    trainer.fit(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), 1, F.cross_entropy, batch_size=4)
+    state = trainer.full_state_dict()
+    trainer.close()
+    return sorted(state)
+
+
+def test_a_torch_compiled_model_keeps_its_own_keys():
+    """torch.compile(model) given to the trainer put "_orig_mod." before every key of full_state_dict() and
+    of checkpoints, which then did not load into the plain model."""
+    keys = run_distributed(compiled_model_worker, 1, timeout=180)[0]
+    assert keys == ["0.bias", "0.weight", "2.bias", "2.weight"], keys
+
+
+def test_small_things_a_new_user_met(tmp_path):
+    """evaluation.metrics given as one name; the plot tool asked for a suffix it cannot write (it wrote PNG
+    bytes into run.txt); the bar's slow rate read "1.39s/ steps"."""
+    from distributed_training.config_evaluation import EvaluationConfig
+    from distributed_training.monitor.progress import ProgressBar
+
+    assert EvaluationConfig(metrics="accuracy").metrics == ["accuracy"]
+    matplotlib = pytest.importorskip("matplotlib")
+    del matplotlib
+    from distributed_training.monitor import plot
+
+    logs = tmp_path / "runs" / "rank_0"
+    logs.mkdir(parents=True)
+    (logs / "metrics.jsonl").write_text('{"step": 1, "time": 0, "rank": 0, "train/loss": 1.0}\n'
+                                        '{"step": 2, "time": 1, "rank": 0, "train/loss": 0.5}\n')
+    assert plot.main([str(tmp_path / "runs"), "-o", str(tmp_path / "run.txt")]) != 0
+    assert not (tmp_path / "run.txt").exists()
+    assert plot.main([str(tmp_path / "runs"), "-o", str(tmp_path / "run.png")]) == 0
+    assert ProgressBar._KNOWN.count("rate_noinv_fmt") == 1 and "{rate_fmt}" not in ProgressBar._OPEN

@@ -123,9 +123,13 @@ def plot_run(runs: dict[int, list[dict]], output: str | os.PathLike, *, title: s
         fig.suptitle(title)
     fig.tight_layout()
     suffix = os.path.splitext(os.fspath(output))[1].lower().lstrip(".")
-    # The file's suffix says its format (run.pdf, run.svg); PNG for a name without one it knows.
-    known = suffix in fig.canvas.get_supported_filetypes()
-    fig.savefig(os.fspath(output), format=suffix if known else "png", dpi=100)
+    # The file's suffix says its format (run.pdf, run.svg); PNG for a name without a suffix.
+    formats = fig.canvas.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        plt.close(fig)
+        raise ValueError(f"-o {os.fspath(output)!r}: matplotlib writes no .{suffix} files; name the file with one of "
+                         f"{', '.join('.' + f for f in sorted(formats))} (or no suffix: PNG)")
+    fig.savefig(os.fspath(output), format=suffix or "png", dpi=100)
     plt.close(fig)
     return [p[0] for p in present]
 
