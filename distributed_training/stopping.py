@@ -21,6 +21,7 @@ forwards one signal only: there a second Ctrl-C stops torchrun, which then ends 
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -44,6 +45,23 @@ SAVING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 #: Seconds after a first SIGINT from which another one raises KeyboardInterrupt at once.
 AGAIN_AFTER_S = 1.0
 _BY_PRIORITY = {code: sig for sig, code in _PRIORITY.items()}
+# Synchronous checkpoint writes in progress on this thread (`checkpoint_writing`), and a second Ctrl-C that
+# came during one: raised once it is complete (interrupted, it left an empty directory, exit status 1).
+_writes = {"depth": 0, "interrupted": False}
+
+
+@contextlib.contextmanager
+def checkpoint_writing():
+    """A synchronous checkpoint write: a second Ctrl-C during it raises `KeyboardInterrupt` once it is
+    complete (and every rank's part with it), not in the middle."""
+    _writes["depth"] += 1
+    try:
+        yield
+    finally:
+        _writes["depth"] -= 1
+    if _writes["depth"] == 0 and _writes["interrupted"]:
+        _writes["interrupted"] = False
+        raise KeyboardInterrupt("Ctrl-C pressed twice: stopped at once after the checkpoint write it came during")
 
 
 class StopSignals:
@@ -98,6 +116,11 @@ class StopSignals:
                                 "again to stop at once)")
             elif now - self._first_interrupt > AGAIN_AFTER_S:
                 self.restore()
+                if _writes["depth"] and threading.current_thread() is threading.main_thread():
+                    if not _writes["interrupted"]:
+                        log.warning("SIGINT again during a checkpoint write: stopping at once when it is complete")
+                    _writes["interrupted"] = True
+                    return
                 raise KeyboardInterrupt("Ctrl-C pressed twice: stopped at once, not at a step boundary")
         self.received = max(self.received, _PRIORITY[sig])
 

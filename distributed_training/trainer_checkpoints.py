@@ -31,6 +31,7 @@ from .checkpoint_shards import (FORMAT, Sources, build_index, check_shapes, extr
                                 pack, summary, unpack_optimizer, unpack_params)
 from .logs import get_logger
 from .mesh import global_rank
+from .stopping import checkpoint_writing
 from .trainer_checkpoints_async import BackgroundCheckpointing
 from .trainer_hyperparameters import HyperparameterRestore
 
@@ -210,7 +211,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
                        f"rank plus meta.pt), not a single {suffix} file; name it without a suffix, e.g. "
                        f"{path[:-len(suffix)]!r}, and load it with load_checkpoint")
             warnings.warn(message, stacklevel=2)
-        with self._watched(f"the checkpoint save to {path}"):  # a peer failing meanwhile is named
+        with checkpoint_writing(), self._watched(f"the checkpoint save to {path}"):  # a peer failing: named
             held, packed, part = self._rank_part()
             if self.strategy.save_checkpoint_files(self.model, path, part, self._meta(held, packed, None, metrics)):
                 return  # the strategy wrote it (the parameter server: its servers' state)

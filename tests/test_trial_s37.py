@@ -503,3 +503,47 @@ def test_small_things_a_new_user_met(tmp_path):
     assert not (tmp_path / "run.txt").exists()
     assert plot.main([str(tmp_path / "runs"), "-o", str(tmp_path / "run.png")]) == 0
     assert ProgressBar._KNOWN.count("rate_noinv_fmt") == 1 and "{rate_fmt}" not in ProgressBar._OPEN
+
+
+INTERRUPTED_SAVE = r'''
+import os, signal, sys, time, torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+import distributed_training.trainer_checkpoints as checkpoints
+from distributed_training import DistributedTrainer
+
+real = checkpoints.save_file
+
+def slow_save(part, path):  # Ctrl-C pressed twice while the file is written (a large model's save)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1.2)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)
+    return real(part, path)
+
+checkpoints.save_file = slow_save
+torch.manual_seed(0)
+trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                             checkpoint_dir=sys.argv[1], checkpoint_every=2)
+try:
+    trainer.fit(TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), 1, F.cross_entropy, batch_size=4)
+except KeyboardInterrupt as err:
+    print("interrupted:", err)
+    sys.exit(130)
+'''
+
+
+def test_a_second_ctrl_c_during_a_checkpoint_write_waits_for_it(tmp_path):
+    """The second press raised inside torch.save: "unexpected pos ...", exit status 1, and an empty
+    step directory, while the README says a write in progress always finishes first."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(INTERRUPTED_SAVE)
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..")}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 130 and "after the checkpoint write" in done.stdout, (done.returncode, done.stdout,
+                                                                                   done.stderr[-2000:])
+    assert os.path.isfile(tmp_path / "ck" / "step_000000002" / "meta.pt"), os.listdir(tmp_path / "ck")
