@@ -507,16 +507,17 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         return self.strategy.unwrap(self.model)
 
     @contextlib.contextmanager
-    def summon_full_params(self) -> Iterator[None]:
+    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
         """A block in which `module` holds its full weights, as parameters, whatever the strategy
         (ZeRO-2/3 and FSDP keep only a shard per rank outside a step: this gathers them, in the
         shards' dtype, fp32 under mixed precision, on the device, or on the CPU with ``cpu_offload``;
         the others hold them already): for a forward of your own, HF's ``generate()`` or
-        ``save_pretrained()``. Collective: every rank enters it. Read-only: the shards are what trains,
-        and `train_step` / `evaluate` are refused inside it. Under tensor parallelism each rank's
+        ``save_pretrained()``. Collective: every rank enters it. What the block writes into the weights
+        stays (`writeback`, as torch's FSDP: copied into the shards when it ends; make the same change
+        on every rank); ``writeback=False`` drops it. `train_step` / `evaluate` are refused inside it. Under tensor parallelism each rank's
         module still holds its slices, under a pipeline its own stages. A copy of the module made
         inside it keeps FSDP's hooks: for a model of its own, load `full_state_dict()` into a new one."""
-        with self.strategy.summon_full_params(self.model):
+        with self.strategy.summon_full_params(self.model, writeback):
             self._summoned = True
             try:
                 yield
@@ -525,7 +526,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
 
     def _check_not_summoned(self, what: str) -> None:
         if self._summoned:
-            raise RuntimeError(f"{what} inside summon_full_params(): the weights there are a read-only copy; "
+            raise RuntimeError(f"{what} inside summon_full_params(): the weights there are a gathered copy; "
                                "train and evaluate outside the block")
 
     @property

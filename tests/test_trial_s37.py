@@ -547,3 +547,26 @@ def test_a_second_ctrl_c_during_a_checkpoint_write_waits_for_it(tmp_path):
     assert done.returncode == 130 and "after the checkpoint write" in done.stdout, (done.returncode, done.stdout,
                                                                                    done.stderr[-2000:])
     assert os.path.isfile(tmp_path / "ck" / "step_000000002" / "meta.pt"), os.listdir(tmp_path / "ck")
+
+
+def summon_edit_worker(rank, world, strategy, writeback):
+    torch.manual_seed(0)
+    from distributed_training import DistributedTrainer
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, progress=False)
+    with trainer.summon_full_params(writeback=writeback):
+        with torch.no_grad():
+            trainer.module[2].bias.fill_(7.0)
+    state = trainer.full_state_dict()
+    trainer.close()
+    return state["2.bias"].tolist() if rank == 0 else None
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_weights_written_inside_summon_full_params_stay_under_every_strategy(strategy):
+    """They stayed under DDP and ZeRO-1 and were dropped silently under ZeRO-2/3 (torch's FSDP writes them
+    back by default); writeback=False drops them under the sharded strategies."""
+    assert run_distributed(summon_edit_worker, 2, args=(strategy, True), timeout=90)[0] == [7.0, 7.0]
+    if strategy in ("zero2", "zero3"):
+        assert run_distributed(summon_edit_worker, 2, args=(strategy, False), timeout=90)[0] != [7.0, 7.0]

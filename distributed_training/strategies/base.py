@@ -214,9 +214,10 @@ class Strategy(abc.ABC):
         """The user's module inside the wrapper."""
         return getattr(model, "module", model)
 
-    def summon_full_params(self, model: nn.Module) -> contextlib.AbstractContextManager:
+    def summon_full_params(self, model: nn.Module, writeback: bool = True) -> contextlib.AbstractContextManager:
         """A block in which the unwrapped module holds its full weights (a sharded strategy gathers
-        them; this one holds them already)."""
+        them, and with `writeback` copies what the block wrote into them back into its shards; this one
+        holds them already: what is written stays)."""
         return contextlib.nullcontext()
 
     def setup_optimizer(

@@ -39,14 +39,16 @@ class FullWeights:
             "`summon_full_params()`; every rank enters it), e.g. for HF's generate() or save_pretrained()")
 
     @contextlib.contextmanager
-    def summon_full_params(self) -> Iterator[None]:
+    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
         """The module itself holds its full weights inside this block, as parameters again (so that
         `module.parameters()`, HF's `device` / `dtype`, `generate()` and `save_pretrained()` work): the
         shards' own values (fp32 masters under mixed precision), gathered into buffers of their own,
         the whole model at once (on the CPU with ``cpu_offload``, one unit on the device at a time).
-        Collective: every rank enters it. Read-only: what is written into the weights here is lost when
-        it ends (the shards are what trains). The wrapper cannot run inside it; the module can. After
-        `release` the module holds its weights itself: nothing to do."""
+        Collective: every rank enters it. With `writeback` (the default, as torch's FSDP), what is
+        written into the weights here is copied into this rank's shards when the block ends (each rank
+        from its own copy: make the same change on every rank); without it, it is lost. Not the optimizer's
+        state. The wrapper cannot run inside it; the module can. After `release` the module holds its
+        weights itself: nothing to do."""
         if self._released:
             yield
             return
@@ -54,12 +56,17 @@ class FullWeights:
             raise RuntimeError("summon_full_params() is already open")
         if self._backward_state.pending:
             self._finish_backward()
-        self._summoned, restore = True, []
+        self._summoned, restore, flats = True, [], []
         try:
             with torch.no_grad():
                 for unit in self._units:
-                    restore.extend(self._register_full(unit))
+                    restore.extend(self._register_full(unit, flats=flats))
             yield
+            if writeback:  # (not after an error in the block: the shards stay as they were)
+                with torch.no_grad():
+                    for unit, flat in flats:
+                        size = unit.shard.numel()
+                        unit.shard.copy_(flat[self.shard_rank * size:(self.shard_rank + 1) * size])
         finally:
             for mod, attr, old in restore:
                 del mod._parameters[attr]
@@ -106,7 +113,8 @@ class FullWeights:
         self._released = True
         return True
 
-    def _register_full(self, unit: Unit, own_storage: bool = False) -> list[tuple[nn.Module, str, Any]]:
+    def _register_full(self, unit: Unit, own_storage: bool = False,
+                       flats: list | None = None) -> list[tuple[nn.Module, str, Any]]:
         """Gather the unit's shards into a new flat buffer and register its pieces as the modules'
         parameters (one per parameter, shared where the model ties it; each with a storage of its own if
         `own_storage`: what a saved bias or safetensors expects). Returns what they replaced."""
@@ -116,6 +124,8 @@ class FullWeights:
             all_gather_flat(flat, shard, self.shard_group, async_op=False).wait()
         if self.cpu_offload:  # a model offloaded for want of device memory: one unit on the device at a time
             flat = flat.cpu()
+        if flats is not None and unit.padded:
+            flats.append((unit, flat))
         pieces = torch.split(flat[:unit.numel], [info.numel for info in unit.infos]) if unit.infos else []
         made: dict[int, nn.Parameter] = {}
         replaced, seen = [], set()

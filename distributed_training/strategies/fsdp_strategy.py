@@ -115,8 +115,8 @@ class FSDPStrategy(Strategy):
         # The waits in the units' all-gathers and reduce-scatters, per synchronised backward.
         return (model.waits.pop() if isinstance(model, FSDP) else None), {}
 
-    def summon_full_params(self, model: FSDP) -> contextlib.AbstractContextManager:
-        return model.summon_full_params()
+    def summon_full_params(self, model: FSDP, writeback: bool = True) -> contextlib.AbstractContextManager:
+        return model.summon_full_params(writeback)
 
     def sync_gradients(self, model: FSDP) -> None:
         model.sync_gradients()
