@@ -19,3 +19,10 @@ case "$1" in
      suite T 260 250 --worlds 2 --phases training --models gpt-1.3b:8:1024 \
        --impls torch_ddp,ours_ddp,zero2,zero3,torch_fsdp2 ;;
 esac
+# B (2 GPUs): every GPU test two GPUs can run, after this session's changes on paths the GPU runs take: the
+#    options agreed in the trainer's constructor and fit (all_gather_object on NCCL), the resume point
+#    broadcast and meta.pt's read agreed (NCCL), summon_full_params' writeback into CUDA shards, the
+#    loaders' per-sample seeding (pinned memory), the progress bar without log_dir.
+case "$1" in
+  B) gpu_tests gpu_tests_all_B 560 --durations=15 -rs ;;
+esac
