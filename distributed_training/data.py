@@ -243,6 +243,39 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
                       worker_init_fn=WorkerSignals(None) if num_workers else None)
 
 
+#: A loader worker's SIGTERM that it ignored (one sent to the whole process group) and how long it then
+#: lives at most if nobody shuts it down.
+_TERMED = {"once": False}
+IGNORED_SIGTERM_LIVES_S = 120
+
+
+def _worker_sigterm(signum, frame) -> None:
+    """A loader worker's SIGTERM handler. One sent to the whole process group (a scheduler's stop) while
+    the training process trains is ignored once: that process stops at a step boundary, saves, and then
+    shuts its workers down, which a worker killed by the signal made fail ("DataLoader worker is killed
+    by signal"). The worker ends as by default where its DataLoader is shutting it down (its done event
+    set), on a second SIGTERM (a shutdown's terminate, multiprocessing's at exit), or after
+    `IGNORED_SIGTERM_LIVES_S` (SIGALRM) if nobody does."""
+    import os
+    import signal
+
+    shutting = False
+    while frame is not None:  # torch's worker loop holds the event its DataLoader sets to shut it down
+        if frame.f_code.co_name == "_worker_loop":
+            done = frame.f_locals.get("done_event")
+            shutting = done is None or done.is_set()
+            break
+        frame = frame.f_back
+    else:
+        shutting = True  # (not inside a worker loop: nothing to keep alive)
+    if shutting or _TERMED["once"]:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    _TERMED["once"] = True
+    signal.alarm(IGNORED_SIGTERM_LIVES_S)
+
+
 class SeededSamples(Dataset):
     """A map-style dataset read in DataLoader worker processes, each sample with the worker's random number
     generators (torch's, Python's, NumPy's) seeded from the job's seed, the epoch and the sample's index:
@@ -277,12 +310,13 @@ class SeededSamples(Dataset):
 
 
 class WorkerSignals:
-    """A DataLoader's `worker_init_fn` that first makes its worker ignore SIGINT, SIGTERM and SIGHUP, then
-    calls `fn` (the user's, if any). A signal sent to the job's whole process group (Ctrl-C in a
-    terminal, ``kill -TERM -<pgid>``, Slurm's scancel, systemd) reached the workers too: they died, and the
-    training process's save on that signal failed reading its next batch ("DataLoader worker is killed
-    by signal: Terminated"). The training process stops at a step boundary and shuts its workers down;
-    a worker whose parent is gone exits by itself (DataLoader's watchdog)."""
+    """A DataLoader's `worker_init_fn` that first makes its worker ignore SIGINT and SIGHUP, and a first
+    SIGTERM while training goes on (`_worker_sigterm`), then calls `fn` (the user's, if any). A signal sent
+    to the job's whole process group (Ctrl-C in a terminal, ``kill -TERM -<pgid>``, Slurm's scancel,
+    systemd) reached the workers too: they died, and the training process's save on that signal failed
+    ("DataLoader worker is killed by signal: Terminated", raised by torch's SIGCHLD handler). The training
+    process stops at a step boundary and shuts its workers down; a worker whose parent is gone exits by
+    itself (DataLoader's watchdog)."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -290,8 +324,10 @@ class WorkerSignals:
     def __call__(self, worker_id: int) -> None:
         import signal
 
-        for number in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        for number in (signal.SIGINT, getattr(signal, "SIGHUP", None)):
             if number is not None:
                 signal.signal(number, signal.SIG_IGN)
+        if hasattr(signal, "SIGALRM"):  # (POSIX)
+            signal.signal(signal.SIGTERM, _worker_sigterm)
         if self.fn is not None:
             self.fn(worker_id)

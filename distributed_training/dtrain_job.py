@@ -171,7 +171,8 @@ def run_job(cfg: JobConfig) -> dict:
             if batch_size is None and _resuming(trainer):  # fit() restores the batch size "auto" chose before
                 batch_size = trainer.latest_checkpoint()[1].get("batch_size")  # (agreed: every rank calls it)
         # fit() shards by data-parallel replica: the ranks of one pipeline read the same batches.
-        drop_last = pipelined and _short_last_batch(trainer, train, batch_size)
+        drop_last = ((pipelined and _short_last_batch(trainer, train, batch_size))
+                     or _batch_norm_tail(trainer, model, train, batch_size, user_job.is_iterable(train)))
         epochs = (user_job.iterable_epochs(t.epochs, t.max_steps) if user_job.is_iterable(train) else
                   _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last,
                               _resume_meta(cfg) if t.max_steps is not None else None))
@@ -437,6 +438,29 @@ def _short_last_batch(trainer, train, batch_size: int) -> bool:
                  trainer.config["pipeline_schedule"], smallest)
         return True
     return False
+
+
+def _batch_norm_tail(trainer, model: nn.Module, train, batch_size: int, iterable: bool) -> bool:
+    """Whether each epoch ends with a batch (or, under accumulation, micro-batches) of one sample a
+    replica while the model trains BatchNorm layers: one that sees a single value a channel then (a
+    ResNet's last layers on small images: 1x1) raises "Expected more than 1 value per channel", at every
+    epoch's end and again after each resume, and the job never finishes. Then that batch is left out
+    (``fit(drop_last=True)``, which the epochs for max_steps count too), and said."""
+    from .data import ShardedSampler
+
+    if iterable or not isinstance(batch_size, int):
+        return False
+    last = len(ShardedSampler(train, trainer.dp_world_size, 0)) % batch_size
+    cuts = trainer.gradient_accumulation_steps
+    if not 0 < last < 2 * cuts:
+        return False
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm) and m.training
+               for m in model.modules()):
+        return False
+    log.info("dtrain: each epoch's last batch would hold %d sample(s) a replica%s, on which the model's "
+             "BatchNorm layers may see one value a channel and fail: left out (a training.batch_size that leaves 2 "
+             "or more a micro-batch keeps it)", last, "" if cuts == 1 else f", cut in {cuts} micro-batches")
+    return True
 
 
 def _validate(trainer, val, criterion, batch_size: int, metrics: dict | None = None) -> dict:

@@ -55,12 +55,14 @@ def checkpoint_writing():
     """A synchronous checkpoint write: a second Ctrl-C during it raises `KeyboardInterrupt` once it is
     complete (and every rank's part with it), not in the middle."""
     _writes["depth"] += 1
+    interrupted = False
     try:
         yield
     finally:
         _writes["depth"] -= 1
-    if _writes["depth"] == 0 and _writes["interrupted"]:
-        _writes["interrupted"] = False
+        if _writes["depth"] == 0:  # (cleared even when the write failed: a later write must not raise it)
+            interrupted, _writes["interrupted"] = _writes["interrupted"], False
+    if interrupted:  # (only after a write that completed: a failed one raises its own error)
         raise KeyboardInterrupt("Ctrl-C pressed twice: stopped at once after the checkpoint write it came during")
 
 

@@ -159,7 +159,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
     def latest_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
         """(path, meta) of the checkpoint `fit` resumes from, or None; every rank must call it.
 
-        With one shared directory this is `CheckpointManager.latest_good` as the main rank finds it (told to
+        With one shared directory this is `CheckpointManager.latest_good` as the first rank finds it (told to
         the others: no two ranks load different steps after a read failed on one). With one directory per node,
         the newest step that is intact wherever it is held and whole between the nodes
         (`checkpoint_layout.agree_on_checkpoint`), so that no two nodes load different steps.
@@ -170,11 +170,12 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
     def _resume_point(self) -> tuple[str, dict[str, Any], dict | None] | None:
         layout = self._layout(self.checkpoints.path_for(0))
         if layout.shared:
-            # Every rank reads the same directory: the main rank picks, says what it skips, and tells the
+            # Every rank reads the same directory: the first rank picks, says what it skips, and tells the
             # others (each verifying on its own, a read that failed on one rank only made it load an
             # older step than its peers: a silent mix, then a crash).
             ctx = self.context
-            found = self.checkpoints.latest_good(warn=True) if ctx.is_main else None
+            # (the group's first rank: a parameter server's servers have no main rank among them)
+            found = self.checkpoints.latest_good(warn=True) if ctx.rank == 0 else None
             if ctx.world_size > 1:
                 box = [found]
                 dist.broadcast_object_list(box, src=global_rank(ctx.group, 0), group=ctx.group)

@@ -174,7 +174,8 @@ class Fitting(StepRecording):
             return []
         if not self.context.independent:  # (ranks that never meet: a parameter server's ssp / async workers)
             check_same_options({
-                "data": "a dataset (sharded)" if map_style(data) else "batches as given", "epochs": epochs,
+                "data kind": "a map-style dataset, sharded" if _sharded(data) else "an iterable of batches",
+                "epochs": epochs,
                 "max_steps": max_steps, "shuffle": shuffle, "drop_last": drop_last,
                 "batch_size": "auto" if batch_size == "auto" else "a number or None",
                 "global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
@@ -210,10 +211,6 @@ class Fitting(StepRecording):
         loader = train_loader(data, self.context, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
                               num_workers=num_workers, seed=self.seed, dp_rank=self.dp_rank,
                               dp_world_size=self.dp_world_size, loader_batch_size=plan and plan.per_rank)
-        if self._last_batch_of_one_for_batch_norm(loader):  # it would fail at each epoch's end, resumes too
-            loader = train_loader(data, self.context, batch_size=batch_size, shuffle=shuffle, drop_last=True,
-                                  num_workers=num_workers, seed=self.seed, dp_rank=self.dp_rank,
-                                  dp_world_size=self.dp_world_size, loader_batch_size=plan and plan.per_rank)
         self._check_last_batch(loader)
         self._check_dataset_length(loader, resumed_from)
         if evaluation is not None and eval_batch_size is None and not isinstance(eval_dataset, DataLoader):
@@ -334,29 +331,6 @@ class Fitting(StepRecording):
                         "not at all (the next epochs are whole). Resume with the data the run started on, or start "
                         "again (resume=False)", sampler.dataset_len, resumed_from, saved, self.epoch,
                         self.samples_in_epoch)
-
-    def _last_batch_of_one_for_batch_norm(self, loader) -> bool:
-        """Whether each epoch's last batch holds 1 sample on a replica while the model trains BatchNorm
-        layers, which cannot normalise one value a channel ("Expected more than 1 value per channel"): the
-        job failed at every epoch's end, and again after each resume. Said once; the loader is then
-        rebuilt with ``drop_last`` (the same on every rank: the shards are of one length)."""
-        sampler = getattr(loader, "sampler", None)
-        if not isinstance(sampler, ShardedSampler) or loader.drop_last or not isinstance(loader.batch_size, int):
-            return False
-        last = sampler.shard_length() % loader.batch_size
-        cuts = self.gradient_accumulation_steps  # (cut into micro-batches: each must keep 2 samples)
-        if not 0 < last < 2 * cuts or sampler.shard_length() < loader.batch_size:
-            return False
-        norms = [m for m in self.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
-        if not norms:
-            return False
-        if self.context.is_main:
-            one = "1 sample" if cuts == 1 else f"{last} sample(s), cut in {cuts} micro-batches,"
-            warnings.warn(f"fit(): each epoch's last batch would hold {one} on a data-parallel replica "
-                          f"({sampler.shard_length()} samples in batches of {loader.batch_size}), which the model's "
-                          f"BatchNorm layers cannot train on (one value a channel): it is left out (drop_last=True). "
-                          "A batch size that leaves 2 or more a micro-batch keeps it", UserWarning, stacklevel=3)
-        return True
 
     def _check_last_batch(self, loader) -> None:
         """Refuse now, not after an epoch, a sharded loader whose last batch the strategy cannot run."""
@@ -575,3 +549,10 @@ class Fitting(StepRecording):
                      else "")
             log.warning("stopping at step %d on %s (no checkpoint written for the stop%s)", self.step, sig.name,
                          saved)
+
+
+def _sharded(data) -> bool:
+    """Whether `fit` shards `data` by sample (a map-style dataset, or a DataLoader over one) rather than
+    iterating it as this rank's batches (`train_loader`)."""
+    inner = data.dataset if isinstance(data, DataLoader) else data
+    return isinstance(inner, Dataset) and not isinstance(inner, IterableDataset)

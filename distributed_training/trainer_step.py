@@ -59,6 +59,11 @@ class Stepping:
             self._failed(err)  # a peer's failure named; this rank's own error told to the peers
             if is_timeout(err):
                 raise CollectiveTimeoutError(diagnose_timeout(self.context, self.step, err)) from err
+            if isinstance(err, ValueError) and "Expected more than 1 value per channel" in str(err):
+                raise ValueError(f"training step {self.step + 1}: {err}: a (micro-)batch of one sample reached a "
+                                 "BatchNorm layer that sees one value a channel (a ResNet's last layers on small "
+                                 "images). In fit, pass drop_last=True (each epoch's last batch then goes) or a "
+                                 "batch_size that leaves 2 or more a replica and micro-batch") from err
             raise
 
     def _train_step(self, batch: Any, criterion: Criterion | None) -> dict[str, torch.Tensor]:

@@ -362,34 +362,48 @@ def test_sigterm_to_the_process_group_with_loader_workers_still_saves(tmp_path):
     assert "on SIGTERM: checkpoint saved" in out, out[-2000:]
 
 
-def bn_last_batch_worker(rank, world):
-    """A model with BatchNorm, 18 samples over 2 ranks in batches of 4: each replica's last batch is 1
-    sample, which BatchNorm cannot train on ("Expected more than 1 value per channel"): the job failed at
-    every epoch's end, and again after each resume. Now that batch is left out, said once."""
-    import warnings
-
+def bn_last_batch_worker(rank, world, drop_last):
+    """A model whose BatchNorm sees one value a channel, 18 samples over 2 ranks in batches of 4: each
+    replica's last batch is 1 sample, on which it fails. The error says what to do; drop_last=True trains."""
     import torch.nn.functional as F
     from torch.utils.data import TensorDataset
 
     from distributed_training import DistributedTrainer
-    from distributed_training.logs import install_default_handler
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    install_default_handler(rank)
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    try:
         history = trainer.fit(TensorDataset(torch.randn(18, 4), torch.randint(0, 2, (18,))), 2, F.cross_entropy,
-                              batch_size=4)
-    trainer.close()
-    return [h["steps"] for h in history], [str(w.message) for w in said if "BatchNorm" in str(w.message)]
+                              batch_size=4, drop_last=drop_last)
+        return [h["steps"] for h in history]
+    except ValueError as err:
+        return str(err)
+    finally:
+        trainer.close()
 
 
-def test_a_last_batch_of_one_sample_is_left_out_for_batch_norm():
-    (steps, said), (steps1, said1) = run_distributed(bn_last_batch_worker, 2, timeout=90)
-    assert steps == steps1 == [2, 2], (steps, steps1)
-    assert len(said) == 1 and "last batch would hold 1 sample" in said[0] and not said1, (said, said1)
+def test_a_last_batch_of_one_sample_for_batch_norm_says_what_to_do():
+    said = run_distributed(bn_last_batch_worker, 2, args=(False,), timeout=90)
+    for text in said:
+        assert "a (micro-)batch of one sample reached a BatchNorm layer" in text and "drop_last=True" in text, said
+    assert run_distributed(bn_last_batch_worker, 2, args=(True,), timeout=90) == [[2, 2], [2, 2]]
+
+
+def test_dtrain_leaves_out_a_last_batch_of_one_sample_for_batch_norm():
+    """The ResNet preset at 121 images in batches of 8 failed at every epoch's end and every resume."""
+    from types import SimpleNamespace
+
+    from distributed_training.dtrain_job import _batch_norm_tail
+
+    trainer = SimpleNamespace(dp_world_size=1, gradient_accumulation_steps=1)
+    bn = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    plain = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
+    data = list(range(121))
+    assert _batch_norm_tail(trainer, bn, data, 8, False) and not _batch_norm_tail(trainer, bn, data, 11, False)
+    assert not _batch_norm_tail(trainer, plain, data, 8, False) and not _batch_norm_tail(trainer, bn, data, 8, True)
+    trainer.gradient_accumulation_steps = 2  # 121 % 10 = 1: micro-batches of 1 and 0; 123 % 10 = 3: 2 and 1
+    assert _batch_norm_tail(trainer, bn, list(range(123)), 10, False)
 
 
 def test_an_image_preset_on_your_data_and_your_model_on_an_image_folder_are_configs_not_key_errors(tmp_path,
@@ -570,3 +584,43 @@ def test_weights_written_inside_summon_full_params_stay_under_every_strategy(str
     assert run_distributed(summon_edit_worker, 2, args=(strategy, True), timeout=90)[0] == [7.0, 7.0]
     if strategy in ("zero2", "zero3"):
         assert run_distributed(summon_edit_worker, 2, args=(strategy, False), timeout=90)[0] != [7.0, 7.0]
+
+
+def ps_latest_worker(rank, world, directory):
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    def trainer():
+        torch.manual_seed(0)
+        return DistributedTrainer(torch.nn.Linear(4, 1), lambda ps: torch.optim.SGD(ps, lr=0.01),
+                                  strategy="parameter_server", num_servers=1, heartbeat_timeout=None,
+                                  checkpoint_dir=directory, checkpoint_every=1, progress=False)
+    first = trainer()
+    first.fit(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), 1, F.mse_loss, batch_size=4, max_steps=2)
+    first.close()
+    again = trainer()
+    found = again.latest_checkpoint()
+    again.close()
+    return None if found is None else int(found[1]["step"])
+
+
+def test_a_parameter_servers_servers_find_the_checkpoint_too(tmp_path):
+    """The first rank of each role's group picks the checkpoint: the servers have no main rank among them,
+    and got None where the workers found step 2 (a script's "already done?" check then split the roles)."""
+    assert run_distributed(ps_latest_worker, 2, args=(str(tmp_path),), timeout=90) == [2, 2]
+
+
+def test_a_failed_checkpoint_write_does_not_leave_a_second_ctrl_c_behind():
+    from distributed_training import stopping
+
+    with pytest.raises(OSError):
+        with stopping.checkpoint_writing():
+            stopping._writes["interrupted"] = True  # (what a second Ctrl-C during the write sets)
+            raise OSError("No space left on device")
+    with stopping.checkpoint_writing():  # a later write completes without a KeyboardInterrupt
+        pass
+    with pytest.raises(KeyboardInterrupt):
+        with stopping.checkpoint_writing():
+            stopping._writes["interrupted"] = True
