@@ -246,7 +246,7 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
 #: A loader worker's SIGTERM that it ignored (one sent to the whole process group) and how long it then
 #: lives at most if nobody shuts it down.
 _TERMED = {"once": False}
-IGNORED_SIGTERM_LIVES_S = 120
+IGNORED_SIGTERM_LIVES_S = 900  # (past a long save on the signal: a torn one is worse)
 
 
 def _worker_sigterm(signum, frame) -> None:
