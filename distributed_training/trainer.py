@@ -340,7 +340,9 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             "log_every": log_every, "checkpoint_dir": None if checkpoint_dir is None else "set",
             "checkpoint_every": checkpoint_every, "checkpoint_async": checkpoint_async,
             "checkpoint_shared": checkpoint_shared, "resume": resume, "save_on_preemption": save_on_preemption,
-            "heartbeat_timeout": heartbeat_timeout, "memory_budget_bytes": memory_budget_bytes,
+            "heartbeat_timeout": heartbeat_timeout,
+            # (a budget per rank is fine for batch_size="auto", which agrees on its choice; strategy "auto" does not)
+            **({"memory_budget_bytes": memory_budget_bytes} if strategy == "auto" else {}),
             "activation_checkpointing": activation_checkpointing, "communication": communication,
             "compile": compile if isinstance(compile, bool) else "arguments", "loss_scaler": loss_scaler,
             "pipeline_schedule": pipeline_schedule, "microbatches": microbatches, "pipeline_chunks": pipeline_chunks,
