@@ -26,3 +26,8 @@ esac
 case "$1" in
   B) gpu_tests gpu_tests_all_B 560 --durations=15 -rs ;;
 esac
+# C (2 GPUs): B again with the session's last code (the review's fixes: the resume point's picker, loader
+#    workers' SIGTERM, the second Ctrl-C's flag, fit's data-kind option, the BatchNorm rule in dtrain).
+case "$1" in
+  C) gpu_tests gpu_tests_all_C 560 --durations=15 -rs ;;
+esac
