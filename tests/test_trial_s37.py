@@ -624,3 +624,24 @@ def test_a_failed_checkpoint_write_does_not_leave_a_second_ctrl_c_behind():
     with pytest.raises(KeyboardInterrupt):
         with stopping.checkpoint_writing():
             stopping._writes["interrupted"] = True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_bar_without_a_log_dir_reads_a_gpu_loss_without_waiting():
+    """A loss on the GPU is copied to the host without a wait and shown once there (at the latest at the
+    next log step): the bar must not add a device synchronisation to fit's steps."""
+    import io
+
+    from distributed_training.monitor.null import ProgressOnly
+
+    stream = io.StringIO()
+    bar = ProgressOnly(log_every=2, stream=stream)
+    bar.start(6, step=0)
+    for step in range(1, 7):
+        loss = torch.full((), 1.5 + step, device="cuda")
+        bar.record_step(step, {"loss": loss}, samples=0, step_time=0.01)
+    torch.cuda.synchronize()
+    bar.end_progress()
+    lines = [line for line in stream.getvalue().splitlines() if line.startswith("step ")]
+    assert any("loss 5.5" in line or "loss 3.5" in line for line in lines), lines  # (the 4th's or the 2nd's)

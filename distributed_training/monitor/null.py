@@ -66,8 +66,10 @@ class ProgressOnly(NullMonitor):
     """No files and no collectives, only the progress bar (`ProgressBar` on stderr): what a trainer
     without a ``log_dir`` uses on its main rank, so that a run in a terminal still shows where it is.
 
-    The bar moves on log steps (`log_every`) with the step's loss (read there: one wait for the device
-    per log window) and the steps per second of the window's training steps (evaluations left out)."""
+    The bar moves on log steps (`log_every`) with the loss and the steps per second of the window's
+    training steps (evaluations left out). A loss on a GPU is copied to the host without waiting and
+    shown once the copy is done (the next log step's drawing, at the latest): nothing waits for the
+    device."""
 
     def __init__(self, log_every: int = 50, stream=None) -> None:
         import sys
@@ -79,6 +81,8 @@ class ProgressOnly(NullMonitor):
         self._total: int | None = None
         self._last_step: int | None = None
         self._window = [0, 0.0]  # steps and their seconds since the last drawing
+        self._copy = None  # (host tensor, CUDA event) of the last log step's loss on its way to the host
+        self._loss: float | None = None
 
     @property
     def progress_lines(self) -> bool:
@@ -99,9 +103,22 @@ class ProgressOnly(NullMonitor):
             return
         steps, seconds = self._window
         self._window = [0, 0.0]
+        self._read_copy()
         loss = metrics.get("loss")
-        self._bar.draw(step, self._total, steps / seconds if seconds > 0 else None,
-                       None if loss is None else float(loss))
+        if isinstance(loss, torch.Tensor) and loss.is_cuda:
+            host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+            host.copy_(loss.detach(), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._copy = (host, done)
+            self._read_copy()
+        elif loss is not None:
+            self._loss = float(loss)
+        self._bar.draw(step, self._total, steps / seconds if seconds > 0 else None, self._loss)
+
+    def _read_copy(self) -> None:
+        if self._copy is not None and self._copy[1].query():
+            self._loss, self._copy = float(self._copy[0]), None
 
     def end_progress(self) -> None:
         if self._last_step is not None:
