@@ -31,3 +31,5 @@ esac
 case "$1" in
   C) gpu_tests gpu_tests_all_C 560 --durations=15 -rs ;;
 esac
+# D (1 GPU, run as a command line): the bar without log_dir reading a GPU loss without a device wait:
+#    . benchmarks/device_env.sh; gpu_tests gpu_tests_s37_D 200 -rs tests/test_trial_s37.py tests/test_monitor.py
