@@ -58,7 +58,7 @@ class Evaluation:
 
         check_criterion(criterion)
         self._check_not_summoned("evaluate()")
-        with self._watched(f"the evaluation after step {self.step}"):  # a peer failing meanwhile is named
+        with self._watched(f"the evaluation after step {self.step}", call=True):  # a peer failing: named
             names, _, total = self._evaluation_sums(data, criterion, batch_size=batch_size, metrics=metrics)
             count = total[-1].item()
         return {name: (total[k].item() / count if count else float("nan")) for k, name in enumerate(names)}

@@ -119,8 +119,69 @@ def diagnose_timeout(context: DistributedContext, step: int, err: Exception) -> 
         if seen is None or seen < step:
             behind.append(f"rank {r} (last seen at step {seen + 1 if seen is not None else 'none'})")
     if behind:
-        return f"{where}; missing: {', '.join(behind)} never reached step {step + 1}. Cause: {err}"
+        inside = [f"rank {r} is in {a}" for r, a in block_activities(ctx).items()]
+        hint = (f" ({'; '.join(inside)}: a collective call, such as save_checkpoint, evaluate or full_state_dict, "
+                "that every rank must make, made on some ranks only?)" if inside else "")
+        return f"{where}; missing: {', '.join(behind)} never reached step {step + 1}{hint}. Cause: {err}"
     return (f"{where}; every rank reached step {step + 1}, so a rank is stuck inside it: a peer waiting on its "
             "device or data, or ranks that issued different collectives (control flow that depends on a rank's "
             "data, such as experts of a mixture that are FSDP units of their own and run on some ranks only). "
             f"Cause: {err}")
+
+
+def _activity_key(rank: int) -> str:
+    return f"distributed_training/activity/{rank}"
+
+
+def publish_block(context: DistributedContext, activity: str) -> None:
+    """Say in the rendezvous store that this rank is inside `activity` (a collective call outside a step:
+    a checkpoint save, an evaluation, ``full_state_dict()``; "" when it left), for a timeout's message.
+    Two store writes a call, never on a step's path."""
+    store = _store()
+    if store is None or context.world_size <= 1:
+        return
+    try:
+        store.set(_activity_key(context.rank), activity)
+    except Exception:
+        pass
+
+
+def block_activities(context: DistributedContext) -> dict[int, str]:
+    """The ranks that said they are inside a collective call outside a step, and which."""
+    store = _store()
+    found = {}
+    for r in range(context.world_size if store is not None else 0):
+        try:
+            key = _activity_key(r)
+            value = store.get(key).decode() if store.check([key]) else ""
+        except Exception:
+            value = ""
+        if value:
+            found[r] = value
+    return found
+
+
+def diagnose_block_timeout(context: DistributedContext, step: int, activity: str, err: Exception) -> str:
+    """The message of a `CollectiveTimeoutError` raised inside `activity` (a collective call outside a
+    step) after training step `step`: the ranks that are not in it, where their heartbeats place them."""
+    ctx = context
+    where = f"rank {ctx.rank}: a collective timed out during {activity} (after training step {step})"
+    store = _store()
+    inside = block_activities(ctx)
+    others = []
+    for r in range(ctx.world_size if store is not None else 0):
+        if r == ctx.rank or inside.get(r) == activity:
+            continue
+        key = f"distributed_training/heartbeat/{r}"
+        try:
+            seen = int(store.get(key)) if store.check([key]) else None
+        except Exception:
+            seen = None
+        place = inside.get(r) or (f"training step {seen + 1} or later" if seen is not None and seen >= step
+                                  else "training" if seen is not None else "somewhere")
+        others.append(f"rank {r} is in {place}")
+    if others:
+        return (f"{where}: {'; '.join(others)}, not in it. Every rank must make this call (save_checkpoint, "
+                "evaluate and full_state_dict are collective: call them on every rank, and write or print "
+                f"on rank 0 only). Cause: {err}")
+    return f"{where}. Cause: {err}"

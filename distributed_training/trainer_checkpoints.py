@@ -212,7 +212,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
                        f"rank plus meta.pt), not a single {suffix} file; name it without a suffix, e.g. "
                        f"{path[:-len(suffix)]!r}, and load it with load_checkpoint")
             warnings.warn(message, stacklevel=2)
-        with checkpoint_writing(), self._watched(f"the checkpoint save to {path}"):  # a peer failing: named
+        with checkpoint_writing(), self._watched(f"the checkpoint save to {path}", call=True):  # a peer failing: named
             held, packed, part = self._rank_part()
             if self.strategy.save_checkpoint_files(self.model, path, part, self._meta(held, packed, None, metrics)):
                 return  # the strategy wrote it (the parameter server: its servers' state)
@@ -299,7 +299,7 @@ class Checkpointing(HyperparameterRestore, BackgroundCheckpointing):
         """The model's state for inference or another tool, whatever the strategy: on rank 0 the plain
         module's ``state_dict()`` (same keys, full tensors on the CPU), ``{}`` on the other ranks.
         Collective (a sharded strategy gathers the parameters unit by unit): call it on every rank."""
-        with self._watched("full_state_dict()"):
+        with self._watched("full_state_dict()", call=True):
             state = self.strategy.model_state_dict(self.model)
         if not self.context.is_main:
             return {}

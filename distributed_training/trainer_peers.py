@@ -9,7 +9,8 @@ import contextlib
 
 import torch.distributed as dist
 
-from .hangs import _store as _default_store, is_timeout
+from .hangs import (CollectiveTimeoutError, _store as _default_store, diagnose_block_timeout, is_timeout,
+                    publish_block)
 from .peer_watch import PeerFailureError, PeerWatch, looks_like_peer_loss
 from .pipeline.p2p import PipelineAborted
 
@@ -87,22 +88,39 @@ class PeerWatching:
             raise failure from err
 
     @contextlib.contextmanager
-    def _watched(self, activity: str):
+    def _watched(self, activity: str, call: bool = False):
         """A block of the job's collectives outside a step (an evaluation, a checkpoint save, a gather), under
         the peer watch, its error handled as a step's (`_failed`): a peer's death or error is named within
         seconds instead of a hang (NCCL) or a nameless closed connection (gloo), and this rank's own error
         is published for its peers. A failure found already raises at once, as at a step's start. Inside a
-        watched block already (fit's save calls `save_checkpoint`), that block's handling is the one."""
+        watched block already (fit's save calls `save_checkpoint`), that block's handling is the one.
+        `call`: a collective call the user makes (a save, an evaluation, ``full_state_dict()``), said in the
+        rendezvous store while it lasts, so that a timeout there, or in the step its peers went on to,
+        names where each rank is (such a call made on rank 0 only waited for the collective timeout and
+        said only "never reached step N")."""
         if self._watch is None or self._watch._busy:
             yield
             return
         self._watch.raise_if_failed()
+        if call:
+            publish_block(self.context, activity)
         with self._watching(activity):
             try:
                 yield
             except Exception as err:
                 self._failed(err)  # (inside the block: a failure found meanwhile is said during `activity`)
+                if call and is_timeout(err):  # (left published: the peers' own timeouts read it after this one)
+                    raise CollectiveTimeoutError(diagnose_block_timeout(self.context, self.step, activity,
+                                                                        err)) from err
+                if call:
+                    publish_block(self.context, "")
                 raise
+            except BaseException:  # (Ctrl-C, an exit: not a place to report)
+                if call:
+                    publish_block(self.context, "")
+                raise
+            if call:
+                publish_block(self.context, "")
 
     @contextlib.contextmanager
     def _fetching(self, sharded: bool):

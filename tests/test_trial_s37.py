@@ -645,3 +645,35 @@ def test_the_bar_without_a_log_dir_reads_a_gpu_loss_without_waiting():
     bar.end_progress()
     lines = [line for line in stream.getvalue().splitlines() if line.startswith("step ")]
     assert any("loss 5.5" in line or "loss 3.5" in line for line in lines), lines  # (the 4th's or the 2nd's)
+
+
+def save_on_rank0_only_worker(rank, world, directory):
+    import torch.nn.functional as F
+
+    from distributed_training import DistributedTrainer
+    from distributed_training.hangs import CollectiveTimeoutError
+
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    batch = (torch.randn(4, 4), torch.randint(0, 2, (4,)))
+    for _ in range(2):
+        trainer.train_step(batch, F.cross_entropy)
+    try:
+        if rank == 0:
+            trainer.save_checkpoint(f"{directory}/mine")  # (the mistake: on rank 0 only)
+        trainer.train_step(batch, F.cross_entropy)
+        said = "returned"
+    except CollectiveTimeoutError as err:
+        said = str(err)
+    trainer.close(barrier=False)
+    return said
+
+
+def test_a_save_on_rank_0_only_says_where_each_rank_is_when_it_times_out(tmp_path):
+    """Rank 0 waited in save_checkpoint, the others in their next step, until the collective timeout:
+    rank 0 got gloo's bare timeout, the others "rank 0 never reached step 3". Now both say where each is."""
+    said0, said1 = run_distributed(save_on_rank0_only_worker, 2, args=(str(tmp_path),), timeout=90,
+                                   collective_timeout=6)
+    assert "during the checkpoint save to" in said0 and "rank 1 is in training step 3 or later" in said0, said0
+    assert "Every rank must make this call" in said0, said0
+    assert "rank 0 is in the checkpoint save to" in said1 and "made on some ranks only" in said1, said1
