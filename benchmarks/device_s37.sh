@@ -33,3 +33,7 @@ case "$1" in
 esac
 # D (1 GPU, run as a command line): the bar without log_dir reading a GPU loss without a device wait:
 #    . benchmarks/device_env.sh; gpu_tests gpu_tests_s37_D 200 -rs tests/test_trial_s37.py tests/test_monitor.py
+# E (2 GPUs): B again after the last change (a collective call says itself in the store while it lasts).
+case "$1" in
+  E) gpu_tests gpu_tests_all_E 560 --durations=15 -rs ;;
+esac
