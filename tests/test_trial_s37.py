@@ -202,7 +202,9 @@ def async_write_fails_worker(rank, world, tmp):
 def test_a_background_checkpoint_write_that_fails_on_one_rank_is_named_to_the_others(tmp_path):
     said0, said1 = run_distributed(async_write_fails_worker, 2, args=(str(tmp_path),), timeout=90)
     assert said1.startswith("own: rank 1: writing checkpoint file") and "No space left" in said1, said1
-    assert said0.startswith("peer 1:") and "No space left" in said0, said0
+    # Rank 0 is told by the peer watch, or (where its next checkpoint's agreement comes first) by that.
+    assert (said0.startswith("peer 1:") or "rank 1 failed to write its file" in said0) and "No space left" in said0, \
+        said0
 
 
 def resume_with_a_read_error_worker(rank, world, directory, max_steps, flaky):
@@ -665,6 +667,8 @@ def save_on_rank0_only_worker(rank, world, directory):
         said = "returned"
     except CollectiveTimeoutError as err:
         said = str(err)
+    import time
+    time.sleep(8)  # (the other rank times out on its own before this one's connections close)
     trainer.close(barrier=False)
     return said
 
