@@ -185,3 +185,9 @@ def diagnose_block_timeout(context: DistributedContext, step: int, activity: str
                 "evaluate and full_state_dict are collective: call them on every rank, and write or print "
                 f"on rank 0 only). Cause: {err}")
     return f"{where}. Cause: {err}"
+
+
+def block_activities_or_steps(context: DistributedContext) -> dict[int, str]:
+    """Each other rank's collective call outside a step, or "a step" where it said none."""
+    inside = block_activities(context)
+    return {r: inside.get(r, "a step") for r in range(context.world_size) if r != context.rank}

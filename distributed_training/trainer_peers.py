@@ -9,8 +9,8 @@ import contextlib
 
 import torch.distributed as dist
 
-from .hangs import (CollectiveTimeoutError, _store as _default_store, diagnose_block_timeout, is_timeout,
-                    publish_block)
+from .hangs import (CollectiveTimeoutError, _store as _default_store, block_activities_or_steps,
+                    diagnose_block_timeout, is_timeout, publish_block)
 from .peer_watch import PeerFailureError, PeerWatch, looks_like_peer_loss
 from .pipeline.p2p import PipelineAborted
 
@@ -109,7 +109,10 @@ class PeerWatching:
                 yield
             except Exception as err:
                 self._failed(err)  # (inside the block: a failure found meanwhile is said during `activity`)
-                if call and is_timeout(err):  # (left published: the peers' own timeouts read it after this one)
+                # (left published: the peers' own timeouts read it after this one). gloo closes the
+                # connection of a collective that timed out: the rank whose wait ended second sees that.
+                if call and (is_timeout(err) or (looks_like_peer_loss(err) and any(
+                        a != activity for r, a in block_activities_or_steps(self.context).items()))):
                     raise CollectiveTimeoutError(diagnose_block_timeout(self.context, self.step, activity,
                                                                         err)) from err
                 if call:

@@ -10,8 +10,9 @@ from typing import Any, Callable
 import torch
 
 from .batches import batch_size_of, call_module, model_loss, split_batch, to_device
-from .hangs import CollectiveTimeoutError, diagnose_timeout, heartbeat, is_timeout
+from .hangs import CollectiveTimeoutError, block_activities, diagnose_timeout, heartbeat, is_timeout
 from .loss_weights import StepWeights, batch_count, counted, label_count
+from .peer_watch import looks_like_peer_loss
 from .runtime import fewest
 
 Criterion = Callable[[Any, Any], torch.Tensor]
@@ -57,7 +58,9 @@ class Stepping:
             return metrics
         except Exception as err:
             self._failed(err)  # a peer's failure named; this rank's own error told to the peers
-            if is_timeout(err):
+            if is_timeout(err) or (looks_like_peer_loss(err) and block_activities(self.context)):
+                # (gloo closes the connection of a collective that timed out: the rank whose wait ended
+                # second sees that, here while a peer is inside a collective call of its own)
                 raise CollectiveTimeoutError(diagnose_timeout(self.context, self.step, err)) from err
             if isinstance(err, ValueError) and "Expected more than 1 value per channel" in str(err):
                 raise ValueError(f"training step {self.step + 1}: {err}: a (micro-)batch of one sample reached a "
