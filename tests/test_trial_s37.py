@@ -57,11 +57,24 @@ def test_the_bar_draws_on_a_terminal_that_reports_no_size():
             bar = ProgressBar(stream)
             bar.draw(3, 10, 2.0, 1.5)
             bar.finish()
-        drawn = os.read(master, 4096).decode(errors="replace")
+        drawn = _read_all(master).decode(errors="replace")
     finally:
         os.close(master)
         os.close(slave)
     assert "step 3/10" in drawn and "loss 1.5" in drawn, repr(drawn)
+
+
+def _read_all(fd: int) -> bytes:
+    """Everything written so far to a pseudo-terminal: one read may return only the first of several writes."""
+    import select
+
+    chunks = []
+    while select.select([fd], [], [], 0.5)[0]:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def criterion_as_epochs_worker(rank, world):
