@@ -389,13 +389,11 @@ def data_fails_worker(rank, world, sharded, fail_after, log_dir):
     """Rank 1's dataset raises in the fourth batch; its process stays (a notebook, cleanup code): the other
     rank waited in the step's collectives until the connection closed or the collective timeout, told
     neither who failed nor what it raised (a trial). Now it names rank 1 and its error within seconds."""
-    import time
-
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, Dataset
 
     from distributed_training import DistributedTrainer
-    from distributed_training.peer_watch import PeerFailureError
+    from _failures import fit_outcome
 
     class Data(Dataset):
         calls = 0
@@ -415,19 +413,8 @@ def data_fails_worker(rank, world, sharded, fail_after, log_dir):
     trainer._peer_exit_after = 30.0
     # A DataLoader of the user's own (not sharded by fit): the ranks agree on each batch first.
     data = Data() if sharded else DataLoader(Data(), batch_size=4)
-    start = time.monotonic()
-    try:
-        trainer.fit(data, epochs=1, criterion=F.cross_entropy, batch_size=4 if sharded else None)
-        said = "returned"
-    except PeerFailureError as err:
-        said = f"peer {err.rank}: {err}"
-    except OSError as err:
-        said = f"own: {err}"
-    seconds = time.monotonic() - start
-    if rank == 1:
-        time.sleep(4)  # alive while the other rank finds out
-    trainer.close(barrier=False)
-    return said, seconds
+    return fit_outcome(rank, trainer, lambda: trainer.fit(data, epochs=1, criterion=F.cross_entropy,
+                                                         batch_size=4 if sharded else None), OSError)
 
 
 def test_a_rank_whose_data_raises_is_named_to_the_others_with_its_error(tmp_path):

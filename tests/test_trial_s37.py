@@ -135,13 +135,11 @@ def on_step_fails_worker(rank, world, log_dir):
     """Rank 1's on_step raises after step 4 (an experiment tracker that is down), its process alive: the
     other rank, waiting in the next collective, names it and its error (it was told "dead" once the
     heartbeat stopped, or waited forever while the process lived)."""
-    import time
-
     import torch.nn.functional as F
     from torch.utils.data import TensorDataset
 
     from distributed_training import DistributedTrainer
-    from distributed_training.peer_watch import PeerFailureError
+    from _failures import fit_outcome
 
     def on_step(step, metrics):
         if rank == 1 and step == 4:
@@ -151,20 +149,9 @@ def on_step_fails_worker(rank, world, log_dir):
     trainer = DistributedTrainer(torch.nn.Linear(8, 4), lambda ps: torch.optim.SGD(ps, lr=0.01), progress=False,
                                  timeout=60, log_dir=log_dir, log_every=2)
     trainer._peer_exit_after = 30.0
-    start = time.monotonic()
-    try:
-        trainer.fit(TensorDataset(torch.randn(160, 8), torch.randint(0, 4, (160,))), 1, F.cross_entropy,
-                    batch_size=4, log_every=2, on_step=on_step)
-        said = "returned"
-    except PeerFailureError as err:
-        said = f"peer {err.rank}: {err}"
-    except ConnectionError as err:
-        said = f"own: {err}"
-    seconds = time.monotonic() - start
-    if rank == 1:
-        time.sleep(4)  # alive while the other rank finds out
-    trainer.close(barrier=False)
-    return said, seconds
+    data = TensorDataset(torch.randn(160, 8), torch.randint(0, 4, (160,)))
+    return fit_outcome(rank, trainer, lambda: trainer.fit(data, 1, F.cross_entropy, batch_size=4, log_every=2,
+                                                         on_step=on_step), ConnectionError)
 
 
 @pytest.mark.parametrize("logs", [False, True])

@@ -1,0 +1,28 @@
+"""How a rank's `fit` ended when one rank fails, for the tests of errors told to the peers."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+def fit_outcome(rank: int, trainer, fit: Callable[[], object], own: type[BaseException]) -> tuple[str, float]:
+    """Run ``fit()`` and say how it ended, with its seconds: ``"returned"``, ``"peer <r>: <message>"`` for a
+    `PeerFailureError` naming rank r, or ``"own: <message>"`` for this rank's own error of type `own`. The
+    failing rank (1) stays alive a few seconds after its error, as a notebook or cleanup code would, while
+    the other finds out; the trainer is closed without a barrier."""
+    from distributed_training.peer_watch import PeerFailureError
+
+    start = time.monotonic()
+    try:
+        fit()
+        said = "returned"
+    except PeerFailureError as err:
+        said = f"peer {err.rank}: {err}"
+    except own as err:
+        said = f"own: {err}"
+    seconds = time.monotonic() - start
+    if rank == 1:
+        time.sleep(4)
+    trainer.close(barrier=False)
+    return said, seconds
