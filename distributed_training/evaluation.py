@@ -12,7 +12,7 @@ from .batches import batch_size_of, call_module, model_loss, to_device
 from .comm.collectives import broadcast_coalesced
 from .data import ShardedSampler
 from .mesh import global_rank
-from .loss_weights import counted, label_count, sums as sums_over_batch, weigh
+from .loss_weights import classified, counted, label_count, scored_targets, sums as sums_over_batch, weigh
 
 __all__ = ["Evaluation"]
 
@@ -42,7 +42,8 @@ class Evaluation:
         stages; the last stage's values reach the others at the end (`Strategy.evaluate_batch`).
         `metrics` maps a name to ``fn(outputs, targets) -> per-batch mean``, weighted by batch size;
         a function with the attribute ``reduction = "sum"`` returns the batch's sum instead (a count,
-        such as `validation.correct_count`: summed exactly), divided by the number of samples.
+        such as `validation.correct_count`: summed exactly), divided by the number of samples, or with
+        ``over_targets = True`` by the class-index targets the criterion does not ignore (accuracies).
 
         Buffers that each replica updates with its own batches (BatchNorm's running statistics: those
         a state dict holds, when every replica holds the same ones) are the first replica's during the
@@ -137,10 +138,15 @@ class Evaluation:
         module.eval()
         names = ["loss", *(metrics or {})]
         summed = [sums_over_batch(fn) for fn in (metrics or {}).values()]
+        over_targets = [k + 1 for k, fn in enumerate((metrics or {}).values()) if getattr(fn, "over_targets", False)]
+        if over_targets:  # an accuracy scores the targets the criterion does not ignore, and only those
+            metrics = {name: _on_classified(fn, criterion) if getattr(fn, "over_targets", False) else fn
+                       for name, fn in metrics.items()}
         loss_sums = criterion is not None and sums_over_batch(criterion)
-        # [loss x its count, metrics x rows..., the loss's count, rows]: a cross-entropy's mean is over the
-        # targets it keeps (`loss_weights.counted`), the metrics' over the rows.
-        sums = torch.zeros(len(names) + 2, dtype=torch.float64, device=self.device)
+        # [loss x its count, metrics x rows..., targets classified, the loss's count, rows]: a cross-entropy's
+        # mean is over the targets it keeps (`loss_weights.counted`), an accuracy over the targets it is not
+        # told to ignore (`loss_weights.classified`), the other metrics' over the rows.
+        sums = torch.zeros(len(names) + 3, dtype=torch.float64, device=self.device)
         batches, previous = iter(loader), None
         try:
             while True:
@@ -167,9 +173,10 @@ class Evaluation:
                     outputs = call_module(module, inputs)
                     values = [criterion(outputs, targets)]
                     values += [fn(outputs, targets) for fn in (metrics or {}).values()]
-                kept = n
+                kept = targets_kept = n
                 if criterion is not None and isinstance(batch, (tuple, list)) and len(batch) == 2:
                     kept = counted(criterion, batch[1], batch_size_of(batch)) * weight
+                    targets_kept = classified(criterion, batch[1], batch_size_of(batch)) * weight
                 elif criterion is None:  # the model's own loss: over the labels it keeps (Hugging Face)
                     kept = label_count(self.module, batch, batch_size_of(batch)) * weight
                 for k, v in enumerate(values):
@@ -178,6 +185,7 @@ class Evaluation:
                     part = weigh(v.detach().double(), (weight if loss_sums else kept) if k == 0
                                  else weight if summed[k - 1] else n)
                     sums[k] += part
+                sums[-3] += targets_kept
                 sums[-2] += kept
                 sums[-1] += n
         finally:
@@ -189,7 +197,7 @@ class Evaluation:
         local = sums.clone()
         if shards > 1:  # each replica counted once, whatever shares it
             dist.all_reduce(sums, group=ctx.mesh.group("data"))
-        return names, _per_row(local), _per_row(sums)
+        return names, _per_row(local, over_targets), _per_row(sums, over_targets)
 
 
 def _buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -201,10 +209,24 @@ def _buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return sorted((name, b) for name, b in module.named_buffers() if name in kept)
 
 
-def _per_row(sums: torch.Tensor) -> torch.Tensor:
-    """[loss x count, metrics x rows..., count, rows] -> [loss x rows / count x count..., rows]: every value
-    over the last entry, the loss's mean over its own count (what callers divide by the rows)."""
-    out = torch.cat([sums[:-2], sums[-1:]])
+def _on_classified(fn: Callable, criterion: Criterion | None) -> Callable:
+    """`fn` on the rows whose class target `criterion` does not ignore (`loss_weights.scored_targets`)."""
+    def scored(outputs, targets):
+        keep = scored_targets(criterion, targets)
+        if keep is None or not torch.is_tensor(outputs) or len(outputs) != len(targets):
+            return fn(outputs, targets)
+        return fn(outputs[keep], targets[keep])
+
+    return scored
+
+
+def _per_row(sums: torch.Tensor, over_targets: list[int]) -> torch.Tensor:
+    """[loss x count, metrics x rows..., targets, count, rows] -> [values x rows..., rows]: every value over
+    the last entry (what callers divide by the rows), the loss's mean over its own count and the metrics
+    at `over_targets` over the targets classified (nan where none was)."""
+    out = torch.cat([sums[:-3], sums[-1:]])
     if float(sums[-2]) > 0:
         out[0] = sums[0] / sums[-2] * sums[-1]
+    for k in over_targets:
+        out[k] = sums[k] / sums[-3] * sums[-1] if float(sums[-3]) > 0 else float("nan")
     return out

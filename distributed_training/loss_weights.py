@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["StepWeights", "micro_weights", "counted", "label_count", "replica_scale", "ReplicaScale", "weigh",
-           "batch_count", "sums",
+           "batch_count", "sums", "classified", "scored_targets",
            "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # torch's cross-entropy / NLL default, and Hugging Face's label padding
@@ -201,6 +201,20 @@ def counted(criterion: Callable | None, targets: Any, rows: int, own: bool = Fal
             return weight[targets[kept]].sum()
         return kept.sum()
     return rows
+
+
+def scored_targets(criterion: Callable | None, targets: Any) -> torch.Tensor | None:
+    """Which of a batch's class targets (1-D class indices) an accuracy scores: those other than
+    `criterion`'s ``ignore_index`` (-100 unless it says otherwise); None for other targets."""
+    if isinstance(targets, torch.Tensor) and _class_indices(targets) and targets.dim() == 1:
+        return targets != _setting(criterion, "ignore_index", IGNORE_INDEX)
+    return None
+
+
+def classified(criterion: Callable | None, targets: Any, rows: int):
+    """How many of a batch's targets an accuracy is over (`scored_targets`), else `rows`."""
+    scored = scored_targets(criterion, targets)
+    return rows if scored is None else scored.sum()
 
 
 def sums(criterion: Any) -> bool:

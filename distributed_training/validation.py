@@ -12,7 +12,8 @@ loss and its counts in float64, and one all-reduce adds the replicas' sums. What
     val_samples     how many samples were evaluated (the whole set, once)
 
 Accuracies are counts divided by the number of samples (`correct_count`, `TopKCount`: summed, not
-averaged per batch), so they are exact. The metrics go to the logger (rank 0), to each rank's
+averaged per batch), so they are exact; a target the criterion ignores (its ``ignore_index``, -100 by
+default) counts in neither the hits nor the samples. The metrics go to the logger (rank 0), to each rank's
 monitor directory (``val/*``: that rank's own shard, in TensorBoard and ``eval.jsonl``) and to the
 monitor's cluster view (``cluster/val_*``: the whole set's, written by rank 0), and into the step's
 metrics that the checkpoints record: ``best_metric="val_accuracy"`` (``best_mode="max"``) keeps the
@@ -75,6 +76,7 @@ def correct_count(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 correct_count.reduction = "sum"  # type: ignore[attr-defined]
+correct_count.over_targets = True  # type: ignore[attr-defined]  # (not the rows: those ignored do not count)
 
 
 class TopKCount:
@@ -83,6 +85,7 @@ class TopKCount:
     chose it: `quiet`)."""
 
     reduction = "sum"
+    over_targets = True  # divided by the targets that count, as `correct_count`
 
     def __init__(self, k: int, quiet: bool = False) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
