@@ -41,3 +41,46 @@ def test_accuracy_leaves_out_the_targets_the_criterion_ignores(ignore_index):
         loss = torch.nn.functional.cross_entropy(logits, y, ignore_index=ignore_index).item()
         assert got["accuracy"] == pytest.approx(hits, abs=1e-12) and got["top2"] == pytest.approx(top2, abs=1e-12)
         assert got["loss"] == pytest.approx(loss, rel=1e-6)
+
+
+def own_data_worker(rank, world, same, augmented):
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.utils.data import Dataset, TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    class Augmented(Dataset):  # a random flip at every read: its first sample says nothing
+        def __init__(self, data):
+            self.data = data
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            x, y = self.data[i]
+            return (x.flip(0) if torch.rand(()) < 0.5 else x), y
+
+    seed = 0 if same else rank  # each rank's own file, of one length
+    data = TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(seed)), torch.arange(32) % 2)
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    torch.manual_seed(rank)  # each rank's augmentations its own
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Augmented(data) if augmented else data, 1, F.cross_entropy, batch_size=4)
+    trainer.close()
+    return [str(w.message) for w in caught if "differs across ranks" in str(w.message)]
+
+
+@pytest.mark.parametrize("same,augmented", [(False, False), (True, False), (False, True), (True, True)])
+def test_a_dataset_of_each_ranks_own_of_one_length_is_warned_about(same, augmented):
+    # Each rank trained 1/W of its own data, silently (only a length that differed was said). A random
+    # augmentation drawn from each rank's own generator does not make one dataset look like two.
+    warned = not same
+    said = run_distributed(own_data_worker, 2, args=(same, augmented), timeout=90)
+    for messages in said:
+        assert bool(messages) == warned, messages
+    if warned:
+        assert "first sample on rank 1 is not rank 0's" in said[0][0] and "1/2 of its own" in said[0][0], said[0]
