@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pty
+import re
+import time
 
 import pytest
 import torch
@@ -518,7 +520,20 @@ def test_small_things_a_new_user_met(tmp_path):
     assert plot.main([str(tmp_path / "runs"), "-o", str(tmp_path / "run.txt")]) != 0
     assert not (tmp_path / "run.txt").exists()
     assert plot.main([str(tmp_path / "runs"), "-o", str(tmp_path / "run.png")]) == 0
-    assert ProgressBar._KNOWN.count("rate_noinv_fmt") == 1 and "{rate_fmt}" not in ProgressBar._OPEN
+    master, slave = pty.openpty()  # a slow run's bar, drawn: a second and a half a step
+    try:
+        with os.fdopen(slave, "w", closefd=False) as stream:
+            bar = ProgressBar(stream)
+            bar.draw(1, 10, None, 2.0)
+            time.sleep(1.5)
+            bar.draw(2, 10, None, 1.5)
+            bar.finish()
+        drawn = _read_all(master).decode(errors="replace")
+    finally:
+        os.close(master)
+        os.close(slave)
+    last = [line for line in drawn.replace("\n", "\r").split("\r") if line.strip()][-1]
+    assert re.search(r"step 2/10 .* 0\.[5-7]\d steps/s", last) and "s/ steps" not in drawn, repr(drawn)
 
 
 INTERRUPTED_SAVE = r'''
