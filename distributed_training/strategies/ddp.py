@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from ..comm.bucket import MIB, Bucket
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module, labelled
@@ -209,7 +210,9 @@ class DDP(BucketLayout, CommTiming, nn.Module):
     # ----------------------------------------------------------------- public
     def forward(self, *args, **kwargs):
         self._before_forward()
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        self._hook_outputs(out)
+        return out
 
     def before_forward(self) -> None:
         """What `forward` does before running the module when a synchronised backward will follow: the
@@ -225,6 +228,20 @@ class DDP(BucketLayout, CommTiming, nn.Module):
         self._trainable.check()
         if torch.is_grad_enabled() and self._backward.sync_enabled:
             self._collectives_before_forward()
+
+    @eager_only
+    def _hook_outputs(self, out) -> None:
+        """A hook on the outputs of a forward that a synchronised backward follows, the first thing that
+        backward reaches: it queues the backward's end there, on the outermost pass. Reentrant activation
+        checkpointing runs a backward inside it, whose end (where a parameter's hook queued it) came
+        before the rest of the model's gradients."""
+        if not (self._hook_handles and self._backward.sync_enabled and torch.is_grad_enabled()):
+            return
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            me = weakref.ref(self)
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: me() is not None and me()._queue_finish(), mode="any")
 
     def join(self, optimizer: torch.optim.Optimizer | None = None, *, lr_scheduler=None):
         """A context in which ranks that run out of data keep answering the others' collectives:
@@ -329,11 +346,7 @@ class DDP(BucketLayout, CommTiming, nn.Module):
         state = self._backward
         if not state.sync_enabled:
             return  # `.grad` accumulates where autograd keeps it; the synchronised backward gathers it
-        if not state.callback_queued:
-            state.callback_queued = True
-            if self.measure_overlap:
-                self._overlap.begin()  # drop what a backward that raised half-way left behind
-            _queue_callback(self._finish_backward)
+        self._queue_finish()
         ready = state.ready
         if ready[index]:
             raise RuntimeError(
@@ -352,6 +365,22 @@ class DDP(BucketLayout, CommTiming, nn.Module):
                 # Launched from this parameter's own hook: gradient hooks registered after DDP's run next, on a
                 # gradient already being averaged. `_finish_backward` checks that they left it alone.
                 state.launched_by.append((index, self._view_of[index]._version))
+
+    def _queue_finish(self) -> None:
+        state = self._backward
+        if not state.callback_queued and state.sync_enabled:
+            state.callback_queued = True
+            if self.measure_overlap:
+                self._overlap.begin()  # drop what a backward that raised half-way left behind
+            _queue_callback(self._finish_if_reached)
+
+    def _finish_if_reached(self) -> None:
+        """The end of a synchronised backward: `_finish_backward`, unless it reached no parameter (a
+        ``torch.autograd.grad`` for the inputs only), which reduces nothing, as before it began."""
+        if any(self._backward.ready):
+            self._finish_backward()
+        else:
+            self._backward.callback_queued = False
 
     def _launch_ready_buckets(self) -> None:
         state = self._backward

@@ -62,6 +62,10 @@ def agreed_bucket_order(arrived: list[int], n_params: int, buckets: Sequence[Buc
     """The parameter order to re-bucket in: those that `arrived` (in arrival order), then the others in
     reverse registration order; with several ranks, global rank `src`'s order, broadcast over `group`
     (collective: every rank of the group must call it)."""
+    # A parameter arrives once per backward pass: two passes before the rebuild (two losses backpropagated
+    # with retain_graph=True in the first step) record it twice. Keep its first arrival only: a duplicate
+    # would put it in two buckets, whose pending counts then never reach zero (never reduced).
+    arrived = list(dict.fromkeys(arrived))
     seen = set(arrived)
     order = arrived + [i for i in reversed(range(n_params)) if i not in seen]
     if world_size > 1:

@@ -298,6 +298,7 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
                 "part of the same unit (auto_wrap_policy), register the weight where it is used as the same "
                 f"parameter (a tie), or use zero2 / zero1 / ddp. ({err})") from err
         self._after_forward()
+        self._hook_outputs(out)
         return out
 
     @eager_only
@@ -325,6 +326,25 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
         if not torch.is_grad_enabled():
             for unit in self._units:
                 self._reshard(unit)
+
+    @eager_only
+    def _hook_outputs(self, out) -> None:
+        """A hook on the model's outputs, the first thing a backward reaches: it queues the end of the
+        backward on the outermost pass (reentrant activation checkpointing runs a backward inside it, at
+        whose end the weights must not be freed yet) and gathers the root unit again for a second
+        backward through the same forward (``retain_graph=True``), after the first one freed it."""
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            me = weakref.ref(self)
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: me() is not None and me()._before_backward(), mode="any")
+
+    def _before_backward(self) -> None:
+        self._queue_finish()
+        for root in self._roots:
+            self._unshard(root)
 
     @eager_only
     def _pre_forward(self, unit: Unit) -> None:
@@ -355,6 +375,12 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
 
     # ------------------------------------------------------------ backward
     def _queue_finish(self) -> None:
+        if torch.is_grad_enabled():  # inside backward, grad mode is on only with create_graph=True
+            raise RuntimeError(
+                "FSDP / ZeRO-2/3 does not support double backward (torch.autograd.grad(..., create_graph=True) or "
+                "backward(create_graph=True) through the wrapped model, e.g. a gradient penalty): the end of that "
+                "backward frees the units' gathered weights, which the second backward still needs. Use strategy "
+                "'ddp' or 'zero1' for gradient penalties")
         if not self._backward_state.callback_queued:
             self._backward_state.callback_queued = True
             _queue_callback(self._finish_backward)

@@ -170,6 +170,9 @@ class Zero1DDP(DDP):
         self._gathers = _Gathers(len(self.shards))
         self._overlap_param_gather = bool(overlap_param_gather) and self.world_size > 1
         self._gather_hooks: list = []
+        # Set once a synchronised backward has reduce-scattered the buckets, cleared when they are zeroed
+        # (optimizer.zero_grad()): a gradient accumulated onto them in between would be reduced twice.
+        self._reduced = False
         if self._overlap_param_gather:
             self._register_gather_hooks()
 
@@ -190,6 +193,12 @@ class Zero1DDP(DDP):
         raise RuntimeError("join() is not supported with ZeRO-1: its optimizer step all-gathers the parameters, a "
                            "collective that a rank out of data would issue out of order; use strategy 'ddp' or "
                            "'zero3', or give every rank the same number of batches")
+
+    def _finish_backward(self, outside_backward: bool = False) -> None:
+        sync = self._backward.sync_enabled or outside_backward
+        super()._finish_backward(outside_backward)
+        if sync and not self._shadowing:
+            self._reduced = True
 
     def _read_held(self, held: list[int]) -> torch.Tensor:
         # Gradients live in the buckets: a `.grad` held is a bucket view, zeroed after each step, so what
@@ -289,6 +298,14 @@ class Zero1DDP(DDP):
                 "`self.head.weight` while `head` never runs), or compiled code ran the module without going through "
                 "the wrapper (compiled code skips the per-module waits). Call model.wait_for_parameters() before "
                 "such a forward, or use Zero1Strategy(overlap_param_gather=False)")
+        if self._reduced and self._params[index].grad is self._view_of[index]:
+            raise RuntimeError(
+                f"rank {self.rank}: a backward pass accumulated into parameter '{self._param_names[index]}' after a "
+                "synchronised backward had already reduce-scattered its gradient, before optimizer.zero_grad(). "
+                "ZeRO-1's reduce-scatter leaves only this rank's slice of each bucket averaged, so a second "
+                "synchronised backward before the step (two losses backpropagated separately, retain_graph=True, "
+                "manual accumulation without no_sync) would average wrongly. Sum the losses into one backward, "
+                "run the earlier backward passes under model.no_sync(), or use strategy 'ddp' / 'zero2' / 'zero3'")
         super()._on_grad_ready(index)
 
     def named_parameters(self, *args, **kwargs):
@@ -366,6 +383,7 @@ class Zero1DDP(DDP):
         """Zero every gradient bucket in place: the next backward starts from zero."""
         for b in self._buckets:
             b.buffer.zero_()
+        self._reduced = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by their global norm over all ranks' slices; return the norm.
