@@ -167,3 +167,66 @@ def test_a_gradient_penalty_under_sharded_weights_is_refused_by_name(strategy):
     # It crashed in the second backward with torch's "setStorage: ... out of bounds for storage of size 0".
     for said in run_distributed(gradient_penalty_worker, 2, args=(strategy,), timeout=90):
         assert "does not support double backward" in said and "'ddp' or 'zero1'" in said, said
+
+
+class _CheckpointedTail(torch.nn.Module):
+    """Reentrant activation checkpointing over the middle blocks and over the last block with the head:
+    the head's gradients (the root unit's, and the first of the backward) come inside a nested backward,
+    and the first layers' (the root unit's too) after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch import nn
+
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def tail(self, h):
+        return self.head(self.blocks[-1](h))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for block in self.blocks[:-1]:
+            h = checkpoint(block, h, use_reentrant=True)
+        return checkpoint(self.tail, h, use_reentrant=True)
+
+
+def reentrant_worker(rank, world, strategy):
+    import warnings
+
+    import torch.nn.functional as F
+
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    model, ref = _CheckpointedTail(), _CheckpointedTail()
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), strategy=strategy,
+                                 progress=False)
+    g = torch.Generator().manual_seed(1)
+    diffs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x, y = torch.randn(8, 6, generator=g, requires_grad=True), torch.randint(0, 4, (8,), generator=g)
+            mine = slice(4 * rank, 4 * rank + 4)
+            for m, xs, ys, opt in ((ref, x, y, ref_opt), (trainer.model, x[mine], y[mine], trainer.optimizer)):
+                F.cross_entropy(m(xs), ys).backward()
+                opt.step()
+                opt.zero_grad()
+            state = trainer.full_state_dict()
+            diffs += [max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items())] if state else []
+    trainer.close()
+    return diffs, [str(w.message) for w in caught if "no gradient" in str(w.message)]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_reentrant_checkpointing_trains_as_one_process(strategy):
+    # DDP said "10 parameter(s) received no gradient" (the end of the backward ran at the nested one's end);
+    # ZeRO-2/3 crashed ("storage of size 0": the root unit freed there) or warned of unused parameters.
+    (diffs, warned), (_, warned1) = run_distributed(reentrant_worker, 2, args=(strategy,), timeout=120)
+    assert len(diffs) == 3 and max(diffs) < 1e-6 and warned == warned1 == [], (diffs, warned, warned1)
