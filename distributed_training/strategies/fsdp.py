@@ -71,7 +71,7 @@ from .fsdp_state import FSDPStateDict
 from .fsdp_precision import MixedPrecision, cast_floats, refuse_low_precision_batchnorm
 from .fsdp_units import Unit, UnitPlacement, alloc_storage, build_units, free_storage, unit_roots
 from .fsdp_unused import UNUSED_RECHECK_EVERY, UNUSED_WATCH_STEPS, UnusedWatch  # noqa: F401 (their old home)
-from .trainable import TrainableSet
+from .trainable import TrainableSet, lock_requires_grad
 
 __all__ = ["FSDP", "MixedPrecision", "make_hybrid_groups"]
 
@@ -174,6 +174,7 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
             broadcast_coalesced([p.data for p in module.parameters()] + list(module.buffers()), src, process_group)
 
         self._state_keys = list(module.state_dict(keep_vars=True).keys())
+        self._unlock_requires_grad = lock_requires_grad(module, "FSDP")  # (its parameters become views)
         self._units: list[Unit] = build_units(module, unit_roots(module, auto_wrap_policy), UnitPlacement(
             self.shard_world, self.shard_rank, self.device, self.cpu_offload, self._param_dtype))
         self.shards = nn.ParameterList([u.shard for u in self._units if u.padded])

@@ -9,20 +9,23 @@ before each forward (a loop over the parameters, microseconds) and name the firs
 The parameters are held by weak reference: `FSDP` replaces a module's parameters with views of its flat
 units, and a strong reference here kept every original alive (a whole fp32 copy of the model per rank,
 4.9 GiB at 1.3B). An original that nothing else holds can no longer be flipped, so it drops out of the check.
-So under `FSDP` (ZeRO-2/3) the check covers what the user still holds: ``model.encoder.requires_grad_(True)``
-on the wrapped module reaches no parameter at all (the module holds views, not parameters) and changes
-nothing, which no check can see. Set the flags before wrapping.
+So under `FSDP` (ZeRO-2/3) the check covers what the user still holds. ``model.encoder.requires_grad_(True)``
+on the wrapped module would reach no parameter at all (the module holds views, not parameters) and change
+nothing, silently: `lock_requires_grad` makes that call raise instead, on every module that had parameters
+(a call that changes no flag passes, and one on a module holding parameters again is torch's). Flipping ``p.requires_grad`` on a view found some other way cannot
+be seen. Set the flags before wrapping.
 """
 
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["TrainableSet"]
+__all__ = ["TrainableSet", "lock_requires_grad"]
 
 
 class TrainableSet:
@@ -56,9 +59,7 @@ class TrainableSet:
                 raise RuntimeError(
                     f"parameter {name!r} was {change} after {self._wrapper} wrapped the model: {self._wrapper} "
                     "decides when it is built which parameters it averages across ranks (and shards), so the change "
-                    "would leave the ranks or the optimizer out of step. Set requires_grad before wrapping: to "
-                    f"change it mid-training, save a checkpoint, build the model, {self._wrapper} (or the "
-                    "DistributedTrainer) and the optimizer again with the new flags, and load the model's weights")
+                    f"would leave the ranks or the optimizer out of step. {_rebuild_advice(self._wrapper)}")
 
     def _check_new(self) -> None:
         module = self._module()
@@ -72,3 +73,45 @@ class TrainableSet:
                     f"{self._wrapper} never averages (or shards) it across ranks, and an optimizer built before "
                     "never updates it. Add every parameter (a new head, an adapter) before wrapping the model, "
                     "or build the DistributedTrainer (and the optimizer) again after the change")
+
+
+def requires_grad_(self: nn.Module, requires_grad: bool = True) -> nn.Module:
+    """A wrapped module's ``requires_grad_`` (bound to it by `lock_requires_grad`; named as the method it
+    stands for, so that a pickled or copied module gets torch's back). Where the module holds parameters of
+    its own (inside ``summon_full_params``, a copy made there) it is torch's; where its parameters are views
+    of a wrapper's shards, a call that would change a flag it had raises instead of reaching nothing."""
+    if next(self.parameters(), None) is not None:
+        return nn.Module.requires_grad_(self, requires_grad)
+    name, flags, wrapper = self.__dict__["_flags_when_wrapped"]
+    if flags == {bool(requires_grad)}:
+        return self
+    raise RuntimeError(
+        f"{name or 'the model'}.requires_grad_({bool(requires_grad)}) after {wrapper} wrapped the model: its "
+        f"parameters are views of {wrapper}'s flat shards now, so the call would change nothing (they would go on "
+        f"training, or stay frozen). {_rebuild_advice(wrapper)}")
+
+
+def _rebuild_advice(wrapper: str) -> str:
+    return (f"Set requires_grad before wrapping: to change it mid-training, save a checkpoint, build the model, "
+            f"{wrapper} (or the DistributedTrainer) and the optimizer again with the new flags, and load the "
+            "model's weights")
+
+
+def lock_requires_grad(module: nn.Module, wrapper: str):
+    """Make ``requires_grad_`` raise on every submodule of `module` that holds parameters, where it would
+    change a flag once they are views (`requires_grad_`): for a wrapper about to replace them. Returns the
+    undo (call it once the module holds parameters of its own again)."""
+    locked = []
+    for name, m in module.named_modules():
+        flags = {p.requires_grad for p in m.parameters()}
+        if flags:
+            m.__dict__["_flags_when_wrapped"] = (name, flags, wrapper)
+            m.__dict__["requires_grad_"] = types.MethodType(requires_grad_, m)
+            locked.append(m)
+
+    def undo() -> None:
+        for m in locked:
+            m.__dict__.pop("requires_grad_", None)
+            m.__dict__.pop("_flags_when_wrapped", None)
+
+    return undo
