@@ -8,8 +8,9 @@ builds the optimizer over what the strategy exposes, and runs steps:
     trainer.fit(dataset, epochs=3, criterion=nn.functional.cross_entropy, batch_size=32)
 
 The trainer is the only module that knows all the others; strategies never import it. Its parts, one
-concept a file: `trainer_fit` (`fit` and its epoch loop), `trainer_checkpoints` (save, load, resume;
-`trainer_checkpoints_async`: in the background), `auto_batch` (``batch_size="auto"``),
+concept a file: `trainer_fit` (`fit` and its epoch loop), `trainer_checkpoints` (save;
+`trainer_checkpoint_loading`: load; `trainer_resume`: where `fit` starts; `trainer_checkpoints_async`: in
+the background), `auto_batch` (``batch_size="auto"``),
 `evaluation`, `batches` (what a batch is), `hangs` (timeouts that name the missing rank), `peer_watch`
 (a dead peer named within seconds; `trainer_peers`: the trainer's use of it), `data`
 (sharded loaders), `stopping` (signals), `strategies.registry` (strategy names).

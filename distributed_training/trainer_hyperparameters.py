@@ -1,9 +1,9 @@
 """A resumed run's hyperparameters: what changed since its checkpoint, applied and said.
 
-A mixin of `DistributedTrainer` (under `trainer_checkpoints.Checkpointing`). Loading an optimizer's
-state brings back the saved param groups' settings and a scheduler's state its old schedule; a run
-resumed with another configuration (a new lr, warm-up or weight decay) gets the new values back, and
-each change is described in words for the resume message.
+A mixin of `DistributedTrainer` (under `trainer_checkpoint_loading.CheckpointLoading`). Loading an
+optimizer's state brings back the saved param groups' settings and a scheduler's state its old
+schedule; a run resumed with another configuration (a new lr, warm-up or weight decay) gets the new
+values back, and each change is described in words for the resume message.
 """
 
 from __future__ import annotations

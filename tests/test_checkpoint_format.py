@@ -172,7 +172,7 @@ def test_another_shape_is_an_error_naming_the_parameter(tmp_path):
 
 def _save_and_list_reads(rank, world, save_strategy, load_strategy, directory):
     from distributed_training import checkpoint as ckpt_module
-    from distributed_training import trainer_checkpoints
+    from distributed_training import trainer_checkpoint_loading
 
     torch.manual_seed(0)
     trainer = DistributedTrainer(tiny_gpt(), _adamw, strategy=load_strategy, progress=False)
@@ -186,11 +186,11 @@ def _save_and_list_reads(rank, world, save_strategy, load_strategy, directory):
         read.append(os.path.basename(path))
         return original(path, *args, **kwargs)
 
-    trainer_checkpoints.load_file = spy
+    trainer_checkpoint_loading.load_file = spy
     try:
         trainer.load_checkpoint(directory)
     finally:
-        trainer_checkpoints.load_file = original
+        trainer_checkpoint_loading.load_file = original
         trainer.close()
     return sorted(set(read))
 

@@ -1,0 +1,296 @@
+"""`DistributedTrainer.load_checkpoint`: a checkpoint of any strategy at any world size, checked before anything
+is loaded and agreed across ranks (every rank raises, or none does).
+
+A mixin of `DistributedTrainer` (under `trainer_checkpoints.Checkpointing`, which says what a checkpoint
+holds). Each rank reads only the rank files holding the pieces of parameters and optimizer state it now needs
+(`checkpoint_shards`), its buffers from a rank of its own data-parallel replica, and what only the writing
+strategy understands where the strategy and world size are unchanged; the trainer's position and the
+configuration follow, with what changed since the checkpoint said (hyperparameters: `trainer_hyperparameters`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import (CheckpointCorruptError, CheckpointMismatchError, load_file, read_meta, set_rng_state,
+                         sha256_file)
+from .checkpoint_shards import FORMAT, Sources, check_shapes, load_extra_states, unpack_optimizer, unpack_params
+from .checkpoint_swap import previous_of, staged_of, whole
+from .logs import get_logger
+from .trainer_hyperparameters import HyperparameterRestore
+
+__all__ = ["CheckpointLoading"]
+
+log = get_logger()
+#: The trainer's config keys that only a run with a pipeline has.
+_PIPELINE_KEYS = ("pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_chunks")
+_TENSOR_DEFAULTS = {"tensor_parallel_size": 1, "sequence_parallel": False}  # their values without tensor parallelism
+
+#: What a failed load raises on every rank: the type the failing rank met.
+_LOAD_ERRORS = {cls.__name__: cls for cls in (CheckpointCorruptError, CheckpointMismatchError, FileNotFoundError,
+                                              OSError, RuntimeError, ValueError, KeyError)}
+
+
+class CheckpointLoading(HyperparameterRestore):
+    """`DistributedTrainer`'s `load_checkpoint` and its parts."""
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore what `save_checkpoint` wrote, under any strategy at any world size (a DDP checkpoint
+        loads under ZeRO-3 at another world size, and back): each rank reads only the files holding
+        the pieces of parameters and optimizer state it now needs. What only the writing strategy
+        understands (DDP's bucket layout, compression residuals) comes back under the same strategy
+        and world size; otherwise it starts afresh.
+
+        Every file read, ``meta.pt`` included, is checked against its checksum before it is loaded; a
+        corrupt one raises `CheckpointCorruptError` naming it. RNG states are restored when the world
+        size is unchanged (a different world draws different random streams anyway). Each rank gets
+        back its own buffers (BatchNorm statistics); when the world size changed, ranks that did not
+        exist before take rank 0's (under a pipeline, a stage's buffers come from a rank of the same
+        data-parallel replica that held them, else from replica 0's). Hyperparameters configured
+        differently from the checkpoint's keep their new values, and the changes are logged (see
+        `resume`); a different optimizer class or parameter shape is an error that names it.
+        """
+        path = _directory_name(path, "load_checkpoint")
+        ctx = self.context
+        if self._staging is not None:
+            self._staging.fence()  # a background snapshot's copies read what loading overwrites
+        meta_path = os.path.join(path, "meta.pt")
+        if not os.path.isfile(meta_path):
+            # A save stopped before it replaced `path` (`checkpoint_swap.put_in_place`): its own checkpoint if whole, else
+            # the one it was replacing.
+            found = next((p for p in (staged_of(path), previous_of(path)) if whole(p)), None)
+            if found is not None:
+                if ctx.is_main:
+                    log.warning("checkpoint %r is missing or incomplete (a save over it was interrupted): loading "
+                                "%r", path, found)
+                path, meta_path = found, os.path.join(found, "meta.pt")
+        # meta.pt read and verified by every rank, which agree (a read that failed on one rank only, a
+        # network file system's transient error, left the others waiting in the load's collectives).
+        meta, failure = None, ""
+        try:
+            if not os.path.isfile(meta_path) and not os.path.isfile(path):
+                steps = sorted(n for n in os.listdir(path) if n.startswith("step_")) if os.path.isdir(path) else []
+                hint = (f"; it holds fit's checkpoints ({steps[-1]} the newest): load one of those, e.g. "
+                        f"trainer.latest_checkpoint()[0] with checkpoint_dir={path!r}" if steps else "")
+                raise FileNotFoundError(f"rank {ctx.rank}: {meta_path!r} does not exist: not a complete checkpoint{hint}")
+            meta = read_meta(path)
+        except (CheckpointCorruptError, OSError) as err:
+            if ctx.world_size == 1:
+                raise
+            failure = f"{type(err).__name__}: {err}"
+        self._agree_on_load(path, failure, stage="checking")
+        if meta.get("checkpoint_format") != FORMAT:
+            raise CheckpointMismatchError(
+                f"checkpoint {path!r} was written by an earlier version of distributed_training (format "
+                f"{meta.get('checkpoint_format', 'per strategy')!r}; this version reads {FORMAT!r}): resume it with "
+                "the version that wrote it, or start a new run (another checkpoint directory, or resume=False / "
+                "dtrain --no-resume)")
+        saved_optimizer = (meta.get("config") or {}).get("optimizer")
+        if saved_optimizer is not None and saved_optimizer != self.config["optimizer"]:
+            raise CheckpointMismatchError(
+                f"checkpoint {path!r} holds the state of a {saved_optimizer} optimizer, and this trainer's optimizer "
+                f"is {self.config['optimizer']}: optimizer state cannot carry over to another class (start a new run: "
+                "another checkpoint directory, or resume=False)")
+        old_world = int(meta["world_size"])
+        cache: dict[int, dict] = {}
+
+        def read(k: int) -> dict:
+            if k not in cache:
+                name = f"rank{k}.pt"
+                # rank_checksums (a directory per node) also covers rank files fetched from other nodes.
+                cache[k] = load_file(os.path.join(path, name), meta.get("rank_checksums", meta["checksums"]).get(name))
+            return cache[k]
+
+        own = self.strategy.load_checkpoint_files(self.model, path, meta)
+        if own is not None:  # the strategy took its state (the parameter server's servers): this rank's part
+            self._load_own_part(own)
+        else:
+            # Every rank checks its share of the rank files before any rank copies anything, and they
+            # agree: one corrupt file stops the load on every rank with the model untouched.
+            self._agree_on_load(path, self._check_rank_files(path, meta, read, old_world), stage="checking")
+            failure = ""
+            try:
+                self._load_shards(path, meta, read, old_world)
+            except (FileNotFoundError, RuntimeError, ValueError, KeyError) as err:  # CheckpointCorruptError too
+                failure = f"{type(err).__name__}: {err}"
+                if ctx.world_size == 1:
+                    raise
+            self._agree_on_load(path, failure, stage="loading")
+        changes = self._apply_changed_hyperparameters(meta)
+        if self.lr_scheduler is not None:
+            # A schedule added since the checkpoint starts where it would be after the saved steps.
+            changes += self._restore_schedule(meta.get("lr_scheduler") or {"last_epoch": int(meta["step"])})
+        changes += [f"{key}: {meta['fit'].get(key)} -> {value}"
+                    + (f" ({self._fit_derived[key]})" if key in self._fit_derived else "")
+                    for key, value in self._fit_limits.items()
+                    if "fit" in meta and key in meta["fit"] and meta["fit"][key] != value]
+        # With a global batch, `fit` resolves the accumulation after loading (and says what it trains, and
+        # what changed): the checkpoint's resolved value is not to be compared with the configured one.
+        derived = ("gradient_accumulation_steps",) if self._fit_global_batch else ()
+        changes += [f"{key}: {meta['config'][key]} -> {value}" for key, value in self.config.items()
+                    if key not in ("world_size", "optimizer", *derived) and key in meta.get("config", {})
+                    and meta["config"][key] != value]
+        # A pipeline the checkpoint was written with and this run does not have (its keys are absent).
+        changes += [f"{key}: {value} -> none" for key, value in meta.get("config", {}).items()
+                    if key in _PIPELINE_KEYS and key not in self.config]
+        if "config" in meta:  # and one this run has that the checkpoint was written without
+            changes += [f"{key}: none -> {self.config[key]}" for key in _PIPELINE_KEYS
+                        if key in self.config and key not in meta["config"]]
+        # Tensor parallelism the checkpoint was written with and this run does not have, or the reverse
+        # (the keys are in a trainer's config only with tensor_parallel_size > 1).
+        if "config" in meta:
+            saved = meta["config"]
+            changes += [f"{key}: {saved.get(key, default)} -> {self.config.get(key, default)}"
+                        for key, default in _TENSOR_DEFAULTS.items()
+                        if (key in saved) != (key in self.config) and saved.get(key, default) != self.config.get(key, default)]
+        if changes and ctx.is_main:
+            log.warning("the configuration changed since checkpoint %s was written; the new values apply: %s", path,
+                         "; ".join(changes))
+        self.precision.load_state_dict(meta.get("loss_scaler"))
+        self.step = int(meta["step"])
+        self.epoch = int(meta.get("epoch", 0))
+        self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
+        samples = meta.get("samples_in_epoch")
+        self.samples_in_epoch = int(samples) if samples is not None else (None if self.batch_in_epoch else 0)
+        self._saved_dataset_len = meta.get("dataset_len")
+        self._previous_global_batch = meta.get("global_batch")
+        previous = self._previous_global_batch or {}
+        # The micro-batch limit itself, not the micro-batch it gave at the checkpoint's size (clipped there to a
+        # replica's share: kept, a later run at fewer replicas would accumulate more passes than it needs).
+        limit = previous.get("micro_batch_limit") or previous.get("micro_batch_size")
+        if limit:
+            self.micro_batch_size = int(limit)
+        if meta.get("batch_size") is not None:
+            self.batch_size = int(meta["batch_size"])
+
+    def _check_rank_files(self, path: str, meta: dict[str, Any], read: Callable[[int], dict], old_world: int) -> str:
+        """This rank's share of checking a checkpoint's rank files before anything is loaded: its own
+        file (read, and kept for the load), and every `world_size`-th file after it that the saving job
+        had beyond this one's ranks (checksum only, where this node's directory has it). '' if intact,
+        else what is wrong."""
+        ctx = self.context
+        digests = meta.get("rank_checksums", meta["checksums"])
+        try:
+            for k in range(ctx.rank, old_world, ctx.world_size):
+                name = f"rank{k}.pt"
+                if k == ctx.rank:
+                    read(k)
+                elif os.path.isfile(os.path.join(path, name)) and name in digests:
+                    if sha256_file(os.path.join(path, name)) != digests[name]:
+                        raise CheckpointCorruptError(f"checkpoint file {os.path.join(path, name)!r} is corrupted: its "
+                                                     "SHA-256 does not match meta.pt")
+                elif name in digests and "rank_checksums" not in meta:  # (one directory for all: it must be here)
+                    raise FileNotFoundError(f"checkpoint file {os.path.join(path, name)!r} is missing (meta.pt lists "
+                                            "it): the checkpoint is incomplete")
+        except (CheckpointCorruptError, OSError) as err:  # (OSError: a read error, FileNotFoundError)
+            return f"{type(err).__name__}: {err}"
+        return ""
+
+    def _agree_on_load(self, path: str, failure: str, *, stage: str) -> None:
+        """Every rank learns whether any rank failed `stage` ("checking" or "loading") of the load of
+        `path`, and then every rank raises (naming the rank and its reason), or none does."""
+        ctx = self.context
+        if ctx.world_size == 1:
+            every = [failure]
+        else:
+            every = [None] * ctx.world_size
+            dist.all_gather_object(every, failure, group=ctx.group)
+        failed = [(r, why) for r, why in enumerate(every) if why]
+        if not failed:
+            return
+        first, why = failed[0]
+        kind, _, reason = why.partition(": ")
+        if ctx.world_size == 1:
+            text = reason
+        else:
+            untouched = ("nothing was loaded on any rank" if stage == "checking" else
+                         "ranks may hold a partly loaded state: load a good checkpoint, or build the model again")
+            text = (f"loading checkpoint {path!r} failed on rank{'s' if len(failed) > 1 else ''} "
+                    f"{', '.join(str(r) for r, _ in failed)} ({untouched}); rank {first}: {reason}")
+        raise _LOAD_ERRORS.get(kind, RuntimeError)(text)
+
+    def _load_shards(self, path: str, meta: dict[str, Any], read: Callable[[int], dict], old_world: int) -> None:
+        """`load_checkpoint`'s parameters, optimizer state, buffers, RNG states and the strategy's own state."""
+        ctx = self.context
+        same_world = old_world == ctx.world_size
+        try:
+            held = self.strategy.state_layout(self.model, self.optimizer)
+            check_shapes(meta["shapes"], held.shapes)
+            sources = Sources(read, ctx.rank if ctx.rank < old_world else 0)
+            unpack_params(held, meta["index"], sources)
+            unpack_optimizer(held, self.optimizer, meta["index"], sources)
+            self._load_buffers(meta, sources, old_world)
+            if self.strategy.whole_module:
+                load_extra_states(self.module, read(ctx.rank if ctx.rank < old_world else 0).get("extra_state", {}))
+        except CheckpointCorruptError:
+            raise
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise CheckpointMismatchError(
+                f"checkpoint {path!r} does not fit this model: {err} (a checkpoint of another model? load it into "
+                "the model that wrote it, or start a new run: another checkpoint directory, or resume=False / "
+                "dtrain --no-resume)") from None
+        residuals = ", nor gradient compression's error-feedback residuals and step count (per rank: they start afresh)"
+        if same_world:
+            set_rng_state(read(ctx.rank)["rng"])
+            if meta.get("strategy") == self.strategy.name:  # what only the same strategy understands
+                self.strategy.load_shared_state(self.model, meta)
+                self.strategy.load_rank_state(self.model, read(ctx.rank))
+            elif ctx.is_main and _has_residuals(read(0)):
+                log.warning("checkpoint %r was written under strategy %r, this run uses %r: its per-rank state is not "
+                            "restored%s", path, meta.get("strategy"), self.strategy.name, residuals)
+        elif ctx.is_main:  # once, not once a rank
+            log.warning("checkpoint %r was written by %s rank(s), this run has %d: RNG states not restored%s", path,
+                        meta["world_size"], ctx.world_size, residuals if _has_residuals(read(0)) else "")
+
+    def _load_own_part(self, part: dict[str, Any]) -> None:
+        """This rank's RNG states and buffers from what a strategy's `load_checkpoint_files` returned."""
+        if "rng" in part:
+            set_rng_state(part["rng"])
+        saved = part.get("buffers", {})
+        with torch.no_grad():
+            for key, buffer in self.strategy.buffers(self.model).items():
+                if key in saved:
+                    buffer.copy_(saved[key])
+        if self.strategy.whole_module:
+            load_extra_states(self.module, part.get("extra_state", {}))
+
+    def _load_buffers(self, meta: dict[str, Any], sources: Sources, old_world: int) -> None:
+        """Each buffer this rank holds from a saving rank of the same data-parallel replica that held it
+        (this rank's own file first), else from the lowest rank that held it: without a pipeline, each
+        rank gets its own back and a rank the saving job did not have takes rank 0's; a pipeline's
+        stage takes its replica's statistics, which are replica 0's when the replicas are fewer now."""
+        ctx = self.context
+        saved_at = meta.get("buffer_index")
+        if saved_at is None:  # written before the buffer index: every rank held every buffer
+            first = sources.pick([ctx.rank] if ctx.rank < old_world else [0])["buffers"]
+            saved_at = {key: list(range(old_world)) for key in first}
+        replica_of = meta.get("dp_rank_of") or list(range(old_world))  # before: one replica per rank
+        buffers = self.strategy.buffers(self.model)
+        missing = sorted(set(buffers) - set(saved_at))
+        unexpected = sorted(set(saved_at) - set(self.strategy.buffer_keys(self.model)))
+        if missing or unexpected:
+            raise ValueError(f"buffers missing from the checkpoint {missing[:5]}, in it but not in this model "
+                             f"{unexpected[:5]}")
+        with torch.no_grad():
+            for key, buffer in buffers.items():
+                ranks = saved_at[key]
+                same = [r for r in ranks if replica_of[r] == self.dp_rank]
+                source = ctx.rank if ctx.rank in same else min(same or ranks)
+                buffer.copy_(sources.pick([source])["buffers"][key])
+
+
+def _has_residuals(rank_part: dict[str, Any]) -> bool:
+    """Whether a rank file holds a compressing reducer's error-feedback residuals (`rank_state`)."""
+    return bool(rank_part.get("communication", {}).get("residuals"))
+
+
+def _directory_name(path, method: str) -> str:
+    """`path` as a str, or a TypeError naming `method` (``os.fspath(None)`` says nothing of checkpoints)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{method}(path): path must be the checkpoint directory's name (str or os.PathLike), "
+                        f"got {path!r}")
+    return os.fsdecode(os.fspath(path))

@@ -1,0 +1,119 @@
+"""Where `fit` starts: the latest good checkpoint in `checkpoint_dir` (``resume``), or step 0 with an earlier
+run's checkpoints moved aside (``resume=False``), under the directory's run lock.
+
+A mixin of `DistributedTrainer` (under `trainer_checkpoints.Checkpointing`). The resume point is one step for
+every rank: with one shared directory the first rank picks it and broadcasts it (a read that failed on one
+rank only must not make it load an older step than its peers); with a directory per node the nodes agree on
+the newest step intact and whole between them (`checkpoint_layout.agree_on_checkpoint`), and each node is
+brought the rank files it lacks. The lock that keeps two runs out of one directory is `checkpoint_lock`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from .checkpoint_layout import agree_on_checkpoint, fetch_missing_files
+from .checkpoint_lock import CheckpointDirectoryInUseError, in_use_message, lock_directory, unlock_directory
+from .logs import get_logger
+from .mesh import global_rank
+
+__all__ = ["Resuming"]
+
+log = get_logger()
+
+
+class Resuming:
+    """`DistributedTrainer`'s choice of where `fit` starts, and its hold on `checkpoint_dir`."""
+
+    def _resume_or_start_fresh(self) -> str | None:
+        """Load the latest good checkpoint if resuming (returning its path), or, with ``resume=False``
+        at the start of training, move an earlier run's checkpoints aside."""
+        if self.checkpoints is None:
+            return None
+        self._lock_checkpoint_directory()
+        ctx = self.context
+        if not self.resume:
+            self._set_checkpoints_aside("resume is off")
+            return None
+        found = self._resume_point()
+        if found is None and self.step == 0:
+            # Every checkpoint there failed its check (each said why): not resumable, and not to be mixed
+            # with this run's (keep-last-N would delete the new ones in favour of their later steps).
+            self._set_checkpoints_aside("resume found no intact checkpoint (each one skipped is said above)")
+        if found is None or int(found[1]["step"]) <= self.step:
+            return None
+        if found[2] is not None:  # a directory per node: bring each node the rank files it lacks
+            fetch_missing_files(found[0], self.context, self._layout(found[0]), found[2], self.strategy.name)
+        self.load_checkpoint(found[0])
+        if ctx.is_main:
+            log.info("resumed from step %d (%s)", self.step, found[0])
+        return found[0]
+
+    def _set_checkpoints_aside(self, why: str) -> None:
+        """Before the first step, once: move the checkpoints already in the directory into
+        ``previous_run_<k>/`` (each directory's writer; the others wait), saying `why`."""
+        if self.step != 0 or self._set_aside:
+            return
+        self._set_aside = True
+        ctx = self.context
+        layout = self._layout(self.checkpoints.path_for(0))
+        # Each directory's writer (rank 0, or each node's first rank with a directory per node).
+        moved = self.checkpoints.set_aside() if layout.writer_of[ctx.rank] == ctx.rank else None
+        if moved is not None:
+            log.warning("%s: moved the checkpoints already in %s to %s; training starts from step 0", why,
+                        self.checkpoints.directory, moved)
+        ctx.barrier()  # nobody writes into a directory before its writer has cleared it
+
+    def _lock_checkpoint_directory(self) -> None:
+        """Hold `checkpoint_dir`'s run lock for the trainer's life (`checkpoint_lock`): each directory's
+        writer takes it, and every rank raises if any writer found it held by another run."""
+        if self._locked_directory is not None:
+            return
+        ctx, directory = self.context, self.checkpoints.directory
+        writer = self._layout(self.checkpoints.path_for(0)).writer_of[ctx.rank] == ctx.rank
+        holder = lock_directory(directory) if writer else None
+        holders = [holder]
+        if ctx.world_size > 1:
+            holders = [None] * ctx.world_size
+            dist.all_gather_object(holders, holder, group=ctx.group)
+        found = [(rank, h) for rank, h in enumerate(holders) if h is not None]
+        if found:
+            if writer and holder is None:
+                unlock_directory(directory)
+            rank, h = found[0]
+            raise CheckpointDirectoryInUseError(in_use_message(directory, h)
+                                                + (f" (rank {rank} found it)" if ctx.world_size > 1 else ""))
+        self._locked_directory = directory if writer else ""
+
+    def _unlock_checkpoint_directory(self) -> None:
+        if self._locked_directory:
+            unlock_directory(self._locked_directory)
+        self._locked_directory = None
+    def latest_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
+        """(path, meta) of the checkpoint `fit` resumes from, or None; every rank must call it.
+
+        With one shared directory this is `CheckpointManager.latest_good` as the first rank finds it (told to
+        the others: no two ranks load different steps after a read failed on one). With one directory per node,
+        the newest step that is intact wherever it is held and whole between the nodes
+        (`checkpoint_layout.agree_on_checkpoint`), so that no two nodes load different steps.
+        """
+        found = self._resume_point() if self.checkpoints is not None else None
+        return found[:2] if found is not None else None
+
+    def _resume_point(self) -> tuple[str, dict[str, Any], dict | None] | None:
+        layout = self._layout(self.checkpoints.path_for(0))
+        if layout.shared:
+            # Every rank reads the same directory: the first rank picks, says what it skips, and tells the
+            # others (each verifying on its own, a read that failed on one rank only made it load an
+            # older step than its peers: a silent mix, then a crash).
+            ctx = self.context
+            # (the group's first rank: a parameter server's servers have no main rank among them)
+            found = self.checkpoints.latest_good(warn=True) if ctx.rank == 0 else None
+            if ctx.world_size > 1:
+                box = [found]
+                dist.broadcast_object_list(box, src=global_rank(ctx.group, 0), group=ctx.group)
+                found = box[0]
+            return (*found, None) if found is not None else None
+        return agree_on_checkpoint(self.checkpoints, self.context, layout)
