@@ -8,7 +8,7 @@ builds the optimizer over what the strategy exposes, and runs steps:
     trainer.fit(dataset, epochs=3, criterion=nn.functional.cross_entropy, batch_size=32)
 
 The trainer is the only module that knows all the others; strategies never import it. Its parts, one
-concept a file: `trainer_fit` (`fit` and its epoch loop), `trainer_checkpoints` (save;
+concept a file: `trainer_fit` (`fit`; `trainer_epochs`: its epoch loop), `trainer_checkpoints` (save;
 `trainer_checkpoint_loading`: load; `trainer_resume`: where `fit` starts; `trainer_checkpoints_async`: in
 the background), `auto_batch` (``batch_size="auto"``),
 `evaluation`, `batches` (what a batch is), `hangs` (timeouts that name the missing rank), `peer_watch`
@@ -458,7 +458,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         self._probed = False
         self._probe_event = None  # on a GPU: where the probed step's own work began
         # Samples of the current epoch's permutation already trained by the whole job (the data position,
-        # at any size; None: a checkpoint from before it was kept, see Fitting._epoch_offset).
+        # at any size; None: a checkpoint from before it was kept, see EpochLoop._epoch_offset).
         self.samples_in_epoch: int | None = 0
         self._dataset_len: int | None = None  # fit's sharded dataset's, kept in checkpoints with the position
         self._saved_dataset_len: int | None = None  # the loaded checkpoint's

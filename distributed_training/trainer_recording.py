@@ -1,7 +1,7 @@
 """What `fit` tells the monitor of each step: its figures, the strategy's communication and pipeline
 timings on log steps, and each rank's own work per step for the straggler check.
 
-A mixin of `DistributedTrainer` (under `trainer_fit.Fitting`).
+A mixin of `DistributedTrainer` (under `trainer_epochs.EpochLoop`).
 """
 
 from __future__ import annotations
