@@ -8,21 +8,20 @@ builds the optimizer over what the strategy exposes, and runs steps:
     trainer.fit(dataset, epochs=3, criterion=nn.functional.cross_entropy, batch_size=32)
 
 The trainer is the only module that knows all the others; strategies never import it. Its parts, one
-concept a file: `trainer_fit` (`fit`; `trainer_epochs`: its epoch loop), `trainer_checkpoints` (save;
-`trainer_checkpoint_loading`: load; `trainer_resume`: where `fit` starts; `trainer_checkpoints_async`: in
-the background), `auto_batch` (``batch_size="auto"``),
-`evaluation`, `batches` (what a batch is), `hangs` (timeouts that name the missing rank), `peer_watch`
-(a dead peer named within seconds; `trainer_peers`: the trainer's use of it), `data`
-(sharded loaders), `stopping` (signals), `strategies.registry` (strategy names).
+concept a file: `trainer_state` (where training stands, what it was configured with), `trainer_fit` (`fit`;
+`trainer_epochs`: its epoch loop), `trainer_checkpoints` (save; `trainer_checkpoint_loading`: load;
+`trainer_resume`: where `fit` starts; `trainer_checkpoints_async`: in the background), `trainer_weights`
+(the model's full weights), `auto_batch` (``batch_size="auto"``), `evaluation`, `batches` (what a batch
+is), `hangs` (timeouts that name the missing rank), `peer_watch` (a dead peer named within seconds;
+`trainer_peers`: the trainer's use of it), `data` (sharded loaders), `stopping` (signals),
+`strategies.registry` (strategy names).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import os
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -32,14 +31,13 @@ from .amp import DynamicLossScaler, Precision, make_precision
 from .auto_batch import AutoBatchSize
 from .checkpoint import CheckpointManager
 from .checkpoint_async import CheckpointWriteError
-from .checkpoint_layout import DirectoryLayout
 from .evaluation import Evaluation
-from .global_batch import GlobalBatch, check_layout_world
+from .global_batch import check_layout_world
 from .hangs import CollectiveTimeoutError
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
 from .monitor.null import ProgressOnly
-from .peer_watch import PeerFailureError, PeerWatch
+from .peer_watch import PeerFailureError
 from .pipeline.meta_init import has_meta, materialize
 from .pipeline.training import PipelineOptions
 from .planner import model_sizes
@@ -49,12 +47,13 @@ from .strategies.registry import check_strategy_argument, make_strategy
 from .tensor.options import TensorOptions
 from .trainer_checkpoints import Checkpointing
 from .trainer_closing import Closing, released_if_it_raises
-from .trainer_hyperparameters import hyperparameters
 from .trainer_fit import Fitting
 from .trainer_peers import PeerWatching
 from .trainer_arguments import (check_arguments, check_optimizer, check_optimizer_after_setup, check_optimizer_layout,
                                 check_parallel_arguments, check_same_options)
 from .trainer_step import Stepping
+from .trainer_state import TrainerState
+from .trainer_weights import FullWeights
 
 __all__ = ["DistributedTrainer", "CollectiveTimeoutError", "CheckpointWriteError", "PeerFailureError"]
 
@@ -62,7 +61,8 @@ __all__ = ["DistributedTrainer", "CollectiveTimeoutError", "CheckpointWriteError
 log = get_logger()
 
 
-class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evaluation, PeerWatching, Closing):
+class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evaluation, FullWeights, PeerWatching,
+                         Closing, TrainerState):
     """Train a model data-parallel across the processes of a torchrun job.
 
     Args:
@@ -427,122 +427,13 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
                         if log_dir is not None and strategy.trains
                         else ProgressOnly(log_every) if progress and self.context.is_main and strategy.trains
                         else NullMonitor())
-        self.config = {
-            "strategy": strategy.name,
-            "gradient_accumulation_steps": gradient_accumulation_steps,
-            "gradient_clip_val": gradient_clip_val,
-            "seed": seed,
-            "world_size": self.context.world_size,
-            "model": type(model).__name__,  # the user's class (a pipeline's self.module holds its stages)
-            "optimizer": type(self.optimizer).__name__,
-        }
-        if tensor.enabled:
-            self.config.update(tensor_parallel_size=tensor.size, sequence_parallel=tensor.sequence_parallel)
-        if pipeline.enabled:
-            self.config.update(pipeline_parallel_size=pipeline.size, pipeline_schedule=pipeline.schedule,
-                               microbatches=pipeline.microbatches, pipeline_chunks=pipeline.chunks)
-
-    def _init_state(self, gradient_accumulation_steps: int, checkpoint_every: int | None, resume: bool,
-                    checkpoint_shared: bool | None, checkpoint_async: bool, save_on_preemption: bool,
-                    heartbeat_timeout: float | None) -> None:
-        """Where training stands (step, epoch, data position), what checkpoints keep of it, and what the
-        optimizer and schedule were configured with (compared with a checkpoint's on resume)."""
-        self.step = 0
-        self.epoch = 0
-        self.batch_in_epoch = 0  # batches of the current epoch already trained
-        self._step_failed = False  # the last train_step raised: peers may be inside its collectives
-        # What the monitor is told of the step whose communication is timed (`StepRecording`): its own
-        # (step_time, data_time), this rank's own work in it, and whether the straggler probe has warmed up.
-        self._measured_times: tuple[float, float] | None = None
-        self._own_time = None
-        self._probed = False
-        self._probe_event = None  # on a GPU: where the probed step's own work began
-        # Samples of the current epoch's permutation already trained by the whole job (the data position,
-        # at any size; None: a checkpoint from before it was kept, see EpochLoop._epoch_offset).
-        self.samples_in_epoch: int | None = 0
-        self._dataset_len: int | None = None  # fit's sharded dataset's, kept in checkpoints with the position
-        self._saved_dataset_len: int | None = None  # the loaded checkpoint's
-        self._epoch_finished = False  # the current epoch's last batch trained (fit): a checkpoint is at the next
-        self.global_batch: GlobalBatch | None = None  # fit(global_batch_size=...): how it is cut now
-        self.micro_batch_size: int | None = None  # ... and the micro-batch it keeps across sizes
-        self._previous_global_batch: dict[str, int] | None = None  # the checkpoint's cut
-        self._configured_accumulation = gradient_accumulation_steps
-        self._lr_scale = 1.0  # the linear scaling rule's factor applied to the configured learning rate
-        self.batch_size: int | None = None  # what batch_size="auto" chose (kept in checkpoints)
-        self.batch_size_reason = ""
-        self.checkpoint_every = checkpoint_every
-        self.resume = resume
-        self.checkpoint_shared = checkpoint_shared
-        self.checkpoint_async = checkpoint_async
-        self._checkpoint_write = None  # the background write in flight (checkpoint_async), if any
-        self._staging = None  # its pinned host buffers, reused from one checkpoint to the next
-        self._background_id, self._background_count = None, 0  # names of background checkpoints (store)
-        self._layouts: dict[str, DirectoryLayout] = {}
-        self.save_on_preemption = save_on_preemption
-        # What the optimizer and the schedule were configured with, before any step or resume: compared
-        # with what a checkpoint was configured with, to apply (and report) changed hyperparameters.
-        self._configured_hparams = hyperparameters(self.optimizer)
-        self._configured_schedule = (copy.deepcopy(self.lr_scheduler.state_dict())
-                                     if self.lr_scheduler is not None else None)
-        self._fit_limits: dict[str, Any] = {}
-        #: Limits a caller derived rather than was given (dtrain: epochs from max_steps), with the reason:
-        #: a resume lists their change with it, not as a change the user made.
-        self._fit_derived: dict[str, str] = {}
-        # Whether the `fit` in progress sets the accumulation from a global batch (`_adopt_global_batch`):
-        # then a resume does not compare the configured gradient_accumulation_steps with the checkpoint's.
-        self._fit_global_batch = False
-        self.heartbeat_timeout = heartbeat_timeout
-        self._watch: PeerWatch | None = None  # started by `fit` or the first train_step
-        self._last_saved_step: int | None = None
-        self._set_aside = False
-        self._summoned = False  # inside `summon_full_params`
-        self._locked_directory: str | None = None  # `checkpoint_dir` while this rank holds its lock ("": checked)
+        self._record_config(model, gradient_accumulation_steps, gradient_clip_val, seed, pipeline, tensor)
 
     # ------------------------------------------------------------------ steps
     @property
     def loss_scaler(self) -> DynamicLossScaler | None:
         """The fp16 loss scaler (None in fp32 and bf16): `self.precision` owns it."""
         return self.precision.scaler
-
-    @property
-    def module(self) -> nn.Module:
-        """The user's model, unwrapped."""
-        return self.strategy.unwrap(self.model)
-
-    @contextlib.contextmanager
-    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
-        """A block in which `module` holds its full weights, as parameters, whatever the strategy
-        (ZeRO-2/3 and FSDP keep only a shard per rank outside a step: this gathers them, in the
-        shards' dtype, fp32 under mixed precision, on the device, or on the CPU with ``cpu_offload``;
-        the others hold them already): for a forward of your own, HF's ``generate()`` or
-        ``save_pretrained()``. Collective: every rank enters it. What the block writes into the weights
-        stays (`writeback`, as torch's FSDP: copied into the shards when it ends; make the same change
-        on every rank); ``writeback=False`` drops it. `train_step` / `evaluate` are refused inside it. Under tensor parallelism each rank's
-        module still holds its slices, under a pipeline its own stages. A copy of the module made
-        inside it keeps FSDP's hooks: for a model of its own, load `full_state_dict()` into a new one."""
-        with self.strategy.summon_full_params(self.model, writeback):
-            self._summoned = True
-            try:
-                yield
-            finally:
-                self._summoned = False
-
-    def _check_not_summoned(self, what: str) -> None:
-        if self._summoned:
-            raise RuntimeError(f"{what} inside summon_full_params(): the weights there are a gathered copy; "
-                               "train and evaluate outside the block")
-
-    @property
-    def dp_rank(self) -> int:
-        """Which data-parallel replica this rank feeds (``context.mesh.dp_rank``): ranks that share it
-        (tensor- or pipeline-parallel peers) must see the same batches. `fit` shards by it; so should
-        a loop of your own."""
-        return self.context.mesh.dp_rank
-
-    @property
-    def dp_world_size(self) -> int:
-        """How many data-parallel replicas the job has (``context.mesh.dp_size``)."""
-        return self.context.mesh.dp_size
 
     @property
     def _monitoring(self) -> bool:
@@ -555,5 +446,3 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
     def get_performance_metrics(self) -> dict[str, Any]:
         """Throughput, communication overhead and the cluster view over the run (see `Monitor`)."""
         return self.monitor.get_performance_metrics()
-
-    # -------------------------------------------------------------- teardown

@@ -192,13 +192,3 @@ class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
             "metrics": dict(metrics or {}),
             **self.strategy.shared_state(self.model),  # e.g. DDP's bucket layout
         }
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """The model's state for inference or another tool, whatever the strategy: on rank 0 the plain
-        module's ``state_dict()`` (same keys, full tensors on the CPU), ``{}`` on the other ranks.
-        Collective (a sharded strategy gathers the parameters unit by unit): call it on every rank."""
-        with self._watched("full_state_dict()", call=True):
-            state = self.strategy.model_state_dict(self.model)
-        if not self.context.is_main:
-            return {}
-        return {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
