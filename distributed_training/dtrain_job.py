@@ -1,27 +1,27 @@
 """The job `dtrain` runs: the model, data and trainer a config describes, trained, evaluated and saved
-(`run_job`), with what must be checked before the rendezvous (the world against the model-parallel
-sizes, a pipeline against the model) and after a resume (the schedule's length, a run already complete).
-`cli` parses the command line and reports what goes wrong once."""
+(`run_job`), with what must be checked after a resume (the schedule's length, a run already complete).
+Its other parts: what is checked before the rendezvous (the paths it writes, the world against the
+model-parallel sizes, a pipeline against the model), in `dtrain_checks`; the epochs it trains and each
+epoch's last batch, in `dtrain_epochs`; its final metrics and the model it writes to ``output``, in
+`dtrain_results`. `cli` parses the command line and reports what goes wrong once."""
 
 from __future__ import annotations
 
-import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .checkpoint import atomic_save
 from .config import ConfigError, JobConfig, training_paths
+from .dtrain_checks import check_paths, check_world
+from .dtrain_epochs import batch_norm_tail, epochs_for, short_last_batch
+from .dtrain_results import final_metrics, write_outputs
 from .global_batch import plan_global_batch
 from .logs import get_logger
 from .planner import NoStrategyFits
-from .tensor.strategy import _builtin_plan
-from .validation import (check_classifier_targets, job_best_checkpoint, job_final_metrics, job_fit_evaluation,
-                         job_results)
+from .validation import check_classifier_targets, job_best_checkpoint, job_fit_evaluation
 
 __all__ = ["run_job"]
 
@@ -83,7 +83,7 @@ def run_job(cfg: JobConfig) -> dict:
     from .optim_job import job_optimizer, schedule_steps
     from .trainer import DistributedTrainer
 
-    _check_paths(cfg)
+    check_paths(cfg)
     model, train, val, criterion = _build(cfg)
     if cfg.evaluation.every is not None and not len(val):  # (your own data: known once it is built)
         raise ConfigError("evaluation.every needs a validation set, and this job's is empty: give data.val_target "
@@ -105,7 +105,7 @@ def run_job(cfg: JobConfig) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # checked before the rendezvous: torchrun's value
     strategy, served = _job_strategy(cfg, world)
     pipelined = t.pipeline_parallel_size > 1
-    _check_world(cfg, model, world)
+    check_world(cfg, model, world)
     replicas = max(1, (world - (t.num_servers if served else 0)) // (t.pipeline_parallel_size * t.tensor_parallel_size))
     if t.global_batch_size is not None and not t.allow_global_batch_change:
         try:  # what fit() would refuse on every rank once the model is built, said once before it
@@ -171,11 +171,11 @@ def run_job(cfg: JobConfig) -> dict:
             if batch_size is None and _resuming(trainer):  # fit() restores the batch size "auto" chose before
                 batch_size = trainer.latest_checkpoint()[1].get("batch_size")  # (agreed: every rank calls it)
         # fit() shards by data-parallel replica: the ranks of one pipeline read the same batches.
-        drop_last = ((pipelined and _short_last_batch(trainer, train, batch_size))
-                     or _batch_norm_tail(trainer, model, train, batch_size, user_job.is_iterable(train)))
+        drop_last = ((pipelined and short_last_batch(trainer, train, batch_size))
+                     or batch_norm_tail(trainer, model, train, batch_size, user_job.is_iterable(train)))
         epochs = (user_job.iterable_epochs(t.epochs, t.max_steps) if user_job.is_iterable(train) else
-                  _epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last,
-                              _resume_meta(cfg) if t.max_steps is not None else None))
+                  epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last,
+                             _resume_meta(cfg) if t.max_steps is not None else None))
         if epochs != t.epochs:
             trainer._fit_derived["epochs"] = "derived from training.max_steps"
         if _already_complete(trainer, cfg, epochs):
@@ -207,8 +207,8 @@ def run_job(cfg: JobConfig) -> dict:
             _raise_loss_failure(cfg, criterion, err, trainer.step == first_step)
             raise
         watch.report(getattr(trainer, "data_wait_s", None))
-        metrics = _final_metrics(cfg, trainer, val, val_data, criterion, trainer.batch_size or batch_size)
-        _write_outputs(cfg, trainer, metrics)
+        metrics = final_metrics(cfg, trainer, val, val_data, criterion, trainer.batch_size or batch_size)
+        write_outputs(cfg, trainer, metrics)
         finished = True
         return metrics if ctx.is_main else {}
     finally:
@@ -252,62 +252,6 @@ def _raise_loss_failure(cfg: JobConfig, criterion: Any, err: BaseException, firs
         raise named from err
 
 
-def _check_paths(cfg: JobConfig) -> None:
-    """Where the job writes can be written, checked before it trains: a checkpoint.dir naming a file
-    failed at the first save, an output naming a directory only after the whole run."""
-    for name, path, is_dir in (("checkpoint.dir", cfg.checkpoint.dir, True), ("logging.dir", cfg.logging.dir, True),
-                               ("output", cfg.output, False)):
-        if path is None:
-            continue
-        target = Path(path)
-        if target.exists() and target.is_dir() != is_dir:
-            raise ConfigError(f"{name}: {path!r} is a file: name a directory" if is_dir else
-                              f"{name}: {path!r} is a directory: name the file to write (e.g. {path}/model.pt)")
-        existing = next(p for p in (target, *target.parents) if p.exists())
-        if existing != target and not existing.is_dir():
-            raise ConfigError(f"{name}: {path!r} cannot be created: {str(existing)!r} is a file")
-        if existing == target and not is_dir:  # the file of an earlier run: replaced, so its directory is written
-            if not os.access(target, os.W_OK):
-                raise ConfigError(f"{name}: {path!r} cannot be written: no write permission on it")
-            existing = target.parent
-        if not os.access(existing, os.W_OK):
-            read_only = hasattr(os, "statvfs") and os.statvfs(existing).f_flag & getattr(os, "ST_RDONLY", 1)
-            why = "it is on a read-only file system" if read_only else "no write permission"
-            raise ConfigError(f"{name}: {path!r} cannot be written: {why} ({str(existing)!r})")
-        try:  # (root passes os.access everywhere: /proc, a read-only mount)
-            fd, probe = tempfile.mkstemp(prefix=".dtrain-write-probe-", dir=existing)
-            os.close(fd)
-            os.remove(probe)
-        except OSError as err:
-            raise ConfigError(f"{name}: {path!r} cannot be written: creating a file in {str(existing)!r} failed "
-                              f"({err.strerror or err})") from None
-
-
-def _check_world(cfg: JobConfig, model: nn.Module, world: int) -> None:
-    """The model-parallel sizes against the world (and, with a pipeline, the model), before the rendezvous."""
-    t = cfg.training
-    pipelined = t.pipeline_parallel_size > 1
-    if t.tensor_parallel_size > 1 and world % (t.tensor_parallel_size * t.pipeline_parallel_size):
-        with_pipeline = f" x training.pipeline_parallel_size={t.pipeline_parallel_size}" if pipelined else ""
-        per_replica = t.tensor_parallel_size * t.pipeline_parallel_size
-        raise ConfigError(f"training.tensor_parallel_size={t.tensor_parallel_size}{with_pipeline} does not divide the "
-                          f"world size {world}: run a multiple of {per_replica} processes (torchrun --nproc_per_node)")
-    if t.tensor_parallel_size > 1 and t.tensor_parallel_plan is None and _builtin_plan(model) is None:
-        raise ConfigError(f"training.tensor_parallel_size={t.tensor_parallel_size} needs training.tensor_parallel_plan "
-                          f"for a {type(model).__name__} (module-name pattern -> colwise | rowwise | vocab | sequence | "
-                          "replicate; see docs/tensor_parallel.md): only our GPT has a built-in plan")
-    c = cfg.communication
-    if c.hierarchical and c.ranks_per_node is not None and world % c.ranks_per_node:
-        raise ConfigError(f"communication.ranks_per_node={c.ranks_per_node} does not divide the world size {world} "
-                          f"(nodes of equal size): run a multiple of {c.ranks_per_node} processes, or leave it out "
-                          "(torchrun's LOCAL_WORLD_SIZE)")
-    if t.pipeline_cuda_graphs and pipelined and not torch.cuda.is_available():
-        raise ConfigError("training.pipeline_cuda_graphs needs CUDA devices, and this machine has none: set it to "
-                          "false")
-    if pipelined:
-        _check_pipeline_fits(cfg, model)
-
-
 def _layout(trainer, t) -> str:
     """What the start-up line says of the ranks' layout beyond the strategy (pipeline, tensor, servers)."""
     pipelined = t.pipeline_parallel_size > 1
@@ -323,49 +267,6 @@ def _layout(trainer, t) -> str:
         return (f" ({t.num_servers} server(s), {trainer.dp_world_size} worker(s), consistency "
                 f"{t.consistency}{f', staleness {t.staleness}' if t.consistency == 'ssp' else ''})")
     return f", {' x '.join(layout)} x {trainer.dp_world_size} data-parallel" if layout else ""
-
-
-def _final_metrics(cfg: JobConfig, trainer, val, val_data, criterion, batch_size: int) -> dict:
-    """The run's last evaluation (with evaluation.every), else one pass over the validation set now."""
-    if cfg.evaluation.every is not None:
-        return job_results(trainer)
-    if not len(val):
-        return {}
-    # Once, at the end: the same values `every` would give.
-    functions, perplexity = job_final_metrics(cfg, val_data, criterion)
-    metrics = _validate(trainer, val_data, criterion, batch_size, functions)
-    if perplexity and "loss" in metrics:
-        metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))
-    return metrics
-
-
-def _write_outputs(cfg: JobConfig, trainer, metrics: dict) -> None:
-    """Say how the run ended; rank 0 writes the final model (`output`) and the run's COMPLETED marker."""
-    state = trainer.strategy.model_state_dict(trainer.model)  # collective: every rank
-    # (the evaluation's names, val_*, with or without evaluation.every)
-    named = {k if k.startswith("val_") or k in ("time_to_target_s", "target_step") else f"val_{k}": v
-             for k, v in metrics.items() if k not in ("loss", "val_loss", "val_samples", "samples")}
-    extra = "".join(f", {k} {v:.4g}" for k, v in named.items())
-    if "loss" in metrics:
-        log.info("dtrain: finished at step %d, validation loss %.4f%s", trainer.step, metrics["loss"], extra)
-    else:  # (was "validation loss nan")
-        log.info("dtrain: finished at step %d (no validation set: data.val_target, or data.val_fraction > 0 of a "
-                 "map-style training set, gives one)", trainer.step)
-    # One writer (a parameter server's servers train nothing and hold the same model).
-    if trainer.context.is_main and trainer.strategy.trains:
-        if cfg.output:
-            Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-            try:  # (atomically: a full disk left a truncated model.pt under the final name)
-                atomic_save(state, cfg.output)
-            except (OSError, RuntimeError) as err:
-                cause = " ".join(str(err).split())[:300]
-                raise OSError(f"dtrain: writing the trained model to output {cfg.output!r} failed ({cause}; a full "
-                              "disk?): nothing was written there, an earlier file stays as it was; the checkpoints "
-                              "hold the model too") from err
-        if cfg.checkpoint.dir:
-            # The StatefulSet entrypoint idles instead of training again when this marker exists.
-            Path(cfg.checkpoint.dir).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.checkpoint.dir) / "COMPLETED").write_text(f"step {trainer.step}\n")
 
 
 def _sample_input(cfg: JobConfig, model: nn.Module) -> torch.Tensor | None:
@@ -387,134 +288,12 @@ def _sample_input(cfg: JobConfig, model: nn.Module) -> torch.Tensor | None:
     return torch.rand(rows, 64, generator=g)  # the classifier's 8x8 digits
 
 
-def _check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
-    """What the pipeline fields ask of the model and the world, checked before the rendezvous (every
-    rank reads the same config and builds the same model, so every rank fails alike): the world size
-    (torchrun's WORLD_SIZE) a multiple of the pipeline's, no more stages than layers, split points that
-    name layers, a balance the model has costs for."""
-    from .models import GPT
-    from .pipeline.stages import chain, split_at
-    from .pipeline.training import PipelineOptions
-
-    t = cfg.training
-    options = PipelineOptions(t.pipeline_parallel_size, t.pipeline_schedule, t.microbatches,
-                              t.pipeline_split_points, t.pipeline_chunks, balance=t.pipeline_balance,
-                              half_blocks=t.pipeline_half_blocks)
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world % options.size:
-        raise ConfigError(f"training.pipeline_parallel_size={options.size} does not divide the world size {world}: "
-                          f"run a multiple of {options.size} processes (torchrun --nproc_per_node)")
-    try:
-        names = [name for name, _ in chain(model, halves=options.half_blocks and options.enabled)]
-    except ValueError as err:
-        raise ConfigError(f"training.pipeline_half_blocks: {err}") from None
-    if options.num_stages > len(names):
-        chunks = f" x training.pipeline_chunks={options.chunks}" if options.chunks > 1 else ""
-        raise ConfigError(f"training.pipeline_parallel_size={options.size}{chunks} makes {options.num_stages} stages, "
-                          f"but the model has only {len(names)} layers to cut ({', '.join(names)}): fewer stages, or "
-                          "more layers (model.n_layer)")
-    if options.split_points is not None:
-        try:
-            split_at(options.split_points, names)
-        except ValueError as err:
-            raise ConfigError(f"training.pipeline_split_points: {str(err).removeprefix('boundary_names: ')}") from None
-    elif options.balance == "compute" and not isinstance(model, GPT):
-        raise ConfigError(f"training.pipeline_balance 'compute' knows the compute of our GPT only, not of a "
-                          f"{type(model).__name__}: balance by parameters or time, or give "
-                          "training.pipeline_split_points")
-
-
-def _short_last_batch(trainer, train, batch_size: int) -> bool:
-    """Whether an epoch ends with a batch the pipeline cannot run (`smallest_batch`: interleaved needs a
-    sample per pipeline rank; other schedules run a short batch in fewer microbatches): then that batch is
-    left out (``fit(drop_last=True)``), where fit would refuse it."""
-    from .data import ShardedSampler
-
-    last = len(ShardedSampler(train, trainer.dp_world_size, 0)) % batch_size
-    smallest = trainer.strategy.smallest_batch()
-    if 0 < last < smallest:
-        log.info("dtrain: each epoch's last batch (%d samples) is too small for training.pipeline_schedule=%r, "
-                 "which needs at least %d (one a pipeline rank): left out", last,
-                 trainer.config["pipeline_schedule"], smallest)
-        return True
-    return False
-
-
-def _batch_norm_tail(trainer, model: nn.Module, train, batch_size: int, iterable: bool) -> bool:
-    """Whether each epoch ends with a batch (or, under accumulation, micro-batches) of one sample a
-    replica while the model trains BatchNorm layers: one that sees a single value a channel then (a
-    ResNet's last layers on small images: 1x1) raises "Expected more than 1 value per channel", at every
-    epoch's end and again after each resume, and the job never finishes. Then that batch is left out
-    (``fit(drop_last=True)``, which the epochs for max_steps count too), and said."""
-    from .data import ShardedSampler
-
-    if iterable or not isinstance(batch_size, int):
-        return False
-    last = len(ShardedSampler(train, trainer.dp_world_size, 0)) % batch_size
-    cuts = trainer.gradient_accumulation_steps
-    if not 0 < last < 2 * cuts:
-        return False
-    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm) and m.training
-               for m in model.modules()):
-        return False
-    log.info("dtrain: each epoch's last batch would hold %d sample(s) a replica%s, on which the model's "
-             "BatchNorm layers may see one value a channel and fail: left out (a training.batch_size that leaves 2 "
-             "or more a micro-batch keeps it)", last, "" if cuts == 1 else f", cut in {cuts} micro-batches")
-    return True
-
-
-def _validate(trainer, val, criterion, batch_size: int, metrics: dict | None = None) -> dict:
-    """`trainer.evaluate` on the validation set; with a pipeline, where the trainer cannot evaluate yet
-    (every rank raises alike, at its first batch), the run says so and goes on without."""
-    try:
-        return trainer.evaluate(val, criterion, batch_size=batch_size, metrics=metrics or None)
-    except NotImplementedError as err:
-        if trainer.config.get("pipeline_parallel_size", 1) == 1:
-            raise
-        if trainer.context.is_main:
-            log.warning("dtrain: no validation loss: %s", err)
-        return {}
-
-
 def _block_classes(model: nn.Module) -> tuple[type, ...]:
     """The classes of the repeated blocks (children of any ModuleList): what activation checkpointing wraps."""
     found = {type(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
     if not found:
         raise ConfigError(f"training.activation_checkpointing: {type(model).__name__} has no repeated blocks to checkpoint")
     return tuple(found)
-
-
-def _epochs_for(epochs: int, max_steps: int | None, train, batch_size: int | None, world_size: int,
-                drop_last: bool = False, resumed: dict | None = None) -> int:
-    """`epochs`, or more when `max_steps` asks for more steps than `epochs` passes hold.
-
-    A dtrain user who writes ``max_steps`` means that many steps, so it wins over ``epochs`` (whose
-    default, 1, would otherwise stop a short dataset's run early); the change is logged. A run resumed
-    from `resumed` (a checkpoint's meta) counts from its epoch and step: written at another batch or
-    world size, its epochs held other numbers of steps."""
-    if max_steps is None or not batch_size:
-        return epochs
-    from .data import ShardedSampler
-
-    per_rank = len(ShardedSampler(train, world_size, 0))  # what fit() gives each rank per epoch
-    per_epoch = max(1, per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size))
-    needed = math.ceil(max_steps / per_epoch)
-    if resumed is not None:
-        left = max(0, max_steps - int(resumed.get("step", 0)))
-        partial = 1 if resumed.get("batch_in_epoch") or resumed.get("samples_in_epoch") else 0
-        if partial:  # the steps the resumed epoch still holds come first
-            if resumed.get("samples_in_epoch"):
-                rest = math.ceil(max(0, len(train) - int(resumed["samples_in_epoch"])) / (batch_size * world_size))
-            else:
-                rest = per_epoch - int(resumed.get("batch_in_epoch", 0))
-            left = max(0, left - max(0, rest))
-        needed = max(needed, int(resumed.get("epoch", 0)) + partial + math.ceil(left / per_epoch))
-    if needed > epochs:
-        log.info("dtrain: training.max_steps=%d needs %d epochs of %d steps (%d samples per rank, batch %d): "
-                 "training for %d epochs instead of training.epochs=%d", max_steps, needed, per_epoch, per_rank,
-                 batch_size, needed, epochs)
-        return needed
-    return epochs
 
 
 def _resume_meta(cfg: JobConfig) -> dict | None:

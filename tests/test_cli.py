@@ -560,12 +560,13 @@ def _tiny(n_layer=2, **training):
     ],
 )
 def test_pipeline_checks_that_need_the_model_or_the_world_name_the_field(monkeypatch, raw, world, field):
-    from distributed_training.dtrain_job import _build, _check_pipeline_fits
+    from distributed_training.dtrain_checks import check_pipeline_fits
+    from distributed_training.dtrain_job import _build
 
     cfg = load_config(raw)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(ConfigError, match=rf"^{re.escape(field)}\b"):
-        _check_pipeline_fits(cfg, _build(cfg)[0])
+        check_pipeline_fits(cfg, _build(cfg)[0])
 
 
 @pytest.mark.parametrize("raw, world", [
@@ -576,11 +577,12 @@ def test_pipeline_checks_that_need_the_model_or_the_world_name_the_field(monkeyp
     (_tiny(pipeline_parallel_size=2, pipeline_split_points=["block.1.m"], pipeline_half_blocks=True), 2),
 ])
 def test_pipeline_checks_pass_what_fits(monkeypatch, raw, world):
-    from distributed_training.dtrain_job import _build, _check_pipeline_fits
+    from distributed_training.dtrain_checks import check_pipeline_fits
+    from distributed_training.dtrain_job import _build
 
     cfg = load_config(raw)
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    _check_pipeline_fits(cfg, _build(cfg)[0])
+    check_pipeline_fits(cfg, _build(cfg)[0])
 
 
 def test_what_the_trainer_refuses_with_a_pipeline_is_said_as_config_fields(monkeypatch):
@@ -606,7 +608,7 @@ def test_an_epochs_last_batch_is_left_out_only_where_the_schedule_cannot_run_it(
     than microbatches); only interleaved needs a sample per pipeline rank."""
     from types import SimpleNamespace
 
-    from distributed_training.dtrain_job import _epochs_for, _short_last_batch
+    from distributed_training.dtrain_epochs import epochs_for, short_last_batch
     from distributed_training.pipeline.options import PipelineOptions
     from distributed_training.pipeline.training import PipelineStrategy
     from distributed_training.strategies import DDPStrategy
@@ -616,14 +618,14 @@ def test_an_epochs_last_batch_is_left_out_only_where_the_schedule_cannot_run_it(
         return SimpleNamespace(dp_world_size=2, strategy=strategy, config={"pipeline_schedule": schedule})
 
     for schedule in ("1f1b", "gpipe", "zbh1"):
-        assert not _short_last_batch(trainer(schedule), list(range(34)), 16)  # 17 a replica: a last batch of 1
+        assert not short_last_batch(trainer(schedule), list(range(34)), 16)  # 17 a replica: a last batch of 1
     interleaved = trainer("interleaved_1f1b")
-    assert _short_last_batch(interleaved, list(range(38)), 16)       # 19: a last batch of 3, fewer than 4 ranks
-    assert not _short_last_batch(interleaved, list(range(40)), 16)   # 20: a last batch of 4, one a rank
-    assert not _short_last_batch(interleaved, list(range(64)), 16)   # 32: no short batch
+    assert short_last_batch(interleaved, list(range(38)), 16)       # 19: a last batch of 3, fewer than 4 ranks
+    assert not short_last_batch(interleaved, list(range(40)), 16)   # 20: a last batch of 4, one a rank
+    assert not short_last_batch(interleaved, list(range(64)), 16)   # 32: no short batch
     # max_steps=3 with 1 full batch an epoch (the short one left out) needs 3 epochs, not 2.
-    assert _epochs_for(1, 3, list(range(38)), 16, 2, drop_last=True) == 3
-    assert _epochs_for(1, 3, list(range(38)), 16, 2) == 2
+    assert epochs_for(1, 3, list(range(38)), 16, 2, drop_last=True) == 3
+    assert epochs_for(1, 3, list(range(38)), 16, 2) == 2
 
 
 def test_pipeline_balance_time_times_one_microbatch_of_the_jobs_inputs(monkeypatch):

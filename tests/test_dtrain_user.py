@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from distributed_training import cli, dtrain_job
+from distributed_training import cli, dtrain_epochs, dtrain_job
 from distributed_training.config import ConfigError, load_config
 from distributed_training.user_job import UserCodeError
 
@@ -414,6 +414,6 @@ def test_max_steps_counts_from_a_checkpoint_of_another_batch_size():
     """Resumed at a smaller batch, the run's epochs were derived as if from step 0 while the checkpoint's epoch
     counted the old run's larger epochs: it stopped early or said the run was already complete."""
     resumed = {"step": 300, "epoch": 13, "batch_in_epoch": 0}
-    assert dtrain_job._epochs_for(1, 400, list(range(100)), 4, 1, resumed=resumed) == 13 + 4  # 25 steps an epoch
-    assert dtrain_job._epochs_for(1, 400, list(range(100)), 4, 1, resumed={**resumed, "batch_in_epoch": 3}) == 18
-    assert dtrain_job._epochs_for(1, 400, list(range(100)), 4, 1) == 16
+    assert dtrain_epochs.epochs_for(1, 400, list(range(100)), 4, 1, resumed=resumed) == 13 + 4  # 25 steps an epoch
+    assert dtrain_epochs.epochs_for(1, 400, list(range(100)), 4, 1, resumed={**resumed, "batch_in_epoch": 3}) == 18
+    assert dtrain_epochs.epochs_for(1, 400, list(range(100)), 4, 1) == 16

@@ -95,7 +95,8 @@ def test_dtrain_refuses_compute_balance_for_a_model_without_a_compute_model_befo
     rank's trainer with a ValueError traceback (torchrun's ChildFailedError around it); the other
     mismatches of the pipeline fields and the model are an invalid config naming the field, said once."""
     from distributed_training.config import ConfigError, load_config
-    from distributed_training.dtrain_job import _build, _check_pipeline_fits
+    from distributed_training.dtrain_checks import check_pipeline_fits
+    from distributed_training.dtrain_job import _build
 
     data = {"dataset": "digits"} if preset == "classifier" else {}
     cfg = load_config({"model": {"preset": preset}, "data": data,
@@ -104,13 +105,13 @@ def test_dtrain_refuses_compute_balance_for_a_model_without_a_compute_model_befo
     if refused:
         with pytest.raises(ConfigError, match=r"^training\.pipeline_balance 'compute' knows the compute of our GPT "
                                               r"only, not of a Sequential"):
-            _check_pipeline_fits(cfg, _build(cfg)[0])
+            check_pipeline_fits(cfg, _build(cfg)[0])
     else:
-        _check_pipeline_fits(cfg, _build(cfg)[0])
+        check_pipeline_fits(cfg, _build(cfg)[0])
     split = load_config({"model": {"preset": preset}, "data": data,
                          "training": {"pipeline_parallel_size": 2, "pipeline_balance": "compute",
                                       "pipeline_split_points": ["2" if preset == "classifier" else "block.1"]}})
-    _check_pipeline_fits(split, _build(split)[0])  # split points decide the cut: the balance is not used
+    check_pipeline_fits(split, _build(split)[0])  # split points decide the cut: the balance is not used
 
 
 def test_the_config_says_what_cuts_the_stages_without_split_points():

@@ -412,12 +412,12 @@ def test_tensorboard_drops_the_earlier_runs_steps_after_the_resume_point(tmp_pat
 def test_a_mid_epoch_resume_counts_the_steps_its_epoch_still_holds():
     """dtrain resumed mid-epoch with `training.max_steps` counted the unfinished epoch twice: every such
     resume said "needs 2 epochs" and warned "epochs: 1 -> 2" (a change that was not made)."""
-    from distributed_training import dtrain_job
+    from distributed_training import dtrain_epochs
 
     resumed = {"step": 10, "epoch": 0, "batch_in_epoch": 10, "samples_in_epoch": 40}  # 25 steps an epoch
-    assert dtrain_job._epochs_for(1, 20, list(range(100)), 4, 1, resumed=resumed) == 1
-    assert dtrain_job._epochs_for(1, 40, list(range(100)), 4, 1, resumed=resumed) == 2  # 15 here, 15 more
-    assert dtrain_job._epochs_for(1, 20, list(range(100)), 4, 1, resumed={**resumed, "samples_in_epoch": 0}) == 1
+    assert dtrain_epochs.epochs_for(1, 20, list(range(100)), 4, 1, resumed=resumed) == 1
+    assert dtrain_epochs.epochs_for(1, 40, list(range(100)), 4, 1, resumed=resumed) == 2  # 15 here, 15 more
+    assert dtrain_epochs.epochs_for(1, 20, list(range(100)), 4, 1, resumed={**resumed, "samples_in_epoch": 0}) == 1
 
 
 def test_strategy_auto_that_nothing_fits_and_an_unwritable_directory_are_config_errors(tmp_path, monkeypatch):

@@ -398,16 +398,16 @@ def test_dtrain_leaves_out_a_last_batch_of_one_sample_for_batch_norm():
     """The ResNet preset at 121 images in batches of 8 failed at every epoch's end and every resume."""
     from types import SimpleNamespace
 
-    from distributed_training.dtrain_job import _batch_norm_tail
+    from distributed_training.dtrain_epochs import batch_norm_tail
 
     trainer = SimpleNamespace(dp_world_size=1, gradient_accumulation_steps=1)
     bn = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
     plain = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
     data = list(range(121))
-    assert _batch_norm_tail(trainer, bn, data, 8, False) and not _batch_norm_tail(trainer, bn, data, 11, False)
-    assert not _batch_norm_tail(trainer, plain, data, 8, False) and not _batch_norm_tail(trainer, bn, data, 8, True)
+    assert batch_norm_tail(trainer, bn, data, 8, False) and not batch_norm_tail(trainer, bn, data, 11, False)
+    assert not batch_norm_tail(trainer, plain, data, 8, False) and not batch_norm_tail(trainer, bn, data, 8, True)
     trainer.gradient_accumulation_steps = 2  # 121 % 10 = 1: micro-batches of 1 and 0; 123 % 10 = 3: 2 and 1
-    assert _batch_norm_tail(trainer, bn, list(range(123)), 10, False)
+    assert batch_norm_tail(trainer, bn, list(range(123)), 10, False)
 
 
 def test_an_image_preset_on_your_data_and_your_model_on_an_image_folder_are_configs_not_key_errors(tmp_path,

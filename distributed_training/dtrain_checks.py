@@ -1,0 +1,111 @@
+"""What a `dtrain` job checks before the rendezvous, on every rank alike (each reads the same config and
+builds the same model): that the paths it writes can be written (`check_paths`), and the model-parallel
+sizes against the world (torchrun's WORLD_SIZE) and the model (`check_world`; a pipeline's stages against
+the model's layers: `check_pipeline_fits`). Each error is a `ConfigError` naming the config field."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import ConfigError, JobConfig
+from .tensor.strategy import _builtin_plan
+
+__all__ = ["check_paths", "check_world", "check_pipeline_fits"]
+
+
+def check_paths(cfg: JobConfig) -> None:
+    """Where the job writes can be written, checked before it trains: a checkpoint.dir naming a file
+    failed at the first save, an output naming a directory only after the whole run."""
+    for name, path, is_dir in (("checkpoint.dir", cfg.checkpoint.dir, True), ("logging.dir", cfg.logging.dir, True),
+                               ("output", cfg.output, False)):
+        if path is None:
+            continue
+        target = Path(path)
+        if target.exists() and target.is_dir() != is_dir:
+            raise ConfigError(f"{name}: {path!r} is a file: name a directory" if is_dir else
+                              f"{name}: {path!r} is a directory: name the file to write (e.g. {path}/model.pt)")
+        existing = next(p for p in (target, *target.parents) if p.exists())
+        if existing != target and not existing.is_dir():
+            raise ConfigError(f"{name}: {path!r} cannot be created: {str(existing)!r} is a file")
+        if existing == target and not is_dir:  # the file of an earlier run: replaced, so its directory is written
+            if not os.access(target, os.W_OK):
+                raise ConfigError(f"{name}: {path!r} cannot be written: no write permission on it")
+            existing = target.parent
+        if not os.access(existing, os.W_OK):
+            read_only = hasattr(os, "statvfs") and os.statvfs(existing).f_flag & getattr(os, "ST_RDONLY", 1)
+            why = "it is on a read-only file system" if read_only else "no write permission"
+            raise ConfigError(f"{name}: {path!r} cannot be written: {why} ({str(existing)!r})")
+        try:  # (root passes os.access everywhere: /proc, a read-only mount)
+            fd, probe = tempfile.mkstemp(prefix=".dtrain-write-probe-", dir=existing)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as err:
+            raise ConfigError(f"{name}: {path!r} cannot be written: creating a file in {str(existing)!r} failed "
+                              f"({err.strerror or err})") from None
+
+
+def check_world(cfg: JobConfig, model: nn.Module, world: int) -> None:
+    """The model-parallel sizes against the world (and, with a pipeline, the model), before the rendezvous."""
+    t = cfg.training
+    pipelined = t.pipeline_parallel_size > 1
+    if t.tensor_parallel_size > 1 and world % (t.tensor_parallel_size * t.pipeline_parallel_size):
+        with_pipeline = f" x training.pipeline_parallel_size={t.pipeline_parallel_size}" if pipelined else ""
+        per_replica = t.tensor_parallel_size * t.pipeline_parallel_size
+        raise ConfigError(f"training.tensor_parallel_size={t.tensor_parallel_size}{with_pipeline} does not divide the "
+                          f"world size {world}: run a multiple of {per_replica} processes (torchrun --nproc_per_node)")
+    if t.tensor_parallel_size > 1 and t.tensor_parallel_plan is None and _builtin_plan(model) is None:
+        raise ConfigError(f"training.tensor_parallel_size={t.tensor_parallel_size} needs training.tensor_parallel_plan "
+                          f"for a {type(model).__name__} (module-name pattern -> colwise | rowwise | vocab | sequence | "
+                          "replicate; see docs/tensor_parallel.md): only our GPT has a built-in plan")
+    c = cfg.communication
+    if c.hierarchical and c.ranks_per_node is not None and world % c.ranks_per_node:
+        raise ConfigError(f"communication.ranks_per_node={c.ranks_per_node} does not divide the world size {world} "
+                          f"(nodes of equal size): run a multiple of {c.ranks_per_node} processes, or leave it out "
+                          "(torchrun's LOCAL_WORLD_SIZE)")
+    if t.pipeline_cuda_graphs and pipelined and not torch.cuda.is_available():
+        raise ConfigError("training.pipeline_cuda_graphs needs CUDA devices, and this machine has none: set it to "
+                          "false")
+    if pipelined:
+        check_pipeline_fits(cfg, model)
+
+
+def check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
+    """What the pipeline fields ask of the model and the world, checked before the rendezvous (every
+    rank reads the same config and builds the same model, so every rank fails alike): the world size
+    (torchrun's WORLD_SIZE) a multiple of the pipeline's, no more stages than layers, split points that
+    name layers, a balance the model has costs for."""
+    from .models import GPT
+    from .pipeline.stages import chain, split_at
+    from .pipeline.training import PipelineOptions
+
+    t = cfg.training
+    options = PipelineOptions(t.pipeline_parallel_size, t.pipeline_schedule, t.microbatches,
+                              t.pipeline_split_points, t.pipeline_chunks, balance=t.pipeline_balance,
+                              half_blocks=t.pipeline_half_blocks)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world % options.size:
+        raise ConfigError(f"training.pipeline_parallel_size={options.size} does not divide the world size {world}: "
+                          f"run a multiple of {options.size} processes (torchrun --nproc_per_node)")
+    try:
+        names = [name for name, _ in chain(model, halves=options.half_blocks and options.enabled)]
+    except ValueError as err:
+        raise ConfigError(f"training.pipeline_half_blocks: {err}") from None
+    if options.num_stages > len(names):
+        chunks = f" x training.pipeline_chunks={options.chunks}" if options.chunks > 1 else ""
+        raise ConfigError(f"training.pipeline_parallel_size={options.size}{chunks} makes {options.num_stages} stages, "
+                          f"but the model has only {len(names)} layers to cut ({', '.join(names)}): fewer stages, or "
+                          "more layers (model.n_layer)")
+    if options.split_points is not None:
+        try:
+            split_at(options.split_points, names)
+        except ValueError as err:
+            raise ConfigError(f"training.pipeline_split_points: {str(err).removeprefix('boundary_names: ')}") from None
+    elif options.balance == "compute" and not isinstance(model, GPT):
+        raise ConfigError(f"training.pipeline_balance 'compute' knows the compute of our GPT only, not of a "
+                          f"{type(model).__name__}: balance by parameters or time, or give "
+                          "training.pipeline_split_points")
