@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import CheckpointManager, atomic_write_bytes, load_file, read_meta, write_meta
+from .checkpoint import CheckpointManager, atomic_write_bytes, read_meta, write_meta
 
 __all__ = ["DirectoryLayout", "detect_layout", "agree_on_checkpoint", "fetch_missing_files", "replicate_checkpoint"]
 

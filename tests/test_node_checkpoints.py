@@ -60,7 +60,6 @@ def node_resume_worker(rank, world, base, strategy, interrupt_at, swap, damage):
 
     node = rank // PER_NODE
     trainer = make(node)
-    caught = []
     if interrupt_at:
         trainer.fit(tiny_gpt_data(), epochs=2, batch_size=3, max_steps=interrupt_at, log_every=1, on_step=record)
         trainer.close()

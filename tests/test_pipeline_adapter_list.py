@@ -5,7 +5,6 @@ and `nn.Sequential` refusing the dotted names)."""
 
 from __future__ import annotations
 
-import copy
 
 import torch
 import torch.nn.functional as F

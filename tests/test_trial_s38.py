@@ -141,7 +141,6 @@ def test_zero1_refuses_a_second_synchronised_backward_before_the_step():
 
 
 def gradient_penalty_worker(rank, world, strategy):
-    import torch.nn.functional as F
     from torch import nn
 
     from distributed_training import DistributedTrainer

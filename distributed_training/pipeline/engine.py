@@ -26,7 +26,6 @@ from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..batches import _flattened_targets, tensors_of
