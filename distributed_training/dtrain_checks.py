@@ -1,7 +1,8 @@
 """What a `dtrain` job checks before the rendezvous, on every rank alike (each reads the same config and
 builds the same model): that the paths it writes can be written (`check_paths`), and the model-parallel
 sizes against the world (torchrun's WORLD_SIZE) and the model (`check_world`; a pipeline's stages against
-the model's layers: `check_pipeline_fits`). Each error is a `ConfigError` naming the config field."""
+the model's layers: `check_pipeline_fits`); once the ranks have met, that they read the same config
+(`check_same_config`). Each error is a `ConfigError` naming the config field."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 from .config import ConfigError, JobConfig
 from .tensor.strategy import _builtin_plan
 
-__all__ = ["check_paths", "check_world", "check_pipeline_fits"]
+__all__ = ["check_paths", "check_world", "check_pipeline_fits", "check_same_config"]
 
 
 def check_paths(cfg: JobConfig) -> None:
@@ -109,3 +110,45 @@ def check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
         raise ConfigError(f"training.pipeline_balance 'compute' knows the compute of our GPT only, not of a "
                           f"{type(model).__name__}: balance by parameters or time, or give "
                           "training.pipeline_split_points")
+
+
+#: Fields each node may set its own way: its own paths (node-local disks: compared by whether they are
+#: given), its loader's worker processes, whether its terminal shows a bar.
+PER_NODE_FIELDS = {"checkpoint.dir", "logging.dir", "output", "data.root", "data.val_root", "data.num_workers",
+                   "logging.progress"}
+
+
+def check_same_config(cfg: JobConfig, trainer) -> None:
+    """Every rank must train under one config: a node whose YAML (or ``--set``) says another learning rate,
+    schedule or weight decay trains its replica its own way, and the replicas drift apart without an error
+    (0.52 apart after 20 steps at lr 0.003 on one node and 0.03 on the other, in a trial). One all-gather
+    of the flattened config over the training ranks; raises on every rank alike, naming the first field
+    that differs."""
+    import torch.distributed as dist
+
+    ctx = trainer.context
+    if ctx.world_size == 1 or ctx.independent:
+        return
+    mine = {}
+
+    def flatten(prefix: str, value) -> None:
+        if isinstance(value, dict) and not (prefix.endswith("kwargs") or prefix.endswith("tensor_parallel_plan")):
+            for key, item in value.items():
+                flatten(f"{prefix}.{key}" if prefix else key, item)
+        else:
+            mine[prefix] = (value is not None) if prefix in PER_NODE_FIELDS else repr(value)
+
+    flatten("", cfg.model_dump())
+    every: list = [None] * dist.get_world_size(ctx.group)
+    dist.all_gather_object(every, mine, group=ctx.group)
+    for name in sorted(set().union(*every)):
+        values = [config.get(name) for config in every]
+        other = next((r for r, value in enumerate(values) if value != values[0]), None)
+        if other is not None:
+            if name in PER_NODE_FIELDS:
+                said = lambda given: "one" if given else "none"  # noqa: E731
+                raise ConfigError(f"{name} is given on some ranks only: rank 0 has {said(values[0])}, rank {other} "
+                                  f"{said(values[other])}: give every node the same config")
+            raise ConfigError(f"{name} differs across ranks: rank 0 has {values[0]}, rank {other} has "
+                              f"{values[other]} (each node read its own config file or --set): give every node the "
+                              "same config")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, JobConfig, training_paths
-from .dtrain_checks import check_paths, check_world
+from .dtrain_checks import check_paths, check_same_config, check_world
 from .dtrain_epochs import batch_norm_tail, epochs_for, short_last_batch
 from .dtrain_results import final_metrics, write_outputs
 from .global_batch import plan_global_batch
@@ -156,6 +156,7 @@ def run_job(cfg: JobConfig) -> dict:
     ctx = trainer.context
     finished = False  # an error on this rank: close without the barrier its peers would never reach
     try:
+        check_same_config(cfg, trainer)
         log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
                  type(model).__name__, f"{n_params:,}", trainer.strategy.name,
                  _layout(trainer, t), trainer.job_context.world_size, ctx.device, user_job.sample_count(train))

@@ -41,6 +41,7 @@ most once however many meshes ask for it. Nothing is module-level state: the mes
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -61,6 +62,23 @@ def _check_dim(dim: str) -> None:
 def global_rank(group, rank: int) -> int:
     """The global rank of `group`'s rank `rank` (`group` None: the default group, where they are equal)."""
     return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def _launcher_nodes_uneven(ranks_per_node: int) -> str | None:
+    """Why torchrun's nodes cannot be used as node boundaries, or None. Each rank knows only its own
+    node's LOCAL_WORLD_SIZE; with nodes of different sizes (--nproc-per-node differing between the
+    nodes) the ranks would cut the job into different nodes and create different groups (a hang, or an
+    error on some nodes only). LOCAL_WORLD_SIZE x GROUP_WORLD_SIZE != WORLD_SIZE tells every rank alike,
+    without a collective."""
+    try:
+        world, local, nodes = (int(os.environ[k]) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE"))
+    except (KeyError, ValueError):
+        return None
+    if ranks_per_node != local or local * nodes == world:
+        return None  # an explicit (emulated) node size, or nodes of equal size
+    return (f"hybrid sharding and the hierarchical all-reduce need nodes of equal size, but the {nodes} nodes of "
+            f"this job run different numbers of processes (WORLD_SIZE={world}; this node: LOCAL_WORLD_SIZE={local}): "
+            "give every node's torchrun the same --nproc-per-node")
 
 
 @dataclass(frozen=True)
@@ -362,17 +380,23 @@ class Mesh:
     def hybrid(self) -> "Mesh":
         """The mesh whose data dimensions split at node boundaries: shard over the data-parallel ranks
         of a node, replicate across nodes (collective the first time)."""
-        intra, _ = self.layout.node_split(self.ranks_per_node)
+        intra, _ = self._node_split()
         return self.with_data_shard(len(intra[0]))
 
     def node_groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
         """(intra-node, inter-node) groups of this rank's data-parallel group: the members on this
         rank's node, and the members at the same place on every node (collective the first time)."""
-        intra, inter = self.layout.node_split(self.ranks_per_node)
+        intra, inter = self._node_split()
         self._table.create(intra + inter)
         mine_intra = next(g for g in intra if self._rank in g)
         mine_inter = next(g for g in inter if self._rank in g)
         return (self._table.get(mine_intra, self._rank, "node"), self._table.get(mine_inter, self._rank, "node"))
+
+    def _node_split(self) -> tuple[list[list[int]], list[list[int]]]:
+        uneven = _launcher_nodes_uneven(self.ranks_per_node)
+        if uneven:
+            raise ValueError(uneven)
+        return self.layout.node_split(self.ranks_per_node)
 
     def __repr__(self) -> str:
         lay = self.layout

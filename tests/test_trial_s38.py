@@ -268,3 +268,50 @@ def test_freezing_a_sharded_module_later_is_refused_not_ignored(strategy):
     assert said[0].startswith("2.requires_grad_(False) after FSDP wrapped the model") and "save a checkpoint" in said[0]
     assert said[1].startswith("the model.requires_grad_(True) after FSDP"), said
     assert said[2:] == ["passed", "passed"] and ema == [False] * 6 and released == [False] * 6, (said, ema, released)
+
+
+def node_config_worker(rank, world, field, value):
+    from distributed_training import cli
+    from distributed_training.config import ConfigError, load_config
+
+    raw = {"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
+           "training": {"max_steps": 2, "batch_size": 32, "lr": 0.01}, "logging": {"progress": False}}
+    if rank == 1:  # node 1's own YAML, or its own --set
+        section, key = field.split(".")
+        raw.setdefault(section, {})[key] = value
+    try:
+        cli.run_job(load_config(raw))
+        return "trained"
+    except ConfigError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("training.lr", 0.03, "training.lr differs across ranks: rank 0 has 0.01, rank 1 has 0.03"),
+    ("schedule.warmup_steps", 1, "schedule.warmup_steps differs across ranks"),
+    ("logging.progress", True, None),  # a node's own terminal
+])
+def test_dtrain_refuses_a_config_that_differs_between_nodes(field, value, said):
+    # A node with another learning rate trained its replica its own way: 0.52 apart in 20 steps, no error.
+    for text in run_distributed(node_config_worker, 2, args=(field, value), timeout=120):
+        assert (text == "trained") if said is None else said in text, text
+
+
+def test_nodes_of_different_sizes_are_refused_before_any_group_is_made(monkeypatch):
+    # torchrun's nodes of 1, 1 and 2 processes: each rank cut the job at its own LOCAL_WORLD_SIZE and made
+    # other groups than its peers (a hang; with 2 + 1, an error on one node and "connection reset" on the other).
+    from distributed_training.mesh import Mesh
+
+    for local, nodes, world, refused in [(1, 3, 4, True), (2, 3, 4, True), (2, 2, 3, True), (2, 2, 4, False)]:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+        monkeypatch.setenv("GROUP_WORLD_SIZE", str(nodes))
+        mesh = Mesh(world, rank=0, ranks_per_node=local)
+        if refused:
+            for call in (mesh.hybrid, mesh.node_groups):
+                with pytest.raises(ValueError, match=f"the {nodes} nodes of this job run different numbers"):
+                    call()
+        else:
+            assert mesh._node_split() == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+        mesh = Mesh(world, rank=0, ranks_per_node=world)  # a node size given, not the launcher's: emulated
+        assert mesh._node_split() == ([list(range(world))], [[r] for r in range(world)])
