@@ -162,7 +162,7 @@ def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: Dist
     device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
     dataset = loader.dataset.dataset if isinstance(loader.dataset, SeededSamples) else loader.dataset
     first = first_sample_checksum(dataset) if warn else 0
-    mine = torch.tensor([sampler.dataset_len, steps, first], dtype=torch.int64, device=device)
+    mine = torch.tensor([sampler.dataset_len, steps, first, loader.batch_size], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, mine, group=ctx.group)
     lengths = [int(t[0]) for t in gathered]
@@ -177,7 +177,15 @@ def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: Dist
             f"{ranks[0]}'s), though its length ({lengths[0]}) is the same: fit() shards a map-style dataset as one "
             f"dataset seen by every rank, so each rank trains on 1/{ctx.world_size} of its own. Give every rank the "
             "same dataset, or, for data of your own per rank, an IterableDataset", RuntimeWarning, stacklevel=3)
-    if warn and (len(set(lengths)) > 1 or len(set(counts)) > 1):
+    sizes = [int(t[3]) for t in gathered]
+    if warn and len(set(lengths)) == 1 and len(set(sizes)) > 1:
+        warnings.warn(
+            "fit(): the batch size differs across ranks ("
+            + ", ".join(f"rank {r}: {b}" for r, b in zip(ranks, sizes))
+            + f"), which gives {counts} steps per epoch over the {lengths[0]} samples; every rank runs {min(counts)} "
+            "so that none waits for the others forever, and the rest of the epoch is left out: give every rank "
+            "the same batch size", RuntimeWarning, stacklevel=3)
+    elif warn and (len(set(lengths)) > 1 or len(set(counts)) > 1):
         warnings.warn(
             "fit(): the dataset's length differs across ranks ("
             + ", ".join(f"rank {r}: {n}" for r, n in zip(ranks, lengths))

@@ -315,3 +315,29 @@ def test_nodes_of_different_sizes_are_refused_before_any_group_is_made(monkeypat
             assert mesh._node_split() == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
         mesh = Mesh(world, rank=0, ranks_per_node=world)  # a node size given, not the launcher's: emulated
         assert mesh._node_split() == ([list(range(world))], [[r] for r in range(world)])
+
+
+def batch_size_per_rank_worker(rank, world):
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4), torch.arange(32) % 2)
+    trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = trainer.fit(data, 1, F.cross_entropy, batch_size=4 * (rank + 1))  # node 1's own --set
+    trainer.close()
+    return history[-1]["steps"], [str(w.message) for w in caught if "differs across ranks" in str(w.message)]
+
+
+def test_a_batch_size_of_each_ranks_own_is_said_as_such():
+    # It said "the dataset's length differs across ranks (rank 0: 1438, rank 1: 1438)".
+    for steps, said in run_distributed(batch_size_per_rank_worker, 2, timeout=90):
+        assert steps == 2 and len(said) == 1, (steps, said)
+        assert said[0].startswith("fit(): the batch size differs across ranks (rank 0: 4, rank 1: 8), which gives "
+                                  "[4, 2] steps per epoch over the 32 samples"), said
