@@ -102,6 +102,12 @@ class CheckpointLoading(HyperparameterRestore):
             if k not in cache:
                 name = f"rank{k}.pt"
                 # rank_checksums (a directory per node) also covers rank files fetched from other nodes.
+                if "rank_checksums" in meta and not os.path.isfile(os.path.join(path, name)):
+                    raise FileNotFoundError(
+                        f"checkpoint file {name} is not in {path!r}: {old_world} ranks wrote this checkpoint into a "
+                        "directory per node, each holding its own node's rank files, and no node of this job holds "
+                        f"{name}. Copy the other nodes' rank files (rank<k>.pt) into this directory from their "
+                        "checkpoint directories, or resume with those nodes in the job")
                 cache[k] = load_file(os.path.join(path, name), meta.get("rank_checksums", meta["checksums"]).get(name))
             return cache[k]
 

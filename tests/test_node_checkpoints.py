@@ -254,3 +254,29 @@ def test_a_pod_lost_without_a_stop_is_an_error_not_a_fresh_start(tmp_path):
     for message in messages:
         assert "none is whole among the nodes here" in message and "[4, 6]" in message, message
         assert "Bring that node or its volume back" in message, message
+
+
+def one_node_of_two_worker(rank, world, base, train):
+    """`train`: 4 ranks on two nodes write a ZeRO-3 checkpoint into their own directories; else 2 ranks on
+    one node resume from node 0's directory alone (the other node's volume is gone)."""
+    directory = os.path.join(base, f"node{rank // PER_NODE}")
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(tiny_gpt(), sgd_momentum, strategy="zero3", context=_context(rank, world),
+                                 checkpoint_dir=directory, checkpoint_every=2)
+    try:
+        trainer.fit(tiny_gpt_data(), epochs=1, batch_size=3, max_steps=2)
+        return "trained"
+    except FileNotFoundError as err:
+        return str(err)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_a_resume_without_the_other_nodes_files_says_where_they_are(tmp_path):
+    # It failed with "checkpoint file '.../rank2.pt' does not exist", nothing saying the files are on the
+    # other node's volume (meta.pt of a directory per node covers only its own node's files).
+    assert run_distributed(one_node_of_two_worker, 4, args=(str(tmp_path), True), timeout=240) == ["trained"] * 4
+    for said in run_distributed(one_node_of_two_worker, 2, args=(str(tmp_path), False), timeout=240):
+        assert "checkpoint file rank2.pt is not in" in said and "a directory per node" in said, said
+        assert "Copy the other nodes' rank files" in said, said
