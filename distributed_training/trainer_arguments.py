@@ -166,6 +166,40 @@ def check_same_options(options: dict[str, Any], where: str, group: Any) -> None:
                          "wait for each other in collectives the others never reach")
 
 
+def check_same_optimizer(optimizer: Any, group: Any) -> None:
+    """Raise the same ValueError on every rank of `group` (a data-parallel group: replicas of the same
+    parameters) where the optimizer's settings differ between ranks: a learning rate, weight decay or
+    beta that one rank computed its own way (from its node's environment, say) trains its replica
+    otherwise, and the replicas drift apart without any other error. One all-gather of the param groups'
+    settings (their numbers, strings and flags; not the parameters)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world == 1 or optimizer is None:
+        return
+
+    def setting(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return value.item()
+        if isinstance(value, (tuple, list)):
+            return tuple(setting(v) for v in value)
+        return value if value is None or isinstance(value, (bool, int, float, str)) else None
+
+    mine = {(k, key): setting(value) for k, g in enumerate(optimizer.param_groups)
+            for key, value in g.items() if key != "params"}
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine, group=group)
+    for other, theirs in enumerate(every):
+        differing = sorted(k for k in set(every[0]) | set(theirs) if every[0].get(k, "none") != theirs.get(k, "none"))
+        if differing:
+            k, key = differing[0]
+            raise ValueError(
+                f"fit: the optimizer's {key} (param group {k}) differs across ranks: rank 0 has "
+                f"{every[0].get((k, key), 'none')!r}, rank {other} has {theirs.get((k, key), 'none')!r}. Each replica "
+                "would apply its own and they would drift apart: give every rank the same optimizer settings")
+
+
 #: Optimizers whose step reads a tensor's shape or its whole norm (factored moments, orthogonalised
 #: matrices, per-layer trust ratios): over a slice of a tensor they run another algorithm.
 _SHAPED = re.compile(r"lamb|lars|adafactor|muon|shampoo|soap|novograd", re.IGNORECASE)

@@ -14,7 +14,7 @@ from .data import MapDataset, ShardedSampler, map_style, train_loader
 from .global_batch import GlobalBatch, plan_global_batch
 from .logs import get_logger
 from .stopping import StopSignals
-from .trainer_arguments import check_same_options
+from .trainer_arguments import check_same_optimizer, check_same_options
 from .trainer_epochs import EpochLoop
 from .trainer_step import check_criterion
 from .validation import PeriodicEvaluation
@@ -178,6 +178,8 @@ class Fitting(EpochLoop):
                 "eval_dataset": None if eval_dataset is None else "set", "eval_every": eval_every,
                 "eval_metrics": eval_metrics, "eval_target": eval_target,
             }, "fit", self.context.group)
+            if self.strategy.name != "parameter_server":  # (its workers' optimizers step the servers' shards)
+                check_same_optimizer(self.optimizer, self.context.mesh.group("data"))
         self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
         self._fit_global_batch = plan is not None and "pipeline_parallel_size" not in self.config
         resumed_from = self._resume_or_start_fresh()
