@@ -544,6 +544,7 @@ import distributed_training.trainer_checkpoints as checkpoints
 from distributed_training import DistributedTrainer
 
 real = checkpoints.save_file
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a job a shell put in the background ignores it)
 
 def slow_save(part, path):  # Ctrl-C pressed twice while the file is written (a large model's save)
     os.kill(os.getpid(), signal.SIGINT)
