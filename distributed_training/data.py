@@ -161,7 +161,9 @@ def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: Dist
         return steps
     device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
     dataset = loader.dataset.dataset if isinstance(loader.dataset, SeededSamples) else loader.dataset
-    first = first_sample_checksum(dataset) if warn else 0
+    # (Not with loader workers: a dataset that opens its file at its first read, in each worker, would open
+    # it here in the training process, which its workers then inherit or cannot pickle.)
+    first = first_sample_checksum(dataset) if warn and not loader.num_workers else 0
     mine = torch.tensor([sampler.dataset_len, steps, first, loader.batch_size], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, mine, group=ctx.group)
@@ -200,8 +202,8 @@ def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: Dist
 def first_sample_checksum(dataset: Any) -> int:
     """A CRC-32 (plus 1) of a map-style dataset's first sample, to compare across ranks; 0 where it says
     nothing: it cannot be read, or two reads differ. Each read draws from generators seeded alike on every
-    rank (torch's CPU one, Python's, NumPy's), so a random augmentation draws the same on every rank; they
-    are left as they were."""
+    rank (torch's CPU one, Python's, NumPy's; not a GPU's), so a random augmentation draws the same on every
+    rank; they are left as they were."""
     import sys
 
     numpy = sys.modules.get("numpy")
@@ -211,7 +213,7 @@ def first_sample_checksum(dataset: Any) -> int:
             try:
                 reads = []
                 for _ in range(2):
-                    torch.manual_seed(0)
+                    torch.default_generator.manual_seed(0)  # (torch.manual_seed would reseed the GPUs' too)
                     random.seed(0)
                     if numpy:
                         numpy.random.seed(0)

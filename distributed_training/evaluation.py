@@ -210,12 +210,15 @@ def _buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _on_classified(fn: Callable, criterion: Criterion | None) -> Callable:
-    """`fn` on the rows whose class target `criterion` does not ignore (`loss_weights.scored_targets`)."""
+    """`fn` on the rows whose class target `criterion` does not ignore (`loss_weights.scored_targets`): the
+    logits (the outputs, or their ``logits``) of those rows only."""
+    from .validation import _logits
+
     def scored(outputs, targets):
-        keep = scored_targets(criterion, targets)
-        if keep is None or not torch.is_tensor(outputs) or len(outputs) != len(targets):
+        keep, logits = scored_targets(criterion, targets), _logits(outputs)
+        if keep is None or not torch.is_tensor(logits) or len(logits) != len(targets):
             return fn(outputs, targets)
-        return fn(outputs[keep], targets[keep])
+        return fn(logits[keep], targets[keep])
 
     return scored
 

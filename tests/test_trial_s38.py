@@ -373,3 +373,47 @@ def test_optimizer_settings_that_differ_across_ranks_are_refused(strategy, key):
         else:
             assert said.startswith(f"fit: the optimizer's {key} (param group 0) differs across ranks"), said
             assert "rank 1 has 0.03" in said, said
+
+
+def test_the_first_sample_checksum_leaves_every_generator_and_a_lazy_dataset_alone(monkeypatch):
+    # torch.manual_seed(0) inside it reseeded every GPU's generator (CUDA dropout alike on every rank); a
+    # dataset opening its file at its first read opened it in the training process, which workers inherit.
+    from distributed_training.data import first_sample_checksum
+
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: reseeded.append(seed))
+    state = torch.get_rng_state()
+    data = torch.utils.data.TensorDataset(torch.arange(6.0).view(3, 2), torch.arange(3))
+    assert first_sample_checksum(data) > 0 and reseeded == [] and torch.equal(torch.get_rng_state(), state)
+
+
+def logits_dict_worker(rank, world):
+    import functools
+
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+    from distributed_training.validation import correct_count
+
+    class Dict(torch.nn.Module):  # logits that are the inputs: every prediction known
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return {"logits": self.scale * x}
+
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(Dict(), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    y = torch.arange(22) % 5  # classes 0-4, class 3 ignored by the criterion: every prediction right
+    x = F.one_hot(y, 5).float()
+    criterion = functools.partial(lambda out, t, **kw: F.cross_entropy(out["logits"], t, **kw), ignore_index=3)
+    got = trainer.evaluate(TensorDataset(x, y), criterion, batch_size=4, metrics={"accuracy": correct_count})
+    trainer.close()
+    return got["accuracy"]
+
+
+def test_accuracy_over_dict_outputs_leaves_out_ignored_targets_too():
+    # The hits on ignored targets were counted, not the targets: 1.09.
+    assert run_distributed(logits_dict_worker, 2, timeout=90) == [1.0, 1.0]
