@@ -417,3 +417,66 @@ def logits_dict_worker(rank, world):
 def test_accuracy_over_dict_outputs_leaves_out_ignored_targets_too():
     # The hits on ignored targets were counted, not the targets: 1.09.
     assert run_distributed(logits_dict_worker, 2, timeout=90) == [1.0, 1.0]
+
+
+class _FailsInBackward(torch.autograd.Function):  # an out-of-memory error in a large head's backward, say
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("out of memory (simulated)")
+
+
+def backward_raises_worker(rank, world, strategy):
+    """A backward raises before it reaches any parameter; the loop skips that batch and trains on, 30 steps
+    of a model that returns one of its parameters (a learned loss weight)."""
+    from torch import nn
+
+    from distributed_training import DistributedTrainer
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+            self.log_var = nn.Parameter(torch.zeros(()))
+            self.fail = False
+
+        def forward(self, x):
+            y = self.fc(x)
+            return (_FailsInBackward.apply(y) if self.fail else y), self.log_var
+
+    torch.manual_seed(0)
+    net = Net()
+    trainer = DistributedTrainer(net, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, progress=False)
+    x = torch.randn(3, 4) * (rank + 1)
+    net.fail = True
+    out, _ = trainer.model(x)
+    net.fail = False
+    try:
+        out.sum().backward()
+    except RuntimeError:
+        trainer.optimizer.zero_grad()  # the batch skipped
+    equal = []
+    for _ in range(30):
+        out, log_var = trainer.model(x)
+        (out.pow(2).mean() * torch.exp(-log_var) + log_var).backward()  # a learned loss weight
+        state = trainer.full_state_dict()  # (collective: rank 0's)
+        grads = torch.cat([p.grad.flatten() for p in trainer.optimizer.param_groups[0]["params"] if p.grad is not None])
+        every = [torch.empty_like(grads) for _ in range(world)]
+        torch.distributed.all_gather(every, grads)
+        equal.append(all(torch.equal(every[0], g) for g in every) if strategy == "ddp" else bool(state) or rank)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad()
+    hooks = len(getattr(net.log_var, "_backward_hooks", None) or {})
+    trainer.close()
+    return equal, hooks
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_backward_that_raised_leaves_the_next_steps_averaged(strategy):
+    # DDP: the first backward's end, queued at its start, never ran; the next backward never queued its own
+    # and its gradients were never averaged, silently. A parameter among the outputs got a hook a step.
+    for equal, hooks in run_distributed(backward_raises_worker, 2, args=(strategy,), timeout=120):
+        assert all(equal) and hooks <= (strategy == "zero3"), (equal, hooks)  # (FSDP: the last forward's view)

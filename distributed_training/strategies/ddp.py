@@ -37,7 +37,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from ..comm.bucket import MIB, Bucket
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module, labelled
@@ -49,6 +48,7 @@ from .ddp_buckets import gather_bucket, resolve_bucket_cap_mb
 from .ddp_layout import BucketLayout
 from .eager import eager_only
 from .overlap import CommTiming, OverlapTimeline
+from .backward_start import inside_backward, on_backward_start
 from .trainable import TrainableSet
 
 __all__ = ["DDP"]
@@ -227,21 +227,18 @@ class DDP(BucketLayout, CommTiming, nn.Module):
         rebuild, Python state), and compiles the module's forward after it."""
         self._trainable.check()
         if torch.is_grad_enabled() and self._backward.sync_enabled:
+            if self._backward.callback_queued and not inside_backward():
+                self._reset_iteration()  # a backward that raised half-way: its queued end never ran
             self._collectives_before_forward()
 
     @eager_only
     def _hook_outputs(self, out) -> None:
-        """A hook on the outputs of a forward that a synchronised backward follows, the first thing that
-        backward reaches: it queues the backward's end there, on the outermost pass. Reentrant activation
-        checkpointing runs a backward inside it, whose end (where a parameter's hook queued it) came
-        before the rest of the model's gradients."""
-        if not (self._hook_handles and self._backward.sync_enabled and torch.is_grad_enabled()):
-            return
-        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
+        """At the start of a synchronised backward through `out`, queue its end there, on the outermost
+        pass (`backward_start`): reentrant activation checkpointing's nested backward, where a parameter's
+        hook would queue it, ends before the rest of the model's gradients arrive."""
+        if self._hook_handles and self._backward.sync_enabled and torch.is_grad_enabled():
             me = weakref.ref(self)
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grads: me() is not None and me()._queue_finish(), mode="any")
+            on_backward_start(out, lambda: me() is not None and me()._queue_finish())
 
     def join(self, optimizer: torch.optim.Optimizer | None = None, *, lr_scheduler=None):
         """A context in which ranks that run out of data keep answering the others' collectives:
@@ -350,8 +347,9 @@ class DDP(BucketLayout, CommTiming, nn.Module):
         ready = state.ready
         if ready[index]:
             raise RuntimeError(
-                f"parameter '{self._param_names[index]}' was marked ready twice in one backward pass. "
-                "Reentrant activation checkpointing runs backward twice: use use_reentrant=False."
+                f"parameter '{self._param_names[index]}' got its gradient twice in one backward pass: used both "
+                "inside and outside a reentrant activation checkpoint (whose recomputation runs a backward of its "
+                "own), after its bucket may have been reduced. Use use_reentrant=False for that checkpoint."
             )
         ready[index] = True
         if self._arrival_order is not None:

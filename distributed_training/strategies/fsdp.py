@@ -71,6 +71,7 @@ from .fsdp_state import FSDPStateDict
 from .fsdp_precision import MixedPrecision, cast_floats, refuse_low_precision_batchnorm
 from .fsdp_units import Unit, UnitPlacement, alloc_storage, build_units, free_storage, unit_roots
 from .fsdp_unused import UNUSED_RECHECK_EVERY, UNUSED_WATCH_STEPS, UnusedWatch  # noqa: F401 (their old home)
+from .backward_start import inside_backward, on_backward_start
 from .trainable import TrainableSet, lock_requires_grad
 
 __all__ = ["FSDP", "MixedPrecision", "make_hybrid_groups"]
@@ -311,8 +312,9 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
             raise RuntimeError("the FSDP wrapper cannot run inside summon_full_params(), whose weights are not "
                                "the ones it trains: call the module itself there (`trainer.module`)")
         self._trainable.check()
-        if self._backward_state.pending:  # a backward left reductions behind (e.g. it raised): settle them first
-            self._finish_backward()
+        state = self._backward_state
+        if (state.pending or state.callback_queued) and not inside_backward():
+            self._finish_backward()  # a backward that raised left reductions (or its queued end) behind
         if self._recording_order:  # also after a first forward that raised: record again
             self._forward_order = []
         for root in self._roots:
@@ -330,17 +332,12 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
 
     @eager_only
     def _hook_outputs(self, out) -> None:
-        """A hook on the model's outputs, the first thing a backward reaches: it queues the end of the
-        backward on the outermost pass (reentrant activation checkpointing runs a backward inside it, at
-        whose end the weights must not be freed yet) and gathers the root unit again for a second
-        backward through the same forward (``retain_graph=True``), after the first one freed it."""
-        if not torch.is_grad_enabled():
-            return
-        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
+        """At the start of a backward through `out` (`backward_start`): queue its end on the outermost pass,
+        and gather the root unit again for a second backward through the same forward
+        (``retain_graph=True``), which the first one's end freed."""
+        if torch.is_grad_enabled():
             me = weakref.ref(self)
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grads: me() is not None and me()._before_backward(), mode="any")
+            on_backward_start(out, lambda: me() is not None and me()._before_backward())
 
     def _before_backward(self) -> None:
         self._queue_finish()
