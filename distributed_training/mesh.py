@@ -41,7 +41,6 @@ most once however many meshes ask for it. Nothing is module-level state: the mes
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -62,23 +61,6 @@ def _check_dim(dim: str) -> None:
 def global_rank(group, rank: int) -> int:
     """The global rank of `group`'s rank `rank` (`group` None: the default group, where they are equal)."""
     return dist.get_global_rank(group, rank) if group is not None else rank
-
-
-def _launcher_nodes_uneven(ranks_per_node: int) -> str | None:
-    """Why torchrun's nodes cannot be used as node boundaries, or None. Each rank knows only its own
-    node's LOCAL_WORLD_SIZE; with nodes of different sizes (--nproc-per-node differing between the
-    nodes) the ranks would cut the job into different nodes and create different groups (a hang, or an
-    error on some nodes only). LOCAL_WORLD_SIZE x GROUP_WORLD_SIZE != WORLD_SIZE tells every rank alike,
-    without a collective."""
-    try:
-        world, local, nodes = (int(os.environ[k]) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE"))
-    except (KeyError, ValueError):
-        return None
-    if ranks_per_node != local or local * nodes == world:
-        return None  # an explicit (emulated) node size, or nodes of equal size
-    return (f"hybrid sharding and the hierarchical all-reduce need nodes of equal size, but the {nodes} nodes of "
-            f"this job run different numbers of processes (WORLD_SIZE={world}; this node: LOCAL_WORLD_SIZE={local}): "
-            "give every node's torchrun the same --nproc-per-node")
 
 
 @dataclass(frozen=True)
@@ -226,6 +208,7 @@ class _GroupTable:
         self.parent = parent
         self.world_size = world_size
         self.groups: dict[tuple[int, ...], object] = {}
+        self.node_sizes_agreed: set[int] = set()  # (`Mesh._node_split`)
 
     def _global(self, rank: int) -> int:
         return global_rank(self.parent, rank)
@@ -393,10 +376,23 @@ class Mesh:
         return (self._table.get(mine_intra, self._rank, "node"), self._table.get(mine_inter, self._rank, "node"))
 
     def _node_split(self) -> tuple[list[list[int]], list[list[int]]]:
-        uneven = _launcher_nodes_uneven(self.ranks_per_node)
-        if uneven:
-            raise ValueError(uneven)
-        return self.layout.node_split(self.ranks_per_node)
+        """`MeshLayout.node_split` at this mesh's node size, once every rank is known to have the same:
+        under torchrun each rank takes it from its own node (LOCAL_WORLD_SIZE), and nodes that run
+        different numbers of processes would cut the job into different nodes and make other groups on
+        each (a hang). One all-gather the first time, over the mesh's group."""
+        size = self.ranks_per_node
+        if size not in self._table.node_sizes_agreed and dist.is_initialized() and self._table.world_size > 1:
+            every: list = [None] * self._table.world_size
+            dist.all_gather_object(every, size, group=self.group_of_mesh)
+            if len(set(every)) > 1:
+                other = next(r for r, n in enumerate(every) if n != every[0])
+                raise ValueError(
+                    f"the ranks count different node sizes (rank 0: {every[0]} ranks a node, rank {other}: "
+                    f"{every[other]}): hybrid sharding and the hierarchical all-reduce need nodes of equal size. "
+                    "Under torchrun it is each node's --nproc-per-node (LOCAL_WORLD_SIZE): start as many "
+                    "processes on every node, or give every rank the same ranks_per_node")
+            self._table.node_sizes_agreed.add(size)
+        return self.layout.node_split(size)
 
     def __repr__(self) -> str:
         lay = self.layout

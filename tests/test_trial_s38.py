@@ -297,24 +297,29 @@ def test_dtrain_refuses_a_config_that_differs_between_nodes(field, value, said):
         assert (text == "trained") if said is None else said in text, text
 
 
-def test_nodes_of_different_sizes_are_refused_before_any_group_is_made(monkeypatch):
-    # torchrun's nodes of 1, 1 and 2 processes: each rank cut the job at its own LOCAL_WORLD_SIZE and made
-    # other groups than its peers (a hang; with 2 + 1, an error on one node and "connection reset" on the other).
+def uneven_nodes_worker(rank, world, sizes, call):
     from distributed_training.mesh import Mesh
 
-    for local, nodes, world, refused in [(1, 3, 4, True), (2, 3, 4, True), (2, 2, 3, True), (2, 2, 4, False)]:
-        monkeypatch.setenv("WORLD_SIZE", str(world))
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
-        monkeypatch.setenv("GROUP_WORLD_SIZE", str(nodes))
-        mesh = Mesh(world, rank=0, ranks_per_node=local)
-        if refused:
-            for call in (mesh.hybrid, mesh.node_groups):
-                with pytest.raises(ValueError, match=f"the {nodes} nodes of this job run different numbers"):
-                    call()
-        else:
-            assert mesh._node_split() == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
-        mesh = Mesh(world, rank=0, ranks_per_node=world)  # a node size given, not the launcher's: emulated
-        assert mesh._node_split() == ([list(range(world))], [[r] for r in range(world)])
+    mesh = Mesh(world, rank=rank, ranks_per_node=sizes[rank])  # each rank its own node's LOCAL_WORLD_SIZE
+    try:
+        getattr(mesh, call)()
+        return "made"
+    except ValueError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize("sizes,call", [((1, 1, 2, 2), "hybrid"), ((2, 2, 1, 1, 3, 3), "node_groups"),
+                                        ((2, 2, 2, 2), "hybrid")])
+def test_nodes_of_different_sizes_are_refused_before_any_group_is_made(sizes, call):
+    # torchrun's nodes of 1, 1 and 2 processes: each rank cut the job at its own LOCAL_WORLD_SIZE and made
+    # other groups than its peers (a hang; with 2 + 1, an error on one node and "connection reset" on the
+    # other). Nodes of 2, 1 and 3 passed a check of each rank's own environment on the first node.
+    said = run_distributed(uneven_nodes_worker, len(sizes), args=(sizes, call), timeout=90)
+    if len(set(sizes)) == 1:
+        assert said == ["made"] * len(sizes), said
+    else:
+        assert all(s.startswith(f"the ranks count different node sizes (rank 0: {sizes[0]} ranks a node, rank "
+                                f"{sizes.index(next(n for n in sizes if n != sizes[0]))}") for s in said), said
 
 
 def batch_size_per_rank_worker(rank, world):
