@@ -113,7 +113,8 @@ def check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
 
 
 #: Fields each node may set its own way: its own paths (node-local disks: compared by whether they are
-#: given), its loader's worker processes, whether its terminal shows a bar.
+#: given; in a ``*kwargs`` field, any string with a path separator), its loader's worker processes,
+#: whether its terminal shows a bar.
 PER_NODE_FIELDS = {"checkpoint.dir", "logging.dir", "output", "data.root", "data.val_root", "data.num_workers",
                    "logging.progress"}
 
@@ -131,12 +132,14 @@ def check_same_config(cfg: JobConfig, trainer) -> None:
         return
     mine = {}
 
-    def flatten(prefix: str, value) -> None:
-        if isinstance(value, dict) and not (prefix.endswith("kwargs") or prefix.endswith("tensor_parallel_plan")):
+    def flatten(prefix: str, value, in_kwargs: bool = False) -> None:
+        if isinstance(value, dict) and not prefix.endswith("tensor_parallel_plan"):
             for key, item in value.items():
-                flatten(f"{prefix}.{key}" if prefix else key, item)
+                flatten(f"{prefix}.{key}" if prefix else key, item, in_kwargs or prefix.endswith("kwargs"))
+        elif prefix in PER_NODE_FIELDS or in_kwargs and isinstance(value, str) and os.sep in value:
+            mine[prefix] = value is not None  # a node's own path (`data.kwargs.root` too): given or not
         else:
-            mine[prefix] = (value is not None) if prefix in PER_NODE_FIELDS else repr(value)
+            mine[prefix] = repr(value)
 
     flatten("", cfg.model_dump())
     every: list = [None] * dist.get_world_size(ctx.group)

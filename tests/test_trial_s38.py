@@ -270,12 +270,32 @@ def test_freezing_a_sharded_module_later_is_refused_not_ignored(strategy):
     assert said[2:] == ["passed", "passed"] and ema == [False] * 6 and released == [False] * 6, (said, ema, released)
 
 
+class DigitsAt:
+    """The examples' digits, as if read from a directory of each node's own (`root`, not read)."""
+
+    def __init__(self, split: str, root: str) -> None:
+        from examples.user_model import Digits
+
+        self.data = Digits(split)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
 def node_config_worker(rank, world, field, value):
     from distributed_training import cli
     from distributed_training.config import ConfigError, load_config
 
     raw = {"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
            "training": {"max_steps": 2, "batch_size": 32, "lr": 0.01}, "logging": {"progress": False}}
+    if field == "data.kwargs":  # the user's own dataset, its file on each node's disk
+        raw["data"] = {"target": "test_trial_s38:DigitsAt", "kwargs": {"split": "train", "root": "/scratch/node0/d"},
+                       "collate": "examples.user_model:collate"}
+        raw["model"] = {"target": "examples.user_model:SmallConvNet"}
+        raw["loss"] = {"target": "torch.nn:CrossEntropyLoss"}
     if rank == 1:  # node 1's own YAML, or its own --set
         section, key = field.split(".")
         raw.setdefault(section, {})[key] = value
@@ -290,6 +310,8 @@ def node_config_worker(rank, world, field, value):
     ("training.lr", 0.03, "training.lr differs across ranks: rank 0 has 0.01, rank 1 has 0.03"),
     ("schedule.warmup_steps", 1, "schedule.warmup_steps differs across ranks"),
     ("logging.progress", True, None),  # a node's own terminal
+    ("data.kwargs", {"split": "train", "root": "/scratch/node1/d"}, None),  # a node's own path
+    ("data.kwargs", {"split": "val", "root": "/scratch/node0/d"}, "data.kwargs.split differs across ranks"),
 ])
 def test_dtrain_refuses_a_config_that_differs_between_nodes(field, value, said):
     # A node with another learning rate trained its replica its own way: 0.52 apart in 20 steps, no error.
