@@ -8,12 +8,6 @@
 . benchmarks/device_env.sh
 pip install -q --no-index --find-links .wheels --target /tmp/pyd pydantic > "$OUT/pip.log" 2>&1
 export PYTHONPATH=$PWD:/tmp/pyd
-suite() {  # name, seconds in all, seconds per world, suite.py arguments
-  local name=$1 limit=$2 per_world=$3; shift 3
-  (cd benchmarks && timeout -k 5 "$limit" python suite.py --out "$OUT/$name" --timeout "$per_world" "$@") 2>&1 \
-    | grep -v -i "warn\|\*\*\*\*\*" > "$OUT/$name.log"
-  echo "exit $? at $(( $(date +%s) - start )) s" >> "$OUT/$name.log"
-}
 case "$1" in
   A) suite M 260 250 --worlds 2 --phases models --variants plain,torch,ours,trainer --rounds 5 --steps 30
      suite T 260 250 --worlds 2 --phases training --models gpt-1.3b:8:1024 \
