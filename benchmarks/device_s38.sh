@@ -8,6 +8,10 @@
 #      in fit's length all-gather (NCCL).
 #   B (2 GPUs): the models phase for ResNet-50 and BERT, where DDP's new hook on a forward's outputs runs
 #      every step (BERT's outputs a Hugging Face ModelOutput): torch DDP, ours, the trainer, 3 rounds of 30.
+#   C (2 GPUs, the warm machine of B, run as a command line): B's BERT too noisy in 3 rounds (its torch DDP
+#      rounds 42-51 ms): ResNet-50 and BERT, torch DDP and ours, 7 rounds of 30:
+#      . benchmarks/device_env.sh; export PYTHONPATH=$PWD:/tmp/pyd; suite M 150 145 --worlds 2 \
+#        --phases models --third-party bert,resnet50 --variants torch,ours --rounds 7 --steps 30
 . benchmarks/device_env.sh
 pip install -q --no-index --find-links .wheels --target /tmp/pyd pydantic > "$OUT/pip.log" 2>&1
 export PYTHONPATH=$PWD:/tmp/pyd
