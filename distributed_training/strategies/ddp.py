@@ -44,11 +44,11 @@ from ..comm.optimizer import CommunicationOptimizer
 from ..comm.reduce import AllReduceMean, BucketReducer, ReduceScatterMean
 from ..mesh import Mesh, global_rank
 from ..runtime import collective_device
+from .backward_start import inside_backward, on_backward_start
 from .ddp_buckets import gather_bucket, resolve_bucket_cap_mb
 from .ddp_layout import BucketLayout
 from .eager import eager_only
 from .overlap import CommTiming, OverlapTimeline
-from .backward_start import inside_backward, on_backward_start
 from .trainable import TrainableSet
 
 __all__ = ["DDP"]
