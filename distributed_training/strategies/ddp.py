@@ -347,9 +347,10 @@ class DDP(BucketLayout, CommTiming, nn.Module):
         ready = state.ready
         if ready[index]:
             raise RuntimeError(
-                f"parameter '{self._param_names[index]}' got its gradient twice in one backward pass: used both "
-                "inside and outside a reentrant activation checkpoint (whose recomputation runs a backward of its "
-                "own), after its bucket may have been reduced. Use use_reentrant=False for that checkpoint."
+                f"parameter '{self._param_names[index]}' got its gradient twice in one backward pass, after its "
+                "bucket may have been reduced: a reentrant activation checkpoint's recomputation (which runs a "
+                "backward of its own) met another use of it, outside the checkpoint or in another forward of the "
+                "model before this backward. Use use_reentrant=False for that checkpoint."
             )
         ready[index] = True
         if self._arrival_order is not None:

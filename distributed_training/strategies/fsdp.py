@@ -314,7 +314,7 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
         self._trainable.check()
         state = self._backward_state
         if (state.pending or state.callback_queued) and not inside_backward():
-            self._finish_backward()  # a backward that raised left reductions (or its queued end) behind
+            self._drop_backward()  # a backward that raised left reductions (or its queued end) behind
         if self._recording_order:  # also after a first forward that raised: record again
             self._forward_order = []
         for root in self._roots:
@@ -348,6 +348,12 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
     def _pre_forward(self, unit: Unit) -> None:
         if self._summoned:  # the modules hold their full weights as parameters
             return
+        if inside_backward() and not self._backward_state.callback_queued:
+            # A reentrant checkpoint's recomputation, on the outer backward's thread and pass, where the
+            # outputs' hook did not run (outputs it cannot see, a loss from an inner tensor): the end of
+            # the backward is queued here, on the outer pass, not in the nested pass about to start.
+            self._backward_state.callback_queued = True
+            _queue_callback(self._finish_backward)
         if self._recording_order and unit not in self._forward_order:
             self._forward_order.append(unit)
         self._unshard(unit)
@@ -412,6 +418,21 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
         self._backward_state.pending.append((unit, out, work))
         unit.full.grad = None
         del grad
+
+    def _drop_backward(self) -> None:
+        """What a backward that raised left behind, dropped (as one process's ``zero_grad`` after it
+        would): its reduce-scatters waited for (every rank issued them) but not added to the shards'
+        gradients, its queued end forgotten, the units freed."""
+        state = self._backward_state
+        try:
+            for _, _, work in state.pending:
+                with self.waits.waiting(self.device):
+                    work.wait()
+        finally:
+            state.pending = []
+            state.callback_queued = False
+            for unit in self._units:
+                self._reshard(unit)
 
     def _finish_backward(self, reshard: bool | None = None) -> None:
         if reshard is None:
