@@ -587,3 +587,37 @@ def test_a_batch_skipped_after_its_backward_raised_leaves_no_gradient_behind(str
     # ZeRO-2/3 added the failed backward's reduce-scatters to the next step's gradients (1.4e-2 off).
     diff, _ = run_distributed(failed_step_worker, 2, args=(strategy,), timeout=90)
     assert diff < 1e-6, diff
+
+
+class _InnerLoss(torch.nn.Module):
+    """The loss comes from a tensor the model keeps (not returns), made inside a reentrant checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+        self.inner = None
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        self.inner = checkpoint(self.head, h, use_reentrant=True)
+        return h.detach()
+
+
+def inner_loss_worker(rank, world):
+    from distributed_training import DDP
+
+    model = DDP(_InnerLoss())
+    model(torch.randn(4, 6))
+    try:
+        model.module.inner.sum().backward()
+        return "trained"
+    except RuntimeError as err:
+        return str(err)
+
+
+def test_ddp_says_why_a_used_parameter_got_no_gradient_under_a_reentrant_tail():
+    # It said only "pass find_unused_parameters=True", though inp's parameters are used.
+    for said in run_distributed(inner_loss_worker, 2, timeout=60):
+        assert "received no gradient" in said and "the pass ended with the checkpoint's own backward" in said, said

@@ -450,7 +450,10 @@ class DDP(BucketLayout, CommTiming, nn.Module):
                 raise RuntimeError(
                     f"rank {self.rank}: {len(names)} parameter(s) received no gradient in this backward pass: "
                     f"{shown}. If they are unused in some iterations or on some ranks, pass "
-                    "find_unused_parameters=True; if they are never used, set requires_grad=False or remove them."
+                    "find_unused_parameters=True; if they are never used, set requires_grad=False or remove them. "
+                    "If they are used, and a reentrant activation checkpoint holds the model's last layers while "
+                    "the loss comes from a tensor the model does not return, the pass ended with the checkpoint's "
+                    "own backward: return that tensor, or use use_reentrant=False."
                 )
             if self.find_unused_parameters and unready:
                 globally_used = used.tolist()
