@@ -12,8 +12,8 @@ units, and a strong reference here kept every original alive (a whole fp32 copy 
 So under `FSDP` (ZeRO-2/3) the check covers what the user still holds. ``model.encoder.requires_grad_(True)``
 on the wrapped module would reach no parameter at all (the module holds views, not parameters) and change
 nothing, silently: `lock_requires_grad` makes that call raise instead, on every module that had parameters
-(a call that changes no flag passes, and one on a module holding parameters again is torch's). Flipping ``p.requires_grad`` on a view found some other way cannot
-be seen. Set the flags before wrapping.
+(a call that changes no flag passes, and one on a module holding parameters again is torch's). Flipping
+``p.requires_grad`` on a view found some other way cannot be seen. Set the flags before wrapping.
 """
 
 from __future__ import annotations
