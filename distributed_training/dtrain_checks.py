@@ -148,10 +148,10 @@ def check_same_config(cfg: JobConfig, trainer) -> None:
         values = [config.get(name) for config in every]
         other = next((r for r, value in enumerate(values) if value != values[0]), None)
         if other is not None:
-            if name in PER_NODE_FIELDS:
-                said = lambda given: "one" if given else "none"  # noqa: E731
-                raise ConfigError(f"{name} is given on some ranks only: rank 0 has {said(values[0])}, rank {other} "
-                                  f"{said(values[other])}: give every node the same config")
+            if isinstance(values[0], bool):  # a node's own path: compared by whether it is given
+                given = ["one" if v else "none" for v in (values[0], values[other])]
+                raise ConfigError(f"{name} is given on some ranks only: rank 0 has {given[0]}, rank {other} "
+                                  f"{given[1]}: give every node the same config")
             raise ConfigError(f"{name} differs across ranks: rank 0 has {values[0]}, rank {other} has "
                               f"{values[other]} (each node read its own config file or --set): give every node the "
                               "same config")

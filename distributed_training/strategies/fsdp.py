@@ -348,12 +348,11 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
     def _pre_forward(self, unit: Unit) -> None:
         if self._summoned:  # the modules hold their full weights as parameters
             return
-        if inside_backward() and not self._backward_state.callback_queued:
+        if inside_backward():
             # A reentrant checkpoint's recomputation, on the outer backward's thread and pass, where the
             # outputs' hook did not run (outputs it cannot see, a loss from an inner tensor): the end of
             # the backward is queued here, on the outer pass, not in the nested pass about to start.
-            self._backward_state.callback_queued = True
-            _queue_callback(self._finish_backward)
+            self._queue_finish(recomputing=True)
         if self._recording_order and unit not in self._forward_order:
             self._forward_order.append(unit)
         self._unshard(unit)
@@ -378,8 +377,9 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
         return output
 
     # ------------------------------------------------------------ backward
-    def _queue_finish(self) -> None:
-        if torch.is_grad_enabled():  # inside backward, grad mode is on only with create_graph=True
+    def _queue_finish(self, recomputing: bool = False) -> None:
+        # Inside backward grad mode is on only with create_graph=True, or in a checkpoint's recomputation.
+        if torch.is_grad_enabled() and not recomputing:
             raise RuntimeError(
                 "FSDP / ZeRO-2/3 does not support double backward (torch.autograd.grad(..., create_graph=True) or "
                 "backward(create_graph=True) through the wrapped model, e.g. a gradient penalty): the end of that "
