@@ -10,6 +10,16 @@ import torch
 from distributed_training.testing import run_distributed
 
 
+def _device_of(trainer):
+    """Where the trainer keeps the model (a GPU under NCCL: `test_gpu_backward_paths.py` runs these workers)."""
+    return next(p for group in trainer.optimizer.param_groups for p in group["params"]).device
+
+
+def _worst(state, ref):
+    """The largest difference between a full state dict and a CPU reference model's weights."""
+    return max((state[k].cpu() - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
 def ignored_targets_worker(rank, world, ignore_index):
     import functools
 
@@ -105,12 +115,14 @@ def two_backward_worker(rank, world, strategy, mode):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, progress=False)
     g = torch.Generator().manual_seed(0)
+    dev = _device_of(trainer)
     diffs = []
     try:
         for _ in range(3):
             x, y = torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
             mine = slice(4 * rank, 4 * rank + 4)
-            for m, xs, ys, opt in ((ref, x, y, ref_opt), (trainer.model, x[mine], y[mine], trainer.optimizer)):
+            for m, xs, ys, opt in ((ref, x, y, ref_opt),
+                                   (trainer.model, x[mine].to(dev), y[mine].to(dev), trainer.optimizer)):
                 first = m.no_sync() if mode == "no_sync" and m is trainer.model else contextlib.nullcontext()
                 out = m(xs)
                 with first:
@@ -119,7 +131,7 @@ def two_backward_worker(rank, world, strategy, mode):
                 opt.step()
                 opt.zero_grad()
             state = trainer.full_state_dict()  # (rank 0's; {} on the others)
-            diffs += [max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items())] if state else []
+            diffs += [_worst(state, ref)] if state else []
     except RuntimeError as err:
         return str(err)
     finally:
@@ -217,19 +229,22 @@ def reentrant_worker(rank, world, strategy, as_dataclass=False):
     trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), strategy=strategy,
                                  progress=False)
     g = torch.Generator().manual_seed(1)
+    dev = _device_of(trainer)
     diffs = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            x, y = torch.randn(8, 6, generator=g, requires_grad=True), torch.randint(0, 4, (8,), generator=g)
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
             mine = slice(4 * rank, 4 * rank + 4)
-            for m, xs, ys, opt in ((ref, x, y, ref_opt), (trainer.model, x[mine], y[mine], trainer.optimizer)):
+            for m, xs, ys, opt in ((ref, x.requires_grad_(), y, ref_opt),
+                                   (trainer.model, x[mine].detach().to(dev).requires_grad_(), y[mine].to(dev),
+                                    trainer.optimizer)):
                 out = m(xs)
                 F.cross_entropy(out.logits if isinstance(out, _Logits) else out, ys).backward()
                 opt.step()
                 opt.zero_grad()
             state = trainer.full_state_dict()
-            diffs += [max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items())] if state else []
+            diffs += [_worst(state, ref)] if state else []
     trainer.close()
     return diffs, [str(w.message) for w in caught if "no gradient" in str(w.message)]
 
@@ -548,7 +563,7 @@ class _AbortableNet(torch.nn.Module):
         return self.head(self.blocks[1](h))
 
 
-def _skip_a_failed_step(model, net, optimizer, rank, world):
+def _skip_a_failed_step(model, net, optimizer, rank, world, dev="cpu"):
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(1)
@@ -557,7 +572,8 @@ def _skip_a_failed_step(model, net, optimizer, rank, world):
     for k, (x, y) in enumerate(batches):
         net.fail = k == 1
         try:
-            F.mse_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+            mine = slice(rank * n, (rank + 1) * n)
+            F.mse_loss(model(x[mine].to(dev)), y[mine].to(dev)).backward()
         except RuntimeError:
             optimizer.zero_grad()  # the batch skipped
             continue
@@ -575,11 +591,11 @@ def failed_step_worker(rank, world, strategy):
     ref.load_state_dict(net.state_dict())
     trainer = DistributedTrainer(net, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), strategy=strategy,
                                  progress=False)
-    _skip_a_failed_step(trainer.model, net, trainer.optimizer, rank, world)
+    _skip_a_failed_step(trainer.model, net, trainer.optimizer, rank, world, _device_of(trainer))
     state = trainer.full_state_dict()
     trainer.close()
     _skip_a_failed_step(ref, ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), 0, 1)
-    return max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items()) if state else None
+    return _worst(state, ref) if state else None
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])

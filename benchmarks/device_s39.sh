@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Session 39: the 1- and 2-GPU kinds lent (issue 15 still waits for 4 GPUs). Results go to $OUT.
+#   A (2 GPUs): every GPU test two GPUs can run, with tests/test_gpu_backward_paths.py (new): session 38's
+#      last fixes on NCCL (two backward passes before a step, reentrant checkpointing with tensor and
+#      dataclass outputs, a batch skipped after its backward raised), against one CPU process.
+. benchmarks/device_env.sh
+pip install -q --no-index --find-links .wheels --target /tmp/pyd pydantic > "$OUT/pip.log" 2>&1
+export PYTHONPATH=$PWD:/tmp/pyd
+case "$1" in
+  A) gpu_tests gpu_tests_all_A 480 --durations=15 -rs ;;
+esac
