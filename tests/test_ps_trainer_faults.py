@@ -42,15 +42,23 @@ def _state(trainer) -> list[list[float]]:
     return [v.detach().reshape(-1).tolist() for v in trainer.module.state_dict().values()]
 
 
-def _killed_fit_job(rank, world, directory, consistency, staleness, victim):
+def _killed_fit_job(rank, world, directory, consistency, staleness, victim, at_checkpoint=False):
     from distributed_training import DistributedTrainer
     from distributed_training.ps import WorkerLostError
 
+    checkpoints = dict(checkpoint_dir=os.path.join(directory, "ck"), checkpoint_every=KILL_AT) if at_checkpoint else {}
     trainer = DistributedTrainer(_model(), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
                                  strategy="parameter_server", num_servers=1, consistency=consistency,
-                                 staleness=staleness)
+                                 staleness=staleness, **checkpoints)
     strategy = trainer.strategy
     worker = None if not strategy.trains else trainer.dp_rank
+    if at_checkpoint and worker == victim:  # dies after pushing step 5, as the checkpoint starts
+        def save_and_die(*args, **kwargs):
+            with open(os.path.join(directory, "killed_at"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)
+        strategy.save_checkpoint_files = save_and_die
 
     def criterion(outputs, targets):
         if worker == victim and trainer.step == KILL_AT and trainer.module.training:
@@ -84,11 +92,11 @@ def _killed_fit_job(rank, world, directory, consistency, staleness, victim):
     trainer.close()
 
 
-def _run(tmp_path, consistency, staleness, victim):
+def _run(tmp_path, consistency, staleness, victim, at_checkpoint=False):
     world = 1 + WORKERS
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_killed_fit_job, world, args=(str(tmp_path), consistency, staleness, victim), timeout=90,
-                        collective_timeout=60)
+        run_distributed(_killed_fit_job, world, args=(str(tmp_path), consistency, staleness, victim, at_checkpoint),
+                        timeout=90, collective_timeout=60)
     return survivors_records(info.value, world, 1 + victim, tmp_path)
 
 
@@ -114,8 +122,11 @@ def test_a_worker_killed_in_fit_is_dropped_and_the_others_finish(tmp_path, consi
 
 
 @pytest.mark.timeout(120)
-def test_sync_a_worker_killed_in_fit_is_an_error_naming_it(tmp_path):
-    records, killed_at = _run(tmp_path, "sync", 0, 1)
+@pytest.mark.parametrize("at_checkpoint", [False, True])
+def test_sync_a_worker_killed_in_fit_is_an_error_naming_it(tmp_path, at_checkpoint):
+    # At a checkpoint step the workers' all-gather of their file digests met the dead worker first: the
+    # survivors said PeerFailureError after the heartbeat timeout (the server: WorkerLostError).
+    records, killed_at = _run(tmp_path, "sync", 0, 1, at_checkpoint)
     assert len(records) == WORKERS
     for rank, r in records.items():
         assert r["error"] == "WorkerLostError" and r["lost"] == 1, r

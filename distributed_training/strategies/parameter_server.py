@@ -448,9 +448,10 @@ class ParameterServerStrategy(Strategy):
         index = dist.get_rank() - self.num_servers
         os.makedirs(path, exist_ok=True)
         name = f"worker{index}.pt"
+        digest = save_file(part, os.path.join(path, name))
+        ps = self._leave(model)  # first: a worker lost since its last push is named here (WorkerLostError)
         digests: list = [None] * (dist.get_world_size() - self.num_servers)
-        dist.all_gather_object(digests, (name, save_file(part, os.path.join(path, name))), group=self._workers_group)
-        ps = self._leave(model)
+        dist.all_gather_object(digests, (name, digest), group=self._workers_group)
         self._send_control({"op": "save", "path": path, "meta": {**meta, "checksums": dict(digests)}})
         ps.save_state(path)
         self._build(model)
