@@ -271,14 +271,22 @@ def freeze_later_worker(rank, world, strategy):
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
     model[0].requires_grad_(False)
     trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, progress=False)
+    x = torch.randn(3, 4)
     said = []
-    for call in (lambda: model[2].requires_grad_(False), lambda: model.requires_grad_(True),
-                 lambda: model[0].requires_grad_(False), lambda: model[2][1].requires_grad_(True)):
+    for call, back in ((lambda: model[2].requires_grad_(False), lambda: model[2].requires_grad_(True)),
+                       (lambda: model.requires_grad_(True), lambda: model[0].requires_grad_(False)),
+                       (lambda: model[0].requires_grad_(False), None), (lambda: model[2][1].requires_grad_(True), None)):
+        call()
+        with torch.no_grad():
+            trainer.model(x)  # a pass that trains nothing runs with the flags asked for
         try:
-            call()
+            trainer.model(x)  # a training forward
             said.append("passed")
         except RuntimeError as err:
             said.append(str(err))
+        if back is not None:
+            back()
+    trainer.model(x).sum().backward()  # the flags asked for are the wrapped ones again: trains
     with trainer.summon_full_params():  # a copy holding parameters of its own: torch's requires_grad_
         ema = copy.deepcopy(trainer.module)
     ema.requires_grad_(False)
@@ -291,10 +299,14 @@ def freeze_later_worker(rank, world, strategy):
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_freezing_a_sharded_module_later_is_refused_not_ignored(strategy):
     # The modules hold views of the shards: requires_grad_ reached no parameter and changed nothing (2.8e-2
-    # off one process that froze the block). Calls that change no flag pass.
+    # off one process that froze the block). The calls are recorded; a training forward raises while one
+    # differs from the wrapped flags (session 39: a pass under no_grad may flip them and back, as PEFT's
+    # disable_adapter() does for a reference pass; the call itself raised before).
     said, ema, released = run_distributed(freeze_later_worker, 2, args=(strategy,), timeout=90)[0]
-    assert said[0].startswith("2.requires_grad_(False) after FSDP wrapped the model") and "save a checkpoint" in said[0]
-    assert said[1].startswith("the model.requires_grad_(True) after FSDP"), said
+    assert said[0].startswith("2.requires_grad_(False) was called after FSDP wrapped the model"), said
+    assert "parameter '2.0.weight' (and 3 more)" in said[0] and "full_state_dict()" in said[0], said
+    assert "torch.no_grad()" in said[0] and "close()" in said[0], said
+    assert said[1].startswith("the model.requires_grad_(True) was called after FSDP"), said
     assert said[2:] == ["passed", "passed"] and ema == [False] * 6 and released == [False] * 6, (said, ema, released)
 
 

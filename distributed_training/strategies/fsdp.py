@@ -175,7 +175,7 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
             broadcast_coalesced([p.data for p in module.parameters()] + list(module.buffers()), src, process_group)
 
         self._state_keys = list(module.state_dict(keep_vars=True).keys())
-        self._unlock_requires_grad = lock_requires_grad(module, "FSDP")  # (its parameters become views)
+        self._requires_grad_lock = lock_requires_grad(module, "FSDP")  # (its parameters become views)
         self._units: list[Unit] = build_units(module, unit_roots(module, auto_wrap_policy), UnitPlacement(
             self.shard_world, self.shard_rank, self.device, self.cpu_offload, self._param_dtype))
         self.shards = nn.ParameterList([u.shard for u in self._units if u.padded])
@@ -312,6 +312,8 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
             raise RuntimeError("the FSDP wrapper cannot run inside summon_full_params(), whose weights are not "
                                "the ones it trains: call the module itself there (`trainer.module`)")
         self._trainable.check()
+        if torch.is_grad_enabled():
+            self._requires_grad_lock.check()
         state = self._backward_state
         if (state.pending or state.callback_queued) and not inside_backward():
             self._drop_backward()  # a backward that raised left reductions (or its queued end) behind

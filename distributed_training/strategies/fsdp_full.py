@@ -106,7 +106,7 @@ class FullWeights:
                 self._register_full(unit, own_storage=True)
         self._outside_hook.remove()
         self._state_hook.remove()
-        self._unlock_requires_grad()
+        self._requires_grad_lock.undo()
         for unit in self._units:
             for hook in unit.hooks:
                 hook.remove()

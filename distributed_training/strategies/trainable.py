@@ -11,8 +11,8 @@ units, and a strong reference here kept every original alive (a whole fp32 copy 
 4.9 GiB at 1.3B). An original that nothing else holds can no longer be flipped, so it drops out of the check.
 So under `FSDP` (ZeRO-2/3) the check covers what the user still holds. ``model.encoder.requires_grad_(True)``
 on the wrapped module would reach no parameter at all (the module holds views, not parameters) and change
-nothing, silently: `lock_requires_grad` makes that call raise instead, on every module that had parameters
-(a call that changes no flag passes, and one on a module holding parameters again is torch's). Flipping
+nothing, silently: `lock_requires_grad` records the flags such calls ask for, and the next training forward
+raises while one differs (a call on a module holding parameters again is torch's). Flipping
 ``p.requires_grad`` on a view found some other way cannot be seen. Set the flags before wrapping.
 """
 
@@ -46,12 +46,15 @@ class TrainableSet:
     NEW_EVERY = 100
 
     def check(self) -> None:
-        """Raise RuntimeError naming the first parameter whose `requires_grad` changed since construction,
-        or (at the first checks and every `NEW_EVERY`-th) one registered on the module since."""
-        if torch.is_grad_enabled():  # training forwards only: every rank runs as many (not a rank's own sampling)
-            self._checks += 1
-            if self._module is not None and (self._checks <= 2 or self._checks % self.NEW_EVERY == 0):
-                self._check_new()
+        """At a training forward (gradients on), raise RuntimeError naming the first parameter whose
+        `requires_grad` changed since construction, or (at the first checks and every `NEW_EVERY`-th) one
+        registered on the module since. A forward that trains nothing (``torch.no_grad()``: a reference
+        pass with adapters switched off, inference) may run with flags flipped."""
+        if not torch.is_grad_enabled():
+            return
+        self._checks += 1  # (training forwards only: every rank runs as many, not a rank's own sampling)
+        if self._module is not None and (self._checks <= 2 or self._checks % self.NEW_EVERY == 0):
+            self._check_new()
         for name, ref, flag in self._named:
             p = ref()
             if p is not None and p.requires_grad != flag:
@@ -79,39 +82,73 @@ def requires_grad_(self: nn.Module, requires_grad: bool = True) -> nn.Module:
     """A wrapped module's ``requires_grad_`` (bound to it by `lock_requires_grad`; named as the method it
     stands for, so that a pickled or copied module gets torch's back). Where the module holds parameters of
     its own (inside ``summon_full_params``, a copy made there) it is torch's; where its parameters are views
-    of a wrapper's shards, a call that would change a flag it had raises instead of reaching nothing."""
+    of a wrapper's shards, the flags asked for are recorded (`RequiresGradLock`): a training forward with
+    one that differs from the wrapped flags raises, since the call itself would reach nothing."""
     if next(self.parameters(), None) is not None:
         return nn.Module.requires_grad_(self, requires_grad)
-    name, flags, wrapper = self.__dict__["_flags_when_wrapped"]
-    if flags == {bool(requires_grad)}:
-        return self
-    raise RuntimeError(
-        f"{name or 'the model'}.requires_grad_({bool(requires_grad)}) after {wrapper} wrapped the model: its "
-        f"parameters are views of {wrapper}'s flat shards now, so the call would change nothing (they would go on "
-        f"training, or stay frozen). {_rebuild_advice(wrapper)}")
+    lock, name, names = self.__dict__["_requires_grad_lock"]
+    lock.request(name, names, bool(requires_grad))
+    return self
 
 
 def _rebuild_advice(wrapper: str) -> str:
+    if wrapper == "FSDP":  # (a sharded optimizer state cannot follow a change of which parameters train)
+        return ("Set requires_grad before wrapping. To change it mid-training, build the model again with the new "
+                "flags, load trainer.full_state_dict() into it, and build the DistributedTrainer and a fresh "
+                "optimizer. For a pass that trains nothing (a reference or inference pass), run it under "
+                "torch.no_grad(); after training, trainer.close() gives the module its own parameters back")
     return (f"Set requires_grad before wrapping: to change it mid-training, save a checkpoint, build the model, "
             f"{wrapper} (or the DistributedTrainer) and the optimizer again with the new flags, and load the "
             "model's weights")
 
 
-def lock_requires_grad(module: nn.Module, wrapper: str):
-    """Make ``requires_grad_`` raise on every submodule of `module` that holds parameters, where it would
-    change a flag once they are views (`requires_grad_`): for a wrapper about to replace them. Returns the
-    undo (call it once the module holds parameters of its own again)."""
-    locked = []
-    for name, m in module.named_modules():
-        flags = {p.requires_grad for p in m.parameters()}
-        if flags:
-            m.__dict__["_flags_when_wrapped"] = (name, flags, wrapper)
-            m.__dict__["requires_grad_"] = types.MethodType(requires_grad_, m)
-            locked.append(m)
+class RequiresGradLock:
+    """The flags asked for by ``requires_grad_`` on the modules of a model whose parameters a wrapper
+    replaced by views of its shards (`lock_requires_grad`). The calls themselves pass, and reach nothing:
+    a pass that trains nothing may flip flags and back (PEFT's ``disable_adapter()`` around a reference
+    forward under ``torch.no_grad()``). `check`, at each training forward, raises while a flag asked for
+    differs from the one the wrapper was built with: the parameter would go on training, or stay frozen."""
 
-    def undo() -> None:
-        for m in locked:
+    def __init__(self, module: nn.Module, wrapper: str) -> None:
+        self.wrapper = wrapper
+        self.flags = {name: p.requires_grad for name, p in module.named_parameters()}
+        self.asked: dict[str, tuple[str, bool]] = {}  # parameter -> (the module called, the flag), where they differ
+        fqn = {id(p): name for name, p in module.named_parameters()}
+        self.locked = []
+        for name, m in module.named_modules():
+            names = list(dict.fromkeys(fqn[id(p)] for p in m.parameters()))
+            if names:
+                m.__dict__["_requires_grad_lock"] = (self, name, names)
+                m.__dict__["requires_grad_"] = types.MethodType(requires_grad_, m)
+                self.locked.append(m)
+
+    def request(self, module: str, names: list[str], flag: bool) -> None:
+        for name in names:
+            if self.flags[name] == flag:
+                self.asked.pop(name, None)
+            else:
+                self.asked[name] = (module, flag)
+
+    def check(self) -> None:
+        if not self.asked:
+            return
+        name, (module, flag) = next(iter(self.asked.items()))
+        raise RuntimeError(
+            f"{module or 'the model'}.requires_grad_({flag}) was called after {self.wrapper} wrapped the model, and "
+            f"a training forward (gradients on) followed: parameter {name!r} (and {len(self.asked) - 1} more) is now "
+            f"a view of {self.wrapper}'s flat shards, which the call cannot reach, so it would go on training (or stay "
+            f"frozen). {_rebuild_advice(self.wrapper)}")
+
+    def undo(self) -> None:
+        """Give the modules torch's ``requires_grad_`` back (they hold parameters of their own again)."""
+        for m in self.locked:
             m.__dict__.pop("requires_grad_", None)
-            m.__dict__.pop("_flags_when_wrapped", None)
+            m.__dict__.pop("_requires_grad_lock", None)
+        self.locked, self.asked = [], {}
 
-    return undo
+
+def lock_requires_grad(module: nn.Module, wrapper: str) -> RequiresGradLock:
+    """Record instead of apply ``requires_grad_`` on every submodule of `module` that holds parameters,
+    for a wrapper about to replace them by views (`RequiresGradLock`: its `check` raises at a training
+    forward while a flag asked for differs; `undo` once the module holds parameters again)."""
+    return RequiresGradLock(module, wrapper)
