@@ -10,8 +10,9 @@ rank its exact share and nothing is counted twice.
 
 Every rank must see a dataset of the same length for the step counts to agree; `DistributedTrainer.fit`
 checks that with one all-gather and, if lengths differ, runs every rank for the smallest count. The same
-all-gather compares a checksum of each rank's first sample: datasets of one length but other contents
-(each rank read its own file) would each be trained on 1/W only, and are warned about.
+all-gather compares a fingerprint of each rank's first sample (`sample_fingerprint`): datasets of one
+length but other contents (each rank read its own file) would each be trained on 1/W only, and are warned
+about.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from __future__ import annotations
 import math
 import random
 import warnings
-import zlib
-from typing import Any, Iterator, Sized
+from typing import Iterator, Sized
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,8 @@ from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableD
                               SequentialSampler)
 
 from .runtime import DistributedContext
+from .sample_fingerprint import WORDS as FINGERPRINT_WORDS
+from .sample_fingerprint import Fingerprint, first_sample_fingerprint
 
 __all__ = ["MapDataset", "ShardedSampler", "agree_steps_per_epoch", "map_style", "train_loader"]
 
@@ -163,23 +165,24 @@ def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: Dist
     dataset = loader.dataset.dataset if isinstance(loader.dataset, SeededSamples) else loader.dataset
     # (Not with loader workers: a dataset that opens its file at its first read, in each worker, would open
     # it here in the training process, which its workers then inherit or cannot pickle.)
-    first = first_sample_checksum(dataset) if warn and not loader.num_workers else 0
-    mine = torch.tensor([sampler.dataset_len, steps, first, loader.batch_size], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(ctx.world_size)]
-    dist.all_gather(gathered, mine, group=ctx.group)
-    lengths = [int(t[0]) for t in gathered]
-    counts = [int(t[1]) for t in gathered]
-    firsts = {int(t[2]) for t in gathered} - {0}
+    first = first_sample_fingerprint(dataset) if warn and not loader.num_workers else None
+    words = first.words() if first is not None else [0] * FINGERPRINT_WORDS
+    mine = torch.tensor([sampler.dataset_len, steps, loader.batch_size, *words], dtype=torch.int64, device=device)
+    gathered = [t.tolist() for t in _all_gather(mine, ctx)]
+    lengths = [t[0] for t in gathered]
+    counts = [t[1] for t in gathered]
+    firsts = [Fingerprint.from_words(t[3:]) for t in gathered]
     # Named by their ranks in the job, as the log prefixes are (a group's members: a parameter server's workers).
     ranks = dist.get_process_group_ranks(ctx.group) if ctx.group is not None else range(ctx.world_size)
-    if warn and len(set(lengths)) == 1 and len(firsts) > 1:
-        differ = [r for r, t in zip(ranks, gathered) if int(t[2]) not in (0, int(gathered[0][2]))]
+    known = [(r, f) for r, f in zip(ranks, firsts) if f is not None]
+    differ = [r for r, f in known if not f.matches(known[0][1])]
+    if warn and len(set(lengths)) == 1 and differ:
         warnings.warn(
             f"fit(): the dataset differs across ranks (its first sample on rank {differ[0]} is not rank "
-            f"{ranks[0]}'s), though its length ({lengths[0]}) is the same: fit() shards a map-style dataset as one "
+            f"{known[0][0]}'s), though its length ({lengths[0]}) is the same: fit() shards a map-style dataset as one "
             f"dataset seen by every rank, so each rank trains on 1/{ctx.world_size} of its own. Give every rank the "
             "same dataset, or, for data of your own per rank, an IterableDataset", RuntimeWarning, stacklevel=3)
-    sizes = [int(t[3]) for t in gathered]
+    sizes = [t[2] for t in gathered]
     if warn and len(set(lengths)) == 1 and len(set(sizes)) > 1:
         warnings.warn(
             "fit(): the batch size differs across ranks ("
@@ -199,60 +202,6 @@ def agree_steps_per_epoch(loader: DataLoader, sampler: ShardedSampler, ctx: Dist
     return min(counts)
 
 
-def first_sample_checksum(dataset: Any) -> int:
-    """A CRC-32 (plus 1) of a map-style dataset's first sample, to compare across ranks; 0 where it says
-    nothing: it cannot be read, or two reads differ. Each read draws from generators seeded alike on every
-    rank (torch's CPU one, Python's, NumPy's; not a GPU's), so a random augmentation draws the same on every
-    rank; they are left as they were."""
-    import sys
-
-    numpy = sys.modules.get("numpy")
-    try:
-        with torch.random.fork_rng(devices=[]):
-            state, np_state = random.getstate(), numpy.random.get_state() if numpy else None
-            try:
-                reads = []
-                for _ in range(2):
-                    torch.default_generator.manual_seed(0)  # (torch.manual_seed would reseed the GPUs' too)
-                    random.seed(0)
-                    if numpy:
-                        numpy.random.seed(0)
-                    reads.append(_checksum(dataset[0]))
-            finally:
-                random.setstate(state)
-                if numpy:
-                    numpy.random.set_state(np_state)
-    except Exception:  # noqa: BLE001 - the loader reads it and raises its own error, where it belongs
-        return 0
-    return reads[0] + 1 if reads[0] == reads[1] else 0
-
-
-def _checksum(value: Any, crc: int = 0) -> int:
-    """A CRC-32 of a sample's tensors (up to 1 MiB of each), arrays, numbers and strings, in order."""
-    if isinstance(value, torch.Tensor):
-        flat = value.detach().reshape(-1)[: (1 << 20) // max(1, value.element_size())].cpu().contiguous()
-        return zlib.crc32(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"",
-                          zlib.crc32(repr((tuple(value.shape), value.dtype)).encode(), crc))
-    if isinstance(value, dict):
-        for key in sorted(value, key=repr):
-            crc = _checksum(value[key], zlib.crc32(repr(key).encode(), crc))
-        return crc
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            crc = _checksum(item, crc)
-        return crc
-    if hasattr(value, "__array__") and not isinstance(value, (str, bytes)):
-        try:
-            return _checksum(torch.as_tensor(value.__array__()), crc)
-        except (TypeError, ValueError, RuntimeError):
-            pass
-    if isinstance(value, bytes):
-        return zlib.crc32(value, crc)
-    if value is None or isinstance(value, (str, int, float, complex)):
-        return zlib.crc32(repr(value).encode(), crc)
-    return crc  # (an object of another kind says nothing: its repr may hold its address)
-
-
 class MapDataset(Dataset):
     """A map-style dataset that is not a `torch.utils.data.Dataset` (a list of samples, a Hugging Face
     ``datasets.Dataset``, a class of one's own with ``__getitem__`` and ``__len__``), wrapped so that
@@ -266,6 +215,12 @@ class MapDataset(Dataset):
 
     def __getitem__(self, index):
         return self.data[index]
+
+
+def _all_gather(mine: torch.Tensor, ctx: DistributedContext) -> list[torch.Tensor]:
+    gathered = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, mine, group=ctx.group)
+    return gathered
 
 
 def map_style(data) -> bool:
@@ -371,7 +326,6 @@ class SeededSamples(Dataset):
         return len(self.dataset)
 
     def _reseed(self, epoch: int, index: int) -> None:
-        import random
         import sys
 
         value = (((self.seed * 1_000_003) + epoch) * 2_147_483_647 + index) % (2**63 - 1)

@@ -445,13 +445,13 @@ def test_optimizer_settings_that_differ_across_ranks_are_refused(strategy, key):
 def test_the_first_sample_checksum_leaves_every_generator_and_a_lazy_dataset_alone(monkeypatch):
     # torch.manual_seed(0) inside it reseeded every GPU's generator (CUDA dropout alike on every rank); a
     # dataset opening its file at its first read opened it in the training process, which workers inherit.
-    from distributed_training.data import first_sample_checksum
+    from distributed_training.sample_fingerprint import first_sample_fingerprint
 
     reseeded = []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: reseeded.append(seed))
     state = torch.get_rng_state()
     data = torch.utils.data.TensorDataset(torch.arange(6.0).view(3, 2), torch.arange(3))
-    assert first_sample_checksum(data) > 0 and reseeded == [] and torch.equal(torch.get_rng_state(), state)
+    assert first_sample_fingerprint(data) is not None and reseeded == [] and torch.equal(torch.get_rng_state(), state)
 
 
 def logits_dict_worker(rank, world):
