@@ -175,6 +175,8 @@ def check_same_optimizer(optimizer: Any, group: Any) -> None:
     import torch
     import torch.distributed as dist
 
+    from .mesh import global_rank
+
     world = dist.get_world_size(group)
     if world == 1 or optimizer is None:
         return
@@ -190,14 +192,23 @@ def check_same_optimizer(optimizer: Any, group: Any) -> None:
             for key, value in g.items() if key != "params"}
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine, group=group)
-    for other, theirs in enumerate(every):
-        differing = sorted(k for k in set(every[0]) | set(theirs) if every[0].get(k, "none") != theirs.get(k, "none"))
+    for other, theirs in enumerate(every[1:], start=1):
+        differing = sorted(k for k in set(every[0]) | set(theirs)
+                           if not _same_setting(every[0].get(k, "none"), theirs.get(k, "none")))
         if differing:
             k, key = differing[0]
             raise ValueError(
-                f"fit: the optimizer's {key} (param group {k}) differs across ranks: rank 0 has "
-                f"{every[0].get((k, key), 'none')!r}, rank {other} has {theirs.get((k, key), 'none')!r}. Each replica "
-                "would apply its own and they would drift apart: give every rank the same optimizer settings")
+                f"fit: the optimizer's {key} (param group {k}) differs across ranks: rank {global_rank(group, 0)} has "
+                f"{every[0].get((k, key), 'none')!r}, rank {global_rank(group, other)} has "
+                f"{theirs.get((k, key), 'none')!r}. Each replica would apply its own and they would drift apart: give "
+                "every rank the same optimizer settings")
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    """Equal, NaN equal to NaN (an "unset" sentinel), in tuples too."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_setting(x, y) for x, y in zip(a, b))
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
 
 
 #: Optimizers whose step reads a tensor's shape or its whole norm (factored moments, orthogonalised

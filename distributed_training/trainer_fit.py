@@ -178,8 +178,11 @@ class Fitting(EpochLoop):
                 "eval_dataset": None if eval_dataset is None else "set", "eval_every": eval_every,
                 "eval_metrics": eval_metrics, "eval_target": eval_target,
             }, "fit", self.context.group)
-            if self.strategy.name != "parameter_server":  # (its workers' optimizers step the servers' shards)
+            # At the first fit only: an optimizer may keep values of its own in its param groups, per shard
+            # under ZeRO (Prodigy's step size d); the parameter server's workers step the servers' shards.
+            if self.strategy.name != "parameter_server" and not self._optimizer_agreed:
                 check_same_optimizer(self.optimizer, self.context.mesh.group("data"))
+                self._optimizer_agreed = True
         self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
         self._fit_global_batch = plan is not None and "pipeline_parallel_size" not in self.config
         resumed_from = self._resume_or_start_fresh()

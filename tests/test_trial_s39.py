@@ -125,3 +125,45 @@ def test_the_first_sample_fingerprint_copies_no_whole_permuted_volume():
     assert torch.equal(head, volume[:64])
     same, other = first_sample_fingerprint([(volume, 0)]), first_sample_fingerprint([(volume.flip(0), 0)])
     assert same is not None and other is not None and not same.matches(other)
+
+
+class _OwnStepSize(torch.optim.SGD):
+    """Keeps a value of its own in its param groups, from the shard it steps (as Prodigy's `d`), and an
+    unset setting as NaN."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        for group in self.param_groups:
+            group["clip"], group["d"] = float("nan"), 1.0
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["d"] = 1.0 + sum(float(p.detach().abs().sum()) for p in group["params"])
+        return super().step(closure)
+
+
+def optimizer_values_worker(rank, world, strategy):
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: _OwnStepSize(ps, lr=0.01), strategy=strategy,
+                                 progress=False)
+    data = TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(0)), torch.arange(32) % 2)
+    try:
+        for _ in range(2):  # a second fit, after the shards' own values differ
+            trainer.fit(data, 1, F.cross_entropy, batch_size=4)
+        return "trained"
+    except ValueError as err:
+        return str(err)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_optimizer_values_of_its_own_and_nan_settings_are_not_refused(strategy):
+    # "the optimizer's clip differs across ranks: rank 0 has nan, rank 0 has nan"; and a second fit refused
+    # the values a Prodigy-like optimizer keeps per shard.
+    assert run_distributed(optimizer_values_worker, 2, args=(strategy,), timeout=90) == ["trained"] * 2
