@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, JobConfig
+from .mesh import global_rank
 from .tensor.strategy import _builtin_plan
 
 __all__ = ["check_paths", "check_world", "check_pipeline_fits", "check_same_config"]
@@ -113,10 +114,27 @@ def check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
 
 
 #: Fields each node may set its own way: its own paths (node-local disks: compared by whether they are
-#: given; in a ``*kwargs`` field, any string with a path separator), its loader's worker processes,
-#: whether its terminal shows a bar.
-PER_NODE_FIELDS = {"checkpoint.dir", "logging.dir", "output", "data.root", "data.val_root", "data.num_workers",
-                   "logging.progress"}
+#: given; in a ``*kwargs`` field, a string or a list of strings that looks like a path on any node), ...
+PER_NODE_PATHS = {"checkpoint.dir", "logging.dir", "output", "data.root", "data.val_root"}
+#: ... and, given or not, its loader's worker processes, whether its terminal shows a bar, its memory
+#: budget (another GPU), its evaluation batch (ranks evaluate in lockstep whatever their batch counts).
+PER_NODE_VALUES = {"data.num_workers", "logging.progress", "training.memory_budget_gb", "evaluation.batch_size"}
+
+
+def _path_like(value) -> bool:
+    strings = value if isinstance(value, (list, tuple)) else [value]
+    return bool(strings) and all(isinstance(v, str) for v in strings) and any(
+        os.sep in v or os.path.exists(v) for v in strings)
+
+
+def _same_setting(a: tuple, b: tuple) -> bool:
+    """Two nodes' values of one field (`check_same_config`'s entries): equal, or both given where the field
+    is a node's own, or (in a ``*kwargs`` field) strings of which one looks like a path."""
+    if a == b or a[0] == b[0] == "free":
+        return True
+    if a[0] == b[0] == "own":
+        return a[1] is not None and b[1] is not None
+    return a[0] == b[0] == "kwarg" and (a[2] or b[2])
 
 
 def check_same_config(cfg: JobConfig, trainer) -> None:
@@ -136,22 +154,26 @@ def check_same_config(cfg: JobConfig, trainer) -> None:
         if isinstance(value, dict) and not prefix.endswith("tensor_parallel_plan"):
             for key, item in value.items():
                 flatten(f"{prefix}.{key}" if prefix else key, item, in_kwargs or prefix.endswith("kwargs"))
-        elif prefix in PER_NODE_FIELDS or in_kwargs and isinstance(value, str) and os.sep in value:
-            mine[prefix] = value is not None  # a node's own path (`data.kwargs.root` too): given or not
+        elif prefix in PER_NODE_PATHS or prefix in PER_NODE_VALUES:
+            mine[prefix] = ("own" if prefix in PER_NODE_PATHS else "free", None if value is None else repr(value))
+        elif in_kwargs and (isinstance(value, str) or isinstance(value, (list, tuple)) and value
+                            and all(isinstance(v, str) for v in value)):
+            mine[prefix] = ("kwarg", repr(value), _path_like(value))
         else:
-            mine[prefix] = repr(value)
+            mine[prefix] = ("value", repr(value))
 
     flatten("", cfg.model_dump())
     every: list = [None] * dist.get_world_size(ctx.group)
     dist.all_gather_object(every, mine, group=ctx.group)
     for name in sorted(set().union(*every)):
-        values = [config.get(name) for config in every]
-        other = next((r for r, value in enumerate(values) if value != values[0]), None)
+        values = [config.get(name, ("value", "not given")) for config in every]
+        other = next((r for r, value in enumerate(values) if not _same_setting(value, values[0])), None)
         if other is not None:
-            if isinstance(values[0], bool):  # a node's own path: compared by whether it is given
-                given = ["one" if v else "none" for v in (values[0], values[other])]
-                raise ConfigError(f"{name} is given on some ranks only: rank 0 has {given[0]}, rank {other} "
-                                  f"{given[1]}: give every node the same config")
-            raise ConfigError(f"{name} differs across ranks: rank 0 has {values[0]}, rank {other} has "
-                              f"{values[other]} (each node read its own config file or --set): give every node the "
+            ranks = global_rank(ctx.group, 0), global_rank(ctx.group, other)
+            if values[0][0] == "own":  # a node's own value: compared by whether it is given
+                given = ["one" if v[1] is not None else "none" for v in (values[0], values[other])]
+                raise ConfigError(f"{name} is given on some ranks only: rank {ranks[0]} has {given[0]}, rank "
+                                  f"{ranks[1]} {given[1]}: give every node the same config")
+            raise ConfigError(f"{name} differs across ranks: rank {ranks[0]} has {values[0][1]}, rank {ranks[1]} has "
+                              f"{values[other][1]} (each node read its own config file or --set): give every node the "
                               "same config")

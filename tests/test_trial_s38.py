@@ -313,7 +313,7 @@ def test_freezing_a_sharded_module_later_is_refused_not_ignored(strategy):
 class DigitsAt:
     """The examples' digits, as if read from a directory of each node's own (`root`, not read)."""
 
-    def __init__(self, split: str, root: str) -> None:
+    def __init__(self, split: str, root: str, files=None) -> None:
         from examples.user_model import Digits
 
         self.data = Digits(split)
@@ -332,7 +332,8 @@ def node_config_worker(rank, world, field, value):
     raw = {"model": {"preset": "classifier"}, "data": {"dataset": "digits"},
            "training": {"max_steps": 2, "batch_size": 32, "lr": 0.01}, "logging": {"progress": False}}
     if field == "data.kwargs":  # the user's own dataset, its file on each node's disk
-        raw["data"] = {"target": "test_trial_s38:DigitsAt", "kwargs": {"split": "train", "root": "/scratch/node0/d"},
+        raw["data"] = {"target": "test_trial_s38:DigitsAt",
+                       "kwargs": {"split": "train", "root": "/scratch/node0/d", "files": ["/mnt/a/s0.bin"]},
                        "collate": "examples.user_model:collate"}
         raw["model"] = {"target": "examples.user_model:SmallConvNet"}
         raw["loss"] = {"target": "torch.nn:CrossEntropyLoss"}
@@ -350,8 +351,13 @@ def node_config_worker(rank, world, field, value):
     ("training.lr", 0.03, "training.lr differs across ranks: rank 0 has 0.01, rank 1 has 0.03"),
     ("schedule.warmup_steps", 1, "schedule.warmup_steps differs across ranks"),
     ("logging.progress", True, None),  # a node's own terminal
-    ("data.kwargs", {"split": "train", "root": "/scratch/node1/d"}, None),  # a node's own path
-    ("data.kwargs", {"split": "val", "root": "/scratch/node0/d"}, "data.kwargs.split differs across ranks"),
+    ("data.kwargs", {"split": "train", "root": "/scratch/node1/d", "files": ["/mnt/a/s0.bin"]}, None),  # its own path
+    ("data.kwargs", {"split": "val", "root": "/scratch/node0/d", "files": ["/mnt/a/s0.bin"]},
+     "data.kwargs.split differs across ranks"),
+    # Session 39: a relative path on one node ("rank 1 has True"), lists of paths, another GPU's budget.
+    ("data.kwargs", {"split": "train", "root": "data", "files": ["/mnt/a/s0.bin"]}, None),
+    ("data.kwargs", {"split": "train", "root": "/scratch/node0/d", "files": ["/scratch/b/s0.bin"]}, None),
+    ("training.memory_budget_gb", 80.0, None),
 ])
 def test_dtrain_refuses_a_config_that_differs_between_nodes(field, value, said):
     # A node with another learning rate trained its replica its own way: 0.52 apart in 20 steps, no error.
