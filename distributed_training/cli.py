@@ -111,19 +111,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report_once(message: str) -> None:
-    """Say it once: every rank reads the same config (or checkpoint) and fails the same way, so only
-    rank 0 speaks.
+    """Say it once a node: every rank reads the same config (or checkpoint) and fails the same way, so
+    only each node's first rank speaks (LOCAL_RANK 0; rank 0 where that is not set): another node's log
+    would otherwise show only its launcher's lost rendezvous.
 
-    Under torchrun, rank 0 writes the message to the agent's error file (TORCHELASTIC_ERROR_FILE)
+    Under torchrun, that rank writes the message to the agent's error file (TORCHELASTIC_ERROR_FILE)
     instead of stderr: torchrun's failure summary then shows it as the root cause, where it would
-    otherwise point to a traceback that does not exist. The other ranks wait (up to
-    `_PEER_GRACE_S`) for the agent to stop them after rank 0 has failed: a rank that exited first
-    would be taken as the root cause, and rank 0 killed before its message is out.
+    otherwise point to a traceback that does not exist. The node's other ranks wait (up to
+    `_PEER_GRACE_S`) for the agent to stop them after its first rank has failed: a rank that exited first
+    would be taken as the root cause, and the first killed before its message is out.
     """
     import time
 
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    if int(os.environ.get("RANK", "0") or 0) != 0:
+    if not _first_on_node():
         if under_torchrun:
             time.sleep(_PEER_GRACE_S)
         return
@@ -134,6 +135,11 @@ def _report_once(message: str) -> None:
 
 
 _PEER_GRACE_S = 20.0
+
+
+def _first_on_node() -> bool:
+    local = os.environ.get("LOCAL_RANK")
+    return int(local or 0) == 0 if local is not None else int(os.environ.get("RANK", "0") or 0) == 0
 
 
 def _write_elastic_error(path: str, message: str) -> bool:

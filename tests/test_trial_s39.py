@@ -167,3 +167,20 @@ def test_optimizer_values_of_its_own_and_nan_settings_are_not_refused(strategy):
     # "the optimizer's clip differs across ranks: rank 0 has nan, rank 0 has nan"; and a second fit refused
     # the values a Prodigy-like optimizer keeps per shard.
     assert run_distributed(optimizer_values_worker, 2, args=(strategy,), timeout=90) == ["trained"] * 2
+
+
+@pytest.mark.parametrize("rank,local,speaks", [(0, 0, True), (2, 0, True), (3, 1, False), (1, None, False)])
+def test_a_config_error_is_said_on_every_node(monkeypatch, rank, local, speaks):
+    # Only rank 0 said it: the other node's log showed only its launcher's lost rendezvous.
+    from distributed_training import cli
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("RANK", str(rank))
+    if local is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+    said = []
+    monkeypatch.setattr(cli.log, "error", said.append)
+    cli._report_once("dtrain: invalid config: training.lr differs across ranks")
+    assert said == (["dtrain: invalid config: training.lr differs across ranks"] if speaks else []), said
