@@ -9,3 +9,8 @@ export PYTHONPATH=$PWD:/tmp/pyd
 case "$1" in
   A) gpu_tests gpu_tests_all_A 480 --durations=15 -rs ;;
 esac
+# B (2 GPUs): the pipeline phase at P = 2 (half blocks; eager, graphed, torch's; every schedule; 2 rounds),
+#    as session 34's B: a check that sessions 35-39's changes left the engine's speed and bubbles alone.
+case "$1" in
+  B) suite B 400 390 --worlds 2 --phases pipeline --variants pp,halves,graphs --rounds 2 ;;
+esac
