@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ class Evaluation:
         criterion: Criterion | None = None,
         *,
         batch_size: int | None = None,
-        metrics: Mapping[str, Callable[[Any, Any], torch.Tensor]] | None = None,
+        metrics: str | Sequence[str] | Mapping[str, Callable[[Any, Any], torch.Tensor]] | None = None,
     ) -> dict[str, float]:
         """Mean loss (and optional per-sample metrics) over the whole dataset, across all ranks: each
         batch's loss weighted by what its mean is over (its rows, or for class-index targets the targets
@@ -40,7 +40,9 @@ class Evaluation:
         module, so uneven shard sizes cannot stall a collective; one all-reduce sums the results.
         Under a pipeline the ranks of a replica evaluate the same shard, forward only through their
         stages; the last stage's values reach the others at the end (`Strategy.evaluate_batch`).
-        `metrics` maps a name to ``fn(outputs, targets) -> per-batch mean``, weighted by batch size;
+        `metrics` names metrics as `fit`'s ``eval_metrics`` does (``"accuracy"``, ``"top5"``,
+        ``"perplexity"``, a list of them, or ``"auto"``), or maps a name to ``fn(outputs, targets) ->
+        per-batch mean``, weighted by batch size;
         a function with the attribute ``reduction = "sum"`` returns the batch's sum instead (a count,
         such as `validation.correct_count`: summed exactly), divided by the number of samples, or with
         ``over_targets = True`` by the class-index targets the criterion does not ignore (accuracies).
@@ -56,13 +58,19 @@ class Evaluation:
         drawn without the evaluation.
         """
         from .trainer_step import check_criterion
+        from .validation import perplexity_of, resolve_metrics
 
         check_criterion(criterion)
         self._check_not_summoned("evaluate()")
+        dataset = data.dataset if isinstance(data, DataLoader) else data
+        _, functions, perplexity = resolve_metrics(metrics, dataset, criterion, parameter="metrics")
         with self._watched(f"the evaluation after step {self.step}", call=True):  # a peer failing: named
-            names, _, total = self._evaluation_sums(data, criterion, batch_size=batch_size, metrics=metrics)
+            names, _, total = self._evaluation_sums(data, criterion, batch_size=batch_size, metrics=functions)
             count = total[-1].item()
-        return {name: (total[k].item() / count if count else float("nan")) for k, name in enumerate(names)}
+        values = {name: (total[k].item() / count if count else float("nan")) for k, name in enumerate(names)}
+        if perplexity:
+            values["perplexity"] = perplexity_of(values["loss"])
+        return values
 
     def _use_first_replicas_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every replica evaluates with the first replica's buffers (BatchNorm's running statistics,

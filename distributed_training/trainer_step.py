@@ -57,6 +57,10 @@ class Stepping:
             self._step_failed = False
             return metrics
         except Exception as err:
+            # The step was not taken: gradients its backward left (DDP's parameters reached before the
+            # error) must not join the next step's, as one process skipping the batch would not add them.
+            with contextlib.suppress(Exception):
+                self.optimizer.zero_grad(set_to_none=True)
             self._failed(err)  # a peer's failure named; this rank's own error told to the peers
             if is_timeout(err) or (looks_like_peer_loss(err) and block_activities(self.context)):
                 # (gloo closes the connection of a collective that timed out: the rank whose wait ended

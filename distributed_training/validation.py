@@ -125,6 +125,30 @@ def metric_functions(names: Sequence[str], *, parameter: str = "eval_metrics") -
     return functions, perplexity
 
 
+def perplexity_of(loss: float) -> float:
+    """exp(loss), inf past float64's range, NaN for a NaN loss."""
+    return math.exp(loss) if loss < 700 else (math.inf if loss >= 700 else math.nan)
+
+
+def resolve_metrics(metrics: str | Sequence[str] | Mapping[str, Callable] | None, dataset: Any,
+                    criterion: Callable | None, *, parameter: str = "eval_metrics",
+                    ) -> tuple[tuple[str, ...], dict[str, Callable], bool]:
+    """(names, name -> per-batch function, whether perplexity is asked for) of what `fit`'s
+    ``eval_metrics`` or `evaluate`'s ``metrics`` asks for: metric names (one as a string), ``"auto"``
+    (`auto_metrics`, read from `dataset`), or functions by name."""
+    if metrics is None:
+        return (), {}, False
+    if isinstance(metrics, Mapping):
+        return tuple(metrics), dict(metrics), False
+    names = (auto_metrics(dataset, criterion) if metrics == "auto" else
+             (metrics,) if isinstance(metrics, str) else tuple(metrics))
+    functions, perplexity = metric_functions(list(names), parameter=parameter)
+    if metrics == "auto":
+        functions = _quiet_top_k(functions)
+    check_classifier_targets(dataset, names, parameter=parameter)
+    return names, functions, perplexity
+
+
 def auto_metrics(dataset: Any, criterion: Callable | None) -> tuple[str, ...]:
     """What ``eval_metrics="auto"`` evaluates, read from the first sample: a criterion with an integer
     class target per sample is a classifier (accuracy and top-5); a model that computes its own loss,
@@ -202,17 +226,7 @@ class PeriodicEvaluation:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"eval_batch_size must be a positive integer, got {batch_size!r}")
         self.dataset, self.every, self.batch_size, self.criterion = dataset, every, batch_size, criterion
-        if isinstance(metrics, Mapping):
-            self.functions, self.perplexity = dict(metrics), False
-            self.names = tuple(self.functions)
-        else:
-            # (one name as a string is that metric)
-            self.names = (auto_metrics(inner, criterion) if metrics == "auto" else
-                          (metrics,) if isinstance(metrics, str) else tuple(metrics))
-            self.functions, self.perplexity = metric_functions(list(self.names))
-            if metrics == "auto":
-                self.functions = _quiet_top_k(self.functions)
-            check_classifier_targets(inner, self.names)
+        self.names, self.functions, self.perplexity = resolve_metrics(metrics, inner, criterion)
         if self.functions and criterion is None:
             raise ValueError(f"eval_metrics {list(self.functions)} are computed from (outputs, targets): they need "
                              "a criterion (a model that computes its own loss gets val_loss and val_perplexity)")
@@ -287,7 +301,7 @@ class PeriodicEvaluation:
         values = {f"val_{name}": (sums[k] / count if count else math.nan) for k, name in enumerate(names)}
         if self.perplexity:
             loss = values["val_loss"]
-            values["val_perplexity"] = math.exp(loss) if loss < 700 else (math.inf if loss >= 700 else math.nan)
+            values["val_perplexity"] = perplexity_of(loss)
         values["val_samples"] = count
         return values
 

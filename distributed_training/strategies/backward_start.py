@@ -13,19 +13,19 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["on_backward_start", "inside_backward"]
+__all__ = ["on_backward_start", "inside_backward", "output_tensors"]
 
 
 def on_backward_start(outputs: Any, fn: Callable[[], Any]) -> None:
     """Call `fn()` when a backward first reaches any tensor of `outputs` that autograd computed. Not the
     leaves among them: a parameter returned as an output (a learned loss weight) would keep one hook per
     forward for good, and its backward is the parameter's own."""
-    tensors = [t for t in _tensors(outputs) if t.grad_fn is not None]
+    tensors = [t for t in output_tensors(outputs) if t.grad_fn is not None]
     if tensors:
         torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: fn(), mode="any")
 
 
-def _tensors(outputs: Any) -> list[torch.Tensor]:
+def output_tensors(outputs: Any) -> list[torch.Tensor]:
     """The tensors in `outputs`: torch's pytree containers (tuples, lists, dicts, Hugging Face outputs),
     and a dataclass's fields, which pytree leaves closed."""
     found = []
@@ -33,7 +33,7 @@ def _tensors(outputs: Any) -> list[torch.Tensor]:
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            found += _tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+            found += output_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
     return found
 
 

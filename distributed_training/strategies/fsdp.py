@@ -55,7 +55,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module
 from ..comm.groups import make_hybrid_groups
@@ -71,7 +70,7 @@ from .fsdp_state import FSDPStateDict
 from .fsdp_precision import MixedPrecision, cast_floats, refuse_low_precision_batchnorm
 from .fsdp_units import Unit, UnitPlacement, alloc_storage, build_units, free_storage, unit_roots
 from .fsdp_unused import UNUSED_RECHECK_EVERY, UNUSED_WATCH_STEPS, UnusedWatch  # noqa: F401 (their old home)
-from .backward_start import inside_backward, on_backward_start
+from .backward_start import inside_backward, on_backward_start, output_tensors
 from .trainable import TrainableSet, lock_requires_grad
 
 __all__ = ["FSDP", "MixedPrecision", "make_hybrid_groups"]
@@ -369,7 +368,7 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
             self._reshard(unit)
         if not torch.is_grad_enabled():
             return output
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in output_tensors(output) if t.requires_grad]  # (a dataclass's fields too)
         if tensors:
             # Fires when the first gradient w.r.t. the unit's outputs is computed: before its backward.
             me = weakref.ref(self)
