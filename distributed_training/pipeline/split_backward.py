@@ -90,7 +90,9 @@ under `input_grad`, still works: the Function's layers are deferred, captured la
 gradients in it (nothing deferred for them, nothing lost).
 
 Not covered: weights used through other ops (``x @ w.t()``, ``torch.addmm``): their gradient comes in
-I; activation checkpointing of a recorded forward (the recomputation would not be recorded);
+I; activation checkpointing of a recorded forward (the recomputation would not be recorded: a layer
+given an instance forward, as `activation.checkpoint_module` does, is left alone, and a graph through a
+reentrant checkpoint, which refuses a captured I's ``inputs=``, turns capture off: plain I passes);
 `torch.compile` of the recorded modules (the records are Python state).
 """
 
@@ -140,7 +142,8 @@ class SplitBackward:
         split.reset()                      # end of step: nothing may be left; casts dropped
 
     `key` is any hashable naming the forward (the engine uses ``(microbatch, chunk)``). Nothing here
-    holds state between steps once `reset` ran.
+    holds state between steps once `reset` ran, but whether the modules' graph goes through a reentrant
+    activation checkpoint (looked for once).
     """
 
     def __init__(self, modules: Sequence[nn.Module] | nn.Module = (), *, functional: bool = False,
@@ -175,6 +178,9 @@ class SplitBackward:
         self._ready: dict[Hashable, list[_WeightGrad]] = {}
         self._uncaptured: set[Hashable] = set()  # forwards whose I must be a plain backward
         self._anchored: set[Hashable] = set()    # forwards whose Function calls hang on an anchor
+        # Whether the modules' graph holds a reentrant activation checkpoint (``use_reentrant=True``), which
+        # refuses the ``inputs=`` of a captured I: then no capture (kept across steps; None: not looked yet).
+        self._reentrant: bool | None = None
 
     # ------------------------------------------------------------------------------------------ phases
 
@@ -189,7 +195,10 @@ class SplitBackward:
         captures = self._captures.setdefault(key, [])
         swapped = []
         for m in self._linears:
-            if "forward" not in m.__dict__:  # not given an instance forward by someone else
+            if "forward" in m.__dict__:  # given an instance forward since the plan (activation checkpointing)
+                if id(m) in self._plan:  # planned as captured, it is not: its gradient must come in a plain I
+                    self._uncaptured.add(key)
+            else:
                 planned = self._plan.get(id(m))
                 forward = (_swapped_forward(self, key, m) if planned is None
                            else _captured_forward(self, key, m, *planned, captures))
@@ -233,7 +242,9 @@ class SplitBackward:
         or a forward that went elsewhere) a plain backward under `input_grad`."""
         captures = self._captures.pop(key, None)
         want_x = x is not None and x.requires_grad
-        if captures is None or key in self._uncaptured:
+        if captures is not None and self._reentrant is None:  # looked for once, at the first captured I
+            self._reentrant = _reaches_reentrant_checkpoint(out)
+        if captures is None or key in self._uncaptured or self._reentrant:
             self._uncaptured.discard(key)
             self._anchored.discard(key)
             if want_x and not x.is_leaf:
@@ -337,7 +348,8 @@ class SplitBackward:
         found: dict[int, nn.Linear] = {}
         for root in self.modules:
             for m in root.modules():
-                if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
+                # (Nor one given an instance forward: activation checkpointing's, a user's patch.)
+                if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__:
                     found.setdefault(id(m), m)
         return list(found.values())
 
@@ -351,7 +363,7 @@ class SplitBackward:
         registered parameter (FSDP's views of a flat buffer: the gradient flows to tensors we do not
         know, so I must be a plain backward)."""
         self._plan, self._others, self._hooked = {}, [], False
-        if self.functional or not self.capture:
+        if self.functional or not self.capture or self._reentrant:
             return
         params: dict[int, torch.Tensor] = {}
         uses: dict[int, int] = {}
@@ -411,3 +423,17 @@ class SplitBackward:
         if cast is not t:
             casts[key] = (t, t._version, cast)
         return cast
+
+
+def _reaches_reentrant_checkpoint(out: torch.Tensor) -> bool:
+    """Whether the backward of `out` goes through a reentrant activation checkpoint (its Function's node)."""
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return False
