@@ -304,6 +304,14 @@ class PeerWatch:
         failed_here = self._collective_failed_step is not None and self._collective_failed_step == self.step
         self._adopt_pending(grace=0.0 if failed_here else self.timeout)
 
+    def stopped_with_peer(self) -> None:
+        """This rank's step stopped because a peer's did, as designed (a pipeline's stop, heard by message):
+        it raised at this position too, so the peer's record there is not adopted later (a retry after a
+        failure every rank caught would otherwise end in `PeerFailureError`). Nothing is published."""
+        position = self._position()
+        self._raised_at = position
+        self._raised.add(position)
+
     def _peer_error(self) -> tuple[str, tuple[int, int]] | None:
         """(record, position) of the earliest position a peer raised at that this rank has reached and did
         not raise at itself, or None: the errors' log read on from where the last call left it."""

@@ -62,6 +62,8 @@ class PeerWatching:
         published at this position already (inside a step), the first record stays: `activity` only says
         where an error raised outside the watched blocks was (fit's logging, `on_step`)."""
         watch = self._watch
+        if watch is not None and isinstance(err, PipelineAborted) and getattr(err, "stopped_by_peer", False):
+            watch.stopped_with_peer()  # (its peer published its own error: not to be adopted on a retry)
         if (watch is None or watch.failure is not None or not isinstance(err, Exception) or looks_like_peer_loss(err)
                 or isinstance(err, (PeerFailureError, PipelineAborted))):
             return

@@ -157,6 +157,7 @@ class PipelineEngine:
         self.link = StageLink(self.ranks, up_group if up_group is not None else group,
                               down_group if down_group is not None else group,
                               header_group if header_group is not None else group, self.device)
+        self._done = torch.zeros((), device=self.device)  # "my schedule ran to its end" (to the last rank)
         self.schedule = schedule
         self.actions = build_schedule(schedule, self.pipe_size, microbatches, chunks=len(self.chunks))[rank]
         self._short_schedules: dict[int, list] = {}  # microbatches -> actions, for batches smaller than configured
@@ -230,10 +231,13 @@ class PipelineEngine:
 
         Every rank passes the same batch: the first stage reads `inputs`, the last `targets`. If any
         rank's stage raises, every rank of the pipeline raises (the others `PipelineAborted`) instead of
-        waiting for messages that will never come; the pipeline cannot run another step after that."""
+        waiting for messages that will never come; the next step (or evaluation), on every rank, first
+        receives what the failed one left in flight (`StageLink.resync`), then runs as usual."""
         if not torch.is_grad_enabled():  # every rank alike: raised before any message
             raise RuntimeError("PipelineEngine.step runs forward and backward passes: call it with gradients enabled, "
                                "not under torch.no_grad() or torch.inference_mode()")
+        if self.link.aborted:  # the last step failed (on every rank): its messages still in flight first
+            self.link.resync(self.rank)
         # Cut before the first message, every rank alike (they pass the same batch). A batch with fewer
         # samples than microbatches (an epoch's short last batch) runs as one microbatch per sample, with
         # the schedule built for that many; interleaved, which needs a multiple of the pipeline's ranks,
@@ -375,23 +379,33 @@ class PipelineEngine:
             if self.graphs is not None:
                 self.graphs.reset()
                 self._slots.clear()
-        link.wait_all()
         if held:
             raise RuntimeError(f"pipeline rank {self.rank}: the schedule left {len(held)} microbatch(es) without a "
                                "backward")
         if self.after_backward is not None:
             self.after_backward()
-        if self.pipe_size > 1:  # the last stage's loss to every rank, by message (no collective a failed rank
-            if self.is_last:     # would leave the others waiting in)
+        if self.pipe_size > 1:
+            # The step's end, agreed: every other rank tells the last one its schedule ran to the end (a rank
+            # that failed sent it a stop instead), and only then does the last rank send the loss to every
+            # rank (by message: no collective a failed rank would leave the others waiting in). A rank whose
+            # part ended before the failure (the last one, when an earlier stage's backward raises) thus
+            # raises too, and no rank steps its optimizer on a step the others dropped.
+            # (The schedule's sends are waited for after it: on gloo a send waits for its receiver, and
+            # a rank waiting there for a peer that failed would never hear of the failure.)
+            if self.is_last:
+                for peer in range(self.pipe_size - 1):
+                    link.recv(me, peer)
                 for peer in range(self.pipe_size - 1):
                     link.send(loss_sum, me, peer)
-                link.wait_all()
             else:
+                link.send(self._done, me, self.pipe_size - 1)
                 loss_sum = link.recv(me, self.pipe_size - 1)
+        link.wait_all()
         if clock is not None:
             self.last_timing = self._exchange_timing(clock, len(xs))
         if self.graphs is not None:  # every message of this rank has completed: nothing waits on a peer
             self.graphs.capture_pending()
+        link.settle()
         return loss_sum
 
     def _exchange_timing(self, clock: ActionClock, microbatches: int) -> PipelineTiming:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from datetime import timedelta
 
 from typing import Any
 
@@ -99,6 +98,12 @@ class StageLink:
         self.max_lag: int | None = 2
         self.known_shapes = device.type == "cuda"  # on gloo a payload receive blocks the host anyway
         self.received_by_known_shape = 0  # messages received without waiting for their header (all steps)
+        # For `resync` after an aborted step: messages posted per peer since the link was made (headers sent,
+        # payloads sent with the last steps' shapes, receives posted), and receives posted before the abort.
+        self._ledger = _Ledger(len(self.ranks))
+        self._stale: list = []
+        self._stale_sends: list = []  # stop messages not yet taken when the abort returned
+        self.aborted = False  # a step stopped here: messages of it may be in flight (`resync` first)
 
     def begin_step(self, key: Any) -> None:
         """Open a step whose messages are determined by `key` (hashable; the same on every rank of the
@@ -143,6 +148,7 @@ class StageLink:
         works = [dist.isend(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG),
                  dist.isend(payload, self.ranks[peer], group=self._payload_group(me, peer), tag=_PAYLOAD_TAG)]
         self._in_flight.append((works, (head, payload), peer))
+        self._ledger.sent(peer, _DTYPES.index(tensor.dtype), tuple(tensor.shape))
 
     def recv(self, me: int, peer: int) -> torch.Tensor:
         """The next tensor pipeline rank `peer` sends to `me` (on NCCL: ready in stream order).
@@ -159,6 +165,7 @@ class StageLink:
             else:
                 head = torch.empty(_HEADER, dtype=torch.int64)
                 work = dist.irecv(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG)
+                self._ledger.headers_posted[peer] += 1
                 self.received_by_known_shape += 1
                 pending = self._unchecked.setdefault(peer, deque())
                 pending.append((work, head, values, n))
@@ -169,11 +176,13 @@ class StageLink:
                     self._check_oldest(peer, pending)
         code, ndim, *shape = values if values is not None else self._header_from(peer)
         received = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
+        self._ledger.payloads_posted[peer] += 1
         dist.irecv(received, self.ranks[peer], group=self._payload_group(peer, me), tag=_PAYLOAD_TAG).wait()
         return received
 
     def _header_from(self, peer: int) -> list[int]:
         head = torch.empty(_HEADER, dtype=torch.int64)
+        self._ledger.headers_posted[peer] += 1
         return self._wait_header(None, head, peer)
 
     def _wait_header(self, work, head: torch.Tensor, peer: int) -> list[int]:
@@ -192,7 +201,7 @@ class StageLink:
         if values[0] == _ABORT:
             err = PipelineAborted(f"pipeline stopped: global rank {values[2]} failed during the step (its own error "
                                   f"says why); this rank was waiting for global rank {self.ranks[peer]}")
-            err.failed_rank = values[2]
+            err.failed_rank, err.stopped_by_peer = values[2], True  # (a stop message: the peer lives)
             raise err
         return values
 
@@ -201,7 +210,8 @@ class StageLink:
         error started it, default this one): a rank blocked on a header from this one raises
         `PipelineAborted` and tells the others in turn, so no rank waits forever for a message."""
         failed = self.ranks[me] if failed is None else failed
-        self._step, self._unchecked = None, {}
+        self._stale += [work for pending in self._unchecked.values() for work, *_ in pending]
+        self._step, self._unchecked, self.aborted = None, {}, True
         head = torch.zeros(_HEADER, dtype=torch.int64)
         head[0], head[2] = _ABORT, failed
         works = []
@@ -210,16 +220,59 @@ class StageLink:
                 try:
                     works.append(dist.isend(head.clone(), self.ranks[peer], group=self.header_group,
                                             tag=_HEADER_TAG))
+                    self._ledger.headers_sent[peer] += 1
                 except RuntimeError:  # the peer is gone already: nothing to tell it
                     pass
         # Give the messages a moment to reach the peers waiting on this rank before its process may end
-        # (a peer not listening to this rank never takes its message: it hears from another one).
+        # (a peer not listening to this rank never takes its message: it hears from another one). Polled,
+        # not waited for with a timeout: gloo closes the pair of a wait that times out, and the pipeline
+        # may go on (`resync`, which waits for the rest).
         deadline = time.monotonic() + _ABORT_GRACE_S
-        for work in works:
+        while works and time.monotonic() < deadline:
             try:
-                work.wait(timeout=timedelta(seconds=max(0.01, deadline - time.monotonic())))
+                works = [work for work in works if not work.is_completed()]
             except RuntimeError:
-                pass
+                break
+            time.sleep(0.005)
+        self._stale_sends += works
+
+    def settle(self) -> None:
+        """A step ended well on this rank: the payloads it sent before this step have been received (its
+        peers started this step, which they do after receiving all of the previous one's), so their
+        shapes are no longer kept for `resync`."""
+        self._ledger.settle()
+
+    def resync(self, me: int) -> None:
+        """After an aborted step (`aborted`), on every rank of the pipeline at once (the engine's next
+        step or evaluation): receive every message of it still in flight (the stop headers, the headers
+        and payloads that ranks sent before they heard of the failure), so that the next step's messages
+        pair up as if the failed step had not run. One all-gather of the ranks' ledgers over the header
+        group; a peer gone raises there."""
+        everyone: list = [None] * len(self.ranks)
+        dist.all_gather_object(everyone, self._ledger.to_peers(), group=self.header_group)
+        works = list(self._stale)
+        for peer, theirs in enumerate(everyone):
+            if peer == me:
+                continue
+            headers, payloads = theirs[me]
+            for _ in range(headers - self._ledger.headers_posted[peer]):
+                works.append(dist.irecv(torch.empty(_HEADER, dtype=torch.int64), self.ranks[peer],
+                                        group=self.header_group, tag=_HEADER_TAG))
+            self._ledger.headers_posted[peer] = max(headers, self._ledger.headers_posted[peer])
+            first = self._ledger.payloads_posted[peer]
+            missing = [entry for entry in payloads if entry[0] >= first]
+            if missing and missing[0][0] != first:
+                raise RuntimeError(f"pipeline rank {me}: cannot resynchronise with global rank {self.ranks[peer]} "
+                                   f"after the failed step (its messages from before the last step are unknown): "
+                                   "restart from the latest checkpoint")
+            for _, code, shape in missing:
+                works.append(dist.irecv(torch.empty(shape, dtype=_DTYPES[code], device=self.device),
+                                        self.ranks[peer], group=self._payload_group(peer, me), tag=_PAYLOAD_TAG))
+                self._ledger.payloads_posted[peer] += 1
+        for work in works + self._stale_sends:
+            work.wait()
+        self.wait_all()
+        self._stale, self._stale_sends, self.aborted = [], [], False
 
     def wait_all(self) -> None:
         """Wait until every message sent so far has left (the tensors it read may then be reused)."""
@@ -235,3 +288,32 @@ class StageLink:
                         raise lost from err
         finally:
             self._in_flight.clear()
+
+
+class _Ledger:
+    """What a `StageLink` posted per peer since it was made: headers and payloads sent (the payloads' dtype
+    codes and shapes kept for the last steps: `settle`), receives posted. Counts only; `StageLink.resync`
+    compares them across the pipeline after an aborted step."""
+
+    def __init__(self, ranks: int) -> None:
+        self.headers_sent = [0] * ranks
+        self.payloads_sent = [0] * ranks
+        self.headers_posted = [0] * ranks
+        self.payloads_posted = [0] * ranks
+        self._shapes: list[deque] = [deque() for _ in range(ranks)]  # (sequence number, dtype code, shape)
+        self._step_start = [0] * ranks  # payloads sent to each peer before the current step
+
+    def sent(self, peer: int, code: int, shape: tuple) -> None:
+        self.headers_sent[peer] += 1
+        self._shapes[peer].append((self.payloads_sent[peer], code, shape))
+        self.payloads_sent[peer] += 1
+
+    def settle(self) -> None:
+        for peer, shapes in enumerate(self._shapes):
+            while shapes and shapes[0][0] < self._step_start[peer]:
+                shapes.popleft()
+            self._step_start[peer] = self.payloads_sent[peer]
+
+    def to_peers(self) -> list[tuple[int, list]]:
+        """Per peer: (headers sent to it, the payloads sent to it whose shapes are kept)."""
+        return [(self.headers_sent[p], list(self._shapes[p])) for p in range(len(self._shapes))]

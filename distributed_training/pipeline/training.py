@@ -421,6 +421,8 @@ class PipelineStrategy(PipelineState, Strategy):
         link = self.engine.link
         values = None
         try:
+            if link.aborted:  # a failed step or evaluation before (every rank): its messages in flight first
+                link.resync(me)
             link.wait_all()
             for chunk, stage in enumerate(self.unwrap(model).stages):
                 s = chunk * P + me
