@@ -482,3 +482,63 @@ def test_a_pipeline_trains_on_after_a_failed_step_every_rank_caught(world, pipel
         assert len(said) == 1 and evaluated < 1e-6, (said, evaluated)
     said, diffs, _ = results[0]
     assert len(diffs) == 4 and max(diffs) < 1e-6, diffs
+
+
+class _Unused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.extra = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)  # `extra`: never used
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _unused_model():
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), _Unused(), nn.Tanh(), nn.Linear(8, 2))
+
+
+def unused_in_stage_worker(rank, world, strategy):
+    import torch.nn.functional as F
+
+    from distributed_training import DistributedTrainer
+    from distributed_training.strategies.ddp_strategy import DDPStrategy
+
+    net, ref = _unused_model(), _unused_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    chosen = DDPStrategy(find_unused_parameters=True) if strategy == "ddp_find_unused" else strategy
+    trainer = DistributedTrainer(net, lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1), strategy=chosen,
+                                 pipeline_parallel_size=2, microbatches=2, progress=False)
+    dp, replica = trainer.dp_world_size, trainer.dp_rank
+    g = torch.Generator().manual_seed(4)
+    diffs = []
+    try:
+        for _ in range(3):
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)
+            n = 8 // dp
+            trainer.train_step((x[replica * n:(replica + 1) * n], y[replica * n:(replica + 1) * n]), F.mse_loss)
+            F.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            state = trainer.full_state_dict()
+            if state:
+                diffs.append(max((state[k].cpu() - v).abs().max().item() for k, v in ref.state_dict().items()))
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        trainer.close()
+    return diffs
+
+
+@pytest.mark.parametrize("world,strategy", [(2, "zero1"), (4, "ddp"), (4, "ddp_find_unused")])
+def test_a_parameter_no_rank_uses_in_a_stage_is_named_or_left_alone(world, strategy):
+    # DDP / ZeRO-1 inside the stages averaged zeros into it at a data-parallel size above one (AdamW's weight
+    # decay moved it, 5.3e-6), silently, where P = 1 raised and one process leaves it alone.
+    results = run_distributed(unused_in_stage_worker, world, args=(strategy,), timeout=150)
+    if strategy == "ddp_find_unused":
+        assert len(results[0]) == 3 and max(results[0]) < 1e-6, results[0]
+    else:
+        said = next(r for r in results if isinstance(r, str) and "no gradient" in r)
+        assert "received no gradient on any rank of the data-parallel group" in said and "extra.weight" in said, said

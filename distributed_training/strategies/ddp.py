@@ -174,6 +174,7 @@ class DDP(BucketLayout, CommTiming, nn.Module):
         # One data-parallel rank and a plain mean (tensor parallelism over a whole node, or one GPU):
         # nothing to reduce, so no buckets and no hooks; the gradients stay autograd's own, as without
         # DDP (no copy into a bucket, no second gradient-sized buffer).
+        self._sync_checks_left = self.SYNC_CHECKS
         self._solo = (self.world_size == 1 and type(self) is DDP and type(self.bucket_reducer) is AllReduceMean
                       and not self.find_unused_parameters)
         # Reverse registration order approximates the order gradients become ready in backward.
@@ -288,8 +289,30 @@ class DDP(BucketLayout, CommTiming, nn.Module):
                                "with the backward passes run under no_sync()")
         if self._solo:
             return  # one rank: the accumulated gradients are the mean already
+        if not self.find_unused_parameters and self._sync_checks_left > 0:
+            self._sync_checks_left -= 1
+            self._refuse_unused_everywhere()
         self._reset_iteration()
         self._finish_backward(outside_backward=True)
+
+    #: `sync_gradients` calls that look for parameters no rank gave a gradient (one small all-reduce each).
+    SYNC_CHECKS = 2
+
+    def _refuse_unused_everywhere(self) -> None:
+        """Raise, on every rank alike, where a trainable parameter has no gradient on any rank at
+        `sync_gradients`: its bucket would average zeros into it, and an optimizer with momentum or weight
+        decay would move it, where one process (and a data-parallel size of one) leaves it alone."""
+        device = collective_device(self.process_group, self._buckets[0].buffer.device if self._buckets else None)
+        flags = torch.tensor([p.grad is not None for p in self._params], dtype=torch.uint8, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        names = [self._param_names[i] for i, used in enumerate(flags.tolist()) if not used]
+        if names:
+            shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+            raise RuntimeError(
+                f"{len(names)} parameter(s) received no gradient on any rank of the data-parallel group in this step: "
+                f"{shown}. Averaged as zeros, they would move under an optimizer with momentum or weight decay, where "
+                "one process leaves them alone. If they are never used, set requires_grad=False (or remove them); if "
+                "they are unused in some steps only, pass find_unused_parameters=True (DDPStrategy(...))")
 
     def bucket_layout(self) -> list[list[str]]:
         """The parameter names of each bucket, in launch order (for inspection and tests)."""
