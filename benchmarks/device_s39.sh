@@ -14,3 +14,10 @@ esac
 case "$1" in
   B) suite B 400 390 --worlds 2 --phases pipeline --variants pp,halves,graphs --rounds 2 ;;
 esac
+# C (2 GPUs): after this session's pipeline changes (a "done" message from every rank to the last before the
+#    loss, the schedule's sends waited for after it, resync after a failed step) and the trainer's: every
+#    GPU test two GPUs can run (tests/test_gpu_pipeline_retry.py new), then B's pipeline phase again.
+case "$1" in
+  C) gpu_tests gpu_tests_all_C 330 --durations=15 -rs
+     suite C 200 190 --worlds 2 --phases pipeline --variants pp,halves,graphs --rounds 2 ;;
+esac

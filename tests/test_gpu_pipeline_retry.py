@@ -1,0 +1,25 @@
+"""On 2 GPUs with NCCL: a pipeline step that raised on one stage, caught on every rank, leaves the pipeline
+usable (the next step first receives what the failed one left in flight, known-shape receives included),
+and training goes on as one process that skipped that batch (skipped without 2 GPUs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed_training.testing import run_distributed
+
+from test_trial_s39 import pipeline_retry_worker
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)]
+
+
+@pytest.mark.parametrize("schedule,where", [("1f1b", "forward"), ("zbh1", "backward"), ("gpipe", "backward")])
+def test_nccl_pipeline_trains_on_after_a_failed_step(schedule, where):
+    results = run_distributed(pipeline_retry_worker, 2, args=(2, schedule, where), backend="nccl", timeout=180)
+    for said, diffs, evaluated in results:
+        assert len(said) == 1 and evaluated < 1e-4, (said, evaluated)
+    said, diffs, _ = results[0]
+    assert len(diffs) == 4 and max(diffs) < 1e-4, diffs  # (a GPU's float32 against the CPU reference)
