@@ -176,7 +176,7 @@ class StageLink:
                     self._check_oldest(peer, pending)
         code, ndim, *shape = values if values is not None else self._header_from(peer)
         received = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
-        self._ledger.payloads_posted[peer] += 1
+        self._ledger.posted(peer, code, tuple(shape[:ndim]))
         dist.irecv(received, self.ranks[peer], group=self._payload_group(peer, me), tag=_PAYLOAD_TAG).wait()
         return received
 
@@ -244,32 +244,41 @@ class StageLink:
 
     def resync(self, me: int) -> None:
         """After an aborted step (`aborted`), on every rank of the pipeline at once (the engine's next
-        step or evaluation): receive every message of it still in flight (the stop headers, the headers
-        and payloads that ranks sent before they heard of the failure), so that the next step's messages
-        pair up as if the failed step had not run. One all-gather of the ranks' ledgers over the header
-        group; a peer gone raises there."""
+        step or evaluation): pair up every message of it left unmatched, so that the next step's
+        messages pair up as if the failed step had not run. For each sender and receiver, the receiver
+        posts a receive for each message sent and not yet received (the stop headers, the headers and
+        payloads sent before the sender heard of the failure), and the sender sends a filler (zeros) for
+        each receive posted for a message it never sent (on GPUs a known-shape receive is posted before
+        its header says the message came). One all-gather of the ranks' ledgers over the header group; a
+        peer gone raises there."""
         everyone: list = [None] * len(self.ranks)
         dist.all_gather_object(everyone, self._ledger.to_peers(), group=self.header_group)
-        works = list(self._stale)
+        mine = self._ledger
+        works = list(self._stale) + list(self._stale_sends)
         for peer, theirs in enumerate(everyone):
             if peer == me:
                 continue
-            headers, payloads = theirs[me]
-            for _ in range(headers - self._ledger.headers_posted[peer]):
+            sent_to_me, posted_from_me = theirs[me]  # (headers, payloads log, count), as sender / as receiver
+            # This rank receiving from `peer`: what it sent beyond what this rank posted.
+            for _ in range(sent_to_me[0] - mine.headers_posted[peer]):
                 works.append(dist.irecv(torch.empty(_HEADER, dtype=torch.int64), self.ranks[peer],
                                         group=self.header_group, tag=_HEADER_TAG))
-            self._ledger.headers_posted[peer] = max(headers, self._ledger.headers_posted[peer])
-            first = self._ledger.payloads_posted[peer]
-            missing = [entry for entry in payloads if entry[0] >= first]
-            if missing and missing[0][0] != first:
-                raise RuntimeError(f"pipeline rank {me}: cannot resynchronise with global rank {self.ranks[peer]} "
-                                   f"after the failed step (its messages from before the last step are unknown): "
-                                   "restart from the latest checkpoint")
-            for _, code, shape in missing:
+                mine.headers_posted[peer] += 1
+            for code, shape in _beyond(sent_to_me, mine.payloads_posted[peer], me, self.ranks[peer]):
                 works.append(dist.irecv(torch.empty(shape, dtype=_DTYPES[code], device=self.device),
                                         self.ranks[peer], group=self._payload_group(peer, me), tag=_PAYLOAD_TAG))
-                self._ledger.payloads_posted[peer] += 1
-        for work in works + self._stale_sends:
+                mine.posted(peer, code, shape)
+            # This rank sending to `peer`: fillers for what it posted beyond what this rank sent.
+            for _ in range(posted_from_me[0] - mine.headers_sent[peer]):
+                works.append(dist.isend(torch.zeros(_HEADER, dtype=torch.int64), self.ranks[peer],
+                                        group=self.header_group, tag=_HEADER_TAG))
+                mine.headers_sent[peer] += 1
+            for code, shape in _beyond(posted_from_me, mine.payloads_sent[peer], me, self.ranks[peer]):
+                filler = torch.zeros(shape, dtype=_DTYPES[code], device=self.device)
+                works.append(dist.isend(filler, self.ranks[peer], group=self._payload_group(me, peer),
+                                        tag=_PAYLOAD_TAG))
+                mine.record_sent(peer, code, shape)
+        for work in works:
             work.wait()
         self.wait_all()
         self._stale, self._stale_sends, self.aborted = [], [], False
@@ -290,30 +299,54 @@ class StageLink:
             self._in_flight.clear()
 
 
+def _beyond(side: tuple, done: int, me: int, peer: int) -> list[tuple[int, tuple]]:
+    """The (dtype code, shape) of the payloads in `side` (headers, log, count) from number `done` on."""
+    _, log, count = side
+    missing = [(code, shape) for seq, code, shape in log if seq >= done]
+    if count > done and len(missing) != count - done:
+        raise RuntimeError(f"pipeline: cannot pair the messages between global ranks {me} and {peer} after the "
+                           "failed step (some are older than the last step): restart from the latest checkpoint")
+    return missing if count > done else []
+
+
 class _Ledger:
-    """What a `StageLink` posted per peer since it was made: headers and payloads sent (the payloads' dtype
-    codes and shapes kept for the last steps: `settle`), receives posted. Counts only; `StageLink.resync`
-    compares them across the pipeline after an aborted step."""
+    """What a `StageLink` posted per peer since it was made: headers sent and receives of them posted;
+    payloads sent and receives of them posted, each with its dtype code and shape kept for the last steps
+    (`settle`). `StageLink.resync` compares them across the pipeline after an aborted step."""
 
     def __init__(self, ranks: int) -> None:
         self.headers_sent = [0] * ranks
-        self.payloads_sent = [0] * ranks
         self.headers_posted = [0] * ranks
+        self.payloads_sent = [0] * ranks
         self.payloads_posted = [0] * ranks
-        self._shapes: list[deque] = [deque() for _ in range(ranks)]  # (sequence number, dtype code, shape)
-        self._step_start = [0] * ranks  # payloads sent to each peer before the current step
+        # (sequence number, dtype code, shape) of the payloads sent to / posted from each peer
+        self._sent_log: list[deque] = [deque() for _ in range(ranks)]
+        self._posted_log: list[deque] = [deque() for _ in range(ranks)]
+        self._step_start = [(0, 0)] * ranks  # (sent, posted) payload numbers when the current step began
 
     def sent(self, peer: int, code: int, shape: tuple) -> None:
+        """A message (header and payload) sent to `peer`."""
         self.headers_sent[peer] += 1
-        self._shapes[peer].append((self.payloads_sent[peer], code, shape))
+        self.record_sent(peer, code, shape)
+
+    def record_sent(self, peer: int, code: int, shape: tuple) -> None:
+        self._sent_log[peer].append((self.payloads_sent[peer], code, shape))
         self.payloads_sent[peer] += 1
 
-    def settle(self) -> None:
-        for peer, shapes in enumerate(self._shapes):
-            while shapes and shapes[0][0] < self._step_start[peer]:
-                shapes.popleft()
-            self._step_start[peer] = self.payloads_sent[peer]
+    def posted(self, peer: int, code: int, shape: tuple) -> None:
+        """A payload receive posted for `peer`'s message (its header counted where it was posted)."""
+        self._posted_log[peer].append((self.payloads_posted[peer], code, shape))
+        self.payloads_posted[peer] += 1
 
-    def to_peers(self) -> list[tuple[int, list]]:
-        """Per peer: (headers sent to it, the payloads sent to it whose shapes are kept)."""
-        return [(self.headers_sent[p], list(self._shapes[p])) for p in range(len(self._shapes))]
+    def settle(self) -> None:
+        for peer in range(len(self._sent_log)):
+            for log, start in zip((self._sent_log[peer], self._posted_log[peer]), self._step_start[peer]):
+                while log and log[0][0] < start:
+                    log.popleft()
+            self._step_start[peer] = (self.payloads_sent[peer], self.payloads_posted[peer])
+
+    def to_peers(self) -> list[tuple[tuple, tuple]]:
+        """Per peer: (headers sent to it, the payloads' log, their count) and the same of receives posted."""
+        return [((self.headers_sent[p], list(self._sent_log[p]), self.payloads_sent[p]),
+                 (self.headers_posted[p], list(self._posted_log[p]), self.payloads_posted[p]))
+                for p in range(len(self._sent_log))]
