@@ -29,3 +29,11 @@ case "$1" in
      gpu_tests gpu_tests_pipeline_D 200 tests/test_gpu_nccl.py tests/test_gpu_pipeline_timing.py tests/test_pipeline_graphs.py \
        tests/test_gpu_peers.py tests/test_gpu_backward_paths.py -k "pipeline or bubble or graph or backward" ;;
 esac
+# E (2 GPUs): D's retry test hung again: after the failed step rank 0's GPU stream waited for a known-shape
+#    receive that never comes, under the next call (full_state_dict's collectives). The pipeline now pairs
+#    its messages right at the abort, on every rank (`StageLink.settle_after_abort`). D's runs again.
+case "$1" in
+  E) gpu_tests gpu_tests_retry_E 150 tests/test_gpu_pipeline_retry.py -x
+     gpu_tests gpu_tests_pipeline_E 200 tests/test_gpu_nccl.py tests/test_gpu_pipeline_timing.py tests/test_pipeline_graphs.py \
+       tests/test_gpu_peers.py tests/test_gpu_backward_paths.py -k "pipeline or bubble or graph or backward" ;;
+esac

@@ -270,6 +270,7 @@ class PipelineEngine:
         except BaseException as err:
             failed = getattr(err, "failed_rank", None)
             self.link.abort(self.rank, failed)
+            self.link.settle_after_abort(self.rank, err)
             if not isinstance(err, PipelineAborted):
                 raise RuntimeError(f"pipeline rank {self.rank} (global rank {self.ranks[self.rank]}): its stage "
                                    f"failed during the step: {err}") from err

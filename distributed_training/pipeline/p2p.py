@@ -195,7 +195,7 @@ class StageLink:
         except RuntimeError as err:  # the peer's process ended (it failed, and its launcher tore it down)
             lost = PipelineAborted(f"pipeline stopped: global rank {self.ranks[peer]}, which this rank was waiting "
                                    f"for, went away ({str(err).splitlines()[0][:200]})")
-            lost.failed_rank = self.ranks[peer]
+            lost.failed_rank, lost.peer_lost = self.ranks[peer], True
             raise lost from err
         values = head.tolist()
         if values[0] == _ABORT:
@@ -241,6 +241,20 @@ class StageLink:
         peers started this step, which they do after receiving all of the previous one's), so their
         shapes are no longer kept for `resync`."""
         self._ledger.settle()
+
+    def settle_after_abort(self, me: int, err: BaseException) -> None:
+        """Right after `abort`, where every rank of the pipeline is alive and raising too (a stage's own
+        error, a stop heard from a peer): `resync` now, so that no GPU stream is left waiting for a message
+        that never comes (a known-shape receive) under the user's next call (``full_state_dict()``, a
+        checkpoint). Not after a peer went away, nor on Ctrl-C; if it fails, the next step tries again."""
+        from ..peer_watch import looks_like_peer_loss
+
+        if not isinstance(err, Exception) or getattr(err, "peer_lost", False) or looks_like_peer_loss(err):
+            return
+        try:
+            self.resync(me)
+        except Exception:  # noqa: BLE001 - the step's own error is the one to raise
+            self.aborted = True
 
     def resync(self, me: int) -> None:
         """After an aborted step (`aborted`), on every rank of the pipeline at once (the engine's next
@@ -293,7 +307,7 @@ class StageLink:
                     except RuntimeError as err:  # the receiver failed: its process ended, or it stopped listening
                         lost = PipelineAborted(f"pipeline stopped: a message to global rank {self.ranks[peer]} did not "
                                                f"go through, that rank failed ({str(err).splitlines()[0][:200]})")
-                        lost.failed_rank = self.ranks[peer]
+                        lost.failed_rank, lost.peer_lost = self.ranks[peer], True
                         raise lost from err
         finally:
             self._in_flight.clear()

@@ -434,6 +434,7 @@ class PipelineStrategy(PipelineState, Strategy):
                     link.send(out, me, (s + 1) % P)
         except BaseException as err:
             link.abort(me, getattr(err, "failed_rank", None))
+            link.settle_after_abort(me, err)
             if not isinstance(err, PipelineAborted):
                 raise RuntimeError(f"pipeline rank {me} (global rank {self._pipe_ranks[me]}): its stage failed "
                                    f"during evaluate: {err}") from err
