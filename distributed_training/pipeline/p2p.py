@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from datetime import timedelta
 
 from typing import Any
 
@@ -104,6 +105,7 @@ class StageLink:
         self._stale: list = []
         self._stale_sends: list = []  # stop messages not yet taken when the abort returned
         self.aborted = False  # a step stopped here: messages of it may be in flight (`resync` first)
+        self.broken = False  # an evaluation failed: its connections may be cut (`abort(cut=True)`)
 
     def begin_step(self, key: Any) -> None:
         """Open a step whose messages are determined by `key` (hashable; the same on every rank of the
@@ -205,10 +207,14 @@ class StageLink:
             raise err
         return values
 
-    def abort(self, me: int, failed: int | None = None) -> None:
+    def abort(self, me: int, failed: int | None = None, *, cut: bool = False) -> None:
         """Tell every other rank of the pipeline that this step stops (`failed`: the global rank whose
         error started it, default this one): a rank blocked on a header from this one raises
-        `PipelineAborted` and tells the others in turn, so no rank waits forever for a message."""
+        `PipelineAborted` and tells the others in turn, so no rank waits forever for a message.
+
+        `cut` (an evaluation's failure, where the first ranks only send and never listen): the stops are
+        waited for with a timeout, which on gloo closes the connections whose messages were not taken, so
+        a rank blocked in a send to this one raises too; the link is `broken` then (no more steps)."""
         failed = self.ranks[me] if failed is None else failed
         self._stale += [work for pending in self._unchecked.values() for work, *_ in pending]
         self._step, self._unchecked, self.aborted = None, {}, True
@@ -228,6 +234,14 @@ class StageLink:
         # not waited for with a timeout: gloo closes the pair of a wait that times out, and the pipeline
         # may go on (`resync`, which waits for the rest).
         deadline = time.monotonic() + _ABORT_GRACE_S
+        if cut:
+            self.broken = True
+            for work in works:
+                try:
+                    work.wait(timeout=timedelta(seconds=max(0.01, deadline - time.monotonic())))
+                except RuntimeError:
+                    pass
+            return
         while works and time.monotonic() < deadline:
             try:
                 works = [work for work in works if not work.is_completed()]
@@ -235,6 +249,14 @@ class StageLink:
                 break
             time.sleep(0.005)
         self._stale_sends += works
+
+    def check_usable(self, me: int) -> None:
+        """Raise where an evaluation's failure cut the pipeline's connections (`abort(cut=True)`)."""
+        if self.broken:
+            raise RuntimeError(f"pipeline rank {me}: a stage failed during evaluate(), which cut the pipeline's "
+                               "connections (its first ranks only send there, and would not hear of the failure "
+                               "otherwise): it cannot run another step or evaluation. Restart from the latest "
+                               "checkpoint (a failed training step, caught on every rank, leaves it usable)")
 
     def settle(self) -> None:
         """A step ended well on this rank: the payloads it sent before this step have been received (its
@@ -351,6 +373,14 @@ class _Ledger:
         """A payload receive posted for `peer`'s message (its header counted where it was posted)."""
         self._posted_log[peer].append((self.payloads_posted[peer], code, shape))
         self.payloads_posted[peer] += 1
+
+    def check_usable(self, me: int) -> None:
+        """Raise where an evaluation's failure cut the pipeline's connections (`abort(cut=True)`)."""
+        if self.broken:
+            raise RuntimeError(f"pipeline rank {me}: a stage failed during evaluate(), which cut the pipeline's "
+                               "connections (its first ranks only send there, and would not hear of the failure "
+                               "otherwise): it cannot run another step or evaluation. Restart from the latest "
+                               "checkpoint (a failed training step, caught on every rank, leaves it usable)")
 
     def settle(self) -> None:
         for peer in range(len(self._sent_log)):

@@ -421,7 +421,8 @@ class PipelineStrategy(PipelineState, Strategy):
         link = self.engine.link
         values = None
         try:
-            if link.aborted:  # a failed step or evaluation before (every rank): its messages in flight first
+            link.check_usable(me)
+            if link.aborted:  # a failed step before (every rank): its messages in flight first
                 link.resync(me)
             link.wait_all()
             for chunk, stage in enumerate(self.unwrap(model).stages):
@@ -433,8 +434,9 @@ class PipelineStrategy(PipelineState, Strategy):
                 else:
                     link.send(out, me, (s + 1) % P)
         except BaseException as err:
-            link.abort(me, getattr(err, "failed_rank", None))
-            link.settle_after_abort(me, err)
+            # (In an evaluation the first ranks only send and may never hear of a failure: the connections
+            # are cut instead, and the pipeline cannot go on: `PipelineEngine.step` says so.)
+            link.abort(me, getattr(err, "failed_rank", None), cut=True)
             if not isinstance(err, PipelineAborted):
                 raise RuntimeError(f"pipeline rank {me} (global rank {self._pipe_ranks[me]}): its stage failed "
                                    f"during evaluate: {err}") from err
