@@ -287,10 +287,6 @@ def freeze_later_worker(rank, world, strategy):
         if back is not None:
             back()
     trainer.model(x).sum().backward()  # the flags asked for are the wrapped ones again: trains
-    try:
-        copy.deepcopy(trainer.module)  # (session 39: torch's "Only Tensors created explicitly by the user ...")
-    except RuntimeError as err:
-        said.append(str(err))
     with trainer.summon_full_params():  # a copy holding parameters of its own: torch's requires_grad_
         ema = copy.deepcopy(trainer.module)
     ema.requires_grad_(False)
@@ -311,7 +307,6 @@ def test_freezing_a_sharded_module_later_is_refused_not_ignored(strategy):
     assert "parameter '2.0.weight' (and 3 more)" in said[0] and "full_state_dict()" in said[0], said
     assert "torch.no_grad()" in said[0] and "close()" in said[0], said
     assert said[1].startswith("the model.requires_grad_(True) was called after FSDP"), said
-    assert said[4].startswith("copy.deepcopy of a model FSDP wraps") and "summon_full_params" in said[4], said
     assert said[2:4] == ["passed", "passed"] and ema == [False] * 6 and released == [False] * 6, (said, ema, released)
 
 

@@ -258,11 +258,14 @@ class StageLink:
                                "otherwise): it cannot run another step or evaluation. Restart from the latest "
                                "checkpoint (a failed training step, caught on every rank, leaves it usable)")
 
-    def settle(self) -> None:
+    def settle(self, everything: bool = False) -> None:
         """A step ended well on this rank: the payloads it sent before this step have been received (its
         peers started this step, which they do after receiving all of the previous one's), so their
-        shapes are no longer kept for `resync`."""
+        shapes are no longer kept for `resync`. `everything`: every message so far has been received (an
+        evaluation's end, after the broadcast of its sums), so none is kept."""
         self._ledger.settle()
+        if everything:
+            self._ledger.settle()
 
     def settle_after_abort(self, me: int, err: BaseException) -> None:
         """Right after `abort`, where every rank of the pipeline is alive and raising too (a stage's own

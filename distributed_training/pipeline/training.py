@@ -448,6 +448,7 @@ class PipelineStrategy(PipelineState, Strategy):
     def evaluation_sums(self, sums: torch.Tensor) -> torch.Tensor:
         self.engine.link.wait_all()
         dist.broadcast(sums, src=self._pipe_ranks[-1], group=self._pipe_group)
+        self.engine.link.settle(everything=True)  # (an evaluation of many batches logged each message)
         return sums
 
     def smallest_batch(self) -> int:

@@ -302,6 +302,20 @@ class FSDP(FSDPStateDict, FullWeights, nn.Module):
         self._hook_outputs(out)
         return out
 
+    def before_forward(self) -> None:
+        """What the wrapper's forward does first, for callers that run the wrapped module's parts
+        themselves (a pipeline stage, all of whose passes run under `no_sync`): the checks of which
+        parameters train (flags changed or asked for by ``requires_grad_``), and what a failed step left
+        dropped: its reductions, its queued end, the full gradients its passes accumulated."""
+        self._trainable.check()
+        if torch.is_grad_enabled():
+            self._requires_grad_lock.check()
+        state = self._backward_state
+        if state.pending or state.callback_queued:
+            self._drop_backward()
+        for unit in self._units:
+            unit.full.grad = None
+
     @eager_only
     def _before_forward(self) -> None:
         if self._released:

@@ -18,7 +18,6 @@ raises while one differs (a call on a module holding parameters again is torch's
 
 from __future__ import annotations
 
-import copy
 import types
 import weakref
 from typing import Iterable
@@ -92,24 +91,6 @@ def requires_grad_(self: nn.Module, requires_grad: bool = True) -> nn.Module:
     return self
 
 
-def _deepcopy(self: nn.Module, memo: dict) -> nn.Module:
-    """A wrapped model's ``__deepcopy__`` (`lock_requires_grad`): torch's where it holds parameters of its
-    own (inside ``summon_full_params``); where they are views of a wrapper's shards, a clear error in place
-    of torch's about non-leaf tensors."""
-    if next(self.parameters(), None) is None and "_requires_grad_lock" in self.__dict__:
-        wrapper = self.__dict__["_requires_grad_lock"][0].wrapper
-        raise RuntimeError(
-            f"copy.deepcopy of a model {wrapper} wraps: its parameters are views of {wrapper}'s flat shards, not "
-            "weights of its own. For a copy (an EMA model, a frozen reference), copy it inside "
-            "`with trainer.summon_full_params():` (every rank), or load trainer.full_state_dict() into a model "
-            "built anew; or copy the model before wrapping it")
-    method = self.__dict__.pop("__deepcopy__")
-    try:
-        return copy.deepcopy(self, memo)
-    finally:
-        self.__dict__["__deepcopy__"] = method
-
-
 def _rebuild_advice(wrapper: str) -> str:
     if wrapper == "FSDP":  # (a sharded optimizer state cannot follow a change of which parameters train)
         return ("Set requires_grad before wrapping. To change it mid-training, build the model again with the new "
@@ -133,15 +114,18 @@ class RequiresGradLock:
         self.flags = {name: p.requires_grad for name, p in module.named_parameters()}
         self.asked: dict[str, tuple[str, bool]] = {}  # parameter -> (the module called, the flag), where they differ
         fqn = {id(p): name for name, p in module.named_parameters()}
-        module.__dict__["__deepcopy__"] = types.MethodType(_deepcopy, module)
-        self.locked = [module]
+        self.locked = []
         for name, m in module.named_modules():
             names = list(dict.fromkeys(fqn[id(p)] for p in m.parameters()))
             if names:
                 m.__dict__["_requires_grad_lock"] = (self, name, names)
                 m.__dict__["requires_grad_"] = types.MethodType(requires_grad_, m)
-                if m is not module:
-                    self.locked.append(m)
+                self.locked.append(m)
+
+    def __getstate__(self) -> dict:
+        # (A module pickled or copied inside ``summon_full_params`` holds this lock: not its modules, which a
+        # pickle would reach half-built.)
+        return {**self.__dict__, "locked": []}
 
     def request(self, module: str, names: list[str], flag: bool) -> None:
         for name in names:
@@ -163,7 +147,6 @@ class RequiresGradLock:
     def undo(self) -> None:
         """Give the modules torch's ``requires_grad_`` back (they hold parameters of their own again)."""
         for m in self.locked:
-            m.__dict__.pop("__deepcopy__", None)
             m.__dict__.pop("requires_grad_", None)
             m.__dict__.pop("_requires_grad_lock", None)
         self.locked, self.asked = [], {}
