@@ -253,16 +253,6 @@ def test_a_unit_returning_a_dataclass_is_gathered_again_for_its_backward(pipelin
     assert len(diffs) == 3 and max(diffs) < 1e-6, diffs
 
 
-class _FailsOnce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise ValueError("a failure half-way through the backward")
-
-
 class _HalfwayFailure(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -271,7 +261,7 @@ class _HalfwayFailure(torch.nn.Module):
 
     def forward(self, x):
         h = torch.tanh(self.inp(x))
-        return self.out(_FailsOnce.apply(h) if self.fail else h)  # the head's gradient comes first
+        return self.out(_BoomInBackward.apply(h) if self.fail else h)  # the head's gradient comes first
 
 
 def failed_train_step_worker(rank, world, strategy):

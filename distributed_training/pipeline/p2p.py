@@ -377,14 +377,6 @@ class _Ledger:
         self._posted_log[peer].append((self.payloads_posted[peer], code, shape))
         self.payloads_posted[peer] += 1
 
-    def check_usable(self, me: int) -> None:
-        """Raise where an evaluation's failure cut the pipeline's connections (`abort(cut=True)`)."""
-        if self.broken:
-            raise RuntimeError(f"pipeline rank {me}: a stage failed during evaluate(), which cut the pipeline's "
-                               "connections (its first ranks only send there, and would not hear of the failure "
-                               "otherwise): it cannot run another step or evaluation. Restart from the latest "
-                               "checkpoint (a failed training step, caught on every rank, leaves it usable)")
-
     def settle(self) -> None:
         for peer in range(len(self._sent_log)):
             for log, start in zip((self._sent_log[peer], self._posted_log[peer]), self._step_start[peer]):
