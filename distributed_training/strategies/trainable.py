@@ -138,9 +138,10 @@ class RequiresGradLock:
         if not self.asked:
             return
         name, (module, flag) = next(iter(self.asked.items()))
+        more = f" (and {len(self.asked) - 1} more)" if len(self.asked) > 1 else ""
         raise RuntimeError(
             f"{module or 'the model'}.requires_grad_({flag}) was called after {self.wrapper} wrapped the model, and "
-            f"a training forward (gradients on) followed: parameter {name!r} (and {len(self.asked) - 1} more) is now "
+            f"a training forward (gradients on) followed: parameter {name!r}{more} is now "
             f"a view of {self.wrapper}'s flat shards, which the call cannot reach, so it would go on training (or stay "
             f"frozen). {_rebuild_advice(self.wrapper)}")
 
