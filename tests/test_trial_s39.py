@@ -10,6 +10,14 @@ import torch
 from distributed_training.testing import run_distributed
 
 
+def _record(trainer, ref, diffs) -> None:
+    """The largest difference between the trainer's full weights and one process's (`ref`), into `diffs`
+    (on the rank that holds them)."""
+    state = trainer.full_state_dict()
+    if state:
+        diffs.append(max((state[k].cpu() - v).abs().max().item() for k, v in ref.state_dict().items()))
+
+
 class _Adapted(torch.nn.Module):
     """A frozen base with a trainable adapter that can be switched off (as PEFT's LoRA)."""
 
@@ -56,9 +64,7 @@ def reference_pass_worker(rank, world, strategy):
     diffs = []
     for _ in _reference_pass_steps(trainer.model, net, trainer.optimizer, xs, rank, world):
         next(ref_steps)
-        state = trainer.full_state_dict()
-        if state:
-            diffs.append(max((state[k].cpu() - v).abs().max().item() for k, v in ref.state_dict().items()))
+        _record(trainer, ref, diffs)
     trainer.close()
     return diffs
 
@@ -238,9 +244,7 @@ def dataclass_unit_worker(rank, world, pipeline):
         _on_logits(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        state = trainer.full_state_dict()
-        if state:
-            diffs.append(max((state[k].cpu() - v).abs().max().item() for k, v in ref.state_dict().items()))
+        _record(trainer, ref, diffs)
     trainer.close()
     return diffs
 
@@ -288,9 +292,7 @@ def failed_train_step_worker(rank, world, strategy):
             F.mse_loss(ref(x), y).backward()
             ref_opt.step()
             ref_opt.zero_grad()
-        state = trainer.full_state_dict()
-        if state:
-            diffs.append(max((state[k].cpu() - v).abs().max().item() for k, v in ref.state_dict().items()))
+        _record(trainer, ref, diffs)
     trainer.close()
     return diffs
 
@@ -369,9 +371,7 @@ def zbh1_variant_worker(rank, world, strategy, variant):
         F.mse_loss(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        state = trainer.full_state_dict()
-        if state:
-            diffs.append(max((state[k].cpu() - v).abs().max().item() for k, v in ref.state_dict().items()))
+        _record(trainer, ref, diffs)
     trainer.close()
     return diffs
 
@@ -451,9 +451,7 @@ def pipeline_retry_worker(rank, world, pipeline, schedule, where, strategy="ddp"
             F.mse_loss(ref(x), y).backward()
             ref_opt.step()
             ref_opt.zero_grad()
-        state = trainer.full_state_dict()
-        if state:
-            diffs.append(max((state[k].cpu() - v).abs().max().item() for k, v in ref.state_dict().items()))
+        _record(trainer, ref, diffs)
     data = TensorDataset(torch.randn(12, 8, generator=g), torch.randn(12, 2, generator=g))
     evaluated = trainer.evaluate(data, F.mse_loss, batch_size=4)["loss"]
     trainer.close()
@@ -515,9 +513,7 @@ def unused_in_stage_worker(rank, world, strategy):
             F.mse_loss(ref(x), y).backward()
             ref_opt.step()
             ref_opt.zero_grad()
-            state = trainer.full_state_dict()
-            if state:
-                diffs.append(max((state[k].cpu() - v).abs().max().item() for k, v in ref.state_dict().items()))
+            _record(trainer, ref, diffs)
     except RuntimeError as err:
         return str(err)
     finally:
