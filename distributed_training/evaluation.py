@@ -139,7 +139,7 @@ class Evaluation:
         # Replicated models evaluate the bare module, with no collective per batch.
         # (A sharded model keeps its parameters in the wrapper's shards even in a world of one.)
         criterion = self.strategy.loss_criterion(criterion)
-        lockstep = self.strategy.collective_forward and ctx.world_size > 1
+        lockstep = self.strategy.collective_forward and shards > 1  # (gathers over the data-parallel group)
         module = self.model if self.strategy.collective_forward else self.module
         modes = [(m, m.training) for m in module.modules()]
         own_buffers = self._use_first_replicas_buffers() if shards > 1 else []
@@ -157,6 +157,7 @@ class Evaluation:
         sums = torch.zeros(len(names) + 3, dtype=torch.float64, device=self.device)
         batches, previous = iter(loader), None
         try:
+            self.strategy.evaluation_begins(self.model)
             while True:
                 batch = next(batches, None)
                 if lockstep:
@@ -196,6 +197,9 @@ class Evaluation:
                 sums[-3] += targets_kept
                 sums[-2] += kept
                 sums[-1] += n
+        except BaseException as err:
+            self.strategy.evaluation_failed(self.model, err)
+            raise
         finally:
             for m, mode in modes:  # one by one: train() on the root would also wake a frozen submodule
                 m.training = mode

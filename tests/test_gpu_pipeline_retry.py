@@ -1,6 +1,7 @@
 """On 2 GPUs with NCCL: a pipeline step that raised on one stage, caught on every rank, leaves the pipeline
 usable (the next step first receives what the failed one left in flight, known-shape receives included),
-and training goes on as one process that skipped that batch (skipped without 2 GPUs)."""
+and training goes on as one process that skipped that batch; the same after a failed evaluation (skipped
+without 2 GPUs)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from distributed_training.testing import run_distributed
 
 from test_trial_s39 import pipeline_retry_worker
+from test_trial_s40 import eval_failure_worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -23,3 +25,15 @@ def test_nccl_pipeline_trains_on_after_a_failed_step(schedule, where):
         assert len(said) == 1 and evaluated < 1e-4, (said, evaluated)
     said, diffs, _ = results[0]
     assert len(diffs) == 4 and max(diffs) < 1e-4, diffs  # (a GPU's float32 against the CPU reference)
+
+
+@pytest.mark.parametrize("world,where,schedule", [(2, "stage", "1f1b"), (2, "criterion", "gpipe"), (2, "data", "1f1b"),
+                                                  (4, "stage", "interleaved_1f1b")])
+def test_nccl_pipeline_goes_on_after_a_failed_evaluation(world, where, schedule):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    results = run_distributed(eval_failure_worker, world, args=(world, where, schedule), backend="nccl", timeout=180)
+    for said, diffs, evaluated in results:
+        assert len(said) == 1 and "passed" not in said[0] and evaluated < 1e-4, (said, evaluated)
+    said, diffs, _ = results[0]
+    assert len(diffs) == 3 and max(diffs) < 1e-4, diffs

@@ -236,7 +236,6 @@ class PipelineEngine:
         if not torch.is_grad_enabled():  # every rank alike: raised before any message
             raise RuntimeError("PipelineEngine.step runs forward and backward passes: call it with gradients enabled, "
                                "not under torch.no_grad() or torch.inference_mode()")
-        self.link.check_usable(self.rank)
         if self.link.aborted:  # the last step failed (on every rank): its messages still in flight first
             self.link.resync(self.rank)
         # Cut before the first message, every rank alike (they pass the same batch). A batch with fewer

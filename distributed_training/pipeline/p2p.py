@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from datetime import timedelta
 
 from typing import Any
 
@@ -44,9 +43,11 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
            torch.int8, torch.uint8, torch.bool)
 MAX_DIMS = 6
 _HEADER = 2 + MAX_DIMS  # dtype index, ndim, shape padded with zeros
-# Headers and payloads are told apart by tag where they share a group (gloo, on CPUs).
-_PAYLOAD_TAG, _HEADER_TAG = 0, 1
+# Headers and payloads are told apart by tag where they share a group (gloo, on CPUs); an evaluation's
+# acknowledgements travel on a tag of their own (`StageLink.batch_ends`).
+_PAYLOAD_TAG, _HEADER_TAG, _EVALUATION_TAG = 0, 1, 2
 _ABORT = -1  # a header whose dtype index is this says "stop": the rank in its third field failed
+_ACK = -2  # an evaluation's batch ended well on the last rank (`StageLink.batch_ends`)
 _ABORT_GRACE_S = 2.0
 _KNOWN_KEYS = 32  # step keys whose message shapes a link remembers (least recently used dropped)
 _KNOWN_HEADERS = 256  # header tensors a link keeps for reuse (all dropped when full)
@@ -105,7 +106,11 @@ class StageLink:
         self._stale: list = []
         self._stale_sends: list = []  # stop messages not yet taken when the abort returned
         self.aborted = False  # a step stopped here: messages of it may be in flight (`resync` first)
-        self.broken = False  # an evaluation failed: its connections may be cut (`abort(cut=True)`)
+        self.evaluating = False  # between `begin_evaluation` and `after_evaluation` (or an abort)
+        self._last = len(self.ranks) - 1  # the pipeline rank of the last stage
+        self._unacked: deque[int] = deque()  # an evaluation's batches not yet acknowledged: their sends
+        self._acks: list = []  # (the last rank) an evaluation's acknowledgements sent
+        self._lag = self._batch_sent = 0
 
     def begin_step(self, key: Any) -> None:
         """Open a step whose messages are determined by `key` (hashable; the same on every rank of the
@@ -187,11 +192,11 @@ class StageLink:
         self._ledger.headers_posted[peer] += 1
         return self._wait_header(None, head, peer)
 
-    def _wait_header(self, work, head: torch.Tensor, peer: int) -> list[int]:
+    def _wait_header(self, work, head: torch.Tensor, peer: int, tag: int = _HEADER_TAG) -> list[int]:
         """The values of a header from `peer` (received now, or by the posted `work`)."""
         try:
             if work is None:
-                dist.recv(head, self.ranks[peer], group=self.header_group, tag=_HEADER_TAG)
+                dist.recv(head, self.ranks[peer], group=self.header_group, tag=tag)
             else:
                 work.wait()
         except RuntimeError as err:  # the peer's process ended (it failed, and its launcher tore it down)
@@ -207,14 +212,11 @@ class StageLink:
             raise err
         return values
 
-    def abort(self, me: int, failed: int | None = None, *, cut: bool = False) -> None:
+    def abort(self, me: int, failed: int | None = None) -> None:
         """Tell every other rank of the pipeline that this step stops (`failed`: the global rank whose
         error started it, default this one): a rank blocked on a header from this one raises
-        `PipelineAborted` and tells the others in turn, so no rank waits forever for a message.
-
-        `cut` (an evaluation's failure, where the first ranks only send and never listen): the stops are
-        waited for with a timeout, which on gloo closes the connections whose messages were not taken, so
-        a rank blocked in a send to this one raises too; the link is `broken` then (no more steps)."""
+        `PipelineAborted` and tells the others in turn, so no rank waits forever for a message. In an
+        evaluation the last rank also sends the stop where its acknowledgements are awaited."""
         failed = self.ranks[me] if failed is None else failed
         self._stale += [work for pending in self._unchecked.values() for work, *_ in pending]
         self._step, self._unchecked, self.aborted = None, {}, True
@@ -229,19 +231,23 @@ class StageLink:
                     self._ledger.headers_sent[peer] += 1
                 except RuntimeError:  # the peer is gone already: nothing to tell it
                     pass
+        if self.evaluating:
+            self.evaluating = False
+            if me == self._last:
+                for peer in range(len(self.ranks) - 1):
+                    try:
+                        works.append(dist.isend(head.clone(), self.ranks[peer], group=self.header_group,
+                                                tag=_EVALUATION_TAG))
+                        self._ledger.evals_sent[peer] += 1
+                    except RuntimeError:
+                        pass
+                self._stale_sends += self._acks
+                self._acks = []
         # Give the messages a moment to reach the peers waiting on this rank before its process may end
         # (a peer not listening to this rank never takes its message: it hears from another one). Polled,
         # not waited for with a timeout: gloo closes the pair of a wait that times out, and the pipeline
-        # may go on (`resync`, which waits for the rest).
+        # goes on (`resync`, which waits for the rest).
         deadline = time.monotonic() + _ABORT_GRACE_S
-        if cut:
-            self.broken = True
-            for work in works:
-                try:
-                    work.wait(timeout=timedelta(seconds=max(0.01, deadline - time.monotonic())))
-                except RuntimeError:
-                    pass
-            return
         while works and time.monotonic() < deadline:
             try:
                 works = [work for work in works if not work.is_completed()]
@@ -250,13 +256,61 @@ class StageLink:
             time.sleep(0.005)
         self._stale_sends += works
 
-    def check_usable(self, me: int) -> None:
-        """Raise where an evaluation's failure cut the pipeline's connections (`abort(cut=True)`)."""
-        if self.broken:
-            raise RuntimeError(f"pipeline rank {me}: a stage failed during evaluate(), which cut the pipeline's "
-                               "connections (its first ranks only send there, and would not hear of the failure "
-                               "otherwise): it cannot run another step or evaluation. Restart from the latest "
-                               "checkpoint (a failed training step, caught on every rank, leaves it usable)")
+    # ------------------------------------------------------------------ evaluation
+    # In an evaluation the first ranks only send: a later stage's failure would never reach them through
+    # the messages they wait for, and a send to a stage that failed is never taken (on gloo its wait never
+    # returns). So the last rank acknowledges each batch to every other rank (a header on a tag of its
+    # own), and a rank waits for the acknowledgement of the batch `lag` batches back before it starts one
+    # (`batch_starts`), never for its sends: a send is waited for only once its batch is acknowledged.
+    # When any stage fails, the last rank hears of it (it waits on its predecessor, which waits on its
+    # own, ...) and sends a stop where the acknowledgement was awaited: every rank of the pipeline raises,
+    # and `resync` pairs what was left in flight, as after a failed training step.
+    def begin_evaluation(self, lag: int) -> None:
+        """An evaluation starts (every rank of the pipeline alike): at most `lag` batches unacknowledged."""
+        self.wait_all()
+        self.evaluating, self._lag, self._unacked, self._acks = True, max(1, lag), deque(), []
+
+    def batch_starts(self, me: int) -> None:
+        if me != self._last:
+            while len(self._unacked) >= self._lag:
+                self._take_ack(me)
+        self._batch_sent = len(self._in_flight)
+
+    def batch_ends(self, me: int) -> None:
+        if me != self._last:
+            self._unacked.append(len(self._in_flight) - self._batch_sent)
+            return
+        head = torch.zeros(_HEADER, dtype=torch.int64)
+        head[0] = _ACK
+        for peer in range(len(self.ranks) - 1):
+            self._acks.append(dist.isend(head, self.ranks[peer], group=self.header_group, tag=_EVALUATION_TAG))
+            self._ledger.evals_sent[peer] += 1
+
+    def _take_ack(self, me: int) -> None:
+        """Wait for the last rank's acknowledgement of this rank's oldest unacknowledged batch (raises
+        `PipelineAborted` if it stopped instead); that batch's sends have all been taken then."""
+        head = torch.empty(_HEADER, dtype=torch.int64)
+        self._ledger.evals_posted[self._last] += 1
+        self._wait_header(None, head, self._last, tag=_EVALUATION_TAG)
+        taken = self._unacked.popleft()
+        done, self._in_flight = self._in_flight[:taken], self._in_flight[taken:]
+        for works, *_ in done:
+            for work in works:
+                work.wait()
+
+    def end_evaluation(self, me: int) -> None:
+        """Before the evaluation's sums go round: every batch acknowledged (raises `PipelineAborted` if
+        the last rank stopped instead)."""
+        if me != self._last:
+            while self._unacked:
+                self._take_ack(me)
+        self.wait_all()
+
+    def after_evaluation(self) -> None:
+        """After the sums went round (every rank took every acknowledgement)."""
+        for work in self._acks:
+            work.wait()
+        self._acks, self.evaluating = [], False
 
     def settle(self, everything: bool = False) -> None:
         """A step ended well on this rank: the payloads it sent before this step have been received (its
@@ -303,6 +357,10 @@ class StageLink:
                 works.append(dist.irecv(torch.empty(_HEADER, dtype=torch.int64), self.ranks[peer],
                                         group=self.header_group, tag=_HEADER_TAG))
                 mine.headers_posted[peer] += 1
+            for _ in range(sent_to_me[3] - mine.evals_posted[peer]):  # (its receives are never posted ahead)
+                works.append(dist.irecv(torch.empty(_HEADER, dtype=torch.int64), self.ranks[peer],
+                                        group=self.header_group, tag=_EVALUATION_TAG))
+                mine.evals_posted[peer] += 1
             for code, shape in _beyond(sent_to_me, mine.payloads_posted[peer], me, self.ranks[peer]):
                 works.append(dist.irecv(torch.empty(shape, dtype=_DTYPES[code], device=self.device),
                                         self.ranks[peer], group=self._payload_group(peer, me), tag=_PAYLOAD_TAG))
@@ -340,7 +398,7 @@ class StageLink:
 
 def _beyond(side: tuple, done: int, me: int, peer: int) -> list[tuple[int, tuple]]:
     """The (dtype code, shape) of the payloads in `side` (headers, log, count) from number `done` on."""
-    _, log, count = side
+    _, log, count, _ = side
     missing = [(code, shape) for seq, code, shape in log if seq >= done]
     if count > done and len(missing) != count - done:
         raise RuntimeError(f"pipeline: cannot pair the messages between global ranks {me} and {peer} after the "
@@ -358,6 +416,8 @@ class _Ledger:
         self.headers_posted = [0] * ranks
         self.payloads_sent = [0] * ranks
         self.payloads_posted = [0] * ranks
+        self.evals_sent = [0] * ranks  # an evaluation's acknowledgements and stops (`StageLink.batch_ends`)
+        self.evals_posted = [0] * ranks
         # (sequence number, dtype code, shape) of the payloads sent to / posted from each peer
         self._sent_log: list[deque] = [deque() for _ in range(ranks)]
         self._posted_log: list[deque] = [deque() for _ in range(ranks)]
@@ -385,7 +445,8 @@ class _Ledger:
             self._step_start[peer] = (self.payloads_sent[peer], self.payloads_posted[peer])
 
     def to_peers(self) -> list[tuple[tuple, tuple]]:
-        """Per peer: (headers sent to it, the payloads' log, their count) and the same of receives posted."""
-        return [((self.headers_sent[p], list(self._sent_log[p]), self.payloads_sent[p]),
-                 (self.headers_posted[p], list(self._posted_log[p]), self.payloads_posted[p]))
+        """Per peer: (headers sent to it, the payloads' log, their count, evaluation messages sent) and
+        the same of receives posted."""
+        return [((self.headers_sent[p], list(self._sent_log[p]), self.payloads_sent[p], self.evals_sent[p]),
+                 (self.headers_posted[p], list(self._posted_log[p]), self.payloads_posted[p], self.evals_posted[p]))
                 for p in range(len(self._sent_log))]

@@ -64,9 +64,7 @@ P=4, or without a pipeline, and back: each rank reads the pieces its stages need
 weight the same one. Buffers go by the model's keys too (`buffers`). What the inner strategy keeps per
 stage (DDP's bucket layout, compression residuals) comes back only into the same cut of the model.
 
-`evaluate` runs forward only (`evaluate_batch`): each batch, whole, through this rank's stages over
-the engine's `StageLink`, the last stage computing the criterion and the metrics; its sums reach the
-pipeline's other ranks in one broadcast at the end (`evaluation_sums`).
+`evaluate` runs forward only, each batch whole through the stages: `pipeline.evaluation`.
 """
 
 from __future__ import annotations
@@ -83,7 +81,7 @@ from ..models.gpt import GPT
 from ..runtime import DistributedContext
 from ..strategies.base import OptimizerFactory, Strategy, checked_optimizer
 from .engine import PipelineEngine
-from .p2p import PipelineAborted
+from .evaluation import PipelineEvaluation
 from .balance import layer_costs, schedule_cut, split_step
 from .compiled_loss import CompiledLoss
 from .gpt_stages import lm_loss
@@ -110,7 +108,7 @@ class PipelineStages(nn.Module):
                                   "evaluate (auto batch size and direct calls are not supported yet)")
 
 
-class PipelineStrategy(PipelineState, Strategy):
+class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
     """A data-parallel strategy run inside each stage of a pipeline (see the module docstring).
 
     Args:
@@ -404,56 +402,6 @@ class PipelineStrategy(PipelineState, Strategy):
         for name, group in self._ties:
             dist.all_reduce(self.inner.accumulated_gradient(self._model, name), op=dist.ReduceOp.SUM, group=group)
         self.inner.sync_gradients(self._model)
-
-    # ------------------------------------------------------------------ evaluation
-    def evaluate_batch(self, model: nn.Module, batch: Any, criterion: Callable | None,
-                       metrics: dict[str, Callable] | None) -> list[torch.Tensor]:
-        """Forward only: the whole batch through this rank's stages in stage order (no microbatches,
-        so the values are those of one process's forward on the batch), each output sent on as soon as
-        it is computed; the last stage computes the criterion and the metrics, the other ranks return
-        zeros (`evaluation_sums` brings the last stage's sums to them). Every rank of the pipeline gets
-        the same batches (`evaluate` shards by data-parallel replica), so the messages pair up; at
-        most one batch's activations are in flight (the previous batch's sends are waited for first),
-        so a fast first stage cannot run far ahead. As `evaluate` does without a pipeline, the
-        forward runs without autocast. If a stage raises, every rank of the pipeline raises."""
-        criterion, inputs, targets = self._criterion_and_pair(criterion, batch, "evaluate")
-        P, me, last = self.options.size, self._pipe_rank, self.options.num_stages - 1
-        link = self.engine.link
-        values = None
-        try:
-            link.check_usable(me)
-            if link.aborted:  # a failed step before (every rank): its messages in flight first
-                link.resync(me)
-            link.wait_all()
-            for chunk, stage in enumerate(self.unwrap(model).stages):
-                s = chunk * P + me
-                x = inputs if s == 0 else link.recv(me, (s - 1) % P)
-                out = stage(x)
-                if s == last:
-                    values = [criterion(out, targets), *(fn(out, targets) for fn in (metrics or {}).values())]
-                else:
-                    link.send(out, me, (s + 1) % P)
-        except BaseException as err:
-            # (In an evaluation the first ranks only send and may never hear of a failure: the connections
-            # are cut instead, and the pipeline cannot go on: `PipelineEngine.step` says so.)
-            link.abort(me, getattr(err, "failed_rank", None), cut=True)
-            if not isinstance(err, PipelineAborted):
-                raise RuntimeError(f"pipeline rank {me} (global rank {self._pipe_ranks[me]}): its stage failed "
-                                   f"during evaluate: {err}") from err
-            raise
-        if values is None:
-            values = [torch.zeros((), device=self.device)] * (1 + len(metrics or {}))
-        return values
-
-    def evaluation_sums(self, sums: torch.Tensor) -> torch.Tensor:
-        self.engine.link.wait_all()
-        dist.broadcast(sums, src=self._pipe_ranks[-1], group=self._pipe_group)
-        self.engine.link.settle(everything=True)  # (an evaluation of many batches logged each message)
-        return sums
-
-    def smallest_batch(self) -> int:
-        # Interleaved runs a short batch as a multiple of the ranks' microbatches: at least one a rank.
-        return self.options.size if self.options.schedule == "interleaved_1f1b" else 1
 
     def time_pipeline(self, model: nn.Module, on: bool) -> None:
         self.engine.timing = on

@@ -391,6 +391,12 @@ class Strategy(abc.ABC):
         other does not fit the model)."""
         return list(self.buffers(model))
 
+    def evaluation_begins(self, model: nn.Module) -> None:
+        """`evaluate` starts its batches, on every rank (a pipeline listens for its peers' failures)."""
+
+    def evaluation_failed(self, model: nn.Module, err: BaseException) -> None:
+        """`evaluate` raised `err` on this rank before `evaluation_sums` (a pipeline stops its peers)."""
+
     def evaluate_batch(self, model: nn.Module, batch: Any, criterion: Callable | None,
                        metrics: dict[str, Callable] | None) -> list[torch.Tensor] | None:
         """The mean loss of `batch` (then each metric's mean), forward only, for a strategy that runs

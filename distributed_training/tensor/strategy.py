@@ -194,6 +194,12 @@ class TensorParallelStrategy(Strategy):
         whole = gather_last(outputs, self.group)  # (..., V): every rank's columns, in vocabulary order
         return [criterion(outputs, targets), *(fn(whole, targets) for fn in metrics.values())]
 
+    def evaluation_begins(self, model: nn.Module) -> None:
+        self.inner.evaluation_begins(model)
+
+    def evaluation_failed(self, model: nn.Module, err: BaseException) -> None:
+        self.inner.evaluation_failed(model, err)
+
     def evaluation_sums(self, sums: torch.Tensor) -> torch.Tensor:
         return self.inner.evaluation_sums(sums)
 
