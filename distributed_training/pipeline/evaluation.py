@@ -81,8 +81,8 @@ class PipelineEvaluation:
         if not link.evaluating:
             return
         link.abort(self._pipe_rank, getattr(err, "failed_rank", None))
-        if not (self.collective_forward and self.engine.data_size > 1):  # (else a rank may be blocked in the
-            link.settle_after_abort(self._pipe_rank, err)  # lockstep collective of `evaluate`)
+        lockstep = self.collective_forward and self.engine.data_size > 1  # (a rank may be blocked there)
+        link.settle_after_abort(self._pipe_rank, err, resync=not lockstep)
 
     def evaluation_sums(self, sums: torch.Tensor) -> torch.Tensor:
         link = self.engine.link

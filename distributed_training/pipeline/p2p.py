@@ -176,8 +176,9 @@ class StageLink:
                 self.received_by_known_shape += 1
                 pending = self._unchecked.setdefault(peer, deque())
                 pending.append((work, head, values, n))
-                # Headers already here are checked now (a peer's "stop" is heard at once); the host waits
-                # for one only when it would run more than max_lag messages ahead of the peer's.
+                # A header is waited for when the host would run more than max_lag messages ahead of the
+                # peer's (a peer's "stop" is heard then at the latest); one already here is checked now, where
+                # the backend says so (a gloo point-to-point work reports completion only once waited for).
                 while pending and (pending[0][0].is_completed() or
                                    (self.max_lag is not None and len(pending) > self.max_lag)):
                     self._check_oldest(peer, pending)
@@ -243,18 +244,21 @@ class StageLink:
                         pass
                 self._stale_sends += self._acks
                 self._acks = []
-        # Give the messages a moment to reach the peers waiting on this rank before its process may end
-        # (a peer not listening to this rank never takes its message: it hears from another one). Polled,
-        # not waited for with a timeout: gloo closes the pair of a wait that times out, and the pipeline
-        # goes on (`resync`, which waits for the rest).
-        deadline = time.monotonic() + _ABORT_GRACE_S
+        self._stale_sends += works  # (taken by `resync`, or given a moment by `settle_after_abort`)
+
+    def _grace(self) -> None:
+        """Give the stops a moment to reach the peers waiting on this rank before its process may end (a
+        peer not listening to this rank never takes its message: it hears from another one). Polled, not
+        waited for with a timeout: gloo closes the pair of a wait that times out, and the pipeline may go
+        on (`resync` waits for the rest). (A gloo point-to-point work says it completed only once waited
+        for, so on gloo this is the whole grace.)"""
+        works, deadline = list(self._stale_sends), time.monotonic() + _ABORT_GRACE_S
         while works and time.monotonic() < deadline:
             try:
                 works = [work for work in works if not work.is_completed()]
             except RuntimeError:
                 break
             time.sleep(0.005)
-        self._stale_sends += works
 
     # ------------------------------------------------------------------ evaluation
     # In an evaluation the first ranks only send: a later stage's failure would never reach them through
@@ -321,19 +325,24 @@ class StageLink:
         if everything:
             self._ledger.settle()
 
-    def settle_after_abort(self, me: int, err: BaseException) -> None:
+    def settle_after_abort(self, me: int, err: BaseException, resync: bool = True) -> None:
         """Right after `abort`, where every rank of the pipeline is alive and raising too (a stage's own
         error, a stop heard from a peer): `resync` now, so that no GPU stream is left waiting for a message
         that never comes (a known-shape receive) under the user's next call (``full_state_dict()``, a
-        checkpoint). Not after a peer went away, nor on Ctrl-C; if it fails, the next step tries again."""
+        checkpoint); its wait for the stops replaces their grace. Not after a peer went away, nor on
+        Ctrl-C, nor without `resync` (a rank may be blocked elsewhere): the stops get their grace; if the
+        pairing fails, the next step tries again."""
         from ..peer_watch import looks_like_peer_loss
 
-        if not isinstance(err, Exception) or getattr(err, "peer_lost", False) or looks_like_peer_loss(err):
+        if (not resync or not isinstance(err, Exception) or getattr(err, "peer_lost", False)
+                or looks_like_peer_loss(err)):
+            self._grace()
             return
         try:
             self.resync(me)
         except Exception:  # noqa: BLE001 - the step's own error is the one to raise
             self.aborted = True
+            self._grace()
 
     def resync(self, me: int) -> None:
         """After an aborted step (`aborted`), on every rank of the pipeline at once (the engine's next
