@@ -424,7 +424,8 @@ def _bomb_model():
                          nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
-def pipeline_retry_worker(rank, world, pipeline, schedule, where, strategy="ddp"):
+def pipeline_retry_worker(rank, world, pipeline, schedule, where, strategy="ddp", failed_step=1):
+    """`pipeline` 1: no pipeline, the batch in two micro-batches (gradient accumulation)."""
     import torch.nn.functional as F
     from torch.utils.data import TensorDataset
 
@@ -432,22 +433,23 @@ def pipeline_retry_worker(rank, world, pipeline, schedule, where, strategy="ddp"
 
     net, ref = _bomb_model(), _bomb_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    shape = (dict(pipeline_parallel_size=pipeline, pipeline_schedule=schedule, microbatches=4) if pipeline > 1
+             else dict(gradient_accumulation_steps=2))
     trainer = DistributedTrainer(net, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), progress=False,
-                                 strategy=strategy, pipeline_parallel_size=pipeline, pipeline_schedule=schedule,
-                                 microbatches=4)
+                                 strategy=strategy, **shape)
     dp, replica = trainer.dp_world_size, trainer.dp_rank
     g = torch.Generator().manual_seed(3)
     said, diffs = [], []
     for step in range(4):
         x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
         bomb = net[5]
-        bomb.armed, bomb.where, bomb.calls = step == 1, where, 0
+        bomb.armed, bomb.where, bomb.calls = step == failed_step, where, 0
         n = 16 // dp
         try:
             trainer.train_step((x[replica * n:(replica + 1) * n], y[replica * n:(replica + 1) * n]), F.mse_loss)
         except Exception as err:  # noqa: BLE001 - every rank skips the batch
             said.append(type(err).__name__)
-        if step != 1:
+        if step != failed_step:
             F.mse_loss(ref(x), y).backward()
             ref_opt.step()
             ref_opt.zero_grad()

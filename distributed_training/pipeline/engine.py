@@ -135,6 +135,10 @@ class PipelineEngine:
         last_timing: the `timing.PipelineTiming` of the latest timed step (None before one): this
             rank's busy ms by action kind, the pipeline's window and bubble, measured, simulated with
             the measured costs, and by the formula. A step without timing leaves it as it is.
+        after_agreement: call `after_backward` only once the step's end is agreed (see `_step`): where it
+            talks to other ranks of the pipeline (tied weights' copies summed between stages), which a
+            rank whose stage failed would never join. Default False: right after the schedule, so that a
+            rank that finishes early reduces over its data-parallel group while the others finish.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], *, ranks: Sequence[int], rank: int, group=None,
@@ -152,6 +156,7 @@ class PipelineEngine:
         self.loss_fn = loss_fn
         self.device = torch.device(device)
         self.after_backward = after_backward
+        self.after_agreement = False
         self.group = group
         self.ranks = list(ranks)
         self.link = StageLink(self.ranks, up_group if up_group is not None else group,
@@ -383,7 +388,7 @@ class PipelineEngine:
         if held:
             raise RuntimeError(f"pipeline rank {self.rank}: the schedule left {len(held)} microbatch(es) without a "
                                "backward")
-        if self.after_backward is not None:
+        if self.after_backward is not None and not self.after_agreement:
             self.after_backward()
         if self.pipe_size > 1:
             # The step's end, agreed: every other rank tells the last one its schedule ran to the end (a rank
@@ -401,6 +406,8 @@ class PipelineEngine:
             else:
                 link.send(self._done, me, self.pipe_size - 1)
                 loss_sum = link.recv(me, self.pipe_size - 1)
+        if self.after_backward is not None and self.after_agreement:
+            self.after_backward()
         link.wait_all()
         if clock is not None:
             self.last_timing = self._exchange_timing(clock, len(xs))

@@ -109,8 +109,9 @@ class StageLink:
         self.evaluating = False  # between `begin_evaluation` and `after_evaluation` (or an abort)
         self._last = len(self.ranks) - 1  # the pipeline rank of the last stage
         self._unacked: deque[int] = deque()  # an evaluation's batches not yet acknowledged: their sends
-        self._acks: list = []  # (the last rank) an evaluation's acknowledgements sent
-        self._lag = self._batch_sent = 0
+        self._acks: deque = deque()  # (the last rank) (batch, its acknowledgements) not yet waited for
+        self._lag = self._batch_sent = self._batches = 0
+        self._ack_due = False
 
     def begin_step(self, key: Any) -> None:
         """Open a step whose messages are determined by `key` (hashable; the same on every rank of the
@@ -207,8 +208,8 @@ class StageLink:
             raise lost from err
         values = head.tolist()
         if values[0] == _ABORT:
-            err = PipelineAborted(f"pipeline stopped: global rank {values[2]} failed during the step (its own error "
-                                  f"says why); this rank was waiting for global rank {self.ranks[peer]}")
+            err = PipelineAborted(f"pipeline stopped: global rank {values[2]} failed during the step or evaluation "
+                                  f"(its own error says why); this rank was waiting for global rank {self.ranks[peer]}")
             err.failed_rank, err.stopped_by_peer = values[2], True  # (a stop message: the peer lives)
             raise err
         return values
@@ -242,8 +243,8 @@ class StageLink:
                         self._ledger.evals_sent[peer] += 1
                     except RuntimeError:
                         pass
-                self._stale_sends += self._acks
-                self._acks = []
+                self._stale_sends += [work for _, works in self._acks for work in works]
+                self._acks = deque()
         self._stale_sends += works  # (taken by `resync`, or given a moment by `settle_after_abort`)
 
     def _grace(self) -> None:
@@ -264,31 +265,53 @@ class StageLink:
     # In an evaluation the first ranks only send: a later stage's failure would never reach them through
     # the messages they wait for, and a send to a stage that failed is never taken (on gloo its wait never
     # returns). So the last rank acknowledges each batch to every other rank (a header on a tag of its
-    # own), and a rank waits for the acknowledgement of the batch `lag` batches back before it starts one
-    # (`batch_starts`), never for its sends: a send is waited for only once its batch is acknowledged.
+    # own) when it starts the next one (or at the end), and a rank waits for the acknowledgement of the
+    # batch `lag` batches back before it starts one (`batch_starts`), never for its sends: a send is
+    # waited for only once its batch is acknowledged.
     # When any stage fails, the last rank hears of it (it waits on its predecessor, which waits on its
     # own, ...) and sends a stop where the acknowledgement was awaited: every rank of the pipeline raises,
     # and `resync` pairs what was left in flight, as after a failed training step.
     def begin_evaluation(self, lag: int) -> None:
         """An evaluation starts (every rank of the pipeline alike): at most `lag` batches unacknowledged."""
         self.wait_all()
-        self.evaluating, self._lag, self._unacked, self._acks = True, max(1, lag), deque(), []
+        self.evaluating, self._lag, self._unacked, self._acks = True, max(1, lag), deque(), deque()
+        self._batches, self._ack_due = 0, False
 
     def batch_starts(self, me: int) -> None:
-        if me != self._last:
+        """Before a batch's first message. The last rank acknowledges the batch before (only now: what
+        `evaluate` does with a batch's values after the stages ran may fail too); another rank first
+        takes the acknowledgement of the batch `lag` back."""
+        if me == self._last:
+            self._acknowledge()
+        else:
             while len(self._unacked) >= self._lag:
                 self._take_ack(me)
         self._batch_sent = len(self._in_flight)
 
     def batch_ends(self, me: int) -> None:
+        """After a batch's stages ran on this rank. On the last rank every rank has started this batch,
+        so has taken the acknowledgements of the batches `lag` back, and the messages it sent in it (to
+        rank 0, interleaved) have been taken: both are waited for now, so neither piles up."""
         if me != self._last:
             self._unacked.append(len(self._in_flight) - self._batch_sent)
             return
+        while self._acks and self._acks[0][0] <= self._batches - self._lag:
+            for work in self._acks.popleft()[1]:
+                work.wait()
+        self.wait_all()
+        self._batches, self._ack_due = self._batches + 1, True
+
+    def _acknowledge(self) -> None:
+        if not self._ack_due:
+            return
         head = torch.zeros(_HEADER, dtype=torch.int64)
         head[0] = _ACK
+        works = []
         for peer in range(len(self.ranks) - 1):
-            self._acks.append(dist.isend(head, self.ranks[peer], group=self.header_group, tag=_EVALUATION_TAG))
+            works.append(dist.isend(head, self.ranks[peer], group=self.header_group, tag=_EVALUATION_TAG))
             self._ledger.evals_sent[peer] += 1
+        self._acks.append((self._batches - 1, works))
+        self._ack_due = False
 
     def _take_ack(self, me: int) -> None:
         """Wait for the last rank's acknowledgement of this rank's oldest unacknowledged batch (raises
@@ -305,16 +328,19 @@ class StageLink:
     def end_evaluation(self, me: int) -> None:
         """Before the evaluation's sums go round: every batch acknowledged (raises `PipelineAborted` if
         the last rank stopped instead)."""
-        if me != self._last:
+        if me == self._last:
+            self._acknowledge()
+        else:
             while self._unacked:
                 self._take_ack(me)
         self.wait_all()
 
     def after_evaluation(self) -> None:
         """After the sums went round (every rank took every acknowledgement)."""
-        for work in self._acks:
-            work.wait()
-        self._acks, self.evaluating = [], False
+        for _, works in self._acks:
+            for work in works:
+                work.wait()
+        self._acks, self.evaluating = deque(), False
 
     def settle(self, everything: bool = False) -> None:
         """A step ended well on this rank: the payloads it sent before this step have been received (its

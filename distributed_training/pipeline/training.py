@@ -28,8 +28,9 @@ One step on one rank (`forward_backward`, then the trainer's `optimizer_step`):
 
 1. `PipelineEngine.step` runs this rank's actions of the schedule with every backward under the data-
    parallel strategy's `no_sync`: gradients accumulate over the microbatches, nothing is reduced.
-2. After the step's last backward (the engine's `after_backward`): the accumulated gradients of tied
-   parameters (the GPT's token embedding, used again by its head) are summed between the pipeline
+2. After the step's last backward (the engine's `after_backward`; on ranks holding a tied weight's copy,
+   once every rank's schedule ended well: `PipelineEngine.after_agreement`): the accumulated gradients of
+   tied parameters (the GPT's token embedding, used again by its head) are summed between the pipeline
    ranks holding a copy, over a group of those ranks per data-parallel index (`accumulated_gradient`:
    before any reduction, so sharded copies need not sit alike in their shards); then
    `strategy.sync_gradients` reduces the accumulated gradients over the data-parallel group, once
@@ -246,6 +247,10 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
                                      device=self.device, after_backward=self._after_backward,
                                      cuda_graphs=opts.cuda_graphs)
         self.engine.data_group, self.engine.data_size = mesh.group("data"), mesh.dp_size
+        # A tied weight's copies are summed by a collective with other stages: only once every stage's
+        # schedule has ended well (one that failed would never join it). On the last stage that costs
+        # nothing: its copy's sum waits for the first stage, the last to finish, anyway.
+        self.engine.after_agreement = bool(self._ties)
         self.engine.lockstep_replicas = self.inner.collective_forward
         if self.engine.lockstep_replicas and mesh.dp_size > 1:
             self.engine.rows_group = mesh.host_group("data")

@@ -380,9 +380,15 @@ class Zero1DDP(DDP):
 
     @torch.no_grad()
     def zero_grad_buckets(self) -> None:
-        """Zero every gradient bucket in place: the next backward starts from zero."""
+        """Zero every gradient bucket in place, and drop a parameter's gradient that is not (yet) a view
+        into one (a first step's passes under `no_sync`, or a backward that raised, before any reduction
+        made it a view; the optimizer, which steps the buckets' slices, never sees these): the next
+        backward starts from zero."""
         for b in self._buckets:
             b.buffer.zero_()
+        for p, view in zip(self._params, self._view_of):
+            if p.grad is not None and p.grad is not view:
+                p.grad = None
         self._reduced = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
