@@ -247,10 +247,13 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
                                      device=self.device, after_backward=self._after_backward,
                                      cuda_graphs=opts.cuda_graphs)
         self.engine.data_group, self.engine.data_size = mesh.group("data"), mesh.dp_size
-        # A tied weight's copies are summed by a collective with other stages: only once every stage's
-        # schedule has ended well (one that failed would never join it). On the last stage that costs
-        # nothing: its copy's sum waits for the first stage, the last to finish, anyway.
-        self.engine.after_agreement = bool(self._ties)
+        # Only once every stage's schedule has ended well (`PipelineEngine.after_agreement`): a tied weight's
+        # copies are summed by a collective with other stages, which one that failed would never join (on
+        # the last stage that costs nothing: its copy's sum waits for the first stage, the last to finish,
+        # anyway); and a reduction that keeps state (compression's error-feedback residuals, PowerSGD's
+        # matrices) would keep a step that an earlier stage's late failure drops (exposed: the price).
+        stateful = hasattr(getattr(wrapped, "bucket_reducer", None), "state_dict")
+        self.engine.after_agreement = bool(self._ties) or stateful
         self.engine.lockstep_replicas = self.inner.collective_forward
         if self.engine.lockstep_replicas and mesh.dp_size > 1:
             self.engine.rows_group = mesh.host_group("data")
