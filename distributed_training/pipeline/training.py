@@ -149,6 +149,8 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
             raise ValueError(f"pipeline_half_blocks=True cuts our GPT's blocks into their attention and MLP halves; "
                              f"a {type(module).__name__} has no such blocks: leave it False (or cut at "
                              "pipeline_split_points)")
+        if opts.half_blocks:
+            _refuse_block_hooks(module)
         layers = chain(module, halves=opts.half_blocks)
         if opts.half_blocks:
             _checkpoint_halves(module, layers)
@@ -463,6 +465,18 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
 
 def _global(context: DistributedContext, mesh_rank: int) -> int:
     return global_rank(context.group, mesh_rank)
+
+
+def _refuse_block_hooks(model: GPT) -> None:
+    """The chain of halves calls a block's attention and MLP halves, never the block itself: a hook on a
+    block (an adapter's, a steering hook) would not run. Refused, naming it (the halves' own hooks run)."""
+    for i, block in enumerate(model.blocks):
+        if (block._forward_hooks or block._forward_pre_hooks or block._backward_hooks
+                or block._backward_pre_hooks):
+            raise ValueError(f"pipeline_half_blocks=True runs each GPT block as two halves (attention, MLP) and never "
+                             f"calls the block itself, so the hook registered on blocks.{i} would not run: register "
+                             f"it on the block's parts (blocks.{i}.attn, blocks.{i}.mlp), or leave "
+                             "pipeline_half_blocks off")
 
 
 def _checkpoint_halves(model: GPT, layers) -> None:

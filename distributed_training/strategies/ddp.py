@@ -229,7 +229,7 @@ class DDP(BucketLayout, CommTiming, nn.Module):
         self._trainable.check()
         if torch.is_grad_enabled() and self._backward.sync_enabled:
             if self._backward.callback_queued and not inside_backward():
-                self._reset_iteration()  # a backward that raised half-way: its queued end never ran
+                self._drop_backward()  # a backward that raised half-way: its queued end never ran
             self._collectives_before_forward()
 
     @eager_only
@@ -357,6 +357,17 @@ class DDP(BucketLayout, CommTiming, nn.Module):
     # ------------------------------------------------------------- iteration
     def _reset_iteration(self) -> None:
         self._backward.reset(len(self._params), [len(b.param_indices) for b in self._buckets])
+
+    def _drop_backward(self) -> None:
+        """What a backward that raised half-way left: the all-reduces of the buckets it launched (every rank
+        did) are waited for, else one still in flight would write into its bucket after the next backward
+        copied its gradients there; their results are dropped with the iteration (the trainer, or the
+        user's ``zero_grad``, drops the gradients)."""
+        try:
+            for handle in self._backward.handles:
+                handle.wait()
+        finally:
+            self._reset_iteration()
 
     def _gather_bucket(self, bucket: Bucket) -> None:
         """Bring the bucket's gradients into its buffer before it is reduced (see `ddp_buckets.gather_bucket`)."""

@@ -139,6 +139,7 @@ class FSDP(FSDPGradients, FSDPStateDict, FullWeights, nn.Module):
             mesh = mesh.with_ranks_per_node(ranks_per_node)
         mesh = mesh.hybrid() if sharding_strategy == "hybrid" else mesh.with_data_shard(mesh.dp_size)
 
+        _refuse_parameter_hooks(module)
         self.module = module
         self._trainable = TrainableSet(module.named_parameters(), "FSDP", module)
         self.mesh = mesh
@@ -402,3 +403,16 @@ class FSDP(FSDPGradients, FSDPStateDict, FullWeights, nn.Module):
         from .join import Join
 
         return Join(self, optimizer, lr_scheduler=lr_scheduler)
+
+
+def _refuse_parameter_hooks(module: nn.Module) -> None:
+    """A hook registered on a parameter (``p.register_hook(fn)``, ``register_post_accumulate_grad_hook``)
+    would never run: the units replace the parameters by views of their flat buffers, whose gradients
+    autograd accumulates as one flat tensor. Refused, naming the parameter, rather than ignored."""
+    for name, p in module.named_parameters():
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            raise ValueError(
+                f"parameter {name!r} has a gradient hook of its own (Tensor.register_hook or "
+                "register_post_accumulate_grad_hook): FSDP (ZeRO-2/3) flattens the parameters into shards, "
+                "so the hook would never run. Put the hook on the module (register_full_backward_hook), "
+                "transform the gradients after backward, or use strategy 'ddp' or 'zero1'")
