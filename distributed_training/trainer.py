@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -376,6 +377,16 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             log.info("strategy auto -> %s%s (%s)", self.plan.strategy, " with CPU offload" if self.plan.cpu_offload
                      else "", self.plan.reason)
         self.strategy = strategy
+        publish, layer = weakref.WeakMethod(self._publish_own_error), strategy
+
+        def report_failure(err: BaseException) -> None:
+            method = publish()
+            if method is not None:
+                method(err)
+
+        while layer is not None:  # (a strategy wrapping another: both)
+            layer.report_failure = report_failure
+            layer = getattr(layer, "inner", None)
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.gradient_clip_val = gradient_clip_val
         self.seed = seed

@@ -56,7 +56,11 @@ class Stepping:
                 metrics = self._train_step(batch, criterion)
             self._step_failed = False
             return metrics
-        except Exception as err:
+        except BaseException as err:
+            if not isinstance(err, Exception):  # Ctrl-C: the step's gradients dropped too, nothing to report
+                with contextlib.suppress(Exception):
+                    self.optimizer.zero_grad(set_to_none=True)
+                raise
             # The step was not taken: gradients its backward left (DDP's parameters reached before the
             # error) must not join the next step's, as one process skipping the batch would not add them.
             with contextlib.suppress(Exception):

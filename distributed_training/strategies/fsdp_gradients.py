@@ -116,6 +116,19 @@ class FSDPGradients:
                 for unit in self._units:
                     self._reshard(unit)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The shards' gradients (`nn.Module.zero_grad`) and the units' full gradients accumulated under
+        `no_sync`, which an optimizer over the shards never sees: a loop that drops a half-accumulated
+        batch (a micro-batch that raised) calls this, as the trainer does (its optimizer's ``zero_grad``
+        does both, `FSDPStrategy.setup_optimizer`)."""
+        super().zero_grad(set_to_none)
+        self.drop_accumulated_gradients()
+
+    def drop_accumulated_gradients(self) -> None:
+        """Forget the units' full gradients that backward passes under `no_sync` accumulated."""
+        for unit in self._units:
+            unit.full.grad = None
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate full (unsharded) gradients locally; the next backward outside reduces once."""

@@ -177,6 +177,15 @@ class FSDPStrategy(Strategy):
             consequence="the model's parameters now live in the shards, so its steps would update tensors that "
                         "never receive a gradient and training would silently do nothing",
         )
+        # Its zero_grad also drops the full gradients accumulated under no_sync (the micro-batches of a step
+        # that failed, which would otherwise join the next step's: 2.9e-2 off one process in a trial).
+        zero_own = built.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            zero_own(set_to_none)
+            model.drop_accumulated_gradients()
+
+        built.zero_grad = zero_grad  # type: ignore[method-assign]
         return built
 
     def clip_grad_norm(self, model: FSDP, max_norm: float) -> torch.Tensor:
