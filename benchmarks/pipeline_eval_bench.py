@@ -1,4 +1,5 @@
-"""`evaluate()` through a pipeline: seconds per evaluation of a GPT, one torchrun job per measurement.
+"""`evaluate()` (or `train_step`, ``--train N``) through a pipeline: seconds per evaluation (per step) of a
+GPT, one torchrun job per measurement.
 
 ``torchrun --nproc_per_node=P benchmarks/pipeline_eval_bench.py --out FILE [--package DIR]``: builds the
 GPT on the meta device, cuts it into P stages (`DistributedTrainer(..., pipeline_parallel_size=P)`),
@@ -6,7 +7,8 @@ evaluates `--batches` batches of `--batch` sequences of `--seq` tokens `--repeat
 untimed) and appends one JSON line to FILE (rank 0): the package's path, the seconds of each timed
 evaluation, tokens/s. `--package` puts another copy of the package first on the path: a job per copy,
 alternated by the caller, compares two versions on one machine (session 40: the evaluation's
-acknowledgements against the code before them).
+acknowledgements against the code before them). ``--train N``: instead, N timed training steps (after 3
+untimed) of `--batch` x `--batches` sequences per step, cut into `--microbatches`, the seconds of each.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--batches", type=int, default=16)
 parser.add_argument("--repeats", type=int, default=4)
 parser.add_argument("--label", default="")
+parser.add_argument("--train", type=int, default=0)
+parser.add_argument("--microbatches", type=int, default=8)
 args = parser.parse_args()
 sys.path.insert(0, os.path.abspath(args.package))
 
@@ -42,15 +46,27 @@ def main() -> None:
     with torch.device("meta"):
         model = GPT(cfg)
     world = int(os.environ["WORLD_SIZE"])
-    trainer = DistributedTrainer(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4), progress=False,
-                                 mixed_precision="bf16", pipeline_parallel_size=world, microbatches=4)
+    fused = torch.cuda.is_available()
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=fused), progress=False,
+                                 mixed_precision="bf16", pipeline_parallel_size=world,
+                                 microbatches=args.microbatches if args.train else 4)
     g = torch.Generator().manual_seed(0)
     n = args.batch * args.batches
     tokens = torch.randint(0, cfg.vocab_size, (n, args.seq + 1), generator=g)
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     seconds, losses = [], []
-    for k in range(args.repeats):
+    if args.train:
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        for k in range(3 + args.train):
+            sync()
+            started = time.perf_counter()
+            loss = trainer.train_step(batch)["loss"]
+            sync()
+            if k >= 3:
+                seconds.append(time.perf_counter() - started)
+        losses.append(float(loss))
+    for k in range(0 if args.train else args.repeats):
         sync()
         started = time.perf_counter()
         losses.append(trainer.evaluate(data, batch_size=args.batch)["loss"])
@@ -63,6 +79,7 @@ def main() -> None:
             f.write(json.dumps({"label": args.label, "package": os.path.dirname(distributed_training.__file__),
                                 "preset": args.preset, "world": world, "batch": args.batch, "seq": args.seq,
                                 "batches": args.batches, "seconds": seconds, "loss": losses[-1],
+                                "mode": "train" if args.train else "evaluate",
                                 "tokens_per_s": n * args.seq / best}) + "\n")
     trainer.close()
 

@@ -11,7 +11,7 @@ import torch
 from distributed_training.testing import run_distributed
 
 from test_trial_s39 import pipeline_retry_worker
-from test_trial_s40 import eval_failure_worker
+from test_trial_s40 import eval_failure_worker, tied_gpt_failure_worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -36,4 +36,14 @@ def test_nccl_pipeline_goes_on_after_a_failed_evaluation(world, where, schedule)
     for said, diffs, evaluated in results:
         assert len(said) == 1 and "passed" not in said[0] and evaluated < 1e-4, (said, evaluated)
     said, diffs, _ = results[0]
+    assert len(diffs) == 3 and max(diffs) < 1e-4, diffs
+
+
+def test_nccl_tied_gpt_trains_on_after_the_first_stage_failed_in_its_last_backward():
+    # On NCCL the last stage's host did not wait in the tied weights' all-reduce: its stream did, and the
+    # next step's all-reduce of the first stage paired with it (a step's sums shifted by one).
+    results = run_distributed(tied_gpt_failure_worker, 2, args=(2, "1f1b"), backend="nccl", timeout=180)
+    for said, _ in results:
+        assert len(said) == 1, said
+    _, diffs = results[0]
     assert len(diffs) == 3 and max(diffs) < 1e-4, diffs

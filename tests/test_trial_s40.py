@@ -159,7 +159,7 @@ def tied_gpt_failure_worker(rank, world, pipeline, schedule):
             ref_opt.zero_grad()
         state = trainer.full_state_dict()
         if state:
-            diffs.append(max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items()))
+            diffs.append(max((state[k].cpu() - v).abs().max().item() for k, v in ref.state_dict().items()))
     trainer.close()
     return said, diffs
 

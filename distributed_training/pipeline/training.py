@@ -28,11 +28,12 @@ One step on one rank (`forward_backward`, then the trainer's `optimizer_step`):
 
 1. `PipelineEngine.step` runs this rank's actions of the schedule with every backward under the data-
    parallel strategy's `no_sync`: gradients accumulate over the microbatches, nothing is reduced.
-2. After the step's last backward (the engine's `after_backward`; on ranks holding a tied weight's copy,
-   once every rank's schedule ended well: `PipelineEngine.after_agreement`): the accumulated gradients of
-   tied parameters (the GPT's token embedding, used again by its head) are summed between the pipeline
-   ranks holding a copy, over a group of those ranks per data-parallel index (`accumulated_gradient`:
-   before any reduction, so sharded copies need not sit alike in their shards); then
+2. After the step's last backward (the engine's `after_backward`; with a reduction that keeps state, or a
+   tie held by more than two ranks, once every rank's schedule ended well: `PipelineEngine.after_agreement`):
+   the accumulated gradients of tied parameters (the GPT's token embedding, used again by its head) are
+   summed between the pipeline ranks holding a copy (`accumulated_gradient`: before any reduction, so
+   sharded copies need not sit alike in their shards; two holders by message, where a holder's late
+   failure is heard, more by an all-reduce over a group of them per data-parallel index); then
    `strategy.sync_gradients` reduces the accumulated gradients over the data-parallel group, once
    (DDP: all-reduce; ZeRO-1: reduce-scatter of its buckets; ZeRO-2/3: reduce-scatter of each FSDP
    unit's full gradient into its shard). Why not let the last
@@ -251,13 +252,13 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
                                      cuda_graphs=opts.cuda_graphs)
         self.engine.data_group, self.engine.data_size = mesh.group("data"), mesh.dp_size
         self._agreement = FailureAgreement(P)  # (a failure outside the pipeline's reach: `agreement`)
-        # Only once every stage's schedule has ended well (`PipelineEngine.after_agreement`): a tied weight's
-        # copies are summed by a collective with other stages, which one that failed would never join (on
-        # the last stage that costs nothing: its copy's sum waits for the first stage, the last to finish,
-        # anyway); and a reduction that keeps state (compression's error-feedback residuals, PowerSGD's
-        # matrices) would keep a step that an earlier stage's late failure drops (exposed: the price).
+        # Only once every stage's schedule has ended well (`PipelineEngine.after_agreement`): a tied weight
+        # held by more than two ranks is summed by a collective with other stages, which one that failed
+        # would never join (two holders exchange messages instead: `_after_backward`); and a reduction that
+        # keeps state (compression's error-feedback residuals, PowerSGD's matrices) would keep a step that an
+        # earlier stage's late failure drops (its reduction is exposed then: the price).
         stateful = hasattr(getattr(wrapped, "bucket_reducer", None), "state_dict")
-        self.engine.after_agreement = bool(self._ties) or stateful
+        self.engine.after_agreement = any(len(holders) > 2 for *_, holders in self._ties) or stateful
         self.engine.lockstep_replicas = self.inner.collective_forward
         if self.engine.lockstep_replicas and mesh.dp_size > 1:
             self.engine.rows_group = mesh.host_group("data")
@@ -299,7 +300,8 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
             for name, layer in layers[bounds[s]:bounds[s + 1]]:
                 for key, p in layer.named_parameters(remove_duplicate=False):
                     by_key[f"{name}.{key}"] = p
-        self._ties: list[tuple[str, Any]] = []  # (this rank's copy's name in the stages' container, group)
+        # (this rank's copy's name in the stages' container, the holders' group, the holders' pipeline ranks)
+        self._ties: list[tuple[str, Any, tuple[int, ...]]] = []
         not_counted: set[str] = set()  # copies whose gradient (and state) another rank counts (and saves)
         made: dict[tuple[int, ...], Any] = {}
         for tie in tied_groups(ties, names, bounds):
@@ -319,7 +321,7 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
                 s = next(s for s in tie.stages if s % P == rank)
                 param = by_key[tie.key_on(s)]
                 name = f"stages.{self._mine.index(s)}.{tie.key_on(s)}"
-                self._ties.append((name, made[holders]))
+                self._ties.append((name, made[holders], holders))
                 firsts.append((param, made[holders], _global(context, pipeline_ranks[tie.stages[0] % P])))
                 if rank != holders[0]:
                     not_counted.add(name)
@@ -416,8 +418,20 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
     def _after_backward(self) -> None:
         # A tied weight's copies: their accumulated gradients summed before the data-parallel reduction
         # (which is linear), so the copies need not sit alike in their shards.
-        for name, group in self._ties:
-            dist.all_reduce(self.inner.accumulated_gradient(self._model, name), op=dist.ReduceOp.SUM, group=group)
+        # Two holders (the GPT's first and last stage) exchange them by message, so that one whose stage
+        # failed late in the step (its stop heard instead) cannot leave the other waiting in a collective;
+        # more holders all-reduce, once the step's end is agreed (`after_agreement`).
+        link, me = self.engine.link, self._pipe_rank
+        for name, group, holders in self._ties:
+            grad = self.inner.accumulated_gradient(self._model, name)
+            if len(holders) > 2:
+                dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+                continue
+            other = holders[1] if me == holders[0] else holders[0]
+            link.send(grad, me, other)
+            theirs = link.recv(me, other)
+            link.wait_all()  # (the send has read `grad` before it changes; on NCCL: in stream order)
+            grad.add_(theirs)  # (a + b == b + a: the copies stay equal, bit for bit)
         self.inner.sync_gradients(self._model)
 
     def time_pipeline(self, model: nn.Module, on: bool) -> None:
