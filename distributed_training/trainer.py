@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import warnings
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -38,6 +37,7 @@ from .hangs import CollectiveTimeoutError
 from .logs import get_logger, install_default_handler
 from .monitor import Monitor, NullMonitor
 from .monitor.null import ProgressOnly
+from .failure_agreement import FailureAgreement
 from .peer_watch import PeerFailureError
 from .pipeline.meta_init import has_meta, materialize
 from .pipeline.training import PipelineOptions
@@ -377,16 +377,8 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             log.info("strategy auto -> %s%s (%s)", self.plan.strategy, " with CPU offload" if self.plan.cpu_offload
                      else "", self.plan.reason)
         self.strategy = strategy
-        publish, layer = weakref.WeakMethod(self._publish_own_error), strategy
-
-        def report_failure(err: BaseException) -> None:
-            method = publish()
-            if method is not None:
-                method(err)
-
-        while layer is not None:  # (a strategy wrapping another: both)
-            layer.report_failure = report_failure
-            layer = getattr(layer, "inner", None)
+        # Before a call after a failed one: did every rank fail it? (`failure_agreement`)
+        self._failure_agreement = FailureAgreement(self.context.world_size, self.context.independent)
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.gradient_clip_val = gradient_clip_val
         self.seed = seed

@@ -100,8 +100,15 @@ class PeerWatching:
         rendezvous store while it lasts, so that a timeout there, or in the step its peers went on to,
         names where each rank is (such a call made on rank 0 only waited for the collective timeout and
         said only "never reached step N")."""
+        if call:
+            self._failure_agreement.check(self._watch)  # an earlier failed call: every rank's?
         if self._watch is None or self._watch._busy:
-            yield
+            try:
+                yield
+            except Exception as err:
+                if call and self._watch is None:
+                    self._failure_agreement.failed(err, activity)
+                raise
             return
         self._watch.raise_if_failed()
         if call:
@@ -111,6 +118,8 @@ class PeerWatching:
                 yield
             except Exception as err:
                 self._failed(err)  # (inside the block: a failure found meanwhile is said during `activity`)
+                if call:
+                    self._failure_agreement.failed(err, activity)
                 # (left published: the peers' own timeouts read it after this one). gloo closes the
                 # connection of a collective that timed out: the rank whose wait ended second sees that.
                 if call and (is_timeout(err) or (looks_like_peer_loss(err) and any(

@@ -49,6 +49,7 @@ class Stepping:
         if watch is not None:
             watch.step = self.step
             watch.raise_if_failed()  # a peer died since the last step
+        self._failure_agreement.check(watch)  # an earlier failed call: every rank's? (`failure_agreement`)
         heartbeat(self.context, self.step)
         self._step_failed = True  # until it returns: `close` must not wait for peers inside its collectives
         try:
@@ -66,6 +67,7 @@ class Stepping:
             with contextlib.suppress(Exception):
                 self.optimizer.zero_grad(set_to_none=True)
             self._failed(err)  # a peer's failure named; this rank's own error told to the peers
+            self._failure_agreement.failed(err, f"training step {self.step + 1}")
             if is_timeout(err) or (looks_like_peer_loss(err) and block_activities(self.context)):
                 # (gloo closes the connection of a collective that timed out: the rank whose wait ended
                 # second sees that, here while a peer is inside a collective call of its own)

@@ -14,7 +14,7 @@ where no rank can be blocked elsewhere (`StageLink.settle_after_abort`), else at
 evaluation (`StageLink.resync`). Where the stages gather parameters in their forward (ZeRO-3 / FSDP
 inside the stages) at a data-parallel size above one, `evaluate` runs every rank of the job in lockstep
 (a collective a batch): a rank blocked there hears nothing. Ranks of the job outside the pipeline (data-
-parallel replicas, tensor-parallel peers) go on only if they failed too (`agreement.FailureAgreement`).
+parallel replicas, tensor-parallel peers) go on only if they failed too (`failure_agreement`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ class PipelineEvaluation:
     """`evaluate`'s strategy hooks for a pipeline (mixed into `PipelineStrategy`)."""
 
     def evaluation_begins(self, model: nn.Module) -> None:
-        self._agreement.check()
         link = self.engine.link
         if link.aborted:  # a failed step or evaluation before (every rank): its messages in flight first
             link.resync(self._pipe_rank)
@@ -84,7 +83,6 @@ class PipelineEvaluation:
         link.abort(self._pipe_rank, getattr(err, "failed_rank", None))
         lockstep = self.collective_forward and self.engine.data_size > 1  # (a rank may be blocked there)
         link.settle_after_abort(self._pipe_rank, err, resync=not lockstep)
-        self._agreement.after(err, "evaluate()", self.report_failure)  # (the job outside the pipeline)
 
     def evaluation_sums(self, sums: torch.Tensor) -> torch.Tensor:
         link = self.engine.link

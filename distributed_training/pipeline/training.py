@@ -82,7 +82,6 @@ from ..mesh import global_rank
 from ..models.gpt import GPT
 from ..runtime import DistributedContext
 from ..strategies.base import OptimizerFactory, Strategy, checked_optimizer
-from .agreement import FailureAgreement
 from .engine import PipelineEngine
 from .evaluation import PipelineEvaluation
 from .balance import layer_costs, schedule_cut, split_step
@@ -251,7 +250,6 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
                                      device=self.device, after_backward=self._after_backward,
                                      cuda_graphs=opts.cuda_graphs)
         self.engine.data_group, self.engine.data_size = mesh.group("data"), mesh.dp_size
-        self._agreement = FailureAgreement(P)  # (a failure outside the pipeline's reach: `agreement`)
         # Only once every stage's schedule has ended well (`PipelineEngine.after_agreement`): a tied weight
         # held by more than two ranks is summed by a collective with other stages, which one that failed
         # would never join (two holders exchange messages instead: `_after_backward`); and a reduction that
@@ -392,13 +390,8 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
         # One autocast region around the whole schedule (not one per stage forward): leaving the
         # outermost region drops autocast's cache of low-precision weights, which every microbatch's
         # forward would then cast again (GPT-2 124M on 2x H100: about 200 extra casts a step).
-        self._agreement.check()
-        try:
-            with self.inner.no_sync(model), precision.autocast():
-                loss = self.engine.step(inputs, targets)
-        except Exception as err:
-            self._agreement.after(err, "a training step", self.report_failure)
-            raise
+        with self.inner.no_sync(model), precision.autocast():
+            loss = self.engine.step(inputs, targets)
         return loss / self._scale if self._scale is not None else loss
 
     def _compiled(self, criterion: Callable) -> Callable:

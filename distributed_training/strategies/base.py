@@ -177,9 +177,6 @@ class Strategy(abc.ABC):
     #: True when `setup_module` moves (what it keeps of) the model to the device itself; otherwise the
     #: trainer moves the whole model there first.
     places_module: bool = False
-    #: Set by the trainer (on a wrapped strategy too): ``report_failure(err)`` publishes this rank's own
-    #: error for the peers' watch at once, for a strategy that waits on its peers after a failure.
-    report_failure: Callable[[BaseException], None] | None = None
     #: True when `sync_gradients` can reduce, after the fact, gradients that backward passes accumulated
     #: under `no_sync`: what running each pipeline stage's data parallelism needs.
     deferred_gradient_sync: bool = False
