@@ -136,9 +136,11 @@ class PipelineEngine:
             rank's busy ms by action kind, the pipeline's window and bubble, measured, simulated with
             the measured costs, and by the formula. A step without timing leaves it as it is.
         after_agreement: call `after_backward` only once the step's end is agreed (see `_step`): where it
-            talks to other ranks of the pipeline (tied weights' copies summed between stages), which a
-            rank whose stage failed would never join. Default False: right after the schedule, so that a
-            rank that finishes early reduces over its data-parallel group while the others finish.
+            runs a collective with other ranks of the pipeline (a tied weight's copies on three or more),
+            which a rank whose stage failed would never join, or a reduction that keeps state (compression's
+            residuals), which would keep a step that a later failure drops. Default False: right after the
+            schedule, so that a rank that finishes early reduces over its data-parallel group while the
+            others finish.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], *, ranks: Sequence[int], rank: int, group=None,
