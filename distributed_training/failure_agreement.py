@@ -13,9 +13,10 @@ trainer refuses that call and every later one: restart from the latest checkpoin
 error, published for the peer watch, ends the others). A pipeline's own ranks always fail together
 (`pipeline.p2p`); its data-parallel replicas and tensor-parallel peers only if the same batch fails there.
 
-Not counted: a peer's death or error adopted (`PeerFailureError`), a lost connection (the job is ending),
-Ctrl-C; a timeout marks the trainer as refusing at once (the ranks' collectives are out of step).
-Independent ranks (a parameter server's workers under ssp / async) never agree.
+Not counted: a peer's death or error adopted (`PeerFailureError`, a pipeline's peer gone), Ctrl-C.
+Independent ranks (a parameter server's workers under ssp / async) never agree. A rank that fails the
+same call more than `AGREE_S` later than another (a bad sample far into its shard) is taken for one that
+did not fail: the earlier rank refuses.
 """
 
 from __future__ import annotations
@@ -43,17 +44,15 @@ class FailureAgreement:
 
     def failed(self, err: BaseException, what: str) -> None:
         """This rank's `what` (``"training step 5"``) raised `err`: count it (no wait)."""
-        from .hangs import _store, is_timeout
-        from .peer_watch import PeerFailureError, looks_like_peer_loss
+        from .hangs import _store
+        from .peer_watch import PeerFailureError
 
         if not self.needed or not isinstance(err, Exception) or self.refusal is not None:
             return
-        if is_timeout(err):
-            self.refusal = (f"{what} timed out waiting for a peer ({str(err).splitlines()[0][:200]}): the ranks' "
-                            "collectives are out of step, so the trainer refuses every further call: restart from "
-                            "the latest checkpoint")
-            return
-        if isinstance(err, PeerFailureError) or getattr(err, "peer_lost", False) or looks_like_peer_loss(err):
+        # (By type, not by text: an error of the user's own that mentions a timeout or a peer is counted,
+        # as every rank that raised it counts it. A collective's timeout or a lost connection is counted
+        # too: the peer that never came does not count, so the next call refuses.)
+        if isinstance(err, PeerFailureError) or getattr(err, "peer_lost", False):
             return
         store = _store()
         if store is None:
