@@ -130,7 +130,7 @@ class Probe(nn.Linear):
 
 
 def test_layers_are_timed_under_the_trainers_autocast():
-    from distributed_training.pipeline.training import _autocast
+    from distributed_training.pipeline.stage_setup import autocast_for as _autocast
 
     model = nn.Sequential(Probe(8, 8), Probe(8, 8))
     SEEN_DTYPES.clear()

@@ -78,7 +78,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..logs import get_logger
-from ..mesh import global_rank
 from ..models.gpt import GPT
 from ..runtime import DistributedContext
 from ..strategies.base import OptimizerFactory, Strategy, checked_optimizer
@@ -90,6 +89,8 @@ from .gpt_stages import lm_loss
 from .meta_init import check_initialisable, has_meta, materialize
 from .options import PipelineOptions
 from .stage_state import PipelineState
+from .stage_setup import (autocast_for, checkpoint_halves, describe_cut, free_other_layers, global_of,
+                          refuse_block_hooks)
 from .stages import Stage, chain, find_ties, partition, split_at, tied_groups
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineStages"]
@@ -151,10 +152,10 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
                              f"a {type(module).__name__} has no such blocks: leave it False (or cut at "
                              "pipeline_split_points)")
         if opts.half_blocks:
-            _refuse_block_hooks(module)
+            refuse_block_hooks(module)
         layers = chain(module, halves=opts.half_blocks)
         if opts.half_blocks:
-            _checkpoint_halves(module, layers)
+            checkpoint_halves(module, layers)
         names = [name for name, _ in layers]
         if S > len(layers):
             raise ValueError(f"pipeline_parallel_size={P} x pipeline_chunks={V} = {S} stages, but the model has only "
@@ -172,7 +173,7 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
             if has_meta(module) and opts.balance == "time":
                 check_initialisable(module, layers)  # its error before any timing, on every rank alike
             costs = layer_costs(module, layers, opts.balance, device=context.device, sample=opts.sample_input,
-                                autocast=_autocast(opts.mixed_precision, context.device), group=context.group,
+                                autocast=autocast_for(opts.mixed_precision, context.device), group=context.group,
                                 collective_device=context.device if context.backend == "nccl" else None,
                                 loss=counted_loss)
             if opts.balance == "parameters":
@@ -187,7 +188,7 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
         self.bounds = list(bounds)
         if context.is_main:
             log.info("pipeline: %d stages %s: %s", S, "at pipeline_split_points" if costs is None else
-                     f"balanced by {opts.balance}", _describe_cut(names, bounds, costs, opts.balance))
+                     f"balanced by {opts.balance}", describe_cut(names, bounds, costs, opts.balance))
         rank = mesh.rank("pipeline")
         self.device = context.device
         self._dp_rank = mesh.dp_rank
@@ -230,7 +231,7 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
             # are drawn equal on every stage already.
             for param, group, source in firsts:
                 dist.broadcast(param.data, src=source, group=group)
-        _free_other_layers(module, stages)
+        free_other_layers(module, stages)
         for stage in stages:
             stage.to(self.device)
 
@@ -242,7 +243,7 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
         if context.backend == "nccl":
             up, down, header = self._nccl_pipeline_groups(context)
         self._pipe_group = group
-        ranks = [_global(context, r) for r in mesh.ranks("pipeline")]
+        ranks = [global_of(context, r) for r in mesh.ranks("pipeline")]
         self._pipe_rank, self._pipe_ranks = rank, ranks
         self.engine = PipelineEngine(list(stages), ranks=ranks, rank=rank,
                                      group=group, up_group=up, down_group=down, header_group=header,
@@ -311,7 +312,7 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
                 for pipeline in mesh.layout.groups("pipeline"):
                     members = [pipeline[i] for i in holders]
                     group = (mesh.group("pipeline") if len(members) == P else
-                             dist.new_group([_global(context, r) for r in members]))
+                             dist.new_group([global_of(context, r) for r in members]))
                     if mesh.rank() in members:
                         mine = group
                 made[holders] = mine
@@ -320,7 +321,7 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
                 param = by_key[tie.key_on(s)]
                 name = f"stages.{self._mine.index(s)}.{tie.key_on(s)}"
                 self._ties.append((name, made[holders], holders))
-                firsts.append((param, made[holders], _global(context, pipeline_ranks[tie.stages[0] % P])))
+                firsts.append((param, made[holders], global_of(context, pipeline_ranks[tie.stages[0] % P])))
                 if rank != holders[0]:
                     not_counted.add(name)
         self._not_counted = frozenset(not_counted)
@@ -332,7 +333,7 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
         mesh = context.mesh
         mine = None
         for pipeline in mesh.layout.groups("pipeline"):
-            ranks = [_global(context, r) for r in pipeline]
+            ranks = [global_of(context, r) for r in pipeline]
             groups = (dist.new_group(ranks), dist.new_group(ranks), dist.new_group(ranks, backend="gloo"))
             if mesh.rank() in pipeline:
                 mine = groups
@@ -475,65 +476,3 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
             engine.graphs.clear()
             engine.graphs = None
         self.inner.teardown(model)
-
-
-def _global(context: DistributedContext, mesh_rank: int) -> int:
-    return global_rank(context.group, mesh_rank)
-
-
-def _refuse_block_hooks(model: GPT) -> None:
-    """The chain of halves calls a block's attention and MLP halves, never the block itself: a hook on a
-    block (an adapter's, a steering hook) would not run. Refused, naming it (the halves' own hooks run)."""
-    for i, block in enumerate(model.blocks):
-        if (block._forward_hooks or block._forward_pre_hooks or block._backward_hooks
-                or block._backward_pre_hooks):
-            raise ValueError(f"pipeline_half_blocks=True runs each GPT block as two halves (attention, MLP) and never "
-                             f"calls the block itself, so the hook registered on blocks.{i} would not run: register "
-                             f"it on the block's parts (blocks.{i}.attn, blocks.{i}.mlp), or leave "
-                             "pipeline_half_blocks off")
-
-
-def _checkpoint_halves(model: GPT, layers) -> None:
-    """A block chosen for activation checkpointing (its forward replaced, `activation`) is not called
-    when the chain runs its halves: each half of such a block is checkpointed instead."""
-    from ..activation import checkpoint_module
-
-    for name, layer in layers:
-        parts = name.split(".")
-        if len(parts) == 3 and getattr(model.blocks[int(parts[1])], "_dt_checkpointed", False):
-            checkpoint_module(layer)
-
-
-def _free_other_layers(model: nn.Module, keep: Sequence[nn.Module]) -> None:
-    """Replace the parameters and buffers of `model` that none of `keep` holds by meta tensors (shape
-    and dtype kept, storage freed), slot by slot: a tied parameter a kept stage holds stays whole."""
-    kept = {id(t) for m in keep for t in (*m.parameters(), *m.buffers())}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and id(p) not in kept and not p.is_meta:
-                module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-        for name, b in list(module._buffers.items()):
-            if b is not None and id(b) not in kept and not b.is_meta:
-                module._buffers[name] = torch.empty_like(b, device="meta")
-
-
-def _autocast(mixed_precision: str | None, device: torch.device) -> Callable[[], Any] | None:
-    """The trainer's autocast (its ``mixed_precision``), for timing the layers as they will run."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision or "fp32")
-    if dtype is None:
-        return None
-    return lambda: torch.autocast(device.type, dtype=dtype)
-
-
-def _describe_cut(names: Sequence[str], bounds: Sequence[int], costs: Sequence[float] | None, balance: str) -> str:
-    """``"embed..block.4 (12.1 ms) | block.5..head (11.8 ms)"``: each stage's first and last layers
-    and, when the cut balanced costs, their sum (ms for measured times)."""
-    parts = []
-    for s in range(len(bounds) - 1):
-        a, b = bounds[s], bounds[s + 1]
-        span = names[a] if b - a == 1 else f"{names[a]}..{names[b - 1]}"
-        if costs is not None:
-            total = sum(costs[a:b])
-            span += f" ({total * 1e3:.2f} ms)" if balance == "time" else f" ({total:.3g})"
-        parts.append(span)
-    return " | ".join(parts)
