@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,10 +43,10 @@ from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, des
 from ..comm.optimizer import CommunicationOptimizer
 from ..comm.reduce import AllReduceMean, BucketReducer, ReduceScatterMean
 from ..mesh import Mesh, global_rank
-from ..runtime import collective_device
 from .backward_start import inside_backward, on_backward_start
 from .ddp_buckets import gather_bucket, resolve_bucket_cap_mb
 from .ddp_layout import BucketLayout
+from .ddp_unused import UnusedParameters
 from .eager import eager_only
 from .overlap import CommTiming, OverlapTimeline
 from .trainable import TrainableSet
@@ -56,7 +56,7 @@ __all__ = ["DDP"]
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
-class DDP(BucketLayout, CommTiming, nn.Module):
+class DDP(UnusedParameters, BucketLayout, CommTiming, nn.Module):
     """Wrap `module` so that after `loss.backward()` every rank's `.grad` is the mean over ranks.
 
     Post-accumulate-grad hooks of your own that change `.grad` must be registered before wrapping, so
@@ -295,25 +295,6 @@ class DDP(BucketLayout, CommTiming, nn.Module):
         self._reset_iteration()
         self._finish_backward(outside_backward=True)
 
-    #: `sync_gradients` calls that look for parameters no rank gave a gradient (one small all-reduce each).
-    SYNC_CHECKS = 2
-
-    def _refuse_unused_everywhere(self) -> None:
-        """Raise, on every rank alike, where a trainable parameter has no gradient on any rank at
-        `sync_gradients`: its bucket would average zeros into it, and an optimizer with momentum or weight
-        decay would move it, where one process (and a data-parallel size of one) leaves it alone."""
-        device = collective_device(self.process_group, self._buckets[0].buffer.device if self._buckets else None)
-        flags = torch.tensor([p.grad is not None for p in self._params], dtype=torch.uint8, device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-        names = [self._param_names[i] for i, used in enumerate(flags.tolist()) if not used]
-        if names:
-            shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-            raise RuntimeError(
-                f"{len(names)} parameter(s) received no gradient on any rank of the data-parallel group in this step: "
-                f"{shown}. Averaged as zeros, they would move under an optimizer with momentum or weight decay, where "
-                "one process leaves them alone. If they are never used, set requires_grad=False (or remove them); if "
-                "they are unused in some steps only, pass find_unused_parameters=True (DDPStrategy(...))")
-
     def bucket_layout(self) -> list[list[str]]:
         """The parameter names of each bucket, in launch order (for inspection and tests)."""
         return [[self._param_names[i] for i in b.param_indices] for b in self._buckets]
@@ -504,31 +485,6 @@ class DDP(BucketLayout, CommTiming, nn.Module):
                 self._unready_everywhere([i for i in unready if not globally_used[i]])
         finally:
             self._reset_iteration()
-
-    def _read_held(self, held: list[int]) -> Any:
-        """What `_used_flags` needs to know of the gradients `held` before their buckets are reduced:
-        nothing here (a `.grad` held counts)."""
-        return None
-
-    def _used_flags(self, ready: list[bool], held: list[int], read: Any) -> torch.Tensor:
-        """This rank's flag per parameter for the all-reduce (MAX) that finds the parameters no rank
-        gave a gradient: reached in this backward (`ready`), or, of the others, holding a `.grad`
-        (`held`: what earlier no_sync micro-batches fed, or one kept across steps; `read`: what
-        `_read_held` found of them)."""
-        flags = [int(r) for r in ready]
-        for i in held:
-            flags[i] = 1
-        device = collective_device(self.process_group, self._buckets[0].buffer.device if self._buckets else None)
-        return torch.tensor(flags, dtype=torch.int32, device=device)
-
-    def _unused_everywhere(self, indices: list[int]) -> None:
-        """Parameters (indices into `_params`) that got no gradient on any rank this backward: their
-        ``.grad`` was left None, as without DDP. A subclass whose optimizer sees them otherwise says so."""
-
-    def _unready_everywhere(self, indices: list[int]) -> None:
-        """Parameters that no rank's backward reached this time, whatever their ``.grad`` holds (a
-        gradient view of a bucket, zeroed after the last step, is not None)."""
-
 
 class _BackwardPass:
     """What the hooks track during one backward pass (and whether it synchronises at all)."""

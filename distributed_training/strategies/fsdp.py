@@ -311,8 +311,7 @@ class FSDP(FSDPGradients, FSDPStateDict, FullWeights, nn.Module):
         state = self._backward_state
         if state.pending or state.callback_queued:
             self._drop_backward()
-        for unit in self._units:
-            unit.full.grad = None
+        self.drop_accumulated_gradients()
 
     @eager_only
     def _before_forward(self) -> None:
