@@ -64,7 +64,8 @@ class Evaluation:
         self._check_not_summoned("evaluate()")
         dataset = data.dataset if isinstance(data, DataLoader) else data
         _, functions, perplexity = resolve_metrics(metrics, dataset, criterion, parameter="metrics")
-        with self._watched(f"the evaluation after step {self.step}", call=True):  # a peer failing: named
+        when = f"after step {self.step}" if self.step else "before the first step"
+        with self._watched(f"the evaluation {when}", call=True):  # a peer failing: named
             names, _, total = self._evaluation_sums(data, criterion, batch_size=batch_size, metrics=functions)
             count = total[-1].item()
         values = {name: (total[k].item() / count if count else float("nan")) for k, name in enumerate(names)}

@@ -1,5 +1,5 @@
 """The trainer's watch over its peers (`DistributedTrainer`'s part for it): the heartbeat and `PeerWatch`
-started at the first step, the collectives of a step run under the watch, an error from a dead (or failed)
+started at the first step or collective call (an evaluation, a save, ``full_state_dict()``), the collectives of a step run under the watch, an error from a dead (or failed)
 peer turned into `PeerFailureError`, this rank's own error published for its peers, and NCCL collectives
 aborted when the watcher finds a peer dead or failed."""
 
@@ -26,7 +26,8 @@ class PeerWatching:
     _peer_exit_after: float | None = None
 
     def _peer_watch(self) -> PeerWatch | None:
-        """This rank's heartbeat and watch over its peers (`heartbeat_timeout`), started at the first step.
+        """This rank's heartbeat and watch over its peers (`heartbeat_timeout`), started at the first step or
+        collective call.
         Independent ranks (a parameter server's workers under ssp / async) watch nobody: a peer that
         dies is dropped by the servers, and the others go on."""
         if (self._watch is None and self.heartbeat_timeout is not None and self.context.world_size > 1
@@ -101,6 +102,7 @@ class PeerWatching:
         names where each rank is (such a call made on rank 0 only waited for the collective timeout and
         said only "never reached step N")."""
         if call:
+            self._peer_watch()  # (started here too: a call before the first step, failing on some ranks only)
             self._failure_agreement.check(self._watch)  # an earlier failed call: every rank's?
         if self._watch is None or self._watch._busy:
             try:

@@ -1,0 +1,67 @@
+"""Session 41: hardening from the session's trials and the ROADMAP's open points."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from distributed_training.testing import DistributedTestError, run_distributed
+
+
+def _chain():
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+class _Unreadable(torch.utils.data.Dataset):
+    """16 samples; sample 9 raises on rank 1 (rank 0's shard is readable)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i):
+        if i % 2 == 1 and int(os.environ.get("RANK", "0")) == 1:
+            raise ValueError(f"sample {i} cannot be read")
+        return torch.full((8,), float(i)), torch.zeros(2)
+
+
+def first_call_failure_worker(rank, world, record):
+    import time
+
+    import torch.nn.functional as F
+
+    from distributed_training import DistributedTrainer
+
+    trainer = DistributedTrainer(_chain(), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                 heartbeat_timeout=2.0)
+    trainer._peer_exit_after = 1.0
+    started = time.monotonic()
+    try:
+        trainer.evaluate(_Unreadable(), F.mse_loss, batch_size=4)  # the job's first call: no step before it
+        said = "passed"
+    except Exception as err:  # noqa: BLE001
+        said = f"{type(err).__name__}: {err}"
+    with open(f"{record}.{rank}", "w") as f:
+        f.write(f"{time.monotonic() - started:.1f} {said}")
+    trainer.close(barrier=False)
+
+
+def test_a_failure_in_the_first_call_names_the_rank_instead_of_a_hang(tmp_path):
+    # The peer watch started at the first training step: an evaluation (or a save, ``full_state_dict()``)
+    # before it that failed on one rank only left the others inside its collectives until the process
+    # group's timeout (the ROADMAP's "Left" list, session 40). The watch starts at any collective call now.
+    try:
+        run_distributed(first_call_failure_worker, 2, args=(str(tmp_path / "said"),), timeout=60)
+        report = ""
+    except DistributedTestError as err:
+        report = str(err)
+    assert "sample" in (tmp_path / "said.1").read_text()  # rank 1's own error
+    path = tmp_path / "said.0"
+    if path.exists():  # rank 0 raised: the peer named, within seconds
+        seconds, said = path.read_text().split(" ", 1)
+        assert "PeerFailureError" in said and "rank 1" in said and float(seconds) < 30, said
+    else:  # or its watcher ended it where gloo's wait cannot be woken (exit 75, for torchrun to restart)
+        assert "--- rank 0 failed ---\nprocess exited with code 75" in report, report
