@@ -1,7 +1,8 @@
 """The trainer's watch over its peers (`DistributedTrainer`'s part for it): the heartbeat and `PeerWatch`
-started at the first step or collective call (an evaluation, a save, ``full_state_dict()``), the collectives of a step run under the watch, an error from a dead (or failed)
-peer turned into `PeerFailureError`, this rank's own error published for its peers, and NCCL collectives
-aborted when the watcher finds a peer dead or failed."""
+started at the first step or collective call (an evaluation, a save, ``full_state_dict()``), the
+collectives of a step run under the watch, an error from a dead (or failed) peer turned into
+`PeerFailureError`, this rank's own error published for its peers, and NCCL collectives aborted when the
+watcher finds a peer dead or failed."""
 
 from __future__ import annotations
 

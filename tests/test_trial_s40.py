@@ -344,7 +344,8 @@ def ddp_dropped_backward_worker(rank, world):
         return grad
 
     net[0].weight.register_hook(fail)
-    model = DDP(net, bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)  # a bucket a layer
+    device = torch.device("cuda", rank) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    model = DDP(net.to(device), bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)  # a bucket a layer
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(4)
     diffs = []
@@ -352,8 +353,9 @@ def ddp_dropped_backward_worker(rank, world):
         x, y = torch.randn(12, 8, generator=g), torch.randn(12, 2, generator=g)
         armed["on"] = step == 1
         try:
-            out = _SlowBackward.apply(model(x[6 * rank:6 * rank + 6]), 0.3 if rank == 1 and step == 1 else 0.0)
-            F.mse_loss(out, y[6 * rank:6 * rank + 6]).backward()
+            delay = 0.3 if rank == 1 and step == 1 else 0.0
+            out = _SlowBackward.apply(model(x[6 * rank:6 * rank + 6].to(device)), delay)
+            F.mse_loss(out, y[6 * rank:6 * rank + 6].to(device)).backward()
             opt.step()
         except ValueError:
             pass
@@ -362,7 +364,7 @@ def ddp_dropped_backward_worker(rank, world):
             F.mse_loss(ref(x), y).backward()
             ref_opt.step()
             ref_opt.zero_grad()
-        diffs.append(max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters())))
+        diffs.append(max((a.cpu() - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters())))
     return diffs
 
 
