@@ -345,6 +345,8 @@ def ddp_dropped_backward_worker(rank, world):
 
     net[0].weight.register_hook(fail)
     device = torch.device("cuda", rank) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     model = DDP(net.to(device), bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)  # a bucket a layer
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(4)
