@@ -74,6 +74,7 @@ def _build(cfg: JobConfig):
     # size on one device type.
     with torch.device("meta"):
         model = GPT(dataclasses.replace(preset, **shape))
+    torch.manual_seed(cfg.training.seed)  # dropout's draws (the weights come from `GPTStages`' own seeds)
     return model, TextWindows(tokens, block, train_starts), TextWindows(tokens, block, val_starts), None
 
 
