@@ -263,7 +263,8 @@ class CheckpointConfig(Section):
     """Checkpoints kept in ``dir``; older ones are deleted."""
     resume: bool = True
     """Resume from the latest good checkpoint in ``dir``; false (or ``dtrain --no-resume``): start from
-    step 0, after moving the checkpoints already in ``dir`` into ``dir/previous_run_<k>/``."""
+    step 0, after moving the checkpoints already in ``dir`` into ``dir/previous_run_<k>/`` (torchrun's
+    restarts of the run's workers resume from the run's own)."""
     save_on_preemption: bool = True
     """On SIGTERM (a pod or batch job being stopped), save a checkpoint at the step where training stops."""
     asynchronous: bool = False

@@ -105,7 +105,8 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             (learning rate and the other optimizer settings, the LR schedule, `max_steps`, `epochs`)
             take their new values, and the run logs what changed; what cannot change (parameter shapes,
             the optimizer class) is an error that names it. With ``resume=False`` an earlier run's
-            checkpoints in `checkpoint_dir` are moved into ``previous_run_<k>/`` there, not mixed in.
+            checkpoints in `checkpoint_dir` are moved into ``previous_run_<k>/`` there, not mixed in
+            (torchrun's restarts of this run's workers resume from its own: `trainer_resume`).
         checkpoint_async: write `fit`'s checkpoints in the background: at a checkpoint step each rank
             copies what it saves to host memory (pinned on CUDA) and a thread writes it, with the same
             crash-proof steps, while training goes on; a write interrupted at any point is never taken

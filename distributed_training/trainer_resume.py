@@ -1,6 +1,13 @@
 """Where `fit` starts: the latest good checkpoint in `checkpoint_dir` (``resume``), or step 0 with an earlier
 run's checkpoints moved aside (``resume=False``), under the directory's run lock.
 
+``resume=False`` means "not from an earlier run": when torchrun restarts this run's workers (a rank died,
+``--max-restarts``), the restarted ones resume from the run's own checkpoints, as with ``resume=True``
+(they had started over from step 0 at every restart, the work lost; a trial). Which checkpoints are the
+run's own: those written after its start, when the directory's writer wrote torchrun's job ID
+(``TORCHELASTIC_RUN_ID``, the same across its restarts) into `RUN_MARKER`; a run whose first incarnation
+died before that starts fresh on its restart too.
+
 A mixin of `DistributedTrainer` (under `trainer_checkpoints.Checkpointing`). The resume point is one step for
 every rank: with one shared directory the first rank picks it and broadcasts it (a read that failed on one
 rank only must not make it load an older step than its peers); with a directory per node the nodes agree on
@@ -12,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import os
+
 import torch.distributed as dist
 
 from .checkpoint_layout import agree_on_checkpoint, fetch_missing_files
@@ -19,9 +28,17 @@ from .checkpoint_lock import CheckpointDirectoryInUseError, in_use_message, lock
 from .logs import get_logger
 from .mesh import global_rank
 
-__all__ = ["Resuming"]
+__all__ = ["Resuming", "RUN_MARKER"]
 
 log = get_logger()
+
+#: In `checkpoint_dir`: torchrun's job ID of the ``resume=False`` run whose checkpoints the directory holds.
+RUN_MARKER = ".run_id"
+
+
+def _torchrun_job() -> tuple[str | None, int]:
+    """torchrun's job ID (None outside torchrun) and how many times it has restarted the workers."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or None, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 class Resuming:
@@ -34,7 +51,7 @@ class Resuming:
             return None
         self._lock_checkpoint_directory()
         ctx = self.context
-        if not self.resume:
+        if not self.resume and not self._restarted_fresh_run():
             self._set_checkpoints_aside("resume is off")
             return None
         found = self._resume_point()
@@ -48,8 +65,31 @@ class Resuming:
             fetch_missing_files(found[0], self.context, self._layout(found[0]), found[2], self.strategy.name)
         self.load_checkpoint(found[0])
         if ctx.is_main:
-            log.info("resumed from step %d (%s)", self.step, found[0])
+            log.info("resumed from step %d (%s)%s", self.step, found[0], "" if self.resume else
+                     f": resume is off, but torchrun restarted this run's workers (restart {_torchrun_job()[1]}), "
+                     "and these checkpoints are the run's own")
         return found[0]
+
+    def _restarted_fresh_run(self) -> bool:
+        """Whether this is a torchrun restart of a ``resume=False`` run that started in this directory (its
+        job ID in `RUN_MARKER`, as every directory's writer finds it): it then resumes from its own."""
+        job, restarts = _torchrun_job()
+        if job is None or restarts == 0 or self.step != 0 or self._set_aside:
+            return False
+        ctx = self.context
+        writer = self._layout(self.checkpoints.path_for(0)).writer_of[ctx.rank] == ctx.rank
+        own = None
+        if writer:
+            try:
+                with open(os.path.join(self.checkpoints.directory, RUN_MARKER)) as f:
+                    own = f.read().strip() == job
+            except OSError:
+                own = False
+        verdicts = [own]
+        if ctx.world_size > 1:
+            verdicts = [None] * ctx.world_size
+            dist.all_gather_object(verdicts, own, group=ctx.group)
+        return all(v for v in verdicts if v is not None)
 
     def _set_checkpoints_aside(self, why: str) -> None:
         """Before the first step, once: move the checkpoints already in the directory into
@@ -60,7 +100,11 @@ class Resuming:
         ctx = self.context
         layout = self._layout(self.checkpoints.path_for(0))
         # Each directory's writer (rank 0, or each node's first rank with a directory per node).
-        moved = self.checkpoints.set_aside() if layout.writer_of[ctx.rank] == ctx.rank else None
+        writer = layout.writer_of[ctx.rank] == ctx.rank
+        moved = self.checkpoints.set_aside() if writer else None
+        job = _torchrun_job()[0]
+        if writer and job is not None and not self.resume:  # what a restart of this run may resume from
+            _write_marker(self.checkpoints.directory, job)
         if moved is not None:
             log.warning("%s: moved the checkpoints already in %s to %s; training starts from step 0", why,
                         self.checkpoints.directory, moved)
@@ -91,6 +135,7 @@ class Resuming:
         if self._locked_directory:
             unlock_directory(self._locked_directory)
         self._locked_directory = None
+
     def latest_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
         """(path, meta) of the checkpoint `fit` resumes from, or None; every rank must call it.
 
@@ -117,3 +162,13 @@ class Resuming:
                 found = box[0]
             return (*found, None) if found is not None else None
         return agree_on_checkpoint(self.checkpoints, self.context, layout)
+
+
+def _write_marker(directory: str, job: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f"{RUN_MARKER}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(job + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, RUN_MARKER))

@@ -11,6 +11,9 @@ resumes it, finishes it and kills the second, and so on; a strategy whose --out 
 skipped on a later attempt. The test runs its strategies this way, one torchrun job (and one generation
 of fresh workers fewer) instead of one job per strategy.
 
+``--no-resume STRATEGIES``: those strategies' runs are ``resume=False`` (not from an earlier run's checkpoints,
+which the first attempt moves aside; torchrun's restarts still resume from the run's own).
+
 `main(argv)` also runs inside a process group that already exists (`run_distributed`): the test's unbroken
 reference run, the same training without torchrun's processes to start.
 """
@@ -33,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--strategy", default="ddp")
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--no-resume", default="")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     strategies = args.strategy.split(",")
@@ -41,10 +45,11 @@ def main(argv: list[str] | None = None) -> None:
         ckpt, out = args.ckpt.replace("{strategy}", strategy), args.out.replace("{strategy}", strategy)
         if len(strategies) > 1 and os.path.exists(out):
             continue  # finished on an earlier attempt
-        _train(strategy, ckpt, out, args.kill_at if restart == i else 0, args.epochs)
+        _train(strategy, ckpt, out, args.kill_at if restart == i else 0, args.epochs,
+               strategy not in args.no_resume.split(","))
 
 
-def _train(strategy: str, ckpt: str, out: str, kill_at: int, epochs: int) -> None:
+def _train(strategy: str, ckpt: str, out: str, kill_at: int, epochs: int, resume: bool = True) -> None:
     torch.manual_seed(0)
     # Dropout draws from the RNG: resuming must restore every rank's generator to be bit-exact.
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
@@ -55,7 +60,8 @@ def _train(strategy: str, ckpt: str, out: str, kill_at: int, epochs: int) -> Non
     # collective fails at once when rank 1 is SIGKILLed, then waits that long for the watcher to name the dead peer
     # before it raises and torchrun can restart the job.
     trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), strategy=strategy,
-                                 checkpoint_dir=ckpt, checkpoint_every=3, keep_last=2, seed=7, heartbeat_timeout=2.0)
+                                 checkpoint_dir=ckpt, checkpoint_every=3, keep_last=2, seed=7, heartbeat_timeout=2.0,
+                                 resume=resume)
 
     def on_step(step: int, metrics: dict) -> None:
         if kill_at and step == kill_at and trainer.context.rank == 1:
