@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from distributed_training.testing import DistributedTestError, run_distributed
@@ -87,3 +88,42 @@ def test_dtrain_seed_seeds_the_gpts_dropout(tmp_path, monkeypatch):
         finals.append(torch.load(tmp_path / f"final{run}.pt", weights_only=True))
     first, second = (f.get("model", f) for f in finals)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def summoned_flag_worker(rank, world, strategy):
+    import torch.nn.functional as F
+
+    from distributed_training import DistributedTrainer
+
+    net = _chain()
+    trainer = DistributedTrainer(net, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, progress=False)
+    batch = (torch.randn(4, 8), torch.randn(4, 2))
+    trainer.train_step(batch, F.mse_loss)
+    said = [len(list(net.parameters()))]  # (outside the block the model holds views: a loop reaches nothing)
+    with trainer.summon_full_params():  # flipped and back: nothing changed
+        net[0].weight.requires_grad_(False)
+        net[0].weight.requires_grad_(True)
+    trainer.train_step(batch, F.mse_loss)
+    with trainer.summon_full_params():  # a fine-tuning loop freezing the first layer
+        for name, p in net.named_parameters():
+            if name.startswith("0."):
+                p.requires_grad_(False)
+    with torch.no_grad():
+        trainer.model(batch[0])  # a pass that trains nothing may run
+    try:
+        trainer.train_step(batch, F.mse_loss)
+        said.append("trained")
+    except RuntimeError as err:
+        said.append(str(err))
+    trainer.close(barrier=False)
+    return said
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_a_flag_set_inside_summon_full_params_is_not_dropped_silently(strategy):
+    # Under ZeRO-2/3 the flags set on the parameters the module holds inside summon_full_params went away
+    # with them at the block's end, and the "frozen" layer trained on (1.1e-2 off one process that froze
+    # it; a trial with Hugging Face GPT-2). The next training forward says so now, as DDP does.
+    for said in run_distributed(summoned_flag_worker, 2, args=(strategy,), timeout=90):
+        assert said[0] == 0 and "parameter '0.weight' (and 1 more) was set to requires_grad=False inside " \
+            "summon_full_params()" in said[1], said

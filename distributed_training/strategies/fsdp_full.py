@@ -68,6 +68,9 @@ class FullWeights:
                         size = unit.shard.numel()
                         unit.shard.copy_(flat[self.shard_rank * size:(self.shard_rank + 1) * size])
         finally:
+            # A flag changed here goes with the gathered parameters: the next training forward says so
+            # (a loop over `named_parameters()` in this block froze nothing, silently; a trial).
+            self._requires_grad_lock.note_summoned(self.module.named_parameters())
             for mod, attr, old in restore:
                 del mod._parameters[attr]
                 setattr(mod, attr, old)

@@ -12,8 +12,10 @@ units, and a strong reference here kept every original alive (a whole fp32 copy 
 So under `FSDP` (ZeRO-2/3) the check covers what the user still holds. ``model.encoder.requires_grad_(True)``
 on the wrapped module would reach no parameter at all (the module holds views, not parameters) and change
 nothing, silently: `lock_requires_grad` records the flags such calls ask for, and the next training forward
-raises while one differs (a call on a module holding parameters again is torch's). Flipping
-``p.requires_grad`` on a view found some other way cannot be seen. Set the flags before wrapping.
+raises while one differs (a call on a module holding parameters again is torch's), as it does for a flag
+set on a parameter inside ``summon_full_params`` (the module holds parameters there, and the flag went
+away with them at the block's end). The model's ``parameters()`` are empty outside that block, so a loop
+over them freezes nothing, and cannot be seen. Set the flags before wrapping.
 """
 
 from __future__ import annotations
@@ -134,11 +136,24 @@ class RequiresGradLock:
             else:
                 self.asked[name] = (module, flag)
 
+    def note_summoned(self, named: Iterable[tuple[str, nn.Parameter]]) -> None:
+        """At the end of ``summon_full_params``: the flags of the parameters the module held there, where
+        they differ from the wrapped ones, as if asked for (the flags go with those parameters)."""
+        for name, p in named:
+            if name in self.flags and p.requires_grad != self.flags[name]:
+                self.asked[name] = (None, p.requires_grad)
+
     def check(self) -> None:
         if not self.asked:
             return
         name, (module, flag) = next(iter(self.asked.items()))
         more = f" (and {len(self.asked) - 1} more)" if len(self.asked) > 1 else ""
+        if module is None:  # (set inside summon_full_params)
+            raise RuntimeError(
+                f"parameter {name!r}{more} was set to requires_grad={flag} inside summon_full_params() after "
+                f"{self.wrapper} wrapped the model, and a training forward (gradients on) followed: the flag went "
+                f"away with the gathered parameters at the block's end, so the parameter would go on training (or "
+                f"stay frozen). {_rebuild_advice(self.wrapper)}")
         raise RuntimeError(
             f"{module or 'the model'}.requires_grad_({flag}) was called after {self.wrapper} wrapped the model, and "
             f"a training forward (gradients on) followed: parameter {name!r}{more} is now "
