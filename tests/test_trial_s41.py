@@ -127,3 +127,24 @@ def test_a_flag_set_inside_summon_full_params_is_not_dropped_silently(strategy):
     for said in run_distributed(summoned_flag_worker, 2, args=(strategy,), timeout=90):
         assert said[0] == 0 and "parameter '0.weight' (and 1 more) was set to requires_grad=False inside " \
             "summon_full_params()" in said[1], said
+
+
+def test_a_tie_to_a_module_no_style_splits_says_to_leave_the_split_one_out():
+    # BERT's prediction head holds its decoder's bias as a parameter of its own: the advice "give both the same
+    # style ('vocab' on both)" could not be followed ('vocab' does not apply to that head; a trial).
+    from torch import nn
+
+    from distributed_training.tensor.plan import apply_plan
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = nn.Linear(8, 16)
+            self.bias = self.decoder.bias
+
+    model = nn.Sequential(nn.Embedding(16, 8), Head())
+    with pytest.raises(ValueError) as caught:
+        apply_plan(model, {"1.decoder": "vocab"})
+    said = str(caught.value)
+    assert "1.bias belongs to a Head, which no style splits" in said and "leave 1.decoder out of the plan" in said, said
+    assert "'vocab' on both" not in said

@@ -277,19 +277,31 @@ def _check(model: nn.Module, name: str, module: nn.Module, style: str, chunks: i
 
 def _check_ties(model: nn.Module, styles: dict[str, tuple[nn.Module, str, int]]) -> None:
     """A parameter held by several modules must be split the same way in each."""
-    holders: dict[int, list[tuple[str, tuple[str, int]]]] = {}
+    holders: dict[int, list[tuple[str, tuple[str, int], nn.Module]]] = {}
     for name, module in model.named_modules():
         _, style, chunks = styles.get(name, (module, "replicate", 1))
         for pname, param in module._parameters.items():
             if param is not None:
-                holders.setdefault(id(param), []).append((f"{name}.{pname}" if name else pname, (style, chunks)))
+                holders.setdefault(id(param), []).append((f"{name}.{pname}" if name else pname, (style, chunks),
+                                                          module))
     for uses in holders.values():
-        (first, style), *others = uses
-        for other, other_style in others:
-            if other_style != style:
-                raise ValueError(f"tensor_parallel_plan: {first} and {other} are one (tied) parameter but their "
-                                 f"modules have the styles {_show(style)} and {_show(other_style)}; give both the "
-                                 "same style (a tied embedding and output head: 'vocab' on both)")
+        (first, style, _), *others = uses
+        for other, other_style, _ in others:
+            if other_style == style:
+                continue
+            message = (f"tensor_parallel_plan: {first} and {other} are one (tied) parameter but their modules have "
+                       f"the styles {_show(style)} and {_show(other_style)}")
+            # A holder no style can split (a parameter of its own on a module that is no Linear or Embedding,
+            # as BERT's prediction head holds its decoder's bias): the split one must stay whole.
+            whole = [(n, m) for n, _, m in uses if not (_is_linear(m) or isinstance(m, nn.Embedding))]
+            if whole:
+                held, module = whole[0]
+                split = [n.rpartition(".")[0] or n for n, st, _ in uses if st[0] not in ("replicate", "sequence")]
+                raise ValueError(f"{message}; {held} belongs to a {type(module).__name__}, which no style splits "
+                                 f"(only nn.Linear, Conv1D and nn.Embedding modules are), so leave {' and '.join(split)} out "
+                                 "of the plan (replicated), or untie the parameter")
+            raise ValueError(f"{message}; give both the same style (a tied embedding and output head: 'vocab' on "
+                             "both)")
 
 
 def _show(style: tuple[str, int]) -> str:
