@@ -148,3 +148,31 @@ def test_a_tie_to_a_module_no_style_splits_says_to_leave_the_split_one_out():
     said = str(caught.value)
     assert "1.bias belongs to a Head, which no style splits" in said and "leave 1.decoder out of the plan" in said, said
     assert "'vocab' on both" not in said
+
+
+def reshaped_sequence_worker(rank, world):
+    import torch.nn.functional as F
+
+    from _tp_models import HFGPT2, hf_gpt2_localize, hf_gpt2_plan
+    from distributed_training.tensor import apply_plan
+
+    torch.manual_seed(0)
+    model = HFGPT2(vocab=64)
+    plan = {**hf_gpt2_plan(), "transformer.drop": "sequence_split", "transformer.h.*.ln_*": "sequence",
+            "transformer.ln_f": "sequence"}
+    apply_plan(model, plan, sequence_parallel=True)
+    hf_gpt2_localize(model, world)
+    idx = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    try:
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        return "passed"
+    except RuntimeError as err:
+        return str(err)
+
+
+def test_sequence_parallelism_refuses_a_model_that_reshapes_its_sequence():
+    # Hugging Face GPT-2 views ln_f's output as (-1, S, C): under sequence parallelism (B, S / T, C) became
+    # (B / T, S, C), and the head gathered other sequences' rows as its own, silently (7.6e-3 off one process
+    # at the first step; a trial). The head's input has the whole sequence there: raised now.
+    for said in run_distributed(reshaped_sequence_worker, 2, timeout=90):
+        assert "the whole sequence (8) along dimension 1, where this rank's part of it was expected" in said, said

@@ -144,8 +144,12 @@ class ColumnParallelLinear(_ParallelLinear):
         layer.chunks, layer.gather_output = chunks, gather_output
         return layer
 
+    sequence_entry = None  # (`plan.SequenceEntry`: where the sequence-parallel region began, set by `apply_plan`)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
+            if self.sequence_entry is not None:
+                self.sequence_entry.check(x, self)
             x = gather_sequence(x, self.group, self.sequence_dim)
         else:
             x = copy_to(x, self.group)

@@ -31,6 +31,7 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Mapping, Union
 
+import torch
 from torch import nn
 
 from .functional import group_size, split_sequence
@@ -164,6 +165,10 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
         built[name] = new
 
     # 4. Install them at every name the module has, mark the sequence regions, keep the head's loss.
+    entry = SequenceEntry(sequence_dim)
+    for new in built.values():
+        if isinstance(new, ColumnParallelLinear) and new.sequence_parallel:
+            new.sequence_entry = entry
     names_of: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         names_of.setdefault(id(module), []).append(name)
@@ -182,7 +187,7 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
                 if spec_of(param) is None:
                     mark_sequence_parallel(param)
         if style == "sequence_split":
-            new.register_forward_pre_hook(_split_input(group, sequence_dim))
+            new.register_forward_pre_hook(_split_input(group, sequence_dim, entry))
         if style == "vocab" and _is_linear(module):
             spec = spec_of(new.weight)
             setattr(new, _LOSS, VocabParallelLoss(group, spec.rank * spec.part if spec is not None else 0))
@@ -298,8 +303,8 @@ def _check_ties(model: nn.Module, styles: dict[str, tuple[nn.Module, str, int]])
                 held, module = whole[0]
                 split = [n.rpartition(".")[0] or n for n, st, _ in uses if st[0] not in ("replicate", "sequence")]
                 raise ValueError(f"{message}; {held} belongs to a {type(module).__name__}, which no style splits "
-                                 f"(only nn.Linear, Conv1D and nn.Embedding modules are), so leave {' and '.join(split)} out "
-                                 "of the plan (replicated), or untie the parameter")
+                                 "(only nn.Linear, Conv1D and nn.Embedding modules are), so leave "
+                                 f"{' and '.join(split)} out of the plan (replicated), or untie the parameter")
             raise ValueError(f"{message}; give both the same style (a tied embedding and output head: 'vocab' on "
                              "both)")
 
@@ -325,10 +330,32 @@ def _build(module: nn.Module, style: str, chunks: int, group: Any, sequence_para
     return None
 
 
-def _split_input(group: Any, dim: int) -> Callable:
-    """A forward pre-hook: the module's first input split along the sequence (bwd all-gather)."""
+def _split_input(group: Any, dim: int, entry: "SequenceEntry") -> Callable:
+    """A forward pre-hook: the module's first input split along the sequence (bwd all-gather), its
+    length recorded in `entry`."""
 
     def hook(module: nn.Module, args: tuple) -> tuple:
+        entry.length = args[0].shape[dim] if group_size(group) > 1 and args[0].dim() > dim else None
         return (split_sequence(args[0], group, dim), *args[1:])
 
     return hook
+
+
+class SequenceEntry:
+    """The whole sequence's length where the sequence-parallel region last began (the 'sequence_split'
+    module's input), which a column-parallel layer's input must not have along the sequence: there it is
+    this rank's part. A model that reshapes inside the region (Hugging Face GPT-2 views the output of
+    `ln_f` as ``(-1, S, C)``, which turns ``(B, S / T, C)`` into ``(B / T, S, C)``) would have the layer
+    gather the rows of other sequences as its own: wrong numbers from the first step, raised instead."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim, self.length = dim, None
+
+    def check(self, x: torch.Tensor, layer: nn.Module) -> None:
+        if self.length is not None and x.dim() > self.dim and x.shape[self.dim] == self.length:
+            raise RuntimeError(
+                f"sequence parallelism: the input of {type(layer).__name__} ({layer.extra_repr()}) has shape "
+                f"{tuple(x.shape)}, the whole sequence ({self.length}) along dimension {self.dim}, where this rank's "
+                f"part of it was expected: the model reshaped the sequence-parallel activations on the way (e.g. "
+                f"Hugging Face GPT-2's view(-1, seq_len, hidden) after ln_f), which mixes the batch's sequences. "
+                "Leave sequence_parallel off for this model, or end the sequence-parallel region before the reshape")
