@@ -184,6 +184,8 @@ class Fitting(EpochLoop):
                 check_same_optimizer(self.optimizer, self.context.mesh.group("data"))
                 self._optimizer_agreed = True
         self._fit_limits = {"epochs": epochs, "max_steps": max_steps}
+        if isinstance(batch_size, int) and plan is None:  # (compared on resume: a change is said, as the others)
+            self._fit_limits["batch_size"] = batch_size
         self._fit_global_batch = plan is not None and "pipeline_parallel_size" not in self.config
         resumed_from = self._resume_or_start_fresh()
         if resumed_from is None and self.step == 0 and self.context.is_main and self.monitor.found_earlier_records:

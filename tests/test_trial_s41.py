@@ -176,3 +176,35 @@ def test_sequence_parallelism_refuses_a_model_that_reshapes_its_sequence():
     # at the first step; a trial). The head's input has the whole sequence there: raised now.
     for said in run_distributed(reshaped_sequence_worker, 2, timeout=90):
         assert "the whole sequence (8) along dimension 1, where this rank's part of it was expected" in said, said
+
+
+def batch_change_worker(rank, world, directory):
+    import logging
+
+    import torch.nn.functional as F
+
+    from distributed_training import DistributedTrainer
+
+    g = torch.Generator().manual_seed(2)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g))
+    said = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logging.getLogger("distributed_training").addHandler(Keep())
+    for batch_size, steps in ((4, 2), (8, 3)):
+        trainer = DistributedTrainer(_chain(), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                     checkpoint_dir=directory, checkpoint_every=2)
+        trainer.fit(data, criterion=F.mse_loss, batch_size=batch_size, max_steps=steps)
+        trainer.close()
+    return said
+
+
+def test_a_batch_size_changed_on_resume_is_said(tmp_path):
+    # A resumed run with another batch_size applied it without a word, while a changed lr or max_steps was said
+    # (a trial). It is said with the others now.
+    said = run_distributed(batch_change_worker, 1, args=(str(tmp_path / "ckpt"),), timeout=90)[0]
+    changed = [m for m in said if "the configuration changed since checkpoint" in m]
+    assert len(changed) == 1 and "batch_size: 4 -> 8" in changed[0] and "max_steps: 2 -> 3" in changed[0], said
