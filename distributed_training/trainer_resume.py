@@ -2,11 +2,15 @@
 run's checkpoints moved aside (``resume=False``), under the directory's run lock.
 
 ``resume=False`` means "not from an earlier run": when torchrun restarts this run's workers (a rank died,
-``--max-restarts``), the restarted ones resume from the run's own checkpoints, as with ``resume=True``
-(they had started over from step 0 at every restart, the work lost; a trial). Which checkpoints are the
-run's own: those written after its start, when the directory's writer wrote torchrun's job ID
-(``TORCHELASTIC_RUN_ID``, the same across its restarts) into `RUN_MARKER`; a run whose first incarnation
-died before that starts fresh on its restart too.
+``--max-restarts``, or the job's membership changed), the new ones resume from the run's own checkpoints, as
+with ``resume=True`` (they had started over from step 0 at every restart, the work lost; a trial). Which
+checkpoints are the run's own: at its fresh start the first rank draws a random token and leaves it in
+torchrun's rendezvous store, which lives as long as the launch (its agent's store, shared with the
+workers since torch 2.4), and each directory's writer writes it into `RUN_MARKER`. A later start finds the
+same token in both only within that launch: a new launch (whatever its ``--rdzv-id``, whose default is
+"none") has a new store, and a second trainer of the same script has a key of its own. The decision is the
+first rank's, told to all. Where the workers keep a store of their own (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``)
+it is gone at a restart, and the restart starts fresh, as before.
 
 A mixin of `DistributedTrainer` (under `trainer_checkpoints.Checkpointing`). The resume point is one step for
 every rank: with one shared directory the first rank picks it and broadcasts it (a read that failed on one
@@ -17,14 +21,17 @@ brought the rank files it lacks. The lock that keeps two runs out of one directo
 
 from __future__ import annotations
 
-from typing import Any
-
+import hashlib
+import itertools
 import os
+import uuid
+from typing import Any
 
 import torch.distributed as dist
 
 from .checkpoint_layout import agree_on_checkpoint, fetch_missing_files
 from .checkpoint_lock import CheckpointDirectoryInUseError, in_use_message, lock_directory, unlock_directory
+from .hangs import _store
 from .logs import get_logger
 from .mesh import global_rank
 
@@ -32,13 +39,18 @@ __all__ = ["Resuming", "RUN_MARKER"]
 
 log = get_logger()
 
-#: In `checkpoint_dir`: torchrun's job ID of the ``resume=False`` run whose checkpoints the directory holds.
+#: In `checkpoint_dir`: the token of the ``resume=False`` run whose checkpoints the directory holds.
 RUN_MARKER = ".run_id"
 
+_RUNS = itertools.count()  # resume=False trainers of this process, in the order they first fit (alike on all ranks)
 
-def _torchrun_job() -> tuple[str | None, int]:
-    """torchrun's job ID (None outside torchrun) and how many times it has restarted the workers."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") or None, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+def _launch_store() -> Any:
+    """The rendezvous store under every prefix (the attempt's and group's: `runtime._attempt_store`)."""
+    store = _store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 class Resuming:
@@ -66,30 +78,44 @@ class Resuming:
         self.load_checkpoint(found[0])
         if ctx.is_main:
             log.info("resumed from step %d (%s)%s", self.step, found[0], "" if self.resume else
-                     f": resume is off, but torchrun restarted this run's workers (restart {_torchrun_job()[1]}), "
-                     "and these checkpoints are the run's own")
+                     ": resume is off, but torchrun restarted this run's workers, and these checkpoints are "
+                     "the run's own")
         return found[0]
 
     def _restarted_fresh_run(self) -> bool:
-        """Whether this is a torchrun restart of a ``resume=False`` run that started in this directory (its
-        job ID in `RUN_MARKER`, as every directory's writer finds it): it then resumes from its own."""
-        job, restarts = _torchrun_job()
-        if job is None or restarts == 0 or self.step != 0 or self._set_aside:
+        """Whether this start is torchrun's restart of a ``resume=False`` run that began in this directory
+        (the first rank's verdict, told to every rank): it then resumes from the run's own checkpoints."""
+        if self.step != 0 or self._set_aside:
             return False
-        ctx = self.context
+        ctx, key = self.context, self._run_key()
+        token = None
+        if ctx.rank == 0:
+            store = _launch_store()
+            try:
+                token = store.get(key).decode() if store is not None and store.check([key]) else None
+            except Exception:  # (a store without the key's check, or gone)
+                token = None
         writer = self._layout(self.checkpoints.path_for(0)).writer_of[ctx.rank] == ctx.rank
-        own = None
+        marker = None
         if writer:
             try:
                 with open(os.path.join(self.checkpoints.directory, RUN_MARKER)) as f:
-                    own = f.read().strip() == job
+                    marker = f.read().strip()
             except OSError:
-                own = False
-        verdicts = [own]
+                marker = None
+        seen = [(token, marker)]
         if ctx.world_size > 1:
-            verdicts = [None] * ctx.world_size
-            dist.all_gather_object(verdicts, own, group=ctx.group)
-        return all(v for v in verdicts if v is not None)
+            seen = [None] * ctx.world_size
+            dist.all_gather_object(seen, (token, marker), group=ctx.group)
+        token = seen[0][0]
+        # (A directory per node: a replaced node's writer has none, the others the token.)
+        return token is not None and any(m == token for _, m in seen)
+
+    def _run_key(self) -> str:
+        if self._fresh_run_key is None:
+            where = hashlib.sha1(os.path.realpath(self.checkpoints.directory).encode()).hexdigest()[:16]
+            self._fresh_run_key = f"distributed_training/fresh_runs/{where}/{next(_RUNS)}"
+        return self._fresh_run_key
 
     def _set_checkpoints_aside(self, why: str) -> None:
         """Before the first step, once: move the checkpoints already in the directory into
@@ -102,13 +128,31 @@ class Resuming:
         # Each directory's writer (rank 0, or each node's first rank with a directory per node).
         writer = layout.writer_of[ctx.rank] == ctx.rank
         moved = self.checkpoints.set_aside() if writer else None
-        job = _torchrun_job()[0]
-        if writer and job is not None and not self.resume:  # what a restart of this run may resume from
-            _write_marker(self.checkpoints.directory, job)
+        if not self.resume:  # what a restart of this run may resume from: its token, in the store and beside
+            self._leave_run_token(writer)
         if moved is not None:
             log.warning("%s: moved the checkpoints already in %s to %s; training starts from step 0", why,
                         self.checkpoints.directory, moved)
         ctx.barrier()  # nobody writes into a directory before its writer has cleared it
+
+    def _leave_run_token(self, writer: bool) -> None:
+        """A fresh ``resume=False`` start: a new token in the launch's store (the first rank) and in
+        `RUN_MARKER` (each directory's writer), for `_restarted_fresh_run`."""
+        ctx, key = self.context, self._run_key()
+        store = _launch_store() if ctx.rank == 0 else None
+        box = [uuid.uuid4().hex if store is not None else None]
+        if ctx.world_size > 1:
+            dist.broadcast_object_list(box, src=global_rank(ctx.group, 0), group=ctx.group)
+        token = box[0]
+        if token is None:
+            return
+        if writer:
+            _write_marker(self.checkpoints.directory, token)
+        if ctx.rank == 0:
+            try:
+                store.set(key, token)
+            except Exception:  # (nothing to resume from on a restart: it starts fresh)
+                pass
 
     def _lock_checkpoint_directory(self) -> None:
         """Hold `checkpoint_dir`'s run lock for the trainer's life (`checkpoint_lock`): each directory's
@@ -164,11 +208,11 @@ class Resuming:
         return agree_on_checkpoint(self.checkpoints, self.context, layout)
 
 
-def _write_marker(directory: str, job: str) -> None:
+def _write_marker(directory: str, token: str) -> None:
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f"{RUN_MARKER}.{os.getpid()}")
     with open(tmp, "w") as f:
-        f.write(job + "\n")
+        f.write(token + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(directory, RUN_MARKER))

@@ -84,6 +84,7 @@ class TrainerState:
         self._watch: PeerWatch | None = None  # started by `fit` or the first train_step
         self._last_saved_step: int | None = None
         self._set_aside = False
+        self._fresh_run_key: str | None = None  # (`trainer_resume`: this resume=False run's token in the store)
         self._summoned = False  # inside `summon_full_params`
         self._locked_directory: str | None = None  # `checkpoint_dir` while this rank holds its lock ("": checked)
 

@@ -67,9 +67,9 @@ def sigkilled_runs(request, tmp_path_factory, warm_python):
     of each strategy on that strategy's first attempt (attempt i for the i-th), torchrun restarts the
     workers each time (--max-restarts=3: the two restarts and one to spare, as before) and the trainer
     resumes from the strategy's own latest good checkpoint. FSDP's run is ``resume=False`` in a directory an
-    earlier run left a checkpoint in: moved aside at the start, and the restarts resume from the run's own
-    (session 41: they moved those aside too, and trained again from step 0). One launcher and three generations of fresh
-    workers instead of two launchers and four generations. Returns ``(tmp, log)``."""
+    earlier run left a checkpoint (and its token) in: moved aside at the start, and the restarts resume from the
+    run's own (session 41: they moved those aside too, and trained again from step 0). One launcher and three
+    generations of fresh workers instead of two launchers and four generations. Returns ``(tmp, log)``."""
     wanted = [s for s in ("ddp", "fsdp") if any(item.originalname == "test_sigkilled_rank_restarts_and_matches_an_unbroken_run"
                                                  and item.callspec.params["strategy"] == s
                                                  for item in request.session.items if item.module is request.module)]
@@ -85,7 +85,8 @@ def sigkilled_runs(request, tmp_path_factory, warm_python):
 
     from distributed_training.testing import _torchrun_env
 
-    (tmp / "faulty_fsdp" / "step_000000099").mkdir(parents=True)  # an earlier run's
+    (tmp / "faulty_fsdp" / "step_000000099").mkdir(parents=True)  # an earlier run's, and its token: not this launch's
+    (tmp / "faulty_fsdp" / ".run_id").write_text("0123456789abcdef\n")
     with ThreadPoolExecutor(1) as pool:
         clean = pool.submit(references)
         out = warm_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
@@ -114,7 +115,8 @@ def test_sigkilled_rank_restarts_and_matches_an_unbroken_run(strategy, sigkilled
     if strategy == "fsdp":  # resume=False: the earlier run's checkpoint set aside once, the run's own resumed
         assert kept == [".run_id", "previous_run_1", "step_000000009", "step_000000012"], kept
         assert os.listdir(tmp_path / "faulty_fsdp" / "previous_run_1") == ["step_000000099"]
-        assert "resume is off, but torchrun restarted this run's workers (restart 2)" in log, log[-3000:]
+        assert "resume is off, but torchrun restarted this run's workers" in log, log[-3000:]
+        assert (tmp_path / "faulty_fsdp" / ".run_id").read_text() != "0123456789abcdef\n"
     else:
         assert kept == ["step_000000009", "step_000000012"], kept  # keep_last=2
 

@@ -465,7 +465,7 @@ def test_resume_false_starts_over_and_sets_the_old_run_aside(tmp_path):
                                                              (_fresh_run, (str(directory), False))],), timeout=180)[0]
     assert steps == 2, "a run that does not resume trains from step 0"
     assert any("previous_run_1" in m for m in logged), logged
-    assert sorted(os.listdir(directory)) == ["previous_run_1", "step_000000002"]
+    assert sorted(os.listdir(directory)) == [".run_id", "previous_run_1", "step_000000002"]  # (its token: trainer_resume)
     assert sorted(os.listdir(directory / "previous_run_1")) == ["step_000000002", "step_000000004"]
 
 

@@ -208,3 +208,51 @@ def test_a_batch_size_changed_on_resume_is_said(tmp_path):
     said = run_distributed(batch_change_worker, 1, args=(str(tmp_path / "ckpt"),), timeout=90)[0]
     changed = [m for m in said if "the configuration changed since checkpoint" in m]
     assert len(changed) == 1 and "batch_size: 4 -> 8" in changed[0] and "max_steps: 2 -> 3" in changed[0], said
+
+
+def fresh_runs_worker(rank, world, directory):
+    import itertools
+    import logging
+
+    import torch.nn.functional as F
+
+    import distributed_training.trainer_resume as trainer_resume
+    from distributed_training import DistributedTrainer
+
+    g = torch.Generator().manual_seed(2)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g))
+    said = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logging.getLogger("distributed_training").addHandler(Keep())
+    logging.getLogger("distributed_training").setLevel(logging.INFO)
+    steps = []
+    for label, max_steps in (("first", 4), ("restart", 6), ("second trainer", 6)):
+        if label == "restart":  # as torchrun's restart: a new process counts its trainers anew, the store stays
+            trainer_resume._RUNS = itertools.count()
+        trainer = DistributedTrainer(_chain(), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                     checkpoint_dir=directory, checkpoint_every=2, resume=False)
+        said.append(f"--- {label}")
+        trainer.fit(data, criterion=F.mse_loss, batch_size=4, max_steps=max_steps)
+        steps.append(trainer.step)
+        trainer.close()
+    return said, steps
+
+
+def test_a_fresh_run_resumes_its_own_checkpoints_only_within_its_launch(tmp_path):
+    # resume=False is "not from an earlier run": torchrun's restart of the run (the same rendezvous store, the
+    # same trainer of the script) resumes from the run's own checkpoints; a second trainer of the script, or a
+    # new launch (a new store, whatever its --rdzv-id: "none" by default, which the first version compared)
+    # starts fresh (a review).
+    import os
+
+    said, steps = run_distributed(fresh_runs_worker, 2, args=(str(tmp_path / "ckpt"),), timeout=120)[0]
+    text = "\n".join(said)
+    first, restart, second = text.split("--- ")[1:]
+    assert "resumed from step" not in first and "resumed from step 4" in restart and "resume is off, but" in restart
+    assert "resumed from step" not in second and "training starts from step 0" in second, text
+    assert steps == [4, 6, 6]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "previous_run_1")) == ["step_000000002", "step_000000004", "step_000000006"]
