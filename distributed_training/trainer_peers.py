@@ -140,8 +140,10 @@ class PeerWatching:
                 publish_block(self.context, "")
         # A failure found during the block: on NCCL the watcher aborted the group, and a collective waiting
         # for the failed peer then ends without an error, its output this rank's own values (an evaluation
-        # returned this rank's sums as the job's, a trial on 2x H200): nothing the block made can be used.
-        self._watch.raise_if_failed()
+        # returned this rank's sums as the job's, on 2x H200): nothing the block made can be used. (gloo's
+        # are never aborted: a block that ended there did its collectives; the next call raises.)
+        if self.context.backend == "nccl":
+            self._watch.raise_if_failed()
 
     @contextlib.contextmanager
     def _fetching(self, sharded: bool):

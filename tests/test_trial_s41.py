@@ -115,6 +115,11 @@ def summoned_flag_worker(rank, world, strategy):
         said.append("trained")
     except RuntimeError as err:
         said.append(str(err))
+    with trainer.summon_full_params():  # set back in a later block: trains as wrapped (a review)
+        for p in net.parameters():
+            p.requires_grad_(True)
+    trainer.train_step(batch, F.mse_loss)
+    said.append("trained")
     trainer.close(barrier=False)
     return said
 
@@ -126,7 +131,7 @@ def test_a_flag_set_inside_summon_full_params_is_not_dropped_silently(strategy):
     # it; a trial with Hugging Face GPT-2). The next training forward says so now, as DDP does.
     for said in run_distributed(summoned_flag_worker, 2, args=(strategy,), timeout=90):
         assert said[0] == 0 and "parameter '0.weight' (and 1 more) was set to requires_grad=False inside " \
-            "summon_full_params()" in said[1], said
+            "summon_full_params()" in said[1] and said[2] == "trained", said
 
 
 def test_a_tie_to_a_module_no_style_splits_says_to_leave_the_split_one_out():
@@ -256,3 +261,46 @@ def test_a_fresh_run_resumes_its_own_checkpoints_only_within_its_launch(tmp_path
     assert "resumed from step" not in second and "training starts from step 0" in second, text
     assert steps == [4, 6, 6]
     assert sorted(os.listdir(tmp_path / "ckpt" / "previous_run_1")) == ["step_000000002", "step_000000004", "step_000000006"]
+
+
+class _CrossAttention(torch.nn.Module):
+    """An encoder of length 8 and a decoder of length 4 whose queries attend to it: two starts of the
+    sequence-parallel region, the encoder's part (8 / 2) the decoder's whole length."""
+
+    def __init__(self, width: int = 8) -> None:
+        from torch import nn
+
+        super().__init__()
+        self.enc_in, self.dec_in = nn.Identity(), nn.Identity()
+        self.enc_up, self.enc_down = nn.Linear(width, 16), nn.Linear(16, width)
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, src, tgt):
+        h = self.enc_in(src)
+        h = h + self.enc_down(torch.relu(self.enc_up(h)))
+        d = self.dec_in(tgt)
+        q, k, v = self.q(d), self.k(h), self.v(h)
+        heads = lambda t: t.unflatten(-1, (t.shape[-1] // 4, 4)).transpose(1, 2)  # noqa: E731
+        a = torch.nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v))
+        return d + self.o(a.transpose(1, 2).flatten(-2))
+
+
+def cross_attention_worker(rank, world):
+    from distributed_training.tensor import apply_plan
+
+    torch.manual_seed(0)
+    plain, model = _CrossAttention(), _CrossAttention()
+    model.load_state_dict(plain.state_dict())
+    apply_plan(model, {"enc_in": "sequence_split", "dec_in": "sequence_split", "enc_up": "colwise",
+                       "enc_down": "rowwise", "q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"},
+               sequence_parallel=True)
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randn(2, 8, 8, generator=g), torch.randn(2, 4, 8, generator=g)
+    return (model(src, tgt) - plain(src, tgt).chunk(world, dim=1)[rank]).abs().max().item()
+
+
+def test_sequence_parallelism_takes_an_encoders_part_the_length_of_the_decoder():
+    # The check above, in its first version, took the encoder's part (8 / 2) reaching the cross-attention's
+    # keys for the decoder's whole sequence (4), and refused a right model (a review).
+    for diff in run_distributed(cross_attention_worker, 2, timeout=90):
+        assert diff < 1e-6, diff

@@ -140,8 +140,12 @@ class RequiresGradLock:
         """At the end of ``summon_full_params``: the flags of the parameters the module held there, where
         they differ from the wrapped ones, as if asked for (the flags go with those parameters)."""
         for name, p in named:
-            if name in self.flags and p.requires_grad != self.flags[name]:
+            if name not in self.flags:
+                continue
+            if p.requires_grad != self.flags[name]:
                 self.asked[name] = (None, p.requires_grad)
+            elif name in self.asked and self.asked[name][0] is None:  # set in an earlier block, restored in this
+                del self.asked[name]
 
     def check(self) -> None:
         if not self.asked:

@@ -28,6 +28,7 @@ cross-entropy criterion for it (both in `tensor.loss`, re-exported here).
 
 from __future__ import annotations
 
+import collections
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Mapping, Union
 
@@ -335,24 +336,36 @@ def _split_input(group: Any, dim: int, entry: "SequenceEntry") -> Callable:
     length recorded in `entry`."""
 
     def hook(module: nn.Module, args: tuple) -> tuple:
-        entry.length = args[0].shape[dim] if group_size(group) > 1 and args[0].dim() > dim else None
+        size = group_size(group)
+        if size > 1 and args[0].dim() > dim:
+            entry.began(args[0].shape[dim], size)
         return (split_sequence(args[0], group, dim), *args[1:])
 
     return hook
 
 
 class SequenceEntry:
-    """The whole sequence's length where the sequence-parallel region last began (the 'sequence_split'
-    module's input), which a column-parallel layer's input must not have along the sequence: there it is
-    this rank's part. A model that reshapes inside the region (Hugging Face GPT-2 views the output of
-    `ln_f` as ``(-1, S, C)``, which turns ``(B, S / T, C)`` into ``(B / T, S, C)``) would have the layer
-    gather the rows of other sequences as its own: wrong numbers from the first step, raised instead."""
+    """Where the sequence-parallel region began last (the 'sequence_split' module's input): the whole
+    sequence's length, which a column-parallel layer's input must not have along the sequence, where it
+    holds this rank's part. A model that reshapes inside the region (Hugging Face GPT-2 views the output
+    of `ln_f` as ``(-1, S, C)``, which turns ``(B, S / T, C)`` into ``(B / T, S, C)``) would have the
+    layer gather the rows of other sequences as its own: wrong numbers from the first step, raised
+    instead. Not where that length is also a part of a recent start's (an encoder-decoder whose decoder's
+    whole length is the encoder's part, met in its cross-attention; a recomputed pass of an earlier
+    input): a reshape is caught at the first step, where no such coincidence is."""
+
+    RECENT = 16
 
     def __init__(self, dim: int) -> None:
-        self.dim, self.length = dim, None
+        self.dim, self.length, self.parts = dim, None, collections.deque(maxlen=self.RECENT)
+
+    def began(self, length: int, size: int) -> None:
+        self.length = length
+        self.parts.append(length // size)
 
     def check(self, x: torch.Tensor, layer: nn.Module) -> None:
-        if self.length is not None and x.dim() > self.dim and x.shape[self.dim] == self.length:
+        if (self.length is not None and x.dim() > self.dim and x.shape[self.dim] == self.length
+                and self.length not in self.parts):
             raise RuntimeError(
                 f"sequence parallelism: the input of {type(layer).__name__} ({layer.extra_repr()}) has shape "
                 f"{tuple(x.shape)}, the whole sequence ({self.length}) along dimension {self.dim}, where this rank's "
