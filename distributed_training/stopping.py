@@ -17,11 +17,20 @@ A second Ctrl-C that reaches the process, `AGAIN_AFTER_S` or more after the firs
 launcher that forwards the signal to workers still in the terminal's process group delivers one press
 twice within milliseconds: that is still one.) torchrun starts its workers in sessions of their own and
 forwards one signal only: there a second Ctrl-C stops torchrun, which then ends its workers itself.
+
+Python runs a signal's handler only between bytecodes of the main thread, so a main thread inside one
+long call of native code (a collective waiting for a peer, a long backward) would hear neither press
+until it returned (a trial: two presses during a 12 s step, the first said at its end, then a clean stop).
+So the C-level handler's wake-up byte (`signal.set_wakeup_fd`) is read by a thread of ours as the signal
+arrives: a second press that the main thread has not acted on within `AGAIN_AFTER_S` ends the process
+with status 130 (``os._exit``: no ``finally`` blocks, as a stop "at once" from inside native code has to
+be), unless a checkpoint write is in progress, which the main thread finishes first as above.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -90,6 +99,8 @@ class StopSignals:
         self._previous: dict[signal.Signals, object] = {}
         self._pending = None
         self._first_interrupt: float | None = None  # when this rank's first SIGINT came
+        self._wakeup: tuple[int, int, int] | None = None  # (read end, write end, the wake-up fd before ours)
+        self._raised = False  # the main thread raised for a second press
 
     # ------------------------------------------------------------ handlers
     def __enter__(self) -> "StopSignals":
@@ -103,7 +114,52 @@ class StopSignals:
                     continue  # the launcher wants this signal ignored (nohup, a background job): respect it
                 self._previous[sig] = previous
                 signal.signal(sig, self._record)
+            if signal.SIGINT in self._previous:
+                self._watch_presses()
         return self
+
+    def _watch_presses(self) -> None:
+        """Hear SIGINT as it arrives, in a thread of ours (see the module's docstring). Not where the
+        process has a wake-up fd already (an asyncio loop's): it keeps it."""
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        try:
+            before = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            os.close(read), os.close(write)
+            return
+        if before != -1:
+            signal.set_wakeup_fd(before)
+            os.close(read), os.close(write)
+            return
+        self._wakeup = (read, write, before)
+        threading.Thread(target=self._hear_presses, args=(read,), name="distributed_training-ctrl-c",
+                         daemon=True).start()
+
+    def _hear_presses(self, read: int) -> None:
+        first = None
+        while True:
+            try:
+                data = os.read(read, 64)
+            except OSError:
+                data = b""
+            if not data:  # our write end closed (`restore`): the read end is this thread's to close
+                os.close(read)
+                return
+            if signal.SIGINT not in data:
+                continue
+            now = time.monotonic()
+            if first is None:
+                first = now
+                continue
+            if now - first <= AGAIN_AFTER_S:
+                continue
+            time.sleep(AGAIN_AFTER_S)  # the main thread's own handler, if it can run, raises meanwhile
+            if self._raised or self._wakeup is None or _writes["depth"]:
+                continue
+            log.warning("SIGINT again while this rank is inside a long native call (a collective waiting for a "
+                        "peer, a long backward): exiting now, with status 130")
+            os._exit(130)
 
     def _record(self, signum, frame) -> None:
         # Only a flag: raising here could abandon a checkpoint write or a collective half done. But a
@@ -123,6 +179,7 @@ class StopSignals:
                         log.warning("SIGINT again during a checkpoint write: stopping at once when it is complete")
                     _writes["interrupted"] = True
                     return
+                self._raised = True
                 raise KeyboardInterrupt("Ctrl-C pressed twice: stopped at once, not at a step boundary")
         self.received = max(self.received, _PRIORITY[sig])
 
@@ -147,6 +204,12 @@ class StopSignals:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None:
+            _, write, before = wakeup
+            with contextlib.suppress(ValueError, OSError):
+                signal.set_wakeup_fd(before)
+            os.close(write)  # (the thread then reads the end of the pipe, and closes its read end)
 
     # ------------------------------------------------------------ agreement
     def agreed(self) -> signal.Signals | None:

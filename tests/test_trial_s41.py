@@ -304,3 +304,65 @@ def test_sequence_parallelism_takes_an_encoders_part_the_length_of_the_decoder()
     # keys for the decoder's whole sequence (4), and refused a right model (a review).
     for diff in run_distributed(cross_attention_worker, 2, timeout=90):
         assert diff < 1e-6, diff
+
+
+class _PeerStalls(torch.utils.data.Dataset):
+    """Rank 1's ninth sample read (in its second batch of 4) stalls 12 s; rank 0 then waits for it in a
+    collective, and is sent SIGINT twice, 1.5 s apart."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i):
+        import signal
+        import threading
+        import time
+
+        rank = int(os.environ.get("RANK", "0"))
+        self.reads += 1
+        if self.reads == 9 and rank == 1:
+            time.sleep(12)
+        if self.reads == 10 and rank == 0:  # (three reads before the first batch: fit checks a sample)
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+            threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return torch.full((8,), float(i)), torch.zeros(2)
+
+
+def stuck_in_a_collective_worker(rank, world, record):
+    import signal
+    import time
+
+    import torch.nn.functional as F
+
+    from distributed_training import DistributedTrainer
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    trainer = DistributedTrainer(_chain(), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    started = time.monotonic()
+    try:
+        trainer.fit(_PeerStalls(), epochs=1, batch_size=4, shuffle=False, criterion=F.mse_loss)
+        outcome = "returned"
+    except BaseException as err:  # noqa: BLE001
+        outcome = f"{type(err).__name__}: {err}"
+    with open(f"{record}.{rank}", "w") as f:
+        f.write(f"{time.monotonic() - started:.1f} {outcome}")
+    trainer.close(barrier=False)
+
+
+def test_a_second_ctrl_c_ends_a_rank_stuck_in_a_collective_at_once(tmp_path):
+    # The README's case for a second Ctrl-C, a step stuck in a peer: the main thread waits inside gloo's
+    # collective (native code), where Python runs no signal handler, so neither press was heard until the
+    # peer came (a trial: two presses during a 12 s step, the first said at its end, then a clean stop).
+    # Now a thread hears the second one as it arrives, and the process ends with status 130.
+    from distributed_training.testing import DistributedTestError
+
+    try:
+        run_distributed(stuck_in_a_collective_worker, 2, args=(str(tmp_path / "said"),), timeout=90)
+        report = ""
+    except DistributedTestError as err:
+        report = str(err)
+    assert "--- rank 0 failed ---\nprocess exited with code 130" in report, report
+    assert not (tmp_path / "said.0").exists()  # (it never got out of the collective on its own)
