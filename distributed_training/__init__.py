@@ -1,13 +1,16 @@
-"""distributed_training: data-parallel training from scratch on torch.distributed collectives."""
+"""distributed_training: data, pipeline and tensor parallelism from scratch on torch.distributed collectives."""
 
 from .comm.optimizer import CommunicationOptimizer
+from .hangs import CollectiveTimeoutError
 from .mesh import Mesh
+from .peer_watch import PeerFailureError
 from .runtime import DistributedContext, init_distributed
 from .strategies import (DDP, FSDP, DDPStrategy, FSDPStrategy, Join, MixedPrecision, NaiveDDP, Strategy, Zero1Strategy,
                          join)
 from .trainer import DistributedTrainer
 
 __all__ = [
+    "CollectiveTimeoutError",
     "CommunicationOptimizer",
     "DDP",
     "DDPStrategy",
@@ -19,6 +22,7 @@ __all__ = [
     "Mesh",
     "MixedPrecision",
     "NaiveDDP",
+    "PeerFailureError",
     "Strategy",
     "Zero1Strategy",
     "init_distributed",
