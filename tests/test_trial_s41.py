@@ -366,3 +366,22 @@ def test_a_second_ctrl_c_ends_a_rank_stuck_in_a_collective_at_once(tmp_path):
         report = str(err)
     assert "--- rank 0 failed ---\nprocess exited with code 130" in report, report
     assert not (tmp_path / "said.0").exists()  # (it never got out of the collective on its own)
+
+
+def test_job_store_of_an_ended_job_says_so_at_once(monkeypatch):
+    # The docs promise an error, not a timeout, once the job (and its store) is gone: TCPStore's connect
+    # retried the refused port for job_store's whole timeout, 300 s (a trial).
+    import socket
+    import time
+
+    from distributed_training.ps import job_store
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="cannot be reached .* the job has ended"):
+        job_store(timeout=60)
+    assert time.monotonic() - started < 10

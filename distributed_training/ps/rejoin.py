@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import time
 from datetime import timedelta
 
@@ -48,6 +49,13 @@ def job_store(timeout: float = 300.0) -> dist.Store:
     if missing:
         raise RuntimeError(f"job_store: {', '.join(missing)} not set: give rejoin(store=...) the job's store")
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:  # (TCPStore's own connect retries a refused port for the whole timeout: a trial waited 300 s)
+        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+                                 timeout=min(timeout, 10.0)).close()
+    except OSError as err:
+        raise RuntimeError(f"job_store: the job's rendezvous store at {address} cannot be reached ({err}): the job "
+                           "has ended (its store goes with the process that hosts it), or the address is wrong") \
+            from None
     try:
         return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                              timeout=timedelta(seconds=timeout))
