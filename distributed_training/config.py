@@ -278,8 +278,8 @@ class LoggingConfig(Section):
     every: PositiveInt = 10
     """Log metrics every this many steps."""
     progress: bool = True
-    """Show a progress bar on rank 0 (with or without logging.dir; a plain line per log step where stderr is
-    not a terminal)."""
+    """Show a progress bar on rank 0 (drawn by the monitor: only with logging.dir set; without it, dtrain
+    prints a line per log step)."""
 
 
 class JobConfig(Section):

@@ -126,7 +126,7 @@ def run_job(cfg: JobConfig) -> dict:
             **job_best_checkpoint(cfg),
             save_on_preemption=cfg.checkpoint.save_on_preemption, checkpoint_async=cfg.checkpoint.asynchronous,
             log_dir=cfg.logging.dir,
-            log_every=cfg.logging.every, progress=cfg.logging.progress,
+            log_every=cfg.logging.every, progress=cfg.logging.progress and cfg.logging.dir is not None,
             mixed_precision=None if t.precision == "fp32" else t.precision,
             activation_checkpointing=_block_classes(model) if t.activation_checkpointing else None,
             memory_budget_bytes=t.memory_budget_gb * 2**30 if t.memory_budget_gb is not None else None,
