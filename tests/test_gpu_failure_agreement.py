@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 
-from distributed_training.testing import DistributedTestError, run_distributed
+from distributed_training.testing import run_distributed
 
+from _failures import failure_report
 from test_trial_s40 import ddp_dropped_backward_worker, every_rank_fails_worker, one_rank_step_failure_worker
-from test_trial_s41 import first_call_failure_worker
+from test_trial_s41 import check_first_call_failure_named, first_call_failure_worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -26,11 +27,7 @@ def test_nccl_a_step_every_rank_failed_is_agreed_and_training_goes_on():
 
 @pytest.mark.parametrize("where", ["forward", "optimizer"])
 def test_nccl_a_step_failed_on_one_rank_only_is_not_trained_past(tmp_path, where):
-    try:
-        run_distributed(one_rank_step_failure_worker, 2, args=(str(tmp_path / "said"), where), backend="nccl",
-                        timeout=120)
-    except DistributedTestError:
-        pass
+    failure_report(one_rank_step_failure_worker, 2, args=(str(tmp_path / "said"), where), backend="nccl", timeout=120)
     said = json.loads((tmp_path / "said.1").read_text())
     assert said[0] == "ok" and "ok" not in said[1:], said
     assert any("failed on 1 of the job's 2 ranks only" in s or "peer rank 0" in s for s in said[2:]), said
@@ -42,15 +39,6 @@ def test_nccl_ddp_drops_what_a_failed_backward_launched():
 
 
 def test_nccl_a_failure_in_the_first_call_names_the_rank(tmp_path):
-    try:
-        run_distributed(first_call_failure_worker, 2, args=(str(tmp_path / "said"),), backend="nccl", timeout=120)
-        report = ""
-    except DistributedTestError as err:
-        report = str(err)
-    assert "sample" in (tmp_path / "said.1").read_text()
-    path = tmp_path / "said.0"
-    if path.exists():
-        seconds, said = path.read_text().split(" ", 1)
-        assert "PeerFailureError" in said and "rank 1" in said and float(seconds) < 60, said
-    else:
-        assert "--- rank 0 failed ---\nprocess exited with code 75" in report, report
+    record = str(tmp_path / "said")
+    check_first_call_failure_named(record, failure_report(first_call_failure_worker, 2, args=(record,),
+                                                          backend="nccl", timeout=120), within=60)

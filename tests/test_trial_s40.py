@@ -425,13 +425,9 @@ def test_a_failure_in_one_replicas_pipeline_only_stops_the_job_instead_of_pairin
     # Now the next call waits for the job's other ranks to have failed too, and refuses to go on.
     import json
 
-    from distributed_training.testing import DistributedTestError
+    from _failures import failure_report
 
-    try:
-        run_distributed(one_replica_eval_failure_worker, 4, args=(str(tmp_path / "said"),), timeout=120)
-        report = ""
-    except DistributedTestError as err:
-        report = str(err)
+    report = failure_report(one_replica_eval_failure_worker, 4, args=(str(tmp_path / "said"),), timeout=120)
     for rank in (1, 3):  # (the other replica, the pipeline of ranks 1 and 3: its peer watch names rank 0, or
         path = tmp_path / f"said.{rank}"  # ends it where its collective cannot be woken)
         if path.exists():
@@ -540,12 +536,9 @@ def test_a_step_failed_on_one_rank_only_is_not_trained_past(tmp_path, where):
     # every rank to have failed the step too, and refuses.
     import json
 
-    from distributed_training.testing import DistributedTestError
+    from _failures import failure_report
 
-    try:
-        run_distributed(one_rank_step_failure_worker, 2, args=(str(tmp_path / "said"), where), timeout=120)
-    except DistributedTestError:
-        pass
+    failure_report(one_rank_step_failure_worker, 2, args=(str(tmp_path / "said"), where), timeout=120)
     said = json.loads((tmp_path / "said.1").read_text())
     assert said[0] == "ok" and "ok" not in said[1:], said
     assert any("failed on 1 of the job's 2 ranks only" in s or "peer rank 0" in s for s in said[2:]), said

@@ -7,7 +7,9 @@ import os
 import pytest
 import torch
 
-from distributed_training.testing import DistributedTestError, run_distributed
+from distributed_training.testing import run_distributed
+
+from _failures import failure_report, record_outcome
 
 
 def _chain():
@@ -30,8 +32,6 @@ class _Unreadable(torch.utils.data.Dataset):
 
 
 def first_call_failure_worker(rank, world, record):
-    import time
-
     import torch.nn.functional as F
 
     from distributed_training import DistributedTrainer
@@ -39,33 +39,29 @@ def first_call_failure_worker(rank, world, record):
     trainer = DistributedTrainer(_chain(), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
                                  heartbeat_timeout=2.0)
     trainer._peer_exit_after = 1.0
-    started = time.monotonic()
-    try:
-        trainer.evaluate(_Unreadable(), F.mse_loss, batch_size=4)  # the job's first call: no step before it
-        said = "passed"
-    except Exception as err:  # noqa: BLE001
-        said = f"{type(err).__name__}: {err}"
-    with open(f"{record}.{rank}", "w") as f:
-        f.write(f"{time.monotonic() - started:.1f} {said}")
+    # (the job's first call: no step before it)
+    record_outcome(record, rank, lambda: trainer.evaluate(_Unreadable(), F.mse_loss, batch_size=4))
     trainer.close(barrier=False)
+
+
+def check_first_call_failure_named(record, report: str, within: float) -> None:
+    """`first_call_failure_worker`'s outcome: rank 1 raised its own error, and rank 0 raised
+    `PeerFailureError` naming it within `within` seconds, or its watcher ended it (status 75)."""
+    assert "sample" in open(f"{record}.1").read()  # rank 1's own error
+    if os.path.exists(f"{record}.0"):  # rank 0 raised: the peer named, within seconds
+        seconds, said = open(f"{record}.0").read().split(" ", 1)
+        assert "PeerFailureError" in said and "rank 1" in said and float(seconds) < within, said
+    else:  # or its watcher ended it where gloo's wait cannot be woken (exit 75, for torchrun to restart)
+        assert "--- rank 0 failed ---\nprocess exited with code 75" in report, report
 
 
 def test_a_failure_in_the_first_call_names_the_rank_instead_of_a_hang(tmp_path):
     # The peer watch started at the first training step: an evaluation (or a save, ``full_state_dict()``)
     # before it that failed on one rank only left the others inside its collectives until the process
     # group's timeout (the ROADMAP's "Left" list, session 40). The watch starts at any collective call now.
-    try:
-        run_distributed(first_call_failure_worker, 2, args=(str(tmp_path / "said"),), timeout=60)
-        report = ""
-    except DistributedTestError as err:
-        report = str(err)
-    assert "sample" in (tmp_path / "said.1").read_text()  # rank 1's own error
-    path = tmp_path / "said.0"
-    if path.exists():  # rank 0 raised: the peer named, within seconds
-        seconds, said = path.read_text().split(" ", 1)
-        assert "PeerFailureError" in said and "rank 1" in said and float(seconds) < 30, said
-    else:  # or its watcher ended it where gloo's wait cannot be woken (exit 75, for torchrun to restart)
-        assert "--- rank 0 failed ---\nprocess exited with code 75" in report, report
+    record = str(tmp_path / "said")
+    check_first_call_failure_named(record, failure_report(first_call_failure_worker, 2, args=(record,), timeout=60),
+                                   within=30)
 
 
 def test_dtrain_seed_seeds_the_gpts_dropout(tmp_path, monkeypatch):
@@ -333,7 +329,6 @@ class _PeerStalls(torch.utils.data.Dataset):
 
 def stuck_in_a_collective_worker(rank, world, record):
     import signal
-    import time
 
     import torch.nn.functional as F
 
@@ -341,14 +336,8 @@ def stuck_in_a_collective_worker(rank, world, record):
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     trainer = DistributedTrainer(_chain(), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
-    started = time.monotonic()
-    try:
-        trainer.fit(_PeerStalls(), epochs=1, batch_size=4, shuffle=False, criterion=F.mse_loss)
-        outcome = "returned"
-    except BaseException as err:  # noqa: BLE001
-        outcome = f"{type(err).__name__}: {err}"
-    with open(f"{record}.{rank}", "w") as f:
-        f.write(f"{time.monotonic() - started:.1f} {outcome}")
+    record_outcome(record, rank, lambda: trainer.fit(_PeerStalls(), epochs=1, batch_size=4, shuffle=False,
+                                                     criterion=F.mse_loss))
     trainer.close(barrier=False)
 
 
@@ -357,13 +346,7 @@ def test_a_second_ctrl_c_ends_a_rank_stuck_in_a_collective_at_once(tmp_path):
     # collective (native code), where Python runs no signal handler, so neither press was heard until the
     # peer came (a trial: two presses during a 12 s step, the first said at its end, then a clean stop).
     # Now a thread hears the second one as it arrives, and the process ends with status 130.
-    from distributed_training.testing import DistributedTestError
-
-    try:
-        run_distributed(stuck_in_a_collective_worker, 2, args=(str(tmp_path / "said"),), timeout=90)
-        report = ""
-    except DistributedTestError as err:
-        report = str(err)
+    report = failure_report(stuck_in_a_collective_worker, 2, args=(str(tmp_path / "said"),), timeout=90)
     assert "--- rank 0 failed ---\nprocess exited with code 130" in report, report
     assert not (tmp_path / "said.0").exists()  # (it never got out of the collective on its own)
 
