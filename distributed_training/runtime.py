@@ -25,6 +25,7 @@ import atexit
 import importlib
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -209,30 +210,60 @@ def launcher_ranks_per_node(group: dist.ProcessGroup | None = None) -> int:
     return _env_int("LOCAL_WORLD_SIZE", dist.get_world_size(group))
 
 
-def _attempt_store(rank: int, world_size: int, timeout: timedelta, restart: str) -> dist.Store:
-    """The rendezvous store of this torchrun attempt and group, under a prefix of its own.
+def _launch_group_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The launch's rendezvous store, under a prefix that only the ranks forming this group now share.
 
-    After `--max-restarts` restarts the workers, the store can still hold the previous attempt's keys
-    (among them the addresses gloo connects to), and the new workers would dial dead peers. Within one
-    attempt, a second group after `shutdown()` (a second trainer in the same script) would meet the
-    first group's keys (its store-based barrier's counter among them) and wait forever. A prefix per
-    attempt and per group keeps them apart. The group's number is how many times this rank has
-    joined in this attempt, counted in the store itself (each rank its own key): every rank joins in
-    the same order, so the count names the same group on every rank, and no counter lives in the
-    process.
+    Under torchrun the store can outlive the workers: the agents' shared store (the default) holds the
+    keys of every earlier rendezvous round (among them the addresses gloo dials, now dead) and of an
+    earlier group of this round (a second trainer after `shutdown()`, whose store-based barrier counter
+    would never match). No launcher variable names the round: ``TORCHELASTIC_RESTART_COUNT`` is each
+    agent's own (a membership change does not count it, so after one node's worker fails the nodes'
+    counts differ, and ranks keyed by it waited under different prefixes forever).
+
+    So rank 0 opens a new group number in the store, and every other rank has it confirmed before using
+    it: a rank reads the newest number, signs in under it with a token of this process, and waits for
+    rank 0 to answer that token. A number read before rank 0 opened this group's is an earlier group's,
+    whose rank 0 is gone or done and never answers: the rank reads the number again and signs in anew.
     """
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
         is_master=not agent_hosts_store and rank == 0, timeout=timeout,
     )
-    # A store of the workers' own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) is new in every rendezvous
-    # round: no earlier attempt's keys to avoid. And there the restart count must not name it: it is
-    # each agent's own, so after a node joins a running job (a new agent: 0, the others: their
-    # restarts) the ranks would wait under different prefixes forever.
-    attempt = dist.PrefixStore(f"distributed_training/attempt_{restart if agent_hosts_store else 'own'}", store)
-    joined = attempt.add(f"joins/rank_{rank}", 1)
-    return dist.PrefixStore(f"group_{joined}", attempt)
+    groups = dist.PrefixStore("distributed_training/groups", store)
+    if rank == 0:
+        number = groups.add("opened", 1)
+        group = dist.PrefixStore(f"group_{number}", groups)
+        signed = [f"signed/rank_{r}" for r in range(1, world_size)]
+        try:
+            group.wait(signed, timeout)
+        except dist.DistStoreError:
+            missing = [r for r in range(1, world_size) if not group.check([f"signed/rank_{r}"])]
+            raise dist.DistStoreError(
+                f"rank 0 waited {timeout.total_seconds():.0f} s for ranks {missing} to join the process group "
+                f"(store {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}): did they start?"
+            ) from None
+        if signed:
+            tokens = group.multi_get(signed)
+            group.multi_set([f"answer/{t.decode()}" for t in tokens], [b"1"] * len(tokens))
+        return group
+    token = uuid.uuid4().hex
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.02
+    while True:
+        number = groups.add("opened", 0)
+        group = dist.PrefixStore(f"group_{number}", groups)
+        group.set(f"signed/rank_{rank}", token)
+        try:
+            group.wait([f"answer/{token}"], timedelta(seconds=pause))
+            return group
+        except dist.DistStoreError:
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(
+                    f"rank {rank} waited {timeout.total_seconds():.0f} s for rank 0 to open the process "
+                    f"group (store {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}): did it start?"
+                ) from None
+            pause = min(2 * pause, 1.0)
 
 
 def init_distributed(
@@ -317,9 +348,8 @@ def init_distributed(
                     f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: start the job with torchrun "
                     f"(expected variables: {', '.join(_TORCHRUN_VARS)})"
                 )
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-            if restart is not None:
-                kwargs["store"] = _attempt_store(rank, world_size, timeout, restart)
+            if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun: a store that outlives the workers
+                kwargs["store"] = _launch_group_store(rank, world_size, timeout)
         # torch._dynamo, imported once a default group exists (building any torch.optim optimizer
         # imports it), keeps references to that group: `destroy_process_group` then cannot free it,
         # its gloo threads live on into the interpreter's exit, and one still busy there aborts the

@@ -46,7 +46,7 @@ _RUNS = itertools.count()  # resume=False trainers of this process, in the order
 
 
 def _launch_store() -> Any:
-    """The rendezvous store under every prefix (the attempt's and group's: `runtime._attempt_store`)."""
+    """The rendezvous store under every prefix (the group's: `runtime._launch_group_store`)."""
     store = _store()
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store

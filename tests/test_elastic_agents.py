@@ -222,3 +222,39 @@ def _check(strategy, result, records, devices=("", "")):
     # alone, about 10 s and 15 s for the CPU cases' two together.
     assert measured["steps_lost"] <= 2, measured
     assert measured["recovery_s"] < 60 and measured["grow_s"] < 90, measured
+
+
+@pytest.mark.timeout(150)
+def test_one_nodes_worker_fails_and_both_nodes_restart_on_the_shared_store(tmp_path):
+    """Two agents of one worker each on torchrun's shared store (the default); rank 1's worker exits once.
+    Its agent restarts it as a restart (count 1), the other agent its own as a membership change (count 0):
+    the restarted workers must still meet, for both groups the job forms in turn. They waited under
+    prefixes named by those counts before (and hung until the store's timeout)."""
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from distributed_training.testing import _torchrun_env
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
+                          timeout=timedelta(seconds=60))
+    conf = "is_host=false,join_timeout=60,last_call_timeout=1,close_timeout=10,keep_alive_interval=1"
+    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{store.port}", f"--rdzv-id={tmp_path.name}", f"--rdzv-conf={conf}",
+            "--max-restarts=1", "--monitor-interval=0.2", str(REPO / "tests" / "jobs" / "restart_one_node.py"),
+            str(tmp_path / "failed_once")]
+    agents = [ForkedTorchrunJob(args, env=_torchrun_env({}), cwd=None) for _ in range(2)]
+    try:
+        outs = [agent.wait(120) for agent in agents]
+        logs = [agent.output() for agent in agents]
+    finally:
+        for agent in agents:
+            agent.close()
+    for out, log in zip(outs, logs):
+        assert out.returncode == 0, log[-4000:]
+    lines = [re.findall(r"RESTART rank=(\d) count=(\d) group=(\d) sum=(\S+)", log) for log in logs]
+    # The first incarnation met (both ranks, group 1), then each agent's last one formed both groups.
+    for found in lines:
+        assert [(g, s) for _, _, g, s in found[-2:]] == [("1", "3"), ("2", "3")], found
+    assert sorted(found[-1][1] for found in lines) == ["0", "1"], lines  # the agents' counts differ
