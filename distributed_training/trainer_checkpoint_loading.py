@@ -130,10 +130,12 @@ class CheckpointLoading(HyperparameterRestore):
         if self.lr_scheduler is not None:
             # A schedule added since the checkpoint starts where it would be after the saved steps.
             changes += self._restore_schedule(meta.get("lr_scheduler") or {"last_epoch": int(meta["step"])})
-        changes += [f"{key}: {meta['fit'].get(key)} -> {value}"
-                    + (f" ({self._fit_derived[key]})" if key in self._fit_derived else "")
+        was_derived = meta.get("fit_derived") or {}
+        changes += [f"{key}: {meta['fit'].get(key)}" + (f" ({was_derived[key]})" if key in was_derived else "")
+                    + f" -> {value}" + (f" ({self._fit_derived[key]})" if key in self._fit_derived else "")
                     for key, value in self._fit_limits.items()
                     if "fit" in meta and key in meta["fit"] and meta["fit"][key] != value]
+        changes += self._replicas_changed(meta)
         # With a global batch, `fit` resolves the accumulation after loading (and says what it trains, and
         # what changed): the checkpoint's resolved value is not to be compared with the configured one.
         derived = ("gradient_accumulation_steps",) if self._fit_global_batch else ()
@@ -172,6 +174,18 @@ class CheckpointLoading(HyperparameterRestore):
             self.micro_batch_size = int(limit)
         if meta.get("batch_size") is not None:
             self.batch_size = int(meta["batch_size"])
+
+    def _replicas_changed(self, meta: dict[str, Any]) -> list[str]:
+        """Another number of data-parallel replicas than the checkpoint's, without a global batch to keep:
+        each replica keeps its batch, so the global batch (and the gradient's noise) changes with them."""
+        old = max(meta.get("dp_rank_of") or [-1]) + 1
+        if self._fit_keeps_global_batch or old in (0, self.dp_world_size):
+            return []
+        per = meta.get("batch_size") or (meta.get("fit") or {}).get("batch_size")  # "auto"'s, or fit's
+        sizes = (f" ({old} x {per} = {old * per} samples -> {self.dp_world_size} x {per} = "
+                 f"{self.dp_world_size * per})" if isinstance(per, int) else "")
+        return [f"data-parallel replicas: {old} -> {self.dp_world_size}, so the global batch changed{sizes}; "
+                "fit(global_batch_size=...) keeps it at any world size"]
 
     def _check_rank_files(self, path: str, meta: dict[str, Any], read: Callable[[int], dict], old_world: int) -> str:
         """This rank's share of checking a checkpoint's rank files before anything is loaded: its own

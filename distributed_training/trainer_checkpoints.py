@@ -189,6 +189,7 @@ class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
             "config": self.config,
             "optimizer_hparams": self._configured_hparams,
             "fit": dict(self._fit_limits),
+            "fit_derived": dict(self._fit_derived),  # which of those a job derived (dtrain's epochs)
             "metrics": dict(metrics or {}),
             **self.strategy.shared_state(self.model),  # e.g. DDP's bucket layout
         }

@@ -187,6 +187,7 @@ class Fitting(EpochLoop):
         if isinstance(batch_size, int) and plan is None:  # (compared on resume: a change is said, as the others)
             self._fit_limits["batch_size"] = batch_size
         self._fit_global_batch = plan is not None and "pipeline_parallel_size" not in self.config
+        self._fit_keeps_global_batch = plan is not None
         resumed_from = self._resume_or_start_fresh()
         if resumed_from is None and self.step == 0 and self.context.is_main and self.monitor.found_earlier_records:
             log.warning("%s holds an earlier run's logs: this run's, from step 0, are appended to them (TensorBoard "

@@ -80,6 +80,7 @@ class TrainerState:
         # Whether the `fit` in progress sets the accumulation from a global batch (`_adopt_global_batch`):
         # then a resume does not compare the configured gradient_accumulation_steps with the checkpoint's.
         self._fit_global_batch = False
+        self._fit_keeps_global_batch = False  # fit(global_batch_size=...): a resize keeps it (said by fit)
         self.heartbeat_timeout = heartbeat_timeout
         self._watch: PeerWatch | None = None  # started by `fit` or the first train_step
         self._last_saved_step: int | None = None
