@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from distributed_training.testing import run_distributed
@@ -71,3 +76,66 @@ def test_a_limit_a_job_derived_is_said_as_derived_when_it_changes_on_resume(tmp_
     said = run_distributed(resumed_fit_worker, 1, args=(str(tmp_path / "ckpt"), fits), timeout=90)[0]
     changed = _changes(said)
     assert len(changed) == 1 and "epochs: 3 (derived from training.max_steps) -> 1" in changed[0], said
+
+
+KILLED_SERVER = '''
+import os, signal, sys, threading, time
+import torch, torch.distributed as dist, torch.nn.functional as F
+from torch import nn
+from distributed_training.ps import ParameterServer
+
+rank, world, init, consistency, flag = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+torch.manual_seed(0)
+model = nn.Linear(8, 1)
+ps = ParameterServer(model, "sgd", lr=0.1, num_servers=2, consistency=consistency)
+if ps.role == "server":
+    if rank == 0:  # dies once a worker has reached step 5
+        def die():
+            while not os.path.exists(flag):
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=die, daemon=True).start()
+    ps.serve()
+else:
+    for step in range(10000):
+        if step == 5:
+            open(flag, "a").close()
+        ps.pull()
+        x = torch.randn(16, 8)
+        F.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        ps.step()
+        model.zero_grad()
+        time.sleep(0.005)
+    ps.close()
+'''
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("consistency", ["sync", "async"])
+def test_a_killed_server_is_named_by_every_worker_which_exits_as_a_script_that_raised(tmp_path, consistency):
+    # A server killed mid-run: the workers raised gloo's own text ("Read error ... Connection reset by peer"),
+    # naming no server, with their receives from the other server left blocked in gloo (a trial saw such
+    # workers abort at the interpreter's exit, and once hang). Each is a fresh interpreter: an abort shows at
+    # a real exit only.
+    script = tmp_path / "job.py"
+    script.write_text(KILLED_SERVER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("RANK", None)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), "4", init, consistency, str(tmp_path / "flag")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) for rank in range(4)]
+    try:
+        outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[0].returncode == -9, outs[0][-2000:]
+    for rank in (2, 3):
+        out = outs[rank]
+        assert "terminate called" not in out and procs[rank].returncode == 1, f"rank {rank}:\n{out[-3000:]}"
+        said = [line for line in out.splitlines() if "ServerLostError: parameter server:" in line]
+        assert said and "server 0 (rank 0) is lost at step" in said[-1] and "GLHF" not in said[-1], out[-3000:]
+    assert "terminate called" not in outs[1] and procs[1].returncode is not None, outs[1][-3000:]

@@ -6,11 +6,11 @@ See docs/parameter_server.md for the design.
 """
 
 from .parameter_server import ParameterServer
-from .protocol import WorkerLostError
+from .protocol import ServerLostError, WorkerLostError
 from .rejoin import job_store, rejoin
 from .server import ServerStats
 from .sharding import Piece, ShardPlan, plan_shards
 from .state import ServerState
 
-__all__ = ["ParameterServer", "ServerStats", "WorkerLostError", "Piece", "ShardPlan", "plan_shards", "ServerState",
+__all__ = ["ParameterServer", "ServerStats", "WorkerLostError", "ServerLostError", "Piece", "ShardPlan", "plan_shards", "ServerState",
            "rejoin", "job_store"]

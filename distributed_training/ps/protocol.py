@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["STOP_WORKER", "Kind", "HEADER", "VALUES", "INDICES", "REPLY", "REPLY_VALUES", "HEADER_LEN", "REPLY_LEN",
-           "WorkerLostError", "gloo_group", "process_group", "Outbox", "send_request", "recv_request", "recv_reply",
+           "WorkerLostError", "ServerLostError", "gloo_group", "process_group", "Outbox", "send_request", "recv_request", "recv_reply",
            "close_connections"]
 
 HEADER, VALUES, INDICES, REPLY, REPLY_VALUES = 1001, 1002, 1003, 1004, 1005
@@ -72,6 +72,29 @@ class WorkerLostError(RuntimeError):
         return cls(f"parameter server: worker {worker} (rank {rank}) is lost at step {step} (its connection "
                    f"closed: the process died or its training raised, which its own output says; {seen_by}); consistency='sync' needs every worker's gradient of "
                    "every step, so the training stops (ssp and async drop a lost worker and go on)", worker, step)
+
+
+class ServerLostError(RuntimeError):
+    """A server's process is gone: the parameters it held (and their optimizer state) went with it, under
+    any consistency. Raised by the workers that find it (a failed message to or from it).
+
+    Attributes:
+        server: the lost server's index (its rank).
+        step: the step the worker that raised was computing.
+    """
+
+    names_lost_peer = True  # the trainer raises it as it is (no wait for its peer watch's verdict)
+
+    def __init__(self, message: str, server: int, step: int) -> None:
+        super().__init__(message)
+        self.server, self.step = server, step
+
+    @classmethod
+    def of(cls, server: int, step: int, seen_by: str) -> "ServerLostError":
+        return cls(f"parameter server: server {server} (rank {server}) is lost at step {step} (its connection "
+                   f"closed: the process died or its network failed; {seen_by}); its shard of the parameters and "
+                   "their optimizer state went with it, so the training stops: start the job again (from its "
+                   "last save_state, if any)", server, step)
 
 
 class Kind(enum.IntEnum):

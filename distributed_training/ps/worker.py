@@ -21,7 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .protocol import STOP_WORKER, Kind, WorkerLostError, recv_reply, send_request
+from .protocol import (STOP_WORKER, Kind, ServerLostError, WorkerLostError, close_connections, recv_reply,
+                       send_request)
 from .sharding import Piece, ShardPlan
 
 __all__ = ["Worker"]
@@ -101,12 +102,10 @@ class Worker:
             indices, local = self._indices(server, self._rows)
             n = sum(self._numel(p, local.get(p.name)) for p in self.plan.pieces[server])
             posted, header, values = recv_reply(self.pg, server, n)
-            works += posted
-            works += send_request(self.pg, server, Kind.FINAL if final else Kind.PULL, self.index, self.step,
-                                  None, indices)
+            works += [(server, w) for w in posted + send_request(
+                self.pg, server, Kind.FINAL if final else Kind.PULL, self.index, self.step, None, indices)]
             replies.append((server, header, values, local, indices))
-        for work in works:
-            work.wait()
+        self._wait(works, "final pull" if final else "pull")
         self.wait_seconds += time.perf_counter() - started
         self._raise_if_lost([(server, header) for server, header, *_ in replies], leave=True)
         for server, header, values, local, indices in replies:
@@ -151,12 +150,12 @@ class Worker:
             indices, local = self._indices(server, rows)
             parts = [self._grad(piece, local.get(piece.name)) for piece in self.plan.pieces[server]]
             values = torch.cat(parts) if parts else torch.empty(0)
-            works += send_request(self.pg, server, Kind.PUSH, self.index, self.step, values, indices, weight)
+            works += [(server, w) for w in send_request(self.pg, server, Kind.PUSH, self.index, self.step, values,
+                                                        indices, weight)]
             keep.append((values, indices))
             self.traffic["push_values"] += 4 * values.numel()
             self.traffic["push_indices"] += 0 if indices is None else 8 * indices.numel()
-        for work in works:
-            work.wait()
+        self._wait(works, "push")
 
     def _grad(self, piece: Piece, local: torch.Tensor | None) -> torch.Tensor:
         """This piece's gradient as flat fp32 CPU values (rows `local` of it for a sparse piece)."""
@@ -196,10 +195,10 @@ class Worker:
         works, acks = [], []
         for server in range(self.plan.num_servers):
             posted, header, _ = recv_reply(self.pg, server, 0)
-            works += posted + send_request(self.pg, server, Kind.DONE, self.index, self.step, None, None)
+            works += [(server, w) for w in posted + send_request(self.pg, server, Kind.DONE, self.index, self.step,
+                                                                 None, None)]
             acks.append(header)
-        for work in works:
-            work.wait()
+        self._wait(works, "close")
         self._closed = True
         self._raise_if_lost(list(enumerate(acks)))
 
@@ -212,15 +211,29 @@ class Worker:
         works, replies = [], []
         for server in range(self.plan.num_servers):
             posted, header, _ = recv_reply(self.pg, server, 0)
-            works += posted + send_request(self.pg, server, Kind.JOIN, self.index, -1, None, None)
+            works += [(server, w) for w in posted + send_request(self.pg, server, Kind.JOIN, self.index, -1, None,
+                                                                 None)]
             replies.append(header)
-        for work in works:
-            work.wait()
+        self._wait(works, "join")
         versions = [int(h[0]) for h in replies]
         pushed = max(int(h[3]) for h in replies)
         self.versions = versions
         self.step = pushed  # each server's proposal (under ssp: not behind the slowest worker training)
         return self.step
+
+    def _wait(self, works: list[tuple[int, object]], doing: str) -> None:
+        """Wait for each ``(server, work)``. A failed one: that server is gone. This worker is closed then,
+        and its connections too: its receives from the other servers would stay blocked in gloo (and abort
+        the interpreter at its exit). Raises `ServerLostError`."""
+        for server, work in works:
+            try:
+                work.wait()
+            except RuntimeError as err:
+                self._closed = True
+                others = [s for s in range(self.plan.num_servers) if s != server]
+                if others:
+                    close_connections(self.pg, others[0])
+                raise ServerLostError.of(server, self.step, f"worker {self.index}'s {doing} to it failed") from err
 
     def _raise_if_lost(self, headers: list[tuple[int, torch.Tensor]], leave: bool = False) -> None:
         """Raise `WorkerLostError` if a server's reply header names a lost worker (then this one is closed;
