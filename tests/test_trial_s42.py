@@ -139,3 +139,45 @@ def test_a_killed_server_is_named_by_every_worker_which_exits_as_a_script_that_r
         said = [line for line in out.splitlines() if "ServerLostError: parameter server:" in line]
         assert said and "server 0 (rank 0) is lost at step" in said[-1] and "GLHF" not in said[-1], out[-3000:]
     assert "terminate called" not in outs[1] and procs[1].returncode is not None, outs[1][-3000:]
+
+
+def later_stage_worker(rank, world, reshape):
+    import torch.nn.functional as F
+
+    from _tp_models import HFGPT2
+    from distributed_training.tensor import apply_plan
+
+    torch.manual_seed(0)
+    full = HFGPT2(vocab=64)
+    t = full.transformer
+    plan = {"transformer.h.*.attn.c_attn": ("colwise", 3), "transformer.h.*.attn.c_proj": "rowwise",
+            "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
+            "transformer.drop": "sequence_split", "transformer.h.*.ln_*": "sequence", "transformer.ln_f": "sequence",
+            "transformer.wte": "vocab", "lm_head": "vocab"}
+    apply_plan(full, plan, sequence_parallel=True)  # the whole model, as before a pipeline cuts it
+    for block in t.h:
+        block.attn.num_heads //= world
+        block.attn.split_size //= world
+        block.attn.embed_dim //= world
+
+    def last_stage(x: torch.Tensor) -> torch.Tensor:  # a pipeline's last stage of HFGPT2: no 'drop' runs here
+        for block in t.h:
+            x = block(x)
+        x = t.ln_f(x)
+        return full.lm_head(x.view(-1, 8, x.size(-1)) if reshape else x)  # GPT2Model's view after ln_f
+
+    part = torch.randn(4, 8 // world, 32, generator=torch.Generator().manual_seed(1 + rank))  # what it receives
+    try:
+        F.mse_loss(last_stage(part), torch.zeros(()))
+        return "passed"
+    except RuntimeError as err:
+        return str(err)
+
+
+def test_sequence_parallelism_refuses_a_reshape_on_a_pipelines_later_stage():
+    # The check of a column-parallel layer's input against the whole sequence's length had that length only
+    # where the region began (the 'sequence_split' module): a pipeline's later stage, which receives its part,
+    # reshaped unchecked (session 41's "Left"). The stage's input gives the length there.
+    for said in run_distributed(later_stage_worker, 2, args=(True,), timeout=90):
+        assert "the whole sequence (8) along dimension 1, where this rank's part of it was expected" in said, said
+    assert run_distributed(later_stage_worker, 2, args=(False,), timeout=90) == ["passed", "passed"]

@@ -167,9 +167,9 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
 
     # 4. Install them at every name the module has, mark the sequence regions, keep the head's loss.
     entry = SequenceEntry(sequence_dim)
-    for new in built.values():
-        if isinstance(new, ColumnParallelLinear) and new.sequence_parallel:
-            new.sequence_entry = entry
+    checked = [new for new in built.values() if isinstance(new, ColumnParallelLinear) and new.sequence_parallel]
+    for new in checked:
+        new.sequence_entry = entry
     names_of: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         names_of.setdefault(id(module), []).append(name)
@@ -189,6 +189,8 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
                     mark_sequence_parallel(param)
         if style == "sequence_split":
             new.register_forward_pre_hook(_split_input(group, sequence_dim, entry))
+        if style == "sequence" and checked:
+            new.register_forward_pre_hook(_part_input(group, sequence_dim, entry))
         if style == "vocab" and _is_linear(module):
             spec = spec_of(new.weight)
             setattr(new, _LOSS, VocabParallelLoss(group, spec.rank * spec.part if spec is not None else 0))
@@ -338,14 +340,29 @@ def _split_input(group: Any, dim: int, entry: "SequenceEntry") -> Callable:
     def hook(module: nn.Module, args: tuple) -> tuple:
         size = group_size(group)
         if size > 1 and args[0].dim() > dim:
-            entry.began(args[0].shape[dim], size)
+            entry.began(args[0].shape[dim], size, split=True)
         return (split_sequence(args[0], group, dim), *args[1:])
 
     return hook
 
 
+def _part_input(group: Any, dim: int, entry: "SequenceEntry") -> Callable:
+    """A forward pre-hook of a 'sequence' module: its input is this rank's part of the sequence. Where the
+    'sequence_split' module never runs in this process (a pipeline's later stage), its length gives the
+    whole sequence's to `entry`."""
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        if not entry.split_seen and args and isinstance(args[0], torch.Tensor) and args[0].dim() > dim:
+            size = group_size(group)
+            if size > 1:
+                entry.began(args[0].shape[dim] * size, size, split=False)
+
+    return hook
+
+
 class SequenceEntry:
-    """Where the sequence-parallel region began last (the 'sequence_split' module's input): the whole
+    """Where the sequence-parallel region began last (the 'sequence_split' module's input; on a pipeline's
+    later stage, which receives its part, a 'sequence' module's input times the tensor size): the whole
     sequence's length, which a column-parallel layer's input must not have along the sequence, where it
     holds this rank's part. A model that reshapes inside the region (Hugging Face GPT-2 views the output
     of `ln_f` as ``(-1, S, C)``, which turns ``(B, S / T, C)`` into ``(B / T, S, C)``) would have the
@@ -358,10 +375,15 @@ class SequenceEntry:
 
     def __init__(self, dim: int) -> None:
         self.dim, self.length, self.parts = dim, None, collections.deque(maxlen=self.RECENT)
+        self.split_seen = False  # whether the 'sequence_split' module ran in this process (else: a later stage)
 
-    def began(self, length: int, size: int) -> None:
+    def began(self, length: int, size: int, split: bool) -> None:
+        """The whole sequence's `length` over `size` ranks, from the split's input (`split`) or, where no
+        split runs, from a 'sequence' module's part."""
+        self.split_seen |= split
         self.length = length
-        self.parts.append(length // size)
+        if not self.parts or self.parts[-1] != length // size:
+            self.parts.append(length // size)
 
     def check(self, x: torch.Tensor, layer: nn.Module) -> None:
         if (self.length is not None and x.dim() > self.dim and x.shape[self.dim] == self.length
