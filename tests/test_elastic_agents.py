@@ -230,6 +230,19 @@ def test_one_nodes_worker_fails_and_both_nodes_restart_on_the_shared_store(tmp_p
     Its agent restarts it as a restart (count 1), the other agent its own as a membership change (count 0):
     the restarted workers must still meet, for both groups the job forms in turn. They waited under
     prefixes named by those counts before (and hung until the store's timeout)."""
+    _restart_one_node(tmp_path, "gloo", ("", ""))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.timeout(150)
+def test_one_nodes_worker_fails_and_both_nodes_restart_on_nccl(tmp_path):
+    """The same on NCCL (each agent's worker on a GPU of its own): NCCL's unique id goes through the group's
+    store prefix."""
+    _restart_one_node(tmp_path, "nccl", ("0", "1"))
+
+
+def _restart_one_node(tmp_path, backend: str, devices: tuple[str, str]) -> None:
     import sys
     from datetime import timedelta
 
@@ -243,8 +256,8 @@ def test_one_nodes_worker_fails_and_both_nodes_restart_on_the_shared_store(tmp_p
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{store.port}", f"--rdzv-id={tmp_path.name}", f"--rdzv-conf={conf}",
             "--max-restarts=1", "--monitor-interval=0.2", str(REPO / "tests" / "jobs" / "restart_one_node.py"),
-            str(tmp_path / "failed_once")]
-    agents = [ForkedTorchrunJob(args, env=_torchrun_env({}), cwd=None) for _ in range(2)]
+            str(tmp_path / "failed_once"), backend]
+    agents = [ForkedTorchrunJob(args, env=_torchrun_env({"CUDA_VISIBLE_DEVICES": d}), cwd=None) for d in devices]
     try:
         outs = [agent.wait(120) for agent in agents]
         logs = [agent.output() for agent in agents]

@@ -18,10 +18,11 @@ import torch.distributed as dist
 from distributed_training import init_distributed
 
 marker = sys.argv[1]
+backend = sys.argv[2] if len(sys.argv) > 2 else "gloo"  # nccl: each agent's one worker on its own GPU
 first = not os.path.exists(marker)  # read before rank 1 of the first incarnation writes it (after group 1 met)
 for group in (1, 2):
-    ctx = init_distributed(backend="gloo", timeout=30)
-    total = torch.tensor([float(ctx.rank + 1)])
+    ctx = init_distributed(backend=backend, timeout=30)
+    total = torch.tensor([float(ctx.rank + 1)], device=ctx.device)
     dist.all_reduce(total)
     print(f"RESTART rank={ctx.rank} count={os.environ['TORCHELASTIC_RESTART_COUNT']} group={group} "
           f"sum={total.item():g}", flush=True)
