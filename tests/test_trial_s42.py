@@ -181,3 +181,60 @@ def test_sequence_parallelism_refuses_a_reshape_on_a_pipelines_later_stage():
     for said in run_distributed(later_stage_worker, 2, args=(True,), timeout=90):
         assert "the whole sequence (8) along dimension 1, where this rank's part of it was expected" in said, said
     assert run_distributed(later_stage_worker, 2, args=(False,), timeout=90) == ["passed", "passed"]
+
+
+def deepcopy_worker(rank, world, strategy):
+    import copy
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    from distributed_training import DistributedTrainer
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x))
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(Block(), Block(), Block(), nn.Linear(8, 2))  # a unit per block under ZeRO-3
+
+    trainer = DistributedTrainer(build(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, progress=False)
+    said = []
+    for what in ("module", "model"):
+        try:
+            copy.deepcopy(getattr(trainer, what))
+            said.append(f"{what}: copied")
+        except RuntimeError as err:
+            said.append(f"{what}: {err}")
+    g = torch.Generator().manual_seed(rank)
+    trainer.train_step((torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)), F.mse_loss)
+    with trainer.summon_full_params():
+        ema = copy.deepcopy(trainer.module)  # every rank
+    full = trainer.full_state_dict()
+    x = torch.randn(3, 8, generator=g)
+    if rank == 0:  # the copy alone, on one rank: its own parameters, none of the wrapper's hooks (a gather)
+        reference = build()
+        reference.load_state_dict(full)
+        said.append(float((ema(x) - reference(x)).abs().max()))
+        ema(x).sum().backward()
+        said.append(all(p.grad is not None for p in ema.parameters()) and not ema._forward_pre_hooks)
+    trainer.train_step((torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)), F.mse_loss)
+    trainer.close()
+    return said
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_deepcopy_of_a_sharded_model_is_refused_by_name_and_works_inside_summon_full_params(strategy):
+    # copy.deepcopy (an EMA copy) of a model under ZeRO-2/3 raised torch's "Only Tensors created explicitly by
+    # the user (graph leaves) support the deepcopy protocol" (session 39's "Left"); a copy made inside
+    # summon_full_params() kept the wrapper's hooks, which gathered the original's units from the copy's forward.
+    said = run_distributed(deepcopy_worker, 2, args=(strategy,), timeout=120)
+    for rank_said in said:
+        for line in rank_said[:2]:
+            assert "holds parameters sharded by FSDP (ZeRO-2/3)" in line and "summon_full_params()" in line, line
+    assert said[0][2] == 0.0 and said[0][3] is True, said[0]

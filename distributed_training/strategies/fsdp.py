@@ -48,6 +48,7 @@ unit at most.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -200,6 +201,7 @@ class FSDP(FSDPGradients, FSDPStateDict, FullWeights, nn.Module):
         for unit in self._units:
             self._register_hooks(unit)
         self._outside_hook = module.register_forward_pre_hook(_RootGuard(self))
+        _CopyGuard.install(self, module)
         self._state_hook = module._register_state_dict_hook(_EmptyStateWarning(self))
 
     # ------------------------------------------------------------ construction
@@ -415,3 +417,64 @@ def _refuse_parameter_hooks(module: nn.Module) -> None:
                 "register_post_accumulate_grad_hook): FSDP (ZeRO-2/3) flattens the parameters into shards, "
                 "so the hook would never run. Put the hook on the module (register_full_backward_hook), "
                 "transform the gradients after backward, or use strategy 'ddp' or 'zero1'")
+
+
+class _CopyGuard:
+    """`copy.deepcopy` of a module whose parameters the units hold: refused, naming it, while they are views
+    of the flat buffers (a copy would hold no parameters of its own: torch's "Only Tensors created
+    explicitly by the user (graph leaves) support the deepcopy protocol", or, before the first forward,
+    a copy without weights). Inside `summon_full_params()` and after `release()` the modules hold real
+    parameters, and the copy is torch's. Installed as the module's own ``__deepcopy__`` (an instance
+    attribute: `copy.deepcopy` looks it up on the object)."""
+
+    def __init__(self, fsdp: "FSDP", module: nn.Module, name: str) -> None:
+        self.fsdp, self.module, self.name = weakref.ref(fsdp), weakref.ref(module), name
+
+    @classmethod
+    def install(cls, fsdp: "FSDP", root: nn.Module) -> None:
+        holders = {id(mod) for unit in fsdp._units for mod, _, _ in unit.refs}
+        for name, mod in root.named_modules():
+            if id(mod) in holders or mod is root:
+                mod.__dict__["__deepcopy__"] = cls(fsdp, mod, name)
+
+    def __reduce__(self):
+        # A pickle of the module (`torch.save` inside `summon_full_params()`) holds its weights itself: it
+        # loads with None in the guard's place, which `copy.deepcopy` passes over.
+        return type(None), ()
+
+    def __call__(self, memo: dict) -> nn.Module:
+        fsdp, module = self.fsdp(), self.module()
+        if fsdp is not None and not fsdp._summoned and not fsdp._released:
+            where = f"{type(module).__name__} {self.name!r}" if self.name else f"the {type(module).__name__}"
+            raise RuntimeError(
+                f"copy.deepcopy: {where} holds parameters sharded by FSDP (ZeRO-2/3): views into flat buffers, "
+                "which a copy cannot own. Copy the model before wrapping it, copy it inside "
+                "summon_full_params() (every rank enters it), or load full_state_dict() into a model built "
+                "as this one was")
+        del module.__dict__["__deepcopy__"]  # the plain copy (the copy then has no guard of its own)
+        try:
+            duplicate = copy.deepcopy(module, memo)
+        finally:
+            module.__dict__["__deepcopy__"] = self
+        if fsdp is not None:
+            _strip_copy(fsdp, module, memo)
+        return duplicate
+
+
+def _strip_copy(fsdp: "FSDP", module: nn.Module, memo: dict) -> None:
+    """A plain copy of `module` (made inside `summon_full_params()`) carries the wrapper's hooks, which call
+    the original's units (a gather: a collective, on this rank only) and its `requires_grad_` lock:
+    take them off the copy's modules, as `release()` does on the original."""
+    handles = [fsdp._outside_hook, fsdp._state_hook, *(h for unit in fsdp._units for h in unit.hooks)]
+    ids = {h.id for h in handles if hasattr(h, "id")}
+    for original in module.modules():
+        duplicate = memo.get(id(original))
+        if duplicate is None:
+            continue
+        for hooks in ("_forward_pre_hooks", "_forward_hooks", "_state_dict_hooks", "_forward_pre_hooks_with_kwargs",
+                      "_forward_hooks_with_kwargs"):
+            table = duplicate.__dict__.get(hooks)
+            for key in ids & set(table or ()):
+                del table[key]
+        duplicate.__dict__.pop("_requires_grad_lock", None)
+        duplicate.__dict__.pop("requires_grad_", None)
