@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .config import ConfigError, JobConfig, training_paths
@@ -20,7 +21,9 @@ from .dtrain_epochs import batch_norm_tail, epochs_for, short_last_batch
 from .dtrain_results import final_metrics, write_outputs
 from .global_batch import plan_global_batch
 from .logs import get_logger
+from .mesh import global_rank
 from .planner import NoStrategyFits
+from .stopping import finishing
 from .validation import check_classifier_targets, job_best_checkpoint, job_fit_evaluation
 
 __all__ = ["run_job"]
@@ -209,8 +212,9 @@ def run_job(cfg: JobConfig) -> dict:
             _raise_loss_failure(cfg, criterion, err, trainer.step == first_step)
             raise
         watch.report(getattr(trainer, "data_wait_s", None))
-        metrics = final_metrics(cfg, trainer, val, val_data, criterion, trainer.batch_size or batch_size)
-        write_outputs(cfg, trainer, metrics)
+        with finishing("the final evaluation and the outputs"):
+            metrics = final_metrics(cfg, trainer, val, val_data, criterion, trainer.batch_size or batch_size)
+            write_outputs(cfg, trainer, metrics)
         finished = True
         return metrics if ctx.is_main else {}
     finally:
@@ -316,9 +320,9 @@ def _resume_meta(cfg: JobConfig) -> dict | None:
 
 def _already_complete(trainer, cfg: JobConfig, epochs: int) -> bool:
     """Whether the checkpoint a resume would load is the end of this run (its step reached
-    training.max_steps, or its epoch the epochs to train): then say so, what to change, and train,
-    evaluate and save nothing (the StatefulSet's marker, checkpoint.dir/COMPLETED, is written if it
-    is missing). Collective, like a resume: every rank reads the same checkpoint and agrees."""
+    training.max_steps, or its epoch the epochs to train) and its final evaluation and outputs were
+    written (checkpoint.dir/COMPLETED, the StatefulSet's marker): then say so, what to change, and train,
+    evaluate and save nothing. Collective, like a resume: every rank reads the same checkpoint and agrees."""
     if trainer.checkpoints is None or not trainer.resume:
         return False
     found = trainer.latest_checkpoint()
@@ -338,14 +342,20 @@ def _already_complete(trainer, cfg: JobConfig, epochs: int) -> bool:
         raise ConfigError(f"checkpoint.dir {cfg.checkpoint.dir} holds a finished run of another model ({err}): "
                           "to train this one, start over with --no-resume (checkpoint.resume: false; the "
                           "old run is kept beside it) or choose another checkpoint.dir") from None
+    limit = f"training.max_steps={max_steps}" if reached == "training.max_steps" else f"{epochs} epoch(s)"
+    # The marker is written after the final evaluation and outputs: without it the run stopped during them
+    # (a preemption, a crash), and `fit` loads the last checkpoint, trains nothing, and they follow.
+    ended = [(Path(cfg.checkpoint.dir) / "COMPLETED").exists()]  # (rank 0's view, for every rank)
+    dist.broadcast_object_list(ended, src=global_rank(trainer.context.group, 0), group=trainer.context.group)
+    if not ended[0]:
+        if trainer.context.is_main:
+            log.info("dtrain: the run reached its end at step %d (%s, checkpoint %s) but stopped before its final "
+                     "evaluation and outputs were complete: they follow now", step, limit, path)
+        return False
     if trainer.context.is_main:
-        limit = f"training.max_steps={max_steps}" if reached == "training.max_steps" else f"{epochs} epoch(s)"
         log.info("dtrain: the run is already complete at step %d (%s, checkpoint %s): nothing trained or saved. "
                  "To train further, raise training.max_steps or training.epochs; to start again from step 0, set "
                  "checkpoint.resume: false (dtrain --no-resume)", step, limit, path)
-        marker = Path(cfg.checkpoint.dir) / "COMPLETED"
-        if not marker.exists():
-            marker.write_text(f"step {step}\n")
     return True
 
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from .logs import get_logger
 from .runtime import DistributedContext
 
-__all__ = ["StopSignals", "SAVING_SIGNALS"]
+__all__ = ["StopSignals", "SAVING_SIGNALS", "finishing"]
 
 log = get_logger(__name__)
 
@@ -73,6 +73,33 @@ def checkpoint_writing():
             interrupted, _writes["interrupted"] = _writes["interrupted"], False
     if interrupted:  # (only after a write that completed: a failed one raises its own error)
         raise KeyboardInterrupt("Ctrl-C pressed twice: stopped at once after the checkpoint write it came during")
+
+
+@contextlib.contextmanager
+def finishing(what: str):
+    """Work that ends a run after its training (dtrain's final evaluation and outputs): SIGTERM and SIGHUP
+    (a preemption's) that arrive during it are held until it is complete, then raise `SystemExit` (143,
+    129) so that ``finally`` blocks run. Stopped half-way, the run would hold its last checkpoint but not
+    the model file it promised. Outside the main thread (no handlers there), a plain block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum, frame) -> None:
+        if not held:
+            log.warning("%s received during %s: it completes first, then the process stops",
+                        signal.Signals(signum).name, what)
+        held.append(signum)
+
+    before = {sig: signal.signal(sig, hold) for sig in SAVING_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    if held:
+        raise SystemExit(128 + held[0])
 
 
 class StopSignals:

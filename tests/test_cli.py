@@ -682,21 +682,31 @@ def test_a_complete_run_run_again_says_so_and_trains_nothing(tmp_path, monkeypat
     assert cli.main([str(path)]) == 0
     marker = tmp_path / "ckpt" / "COMPLETED"
     assert marker.read_text() == "step 2\n"
-    marker.unlink()  # as if the job had been stopped between its last checkpoint and the marker
-    (tmp_path / "final.pt").unlink()
+    marker.unlink()  # as if the job had been stopped during its final evaluation and outputs (a trial: the
+    (tmp_path / "final.pt").unlink()  # model file was then never written, and the restart called the run complete)
     before = sorted(os.listdir(tmp_path / "ckpt"))
     caplog.set_level(logging.INFO, logger="distributed_training")
+    assert cli.main([str(path)]) == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("dtrain: the run reached its end at step 2 (training.max_steps=2, checkpoint ")
+               and "they follow now" in m for m in said), said
+    # Nothing trained or saved but the final evaluation and outputs: the model file and the marker.
+    assert not any(re.search(r"\| loss|the run is already complete", m) for m in said), said
+    assert any("finished at step 2, validation loss" in m for m in said), said
+    assert sorted(os.listdir(tmp_path / "ckpt")) == sorted(before + ["COMPLETED"])
+    assert (tmp_path / "final.pt").is_file() and marker.read_text() == "step 2\n"
+    # Now complete: run again, it says so and does nothing.
+    caplog.clear()
+    (tmp_path / "final.pt").unlink()
     assert cli.main([str(path)]) == 0
     said = [r.getMessage() for r in caplog.records]
     complete = [m for m in said if "already complete" in m]
     assert len(complete) == 1 and complete[0].startswith("dtrain: the run is already complete at step 2 "
                                                          "(training.max_steps=2, checkpoint "), said
     assert "raise training.max_steps or training.epochs" in complete[0] and "checkpoint.resume: false" in complete[0]
-    # Nothing trained, evaluated or saved; the marker is back.
     assert not any(re.search(r"resumed from|\| loss|finished at step|validation loss", m) for m in said), said
     assert sorted(os.listdir(tmp_path / "ckpt")) == sorted(before + ["COMPLETED"])
     assert not (tmp_path / "final.pt").exists()
-    assert marker.read_text() == "step 2\n"
     # Raising max_steps trains on from there.
     caplog.clear()
     assert cli.main([str(path), "--set", "training.max_steps=3"]) == 0

@@ -238,3 +238,22 @@ def test_deepcopy_of_a_sharded_model_is_refused_by_name_and_works_inside_summon_
         for line in rank_said[:2]:
             assert "holds parameters sharded by FSDP (ZeRO-2/3)" in line and "summon_full_params()" in line, line
     assert said[0][2] == 0.0 and said[0][3] is True, said[0]
+
+
+def test_a_preemption_during_the_final_outputs_waits_for_them_then_exits_143(tmp_path):
+    # dtrain's final evaluation and outputs ran after fit, outside its signal handling: a SIGTERM there ended the
+    # process at once (status 143, no word), the model file was never written, and the restart called the run
+    # complete (a trial; the restart now writes them: tests/test_cli.py's complete-run test).
+    import signal
+    import time
+
+    from distributed_training.stopping import finishing
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped:
+        with finishing("the final evaluation and the outputs"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)  # the handler has run by now (the main thread, between bytecodes)
+            (tmp_path / "model.pt").write_text("written")
+    assert stopped.value.code == 143 and (tmp_path / "model.pt").read_text() == "written"
+    assert signal.getsignal(signal.SIGTERM) is before
