@@ -128,6 +128,7 @@ class StopSignals:
         self._first_interrupt: float | None = None  # when this rank's first SIGINT came
         self._wakeup: tuple[int, int, int] | None = None  # (read end, write end, the wake-up fd before ours)
         self._raised = False  # the main thread raised for a second press
+        self._said_first = threading.Lock()  # taken by whichever hears the first press first (thread, handler)
 
     # ------------------------------------------------------------ handlers
     def __enter__(self) -> "StopSignals":
@@ -173,13 +174,14 @@ class StopSignals:
             if not data:  # our write end closed (`restore`): the read end is this thread's to close
                 os.close(read)
                 return
-            if signal.SIGINT not in data:
-                continue
             now = time.monotonic()
             if first is None:
-                first = now
+                if signal.SIGINT in data:  # said now: the main thread may not run its handler for a whole step
+                    first = now
+                    self._say_first_press()
                 continue
-            if now - first <= AGAIN_AFTER_S:
+            # A second press; under torchrun the press reaches torchrun, which ends its workers with SIGTERM.
+            if signal.SIGTERM not in data and (signal.SIGINT not in data or now - first <= AGAIN_AFTER_S):
                 continue
             time.sleep(AGAIN_AFTER_S)  # the main thread's own handler, if it can run, raises meanwhile
             if self._raised or self._wakeup is None or _writes["depth"]:
@@ -192,14 +194,14 @@ class StopSignals:
         # Only a flag: raising here could abandon a checkpoint write or a collective half done. But a
         # user who presses Ctrl-C again wants out now, whatever is stuck.
         sig = signal.Signals(signum)
-        if sig == signal.SIGINT:
+        # Under torchrun a second Ctrl-C reaches torchrun, which ends its workers with SIGTERM: a second press.
+        again = sig == signal.SIGTERM and self._first_interrupt is not None
+        if sig == signal.SIGINT or again:
             now = time.monotonic()
             if self._first_interrupt is None:
                 self._first_interrupt = now
-                if self.context.rank == 0:  # every rank got it (a launcher forwards it): said once
-                    log.warning("SIGINT: stopping at the next step boundary, with the other ranks (press Ctrl-C "
-                                "again to stop at once)")
-            elif now - self._first_interrupt > AGAIN_AFTER_S:
+                self._say_first_press()
+            elif again or now - self._first_interrupt > AGAIN_AFTER_S:
                 self.restore()
                 if _writes["depth"] and threading.current_thread() is threading.main_thread():
                     if not _writes["interrupted"]:
@@ -209,6 +211,12 @@ class StopSignals:
                 self._raised = True
                 raise KeyboardInterrupt("Ctrl-C pressed twice: stopped at once, not at a step boundary")
         self.received = max(self.received, _PRIORITY[sig])
+
+    def _say_first_press(self) -> None:
+        """Say the first Ctrl-C once, on rank 0 (every rank got it: a launcher forwards it)."""
+        if self.context.rank == 0 and self._said_first.acquire(blocking=False):
+            log.warning("SIGINT: stopping at the next step boundary, with the other ranks (press Ctrl-C again to "
+                        "stop at once)")
 
     def request(self, sig: signal.Signals, why: str) -> None:
         """Stop as if `sig` had reached this rank (a parameter server's server got it: the workers stop,

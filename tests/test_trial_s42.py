@@ -257,3 +257,55 @@ def test_a_preemption_during_the_final_outputs_waits_for_them_then_exits_143(tmp
             (tmp_path / "model.pt").write_text("written")
     assert stopped.value.code == 143 and (tmp_path / "model.pt").read_text() == "written"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+class _PeerStallsThenTorchrunEnds(torch.utils.data.Dataset):
+    """Rank 1's ninth sample read stalls 12 s; rank 0 then waits for it in a collective, and gets SIGINT (the
+    first Ctrl-C, which torchrun forwards), then SIGTERM 1.5 s later (torchrun's answer to a second press)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i):
+        import signal
+        import threading
+        import time
+
+        rank = int(os.environ.get("RANK", "0"))
+        self.reads += 1
+        if self.reads == 9 and rank == 1:
+            time.sleep(12)
+        if self.reads == 10 and rank == 0:  # (three reads before the first batch: fit checks a sample)
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+            threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        return torch.full((8,), float(i)), torch.zeros(2)
+
+
+def torchrun_second_press_worker(rank, world, record):
+    import signal
+
+    import torch.nn.functional as F
+
+    from _failures import record_outcome
+    from distributed_training import DistributedTrainer
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    trainer = DistributedTrainer(_chain(), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    record_outcome(record, rank, lambda: trainer.fit(_PeerStallsThenTorchrunEnds(), epochs=1, batch_size=4,
+                                                     shuffle=False, criterion=F.mse_loss))
+    trainer.close(barrier=False)
+
+
+def test_under_torchrun_a_second_ctrl_c_ends_a_stuck_worker_at_once(tmp_path):
+    # Under torchrun a Ctrl-C reaches torchrun, which forwards SIGINT to its workers; a second press makes it
+    # send SIGTERM and SIGKILL 30 s later. The SIGTERM was taken as a preemption (stop at the step boundary and
+    # save): a worker stuck in a long step stayed until the SIGKILL (a trial: 33 s after the second press). A
+    # SIGTERM after a first Ctrl-C is a second press now: the stuck rank ends at once (130).
+    from _failures import failure_report
+
+    report = failure_report(torchrun_second_press_worker, 2, args=(str(tmp_path / "said"),), timeout=90)
+    assert "--- rank 0 failed ---\nprocess exited with code 130" in report, report
+    assert not (tmp_path / "said.0").exists()  # (it never got out of the collective on its own)
