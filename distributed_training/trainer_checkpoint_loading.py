@@ -76,7 +76,7 @@ class CheckpointLoading(HyperparameterRestore):
                 steps = sorted(n for n in os.listdir(path) if n.startswith("step_")) if os.path.isdir(path) else []
                 hint = (f"; it holds fit's checkpoints ({steps[-1]} the newest): load one of those, e.g. "
                         f"trainer.latest_checkpoint()[0] with checkpoint_dir={path!r}" if steps else "")
-                raise FileNotFoundError(f"rank {ctx.rank}: {meta_path!r} does not exist: not a complete checkpoint{hint}")
+                raise FileNotFoundError(f"{meta_path!r} does not exist: not a complete checkpoint{hint}")
             meta = read_meta(path)
         except (CheckpointCorruptError, OSError) as err:
             if ctx.world_size == 1:

@@ -32,7 +32,7 @@ class FullWeights:
         stays (`writeback`, as torch's FSDP: copied into the shards when it ends; make the same change
         on every rank); ``writeback=False`` drops it. `train_step` / `evaluate` are refused inside it. Under tensor parallelism each rank's
         module still holds its slices, under a pipeline its own stages. A copy of the module made
-        inside it keeps FSDP's hooks: for a model of its own, load `full_state_dict()` into a new one."""
+        inside it (``copy.deepcopy``, every rank) holds its own weights, without FSDP's hooks."""
         with self.strategy.summon_full_params(self.model, writeback):
             self._summoned = True
             try:

@@ -309,3 +309,50 @@ def test_under_torchrun_a_second_ctrl_c_ends_a_stuck_worker_at_once(tmp_path):
     report = failure_report(torchrun_second_press_worker, 2, args=(str(tmp_path / "said"),), timeout=90)
     assert "--- rank 0 failed ---\nprocess exited with code 130" in report, report
     assert not (tmp_path / "said.0").exists()  # (it never got out of the collective on its own)
+
+
+def tensor_summon_worker(rank, world, strategy):
+    from distributed_training import DistributedTrainer
+    from distributed_training.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+    model = GPT(cfg)
+    reference = GPT(cfg)
+    reference.load_state_dict(model.state_dict())
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy,
+                                 tensor_parallel_size=2, progress=False)
+    idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with trainer.summon_full_params():  # every rank: each holds its slices, the forward is tensor-parallel
+        loss = float(trainer.module(idx, idx))  # (GPT returns the mean loss given targets)
+    with torch.no_grad():
+        want = float(reference(idx, idx))
+    trainer.close()
+    return loss, want
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_summon_full_params_under_tensor_parallelism(strategy):
+    # The README's block for a forward of one's own, "under any strategy", raised TypeError under tensor
+    # parallelism (its strategy did not take `writeback`; a trial).
+    for loss, want in run_distributed(tensor_summon_worker, 2, args=(strategy,), timeout=120):
+        assert abs(loss - want) < 1e-5, (loss, want)
+
+
+def missing_checkpoint_worker(rank, world, path):
+    from distributed_training import DistributedTrainer
+
+    trainer = DistributedTrainer(_chain(), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    try:
+        trainer.load_checkpoint(path)
+        return "loaded"
+    except FileNotFoundError as err:
+        return str(err)
+    finally:
+        trainer.close()
+
+
+def test_a_missing_checkpoint_names_the_rank_once(tmp_path):
+    # "failed on ranks 0, 1 (...); rank 0: rank 0: '.../meta.pt' does not exist" (a trial).
+    for said in run_distributed(missing_checkpoint_worker, 2, args=(str(tmp_path / "nothing"),), timeout=90):
+        assert "failed on ranks 0, 1" in said and "rank 0: rank 0" not in said and "meta.pt' does not exist" in said, said

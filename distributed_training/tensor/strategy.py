@@ -93,8 +93,8 @@ class TensorParallelStrategy(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.inner.unwrap(model)
 
-    def summon_full_params(self, model: nn.Module):
-        return self.inner.summon_full_params(model)
+    def summon_full_params(self, model: nn.Module, writeback: bool = True):
+        return self.inner.summon_full_params(model, writeback)
 
     def setup_optimizer(self, optimizer, model: nn.Module) -> torch.optim.Optimizer:
         return self.inner.setup_optimizer(optimizer, model)
