@@ -312,8 +312,10 @@ class JobConfig(Section):
         user_code = m.target is not None or self.data.target is not None
         family = "digits" if m.preset == "classifier" else "image_folder" if m.preset in VISION_PRESETS else "repo_text"
         if not user_code and family != self.data.dataset:
-            raise ConfigError("model.preset 'classifier' goes with data.dataset 'digits', the image presets ("
-                              f"{', '.join(VISION_PRESETS)}) with 'image_folder' and GPT presets with 'repo_text'")
+            raise ConfigError(f"model.preset {m.preset!r} does not go with data.dataset {self.data.dataset!r}: "
+                              f"{m.preset!r} needs {family!r} (the preset 'classifier' goes with 'digits', the image "
+                              f"presets ({', '.join(VISION_PRESETS)}) with 'image_folder' and GPT presets with "
+                              "'repo_text')")
         from .image_job import check_config
 
         check_config(self)

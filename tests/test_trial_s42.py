@@ -356,3 +356,14 @@ def test_a_missing_checkpoint_names_the_rank_once(tmp_path):
     # "failed on ranks 0, 1 (...); rank 0: rank 0: '.../meta.pt' does not exist" (a trial).
     for said in run_distributed(missing_checkpoint_worker, 2, args=(str(tmp_path / "nothing"),), timeout=90):
         assert "failed on ranks 0, 1" in said and "rank 0: rank 0" not in said and "meta.pt' does not exist" in said, said
+
+
+def test_a_preset_of_another_dataset_names_what_was_written():
+    # "model.preset 'classifier' goes with data.dataset 'digits', ..." for preset 'tiny' with 'digits': the
+    # rule, but not the value given, which read as if 'classifier' had been written (a trial).
+    from distributed_training.config import ConfigError, JobConfig
+
+    with pytest.raises((ConfigError, ValueError)) as caught:
+        JobConfig.model_validate({"model": {"preset": "tiny"}, "data": {"dataset": "digits"}})
+    said = str(caught.value)
+    assert "model.preset 'tiny' does not go with data.dataset 'digits'" in said and "'repo_text'" in said, said
