@@ -21,7 +21,6 @@ from .dtrain_epochs import batch_norm_tail, epochs_for, short_last_batch
 from .dtrain_results import final_metrics, write_outputs
 from .global_batch import plan_global_batch
 from .logs import get_logger
-from .mesh import global_rank
 from .planner import NoStrategyFits
 from .stopping import finishing
 from .validation import check_classifier_targets, job_best_checkpoint, job_fit_evaluation
@@ -159,6 +158,7 @@ def run_job(cfg: JobConfig) -> dict:
         raise ConfigError(f"training.{err}") from None
     ctx = trainer.context
     finished = False  # an error on this rank: close without the barrier its peers would never reach
+    held: list[int] = []  # signals held during the final evaluation and outputs (`stopping.finishing`)
     try:
         check_same_config(cfg, trainer)
         log.info("dtrain: %s with %s parameters, strategy %s%s, world size %d on %s, %s training samples",
@@ -212,13 +212,15 @@ def run_job(cfg: JobConfig) -> dict:
             _raise_loss_failure(cfg, criterion, err, trainer.step == first_step)
             raise
         watch.report(getattr(trainer, "data_wait_s", None))
-        with finishing("the final evaluation and the outputs"):
+        with finishing("the final evaluation and the outputs") as held:
             metrics = final_metrics(cfg, trainer, val, val_data, criterion, trainer.batch_size or batch_size)
             write_outputs(cfg, trainer, metrics)
         finished = True
         return metrics if ctx.is_main else {}
     finally:
         trainer.close(barrier=finished)
+        if held:  # a preemption during them: the process stops now that they and the close are done
+            raise SystemExit(128 + held[0])
 
 
 def _job_strategy(cfg: JobConfig, world: int) -> tuple[Any, dict]:
@@ -345,9 +347,10 @@ def _already_complete(trainer, cfg: JobConfig, epochs: int) -> bool:
     limit = f"training.max_steps={max_steps}" if reached == "training.max_steps" else f"{epochs} epoch(s)"
     # The marker is written after the final evaluation and outputs: without it the run stopped during them
     # (a preemption, a crash), and `fit` loads the last checkpoint, trains nothing, and they follow.
-    ended = [(Path(cfg.checkpoint.dir) / "COMPLETED").exists()]  # (rank 0's view, for every rank)
-    dist.broadcast_object_list(ended, src=global_rank(trainer.context.group, 0), group=trainer.context.group)
-    if not ended[0]:
+    # Any rank's view, over the whole job (its writer is the main rank of those that train).
+    ended = [None] * dist.get_world_size()
+    dist.all_gather_object(ended, (Path(cfg.checkpoint.dir) / "COMPLETED").exists())
+    if not any(ended):
         if trainer.context.is_main:
             log.info("dtrain: the run reached its end at step %d (%s, checkpoint %s) but stopped before its final "
                      "evaluation and outputs were complete: they follow now", step, limit, path)

@@ -75,16 +75,23 @@ def checkpoint_writing():
         raise KeyboardInterrupt("Ctrl-C pressed twice: stopped at once after the checkpoint write it came during")
 
 
+def _under_torchrun() -> bool:
+    """A torchrun worker: torchrun forwards a first Ctrl-C as SIGINT and answers a second with SIGTERM."""
+    return "TORCHELASTIC_RESTART_COUNT" in os.environ
+
+
 @contextlib.contextmanager
 def finishing(what: str):
     """Work that ends a run after its training (dtrain's final evaluation and outputs): SIGTERM and SIGHUP
-    (a preemption's) that arrive during it are held until it is complete, then raise `SystemExit` (143,
-    129) so that ``finally`` blocks run. Stopped half-way, the run would hold its last checkpoint but not
-    the model file it promised. Outside the main thread (no handlers there), a plain block."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    (a preemption's) that arrive during it are held until it is complete. Yields the list of signals held,
+    for the caller to act on once it has also closed (`SystemExit(128 + signal)`, as `fit` does). Stopped
+    half-way, the run would hold its last checkpoint but not the model file it promised. Only signals at
+    their default action are held (an ignored one stays ignored, a handler of one's own stays in place);
+    outside the main thread (no handlers there), a plain block."""
     held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
 
     def hold(signum, frame) -> None:
         if not held:
@@ -92,14 +99,12 @@ def finishing(what: str):
                         signal.Signals(signum).name, what)
         held.append(signum)
 
-    before = {sig: signal.signal(sig, hold) for sig in SAVING_SIGNALS}
+    before = {sig: signal.signal(sig, hold) for sig in SAVING_SIGNALS if signal.getsignal(sig) is signal.SIG_DFL}
     try:
-        yield
+        yield held
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
-    if held:
-        raise SystemExit(128 + held[0])
 
 
 class StopSignals:
@@ -181,12 +186,13 @@ class StopSignals:
                     self._say_first_press()
                 continue
             # A second press; under torchrun the press reaches torchrun, which ends its workers with SIGTERM.
-            if signal.SIGTERM not in data and (signal.SIGINT not in data or now - first <= AGAIN_AFTER_S):
+            terminated = signal.SIGTERM in data and _under_torchrun()
+            if not terminated and (signal.SIGINT not in data or now - first <= AGAIN_AFTER_S):
                 continue
             time.sleep(AGAIN_AFTER_S)  # the main thread's own handler, if it can run, raises meanwhile
             if self._raised or self._wakeup is None or _writes["depth"]:
                 continue
-            log.warning("SIGINT again while this rank is inside a long native call (a collective waiting for a "
+            log.warning("Ctrl-C again while this rank is inside a long native call (a collective waiting for a "
                         "peer, a long backward): exiting now, with status 130")
             os._exit(130)
 
@@ -194,8 +200,9 @@ class StopSignals:
         # Only a flag: raising here could abandon a checkpoint write or a collective half done. But a
         # user who presses Ctrl-C again wants out now, whatever is stuck.
         sig = signal.Signals(signum)
-        # Under torchrun a second Ctrl-C reaches torchrun, which ends its workers with SIGTERM: a second press.
-        again = sig == signal.SIGTERM and self._first_interrupt is not None
+        # Under torchrun a second Ctrl-C reaches torchrun, which ends its workers with SIGTERM: a second press
+        # (elsewhere a SIGTERM after a SIGINT is a scheduler's escalation, which saves as any SIGTERM).
+        again = sig == signal.SIGTERM and self._first_interrupt is not None and _under_torchrun()
         if sig == signal.SIGINT or again:
             now = time.monotonic()
             if self._first_interrupt is None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .protocol import (STOP_WORKER, Kind, ServerLostError, WorkerLostError, close_connections, recv_reply,
                        send_request)
+from ..hangs import is_timeout
 from .sharding import Piece, ShardPlan
 
 __all__ = ["Worker"]
@@ -222,13 +223,15 @@ class Worker:
         return self.step
 
     def _wait(self, works: list[tuple[int, object]], doing: str) -> None:
-        """Wait for each ``(server, work)``. A failed one: that server is gone. This worker is closed then,
+        """Wait for each ``(server, work)``. A failed one (not a timeout): that server is gone. This worker is closed then,
         and its connections too: its receives from the other servers would stay blocked in gloo (and abort
         the interpreter at its exit). Raises `ServerLostError`."""
         for server, work in works:
             try:
                 work.wait()
             except RuntimeError as err:
+                if is_timeout(err):  # the server is there, slow or waiting for another worker: gloo's own error
+                    raise
                 self._closed = True
                 others = [s for s in range(self.plan.num_servers) if s != server]
                 if others:
