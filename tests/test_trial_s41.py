@@ -304,10 +304,12 @@ def test_sequence_parallelism_takes_an_encoders_part_the_length_of_the_decoder()
 
 class _PeerStalls(torch.utils.data.Dataset):
     """Rank 1's ninth sample read (in its second batch of 4) stalls 12 s; rank 0 then waits for it in a
-    collective, and is sent SIGINT twice, 1.5 s apart."""
+    collective, and is sent SIGINT, then `second` (SIGINT: a second press) 1.5 s later."""
 
-    def __init__(self) -> None:
-        self.reads = 0
+    def __init__(self, second: int | None = None) -> None:
+        import signal
+
+        self.reads, self.second = 0, signal.SIGINT if second is None else second
 
     def __len__(self) -> int:
         return 64
@@ -323,7 +325,7 @@ class _PeerStalls(torch.utils.data.Dataset):
             time.sleep(12)
         if self.reads == 10 and rank == 0:  # (three reads before the first batch: fit checks a sample)
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-            threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+            threading.Timer(2.0, os.kill, (os.getpid(), self.second)).start()
         return torch.full((8,), float(i)), torch.zeros(2)
 
 

@@ -263,31 +263,6 @@ def test_a_preemption_during_the_final_outputs_waits_for_them(tmp_path):
         signal.signal(signal.SIGHUP, before[1])
 
 
-class _PeerStallsThenTorchrunEnds(torch.utils.data.Dataset):
-    """Rank 1's ninth sample read stalls 12 s; rank 0 then waits for it in a collective, and gets SIGINT (the
-    first Ctrl-C, which torchrun forwards), then SIGTERM 1.5 s later (torchrun's answer to a second press)."""
-
-    def __init__(self) -> None:
-        self.reads = 0
-
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i):
-        import signal
-        import threading
-        import time
-
-        rank = int(os.environ.get("RANK", "0"))
-        self.reads += 1
-        if self.reads == 9 and rank == 1:
-            time.sleep(12)
-        if self.reads == 10 and rank == 0:  # (three reads before the first batch: fit checks a sample)
-            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-            threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
-        return torch.full((8,), float(i)), torch.zeros(2)
-
-
 def torchrun_second_press_worker(rank, world, record, torchrun):
     import signal
 
@@ -295,12 +270,13 @@ def torchrun_second_press_worker(rank, world, record, torchrun):
 
     from _failures import record_outcome
     from distributed_training import DistributedTrainer
+    from test_trial_s41 import _PeerStalls  # SIGINT, then SIGTERM: torchrun's answer to a second press
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     trainer = DistributedTrainer(_chain(), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
     if torchrun:  # (after the group is formed: torchrun's variable, which the signal handling reads)
         os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"
-    record_outcome(record, rank, lambda: trainer.fit(_PeerStallsThenTorchrunEnds(), epochs=1, batch_size=4,
+    record_outcome(record, rank, lambda: trainer.fit(_PeerStalls(signal.SIGTERM), epochs=1, batch_size=4,
                                                      shuffle=False, criterion=F.mse_loss))
     trainer.close(barrier=False)
 
