@@ -173,3 +173,43 @@ def test_sync_a_killed_worker_is_an_error_naming_it(tmp_path, num_servers):
         assert elapsed < 10, elapsed  # at once in practice; the collective timeout is 100 s
         if r["role"] == "worker":
             assert r["done"] <= KILL_AT + 1  # its last gradient (step 4) may have made step 4 complete
+
+
+def _every_worker_killed_job(rank, world, directory, consistency):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    ps = ParameterServer(model, "sgd", lr=0.1, num_servers=1, consistency=consistency,
+                         staleness=1 if consistency == "ssp" else 0)
+    if ps.role == "server":
+        try:
+            stats = ps.serve()
+        except WorkerLostError as err:
+            write_record(directory, rank, role="server", lost=err.worker, message=str(err))
+            return
+        write_record(directory, rank, role="server", dropped=stats.dropped)  # (the defect: a normal end)
+        return
+    for step in range(STEPS):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)
+        ps.pull()
+        x, y = _data(1000 * step + ps.worker_index)
+        F.mse_loss(model(x), y).backward()
+        ps.step()
+        model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("consistency", ["async", "ssp"])
+def test_a_server_whose_every_worker_is_lost_raises(tmp_path, consistency):
+    """ssp / async go on without a lost worker; with none left the training did not finish, so the server
+    raises (its process fails) rather than return as after a completed run."""
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_every_worker_killed_job, 3, args=(str(tmp_path), consistency), timeout=60,
+                        collective_timeout=100)
+    failed = {r for r in range(3) if f"--- rank {r} failed ---" in str(info.value)}
+    assert failed == {1, 2}, str(info.value)
+    (server,) = read_records(tmp_path).values()
+    assert "lost" in server, server
+    assert "every worker is lost" in server["message"] and "worker 0 (rank 1) at step 2" in server["message"] \
+        and "worker 1 (rank 2) at step 2" in server["message"], server["message"]

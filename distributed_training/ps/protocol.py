@@ -73,6 +73,15 @@ class WorkerLostError(RuntimeError):
                    f"closed: the process died or its training raised, which its own output says; {seen_by}); consistency='sync' needs every worker's gradient of "
                    "every step, so the training stops (ssp and async drop a lost worker and go on)", worker, step)
 
+    @classmethod
+    def of_every(cls, lost: list[tuple[int, int, int]], seen_by: str) -> "WorkerLostError":
+        """Every worker is lost, none having finished (ssp / async: nobody is left to go on without them);
+        `lost`: (worker, rank, step) of each, in the order found. Names the first."""
+        said = ", ".join(f"worker {w} (rank {r}) at step {s}" for w, r, s in lost)
+        worker, _, step = lost[0]
+        return cls(f"parameter server: every worker is lost before finishing its training ({said}; {seen_by}): "
+                   "their processes died or their training raised, which their own output says", worker, step)
+
 
 class ServerLostError(RuntimeError):
     """A server's process is gone: the parameters it held (and their optimizer state) went with it, under

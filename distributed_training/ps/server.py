@@ -231,6 +231,10 @@ class Server:
         self.outbox.flush()
         self._stop_receiving(grace=LEAVE_GRACE)
         self.stats.updates = self.version
+        if self.failure is None and self.lost and not (self.done | self.finished):  # (ssp / async)
+            self.failure = WorkerLostError.of_every(
+                [(w, self.worker_ranks[w], s) for w, s in self.stats.dropped], f"seen by server {self.index}")
+            log.error("%s", self.failure)
         if self.failure is not None:
             raise self.failure
         return self.stats
