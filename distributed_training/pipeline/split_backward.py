@@ -54,11 +54,15 @@ Where capture would be wrong, the layer takes the Function's path (below) or is 
 * a weight replaced during the step, an input that is a tensor subclass: that forward's I is a plain
   backward (its captured layers get their gradients in I).
 
-What capture assumes and cannot check: the leaves that need a gradient are the modules' parameters and
-the stage's input (a tensor requiring a gradient kept as a plain attribute, or a loss with parameters,
-would get no gradient in a captured I), and a captured layer's weight is not also used directly by
-other code (``F.linear(x, other.weight)`` in another module: that use's gradient would be lost). Where
-a model does either, use ``capture=False`` (or ``functional=True``).
+What capture assumes, checked on the graph of each step's first captured forward (`_inspect`, one walk
+of its nodes): the leaves that need a gradient are the modules' parameters and the stage's input (a
+tensor requiring a gradient kept as a plain attribute, or a loss with parameters, would get no gradient
+in a captured I), and a captured layer's weight and bias reach the graph through that layer's calls
+only (``F.linear(x, lin.weight)`` or ``x @ lin.weight.t()`` elsewhere, a tied autoencoder's decoder:
+that use's gradient would be lost in I). Where either fails, the rest of that step's I passes are
+plain backwards (every gradient in I, none lost); from the next step such a layer goes through the
+Function (its own product still deferred, the other uses' gradients in I), and an unknown leaf turns
+capture off. A use that appears in later microbatches of a step only is not seen.
 
 The Function (``capture=False``, ``functional=True``, and the fallbacks above). The swapped forward goes
 through `_DeferredLinear`, an autograd Function with the same forward whose backward returns ``dx``
@@ -181,6 +185,14 @@ class SplitBackward:
         # Whether the modules' graph holds a reentrant activation checkpoint (``use_reentrant=True``), which
         # refuses the ``inputs=`` of a captured I: then no capture (kept across steps; None: not looked yet).
         self._reentrant: bool | None = None
+        # What the step's first captured I finds in its graph (`_inspect`): weights and biases (ids) that
+        # are also used outside their layer (never captured again: the Function's path), and whether some
+        # leaf outside the modules' parameters needs a gradient (capture off from then on). Either makes
+        # the rest of that step's I passes plain backwards.
+        self._inspected = False
+        self._plain_step = False
+        self._used_elsewhere: set[int] = set()
+        self._foreign_leaf = False
 
     # ------------------------------------------------------------------------------------------ phases
 
@@ -242,9 +254,10 @@ class SplitBackward:
         or a forward that went elsewhere) a plain backward under `input_grad`."""
         captures = self._captures.pop(key, None)
         want_x = x is not None and x.requires_grad
-        if captures is not None and self._reentrant is None:  # looked for once, at the first captured I
-            self._reentrant = _reaches_reentrant_checkpoint(out)
-        if captures is None or key in self._uncaptured or self._reentrant:
+        if captures is not None and not self._inspected:  # the step's first captured I looks at its graph
+            self._inspected = True
+            self._inspect(out, captures, x)
+        if captures is None or key in self._uncaptured or self._reentrant or self._plain_step:
             self._uncaptured.discard(key)
             self._anchored.discard(key)
             if want_x and not x.is_leaf:
@@ -340,6 +353,7 @@ class SplitBackward:
         self._plan, self._others, self._hooked = {}, [], False
         self._linears = None
         self._deferring = False
+        self._inspected = self._plain_step = False
 
     # ---------------------------------------------------------------------------------------- internals
 
@@ -363,7 +377,7 @@ class SplitBackward:
         registered parameter (FSDP's views of a flat buffer: the gradient flows to tensors we do not
         know, so I must be a plain backward)."""
         self._plan, self._others, self._hooked = {}, [], False
-        if self.functional or not self.capture or self._reentrant:
+        if self.functional or not self.capture or self._reentrant or self._foreign_leaf:
             return
         params: dict[int, torch.Tensor] = {}
         uses: dict[int, int] = {}
@@ -380,7 +394,8 @@ class SplitBackward:
             weight, bias = m.weight, m.bias
             if id(weight) not in params or (bias is not None and id(bias) not in params):
                 return
-            if weight.requires_grad and uses[id(weight)] == 1 and (bias is None or uses[id(bias)] == 1):
+            if weight.requires_grad and uses[id(weight)] == 1 and (bias is None or uses[id(bias)] == 1) \
+                    and not {id(weight), id(bias)} & self._used_elsewhere:
                 plan[id(m)] = (weight, bias)
         deferred = {id(t) for pair in plan.values() for t in pair if t is not None}
         self._plan = plan
@@ -388,6 +403,64 @@ class SplitBackward:
         # ``autograd.grad`` runs a leaf's tensor hooks on the gradient it returns, and accumulating it runs
         # them again: where one has such hooks, I is a backward accumulating in place (each dy copied).
         self._hooked = any(getattr(p, "_backward_hooks", None) for p in self._others)
+
+    def _inspect(self, out: torch.Tensor, captures: list, x: torch.Tensor | None) -> None:
+        """Check what capture assumes, on the graph of the step's first captured forward (one walk of it):
+        every leaf that needs a gradient is a parameter of the modules or the stage's input, and every
+        captured weight and bias reaches the graph through its own layer's calls only (``F.linear(h,
+        layer.weight)`` elsewhere, a tied autoencoder's decoder, would lose its gradient in a captured I).
+        A weight used elsewhere goes through the Function from the next step on (its layer's product
+        deferred, the other uses' gradients in I); an unknown leaf turns capture off; either way this
+        step's I passes are plain backwards (every gradient right, nothing of the step deferred for
+        them). Also finds a reentrant checkpoint (looked for once)."""
+        into: dict[int, set] = {}    # leaf id -> the graph's nodes with an edge into its accumulation
+        leaves: dict[int, torch.Tensor] = {}
+        seen, todo = set(), [out.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if type(node).__name__ == "CheckpointFunctionBackward":
+                self._reentrant = True
+            for next_node, _ in node.next_functions:
+                leaf = getattr(next_node, "variable", None)  # an AccumulateGrad node
+                if leaf is not None:
+                    leaves[id(leaf)] = leaf
+                    into.setdefault(id(leaf), set()).add(node)
+                elif next_node is not None:
+                    todo.append(next_node)
+        if self._reentrant is None:
+            self._reentrant = False
+        if self._reentrant:
+            return
+        # Each captured call's own nodes: from its output back to its input (not beyond) and its parameters.
+        # (A call whose output was modified in place since is not deferred: its weight's gradient comes in I.)
+        armed = [c for c in captures if c[2]._version == c[3]]
+        own: dict[int, set] = {}
+        for c in armed:
+            seen, todo = set(), [c[2].grad_fn]
+            while todo:
+                node = todo.pop()
+                if node is None or node in seen or node is c[0].grad_fn:
+                    continue
+                seen.add(node)
+                for next_node, _ in node.next_functions:
+                    leaf = getattr(next_node, "variable", None)
+                    if leaf is not None:
+                        own.setdefault(id(leaf), set()).add(node)
+                    elif next_node is not None:
+                        todo.append(next_node)
+        captured = {id(t) for c in armed for t in (c[4], c[5]) if t is not None}
+        elsewhere = {i for i in captured if not into.get(i, set()) <= own.get(i, set())}
+        known = {id(p) for root in self.modules for p in root.parameters()} | {id(a) for a in self._anchors.values()}
+        if x is not None:
+            known.add(id(x))
+        foreign = [leaf for i, leaf in leaves.items() if i not in known]
+        if elsewhere or foreign:
+            self._used_elsewhere |= elsewhere
+            self._foreign_leaf = self._foreign_leaf or bool(foreign)
+            self._plain_step = True
 
     @staticmethod
     def _deferrable(x, weight, bias) -> bool:
@@ -424,16 +497,3 @@ class SplitBackward:
             casts[key] = (t, t._version, cast)
         return cast
 
-
-def _reaches_reentrant_checkpoint(out: torch.Tensor) -> bool:
-    """Whether the backward of `out` goes through a reentrant activation checkpoint (its Function's node)."""
-    seen, todo = set(), [out.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CheckpointFunctionBackward":
-            return True
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return False
