@@ -61,6 +61,7 @@ class Evaluation:
         from .validation import perplexity_of, resolve_metrics
 
         check_criterion(criterion)
+        self._check_open("evaluate()")
         self._check_not_summoned("evaluate()")
         dataset = data.dataset if isinstance(data, DataLoader) else data
         _, functions, perplexity = resolve_metrics(metrics, dataset, criterion, parameter="metrics")

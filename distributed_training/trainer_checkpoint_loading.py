@@ -54,6 +54,7 @@ class CheckpointLoading(HyperparameterRestore):
         differently from the checkpoint's keep their new values, and the changes are logged (see
         `resume`); a different optimizer class or parameter shape is an error that names it.
         """
+        self._check_open("load_checkpoint()")
         path = _directory_name(path, "load_checkpoint")
         ctx = self.context
         if self._staging is not None:

@@ -95,6 +95,7 @@ class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
         renames): a checkpoint already there (``checkpoints/last`` saved again) stays whole until then,
         and a save killed anywhere leaves one that `load_checkpoint(path)` loads.
         """
+        self._check_open("save_checkpoint()")
         path = _directory_name(path, "save_checkpoint")
         if os.path.isfile(path):
             raise FileExistsError(f"rank {self.context.rank}: save_checkpoint({path!r}): a file is there, and a "

@@ -57,7 +57,11 @@ class Closing:
         Called while an exception propagates (``try: trainer.fit(...) finally: trainer.close()``) or
         after a `train_step` that raised, it does not wait for the peers (as ``barrier=False``): they may
         be inside the failed step's collectives, which this rank's barrier would never answer, and the
-        job would hang until the collective timeout instead of failing."""
+        job would hang until the collective timeout instead of failing. A second call does nothing; any
+        other use of the trainer after it raises (`_check_open`)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         if barrier and (self._step_failed or sys.exc_info()[0] is not None):
             barrier = False
         error = self._drain_watched() if barrier else None  # a peer's failure in the last steps, named
@@ -88,6 +92,14 @@ class Closing:
             self.job_context.shutdown(barrier=barrier)
         if error is not None:
             raise error
+
+    def _check_open(self, what: str) -> None:
+        """Refuse `what` on a closed trainer: its hooks, monitor and process group are given back, so a step
+        trained on silently in one process (the model you passed changed) and failed with torch's "process
+        group has not been initialized" under torchrun."""
+        if self._closed:
+            raise RuntimeError(f"{what} after close(): this DistributedTrainer is closed (its process group, "
+                               "hooks and monitor were given back); build a new one to go on training")
 
     def __enter__(self) -> "Closing":
         return self

@@ -119,6 +119,7 @@ class Fitting(EpochLoop):
         ``history`` has its seconds too). A run resumed later does not know the target was reached.
         See `distributed_training.validation`.
         """
+        self._check_open("fit()")
         if not isinstance(epochs, int) or epochs < 0:
             hint = " (fit's arguments are data, epochs, criterion: pass criterion= by name)" if callable(epochs) else ""
             raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}{hint}")

@@ -39,6 +39,7 @@ class TrainerState:
         self.epoch = 0
         self.batch_in_epoch = 0  # batches of the current epoch already trained
         self._step_failed = False  # the last train_step raised: peers may be inside its collectives
+        self._closed = False  # close() ran: every other call is refused
         self._optimizer_agreed = False  # fit compared the optimizer's settings across replicas (once)
         # What the monitor is told of the step whose communication is timed (`StepRecording`): its own
         # (step_time, data_time), this rank's own work in it, and whether the straggler probe has warmed up.

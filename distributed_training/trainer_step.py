@@ -41,6 +41,7 @@ class Stepping:
         The loss values are 0-dim tensors on the device: reading one (``float(...)``) waits for the
         GPU, so do it only when logging.
         """
+        self._check_open("train_step()")
         check_criterion(criterion)
         self._check_not_summoned("train_step()")
         if self._checkpoint_write is not None:

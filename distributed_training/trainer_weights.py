@@ -33,6 +33,7 @@ class FullWeights:
         on every rank); ``writeback=False`` drops it. `train_step` / `evaluate` are refused inside it. Under tensor parallelism each rank's
         module still holds its slices, under a pipeline its own stages. A copy of the module made
         inside it (``copy.deepcopy``, every rank) holds its own weights, without FSDP's hooks."""
+        self._check_open("summon_full_params()")
         with self.strategy.summon_full_params(self.model, writeback):
             self._summoned = True
             try:
@@ -49,6 +50,7 @@ class FullWeights:
         """The model's state for inference or another tool, whatever the strategy: on rank 0 the plain
         module's ``state_dict()`` (same keys, full tensors on the CPU), ``{}`` on the other ranks.
         Collective (a sharded strategy gathers the parameters unit by unit): call it on every rank."""
+        self._check_open("full_state_dict()")
         with self._watched("full_state_dict()", call=True):
             state = self.strategy.model_state_dict(self.model)
         if not self.context.is_main:

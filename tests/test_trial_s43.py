@@ -57,3 +57,41 @@ def test_zbh1_keeps_the_gradient_of_a_weight_also_used_outside_its_layer():
     trial). Now equal to one process after every step, on both stages."""
     worst = run_distributed(_direct_use_job, 2, args=("zbh1",), timeout=90)[0]
     assert len(worst) == STEPS and max(worst) <= 1e-5, worst
+
+
+def _after_close_job(rank, world, strategy):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, progress=False)
+    x, y = torch.randn(8, 10), torch.randint(0, 3, (8,))
+    trainer.train_step((x, y), F.cross_entropy)
+    trainer.close()
+    trainer.close()  # a second close does nothing
+    before = [p.detach().clone() for p in model.parameters()]
+    said = {}
+    calls = {"train_step()": lambda: trainer.train_step((x, y), F.cross_entropy),
+             "evaluate()": lambda: trainer.evaluate([(x, y)], F.cross_entropy),
+             "fit()": lambda: trainer.fit([(x, y)], 1, F.cross_entropy),
+             "full_state_dict()": trainer.full_state_dict,
+             "save_checkpoint()": lambda: trainer.save_checkpoint("never_written")}
+    for name, call in calls.items():
+        try:
+            call()
+            said[name] = "returned"
+        except RuntimeError as err:
+            said[name] = str(err)
+    unchanged = all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    return said, unchanged
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy,world", [("ddp", 1), ("ddp", 2), ("zero3", 2)])
+def test_a_closed_trainer_refuses_every_call_by_name(strategy, world, tmp_path, monkeypatch):
+    """After close() a step trained on silently in one process (the model you passed changed) and failed
+    with torch's 'Default process group has not been initialized' under torchrun (the README trial)."""
+    monkeypatch.chdir(tmp_path)
+    for said, unchanged in run_distributed(_after_close_job, world, args=(strategy,), timeout=90):
+        assert unchanged
+        for name, message in said.items():
+            assert message.startswith(f"{name} after close(): this DistributedTrainer is closed"), (name, message)
+    assert not (tmp_path / "never_written").exists()
