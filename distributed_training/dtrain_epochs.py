@@ -32,18 +32,24 @@ def short_last_batch(trainer, train, batch_size: int) -> bool:
     return False
 
 
-def batch_norm_tail(trainer, model: nn.Module, train, batch_size: int, iterable: bool) -> bool:
+def batch_norm_tail(trainer, model: nn.Module, train, batch_size: int, iterable: bool,
+                    micro_batch_size: int | None = None) -> bool:
     """Whether each epoch ends with a batch (or, under accumulation, micro-batches) of one sample a
     replica while the model trains BatchNorm layers: one that sees a single value a channel then (a
     ResNet's last layers on small images: 1x1) raises "Expected more than 1 value per channel", at every
     epoch's end and again after each resume, and the job never finishes. Then that batch is left out
-    (``fit(drop_last=True)``, which the epochs for max_steps count too), and said."""
+    (``fit(drop_last=True)``, which the epochs for max_steps count too), and said. `micro_batch_size`:
+    ``training.micro_batch_size`` with a global batch (fit cuts a rank's `batch_size` into
+    ``ceil(batch_size / micro_batch_size)`` micro-batches, the short last batch into as many); else
+    the trainer's ``gradient_accumulation_steps`` are the cuts."""
     from .data import ShardedSampler
 
     if iterable or not isinstance(batch_size, int):
         return False
     last = len(ShardedSampler(train, trainer.dp_world_size, 0)) % batch_size
     cuts = trainer.gradient_accumulation_steps
+    if micro_batch_size is not None:
+        cuts = -(-batch_size // min(micro_batch_size, batch_size))
     if not 0 < last < 2 * cuts:
         return False
     if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm) and m.training

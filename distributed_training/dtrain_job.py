@@ -177,7 +177,8 @@ def run_job(cfg: JobConfig) -> dict:
                 batch_size = trainer.latest_checkpoint()[1].get("batch_size")  # (agreed: every rank calls it)
         # fit() shards by data-parallel replica: the ranks of one pipeline read the same batches.
         drop_last = ((pipelined and short_last_batch(trainer, train, batch_size))
-                     or batch_norm_tail(trainer, model, train, batch_size, user_job.is_iterable(train)))
+                     or batch_norm_tail(trainer, model, train, batch_size, user_job.is_iterable(train),
+                                        t.micro_batch_size if t.global_batch_size is not None else None))
         epochs = (user_job.iterable_epochs(t.epochs, t.max_steps) if user_job.is_iterable(train) else
                   epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last,
                              _resume_meta(cfg) if t.max_steps is not None else None))

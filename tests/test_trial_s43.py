@@ -95,3 +95,19 @@ def test_a_closed_trainer_refuses_every_call_by_name(strategy, world, tmp_path, 
         for name, message in said.items():
             assert message.startswith(f"{name} after close(): this DistributedTrainer is closed"), (name, message)
     assert not (tmp_path / "never_written").exists()
+
+
+def test_dtrain_leaves_out_a_last_batch_of_one_sample_micro_batches_under_a_global_batch():
+    """global_batch_size 7 in micro-batches of at most 3 over 101 samples: each epoch's last batch (3) was
+    cut into 3 micro-batches of one sample and BatchNorm failed at the first epoch's end (the README
+    trial), where training.batch_size 7 with 3 accumulation steps was left out as it should."""
+    from types import SimpleNamespace
+
+    from distributed_training.dtrain_epochs import batch_norm_tail
+
+    trainer = SimpleNamespace(dp_world_size=1, gradient_accumulation_steps=1)
+    bn = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    data = list(range(101))
+    assert batch_norm_tail(trainer, bn, data, 7, False, micro_batch_size=3)  # cut 3, 2, 2: the tail 1, 1, 1
+    assert not batch_norm_tail(trainer, bn, data, 7, False, micro_batch_size=7)  # one cut: the tail of 3 stays
+    assert not batch_norm_tail(trainer, bn, data, 7, False)
