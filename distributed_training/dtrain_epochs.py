@@ -56,8 +56,9 @@ def batch_norm_tail(trainer, model: nn.Module, train, batch_size: int, iterable:
                for m in model.modules()):
         return False
     log.info("dtrain: each epoch's last batch would hold %d sample(s) a replica%s, on which the model's "
-             "BatchNorm layers may see one value a channel and fail: left out (a training.batch_size that leaves 2 "
-             "or more a micro-batch keeps it)", last, "" if cuts == 1 else f", cut in {cuts} micro-batches")
+             "BatchNorm layers may see one value a channel and fail: left out (a %s that leaves 2 or more a "
+             "micro-batch keeps it)", last, "" if cuts == 1 else f", cut in {cuts} micro-batches",
+             "training.batch_size" if micro_batch_size is None else "training.global_batch_size or micro_batch_size")
     return True
 
 
