@@ -145,8 +145,9 @@ def load_config(source: str | dict, overrides: list[str] | None = None) -> JobCo
             raise ConfigError(f"config file {source!r} cannot be read: {err}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {source!r} is not valid YAML: {err}") from None
-        if raw is None:
-            raw = {}
+        if raw is None:  # an empty file (or only comments): a save gone wrong, more often than a wish for defaults
+            raise ConfigError(f"config file {source!r} is empty: write the sections to change (an empty "
+                              "mapping, {}, trains every default: --print-config shows them)")
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {source!r} must hold a mapping of sections, got {type(raw).__name__}")
     for item in overrides or []:

@@ -111,3 +111,16 @@ def test_dtrain_leaves_out_a_last_batch_of_one_sample_micro_batches_under_a_glob
     assert batch_norm_tail(trainer, bn, data, 7, False, micro_batch_size=3)  # cut 3, 2, 2: the tail 1, 1, 1
     assert not batch_norm_tail(trainer, bn, data, 7, False, micro_batch_size=7)  # one cut: the tail of 3 stays
     assert not batch_norm_tail(trainer, bn, data, 7, False)
+
+
+def test_an_empty_config_file_is_refused_by_name(tmp_path):
+    """An empty (truncated, unsaved) YAML file trained the default GPT job silently (the README trial); an
+    explicit {} still means every default."""
+    from distributed_training.config_load import ConfigError, load_config
+
+    empty = tmp_path / "job.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match="job.yaml' is empty"):
+        load_config(str(empty))
+    (tmp_path / "defaults.yaml").write_text("{}\n")
+    assert load_config(str(tmp_path / "defaults.yaml")).training.epochs >= 1
