@@ -124,3 +124,18 @@ def test_an_empty_config_file_is_refused_by_name(tmp_path):
         load_config(str(empty))
     (tmp_path / "defaults.yaml").write_text("{}\n")
     assert load_config(str(tmp_path / "defaults.yaml")).training.epochs >= 1
+
+
+def test_a_vocab_split_refuses_class_weights_and_embedding_options_by_what_they_are():
+    """nn.CrossEntropyLoss(weight=...) was refused as 'not F.cross_entropy or nn.CrossEntropyLoss'; an
+    nn.Embedding(max_norm=...) by a VocabParallelEmbedding message naming neither the plan nor the module
+    (the pipeline trial)."""
+    from distributed_training.tensor import unsupported_loss_message
+    from distributed_training.tensor.plan import _check
+
+    said = unsupported_loss_message(nn.CrossEntropyLoss(weight=torch.ones(4)))
+    assert "takes no class weights" in said and "has weight=" in said and "is not F.cross_entropy" not in said
+    assert "is not F.cross_entropy" in unsupported_loss_message(F.mse_loss)
+    model = nn.Sequential(nn.Embedding(8, 4, max_norm=0.5))
+    with pytest.raises(ValueError, match=r"tensor_parallel_plan: 0 .*max_norm=0.5 needs the whole vocabulary"):
+        _check(model, "0", model[0], "vocab", 1, 2)

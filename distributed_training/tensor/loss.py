@@ -91,6 +91,11 @@ def is_cross_entropy(criterion: Callable) -> bool:
 def unsupported_loss_message(criterion: Callable) -> str:
     """The ValueError message for a `criterion` that cannot take a vocabulary-split head's logits."""
     name = getattr(criterion, "__qualname__", None) or repr(criterion)
+    if isinstance(criterion, nn.CrossEntropyLoss) and criterion.weight is not None:
+        return (f"tensor_parallel_plan splits the output head by vocabulary ('vocab'): its logits hold this rank's "
+                f"columns only, and the vocabulary-parallel cross-entropy it needs takes no class weights, but the "
+                f"criterion {name} has weight= (ignore_index, reduction and label_smoothing are kept). Drop the "
+                f"weights, or give the output head (and the embedding tied to it) another style than 'vocab'")
     return (f"tensor_parallel_plan splits the output head by vocabulary ('vocab'): its logits hold this rank's "
             f"columns only, so the loss must be the vocabulary-parallel cross-entropy, but the criterion {name} "
             f"is not F.cross_entropy or nn.CrossEntropyLoss (without class weights; ignore_index, reduction and "

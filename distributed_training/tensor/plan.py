@@ -261,6 +261,12 @@ def _check(model: nn.Module, name: str, module: nn.Module, style: str, chunks: i
         vocab = module.num_embeddings if isinstance(module, nn.Embedding) else _features(module)[1]
         if vocab % size:
             raise ValueError(f"{where}: vocabulary size {vocab} does not split into T={size} equal parts")
+        if isinstance(module, nn.Embedding):
+            for option, off in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
+                if getattr(module, option) != off:
+                    raise ValueError(f"{where}: nn.Embedding's {option}={getattr(module, option)!r} needs the whole "
+                                     "vocabulary on one rank; turn it off, or leave the embedding out of the plan "
+                                     "(replicated)")
     if style in ("colwise", "rowwise"):
         parent_name = name.rpartition(".")[0]
         parent = model.get_submodule(parent_name) if parent_name else model
