@@ -139,3 +139,35 @@ def test_a_vocab_split_refuses_class_weights_and_embedding_options_by_what_they_
     model = nn.Sequential(nn.Embedding(8, 4, max_norm=0.5))
     with pytest.raises(ValueError, match=r"tensor_parallel_plan: 0 .*max_norm=0.5 needs the whole vocabulary"):
         _check(model, "0", model[0], "vocab", 1, 2)
+
+
+def _rows_disagree_job(rank, world, rows):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), pipeline_parallel_size=2,
+                                 microbatches=4, progress=False)
+    n = 8 if rank == 0 else rows
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)
+    before = [p.detach().clone() for p in trainer.module.parameters()]
+    try:
+        trainer.train_step((x, y), F.mse_loss)
+        said = "returned"
+    except ValueError as err:
+        said = str(err)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, trainer.module.parameters()))
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    trainer.train_step((x, y), F.mse_loss)  # the pipeline goes on once the ranks agree
+    trainer.close()
+    return said, unchanged
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rows", [3, 6])
+def test_pipeline_ranks_passing_batches_of_other_sizes_all_raise_before_stepping(rows):
+    """8 samples on the first stage and 3 on the last: one rank raised on a mismatched gradient while the
+    other stepped its optimizer; 8 and 6: both stepped with targets broadcast against other rows (the
+    pipeline trial). Now every rank raises before any message, and nobody steps."""
+    for said, unchanged in run_distributed(_rows_disagree_job, 2, args=(rows,), timeout=90):
+        assert f"passed batches of {rows} to 8 samples" in said and "trainer.dp_rank" in said, said
+        assert unchanged

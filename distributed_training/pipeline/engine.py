@@ -26,6 +26,7 @@ from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..batches import _flattened_targets, tensors_of
@@ -251,6 +252,7 @@ class PipelineEngine:
         # runs the largest such multiple (microbatches of one or two samples), and refuses a batch of
         # fewer samples than ranks with the pipeline still usable.
         total = _rows(inputs)
+        self._check_same_rows(total)
         if self.lockstep_replicas and self.data_size > 1:
             # FSDP's per-microbatch gathers pair up over the data-parallel group only if every replica
             # runs as many microbatches: a replica's short batch shortens the others' schedules too
@@ -282,6 +284,23 @@ class PipelineEngine:
                 raise RuntimeError(f"pipeline rank {self.rank} (global rank {self.ranks[self.rank]}): its stage "
                                    f"failed during the step: {err}") from err
             raise
+
+    def _check_same_rows(self, rows: int) -> None:
+        """Every rank of the pipeline passed a batch of `rows` samples, or every one raises now, before any
+        message. Batches of other sizes ran schedules of other lengths (one rank raised on a mismatched
+        gradient while the other stepped its optimizer) or paired microbatches of other rows silently
+        (the targets broadcast in the loss). One all-reduce of two integers over the headers' CPU group:
+        no wait for a GPU."""
+        if self.pipe_size == 1:
+            return
+        seen = torch.tensor([rows, -rows], dtype=torch.int64)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.link.header_group)
+        most, least = int(seen[0]), -int(seen[1])
+        if most != least:
+            raise ValueError(f"pipeline rank {self.rank} (global rank {self.ranks[self.rank]}): the ranks of one "
+                             f"pipeline passed batches of {least} to {most} samples (this one {rows}): every rank of a "
+                             "pipeline must pass the same batch (fit does; in a loop of your own, shard the data by "
+                             "trainer.dp_rank of trainer.dp_world_size, not by rank)")
 
     def _actions_for(self, microbatches: int) -> list:
         """This rank's actions for a batch cut into fewer microbatches than configured."""
