@@ -343,9 +343,11 @@ def straggler_worker(rank, world, where, log_dir, strategy="ddp"):
 def test_work_one_rank_does_between_steps_is_not_a_straggler(tmp_path):
     """Rank 0's 30 ms `on_step` on log steps landed in the measured step's time: balanced ranks, and rank 0 was
     named a straggler 5 times in 30 steps (a review). (Threshold 4x: the artefact was ~8x; a loaded 2-core
-    machine's millisecond steps can pass 1.5x by noise.)"""
+    machine's millisecond steps can pass 1.5x by noise.) The artefact names rank 0; rank 1, which does nothing
+    between steps, was once named at 4.07x by that noise alone (13.6 against 3.3 ms, a CI run), so only rank 0
+    being named fails."""
     (said, _), (said_1, _) = run_distributed(straggler_worker, 2, args=("on_step", str(tmp_path)), timeout=120)
-    assert not said and not said_1, (said, said_1)
+    assert not [m for m in said + said_1 if "rank 0 works" in m], (said, said_1)
 
 
 @pytest.mark.parametrize("where, strategy", [("data", "ddp"), ("forward", "ddp"), ("forward", "zero3"),
