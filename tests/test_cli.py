@@ -378,7 +378,7 @@ def test_progress_bar_and_step_lines_share_a_terminal(tmp_path):
     done = tmp_path / "done"
     command = (f"cd {REPO} && OMP_NUM_THREADS=1 PYTHONPATH={os.environ.get('PYTHONPATH', '')} {sys.executable} "
                f"-m distributed_training examples/configs/gpt_cpu.yaml --set model.preset=tiny "
-               f"--set training.max_steps=30 --set logging.every=3 --set checkpoint.dir={tmp_path}/ckpt "
+               f"--set training.max_steps=30 --set logging.every=3 --set data.val_fraction=0.01 --set checkpoint.dir={tmp_path}/ckpt "
                f"--set logging.dir={tmp_path}/runs; echo EXIT=$? > {done}; sleep 300")
     tmux = ["tmux", "-L", socket]
     subprocess.run(tmux + ["new-session", "-d", "-s", "t", "-x", "150", "-y", "60", command], check=True, env=ENV)
