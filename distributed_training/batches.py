@@ -40,13 +40,21 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 def batch_size_of(batch: Any) -> int:
+    """The rows of `batch`: dim 0 of its first tensor that has one (a lone 0-dim tensor is one sample;
+    inside a tuple, list or dict a 0-dim tensor, such as a scalar weight, is skipped)."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
+    return _rows(batch)
+
+
+def _rows(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 0
     if isinstance(batch, Mapping):
         batch = list(batch.values())
     if isinstance(batch, (tuple, list)):
         for item in batch:
-            size = batch_size_of(item)
+            size = _rows(item)
             if size:
                 return size
     return 0
@@ -75,6 +83,7 @@ def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
         return [(batch, n)]
     rows = [len(piece) for piece in torch.tensor_split(torch.empty(n, 0), parts)]
     per_token = _flattened_targets(batch, n)
+    _check_rows(batch, n, per_token, "batch")
 
     def chunk(x, k):
         if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n:
@@ -84,12 +93,39 @@ def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
             return x[sum(rows[:k]) * tokens:sum(rows[:k + 1]) * tokens]
         if isinstance(x, Mapping):
             return {key: chunk(v, k) for key, v in x.items()}
+        if _per_sample_values(x, n):  # e.g. sequence lengths as a list of ints: cut with the rows
+            return type(x)(x[sum(rows[:k]):sum(rows[:k + 1])])
         if isinstance(x, (tuple, list)):
             return type(x)(chunk(v, k) for v in x)
         return x
 
     pieces = [chunk(batch, k) for k in range(parts)]
     return [(piece, batch_size_of(piece)) for piece in pieces]
+
+
+def _per_sample_values(x: Any, n: int) -> bool:
+    """A list of `n` plain values (numbers, strings, None): one per sample, cut with the rows."""
+    return (isinstance(x, list) and len(x) == n
+            and all(v is None or isinstance(v, (bool, int, float, str, bytes)) for v in x))
+
+
+def _check_rows(x: Any, n: int, per_token: torch.Tensor | None, path: str) -> None:
+    """Every tensor `split_batch` meets is cut along dim 0 at `n` rows: one whose dim 0 is not `n` (a
+    time-major (T, B) input, whose batch is dim 1) would be passed whole to every micro-batch, paired
+    with other rows: refused, naming it."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() and x.shape[0] != n and x is not per_token:
+            raise ValueError(
+                f"gradient accumulation cuts every tensor of a batch along dim 0 into micro-batches, at the "
+                f"{n} rows of its first tensor, but {path} has shape {tuple(x.shape)}: put the batch dimension "
+                "first in every tensor (a time-major sequence: transpose it in the model, or nn.LSTM("
+                "batch_first=True)), or train with gradient_accumulation_steps=1")
+    elif isinstance(x, Mapping):
+        for key, v in x.items():
+            _check_rows(v, n, per_token, f"{path}[{key!r}]")
+    elif isinstance(x, (tuple, list)):
+        for i, v in enumerate(x):
+            _check_rows(v, n, per_token, f"{path}[{i}]")
 
 
 def _flattened_targets(batch: Any, n: int) -> torch.Tensor | None:

@@ -128,6 +128,7 @@ class Evaluation:
             dataset, bs, collate = data, batch_size, None
         if bs is None:
             raise ValueError("evaluate() needs batch_size (or a DataLoader with one)")
+        dataset = _evaluated_samples(data, dataset, bs)
         if metrics and criterion is None:
             raise ValueError("evaluate(metrics=...) needs a criterion: metrics are computed from (outputs, targets)")
         # One shard per data-parallel replica: tensor- or pipeline-parallel peers evaluate the same one.
@@ -157,11 +158,15 @@ class Evaluation:
         # mean is over the targets it keeps (`loss_weights.counted`), an accuracy over the targets it is not
         # told to ignore (`loss_weights.classified`), the other metrics' over the rows.
         sums = torch.zeros(len(names) + 3, dtype=torch.float64, device=self.device)
-        batches, previous = iter(loader), None
+        batches, previous, left = iter(loader), None, len(sampler)
         try:
             self.strategy.evaluation_begins(self.model)
             while True:
                 batch = next(batches, None)
+                if batch is not None and criterion is not None and (not isinstance(batch, (tuple, list))
+                                                                    or len(batch) != 2):
+                    raise ValueError(f"evaluate() with a criterion needs each batch to be an (inputs, targets) pair; "
+                                     f"got {_shape_of(batch)} (without a criterion the model computes its own loss)")
                 if lockstep:
                     if self.context.every_rank(batch is None):  # no rank has a batch left
                         break
@@ -174,7 +179,11 @@ class Evaluation:
                         iter(DataLoader(dataset, batch_size=1, collate_fn=collate)))
                 previous = batch
                 batch = to_device(batch, self.device)
-                n = batch_size_of(batch) * weight
+                # The batch's samples as the sampler dealt them, not read off its first tensor (time-major,
+                # or a scalar first: miscounted), for a batch that counts
+                rows = min(bs, left) if weight else batch_size_of(batch)
+                left -= rows if weight else 0
+                n = rows * weight
                 # A strategy that runs the forward itself (a pipeline: through its stages) gives the values.
                 values = self.strategy.evaluate_batch(self.model, batch, criterion, metrics)
                 if values is None and criterion is None:
@@ -186,10 +195,10 @@ class Evaluation:
                     values += [fn(outputs, targets) for fn in (metrics or {}).values()]
                 kept = targets_kept = n
                 if criterion is not None and isinstance(batch, (tuple, list)) and len(batch) == 2:
-                    kept = counted(criterion, batch[1], batch_size_of(batch)) * weight
-                    targets_kept = classified(criterion, batch[1], batch_size_of(batch)) * weight
+                    kept = counted(criterion, batch[1], rows) * weight
+                    targets_kept = classified(criterion, batch[1], rows) * weight
                 elif criterion is None:  # the model's own loss: over the labels it keeps (Hugging Face)
-                    kept = label_count(self.module, batch, batch_size_of(batch)) * weight
+                    kept = label_count(self.module, batch, rows) * weight
                 for k, v in enumerate(values):
                     # (a batch that keeps no target: its mean is nan, and counts 0; a summing criterion's
                     # sums are added as they are, over the rows: the per-sample loss at any batch and world)
@@ -247,3 +256,33 @@ def _per_row(sums: torch.Tensor, over_targets: list[int]) -> torch.Tensor:
     for k in over_targets:
         out[k] = sums[k] / sums[-3] * sums[-1] if float(sums[-3]) > 0 else float("nan")
     return out
+
+
+def _evaluated_samples(data: Any, dataset: Any, batch_size: int) -> Any:
+    """The samples `evaluate` scores: `dataset`, less a DataLoader's last partial batch under
+    ``drop_last=True`` (as one process iterating that loader). A sampler that picks or weights samples
+    (a subset, class balance) is refused: each rank evaluates its shard of the whole dataset with a
+    sampler of its own; an IterableDataset (no length to shard by) is refused too."""
+    from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler, Subset
+
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ValueError(f"evaluate() shards a map-style dataset (one with __len__ and __getitem__) over the "
+                         f"data-parallel ranks; got {type(dataset).__name__}. Pass the samples as a Dataset "
+                         "(distributed_training.data.MapDataset(list_of_samples))")
+    if isinstance(data, DataLoader):
+        if not isinstance(data.sampler, (SequentialSampler, RandomSampler, ShardedSampler)):
+            raise ValueError(
+                f"evaluate() cannot use this DataLoader's sampler ({type(data.sampler).__name__}): each rank "
+                "evaluates its shard of the loader's whole dataset, in order, with a sampler of its own. To score "
+                "part of the data, pass torch.utils.data.Subset(dataset, indices)")
+        if data.drop_last and len(dataset) % batch_size:
+            return Subset(dataset, range(len(dataset) - len(dataset) % batch_size))
+    return dataset
+
+
+def _shape_of(batch: Any) -> str:
+    """How a batch is built, for an error: its type and, for a tuple or list, its length."""
+    if isinstance(batch, (tuple, list)):
+        return f"a {type(batch).__name__} of {len(batch)} items"
+    return f"a {type(batch).__name__}"
+

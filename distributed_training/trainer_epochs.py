@@ -11,7 +11,6 @@ import warnings
 
 import torch
 
-from .batches import batch_size_of
 from .checkpoint import rng_state, set_rng_state
 from .checkpoint_layout import replicate_checkpoint
 from .data import ShardedSampler, agree_steps_per_epoch
@@ -87,6 +86,7 @@ class EpochLoop(StepRecording):
             # stream training uses, so that a resumed epoch sees the same random numbers as an unbroken one.
             with torch.random.fork_rng(devices=[]), self._fetching(sharded):
                 batches = iter(loader)
+            dealt = len(sampler) if sharded else 0  # samples the sampler still deals this rank in this epoch
             if skip:  # a resumed epoch over a loader we cannot seek: replay its start, drawing nothing from
                 state = rng_state()  # the random streams the checkpoint restored (a loader's augmentation would)
                 with self._fetching(sharded):
@@ -116,7 +116,10 @@ class EpochLoop(StepRecording):
                 metrics = self.train_step(batch, criterion)
                 self.batch_in_epoch += 1
                 if sharded:  # every replica trained as many samples as this one (the sampler pads)
-                    self.samples_in_epoch += batch_size_of(batch) * sampler.num_replicas
+                    # (as the sampler dealt them: a batch's first tensor may not be batch-first)
+                    rows = min(loader.batch_size, dealt)
+                    dealt -= rows
+                    self.samples_in_epoch += rows * sampler.num_replicas
                     self._epoch_finished = self.batch_in_epoch >= epoch_end  # what a checkpoint of this step says
                 now = time.perf_counter()
                 self.data_wait_s += fetched - last_end
