@@ -257,6 +257,7 @@ class CheckpointLoading(HyperparameterRestore):
         residuals = ", nor gradient compression's error-feedback residuals and step count (per rank: they start afresh)"
         if same_world:
             set_rng_state(read(ctx.rank)["rng"])
+            self._epoch_rng = read(ctx.rank).get("epoch_rng")
             if meta.get("strategy") == self.strategy.name:  # what only the same strategy understands
                 self.strategy.load_shared_state(self.model, meta)
                 self.strategy.load_rank_state(self.model, read(ctx.rank))
@@ -271,6 +272,7 @@ class CheckpointLoading(HyperparameterRestore):
         """This rank's RNG states and buffers from what a strategy's `load_checkpoint_files` returned."""
         if "rng" in part:
             set_rng_state(part["rng"])
+        self._epoch_rng = part.get("epoch_rng")
         saved = part.get("buffers", {})
         with torch.no_grad():
             for key, buffer in self.strategy.buffers(self.model).items():

@@ -140,6 +140,8 @@ class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
         held = self.strategy.state_layout(self.model, self.optimizer)
         packed = pack(held, self.optimizer, to_host=to_host)
         part: dict[str, Any] = {"rng": rng_state(), **packed}
+        if self._epoch_rng is not None and self.batch_in_epoch:
+            part["epoch_rng"] = self._epoch_rng
         part.update(self.strategy.rank_state(self.model))  # e.g. error-feedback residuals, which differ by rank
         # Buffers (BatchNorm's running statistics) are updated by each rank from its own data: every
         # rank's are state, under the model's keys (a pipeline rank holds its stages' only).

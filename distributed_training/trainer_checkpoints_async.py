@@ -77,7 +77,7 @@ class BackgroundCheckpointing:
         held, packed, part = self._rank_part(staging, buffers_to_host=staging.now)
         # What is not copied by the staging yet: small values that training goes on changing in place.
         # (The RNG states are fresh objects already; optim_scalars went through the staging.)
-        part = {k: v if k in ("params", "optim", "optim_scalars", "buffers", "rng") else host_copy(v, host_clone)
+        part = {k: v if k in ("params", "optim", "optim_scalars", "buffers", "rng", "epoch_rng") else host_copy(v, host_clone)
                 for k, v in part.items()}
         metrics = {k: staging.now(v) if torch.is_tensor(v) else v for k, v in metrics.items()}
         ready = staging.ready(self.optimizer)

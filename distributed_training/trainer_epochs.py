@@ -89,10 +89,14 @@ class EpochLoop(StepRecording):
             dealt = len(sampler) if sharded else 0  # samples the sampler still deals this rank in this epoch
             if skip:  # a resumed epoch over a loader we cannot seek: replay its start, drawing nothing from
                 state = rng_state()  # the random streams the checkpoint restored (a loader's augmentation would)
+                if self._epoch_rng is not None:  # from the states the epoch began with (a shuffle at its start)
+                    set_rng_state(self._epoch_rng)
                 with self._fetching(sharded):
                     for _ in range(skip):
                         next(batches, None)
                 set_rng_state(state)
+            elif not sharded:
+                self._epoch_rng = rng_state()
             last_end = time.perf_counter()
             while not done():
                 if sharded and self.batch_in_epoch >= epoch_end:

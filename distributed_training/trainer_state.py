@@ -38,6 +38,9 @@ class TrainerState:
         self.step = 0
         self.epoch = 0
         self.batch_in_epoch = 0  # batches of the current epoch already trained
+        # The random states when this epoch's first batch was fetched from data fit cannot seek (an iterable):
+        # a resumed epoch replays its start from them, as an iterable that shuffles at its start drew.
+        self._epoch_rng = None
         self._step_failed = False  # the last train_step raised: peers may be inside its collectives
         self._closed = False  # close() ran: every other call is refused
         self._optimizer_agreed = False  # fit compared the optimizer's settings across replicas (once)
