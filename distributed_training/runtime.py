@@ -26,6 +26,7 @@ import importlib
 import os
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -283,8 +284,12 @@ def init_distributed(
             torchrun's MASTER_ADDR/MASTER_PORT.
 
     If the default group already exists (the caller initialised it), it is reused and left alone
-    at shutdown.
+    at shutdown; it keeps its own timeout (a `timeout` given here then is said not to apply).
     """
+    if timeout is not None and dist.is_initialized():
+        warnings.warn(f"timeout={timeout} does not apply: the default process group already exists (your script's "
+                      "init_process_group, or a test harness's) and keeps the timeout it was created with; pass "
+                      "timeout= to init_process_group instead", UserWarning, stacklevel=3)
     if timeout is None:
         timeout = DEFAULT_TIMEOUT
     elif not isinstance(timeout, timedelta):

@@ -220,3 +220,20 @@ def test_an_iterable_that_shuffles_at_its_start_resumes_bit_identical(tmp_path):
     (9e-2 off from the second step). Stopped at step 2 (in epoch 0) and 6 (in epoch 1), resumed each time."""
     for worst in run_distributed(_shuffled_resume_job, 2, args=(str(tmp_path),), timeout=180):
         assert sorted(worst) == list(range(1, 9)) and max(worst.values()) == 0.0, worst
+
+
+def _timeout_job(rank, world):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DistributedTrainer(nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False, timeout=6).close()
+        DistributedTrainer(nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False).close()
+    return [str(w.message) for w in caught if "timeout" in str(w.message)]
+
+
+def test_a_timeout_that_cannot_apply_to_an_existing_process_group_is_said():
+    """DistributedTrainer(timeout=6) in a script that had made the process group itself: the group kept its
+    own timeout and a rank 20 s late stalled the others 20 s, without a word (the docs trial)."""
+    for said in run_distributed(_timeout_job, 2, timeout=60):
+        assert len(said) == 1 and said[0].startswith("timeout=6 does not apply"), said
