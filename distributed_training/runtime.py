@@ -106,12 +106,17 @@ class DistributedContext:
         """Whether `value` is true on every rank (one tiny all-reduce; every rank must call it): how
         ranks decide together, e.g. to stop when any of them runs out of batches, so none hangs.
         Independent ranks (`independent`) do not meet: `value` itself."""
+        return self.ranks_where(value) == (1 if self.world_size == 1 or self.independent else self.world_size)
+
+    def ranks_where(self, value: bool) -> int:
+        """On how many ranks `value` is true (one tiny all-reduce; every rank must call it); independent
+        ranks count their own only."""
         if self.world_size == 1 or self.independent:
-            return value
+            return int(bool(value))
         device = self.device if self.backend == "nccl" else torch.device("cpu")
         flag = torch.tensor([1 if value else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+        dist.all_reduce(flag, group=self.group)
+        return int(flag.item())
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -111,8 +111,16 @@ class EpochLoop(StepRecording):
                 else:
                     # (a collective: a peer dead here is named, as in a step)
                     with self._watched(f"the agreement on a batch before training step {self.step + 1}"):
-                        has_batch = self.context.every_rank(batch is not None)
+                        having = self.context.ranks_where(batch is not None)
+                    ranks = 1 if self.context.world_size == 1 or self.context.independent else self.context.world_size
+                    has_batch = having == ranks
                     agreed = time.perf_counter()  # (its wait: a slower rank's fetch, not this one's work)
+                    if 0 < having < ranks and self.context.is_main:
+                        warnings.warn(
+                            f"fit(): epoch {self.epoch} ends at step {self.step}, where {ranks - having} of {ranks} "
+                            f"ranks' data ran out: the batches the other {having} still had are not trained in "
+                            "this epoch (every rank stops with the first to run out). Give each rank as many "
+                            "batches, or pass a map-style dataset, which fit shards exactly", stacklevel=4)
                 if not has_batch:
                     exhausted = True
                     break

@@ -209,7 +209,9 @@ class ShardedIterable(IterableDataset):
     samples rank, rank + W, rank + 2W, ... (in the order the dataset gives them).
 
     Step i's batches over the W replicas are therefore samples ``i*b*W`` to ``(i+1)*b*W - 1`` (b a
-    replica's batch): one process reading the iterable in batches of b*W trains the same global batches.
+    replica's batch): one process reading the iterable in batches of b*W trains the same global batches,
+    but for an epoch's last one where some replicas' parts of it are empty (every rank stops with the
+    first to run out: `fit` warns).
     """
 
     def __init__(self, data: Iterable, rank: int, world_size: int) -> None:

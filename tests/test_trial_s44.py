@@ -237,3 +237,25 @@ def test_a_timeout_that_cannot_apply_to_an_existing_process_group_is_said():
     own timeout and a rank 20 s late stalled the others 20 s, without a word (the docs trial)."""
     for said in run_distributed(_timeout_job, 2, timeout=60):
         assert len(said) == 1 and said[0].startswith("timeout=6 does not apply"), said
+
+
+def _uneven_iterable_job(rank, world):
+    import warnings
+
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(nn.Linear(3, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    batches = [(torch.randn(2, 3), torch.randint(0, 2, (2,))) for _ in range(3 - rank)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(batches, epochs=1, criterion=F.cross_entropy)
+    steps = trainer.step
+    trainer.close()
+    return steps, [str(w.message) for w in caught if "ran out" in str(w.message)]
+
+
+def test_batches_left_untrained_by_uneven_iterables_are_said():
+    """dtrain's iterable data dealt round-robin (25 samples, batch 4, 2 ranks): rank 0 held one more batch,
+    every rank stopped with the first to run out, and sample 24 was never trained, without a word."""
+    (steps, said), (steps_1, said_1) = run_distributed(_uneven_iterable_job, 2, timeout=60)
+    assert steps == steps_1 == 2 and not said_1, (steps, said_1)
+    assert len(said) == 1 and "where 1 of 2 ranks' data ran out" in said[0], said
