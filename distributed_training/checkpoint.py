@@ -268,6 +268,13 @@ def _to_tuples(x):
 
 
 # ------------------------------------------------------------------ manager
+def best_direction(metric: str | None) -> str:
+    """``"max"`` for a metric that grows as the model improves (an accuracy: ``accuracy``, ``top5``,
+    with or without ``val_``), ``"min"`` for any other (a loss, a perplexity)."""
+    name = (metric or "").removeprefix("val_")
+    return "max" if name.startswith(("accuracy", "top")) else "min"
+
+
 class CheckpointManager:
     """Numbered checkpoints in one directory: save, find the latest good one, keep the last N and the best.
 
@@ -276,19 +283,19 @@ class CheckpointManager:
         keep_last: how many of the most recent good checkpoints to keep (older ones are deleted).
         best_metric: name of a metric (passed to `finalize`) whose best checkpoint is always kept and
             recorded in ``best.json``.
-        best_mode: ``"min"`` or ``"max"``.
+        best_mode: ``"min"``, ``"max"`` or ``"auto"`` (`best_direction`: max for an accuracy, min else).
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, best_metric: str | None = None,
-                 best_mode: str = "min") -> None:
+                 best_mode: str = "auto") -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        if best_mode not in ("min", "max", "auto"):
+            raise ValueError(f"best_mode must be 'min', 'max' or 'auto', got {best_mode!r}")
         self.directory = os.fspath(directory)
         self.keep_last = keep_last
         self.best_metric = best_metric
-        self.best_mode = best_mode
+        self.best_mode = best_direction(best_metric) if best_mode == "auto" else best_mode
 
     def path_for(self, step: int) -> str:
         return os.path.join(self.directory, f"step_{step:09d}")

@@ -95,7 +95,8 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         checkpoint_every: save every this many optimizer steps during `fit` (and at its end).
         keep_last: how many recent checkpoints to keep; `best_metric` / `best_mode`: the checkpoint
             with the best value of this metric (`train_step`'s, or an evaluation's ``val_*`` during
-            `fit`) is kept too.
+            `fit`) is kept too; ``best_mode="auto"`` (default) keeps the highest accuracy (``accuracy``,
+            ``top<k>``) and the lowest of anything else, or say ``"min"`` / ``"max"``.
         checkpoint_shared: whether `checkpoint_dir` is one directory seen by every node (True) or one
             per node (False); None (default) finds out with marker files on a multi-node job. With a
             directory per node, each node writes, verifies and prunes its own, and a resume picks the
@@ -253,7 +254,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         checkpoint_every: int | None = None,
         keep_last: int = 3,
         best_metric: str | None = None,
-        best_mode: str = "min",
+        best_mode: str = "auto",
         resume: bool = True,
         checkpoint_shared: bool | None = None,
         checkpoint_async: bool = False,

@@ -382,9 +382,11 @@ def job_best_checkpoint(job: Any) -> dict[str, str]:
     section = job.evaluation
     if section.best_metric is None:
         return {}
+    from .checkpoint import best_direction
+
     mode = section.best_mode
     if mode == "auto":
-        mode = "max" if section.best_metric.startswith(("val_accuracy", "val_top")) else "min"
+        mode = best_direction(section.best_metric)
     return {"best_metric": section.best_metric, "best_mode": mode}
 
 
