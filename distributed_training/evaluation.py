@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -124,6 +125,10 @@ class Evaluation:
         ctx = self.context
         if isinstance(data, DataLoader):
             dataset, bs, collate = data.dataset, data.batch_size, data.collate_fn
+            if batch_size is not None and batch_size != bs and ctx.is_main:
+                warnings.warn(f"evaluate(batch_size={batch_size}) is not used: the DataLoader given brings its own "
+                              f"batch size ({bs}), which evaluate keeps; pass the dataset instead, or build the "
+                              "DataLoader with the batch you want", UserWarning, stacklevel=5)
         else:
             dataset, bs, collate = data, batch_size, None
         if bs is None:

@@ -194,10 +194,12 @@ class Fitting(EpochLoop):
             log.warning("%s holds an earlier run's logs: this run's, from step 0, are appended to them (TensorBoard "
                         "draws both on one curve; the plot tool keeps the last run). Give another log_dir (dtrain: "
                         "logging.dir) to keep them apart", self.monitor.log_dir)
-        if resumed_from is not None and (self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)):
-            if self.context.is_main:
-                log.info("training is already complete at step %d (%s): nothing to do (to train further, raise "
-                         "epochs or max_steps; to start again from step 0, resume=False)", self.step, resumed_from)
+        if self.epoch >= epochs or (max_steps is not None and self.step >= max_steps):
+            if self.context.is_main:  # (a resumed run, or a second fit on this trainer: limits count from step 0)
+                where = resumed_from if resumed_from is not None else "this trainer's earlier training"
+                log.info("training is already complete at step %d, epoch %d (%s): nothing to do (epochs and "
+                         "max_steps count from the start of training: to train further, raise them%s)", self.step,
+                         self.epoch, where, "; to start again from step 0, resume=False" if resumed_from else "")
             return []
         if plan is not None:
             plan = self._adopt_global_batch(plan, micro_batch_size, resumed_from)

@@ -276,3 +276,33 @@ def test_the_best_checkpoint_of_an_accuracy_is_its_highest_by_default(tmp_path):
     assert CheckpointManager(tmp_path, best_metric="val_accuracy", best_mode="min").best_mode == "min"
     with pytest.raises(ValueError, match="'min', 'max' or 'auto'"):
         CheckpointManager(tmp_path, best_metric="loss", best_mode="highest")
+
+
+def _second_fit_job(rank, world):
+    import logging
+    import warnings
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("distributed_training").addHandler(handler)  # (an application's own logging, at INFO)
+    logging.getLogger("distributed_training").setLevel(logging.INFO)
+    torch.manual_seed(0)
+    data = MapDataset([(torch.randn(3), torch.tensor(i % 2)) for i in range(8)])
+    trainer = DistributedTrainer(nn.Linear(3, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    trainer.fit(data, epochs=1, max_steps=2, criterion=F.cross_entropy, batch_size=2)
+    second = trainer.fit(data, epochs=1, max_steps=2, criterion=F.cross_entropy, batch_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.evaluate(DataLoader(data, batch_size=4), F.cross_entropy, batch_size=5)
+    trainer.close()
+    return second, [m for m in records if "already complete" in m], [str(w.message) for w in caught]
+
+
+def test_a_second_fit_with_nothing_left_and_an_unused_evaluation_batch_size_are_said():
+    """A second fit(max_steps=2) at step 2 trained nothing without a word (only a resumed run said so); and
+    evaluate(DataLoader(batch_size=4), batch_size=5) dropped the 5 silently, where fit warns for its own."""
+    (second, said, warned), (_, said_1, warned_1) = run_distributed(_second_fit_job, 2, timeout=60)
+    assert second == [] and len(said) == 1 and "at step 2, epoch 0 (this trainer's earlier training)" in said[0], said
+    assert not said_1 and not warned_1  # rank 0 says it
+    assert any("evaluate(batch_size=5) is not used" in w for w in warned), warned
