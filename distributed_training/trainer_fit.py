@@ -200,7 +200,8 @@ class Fitting(EpochLoop):
                 log.info("training is already complete at step %d, epoch %d (%s): nothing to do (epochs and "
                          "max_steps count from the start of training: to train further, raise them%s)", self.step,
                          self.epoch, where, "; to start again from step 0, resume=False" if resumed_from else "")
-            return []
+            if resumed_from is not None:
+                return []  # (a second fit goes on as before: its data is checked, its end evaluated)
         if plan is not None:
             plan = self._adopt_global_batch(plan, micro_batch_size, resumed_from)
             batch_size = plan.per_rank
