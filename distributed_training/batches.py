@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-__all__ = ["map_tensors", "tensors_of", "to_device", "batch_size_of", "token_count", "split_batch", "call_module", "model_loss", "extract_loss"]
+__all__ = ["map_tensors", "tensors_of", "to_device", "batch_size_of", "batch_rows", "token_count", "split_batch", "call_module", "model_loss", "extract_loss"]
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
@@ -83,7 +83,7 @@ def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
         return [(batch, n)]
     rows = [len(piece) for piece in torch.tensor_split(torch.empty(n, 0), parts)]
     per_token = _flattened_targets(batch, n)
-    _check_rows(batch, n, per_token, "batch")
+    _check_rows(batch, n, per_token)
 
     def chunk(x, k):
         if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n:
@@ -109,23 +109,34 @@ def _per_sample_values(x: Any, n: int) -> bool:
             and all(v is None or isinstance(v, (bool, int, float, str, bytes)) for v in x))
 
 
-def _check_rows(x: Any, n: int, per_token: torch.Tensor | None, path: str) -> None:
-    """Every tensor `split_batch` meets is cut along dim 0 at `n` rows: one whose dim 0 is not `n` (a
-    time-major (T, B) input, whose batch is dim 1) would be passed whole to every micro-batch, paired
-    with other rows: refused, naming it."""
-    if isinstance(x, torch.Tensor):
-        if x.dim() and x.shape[0] != n and x is not per_token:
-            raise ValueError(
-                f"gradient accumulation cuts every tensor of a batch along dim 0 into micro-batches, at the "
-                f"{n} rows of its first tensor, but {path} has shape {tuple(x.shape)}: put the batch dimension "
-                "first in every tensor (a time-major sequence: transpose it in the model, or nn.LSTM("
-                "batch_first=True)), or train with gradient_accumulation_steps=1")
-    elif isinstance(x, Mapping):
-        for key, v in x.items():
-            _check_rows(v, n, per_token, f"{path}[{key!r}]")
-    elif isinstance(x, (tuple, list)):
-        for i, v in enumerate(x):
-            _check_rows(v, n, per_token, f"{path}[{i}]")
+def _check_rows(batch: Any, n: int, per_token: torch.Tensor | None) -> None:
+    """`split_batch` cuts every tensor along dim 0 at the `n` rows of the batch's first tensor; one of
+    another dim 0 goes whole to every micro-batch (a mask or position ids shared by the rows). Targets
+    must be cut with the rows: targets of another dim 0 (a time-major (T, B) input, whose batch is dim 1,
+    beside (B,) targets) would be paired with other rows, so they are refused, naming them."""
+    targets, path = None, ""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        targets, path = batch[1], "batch[1] (the targets)"
+    elif isinstance(batch, Mapping) and "labels" in batch:
+        targets, path = batch["labels"], "batch['labels']"
+    if isinstance(targets, torch.Tensor) and targets.dim() and targets.shape[0] != n and targets is not per_token:
+        raise ValueError(
+            f"gradient accumulation cuts a batch along dim 0 into micro-batches, at the {n} rows of its first "
+            f"tensor, but {path} has shape {tuple(targets.shape)}: put the batch dimension first in the inputs "
+            "(a time-major sequence: transpose it in the model, or nn.LSTM(batch_first=True)), or train with "
+            "gradient_accumulation_steps=1")
+
+
+def batch_rows(batch: Any) -> int:
+    """The samples of `batch` (`batch_size_of`), or of its targets where an (inputs, targets) batch's
+    targets have another dim 0 (time-major inputs (T, B, ...) beside (B,) targets: B)."""
+    n = batch_size_of(batch)
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        targets = batch[1]
+        if (isinstance(targets, torch.Tensor) and targets.dim() and targets.shape[0] != n
+                and _flattened_targets(batch, n) is None):
+            return targets.shape[0]
+    return n
 
 
 def _flattened_targets(batch: Any, n: int) -> torch.Tensor | None:

@@ -272,7 +272,7 @@ def best_direction(metric: str | None) -> str:
     """``"max"`` for a metric that grows as the model improves (an accuracy: ``accuracy``, ``top5``,
     with or without ``val_``), ``"min"`` for any other (a loss, a perplexity)."""
     name = (metric or "").removeprefix("val_")
-    return "max" if name.startswith(("accuracy", "top")) else "min"
+    return "max" if name.startswith("accuracy") or re.match(r"top\d", name) else "min"
 
 
 class CheckpointManager:

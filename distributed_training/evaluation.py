@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from .batches import batch_size_of, call_module, model_loss, to_device
+from .batches import batch_rows, call_module, model_loss, to_device
 from .comm.collectives import broadcast_coalesced
 from .data import ShardedSampler
 from .mesh import global_rank
@@ -163,15 +163,11 @@ class Evaluation:
         # mean is over the targets it keeps (`loss_weights.counted`), an accuracy over the targets it is not
         # told to ignore (`loss_weights.classified`), the other metrics' over the rows.
         sums = torch.zeros(len(names) + 3, dtype=torch.float64, device=self.device)
-        batches, previous, left = iter(loader), None, len(sampler)
+        batches, previous = iter(loader), None
         try:
             self.strategy.evaluation_begins(self.model)
             while True:
                 batch = next(batches, None)
-                if batch is not None and criterion is not None and (not isinstance(batch, (tuple, list))
-                                                                    or len(batch) != 2):
-                    raise ValueError(f"evaluate() with a criterion needs each batch to be an (inputs, targets) pair; "
-                                     f"got {_shape_of(batch)} (without a criterion the model computes its own loss)")
                 if lockstep:
                     if self.context.every_rank(batch is None):  # no rank has a batch left
                         break
@@ -183,11 +179,11 @@ class Evaluation:
                     batch = previous if previous is not None else next(
                         iter(DataLoader(dataset, batch_size=1, collate_fn=collate)))
                 previous = batch
+                if criterion is not None and (not isinstance(batch, (tuple, list)) or len(batch) != 2):
+                    raise ValueError(f"evaluate() with a criterion needs each batch to be an (inputs, targets) pair; "
+                                     f"got {_shape_of(batch)} (without a criterion the model computes its own loss)")
                 batch = to_device(batch, self.device)
-                # The batch's samples as the sampler dealt them, not read off its first tensor (time-major,
-                # or a scalar first: miscounted), for a batch that counts
-                rows = min(bs, left) if weight else batch_size_of(batch)
-                left -= rows if weight else 0
+                rows = batch_rows(batch)
                 n = rows * weight
                 # A strategy that runs the forward itself (a pipeline: through its stages) gives the values.
                 values = self.strategy.evaluate_batch(self.model, batch, criterion, metrics)
@@ -268,14 +264,15 @@ def _evaluated_samples(data: Any, dataset: Any, batch_size: int) -> Any:
     ``drop_last=True`` (as one process iterating that loader). A sampler that picks or weights samples
     (a subset, class balance) is refused: each rank evaluates its shard of the whole dataset with a
     sampler of its own; an IterableDataset (no length to shard by) is refused too."""
-    from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler, Subset
+    from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler, SequentialSampler, Subset
 
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise ValueError(f"evaluate() shards a map-style dataset (one with __len__ and __getitem__) over the "
                          f"data-parallel ranks; got {type(dataset).__name__}. Pass the samples as a Dataset "
                          "(distributed_training.data.MapDataset(list_of_samples))")
     if isinstance(data, DataLoader):
-        if not isinstance(data.sampler, (SequentialSampler, RandomSampler, ShardedSampler)):
+        # (torch's DistributedSampler shards as evaluate does, less its padding: a script ported from torch DDP)
+        if not isinstance(data.sampler, (SequentialSampler, RandomSampler, ShardedSampler, DistributedSampler)):
             raise ValueError(
                 f"evaluate() cannot use this DataLoader's sampler ({type(data.sampler).__name__}): each rank "
                 "evaluates its shard of the loader's whole dataset, in order, with a sampler of its own. To score "

@@ -291,7 +291,7 @@ def init_distributed(
     If the default group already exists (the caller initialised it), it is reused and left alone
     at shutdown; it keeps its own timeout (a `timeout` given here then is said not to apply).
     """
-    if timeout is not None and dist.is_initialized():
+    if timeout is not None and dist.is_initialized() and dist.get_rank() == 0:
         warnings.warn(f"timeout={timeout} does not apply: the default process group already exists (your script's "
                       "init_process_group, or a test harness's) and keeps the timeout it was created with; pass "
                       "timeout= to init_process_group instead", UserWarning, stacklevel=3)

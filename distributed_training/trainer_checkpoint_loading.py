@@ -264,7 +264,9 @@ class CheckpointLoading(HyperparameterRestore):
             elif ctx.is_main and _has_residuals(read(0)):
                 log.warning("checkpoint %r was written under strategy %r, this run uses %r: its per-rank state is not "
                             "restored%s", path, meta.get("strategy"), self.strategy.name, residuals)
-        elif ctx.is_main:  # once, not once a rank
+        else:
+            self._epoch_rng = None  # (this trainer's own, of an earlier fit: not the checkpoint's epoch)
+        if not same_world and ctx.is_main:  # once, not once a rank
             log.warning("checkpoint %r was written by %s rank(s), this run has %d: RNG states not restored%s", path,
                         meta["world_size"], ctx.world_size, residuals if _has_residuals(read(0)) else "")
 

@@ -84,13 +84,15 @@ class EpochLoop(StepRecording):
             loss_sum, steps, metrics, logged, exhausted, evaluated = None, 0, None, True, False, None
             # A DataLoader draws a base seed from the global RNG when iterated; keep that draw off the
             # stream training uses, so that a resumed epoch sees the same random numbers as an unbroken one.
+            restored = None
+            if skip and self._epoch_rng is not None:  # a resumed epoch over data fit cannot seek: from the states
+                restored = rng_state()                # the epoch began with (an iterable shuffling at iter(), or a
+                set_rng_state(self._epoch_rng)        # loader's workers' seeds), then the checkpoint's again
             with torch.random.fork_rng(devices=[]), self._fetching(sharded):
                 batches = iter(loader)
             dealt = len(sampler) if sharded else 0  # samples the sampler still deals this rank in this epoch
             if skip:  # a resumed epoch over a loader we cannot seek: replay its start, drawing nothing from
-                state = rng_state()  # the random streams the checkpoint restored (a loader's augmentation would)
-                if self._epoch_rng is not None:  # from the states the epoch began with (a shuffle at its start)
-                    set_rng_state(self._epoch_rng)
+                state = restored if restored is not None else rng_state()  # the streams the checkpoint restored
                 with self._fetching(sharded):
                     for _ in range(skip):
                         next(batches, None)

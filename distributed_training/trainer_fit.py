@@ -195,7 +195,7 @@ class Fitting(EpochLoop):
                         "draws both on one curve; the plot tool keeps the last run). Give another log_dir (dtrain: "
                         "logging.dir) to keep them apart", self.monitor.log_dir)
         if self.epoch >= epochs or (max_steps is not None and self.step >= max_steps):
-            if self.context.is_main:  # (a resumed run, or a second fit on this trainer: limits count from step 0)
+            if self.context.is_main and (resumed_from is not None or self.step):  # (or a second fit: from step 0)
                 where = resumed_from if resumed_from is not None else "this trainer's earlier training"
                 log.info("training is already complete at step %d, epoch %d (%s): nothing to do (epochs and "
                          "max_steps count from the start of training: to train further, raise them%s)", self.step,

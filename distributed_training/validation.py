@@ -222,7 +222,10 @@ class PeriodicEvaluation:
                              "evaluates an exact shard of it, so every sample counts once; got "
                              f"{type(inner).__name__}")
         if isinstance(dataset, DataLoader):
+            from .evaluation import _evaluated_samples
+
             batch_size = dataset.batch_size
+            _evaluated_samples(dataset, inner, batch_size or 1)  # its sampler: refused before training, not at the first evaluation
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"eval_batch_size must be a positive integer, got {batch_size!r}")
         self.dataset, self.every, self.batch_size, self.criterion = dataset, every, batch_size, criterion

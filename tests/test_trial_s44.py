@@ -91,19 +91,21 @@ def test_a_time_major_batch_is_counted_by_its_samples_and_refused_by_accumulatio
         assert counted == 8, counted  # 4 samples a rank, 2 ranks
         assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), (got, want)
         assert got["first"] == pytest.approx(want["first"], abs=1e-6), (got, want)
-        assert "batch[0][1] has shape (4,)" in refused and "batch dimension first" in refused, refused
+        assert "batch[1] (the targets) has shape (4,)" in refused and "batch dimension first" in refused, refused
 
 
 class _Lengths(nn.Module):
-    """Batch-first inputs (B, T, F) and their lengths as a Python list (as pack_padded_sequence takes)."""
+    """Batch-first inputs (B, T, F), their lengths as a Python list (as pack_padded_sequence takes) and a
+    tensor all rows share (F,), which every micro-batch takes whole."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 4)
 
-    def forward(self, padded, lengths):
+    def forward(self, padded, lengths, shared):
         steps = torch.arange(padded.shape[1])[None, :] < torch.tensor(lengths)[:, None]
-        return self.lin((padded * steps[..., None]).sum(1) / torch.tensor(lengths, dtype=torch.float)[:, None])
+        pooled = (padded * shared * steps[..., None]).sum(1) / torch.tensor(lengths, dtype=torch.float)[:, None]
+        return self.lin(pooled)
 
 
 def _lengths_job(rank, world):
@@ -117,10 +119,10 @@ def _lengths_job(rank, world):
     worst = []
     for _ in range(3):
         padded, y = torch.randn(8, 5, 3, generator=g), torch.randint(0, 4, (8,), generator=g)
-        lengths = torch.randint(1, 6, (8,), generator=g).tolist()
+        lengths, shared = torch.randint(1, 6, (8,), generator=g).tolist(), torch.rand(3, generator=g)
         mine = slice(4 * rank, 4 * rank + 4)
-        trainer.train_step(((padded[mine], lengths[mine]), y[mine]), F.cross_entropy)
-        F.cross_entropy(reference(padded, lengths), y).backward()
+        trainer.train_step(((padded[mine], lengths[mine], shared), y[mine]), F.cross_entropy)
+        F.cross_entropy(reference(padded, lengths, shared), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
         worst.append(max((p - q).abs().max().item() for p, q in zip(trainer.module.parameters(),
@@ -183,27 +185,32 @@ def test_evaluate_keeps_drop_last_and_names_what_it_cannot_take():
 
 
 class _Shuffled(torch.utils.data.IterableDataset):
-    """This rank's half of 24 samples, in an order drawn from torch's global generator at each pass's start."""
+    """This rank's half of 24 samples, in an order drawn from torch's global generator at each pass's start:
+    when iter() is called (`eager`), or at the first sample read (a generator)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, eager: bool) -> None:
         g = torch.Generator().manual_seed(5)
         self.x, self.y = torch.randn(24, 6, generator=g), torch.randint(0, 3, (24,), generator=g)
-        self.rank = rank
+        self.rank, self.eager = rank, eager
 
     def __iter__(self):
+        if self.eager:
+            return iter([(self.x[2 * i + self.rank], self.y[2 * i + self.rank]) for i in torch.randperm(12).tolist()])
+        return self._lazily()
+
+    def _lazily(self):
         for i in torch.randperm(12).tolist():
-            k = 2 * i + self.rank
-            yield self.x[k], self.y[k]
+            yield self.x[2 * i + self.rank], self.y[2 * i + self.rank]
 
 
-def _shuffled_resume_job(rank, world, tmp):
+def _shuffled_resume_job(rank, world, tmp, eager):
     def run(directory, max_steps=None):
         torch.manual_seed(0)
         trainer = DistributedTrainer(nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2), nn.Linear(8, 3)),
                                      lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), progress=False,
                                      checkpoint_dir=directory, checkpoint_every=1)
         after = {}
-        trainer.fit(DataLoader(_Shuffled(rank), batch_size=3), epochs=2, max_steps=max_steps, criterion=F.cross_entropy,
+        trainer.fit(DataLoader(_Shuffled(rank, eager), batch_size=3), epochs=2, max_steps=max_steps, criterion=F.cross_entropy,
                     log_every=1, on_step=lambda k, m: after.__setitem__(k, copy.deepcopy(trainer.module.state_dict())))
         trainer.close()
         return after
@@ -217,8 +224,11 @@ def test_an_iterable_that_shuffles_at_its_start_resumes_bit_identical(tmp_path):
     """A resumed epoch over an iterable replays its start to skip what was trained, but from the random
     states the checkpoint restored (mid-epoch), not those the epoch began with: an iterable drawing its
     order at its start (torch.randperm) read another order, training 4 of 20 samples twice and 4 never
-    (9e-2 off from the second step). Stopped at step 2 (in epoch 0) and 6 (in epoch 1), resumed each time."""
-    for worst in run_distributed(_shuffled_resume_job, 2, args=(str(tmp_path),), timeout=180):
+    (9e-2 off from the second step). Stopped at step 2 (in epoch 0) and 6 (in epoch 1), resumed each time;
+    an iterable drawing when iter() is called (before the replay) as well as a generator (at its first read)."""
+    for worst in [w for eager in (False, True)
+                  for w in run_distributed(_shuffled_resume_job, 2, args=(str(tmp_path / str(eager)), eager),
+                                           timeout=180)]:
         assert sorted(worst) == list(range(1, 9)) and max(worst.values()) == 0.0, worst
 
 
@@ -235,8 +245,8 @@ def _timeout_job(rank, world):
 def test_a_timeout_that_cannot_apply_to_an_existing_process_group_is_said():
     """DistributedTrainer(timeout=6) in a script that had made the process group itself: the group kept its
     own timeout and a rank 20 s late stalled the others 20 s, without a word (the docs trial)."""
-    for said in run_distributed(_timeout_job, 2, timeout=60):
-        assert len(said) == 1 and said[0].startswith("timeout=6 does not apply"), said
+    said, said_1 = run_distributed(_timeout_job, 2, timeout=60)
+    assert len(said) == 1 and said[0].startswith("timeout=6 does not apply") and not said_1, (said, said_1)
 
 
 def _uneven_iterable_job(rank, world):
