@@ -413,25 +413,8 @@ class SplitBackward:
         deferred, the other uses' gradients in I); an unknown leaf turns capture off; either way this
         step's I passes are plain backwards (every gradient right, nothing of the step deferred for
         them). Also finds a reentrant checkpoint (looked for once)."""
-        into: dict[int, set] = {}    # leaf id -> the graph's nodes with an edge into its accumulation
-        leaves: dict[int, torch.Tensor] = {}
-        seen, todo = set(), [out.grad_fn]
-        while todo:
-            node = todo.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            if type(node).__name__ == "CheckpointFunctionBackward":
-                self._reentrant = True
-            for next_node, _ in node.next_functions:
-                leaf = getattr(next_node, "variable", None)  # an AccumulateGrad node
-                if leaf is not None:
-                    leaves[id(leaf)] = leaf
-                    into.setdefault(id(leaf), set()).add(node)
-                elif next_node is not None:
-                    todo.append(next_node)
-        if self._reentrant is None:
-            self._reentrant = False
+        into, leaves, reentrant = _leaf_edges(out)  # leaf id -> the graph's nodes with an edge into it
+        self._reentrant = reentrant or bool(self._reentrant)
         if self._reentrant:
             return
         # Each captured call's own nodes: from its output back to its input (not beyond) and its parameters.
@@ -439,18 +422,8 @@ class SplitBackward:
         armed = [c for c in captures if c[2]._version == c[3]]
         own: dict[int, set] = {}
         for c in armed:
-            seen, todo = set(), [c[2].grad_fn]
-            while todo:
-                node = todo.pop()
-                if node is None or node in seen or node is c[0].grad_fn:
-                    continue
-                seen.add(node)
-                for next_node, _ in node.next_functions:
-                    leaf = getattr(next_node, "variable", None)
-                    if leaf is not None:
-                        own.setdefault(id(leaf), set()).add(node)
-                    elif next_node is not None:
-                        todo.append(next_node)
+            for i, nodes in _leaf_edges(c[2], stop=c[0].grad_fn)[0].items():
+                own.setdefault(i, set()).update(nodes)
         captured = {id(t) for c in armed for t in (c[4], c[5]) if t is not None}
         elsewhere = {i for i in captured if not into.get(i, set()) <= own.get(i, set())}
         known = {id(p) for root in self.modules for p in root.parameters()} | {id(a) for a in self._anchors.values()}
@@ -496,4 +469,27 @@ class SplitBackward:
         if cast is not t:
             casts[key] = (t, t._version, cast)
         return cast
+
+
+def _leaf_edges(out: torch.Tensor, stop=None) -> tuple[dict[int, set], dict[int, torch.Tensor], bool]:
+    """One walk of `out`'s backward graph, not past the node `stop`: (leaf id -> the nodes with an edge
+    into that leaf's gradient accumulation, leaf id -> leaf, whether a reentrant checkpoint was met)."""
+    into: dict[int, set] = {}
+    leaves: dict[int, torch.Tensor] = {}
+    reentrant = False
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node is stop:
+            continue
+        seen.add(node)
+        reentrant = reentrant or type(node).__name__ == "CheckpointFunctionBackward"
+        for next_node, _ in node.next_functions:
+            leaf = getattr(next_node, "variable", None)  # an AccumulateGrad node
+            if leaf is not None:
+                leaves[id(leaf)] = leaf
+                into.setdefault(id(leaf), set()).add(node)
+            elif next_node is not None:
+                todo.append(next_node)
+    return into, leaves, reentrant
 
