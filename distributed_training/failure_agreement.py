@@ -59,7 +59,10 @@ class FailureAgreement:
             return
         self.failures += 1
         key = f"{self.key}{self.failures}"
-        store.add(key, 1)
+        try:
+            store.add(key, 1)
+        except Exception:  # the store's host is gone (rank 0's process, its node's agent): `check` refuses
+            pass
         self.pending = (key, what, str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
 
     def check(self, watch=None) -> None:
@@ -72,11 +75,18 @@ class FailureAgreement:
             self.pending = None
             store = _store()
             if store is not None:
-                count, deadline = store.add(key, 0), time.monotonic() + AGREE_S
-                while (count < self.world and time.monotonic() < deadline
-                       and (watch is None or watch.failure is None)):
-                    time.sleep(0.01)
-                    count = store.add(key, 0)
+                try:
+                    count, deadline = store.add(key, 0), time.monotonic() + AGREE_S
+                    while (count < self.world and time.monotonic() < deadline
+                           and (watch is None or watch.failure is None)):
+                        time.sleep(0.01)
+                        count = store.add(key, 0)
+                except Exception as err:
+                    self.refusal = (f"{what} failed (this rank's error: {error}), and the job's rendezvous store "
+                                    f"cannot be reached ({err}): its host (rank 0, or its node's torchrun agent) has "
+                                    "ended. The trainer refuses this call and every later one: restart the job "
+                                    "from the latest checkpoint")
+                    raise RuntimeError(self.refusal) from err
                 if count < self.world:
                     self.refusal = (f"{what} failed on {count} of the job's {self.world} ranks only (this one's "
                                     f"error: {error}): the others may be inside collectives with this rank, which "

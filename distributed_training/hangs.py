@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from .runtime import DistributedContext
 
-__all__ = ["CollectiveTimeoutError", "heartbeat", "diagnose_timeout", "is_timeout"]
+__all__ = ["CollectiveTimeoutError", "heartbeat", "diagnose_timeout", "diagnose_lost_peer", "is_timeout"]
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -127,6 +127,50 @@ def diagnose_timeout(context: DistributedContext, step: int, err: Exception) -> 
             "device or data, or ranks that issued different collectives (control flow that depends on a rank's "
             "data, such as experts of a mixture that are FSDP units of their own and run on some ranks only). "
             f"Cause: {err}")
+
+
+def group_timeout_s() -> float | None:
+    """The default process group's collective timeout in seconds (None where torch does not say)."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        return group._get_backend(group._device_types[0]).options._timeout.total_seconds()
+    except Exception:
+        return None
+
+
+def _store_gone() -> bool:
+    store = _store()
+    if store is None:
+        return False
+    try:
+        store.check(["distributed_training/heartbeat/0"])
+        return False
+    except Exception:
+        return True
+
+
+def diagnose_lost_peer(context: DistributedContext, step: int, err: Exception, idle_s: float | None) -> str | None:
+    """The message for training step `step + 1` failing on a closed connection (a peer gone), where it can
+    say more than gloo: when this rank spent `idle_s` seconds since its previous step, longer than the
+    collective timeout, its peers most likely gave up waiting for it (they raised a timeout naming this
+    rank, and closed the connections); when the rendezvous store is gone too, the process that hosted it
+    (rank 0's, or its node's agent) ended. None where neither holds."""
+    where = f"rank {context.rank}: training step {step + 1}"
+    op = _operation_of(err)
+    if op:
+        where += f"'s {op.removesuffix(' failed')}"
+    where += " found a peer's connection closed"
+    timeout = group_timeout_s()
+    if idle_s is not None and timeout is not None and idle_s > timeout:
+        return (f"{where}, {idle_s:.1f} s after this rank's previous step returned: longer than the job's "
+                f"collective timeout ({timeout:g} s), so its peers most likely timed out waiting for this rank and "
+                "left (their errors name it). Find what held this rank between steps (its data, work of its own, "
+                f"a debugger), or give a longer timeout (DistributedTrainer(timeout=...)). Cause: {err}")
+    if _store_gone():
+        return (f"{where}, and the job's rendezvous store cannot be reached either: the process that hosted it "
+                "(rank 0, or its node's torchrun agent) has ended, so which peer failed cannot be learnt here; "
+                f"rank 0's log says why. Cause: {err}")
+    return None
 
 
 def _activity_key(rank: int) -> str:

@@ -5,12 +5,13 @@ and the check of its criterion."""
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable
 
 import torch
 
 from .batches import batch_size_of, call_module, model_loss, split_batch, to_device
-from .hangs import CollectiveTimeoutError, block_activities, diagnose_timeout, heartbeat, is_timeout
+from .hangs import CollectiveTimeoutError, block_activities, diagnose_lost_peer, diagnose_timeout, heartbeat, is_timeout
 from .loss_weights import StepWeights, batch_count, counted, label_count
 from .peer_watch import looks_like_peer_loss
 from .runtime import fewest
@@ -57,6 +58,7 @@ class Stepping:
             with self._watching(f"training step {self.step + 1}"):
                 metrics = self._train_step(batch, criterion)
             self._step_failed = False
+            self._step_returned_at = time.monotonic()
             return metrics
         except BaseException as err:
             if not isinstance(err, Exception):  # Ctrl-C: the step's gradients dropped too, nothing to report
@@ -73,6 +75,11 @@ class Stepping:
                 # (gloo closes the connection of a collective that timed out: the rank whose wait ended
                 # second sees that, here while a peer is inside a collective call of its own)
                 raise CollectiveTimeoutError(diagnose_timeout(self.context, self.step, err)) from err
+            if looks_like_peer_loss(err):  # (a peer that gave up waiting for this rank, or the store's host gone)
+                idle = (time.monotonic() - self._step_returned_at) if self._step_returned_at is not None else None
+                said = diagnose_lost_peer(self.context, self.step, err, idle)
+                if said is not None:
+                    raise CollectiveTimeoutError(said) from err
             if isinstance(err, ValueError) and "Expected more than 1 value per channel" in str(err):
                 raise ValueError(f"training step {self.step + 1}: {err}: a (micro-)batch of one sample reached a "
                                  "BatchNorm layer that sees one value a channel (a ResNet's last layers on small "

@@ -87,3 +87,51 @@ def test_sharding_keeps_no_original_parameter_alive(wrapper):
     model per rank: the frozen-flag check once held them, +4.9 GiB at 1.3B on each GPU)."""
     for alive in run_distributed(_originals_alive_after_sharding, 2, args=(wrapper,), timeout=120):
         assert alive == 0, f"{alive} original parameter(s) still referenced after sharding"
+
+
+def _flip_a_view_after_a_pass(rank, world):
+    """`requires_grad_` on ``model[0].weight`` read after a pass: under FSDP (ZeRO-2/3) the attribute is a
+    view of the unit's gathered weights, which torch refused to flip after a training pass ("leaf
+    variables") and flipped uselessly after a ``no_grad`` pass (the weight went on training)."""
+    messages = {}
+    for wrapper in ("fsdp", "zero2", "zero3"):
+        for after in ("step", "no_grad pass"):
+            model = _net()
+            if wrapper == "fsdp":
+                wrapped = FSDP(model)
+                opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+
+                def step(x, y):
+                    F.mse_loss(wrapped(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+            else:
+                trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=wrapper)
+                wrapped = trainer.model
+
+                def step(x, y):
+                    trainer.train_step((x, y), F.mse_loss)
+            x, y = torch.randn(4, 6), torch.randn(4, 2)
+            if after == "step":
+                step(x, y)
+            else:
+                with torch.no_grad():
+                    wrapped(x)
+            view = model[0].weight
+            assert view.requires_grad_(False) is view  # (the call itself passes, as torch's would)
+            try:
+                step(x, y)
+                messages[wrapper, after] = None
+            except RuntimeError as err:
+                messages[wrapper, after] = str(err)
+            if wrapper != "fsdp":
+                trainer.close()
+    return messages
+
+
+def test_requires_grad_on_a_parameter_read_after_a_pass_is_an_error_naming_it():
+    for messages in run_distributed(_flip_a_view_after_a_pass, 2, timeout=180):
+        for case, message in messages.items():
+            assert message is not None, f"{case}: the step after the flag was asked for ran"
+            assert "0.weight.requires_grad_(False) was called" in message and "before wrapping" in message, (
+                case, message)

@@ -236,6 +236,7 @@ class FSDP(FSDPGradients, FSDPStateDict, FullWeights, nn.Module):
             view = pieces[i].view(unit.infos[i].shape)
             if watched:
                 view.register_hook(watch.marker(unit, i))
+            self._requires_grad_lock.watch_view(view, unit.infos[i].fqns)
             setattr(mod, attr, view)
 
     def _start_gather(self, unit: Unit) -> None:

@@ -14,8 +14,10 @@ on the wrapped module would reach no parameter at all (the module holds views, n
 nothing, silently: `lock_requires_grad` records the flags such calls ask for, and the next training forward
 raises while one differs (a call on a module holding parameters again is torch's), as it does for a flag
 set on a parameter inside ``summon_full_params`` (the module holds parameters there, and the flag went
-away with them at the block's end). The model's ``parameters()`` are empty outside that block, so a loop
-over them freezes nothing, and cannot be seen. Set the flags before wrapping.
+away with them at the block's end), and for ``requires_grad_`` on a view read off the module after a pass
+(``model.fc.weight``: torch's raised on one built with gradients on, and flipped a throwaway otherwise). The
+model's ``parameters()`` are empty outside that block, so a loop over them freezes nothing, and cannot be
+seen, nor can ``view.requires_grad = False`` (an attribute, not a call). Set the flags before wrapping.
 """
 
 from __future__ import annotations
@@ -93,6 +95,20 @@ def requires_grad_(self: nn.Module, requires_grad: bool = True) -> nn.Module:
     return self
 
 
+class _ViewRequiresGrad:
+    """A parameter view's ``requires_grad_`` (`RequiresGradLock.watch_view`). Holds the view weakly: the view's
+    own ``__dict__`` holds this, and a cycle would keep every forward's views for the garbage collector."""
+
+    __slots__ = ("lock", "names", "view")
+
+    def __init__(self, lock: "RequiresGradLock", names: list[str], view: weakref.ref) -> None:
+        self.lock, self.names, self.view = lock, names, view
+
+    def __call__(self, requires_grad: bool = True) -> torch.Tensor | None:
+        self.lock.request(self.names[0], self.names, bool(requires_grad))
+        return self.view()
+
+
 def _rebuild_advice(wrapper: str) -> str:
     if wrapper == "FSDP":  # (a sharded optimizer state cannot follow a change of which parameters train)
         return ("Set requires_grad before wrapping. To change it mid-training, build the model again with the new "
@@ -135,6 +151,14 @@ class RequiresGradLock:
                 self.asked.pop(name, None)
             else:
                 self.asked[name] = (module, flag)
+
+    def watch_view(self, view: torch.Tensor, names: list[str]) -> None:
+        """Make ``view.requires_grad_`` (a parameter's view, left on its module as the attribute the user
+        reads: ``model.fc.weight``) record its flag as asked for, as the module's does: torch's would raise
+        on a view built with gradients on, and set a flag nothing reads on one built under ``no_grad``."""
+        names = [n for n in names if n in self.flags]  # (a tie's other names are not the model's parameters)
+        if names:
+            view.requires_grad_ = _ViewRequiresGrad(self, names, weakref.ref(view))
 
     def note_summoned(self, named: Iterable[tuple[str, nn.Parameter]]) -> None:
         """At the end of ``summon_full_params``: the flags of the parameters the module held there, where
