@@ -255,7 +255,7 @@ def test_model_keys_map_an_adapters_chain_back_to_the_models_own_keys():
     # A module the model holds at two paths (T5's `shared` and `encoder.embed_tokens`): both keys.
     model.transformer["alias"] = model.transformer.wpe
     assert model_keys(model, pairs)["layers.0.wpe.weight"] == ("transformer.wpe.weight", "transformer.alias.weight")
-    with pytest.raises(ValueError, match=r"'layers.0.scale' belongs to no module of the _TinyLM"):
+    with pytest.raises(ValueError, match=r"'layers.0.scale' is no tensor of the _TinyLM given"):
         extra = _Embed(model.transformer)
         extra.scale = nn.Parameter(torch.ones(1))
         model_keys(model, [("embed", extra), *pairs[1:]])

@@ -131,22 +131,28 @@ def model_keys(model: nn.Module, layers: Sequence[tuple[str, nn.Module]]) -> dic
     Call it before training (the trainer frees what is not a rank's stage). Each key goes by the
     innermost module on its path that `model` holds (an adapter's wrapper, such as ``Embed`` in this
     module's docstring, is looked through): ``layers.0.wte.weight`` -> ``transformer.wte.weight``. A
-    tied weight held by two modules (GPT-2's ``lm_head`` and ``wte``) is a key of each.
+    tied weight held by two modules (GPT-2's ``lm_head`` and ``wte``) is a key of each. A parameter the
+    adapter holds itself, as its own attribute, goes by the model's keys of that same tensor (a timm
+    ViT's ``cls_token`` and ``pos_embed``, which its root module holds).
 
         names = model_keys(model, pairs)
         state = {key: v for k, v in trainer.full_state_dict().items() for key in names[k]}
         model.load_state_dict(state)   # e.g. a fresh GPT2LMHeadModel, then save_pretrained
 
     Raises:
-        ValueError: a key whose modules `model` holds none of (an adapter's own parameter), named.
+        ValueError: a key whose modules `model` holds none of, and whose tensor is none of the model's
+            (one the adapter made itself), named.
     """
     paths_of: dict[int, list[str]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         paths_of.setdefault(id(module), []).append(path)
+    keys_of: dict[int, list[str]] = {}  # a tensor's keys in the model (a ViT's cls_token, held by its root)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        keys_of.setdefault(id(tensor), []).append(name)
     container = Chain(layers)
     modules = dict(container.named_modules(remove_duplicate=False))
     out = {}
-    for key in container.state_dict(keep_vars=True):
+    for key, tensor in container.state_dict(keep_vars=True).items():
         parts = key.split(".")
         for cut in range(len(parts) - 1, 0, -1):  # the innermost module on the key's path first
             module = modules.get(".".join(parts[:cut]))
@@ -154,9 +160,11 @@ def model_keys(model: nn.Module, layers: Sequence[tuple[str, nn.Module]]) -> dic
                 rest = ".".join(parts[cut:])
                 out[key] = tuple(f"{path}.{rest}" if path else rest for path in paths_of[id(module)])
                 break
-        else:
-            raise ValueError(f"model_keys: {key!r} belongs to no module of the {type(model).__name__} given (a "
-                             "parameter or buffer of the adapter's own?)")
+        else:  # the adapter holds the model's own tensor as its attribute (the model's root holds it)
+            if id(tensor) not in keys_of:
+                raise ValueError(f"model_keys: {key!r} is no tensor of the {type(model).__name__} given, nor held by "
+                                 "one of its modules (a parameter or buffer the adapter made itself?)")
+            out[key] = tuple(keys_of[id(tensor)])
     return out
 
 

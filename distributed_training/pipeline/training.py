@@ -71,6 +71,7 @@ stage (DDP's bucket layout, compression residuals) comes back only into the same
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -341,6 +342,16 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.inner.unwrap(model)
+
+    def give_back(self, model: nn.Module) -> None:
+        # Each rank holds its own stage only: the model passed keeps those weights, the other stages'
+        # parameters stay on the meta device (gathering the whole model on every rank is what a pipeline is
+        # there to avoid), so its state_dict() would save meta tensors. Said once, by rank 0.
+        if dist.get_rank() == 0:
+            warnings.warn("under a pipeline the model you passed keeps only this rank's stage's weights after "
+                          "close (the other stages' parameters are on the meta device): take "
+                          "trainer.full_state_dict() (rank 0; pipeline.model_keys maps an adapter's keys back to "
+                          "the model's) or save_checkpoint() before close()", stacklevel=3)
 
     def summon_full_params(self, model: nn.Module, writeback: bool = True):
         return self.inner.summon_full_params(model, writeback)
