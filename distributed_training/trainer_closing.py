@@ -48,11 +48,12 @@ class Closing:
         here, after the rest is closed. Watching the peers stops first (this rank's leaving is not
         a death); on a GPU, this rank's queued work is waited for before, under the watch, so that a
         peer that raised or died in the last steps (which the host ran ahead of) raises
-        `PeerFailureError` naming it here, after the rest is closed, instead of a hang. Under ZeRO-2/3
-        and FSDP a clean close (every rank) gathers the trained weights back into the model you passed,
-        whole on every rank, so that its ``state_dict()``, ``save_pretrained()`` or a plain forward work
-        (where they fit a GPU's free memory; not with ``cpu_offload``, nor under a pipeline, whose ranks
-        hold their stages).
+        `PeerFailureError` naming it here, after the rest is closed, instead of a hang. Under ZeRO-2/3,
+        FSDP and tensor parallelism a clean close (every rank) gathers the trained weights back into the
+        model you passed (its own modules in place of the parallel layers), whole on every rank, so that
+        its ``state_dict()``, ``save_pretrained()`` or a plain forward work (where they fit a GPU's free
+        memory; not with ``cpu_offload``, nor under a pipeline, whose ranks hold their stages: a warning
+        says so).
 
         Called while an exception propagates (``try: trainer.fit(...) finally: trainer.close()``) or
         after a `train_step` that raised, it does not wait for the peers (as ``barrier=False``): they may

@@ -235,6 +235,15 @@ def _error(model: nn.Module, plan, group, **kwargs) -> str:
     raise AssertionError(f"no error for {plan}")
 
 
+class _GroupedAttention(nn.Module):
+    """q (4 heads of 2) and k, v (1 head each of 2) in one projection, as grouped key/value attention fuses them."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.head_dim = 4, 2
+        self.qkv = nn.Linear(8, 12)
+
+
 def _errors_job(rank: int, world: int) -> dict[str, str]:
     group = dist.group.WORLD  # T = 4
     torch.manual_seed(0)
@@ -251,6 +260,9 @@ def _errors_job(rank: int, world: int) -> dict[str, str]:
         "style": _error(gpt, {"wte": "columnwise"}, group),
         "chunks": _error(gpt, {"blocks.*.attn.qkv": ("rowwise", 3)}, group),
         "tie": _error(gpt, {**gpt_plan(), "lm_head": "replicate"}, group),
+        # A fused q/k/v given a plain 'colwise' (trained silently wrong: 2.5e-3 off after one step, a trial).
+        "fused": _error(gpt, {**gpt_plan(), "blocks.*.attn.qkv": "colwise"}, group),
+        "fused_gqa": _error(_GroupedAttention(), {"qkv": "colwise"}, group),
     }
     apply_plan(gpt, gpt_plan(), group)
     out["twice"] = _error(gpt, gpt_plan(), group)
@@ -279,6 +291,8 @@ def test_plan_errors_name_the_culprit():
     assert "'colwise'" in msgs["type"] and "'vocab'" in msgs["vocab_type"]
     assert "'columnwise'" in msgs["style"] and "'wte'" in msgs["style"]
     assert "('rowwise', 3)" in msgs["chunks"]
+    assert "blocks.0.attn.qkv" in msgs["fused"] and "give it ('colwise', 3)" in msgs["fused"], msgs["fused"]
+    assert "qkv (Linear" in msgs["fused_gqa"] and "unequal blocks" in msgs["fused_gqa"], msgs["fused_gqa"]
     assert "wte.weight" in msgs["tie"] and "lm_head.weight" in msgs["tie"] and "'replicate'" in msgs["tie"]
     assert "already" in msgs["twice"]
     assert msgs["no_head"] == "None"

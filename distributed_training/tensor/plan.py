@@ -40,6 +40,7 @@ from .layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelDr
                      is_conv1d, linear_shape)
 from .loss import _LOSS, VocabParallelLoss, is_cross_entropy, parallel_loss, unsupported_loss_message
 from .spec import ShardSpec, mark_sequence_parallel, spec_of
+from .undo import PlanUndo
 
 __all__ = ["STYLES", "Style", "apply_plan", "gpt_plan", "parallel_loss", "is_cross_entropy", "VocabParallelLoss",
            "unsupported_loss_message", "parse_plan"]
@@ -83,7 +84,7 @@ def gpt_plan(cfg: Any = None) -> dict[str, Style]:
 # -- applying a plan ---------------------------------------------------------------------------------
 
 def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *, sequence_parallel: bool = False,
-               sequence_dim: int = 1) -> dict[str, ShardSpec]:
+               sequence_dim: int = 1, undo: PlanUndo | None = None) -> dict[str, ShardSpec]:
     """Make `model` tensor-parallel over `group` (None: the default group) in place.
 
     Every module name of ``model.named_modules()`` takes the style of the first pattern of `plan`
@@ -96,6 +97,9 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
     part of dimension `sequence_dim` (their parameters are marked `mark_sequence_parallel`), column-
     parallel and vocabulary heads gather their input along it, and row-parallel layers reduce-scatter
     their output along it. Without it those two styles act as ``"replicate"``.
+
+    With `undo` (a `PlanUndo`), what it replaced and hooked is recorded there, for `PlanUndo.restore` to
+    give the model its own modules back, and the replaced modules' parameters go to the meta device.
 
     Returns:
         the split parameters' `ShardSpec` by their key in ``model.state_dict()`` (tied parameters
@@ -178,8 +182,7 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
         new = built.get(name, module)
         for place in names_of[id(module)]:
             if new is not module:
-                parent, _, child = place.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, child, new)
+                (undo or PlanUndo()).replace(model, place, module, new)
             for pname, param in new._parameters.items():
                 if param is not None and spec_of(param) is not None:
                     specs[f"{place}.{pname}"] = spec_of(param)
@@ -187,13 +190,16 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
             for param in new.parameters():
                 if spec_of(param) is None:
                     mark_sequence_parallel(param)
+        hooks = undo.hooks if undo is not None else []
         if style == "sequence_split":
-            new.register_forward_pre_hook(_split_input(group, sequence_dim, entry))
+            hooks.append(new.register_forward_pre_hook(_split_input(group, sequence_dim, entry)))
         if style == "sequence" and checked:
-            new.register_forward_pre_hook(_part_input(group, sequence_dim, entry))
+            hooks.append(new.register_forward_pre_hook(_part_input(group, sequence_dim, entry)))
         if style == "vocab" and _is_linear(module):
             spec = spec_of(new.weight)
             setattr(new, _LOSS, VocabParallelLoss(group, spec.rank * spec.part if spec is not None else 0))
+    if undo is not None:
+        undo.free_originals()
     return specs
 
 
@@ -280,6 +286,8 @@ def _check(model: nn.Module, name: str, module: nn.Module, style: str, chunks: i
         # (grouped key/value heads fewer than T would otherwise fail in the first forward's reshape).
         head_dim = getattr(parent, "head_dim", None)
         fan_in, out = _features(module)
+        if style == "colwise" and chunks == 1:
+            _check_not_fused(where, parent_name, parent, out, size)
         width = out // chunks if style == "colwise" else fan_in
         if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0 and (width // size) % head_dim:
             what = (f"output features {out}" + (f" ({chunks} blocks of {width})" if chunks > 1 else "")
@@ -287,6 +295,31 @@ def _check(model: nn.Module, name: str, module: nn.Module, style: str, chunks: i
             raise ValueError(f"{where}: its {what} split between T={size} ranks give {width // size} a rank, not "
                              f"a whole number of heads of head_dim={head_dim} (its attention {parent_name or '(the model)'} "
                              f"has {width // head_dim} heads there, which do not split between T={size} ranks)")
+
+
+def _check_not_fused(where: str, parent_name: str, parent: nn.Module, out: int, size: int) -> None:
+    """A plain 'colwise' projection of an attention (its heads x head_dim known) with more output features
+    than its heads have: q, k and v fused in one (our GPT's ``qkv``, GPT-2's ``c_attn``), whose plain split
+    gives rank 0 all of q and part of k: silently wrong numbers. ``("colwise", 3)`` splits each block."""
+    heads = next((h for h in (getattr(parent, a, None) for a in ("n_head", "n_heads", "num_heads",
+                                                                    "num_attention_heads"))
+                  if isinstance(h, int) and not isinstance(h, bool) and h > 0), None)
+    head_dim = getattr(parent, "head_dim", None)
+    if heads is None or not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0 or size == 1:
+        return
+    width = heads * head_dim
+    if out <= width:
+        return
+    attention = parent_name or "(the model)"
+    if out % width == 0:
+        raise ValueError(f"{where}: its {out} output features are {out // width} blocks of its attention "
+                         f"{attention}'s {heads} heads x head_dim {head_dim}: a fused projection (q, k and v in one), "
+                         f"which a plain split would cut across the blocks (rank 0 all of q and part of k); give it "
+                         f"('colwise', {out // width}), which splits each block by heads")
+    raise ValueError(f"{where}: its {out} output features exceed its attention {attention}'s {heads} heads x "
+                     f"head_dim {head_dim} ({width}) without being a multiple of them: a fused projection of unequal "
+                     "blocks (grouped key/value heads), which no style splits; make q, k and v separate linears "
+                     "('colwise' each), or leave it out of the plan")
 
 
 def _check_ties(model: nn.Module, styles: dict[str, tuple[nn.Module, str, int]]) -> None:

@@ -26,6 +26,8 @@ same masks on every tensor rank; setup broadcasts tensor rank 0's).
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -40,6 +42,7 @@ from ..strategies.base import Strategy
 from .functional import WAITS
 from .options import TensorOptions
 from .spec import ShardSpec, is_sequence_parallel, shard
+from .undo import PlanUndo
 
 __all__ = ["TensorParallelStrategy"]
 
@@ -59,6 +62,7 @@ class TensorParallelStrategy(Strategy):
         self.deferred_gradient_sync = inner.deferred_gradient_sync
         self.specs: dict[str, ShardSpec] = {}  # split parameters by state_dict key
         self._vocab_loss: Callable | None = None
+        self._undo: PlanUndo | None = None  # what apply_plan replaced, for `give_back`
 
     # ------------------------------------------------------------------ setup
     def setup_module(self, module: nn.Module, context: DistributedContext) -> nn.Module:
@@ -83,7 +87,9 @@ class TensorParallelStrategy(Strategy):
         src = global_rank(self.group, 0)
         _share_random_state(self.group, src, context.device)
         _share_weights(module, src, self.group, context.device)  # the parts are cut from rank src's weights
-        self.specs = apply_plan(module, plan, self.group, sequence_parallel=self.options.sequence_parallel)
+        self._undo = PlanUndo()
+        self.specs = apply_plan(module, plan, self.group, sequence_parallel=self.options.sequence_parallel,
+                                undo=self._undo)
         self._vocab_loss = parallel_loss(module)
         names = dict(module.named_parameters(remove_duplicate=False))
         self._split_names = frozenset(name for name in names if name in self.specs)
@@ -270,7 +276,34 @@ class TensorParallelStrategy(Strategy):
         return self.inner.state_reserve_bytes(model, trainable_params)
 
     def give_back(self, model: nn.Module) -> None:
+        """The inner strategy's, then the model's own modules back in place of the parallel layers, each
+        holding its full tensors (gathered over the tensor group: every rank alike), where the whole model
+        fits beside what this rank holds (not under a pipeline, whose ranks keep their stages)."""
+        from .state import full_tensors
+
         self.inner.give_back(model)
+        if self._undo is None or _is_pipeline(self.inner):
+            return
+        module = self.inner.unwrap(model)
+        local = module.state_dict()
+        fits = all(key in local for key in self.specs)  # (an inner strategy that kept its shards has no keys)
+        if fits and self.device.type == "cuda":
+            need = sum(math.prod(spec.full_shape) * local[key].element_size() for key, spec in self.specs.items())
+            fits = need < 0.8 * (torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
+                                 - torch.cuda.memory_allocated(self.device))
+        flag = torch.tensor([int(fits)], device=_comm_device(self.group, self.device))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)  # (the tensor ranks decide alike)
+        if not flag.item():
+            if dist.get_rank() == 0:
+                warnings.warn("the model's tensor-parallel layers were not given back whole at close (they do not "
+                              "fit in a GPU's free memory, or the data-parallel strategy kept its shards): each rank's "
+                              "model holds its own part; take trainer.full_state_dict() (rank 0) or "
+                              "save_checkpoint() before close()", stacklevel=3)
+            return
+        on = _comm_device(self.group, self.device)
+        full = full_tensors({k: v.to(on) for k, v in local.items()}, self.specs, self.group)
+        self._undo.restore(module, full, self.device)
+        self._undo = None
 
     def teardown(self, model: nn.Module) -> None:
         self.inner.teardown(model)
