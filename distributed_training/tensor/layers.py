@@ -217,6 +217,13 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:  # the plain layer, bias fused as it is there
             return _matmul(x, self.weight, self.bias, self.transposed)
+        if x.shape[-1] != self.in_features // self.size:  # (torch's words: "mat1 and mat2 shapes cannot be ...")
+            raise ValueError(
+                f"tensor_parallel_plan: {getattr(self, 'plan_name', None) or 'a row-parallel layer'} ('rowwise') got an "
+                f"input of {x.shape[-1]} features, where it takes this rank's part of its {self.in_features}: "
+                f"{self.in_features // self.size}. A 'rowwise' layer takes what a 'colwise' one before it split (an "
+                "MLP's second linear after its first); style the layer before it 'colwise', or this one 'colwise' "
+                "or 'replicate'")
         if self.bias_in_matmul and not self.sequence_parallel:
             share = None if self.bias is None else _BiasShare.apply(self.bias, self.size)
             # One 2-D product that is no view of anything: reduced in place, a view (F.linear's 3-D

@@ -153,6 +153,7 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
         new = _build(module, style, chunks, group, sequence_parallel, sequence_dim)
         if new is None:
             continue
+        new.plan_name = name  # (for its errors)
         for pname, param in module._parameters.items():
             if param is None:
                 continue
