@@ -82,13 +82,24 @@ def _number(value) -> bool:
 
 
 # ------------------------------------------------------------------------------------- collectives
+def _check_collective(op: str, n: int, nbytes: float) -> None:
+    """`n` ranks (an integer >= 1) and `nbytes` (>= 0, finite), or a ValueError naming `op`'s argument
+    (a negative world returned 0 s, a fractional one a time, negative bytes a negative time)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{op}: n is the number of ranks, an integer >= 1, got {n!r}")
+    if not _number(nbytes) or not 0 <= nbytes < math.inf:
+        raise ValueError(f"{op}: nbytes must be a finite number of bytes >= 0, got {nbytes!r}")
+
+
 def ring_all_reduce(n: int, nbytes: float, link: Link) -> float:
+    _check_collective("ring_all_reduce", n, nbytes)
     if n <= 1:
         return 0.0
     return 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
 def tree_all_reduce(n: int, nbytes: float, link: Link) -> float:
+    _check_collective("tree_all_reduce", n, nbytes)
     if n <= 1:
         return 0.0
     return 2 * math.ceil(math.log2(n)) * link.alpha + 2 * nbytes / link.bandwidth
@@ -96,6 +107,7 @@ def tree_all_reduce(n: int, nbytes: float, link: Link) -> float:
 
 def ring_all_gather(n: int, nbytes: float, link: Link) -> float:
     """`nbytes` is the gathered (whole) tensor."""
+    _check_collective("ring_all_gather", n, nbytes)
     if n <= 1:
         return 0.0
     return (n - 1) * link.alpha + (n - 1) / n * nbytes / link.bandwidth
@@ -208,6 +220,11 @@ class StepProfile:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"StepProfile.{name} must be a positive number, got {value!r}")
+        if not isinstance(self.units, int):  # (a count of ZeRO-3 units: 2.5 was taken)
+            raise ValueError(f"StepProfile.units is a number of ZeRO-3 units, an integer >= 1, got {self.units!r}")
+        if not isinstance(self.topk_ratio, bool) and _number(self.topk_ratio) and self.topk_ratio == 0:
+            raise ValueError("StepProfile.topk_ratio is the share of gradient elements Top-K sends, in (0, 1], "
+                             "got 0 (CommunicationOptimizer refuses it too)")
         for name in ("compute_s", "optimizer_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:

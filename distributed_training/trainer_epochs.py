@@ -140,6 +140,7 @@ class EpochLoop(StepRecording):
                 if waited is not None:  # the measured step: its data and compute less its wait on the others
                     # (not what one rank did after the last step alone)
                     self._own_time = self._own_work(now - began - waited - (agreed - fetched), fetched - began)
+                    self._probe_wait = waited + (agreed - fetched)  # (its communication: a wait for the others)
                 metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - last_end)
                 # (what checkpoints record: with a log_dir, a log step's hold the communication figures too)
                 if not self._best_checked and (self.step % log_every == 0 or not self._monitoring):

@@ -158,7 +158,7 @@ class Fitting(EpochLoop):
                                             eval_metrics, criterion, eval_target)
         self.evaluation = evaluation
         self._best_checked = self._check_best_metric(evaluation)  # (a training metric: at the first step)
-        self._own_time = None  # (a measure of an earlier fit's window that never logged)
+        self._own_time, self._probe_wait = None, 0.0  # (a measure of an earlier fit's window that never logged)
         if not self.strategy.trains:  # a parameter server's server: it serves the workers' fit
             # A signal (torchrun's SIGTERM reaches every rank) waits until the workers, which stop on it,
             # have left: a server that died at once would fail their last pulls.

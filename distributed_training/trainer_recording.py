@@ -47,6 +47,12 @@ class StepRecording:
         own = None
         if self.step % log_every == 0 and self._own_time is not None:
             own, self._own_time = max(0.0, _seconds(self._own_time) - (comm or 0.0)), None  # less its wait in backward
+        if self.step % log_every == 0:
+            # The measured step's wait for the others before it trained (the straggler probe's, a per-batch
+            # agreement's: a slower peer's data) is communication too, not this rank's compute.
+            if comm is not None:
+                comm += self._probe_wait
+            self._probe_wait = 0.0
         measured = self._measured_times if comm is not None else None
         # A replica's stages and tensor ranks all handle its whole batch: each GPU's share is theirs over them.
         mesh = self.context.mesh

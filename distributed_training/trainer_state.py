@@ -49,6 +49,7 @@ class TrainerState:
         # (step_time, data_time), this rank's own work in it, and whether the straggler probe has warmed up.
         self._measured_times: tuple[float, float] | None = None
         self._own_time = None
+        self._probe_wait = 0.0  # seconds the measured step waited for the peers before training (probe, agreement)
         self._probed = False
         self._probe_event = None  # on a GPU: where the probed step's own work began
         # Samples of the current epoch's permutation already trained by the whole job (the data position,

@@ -164,3 +164,42 @@ def test_a_rowwise_layer_given_a_whole_input_names_itself():
     for said in run_distributed(rowwise_first_worker, 2, timeout=120):
         assert said.startswith("tensor_parallel_plan: 0 ('rowwise') got an input of 20 features"), said
         assert "takes this rank's part of its 20: 10" in said, said
+
+
+def test_a_one_off_slow_window_is_no_straggler_warning(tmp_path):
+    """Two balanced ranks of ~4 ms steps on an idle host: 17 of 600 log windows flagged a straggler, naming
+    rank 0 and rank 1 in turn (one measured step a window: a spike passes 1.5x and 5 ms). The figure still
+    flags each window; the warning waits for the same rank flagged in two windows in a row."""
+    from distributed_training.monitor import Monitor
+
+    with Monitor(tmp_path / "run", rank=0, world_size=1, log_every=1, progress=False, tensorboard=False,
+                 system_stats=False) as mon:
+        mon._group_ranks = [0, 1]
+        own = {0: [0.004, 0.004], 1: [0.004, 0.012], 2: [0.013, 0.004], 3: [0.004, 0.004], 4: [0.004, 0.011],
+               5: [0.004, 0.014]}  # per window, each rank's own time: spikes on 1, then 0, then 1 twice
+        flagged = []
+        for window, (a, b) in own.items():
+            flagged.append(mon._cluster_view(window, [0.02, a, 0.02, b])["cluster/straggler"])
+        assert flagged == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+        assert len(mon._warnings) == 1 and mon._warnings[0].startswith("straggler at step 5: rank 1 works"), (
+            mon._warnings)
+        mon._warnings.clear()
+
+
+def test_the_scaling_models_collectives_refuse_impossible_inputs():
+    """`ring_all_reduce(n=-4)` returned 0 s, `ring_all_gather(n=2.5)` a time, negative bytes a negative time,
+    and `StepProfile(topk_ratio=0)` and `units=2.5` were taken (the features trial)."""
+    from distributed_training import scaling
+
+    link = scaling.Link(1e-5, 1e9)
+    for call, field in ((lambda: scaling.ring_all_reduce(-4, 1e6, link), "n is the number of ranks"),
+                        (lambda: scaling.tree_all_reduce(0, 1e6, link), "n is the number of ranks"),
+                        (lambda: scaling.ring_all_gather(2.5, 1e6, link), "n is the number of ranks"),
+                        (lambda: scaling.ring_all_reduce(4, -1e6, link), "nbytes must be"),
+                        (lambda: scaling.StepProfile(params=5, compute_s=0.01, optimizer_s=0.0, topk_ratio=0.0),
+                         "StepProfile.topk_ratio"),
+                        (lambda: scaling.StepProfile(params=5, compute_s=0.01, optimizer_s=0.0, units=2.5),
+                         "StepProfile.units")):
+        with pytest.raises(ValueError, match=field):
+            call()
+    assert scaling.ring_all_reduce(1, 1e6, link) == 0.0  # one rank sends nothing

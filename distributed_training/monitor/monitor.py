@@ -94,7 +94,10 @@ class Monitor(WriterHandling):
         straggler_threshold: flag a straggler when the slowest rank's own time per step (`record_step`'s
             ``own_time``; its mean step time where not given) exceeds this multiple of the median (for an
             even number of ranks the lower of the two middle values, so that in a world of two the slower
-            rank is compared with the faster one), by 5 ms or more. Must be > 1.
+            rank is compared with the faster one), by 5 ms or more. Must be > 1. The ``cluster/straggler``
+            figure flags each log window; the `StragglerWarning` waits for the same rank to be flagged
+            in two windows in a row (one measured step a window: a millisecond step's one-off spike,
+            scheduling or a collection, flagged 17 of 600 windows of two balanced ranks, alternately).
         tensorboard: write TensorBoard event files.
         jsonl: append to ``metrics.jsonl``.
         system_stats: log host CPU and memory, and the GPU's utilisation, memory, power and
@@ -193,6 +196,7 @@ class Monitor(WriterHandling):
         self._timings = StepTimings()  # the window's sums (since the last log step) and the run's
         self._cluster_last: dict[str, float] = {}
         self._straggler_events = 0
+        self._suspect: float | None = None  # the member flagged in the last window, warned of when flagged again
         self._bubbles: list[float] = []  # a pipeline's measured bubble, per log step that had one
         self._bubble_formula: float | None = None
 
@@ -468,10 +472,12 @@ class Monitor(WriterHandling):
         view, straggler = cluster_view(step, times[0::2], self._group_ranks, self.member, self.straggler_threshold,
                                        own_times=own if min(own) >= 0 else None)
         self._cluster_last = view
+        suspect, self._suspect = self._suspect, None
         if straggler is not None:
             self._straggler_events += 1
-            if self._writes_cluster:
-                self._warnings.append(straggler)
+            self._suspect = view["cluster/slowest_rank"]
+            if self._writes_cluster and suspect == self._suspect:  # (two windows in a row: no one-off spike)
+                self._warnings.append(f"{straggler}, as in the log window before")
         return view
 
     def _member_field(self) -> dict[str, str]:
