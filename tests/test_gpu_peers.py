@@ -76,6 +76,18 @@ def test_close_gives_the_model_its_trained_weights_back_on_nccl(strategy):
         True, [False, False, True, True], (3, 2))
 
 
+@pytest.mark.parametrize("strategy, sequence_parallel", [("ddp", False), ("zero3", True)])
+def test_close_gives_a_tensor_parallel_model_back_whole_on_nccl(strategy, sequence_parallel):
+    """(Session 45) Under tensor parallelism a clean close put the model's own modules back, whole (the
+    parts all-gathered over NCCL, checked against the free GPU memory first)."""
+    from test_trial_s45 import tensor_close_worker
+
+    for same_keys, worst, logits, kinds, tied, sizes in run_distributed(
+            tensor_close_worker, 2, args=(strategy, sequence_parallel), backend="nccl", timeout=180):
+        assert same_keys and worst == 0.0 and logits == 0.0, (worst, logits)
+        assert kinds == [] and tied and sizes, (kinds, tied, sizes)
+
+
 def test_nccl_a_rank_whose_data_raises_is_named_to_the_others():
     # On NCCL the peers' collectives spin: the published error must wake them (the group aborted), not the
     # collective timeout (60 s here).

@@ -117,17 +117,19 @@ def tensor_close_worker(rank, world, strategy, sequence_parallel):
     full = full[0]
     trainer.close()
     mine = model.state_dict()
-    worst = max((mine[k] - full[k]).abs().max().item() for k in full)
-    reference = build()
+    worst = max((mine[k].cpu() - full[k].cpu()).abs().max().item() for k in full)
+    device = next(model.parameters()).device  # (on NCCL: this rank's GPU)
+    reference = build().to(device)
     reference.load_state_dict(full)
     with torch.no_grad():
-        logits = (model(tokens[:, :-1]) - reference(tokens[:, :-1])).abs().max().item()
+        logits = (model(tokens[:, :-1].to(device)) - reference(tokens[:, :-1].to(device))).abs().max().item()
     kinds = sorted({type(m).__name__ for m in model.modules()} - {type(m).__name__ for m in reference.modules()})
     # The plain model again: a new trainer splits it anew and trains on.
     again = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy,
                                tensor_parallel_size=2, progress=False)
     again.train_step((tokens[:, :-1], tokens[:, 1:]))
     again.close()
+    model.cpu()
     return (sorted(mine) == sorted(full), worst, logits, kinds, model.lm_head.weight is model.wte.weight,
             sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in reference.parameters()))
 
