@@ -151,7 +151,8 @@ def _store_gone() -> bool:
 
 def diagnose_lost_peer(context: DistributedContext, step: int, err: Exception, idle_s: float | None) -> str | None:
     """The message for training step `step + 1` failing on a closed connection (a peer gone), where it can
-    say more than gloo: when this rank spent `idle_s` seconds since its previous step, longer than the
+    say more than gloo: when this rank spent `idle_s` seconds since it last finished collectives with its
+    peers (its previous step, an evaluation, a save, fit's agreements), longer than the
     collective timeout, its peers most likely gave up waiting for it (they raised a timeout naming this
     rank, and closed the connections); when the rendezvous store is gone too, the process that hosted it
     (rank 0's, or its node's agent) ended. None where neither holds."""
@@ -162,7 +163,8 @@ def diagnose_lost_peer(context: DistributedContext, step: int, err: Exception, i
     where += " found a peer's connection closed"
     timeout = group_timeout_s()
     if idle_s is not None and timeout is not None and idle_s > timeout:
-        return (f"{where}, {idle_s:.1f} s after this rank's previous step returned: longer than the job's "
+        return (f"{where}, {idle_s:.1f} s after this rank last met its peers (its previous step, or a "
+                f"collective call after it): longer than the job's "
                 f"collective timeout ({timeout:g} s), so its peers most likely timed out waiting for this rank and "
                 "left (their errors name it). Find what held this rank between steps (its data, work of its own, "
                 f"a debugger), or give a longer timeout (DistributedTrainer(timeout=...)). Cause: {err}")

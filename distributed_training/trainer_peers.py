@@ -7,6 +7,7 @@ watcher finds a peer dead or failed."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch.distributed as dist
 
@@ -112,6 +113,7 @@ class PeerWatching:
                 if call and self._watch is None:
                     self._failure_agreement.failed(err, activity)
                 raise
+            self._synced_at = time.monotonic()
             return
         self._watch.raise_if_failed()
         if call:
@@ -138,6 +140,7 @@ class PeerWatching:
                 raise
             if call:
                 publish_block(self.context, "")
+        self._synced_at = time.monotonic()  # (the block's collectives done with the peers)
         # A failure found during the block: on NCCL the watcher aborted the group, and a collective waiting
         # for the failed peer then ends without an error, its output this rank's own values (an evaluation
         # returned this rank's sums as the job's, on 2x H200): nothing the block made can be used. (gloo's
@@ -192,8 +195,6 @@ class PeerWatching:
     def _wait_for_device(self) -> None:
         """Wait until this rank's GPU has done what is queued: polled, so that the training thread is never
         blocked in the driver while the watcher aborts NCCL, and leaves as soon as a peer's failure is found."""
-        import time
-
         import torch
 
         done = torch.cuda.Event()

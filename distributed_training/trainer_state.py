@@ -42,7 +42,9 @@ class TrainerState:
         # a resumed epoch replays its start from them, as an iterable that shuffles at its start drew.
         self._epoch_rng = None
         self._step_failed = False  # the last train_step raised: peers may be inside its collectives
-        self._step_returned_at: float | None = None  # time.monotonic() when train_step last returned
+        # time.monotonic() when this rank last finished collectives with its peers (a step, an evaluation, a
+        # save, fit's agreements): how long it was away from them when a peer's connection is found closed
+        self._synced_at: float | None = None
         self._closed = False  # close() ran: every other call is refused
         self._optimizer_agreed = False  # fit compared the optimizer's settings across replicas (once)
         # What the monitor is told of the step whose communication is timed (`StepRecording`): its own

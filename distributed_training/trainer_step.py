@@ -58,7 +58,7 @@ class Stepping:
             with self._watching(f"training step {self.step + 1}"):
                 metrics = self._train_step(batch, criterion)
             self._step_failed = False
-            self._step_returned_at = time.monotonic()
+            self._synced_at = time.monotonic()
             return metrics
         except BaseException as err:
             if not isinstance(err, Exception):  # Ctrl-C: the step's gradients dropped too, nothing to report
@@ -76,7 +76,7 @@ class Stepping:
                 # second sees that, here while a peer is inside a collective call of its own)
                 raise CollectiveTimeoutError(diagnose_timeout(self.context, self.step, err)) from err
             if looks_like_peer_loss(err):  # (a peer that gave up waiting for this rank, or the store's host gone)
-                idle = (time.monotonic() - self._step_returned_at) if self._step_returned_at is not None else None
+                idle = (time.monotonic() - self._synced_at) if self._synced_at is not None else None
                 said = diagnose_lost_peer(self.context, self.step, err, idle)
                 if said is not None:
                     raise CollectiveTimeoutError(said) from err
