@@ -83,9 +83,10 @@ class FailureAgreement:
                         count = store.add(key, 0)
                 except Exception as err:
                     self.refusal = (f"{what} failed (this rank's error: {error}), and the job's rendezvous store "
-                                    f"cannot be reached ({err}): its host (rank 0, or its node's torchrun agent) has "
-                                    "ended. The trainer refuses this call and every later one: restart the job "
-                                    "from the latest checkpoint")
+                                    f"cannot be reached ({err}): its host (rank 0, or its node's torchrun agent) may "
+                                    "have ended, and whether every rank failed it cannot be learnt. The trainer "
+                                    "refuses this call and every later one: restart the job from the latest "
+                                    "checkpoint")
                     raise RuntimeError(self.refusal) from err
                 if count < self.world:
                     self.refusal = (f"{what} failed on {count} of the job's {self.world} ranks only (this one's "

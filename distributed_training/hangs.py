@@ -149,30 +149,50 @@ def _store_gone() -> bool:
         return True
 
 
+def _peers_reached(context: DistributedContext, step: int) -> bool:
+    """Whether every other rank's heartbeat says it began training step `step + 1` (or later)."""
+    store = _store()
+    for r in range(context.world_size):
+        if r == context.rank:
+            continue
+        key = f"distributed_training/heartbeat/{r}"
+        try:
+            if not store.check([key]) or int(store.get(key)) < step:
+                return False
+        except Exception:
+            return False
+    return True
+
+
 def diagnose_lost_peer(context: DistributedContext, step: int, err: Exception, idle_s: float | None) -> str | None:
     """The message for training step `step + 1` failing on a closed connection (a peer gone), where it can
-    say more than gloo: when this rank spent `idle_s` seconds since it last finished collectives with its
-    peers (its previous step, an evaluation, a save, fit's agreements), longer than the
-    collective timeout, its peers most likely gave up waiting for it (they raised a timeout naming this
-    rank, and closed the connections); when the rendezvous store is gone too, the process that hosted it
-    (rank 0's, or its node's agent) ended. None where neither holds."""
+    say more than gloo, or None. This rank was late: it spent `idle_s` seconds since it last finished
+    collectives with its peers (its previous step, an evaluation, a save, fit's agreements), longer than
+    the group's timeout, and every peer's heartbeat says it began this step (so they waited for this rank,
+    timed out and left). Or the rendezvous store is gone too: the process that hosted it (rank 0's, or its
+    node's agent) ended, and which peer failed cannot be learnt (this rank's lateness said as a maybe)."""
     where = f"rank {context.rank}: training step {step + 1}"
     op = _operation_of(err)
     if op:
         where += f"'s {op.removesuffix(' failed')}"
     where += " found a peer's connection closed"
     timeout = group_timeout_s()
-    if idle_s is not None and timeout is not None and idle_s > timeout:
-        return (f"{where}, {idle_s:.1f} s after this rank last met its peers (its previous step, or a "
-                f"collective call after it): longer than the job's "
-                f"collective timeout ({timeout:g} s), so its peers most likely timed out waiting for this rank and "
-                "left (their errors name it). Find what held this rank between steps (its data, work of its own, "
-                f"a debugger), or give a longer timeout (DistributedTrainer(timeout=...)). Cause: {err}")
-    if _store_gone():
-        return (f"{where}, and the job's rendezvous store cannot be reached either: the process that hosted it "
-                "(rank 0, or its node's torchrun agent) has ended, so which peer failed cannot be learnt here; "
-                f"rank 0's log says why. Cause: {err}")
-    return None
+    late = idle_s is not None and timeout is not None and idle_s > timeout
+    away = (f"{idle_s:.1f} s after this rank last met its peers (its previous step, or a collective call after "
+            f"it): longer than the job's collective timeout ({timeout:g} s)") if late else ""
+    advice = ("Find what held this rank between steps (its data, work of its own, a debugger), or give a longer "
+              "timeout (DistributedTrainer(timeout=...))")
+    if not _store_gone():
+        if late and _peers_reached(context, step):
+            return (f"{where}, {away}, and every peer had begun this step: they timed out waiting for this rank and "
+                    f"left (their errors name it). {advice}. Cause: {err}")
+        return None
+    said = (f"{where}, and the job's rendezvous store cannot be reached either: the process that hosted it "
+            "(rank 0, or its node's torchrun agent) has ended, so which peer failed cannot be learnt here; rank "
+            "0's log says why.")
+    if late:
+        said += f" This rank was away {idle_s:.1f} s, longer than the collective timeout ({timeout:g} s): its peers may have given up on it. {advice}."
+    return f"{said} Cause: {err}"
 
 
 def _activity_key(rank: int) -> str:

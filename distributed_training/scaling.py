@@ -27,6 +27,7 @@ every cluster size and says which it would choose and why.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 __all__ = ["Link", "Cluster", "StepProfile", "ring_all_reduce", "tree_all_reduce", "ring_all_gather",
@@ -85,9 +86,9 @@ def _number(value) -> bool:
 def _check_collective(op: str, n: int, nbytes: float) -> None:
     """`n` ranks (an integer >= 1) and `nbytes` (>= 0, finite), or a ValueError naming `op`'s argument
     (a negative world returned 0 s, a fractional one a time, negative bytes a negative time)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:  # (numpy's integers too)
         raise ValueError(f"{op}: n is the number of ranks, an integer >= 1, got {n!r}")
-    if not _number(nbytes) or not 0 <= nbytes < math.inf:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or not 0 <= nbytes < math.inf:
         raise ValueError(f"{op}: nbytes must be a finite number of bytes >= 0, got {nbytes!r}")
 
 
@@ -113,7 +114,10 @@ def ring_all_gather(n: int, nbytes: float, link: Link) -> float:
     return (n - 1) * link.alpha + (n - 1) / n * nbytes / link.bandwidth
 
 
-ring_reduce_scatter = ring_all_gather  # the same traffic, reversed
+def ring_reduce_scatter(n: int, nbytes: float, link: Link) -> float:
+    """The same traffic as `ring_all_gather`, reversed (`nbytes`: the whole tensor reduced)."""
+    _check_collective("ring_reduce_scatter", n, nbytes)
+    return ring_all_gather(n, nbytes, link)
 
 
 def hierarchical_all_reduce(cluster: Cluster, nbytes: float) -> float:

@@ -119,6 +119,13 @@ def _flip_a_view_after_a_pass(rank, world):
                     wrapped(x)
             view = model[0].weight
             assert view.requires_grad_(False) is view  # (the call itself passes, as torch's would)
+            if after == "no_grad pass":  # (the review: a view's recorder broke pickling, and a copy's call
+                import copy          # reached the original; a view pickled or copied has torch's again)
+                import pickle
+
+                pickle.dumps(view)
+                copied = copy.deepcopy(view)
+                assert copied.requires_grad_(True) is copied and copied.requires_grad
             try:
                 step(x, y)
                 messages[wrapper, after] = None

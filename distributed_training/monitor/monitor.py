@@ -219,6 +219,7 @@ class Monitor(WriterHandling):
         if step is not None and (not is_int(step) or step < 0):
             raise ValueError(f"step must be a non-negative integer or None, got {step!r}")
         self._drain()
+        self._suspect = None  # (a window of an earlier run and one of this are not two in a row)
         if step and self._writer is not None and self.found_earlier_records and not self._writer_used:
             # A resumed run: TensorBoard drops the earlier run's events from step + 1 on (written after its
             # checkpoint, before it stopped), which it would show beside this run's and fold its curves.

@@ -349,7 +349,8 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
         # there to avoid), so its state_dict() would save meta tensors. Said once, by rank 0.
         if dist.get_rank() == 0:
             warnings.warn("under a pipeline the model you passed keeps only this rank's stage's weights after "
-                          "close (the other stages' parameters are on the meta device): take "
+                          "close (under tensor parallelism too, this rank's part of them; the other stages' "
+                          "parameters are on the meta device): take "
                           "trainer.full_state_dict() (rank 0; pipeline.model_keys maps an adapter's keys back to "
                           "the model's) or save_checkpoint() before close()", stacklevel=3)
 

@@ -108,6 +108,15 @@ class _ViewRequiresGrad:
         self.lock.request(self.names[0], self.names, bool(requires_grad))
         return self.view()
 
+    def forget(self) -> None:
+        """The view without this recorder (before torch pickles or copies it: the view has torch's
+        ``requires_grad_`` from then on, as a copy does), then torch's own clearing."""
+        view = self.view()
+        if view is not None:
+            view.__dict__.pop("requires_grad_", None)
+            view.__dict__.pop("_clear_non_serializable_cached_data", None)
+            torch.Tensor._clear_non_serializable_cached_data(view)
+
 
 def _rebuild_advice(wrapper: str) -> str:
     if wrapper == "FSDP":  # (a sharded optimizer state cannot follow a change of which parameters train)
@@ -158,7 +167,11 @@ class RequiresGradLock:
         on a view built with gradients on, and set a flag nothing reads on one built under ``no_grad``."""
         names = [n for n in names if n in self.flags]  # (a tie's other names are not the model's parameters)
         if names:
-            view.requires_grad_ = _ViewRequiresGrad(self, names, weakref.ref(view))
+            recorder = _ViewRequiresGrad(self, names, weakref.ref(view))
+            view.requires_grad_ = recorder
+            # torch calls this before pickling or deep-copying a tensor: the copy is a tensor of its own, with
+            # torch's requires_grad_ (a weak reference cannot be pickled; a copied recorder reached the original)
+            view._clear_non_serializable_cached_data = recorder.forget
 
     def note_summoned(self, named: Iterable[tuple[str, nn.Parameter]]) -> None:
         """At the end of ``summon_full_params``: the flags of the parameters the module held there, where

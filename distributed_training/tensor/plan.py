@@ -299,28 +299,23 @@ def _check(model: nn.Module, name: str, module: nn.Module, style: str, chunks: i
 
 
 def _check_not_fused(where: str, parent_name: str, parent: nn.Module, out: int, size: int) -> None:
-    """A plain 'colwise' projection of an attention (its heads x head_dim known) with more output features
-    than its heads have: q, k and v fused in one (our GPT's ``qkv``, GPT-2's ``c_attn``), whose plain split
-    gives rank 0 all of q and part of k: silently wrong numbers. ``("colwise", 3)`` splits each block."""
-    heads = next((h for h in (getattr(parent, a, None) for a in ("n_head", "n_heads", "num_heads",
-                                                                    "num_attention_heads"))
-                  if isinstance(h, int) and not isinstance(h, bool) and h > 0), None)
-    head_dim = getattr(parent, "head_dim", None)
-    if heads is None or not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0 or size == 1:
+    """A plain 'colwise' on the fused q/k/v projection of an attention whose layout is known to be
+    ``[q | k | v]`` (our GPT's ``qkv``, Hugging Face GPT-2's ``c_attn``): a plain split gives rank 0 all of q
+    and part of k, silently wrong numbers (2.5e-3 off one process after a step); ``("colwise", 3)`` splits
+    each block by heads. Other models lay fused projections out otherwise (Bloom and GPTBigCode per head,
+    where a plain split is right; grouped key/value heads in blocks of unequal size), so only these two
+    are checked: a rule on sizes alone refused right plans and advised wrong ones (a review)."""
+    from ..models.gpt import CausalSelfAttention
+
+    known = isinstance(parent, CausalSelfAttention) or type(parent).__name__ == "GPT2Attention"
+    heads, head_dim = getattr(parent, "n_head", None) or getattr(parent, "num_heads", None), getattr(parent, "head_dim", None)
+    if not known or size == 1 or not isinstance(heads, int) or not isinstance(head_dim, int):
         return
-    width = heads * head_dim
-    if out <= width:
-        return
-    attention = parent_name or "(the model)"
-    if out % width == 0:
-        raise ValueError(f"{where}: its {out} output features are {out // width} blocks of its attention "
-                         f"{attention}'s {heads} heads x head_dim {head_dim}: a fused projection (q, k and v in one), "
-                         f"which a plain split would cut across the blocks (rank 0 all of q and part of k); give it "
-                         f"('colwise', {out // width}), which splits each block by heads")
-    raise ValueError(f"{where}: its {out} output features exceed its attention {attention}'s {heads} heads x "
-                     f"head_dim {head_dim} ({width}) without being a multiple of them: a fused projection of unequal "
-                     "blocks (grouped key/value heads), which no style splits; make q, k and v separate linears "
-                     "('colwise' each), or leave it out of the plan")
+    if out == 3 * heads * head_dim:
+        raise ValueError(f"{where}: the fused q, k and v of its attention {parent_name or '(the model)'} ({out} "
+                         f"output features, 3 blocks of {heads} heads x head_dim {head_dim}), which a plain split would "
+                         "cut across the blocks (rank 0 all of q and part of k); give it ('colwise', 3), which splits "
+                         "each block by heads")
 
 
 def _check_ties(model: nn.Module, styles: dict[str, tuple[nn.Module, str, int]]) -> None:

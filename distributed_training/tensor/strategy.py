@@ -278,15 +278,18 @@ class TensorParallelStrategy(Strategy):
     def give_back(self, model: nn.Module) -> None:
         """The inner strategy's, then the model's own modules back in place of the parallel layers, each
         holding its full tensors (gathered over the tensor group: every rank alike), where the whole model
-        fits beside what this rank holds (not under a pipeline, whose ranks keep their stages)."""
+        fits beside what this rank holds (not under a pipeline, whose ranks keep their stages). Decided per
+        tensor group; a group that keeps its parts says so on its first rank."""
         from .state import full_tensors
 
         self.inner.give_back(model)
         if self._undo is None or _is_pipeline(self.inner):
             return
         module = self.inner.unwrap(model)
-        local = module.state_dict()
-        fits = all(key in local for key in self.specs)  # (an inner strategy that kept its shards has no keys)
+        # (an inner FSDP that kept its shards, cpu_offload or memory, leaves the module no parameters)
+        fits = next(module.parameters(), None) is not None
+        local = module.state_dict() if fits else {}
+        fits = fits and all(key in local for key in self.specs)
         if fits and self.device.type == "cuda":
             need = sum(math.prod(spec.full_shape) * local[key].element_size() for key, spec in self.specs.items())
             fits = need < 0.8 * (torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
@@ -294,14 +297,15 @@ class TensorParallelStrategy(Strategy):
         flag = torch.tensor([int(fits)], device=_comm_device(self.group, self.device))
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)  # (the tensor ranks decide alike)
         if not flag.item():
-            if dist.get_rank() == 0:
+            if self.tensor_rank == 0:
                 warnings.warn("the model's tensor-parallel layers were not given back whole at close (they do not "
-                              "fit in a GPU's free memory, or the data-parallel strategy kept its shards): each rank's "
-                              "model holds its own part; take trainer.full_state_dict() (rank 0) or "
+                              "fit in a GPU's free memory, or the data-parallel strategy kept its shards): this "
+                              "rank's model holds its own part; take trainer.full_state_dict() (rank 0) or "
                               "save_checkpoint() before close()", stacklevel=3)
             return
         on = _comm_device(self.group, self.device)
         full = full_tensors({k: v.to(on) for k, v in local.items()}, self.specs, self.group)
+        del local
         self._undo.restore(module, full, self.device)
         self._undo = None
 

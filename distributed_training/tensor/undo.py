@@ -10,7 +10,7 @@ then the plain model it was, trained, as after plain data-parallel training.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,28 +44,33 @@ class PlanUndo:
                                                                     requires_grad=p.requires_grad)
                     module._parameters[name] = stand_in
 
-    def restore(self, model: nn.Module, full: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    def restore(self, model: nn.Module, full: dict[str, torch.Tensor], device: torch.device) -> None:
         """Put the replaced modules back at their places, each parameter made from `full` (the plain model's
-        state-dict keys -> full tensors) on `device`; remove the hooks. A parameter held at
-        several places (a tied embedding and head) is one parameter again."""
-        for handle in self.hooks:
-            handle.remove()
+        state-dict keys -> full tensors; its entries are taken, not copied: popped as they are used, so
+        that the whole model is held once) on `device`; then remove the hooks. A parameter held at several
+        places (a tied embedding and head) is one parameter again. Every parameter is made before the
+        model changes: a missing key leaves it as it was."""
         made: dict[int, nn.Parameter] = {}
+        slots = []
         for place, original in self.replaced:
-            for name, stand_in in list(original._parameters.items()):
+            for name, stand_in in original._parameters.items():
                 if stand_in is None or not stand_in.is_meta:
                     continue
-                param = made.get(id(stand_in))
-                if param is None:
+                if id(stand_in) not in made:
                     key = f"{place}.{name}"
                     if key not in full:
                         raise KeyError(f"the full state has no {key!r} to give back to the model")
-                    value = full[key].detach().to(device).clone()
-                    param = made[id(stand_in)] = nn.Parameter(value, requires_grad=stand_in.requires_grad)
-                original._parameters[name] = param
+                    value = full[key].detach().to(device)
+                    made[id(stand_in)] = nn.Parameter(value, requires_grad=stand_in.requires_grad)
+                slots.append((original, name, made[id(stand_in)]))
+        full.clear()
+        for original, name, param in slots:
+            original._parameters[name] = param
         for place, original in self.replaced:
             parent, _, child = place.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, original)
+        for handle in self.hooks:
+            handle.remove()
         for p in model.parameters():
             p.__dict__.pop(_SEQUENCE, None)
         self.replaced, self.hooks, self._meta = [], [], {}
