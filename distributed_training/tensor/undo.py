@@ -46,8 +46,8 @@ class PlanUndo:
 
     def restore(self, model: nn.Module, full: dict[str, torch.Tensor], device: torch.device) -> None:
         """Put the replaced modules back at their places, each parameter made from `full` (the plain model's
-        state-dict keys -> full tensors; its entries are taken, not copied: popped as they are used, so
-        that the whole model is held once) on `device`; then remove the hooks. A parameter held at several
+        state-dict keys -> full tensors; its entries are taken, not copied, and the dict emptied, so that
+        the whole model is held once) on `device`; then remove the hooks. A parameter held at several
         places (a tied embedding and head) is one parameter again. Every parameter is made before the
         model changes: a missing key leaves it as it was."""
         made: dict[int, nn.Parameter] = {}
