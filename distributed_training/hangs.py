@@ -63,7 +63,7 @@ class _Heartbeat:
     def __init__(self, store, context: DistributedContext) -> None:
         self.store, self.context = store, context
         self.step: int | None = None
-        self._key = f"distributed_training/heartbeat/{context.rank}"
+        self._key = _heartbeat_key(context.rank)
         self._stopped = threading.Event()  # set by `stop_heartbeat`: the thread's sleep ends at once
         self._thread = threading.Thread(target=self._run, name="dt-heartbeat", daemon=True)
         # Current before the thread starts: the thread runs while it is the current one, and used to
@@ -98,6 +98,19 @@ def stop_heartbeat() -> None:
             beat._thread.join(timeout=beat.PERIOD_S + 10)  # at most one store call
 
 
+def _heartbeat_key(rank: int) -> str:
+    return f"distributed_training/heartbeat/{rank}"
+
+
+def _last_step(store, rank: int) -> int | None:
+    """The step `rank` last published (`heartbeat`), or None (none yet, or the store unreadable)."""
+    key = _heartbeat_key(rank)
+    try:
+        return int(store.get(key)) if store.check([key]) else None
+    except Exception:
+        return None
+
+
 def diagnose_timeout(context: DistributedContext, step: int, err: Exception) -> str:
     """The message of a `CollectiveTimeoutError` raised in training step `step + 1`: the operation,
     and which ranks never reached the step (from their heartbeats)."""
@@ -111,11 +124,7 @@ def diagnose_timeout(context: DistributedContext, step: int, err: Exception) -> 
         return f"{where}: {err}"
     behind = []
     for r in range(ctx.world_size):
-        key = f"distributed_training/heartbeat/{r}"
-        try:
-            seen = int(store.get(key)) if store.check([key]) else None
-        except Exception:
-            seen = None
+        seen = _last_step(store, r)
         if seen is None or seen < step:
             behind.append(f"rank {r} (last seen at step {seen + 1 if seen is not None else 'none'})")
     if behind:
@@ -143,7 +152,7 @@ def _store_gone() -> bool:
     if store is None:
         return False
     try:
-        store.check(["distributed_training/heartbeat/0"])
+        store.check([_heartbeat_key(0)])
         return False
     except Exception:
         return True
@@ -152,16 +161,8 @@ def _store_gone() -> bool:
 def _peers_reached(context: DistributedContext, step: int) -> bool:
     """Whether every other rank's heartbeat says it began training step `step + 1` (or later)."""
     store = _store()
-    for r in range(context.world_size):
-        if r == context.rank:
-            continue
-        key = f"distributed_training/heartbeat/{r}"
-        try:
-            if not store.check([key]) or int(store.get(key)) < step:
-                return False
-        except Exception:
-            return False
-    return True
+    seen = [_last_step(store, r) for r in range(context.world_size) if r != context.rank]
+    return all(s is not None and s >= step for s in seen)
 
 
 def diagnose_lost_peer(context: DistributedContext, step: int, err: Exception, idle_s: float | None) -> str | None:
@@ -238,11 +239,7 @@ def diagnose_block_timeout(context: DistributedContext, step: int, activity: str
     for r in range(ctx.world_size if store is not None else 0):
         if r == ctx.rank or inside.get(r) == activity:
             continue
-        key = f"distributed_training/heartbeat/{r}"
-        try:
-            seen = int(store.get(key)) if store.check([key]) else None
-        except Exception:
-            seen = None
+        seen = _last_step(store, r)
         place = inside.get(r) or (f"training step {seen + 1} or later" if seen is not None and seen >= step
                                   else "training" if seen is not None else "somewhere")
         others.append(f"rank {r} is in {place}")

@@ -106,7 +106,12 @@ class DistributedContext:
         """Whether `value` is true on every rank (one tiny all-reduce; every rank must call it): how
         ranks decide together, e.g. to stop when any of them runs out of batches, so none hangs.
         Independent ranks (`independent`) do not meet: `value` itself."""
-        return self.ranks_where(value) == (1 if self.world_size == 1 or self.independent else self.world_size)
+        return self.ranks_where(value) == self.meeting_ranks
+
+    @property
+    def meeting_ranks(self) -> int:
+        """How many ranks `ranks_where` counts over: the world, or this rank alone (independent ranks)."""
+        return 1 if self.world_size == 1 or self.independent else self.world_size
 
     def ranks_where(self, value: bool) -> int:
         """On how many ranks `value` is true (one tiny all-reduce; every rank must call it); independent

@@ -114,7 +114,7 @@ class EpochLoop(StepRecording):
                     # (a collective: a peer dead here is named, as in a step)
                     with self._watched(f"the agreement on a batch before training step {self.step + 1}"):
                         having = self.context.ranks_where(batch is not None)
-                    ranks = 1 if self.context.world_size == 1 or self.context.independent else self.context.world_size
+                    ranks = self.context.meeting_ranks
                     has_batch = having == ranks
                     agreed = time.perf_counter()  # (its wait: a slower rank's fetch, not this one's work)
                     if 0 < having < ranks and self.context.is_main:

@@ -54,12 +54,8 @@ def test_changing_requires_grad_after_wrapping_is_an_error_naming_the_parameter(
         assert "before wrapping" in message, message
 
 
-def _originals_alive_after_sharding(rank, world, wrapper):
-    import gc
-    import weakref
-
-    model = _net()
-    originals = [weakref.ref(p) for p in model.parameters()]
+def _stepper(model: nn.Module, wrapper: str):
+    """(step(x, y), the wrapped model, the trainer or None) for `model` under FSDP or a trainer strategy."""
     if wrapper == "fsdp":
         wrapped = FSDP(model)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
@@ -68,11 +64,18 @@ def _originals_alive_after_sharding(rank, world, wrapper):
             F.mse_loss(wrapped(x), y).backward()
             opt.step()
             opt.zero_grad()
-    else:
-        trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=wrapper)
+        return step, wrapped, None
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=wrapper)
+    return (lambda x, y: trainer.train_step((x, y), F.mse_loss)), trainer.model, trainer
 
-        def step(x, y):
-            trainer.train_step((x, y), F.mse_loss)
+
+def _originals_alive_after_sharding(rank, world, wrapper):
+    import gc
+    import weakref
+
+    model = _net()
+    originals = [weakref.ref(p) for p in model.parameters()]
+    step, _, _ = _stepper(model, wrapper)
     del model
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):  # past FSDP's watched first backward passes
@@ -97,20 +100,7 @@ def _flip_a_view_after_a_pass(rank, world):
     for wrapper in ("fsdp", "zero2", "zero3"):
         for after in ("step", "no_grad pass"):
             model = _net()
-            if wrapper == "fsdp":
-                wrapped = FSDP(model)
-                opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-
-                def step(x, y):
-                    F.mse_loss(wrapped(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
-            else:
-                trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=wrapper)
-                wrapped = trainer.model
-
-                def step(x, y):
-                    trainer.train_step((x, y), F.mse_loss)
+            step, wrapped, trainer = _stepper(model, wrapper)
             x, y = torch.randn(4, 6), torch.randn(4, 2)
             if after == "step":
                 step(x, y)
@@ -131,7 +121,7 @@ def _flip_a_view_after_a_pass(rank, world):
                 messages[wrapper, after] = None
             except RuntimeError as err:
                 messages[wrapper, after] = str(err)
-            if wrapper != "fsdp":
+            if trainer is not None:
                 trainer.close()
     return messages
 
