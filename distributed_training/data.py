@@ -3,10 +3,17 @@
 Every epoch, all ranks draw the same permutation (seeded by ``seed + epoch``), and the rank feeding
 data-parallel replica r of W (`Mesh.dp_rank` of `Mesh.dp_size`; rank and world size while every rank is
 its own replica) takes positions r, r + W, r + 2W, ... of it. Samples are therefore distinct across ranks within an epoch and
-reshuffled between epochs. For training, the permutation is padded (by wrapping around) to a multiple
-of the world size so that every rank runs the same number of steps and no rank waits forever in a
-collective; with ``drop_last`` the tail is dropped instead. For evaluation, ``pad=False`` gives each
-rank its exact share and nothing is counted twice.
+reshuffled between epochs. A rank's batches of `batch_size` are then the consecutive global batches of
+the permutation: step k trains positions k*B*W .. (k+1)*B*W - 1, as one process on the whole batch would.
+
+Every rank must run the same number of steps, or one waits forever in a collective. Given the batch size,
+an epoch's short last step is split as it falls: its L samples go L // W or L // W + 1 to a replica, and
+the trainer weighs each replica's loss by what it holds (`loss_weights.replica_scale`), so that step too
+is exact. Only where a replica would get fewer than `min_rows` (none; one sample for a model training
+BatchNorm layers, which fail on it; fewer than an interleaved pipeline's ranks) is the permutation padded
+by wrapping around to a multiple of W, as torch's `DistributedSampler` pads always: those few samples
+train twice. Without a batch size the padding is always done; with ``drop_last`` the tail is dropped
+instead. For evaluation, ``pad=False`` gives each rank its exact share and nothing is counted twice.
 
 Every rank must see a dataset of the same length for the step counts to agree; `DistributedTrainer.fit`
 checks that with one all-gather and, if lengths differ, runs every rank for the smallest count. The same
@@ -45,6 +52,9 @@ class ShardedSampler(Sampler[int]):
         seed: base seed; all ranks must use the same one.
         drop_last: drop the tail that does not divide evenly instead of padding it.
         pad: pad to a multiple of `num_replicas` (training); False gives uneven exact shards.
+        batch_size: each replica's batch. Given, an epoch's short last step is split unevenly (exact)
+            and padded only where a replica would hold fewer than `min_rows` samples.
+        min_rows: the fewest samples a replica's last batch may hold unpadded.
     """
 
     def __init__(
@@ -57,11 +67,17 @@ class ShardedSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
         pad: bool = True,
+        batch_size: int | None = None,
+        min_rows: int = 1,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.min_rows = max(1, int(min_rows))
         self.dataset_len = len(dataset)
         self.num_replicas = num_replicas
         self.rank = rank
@@ -80,9 +96,25 @@ class ShardedSampler(Sampler[int]):
         left = max(0, self.dataset_len - self.offset)
         if self.drop_last:
             return self.offset + (left // self.num_replicas) * self.num_replicas
-        if self.pad:
+        if self.pad and not self._exact_tail(left):
             return self.offset + math.ceil(left / self.num_replicas) * self.num_replicas
         return max(self.dataset_len, self.offset)
+
+    def _exact_tail(self, left: int) -> bool:
+        """Whether the last step of `left` samples is trained as it falls, unpadded: every replica then
+        holds at least `min_rows` samples of it (a batch size given), or it is whole."""
+        if self.batch_size is None:
+            return left % self.num_replicas == 0
+        tail = left % (self.batch_size * self.num_replicas)
+        return tail == 0 or tail >= self.min_rows * self.num_replicas
+
+    def short_rows(self) -> int:
+        """The fewest samples any replica holds in the epoch's short last step from `offset`, the same on
+        every rank; 0 where the last step is whole (or with `drop_last`). Needs the batch size."""
+        if self.batch_size is None:
+            raise ValueError("ShardedSampler.short_rows() needs the sampler's batch_size")
+        tail = (self.total - self.offset) % (self.batch_size * self.num_replicas)
+        return 0 if self.drop_last else tail // self.num_replicas
 
     def set_epoch(self, epoch: int, start: int = 0, *, offset: int = 0) -> None:
         """Select the epoch's permutation; skip this rank's first `start` samples (resuming mid-epoch).
@@ -231,11 +263,12 @@ def map_style(data) -> bool:
 
 def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, drop_last: bool, num_workers: int,
                  seed: int, dp_rank: int | None = None, dp_world_size: int | None = None,
-                 loader_batch_size: int | None = None):
+                 loader_batch_size: int | None = None, min_rows: int = 1):
     """What `fit` iterates: a map-style dataset (or a DataLoader over one) sharded with `ShardedSampler`
     over the data-parallel replicas (`dp_world_size` of them, this rank feeding `dp_rank`; default: the
     context mesh's), anything else as given. `loader_batch_size` (a global batch's share) replaces a
-    given DataLoader's batch size, and a DataLoader already sharded is rebuilt with it."""
+    given DataLoader's batch size, and a DataLoader already sharded is rebuilt with it. `min_rows`: the
+    fewest samples a replica's batch in an epoch's short last step may hold unpadded (`ShardedSampler`)."""
     dp_rank = ctx.mesh.dp_rank if dp_rank is None else dp_rank
     dp_world_size = ctx.mesh.dp_size if dp_world_size is None else dp_world_size
     if isinstance(data, DataLoader):
@@ -249,14 +282,16 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
                              "that shards for this rank, in an iterable that is not a DataLoader: any such iterable "
                              "is used as given, and one that iter() gives again each epoch serves every epoch)")
         _check_loader_order(data, shuffle)
+        size = loader_batch_size or data.batch_size
+        # (the loader's own drop_last too: each replica's short batch dropped, their count must agree)
         sampler = ShardedSampler(data.dataset, dp_world_size, dp_rank, shuffle=shuffle, seed=seed,
-                                 drop_last=drop_last)
+                                 drop_last=data.drop_last or drop_last, batch_size=size, min_rows=min_rows)
         workers = dict(persistent_workers=data.persistent_workers, prefetch_factor=data.prefetch_factor,
                        multiprocessing_context=data.multiprocessing_context) if data.num_workers else {}
         sampler.keyed = bool(data.num_workers)
         return DataLoader(
             SeededSamples(data.dataset, seed) if data.num_workers else data.dataset,
-            batch_size=loader_batch_size or data.batch_size, sampler=sampler, collate_fn=data.collate_fn,
+            batch_size=size, sampler=sampler, collate_fn=data.collate_fn,
             num_workers=data.num_workers, pin_memory=data.pin_memory, drop_last=data.drop_last or drop_last,
             worker_init_fn=WorkerSignals(data.worker_init_fn), timeout=data.timeout, **workers,
         )
@@ -268,7 +303,8 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
         return data
     if batch_size is None or batch_size < 1:
         raise ValueError(f"fit() on a Dataset needs batch_size >= 1, got {batch_size!r}")
-    sampler = ShardedSampler(data, dp_world_size, dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler = ShardedSampler(data, dp_world_size, dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                             batch_size=batch_size, min_rows=min_rows)
     sampler.keyed = bool(num_workers)
     return DataLoader(SeededSamples(data, seed) if num_workers else data, batch_size=batch_size, sampler=sampler,
                       num_workers=num_workers,

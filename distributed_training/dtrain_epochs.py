@@ -22,8 +22,8 @@ def short_last_batch(trainer, train, batch_size: int) -> bool:
     left out (``fit(drop_last=True)``), where fit would refuse it."""
     from .data import ShardedSampler
 
-    last = len(ShardedSampler(train, trainer.dp_world_size, 0)) % batch_size
     smallest = trainer.strategy.smallest_batch()
+    last = ShardedSampler(train, trainer.dp_world_size, 0, batch_size=batch_size, min_rows=smallest).short_rows()
     if 0 < last < smallest:
         log.info("dtrain: each epoch's last batch (%d samples) is too small for training.pipeline_schedule=%r, "
                  "which needs at least %d (one a pipeline rank): left out", last,
@@ -46,10 +46,11 @@ def batch_norm_tail(trainer, model: nn.Module, train, batch_size: int, iterable:
 
     if iterable or not isinstance(batch_size, int):
         return False
-    last = len(ShardedSampler(train, trainer.dp_world_size, 0)) % batch_size
     cuts = trainer.gradient_accumulation_steps
     if micro_batch_size is not None:
         cuts = -(-batch_size // min(micro_batch_size, batch_size))
+    # (the smallest replica's share of the last step, as fit deals it to a model training BatchNorm)
+    last = ShardedSampler(train, trainer.dp_world_size, 0, batch_size=batch_size, min_rows=2 * cuts).short_rows()
     if not 0 < last < 2 * cuts:
         return False
     if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm) and m.training

@@ -90,7 +90,6 @@ class EpochLoop(StepRecording):
                 set_rng_state(self._epoch_rng)        # loader's workers' seeds), then the checkpoint's again
             with torch.random.fork_rng(devices=[]), self._fetching(sharded):
                 batches = iter(loader)
-            dealt = len(sampler) if sharded else 0  # samples the sampler still deals this rank in this epoch
             if skip:  # a resumed epoch over a loader we cannot seek: replay its start, drawing nothing from
                 state = restored if restored is not None else rng_state()  # the streams the checkpoint restored
                 with self._fetching(sharded):
@@ -129,11 +128,11 @@ class EpochLoop(StepRecording):
                 waited = self._straggler_probe()
                 metrics = self.train_step(batch, criterion)
                 self.batch_in_epoch += 1
-                if sharded:  # every replica trained as many samples as this one (the sampler pads)
-                    # (as the sampler dealt them: a batch's first tensor may not be batch-first)
-                    rows = min(loader.batch_size, dealt)
-                    dealt -= rows
-                    self.samples_in_epoch += rows * sampler.num_replicas
+                if sharded:  # the step's global batch: the next B x W positions, or the epoch's rest
+                    # (counted as the sampler deals them, alike on every rank: a batch's first tensor may not
+                    # be batch-first, and the last step's replicas may hold unequal shares)
+                    self.samples_in_epoch = min(self.samples_in_epoch + loader.batch_size * sampler.num_replicas,
+                                                sampler.total)
                     self._epoch_finished = self.batch_in_epoch >= epoch_end  # what a checkpoint of this step says
                 now = time.perf_counter()
                 self.data_wait_s += fetched - last_end

@@ -87,8 +87,10 @@ class Fitting(EpochLoop):
         sizes that do, unless ``allow_global_batch_change=True``: then the nearest multiple of W is
         trained, and the learning rate (the optimizer's ``lr``, and a scheduler's base rates) is scaled
         by the same factor (the linear scaling rule), with a warning that says so. See
-        `distributed_training.global_batch`. Each epoch's last global batch has the samples left
-        (padded by wrapping around to a multiple of W, or dropped with `drop_last`).
+        `distributed_training.global_batch`. Each epoch's last global batch has the samples left, split
+        over the replicas as they fall (each weighed by what it holds, so that step is exact too), or
+        dropped with `drop_last`; only where a replica would get none (one, for a model training
+        BatchNorm layers) are they padded by wrapping around to a multiple of W (`ShardedSampler`).
 
         Resuming (see `resume`) is logged on rank 0 ("resumed from step N (path)"); a run that the
         checkpoint shows complete logs so and returns ``[]`` without training. SIGINT, SIGTERM and SIGHUP
@@ -217,7 +219,8 @@ class Fitting(EpochLoop):
             batch_size = self.batch_size
         loader = train_loader(data, self.context, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
                               num_workers=num_workers, seed=self.seed, dp_rank=self.dp_rank,
-                              dp_world_size=self.dp_world_size, loader_batch_size=plan and plan.per_rank)
+                              dp_world_size=self.dp_world_size, loader_batch_size=plan and plan.per_rank,
+                              min_rows=self._fewest_short_rows())
         self._check_last_batch(loader)
         self._check_dataset_length(loader, resumed_from)
         if evaluation is not None and eval_batch_size is None and not isinstance(eval_dataset, DataLoader):
@@ -331,13 +334,24 @@ class Fitting(EpochLoop):
                         "again (resume=False)", sampler.dataset_len, resumed_from, saved, self.epoch,
                         self.samples_in_epoch)
 
+    def _fewest_short_rows(self) -> int:
+        """The fewest samples a replica may hold in an epoch's short last step for it to be split unevenly
+        (exactly) rather than padded (`ShardedSampler`): what the strategy needs (`smallest_batch`), and
+        for a model training BatchNorm layers two a micro-batch, as one sample fails there."""
+        batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                         and not isinstance(m, torch.nn.SyncBatchNorm) and (m.training or not self.module.training)
+                         for m in self.module.modules())
+        return max(self.strategy.smallest_batch(), 2 * self.gradient_accumulation_steps if batch_norm else 1)
+
     def _check_last_batch(self, loader) -> None:
         """Refuse now, not after an epoch, a sharded loader whose last batch the strategy cannot run."""
         smallest = self.strategy.smallest_batch()
         sampler = getattr(loader, "sampler", None)
         if smallest <= 1 or not isinstance(sampler, ShardedSampler) or loader.drop_last:
             return
-        last = sampler.shard_length() % loader.batch_size
+        # (the smallest replica's, the same on every rank; a sampler of the user's own: this rank's)
+        last = (sampler.short_rows() if sampler.batch_size is not None
+                else sampler.shard_length() % loader.batch_size)
         if 0 < last < smallest:
             raise ValueError(f"fit(): each epoch's last batch would have {last} sample(s) on this data-parallel "
                              f"replica, fewer than the {smallest} that pipeline_schedule='interleaved_1f1b' needs "

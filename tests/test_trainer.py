@@ -101,19 +101,15 @@ def fit_worker(rank, world):
     trainer = DistributedTrainer(copy.deepcopy(base), _sgd, seed=3)
     history = trainer.fit(dataset, epochs=2, criterion=F.mse_loss, batch_size=3)
 
-    # The same steps in one process: at each step, the union of every rank's batch.
+    # The same steps in one process: at each step, the next 3 x W samples of the epoch's permutation (the
+    # last step the 22 % (3 x W) left, which the replicas hold unevenly at W = 3: 2, 1 and 1).
     reference = copy.deepcopy(base)
     opt = _sgd(reference.parameters())
     for epoch in range(2):
-        shards = []
-        for r in range(world):
-            sampler = ShardedSampler(dataset, world, r, seed=3)
-            sampler.set_epoch(epoch)
-            shards.append(list(sampler))
-        for start in range(0, len(shards[0]), 3):
-            per_rank = [shard[start:start + 3] for shard in shards]
-            # Each rank's loss is a mean over its own batch; DDP averages the ranks' gradients.
-            loss = sum(F.mse_loss(reference(dataset[idx][0]), dataset[idx][1]) for idx in per_rank) / world
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(3 + epoch))
+        for start in range(0, len(order), 3 * world):
+            x, y = dataset[order[start:start + 3 * world]]
+            loss = F.mse_loss(reference(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad()
