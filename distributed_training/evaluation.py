@@ -211,6 +211,9 @@ class Evaluation:
                 sums[-1] += n
         except BaseException as err:
             self.strategy.evaluation_failed(self.model, err)
+            explained = self.strategy.explain_failure(err)
+            if explained is not None:
+                raise explained from err
             raise
         finally:
             for m, mode in modes:  # one by one: train() on the root would also wake a frozen submodule

@@ -69,6 +69,9 @@ class Stepping:
             # error) must not join the next step's, as one process skipping the batch would not add them.
             with contextlib.suppress(Exception):
                 self.optimizer.zero_grad(set_to_none=True)
+            explained = self.strategy.explain_failure(err)
+            if explained is not None:
+                explained.__cause__, err = err, explained
             self._failed(err)  # a peer's failure named; this rank's own error told to the peers
             self._failure_agreement.failed(err, f"training step {self.step + 1}")
             if is_timeout(err) or (looks_like_peer_loss(err) and block_activities(self.context)):
@@ -85,6 +88,8 @@ class Stepping:
                                  "BatchNorm layer that sees one value a channel (a ResNet's last layers on small "
                                  "images). In fit, pass drop_last=True (each epoch's last batch then goes) or a "
                                  "batch_size that leaves 2 or more a replica and micro-batch") from err
+            if explained is not None:
+                raise err
             raise
 
     def _train_step(self, batch: Any, criterion: Criterion | None) -> dict[str, torch.Tensor]:

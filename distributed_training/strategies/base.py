@@ -444,6 +444,11 @@ class Strategy(abc.ABC):
         """(exposed communication seconds per step or None, extra metrics) since the last call."""
         return None, {}
 
+    def explain_failure(self, err: BaseException) -> BaseException | None:
+        """`err`, raised by a training or evaluation forward, told with what only the strategy knows (a
+        tensor-parallel plan that hands a layer part of its input), or None to raise it as it is."""
+        return None
+
     def smallest_batch(self) -> int:
         """The fewest samples a training batch may have (a pipeline's interleaved schedule: one per
         pipeline rank); `fit` refuses at its start a loader whose last batch would be smaller."""

@@ -84,7 +84,8 @@ def gpt_plan(cfg: Any = None) -> dict[str, Style]:
 # -- applying a plan ---------------------------------------------------------------------------------
 
 def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *, sequence_parallel: bool = False,
-               sequence_dim: int = 1, undo: PlanUndo | None = None) -> dict[str, ShardSpec]:
+               sequence_dim: int = 1, undo: PlanUndo | None = None,
+               trail: SplitTrail | None = None) -> dict[str, ShardSpec]:
     """Make `model` tensor-parallel over `group` (None: the default group) in place.
 
     Every module name of ``model.named_modules()`` takes the style of the first pattern of `plan`
@@ -100,6 +101,7 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
 
     With `undo` (a `PlanUndo`), what it replaced and hooked is recorded there, for `PlanUndo.restore` to
     give the model its own modules back, and the replaced modules' parameters go to the meta device.
+    With `trail` (a `SplitTrail`), forward hooks record the last layer whose output is split, for errors.
 
     Returns:
         the split parameters' `ShardSpec` by their key in ``model.state_dict()`` (tied parameters
@@ -199,6 +201,11 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
         if style == "vocab" and _is_linear(module):
             spec = spec_of(new.weight)
             setattr(new, _LOSS, VocabParallelLoss(group, spec.rank * spec.part if spec is not None else 0))
+        if trail is not None and isinstance(new, (ColumnParallelLinear, RowParallelLinear)):
+            hooks.append(new.register_forward_hook(trail.hook(name, style, new)))
+    if trail is not None:
+        hooks = undo.hooks if undo is not None else []
+        hooks.append(model.register_forward_pre_hook(trail.reset))
     if undo is not None:
         undo.free_originals()
     return specs
@@ -393,6 +400,40 @@ def _part_input(group: Any, dim: int, entry: "SequenceEntry") -> Callable:
                 entry.began(args[0].shape[dim] * size, size, split=False)
 
     return hook
+
+
+class SplitTrail:
+    """The last parallel layer of a forward whose output is left split by feature (a 'colwise' layer
+    not yet met by its 'rowwise' partner, a 'vocab' head), for a forward that then fails on a shape: a
+    plan whose 'colwise' layer feeds a layer it does not split, or whose 'vocab' layer is not the output
+    head, hands that layer 1/T of the features it expects, and torch's error ("mat1 and mat2 shapes
+    cannot be multiplied") names neither the layer nor the plan (`explain`)."""
+
+    def __init__(self) -> None:
+        self.split: tuple[str, str] | None = None
+
+    def reset(self, module: nn.Module, args: Any) -> None:  # (the model's forward pre-hook)
+        self.split = None
+
+    def hook(self, name: str, style: str, layer: nn.Module) -> Callable:
+        whole = isinstance(layer, RowParallelLinear) or getattr(layer, "gather_output", False)
+
+        def ran(module: nn.Module, args: Any, out: Any) -> None:
+            self.split = None if whole else (name, style)
+        return ran
+
+    def explain(self, err: BaseException) -> BaseException | None:
+        """`err` (a shape error after a split output) told with the layer and the plan, else None."""
+        if self.split is None or type(err) not in (RuntimeError, ValueError):
+            return None
+        if not any(word in str(err) for word in ("shape", "size")):
+            return None
+        name, style = self.split
+        return type(err)(
+            f"{err} (tensor parallelism: the last split layer to run before this error was {name} ({style!r}), "
+            "whose output holds this rank's part of its features only: in tensor_parallel_plan a 'colwise' layer "
+            "must feed a 'rowwise' one, which gives the whole output back, and 'vocab' splits only the output "
+            "head, whose logits go to the loss)")
 
 
 class SequenceEntry:

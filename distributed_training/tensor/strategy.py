@@ -70,7 +70,7 @@ class TensorParallelStrategy(Strategy):
         return self.inner.setup_module(module, context)
 
     def _prepare(self, module: nn.Module, context: DistributedContext) -> None:
-        from .plan import apply_plan, parallel_loss
+        from .plan import SplitTrail, apply_plan, parallel_loss
 
         mesh = context.mesh
         if mesh.size("tensor") != self.options.size:
@@ -87,9 +87,9 @@ class TensorParallelStrategy(Strategy):
         src = global_rank(self.group, 0)
         _share_random_state(self.group, src, context.device)
         _share_weights(module, src, self.group, context.device)  # the parts are cut from rank src's weights
-        self._undo = PlanUndo()
+        self._undo, self._trail = PlanUndo(), SplitTrail()
         self.specs = apply_plan(module, plan, self.group, sequence_parallel=self.options.sequence_parallel,
-                                undo=self._undo)
+                                undo=self._undo, trail=self._trail)
         self._vocab_loss = parallel_loss(module)
         names = dict(module.named_parameters(remove_duplicate=False))
         self._split_names = frozenset(name for name in names if name in self.specs)
@@ -98,6 +98,10 @@ class TensorParallelStrategy(Strategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.inner.unwrap(model)
+
+    def explain_failure(self, err: BaseException) -> BaseException | None:
+        trail = getattr(self, "_trail", None)
+        return trail.explain(err) if trail is not None else self.inner.explain_failure(err)
 
     def summon_full_params(self, model: nn.Module, writeback: bool = True):
         return self.inner.summon_full_params(model, writeback)
