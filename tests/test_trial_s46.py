@@ -42,3 +42,21 @@ def test_a_split_output_fed_to_an_unsplit_layer_names_the_layer_and_the_plan():
             assert "cannot be multiplied" in said[key], said
             assert f"the last split layer to run before this error was 0 ({style!r})" in said[key], said
             assert "a 'colwise' layer must feed a 'rowwise' one" in said[key], said
+
+
+def test_a_rank_slow_in_every_other_window_is_warned_of(tmp_path):
+    """The warning waited for the same rank flagged in two windows in a row: a rank slow only in every
+    other log window (flagged, not, flagged, ...) was never warned of (session 45's "Left")."""
+    from distributed_training.monitor import Monitor
+
+    with Monitor(tmp_path / "run", rank=0, world_size=1, log_every=1, progress=False, tensorboard=False,
+                 system_stats=False) as mon:
+        mon._group_ranks = [0, 1]
+        own = [(0.004, 0.020), (0.004, 0.004), (0.004, 0.021)]  # rank 1 slow, then not, then slow again
+        flagged = [mon._cluster_view(window, [0.03, a, 0.03, b])["cluster/straggler"]
+                   for window, (a, b) in enumerate(own)]
+        assert flagged == [1.0, 0.0, 1.0]
+        assert len(mon._warnings) == 1, mon._warnings
+        assert mon._warnings[0].startswith("straggler at step 2: rank 1 works"), mon._warnings
+        assert mon._warnings[0].endswith("as in two log windows before"), mon._warnings
+        mon._warnings.clear()

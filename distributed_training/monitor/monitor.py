@@ -56,6 +56,7 @@ writer thread), `progress` (the progress bar) and `system` (host and GPU figures
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import time
@@ -96,8 +97,9 @@ class Monitor(WriterHandling):
             even number of ranks the lower of the two middle values, so that in a world of two the slower
             rank is compared with the faster one), by 5 ms or more. Must be > 1. The ``cluster/straggler``
             figure flags each log window; the `StragglerWarning` waits for the same rank to be flagged
-            in two windows in a row (one measured step a window: a millisecond step's one-off spike,
-            scheduling or a collection, flagged 17 of 600 windows of two balanced ranks, alternately).
+            in two of three windows in a row (one measured step a window: a millisecond step's one-off
+            spike, scheduling or a collection, flagged 17 of 600 windows of two balanced ranks,
+            alternately; a rank slow in every other window is still told).
         tensorboard: write TensorBoard event files.
         jsonl: append to ``metrics.jsonl``.
         system_stats: log host CPU and memory, and the GPU's utilisation, memory, power and
@@ -196,7 +198,8 @@ class Monitor(WriterHandling):
         self._timings = StepTimings()  # the window's sums (since the last log step) and the run's
         self._cluster_last: dict[str, float] = {}
         self._straggler_events = 0
-        self._suspect: float | None = None  # the member flagged in the last window, warned of when flagged again
+        # The members flagged in the last two windows (None: none was): one flagged again is warned of.
+        self._suspects: collections.deque = collections.deque(maxlen=2)
         self._bubbles: list[float] = []  # a pipeline's measured bubble, per log step that had one
         self._bubble_formula: float | None = None
 
@@ -219,7 +222,7 @@ class Monitor(WriterHandling):
         if step is not None and (not is_int(step) or step < 0):
             raise ValueError(f"step must be a non-negative integer or None, got {step!r}")
         self._drain()
-        self._suspect = None  # (a window of an earlier run and one of this are not two in a row)
+        self._suspects.clear()  # (a window of an earlier run and one of this are not neighbours)
         if step and self._writer is not None and self.found_earlier_records and not self._writer_used:
             # A resumed run: TensorBoard drops the earlier run's events from step + 1 on (written after its
             # checkpoint, before it stopped), which it would show beside this run's and fold its curves.
@@ -473,12 +476,14 @@ class Monitor(WriterHandling):
         view, straggler = cluster_view(step, times[0::2], self._group_ranks, self.member, self.straggler_threshold,
                                        own_times=own if min(own) >= 0 else None)
         self._cluster_last = view
-        suspect, self._suspect = self._suspect, None
+        suspect = view["cluster/slowest_rank"] if straggler is not None else None
         if straggler is not None:
             self._straggler_events += 1
-            self._suspect = view["cluster/slowest_rank"]
-            if self._writes_cluster and suspect == self._suspect:  # (two windows in a row: no one-off spike)
-                self._warnings.append(f"{straggler}, as in the log window before")
+            # (in two of three windows: no one-off spike, and a rank slow every other window is still told)
+            if self._writes_cluster and suspect in self._suspects:
+                before = "the log window before" if self._suspects[-1] == suspect else "two log windows before"
+                self._warnings.append(f"{straggler}, as in {before}")
+        self._suspects.append(suspect)
         return view
 
     def _member_field(self) -> dict[str, str]:
