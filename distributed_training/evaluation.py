@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ class Evaluation:
 
     def evaluate(
         self,
-        data: Dataset | DataLoader,
+        data: Dataset | DataLoader | Iterable[Any],
         criterion: Criterion | None = None,
         *,
         batch_size: int | None = None,
@@ -41,6 +41,11 @@ class Evaluation:
         module, so uneven shard sizes cannot stall a collective; one all-reduce sums the results.
         Under a pipeline the ranks of a replica evaluate the same shard, forward only through their
         stages; the last stage's values reach the others at the end (`Strategy.evaluate_batch`).
+        An iterable of batches (a DataLoader over an IterableDataset, a generator: `batches_as_given`;
+        a list is samples) is taken as `fit` takes one: each rank evaluates the batches its own iterable
+        yields (the ranks of one pipeline or tensor group the same ones), and the ranks agree batch by
+        batch on when every one is done; batches weigh as above, so a stream dealt to the replicas
+        without overlap scores as one pass over it.
         `metrics` names metrics as `fit`'s ``eval_metrics`` does (``"accuracy"``, ``"top5"``,
         ``"perplexity"``, a list of them, or ``"auto"``), or maps a name to ``fn(outputs, targets) ->
         per-batch mean``, weighted by batch size;
@@ -123,7 +128,14 @@ class Evaluation:
 
     def _sums(self, data, criterion, batch_size, metrics) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         ctx = self.context
-        if isinstance(data, DataLoader):
+        given = batches_as_given(data)  # this rank's own batches (as `fit` takes an iterable), not samples
+        if given and batch_size is not None and ctx.is_main:
+            warnings.warn(f"evaluate(batch_size={batch_size}) is not used: a {type(data).__name__} is iterated as "
+                          "given, each item one batch (as fit takes it); for evaluate to shard and batch samples, "
+                          "pass a map-style dataset", UserWarning, stacklevel=5)
+        if given:
+            dataset, bs, collate = None, None, None
+        elif isinstance(data, DataLoader):
             dataset, bs, collate = data.dataset, data.batch_size, data.collate_fn
             if batch_size is not None and batch_size != bs and ctx.is_main:
                 warnings.warn(f"evaluate(batch_size={batch_size}) is not used: the DataLoader given brings its own "
@@ -131,17 +143,23 @@ class Evaluation:
                               "DataLoader with the batch you want", UserWarning, stacklevel=5)
         else:
             dataset, bs, collate = data, batch_size, None
-        if bs is None:
-            raise ValueError("evaluate() needs batch_size (or a DataLoader with one)")
-        dataset = _evaluated_samples(data, dataset, bs)
+        if bs is None and not given:
+            hint = (" (a list is taken as samples: for a list of batches pass iter(batches), each item then one "
+                    "batch)" if isinstance(data, (list, tuple)) else "")
+            raise ValueError(f"evaluate() needs batch_size (or a DataLoader with one){hint}")
+        if not given:
+            dataset = _evaluated_samples(data, dataset, bs)
         if metrics and criterion is None:
             raise ValueError("evaluate(metrics=...) needs a criterion: metrics are computed from (outputs, targets)")
         # One shard per data-parallel replica: tensor- or pipeline-parallel peers evaluate the same one.
         # Independent ranks (a parameter server's workers under ssp / async) never meet: each evaluates
         # the whole set, so that no rank waits for one that may have died.
         shards, shard = (1, 0) if ctx.independent else (self.dp_world_size, self.dp_rank)
-        sampler = ShardedSampler(dataset, shards, shard, shuffle=False, pad=False)
-        loader = DataLoader(dataset, batch_size=bs, sampler=sampler, collate_fn=collate)
+        if given:  # each rank's own batches: their ends are agreed on batch by batch
+            loader = data
+        else:
+            sampler = ShardedSampler(dataset, shards, shard, shuffle=False, pad=False)
+            loader = DataLoader(dataset, batch_size=bs, sampler=sampler, collate_fn=collate)
         # Sharded models gather parameters inside forward, a collective: every rank must run as many
         # forwards as the others, so a rank whose shard is exhausted repeats a batch with weight 0.
         # Replicated models evaluate the bare module, with no collective per batch.
@@ -168,14 +186,21 @@ class Evaluation:
             self.strategy.evaluation_begins(self.model)
             while True:
                 batch = next(batches, None)
-                if lockstep:
+                if lockstep or given:
                     if self.context.every_rank(batch is None):  # no rank has a batch left
                         break
                 elif batch is None:
                     break
                 weight = 1.0
+                if batch is None and not lockstep:
+                    continue  # (this rank's batches are done; a peer's are not)
                 if batch is None:  # this rank's shard is done (or was empty): a batch that counts 0
                     weight = 0.0
+                    if previous is None and given:
+                        raise ValueError(
+                            f"evaluate(): this rank's data ({type(data).__name__}) yielded no batch while another "
+                            f"rank's did; under {self.strategy.name} the ranks run every forward together, so each "
+                            "needs at least one batch (a rank done early repeats its last one, counted 0)")
                     batch = previous if previous is not None else next(
                         iter(DataLoader(dataset, batch_size=1, collate_fn=collate)))
                 previous = batch
@@ -224,6 +249,10 @@ class Evaluation:
         local = sums.clone()
         if shards > 1:  # each replica counted once, whatever shares it
             dist.all_reduce(sums, group=ctx.mesh.group("data"))
+        if given and not sums[-1]:  # (the same on every rank)
+            raise ValueError(f"evaluate(): the data ({type(data).__name__}) yielded no batch on any rank: empty, or an "
+                             "iterator used up by an earlier pass (a generator); pass something iter() gives again "
+                             "each time, such as a DataLoader")
         return names, _per_row(local, over_targets), _per_row(sums, over_targets)
 
 
@@ -260,6 +289,20 @@ def _per_row(sums: torch.Tensor, over_targets: list[int]) -> torch.Tensor:
     for k in over_targets:
         out[k] = sums[k] / sums[-3] * sums[-1] if float(sums[-3]) > 0 else float("nan")
     return out
+
+
+def batches_as_given(data: Any) -> bool:
+    """Whether `evaluate` iterates `data` as this rank's batches, as `fit` does an iterable: a DataLoader over
+    an IterableDataset, an IterableDataset, or an iterable without ``__getitem__`` and ``__len__`` (a
+    generator, a stream); not a map-style dataset (a list too is samples), which it shards and batches."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(data, DataLoader):
+        return isinstance(data.dataset, IterableDataset)
+    if isinstance(data, IterableDataset):
+        return True
+    return (hasattr(data, "__iter__") and not isinstance(data, (Dataset, str, bytes, dict))
+            and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")))
 
 
 def _evaluated_samples(data: Any, dataset: Any, batch_size: int) -> Any:

@@ -102,7 +102,8 @@ class Fitting(EpochLoop):
         job exits with nothing lost and resumes where it stopped. A second Ctrl-C (a second after the
         first) raises `KeyboardInterrupt` at once, wherever the step is stuck.
 
-        Evaluation during training: with `eval_dataset` (a map-style validation set), every
+        Evaluation during training: with `eval_dataset` (a map-style validation set, or an iterable of
+        this rank's batches, which `evaluate` takes as fit takes training batches), every
         `eval_every` optimizer steps (counted from the start of training, as a resumed run counts them)
         and once after the last step, the model is evaluated on the whole set, sharded over the
         data-parallel replicas with every sample counted once. ``val_loss``, ``val_samples`` and what
@@ -223,7 +224,8 @@ class Fitting(EpochLoop):
                               min_rows=self._fewest_short_rows())
         self._check_last_batch(loader)
         self._check_dataset_length(loader, resumed_from)
-        if evaluation is not None and eval_batch_size is None and not isinstance(eval_dataset, DataLoader):
+        if evaluation is not None and evaluation.batch_size is not None and eval_batch_size is None and not isinstance(
+                eval_dataset, DataLoader):
             # What one training forward takes on a replica (its batch cut in the accumulation steps).
             size = getattr(loader, "batch_size", None)
             if not isinstance(size, int):

@@ -216,17 +216,22 @@ class PeriodicEvaluation:
                  target: Mapping[str, float] | None = None) -> None:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"eval_every must be a positive integer (optimizer steps) or None, got {every!r}")
+        from .evaluation import batches_as_given
+
         inner = dataset.dataset if isinstance(dataset, DataLoader) else dataset
-        if isinstance(inner, IterableDataset) or not isinstance(inner, Dataset):
-            raise ValueError("eval_dataset must be a map-style Dataset (or a DataLoader over one): each replica "
-                             "evaluates an exact shard of it, so every sample counts once; got "
-                             f"{type(inner).__name__}")
-        if isinstance(dataset, DataLoader):
+        given = batches_as_given(dataset)  # each rank's own batches, as `evaluate` takes them
+        if not given and (isinstance(inner, IterableDataset) or not isinstance(inner, Dataset)):
+            raise ValueError("eval_dataset must be a map-style Dataset (or a DataLoader over one), which each "
+                             "replica evaluates an exact shard of, or an iterable of this rank's batches (a DataLoader "
+                             f"over an IterableDataset); got {type(inner).__name__}")
+        if given:
+            batch_size = None  # (not used: each item is a batch)
+        elif isinstance(dataset, DataLoader):
             from .evaluation import _evaluated_samples
 
             batch_size = dataset.batch_size
             _evaluated_samples(dataset, inner, batch_size or 1)  # its sampler: refused before training, not at the first evaluation
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if not given and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"eval_batch_size must be a positive integer, got {batch_size!r}")
         self.dataset, self.every, self.batch_size, self.criterion = dataset, every, batch_size, criterion
         self.names, self.functions, self.perplexity = resolve_metrics(metrics, inner, criterion)

@@ -227,7 +227,7 @@ def test_bad_evaluation_arguments_are_named():
     assert "eval_every" in messages[1]
     assert "eval_metrics" in messages[2] and "'acc'" in messages[2]
     assert "eval_batch_size" in messages[3]
-    assert "eval_dataset must be a map-style Dataset" in messages[4]
+    assert "the data (_Stream) yielded no batch on any rank" in messages[4]  # (an iterable of batches: taken)
     assert "eval_metrics: accuracy is for classifiers" in messages[5] and "float32 tensor of shape (7,)" in messages[5]
     assert messages[6] == ["seconds", "step", "val_loss", "val_samples"]
     assert "eval_target" in messages[7] and "eval_dataset" in messages[7]

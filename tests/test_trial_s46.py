@@ -60,3 +60,73 @@ def test_a_rank_slow_in_every_other_window_is_warned_of(tmp_path):
         assert mon._warnings[0].startswith("straggler at step 2: rank 1 works"), mon._warnings
         assert mon._warnings[0].endswith("as in two log windows before"), mon._warnings
         mon._warnings.clear()
+
+
+def _stream(rank, world, n=11, rows=3):
+    """Batches of a stream dealt to the replicas without overlap: batch k to replica k % world (uneven)."""
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(rows, 8, generator=g), torch.randint(0, 4, (rows,), generator=g)) for _ in range(n)]
+    return batches, [b for k, b in enumerate(batches) if k % world == rank]
+
+
+def iterable_evaluation_worker(rank, world):
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Stream(IterableDataset):
+        def __init__(self, batches):
+            self.batches = batches
+
+        def __iter__(self):
+            return iter(self.batches)
+
+    said = {}
+    for strategy, pipeline in (("ddp", 1), ("zero3", 1), ("ddp", 2)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        with torch.no_grad():
+            every, mine = _stream(rank // pipeline, world // pipeline)
+            x = torch.cat([b[0] for b in every])
+            y = torch.cat([b[1] for b in every])
+            expected = F.cross_entropy(model(x), y).item()
+        trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy,
+                                     pipeline_parallel_size=pipeline, microbatches=2, progress=False)
+        key = f"{strategy} P={pipeline}"
+        said[key] = (trainer.evaluate(DataLoader(Stream(mine), batch_size=None), F.cross_entropy)["loss"], expected)
+        used = (b for b in mine)
+        said[key + " generator"] = trainer.evaluate(used, F.cross_entropy)["loss"]
+        try:
+            trainer.evaluate(used, F.cross_entropy)
+        except ValueError as err:
+            said[key + " used up"] = str(err)
+        if strategy == "ddp" and pipeline == 1:  # fit's evaluation during training takes it too
+            history = trainer.fit(mine[:2], epochs=1, criterion=F.cross_entropy,
+                                  eval_dataset=DataLoader(Stream(mine), batch_size=None), eval_every=1)
+            now = trainer.evaluate(DataLoader(Stream(mine), batch_size=None), F.cross_entropy)["loss"]
+            said["fit"] = (history[-1]["val_loss"], now)
+        trainer.close()
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(nn.Linear(8, 4), lambda ps: torch.optim.SGD(ps, lr=0.1), "zero3", progress=False)
+    try:  # rank 1 has no batch at all, under a strategy whose forwards every rank runs together
+        trainer.evaluate(iter(mine if rank == 0 else []), F.cross_entropy)
+        said["empty rank"] = "evaluated"
+    except Exception as err:  # noqa: BLE001 - rank 0 learns of rank 1's error from the failure agreement
+        said["empty rank"] = f"{type(err).__name__}: {err}"
+    trainer.close(barrier=False)
+    return said
+
+
+def test_evaluate_takes_each_ranks_own_batches_as_fit_does():
+    """evaluate() refused an iterable of batches (an IterableDataset's DataLoader, a generator) that fit
+    trains on ("shards a map-style dataset"). Now each rank scores its own batches; 11 batches dealt to 2
+    replicas unevenly (6 and 5) give one process's loss over all 33 rows, under DDP, ZeRO-3 (forwards run
+    together: the rank done first repeats a batch counted 0) and a pipeline of 2 (its ranks the same batches)."""
+    results = run_distributed(iterable_evaluation_worker, 2, timeout=180)
+    for rank, said in enumerate(results):
+        for key in ("ddp P=1", "zero3 P=1", "ddp P=2"):
+            got, expected = said[key]
+            assert abs(got - expected) < 1e-6, (rank, key, got, expected)
+            assert abs(said[key + " generator"] - expected) < 1e-6, (rank, key, said)
+            assert "yielded no batch on any rank" in said[key + " used up"], said
+        assert abs(said["fit"][0] - said["fit"][1]) < 1e-6, said["fit"]
+    assert "this rank's data (list_iterator) yielded no batch while another rank's did" in results[1]["empty rank"]
+    assert results[0]["empty rank"] != "evaluated", results[0]
