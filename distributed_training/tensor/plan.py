@@ -413,13 +413,15 @@ class SplitTrail:
         self.split: tuple[str, str] | None = None
 
     def reset(self, module: nn.Module, args: Any) -> None:  # (the model's forward pre-hook)
-        self.split = None
+        if not torch.compiler.is_compiling():
+            self.split = None
 
     def hook(self, name: str, style: str, layer: nn.Module) -> Callable:
         whole = isinstance(layer, RowParallelLinear) or getattr(layer, "gather_output", False)
 
         def ran(module: nn.Module, args: Any, out: Any) -> None:
-            self.split = None if whole else (name, style)
+            if not torch.compiler.is_compiling():  # (no side effect in a compiled graph; its errors differ anyway)
+                self.split = None if whole else (name, style)
         return ran
 
     def explain(self, err: BaseException) -> BaseException | None:
