@@ -9,11 +9,11 @@ the permutation: step k trains positions k*B*W .. (k+1)*B*W - 1, as one process 
 Every rank must run the same number of steps, or one waits forever in a collective. Given the batch size,
 an epoch's short last step is split as it falls: its L samples go L // W or L // W + 1 to a replica, and
 the trainer weighs each replica's loss by what it holds (`loss_weights.replica_scale`), so that step too
-is exact. Only where a replica would get fewer than `min_rows` (none; one sample for a model training
-BatchNorm layers, which fail on it; fewer than an interleaved pipeline's ranks) is the permutation padded
-by wrapping around to a multiple of W, as torch's `DistributedSampler` pads always: those few samples
-train twice. Without a batch size the padding is always done; with ``drop_last`` the tail is dropped
-instead. For evaluation, ``pad=False`` gives each rank its exact share and nothing is counted twice.
+is exact. Only where a replica would get fewer than `min_rows` (none; for a model training BatchNorm
+layers, which fail on one sample, two a micro-batch; an interleaved pipeline's ranks) is the step padded
+by wrapping around, to `min_rows` a replica, as torch's `DistributedSampler` pads (to a multiple of W,
+always): those few samples train twice. Without a batch size the padding is always done, to a multiple
+of W; with ``drop_last`` the tail is dropped instead. For evaluation, ``pad=False`` gives each rank its exact share and nothing is counted twice.
 
 Every rank must see a dataset of the same length for the step counts to agree; `DistributedTrainer.fit`
 checks that with one all-gather and, if lengths differ, runs every rank for the smallest count. The same
@@ -53,8 +53,8 @@ class ShardedSampler(Sampler[int]):
         drop_last: drop the tail that does not divide evenly instead of padding it.
         pad: pad to a multiple of `num_replicas` (training); False gives uneven exact shards.
         batch_size: each replica's batch. Given, an epoch's short last step is split unevenly (exact)
-            and padded only where a replica would hold fewer than `min_rows` samples.
-        min_rows: the fewest samples a replica's last batch may hold unpadded.
+            and padded only where a replica would hold fewer than `min_rows` samples: to `min_rows`.
+        min_rows: the fewest samples a replica's batch may hold in the short last step.
     """
 
     def __init__(
@@ -97,8 +97,18 @@ class ShardedSampler(Sampler[int]):
         if self.drop_last:
             return self.offset + (left // self.num_replicas) * self.num_replicas
         if self.pad and not self._exact_tail(left):
-            return self.offset + math.ceil(left / self.num_replicas) * self.num_replicas
+            return self.offset + self._padded(left)
         return max(self.dataset_len, self.offset)
+
+    def _padded(self, left: int) -> int:
+        """`left` samples padded by wrapping around: to a multiple of W; given the batch size, the short
+        last step to at least `min_rows` a replica (as many as a batch holds)."""
+        if self.batch_size is None:
+            return math.ceil(left / self.num_replicas) * self.num_replicas
+        step = self.batch_size * self.num_replicas
+        tail = left % step
+        rows = max(math.ceil(tail / self.num_replicas), min(self.min_rows, self.batch_size))
+        return left - tail + rows * self.num_replicas
 
     def _exact_tail(self, left: int) -> bool:
         """Whether the last step of `left` samples is trained as it falls, unpadded: every replica then

@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import ConfigError, JobConfig, training_paths
 from .dtrain_checks import check_paths, check_same_config, check_world
-from .dtrain_epochs import batch_norm_tail, epochs_for, short_last_batch
+from .dtrain_epochs import epochs_for
 from .dtrain_results import final_metrics, write_outputs
 from .global_batch import plan_global_batch
 from .logs import get_logger
@@ -175,12 +175,9 @@ def run_job(cfg: JobConfig) -> dict:
             batch_size = t.batch_size if t.batch_size != "auto" else trainer.batch_size
             if batch_size is None and _resuming(trainer):  # fit() restores the batch size "auto" chose before
                 batch_size = trainer.latest_checkpoint()[1].get("batch_size")  # (agreed: every rank calls it)
-        # fit() shards by data-parallel replica: the ranks of one pipeline read the same batches.
-        drop_last = ((pipelined and short_last_batch(trainer, train, batch_size))
-                     or batch_norm_tail(trainer, model, train, batch_size, user_job.is_iterable(train),
-                                        t.micro_batch_size if t.global_batch_size is not None else None))
+        # (fit() pads an epoch's short last step where a pipeline's schedule or BatchNorm cannot run it split)
         epochs = (user_job.iterable_epochs(t.epochs, t.max_steps) if user_job.is_iterable(train) else
-                  epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size, drop_last,
+                  epochs_for(t.epochs, t.max_steps, train, batch_size, trainer.dp_world_size,
                              _resume_meta(cfg) if t.max_steps is not None else None))
         if epochs != t.epochs:
             trainer._fit_derived["epochs"] = "derived from training.max_steps"
@@ -195,7 +192,7 @@ def run_job(cfg: JobConfig) -> dict:
         first_step = trainer.step
         try:
             trainer.fit(data, epochs=epochs, criterion=criterion, **batching, max_steps=t.max_steps,
-                        log_every=cfg.logging.every, drop_last=drop_last, num_workers=cfg.data.num_workers,
+                        log_every=cfg.logging.every, num_workers=cfg.data.num_workers,
                         **job_fit_evaluation(cfg, val_data),
                         on_step=_step_logger(trainer) if ctx.is_main else None)
         except ValueError as err:

@@ -159,6 +159,10 @@ def run_distributed(
         env: extra environment variables for the ranks.
         grace: seconds the other ranks still get once one has failed (see Raises).
 
+    The ranks are daemonic processes (they end with the caller), which Python forbids to have children
+    of their own: a DataLoader with ``num_workers > 0`` cannot start its workers there. Run such code
+    as a script under `run_torchrun`.
+
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
 

@@ -221,7 +221,7 @@ class Fitting(EpochLoop):
         loader = train_loader(data, self.context, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
                               num_workers=num_workers, seed=self.seed, dp_rank=self.dp_rank,
                               dp_world_size=self.dp_world_size, loader_batch_size=plan and plan.per_rank,
-                              min_rows=self._fewest_short_rows())
+                              min_rows=self._fewest_short_rows() if _sharded(data) else 1)
         self._check_last_batch(loader)
         self._check_dataset_length(loader, resumed_from)
         if evaluation is not None and evaluation.batch_size is not None and eval_batch_size is None and not isinstance(
@@ -338,12 +338,16 @@ class Fitting(EpochLoop):
 
     def _fewest_short_rows(self) -> int:
         """The fewest samples a replica may hold in an epoch's short last step for it to be split unevenly
-        (exactly) rather than padded (`ShardedSampler`): what the strategy needs (`smallest_batch`), and
-        for a model training BatchNorm layers two a micro-batch, as one sample fails there."""
+        (exactly) rather than padded to them (`ShardedSampler`): what the strategy needs (`smallest_batch`),
+        and for a model training BatchNorm layers two a micro-batch (accumulation's, a pipeline's), as one
+        sample fails there. Collective: alike on every rank (a pipeline's stages hold other modules)."""
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                          and not isinstance(m, torch.nn.SyncBatchNorm) and (m.training or not self.module.training)
                          for m in self.module.modules())
-        return max(self.strategy.smallest_batch(), 2 * self.gradient_accumulation_steps if batch_norm else 1)
+        with self._watched("fit's agreement on the model's BatchNorm layers"):  # (a dead peer is named)
+            batch_norm = self.context.ranks_where(batch_norm) > 0
+        cuts = self.gradient_accumulation_steps * self.strategy.batch_cuts()
+        return max(self.strategy.smallest_batch(), 2 * cuts if batch_norm else 1)
 
     def _check_last_batch(self, loader) -> None:
         """Refuse now, not after an epoch, a sharded loader whose last batch the strategy cannot run."""

@@ -603,29 +603,29 @@ def test_what_the_trainer_refuses_with_a_pipeline_is_said_as_config_fields(monke
         cli.run_job(cfg)
 
 
-def test_an_epochs_last_batch_is_left_out_only_where_the_schedule_cannot_run_it():
+def test_an_epochs_short_last_step_is_padded_only_where_the_schedule_cannot_run_it_split():
     """A short last batch runs in fewer microbatches (left out until session 30, when it had fewer samples
-    than microbatches); only interleaved needs a sample per pipeline rank."""
-    from types import SimpleNamespace
-
-    from distributed_training.dtrain_epochs import epochs_for, short_last_batch
+    than microbatches); only interleaved needs a sample per pipeline rank: fit pads that step to it (dtrain
+    left it out until session 46), which max_steps' epochs count as a step."""
+    from distributed_training.data import ShardedSampler
+    from distributed_training.dtrain_epochs import epochs_for
     from distributed_training.pipeline.options import PipelineOptions
     from distributed_training.pipeline.training import PipelineStrategy
     from distributed_training.strategies import DDPStrategy
 
-    def trainer(schedule):
-        strategy = PipelineStrategy(DDPStrategy(), PipelineOptions(size=4, schedule=schedule, microbatches=8))
-        return SimpleNamespace(dp_world_size=2, strategy=strategy, config={"pipeline_schedule": schedule})
+    def smallest(schedule):
+        return PipelineStrategy(DDPStrategy(), PipelineOptions(size=4, schedule=schedule, microbatches=8)).smallest_batch()
+
+    def last(n, schedule):  # the smallest replica's rows in the short step, and whether it was padded
+        sampler = ShardedSampler(list(range(n)), 2, 0, batch_size=16, min_rows=smallest(schedule))
+        return sampler.short_rows(), sampler.total > n
 
     for schedule in ("1f1b", "gpipe", "zbh1"):
-        assert not short_last_batch(trainer(schedule), list(range(34)), 16)  # 17 a replica: a last batch of 1
-    interleaved = trainer("interleaved_1f1b")
-    assert short_last_batch(interleaved, list(range(38)), 16)       # 19: a last batch of 3, fewer than 4 ranks
-    assert not short_last_batch(interleaved, list(range(40)), 16)   # 20: a last batch of 4, one a rank
-    assert not short_last_batch(interleaved, list(range(64)), 16)   # 32: no short batch
-    # max_steps=3 with 1 full batch an epoch (the short one left out) needs 3 epochs, not 2.
-    assert epochs_for(1, 3, list(range(38)), 16, 2, drop_last=True) == 3
-    assert epochs_for(1, 3, list(range(38)), 16, 2) == 2
+        assert last(34, schedule) == (1, False)  # 2 left: one a replica, split as it falls
+    assert last(38, "interleaved_1f1b") == (4, True)   # 6 left: 3 a replica, fewer than 4 ranks: padded to 4
+    assert last(40, "interleaved_1f1b") == (4, False)  # 8 left: 4 a replica, one a rank
+    assert last(64, "interleaved_1f1b") == (0, False)  # no short step
+    assert epochs_for(1, 3, list(range(38)), 16, 2) == 2  # 2 steps an epoch, the short one too
 
 
 def test_pipeline_balance_time_times_one_microbatch_of_the_jobs_inputs(monkeypatch):

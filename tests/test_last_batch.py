@@ -31,6 +31,8 @@ N, SEED = 23, 5
     (20, 3, 3, 1, True, 1),    # 2 left: one replica would get none, so padded to 3 (one sample twice)
     (25, 3, 3, 2, False, 2),   # 7 left, at least two a replica: 3, 2, 2
     (22, 3, 3, 2, True, 2),    # 4 left, not two a replica: padded to 6 (2, 2, 2)
+    (14, 2, 3, 2, True, 2),    # 2 left, not two a replica: padded to 4 (2, 2), not to a multiple of W (1, 1)
+    (13, 2, 4, 4, True, 0),    # 5 left, 4 a replica needed (BatchNorm in 2 micro-batches): padded to 8, whole
     (18, 3, 3, 1, False, 0),   # whole steps
 ])
 def test_the_short_last_step_is_split_as_it_falls(n, world, batch, min_rows, expect_padded, short):
@@ -109,14 +111,50 @@ def test_fit_trains_the_short_last_step_as_one_process():
 
 def batch_norm_tail_worker(rank, world):
     torch.manual_seed(0)
-    data = _data(21, shape=(3, 4, 4), classes=5)  # 3 left at the end of each epoch, for 2 replicas
-    trainer = DistributedTrainer(ConvBN(), lambda ps: torch.optim.SGD(ps, lr=0.1), seed=SEED, progress=False)
-    history = trainer.fit(data, epochs=1, criterion=F.cross_entropy, batch_size=3)
-    trainer.close()
-    return history[0]["steps"]
+    steps = []
+    # 3 left at an epoch's end for 2 replicas (1 and 2), 2 left (1 and 1), and 5 left cut in 2 micro-batches
+    # (3 and 2: micro-batches of 2, 1 and 1, 1): each would give a BatchNorm layer one sample.
+    for n, batch, accumulation in ((21, 3, 1), (14, 3, 1), (13, 4, 2)):
+        trainer = DistributedTrainer(ConvBN(), lambda ps: torch.optim.SGD(ps, lr=0.1), seed=SEED, progress=False,
+                                     gradient_accumulation_steps=accumulation)
+        history = trainer.fit(_data(n, shape=(3, 4, 4), classes=5), epochs=1, criterion=F.cross_entropy,
+                              batch_size=batch)
+        trainer.close()
+        steps.append(history[0]["steps"])
+    return steps
 
 
-def test_a_batch_norm_model_keeps_two_samples_a_replica_in_the_short_step():
-    """3 samples left at W = 2, split as they fall, leave one replica a single sample, on which training
-    BatchNorm fails ("Expected more than 1 value per channel"); that step is padded to 2 + 2 instead."""
-    assert run_distributed(batch_norm_tail_worker, 2, timeout=120) == [4, 4]
+def test_a_batch_norm_model_keeps_two_samples_a_replica_and_micro_batch_in_the_short_step():
+    """Split as they fell, the samples left gave a replica (or a micro-batch) one sample, on which training
+    BatchNorm fails ("Expected more than 1 value per channel"); that step is padded instead, to two a
+    micro-batch (the trial: padded to a multiple of W only, 1 + 1, it still failed)."""
+    assert run_distributed(batch_norm_tail_worker, 2, timeout=120) == [[4, 3, 2]] * 2
+
+
+def pipeline_tail_worker(rank, world):
+    from torch import nn
+
+    said = {}
+    # interleaved 1F1B needs a sample per pipeline rank: 9 = 8 + 1 left for 2 replicas (batch 4) was refused
+    for name, n, schedule, model in (
+            ("interleaved", 9, "interleaved_1f1b",
+             nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))),
+            # BatchNorm in the first stage only: the stages decided apart (one padded, one split: other batches)
+            ("batch norm in one stage", 11, "1f1b",
+             nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                           nn.Linear(16, 4)))):
+        torch.manual_seed(0)
+        trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), seed=SEED, progress=False,
+                                     pipeline_parallel_size=2, pipeline_schedule=schedule, microbatches=2,
+                                     pipeline_split_points=["3"] if schedule == "1f1b" else None)
+        history = trainer.fit(_data(n), epochs=1, criterion=F.cross_entropy, batch_size=4)
+        trainer.close()
+        said[name] = history[0]["steps"]
+    return said
+
+
+def test_a_pipelines_short_step_is_padded_alike_on_every_stage():
+    """World 4 = 2 stages x 2 replicas, batches of 4: interleaved 1F1B refused 1 sample left (fewer than its
+    2 ranks) instead of padding; with BatchNorm in the first stage only, that stage padded the 3 left to
+    2 + 2 and the second split them 2 + 1 ("the ranks of one pipeline passed batches of 1 to 2 samples")."""
+    assert run_distributed(pipeline_tail_worker, 4, timeout=180) == [{"interleaved": 2, "batch norm in one stage": 2}] * 4

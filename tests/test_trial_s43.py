@@ -97,20 +97,18 @@ def test_a_closed_trainer_refuses_every_call_by_name(strategy, world, tmp_path, 
     assert not (tmp_path / "never_written").exists()
 
 
-def test_dtrain_leaves_out_a_last_batch_of_one_sample_micro_batches_under_a_global_batch():
+def test_a_global_batchs_short_step_is_padded_to_two_samples_a_micro_batch_for_batch_norm():
     """global_batch_size 7 in micro-batches of at most 3 over 101 samples: each epoch's last batch (3) was
     cut into 3 micro-batches of one sample and BatchNorm failed at the first epoch's end (the README
-    trial), where training.batch_size 7 with 3 accumulation steps was left out as it should."""
-    from types import SimpleNamespace
+    trial). dtrain then left that batch out; since session 46 fit pads it to two samples a micro-batch."""
+    from distributed_training.data import ShardedSampler
 
-    from distributed_training.dtrain_epochs import batch_norm_tail
+    def padded(min_rows):
+        sampler = ShardedSampler(list(range(101)), 1, 0, shuffle=False, batch_size=7, min_rows=min_rows)
+        return list(sampler)[98:]
 
-    trainer = SimpleNamespace(dp_world_size=1, gradient_accumulation_steps=1)
-    bn = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
-    data = list(range(101))
-    assert batch_norm_tail(trainer, bn, data, 7, False, micro_batch_size=3)  # cut 3, 2, 2: the tail 1, 1, 1
-    assert not batch_norm_tail(trainer, bn, data, 7, False, micro_batch_size=7)  # one cut: the tail of 3 stays
-    assert not batch_norm_tail(trainer, bn, data, 7, False)
+    assert padded(2 * 3) == [98, 99, 100, 0, 1, 2]  # cut 3, 2, 2 (BatchNorm, 3 micro-batches): 2, 2, 2
+    assert padded(2 * 1) == [98, 99, 100]            # one cut: the tail of 3 stays as it is
 
 
 def test_an_empty_config_file_is_refused_by_name(tmp_path):

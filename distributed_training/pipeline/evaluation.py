@@ -99,3 +99,6 @@ class PipelineEvaluation:
     def smallest_batch(self) -> int:
         # Interleaved runs a short batch as a multiple of the ranks' microbatches: at least one a rank.
         return self.options.size if self.options.schedule == "interleaved_1f1b" else 1
+
+    def batch_cuts(self) -> int:
+        return self.options.microbatches or self.options.size

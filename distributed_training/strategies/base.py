@@ -451,7 +451,11 @@ class Strategy(abc.ABC):
 
     def smallest_batch(self) -> int:
         """The fewest samples a training batch may have (a pipeline's interleaved schedule: one per
-        pipeline rank); `fit` refuses at its start a loader whose last batch would be smaller."""
+        pipeline rank); `fit` pads an epoch's short last step to it (`ShardedSampler`)."""
+        return 1
+
+    def batch_cuts(self) -> int:
+        """How many pieces the strategy itself cuts a batch into (a pipeline's microbatches), 1 otherwise."""
         return 1
 
     def time_pipeline(self, model: nn.Module, on: bool) -> None:

@@ -216,6 +216,9 @@ class TensorParallelStrategy(Strategy):
     def smallest_batch(self) -> int:
         return self.inner.smallest_batch()
 
+    def batch_cuts(self) -> int:
+        return self.inner.batch_cuts()
+
     # ------------------------------------------------------------------ state
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The plain model's state: the inner strategy's (whole over the data-parallel group), each
