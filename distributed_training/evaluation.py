@@ -42,10 +42,11 @@ class Evaluation:
         Under a pipeline the ranks of a replica evaluate the same shard, forward only through their
         stages; the last stage's values reach the others at the end (`Strategy.evaluate_batch`).
         An iterable of batches (a DataLoader over an IterableDataset, a generator: `batches_as_given`;
-        a list is samples) is taken as `fit` takes one: each rank evaluates the batches its own iterable
-        yields (the ranks of one pipeline or tensor group the same ones), and the ranks agree batch by
-        batch on when every one is done; batches weigh as above, so a stream dealt to the replicas
-        without overlap scores as one pass over it.
+        a list is samples) is taken as `fit` takes one, but not under a pipeline: each rank evaluates the
+        batches its own iterable yields (the ranks of one tensor group the same ones), and the ranks agree
+        batch by batch on when every one is done; batches weigh as above, so a stream dealt to the
+        replicas without overlap scores as one pass over it. Independent ranks (a parameter server's
+        async / ssp workers) score their own iterable alone.
         `metrics` names metrics as `fit`'s ``eval_metrics`` does (``"accuracy"``, ``"top5"``,
         ``"perplexity"``, a list of them, or ``"auto"``), or maps a name to ``fn(outputs, targets) ->
         per-batch mean``, weighted by batch size;
@@ -133,6 +134,11 @@ class Evaluation:
             warnings.warn(f"evaluate(batch_size={batch_size}) is not used: a {type(data).__name__} is iterated as "
                           "given, each item one batch (as fit takes it); for evaluate to shard and batch samples, "
                           "pass a map-style dataset", UserWarning, stacklevel=5)
+        if given and ctx.mesh.size("pipeline") > 1:
+            # (a stage's error ends a pipeline's evaluation through its own messages, which a per-batch
+            # agreement among the ranks would block: the trial's hang; and its ranks must read the same)
+            raise ValueError(f"evaluate() under a pipeline takes a map-style dataset (or a DataLoader over one), "
+                             f"which it shards by replica exactly, not an iterable of batches ({type(data).__name__})")
         if given:
             dataset, bs, collate = None, None, None
         elif isinstance(data, DataLoader):
@@ -253,7 +259,7 @@ class Evaluation:
             raise ValueError(f"evaluate(): the data ({type(data).__name__}) yielded no batch on any rank: empty, or an "
                              "iterator used up by an earlier pass (a generator); pass something iter() gives again "
                              "each time, such as a DataLoader")
-        return names, _per_row(local, over_targets), _per_row(sums, over_targets)
+        return names, _per_row(local, over_targets, not loss_sums), _per_row(sums, over_targets, not loss_sums)
 
 
 def _buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -279,13 +285,16 @@ def _on_classified(fn: Callable, criterion: Criterion | None) -> Callable:
     return scored
 
 
-def _per_row(sums: torch.Tensor, over_targets: list[int]) -> torch.Tensor:
+def _per_row(sums: torch.Tensor, over_targets: list[int], mean_loss: bool = True) -> torch.Tensor:
     """[loss x count, metrics x rows..., targets, count, rows] -> [values x rows..., rows]: every value over
-    the last entry (what callers divide by the rows), the loss's mean over its own count and the metrics
-    at `over_targets` over the targets classified (nan where none was)."""
+    the last entry (what callers divide by the rows), the loss's mean over its own count (nan where it
+    kept nothing, as one process's mean over no target; a summing criterion's: its sum per row) and the
+    metrics at `over_targets` over the targets classified (nan where none was)."""
     out = torch.cat([sums[:-3], sums[-1:]])
     if float(sums[-2]) > 0:
         out[0] = sums[0] / sums[-2] * sums[-1]
+    elif mean_loss:
+        out[0] = float("nan")
     for k in over_targets:
         out[k] = sums[k] / sums[-3] * sums[-1] if float(sums[-3]) > 0 else float("nan")
     return out

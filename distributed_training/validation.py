@@ -28,11 +28,11 @@ lockstep; a pipeline evaluates through its stages.
 
 from __future__ import annotations
 
-import warnings
-
+import collections.abc
 import math
 import re
 import time
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -224,6 +224,10 @@ class PeriodicEvaluation:
             raise ValueError("eval_dataset must be a map-style Dataset (or a DataLoader over one), which each "
                              "replica evaluates an exact shard of, or an iterable of this rank's batches (a DataLoader "
                              f"over an IterableDataset); got {type(inner).__name__}")
+        if given and every is not None and isinstance(dataset, collections.abc.Iterator):
+            raise ValueError(f"eval_dataset is an iterator ({type(dataset).__name__}), used up by its first "
+                             f"evaluation, but eval_every={every} evaluates again: pass something iter() gives "
+                             "again each time (a DataLoader over an IterableDataset, a list of samples)")
         if given:
             batch_size = None  # (not used: each item is a batch)
         elif isinstance(dataset, DataLoader):

@@ -206,6 +206,7 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Style], group: Any = None, *
     if trail is not None:
         hooks = undo.hooks if undo is not None else []
         hooks.append(model.register_forward_pre_hook(trail.reset))
+        hooks.append(model.register_forward_hook(trail.finished))
     if undo is not None:
         undo.free_originals()
     return specs
@@ -424,18 +425,40 @@ class SplitTrail:
                 self.split = None if whole else (name, style)
         return ran
 
+    def finished(self, module: nn.Module, args: Any, out: Any) -> None:  # (the model's forward hook)
+        """A forward that returns a 'colwise' layer's split output (no 'rowwise' layer took it): the loss
+        would read this rank's part of the features as the whole (silently, where the targets fit it)."""
+        if self.split is not None and self.split[1] == "colwise" and not torch.compiler.is_compiling():
+            raise ValueError(
+                f"tensor_parallel_plan: the model's output comes from {self.split[0]} ('colwise') with no 'rowwise' "
+                "layer after it, so it holds this rank's part of the features only: give that layer's partner "
+                "'rowwise', or leave the output layer out of the plan (replicated; 'vocab' for a language "
+                "model's head, whose logits the vocabulary-parallel loss reads)")
+
     def explain(self, err: BaseException) -> BaseException | None:
-        """`err` (a shape error after a split output) told with the layer and the plan, else None."""
+        """`err` (a shape error after a split output) told with the layer and the plan, else None (also
+        for the vocabulary-parallel loss's own errors: the targets, not the plan)."""
         if self.split is None or type(err) not in (RuntimeError, ValueError):
             return None
-        if not any(word in str(err) for word in ("shape", "size")):
+        if not any(word in str(err) for word in ("shape", "size")) or _raised_in(err, "vocab_parallel_cross_entropy"):
             return None
         name, style = self.split
         return type(err)(
             f"{err} (tensor parallelism: the last split layer to run before this error was {name} ({style!r}), "
-            "whose output holds this rank's part of its features only: in tensor_parallel_plan a 'colwise' layer "
-            "must feed a 'rowwise' one, which gives the whole output back, and 'vocab' splits only the output "
-            "head, whose logits go to the loss)")
+            "whose output holds this rank's part of its features only. If the plan is the cause: a 'colwise' "
+            "layer must feed a 'rowwise' one, which gives the whole output back; 'vocab' splits only the output "
+            "head, whose logits go to the loss; and an attention that reshapes by its head count must count "
+            "this rank's heads, num_heads / T: see docs/tensor_parallel.md)")
+
+
+def _raised_in(err: BaseException, function: str) -> bool:
+    """Whether `err`'s traceback passes through a function of that name."""
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class SequenceEntry:
