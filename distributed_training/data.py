@@ -118,14 +118,6 @@ class ShardedSampler(Sampler[int]):
         tail = left % (self.batch_size * self.num_replicas)
         return tail == 0 or tail >= self.min_rows * self.num_replicas
 
-    def short_rows(self) -> int:
-        """The fewest samples any replica holds in the epoch's short last step from `offset`, the same on
-        every rank; 0 where the last step is whole (or with `drop_last`). Needs the batch size."""
-        if self.batch_size is None:
-            raise ValueError("ShardedSampler.short_rows() needs the sampler's batch_size")
-        tail = (self.total - self.offset) % (self.batch_size * self.num_replicas)
-        return 0 if self.drop_last else tail // self.num_replicas
-
     def set_epoch(self, epoch: int, start: int = 0, *, offset: int = 0) -> None:
         """Select the epoch's permutation; skip this rank's first `start` samples (resuming mid-epoch).
 

@@ -89,8 +89,9 @@ class Fitting(EpochLoop):
         by the same factor (the linear scaling rule), with a warning that says so. See
         `distributed_training.global_batch`. Each epoch's last global batch has the samples left, split
         over the replicas as they fall (each weighed by what it holds, so that step is exact too), or
-        dropped with `drop_last`; only where a replica would get none (one, for a model training
-        BatchNorm layers) are they padded by wrapping around to a multiple of W (`ShardedSampler`).
+        dropped with `drop_last`; only where a replica would get fewer than it can run (none; two a
+        micro-batch for a model training BatchNorm layers; an interleaved pipeline's ranks) is that step
+        padded to them by wrapping around (`ShardedSampler`).
 
         Resuming (see `resume`) is logged on rank 0 ("resumed from step N (path)"); a run that the
         checkpoint shows complete logs so and returns ``[]`` without training. SIGINT, SIGTERM and SIGHUP
@@ -159,6 +160,9 @@ class Fitting(EpochLoop):
         if eval_dataset is not None:  # checked now; its default batch size is known once the loader is built
             evaluation = PeriodicEvaluation(eval_dataset, eval_every, 1 if eval_batch_size is None else eval_batch_size,
                                             eval_metrics, criterion, eval_target)
+            if evaluation.batch_size is None and self.context.mesh.size("pipeline") > 1:  # (as evaluate says)
+                raise ValueError("fit(eval_dataset=...) under a pipeline takes a map-style dataset (or a DataLoader "
+                                 "over one), not an iterable of batches")
         self.evaluation = evaluation
         self._best_checked = self._check_best_metric(evaluation)  # (a training metric: at the first step)
         self._own_time, self._probe_wait = None, 0.0  # (a measure of an earlier fit's window that never logged)
@@ -353,11 +357,10 @@ class Fitting(EpochLoop):
         """Refuse now, not after an epoch, a sharded loader whose last batch the strategy cannot run."""
         smallest = self.strategy.smallest_batch()
         sampler = getattr(loader, "sampler", None)
-        if smallest <= 1 or not isinstance(sampler, ShardedSampler) or loader.drop_last:
+        if (smallest <= 1 or not isinstance(sampler, ShardedSampler) or loader.drop_last
+                or sampler.batch_size is not None):  # (fit's own sampler pads that step to `smallest`)
             return
-        # (the smallest replica's, the same on every rank; a sampler of the user's own: this rank's)
-        last = (sampler.short_rows() if sampler.batch_size is not None
-                else sampler.shard_length() % loader.batch_size)
+        last = sampler.shard_length() % loader.batch_size  # (a sampler of the user's own)
         if 0 < last < smallest:
             raise ValueError(f"fit(): each epoch's last batch would have {last} sample(s) on this data-parallel "
                              f"replica, fewer than the {smallest} that pipeline_schedule='interleaved_1f1b' needs "

@@ -50,8 +50,7 @@ def test_the_short_last_step_is_split_as_it_falls(n, world, batch, min_rows, exp
         for k in range(steps.pop()):
             held = sorted(i for shard in shards for i in shard[k * batch:(k + 1) * batch])
             assert held == sorted(order[k * batch * world:(k + 1) * batch * world])
-    assert samplers[0].short_rows() == short
-    assert min(len(s) % batch or batch for s in shards) == (short or batch)
+    assert min(len(s) % batch or batch for s in shards) == (short or batch)  # the smallest replica's short batch
 
 
 def _data(n: int = N, shape=(16,), classes: int = 4) -> TensorDataset:

@@ -102,6 +102,11 @@ def iterable_evaluation_worker(rank, world):
                 trainer.evaluate(DataLoader(Stream(mine), batch_size=None), F.cross_entropy)
             except ValueError as err:
                 said[key] = str(err)
+            try:  # and fit's evaluation refuses it before training
+                trainer.fit(mine[:2], epochs=1, criterion=F.cross_entropy,
+                            eval_dataset=DataLoader(Stream(mine), batch_size=None), eval_every=1)
+            except ValueError as err:
+                said[key + " fit"] = f"{err} (at step {trainer.step})"
             trainer.close()
             continue
         said[key] = (trainer.evaluate(DataLoader(Stream(mine), batch_size=None), F.cross_entropy)["loss"], expected)
@@ -136,6 +141,8 @@ def test_evaluate_takes_each_ranks_own_batches_as_fit_does():
     results = run_distributed(iterable_evaluation_worker, 2, timeout=180)
     for rank, said in enumerate(results):
         assert said["ddp P=2"].startswith("evaluate() under a pipeline takes a map-style dataset"), said
+        assert said["ddp P=2 fit"].startswith("fit(eval_dataset=...) under a pipeline takes a map-style"), said
+        assert said["ddp P=2 fit"].endswith("(at step 0)"), said
         for key in ("ddp P=1", "zero3 P=1"):
             got, expected = said[key]
             assert abs(got - expected) < 1e-6, (rank, key, got, expected)
