@@ -440,15 +440,17 @@ class SplitTrail:
         for the vocabulary-parallel loss's own errors: the targets, not the plan)."""
         if self.split is None or type(err) not in (RuntimeError, ValueError):
             return None
-        if not any(word in str(err) for word in ("shape", "size")) or _raised_in(err, "vocab_parallel_cross_entropy"):
+        if (not any(word in str(err) for word in ("shape", "size", "values to unpack"))
+                or _raised_in(err, "vocab_parallel_cross_entropy")):
             return None
         name, style = self.split
         return type(err)(
             f"{err} (tensor parallelism: the last split layer to run before this error was {name} ({style!r}), "
             "whose output holds this rank's part of its features only. If the plan is the cause: a 'colwise' "
             "layer must feed a 'rowwise' one, which gives the whole output back; 'vocab' splits only the output "
-            "head, whose logits go to the loss; and an attention that reshapes by its head count must count "
-            "this rank's heads, num_heads / T: see docs/tensor_parallel.md)")
+            "head, whose logits go to the loss; and an attention that reads its head count or width from "
+            "attributes must be given this rank's (num_heads / T; HF GPT-2's num_heads, split_size and "
+            "embed_dim): see docs/tensor_parallel.md)")
 
 
 def _raised_in(err: BaseException, function: str) -> bool:
