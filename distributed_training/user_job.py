@@ -209,18 +209,27 @@ class ShardedIterable(IterableDataset):
     samples rank, rank + W, rank + 2W, ... (in the order the dataset gives them).
 
     Step i's batches over the W replicas are therefore samples ``i*b*W`` to ``(i+1)*b*W - 1`` (b a
-    replica's batch): one process reading the iterable in batches of b*W trains the same global batches,
-    but for an epoch's last one where some replicas' parts of it are empty (every rank stops with the
-    first to run out: `fit` warns).
+    replica's batch, `batch_size`): one process reading the iterable in batches of b*W trains the same
+    global batches, the epoch's short last one too (its replicas weighed by their rows). Where fewer
+    samples than replicas are left for it, a replica that got none of them takes one sample from the
+    stream's start, as `ShardedSampler` pads (every replica reads the whole stream, so each knows its
+    length at the end): otherwise every rank stopped with the first to run out, and the samples left
+    were not trained (`fit` warned). Without `batch_size`, no padding.
     """
 
-    def __init__(self, data: Iterable, rank: int, world_size: int) -> None:
-        self.data, self.rank, self.world_size = data, rank, world_size
+    def __init__(self, data: Iterable, rank: int, world_size: int, batch_size: int | None = None) -> None:
+        self.data, self.rank, self.world_size, self.batch_size = data, rank, world_size, batch_size
 
     def __iter__(self) -> Iterator:
-        for k, sample in enumerate(self.data):
-            if k % self.world_size == self.rank:
+        head, count = [], 0  # (the stream's first W samples: what a replica pads with)
+        for count, sample in enumerate(self.data, start=1):
+            if count <= self.world_size:
+                head.append(sample)
+            if (count - 1) % self.world_size == self.rank:
                 yield sample
+        tail = count % (self.batch_size * self.world_size) if self.batch_size else 0
+        if 0 < tail <= self.rank:  # this replica holds none of the last step's samples: it wraps around
+            yield head[(self.rank - tail) % len(head)]  # (a stream shorter than W: round again)
 
 
 def _dataset(made: Any, field: str, path: str) -> Dataset:
@@ -357,7 +366,7 @@ def train_data(cfg: JobConfig, train: Dataset, batch_size: int | None, dp_rank: 
     collate = _collate(cfg)
     if is_iterable(train):
         if cfg.data.shard_iterable and dp_world_size > 1:
-            train = ShardedIterable(train, dp_rank, dp_world_size)
+            train = ShardedIterable(train, dp_rank, dp_world_size, batch_size)
         return DataLoader(train, batch_size=batch_size, collate_fn=collate)
     if collate is not None:  # (shuffle: what fit does to it, so that fit does not warn of a difference)
         return DataLoader(train, batch_size=batch_size, collate_fn=collate, shuffle=True,
