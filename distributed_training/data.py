@@ -13,7 +13,8 @@ is exact. Only where a replica would get fewer than `min_rows` (none; for a mode
 layers, which fail on one sample, two a micro-batch; an interleaved pipeline's ranks) is the step padded
 by wrapping around, to `min_rows` a replica, as torch's `DistributedSampler` pads (to a multiple of W,
 always): those few samples train twice. Without a batch size the padding is always done, to a multiple
-of W; with ``drop_last`` the tail is dropped instead. For evaluation, ``pad=False`` gives each rank its exact share and nothing is counted twice.
+of W; with ``drop_last`` the tail is dropped instead. For evaluation, ``pad=False`` gives each rank its
+exact share and nothing is counted twice.
 
 Every rank must see a dataset of the same length for the step counts to agree; `DistributedTrainer.fit`
 checks that with one all-gather and, if lengths differ, runs every rank for the smallest count. The same
@@ -270,7 +271,8 @@ def train_loader(data, ctx: DistributedContext, *, batch_size, shuffle: bool, dr
     over the data-parallel replicas (`dp_world_size` of them, this rank feeding `dp_rank`; default: the
     context mesh's), anything else as given. `loader_batch_size` (a global batch's share) replaces a
     given DataLoader's batch size, and a DataLoader already sharded is rebuilt with it. `min_rows`: the
-    fewest samples a replica's batch in an epoch's short last step may hold unpadded (`ShardedSampler`)."""
+    fewest samples a replica's batch holds in an epoch's short last step (padded to it where fewer are
+    left: `ShardedSampler`)."""
     dp_rank = ctx.mesh.dp_rank if dp_rank is None else dp_rank
     dp_world_size = ctx.mesh.dp_size if dp_world_size is None else dp_world_size
     if isinstance(data, DataLoader):
