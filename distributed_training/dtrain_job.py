@@ -184,7 +184,9 @@ def run_job(cfg: JobConfig) -> dict:
         if _already_complete(trainer, cfg, epochs):
             finished = True
             return {}
-        data = user_job.train_data(cfg, train, batch_size, trainer.dp_rank, trainer.dp_world_size)
+        dealt = user_job.is_iterable(train) and cfg.data.shard_iterable and trainer.dp_world_size > 1
+        data = user_job.train_data(cfg, train, batch_size, trainer.dp_rank, trainer.dp_world_size,
+                                   trainer._fewest_short_rows() if dealt else 1)  # (as fit pads a map-style set)
         val_data = user_job.val_data(cfg, val, trainer.batch_size or batch_size)
         from .image_job import input_watch
 

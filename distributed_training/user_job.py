@@ -210,26 +210,34 @@ class ShardedIterable(IterableDataset):
 
     Step i's batches over the W replicas are therefore samples ``i*b*W`` to ``(i+1)*b*W - 1`` (b a
     replica's batch, `batch_size`): one process reading the iterable in batches of b*W trains the same
-    global batches, the epoch's short last one too (its replicas weighed by their rows). Where fewer
-    samples than replicas are left for it, a replica that got none of them takes one sample from the
+    global batches, the epoch's short last one too (its replicas weighed by their rows). Where a replica
+    would hold fewer than `min_rows` samples of that step (none; two a micro-batch for a model training
+    BatchNorm: the trainer's rule, `Fitting._fewest_short_rows`), the step is padded with samples from the
     stream's start, as `ShardedSampler` pads (every replica reads the whole stream, so each knows its
-    length at the end): otherwise every rank stopped with the first to run out, and the samples left
-    were not trained (`fit` warned). Without `batch_size`, no padding.
+    length at the end): before, every rank stopped with the first to run out, and the samples left were
+    not trained (`fit` warned). Without `batch_size`, no padding.
     """
 
-    def __init__(self, data: Iterable, rank: int, world_size: int, batch_size: int | None = None) -> None:
+    def __init__(self, data: Iterable, rank: int, world_size: int, batch_size: int | None = None,
+                 min_rows: int = 1) -> None:
         self.data, self.rank, self.world_size, self.batch_size = data, rank, world_size, batch_size
+        self.min_rows = max(1, int(min_rows))
 
     def __iter__(self) -> Iterator:
-        head, count = [], 0  # (the stream's first W samples: what a replica pads with)
+        w = self.world_size
+        least = min(self.min_rows, self.batch_size or 1)  # (a replica's share of a padded step, at most a batch)
+        head, count = [], 0  # (the stream's first samples: what the padding repeats)
         for count, sample in enumerate(self.data, start=1):
-            if count <= self.world_size:
+            if count <= least * w:
                 head.append(sample)
-            if (count - 1) % self.world_size == self.rank:
+            if (count - 1) % w == self.rank:
                 yield sample
-        tail = count % (self.batch_size * self.world_size) if self.batch_size else 0
-        if 0 < tail <= self.rank:  # this replica holds none of the last step's samples: it wraps around
-            yield head[(self.rank - tail) % len(head)]  # (a stream shorter than W: round again)
+        tail = count % (self.batch_size * w) if self.batch_size else 0
+        if tail == 0 or tail >= self.min_rows * w:
+            return  # (whole, or split as it falls)
+        for position in range(tail, max(-(-tail // w), least) * w):  # the padded positions, wrapping around
+            if position % w == self.rank:
+                yield head[(position - tail) % len(head)]
 
 
 def _dataset(made: Any, field: str, path: str) -> Dataset:
@@ -359,14 +367,15 @@ def _check_cuttable(cfg: JobConfig, model: nn.Module) -> None:
                             f"cuts the model into stages, but {err}") from None
 
 
-def train_data(cfg: JobConfig, train: Dataset, batch_size: int | None, dp_rank: int, dp_world_size: int):
+def train_data(cfg: JobConfig, train: Dataset, batch_size: int | None, dp_rank: int, dp_world_size: int,
+               min_rows: int = 1):
     """What `fit` reads: a map-style set as given (or a DataLoader with ``data.collate``, which `fit`
-    re-shards); an iterable one dealt to the replicas (`ShardedIterable`, unless it shards itself) and
-    batched here."""
+    re-shards); an iterable one dealt to the replicas (`ShardedIterable`, unless it shards itself; its
+    short last step padded to `min_rows` a replica where fewer are left) and batched here."""
     collate = _collate(cfg)
     if is_iterable(train):
         if cfg.data.shard_iterable and dp_world_size > 1:
-            train = ShardedIterable(train, dp_rank, dp_world_size, batch_size)
+            train = ShardedIterable(train, dp_rank, dp_world_size, batch_size, min_rows)
         return DataLoader(train, batch_size=batch_size, collate_fn=collate)
     if collate is not None:  # (shuffle: what fit does to it, so that fit does not warn of a difference)
         return DataLoader(train, batch_size=batch_size, collate_fn=collate, shuffle=True,

@@ -53,8 +53,11 @@ def test_the_short_last_step_is_split_as_it_falls(n, world, batch, min_rows, exp
     assert min(len(s) % batch or batch for s in shards) == (short or batch)  # the smallest replica's short batch
 
 
-@pytest.mark.parametrize("n, world, batch", [(25, 2, 4), (11, 4, 2), (13, 3, 2), (8, 4, 2), (1, 4, 1), (22, 3, 3)])
-def test_dtrains_iterable_pads_a_last_step_with_fewer_samples_than_replicas_as_the_sampler(n, world, batch):
+@pytest.mark.parametrize("n, world, batch, min_rows", [
+    (25, 2, 4, 1), (11, 4, 2, 1), (13, 3, 2, 1), (8, 4, 2, 1), (1, 4, 1, 1), (22, 3, 3, 1),
+    (14, 2, 3, 2), (13, 2, 4, 4), (20, 3, 3, 2), (3, 4, 2, 2), (25, 2, 4, 2)])  # (BatchNorm: two a micro-batch)
+def test_dtrains_iterable_pads_a_last_step_with_fewer_samples_than_replicas_as_the_sampler(n, world, batch,
+                                                                                            min_rows):
     """dtrain deals an iterable's samples round-robin (`ShardedIterable`): where fewer than W were left for
     the last step (25 samples, batch 4, W = 2: the 25th), the replicas without one ran out first, every
     rank stopped with them and those samples were never trained (fit warned: session 44's "Left"). Now such
@@ -62,8 +65,9 @@ def test_dtrains_iterable_pads_a_last_step_with_fewer_samples_than_replicas_as_t
     many steps, and each step holds the samples the sampler deals (without shuffling)."""
     from distributed_training.user_job import ShardedIterable
 
-    dealt = [list(ShardedIterable(range(n), r, world, batch)) for r in range(world)]
-    sampled = [list(ShardedSampler(range(n), world, r, shuffle=False, batch_size=batch)) for r in range(world)]
+    dealt = [list(ShardedIterable(range(n), r, world, batch, min_rows)) for r in range(world)]
+    sampled = [list(ShardedSampler(range(n), world, r, shuffle=False, batch_size=batch, min_rows=min_rows))
+               for r in range(world)]
     assert dealt == sampled, (dealt, sampled)
     assert len({-(-len(shard) // batch) for shard in dealt}) == 1
     assert set(i for shard in dealt for i in shard) == set(range(n))
