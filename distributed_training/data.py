@@ -39,7 +39,7 @@ from .runtime import DistributedContext
 from .sample_fingerprint import WORDS as FINGERPRINT_WORDS
 from .sample_fingerprint import Fingerprint, first_sample_fingerprint
 
-__all__ = ["MapDataset", "ShardedSampler", "agree_steps_per_epoch", "map_style", "train_loader"]
+__all__ = ["MapDataset", "ShardedSampler", "agree_steps_per_epoch", "map_style", "padded_tail", "train_loader"]
 
 
 class ShardedSampler(Sampler[int]):
@@ -103,21 +103,18 @@ class ShardedSampler(Sampler[int]):
 
     def _padded(self, left: int) -> int:
         """`left` samples padded by wrapping around: to a multiple of W; given the batch size, the short
-        last step to at least `min_rows` a replica (as many as a batch holds)."""
+        last step as `padded_tail` says."""
         if self.batch_size is None:
             return math.ceil(left / self.num_replicas) * self.num_replicas
-        step = self.batch_size * self.num_replicas
-        tail = left % step
-        rows = max(math.ceil(tail / self.num_replicas), min(self.min_rows, self.batch_size))
-        return left - tail + rows * self.num_replicas
+        tail = left % (self.batch_size * self.num_replicas)
+        return left - tail + padded_tail(tail, self.num_replicas, self.batch_size, self.min_rows)
 
     def _exact_tail(self, left: int) -> bool:
-        """Whether the last step of `left` samples is trained as it falls, unpadded: every replica then
-        holds at least `min_rows` samples of it (a batch size given), or it is whole."""
+        """Whether the last step of `left` samples is trained as it falls, unpadded."""
         if self.batch_size is None:
             return left % self.num_replicas == 0
         tail = left % (self.batch_size * self.num_replicas)
-        return tail == 0 or tail >= self.min_rows * self.num_replicas
+        return padded_tail(tail, self.num_replicas, self.batch_size, self.min_rows) == tail
 
     def set_epoch(self, epoch: int, start: int = 0, *, offset: int = 0) -> None:
         """Select the epoch's permutation; skip this rank's first `start` samples (resuming mid-epoch).
@@ -159,6 +156,16 @@ class ShardedSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return max(0, self.shard_length() - self.start)
+
+
+def padded_tail(tail: int, replicas: int, batch_size: int, min_rows: int) -> int:
+    """The samples an epoch's short last step of `tail` (fewer than a global batch) trains over `replicas`
+    replicas of `batch_size`: `tail` itself where every replica holds at least `min_rows` of it (or none is
+    left), else padded to `min_rows` a replica (as many as a batch holds), or one a replica more where
+    that falls short of the tail. What `ShardedSampler` and dtrain's `ShardedIterable` deal."""
+    if tail == 0 or tail >= min_rows * replicas:
+        return tail
+    return max(math.ceil(tail / replicas), min(min_rows, batch_size)) * replicas
 
 
 def _check_loader_order(loader: DataLoader, shuffle: bool) -> None:

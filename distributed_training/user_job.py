@@ -224,18 +224,21 @@ class ShardedIterable(IterableDataset):
         self.min_rows = max(1, int(min_rows))
 
     def __iter__(self) -> Iterator:
+        from .data import padded_tail
+
         w = self.world_size
-        least = min(self.min_rows, self.batch_size or 1)  # (a replica's share of a padded step, at most a batch)
+        kept = w * min(self.min_rows, self.batch_size or 1)  # (the most a padding can repeat)
         head, count = [], 0  # (the stream's first samples: what the padding repeats)
         for count, sample in enumerate(self.data, start=1):
-            if count <= least * w:
+            if count <= kept:
                 head.append(sample)
             if (count - 1) % w == self.rank:
                 yield sample
-        tail = count % (self.batch_size * w) if self.batch_size else 0
-        if tail == 0 or tail >= self.min_rows * w:
-            return  # (whole, or split as it falls)
-        for position in range(tail, max(-(-tail // w), least) * w):  # the padded positions, wrapping around
+        if not self.batch_size:
+            return
+        tail = count % (self.batch_size * w)
+        # The padded positions past the stream's end, wrapping around to its start (none where exact).
+        for position in range(tail, padded_tail(tail, w, self.batch_size, self.min_rows)):
             if position % w == self.rank:
                 yield head[(position - tail) % len(head)]
 
