@@ -101,4 +101,4 @@ class PipelineEvaluation:
         return self.options.size if self.options.schedule == "interleaved_1f1b" else 1
 
     def batch_cuts(self) -> int:
-        return self.options.microbatches or self.options.size
+        return self.options.microbatch_count

@@ -141,3 +141,8 @@ class PipelineOptions:
     @property
     def num_stages(self) -> int:
         return self.size * self.chunks
+
+    @property
+    def microbatch_count(self) -> int:
+        """The microbatches a batch is cut into: `microbatches`, or by default `size`."""
+        return self.microbatches or self.size

@@ -182,7 +182,7 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
             else:  # time: the schedule's simulated step as short as it can be
                 forward, backward = split_step(module, layers, opts.balance, costs, opts.sample_input,
                                                loss=counted_loss)
-                bounds = schedule_cut(forward, backward, opts.schedule, P, opts.microbatches or P, V)
+                bounds = schedule_cut(forward, backward, opts.schedule, P, opts.microbatch_count, V)
         #: What the cut balanced (one cost per chain layer: parameters, FLOPs per token or seconds; None
         #: with pipeline_split_points) and the cut (stage s holds chain layers bounds[s]:bounds[s + 1]).
         self.layer_costs: list[float] | None = costs
