@@ -43,8 +43,9 @@ class Evaluation:
         stages; the last stage's values reach the others at the end (`Strategy.evaluate_batch`).
         An iterable of batches (a DataLoader over an IterableDataset, a generator: `batches_as_given`;
         a list is samples) is taken as `fit` takes one, but not under a pipeline: each rank evaluates the
-        batches its own iterable yields (the ranks of one tensor group the same ones), and the ranks agree
-        batch by batch on when every one is done; batches weigh as above, so a stream dealt to the
+        batches its own iterable yields (the ranks of one tensor group the same ones; under ZeRO-3 / FSDP,
+        whose forwards are collective, the ranks agree batch by batch on when every one is done); batches
+        weigh as above, so a stream dealt to the
         replicas without overlap scores as one pass over it. Independent ranks (a parameter server's
         async / ssp workers) score their own iterable alone.
         `metrics` names metrics as `fit`'s ``eval_metrics`` does (``"accuracy"``, ``"top5"``,
@@ -161,7 +162,7 @@ class Evaluation:
         # Independent ranks (a parameter server's workers under ssp / async) never meet: each evaluates
         # the whole set, so that no rank waits for one that may have died.
         shards, shard = (1, 0) if ctx.independent else (self.dp_world_size, self.dp_rank)
-        if given:  # each rank's own batches: their ends are agreed on batch by batch
+        if given:  # each rank's own batches (where forwards are collective, their ends agreed batch by batch)
             loader = data
         else:
             sampler = ShardedSampler(dataset, shards, shard, shuffle=False, pad=False)
@@ -192,14 +193,12 @@ class Evaluation:
             self.strategy.evaluation_begins(self.model)
             while True:
                 batch = next(batches, None)
-                if lockstep or given:
+                if lockstep:
                     if self.context.every_rank(batch is None):  # no rank has a batch left
                         break
                 elif batch is None:
                     break
                 weight = 1.0
-                if batch is None and not lockstep:
-                    continue  # (this rank's batches are done; a peer's are not)
                 if batch is None:  # this rank's shard is done (or was empty): a batch that counts 0
                     weight = 0.0
                     if previous is None and given:
