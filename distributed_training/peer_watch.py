@@ -138,11 +138,13 @@ class PeerWatch:
         self.step: int | None = None  # the training thread's current step, for messages
         self.activity: str | None = None  # what the training thread does ("training step 5"), for messages
         self._detected_at: float | None = None
-        # Peers' own errors (`publish_error`): keys per job incarnation and trainer of this process, then per
-        # position; a peer's record seen is adopted after a grace (`_check_errors`) unless this rank raises
-        # at that position too.
-        self._errors_prefix = (f"{_PREFIX}raised/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-                               f"{next(_GENERATIONS)}/")
+        # Peers' own errors (`publish_error`): keys per trainer of this process, then per position; a peer's
+        # record seen is adopted after a grace (`_check_errors`) unless this rank raises at that position
+        # too. The store is the process group's, which a job's incarnation does not share with another
+        # (`runtime._launch_group_store`; torch's own under torchrun, per attempt): not keyed by torchrun's
+        # restart count, which is each agent's own (after one node's restart the nodes' counts differ, and
+        # no rank saw a peer's error: gloo's "Connection closed by peer" instead).
+        self._errors_prefix = f"{_PREFIX}raised/{next(_GENERATIONS)}/"
         # Where the training thread is: (step, block), the block counting the watched blocks (`active`) it
         # entered in that step (a step, then e.g. fit's save and evaluation, or a script's), alike on every
         # rank; a retried step or a second failure after a caught one is a new position.
