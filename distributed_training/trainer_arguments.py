@@ -212,8 +212,8 @@ def _same_setting(a: Any, b: Any) -> bool:
 
 
 #: Optimizers whose step reads a tensor's shape or its whole norm (factored moments, orthogonalised
-#: matrices, per-layer trust ratios): over a slice of a tensor they run another algorithm.
-_SHAPED = re.compile(r"lamb|lars|adafactor|muon|shampoo|soap|novograd", re.IGNORECASE)
+#: matrices, per-layer trust ratios, LBFGS's dot products): over a slice of a tensor they run another algorithm.
+_SHAPED = re.compile(r"lamb|lars|adafactor|muon|shampoo|soap|novograd|lbfgs", re.IGNORECASE)
 
 
 def check_optimizer_layout(optimizer: Any, module: Any, tensor_parallel: bool) -> None:

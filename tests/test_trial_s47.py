@@ -42,3 +42,76 @@ def test_a_peers_own_error_is_named_whatever_each_agents_restart_count():
     said = run_distributed(_error_seen_across_restart_counts, 2, timeout=50)
     assert said[1] == "own: a label out of range on rank 1", said
     assert said[0].startswith("peer 1:") and "a label out of range on rank 1" in said[0], said
+
+
+# ------------------------------------------------------------------ FSDP in a loop of one's own (trial A)
+def _fsdp_own_loop_optimizers(rank, world):
+    import warnings
+
+    from distributed_training import FSDP
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+
+    def step(fsdp, opt, closure=False):
+        x, y = torch.randn(6, 8), torch.randn(6, 4)
+
+        def loss():
+            opt.zero_grad()
+            value = F.mse_loss(fsdp(x), y)
+            value.backward()
+            return value
+        if closure:
+            return opt.step(loss)
+        loss()
+        opt.step()
+
+    said = {}
+    # (1) an optimizer built before wrapping holds the old parameters: nothing trained (moved by 0.0)
+    plain = model()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    fsdp = FSDP(plain)
+    try:
+        step(fsdp, opt)
+        said["before"] = "no error"
+    except ValueError as err:
+        said["before"] = str(err)
+    # (2) decay by p.dim() over the flat shards: the decay group is empty on every rank
+    fsdp = FSDP(model())
+    params = list(fsdp.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 1e-3}],
+                            lr=1e-2)
+    try:
+        step(fsdp, opt)
+        said["groups"] = "no error"
+    except ValueError as err:
+        said["groups"] = str(err)
+    # (3) optimizers that read shapes or whole-vector dot products: warned of (LBFGS ran 8.5e-2 off)
+    for name, make in (("lbfgs", lambda ps: torch.optim.LBFGS(ps, lr=0.1, max_iter=2)),
+                       ("adafactor", lambda ps: torch.optim.Adafactor(ps, lr=1e-2))):
+        fsdp = FSDP(model())
+        opt = make(fsdp.parameters())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(fsdp, opt, closure=name == "lbfgs")
+            step(fsdp, opt, closure=name == "lbfgs")  # (said once, at the first step)
+        said[name] = [str(w.message) for w in caught if "slices" in str(w.message)]
+    # (4) what is right passes: one group over the shards, a no-decay group a shard-aware split left empty
+    fsdp = FSDP(model())
+    opt = torch.optim.AdamW([{"params": list(fsdp.parameters()), "weight_decay": 0.1},
+                             {"params": [], "weight_decay": 0.0}], lr=1e-2)
+    step(fsdp, opt)
+    said["right"] = "ok"
+    return said
+
+
+@pytest.mark.timeout(90)
+def test_fsdp_in_a_loop_of_ones_own_checks_the_optimizer_at_its_first_step():
+    for said in run_distributed(_fsdp_own_loop_optimizers, 2, timeout=80):
+        assert "first: '0.weight'" in said["before"] and "Build the optimizer after wrapping" in said["before"], said
+        assert "weight_decay=0.1" in said["groups"] and "FSDP's parameters() are flat 1-D shards" in said["groups"], said
+        assert len(said["lbfgs"]) == 1 and "LBFGS" in said["lbfgs"][0], said
+        assert len(said["adafactor"]) == 1 and "Adafactor" in said["adafactor"][0], said
+        assert said["right"] == "ok"

@@ -90,13 +90,20 @@ def check_groups_over_shards(optimizer: torch.optim.Optimizer, strategy: str,
         dist.all_gather_object(everyone, lost, group=group)
         lost = {i: said for i, said in lost.items() if all(i in other for other in everyone)}
     for said in lost.values():
-        raise ValueError(
-            f"strategy '{strategy}' hands the optimizer factory flat 1-D shards, each holding slices of several "
-            f"layers, and the factory left its param group with {said} empty: no parameter trains with those "
-            "settings (a split by p.dim(), by name or by the parameters themselves puts every shard in one "
-            "group). For weight decay with exclusions use distributed_training.optim.param_groups with "
-            "decay_by_segments under 'zero2' / 'zero3' / 'fsdp' (docs/dtrain_jobs.md); for other per-layer "
-            "settings (a learning rate per group) use strategy 'ddp', whose factory gets the parameters themselves")
+        raise lost_group_error(f"strategy '{strategy}' hands the optimizer factory", said,
+                               "use strategy 'ddp', whose factory gets the parameters themselves")
+
+
+def lost_group_error(handed: str, said: str, instead: str) -> ValueError:
+    """The error for a param group whose settings (`said`) apply to no parameter over flat shards
+    (`check_groups_over_shards`); `handed` says who gave the optimizer the shards, `instead` what gives it
+    the layers' own parameters."""
+    return ValueError(
+        f"{handed} flat 1-D shards, each holding slices of several layers, and its param group with {said} is "
+        "empty: no parameter trains with those settings (a split by p.dim(), by name or by the parameters "
+        "themselves puts every shard in one group). For weight decay with exclusions use "
+        "distributed_training.optim.param_groups with decay_by_segments under 'zero2' / 'zero3' / 'fsdp' "
+        f"(docs/dtrain_jobs.md); for other per-layer settings (a learning rate per group) {instead}")
 
 
 def _lost_group_settings(optimizer: torch.optim.Optimizer) -> dict[int, str]:

@@ -65,6 +65,7 @@ from ..optim import ParamSegments
 from ..runtime import collective_device, launcher_ranks_per_node
 from .eager import eager_only
 from .fsdp_full import FullWeights, _EmptyStateWarning, _RootGuard
+from .fsdp_optimizers import watch_optimizers
 from .fsdp_gradients import FSDPGradients, _BackwardState
 from .fsdp_state import FSDPStateDict
 from .fsdp_precision import MixedPrecision, cast_floats, refuse_low_precision_batchnorm
@@ -173,6 +174,7 @@ class FSDP(FSDPGradients, FSDPStateDict, FullWeights, nn.Module):
             broadcast_coalesced([p.data for p in module.parameters()] + list(module.buffers()), src, process_group)
 
         self._state_keys = list(module.state_dict(keep_vars=True).keys())
+        originals = dict(module.named_parameters())  # (an optimizer built over these before wrapping trains nothing)
         self._requires_grad_lock = lock_requires_grad(module, "FSDP")  # (its parameters become views)
         self._units: list[Unit] = build_units(module, unit_roots(module, auto_wrap_policy), UnitPlacement(
             self.shard_world, self.shard_rank, self.device, self.cpu_offload, self._param_dtype))
@@ -203,6 +205,7 @@ class FSDP(FSDPGradients, FSDPStateDict, FullWeights, nn.Module):
         self._outside_hook = module.register_forward_pre_hook(_RootGuard(self))
         _CopyGuard.install(self, module)
         self._state_hook = module._register_state_dict_hook(_EmptyStateWarning(self))
+        watch_optimizers(self, originals)  # a loop's own optimizer over the shards, checked at its first step
 
     # ------------------------------------------------------------ construction
 

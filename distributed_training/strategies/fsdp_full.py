@@ -182,9 +182,10 @@ class _EmptyStateWarning:
             return
         self._said = True
         warnings.warn(f"{type(module).__name__}.state_dict() under FSDP / ZeRO-2/3 holds none of the model's "
-                      "parameters between steps: they live in each rank's shards. Take trainer.full_state_dict() "
-                      "(rank 0: the whole model; every rank calls it), save_checkpoint(), or the state inside "
-                      "summon_full_params(); a clean close() gives the model its weights back", stacklevel=3)
+                      "parameters between steps: they live in each rank's shards. Take full_state_dict() (the "
+                      "trainer's, or in a loop of your own the FSDP wrapper's; rank 0: the whole model; every "
+                      "rank calls it), save_checkpoint(), or the state inside summon_full_params(); a clean "
+                      "close() gives the model its weights back", stacklevel=3)
 
     def __getstate__(self) -> dict:  # (a copy of the module holds its weights itself)
         return {}

@@ -29,6 +29,7 @@ from .base import (ParamNames, Strategy, check_groups_over_shards, check_optimiz
                    checked_optimizer, norm_dtype, require_factory,
                    sum_of_squares)
 from .fsdp import FSDP
+from .fsdp_optimizers import mark_checked
 from .fsdp_precision import cast_floats
 from .fsdp_units import unit_roots
 
@@ -170,6 +171,7 @@ class FSDPStrategy(Strategy):
                 "given: use its argument, e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
             ) from err
         checked_optimizer(built)
+        mark_checked(built)  # (here, collectively; not again at its first step)
         check_groups_over_shards(built, self.name, model.process_group)  # (collective: every rank of the data group)
         check_optimizer_params(
             built, model.parameters(), strategy=self.name, expected_what="this rank's shards",
