@@ -25,10 +25,11 @@ about.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import warnings
-from typing import Iterator, Sized
+from typing import Any, Iterator, Sized
 
 import torch
 import torch.distributed as dist
@@ -354,6 +355,17 @@ def _worker_sigterm(signum, frame) -> None:
         return
     _TERMED["once"] = True
     signal.alarm(IGNORED_SIGTERM_LIVES_S)
+
+
+def stop_workers(batches: Any) -> None:
+    """End a DataLoader iterator's worker processes now, as its end or its garbage collection would: `fit`
+    left by an error keeps its iterator alive in the traceback, and at the interpreter's exit
+    multiprocessing's terminate is the workers' first SIGTERM, which they ignore while training goes on
+    (`_worker_sigterm`): the failed process then waited `IGNORED_SIGTERM_LIVES_S` instead of exiting."""
+    shutdown = getattr(batches, "_shutdown_workers", None)  # (torch's multi-process iterator)
+    if shutdown is not None:
+        with contextlib.suppress(Exception):
+            shutdown()
 
 
 class SeededSamples(Dataset):

@@ -13,7 +13,7 @@ import torch
 
 from .checkpoint import rng_state, set_rng_state
 from .checkpoint_layout import replicate_checkpoint
-from .data import ShardedSampler, agree_steps_per_epoch
+from .data import ShardedSampler, agree_steps_per_epoch, stop_workers
 from .logs import get_logger
 from .stopping import SAVING_SIGNALS, StopSignals
 from .trainer_recording import StepRecording
@@ -34,8 +34,18 @@ class EpochLoop(StepRecording):
             self.samples_in_epoch = self.batch_in_epoch * loader.batch_size * loader.sampler.num_replicas
         return self.samples_in_epoch
 
-    def _train_epochs(self, loader, epochs, criterion, max_steps, log_every, on_step,
-                      stop: StopSignals, evaluation: PeriodicEvaluation | None = None) -> list[dict[str, float]]:
+    def _train_epochs(self, *args, **kwargs) -> list[dict[str, float]]:
+        """`_run_epochs`; on an error, the epoch's loader workers are stopped before it leaves (`stop_workers`)."""
+        try:
+            return self._run_epochs(*args, **kwargs)
+        except BaseException:
+            stop_workers(self._open_batches)
+            raise
+        finally:
+            self._open_batches = None
+
+    def _run_epochs(self, loader, epochs, criterion, max_steps, log_every, on_step,
+                    stop: StopSignals, evaluation: PeriodicEvaluation | None = None) -> list[dict[str, float]]:
         sampler = getattr(loader, "sampler", None)
         sharded = isinstance(sampler, ShardedSampler)
         history = []
@@ -89,7 +99,7 @@ class EpochLoop(StepRecording):
                 restored = rng_state()                # the epoch began with (an iterable shuffling at iter(), or a
                 set_rng_state(self._epoch_rng)        # loader's workers' seeds), then the checkpoint's again
             with torch.random.fork_rng(devices=[]), self._fetching(sharded):
-                batches = iter(loader)
+                batches = self._open_batches = iter(loader)
             if skip:  # a resumed epoch over a loader we cannot seek: replay its start, drawing nothing from
                 state = restored if restored is not None else rng_state()  # the streams the checkpoint restored
                 with self._fetching(sharded):

@@ -41,6 +41,7 @@ class TrainerState:
         # The random states when this epoch's first batch was fetched from data fit cannot seek (an iterable):
         # a resumed epoch replays its start from them, as an iterable that shuffles at its start drew.
         self._epoch_rng = None
+        self._open_batches = None  # the epoch's loader iterator while fit runs (its workers stopped on an error)
         self._step_failed = False  # the last train_step raised: peers may be inside its collectives
         # time.monotonic() when this rank last finished collectives with its peers (a step, an evaluation, a
         # save, fit's agreements): how long it was away from them when a peer's connection is found closed

@@ -115,3 +115,42 @@ def test_fsdp_in_a_loop_of_ones_own_checks_the_optimizer_at_its_first_step():
         assert len(said["lbfgs"]) == 1 and "LBFGS" in said["lbfgs"][0], said
         assert len(said["adafactor"]) == 1 and "Adafactor" in said["adafactor"][0], said
         assert said["right"] == "ok"
+
+
+# ------------------------------------------------------------------ an error out of fit with loader workers (trial C)
+_FAILING_FIT = """
+import torch, torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+from distributed_training import DistributedTrainer
+
+calls = [0]
+def criterion(out, y):
+    calls[0] += 1
+    if calls[0] == 3:
+        raise RuntimeError("the criterion failed")
+    return F.cross_entropy(out, y)
+
+data = TensorDataset(torch.randn(256, 8), torch.randint(0, 3, (256,)))
+trainer = DistributedTrainer(nn.Linear(8, 3), lambda p: torch.optim.SGD(p, lr=0.1), progress=False)
+trainer.fit(data, epochs=2, criterion=criterion, batch_size=8, num_workers=2)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_an_error_out_of_fit_with_loader_workers_ends_the_process(tmp_path):
+    # The iterator lived on in the traceback; at exit multiprocessing's terminate was the workers' first
+    # SIGTERM, which they ignore while training goes on: the process waited 900 s instead of exiting.
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "failing_fit.py"
+    script.write_text(_FAILING_FIT)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                              str(__import__("pathlib").Path(__file__).resolve().parents[1]),
+                              os.environ.get("PYTHONPATH")]))})
+    assert done.returncode == 1 and "the criterion failed" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - started < 40, time.monotonic() - started
