@@ -13,7 +13,7 @@ from .batches import batch_rows, call_module, model_loss, to_device
 from .comm.collectives import broadcast_coalesced
 from .data import ShardedSampler
 from .mesh import global_rank
-from .loss_weights import classified, counted, label_count, scored_targets, sums as sums_over_batch, weigh
+from .loss_weights import classified, counted, label_count, own_loss, scored_targets, sums as sums_over_batch, weigh
 
 __all__ = ["Evaluation"]
 
@@ -183,7 +183,8 @@ class Evaluation:
         if over_targets:  # an accuracy scores the targets the criterion does not ignore, and only those
             metrics = {name: _on_classified(fn, criterion) if getattr(fn, "over_targets", False) else fn
                        for name, fn in metrics.items()}
-        loss_sums = criterion is not None and sums_over_batch(criterion)
+        # (a model's own loss that sums, a Hugging Face CTC model's: added as a summing criterion's)
+        loss_sums = sums_over_batch(criterion) if criterion is not None else own_loss(self.module) is not None
         # [loss x its count, metrics x rows..., targets classified, the loss's count, rows]: a cross-entropy's
         # mean is over the targets it keeps (`loss_weights.counted`), an accuracy over the targets it is not
         # told to ignore (`loss_weights.classified`), the other metrics' over the rows.

@@ -20,7 +20,10 @@ do by default); for a sum, pass a loss module (``nn.CrossEntropyLoss(reduction="
 Without a criterion the model computes its loss itself. A Hugging Face model (a class with a
 ``loss_function``) fed a dict batch with integer ``labels`` averages over the labels other than -100,
 shifted by one for a causal language model (its ``loss_type`` ``"ForCausalLM"``, or none: what its
-``loss_function`` then defaults to): `label_count` counts those. Any other model's own loss: by rows.
+``loss_function`` then defaults to): `label_count` counts those. A Hugging Face CTC model (``...ForCTC``,
+``config.ctc_loss_reduction``) sums over its rows (``"sum"``, its default: `own_loss` stands in for a
+summing criterion) or averages over them, each row's loss divided by its label length (``"mean"``: by
+rows). Any other model's own loss: by rows.
 
 Across data-parallel replicas, which average their gradients, the same holds: a replica whose batch keeps
 fewer targets (or holds fewer rows) must count for less, and a summing criterion's replicas must add up.
@@ -39,7 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["StepWeights", "micro_weights", "counted", "label_count", "replica_scale", "ReplicaScale", "weigh",
+__all__ = ["StepWeights", "micro_weights", "counted", "label_count", "own_loss", "replica_scale", "ReplicaScale", "weigh",
            "batch_count", "sums", "classified", "scored_targets",
            "IGNORE_INDEX"]
 
@@ -172,12 +175,35 @@ def _base_model(model: Any) -> Any:
     return base() if callable(base) else model
 
 
+def _ctc_reduction(model: Any) -> str | None:
+    """A Hugging Face CTC model's loss reduction (``config.ctc_loss_reduction``), else None."""
+    if not type(model).__name__.endswith("ForCTC"):
+        return None
+    return getattr(getattr(model, "config", None), "ctc_loss_reduction", None)
+
+
+class _SummedOwnLoss:
+    """Stands in for the criterion of a model whose own loss sums over the batch: read as a loss module's
+    ``reduction``."""
+
+    reduction = "sum"
+
+
+def own_loss(model: Any) -> Any:
+    """What weighs `model`'s own loss as a criterion would (`micro_weights`, `replica_scale`, `sums`): a
+    stand-in with ``reduction="sum"`` where it sums (a Hugging Face CTC model's default), else None (a
+    mean, counted by `label_count`)."""
+    return _SummedOwnLoss() if _ctc_reduction(_base_model(model)) == "sum" else None
+
+
 def label_count(model: Any, batch: Any, rows: int):
     """What a model computing its own loss averages it over (see the module docstring): a Hugging Face
     model's labels other than -100, our GPT's targets other than -100 (0-dim tensors), else `rows`."""
     from .models.gpt import GPT
 
     model = _base_model(model)
+    if _ctc_reduction(model) is not None:  # (a mean over rows, each by its label length; or a sum: `own_loss`)
+        return rows
     if isinstance(model, GPT) and isinstance(batch, (tuple, list)) and len(batch) == 2:
         return counted(None, batch[1], rows, own=True)  # GPT(idx, targets): targets already shifted
     labels = batch.get("labels") if isinstance(batch, Mapping) else None

@@ -12,7 +12,7 @@ import torch
 
 from .batches import batch_size_of, call_module, model_loss, split_batch, to_device
 from .hangs import CollectiveTimeoutError, block_activities, diagnose_lost_peer, diagnose_timeout, heartbeat, is_timeout
-from .loss_weights import StepWeights, batch_count, counted, label_count
+from .loss_weights import StepWeights, batch_count, counted, label_count, own_loss
 from .peer_watch import looks_like_peer_loss
 from .runtime import fewest
 
@@ -117,13 +117,14 @@ class Stepping:
         meet = self.strategy.replicas_meet and not self.context.independent
         replicas = self.dp_world_size if meet and loss_sum is None else 1
         wants_count = self.strategy.wants_batch_count and bool(micro_batches)  # a parameter server's sync
+        weighing = criterion if criterion is not None else own_loss(self.module)  # (a model's own sum: as one)
         weights = StepWeights(
-            criterion, targets, [size for _, size in micro_batches],
+            weighing, targets, [size for _, size in micro_batches],
             lambda i: (label_count(self.module, *micro_batches[i]) if criterion is None
                        else counted(criterion, targets[i], micro_batches[i][1])),
             group=self.context.mesh.group("data"), replicas=replicas, device=self.device, keep_counts=wants_count)
         if wants_count:  # its servers weigh each worker's gradient by what its batch counts
-            self.strategy.set_batch_count(self.model, batch_count(criterion, weights.counts))
+            self.strategy.set_batch_count(self.model, batch_count(weighing, weights.counts))
         for k, (micro, _) in enumerate(micro_batches):
             last = k == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):

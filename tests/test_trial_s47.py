@@ -154,3 +154,71 @@ def test_an_error_out_of_fit_with_loader_workers_ends_the_process(tmp_path):
                               os.environ.get("PYTHONPATH")]))})
     assert done.returncode == 1 and "the criterion failed" in done.stderr, done.stderr[-2000:]
     assert time.monotonic() - started < 40, time.monotonic() - started
+
+
+# ------------------------------------------------------------------ a Hugging Face CTC model's own loss (trial B)
+class TinyForCTC(torch.nn.Module):
+    """As Hugging Face's ``Wav2Vec2ForCTC`` computes its loss: CTC over the labels other than -100, reduced by
+    ``config.ctc_loss_reduction`` ("sum", its default; "mean": each row's loss over its label length, then
+    the mean over rows)."""
+
+    loss_function = None  # (every Hugging Face model class has one: what the trainer reads a model's loss by)
+
+    def __init__(self, reduction):
+        super().__init__()
+        import types
+        self.config = types.SimpleNamespace(ctc_loss_reduction=reduction)
+        self.proj = torch.nn.Linear(6, 5, dtype=torch.float64)
+
+    def forward(self, input_values, labels):
+        log_probs = self.proj(input_values).log_softmax(-1).transpose(0, 1)  # (T, B, C), blank 0
+        kept = labels >= 0
+        frames = torch.full((input_values.shape[0],), input_values.shape[1], dtype=torch.long)
+        loss = F.ctc_loss(log_probs, labels[kept], frames, kept.sum(-1), reduction=self.config.ctc_loss_reduction,
+                          zero_infinity=True)
+        return {"loss": loss}
+
+
+def _ctc_batches(steps, rows=8):
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(rows, 12, 6, generator=g, dtype=torch.float64)
+        labels = torch.randint(1, 5, (rows, 4), generator=g)
+        for r, length in enumerate([1, 4, 2, 1, 3, 4, 1, 2][:rows]):  # labels of 1 to 4 tokens, padded with -100
+            labels[r, length:] = -100
+        out.append({"input_values": x, "labels": labels})
+    return out
+
+
+def _ctc_own_loss(rank, world, reduction):
+    torch.manual_seed(0)
+    reference = TinyForCTC(reduction)
+    model = TinyForCTC(reduction)
+    model.load_state_dict(reference.state_dict())
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.05), gradient_accumulation_steps=2)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    worst = 0.0
+    for batch in _ctc_batches(3):  # the global batch: this rank trains rows rank, rank + world, ...
+        trainer.train_step({k: v[rank::world] for k, v in batch.items()})
+        opt.zero_grad()
+        reference(**batch)["loss"].backward()
+        opt.step()
+        worst = max(worst, max((a - b).abs().max().item() for a, b in
+                               zip(trainer.module.parameters(), reference.parameters())))
+    # evaluate(): a per-row value of the whole set (a sum over it, or the rows' mean), as one process's
+    batches = _ctc_batches(2)
+    with torch.no_grad():
+        losses = [reference(**b)["loss"].item() for b in batches]
+    expected = sum(losses) / 16 if reduction == "sum" else sum(losses) / 2
+    got = trainer.evaluate(iter([{k: v[rank::world] for k, v in b.items()} for b in batches]))["loss"]
+    return max(worst, abs(got - expected))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_a_hugging_face_ctc_models_own_loss_is_weighed_as_it_reduces(reduction):
+    # The trainer counted a CTC model's labels as a cross-entropy's: 4.1e-1 ("mean") and 7.2 ("sum", the
+    # default) off one process after a step of 2 micro-batches (the trial's Wav2Vec2ForCTC).
+    for worst in run_distributed(_ctc_own_loss, 2, args=(reduction,), timeout=50):
+        assert worst < 1e-10, worst
