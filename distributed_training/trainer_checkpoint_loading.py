@@ -130,7 +130,8 @@ class CheckpointLoading(HyperparameterRestore):
         changes = self._apply_changed_hyperparameters(meta)
         if self.lr_scheduler is not None:
             # A schedule added since the checkpoint starts where it would be after the saved steps.
-            changes += self._restore_schedule(meta.get("lr_scheduler") or {"last_epoch": int(meta["step"])})
+            changes += self._restore_schedule(meta.get("lr_scheduler") or {"last_epoch": int(meta["step"])},
+                                              int(meta["step"]))
         was_derived = meta.get("fit_derived") or {}
         changes += [f"{key}: {meta['fit'].get(key)}" + (f" ({was_derived[key]})" if key in was_derived else "")
                     + f" -> {value}" + (f" ({self._fit_derived[key]})" if key in self._fit_derived else "")

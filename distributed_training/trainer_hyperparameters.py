@@ -43,6 +43,16 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
+def _steps_of(state: dict[str, Any]) -> int | None:
+    """How many times a scheduler whose state this is was stepped (counting its construction's step): its
+    ``last_epoch``, or a `ChainedScheduler`'s first scheduler's (it keeps none of its own: its resumes
+    restarted the schedule); None for a state that says neither."""
+    if "last_epoch" in state:
+        return int(state["last_epoch"])
+    inner = state.get("_schedulers")
+    return _steps_of(inner[0]) if isinstance(inner, list) and inner and isinstance(inner[0], dict) else None
+
+
 def _lambda_changes(saved: Any, now: Any) -> list[str]:
     """What differs between two `LambdaLR` states' ``lr_lambdas``, field by field, in words
     (``lr schedule warmup_steps: 4 -> 6``). Each entry is a schedule object's fields (a plain function's
@@ -90,7 +100,7 @@ class HyperparameterRestore:
                     changes.append(f"optimizer {where}{key}: {_show(old[key])} -> {_show(value)}")
         return changes
 
-    def _restore_schedule(self, saved: dict[str, Any]) -> list[str]:
+    def _restore_schedule(self, saved: dict[str, Any], step: int) -> list[str]:
         """Bring the LR scheduler to the checkpoint's step *as it is configured now*.
 
         Loading the saved scheduler state would bring back the old run's base learning rates and
@@ -98,6 +108,7 @@ class HyperparameterRestore:
         as many times as the saved one was (microseconds per step); with an unchanged configuration that
         reproduces the saved state exactly, and with a changed one (lr, warmup, decay, a schedule given
         as a function) the new schedule applies from here on. Returns what differs from the saved state.
+        `step`: the checkpoint's, the count where a state keeps none of its own (`_steps_of`).
         """
         sched, fresh = self.lr_scheduler, self._configured_schedule
         for group, configured in zip(self.optimizer.param_groups, self._configured_hparams):
@@ -107,7 +118,8 @@ class HyperparameterRestore:
         sched.load_state_dict(copy.deepcopy(fresh))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": we only replay
-            for _ in range(int(saved.get("last_epoch", 0)) - int(fresh.get("last_epoch", 0))):
+            taken, at_start = _steps_of(saved), _steps_of(fresh)
+            for _ in range((step if taken is None else taken) - (at_start or 0)):
                 sched.step()
         now = sched.state_dict()
         counters = {"last_epoch", "_step_count", "_last_lr", "_is_initial", "_get_lr_called_within_step"}
@@ -116,6 +128,6 @@ class HyperparameterRestore:
                    if key not in counters | {"lr_lambdas"} and not _same(saved.get(key), now.get(key))]
         changes += _lambda_changes(saved.get("lr_lambdas"), now.get("lr_lambdas"))
         if "_last_lr" in saved and not _same(saved["_last_lr"], now.get("_last_lr")):
-            changes.append(f"learning rate at step {saved.get('last_epoch')}: "
+            changes.append(f"learning rate at step {step}: "
                            f"{_show(saved['_last_lr'])} -> {_show(now.get('_last_lr'))}")
         return changes

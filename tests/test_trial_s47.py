@@ -222,3 +222,48 @@ def test_a_hugging_face_ctc_models_own_loss_is_weighed_as_it_reduces(reduction):
     # default) off one process after a step of 2 micro-batches (the trial's Wav2Vec2ForCTC).
     for worst in run_distributed(_ctc_own_loss, 2, args=(reduction,), timeout=50):
         assert worst < 1e-10, worst
+
+
+# ------------------------------------------------------------------ a ChainedScheduler's resume (trial B)
+def _chained_resume(rank, world, directory):
+    import logging
+
+    def schedule(opt):
+        return torch.optim.lr_scheduler.ChainedScheduler([
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3),
+            torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)])
+
+    def make():
+        torch.manual_seed(0)
+        return DistributedTrainer(torch.nn.Linear(4, 3), lambda ps: torch.optim.SGD(ps, lr=0.01),
+                                  lr_scheduler=schedule, progress=False)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(8)]
+    unbroken = make()
+    rates = [float(unbroken.train_step(b, F.cross_entropy)["lr"]) for b in batches]
+    weight = unbroken.full_state_dict()["weight"]
+    unbroken.close()
+    first = make()
+    for b in batches[:4]:
+        first.train_step(b, F.cross_entropy)
+    first.save_checkpoint(os.path.join(directory, "step4"))
+    first.close()
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distributed_training").addHandler(handler)
+    resumed = make()
+    resumed.load_checkpoint(os.path.join(directory, "step4"))
+    resumed_rates = [float(resumed.train_step(b, F.cross_entropy)["lr"]) for b in batches[4:]]
+    difference = (resumed.full_state_dict()["weight"] - weight).abs().max().item()
+    return rates[4:], resumed_rates, difference, [s for s in said if "lr_scheduler" in s or "learning rate" in s]
+
+
+@pytest.mark.timeout(60)
+def test_a_chained_scheduler_resumes_where_it_was(tmp_path):
+    # Its state keeps no last_epoch of its own: the replay stepped it 0 times, so a resume restarted the
+    # schedule (0.001 for 0.004096 at step 5) and said the learning rate had changed.
+    [(rates, resumed, difference, said)] = run_distributed(_chained_resume, 1, args=(str(tmp_path),), timeout=50)
+    assert resumed == rates and difference == 0.0, (rates, resumed, difference)
+    assert not said, said
