@@ -51,7 +51,7 @@ from .trainer_closing import Closing, released_if_it_raises
 from .trainer_fit import Fitting
 from .trainer_peers import PeerWatching
 from .trainer_arguments import (check_arguments, check_optimizer, check_optimizer_after_setup, check_optimizer_layout,
-                                check_parallel_arguments, check_same_options)
+                                check_parallel_arguments, check_same_options, check_scheduler)
 from .trainer_step import Stepping
 from .trainer_state import TrainerState
 from .trainer_weights import FullWeights
@@ -307,7 +307,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         check_arguments(gradient_accumulation_steps=gradient_accumulation_steps, gradient_clip_val=gradient_clip_val,
                          heartbeat_timeout=heartbeat_timeout, mixed_precision=mixed_precision, loss_scaler=loss_scaler,
                          compile=compile, checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
-                         checkpoint_async=checkpoint_async)
+                         checkpoint_async=checkpoint_async, lr_scheduler=lr_scheduler)
         self.checkpoints = (CheckpointManager(checkpoint_dir, keep_last=keep_last, best_metric=best_metric,
                                               best_mode=best_mode) if checkpoint_dir is not None else None)
         if context is not None and timeout is not None:
@@ -410,11 +410,8 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             strategy.measure_communication(self.model, True)
             strategy.time_pipeline(self.model, True)  # a pipeline's stage times and bubble, likewise
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise ValueError("lr_scheduler: ReduceLROnPlateau steps on a metric (scheduler.step(val_loss)), but the "
-                             "trainer steps its schedule once per optimizer step without one. Leave lr_scheduler "
-                             "out and step a ReduceLROnPlateau of your own over trainer.optimizer with what "
-                             "evaluate() or fit's history returns")
+        if self.lr_scheduler is not None:
+            check_scheduler(self.lr_scheduler)
         self._init_state(gradient_accumulation_steps, checkpoint_every, resume, checkpoint_shared, checkpoint_async,
                          save_on_preemption, heartbeat_timeout)
         self._measuring = log_dir is not None  # the next step's communication is timed (see above)

@@ -11,12 +11,17 @@ from typing import Any
 from .amp import check_precision_argument
 
 __all__ = ["check_arguments", "check_optimizer", "check_optimizer_after_setup", "check_parallel_arguments",
-           "check_optimizer_layout", "check_same_options"]
+           "check_optimizer_layout", "check_same_options", "check_scheduler"]
 
 
 def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat_timeout, mixed_precision,
-                     loss_scaler, compile, checkpoint_every, checkpoint_dir, checkpoint_async) -> None:
+                     loss_scaler, compile, checkpoint_every, checkpoint_dir, checkpoint_async,
+                     lr_scheduler=None) -> None:
     """The trainer's own arguments, checked before any rendezvous (each error names its argument)."""
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise TypeError(f"lr_scheduler takes a callable that builds the scheduler over the optimizer the trainer makes "
+                        f"(e.g. lambda opt: get_cosine_schedule_with_warmup(opt, 100, 1000)), not a "
+                        f"{type(lr_scheduler).__name__} built already, over an optimizer the trainer does not step")
     if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
     if gradient_clip_val is not None and not gradient_clip_val > 0:
@@ -41,6 +46,36 @@ def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat
         raise TypeError(f"checkpoint_async must be True or False, got {checkpoint_async!r}")
     if checkpoint_async and checkpoint_dir is None:
         raise ValueError("checkpoint_async needs a checkpoint_dir to write to (it applies to fit's checkpoints)")
+
+
+def check_scheduler(scheduler: Any) -> None:
+    """The scheduler `lr_scheduler` built: the trainer calls its ``step()`` without arguments once per
+    optimizer step, so one whose step needs an argument is refused here, before a step (timm's schedulers,
+    ``step(epoch)``, failed after the optimizer had stepped; ReduceLROnPlateau, ``step(metric)``)."""
+    import inspect
+
+    import torch
+
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError("lr_scheduler: ReduceLROnPlateau steps on a metric (scheduler.step(val_loss)), but the "
+                         "trainer steps its schedule once per optimizer step without one. Leave lr_scheduler "
+                         "out and step a ReduceLROnPlateau of your own over trainer.optimizer with what "
+                         "evaluate() or fit's history returns")
+    step = getattr(scheduler, "step", None)
+    if not callable(step):
+        raise TypeError(f"lr_scheduler returned a {type(scheduler).__name__}, which has no step(): return a torch "
+                        "learning-rate scheduler (torch.optim.lr_scheduler)")
+    try:
+        needed = [p.name for p in inspect.signature(step).parameters.values()
+                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return
+    if needed:
+        raise TypeError(f"lr_scheduler returned a {type(scheduler).__name__}, whose step() needs {', '.join(needed)}; "
+                        "the trainer calls step() without arguments once per optimizer step (as torch's schedulers "
+                        "take it). Leave lr_scheduler out and step it yourself: a timm scheduler by "
+                        "scheduler.step_update(trainer.step) after each train_step (or step(epoch) after each "
+                        "epoch), over trainer.optimizer")
 
 
 def check_optimizer(optimizer: Any, model: Any) -> None:

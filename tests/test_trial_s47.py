@@ -267,3 +267,45 @@ def test_a_chained_scheduler_resumes_where_it_was(tmp_path):
     [(rates, resumed, difference, said)] = run_distributed(_chained_resume, 1, args=(str(tmp_path),), timeout=50)
     assert resumed == rates and difference == 0.0, (rates, resumed, difference)
     assert not said, said
+
+
+# ------------------------------------------------------------------ schedulers the trainer cannot step (trial B)
+def _schedulers_refused(rank, world):
+    class EpochScheduler:  # as timm's: step(epoch), step_update(num_updates)
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self, epoch, metric=None):
+            pass
+
+        def step_update(self, num_updates, metric=None):
+            pass
+
+    said = {}
+    model = torch.nn.Linear(4, 2)
+    for name, scheduler in (
+            ("epoch", lambda opt: EpochScheduler(opt)),
+            ("built", torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                        lambda step: 1.0))):
+        torch.manual_seed(0)
+        try:
+            trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                         lr_scheduler=scheduler, progress=False)
+            weight = trainer.module.weight.detach().clone()
+            try:
+                trainer.train_step((torch.randn(4, 4), torch.randn(4, 2)), F.mse_loss)
+            except TypeError:
+                pass
+            said[name] = f"accepted; moved {(trainer.module.weight - weight).abs().max().item():.1e}"
+        except TypeError as err:
+            said[name] = str(err)
+    return said
+
+
+@pytest.mark.timeout(60)
+def test_a_scheduler_the_trainer_cannot_step_is_refused_before_a_step():
+    # timm's scheduler was accepted and failed in its step(epoch) after the optimizer had stepped (1e-5 moved,
+    # the trainer's step not counted); a scheduler built already failed as "'LambdaLR' object is not callable".
+    [said] = run_distributed(_schedulers_refused, 1, timeout=50)
+    assert "whose step() needs epoch" in said["epoch"] and "step_update(trainer.step)" in said["epoch"], said
+    assert "not a LambdaLR built already" in said["built"], said
