@@ -65,8 +65,8 @@ from ..optim import ParamSegments
 from ..runtime import collective_device, launcher_ranks_per_node
 from .eager import eager_only
 from .fsdp_full import FullWeights, _EmptyStateWarning, _RootGuard
-from .fsdp_optimizers import watch_optimizers
 from .fsdp_gradients import FSDPGradients, _BackwardState
+from .fsdp_optimizers import watch_optimizers
 from .fsdp_state import FSDPStateDict
 from .fsdp_precision import MixedPrecision, cast_floats, refuse_low_precision_batchnorm
 from .fsdp_units import Unit, UnitPlacement, alloc_storage, build_units, free_storage, unit_roots

@@ -55,12 +55,10 @@ def _first_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             f"'{taken[0]}'): the wrapper moved them into its shards, so they receive no gradient and this step "
             "would train nothing. Build the optimizer after wrapping, over the wrapper's parameters: "
             "torch.optim.AdamW(fsdp_model.parameters(), ...)")
-    wrappers = [ref() for ref in {id(_shards[p]): _shards[p] for p in params if p in _shards}.values()]
-    wrappers = [w for w in wrappers if w is not None]
-    if wrappers:
+    wrapper = next((w for w in (_shards[p]() for p in params if p in _shards) if w is not None), None)
+    if wrapper is not None:
         for said in _lost_group_settings(optimizer).values():
-            raise lost_group_error("FSDP's parameters() are", said,
-                                   "use DDP, whose parameters are the layers' own")
+            raise lost_group_error("FSDP's parameters() are", said, "use DDP, whose parameters are the layers' own")
         from ..trainer_arguments import check_optimizer_layout
-        check_optimizer_layout(optimizer, wrappers[0], tensor_parallel=False)
+        check_optimizer_layout(optimizer, wrapper, tensor_parallel=False)
     _checked.add(optimizer)
