@@ -184,8 +184,9 @@ class CheckpointLoading(HyperparameterRestore):
         if self._fit_keeps_global_batch or old in (0, self.dp_world_size):
             return []
         per = meta.get("batch_size") or (meta.get("fit") or {}).get("batch_size")  # "auto"'s, or fit's
-        sizes = (f" ({old} x {per} = {old * per} samples -> {self.dp_world_size} x {per} = "
-                 f"{self.dp_world_size * per})" if isinstance(per, int) else "")
+        now = self._fit_limits.get("batch_size", per)  # (this fit's, where it gives one: a change is said too)
+        sizes = (f" ({old} x {per} = {old * per} samples -> {self.dp_world_size} x {now} = "
+                 f"{self.dp_world_size * now})" if isinstance(per, int) and isinstance(now, int) else "")
         return [f"data-parallel replicas: {old} -> {self.dp_world_size}, so the global batch changed{sizes}; "
                 "fit(global_batch_size=...) keeps it at any world size"]
 

@@ -61,6 +61,10 @@ def test_a_resume_at_another_world_size_says_its_global_batch_changed(tmp_path):
     changed = _changes(said)
     assert len(changed) == 1 and ("data-parallel replicas: 2 -> 1, so the global batch changed (2 x 4 = 8 samples "
                                   "-> 1 x 4 = 4)") in changed[0] and "max_steps: 2 -> 3" in changed[0], said
+    # and with another batch size too, the new global batch is the new size's (session 47: it said 2 x 4 = 8)
+    said = run_distributed(resumed_fit_worker, 2, args=(ckpt, [dict(batch_size=8, max_steps=4)]), timeout=90)[0]
+    changed = _changes(said)
+    assert len(changed) == 1 and "(1 x 4 = 4 samples -> 2 x 8 = 16)" in changed[0], said
 
     kept = str(tmp_path / "kept")
     run_distributed(resumed_fit_worker, 2, args=(kept, [dict(global_batch_size=8, max_steps=2)]), timeout=90)
