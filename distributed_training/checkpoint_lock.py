@@ -48,6 +48,22 @@ def _lock_path(directory: str | os.PathLike) -> str:
     return os.path.join(os.path.realpath(os.fspath(directory)), LOCK_NAME)
 
 
+def write_problem(directory: str | os.PathLike) -> str | None:
+    """Why this process cannot write into `directory` (created if missing: a read-only file system, no
+    permission), found by writing a file there and removing it; None if it can. A run that saves
+    checkpoints learns it before it trains, not at its first save."""
+    import tempfile
+
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".dtrain-write-check-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return f"{type(err).__name__}: {err.strerror or err}"
+    return None
+
+
 def lock_directory(directory: str | os.PathLike) -> str | None:
     """Take `directory`'s run lock (creating the directory): None once this process holds it, else a
     description of the holder. Never waits."""

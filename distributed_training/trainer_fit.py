@@ -209,6 +209,8 @@ class Fitting(EpochLoop):
                          self.epoch, where, "; to start again from step 0, resume=False" if resumed_from else "")
             if resumed_from is not None:
                 return []  # (a second fit goes on as before: its data is checked, its end evaluated)
+        elif self.checkpoints is not None:
+            self._check_checkpoint_directory_writable()  # (before training, not at the first save)
         if plan is not None:
             plan = self._adopt_global_batch(plan, micro_batch_size, resumed_from)
             batch_size = plan.per_rank

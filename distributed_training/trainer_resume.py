@@ -30,7 +30,8 @@ from typing import Any
 import torch.distributed as dist
 
 from .checkpoint_layout import agree_on_checkpoint, fetch_missing_files
-from .checkpoint_lock import CheckpointDirectoryInUseError, in_use_message, lock_directory, unlock_directory
+from .checkpoint_lock import (CheckpointDirectoryInUseError, in_use_message, lock_directory, unlock_directory,
+                              write_problem)
 from .hangs import _store
 from .logs import get_logger
 from .mesh import global_rank
@@ -174,6 +175,23 @@ class Resuming:
             raise CheckpointDirectoryInUseError(in_use_message(directory, h)
                                                 + (f" (rank {rank} found it)" if ctx.world_size > 1 else ""))
         self._locked_directory = directory if writer else ""
+
+    def _check_checkpoint_directory_writable(self) -> None:
+        """Raise, on every rank alike, if a rank that writes checkpoints cannot write into `checkpoint_dir`
+        (a read-only mount, no permission): fit would train a whole interval and fail at its first save.
+        (The lock lets a read-only directory pass: a finished run's, which a fit with nothing left to train
+        may resume from.)"""
+        ctx, directory = self.context, self.checkpoints.directory
+        writer = self._layout(self.checkpoints.path_for(0)).writer_of[ctx.rank] == ctx.rank
+        problems = [write_problem(directory) if writer else None]
+        if ctx.world_size > 1:
+            problems = [None] * ctx.world_size
+            dist.all_gather_object(problems, write_problem(directory) if writer else None, group=ctx.group)
+        for rank, problem in enumerate(problems):
+            if problem is not None:
+                raise OSError(f"checkpoint_dir {os.fspath(directory)!r} cannot be written ({problem}"
+                              + (f", on rank {rank}" if ctx.world_size > 1 else "") + "): fit saves its checkpoints "
+                              "there. Give a writable directory, or leave checkpoint_dir out to train without them")
 
     def _unlock_checkpoint_directory(self) -> None:
         if self._locked_directory:

@@ -309,3 +309,44 @@ def test_a_scheduler_the_trainer_cannot_step_is_refused_before_a_step():
     [said] = run_distributed(_schedulers_refused, 1, timeout=50)
     assert "whose step() needs epoch" in said["epoch"] and "step_update(trainer.step)" in said["epoch"], said
     assert "not a LambdaLR built already" in said["built"], said
+
+
+# ------------------------------------------------------------------ a checkpoint_dir that cannot be written (trial C)
+def _read_only_checkpoints(rank, world, directory):
+    import errno
+    import tempfile
+
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 2))
+
+    def fit(max_steps):
+        torch.manual_seed(0)
+        trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                     checkpoint_dir=directory, checkpoint_every=2)
+        try:
+            trainer.fit(data, criterion=F.mse_loss, batch_size=4, max_steps=max_steps)
+            return f"trained to step {trainer.step}"
+        except OSError as err:
+            return f"step {trainer.step}: {err}"
+        finally:
+            trainer.close()
+
+    finished = fit(2)
+    real = tempfile.mkstemp
+
+    def read_only(*args, dir=None, **kwargs):  # (root ignores permissions: a read-only mount, as the trial's)
+        if dir is not None and os.path.realpath(dir) == os.path.realpath(directory):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(*args, dir=dir, **kwargs)
+
+    tempfile.mkstemp = read_only
+    return finished, fit(2), fit(6)
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_dir_that_cannot_be_written_fails_before_training(tmp_path):
+    # It trained a whole checkpoint interval and failed at its first save (EROFS on every rank).
+    directory = str(tmp_path / "ckpt")
+    for finished, again, more in run_distributed(_read_only_checkpoints, 2, args=(directory,), timeout=50):
+        assert finished == again == "trained to step 2", (finished, again)  # (a finished run's: nothing to save)
+        assert more.startswith("step 2: checkpoint_dir") and "cannot be written (OSError: Read-only file system, on " \
+            "rank 0)" in more, more
