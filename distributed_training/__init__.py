@@ -8,6 +8,7 @@ from .runtime import DistributedContext, init_distributed
 from .strategies import (DDP, FSDP, DDPStrategy, FSDPStrategy, Join, MixedPrecision, NaiveDDP, Strategy, Zero1Strategy,
                          join)
 from .trainer import DistributedTrainer
+from .trainer_checkpoints import NonFiniteLossError
 
 __all__ = [
     "CollectiveTimeoutError",
@@ -22,6 +23,7 @@ __all__ = [
     "Mesh",
     "MixedPrecision",
     "NaiveDDP",
+    "NonFiniteLossError",
     "PeerFailureError",
     "Strategy",
     "Zero1Strategy",

@@ -34,14 +34,57 @@ from .trainer_checkpoint_loading import CheckpointLoading, _directory_name
 from .trainer_checkpoints_async import BackgroundCheckpointing
 from .trainer_resume import Resuming
 
-__all__ = ["Checkpointing"]
+__all__ = ["Checkpointing", "NonFiniteLossError"]
 
 # Suffixes of single-file checkpoints, which a checkpoint directory's name should not look like.
 _FILE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle", ".tar", ".safetensors", ".zip"}
 
 
+class NonFiniteLossError(FloatingPointError):
+    """`fit` stopped before saving a step whose training had gone non-finite (see `_refuse_non_finite`)."""
+
+
 class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
     """`DistributedTrainer`'s checkpoint methods."""
+
+    def _refuse_non_finite(self, metrics: dict[str, torch.Tensor] | None) -> None:
+        """Before `fit` saves this step: raise `NonFiniteLossError` on every rank if training went non-finite
+        since its last save, so that no such checkpoint is written and ``keep_last`` never prunes the good
+        ones for it (a trial: nan inputs on one rank made every rank's weights nan; the run saved on, its
+        last good checkpoints pruned, and ended with exit 0). Without a loss scaler: a rank's loss at this
+        step, or the gradient norm, is not finite (one small gather a save). With fp16's: every step since
+        the last save was skipped for an overflow and the scale is at its smallest (nothing trained, and
+        no scale keeps the gradients finite); the scaler's decisions are agreed, so no collective."""
+        started, skipped_then = self._saved_at
+        scaler = self.precision.scaler
+        last = (f"the last checkpoint is step {self._last_saved_step}'s" if self._last_saved_step is not None
+                else "no checkpoint was saved before")
+        if scaler is not None:
+            since = self.step - started
+            if since > 0 and scaler.skipped_steps - skipped_then == since and scaler.scale <= scaler.min_scale:
+                raise NonFiniteLossError(
+                    f"training steps {started + 1} to {self.step} all overflowed in fp16 and were skipped, with the "
+                    f"loss scale now at its smallest ({scaler.min_scale:g}): nothing trained, and no scale keeps the "
+                    f"gradients finite (nan or inf in the data, or a diverged model). fit stops without saving step "
+                    f"{self.step} ({last})")
+            self._saved_at = (self.step, scaler.skipped_steps)
+            return
+        bad = ", ".join(f"{k} {float(v):g}" for k, v in (metrics or {}).items()
+                        if k in ("loss", "grad_norm") and v is not None and not torch.isfinite(torch.as_tensor(v)).all())
+        said = [bad]
+        ctx = self.context
+        if ctx.world_size > 1 and not ctx.independent:
+            said = [None] * ctx.world_size
+            dist.all_gather_object(said, bad, group=ctx.group)
+        found = [(rank, what) for rank, what in enumerate(said) if what]
+        if found:
+            where = "; ".join(f"rank {rank}: {what}" if len(said) > 1 else what for rank, what in found)
+            raise NonFiniteLossError(
+                f"training step {self.step}: not finite ({where}): the weights are no longer finite, or will not "
+                f"be after this step. fit stops without saving it ({last}, with finite weights if written before "
+                "the loss went wrong): resume from a good one with a lower learning rate or gradient clipping, "
+                "or look at the data these steps trained on")
+        self._saved_at = (self.step, 0)
 
     def _save_numbered(self, metrics: dict[str, torch.Tensor] | None) -> None:
         """`fit`'s checkpoint of this step, under the peer watch (a peer dying meanwhile: named, not a hang)."""
@@ -49,6 +92,7 @@ class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
             self._save_numbered_watched(metrics)
 
     def _save_numbered_watched(self, metrics: dict[str, torch.Tensor] | None) -> None:
+        self._refuse_non_finite(metrics)
         path = self.checkpoints.path_for(self.step)
         layout = self._layout(path)
         broadcast = not layout.shared and self.checkpoints.best_metric is not None

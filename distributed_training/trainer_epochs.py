@@ -5,6 +5,7 @@ boundary every rank agreed on."""
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 import warnings
@@ -196,6 +197,12 @@ class EpochLoop(StepRecording):
                     "seconds": time.perf_counter() - started,
                     **(evaluated or {}),  # the epoch's last evaluation
                 })
+                loss = history[-1]["train_loss"]
+                if steps and self.precision.scaler is None and not math.isfinite(loss):
+                    # (with checkpoints, the next save stops it: `_refuse_non_finite`)
+                    log.warning("fit(): epoch %d's mean training loss on rank %d is %s: the weights are likely no "
+                                "longer finite (a lower learning rate, gradient clipping, or the data?)", self.epoch,
+                                self.context.rank, loss)
             if not exhausted:
                 break  # max_steps reached inside the epoch: it stays the current one
             self.epoch += 1

@@ -211,6 +211,8 @@ class Fitting(EpochLoop):
                 return []  # (a second fit goes on as before: its data is checked, its end evaluated)
         elif self.checkpoints is not None:
             self._check_checkpoint_directory_writable()  # (before training, not at the first save)
+        scaler = self.precision.scaler
+        self._saved_at = (self.step, scaler.skipped_steps if scaler is not None else 0)
         if plan is not None:
             plan = self._adopt_global_batch(plan, micro_batch_size, resumed_from)
             batch_size = plan.per_rank

@@ -93,6 +93,8 @@ class TrainerState:
         self.heartbeat_timeout = heartbeat_timeout
         self._watch: PeerWatch | None = None  # started by `fit` or the first train_step
         self._last_saved_step: int | None = None
+        # (step, the loss scaler's skipped steps) when fit started or last saved: `_refuse_non_finite`'s mark
+        self._saved_at: tuple[int, int] = (0, 0)
         self._set_aside = False
         self._fresh_run_key: str | None = None  # (`trainer_resume`: this resume=False run's token in the store)
         self._summoned = False  # inside `summon_full_params`

@@ -350,3 +350,51 @@ def test_a_checkpoint_dir_that_cannot_be_written_fails_before_training(tmp_path)
         assert finished == again == "trained to step 2", (finished, again)  # (a finished run's: nothing to save)
         assert more.startswith("step 2: checkpoint_dir") and "cannot be written (OSError: Read-only file system, on " \
             "rank 0)" in more, more
+
+
+# ------------------------------------------------------------------ a run whose loss went nan (trial C)
+def _non_finite_run(rank, world, directory, precision):
+    from distributed_training import NonFiniteLossError
+    from distributed_training.amp import DynamicLossScaler
+
+    x, y = torch.randn(64, 4, generator=torch.Generator().manual_seed(1)), torch.randn(64, 2)
+    if precision == "fp16":
+        x[16:] = float("nan")  # every step from the third on overflows, at any scale
+    else:
+        x[41] = float("nan")  # one sample, trained in step 6: the weights are nan from there
+    data = torch.utils.data.TensorDataset(x, y)
+
+    def trainer(**kwargs):
+        torch.manual_seed(0)
+        return DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                  checkpoint_dir=directory, checkpoint_every=2, keep_last=2, **kwargs)
+
+    kwargs = dict(mixed_precision="fp16", loss_scaler=DynamicLossScaler(init_scale=4.0)) if precision == "fp16" else {}
+    run = trainer(**kwargs)
+    try:
+        run.fit(data, criterion=F.mse_loss, batch_size=4, epochs=4, shuffle=False)
+        said = "no error"
+    except NonFiniteLossError as err:
+        said = str(err)
+    stopped_at = run.step
+    run.close()
+    kept = trainer()  # the checkpoints left: the last one loads, its weights finite
+    path, meta = kept.latest_checkpoint()
+    kept.load_checkpoint(path)
+    finite = all(bool(torch.isfinite(v).all()) for v in kept.full_state_dict().values()) if rank == 0 else True
+    kept.close()
+    return said, stopped_at, int(meta["step"]), finite
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_run_whose_training_went_non_finite_stops_before_saving_it(tmp_path, precision):
+    # It trained on with nan weights (fp32) or skipped every step (fp16 at the smallest scale), saved on
+    # (keep_last pruning every good checkpoint) and ended with exit 0, without a word.
+    for said, stopped_at, last_saved, finite in run_distributed(
+            _non_finite_run, 2, args=(str(tmp_path / "ckpt"), precision), timeout=80):
+        if precision == "fp16":
+            assert said.startswith("training steps") and "all overflowed in fp16" in said, said
+        else:
+            assert said.startswith(f"training step {stopped_at}: not finite (rank") and "loss nan" in said, said
+        assert (stopped_at, last_saved) == ((4, 2) if precision == "fp16" else (6, 4)) and finite, (stopped_at, last_saved)
