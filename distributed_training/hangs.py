@@ -4,6 +4,7 @@ and a `CollectiveTimeoutError` naming the operation and the ranks that never rea
 from __future__ import annotations
 
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -132,10 +133,48 @@ def diagnose_timeout(context: DistributedContext, step: int, err: Exception) -> 
         hint = (f" ({'; '.join(inside)}: a collective call, such as save_checkpoint, evaluate or full_state_dict, "
                 "that every rank must make, made on some ranks only?)" if inside else "")
         return f"{where}; missing: {', '.join(behind)} never reached step {step + 1}{hint}. Cause: {err}"
+    timed_out = _ranks_timed_out(ctx, store, step)
+    stuck = [r for r in range(ctx.world_size) if r not in timed_out]
+    if timed_out and stuck:
+        return (f"{where}; every rank reached step {step + 1}, and {_ranks(stuck)} did not time out in a collective "
+                f"with the others: stuck inside the step outside its collectives (its forward, loss or data, a slow "
+                f"read, a hung kernel or device), while the others waited for it. Cause: {err}")
     return (f"{where}; every rank reached step {step + 1}, so a rank is stuck inside it: a peer waiting on its "
             "device or data, or ranks that issued different collectives (control flow that depends on a rank's "
             "data, such as experts of a mixture that are FSDP units of their own and run on some ranks only). "
             f"Cause: {err}")
+
+
+#: Seconds a rank whose collective timed out waits for its peers' own timeouts (`_ranks_timed_out`).
+TIMEOUT_PEERS_WAIT_S = 3.0
+
+
+def _ranks_timed_out(ctx: DistributedContext, store, step: int) -> set[int]:
+    """The ranks whose collective also timed out in training step `step + 1`: this rank records its own in
+    the store, then waits up to `TIMEOUT_PEERS_WAIT_S` for the others' (ranks that waited together time out
+    within moments of each other); a rank that records none was not waiting in a collective. Empty where
+    the store cannot be written."""
+    key = f"distributed_training/timed_out/{step}/%d"
+    try:
+        store.set(key % ctx.rank, "1")
+    except Exception:
+        return set()
+    deadline = time.monotonic() + TIMEOUT_PEERS_WAIT_S
+    while True:
+        seen = set()
+        for r in range(ctx.world_size):
+            try:
+                if store.check([key % r]):
+                    seen.add(r)
+            except Exception:
+                pass
+        if len(seen) == ctx.world_size or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.1)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def group_timeout_s() -> float | None:

@@ -398,3 +398,36 @@ def test_a_run_whose_training_went_non_finite_stops_before_saving_it(tmp_path, p
         else:
             assert said.startswith(f"training step {stopped_at}: not finite (rank") and "loss nan" in said, said
         assert (stopped_at, last_saved) == ((4, 2) if precision == "fp16" else (6, 4)) and finite, (stopped_at, last_saved)
+
+
+# ------------------------------------------------------------------ a rank stuck inside a step (trial C)
+def _stuck_inside_a_step(rank, world):
+    import time
+
+    from distributed_training import CollectiveTimeoutError
+
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                 heartbeat_timeout=4)  # (the stuck rank beats on: time.sleep releases the GIL)
+    trainer._peer_exit_after = 3.0
+
+    def criterion(out, y):
+        if rank == 1 and trainer.step == 2:
+            time.sleep(7)  # a slow read inside the loss: its peers' all-reduce times out (3 s)
+        return F.mse_loss(out, y)
+
+    for _ in range(4):
+        try:
+            trainer.train_step((torch.randn(4, 4), torch.randn(4, 2)), criterion)
+        except CollectiveTimeoutError as err:
+            return str(err)
+        except RuntimeError as err:  # (the stuck rank, back: its peer is gone)
+            return f"late: {type(err).__name__}"
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_a_collective_timeout_names_the_rank_stuck_inside_the_step():
+    # Its peers' timeout said "every rank reached step 3, so a rank is stuck inside it", naming none.
+    said = run_distributed(_stuck_inside_a_step, 2, timeout=80, collective_timeout=3)
+    assert "rank 1 did not time out in a collective with the others: stuck inside the step" in said[0], said
