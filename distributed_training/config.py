@@ -180,6 +180,10 @@ class TrainingConfig(Section):
     """Seed of the model's initialisation, the data order and dropout (the same on every rank)."""
     timeout_s: PositiveFloat = 600.0
     """Collective timeout in seconds."""
+    heartbeat_timeout_s: Optional[PositiveFloat] = 5.0
+    """Seconds without a rank's heartbeat after which its peers declare it dead and stop (null: no watch).
+    Raise it above the longest call your code makes that holds Python's GIL (a C tokenizer, a large
+    pickle): the heartbeat is a thread of the training process."""
     pipeline_parallel_size: PositiveInt = 1
     """Pipeline stages per model replica (1: no pipeline). The model's layers are cut into this many
     stages, one per rank, and ``strategy`` (ddp, zero1, zero2, zero3 / fsdp; not auto) runs data

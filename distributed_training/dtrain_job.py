@@ -123,7 +123,7 @@ def run_job(cfg: JobConfig) -> dict:
             gradient_accumulation_steps=t.gradient_accumulation_steps,
             gradient_clip_val=None if served else t.gradient_clip_val,  # (config: not given with the parameter server)
             **served,
-            timeout=t.timeout_s, seed=t.seed, checkpoint_dir=cfg.checkpoint.dir,
+            timeout=t.timeout_s, heartbeat_timeout=t.heartbeat_timeout_s, seed=t.seed, checkpoint_dir=cfg.checkpoint.dir,
             checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last, resume=cfg.checkpoint.resume,
             **job_best_checkpoint(cfg),
             save_on_preemption=cfg.checkpoint.save_on_preemption, checkpoint_async=cfg.checkpoint.asynchronous,

@@ -369,12 +369,19 @@ class PeerWatch:
             message = (f"{self._name(self.rank)}: peer {self._name(peer)} (host {host}) raised {error}, so this rank's collectives "
                        f"with it cannot complete{where.replace(' during', '; this rank was in', 1)}. Its traceback is "
                        "in that rank's output")
+        elif peer == self.rank:  # (a peer declared this rank dead, while it was alive: its heartbeat stalled)
+            message = (f"{self._name(self.rank)}: the peers declared this rank dead ({who}): its heartbeat was not "
+                       f"published for {silent:.1f}s (heartbeat_timeout={self.timeout:g}s){where}, while it was alive. "
+                       "The heartbeat is a thread of this process: a call that holds Python's GIL that long (a C "
+                       "extension: a tokenizer, a regular expression, pickling a large object; torch's operators "
+                       "release it) stops it. Raise heartbeat_timeout above that call's time, or move the call out "
+                       "of the training process (DataLoader workers)")
         else:
             # The heartbeat thread publishes the step every `hangs._Heartbeat.PERIOD_S`: the peer may have got further.
             last = f", last seen in step {step + 1} or later" if step is not None else ""
             message = (f"{self._name(self.rank)}: peer {self._name(peer)} (host {host}{last}) is dead: its heartbeat stopped "
                        f"{silent:.1f}s ago ({who}; heartbeat_timeout={self.timeout:g}s){where}. Its process was "
-                       "killed, crashed, lost its node or stopped running (SIGSTOP, a frozen host); under torchrun with --max-restarts the job restarts its "
+                       "killed, crashed, lost its node, stopped running (SIGSTOP, a frozen host) or held Python's GIL longer than that (a C extension's call: then raise heartbeat_timeout); under torchrun with --max-restarts the job restarts its "
                        "workers and resumes from the latest good checkpoint")
         job_rank = peer if self._global is None else self._global[peer]
         self.failure = PeerFailureError(message, job_rank, host, step, silent, error)

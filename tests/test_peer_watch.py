@@ -389,6 +389,6 @@ def test_a_groups_members_are_named_by_their_rank_in_the_job():
     assert watch.failure.rank == 3, watch.failure.rank
     said = str(watch.failure)
     assert said.startswith("worker 0 (rank 2): peer worker 1 (rank 3) (host ?") and "worker 0 (rank 2) saw it" in said
-    other = PeerWatch(store, rank=1, world_size=2, timeout=TIMEOUT, global_ranks=[2, 3])
+    other = PeerWatch(store, rank=0, world_size=2, timeout=TIMEOUT, global_ranks=[2, 3])  # (not the dead one)
     other._adopt(store.get("distributed_training/peer_failure").decode())  # what the finder wrote, read by another
     assert other.failure.rank == 3 and "peer worker 1 (rank 3)" in str(other.failure)

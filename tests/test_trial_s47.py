@@ -431,3 +431,17 @@ def test_a_collective_timeout_names_the_rank_stuck_inside_the_step():
     # Its peers' timeout said "every rank reached step 3, so a rank is stuck inside it", naming none.
     said = run_distributed(_stuck_inside_a_step, 2, timeout=80, collective_timeout=3)
     assert "rank 1 did not time out in a collective with the others: stuck inside the step" in said[0], said
+
+
+def test_a_rank_its_peers_declared_dead_is_told_so_not_that_it_is_dead():
+    # A live rank whose heartbeat stalled (a call holding the GIL past heartbeat_timeout) adopted its peers'
+    # record and raised "rank 1: peer rank 1 ... is dead" (trial C).
+    from torch.distributed import HashStore
+
+    from distributed_training.peer_watch import PeerWatch
+
+    watch = PeerWatch(HashStore(), rank=1, world_size=2, timeout=5.0)
+    watch.step = 6
+    watch._adopt("1\tvm pid 7\t6\t5.0\t0")
+    said = str(watch.failure)
+    assert said.startswith("rank 1: the peers declared this rank dead (rank 0 saw it)") and "GIL" in said, said
