@@ -37,6 +37,7 @@ import inspect
 import os
 import sys
 import traceback
+from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -301,6 +302,9 @@ def build(cfg: JobConfig, builtin: Callable[[JobConfig], tuple]) -> tuple:
     if m.target:
         torch.manual_seed(cfg.training.seed)  # the same initial weights on every rank
         model = _call(m.target, m.kwargs, "model.target", "model.kwargs")
+        if (isinstance(model, (list, tuple)) and model
+                and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], nn.Module) for p in model)):
+            model = nn.Sequential(OrderedDict(model))  # a pipeline adapter's (name, module) pairs: their chain
         if not isinstance(model, nn.Module):
             raise UserCodeError(f"model.target: {m.target} returned a {type(model).__name__}, not a torch.nn.Module")
     if d.target:

@@ -445,3 +445,24 @@ def test_a_rank_its_peers_declared_dead_is_told_so_not_that_it_is_dead():
     watch._adopt("1\tvm pid 7\t6\t5.0\t0")
     said = str(watch.failure)
     assert said.startswith("rank 1: the peers declared this rank dead (rank 0 saw it)") and "GIL" in said, said
+
+
+def test_a_dtrain_model_target_may_return_a_pipeline_adapters_pairs(tmp_path, monkeypatch):
+    # The pipeline's error told a dtrain user to write a function returning (name, module) pairs; dtrain's
+    # model.target then refused the list as "not a torch.nn.Module" (trial D).
+    import sys
+
+    from distributed_training import user_job
+    from distributed_training.config_load import load_config
+
+    (tmp_path / "adapted_model.py").write_text(
+        "from torch import nn\n"
+        "def build():\n"
+        "    return [('features', nn.Linear(4, 8)), ('act', nn.ReLU()), ('head', nn.Linear(8, 3))]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from pathlib import Path
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "user_model.yaml"),
+                      ["model.target=adapted_model:build", "model.kwargs={}"])
+    model = user_job.build(cfg, builtin=lambda c: (None, None, None, None))[0]
+    sys.modules.pop("adapted_model", None)
+    assert isinstance(model, torch.nn.Sequential) and list(model._modules) == ["features", "act", "head"], model

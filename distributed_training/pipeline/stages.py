@@ -205,7 +205,8 @@ def chain(model: nn.Module | Sequence[tuple[str, nn.Module]], halves: bool = Fal
         f"chain() cannot cut a {kind.__module__}.{kind.__qualname__} into pipeline stages: it takes an "
         "nn.Sequential, a distributed_training GPT, or a list of (name, module) pairs whose forwards compose. "
         "For another model, write a function returning that list (an adapter: see "
-        "distributed_training.pipeline.stages and docs/pipeline.md) and pass its result.")
+        "distributed_training.pipeline.stages and docs/pipeline.md) and pass its result (dtrain: a model.target "
+        "may return that list).")
 
 
 # --------------------------------------------------------------------------------------------------
