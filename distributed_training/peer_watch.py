@@ -277,6 +277,28 @@ class PeerWatch:
     def _left(self, peer: int) -> bool:
         return self.store.check([f"{_PREFIX}left/{peer}"])
 
+    def left_early(self) -> PeerFailureError | None:
+        """After a collective failed on a lost connection and no peer was found dead: a peer that left the
+        job cleanly (its trainer closed, or its process ended without an error) while this rank still
+        needed it, or None. Every rank must run the same steps: one that stops early (``sys.exit()``, a loop
+        over fewer batches) left gloo's bare "Connection reset" before."""
+        try:
+            gone = [r for r in range(self.world_size) if r != self.rank and self._left(r)]
+            host = self._get(f"{_PREFIX}host/{gone[0]}") or "?" if gone else None
+        except Exception:
+            return None
+        if not gone:
+            return None
+        where = (f" during {self.activity}" if self.activity is not None and self._busy
+                 else f" during training step {self.step + 1}" if self.step is not None else "")
+        message = (f"{self._name(self.rank)}: peer {self._name(gone[0])} (host {host}) left the job{where}: its "
+                   "trainer closed or its process ended without an error (sys.exit(), the end of its script, a "
+                   "loop over fewer batches) while this rank still needed it. Every rank must run the same "
+                   "steps and collective calls: give each as many batches (fit does), or wrap a loop of your "
+                   "own in join()")
+        job_rank = gone[0] if self._global is None else self._global[gone[0]]
+        return PeerFailureError(message, job_rank, host, None, 0.0)
+
     def _get(self, key: str) -> str | None:
         return self.store.get(key).decode() if self.store.check([key]) else None
 

@@ -83,6 +83,9 @@ class Stepping:
                 said = diagnose_lost_peer(self.context, self.step, err, idle)
                 if said is not None:
                     raise CollectiveTimeoutError(said) from err
+                left = self._watch.left_early() if self._watch is not None else None  # (a peer that stopped early)
+                if left is not None:
+                    raise left from err
             if isinstance(err, ValueError) and "Expected more than 1 value per channel" in str(err):
                 raise ValueError(f"training step {self.step + 1}: {err}: a (micro-)batch of one sample reached a "
                                  "BatchNorm layer that sees one value a channel (a ResNet's last layers on small "

@@ -466,3 +466,27 @@ def test_a_dtrain_model_target_may_return_a_pipeline_adapters_pairs(tmp_path, mo
     model = user_job.build(cfg, builtin=lambda c: (None, None, None, None))[0]
     sys.modules.pop("adapted_model", None)
     assert isinstance(model, torch.nn.Sequential) and list(model._modules) == ["features", "act", "head"], model
+
+
+def _one_rank_leaves(rank, world):
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                 heartbeat_timeout=2)
+    for step in range(4):
+        if rank == 1 and step == 2:
+            trainer.close()  # (its loop ends early: sys.exit(), fewer batches)
+            return "left"
+        try:
+            trainer.train_step((torch.randn(4, 4), torch.randn(4, 2)), F.mse_loss)
+        except PeerFailureError as err:
+            return str(err)
+        except RuntimeError as err:
+            return f"bare: {err}"
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_left_early_is_named():
+    # Its peer got gloo's bare "Connection reset by peer" (trial C, a rank's sys.exit(0) inside fit).
+    said = run_distributed(_one_rank_leaves, 2, timeout=50)
+    assert said[1] == "left" and "peer rank 1" in said[0] and "left the job during training step 3" in said[0], said
