@@ -8,6 +8,7 @@ epoch's last batch, in `dtrain_epochs`; its final metrics and the model it write
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +219,9 @@ def run_job(cfg: JobConfig) -> dict:
         finished = True
         return metrics if ctx.is_main else {}
     finally:
-        trainer.close(barrier=finished)
+        with warnings.catch_warnings():  # (its advice is for a script: dtrain has written its outputs already)
+            warnings.filterwarnings("ignore", message="under a pipeline the model you passed keeps only")
+            trainer.close(barrier=finished)
         if held:  # a preemption during them: the process stops now that they and the close are done
             raise SystemExit(128 + held[0])
 
