@@ -357,15 +357,19 @@ def _worker_sigterm(signum, frame) -> None:
     signal.alarm(IGNORED_SIGTERM_LIVES_S)
 
 
-def stop_workers(batches: Any) -> None:
+def stop_workers(batches: Any, loader: Any = None) -> None:
     """End a DataLoader iterator's worker processes now, as its end or its garbage collection would: `fit`
     left by an error keeps its iterator alive in the traceback, and at the interpreter's exit
     multiprocessing's terminate is the workers' first SIGTERM, which they ignore while training goes on
-    (`_worker_sigterm`): the failed process then waited `IGNORED_SIGTERM_LIVES_S` instead of exiting."""
+    (`_worker_sigterm`): the failed process then waited `IGNORED_SIGTERM_LIVES_S` instead of exiting.
+    A ``persistent_workers`` `loader` keeps that iterator to reuse it: it is let go, so that the
+    loader's next epoch (a later fit) starts new workers rather than resetting stopped ones."""
     shutdown = getattr(batches, "_shutdown_workers", None)  # (torch's multi-process iterator)
     if shutdown is not None:
         with contextlib.suppress(Exception):
             shutdown()
+        if loader is not None and getattr(loader, "_iterator", None) is batches:
+            loader._iterator = None
 
 
 class SeededSamples(Dataset):

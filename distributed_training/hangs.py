@@ -137,7 +137,7 @@ def diagnose_timeout(context: DistributedContext, step: int, err: Exception) -> 
     stuck = [r for r in range(ctx.world_size) if r not in timed_out]
     if timed_out and stuck:
         return (f"{where}; every rank reached step {step + 1}, and {_ranks(stuck)} did not time out in a collective "
-                f"with the others: stuck inside the step outside its collectives (its forward, loss or data, a slow "
+                f"within {TIMEOUT_PEERS_WAIT_S:g} s of the others: stuck inside the step outside its collectives (its forward, loss or data, a slow "
                 f"read, a hung kernel or device), while the others waited for it. Cause: {err}")
     return (f"{where}; every rank reached step {step + 1}, so a rank is stuck inside it: a peer waiting on its "
             "device or data, or ranks that issued different collectives (control flow that depends on a rank's "

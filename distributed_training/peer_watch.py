@@ -279,8 +279,8 @@ class PeerWatch:
 
     def left_early(self) -> PeerFailureError | None:
         """After a collective failed on a lost connection and no peer was found dead: a peer that left the
-        job cleanly (its trainer closed, or its process ended without an error) while this rank still
-        needed it, or None. Every rank must run the same steps: one that stops early (``sys.exit()``, a loop
+        job (its trainer closed, or its process ended: at exit, even after an error outside the trainer's
+        steps, it marks itself gone) while this rank still needed it, or None. Every rank must run the same steps: one that stops early (``sys.exit()``, a loop
         over fewer batches) left gloo's bare "Connection reset" before."""
         try:
             gone = [r for r in range(self.world_size) if r != self.rank and self._left(r)]
@@ -292,10 +292,10 @@ class PeerWatch:
         where = (f" during {self.activity}" if self.activity is not None and self._busy
                  else f" during training step {self.step + 1}" if self.step is not None else "")
         message = (f"{self._name(self.rank)}: peer {self._name(gone[0])} (host {host}) left the job{where}: its "
-                   "trainer closed or its process ended without an error (sys.exit(), the end of its script, a "
-                   "loop over fewer batches) while this rank still needed it. Every rank must run the same "
-                   "steps and collective calls: give each as many batches (fit does), or wrap a loop of your "
-                   "own in join()")
+                   "trainer closed or its process ended (sys.exit(), the end of its script, a loop over fewer "
+                   "batches, or an error raised outside the trainer's steps: see that rank's output) while this "
+                   "rank still needed it. Every rank must run the same steps and collective calls: give each as "
+                   "many batches (fit does), or wrap a loop of your own in join()")
         job_rank = gone[0] if self._global is None else self._global[gone[0]]
         return PeerFailureError(message, job_rank, host, None, 0.0)
 

@@ -35,12 +35,12 @@ class EpochLoop(StepRecording):
             self.samples_in_epoch = self.batch_in_epoch * loader.batch_size * loader.sampler.num_replicas
         return self.samples_in_epoch
 
-    def _train_epochs(self, *args, **kwargs) -> list[dict[str, float]]:
+    def _train_epochs(self, loader, *args, **kwargs) -> list[dict[str, float]]:
         """`_run_epochs`; on an error, the epoch's loader workers are stopped before it leaves (`stop_workers`)."""
         try:
-            return self._run_epochs(*args, **kwargs)
+            return self._run_epochs(loader, *args, **kwargs)
         except BaseException:
-            stop_workers(self._open_batches)
+            stop_workers(self._open_batches, loader)
             raise
         finally:
             self._open_batches = None

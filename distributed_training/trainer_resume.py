@@ -63,14 +63,17 @@ class Resuming:
         if self.checkpoints is None:
             return None
         self._lock_checkpoint_directory()
+        self._write_problems = self._gather_write_problems()
         ctx = self.context
         if not self.resume and not self._restarted_fresh_run():
+            self._check_checkpoint_directory_writable()  # (before anything is moved or written there)
             self._set_checkpoints_aside("resume is off")
             return None
         found = self._resume_point()
         if found is None and self.step == 0:
             # Every checkpoint there failed its check (each said why): not resumable, and not to be mixed
             # with this run's (keep-last-N would delete the new ones in favour of their later steps).
+            self._check_checkpoint_directory_writable()
             self._set_checkpoints_aside("resume found no intact checkpoint (each one skipped is said above)")
         if found is None or int(found[1]["step"]) <= self.step:
             return None
@@ -176,18 +179,25 @@ class Resuming:
                                                 + (f" (rank {rank} found it)" if ctx.world_size > 1 else ""))
         self._locked_directory = directory if writer else ""
 
-    def _check_checkpoint_directory_writable(self) -> None:
-        """Raise, on every rank alike, if a rank that writes checkpoints cannot write into `checkpoint_dir`
-        (a read-only mount, no permission): fit would train a whole interval and fail at its first save.
-        (The lock lets a read-only directory pass: a finished run's, which a fit with nothing left to train
-        may resume from.)"""
+    def _gather_write_problems(self) -> list[str | None]:
+        """Each rank's `write_problem` with `checkpoint_dir` (None where it can write, or does not write
+        there), gathered on every rank: collective, once per fit, before anything is written there."""
         ctx, directory = self.context, self.checkpoints.directory
         writer = self._layout(self.checkpoints.path_for(0)).writer_of[ctx.rank] == ctx.rank
         problems = [write_problem(directory) if writer else None]
         if ctx.world_size > 1:
             problems = [None] * ctx.world_size
             dist.all_gather_object(problems, write_problem(directory) if writer else None, group=ctx.group)
-        for rank, problem in enumerate(problems):
+        return problems
+
+    def _check_checkpoint_directory_writable(self) -> None:
+        """Raise, on every rank alike (from what `_gather_write_problems` found), if a rank that writes
+        checkpoints cannot write into `checkpoint_dir` (a read-only mount, no permission): fit would train
+        a whole interval and fail at its first save, or fail on that rank alone setting an earlier run's
+        checkpoints aside while the others wait. Called only where training will happen: a finished
+        run's read-only directory may still be resumed from by a fit with nothing left to train."""
+        ctx, directory = self.context, self.checkpoints.directory
+        for rank, problem in enumerate(self._write_problems):
             if problem is not None:
                 raise OSError(f"checkpoint_dir {os.fspath(directory)!r} cannot be written ({problem}"
                               + (f", on rank {rank}" if ctx.world_size > 1 else "") + "): fit saves its checkpoints "

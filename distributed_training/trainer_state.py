@@ -96,6 +96,7 @@ class TrainerState:
         # (step, the loss scaler's skipped steps) when fit started or last saved: `_refuse_non_finite`'s mark
         self._saved_at: tuple[int, int] = (0, 0)
         self._set_aside = False
+        self._write_problems: list = []  # (each rank's problem writing checkpoint_dir, found as fit starts)
         self._fresh_run_key: str | None = None  # (`trainer_resume`: this resume=False run's token in the store)
         self._summoned = False  # inside `summon_full_params`
         self._locked_directory: str | None = None  # `checkpoint_dir` while this rank holds its lock ("": checked)

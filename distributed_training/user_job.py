@@ -37,7 +37,6 @@ import inspect
 import os
 import sys
 import traceback
-from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -304,7 +303,12 @@ def build(cfg: JobConfig, builtin: Callable[[JobConfig], tuple]) -> tuple:
         model = _call(m.target, m.kwargs, "model.target", "model.kwargs")
         if (isinstance(model, (list, tuple)) and model
                 and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], nn.Module) for p in model)):
-            model = nn.Sequential(OrderedDict(model))  # a pipeline adapter's (name, module) pairs: their chain
+            from .pipeline.stages import Chain  # a pipeline adapter's (name, module) pairs: their chain
+
+            try:
+                model = Chain(model)  # names may hold dots ("block.0"), which nn.Sequential refuses
+            except ValueError as e:
+                raise UserCodeError(f"model.target: {m.target} returned (name, module) pairs that are no chain: {e}") from None
         if not isinstance(model, nn.Module):
             raise UserCodeError(f"model.target: {m.target} returned a {type(model).__name__}, not a torch.nn.Module")
     if d.target:

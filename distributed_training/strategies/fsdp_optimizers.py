@@ -7,11 +7,15 @@ an optimizer built before wrapping holds the model's old parameters, which no lo
 shard in one group (weight decay applied to nothing); an optimizer that reads a tensor's shape or whole
 norm (Adafactor, LBFGS) ran another algorithm over slices. A global optimizer step pre-hook, registered
 with the first wrapper, checks each optimizer once, at its first step, on this rank alone (no collective:
-a rank without a step under `join` must not leave the others waiting).
+a rank without a step under `join` must not leave the others waiting). So only what every rank finds
+alike raises (an optimizer built before wrapping, its class); an empty param group is warned of, since a
+shard-aware split may leave a group empty on some ranks only, and a raise there would leave the others
+waiting in the next collective.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -58,7 +62,8 @@ def _first_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     wrapper = next((w for w in (_shards[p]() for p in params if p in _shards) if w is not None), None)
     if wrapper is not None:
         for said in _lost_group_settings(optimizer).values():
-            raise lost_group_error("FSDP's parameters() are", said, "use DDP, whose parameters are the layers' own")
+            error = lost_group_error("FSDP's parameters() are", said, "use DDP, whose parameters are the layers' own")
+            warnings.warn(f"(this rank's group; if it is empty on every rank) {error}", stacklevel=3)
         from ..trainer_arguments import check_optimizer_layout
         check_optimizer_layout(optimizer, wrapper, tensor_parallel=False)
     _checked.add(optimizer)
