@@ -160,6 +160,8 @@ class PeerWatch:
         self._busy = 0  # how deep the training thread is in `active()` blocks
         self._found = threading.Event()
         self._stopped = threading.Event()
+        # The torchrun agent that started this worker (its parent), watched each period (`_orphaned`).
+        self._agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self._thread = threading.Thread(target=self._run, name="dt-peer-watch", daemon=True)
 
     # ------------------------------------------------------------ training thread
@@ -252,6 +254,8 @@ class PeerWatch:
         seen: dict[int, int] = {}
         moved: dict[int, float] = {}
         while not self._stopped.wait(self.period):
+            if self._orphaned():
+                self._exit_orphan()
             try:
                 self.store.add(self._alive(self.rank), 1)
                 now = time.monotonic()
@@ -268,6 +272,8 @@ class PeerWatch:
                 if self.failure is None:
                     self._check_errors()
             except Exception as err:  # the store stopped answering: the job is being torn down
+                if self._orphaned():  # (or the agent that held it was killed: `_exit_orphan`)
+                    self._exit_orphan()
                 log.debug("rank %d: peer watch stopped: %s", self.rank, err)
                 return
             if (self.failure is not None and not self._acknowledged and self._busy and self.exit_after is not None
@@ -415,6 +421,22 @@ class PeerWatch:
                 self.on_failure(self.failure)
             except Exception as err:
                 log.warning("rank %d: could not abort the process group after a peer failure: %s", self.rank, err)
+
+    def _orphaned(self) -> bool:
+        return self._agent is not None and os.getppid() != self._agent
+
+    def _exit_orphan(self) -> None:
+        """The torchrun agent that started this worker is gone (SIGKILL, the OOM killer): it can no longer
+        stop, restart or collect this worker, and its store is gone with it, so the watch would see nothing
+        more; left alone, the worker trained on to the end as an orphan (holding its GPU and the checkpoint
+        directory's lock against the job's next launch). End it, as the agent would have."""
+        log.error("%s: the torchrun agent that started this worker (pid %d) is gone (killed: SIGKILL, the OOM "
+                  "killer?): ending this orphaned worker, which no agent can stop or restart, with status %d. "
+                  "Relaunch the job to resume from its last checkpoint", self._name(self.rank), self._agent,
+                  EXIT_CODE)
+        for handler in log.handlers + logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_CODE)
 
     def _exit(self) -> None:
         log.error("%s. The training thread stayed blocked for %gs after the failure was found: exiting with "
