@@ -100,7 +100,7 @@ def check_pipeline_fits(cfg: JobConfig, model: nn.Module) -> None:
     if options.num_stages > len(names):
         chunks = f" x training.pipeline_chunks={options.chunks}" if options.chunks > 1 else ""
         raise ConfigError(f"training.pipeline_parallel_size={options.size}{chunks} makes {options.num_stages} stages, "
-                          f"but the model has only {len(names)} layers to cut ({', '.join(names)}): fewer stages, or "
+                          f"but the model has only {len(names)} layer{'s' if len(names) != 1 else ''} to cut ({', '.join(names)}): fewer stages, or "
                           "more layers (model.n_layer)")
     if options.split_points is not None:
         try:

@@ -30,6 +30,15 @@ log = get_logger()
 _PIPELINE_KEYS = ("pipeline_parallel_size", "pipeline_schedule", "microbatches", "pipeline_chunks")
 _TENSOR_DEFAULTS = {"tensor_parallel_size": 1, "sequence_parallel": False}  # their values without tensor parallelism
 
+def _pipeline_change(saved: dict, now: dict) -> str:
+    """A pipeline that the checkpoint had and this run has not, or the reverse, as one change."""
+    def said(config: dict) -> str:
+        size = config.get("pipeline_parallel_size", 1)
+        rest = ", ".join(f"{k}={config[k]}" for k in _PIPELINE_KEYS[1:] if k in config)
+        return f"{size} ({rest})" if rest else f"{size} (no pipeline)"
+    return f"pipeline_parallel_size: {said(saved)} -> {said(now)}"
+
+
 #: What a failed load raises on every rank: the type the failing rank met.
 _LOAD_ERRORS = {cls.__name__: cls for cls in (CheckpointCorruptError, CheckpointMismatchError, FileNotFoundError,
                                               OSError, RuntimeError, ValueError, KeyError)}
@@ -145,11 +154,9 @@ class CheckpointLoading(HyperparameterRestore):
                     if key not in ("world_size", "optimizer", *derived) and key in meta.get("config", {})
                     and meta["config"][key] != value]
         # A pipeline the checkpoint was written with and this run does not have (its keys are absent).
-        changes += [f"{key}: {value} -> none" for key, value in meta.get("config", {}).items()
-                    if key in _PIPELINE_KEYS and key not in self.config]
-        if "config" in meta:  # and one this run has that the checkpoint was written without
-            changes += [f"{key}: none -> {self.config[key]}" for key in _PIPELINE_KEYS
-                        if key in self.config and key not in meta["config"]]
+        if "config" in meta:  # (or the reverse): said as the pipeline's size, 1 without one, and its settings
+            changes += [_pipeline_change(meta["config"], self.config)] if (
+                "pipeline_parallel_size" in meta["config"]) != ("pipeline_parallel_size" in self.config) else []
         # Tensor parallelism the checkpoint was written with and this run does not have, or the reverse
         # (the keys are in a trainer's config only with tensor_parallel_size > 1).
         if "config" in meta:

@@ -83,7 +83,12 @@ class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
                 f"training step {self.step}: not finite ({where}): the weights are no longer finite, or will not "
                 f"be after this step. fit stops without saving it ({last}, with finite weights if written before "
                 "the loss went wrong): resume from a good one with a lower learning rate or gradient clipping, "
-                "or look at the data these steps trained on")
+                "or look at the data these steps trained on" + (
+                    "" if "grad_norm" in where else
+                    ". A loss nan alone, its gradients finite, is a criterion's mean over a batch or micro-batch "
+                    "whose every target it ignores: a lambda or function with an ignore_index other than -100, "
+                    "which the trainer cannot read (it counts those targets): pass nn.CrossEntropyLoss("
+                    "ignore_index=...) or functools.partial(F.cross_entropy, ignore_index=...)"))
         self._saved_at = (self.step, 0)
 
     def _save_numbered(self, metrics: dict[str, torch.Tensor] | None) -> None:

@@ -400,7 +400,8 @@ def test_error_feedback_residuals_are_checkpointed(tmp_path):
 
 def deferred_worker(rank, world, compression):
     ratio = dict(compression_ratio=1.0) if compression == "topk" else {}
-    comm = CommunicationOptimizer(compression, error_feedback=False, **ratio)
+    feedback = dict(error_feedback=False) if compression in ("topk", "powersgd") else {}
+    comm = CommunicationOptimizer(compression, **ratio, **feedback)
     x = torch.full((4096,), float(rank + 1))
     handle = comm(x, None, 0)
     untouched = bool((x == rank + 1).all())  # launched, not yet decoded: the hook did not block on it

@@ -365,7 +365,7 @@ def test_resuming_a_pipeline_checkpoint_without_a_pipeline_says_so(tmp_path):
     directory = str(tmp_path / "ckpt")
     run_distributed(save_worker, 2, args=("mlp", 2, directory), timeout=120)
     seen = "\n".join(run_distributed(changed_config_worker, 1, args=(directory,), timeout=120)[0])
-    assert "the configuration changed" in seen and "pipeline_parallel_size: 2 -> none" in seen, seen
+    assert "the configuration changed" in seen and "pipeline_parallel_size: 2 (pipeline_schedule=1f1b, microbatches=2, pipeline_chunks=1) -> 1 (no pipeline)" in seen, seen
     assert "RNG states not restored" in seen, seen  # said once, by rank 0, through the package's log
 
 
@@ -373,4 +373,4 @@ def test_resuming_a_checkpoint_without_a_pipeline_under_one_says_so(tmp_path):
     directory = str(tmp_path / "ckpt")
     run_distributed(save_worker, 1, args=("mlp", 1, directory), timeout=120)
     seen = "\n".join(run_distributed(changed_config_worker, 2, args=(directory, 2), timeout=120)[0])
-    assert "the configuration changed" in seen and "pipeline_parallel_size: none -> 2" in seen, seen
+    assert "the configuration changed" in seen and "pipeline_parallel_size: 1 (no pipeline) -> 2 (pipeline_schedule=1f1b, microbatches=2, pipeline_chunks=1)" in seen, seen

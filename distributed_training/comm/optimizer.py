@@ -141,6 +141,9 @@ class CommunicationOptimizer:
             if value != default and compression != applies:
                 raise ValueError(f"{name}={value!r} applies to compression={applies!r}, not {compression!r}: "
                                  f"set the compression, or leave {name} out")
+        if not error_feedback and compression not in ("topk", "powersgd"):
+            raise ValueError(f"error_feedback=False applies to compression 'topk' or 'powersgd', not {compression!r} "
+                             "(which leaves nothing out to feed back): set the compression, or leave error_feedback out")
         if hierarchical and compression is not None:
             raise ValueError("hierarchical all-reduce and compression cannot be combined yet: choose one")
         if hierarchical and pattern != "nccl":

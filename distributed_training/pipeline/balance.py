@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..batches import map_tensors, tensors_of
+from ..batches import call_module, map_tensors, tensors_of
 from ..mesh import global_rank
 from ..models.gpt import GPT
 from .gpt_stages import AttentionHalf, MLPHalf, gpt_layer_costs, lm_loss
@@ -177,7 +177,7 @@ def measure_layer_times(layers: Layers, sample: Any, device: torch.device | str,
                 start = time.perf_counter()
                 try:
                     with autocast() if autocast is not None else contextlib.nullcontext():
-                        out = twin(x)
+                        out = call_module(twin, x) if i == 0 else twin(x)  # (the inputs as Stage passes them)
                         ends = [last(out)] if last is not None else [t for t in tensors_of(out) if t.requires_grad]
                         if ends:
                             torch.autograd.backward(ends, [torch.ones_like(t) for t in ends])

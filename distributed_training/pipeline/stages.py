@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..batches import call_module
 from ..models.gpt import GPT
 
 __all__ = ["Chain", "chain", "model_keys", "partition", "split_at", "Stage", "TiedGroup", "find_ties", "tied_groups", "sync_tied_grads",
@@ -116,8 +117,11 @@ class Chain(nn.Module):
         self.names = [name for name, _ in checked]
         self.layers = nn.ModuleList(module for _, module in checked)
 
-    def forward(self, x):
-        for layer in self.layers:
+    def forward(self, *args, **kwargs):
+        # The first layer takes the model's inputs as the model would: a batch's tuple unpacked into
+        # positional arguments, its dict into keywords (`batches.call_module`); the others the previous output.
+        x = self.layers[0](*args, **kwargs)
+        for layer in self.layers[1:]:
             x = layer(x)
         return x
 
@@ -375,7 +379,13 @@ class Stage(nn.Module):
         return self.index == self.num_stages - 1
 
     def forward(self, x):
-        for layer in self._chain:
+        """The layers in turn on `x`; the first stage's first layer takes the batch's inputs as a model
+        without a pipeline does (`batches.call_module`): a tuple or list as positional arguments, a dict
+        as keywords (``forward(self, input_ids, attention_mask)``)."""
+        layers = iter(self._chain)
+        if self.index == 0:
+            x = call_module(next(layers), x)
+        for layer in layers:
             x = layer(x)
         return x
 

@@ -160,7 +160,7 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
         names = [name for name, _ in layers]
         if S > len(layers):
             raise ValueError(f"pipeline_parallel_size={P} x pipeline_chunks={V} = {S} stages, but the model has only "
-                             f"{len(layers)} layers to cut ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''})")
+                             f"{len(layers)} layer{'s' if len(layers) != 1 else ''} to cut ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''})")
         if opts.split_points is not None:
             try:
                 bounds = split_at(opts.split_points, names)

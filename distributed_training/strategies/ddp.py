@@ -42,6 +42,7 @@ from ..comm.bucket import MIB, Bucket
 from ..comm.collectives import broadcast_coalesced, check_same_across_ranks, describe_module, labelled
 from ..comm.optimizer import CommunicationOptimizer
 from ..comm.reduce import AllReduceMean, BucketReducer, ReduceScatterMean
+from ..comm.work import CompletedWork
 from ..mesh import Mesh, global_rank
 from .backward_start import inside_backward, on_backward_start
 from .ddp_buckets import gather_bucket, resolve_bucket_cap_mb
@@ -54,6 +55,24 @@ from .trainable import TrainableSet
 __all__ = ["DDP"]
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+_wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a wrapped module -> its DDP (weakly)
+
+
+def _check_not_wrapped(module: nn.Module) -> None:
+    """Refuse a module that a live `DDP` still holds with its gradient hooks: both wrappers would average
+    each gradient, the second after the first had started (its error then blamed a hook of the user's)."""
+    ref = _wrappers.get(module)
+    if ref is None or ref() is None or not ref()._hook_handles:
+        return
+    import gc
+
+    gc.collect()  # (a wrapper dropped but still in a reference cycle is no longer live)
+    if ref() is not None and ref()._hook_handles:
+        raise ValueError("module is already wrapped by another DDP whose gradient hooks are still registered: both "
+                         "would average every gradient. Wrap a module once, or call the first wrapper's "
+                         "remove_hooks() (a trainer's close()) before wrapping it again")
 
 
 class DDP(UnusedParameters, BucketLayout, CommTiming, nn.Module):
@@ -114,6 +133,7 @@ class DDP(UnusedParameters, BucketLayout, CommTiming, nn.Module):
             raise TypeError(f"DDP wraps an nn.Module, got {type(module).__name__}")
         if isinstance(module, DDP):
             raise TypeError("module is already wrapped in DDP")
+        _check_not_wrapped(module)
         if communication is not None and bucket_reducer is not None:
             raise ValueError("pass either communication= (a CommunicationOptimizer) or bucket_reducer=, not both")
         if communication is not None and not callable(communication):
@@ -196,6 +216,7 @@ class DDP(UnusedParameters, BucketLayout, CommTiming, nn.Module):
         self._join_state = None
         self._shadowing = False
         self._comm_host_seconds, self._comm_count, self._comm_events = 0.0, 0, []
+        self._comm_blocking_events: list = []  # (`CommTiming._add_blocking_comm`)
         self.measure_overlap = bool(measure_overlap)
         self._overlap = OverlapTimeline()
         # Reducers whose collectives read only tensors that outlive the handle (the bucket itself, or
@@ -207,6 +228,7 @@ class DDP(UnusedParameters, BucketLayout, CommTiming, nn.Module):
         self_ref = weakref.ref(self)
         for index, p in enumerate(self._params if not self._solo else []):
             self._hook_handles.append(p.register_post_accumulate_grad_hook(_make_hook(self_ref, index)))
+        _wrappers[module] = self_ref
 
     # ----------------------------------------------------------------- public
     def forward(self, *args, **kwargs):
@@ -402,10 +424,13 @@ class DDP(UnusedParameters, BucketLayout, CommTiming, nn.Module):
             bucket = self._buckets[state.next_to_launch]
             self._gather_bucket(bucket)
             launched = self._overlap.launch(bucket.buffer) if self.measure_overlap else None
+            timing = self._start_comm_timer()  # (None unless measuring)
             if self._pass_index:
                 handle = self.bucket_reducer(bucket.buffer, self.process_group, index=bucket.index)
             else:
                 handle = self.bucket_reducer(bucket.buffer, self.process_group)
+            if timing is not None and isinstance(handle, CompletedWork):  # it communicated inside the call
+                self._add_blocking_comm(timing)
             if launched is not None:
                 self._overlap.track(launched, handle, owned=self._reducer_owns_tensors)
             state.handles.append(handle)

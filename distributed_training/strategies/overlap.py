@@ -151,6 +151,21 @@ class CommTiming:
             if len(self._comm_events) > 256:  # nobody is reading them: keep a bounded recent window
                 del self._comm_events[:128]
 
+    def _add_blocking_comm(self, start) -> None:
+        """A bucket reducer that communicated inside its call (ring / tree / hierarchical patterns, which
+        return completed work) from `start` (`_start_comm_timer`) to now: communication that the
+        backward waited for, added to the pass's exposed time (`_stop_comm_timer` times only the wait
+        after backward). Without it a rank's wait for a slow peer inside those calls was counted as its
+        own work, and the straggler check named no one, or a fast rank."""
+        if isinstance(start, float):
+            self._comm_host_seconds += time.perf_counter() - start
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._comm_blocking_events.append((start, end))
+            if len(self._comm_blocking_events) > 4096:  # nobody is reading them: keep a bounded recent window
+                del self._comm_blocking_events[:2048]
+
     def pop_exposed_comm_seconds(self) -> tuple[float, int]:
         """(seconds, backward passes) of communication left exposed since the last call: the time the
         compute stream (or, on CPU, the host) waited for buckets after backward's last gradient
@@ -162,7 +177,11 @@ class CommTiming:
             end.synchronize()
             seconds += start.elapsed_time(end) / 1e3
             count += 1
+        for start, end in self._comm_blocking_events:  # (within the passes counted)
+            end.synchronize()
+            seconds += start.elapsed_time(end) / 1e3
         self._comm_host_seconds, self._comm_count, self._comm_events = 0.0, 0, []
+        self._comm_blocking_events = []
         return seconds, count
 
     def pop_overlap_stats(self) -> dict[str, float]:
