@@ -7,6 +7,8 @@ into one line per field that names its path (``training.lr: input should be a va
 
 from __future__ import annotations
 
+import difflib
+
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -55,8 +57,10 @@ def _describe(err: ValidationError) -> str:
             for part in parent.split(".") if parent else []:
                 section = JobConfig.model_fields[part].annotation
             name = f"{parent}.{loc[-1]}" if parent else str(loc[-1])
+            near = difflib.get_close_matches(str(loc[-1]), list(section.model_fields), n=1)
             by_field.setdefault("", []).append(
-                f"unknown field {name} (known: {', '.join(section.model_fields)})")
+                f"unknown field {name}" + (f" (did you mean {parent + '.' if parent else ''}{near[0]}?)" if near else
+                                           f" (known: {', '.join(section.model_fields)})"))
             continue
         msg = e["msg"]
         by_field.setdefault(path or "config", []).append(msg[:1].lower() + msg[1:])
@@ -154,6 +158,8 @@ def load_config(source: str | dict, overrides: list[str] | None = None) -> JobCo
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.field=value")
+        if not text.strip():  # (an unset shell variable, --set training.max_steps=$STEPS): not a silent null
+            raise ConfigError(f"override {item!r} has no value: give one, or {key}=null for none")
         node = raw
         parts = key.split(".")
         for part in parts[:-1]:

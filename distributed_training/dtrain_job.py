@@ -371,9 +371,10 @@ def _resuming(trainer) -> bool:
 
 
 def _step_logger(trainer):
-    """dtrain's line per log step, ``step     10 | loss 3.3389``; left out where the progress is plain lines
-    (stderr no terminal), whose own line per log step already says the step and the loss."""
+    """dtrain's line per log step, ``step     10 | loss 3.3389`` (the global batch's loss), above the bar in
+    a terminal (the loss's history); left out where the progress is plain lines (stderr no terminal),
+    whose own line per log step already says the step and the loss."""
     def on_step(step, metrics):
         if not trainer.monitor.progress_lines:
-            log.info("step %6d | loss %.4f", step, metrics["loss"])
+            log.info("step %6d | loss %.4f", step, metrics.get("global_loss", metrics["loss"]))
     return on_step

@@ -108,8 +108,13 @@ def build_image_job(cfg):
     except (OSError, ValueError) as err:
         raise ConfigError(f"{field}: {err}") from None
     if val.classes != train.classes and len(val):
-        raise ConfigError(f"data.val_root's classes ({', '.join(val.classes[:5])}, ... {len(val.classes)} in all) "
-                          f"differ from data.root's ({', '.join(train.classes[:5])}, ... {len(train.classes)})")
+        missing, extra = sorted(set(train.classes) - set(val.classes)), sorted(set(val.classes) - set(train.classes))
+        said = "; ".join(part for part in (
+            f"data.val_root lacks {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}" if missing else "",
+            f"it has {', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''}, which data.root lacks" if extra else "",
+        ) if part) or "the same names in another order"
+        raise ConfigError(f"data.val_root's classes ({len(val.classes)}) differ from data.root's ({len(train.classes)}): "
+                          f"{said}. The class folders must be the same in both")
     num_classes = m.num_classes or len(train.classes)
     if num_classes < len(train.classes):
         raise ConfigError(f"model.num_classes ({num_classes}) is less than the {len(train.classes)} classes of "

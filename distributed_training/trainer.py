@@ -421,6 +421,7 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         self.precision: Precision = make_precision(mixed_precision, self.device.type, loss_scaler=loss_scaler,
                                                    group=self.context.group)
         self.mixed_precision = None if self.precision.name == "fp32" else self.precision.name
+        self._log_every = log_every  # (alike on every rank, unlike a NullMonitor's: `EpochLoop`'s global loss)
         self.monitor = (Monitor(os.fspath(log_dir), rank=self.context.rank, world_size=self.context.world_size,
                                 group=self.context.group, log_every=log_every,
                                 straggler_threshold=straggler_threshold,

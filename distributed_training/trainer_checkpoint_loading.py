@@ -108,9 +108,16 @@ class CheckpointLoading(HyperparameterRestore):
         old_world = int(meta["world_size"])
         cache: dict[int, dict] = {}
 
+        # A parameter server's checkpoint has rank files of its servers only (its workers' parts are
+        # ``worker<i>.pt``: `_load_worker_part`); another strategy finds nothing of its own in the others.
+        from_servers = meta.get("strategy") == "parameter_server" and self.strategy.name != "parameter_server"
+
         def read(k: int) -> dict:
             if k not in cache:
                 name = f"rank{k}.pt"
+                if from_servers and name not in meta["checksums"]:
+                    cache[k] = {}
+                    return cache[k]
                 # rank_checksums (a directory per node) also covers rank files fetched from other nodes.
                 if "rank_checksums" in meta and not os.path.isfile(os.path.join(path, name)):
                     raise FileNotFoundError(
@@ -253,7 +260,8 @@ class CheckpointLoading(HyperparameterRestore):
             sources = Sources(read, ctx.rank if ctx.rank < old_world else 0)
             unpack_params(held, meta["index"], sources)
             unpack_optimizer(held, self.optimizer, meta["index"], sources)
-            self._load_buffers(meta, sources, old_world)
+            if meta.get("strategy") != "parameter_server":  # (its buffers are its workers': `_load_worker_part`)
+                self._load_buffers(meta, sources, old_world)
             if self.strategy.whole_module:
                 load_extra_states(self.module, read(ctx.rank if ctx.rank < old_world else 0).get("extra_state", {}))
         except CheckpointCorruptError:
@@ -264,6 +272,9 @@ class CheckpointLoading(HyperparameterRestore):
                 "the model that wrote it, or start a new run: another checkpoint directory, or resume=False / "
                 "dtrain --no-resume)") from None
         residuals = ", nor gradient compression's error-feedback residuals and step count (per rank: they start afresh)"
+        if meta.get("strategy") == "parameter_server":  # (another strategy loading the servers' checkpoint)
+            self._load_worker_part(path, meta)
+            return
         if same_world:
             set_rng_state(read(ctx.rank)["rng"])
             self._epoch_rng = read(ctx.rank).get("epoch_rng")
@@ -278,6 +289,29 @@ class CheckpointLoading(HyperparameterRestore):
         if not same_world and ctx.is_main:  # once, not once a rank
             log.warning("checkpoint %r was written by %s rank(s), this run has %d: RNG states not restored%s", path,
                         meta["world_size"], ctx.world_size, residuals if _has_residuals(read(0)) else "")
+
+    def _load_worker_part(self, path: str, meta: dict[str, Any]) -> None:
+        """A parameter server's checkpoint loaded under another strategy: each rank takes the buffers
+        (BatchNorm's statistics) of the worker of its index (worker 0's where the job had fewer), and its
+        RNG states only where this job has as many ranks as that one had workers."""
+        ctx = self.context
+        workers = len((meta.get("ps") or {}).get("worker_steps") or [])
+        index = ctx.rank if ctx.rank < workers else 0
+        name = f"worker{index}.pt"
+        if name not in meta.get("checksums", {}):
+            return
+        part = load_file(os.path.join(path, name), meta["checksums"][name])
+        saved, held = set(part.get("buffers", {})), set(self.strategy.buffer_keys(self.model))
+        if saved != held:
+            raise CheckpointMismatchError(
+                f"checkpoint {path!r} does not fit this model: buffers missing from its {name} "
+                f"{sorted(held - saved)[:5]}, in it but not in this model {sorted(saved - held)[:5]}")
+        if workers != ctx.world_size:
+            part = {k: v for k, v in part.items() if k not in ("rng", "epoch_rng")}
+            if ctx.is_main:
+                log.warning("checkpoint %r was written by a parameter server's %d worker(s), this run has %d rank(s): "
+                            "RNG states not restored", path, workers, ctx.world_size)
+        self._load_own_part(part)
 
     def _load_own_part(self, part: dict[str, Any]) -> None:
         """This rank's RNG states and buffers from what a strategy's `load_checkpoint_files` returned."""

@@ -65,6 +65,21 @@ class StepRecording:
                                  comm_data_time=measured[1] if measured else None)
         return metrics
 
+    def _with_global_loss(self, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """On a log step with several data-parallel replicas: the metrics and ``global_loss``, the whole
+        global batch's loss as one process computes it (each replica's loss times its factor, `loss_weights.
+        replica_scale`, averaged: one one-element all-reduce), what the bar and dtrain's line show; each
+        rank's ``loss`` stays its own replica's. Without a factor (a pipeline's step) the replicas' mean."""
+        if (self.dp_world_size < 2 or not self.strategy.replicas_meet or self.context.independent
+                or not isinstance(metrics.get("loss"), torch.Tensor)):
+            return metrics
+        scale = self._replica_scale
+        factor = scale.value() if scale is not None else 1.0
+        total = metrics["loss"].detach().double() * factor
+        with self._watched(f"the mean loss over the replicas after training step {self.step}"):
+            dist.all_reduce(total, group=self.context.mesh.group("data"))
+        return {**metrics, "global_loss": (total / self.dp_world_size).float()}
+
     def _straggler_probe(self) -> float | None:
         """On the step whose communication is measured (the first of a log window), before it trains:
         seconds this rank waits for the others to have their batch, or None on other steps. What it

@@ -126,6 +126,7 @@ class Stepping:
             lambda i: (label_count(self.module, *micro_batches[i]) if criterion is None
                        else counted(criterion, targets[i], micro_batches[i][1])),
             group=self.context.mesh.group("data"), replicas=replicas, device=self.device, keep_counts=wants_count)
+        self._replica_scale = weights.scale  # (`_record_step`'s mean loss over the replicas on log steps)
         if wants_count:  # its servers weigh each worker's gradient by what its batch counts
             self.strategy.set_batch_count(self.model, batch_count(weighing, weights.counts))
         for k, (micro, _) in enumerate(micro_batches):

@@ -319,7 +319,7 @@ def build(cfg: JobConfig, builtin: Callable[[JobConfig], tuple]) -> tuple:
     _collate(cfg)  # a collate function that cannot be imported fails now, not at the first batch
     if cfg.loss.target:
         criterion = _callable(cfg.loss.target, cfg.loss.kwargs, "loss.target", "loss.kwargs")
-    if d.target and d.collate is None and criterion is not None:
+    if d.target and criterion is not None:
         _check_pairs(cfg, train)
     if cfg.training.pipeline_parallel_size > 1 and m.target:
         _check_cuttable(cfg, model)
@@ -338,9 +338,31 @@ def _check_pairs(cfg: JobConfig, train: Any) -> None:
         sample = train[0]
     except Exception:  # noqa: BLE001 - an empty or unusual dataset: training will say what is wrong
         return
+    loss = f"loss.target {cfg.loss.target}" if cfg.loss.target else "the classifier's cross-entropy"
+    if cfg.data.collate is not None:  # what it makes of a list of one sample (its random draws undone)
+        import random
+
+        collate = _collate(cfg)
+        numpy = sys.modules.get("numpy")
+        state = random.getstate(), numpy.random.get_state() if numpy is not None else None
+        try:
+            with torch.random.fork_rng(devices=[]):
+                batch = collate([sample])
+        except Exception:  # noqa: BLE001 - training will say what is wrong, with the collate's own error
+            return
+        finally:
+            random.setstate(state[0])
+            if numpy is not None:
+                numpy.random.set_state(state[1])
+        if isinstance(batch, Mapping) or not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            made = (f"a dict (keys {', '.join(repr(k) for k in list(batch)[:6])})" if isinstance(batch, Mapping)
+                    else f"a {type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+            raise UserCodeError(f"data.collate: {cfg.data.collate} made {made} of a list of samples, and {loss} "
+                                "takes (inputs, targets) batches: return an (inputs, targets) pair; or, for a model "
+                                "that takes the dict's keys as arguments and returns its loss, leave out loss.target")
+        return
     if isinstance(sample, Mapping):
         keys = ", ".join(repr(k) for k in list(sample)[:6])
-        loss = f"loss.target {cfg.loss.target}" if cfg.loss.target else "the classifier's cross-entropy"
         raise UserCodeError(f"data.target: the samples of {cfg.data.target} are dicts (keys {keys}), and {loss} "
                             "takes (inputs, targets) batches: give data.collate, a function that makes a list of "
                             "samples into an (inputs, targets) pair (torch's default collate keeps the dict); or, "

@@ -469,7 +469,8 @@ class Monitor(WriterHandling):
             self._jsonl.write(json_line(line))
             self._jsonl.flush()
         if self._bar is not None:
-            self._bar.draw(record.step, self._total_steps, record.rate, scalars.get("train/loss"))
+            self._bar.draw(record.step, self._total_steps, record.rate,  # (the replicas' mean where known)
+                           scalars.get("train/global_loss", scalars.get("train/loss")))
 
     def _cluster_view(self, step: int, times: list[float]) -> dict[str, float]:
         own = times[1::2]  # (step time, own time or -1) per member

@@ -104,7 +104,7 @@ class ProgressOnly(NullMonitor):
         steps, seconds = self._window
         self._window = [0, 0.0]
         self._read_copy()
-        loss = metrics.get("loss")
+        loss = metrics.get("global_loss", metrics.get("loss"))  # (the replicas' mean where known)
         if isinstance(loss, torch.Tensor) and loss.is_cuda:
             host = torch.empty((), dtype=loss.dtype, pin_memory=True)
             host.copy_(loss.detach(), non_blocking=True)

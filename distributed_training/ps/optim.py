@@ -53,7 +53,7 @@ class ShardOptimizer:
         sparse piece to ``(rows, gradient rows)``, rows unique local indices."""
         if self._torch is not None:
             for name in self.dense:
-                self.values[name].grad = dense[name]
+                self.values[name].grad = dense.get(name)  # (None: no worker's step reached it)
             self._torch.step()
             for name in self.dense:
                 self.values[name].grad = None

@@ -405,9 +405,11 @@ class Server:
             grads[piece.name] = values[at : at + n].view(shape) if n else torch.zeros(shape)
             at += n
         carried = 0 if values is None else values.numel()
-        if at != carried:
-            raise RuntimeError(f"parameter server: a push carried {carried} values, expected {at}")
-        return {"rows": rows, "grads": grads}
+        if at + len(self.pieces) != carried:
+            raise RuntimeError(f"parameter server: a push carried {carried} values, expected {at + len(self.pieces)}")
+        # A flag per piece closes the push: whether the worker's parameter had a gradient at all.
+        has = {piece.name: bool(values[at + i]) for i, piece in enumerate(self.pieces)}
+        return {"rows": rows, "grads": grads, "has": has}
 
     # ---------------------------------------------------------------- updates
     def _push(self, worker: int, step: int, grads: dict, weight: float | None = None) -> None:
@@ -463,14 +465,20 @@ class Server:
             if piece.sparse:
                 sparse[piece.name] = self._sum_rows(piece, [contributions[w] for w in order], scale if isinstance(
                     scale, float) else [scale[w] for w in order])
-            elif isinstance(scale, dict):
-                total = contributions[order[0]]["grads"][piece.name] * scale[order[0]]
-                for w in order[1:]:
+                continue
+            # The workers whose parameter had a gradient (the others' are zeros); with none, the
+            # optimizer leaves the piece alone (no momentum or Adam step on a gradient nobody computed).
+            givers = [w for w in order if contributions[w]["has"][piece.name]]
+            if not givers:
+                continue
+            if isinstance(scale, dict):
+                total = contributions[givers[0]]["grads"][piece.name] * scale[givers[0]]
+                for w in givers[1:]:
                     total.add_(contributions[w]["grads"][piece.name], alpha=scale[w])
                 dense[piece.name] = total
             else:
-                total = contributions[order[0]]["grads"][piece.name].clone()
-                for w in order[1:]:
+                total = contributions[givers[0]]["grads"][piece.name].clone()
+                for w in givers[1:]:
                     total.add_(contributions[w]["grads"][piece.name])
                 dense[piece.name] = total.mul_(scale)
         self.optim.step(dense, sparse)

@@ -135,7 +135,8 @@ class Worker:
 
     # ---------------------------------------------------------------- push
     def push(self, weight: float | None = None) -> None:
-        """Send the model's gradients of the current step to the servers (zeros where a gradient is None),
+        """Send the model's gradients of the current step to the servers (zeros where a gradient is None,
+        flagged so: a parameter no worker's step reached is left alone, as data parallelism leaves it),
         with what this worker's batch counts (`weight`, for ``sync``'s weighted mean; None: equal weights).
 
         A sparse table sends the rows of its last pull; without one, the rows its (sparse) gradient names,
@@ -149,12 +150,15 @@ class Worker:
         works, keep = [], []
         for server in self.servers:
             indices, local = self._indices(server, rows)
-            parts = [self._grad(piece, local.get(piece.name)) for piece in self.plan.pieces[server]]
-            values = torch.cat(parts) if parts else torch.empty(0)
+            pieces = self.plan.pieces[server]
+            parts = [self._grad(piece, local.get(piece.name)) for piece in pieces]
+            # Then a flag per piece: whether its parameter has a gradient (`ParameterServerCore._grads`).
+            parts.append(torch.tensor([float(self.params[piece.name].grad is not None) for piece in pieces]))
+            values = torch.cat(parts)
             works += [(server, w) for w in send_request(self.pg, server, Kind.PUSH, self.index, self.step, values,
                                                         indices, weight)]
             keep.append((values, indices))
-            self.traffic["push_values"] += 4 * values.numel()
+            self.traffic["push_values"] += 4 * (values.numel() - len(pieces))  # (the gradients: not the flags)
             self.traffic["push_indices"] += 0 if indices is None else 8 * indices.numel()
         self._wait(works, "push")
 

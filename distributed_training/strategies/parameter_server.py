@@ -234,6 +234,14 @@ class ParameterServerStrategy(Strategy):
         its settings for the servers."""
         built = super().setup_optimizer(optimizer, model)
         self._settings = server_optimizer(built)
+        held = {id(p) for group in built.param_groups for p in group["params"]}
+        module = getattr(model, "module", model)
+        left = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+        if left:  # (the same model and factory on every rank: every rank raises alike)
+            raise ValueError(f"strategy 'parameter_server': the optimizer leaves out {len(left)} of the model's "
+                             f"parameters that require a gradient (first: '{left[0]}'), but the servers train "
+                             "every parameter that requires one, with the optimizer's settings. To leave them "
+                             "untrained, set requires_grad=False on them; or give the optimizer all of them")
         return built
 
     # ------------------------------------------------------------ the parameter server
@@ -408,8 +416,10 @@ class ParameterServerStrategy(Strategy):
         return None if self.is_server or model.ps is None else model.ps.stop_signal
 
     @property
-    def wants_batch_count(self) -> bool:  # sync weighs each worker's gradient by its batch's count
-        return self.consistency == "sync"
+    def wants_batch_count(self) -> bool:
+        # sync weighs each worker's gradient by its batch's count; so does ssp at staleness 0, which
+        # waits for every worker's step as sync does (its servers' non-eager path): sync bit for bit.
+        return self.consistency == "sync" or (self.consistency == "ssp" and self.staleness == 0)
 
     def set_batch_count(self, model: ParameterServerModel, count: float | None) -> None:
         self._batch_count = count
