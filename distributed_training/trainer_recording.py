@@ -73,8 +73,7 @@ class StepRecording:
         if (self.dp_world_size < 2 or not self.strategy.replicas_meet or self.context.independent
                 or not isinstance(metrics.get("loss"), torch.Tensor)):
             return metrics
-        scale = self._replica_scale
-        factor = scale.value() if scale is not None else 1.0
+        factor = self._replica_scale if self._replica_scale is not None else 1.0
         total = metrics["loss"].detach().double() * factor
         with self._watched(f"the mean loss over the replicas after training step {self.step}"):
             dist.all_reduce(total, group=self.context.mesh.group("data"))

@@ -42,7 +42,7 @@ class TrainerState:
         # a resumed epoch replays its start from them, as an iterable that shuffles at its start drew.
         self._epoch_rng = None
         self._open_batches = None  # the epoch's loader iterator while fit runs (its workers stopped on an error)
-        self._replica_scale = None  # the last step's replica factor (`loss_weights.replica_scale`), if any
+        self._replica_scale = None  # the last step's replica factor's value (`loss_weights.replica_scale`), if any
         self._step_failed = False  # the last train_step raised: peers may be inside its collectives
         # time.monotonic() when this rank last finished collectives with its peers (a step, an evaluation, a
         # save, fit's agreements): how long it was away from them when a peer's connection is found closed

@@ -126,7 +126,6 @@ class Stepping:
             lambda i: (label_count(self.module, *micro_batches[i]) if criterion is None
                        else counted(criterion, targets[i], micro_batches[i][1])),
             group=self.context.mesh.group("data"), replicas=replicas, device=self.device, keep_counts=wants_count)
-        self._replica_scale = weights.scale  # (`_record_step`'s mean loss over the replicas on log steps)
         if wants_count:  # its servers weigh each worker's gradient by what its batch counts
             self.strategy.set_batch_count(self.model, batch_count(weighing, weights.counts))
         for k, (micro, _) in enumerate(micro_batches):
@@ -138,6 +137,9 @@ class Stepping:
             weighted = weights.reported(loss.detach().float(), k)
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
 
+        # This replica's factor, for the global loss on log steps (`_with_global_loss`): its value, already
+        # waited for by the backward, not the scale (whose all-reduce handle would keep the group alive).
+        self._replica_scale = weights.scale.value() if weights.scale is not None and micro_batches else None
         metrics: dict[str, torch.Tensor] = {"loss": loss_sum, **self.precision.metrics()}
         lr = torch.tensor(self.optimizer.param_groups[0]["lr"], dtype=torch.float64)  # the rate this step uses
         _, grad_norm = self.strategy.optimizer_step(self.model, self.optimizer, self.precision,

@@ -60,19 +60,16 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a wrapped module -> its DDP (weakly)
 
 
-def _check_not_wrapped(module: nn.Module) -> None:
-    """Refuse a module that a live `DDP` still holds with its gradient hooks: both wrappers would average
-    each gradient, the second after the first had started (its error then blamed a hook of the user's)."""
+def _take_over(module: nn.Module) -> None:
+    """A module that a live `DDP` still holds with its gradient hooks, wrapped again (``ddp = DDP(ddp.module)``
+    to rebuild it, another reducer): the new wrapper takes the module over. The old one's hooks go (both
+    would average each gradient, the second after the first had started: its error blamed a hook of the
+    user's), and its forward then raises rather than train without averaging."""
     ref = _wrappers.get(module)
-    if ref is None or ref() is None or not ref()._hook_handles:
-        return
-    import gc
-
-    gc.collect()  # (a wrapper dropped but still in a reference cycle is no longer live)
-    if ref() is not None and ref()._hook_handles:
-        raise ValueError("module is already wrapped by another DDP whose gradient hooks are still registered: both "
-                         "would average every gradient. Wrap a module once, or call the first wrapper's "
-                         "remove_hooks() (a trainer's close()) before wrapping it again")
+    old = ref() if ref is not None else None
+    if old is not None and old._hook_handles:
+        old.remove_hooks()
+        old._superseded = True
 
 
 class DDP(UnusedParameters, BucketLayout, CommTiming, nn.Module):
@@ -133,7 +130,7 @@ class DDP(UnusedParameters, BucketLayout, CommTiming, nn.Module):
             raise TypeError(f"DDP wraps an nn.Module, got {type(module).__name__}")
         if isinstance(module, DDP):
             raise TypeError("module is already wrapped in DDP")
-        _check_not_wrapped(module)
+        _take_over(module)
         if communication is not None and bucket_reducer is not None:
             raise ValueError("pass either communication= (a CommunicationOptimizer) or bucket_reducer=, not both")
         if communication is not None and not callable(communication):
@@ -217,6 +214,7 @@ class DDP(UnusedParameters, BucketLayout, CommTiming, nn.Module):
         self._shadowing = False
         self._comm_host_seconds, self._comm_count, self._comm_events = 0.0, 0, []
         self._comm_blocking_events: list = []  # (`CommTiming._add_blocking_comm`)
+        self._superseded = False  # another DDP took its module over (`_take_over`)
         self.measure_overlap = bool(measure_overlap)
         self._overlap = OverlapTimeline()
         # Reducers whose collectives read only tensors that outlive the handle (the bucket itself, or
@@ -232,6 +230,9 @@ class DDP(UnusedParameters, BucketLayout, CommTiming, nn.Module):
 
     # ----------------------------------------------------------------- public
     def forward(self, *args, **kwargs):
+        if self._superseded:
+            raise RuntimeError("this DDP's module was wrapped by another DDP since, which took over its gradient "
+                               "averaging: use the new wrapper (this one would no longer average)")
         self._before_forward()
         out = self.module(*args, **kwargs)
         self._hook_outputs(out)
