@@ -128,10 +128,11 @@ class EpochLoop(StepRecording):
                     has_batch = having == ranks
                     agreed = time.perf_counter()  # (its wait: a slower rank's fetch, not this one's work)
                     if 0 < having < ranks and self.context.is_main:
+                        who = self.strategy.member  # ("rank", or a parameter server's "worker")
                         warnings.warn(
                             f"fit(): epoch {self.epoch} ends at step {self.step}, where {ranks - having} of {ranks} "
-                            f"ranks' data ran out: the batches the other {having} still had are not trained in "
-                            "this epoch (every rank stops with the first to run out). Give each rank as many "
+                            f"{who}s' data ran out: the batches the other {having} still had are not trained in "
+                            f"this epoch (every {who} stops with the first to run out). Give each {who} as many "
                             "batches, or pass a map-style dataset, which fit shards exactly", stacklevel=4)
                 if not has_batch:
                     exhausted = True
