@@ -157,6 +157,7 @@ def run_job(cfg: JobConfig) -> dict:
             raise
         # A plan that does not fit the model is known once the model is built, on every rank alike.
         raise ConfigError(f"training.{err}") from None
+    trainer.checkpoint_notes = _notes(cfg)  # (a resume names those that changed)
     ctx = trainer.context
     finished = False  # an error on this rank: close without the barrier its peers would never reach
     held: list[int] = []  # signals held during the final evaluation and outputs (`stopping.finishing`)
@@ -368,6 +369,16 @@ def _already_complete(trainer, cfg: JobConfig, epochs: int) -> bool:
 def _resuming(trainer) -> bool:
     # Collective (every rank agrees), so no rank runs the batch size search while another skips it.
     return trainer.checkpoints is not None and trainer.resume and trainer.latest_checkpoint() is not None
+
+
+def _notes(cfg) -> dict:
+    """The config's model, data and loss fields that the trainer's own settings do not show, for its
+    checkpoints: a resume whose dataset or model arguments changed says so, as for the learning rate."""
+    m, d, loss = cfg.model, cfg.data, cfg.loss
+    fields = {"model.target": m.target, "model.kwargs": m.kwargs, "data.dataset": d.dataset, "data.root": d.root,
+              "data.target": d.target, "data.kwargs": d.kwargs, "data.collate": d.collate,
+              "data.collate_kwargs": d.collate_kwargs, "loss.target": loss.target, "loss.kwargs": loss.kwargs}
+    return {key: value for key, value in fields.items() if value not in (None, {})}
 
 
 def _step_logger(trainer):

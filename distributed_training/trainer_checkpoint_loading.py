@@ -154,6 +154,10 @@ class CheckpointLoading(HyperparameterRestore):
                     for key, value in self._fit_limits.items()
                     if "fit" in meta and key in meta["fit"] and meta["fit"][key] != value]
         changes += self._replicas_changed(meta)
+        if "notes" in meta:  # (a job's own settings: dtrain's model and data fields)
+            old, now = meta["notes"], self.checkpoint_notes
+            changes += [f"{key}: {old.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(old) | set(now))
+                        if key in old and key in now and old[key] != now[key]]
         # With a global batch, `fit` resolves the accumulation after loading (and says what it trains, and
         # what changed): the checkpoint's resolved value is not to be compared with the configured one.
         derived = ("gradient_accumulation_steps",) if self._fit_global_batch else ()

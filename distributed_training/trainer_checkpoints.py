@@ -242,6 +242,7 @@ class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
             "optimizer_hparams": self._configured_hparams,
             "fit": dict(self._fit_limits),
             "fit_derived": dict(self._fit_derived),  # which of those a job derived (dtrain's epochs)
+            "notes": dict(self.checkpoint_notes),  # a job's own settings (dtrain's model and data fields)
             "metrics": dict(metrics or {}),
             **self.strategy.shared_state(self.model),  # e.g. DDP's bucket layout
         }

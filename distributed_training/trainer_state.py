@@ -87,6 +87,9 @@ class TrainerState:
         #: Limits a caller derived rather than was given (dtrain: epochs from max_steps), with the reason:
         #: a resume lists their change with it, not as a change the user made.
         self._fit_derived: dict[str, str] = {}
+        #: What a job says of itself beyond the trainer's arguments (dtrain: its model and data fields), saved
+        #: in each checkpoint's meta; a resume names the notes that changed since (`_notes_changed`).
+        self.checkpoint_notes: dict[str, Any] = {}
         # Whether the `fit` in progress sets the accumulation from a global batch (`_adopt_global_batch`):
         # then a resume does not compare the configured gradient_accumulation_steps with the checkpoint's.
         self._fit_global_batch = False

@@ -413,3 +413,37 @@ def test_config_overrides_without_a_value_and_misspelt_fields_are_named():
     with pytest.raises(ConfigError, match=r"unknown field training.epcohs \(did you mean training.epochs\?\)"):
         load_config(yaml, ["training.epcohs=3"])
     assert load_config(yaml, ["training.max_steps=null"]).training.max_steps is None
+
+
+def _notes_resumed(rank, world, directory):
+    import logging
+
+    from distributed_training.logs import get_logger
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    get_logger().addHandler(handler)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 2))
+    try:
+        for n, steps in ((200, 2), (400, 4)):
+            torch.manual_seed(0)
+            trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                         checkpoint_dir=directory, checkpoint_every=2)
+            trainer.checkpoint_notes = {"data.kwargs": {"n": n}, "model.target": "mine:Net"}
+            trainer.fit(data, criterion=F.mse_loss, batch_size=4, max_steps=steps)
+            trainer.close()
+    finally:
+        get_logger().removeHandler(handler)
+    return [m for m in seen if "configuration changed" in m]
+
+
+@pytest.mark.timeout(60)
+def test_a_resume_names_a_jobs_own_settings_that_changed(tmp_path):
+    # dtrain resumed with data.kwargs n: 200 -> 400 (twice the data: another epoch length and data position)
+    # and said only what the trainer's own arguments show (trial C).
+    from distributed_training.testing import run_distributed
+
+    [said] = run_distributed(_notes_resumed, 1, args=(str(tmp_path / "ckpt"),), timeout=50)
+    assert len(said) == 1 and "data.kwargs: {'n': 200} -> {'n': 400}" in said[0], said
+    assert "model.target" not in said[0], said
