@@ -145,11 +145,7 @@ class CommTiming:
             self._comm_host_seconds += time.perf_counter() - start
             self._comm_count += 1
         else:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._comm_events.append((start, end))
-            if len(self._comm_events) > 256:  # nobody is reading them: keep a bounded recent window
-                del self._comm_events[:128]
+            _close_span(start, self._comm_events)
 
     def _add_blocking_comm(self, start) -> None:
         """A bucket reducer that communicated inside its call (ring / tree / hierarchical patterns, which
@@ -160,11 +156,7 @@ class CommTiming:
         if isinstance(start, float):
             self._comm_host_seconds += time.perf_counter() - start
         else:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._comm_blocking_events.append((start, end))
-            if len(self._comm_blocking_events) > 4096:  # nobody is reading them: keep a bounded recent window
-                del self._comm_blocking_events[:2048]
+            _close_span(start, self._comm_blocking_events)
 
     def pop_exposed_comm_seconds(self) -> tuple[float, int]:
         """(seconds, backward passes) of communication left exposed since the last call: the time the
@@ -190,3 +182,13 @@ class CommTiming:
         (of it, after backward's last gradient), ``hidden_s`` and ``hidden_fraction``, ``passes``.
         On CUDA this waits for the recorded events: call it when logging, not every step."""
         return self._overlap.pop()
+
+
+def _close_span(start: torch.cuda.Event, spans: list, keep: int = 4096) -> None:
+    """End a span begun by the CUDA event `start` now, on the current stream, and keep it in `spans`
+    (a bounded recent window: nobody may be reading them)."""
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    spans.append((start, end))
+    if len(spans) > keep:
+        del spans[:keep // 2]
