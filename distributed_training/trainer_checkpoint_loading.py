@@ -39,6 +39,11 @@ def _pipeline_change(saved: dict, now: dict) -> str:
     return f"pipeline_parallel_size: {said(saved)} -> {said(now)}"
 
 
+def _note(notes: dict, key: str) -> str:
+    """One of a job's own notes as a resume's change list says it; a note the job did not keep is "(none)"."""
+    return repr(notes[key]) if key in notes else "(none)"
+
+
 #: What a failed load raises on every rank: the type the failing rank met.
 _LOAD_ERRORS = {cls.__name__: cls for cls in (CheckpointCorruptError, CheckpointMismatchError, FileNotFoundError,
                                               OSError, RuntimeError, ValueError, KeyError)}
@@ -154,10 +159,10 @@ class CheckpointLoading(HyperparameterRestore):
                     for key, value in self._fit_limits.items()
                     if "fit" in meta and key in meta["fit"] and meta["fit"][key] != value]
         changes += self._replicas_changed(meta)
-        if "notes" in meta:  # (a job's own settings: dtrain's model and data fields)
-            old, now = meta["notes"], self.checkpoint_notes
-            changes += [f"{key}: {old.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(old) | set(now))
-                        if key in old and key in now and old[key] != now[key]]
+        if meta.get("notes") and self.checkpoint_notes:  # (a job's own settings: dtrain's model and data fields)
+            old, now = meta["notes"], self.checkpoint_notes  # a note added or dropped since counts as a change
+            changes += [f"{key}: {_note(old, key)} -> {_note(now, key)}" for key in sorted(old.keys() | now.keys())
+                        if _note(old, key) != _note(now, key)]
         # With a global batch, `fit` resolves the accumulation after loading (and says what it trains, and
         # what changed): the checkpoint's resolved value is not to be compared with the configured one.
         derived = ("gradient_accumulation_steps",) if self._fit_global_batch else ()

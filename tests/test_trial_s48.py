@@ -426,11 +426,13 @@ def _notes_resumed(rank, world, directory):
     get_logger().addHandler(handler)
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 2))
     try:
-        for n, steps in ((200, 2), (400, 4)):
+        kept = {"data.kwargs": {"n": 200}, "model.target": "mine:Net"}
+        for notes, steps in ((kept, 2), ({**kept, "data.kwargs": {"n": 400}}, 4),
+                             ({"data.kwargs": {"n": 400}, "loss.target": "mine:loss"}, 6)):
             torch.manual_seed(0)
             trainer = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
                                          checkpoint_dir=directory, checkpoint_every=2)
-            trainer.checkpoint_notes = {"data.kwargs": {"n": n}, "model.target": "mine:Net"}
+            trainer.checkpoint_notes = notes
             trainer.fit(data, criterion=F.mse_loss, batch_size=4, max_steps=steps)
             trainer.close()
     finally:
@@ -445,5 +447,8 @@ def test_a_resume_names_a_jobs_own_settings_that_changed(tmp_path):
     from distributed_training.testing import run_distributed
 
     [said] = run_distributed(_notes_resumed, 1, args=(str(tmp_path / "ckpt"),), timeout=50)
-    assert len(said) == 1 and "data.kwargs: {'n': 200} -> {'n': 400}" in said[0], said
+    assert len(said) == 2 and "data.kwargs: {'n': 200} -> {'n': 400}" in said[0], said
     assert "model.target" not in said[0], said
+    # A note dropped or added since the checkpoint is a change too (session 48's review).
+    assert "loss.target: (none) -> 'mine:loss'" in said[1] and "model.target: 'mine:Net' -> (none)" in said[1], said
+    assert "data.kwargs" not in said[1], said
