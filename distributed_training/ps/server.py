@@ -1,4 +1,5 @@
-"""A server's loop: receive pushes and pulls from any worker, apply updates, answer pulls when allowed.
+"""A server's loop: receive pushes and pulls from any worker, apply updates, answer pulls when allowed
+(how a push decodes and how pushes combine into one update: `update`).
 
 State: the fp32 values of this server's pieces, their optimizer state, the version (updates applied so
 far), the version each worker last pulled, the steps each worker has pushed, and, in `sync` (and `ssp`
@@ -59,6 +60,7 @@ import torch.distributed as dist
 from .optim import ShardOptimizer
 from .protocol import STOP_WORKER, Kind, Outbox, WorkerLostError, close_connections, process_group, recv_request
 from .sharding import Piece
+from .update import combine, split_push, split_rows
 
 __all__ = ["Server", "ServerStats"]
 
@@ -197,11 +199,13 @@ class Server:
                     if kind == Kind.PUSH:
                         self.pushed[worker] = step + 1
                         if self.failure is None:
-                            self._push(worker, step, self._grads(self._rows(indices), values), weight)
+                            rows = split_rows(self.sparse_pieces, indices)
+                            self._push(worker, step, split_push(self.pieces, rows, values), weight)
                     elif kind in (Kind.PULL, Kind.FINAL):
                         if kind == Kind.FINAL:
                             self.finished.add(worker)
-                        self.waiting.append(_Pull(worker, step, self._rows(indices), kind == Kind.FINAL))
+                        rows = split_rows(self.sparse_pieces, indices)
+                        self.waiting.append(_Pull(worker, step, rows, kind == Kind.FINAL))
                         if kind == Kind.PULL and not self._allowed(self.waiting[-1]):
                             self.stats.pulls_delayed += 1
                     else:
@@ -378,39 +382,6 @@ class Server:
         if self.failure is not None:
             self.told.add(worker)
 
-    # ---------------------------------------------------------------- decoding
-    def _rows(self, indices: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
-        """Rows of each sparse piece named by a request (None: all rows)."""
-        k = len(self.sparse_pieces)
-        if k == 0:
-            return {}
-        if indices is None or indices.numel() < k:
-            raise RuntimeError(f"parameter server: a request lacks the row counts of {k} sparse piece(s)")
-        counts, rows, at = indices[:k].tolist(), {}, k
-        for piece, count in zip(self.sparse_pieces, counts):
-            if count < 0:
-                rows[piece.name] = None
-            else:
-                rows[piece.name] = indices[at : at + count]
-                at += count
-        return rows
-
-    def _grads(self, rows: dict[str, torch.Tensor | None], values: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Split a push's values into each piece's gradient (rows of it for a sparse piece)."""
-        grads, at = {}, 0
-        for piece in self.pieces:
-            picked = rows.get(piece.name)
-            n = piece.numel if picked is None else picked.numel() * piece.row_numel
-            shape = piece.local_shape if picked is None else (picked.numel(), *piece.local_shape[1:])
-            grads[piece.name] = values[at : at + n].view(shape) if n else torch.zeros(shape)
-            at += n
-        carried = 0 if values is None else values.numel()
-        if at + len(self.pieces) != carried:
-            raise RuntimeError(f"parameter server: a push carried {carried} values, expected {at + len(self.pieces)}")
-        # A flag per piece closes the push: whether the worker's parameter had a gradient at all.
-        has = {piece.name: bool(values[at + i]) for i, piece in enumerate(self.pieces)}
-        return {"rows": rows, "grads": grads, "has": has}
-
     # ---------------------------------------------------------------- updates
     def _push(self, worker: int, step: int, grads: dict, weight: float | None = None) -> None:
         if self.eager:
@@ -456,50 +427,13 @@ class Server:
 
     def _update(self, contributions: dict[int, dict], staleness: dict[int, int], step: int,
                 scale: float | dict[int, float]) -> None:
-        """One optimizer update from the gradients of `contributions` (worker -> its push), summed in
-        worker order and multiplied by `scale` (or each by its worker's, a dict); `staleness`: each one's,
-        for the statistics."""
-        order = sorted(contributions)
-        dense, sparse = {}, {}
-        for piece in self.pieces:
-            if piece.sparse:
-                sparse[piece.name] = self._sum_rows(piece, [contributions[w] for w in order], scale if isinstance(
-                    scale, float) else [scale[w] for w in order])
-                continue
-            # The workers whose parameter had a gradient (the others' are zeros); with none, the
-            # optimizer leaves the piece alone (no momentum or Adam step on a gradient nobody computed).
-            givers = [w for w in order if contributions[w]["has"][piece.name]]
-            if not givers:
-                continue
-            if isinstance(scale, dict):
-                total = contributions[givers[0]]["grads"][piece.name] * scale[givers[0]]
-                for w in givers[1:]:
-                    total.add_(contributions[w]["grads"][piece.name], alpha=scale[w])
-                dense[piece.name] = total
-            else:
-                total = contributions[givers[0]]["grads"][piece.name].clone()
-                for w in givers[1:]:
-                    total.add_(contributions[w]["grads"][piece.name])
-                dense[piece.name] = total.mul_(scale)
+        """One optimizer update from the pushes of `contributions` (worker -> its push; `combine`, scaled
+        by `scale` or each by its worker's, a dict); `staleness`: each one's, for the statistics."""
+        dense, sparse = combine(self.pieces, contributions, scale)
         self.optim.step(dense, sparse)
-        for w in order:
+        for w in sorted(contributions):
             self.stats.staleness.append((w, step, staleness[w]))
         self.version += 1
-
-    @staticmethod
-    def _sum_rows(piece: Piece, pushes: list[dict], scale: float | list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(unique rows, their summed gradient x scale) of a sparse piece over several pushes (`scale` a
-        list: each push's own)."""
-        rows = torch.cat([torch.arange(piece.rows) if p["rows"].get(piece.name) is None else p["rows"][piece.name]
-                          for p in pushes])
-        if isinstance(scale, list):
-            grads = torch.cat([p["grads"][piece.name] * s for p, s in zip(pushes, scale)])
-        else:
-            grads = torch.cat([p["grads"][piece.name] for p in pushes])
-        unique, inverse = torch.unique(rows, return_inverse=True)
-        total = torch.zeros((unique.numel(), *piece.local_shape[1:]))
-        total.index_add_(0, inverse, grads)
-        return unique, total if isinstance(scale, list) else total.mul_(scale)
 
     # ---------------------------------------------------------------- pulls
     def _allowed(self, pull: _Pull) -> bool:

@@ -152,7 +152,7 @@ class Worker:
             indices, local = self._indices(server, rows)
             pieces = self.plan.pieces[server]
             parts = [self._grad(piece, local.get(piece.name)) for piece in pieces]
-            # Then a flag per piece: whether its parameter has a gradient (`ParameterServerCore._grads`).
+            # Then a flag per piece: whether its parameter has a gradient (`update.split_push`).
             parts.append(torch.tensor([float(self.params[piece.name].grad is not None) for piece in pieces]))
             values = torch.cat(parts)
             works += [(server, w) for w in send_request(self.pg, server, Kind.PUSH, self.index, self.step, values,
