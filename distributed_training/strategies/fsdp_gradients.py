@@ -39,7 +39,9 @@ class FSDPGradients:
     def _on_unit_grad(self, unit: Unit) -> None:
         self._queue_finish()
         if not self._sync_enabled:
-            # no_sync: keep the full gradient; autograd accumulates into it next time.
+            # no_sync: keep the full gradient; autograd accumulates into it next time (or, with a wider
+            # reduce dtype, we add it to the unit's sum in that dtype).
+            self._hold_in_reduce_dtype(unit)
             if not unit.is_root and not self._hold_until_sync:
                 self._reshard(unit)
             return
@@ -47,10 +49,32 @@ class FSDPGradients:
         if not unit.is_root:
             self._reshard(unit)
 
+    def _hold_in_reduce_dtype(self, unit: Unit) -> None:
+        """Under `no_sync`, where gradients are reduced in a wider dtype than the gathered parameters':
+        add the unit's full gradient to its sum in the reduce dtype (`Unit.held_grad`), as the reduction
+        would sum replicas, so that accumulating many micro-batches rounds once, not at each add."""
+        grad = unit.full.grad
+        if grad is None or self._reduce_dtype is None or grad.dtype == self._reduce_dtype:
+            return
+        if unit.held_grad is None:
+            unit.held_grad = grad.to(self._reduce_dtype)
+        else:
+            unit.held_grad.add_(grad)
+        unit.full.grad = None
+
+    def _accumulated(self, unit: Unit) -> torch.Tensor | None:
+        """The unit's whole accumulated full gradient as one tensor (its `held_grad` with the latest
+        pass's added), or None without one; the unit's `held_grad` is let go."""
+        self._hold_in_reduce_dtype(unit)
+        held, unit.held_grad = unit.held_grad, None
+        if held is not None:
+            return held
+        return unit.full.grad
+
     def _reduce_unit(self, unit: Unit) -> None:
         """Start the reduce-scatter of the unit's full gradient into this rank's piece (pending until
         `_finish_backward`), and drop the full gradient."""
-        grad = unit.full.grad
+        grad = self._accumulated(unit)
         if self._reduce_dtype is not None and grad.dtype != self._reduce_dtype:
             grad = grad.to(self._reduce_dtype)
         out = torch.empty(unit.padded // self.shard_world, dtype=grad.dtype, device=grad.device)
@@ -128,6 +152,7 @@ class FSDPGradients:
         """Forget the units' full gradients that backward passes under `no_sync` accumulated."""
         for unit in self._units:
             unit.full.grad = None
+            unit.held_grad = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -152,7 +177,7 @@ class FSDPGradients:
             raise RuntimeError("sync_gradients() called during a synchronised backward pass; call it after backward, "
                                "with the backward passes run under no_sync()")
         for unit in self._units:
-            if unit.full.requires_grad and unit.full.grad is not None:
+            if unit.full.requires_grad and (unit.full.grad is not None or unit.held_grad is not None):
                 self._reduce_unit(unit)
         self._finish_backward(reshard=True)
 

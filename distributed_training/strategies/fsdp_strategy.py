@@ -127,9 +127,15 @@ class FSDPStrategy(Strategy):
         for unit in model._units:
             for info in unit.infos:
                 if name in info.fqns:
-                    if unit.full.grad is None:
-                        unit.full.grad = torch.zeros_like(unit.full)
-                    return unit.full.grad[info.offset:info.offset + info.numel].view(info.shape)
+                    # (in the reduce dtype where that is wider: the unit's whole sum, `FSDP._accumulated`)
+                    grad = model._accumulated(unit)
+                    if grad is None:
+                        grad = torch.zeros_like(unit.full, dtype=model._reduce_dtype or unit.full.dtype)
+                    if grad.dtype == unit.full.dtype:
+                        unit.full.grad = grad
+                    else:
+                        unit.held_grad = grad
+                    return grad[info.offset:info.offset + info.numel].view(info.shape)
         raise KeyError(f"the wrapped module has no parameter {name!r}")
 
     def gradient_norm_squares(self, model: FSDP, skip: frozenset[str] = frozenset()) -> torch.Tensor:

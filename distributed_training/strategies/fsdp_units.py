@@ -47,6 +47,10 @@ class Unit:
     gather_work: Any = None
     gather_src: torch.Tensor | None = None  # the all-gather's input (a cast copy of the shard), alive until waited for
     hooks: list = field(default_factory=list)
+    #: under `no_sync` with gradients reduced in a wider dtype than the gathered parameters' (bf16 weights,
+    #: fp32 reduction): the accumulated full gradient, kept in the reduce dtype (autograd's adds would round
+    #: each micro-batch's sum to the narrow one)
+    held_grad: torch.Tensor | None = None
 
 
 def free_storage(t: torch.Tensor) -> None:

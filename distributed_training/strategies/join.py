@@ -199,8 +199,7 @@ class Join:
         for p in self.model.parameters():
             p.grad = None
         if isinstance(self.model, FSDP):
-            for unit in self.model._units:
-                unit.full.grad = None  # what no_sync() accumulated
+            self.model.drop_accumulated_gradients()  # what no_sync() accumulated
 
     @torch.no_grad()
     def _sync_replicas_from(self, src: int) -> None:
