@@ -1,5 +1,6 @@
 """distributed_training: data, pipeline and tensor parallelism from scratch on torch.distributed collectives."""
 
+from .amp import DynamicLossScaler
 from .comm.optimizer import CommunicationOptimizer
 from .hangs import CollectiveTimeoutError
 from .mesh import Mesh
@@ -17,6 +18,7 @@ __all__ = [
     "DDPStrategy",
     "DistributedContext",
     "DistributedTrainer",
+    "DynamicLossScaler",
     "FSDP",
     "FSDPStrategy",
     "Join",

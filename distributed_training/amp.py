@@ -50,8 +50,13 @@ class DynamicLossScaler:
         backoff_factor: multiply the scale by this on overflow (0.5).
         growth_interval: clean steps between growths (2000).
         min_scale: the scale never drops below this (1).
-        hysteresis: overflows tolerated (each still skips its step) before the scale backs off (1).
+        hysteresis: overflows tolerated (each still skips its step) before the scale backs off (1); the
+            count starts again when the scale changes, not at each clean step (as Megatron-LM's and
+            DeepSpeed's default), so that overflows every other step still back off.
         group: the process group whose ranks must agree (default: all).
+
+    Its `state_dict` carries its settings too; a resume keeps the settings given now and the trainer
+    names those that changed.
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -127,21 +132,38 @@ class DynamicLossScaler:
                 self._overflows_left = self.hysteresis
         else:
             self._clean_steps += 1
-            self._overflows_left = self.hysteresis
             if self._clean_steps >= self.growth_interval:
                 self.scale *= self.growth_factor
                 self._clean_steps = 0
+                self._overflows_left = self.hysteresis
         self._unscaled = False
         self.found_inf = False
 
+    def settings(self) -> dict[str, float | int]:
+        """The arguments that shape the scale's course (``init_scale`` aside: a state replaces it)."""
+        return {"growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "min_scale": self.min_scale, "hysteresis": self.hysteresis}
+
+    def changed_settings(self, state: dict[str, Any] | None) -> list[str]:
+        """``"loss_scaler.<setting>: saved -> now"`` for each setting of `state` (a `state_dict`) that
+        differs from this scaler's."""
+        saved = (state or {}).get("settings") or {}
+        return [f"loss_scaler.{key}: {saved[key]} -> {value}" for key, value in self.settings().items()
+                if key in saved and saved[key] != value]
+
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale, "clean_steps": self._clean_steps, "overflows_left": self._overflows_left,
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps, "settings": self.settings()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale = float(state["scale"])
-        self._clean_steps = int(state["clean_steps"])
-        self._overflows_left = int(state["overflows_left"])
+        """Take a `state_dict`'s scale and counts; this scaler's settings stay (a smaller `hysteresis`
+        bounds the overflows still tolerated, a smaller `growth_interval` the clean steps counted)."""
+        self.scale = max(float(state["scale"]), self.min_scale)
+        self._clean_steps = min(int(state["clean_steps"]), self.growth_interval - 1)
+        saved = state.get("settings") or {}
+        # (counted under another hysteresis: the count starts again)
+        self._overflows_left = self.hysteresis if saved.get("hysteresis", self.hysteresis) != self.hysteresis \
+            else min(int(state["overflows_left"]), self.hysteresis)
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 

@@ -180,6 +180,8 @@ class CheckpointLoading(HyperparameterRestore):
             changes += [f"{key}: {saved.get(key, default)} -> {self.config.get(key, default)}"
                         for key, default in _TENSOR_DEFAULTS.items()
                         if (key in saved) != (key in self.config) and saved.get(key, default) != self.config.get(key, default)]
+        if self.precision.scaler is not None:  # fp16's loss scaler: its settings given now apply
+            changes += self.precision.scaler.changed_settings(meta.get("loss_scaler"))
         if changes and ctx.is_main:
             log.warning("the configuration changed since checkpoint %s was written; the new values apply: %s", path,
                          "; ".join(changes))

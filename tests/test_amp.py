@@ -40,9 +40,37 @@ def test_scaler_state_machine():
         step(torch.full((3,), float("inf")))
     assert s.scale == 2.0**14  # never below min_scale
     assert s.skipped_steps == 8
-    restored = DynamicLossScaler()
+    restored = DynamicLossScaler(growth_interval=3, hysteresis=2, min_scale=2.0**14)
     restored.load_state_dict(s.state_dict())
     assert restored.scale == s.scale and restored.state_dict() == s.state_dict()
+    assert restored.changed_settings(s.state_dict()) == []
+    other = DynamicLossScaler(growth_interval=2000, hysteresis=3)
+    assert other.changed_settings(s.state_dict()) == ["loss_scaler.growth_interval: 3 -> 2000",
+                                                      "loss_scaler.min_scale: 16384.0 -> 1.0",
+                                                      "loss_scaler.hysteresis: 2 -> 3"]
+
+
+def test_hysteresis_counts_overflows_between_clean_steps():
+    # Overflow, clean, overflow, ...: each clean step gave the tolerance back, so with hysteresis 2 the scale
+    # never backed off while half the steps were skipped (trial E). As Megatron-LM's and DeepSpeed's default:
+    # the count starts again when the scale changes.
+    s = DynamicLossScaler(init_scale=1024.0, growth_interval=100, hysteresis=2)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scales = []
+    for k in range(10):
+        p.grad = torch.full((3,), float("inf") if k % 2 == 0 else 1.0)
+        s.step(opt, [p.grad])
+        scales.append(s.scale)
+    assert scales == [1024.0, 1024.0, 512.0, 512.0, 512.0, 512.0, 256.0, 256.0, 256.0, 256.0]
+    assert s.skipped_steps == 5
+    grown = DynamicLossScaler(init_scale=8.0, growth_interval=1, hysteresis=2)
+    for grad in (float("inf"), 1.0):  # one overflow tolerated, then a growth: the count starts again
+        p.grad = torch.full((3,), grad)
+        grown.step(opt, [p.grad])
+    p.grad = torch.full((3,), float("inf"))
+    grown.step(opt, [p.grad])
+    assert grown.scale == 16.0
 
 
 def test_unscale_divides_and_detects():

@@ -61,3 +61,42 @@ def test_fsdp_accumulates_no_sync_gradients_in_the_reduce_dtype(finish):
     for ours, bf16_sum in run_distributed(_bf16_accumulation, 2, args=(finish,), timeout=80):
         assert bf16_sum > 1e-5  # (summing in bf16 would show)
         assert ours < 1e-7, ours
+
+
+# ------------------------------------------------------------------ the loss scaler's settings on resume
+def _scaler_resumed(rank, world, directory):
+    import logging
+
+    from distributed_training import DistributedTrainer, DynamicLossScaler
+    from distributed_training.logs import get_logger
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    get_logger().addHandler(handler)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 2))
+    scalers = []
+    try:
+        for interval, hysteresis, steps in ((2, 1, 2), (2000, 3, 4)):
+            torch.manual_seed(0)
+            scaler = DynamicLossScaler(init_scale=256.0, growth_interval=interval, hysteresis=hysteresis)
+            trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                         mixed_precision="fp16", loss_scaler=scaler, checkpoint_dir=directory,
+                                         checkpoint_every=2)
+            trainer.fit(data, criterion=F.mse_loss, batch_size=4, max_steps=steps)
+            scalers.append(scaler.state_dict())
+            trainer.close()
+    finally:
+        get_logger().removeHandler(handler)
+    return [m for m in seen if "configuration changed" in m], scalers
+
+
+@pytest.mark.timeout(90)
+def test_a_resume_names_the_loss_scalers_changed_settings(tmp_path):
+    # Saved with growth_interval=2, resumed with 2000 and hysteresis 3: the new settings took over without a
+    # word (trial E); torch's GradScaler keeps its settings in its state too.
+    [(said, scalers)] = run_distributed(_scaler_resumed, 1, args=(str(tmp_path / "ckpt"),), timeout=80)
+    assert scalers[0]["scale"] == 512.0  # (grew once: after two clean steps)
+    assert len(said) == 1, said
+    assert "loss_scaler.growth_interval: 2 -> 2000" in said[0] and "loss_scaler.hysteresis: 1 -> 3" in said[0], said
+    assert scalers[1]["settings"]["growth_interval"] == 2000 and scalers[1]["overflows_left"] == 3
