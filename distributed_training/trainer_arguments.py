@@ -8,10 +8,12 @@ import re
 import warnings
 from typing import Any
 
+import torch
+
 from .amp import check_precision_argument
 
 __all__ = ["check_arguments", "check_optimizer", "check_optimizer_after_setup", "check_parallel_arguments",
-           "check_optimizer_layout", "check_same_options", "check_scheduler"]
+           "check_optimizer_layout", "check_precision_with_strategy", "check_same_options", "check_scheduler"]
 
 
 def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat_timeout, mixed_precision,
@@ -24,7 +26,8 @@ def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat
                         f"{type(lr_scheduler).__name__} built already, over an optimizer the trainer does not step")
     if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
-    if gradient_clip_val is not None and not gradient_clip_val > 0:
+    if gradient_clip_val is not None and (isinstance(gradient_clip_val, bool) or
+                                          not isinstance(gradient_clip_val, (int, float)) or not gradient_clip_val > 0):
         raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}")
     if heartbeat_timeout is not None and (isinstance(heartbeat_timeout, bool) or
                                           not isinstance(heartbeat_timeout, (int, float)) or
@@ -281,3 +284,18 @@ def check_optimizer_layout(optimizer: Any, module: Any, tensor_parallel: bool) -
         warnings.warn(f"optimizer {name} computes with each tensor's shape or whole norm, but under {where} it is "
                       "handed slices: it then runs another algorithm than on one process, silently. Use DDP, or "
                       "an elementwise optimizer (SGD, Adam, AdamW, ...)", stacklevel=4)
+
+
+def check_precision_with_strategy(strategy, mixed_precision: str | None) -> None:
+    """The trainer's autocast (``mixed_precision=``) and an `FSDPStrategy`'s own ``MixedPrecision(param_dtype=)``
+    name one compute dtype, or only one of them is given (two would fail at the first normalization layer)."""
+    from .strategies.fsdp_strategy import FSDPStrategy
+
+    fsdp_mp = getattr(strategy, "fsdp_kwargs", {}).get("mixed_precision") if isinstance(strategy, FSDPStrategy) else None
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision or "fp32")
+    if fsdp_mp is not None and fsdp_mp.param_dtype is not None and autocast is not None \
+            and fsdp_mp.param_dtype != autocast:
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} (autocast in {autocast}) and FSDPStrategy(mixed_precision="
+            f"MixedPrecision(param_dtype={fsdp_mp.param_dtype})) ask for two compute dtypes: give one of them (the "
+            "trainer's autocast keeps fp32 master weights either way; FSDP's param_dtype also gathers in it)")

@@ -100,3 +100,25 @@ def test_a_resume_names_the_loss_scalers_changed_settings(tmp_path):
     assert len(said) == 1, said
     assert "loss_scaler.growth_interval: 2 -> 2000" in said[0] and "loss_scaler.hysteresis: 1 -> 3" in said[0], said
     assert scalers[1]["settings"]["growth_interval"] == 2000 and scalers[1]["overflows_left"] == 3
+
+
+# ------------------------------------------------------------------ precision arguments named
+def test_precision_arguments_are_named():
+    # gradient_clip_val="1.0" raised "'>' not supported between 'str' and 'int'"; MixedPrecision("bf16") raised
+    # in torch.empty at the first gather; FSDP's bf16 weights under the trainer's fp16 autocast failed at the
+    # first LayerNorm ("mixed dtype (CPU)") (trial E).
+    from distributed_training import DistributedTrainer, FSDPStrategy, MixedPrecision
+
+    def build(**kwargs):
+        return DistributedTrainer(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)),
+                                  lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False, **kwargs)
+
+    with pytest.raises(ValueError, match=r"gradient_clip_val must be positive or None, got '1.0'"):
+        build(gradient_clip_val="1.0")
+    assert MixedPrecision("bf16", "float32") == MixedPrecision(torch.bfloat16, torch.float32)
+    with pytest.raises(TypeError, match=r"MixedPrecision\(reduce_dtype=\) takes a floating-point torch.dtype"):
+        MixedPrecision(torch.bfloat16, "half")
+    fsdp_bf16 = FSDPStrategy(mixed_precision=MixedPrecision(torch.bfloat16, torch.float32))
+    with pytest.raises(ValueError, match=r"mixed_precision='fp16' \(autocast in torch.float16\) and FSDPStrategy\("
+                                         r"mixed_precision=MixedPrecision\(param_dtype=torch.bfloat16\)\) ask for two"):
+        build(strategy=fsdp_bf16, mixed_precision="fp16")

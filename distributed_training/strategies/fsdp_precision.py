@@ -25,6 +25,19 @@ class MixedPrecision:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
 
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype"):  # a name ("bf16", "float32") is taken as its dtype
+            value = getattr(self, field)
+            if isinstance(value, str) and value.lower() in _DTYPES:
+                object.__setattr__(self, field, _DTYPES[value.lower()])
+            elif value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(f"MixedPrecision({field}=) takes a floating-point torch.dtype (torch.bfloat16) or "
+                                f"one of {', '.join(repr(k) for k in _DTYPES)}, got {value!r}")
+
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
 
 def refuse_low_precision_batchnorm(module: nn.Module, dtype: torch.dtype) -> None:
     """`MixedPrecision(param_dtype)` computes every parameter in `dtype`: a BatchNorm's weight too, while its
