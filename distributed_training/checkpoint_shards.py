@@ -35,7 +35,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 __all__ = ["FORMAT", "Piece", "Holding", "StateLayout", "whole_tensors", "flat_pieces", "pack", "summary",
-           "extra_states", "load_extra_states", "build_index", "check_shapes", "Sources", "unpack_params", "unpack_optimizer"]
+           "extra_states", "load_extra_states", "extra_state_key", "modules_with_extra_state", "read_extra_state",
+           "build_index", "check_shapes", "Sources", "unpack_params", "unpack_optimizer"]
 
 #: The value of ``checkpoint_format`` in ``meta.pt``. Strided pieces did not change it: a file without
 #: them is written exactly as before, and every file written before reads the same way.
@@ -424,12 +425,10 @@ def extra_states(module: torch.nn.Module) -> dict[str, Any]:
     import copy
     import warnings
 
-    base, out = torch.nn.Module.get_extra_state, {}
-    for name, m in module.named_modules():
-        if type(m).get_extra_state is base:
-            continue
-        key = f"{name}._extra_state" if name else "_extra_state"
-        value = m.get_extra_state()
+    out = {}
+    for name, m in modules_with_extra_state(module):
+        key = extra_state_key(name)
+        value = read_extra_state(name, m)
         if _plain(value):
             out[key] = copy.deepcopy(value)
         else:
@@ -451,6 +450,27 @@ def _plain(value: Any) -> bool:
 def load_extra_states(module: torch.nn.Module, states: dict[str, Any]) -> None:
     """Give `module`'s submodules back what `extra_states` took (``set_extra_state``), by key."""
     for name, m in module.named_modules():
-        key = f"{name}._extra_state" if name else "_extra_state"
-        if key in states:
-            m.set_extra_state(states[key])
+        if extra_state_key(name) in states:
+            m.set_extra_state(states[extra_state_key(name)])
+
+
+def extra_state_key(name: str) -> str:
+    """The state-dict key of submodule `name`'s extra state."""
+    return f"{name}._extra_state" if name else "_extra_state"
+
+
+def read_extra_state(name: str, module: torch.nn.Module) -> Any:
+    """``module.get_extra_state()``; an error says which module's, and that under ZeRO-2/3 / FSDP the
+    weights it might read are freed between steps."""
+    try:
+        return module.get_extra_state()
+    except Exception as err:
+        raise RuntimeError(f"{extra_state_key(name)}: {type(module).__name__}.get_extra_state() raised "
+                           f"{type(err).__name__}: {err} (under ZeRO-2/3 / FSDP a module's weights are freed between "
+                           "steps: extra state must not read them)") from err
+
+
+def modules_with_extra_state(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The submodules that keep extra state (``get_extra_state`` overridden), with their names."""
+    base = torch.nn.Module.get_extra_state
+    return [(name, m) for name, m in module.named_modules() if type(m).get_extra_state is not base]

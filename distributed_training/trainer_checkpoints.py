@@ -27,7 +27,8 @@ from .checkpoint import rng_state, save_file, write_meta
 from .checkpoint_async import rank_file
 from .checkpoint_swap import put_in_place, remove_stale_rank_files, staged_of
 from .checkpoint_layout import DirectoryLayout, detect_layout
-from .checkpoint_shards import FORMAT, build_index, extra_states, host_clone, pack, summary
+from .checkpoint_shards import (FORMAT, build_index, extra_state_key, extra_states, host_clone, modules_with_extra_state,
+                                pack, summary)
 from .mesh import global_rank
 from .stopping import checkpoint_writing
 from .trainer_checkpoint_loading import CheckpointLoading, _directory_name
@@ -196,9 +197,20 @@ class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
         # rank's are state, under the model's keys (a pipeline rank holds its stages' only).
         buffers_to_host = buffers_to_host or to_host
         part["buffers"] = {k: buffers_to_host(b.detach()) for k, b in self.strategy.buffers(self.model).items()}
-        # the modules' `get_extra_state()`, each rank its own (where the module holds its weights)
-        part["extra_state"] = extra_states(self.module) if self.strategy.whole_module else {}
+        # the modules' `get_extra_state()`, each rank its own (where the module is the user's whole tree)
+        part["extra_state"] = extra_states(self.module) if self.strategy.whole_module else self._no_extra_state()
         return held, packed, part
+
+    def _no_extra_state(self) -> dict[str, Any]:
+        """Under a strategy that splits the module (a pipeline, tensor parallelism), modules' extra state is not
+        kept: said once, naming them."""
+        kept = [extra_state_key(name) for name, _ in modules_with_extra_state(self.module)]
+        if kept and not getattr(self, "_said_no_extra_state", False) and self.context.is_main:
+            self._said_no_extra_state = True
+            warnings.warn(f"checkpoint: the extra state of {', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''} "
+                          "(get_extra_state()) is not kept in checkpoints of a model split by a pipeline or by "
+                          "tensor parallelism: a resume starts it from the module's own", stacklevel=4)
+        return {}
 
     @staticmethod
     def _meta_ranks(every: list[tuple], param_groups) -> dict[str, Any]:

@@ -375,8 +375,8 @@ def extra_state_worker(rank, world, strategy, directory):
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 def test_a_modules_extra_state_is_resumed(strategy, tmp_path):
     """load_checkpoint never restored a module's extra state: a resumed run was not the unbroken one (a
-    trial). (Not under ZeRO-2/3 / FSDP, a pipeline or tensor parallelism: their module does not hold its
-    weights between steps, where a `get_extra_state` may read them.)"""
+    trial). (ZeRO-2/3: tests/test_trial_s49.py; not kept under a pipeline or tensor parallelism, which split
+    the model: warned of.)"""
     assert run_distributed(extra_state_worker, 2, args=(strategy, str(tmp_path)), timeout=90) == [(3, 3), (None, 3)]
 
 

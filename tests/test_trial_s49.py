@@ -122,3 +122,51 @@ def test_precision_arguments_are_named():
     with pytest.raises(ValueError, match=r"mixed_precision='fp16' \(autocast in torch.float16\) and FSDPStrategy\("
                                          r"mixed_precision=MixedPrecision\(param_dtype=torch.bfloat16\)\) ask for two"):
         build(strategy=fsdp_bf16, mixed_precision="fp16")
+
+
+# ------------------------------------------------------------------ a module's extra state under ZeRO-3
+class _Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+    def get_extra_state(self):
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state):
+        self.calls = state["calls"]
+
+
+def _counted():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), _Counter(), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _extra_state_job(rank, world, strategy, directory, steps):
+    from distributed_training import DistributedTrainer
+
+    trainer = DistributedTrainer(_counted(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy,
+                                 checkpoint_dir=directory, checkpoint_every=3, progress=False)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 8), torch.randint(0, 4, (48,)))
+    trainer.fit(data, criterion=F.cross_entropy, batch_size=4, max_steps=steps)
+    state = trainer.full_state_dict()
+    trainer.close()
+    if rank == 0:
+        plain = _counted()
+        plain.load_state_dict(state, strict=True)  # the plain module's keys, its extra state among them
+        return plain[1].calls
+    return None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["zero3", "zero2"])
+def test_a_modules_extra_state_is_kept_under_zero3(tmp_path, strategy):
+    # ZeRO-2/3 left get_extra_state() out of full_state_dict() (a strict load missed "1._extra_state") and out
+    # of checkpoints (a resume started the counter from 0), without a word (trial G).
+    directory = str(tmp_path / "ckpt")
+    assert run_distributed(_extra_state_job, 2, args=(strategy, directory, 3), timeout=100)[0] == 3
+    assert run_distributed(_extra_state_job, 2, args=(strategy, directory, 6), timeout=100)[0] == 6

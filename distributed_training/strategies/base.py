@@ -190,8 +190,9 @@ class Strategy(abc.ABC):
 
     #: False on a rank that does not train (a parameter server's server): its `fit` runs `serve`.
     trains: bool = True
-    #: Whether the unwrapped module holds its own weights and keys between steps (not FSDP's freed views, a
-    #: pipeline rank's stages or a tensor-parallel split): checkpoints then keep its modules' extra state.
+    #: Whether the unwrapped module is the user's whole module tree, under its own keys (FSDP's is: its
+    #: parameters live in shards; a pipeline rank's stages or a tensor-parallel split are not): checkpoints
+    #: then keep its modules' extra state (``get_extra_state()``); otherwise it is warned of and left out.
     whole_module: bool = True
     #: What the ranks of the context this strategy gives the trainer are (the monitor's `member`):
     #: ``"worker"`` for a parameter server's workers, whose context rank is the worker index.

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..checkpoint_shards import extra_state_key, load_extra_states, modules_with_extra_state, read_extra_state
 from ..comm.sharded import all_gather_flat, reshard_flat
 
 __all__ = ["FSDPStateDict"]
@@ -71,12 +72,15 @@ class FSDPStateDict:
         if not is_main:
             return {}
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
+        extra = {extra_state_key(name): read_extra_state(name, m) for name, m in modules_with_extra_state(self.module)}
         out = {}
         for key in self._state_keys:
             if key in values:
                 out[key] = values[key]
             elif key in buffers:
                 out[key] = buffers[key].detach().cpu().clone()
+            elif key in extra:  # a module's get_extra_state() (the module tree is the user's, whole)
+                out[key] = extra[key]
         return out
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -100,6 +104,7 @@ class FSDPStateDict:
             buffers = dict(self.module.named_buffers(remove_duplicate=False))
             for key, buf in buffers.items():
                 buf.copy_(state[key])
+        load_extra_states(self.module, state)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shards plus the metadata to re-shard them for another world size."""

@@ -43,8 +43,6 @@ class FSDPStrategy(Strategy):
     ``sharding_strategy``, ``ranks_per_node``, ...). Checkpoints are sharded and re-shardable.
     """
 
-    whole_module = False  # (see `Strategy.whole_module`)
-
     name = "fsdp"
     collective_forward = True
     deferred_gradient_sync = True
