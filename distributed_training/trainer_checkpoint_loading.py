@@ -153,6 +153,8 @@ class CheckpointLoading(HyperparameterRestore):
             # A schedule added since the checkpoint starts where it would be after the saved steps.
             changes += self._restore_schedule(meta.get("lr_scheduler") or {"last_epoch": int(meta["step"])},
                                               int(meta["step"]))
+        elif meta.get("lr_scheduler"):
+            changes += self._drop_schedule(meta["lr_scheduler"])
         was_derived = meta.get("fit_derived") or {}
         changes += [f"{key}: {meta['fit'].get(key)}" + (f" ({was_derived[key]})" if key in was_derived else "")
                     + f" -> {value}" + (f" ({self._fit_derived[key]})" if key in self._fit_derived else "")

@@ -100,6 +100,19 @@ class HyperparameterRestore:
                     changes.append(f"optimizer {where}{key}: {_show(old[key])} -> {_show(value)}")
         return changes
 
+    def _drop_schedule(self, saved: dict[str, Any]) -> list[str]:
+        """The checkpoint had an LR schedule and this run has none: the configured learning rates apply
+        from here on, as if there had never been one (the loaded param groups hold the schedule's last)."""
+        lrs = []
+        for group, configured in zip(self.optimizer.param_groups, self._configured_hparams):
+            if "lr" in configured:
+                group["lr"] = copy.deepcopy(configured["lr"])
+            group.pop("initial_lr", None)  # (a schedule's; a later one built by hand sets it again)
+            lrs.append(group["lr"])
+        was = f" (its learning rate {_show(saved['_last_lr'])})" if "_last_lr" in saved else ""
+        return [f"lr_scheduler: the checkpoint's schedule{was} -> none: the configured learning rate {_show(lrs)} "
+                "applies"]
+
     def _restore_schedule(self, saved: dict[str, Any], step: int) -> list[str]:
         """Bring the LR scheduler to the checkpoint's step *as it is configured now*.
 

@@ -170,3 +170,38 @@ def test_a_modules_extra_state_is_kept_under_zero3(tmp_path, strategy):
     directory = str(tmp_path / "ckpt")
     assert run_distributed(_extra_state_job, 2, args=(strategy, directory, 3), timeout=100)[0] == 3
     assert run_distributed(_extra_state_job, 2, args=(strategy, directory, 6), timeout=100)[0] == 6
+
+
+# ------------------------------------------------------------------ a schedule dropped at a resume
+def _schedule_dropped(rank, world, directory):
+    import logging
+
+    from distributed_training import DistributedTrainer
+    from distributed_training.logs import get_logger
+
+    seen, lrs = [], []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    get_logger().addHandler(handler)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 4), torch.randn(48, 2))
+    try:
+        for schedule, steps in ((lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, 0.5), 3), (None, 5)):
+            torch.manual_seed(0)
+            trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.AdamW(ps, lr=0.01), progress=False,
+                                         lr_scheduler=schedule, checkpoint_dir=directory, checkpoint_every=3)
+            trainer.fit(data, criterion=F.mse_loss, batch_size=4, max_steps=steps, log_every=1,
+                        on_step=lambda step, metrics: lrs.append((step, round(float(metrics["lr"]), 6))))
+            trainer.close()
+    finally:
+        get_logger().removeHandler(handler)
+    return lrs, [m for m in seen if "configuration changed" in m]
+
+
+@pytest.mark.timeout(90)
+def test_a_schedule_dropped_at_a_resume_gives_back_the_configured_lr(tmp_path):
+    # StepLR halved lr to 0.005 by step 3; resumed without a schedule, steps 4-5 trained at 0.005 and the
+    # warning named only max_steps (trial G). As if there had never been a schedule: 0.01, and said.
+    [(lrs, said)] = run_distributed(_schedule_dropped, 2, args=(str(tmp_path / "ckpt"),), timeout=80)[:1]
+    assert lrs == [(1, 0.01), (2, 0.01), (3, 0.005), (4, 0.01), (5, 0.01)], lrs
+    assert len(said) == 1 and ("lr_scheduler: the checkpoint's schedule (its learning rate 0.005) -> none: the "
+                               "configured learning rate 0.01 applies") in said[0], said
