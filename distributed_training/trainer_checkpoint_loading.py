@@ -44,6 +44,15 @@ def _note(notes: dict, key: str) -> str:
     return repr(notes[key]) if key in notes else "(none)"
 
 
+def _mismatch(path: str, err: Exception, nothing_loaded: bool = False) -> CheckpointMismatchError:
+    """A checkpoint that does not fit this model; `nothing_loaded`: found before anything was copied."""
+    error = CheckpointMismatchError(
+        f"checkpoint {path!r} does not fit this model: {err} (a checkpoint of another model? load it into the model "
+        "that wrote it, or start a new run: another checkpoint directory, or resume=False / dtrain --no-resume)")
+    error.nothing_loaded = nothing_loaded
+    return error
+
+
 #: What a failed load raises on every rank: the type the failing rank met.
 _LOAD_ERRORS = {cls.__name__: cls for cls in (CheckpointCorruptError, CheckpointMismatchError, FileNotFoundError,
                                               OSError, RuntimeError, ValueError, KeyError)}
@@ -140,14 +149,14 @@ class CheckpointLoading(HyperparameterRestore):
             # Every rank checks its share of the rank files before any rank copies anything, and they
             # agree: one corrupt file stops the load on every rank with the model untouched.
             self._agree_on_load(path, self._check_rank_files(path, meta, read, old_world), stage="checking")
-            failure = ""
+            failure, untouched = "", True
             try:
                 self._load_shards(path, meta, read, old_world)
             except (FileNotFoundError, RuntimeError, ValueError, KeyError) as err:  # CheckpointCorruptError too
-                failure = f"{type(err).__name__}: {err}"
+                failure, untouched = f"{type(err).__name__}: {err}", getattr(err, "nothing_loaded", False)
                 if ctx.world_size == 1:
                     raise
-            self._agree_on_load(path, failure, stage="loading")
+            self._agree_on_load(path, failure, stage="loading", untouched=untouched)
         changes = self._apply_changed_hyperparameters(meta)
         if self.lr_scheduler is not None:
             # A schedule added since the checkpoint starts where it would be after the saved steps.
@@ -240,16 +249,17 @@ class CheckpointLoading(HyperparameterRestore):
             return f"{type(err).__name__}: {err}"
         return ""
 
-    def _agree_on_load(self, path: str, failure: str, *, stage: str) -> None:
+    def _agree_on_load(self, path: str, failure: str, *, stage: str, untouched: bool = True) -> None:
         """Every rank learns whether any rank failed `stage` ("checking" or "loading") of the load of
-        `path`, and then every rank raises (naming the rank and its reason), or none does."""
+        `path`, and then every rank raises (naming the rank and its reason), or none does. `untouched`:
+        (loading) whether this rank failed before it copied anything (the shapes did not fit)."""
         ctx = self.context
         if ctx.world_size == 1:
-            every = [failure]
+            every = [(failure, untouched)]
         else:
             every = [None] * ctx.world_size
-            dist.all_gather_object(every, failure, group=ctx.group)
-        failed = [(r, why) for r, why in enumerate(every) if why]
+            dist.all_gather_object(every, (failure, untouched), group=ctx.group)
+        failed = [(r, why) for r, (why, _) in enumerate(every) if why]
         if not failed:
             return
         first, why = failed[0]
@@ -257,10 +267,10 @@ class CheckpointLoading(HyperparameterRestore):
         if ctx.world_size == 1:
             text = reason
         else:
-            untouched = ("nothing was loaded on any rank" if stage == "checking" else
-                         "ranks may hold a partly loaded state: load a good checkpoint, or build the model again")
+            held = ("nothing was loaded on any rank" if stage == "checking" or all(u for _, u in every) else
+                    "ranks may hold a partly loaded state: load a good checkpoint, or build the model again")
             text = (f"loading checkpoint {path!r} failed on rank{'s' if len(failed) > 1 else ''} "
-                    f"{', '.join(str(r) for r, _ in failed)} ({untouched}); rank {first}: {reason}")
+                    f"{', '.join(str(r) for r, _ in failed)} ({held}); rank {first}: {reason}")
         raise _LOAD_ERRORS.get(kind, RuntimeError)(text)
 
     def _load_shards(self, path: str, meta: dict[str, Any], read: Callable[[int], dict], old_world: int) -> None:
@@ -270,6 +280,9 @@ class CheckpointLoading(HyperparameterRestore):
         try:
             held = self.strategy.state_layout(self.model, self.optimizer)
             check_shapes(meta["shapes"], held.shapes)
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise _mismatch(path, err, nothing_loaded=True) from None
+        try:
             sources = Sources(read, ctx.rank if ctx.rank < old_world else 0)
             unpack_params(held, meta["index"], sources)
             unpack_optimizer(held, self.optimizer, meta["index"], sources)
@@ -280,10 +293,7 @@ class CheckpointLoading(HyperparameterRestore):
         except CheckpointCorruptError:
             raise
         except (RuntimeError, ValueError, KeyError) as err:
-            raise CheckpointMismatchError(
-                f"checkpoint {path!r} does not fit this model: {err} (a checkpoint of another model? load it into "
-                "the model that wrote it, or start a new run: another checkpoint directory, or resume=False / "
-                "dtrain --no-resume)") from None
+            raise _mismatch(path, err) from None
         residuals = ", nor gradient compression's error-feedback residuals and step count (per rank: they start afresh)"
         if meta.get("strategy") == "parameter_server":  # (another strategy loading the servers' checkpoint)
             self._load_worker_part(path, meta)

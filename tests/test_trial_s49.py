@@ -205,3 +205,37 @@ def test_a_schedule_dropped_at_a_resume_gives_back_the_configured_lr(tmp_path):
     assert lrs == [(1, 0.01), (2, 0.01), (3, 0.005), (4, 0.01), (5, 0.01)], lrs
     assert len(said) == 1 and ("lr_scheduler: the checkpoint's schedule (its learning rate 0.005) -> none: the "
                                "configured learning rate 0.01 applies") in said[0], said
+
+
+# ------------------------------------------------------------------ a checkpoint of another model: nothing loaded
+def _other_model(rank, world, directory, action):
+    from distributed_training import DistributedTrainer
+
+    width = 16 if action == "save" else 8
+    torch.manual_seed(0)
+    trainer = DistributedTrainer(nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 4)),
+                                 lambda ps: torch.optim.AdamW(ps, lr=0.01), strategy="zero3", progress=False)
+    if action == "save":
+        trainer.save_checkpoint(directory)
+        trainer.close()
+        return None
+    before = trainer.full_state_dict()
+    try:
+        trainer.load_checkpoint(directory)
+        said = "loaded"
+    except Exception as err:  # noqa: BLE001 (what each rank raised)
+        said = f"{type(err).__name__}: {err}"
+    after = trainer.full_state_dict()
+    trainer.close()
+    return said, all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.timeout(90)
+def test_a_checkpoint_of_another_shape_says_nothing_was_loaded(tmp_path):
+    # The shapes are checked before any copy, yet the error said "ranks may hold a partly loaded state: ...
+    # build the model again" (trial G).
+    directory = str(tmp_path / "ckpt")
+    run_distributed(_other_model, 2, args=(directory, "save"), timeout=80)
+    for said, unchanged in run_distributed(_other_model, 2, args=(directory, "load"), timeout=80)[:1]:
+        assert said.startswith("CheckpointMismatchError") and "(nothing was loaded on any rank)" in said, said
+        assert "partly loaded" not in said and unchanged
