@@ -136,6 +136,7 @@ def diagnose_timeout(context: DistributedContext, step: int, err: Exception) -> 
     timed_out = _ranks_timed_out(ctx, store, step)
     stuck = [r for r in range(ctx.world_size) if r not in timed_out]
     if timed_out and stuck:
+        tell_stuck(store, stuck, step, ctx.rank)
         return (f"{where}; every rank reached step {step + 1}, and {_ranks(stuck)} did not time out in a collective "
                 f"within {TIMEOUT_PEERS_WAIT_S:g} s of the others: stuck inside the step outside its collectives (its forward, loss or data, a slow "
                 f"read, a hung kernel or device), while the others waited for it. Cause: {err}")
@@ -171,6 +172,23 @@ def _ranks_timed_out(ctx: DistributedContext, store, step: int) -> set[int]:
         if len(seen) == ctx.world_size or time.monotonic() > deadline:
             return seen
         time.sleep(0.1)
+
+
+def stuck_key(rank: int) -> str:
+    """Where a rank is told that its peers' collectives timed out waiting for it (`tell_stuck`)."""
+    return f"distributed_training/stuck/{rank}"
+
+
+def tell_stuck(store, stuck: list[int], step: int, by: int) -> None:
+    """Tell `stuck` ranks, through the store, that rank `by`'s collective of training step `step + 1` timed
+    out waiting for them: a rank blocked in its own code never reaches a collective that would fail, and a
+    launcher's SIGTERM only asks it to stop at the step's end, which it never reaches; its peer watch reads
+    this and ends the process (`PeerWatch`)."""
+    for r in stuck:
+        try:
+            store.set(stuck_key(r), f"{step}\t{by}")
+        except Exception:
+            return  # the store is gone
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -42,8 +42,10 @@ exception: it waits in C++. What works, measured on CPU (gloo, torch 2.13) and o
   keeps waiting). NCCL's communicator abort does make its kernels and waits return with an error, so
   on NCCL the trainer aborts the process group on detection (`on_failure`) and the step raises.
 * Whatever is still blocked `exit_after` seconds after detection inside the trainer's work (`active`:
-  a step, an evaluation, a checkpoint save, `close`'s wait for the GPU; gloo's silent peer): the watcher logs the error and ends the process with
-  `os._exit(EXIT_CODE)`. That is clean where it matters: torchrun's agent sees a failed worker, stops
+  a step, an evaluation, a checkpoint save, `close`'s wait for the GPU; gloo's silent peer): the watcher
+  logs the error and ends the process with `os._exit(EXIT_CODE)`. So does a rank stuck in its own code
+  inside a step, once a peer's collective timed out naming it (`hangs.tell_stuck`), or once the store is
+  gone (its holder ended) and it is still there `exit_after` later; its log shows where it was. That is clean where it matters: torchrun's agent sees a failed worker, stops
   its other workers and re-forms the job (``--max-restarts``, ``--nnodes=MIN:MAX``), which is the
   recovery anyway; a process whose peer is dead has no collective it can ever finish.
 """
@@ -60,13 +62,12 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from .peer_exits import EXIT_CODE, Endings
+
 __all__ = ["PeerFailureError", "PeerWatch", "EXIT_CODE", "looks_like_peer_loss"]
 
 log = logging.getLogger("distributed_training")
 
-# The exit status of a rank ended by its watcher (a peer died and the rank stayed blocked): EX_TEMPFAIL,
-# "try again", which is what torchrun's restart does.
-EXIT_CODE = 75
 
 _PREFIX = "distributed_training/"
 _FAILURE_KEY = _PREFIX + "peer_failure"
@@ -102,7 +103,7 @@ def looks_like_peer_loss(err: BaseException) -> bool:
                                              "gloo", "abort", "timed out", "timeout", "peer"))
 
 
-class PeerWatch:
+class PeerWatch(Endings):
     """This rank's heartbeat and its watch over `watch` neighbours, on a daemon thread.
 
     Args:
@@ -158,6 +159,8 @@ class PeerWatch:
         self._collective_failed_step: int | None = None  # the step in which a collective of this rank failed
         self._acknowledged = False
         self._busy = 0  # how deep the training thread is in `active()` blocks
+        self._worker: int | None = None  # the training thread's ident (its stack is shown if it is stuck)
+        self._step_since: tuple[int | None, float] = (None, 0.0)  # the step the watcher last saw, and since when
         self._found = threading.Event()
         self._stopped = threading.Event()
         # The torchrun agent that started this worker (its parent), watched each period (`_orphaned`).
@@ -181,6 +184,7 @@ class PeerWatch:
         (a script's own work after training), a peer that ended without `stop` never ends this one."""
         if not self._busy:
             self._block, self._block_step = (self._block + 1, self.step) if self._block_step == self.step else (0, self.step)
+            self._worker = threading.get_ident()
         self._busy += 1
         try:
             yield self
@@ -271,10 +275,14 @@ class PeerWatch:
                     self._adopt(self.store.get(_FAILURE_KEY).decode())
                 if self.failure is None:
                     self._check_errors()
+                if self.failure is None and self._busy:
+                    self._check_stuck(now)
             except Exception as err:  # the store stopped answering: the job is being torn down
                 if self._orphaned():  # (or the agent that held it was killed: `_exit_orphan`)
                     self._exit_orphan()
                 log.debug("rank %d: peer watch stopped: %s", self.rank, err)
+                if self._busy and self.failure is None and self.exit_after is not None:
+                    self._outlive_store()
                 return
             if (self.failure is not None and not self._acknowledged and self._busy and self.exit_after is not None
                     and time.monotonic() - self._detected_at > self.exit_after):
@@ -421,26 +429,3 @@ class PeerWatch:
                 self.on_failure(self.failure)
             except Exception as err:
                 log.warning("rank %d: could not abort the process group after a peer failure: %s", self.rank, err)
-
-    def _orphaned(self) -> bool:
-        return self._agent is not None and os.getppid() != self._agent
-
-    def _exit_orphan(self) -> None:
-        """The torchrun agent that started this worker is gone (SIGKILL, the OOM killer): it can no longer
-        stop, restart or collect this worker, and its store is gone with it, so the watch would see nothing
-        more; left alone, the worker trained on to the end as an orphan (holding its GPU and the checkpoint
-        directory's lock against the job's next launch). End it, as the agent would have."""
-        log.error("%s: the torchrun agent that started this worker (pid %d) is gone (killed: SIGKILL, the OOM "
-                  "killer?): ending this orphaned worker, which no agent can stop or restart, with status %d. "
-                  "Relaunch the job to resume from its last checkpoint", self._name(self.rank), self._agent,
-                  EXIT_CODE)
-        for handler in log.handlers + logging.getLogger().handlers:
-            handler.flush()
-        os._exit(EXIT_CODE)
-
-    def _exit(self) -> None:
-        log.error("%s. The training thread stayed blocked for %gs after the failure was found: exiting with "
-                  "status %d", self.failure, self.exit_after, EXIT_CODE)
-        for handler in log.handlers + logging.getLogger().handlers:  # os._exit skips logging's own flush
-            handler.flush()
-        os._exit(EXIT_CODE)

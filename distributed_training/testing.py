@@ -128,7 +128,8 @@ def _silent_exit(code: int) -> str:
 
     if code == EXIT_CODE:
         return (f"process exited with code {code} (the peer watch's: a peer had failed, and this rank, stuck "
-                "waiting for it, was ended; the peer's error is the one to read)")
+                "waiting for it, was ended, or the peers' collectives timed out waiting for this rank, stuck in its "
+                "own code: its log says where)")
     return (f"process exited with code {code} without reporting (a script that calls run_distributed at module "
             "level must do it under `if __name__ == '__main__':`: each rank imports the main module)")
 

@@ -239,3 +239,46 @@ def test_a_checkpoint_of_another_shape_says_nothing_was_loaded(tmp_path):
     for said, unchanged in run_distributed(_other_model, 2, args=(directory, "load"), timeout=80)[:1]:
         assert said.startswith("CheckpointMismatchError") and "(nothing was loaded on any rank)" in said, said
         assert "partly loaded" not in said and unchanged
+
+
+# ------------------------------------------------------------------ a rank stuck inside its step is ended
+def _stuck_in_loss(rank, world, log_path):
+    import logging
+    import time
+
+    from distributed_training import DistributedTrainer
+
+    logging.getLogger("distributed_training").addHandler(logging.FileHandler(f"{log_path}.{rank}"))
+
+    def loss(out, y):
+        if rank == 1 and trainer.step == 2:
+            time.sleep(600)  # stuck in its own code, never reaching the step's collective
+        return F.mse_loss(out, y)
+
+    trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                 heartbeat_timeout=1.0)
+    for _ in range(4):
+        trainer.train_step((torch.randn(8, 4), torch.randn(8, 2)), loss)
+    trainer.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_stuck_inside_its_step_is_ended_once_its_peers_time_out(tmp_path):
+    # Rank 0's collective timed out naming rank 1 as stuck; rank 1, asleep in its loss, lived on (without
+    # torchrun: 90 s and more; under torchrun it ignored the SIGTERM, a stop at a step's end it never
+    # reached, until the SIGKILL 30 s later) (trial F). Its peer watch now reads that it was named and ends
+    # it, showing where it was.
+    import time
+
+    from distributed_training.testing import DistributedTestError
+
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as raised:
+        run_distributed(_stuck_in_loss, 2, args=(str(tmp_path / "log"),), timeout=80, grace=40, collective_timeout=6)
+    took = time.monotonic() - start
+    said = str(raised.value)
+    assert "rank 1 did not time out in a collective" in said and "process exited with code 75" in said, said
+    assert took < 40, took
+    err = (tmp_path / "log.1").read_text()
+    assert "the collective of rank 0 in training step 3 timed out waiting for this rank" in err, err[-3000:]
+    assert "time.sleep(600)" in err, err[-3000:]
