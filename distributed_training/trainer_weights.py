@@ -30,8 +30,10 @@ class FullWeights:
         the others hold them already): for a forward of your own, HF's ``generate()`` or
         ``save_pretrained()``. Collective: every rank enters it. What the block writes into the weights
         stays (`writeback`, as torch's FSDP: copied into the shards when it ends; make the same change
-        on every rank); ``writeback=False`` drops it. `train_step` / `evaluate` are refused inside it. Under tensor parallelism each rank's
-        module still holds its slices, under a pipeline its own stages. A copy of the module made
+        on every rank); ``writeback=False`` drops it. `train_step` / `evaluate` are refused inside it. Under
+        tensor parallelism each rank's module still holds its slices: its forward is tensor-parallel, with
+        whole outputs (a vocabulary-split head gathers its logits), and ``state_dict()`` is refused there;
+        under a pipeline each rank holds its own stages. A copy of the module made
         inside it (``copy.deepcopy``, every rank) holds its own weights, without FSDP's hooks."""
         self._check_open("summon_full_params()")
         with self.strategy.summon_full_params(self.model, writeback):

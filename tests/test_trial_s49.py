@@ -282,3 +282,45 @@ def test_a_rank_stuck_inside_its_step_is_ended_once_its_peers_time_out(tmp_path)
     err = (tmp_path / "log.1").read_text()
     assert "the collective of rank 0 in training step 3 timed out waiting for this rank" in err, err[-3000:]
     assert "time.sleep(600)" in err, err[-3000:]
+
+
+# ------------------------------------------------------------------ summon_full_params under tensor parallelism
+def _summoned_logits(rank, world, strategy):
+    from distributed_training import DistributedTrainer
+    from distributed_training.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+    model = GPT(cfg)
+    reference = copy.deepcopy(model)
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy,
+                                 tensor_parallel_size=2, progress=False)
+    idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with trainer.summon_full_params(), torch.no_grad():
+        logits = trainer.module(idx)
+        loss = float(trainer.module(idx, idx))
+        try:
+            trainer.module.state_dict()
+            said = "no error"
+        except RuntimeError as err:
+            said = str(err)
+    with torch.no_grad():
+        want = reference(idx)
+    outside = float(trainer.train_step((idx, idx))["loss"])  # (the vocabulary-parallel loss again)
+    trainer.close()
+    return (tuple(logits.shape), (logits - want).abs().max().item(), torch.equal(logits.argmax(-1), want.argmax(-1)),
+            abs(loss - float(F.cross_entropy(want.flatten(0, 1), idx.flatten()))), said, outside)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_summon_full_params_under_tensor_parallelism_gives_whole_logits(strategy):
+    # Inside the block each rank's head gave its half of the vocabulary's logits: HF's greedy generate() picked
+    # other tokens on each rank, and save_pretrained() wrote half-size embeddings without a word (trial H).
+    for shape, off, same_argmax, loss_off, said, outside in run_distributed(_summoned_logits, 2, args=(strategy,),
+                                                                             timeout=110):
+        assert shape == (2, 8, 64) and off < 1e-5 and same_argmax, (shape, off)
+        assert loss_off < 1e-5, loss_off
+        assert said.startswith("state_dict() (save_pretrained()) inside summon_full_params() under tensor "
+                               "parallelism") and "full_state_dict()" in said, said
+        assert 3.5 < outside < 5.0, outside

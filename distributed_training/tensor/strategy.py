@@ -26,6 +26,7 @@ same masks on every tensor rank; setup broadcasts tensor rank 0's).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Any, Callable
@@ -40,6 +41,8 @@ from ..mesh import global_rank
 from ..runtime import DistributedContext
 from ..strategies.base import Strategy
 from .functional import WAITS
+from .layers import VocabParallelEmbedding, _ParallelLinear
+from .loss import _LOSS
 from .options import TensorOptions
 from .spec import ShardSpec, is_sequence_parallel, shard
 from .undo import PlanUndo
@@ -103,8 +106,32 @@ class TensorParallelStrategy(Strategy):
         trail = getattr(self, "_trail", None)
         return trail.explain(err) if trail is not None else self.inner.explain_failure(err)
 
+    @contextlib.contextmanager
     def summon_full_params(self, model: nn.Module, writeback: bool = True):
-        return self.inner.summon_full_params(model, writeback)
+        """The data-parallel strategy's block (each rank's parts whole), in which the model's forward stays
+        tensor-parallel (every rank calls it) and gives whole outputs: a head split by vocabulary gathers its
+        logits (a generate() or an argmax of one's own read the whole vocabulary) and a loss the model computes
+        itself is then the plain one. Its ``state_dict()`` (``save_pretrained()``) would hold this rank's
+        slices: refused there, naming `full_state_dict()`."""
+        module = self.unwrap(model)
+        heads = [m for m in module.modules() if getattr(m, _LOSS, None) is not None and hasattr(m, "gather_output")]
+        saved = [(m, m.gather_output, getattr(m, _LOSS)) for m in heads]
+        # (on each split layer: a state_dict() of any module holding one, as HF's save_pretrained() of the
+        # model inside a wrapper of the user's, reaches its hook)
+        hooks = [m.register_state_dict_pre_hook(_refuse_sliced_state_dict) for m in module.modules()
+                 if isinstance(m, (_ParallelLinear, VocabParallelEmbedding))]
+        try:
+            for head in heads:
+                head.gather_output = True
+                setattr(head, _LOSS, None)
+            with self.inner.summon_full_params(model, writeback):
+                yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for head, gather, loss in saved:
+                head.gather_output = gather
+                setattr(head, _LOSS, loss)
 
     def setup_optimizer(self, optimizer, model: nn.Module) -> torch.optim.Optimizer:
         return self.inner.setup_optimizer(optimizer, model)
@@ -354,3 +381,11 @@ def _share_random_state(group, src: int, device: torch.device) -> None:
     torch.set_rng_state(states[0])
     if states[1] is not None:
         torch.cuda.set_rng_state(states[1], device)
+
+
+def _refuse_sliced_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """(A state-dict pre-hook inside `summon_full_params` under tensor parallelism.)"""
+    raise RuntimeError("state_dict() (save_pretrained()) inside summon_full_params() under tensor parallelism: the "
+                       "module holds this rank's slices of the split layers. Save trainer.full_state_dict() (whole "
+                       "tensors under the model's own keys, on rank 0), or close() the trainer, which gives the whole "
+                       "model back")
