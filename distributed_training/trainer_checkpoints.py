@@ -15,6 +15,7 @@ background (``checkpoint_async``), in `trainer_checkpoints_async`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
@@ -166,7 +167,8 @@ class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
             if self.strategy.save_checkpoint_files(self.model, path, part, self._meta(held, packed, None, metrics)):
                 return  # the strategy wrote it (the parameter server: its servers' state)
             target = staged_of(path) if staged else path
-            digest = save_file(part, rank_file(target, ctx.rank))
+            with _naming_the_file(rank_file(target, ctx.rank), ctx.rank, self.step):
+                digest = save_file(part, rank_file(target, ctx.rank))
             mine = (digest, summary(packed), sorted(part["buffers"]), self.dp_rank)
             every = [mine]
             if ctx.world_size > 1:
@@ -177,7 +179,8 @@ class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
             if layout.writer_of[ctx.rank] == ctx.rank:  # rank 0, or each node's first rank with a directory per node
                 meta = self._meta(held, packed, [rest for _, *rest in every], metrics)
                 meta.update(layout.checksums(ctx.rank, digests))
-                write_meta(meta, target)
+                with _naming_the_file(os.path.join(target, "meta.pt"), ctx.rank, self.step):
+                    write_meta(meta, target)
                 remove_stale_rank_files(target, ctx.world_size)
                 if staged:
                     put_in_place(target, path)
@@ -258,3 +261,15 @@ class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
             "metrics": dict(metrics or {}),
             **self.strategy.shared_state(self.model),  # e.g. DDP's bucket layout
         }
+
+
+@contextlib.contextmanager
+def _naming_the_file(path: str, rank: int, step: int):
+    """An OSError of a synchronous checkpoint write (a full disk, a read-only mount) said with the file and the
+    step, as a background write's `CheckpointWriteError` is (torch.save's own says "[Errno 28] No space left on
+    device" alone); the type is kept, so that code catching OSError still does."""
+    try:
+        yield
+    except OSError as err:
+        raise type(err)(err.errno, f"rank {rank}: writing checkpoint file {path!r} (step {step}) failed: "
+                                   f"{err.strerror or err}") from err

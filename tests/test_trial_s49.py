@@ -324,3 +324,34 @@ def test_summon_full_params_under_tensor_parallelism_gives_whole_logits(strategy
         assert said.startswith("state_dict() (save_pretrained()) inside summon_full_params() under tensor "
                                "parallelism") and "full_state_dict()" in said, said
         assert 3.5 < outside < 5.0, outside
+
+
+# ------------------------------------------------------------------ a full disk names the file
+def _full_disk(rank, world, directory):
+    import errno
+
+    import distributed_training.trainer_checkpoints as saving
+    from distributed_training import DistributedTrainer
+
+    def full(obj, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    trainer.train_step((torch.randn(4, 4), torch.randn(4, 2)), F.mse_loss)
+    saving.save_file = full
+    try:
+        trainer.save_checkpoint(directory)
+    except OSError as err:
+        return type(err).__name__, err.errno, str(err)
+    finally:
+        trainer.close()
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_at_a_synchronous_save_names_the_file_and_step(tmp_path):
+    # "OSError: [Errno 28] No space left on device" and nothing else, where a background write names its file
+    # and step (trial F).
+    [(kind, code, said)] = run_distributed(_full_disk, 1, args=(str(tmp_path / "ckpt"),), timeout=50)
+    assert kind == "OSError" and code == 28, (kind, code)
+    assert "rank 0: writing checkpoint file" in said and "rank0.pt' (step 1) failed: No space left on device" in said
