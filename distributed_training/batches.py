@@ -141,13 +141,29 @@ def batch_rows(batch: Any) -> int:
 
 def _flattened_targets(batch: Any, n: int) -> torch.Tensor | None:
     """The targets of an ``(inputs, targets)`` batch when they are one per token of (n, T, ...) inputs,
-    flattened to n x T (what `split_batch` cuts at the inputs' rows), else None."""
+    flattened to n x T (what `split_batch` cuts at the inputs' rows), else None. The inputs may be a tuple
+    or dict (token ids and an attention mask): their first tensor is the one read."""
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         return None
     inputs, targets = batch
-    if (isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and isinstance(targets, torch.Tensor)
+    inputs = _first_tensor(inputs)
+    if (inputs is not None and inputs.dim() >= 2 and inputs.shape[0] == n and isinstance(targets, torch.Tensor)
             and targets.dim() == 1 and n > 0 and targets.shape[0] == n * inputs.shape[1] and inputs.shape[1] > 1):
         return targets
+    return None
+
+
+def _first_tensor(x: Any) -> torch.Tensor | None:
+    """The first tensor of `x` (itself, or inside its tuples, lists and dicts, in order), or None."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, Mapping):
+        x = list(x.values())
+    if isinstance(x, (tuple, list)):
+        for item in x:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
     return None
 
 
