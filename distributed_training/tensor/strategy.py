@@ -171,9 +171,43 @@ class TensorParallelStrategy(Strategy):
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision,
                        max_grad_norm: float | None = None):
+        if self.options.sequence_parallel and not self._replicas_checked:
+            self._replicas_checked = True
+            self._check_replicated_gradients(model)
         self._sum_sequence_parallel(model)
         WAITS.count_pass()
         return super().optimizer_step(model, optimizer, precision, max_grad_norm)
+
+    def _check_replicated_gradients(self, model: nn.Module) -> None:
+        """(Sequence parallelism, at the first step, before any update.) A replicated parameter that the plan did
+        not style ``"sequence"`` must get the same gradient on every tensor rank: computed from whole
+        activations, it does. One inside the sequence-parallel region (a LayerNorm the plan left out) sees this
+        rank's part of the sequence only, and its gradient, never summed over the tensor group, is partial:
+        the run would train silently wrong. Its gradient's norm differs between the tensor ranks: refused,
+        naming it (every rank raises: the verdict is all-reduced over the job)."""
+        names = sorted(self._replicated_names - self._sequence_names)
+        norms = torch.zeros(len(names), dtype=torch.float64)
+        for i, name in enumerate(names):
+            for view in self.inner.reduced_gradients_of(model, frozenset({name})):
+                norms[i] += view.detach().double().pow(2).sum().cpu()
+        device = _comm_device(self.group, self.device)
+        high, low = norms.to(device), norms.to(device).neg()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(low, op=dist.ReduceOp.MAX, group=self.group)
+        differ = [name for name, h, lo in zip(names, high.cpu().tolist(), (-low).cpu().tolist())
+                  if h - lo > 1e-3 * max(h, 1e-30)]
+        anywhere = torch.tensor([float(bool(differ))], device=device)
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+        if anywhere.item():
+            shown = ", ".join(differ[:6]) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+            raise ValueError(
+                f"sequence_parallel: the gradients of replicated parameter(s) {shown or '(found on another rank)'} "
+                "differ between the tensor-parallel ranks: their modules run inside the sequence-parallel region "
+                "(on this rank's part of the sequence) but tensor_parallel_plan does not style them 'sequence', so "
+                "their gradients would never be summed over the tensor group and training would be silently wrong. "
+                "Add their modules to the plan with 'sequence' (LayerNorms, dropouts between the split layers)")
+
+    _replicas_checked = False
 
     def _sum_sequence_parallel(self, model: nn.Module) -> None:
         """Sum over the tensor group the reduced gradients of parameters that saw part of the sequence."""
