@@ -57,6 +57,7 @@ _BY_PRIORITY = {code: sig for sig, code in _PRIORITY.items()}
 # Synchronous checkpoint writes in progress on this thread (`checkpoint_writing`), and a second Ctrl-C that
 # came during one: raised once it is complete (interrupted, it left an empty directory, exit status 1).
 _writes = {"depth": 0, "interrupted": False}
+_said = {"ignored_sigint": False}  # what this process has said once
 
 
 @contextlib.contextmanager
@@ -144,6 +145,10 @@ class StopSignals:
             for sig in _PRIORITY:
                 previous = signal.getsignal(sig)
                 if previous is signal.SIG_IGN:
+                    if sig == signal.SIGINT and self.context.rank == 0 and not _said["ignored_sigint"]:
+                        _said["ignored_sigint"] = True
+                        log.info("SIGINT is ignored in this process (started as a background job of a script, or "
+                                 "by a launcher that ignores it): Ctrl-C will not stop it; SIGTERM does")
                     continue  # the launcher wants this signal ignored (nohup, a background job): respect it
                 self._previous[sig] = previous
                 signal.signal(sig, self._record)

@@ -323,6 +323,11 @@ class Fitting(EpochLoop):
             message += (f" (the checkpoint was trained in {before['accumulation']} micro-batch(es) of at most "
                         f"{before.get('micro_batch_size')})")
         log.info("%s", message)
+        if resumed_from is not None and before is not None and before.get("requested") not in (None, plan.requested):
+            log.warning("the configuration changed since checkpoint %s was written; the new values apply: "
+                        "global_batch_size: %d -> %d (each step's gradient now averages another number of samples: "
+                        "scale the learning rate with it if you meant to)", resumed_from, before["requested"],
+                        plan.requested)
         if plan.size != plan.requested:
             log.warning("global_batch_size=%d cannot be kept at %d data-parallel replicas "
                          "(allow_global_batch_change=True): training a global batch of %d, with the learning rate "

@@ -437,3 +437,60 @@ def test_sequence_parallel_refuses_a_replicated_norm_the_plan_left_unstyled():
         assert said.startswith("sequence_parallel: the gradients of replicated parameter(s) blocks.0.ln1.bias, "
                                "blocks.0.ln1.weight"), said
         assert "style them 'sequence'" in said and untouched
+
+
+# ------------------------------------------------------------------ a changed global batch is said at a resume
+def _global_batch_changed(rank, world, directory):
+    import logging
+
+    from distributed_training import DistributedTrainer
+    from distributed_training.logs import get_logger
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    get_logger().addHandler(handler)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 4), torch.randn(96, 2))
+    try:
+        for size, steps in ((12, 3), (24, 5)):
+            torch.manual_seed(0)
+            trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
+                                         checkpoint_dir=directory, checkpoint_every=3)
+            trainer.fit(data, criterion=F.mse_loss, global_batch_size=size, max_steps=steps)
+            trainer.close()
+    finally:
+        get_logger().removeHandler(handler)
+    return [m for m in seen if "configuration changed" in m]
+
+
+@pytest.mark.timeout(90)
+def test_a_changed_global_batch_size_is_said_at_a_resume(tmp_path):
+    # 12 -> 24 at a resume: the warning named max_steps only (trial G).
+    [said] = run_distributed(_global_batch_changed, 2, args=(str(tmp_path / "ckpt"),), timeout=80)[:1]
+    assert any("global_batch_size: 12 -> 24" in m for m in said), said
+
+
+# ------------------------------------------------------------------ an ignored SIGINT is said
+_IGNORING = """
+import signal, torch, torch.nn.functional as F
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script's background job (cmd &) starts
+from distributed_training import DistributedTrainer
+t = DistributedTrainer(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+t.fit(torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 2)), criterion=F.mse_loss, batch_size=4,
+      max_steps=2)
+t.close()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_process_that_ignores_sigint_says_ctrl_c_will_not_stop_it(tmp_path):
+    # Started in the background from a script, dtrain ignored two Ctrl-C presses and trained to the end
+    # without a word (trial F).
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_IGNORING)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "SIGINT is ignored in this process" in done.stderr and "Ctrl-C will not stop it" in done.stderr
