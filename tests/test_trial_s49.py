@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 
 import pytest
 import torch
@@ -10,6 +12,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distributed_training.testing import run_distributed
+
+
+@contextlib.contextmanager
+def _said():
+    """The messages the package logs inside the block (as a list, filled as they come)."""
+    from distributed_training.logs import get_logger
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    get_logger().addHandler(handler)
+    try:
+        yield seen
+    finally:
+        get_logger().removeHandler(handler)
 
 
 # ------------------------------------------------------------------ FSDP: no_sync sums in the reduce dtype
@@ -65,18 +82,11 @@ def test_fsdp_accumulates_no_sync_gradients_in_the_reduce_dtype(finish):
 
 # ------------------------------------------------------------------ the loss scaler's settings on resume
 def _scaler_resumed(rank, world, directory):
-    import logging
-
     from distributed_training import DistributedTrainer, DynamicLossScaler
-    from distributed_training.logs import get_logger
 
-    seen = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    get_logger().addHandler(handler)
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 2))
     scalers = []
-    try:
+    with _said() as seen:
         for interval, hysteresis, steps in ((2, 1, 2), (2000, 3, 4)):
             torch.manual_seed(0)
             scaler = DynamicLossScaler(init_scale=256.0, growth_interval=interval, hysteresis=hysteresis)
@@ -86,8 +96,6 @@ def _scaler_resumed(rank, world, directory):
             trainer.fit(data, criterion=F.mse_loss, batch_size=4, max_steps=steps)
             scalers.append(scaler.state_dict())
             trainer.close()
-    finally:
-        get_logger().removeHandler(handler)
     return [m for m in seen if "configuration changed" in m], scalers
 
 
@@ -174,17 +182,11 @@ def test_a_modules_extra_state_is_kept_under_zero3(tmp_path, strategy):
 
 # ------------------------------------------------------------------ a schedule dropped at a resume
 def _schedule_dropped(rank, world, directory):
-    import logging
-
     from distributed_training import DistributedTrainer
-    from distributed_training.logs import get_logger
 
-    seen, lrs = [], []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    get_logger().addHandler(handler)
+    lrs = []
     data = torch.utils.data.TensorDataset(torch.randn(48, 4), torch.randn(48, 2))
-    try:
+    with _said() as seen:
         for schedule, steps in ((lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, 0.5), 3), (None, 5)):
             torch.manual_seed(0)
             trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.AdamW(ps, lr=0.01), progress=False,
@@ -192,8 +194,6 @@ def _schedule_dropped(rank, world, directory):
             trainer.fit(data, criterion=F.mse_loss, batch_size=4, max_steps=steps, log_every=1,
                         on_step=lambda step, metrics: lrs.append((step, round(float(metrics["lr"]), 6))))
             trainer.close()
-    finally:
-        get_logger().removeHandler(handler)
     return lrs, [m for m in seen if "configuration changed" in m]
 
 
@@ -441,25 +441,16 @@ def test_sequence_parallel_refuses_a_replicated_norm_the_plan_left_unstyled():
 
 # ------------------------------------------------------------------ a changed global batch is said at a resume
 def _global_batch_changed(rank, world, directory):
-    import logging
-
     from distributed_training import DistributedTrainer
-    from distributed_training.logs import get_logger
 
-    seen = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    get_logger().addHandler(handler)
     data = torch.utils.data.TensorDataset(torch.randn(96, 4), torch.randn(96, 2))
-    try:
+    with _said() as seen:
         for size, steps in ((12, 3), (24, 5)):
             torch.manual_seed(0)
             trainer = DistributedTrainer(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False,
                                          checkpoint_dir=directory, checkpoint_every=3)
             trainer.fit(data, criterion=F.mse_loss, global_batch_size=size, max_steps=steps)
             trainer.close()
-    finally:
-        get_logger().removeHandler(handler)
     return [m for m in seen if "configuration changed" in m]
 
 
