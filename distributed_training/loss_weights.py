@@ -230,9 +230,10 @@ def counted(criterion: Callable | None, targets: Any, rows: int, own: bool = Fal
 
 
 def scored_targets(criterion: Callable | None, targets: Any) -> torch.Tensor | None:
-    """Which of a batch's class targets (1-D class indices) an accuracy scores: those other than
-    `criterion`'s ``ignore_index`` (-100 unless it says otherwise); None for other targets."""
-    if isinstance(targets, torch.Tensor) and _class_indices(targets) and targets.dim() == 1:
+    """Which of a batch's class targets (class indices: one per sample, or one per position of a sequence)
+    an accuracy scores: those other than `criterion`'s ``ignore_index`` (-100 unless it says otherwise);
+    None for other targets."""
+    if isinstance(targets, torch.Tensor) and _class_indices(targets) and targets.dim() >= 1:
         return targets != _setting(criterion, "ignore_index", IGNORE_INDEX)
     return None
 

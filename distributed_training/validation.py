@@ -58,6 +58,15 @@ def _logits(outputs: Any) -> Any:
     return logits if torch.is_tensor(logits) else outputs
 
 
+def _per_token(outputs: Any, targets: Any) -> tuple[Any, Any]:
+    """Logits (..., classes) with a class target per position (...) (a language model's (batch, sequence,
+    vocabulary) and (batch, sequence)) as rows: (positions, classes) and (positions,)."""
+    if (torch.is_tensor(outputs) and torch.is_tensor(targets) and outputs.dim() >= 3
+            and outputs.dim() == targets.dim() + 1 and outputs.shape[:-1] == targets.shape):
+        return outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1)
+    return outputs, targets
+
+
 def _check_classifier_shapes(outputs: torch.Tensor, targets: torch.Tensor, name: str) -> None:
     if not (torch.is_tensor(outputs) and torch.is_tensor(targets) and outputs.dim() == 2 and targets.dim() == 1
             and not targets.is_floating_point()):
@@ -65,12 +74,14 @@ def _check_classifier_shapes(outputs: torch.Tensor, targets: torch.Tensor, name:
                if torch.is_tensor(outputs) and torch.is_tensor(targets) else
                f"{type(outputs).__name__} and {type(targets).__name__}")
         raise ValueError(f"eval metric {name!r} is for classifiers: it needs logits of shape (batch, classes) and "
-                         f"integer class targets of shape (batch,), got {got}")
+                         f"integer class targets of shape (batch,) (or per position: (batch, sequence, classes) and "
+                         f"(batch, sequence)), got {got}")
 
 
 def correct_count(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """How many samples of the batch have their highest logit at the target class (a count, summed)."""
-    outputs = _logits(outputs)
+    """How many samples of the batch (or positions, for per-token targets) have their highest logit at the
+    target class (a count, summed)."""
+    outputs, targets = _per_token(_logits(outputs), targets)
     _check_classifier_shapes(outputs, targets, "accuracy")
     return (outputs.argmax(dim=-1) == targets).sum()
 
@@ -93,7 +104,7 @@ class TopKCount:
         self.k, self._said = k, quiet
 
     def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        outputs = _logits(outputs)
+        outputs, targets = _per_token(_logits(outputs), targets)
         _check_classifier_shapes(outputs, targets, f"top{self.k}")
         if self.k >= outputs.shape[-1] and not self._said:
             self._said = True
@@ -172,8 +183,9 @@ def auto_metrics(dataset: Any, criterion: Callable | None) -> tuple[str, ...]:
 
 def check_classifier_targets(dataset: Any, names: Sequence[str], *, parameter: str = "eval_metrics") -> None:
     """Refuse classifier metrics (``accuracy``, ``top<k>``) for a validation set whose first sample's target is
-    no class index (a float: a regression; a sequence: token ids), before training rather than at the
-    first evaluation. Samples that are not an (inputs, target) pair (a collate function's to shape) pass."""
+    no class index (a float: a regression), before training rather than at the first evaluation. Integer
+    targets per position (a language model's token ids) pass: the metric scores each position. Samples that
+    are not an (inputs, target) pair (a collate function's to shape) pass."""
     wanted = [n for n in names if n == "accuracy" or n.startswith("top")]
     if not wanted:
         return
@@ -186,11 +198,12 @@ def check_classifier_targets(dataset: Any, names: Sequence[str], *, parameter: s
     target = sample[1]
     if isinstance(target, float):
         got = "a float"
-    elif torch.is_tensor(target) and (target.is_floating_point() or target.numel() > 1):
+    elif torch.is_tensor(target) and target.is_floating_point():
         got = f"a {str(target.dtype).removeprefix('torch.')} tensor of shape {tuple(target.shape)}"
     else:
         return
-    raise ValueError(f"{parameter}: {wanted[0]} is for classifiers (one integer class per sample), but the validation "
+    raise ValueError(f"{parameter}: {wanted[0]} is for classifiers (integer classes: one per sample or per position), "
+                     f"but the validation "
                      f"set's first target is {got}: leave it out (the loss is always evaluated)")
 
 

@@ -937,5 +937,5 @@ def test_a_job_without_a_validation_set_says_so_and_classifier_metrics_need_clas
     assert every == 2 and any("invalid config: evaluation.every needs a validation set, and this job's is empty" in m
                               for m in said_every), said_every
     assert accuracy == 2 and any(
-        "invalid config: evaluation.metrics: accuracy is for classifiers (one integer class per sample), but the "
+        "invalid config: evaluation.metrics: accuracy is for classifiers (integer classes: one per sample or per position), but the "
         "validation set's first target is a float32 tensor of shape ()" in m for m in said_accuracy), said_accuracy

@@ -485,3 +485,46 @@ def test_a_process_that_ignores_sigint_says_ctrl_c_will_not_stop_it(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "SIGINT is ignored in this process" in done.stderr and "Ctrl-C will not stop it" in done.stderr
+
+
+# ------------------------------------------------------------------ accuracy over per-token targets
+class _TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(12, 8)
+        self.head = nn.Linear(8, 12)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))  # (batch, sequence, vocabulary)
+
+
+def _token_loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _token_accuracy(rank, world):
+    from distributed_training import DistributedTrainer
+
+    torch.manual_seed(0)
+    model = _TinyLM()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 12, (10, 5), generator=g)
+    targets = torch.randint(0, 12, (10, 5), generator=g)
+    targets[targets % 3 == 0] = -100  # (ignored positions: not scored)
+    with torch.no_grad():
+        logits = model(ids)
+    keep = targets != -100
+    want = (logits.argmax(-1)[keep] == targets[keep]).double().mean().item()
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    got = trainer.evaluate(torch.utils.data.TensorDataset(ids, targets), _token_loss, batch_size=2,
+                           metrics=["accuracy", "top3"])
+    trainer.close()
+    return got["accuracy"], want
+
+
+@pytest.mark.timeout(90)
+def test_accuracy_scores_a_language_models_per_token_targets():
+    # evaluate(metrics="accuracy") refused (batch, sequence, vocabulary) logits with (batch, sequence) targets:
+    # "accuracy is for classifiers" (trial H). Scored per position, the ignored ones left out.
+    for got, want in run_distributed(_token_accuracy, 2, timeout=80):
+        assert abs(got - want) < 1e-9, (got, want)
