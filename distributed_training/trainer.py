@@ -51,8 +51,7 @@ from .trainer_closing import Closing, released_if_it_raises
 from .trainer_fit import Fitting
 from .trainer_peers import PeerWatching
 from .trainer_arguments import (check_arguments, check_optimizer, check_optimizer_after_setup, check_optimizer_layout,
-                                check_parallel_arguments, check_precision_with_strategy, check_same_options,
-                                check_scheduler)
+                                check_parallel_arguments, check_same_options, check_scheduler)
 from .trainer_step import Stepping
 from .trainer_state import TrainerState
 from .trainer_weights import FullWeights
@@ -318,7 +317,6 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
                                     ("staleness", staleness), ("sparse_embeddings", sparse_embeddings))
                   if v is not None}
         check_strategy_argument(strategy, communication, served)  # before any rendezvous
-        check_precision_with_strategy(strategy, mixed_precision)
         pipeline = PipelineOptions(pipeline_parallel_size, pipeline_schedule, microbatches, pipeline_split_points,
                                    pipeline_chunks, init_seed=seed, balance=pipeline_balance,
                                    sample_input=pipeline_sample_input, mixed_precision=mixed_precision,

@@ -8,12 +8,10 @@ import re
 import warnings
 from typing import Any
 
-import torch
-
 from .amp import check_precision_argument
 
 __all__ = ["check_arguments", "check_optimizer", "check_optimizer_after_setup", "check_parallel_arguments",
-           "check_optimizer_layout", "check_precision_with_strategy", "check_same_options", "check_scheduler"]
+           "check_optimizer_layout", "check_same_options", "check_scheduler"]
 
 
 def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat_timeout, mixed_precision,
@@ -284,18 +282,3 @@ def check_optimizer_layout(optimizer: Any, module: Any, tensor_parallel: bool) -
         warnings.warn(f"optimizer {name} computes with each tensor's shape or whole norm, but under {where} it is "
                       "handed slices: it then runs another algorithm than on one process, silently. Use DDP, or "
                       "an elementwise optimizer (SGD, Adam, AdamW, ...)", stacklevel=4)
-
-
-def check_precision_with_strategy(strategy, mixed_precision: str | None) -> None:
-    """The trainer's autocast (``mixed_precision=``) and an `FSDPStrategy`'s own ``MixedPrecision(param_dtype=)``
-    name one compute dtype, or only one of them is given (two would fail at the first normalization layer)."""
-    from .strategies.fsdp_strategy import FSDPStrategy
-
-    fsdp_mp = getattr(strategy, "fsdp_kwargs", {}).get("mixed_precision") if isinstance(strategy, FSDPStrategy) else None
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision or "fp32")
-    if fsdp_mp is not None and fsdp_mp.param_dtype is not None and autocast is not None \
-            and fsdp_mp.param_dtype != autocast:
-        raise ValueError(
-            f"mixed_precision={mixed_precision!r} (autocast in {autocast}) and FSDPStrategy(mixed_precision="
-            f"MixedPrecision(param_dtype={fsdp_mp.param_dtype})) ask for two compute dtypes: give one of them (the "
-            "trainer's autocast keeps fp32 master weights either way; FSDP's param_dtype also gathers in it)")

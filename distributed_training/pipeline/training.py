@@ -340,6 +340,9 @@ class PipelineStrategy(PipelineState, PipelineEvaluation, Strategy):
                 mine = groups
         return mine
 
+    def check_trainer_options(self, options: dict[str, Any]) -> None:
+        self.inner.check_trainer_options(options)
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.inner.unwrap(model)
 

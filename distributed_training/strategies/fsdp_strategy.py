@@ -59,6 +59,18 @@ class FSDPStrategy(Strategy):
                             f"{', '.join(takes)}")
         self.fsdp_kwargs = fsdp_kwargs
 
+    def check_trainer_options(self, options: dict[str, Any]) -> None:
+        """The trainer's autocast (``mixed_precision=``) and this strategy's ``MixedPrecision(param_dtype=)`` name
+        one compute dtype, or only one of them is given (two would fail at the first normalization layer)."""
+        mp = self.fsdp_kwargs.get("mixed_precision")
+        autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options.get("mixed_precision") or "fp32")
+        if mp is not None and mp.param_dtype is not None and autocast is not None and mp.param_dtype != autocast:
+            raise ValueError(
+                f"mixed_precision={options['mixed_precision']!r} (autocast in {autocast}) and FSDPStrategy("
+                f"mixed_precision=MixedPrecision(param_dtype={mp.param_dtype})) ask for two compute dtypes: give one "
+                "of them (the trainer's autocast keeps fp32 master weights either way; FSDP's param_dtype also "
+                "gathers in it)")
+
     def planner_kind(self) -> str:
         if not self.fsdp_kwargs.get("reshard_after_forward", True):
             return "zero2"

@@ -99,6 +99,9 @@ class TensorParallelStrategy(Strategy):
         self._replicated_names = frozenset(names) - self._split_names
         self._sequence_names = frozenset(name for name, p in names.items() if is_sequence_parallel(p))
 
+    def check_trainer_options(self, options: dict[str, Any]) -> None:
+        self.inner.check_trainer_options(options)
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.inner.unwrap(model)
 
