@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 __all__ = ["map_tensors", "tensors_of", "to_device", "batch_size_of", "batch_rows", "token_count", "split_batch", "call_module", "model_loss", "extract_loss"]
 
@@ -146,24 +147,11 @@ def _flattened_targets(batch: Any, n: int) -> torch.Tensor | None:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         return None
     inputs, targets = batch
-    inputs = _first_tensor(inputs)
+    leaves = tree_flatten(dict(inputs) if isinstance(inputs, Mapping) else inputs)[0]  # (a BatchEncoding too)
+    inputs = next((t for t in leaves if isinstance(t, torch.Tensor)), None)
     if (inputs is not None and inputs.dim() >= 2 and inputs.shape[0] == n and isinstance(targets, torch.Tensor)
             and targets.dim() == 1 and n > 0 and targets.shape[0] == n * inputs.shape[1] and inputs.shape[1] > 1):
         return targets
-    return None
-
-
-def _first_tensor(x: Any) -> torch.Tensor | None:
-    """The first tensor of `x` (itself, or inside its tuples, lists and dicts, in order), or None."""
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, Mapping):
-        x = list(x.values())
-    if isinstance(x, (tuple, list)):
-        for item in x:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
     return None
 
 

@@ -45,9 +45,10 @@ exception: it waits in C++. What works, measured on CPU (gloo, torch 2.13) and o
   a step, an evaluation, a checkpoint save, `close`'s wait for the GPU; gloo's silent peer): the watcher
   logs the error and ends the process with `os._exit(EXIT_CODE)`. So does a rank stuck in its own code
   inside a step, once a peer's collective timed out naming it (`hangs.tell_stuck`), or once the store is
-  gone (its holder ended) and it is still there `exit_after` later; its log shows where it was. That is clean where it matters: torchrun's agent sees a failed worker, stops
-  its other workers and re-forms the job (``--max-restarts``, ``--nnodes=MIN:MAX``), which is the
-  recovery anyway; a process whose peer is dead has no collective it can ever finish.
+  gone (its holder ended) and it is still there `exit_after` later; its log shows where it was. That is
+  clean where it matters: torchrun's agent sees a failed worker, stops its other workers and re-forms
+  the job (``--max-restarts``, ``--nnodes=MIN:MAX``), which is the recovery anyway; a process whose peer
+  is dead has no collective it can ever finish.
 """
 
 from __future__ import annotations

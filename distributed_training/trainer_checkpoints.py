@@ -208,7 +208,7 @@ class Checkpointing(Resuming, CheckpointLoading, BackgroundCheckpointing):
         """Under a strategy that splits the module (a pipeline, tensor parallelism), modules' extra state is not
         kept: said once, naming them."""
         kept = [extra_state_key(name) for name, _ in modules_with_extra_state(self.module)]
-        if kept and not getattr(self, "_said_no_extra_state", False) and self.context.is_main:
+        if kept and not self._said_no_extra_state and self.context.is_main:
             self._said_no_extra_state = True
             warnings.warn(f"checkpoint: the extra state of {', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''} "
                           "(get_extra_state()) is not kept in checkpoints of a model split by a pipeline or by "

@@ -100,15 +100,23 @@ class HyperparameterRestore:
                     changes.append(f"optimizer {where}{key}: {_show(old[key])} -> {_show(value)}")
         return changes
 
-    def _drop_schedule(self, saved: dict[str, Any]) -> list[str]:
-        """The checkpoint had an LR schedule and this run has none: the configured learning rates apply
-        from here on, as if there had never been one (the loaded param groups hold the schedule's last)."""
-        lrs = []
+    def _configured_rates(self, schedule: bool) -> list[Any]:
+        """Put the configured learning rates back into the param groups (the loaded ones are the saved run's,
+        a schedule's last), with a `schedule`'s ``initial_lr`` as configured, or without one (none now: a
+        schedule built later by hand sets it again); return each group's rate."""
         for group, configured in zip(self.optimizer.param_groups, self._configured_hparams):
             if "lr" in configured:
                 group["lr"] = copy.deepcopy(configured["lr"])
-            group.pop("initial_lr", None)  # (a schedule's; a later one built by hand sets it again)
-            lrs.append(group["lr"])
+            if schedule and "initial_lr" in configured:
+                group["initial_lr"] = copy.deepcopy(configured["initial_lr"])
+            elif not schedule:
+                group.pop("initial_lr", None)
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def _drop_schedule(self, saved: dict[str, Any]) -> list[str]:
+        """The checkpoint had an LR schedule and this run has none: the configured learning rates apply
+        from here on, as if there had never been one (the loaded param groups hold the schedule's last)."""
+        lrs = self._configured_rates(schedule=False)
         was = f" (its learning rate {_show(saved['_last_lr'])})" if "_last_lr" in saved else ""
         return [f"lr_scheduler: the checkpoint's schedule{was} -> none: the configured learning rate {_show(lrs)} "
                 "applies"]
@@ -124,10 +132,7 @@ class HyperparameterRestore:
         `step`: the checkpoint's, the count where a state keeps none of its own (`_steps_of`).
         """
         sched, fresh = self.lr_scheduler, self._configured_schedule
-        for group, configured in zip(self.optimizer.param_groups, self._configured_hparams):
-            for key in ("lr", "initial_lr"):
-                if key in configured:
-                    group[key] = copy.deepcopy(configured[key])
+        self._configured_rates(schedule=True)
         sched.load_state_dict(copy.deepcopy(fresh))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": we only replay

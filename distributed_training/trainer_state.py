@@ -90,6 +90,7 @@ class TrainerState:
         #: What a job says of itself beyond the trainer's arguments (dtrain: its model and data fields), saved
         #: in each checkpoint's meta; a resume names the notes that changed since (`_notes_changed`).
         self.checkpoint_notes: dict[str, Any] = {}
+        self._said_no_extra_state = False  # (a split model's modules' extra state is not kept: said once)
         # Whether the `fit` in progress sets the accumulation from a global batch (`_adopt_global_batch`):
         # then a resume does not compare the configured gradient_accumulation_steps with the checkpoint's.
         self._fit_global_batch = False
