@@ -238,6 +238,10 @@ class ParameterServerStrategy(Strategy):
         module = getattr(model, "module", model)
         left = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
         if left:  # (the same model and factory on every rank: every rank raises alike)
+            # Once every rank is here: a rank that raised and ended while a peer was still inside the
+            # collectives before (its role group's connections, the start's broadcast) left that peer gloo's
+            # "Connection closed by peer" instead of this error (seen under load in CI).
+            dist.barrier(group=self._ps_group)
             raise ValueError(f"strategy 'parameter_server': the optimizer leaves out {len(left)} of the model's "
                              f"parameters that require a gradient (first: '{left[0]}'), but the servers train "
                              "every parameter that requires one, with the optimizer's settings. To leave them "
