@@ -77,6 +77,8 @@ def parity_worker(rank, world, kind, tp, strategy, sequence_parallel, clip, opti
     batch = _batch
     if compile and not sequence_parallel:  # one compile (about 20 s on 2 loaded cores), not one per length:
         batch = lambda kind, step, rows: _batch(kind, 0, rows)  # noqa: E731 (the sequence-parallel run varies it)
+    elif compile:
+        batch = _counting_graphs(batch)
     results = train_against_reference(trainer, reference, ref_opt, batch, kind, clip, rank, 4, STEPS)
     trainer.close()
     # The clipping norm (checked against one process's by the callers): one pass of the inner strategy
@@ -186,13 +188,33 @@ def test_tensor_parallel_trainer_matches_one_process(kind, world, tp, strategy, 
             assert any(want > clip for _, want in norms), "the clip threshold must actually clip"
 
 
+GRAPHS_BY_STEP: list[int] = []  # (a compiled run's graphs compiled before each step, `_counting_graphs`)
+
+
+def _counting_graphs(batch):
+    """`batch`, noting in GRAPHS_BY_STEP how many graphs torch._dynamo had compiled before each step."""
+    from torch._dynamo.utils import counters
+
+    GRAPHS_BY_STEP.clear()
+
+    def counted(kind, step, rows):
+        GRAPHS_BY_STEP.append(counters["stats"]["unique_graphs"])
+        return batch(kind, step, rows)
+
+    return counted
+
+
 def compiled_parity_worker(rank, world, variants):
     """The compiled parity run of each `sequence_parallel` in `variants`, one after the other in this one
     job, each from torch._dynamo.reset() (a fresh process's empty cache)."""
     results = []
     for sequence_parallel in variants:
         torch._dynamo.reset()
-        results.append(parity_worker(rank, world, "gpt", 2, "ddp", sequence_parallel, 0.5, "sgd", None, None, True))
+        result = parity_worker(rank, world, "gpt", 2, "ddp", sequence_parallel, 0.5, "sgd", None, None, True)
+        from torch._dynamo.utils import counters
+
+        graphs = GRAPHS_BY_STEP + [counters["stats"]["unique_graphs"]]  # (and after the last step)
+        results.append((result, graphs if sequence_parallel else None))
     return results
 
 
@@ -221,8 +243,15 @@ def test_compiled_tensor_parallel_model_matches_one_process(sequence_parallel, c
     sequence parallelism the sequence length changes every step (recompiled, then symbolic: the split of
     a symbolic length); without it, one length and one compile."""
     results = compiled_parity(sequence_parallel)
-    worst = results[0][0]
+    worst = results[0][0][0]
     assert len(worst) == STEPS and max(worst) <= TOL, f"parameters differ from one process by {worst}"
+    if sequence_parallel:
+        # The second length recompiles with a symbolic one; the third runs that graph. The sequence-parallel
+        # bookkeeping (the recent lengths) was guarded on, and each new length recompiled the model again.
+        for _, graphs in results:
+            compiled = [after - before for before, after in zip(graphs, graphs[1:])]  # in each step
+            assert len(compiled) == STEPS == 3 and compiled[0] and compiled[1], compiled
+            assert compiled[2] == 0, f"a third sequence length compiled again: graphs per step {compiled}"
 
 
 @pytest.mark.parametrize("schedule, strategy, sequence_parallel", [

@@ -472,7 +472,11 @@ class SequenceEntry:
     layer gather the rows of other sequences as its own: wrong numbers from the first step, raised
     instead. Not where that length is also a part of a recent start's (an encoder-decoder whose decoder's
     whole length is the encoder's part, met in its cross-attention; a recomputed pass of an earlier
-    input): a reshape is caught at the first step, where no such coincidence is."""
+    input): a reshape is caught at the first step, where no such coincidence is.
+
+    Eager forwards only: inside a compiled graph this bookkeeping would be guarded on (the recent parts'
+    count), so that each new sequence length recompiled the model, past dynamic shapes, until torch's
+    recompile limit ran it eagerly; a compiled model's reshape fails in the layer's own shapes instead."""
 
     RECENT = 16
 
@@ -483,13 +487,15 @@ class SequenceEntry:
     def began(self, length: int, size: int, split: bool) -> None:
         """The whole sequence's `length` over `size` ranks, from the split's input (`split`) or, where no
         split runs, from a 'sequence' module's part."""
+        if torch.compiler.is_compiling():
+            return
         self.split_seen |= split
         self.length = length
         if not self.parts or self.parts[-1] != length // size:
             self.parts.append(length // size)
 
     def check(self, x: torch.Tensor, layer: nn.Module) -> None:
-        if (self.length is not None and x.dim() > self.dim and x.shape[self.dim] == self.length
+        if (not torch.compiler.is_compiling() and self.length is not None and x.dim() > self.dim and x.shape[self.dim] == self.length
                 and self.length not in self.parts):
             raise RuntimeError(
                 f"sequence parallelism: the input of {type(layer).__name__} ({layer.extra_repr()}) has shape "
