@@ -51,7 +51,8 @@ from .trainer_closing import Closing, released_if_it_raises
 from .trainer_fit import Fitting
 from .trainer_peers import PeerWatching
 from .trainer_arguments import (check_arguments, check_optimizer, check_optimizer_after_setup, check_optimizer_layout,
-                                check_parallel_arguments, check_same_options, check_scheduler)
+                                check_parallel_arguments, check_same_options, check_scheduler, compile_options_of,
+                                describe_compile)
 from .trainer_step import Stepping
 from .trainer_state import TrainerState
 from .trainer_weights import FullWeights
@@ -142,7 +143,9 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             forward's computation is compiled, and the strategy's communication (DDP's buffer
             broadcast, ZeRO-1's parameter all-gathers, FSDP's per-unit gathers and reshards) runs
             eagerly between compiled graphs. The model, its state dict keys and checkpoints stay as
-            without it. A model compiled by you (``torch.compile(model)`` or per block) works too.
+            without it. A model compiled by you works too: per block, or whole (``torch.compile(model,
+            ...)``: the module inside it is compiled in place as above, with your backend, mode and
+            options unless `compile` gives others).
         pipeline_parallel_size: pipeline stages per model replica (default 1: none). The world is laid
             out as ``pipeline x data`` (the size must divide it): the model's layers (`pipeline.chain`:
             an `nn.Sequential`, our `GPT`, or an adapter's list of layers) are cut into stages, each
@@ -298,11 +301,18 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             # Its state dict's keys carry "_orig_mod.": checkpoints and full_state_dict() did not load into the
             # plain model. The module inside it is compiled in place instead (its keys stay the model's).
-            model, compile = model._orig_mod, (compile or True) if pipeline_parallel_size == 1 else False
-            warnings.warn("model is a torch.compile'd module: the trainer takes the module inside it and "
-                          + ("compiles that in place (compile=True; pass compile={...} for options)" if compile
-                             else "runs it eagerly (compile is not supported with a pipeline yet)")
-                          + ", so that checkpoints and full_state_dict() keep the model's own keys", stacklevel=3)
+            theirs = compile_options_of(model)
+            if pipeline_parallel_size != 1:
+                how, compile = "runs it eagerly (compile is not supported with a pipeline yet)", False
+            elif compile:
+                how = "compiles that in place with the trainer's compile=... options"
+            elif theirs is not None:
+                how, compile = f"compiles that in place with its own options ({describe_compile(theirs)})", theirs
+            else:
+                how, compile = "compiles that in place (compile=True; pass compile={...} for options)", True
+            model = model._orig_mod
+            warnings.warn(f"model is a torch.compile'd module: the trainer takes the module inside it and {how}, "
+                          "so that checkpoints and full_state_dict() keep the model's own keys", stacklevel=3)
         check_optimizer(optimizer, model)
         check_arguments(gradient_accumulation_steps=gradient_accumulation_steps, gradient_clip_val=gradient_clip_val,
                          heartbeat_timeout=heartbeat_timeout, mixed_precision=mixed_precision, loss_scaler=loss_scaler,

@@ -11,7 +11,36 @@ from typing import Any
 from .amp import check_precision_argument
 
 __all__ = ["check_arguments", "check_optimizer", "check_optimizer_after_setup", "check_parallel_arguments",
-           "check_optimizer_layout", "check_same_options", "check_scheduler"]
+           "check_optimizer_layout", "check_same_options", "check_scheduler", "compile_options_of",
+           "describe_compile"]
+
+
+def compile_options_of(compiled: Any) -> dict[str, Any] | None:
+    """The `torch.compile` arguments a compiled module was made with, as a dict for ``module.compile``: its
+    backend (the object torch.compile made of ``backend=``, ``mode=`` and ``options=``, itself a backend),
+    ``fullgraph`` and ``dynamic``; None where this torch keeps them elsewhere. (The trainer compiles the
+    module inside a compiled one again, in place: without them a user's backend or mode was replaced by
+    the default, inductor.) Read from torch's private fields, hence the fallback."""
+    try:
+        context = compiled.dynamo_ctx
+        backend = context.callback
+        while hasattr(backend, "_torchdynamo_orig_backend"):  # torch's wrappers around the backend it made
+            backend = backend._torchdynamo_orig_backend
+        options = {"backend": backend, "fullgraph": bool(context.fullgraph), "dynamic": context._dynamic}
+    except AttributeError:
+        return None
+    return options if callable(backend) else None
+
+
+def describe_compile(options: dict[str, Any]) -> str:
+    """``backend 'aot_eager', fullgraph`` for the options `compile_options_of` read."""
+    backend = options["backend"]
+    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None) or type(backend).__name__
+    config = getattr(backend, "config", None)
+    said = [f"backend {name!r}"] + ([f"options {config}"] if config else [])
+    said += ["fullgraph"] if options["fullgraph"] else []
+    said += [f"dynamic={options['dynamic']}"] if options["dynamic"] is not None else []
+    return ", ".join(said)
 
 
 def check_arguments(*, gradient_accumulation_steps, gradient_clip_val, heartbeat_timeout, mixed_precision,

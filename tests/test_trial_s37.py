@@ -477,20 +477,30 @@ def compiled_model_worker(rank, world):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = DistributedTrainer(torch.compile(model), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+    graphs = []
+
+    def my_backend(gm, example_inputs):  # the user's choice of backend (what it is given, run as traced)
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer = DistributedTrainer(torch.compile(model, backend=my_backend), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                     progress=False)
     trainer.fit(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), 1, F.cross_entropy, batch_size=4)
     state = trainer.full_state_dict()
     trainer.close()
-    return sorted(state)
+    return sorted(state), len(graphs), [str(w.message) for w in said if "torch.compile'd" in str(w.message)]
 
 
 def test_a_torch_compiled_model_keeps_its_own_keys():
     """torch.compile(model) given to the trainer put "_orig_mod." before every key of full_state_dict() and
-    of checkpoints, which then did not load into the plain model."""
-    keys = run_distributed(compiled_model_worker, 1, timeout=180)[0]
+    of checkpoints, which then did not load into the plain model. The module inside is compiled again, in
+    place (session 50): with the user's own backend, mode and options, not the default (inductor)."""
+    keys, graphs, said = run_distributed(compiled_model_worker, 1, timeout=180)[0]
     assert keys == ["0.bias", "0.weight", "2.bias", "2.weight"], keys
+    assert graphs >= 1, "the user's backend compiled nothing: the trainer replaced it"
+    assert len(said) == 1 and "its own options (backend 'my_backend')" in said[0], said
 
 
 def test_small_things_a_new_user_met(tmp_path):
