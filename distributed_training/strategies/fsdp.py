@@ -242,9 +242,19 @@ class FSDP(FSDPGradients, FSDPStateDict, FullWeights, nn.Module):
             self._requires_grad_lock.watch_view(view, unit.infos[i].fqns)
             setattr(mod, attr, view)
 
+    def _drop_stale(self, unit: Unit) -> None:
+        """Free `unit`'s gathered weights where its shard changed in place since they were gathered. A unit
+        stays gathered past a forward in grad mode until a backward frees it (the root unit; every unit
+        under ZeRO-2): a forward whose backward never ran (a validation loss computed without no_grad),
+        then the optimizer's step, left the next forward computing with the weights of before the step."""
+        if unit.gathered and unit.gather_work is None and unit.shard._version != unit.gathered_version:
+            self._reshard(unit)
+
     def _start_gather(self, unit: Unit) -> None:
+        self._drop_stale(unit)
         if unit.gathered or unit.gather_work is not None or unit.padded == 0:
             return
+        unit.gathered_version = unit.shard._version
         alloc_storage(unit.full_data)
         src = unit.shard.detach()
         if src.device != self.device or src.dtype != unit.full_data.dtype:
@@ -255,6 +265,7 @@ class FSDP(FSDPGradients, FSDPStateDict, FullWeights, nn.Module):
         unit.gather_work = all_gather_flat(unit.full_data, src, self.shard_group, async_op=True)
 
     def _unshard(self, unit: Unit) -> None:
+        self._drop_stale(unit)
         if unit.gathered:
             return
         self._start_gather(unit)

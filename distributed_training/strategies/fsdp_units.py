@@ -46,6 +46,9 @@ class Unit:
     gathered: bool = False
     gather_work: Any = None
     gather_src: torch.Tensor | None = None  # the all-gather's input (a cast copy of the shard), alive until waited for
+    #: the shard's version counter when its gather started: an in-place change since (an optimizer step, a
+    #: load) makes the gathered weights stale (`FSDP._drop_stale`)
+    gathered_version: int = -1
     hooks: list = field(default_factory=list)
     #: under `no_sync` with gradients reduced in a wider dtype than the gathered parameters' (bf16 weights,
     #: fp32 reduction): the accumulated full gradient, kept in the reduce dtype (autograd's adds would round
