@@ -1,28 +1,46 @@
 """What the trainer does with a batch it does not know the shape of: move it to the device, count its
 samples and tokens, split it into micro-batches, call the model on it and find the loss in what the
-model returned. A batch is a tensor, or a tuple/list/dict of them (nested)."""
+model returned. A batch is a tensor, or a tuple (a namedtuple too), list, dict or dataclass of them
+(nested); a batch in which none of these finds a tensor is refused (`check_readable`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["map_tensors", "tensors_of", "to_device", "batch_size_of", "batch_rows", "token_count", "split_batch", "call_module", "model_loss", "extract_loss"]
+__all__ = ["map_tensors", "rebuilt", "tensors_of", "check_readable", "to_device", "batch_size_of", "batch_rows", "token_count", "split_batch", "call_module", "model_loss", "extract_loss"]
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
-    """`batch` with every tensor replaced by ``fn(tensor)``: tuples and lists keep their type, mappings
-    become dicts, anything else is kept as it is."""
+    """`batch` with every tensor replaced by ``fn(tensor)``: tuples (namedtuples too), lists and
+    dataclasses keep their type, mappings become dicts, anything else is kept as it is."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
         return {k: map_tensors(fn, v) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
-        return type(batch)(map_tensors(fn, v) for v in batch)
+        return rebuilt(batch, [map_tensors(fn, v) for v in batch])
+    if _is_dataclass(batch):
+        return dataclasses.replace(batch, **{k: map_tensors(fn, v) for k, v in _fields(batch).items()})
     return batch
+
+
+def rebuilt(sequence: tuple | list, items: list) -> tuple | list:
+    """A tuple or list of `sequence`'s type holding `items` (a namedtuple takes them as arguments)."""
+    return type(sequence)(*items) if hasattr(sequence, "_fields") else type(sequence)(items)
+
+
+def _is_dataclass(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _fields(x: Any) -> dict[str, Any]:
+    """A dataclass batch's fields that its constructor takes (what `dataclasses.replace` can set)."""
+    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if f.init}
 
 
 def tensors_of(batch: Any) -> list[torch.Tensor]:
@@ -31,9 +49,22 @@ def tensors_of(batch: Any) -> list[torch.Tensor]:
         return [batch]
     if isinstance(batch, Mapping):
         batch = list(batch.values())
+    elif _is_dataclass(batch):
+        batch = list(_fields(batch).values())
     if isinstance(batch, (tuple, list)):
         return [t for v in batch for t in tensors_of(v)]
     return []
+
+
+def check_readable(batch: Any) -> None:
+    """Refuse a batch without a tensor the trainer can find: it counted as no rows, so its loss weighed
+    nothing and the step trained nothing, silently (a plain object holding the tensors as attributes)."""
+    if not tensors_of(batch):
+        raise TypeError(
+            f"the trainer found no tensor in a batch of type {type(batch).__name__}: it reads a batch's tensors "
+            "(to move them to the device, count its rows and weigh its loss) inside tuples (namedtuples too), "
+            "lists, dicts and dataclasses. Return one of those from the dataset or the collate function "
+            "(e.g. a dict of tensors), with tensors in it (tokenize text before the model)")
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -53,6 +84,8 @@ def _rows(batch: Any) -> int:
         return batch.shape[0] if batch.dim() else 0
     if isinstance(batch, Mapping):
         batch = list(batch.values())
+    elif _is_dataclass(batch):
+        batch = list(_fields(batch).values())
     if isinstance(batch, (tuple, list)):
         for item in batch:
             size = _rows(item)
@@ -97,7 +130,9 @@ def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
         if _per_sample_values(x, n):  # e.g. sequence lengths as a list of ints: cut with the rows
             return type(x)(x[sum(rows[:k]):sum(rows[:k + 1])])
         if isinstance(x, (tuple, list)):
-            return type(x)(chunk(v, k) for v in x)
+            return rebuilt(x, [chunk(v, k) for v in x])
+        if _is_dataclass(x):
+            return dataclasses.replace(x, **{name: chunk(v, k) for name, v in _fields(x).items()})
         return x
 
     pieces = [chunk(batch, k) for k in range(parts)]

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from .batches import batch_size_of, call_module, model_loss, split_batch, to_device
+from .batches import batch_size_of, call_module, check_readable, model_loss, split_batch, to_device
 from .hangs import CollectiveTimeoutError, block_activities, diagnose_lost_peer, diagnose_timeout, heartbeat, is_timeout
 from .loss_weights import StepWeights, batch_count, counted, label_count, own_loss
 from .peer_watch import looks_like_peer_loss
@@ -98,6 +98,7 @@ class Stepping:
     def _train_step(self, batch: Any, criterion: Criterion | None) -> dict[str, torch.Tensor]:
         if not self.model.training:  # train() walks every module: not per step, and it would undo a
             self.model.train()       # submodule the user put in eval mode on purpose (frozen BatchNorm)
+        check_readable(batch)
         batch = to_device(batch, self.device)
         criterion = self.strategy.loss_criterion(criterion)  # tensor parallelism: the vocabulary-parallel loss
         # A strategy that schedules forward and backward itself (a pipeline) runs the whole batch.
