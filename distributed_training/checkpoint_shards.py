@@ -164,6 +164,7 @@ def pack(layout: StateLayout, optimizer: torch.optim.Optimizer | None, *,
     scalars: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     if optimizer is not None:
+        elementwise = _elementwise_names(optimizer)
         for holding in layout.optimizer:
             if not holding.save:
                 continue
@@ -172,13 +173,37 @@ def pack(layout: StateLayout, optimizer: torch.optim.Optimizer | None, *,
                 if piece.key in holding.not_saved:
                     continue
                 for name, value in state.items():
-                    if torch.is_tensor(value) and value.dim() > 0 and value.numel() == holding.tensor.numel():
+                    if torch.is_tensor(value) and (value.dim() > 0 and value.numel() == holding.tensor.numel()
+                                                   or _elementwise_of_a_0dim(holding.tensor, name, value, elementwise)):
                         optim.setdefault(piece.key, {}).setdefault(name, []).append(_entry(piece, _cut(value, piece, to_host)))
                     else:
                         # (through `to_host` too: a CUDA step count copied with .cpu() would wait for the device)
                         scalars.setdefault(piece.key, {})[name] = to_host(value.detach()) if torch.is_tensor(value) else value
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     return {"params": params, "optim": optim, "optim_scalars": scalars, "param_groups": groups}
+
+
+def _elementwise_names(optimizer: torch.optim.Optimizer) -> tuple[set, set]:
+    """The optimizer's state names kept per element (Adam's ``exp_avg``) and those kept as one value (its
+    ``step``), as its parameters of one or more dimensions show them."""
+    per_element, scalar = set(), set()
+    for p, state in optimizer.state.items():
+        if torch.is_tensor(p) and p.dim() > 0:
+            for name, value in state.items():
+                if torch.is_tensor(value):
+                    (per_element if value.shape == p.shape and value.dim() > 0 else scalar).add(name)
+    return per_element, scalar - per_element
+
+
+def _elementwise_of_a_0dim(tensor: torch.Tensor, name: str, value: torch.Tensor, names: tuple[set, set]) -> bool:
+    """Whether `value`, state `name` of a 0-dim parameter (a learned temperature, CLIP's ``logit_scale``), is
+    per element: its shape, (), is a step count's too. Saved as a scalar, it could not be loaded where that
+    parameter is one element of a flat shard (ZeRO-1/2/3). Where no other parameter shows it: all but a
+    ``step``."""
+    if tensor.dim() != 0 or value.dim() != 0:
+        return False
+    per_element, scalar = names
+    return name in per_element or (name not in scalar and name != "step")
 
 
 def summary(packed: dict[str, Any]) -> dict[str, Any]:
@@ -235,6 +260,8 @@ class Sources:
         one strided copy: loading a pattern saved alike is a single copy, whatever the run count."""
         want = _Runs(start, length, count, stride if count > 1 else 0, 0, length)
         total = left = count * length
+        if not total:  # (a zero-size parameter: nothing to copy, and nothing saved overlaps it)
+            return
         missing: torch.Tensor | None = None  # None: all of it (most loads are one copy: no mask needed)
         order = {r: i for i, r in enumerate(self._order({s[0] for s in spans}))}
         for span in sorted(spans, key=lambda s: order[s[0]]):

@@ -151,3 +151,73 @@ def test_data_time_is_the_fetch_not_the_steps_own_logging_and_callbacks(tmp_path
     (34-40% of a small step at log_every=1). A 50 ms on_step made a 50 ms "data time" here."""
     data, step = run_distributed(_data_time, 1, args=(str(tmp_path),), timeout=120)[0]
     assert step > 0.04 and data < 0.02, (data, step)  # (the sleep is the step's time, not its data's)
+
+
+# ------------------------------------------------------------------ 0-dim and zero-size parameters in checkpoints
+class Temperature(nn.Module):
+    """A learned 0-dim temperature (CLIP's logit_scale) beside a layer, and a zero-size parameter."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+        self.empty = nn.Parameter(torch.empty(0, 4))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale.exp() + self.empty.sum()
+
+
+def _adam(ps):
+    return torch.optim.Adam(ps, lr=0.05)
+
+
+def _odd_parameters(rank, world, directory):
+    from distributed_training import FSDP, DistributedTrainer
+
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(4 * world, 4, generator=g), torch.randn(4 * world, 3, generator=g)) for _ in range(3)]
+    mine = slice(4 * rank, 4 * rank + 4)
+    reference = Temperature()
+    ref_opt = _adam(reference.parameters())
+    for x, y in batches:
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    out = {}
+    for saved, loaded in (("ddp", "zero3"), ("ddp", "ddp"), ("zero3", "zero1")):
+        trainer = DistributedTrainer(Temperature(), _adam, strategy=saved, progress=False)
+        for x, y in batches[:2]:
+            trainer.train_step((x[mine], y[mine]), F.mse_loss)
+        path = f"{directory}/{saved}_{loaded}"
+        trainer.save_checkpoint(path)
+        trainer.close()
+        trainer = DistributedTrainer(Temperature(), _adam, strategy=loaded, progress=False)
+        try:
+            trainer.load_checkpoint(path)
+            x, y = batches[2]
+            trainer.train_step((x[mine], y[mine]), F.mse_loss)
+            state = trainer.full_state_dict()
+            out[f"{saved} -> {loaded}"] = max((state[k] - v).abs().max().item() if v.numel() else 0.0
+                                              for k, v in reference.state_dict().items()) if state else 0.0
+        except Exception as err:  # (every rank fails alike here)
+            out[f"{saved} -> {loaded}"] = f"{type(err).__name__}: {err}"[:300]
+        trainer.close()
+    # FSDP with the zero-size parameter alone in its unit: its key in full_state_dict, which loads back.
+    fsdp = FSDP(Temperature(), auto_wrap_policy={nn.Linear})
+    full = fsdp.full_state_dict(rank0_only=False)
+    out["full_state_dict keys"] = sorted(full)
+    fsdp.load_full_state_dict(full)
+    return out
+
+
+def test_zero_dim_and_zero_size_parameters_in_checkpoints_and_full_state_dict(tmp_path):
+    """A 0-dim parameter's Adam state was saved by ddp as scalars (its shape is a step count's): ddp -> zero3
+    said "no optimizer state for 'scale'" (a model of it alone: a shape error in Adam's step). A zero-size
+    parameter failed every load into ddp / zero1 (ZeroDivisionError), and FSDP's full_state_dict() left it
+    out where it had a unit to itself ("Missing key(s): 'empty'" at a load)."""
+    out = run_distributed(_odd_parameters, 2, args=(str(tmp_path),), timeout=180)[0]
+    keys = out.pop("full_state_dict keys")
+    assert keys == sorted(Temperature().state_dict()), keys
+    for case, worst in out.items():
+        assert isinstance(worst, float) and worst < 1e-5, (case, worst)

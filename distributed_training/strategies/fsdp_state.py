@@ -58,7 +58,9 @@ class FSDPStateDict:
         is_main = dist.get_rank(self.process_group) == 0 or not rank0_only
         values: dict[str, torch.Tensor] = {}
         for unit in self._units:
-            if unit.padded == 0:
+            if unit.padded == 0:  # zero-size parameters only (nothing to gather): still the model's keys
+                for info in unit.infos:
+                    values.update(dict.fromkeys(info.fqns, torch.empty(info.shape, dtype=unit.shard.dtype)))
                 continue
             full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.device)
             all_gather_flat(full, unit.shard.detach().to(self.device), self.shard_group, async_op=False).wait()
