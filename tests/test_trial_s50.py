@@ -221,3 +221,53 @@ def test_zero_dim_and_zero_size_parameters_in_checkpoints_and_full_state_dict(tm
     assert keys == sorted(Temperature().state_dict()), keys
     for case, worst in out.items():
         assert isinstance(worst, float) and worst < 1e-5, (case, worst)
+
+
+# ------------------------------------------------------------------ a GAN's discriminator frozen for the generator's step
+def _gan(rank, world, kind):
+    from distributed_training import DDP, FSDP
+
+    def nets():
+        torch.manual_seed(1)
+        return nn.Linear(3, 6), _mlp()[:3].append(nn.Linear(8, 1))  # generator, discriminator
+
+    ref_g, ref_d = nets()
+    gen, disc = nets()
+    gen = DDP(gen)
+    disc = DDP(disc) if kind == "ddp" else FSDP(disc)
+    pairs = [(gen, ref_g), (disc, ref_d)]
+    opts = [[torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in pair] for pair in zip(*pairs)]
+    worst = 0.0
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        real, z = torch.randn(4 * world, 6, generator=g), torch.randn(4 * world, 3, generator=g)
+        mine = slice(4 * rank, 4 * rank + 4)
+        for (G, D, opt_g, opt_d), (r, zz) in (((gen, disc, opts[0][0], opts[0][1]), (real[mine], z[mine])),
+                                             ((ref_g, ref_d, opts[1][0], opts[1][1]), (real, z))):
+            opt_d.zero_grad()
+            (D(G(zz).detach()).mean() - D(r).mean()).backward()
+            opt_d.step()
+            for p in D.parameters():  # (FSDP: its shards)
+                p.requires_grad_(False)
+            held = [p.grad.clone() for p in D.parameters()]
+            opt_g.zero_grad()
+            (-D(G(zz)).mean()).backward()
+            opt_g.step()
+            assert all(torch.equal(a, p.grad) for a, p in zip(held, D.parameters())), "a frozen one got a gradient"
+            for p in D.parameters():
+                p.requires_grad_(True)
+        full = disc.full_state_dict(rank0_only=False) if kind == "fsdp" else disc.module.state_dict()
+        worst = max([worst] + [(full[k] - v).abs().max().item() for k, v in ref_d.state_dict().items()]
+                    + [(a - b).abs().max().item() for a, b in zip(gen.module.parameters(), ref_g.parameters())])
+    return worst
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_gan_freezing_its_discriminator_for_the_generators_step_trains_as_one_process(kind):
+    """`for p in D.parameters(): p.requires_grad_(False)` around the generator's step: DDP refused it at D's
+    forward ("parameter '0.weight' was frozen after DDP wrapped the model"), where torch's DDP trains it;
+    FSDP's shards frozen that way went on getting gradients, and so training (a shard frozen for good moved
+    by up to 0.048 in 3 steps). Every parameter frozen is a pass that trains none of them now, and a frozen
+    shard gets no gradient."""
+    for worst in run_distributed(_gan, 2, args=(kind,), timeout=120):
+        assert worst < 1e-6, worst

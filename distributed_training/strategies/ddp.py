@@ -249,6 +249,8 @@ class DDP(UnusedParameters, BucketLayout, CommTiming, nn.Module):
         """What runs before the wrapped module. Never traced by torch.compile: under
         ``torch.compile(DDP(model))`` dynamo graph-breaks here, runs this eagerly (collectives, bucket
         rebuild, Python state), and compiles the module's forward after it."""
+        if self._all_frozen():
+            return  # (nothing to average after this pass: no bucket waits for a gradient)
         self._trainable.check()
         if torch.is_grad_enabled() and self._backward.sync_enabled:
             if self._backward.callback_queued and not inside_backward():
@@ -260,9 +262,16 @@ class DDP(UnusedParameters, BucketLayout, CommTiming, nn.Module):
         """At the start of a synchronised backward through `out`, queue its end there, on the outermost
         pass (`backward_start`): reentrant activation checkpointing's nested backward, where a parameter's
         hook would queue it, ends before the rest of the model's gradients arrive."""
-        if self._hook_handles and self._backward.sync_enabled and torch.is_grad_enabled():
+        if self._hook_handles and self._backward.sync_enabled and torch.is_grad_enabled() and not self._all_frozen():
             me = weakref.ref(self)
             on_backward_start(out, lambda: me() is not None and me()._queue_finish())
+
+    def _all_frozen(self) -> bool:
+        """Every parameter this wrapper averages frozen for now (``requires_grad_(False)`` on all of them: a
+        GAN's discriminator during the generator's step, its gradient flowing through it to the generator's
+        parameters): a pass that trains none of them, as under ``no_grad``. Freezing some of them is still
+        refused (`TrainableSet`): the buckets are built over those that train."""
+        return bool(self._params) and not any(p.requires_grad for p in self._params)
 
     def join(self, optimizer: torch.optim.Optimizer | None = None, *, lr_scheduler=None):
         """A context in which ranks that run out of data keep answering the others' collectives:

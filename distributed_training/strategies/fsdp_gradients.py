@@ -124,6 +124,12 @@ class FSDPGradients:
                     for w in works:
                         w.wait()
             for unit, out, _ in self._backward_state.pending:
+                if not unit.shard.requires_grad:
+                    # A shard the user froze after wrapping (``for p in fsdp.parameters(): p.requires_grad_(False)``,
+                    # a GAN's discriminator during the generator's step): reduced like the others (every rank ran
+                    # this backward), then left without a gradient, as torch leaves a frozen parameter; it
+                    # trained on before, silently.
+                    continue
                 grad = out.to(unit.shard.device, unit.shard.dtype, non_blocking=True)
                 if unit.shard.grad is None:
                     unit.shard.grad = grad

@@ -1,4 +1,6 @@
-"""Which parameters train is fixed when a wrapper is built; a change afterwards is an error.
+"""Which parameters train is fixed when a wrapper is built; a change afterwards is an error (but for every
+parameter of a `DDP` frozen for a pass, and `FSDP`'s shards, which a frozen flag leaves without a gradient:
+a GAN's discriminator frozen during the generator's step).
 
 `DDP` buckets, and `FSDP` shards, the parameters that require gradients at construction: a parameter
 unfrozen later (``requires_grad_(True)`` between epochs, a common fine-tuning step) would train on
