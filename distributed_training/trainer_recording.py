@@ -6,6 +6,7 @@ A mixin of `DistributedTrainer` (under `trainer_epochs.EpochLoop`).
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
@@ -38,10 +39,10 @@ class StepRecording:
             pipeline = self.strategy.pop_pipeline_timing(self.model)
             if pipeline:
                 metrics = {**metrics, **{k: torch.tensor(v) for k, v in pipeline.items()}}
-        # Timing communication costs events (DDP: per bucket): only for the first step of the next window.
-        # Reading its events at the log step ending that window does not wait for the GPU (they are
-        # long done); reading the log step's own would (with log_every=1 it has to).
-        self._measuring = self.step % log_every == 0
+        # Timing communication costs events (DDP: per bucket): only for one step of each window, the
+        # straggler probe's (`_probed_step`). Reading its events at the log step ending that window does not
+        # wait for the GPU where they are long done; where the drawn step is the log step itself, it does.
+        self._measuring = self._probed_step(self.step + 1)
         self.strategy.measure_communication(self.model, self._measuring)
         self.strategy.time_pipeline(self.model, self.step % log_every == 0)
         own = None
@@ -80,7 +81,7 @@ class StepRecording:
         return {**metrics, "global_loss": (total / self.dp_world_size).float()}
 
     def _straggler_probe(self) -> float | None:
-        """On the step whose communication is measured (the first of a log window), before it trains:
+        """On the step whose communication is measured (one drawn in each log window), before it trains:
         seconds this rank waits for the others to have their batch, or None on other steps. What it
         waits here is another rank's data loading; what it waits in the step is in the communication
         figures: the two out of its step time leave its own work, which the straggler check compares
@@ -106,8 +107,16 @@ class StepRecording:
 
     def _probe_due(self) -> bool:
         """Whether `_straggler_probe` probes before the coming step (the same answer on every rank)."""
-        return (self._probed and self._monitoring and self.step % self.monitor_log_every == 0
+        return (self._probed and self._monitoring and self._probed_step(self.step + 1)
                 and self.monitor._cluster_on)
+
+    def _probed_step(self, step: int) -> bool:
+        """Whether `step` is its log window's measured one: drawn afresh for each window from the window's
+        number, alike on every rank. (It was always the window's first: a rank slow on every other step, or
+        every fifth, with a log window of an even length, or of five, was never measured slow.)"""
+        every = self.monitor_log_every
+        window, position = divmod(step - 1, every)
+        return position == random.Random(window).randrange(every)
 
     def _own_work(self, host_s: float, fetch_s: float) -> float | tuple:
         """The probed step's own work, given its host time less the probe's wait (`host_s`) and its data
