@@ -145,6 +145,21 @@ def median_interval(values: list[float], reps: int = 2000) -> tuple[float, float
     return meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
 
 
+MIN_ROUNDS = 5  # (a bootstrap interval of 2 values is their range, not 95% of anything)
+
+
+def one_percent_verdict(low: float, high: float, rounds: int) -> str:
+    """"yes" / "no" on an overhead (the monitor's, an asynchronous checkpoint's) being at most 1% of a step,
+    from the 95% interval of the paired rounds' median, or why it cannot say: too few rounds, or an
+    interval wholly below zero (the overhead cannot make a step faster: the rounds' noise is larger than
+    what is measured; a smoke run's 2 rounds of the monitor gave -21% to -12%, and it said "yes")."""
+    if rounds < MIN_ROUNDS:
+        return f"undecided ({rounds} rounds: {MIN_ROUNDS} or more give an interval)"
+    if high < 0.0:
+        return f"undecided (the interval, {low:+.1f}% to {high:+.1f}%, is below zero: noise over the effect)"
+    return "yes" if high <= 1.0 else "no" if low > 1.0 else "undecided (the interval holds 1%)"
+
+
 def slowest(ctx, values: list[float]) -> list[float]:
     """Each value's maximum over ranks: a job is as slow (and needs as much memory) as its worst rank."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device(ctx))

@@ -345,3 +345,16 @@ def test_a_forked_world_past_its_timeout_is_stopped_with_every_rank(tmp_path, wa
         time.sleep(0.1)
     else:
         raise AssertionError(f"the hung ranks {alive} are still running")
+
+
+def test_an_overhead_verdict_needs_rounds_and_an_interval_that_can_be():
+    """The monitor phase said "<= 1%: yes" from 2 rounds whose "95% interval" (their range) was -21% to -12%:
+    a monitor cannot make a step faster, so the noise was larger than the effect (trial B, session 50)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from common import one_percent_verdict
+
+    assert one_percent_verdict(-21.2, -11.9, 2).startswith("undecided (2 rounds")
+    assert one_percent_verdict(-21.2, -11.9, 10).startswith("undecided (the interval")
+    assert one_percent_verdict(-0.4, 0.7, 10) == "yes"
+    assert one_percent_verdict(1.2, 3.0, 10) == "no"
+    assert one_percent_verdict(0.5, 1.5, 10).startswith("undecided (the interval holds")

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from common import median_interval, slowest, synchronize
+from common import median_interval, one_percent_verdict, slowest, synchronize
 
 GPU_MODEL = ("gpt2-124m", 8, 1024)
 SMOKE_MODEL = ("tiny", 4, 32)
@@ -151,7 +151,7 @@ def run(ctx, opts) -> dict:
         result[f"{mode}_paired_overhead_pct"] = paired
         result[f"{mode}_overhead_pct_median_ci95"] = [low, high]
     low, high = result["async_overhead_pct_median_ci95"]
-    result["async_below_1pct"] = "yes" if high < 1.0 else "no" if low >= 1.0 else "undecided (the interval holds 1%)"
+    result["async_below_1pct"] = one_percent_verdict(low, high, rounds)
     host = slowest(ctx, [max(host_s) if host_s else 0.0, statistics.median(host_s) if host_s else 0.0,
                          statistics.median(write_s) if write_s else 0.0, float(waits[0])])
     latest = {m: trainers[m].latest_checkpoint() for m in ("sync", "async")}  # collective with a directory per node

@@ -25,7 +25,7 @@ import time
 import torch
 from torch.utils.data import TensorDataset
 
-from common import median_interval, slowest, synchronize
+from common import median_interval, one_percent_verdict, slowest, synchronize
 
 GPU_MODEL = ("gpt2-124m", 8, 1024)
 SMOKE_MODEL = ("tiny", 4, 32)
@@ -107,7 +107,7 @@ def run(ctx, opts) -> dict:
     overhead = statistics.median(paired)
     low, high = median_interval(paired)
     q = statistics.quantiles(paired, n=4) if len(paired) >= 2 else [paired[0]] * 3
-    verdict = "yes" if high <= 1.0 else "no" if low > 1.0 else "undecided (the interval holds 1%)"
+    verdict = one_percent_verdict(low, high, rounds)
     log_steps = rounds * steps // log_every
     other_steps = rounds * steps - log_steps
     host_ms = {"record_step_per_log_step": 1e3 * host.get("record_step", 0.0) / log_steps,
