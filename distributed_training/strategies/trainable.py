@@ -198,7 +198,7 @@ class RequiresGradLock:
                 f"away with the gathered parameters at the block's end, so the parameter would go on training (or "
                 f"stay frozen). {_rebuild_advice(self.wrapper)}")
         raise RuntimeError(
-            f"{module or 'the model'}.requires_grad_({flag}) was called after {self.wrapper} wrapped the model, and "
+            f"{module or 'model'}.requires_grad_({flag}) was called after {self.wrapper} wrapped the model, and "
             f"a training forward (gradients on) followed: parameter {name!r}{more} is now "
             f"a view of {self.wrapper}'s flat shards, which the call cannot reach, so it would go on training (or stay "
             f"frozen). {_rebuild_advice(self.wrapper)}")
