@@ -96,13 +96,26 @@ def _route_package_warnings() -> None:
     package_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
-        if os.path.abspath(filename).startswith(package_dir) or _raised_by_package():
+        record = _recording()
+        if record is not None:  # this was installed inside the block: the block gets the warning
+            record(warnings.WarningMessage(message, category, filename, lineno, file, line))
+        elif os.path.abspath(filename).startswith(package_dir) or _raised_by_package():
             get_logger().warning("%s", message)
         else:
             previous(message, category, filename, lineno, file, line)
 
     showwarning._routes_distributed_training = True  # type: ignore[attr-defined]
     warnings.showwarning = showwarning
+
+
+def _recording():
+    """Where a ``warnings.catch_warnings(record=True)`` block (``pytest.warns`` too) is in force: what it
+    records with (its list's ``append``), else None. Such a block sets `warnings.showwarning` back to
+    Python's own at its start, and Python calls a replaced one instead of the block's recorder: the route
+    installed inside the block (the first trainer built there) took the block's warnings to the logger.
+    (The recorder is the `warnings` module's private ``_showwarnmsg_impl``: where it is not there, None.)"""
+    impl = getattr(warnings, "_showwarnmsg_impl", None)
+    return impl if isinstance(getattr(impl, "__self__", None), list) else None
 
 
 def _raised_by_package() -> bool:

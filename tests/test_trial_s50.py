@@ -315,3 +315,32 @@ def test_a_rank_slow_on_every_other_step_is_found(tmp_path):
     events, named = run_distributed(_periodic_straggler, 2, args=(str(tmp_path),), timeout=120)[0]
     # (about half the windows draw an even step; a loaded machine's noise may flag another once)
     assert events >= 2 and named.count(1) >= 2 and named.count(1) > named.count(0), (events, named)
+
+
+# ------------------------------------------------------------------ warnings recorded by the caller
+def _recorded_warnings(rank, world):
+    import warnings
+
+    from distributed_training import DistributedTrainer
+
+    def batches():
+        g = torch.Generator().manual_seed(0)
+        return ((torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3))
+
+    said = []
+    for _ in range(2):  # the first trainer of the process built inside the block, then another
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = DistributedTrainer(nn.Linear(6, 3), lambda ps: torch.optim.SGD(ps, lr=0.1), progress=False)
+            trainer.fit(batches(), 2, F.cross_entropy)  # a generator is used up after one epoch: warned
+            trainer.close()
+        said.append([str(w.message) for w in caught if "used up" in str(w.message)])
+    return said
+
+
+def test_package_warnings_reach_a_catch_warnings_block_the_first_trainer_was_built_in():
+    """The package routes its warnings to its logger by replacing warnings.showwarning; installed inside
+    a `catch_warnings(record=True)` block (the process's first trainer built there), it took the block's
+    warnings from it: the first block recorded nothing, the second (a trainer existed) the warning."""
+    first, second = run_distributed(_recorded_warnings, 1, timeout=120)[0]
+    assert len(first) == 1 and len(second) == 1, (first, second)
