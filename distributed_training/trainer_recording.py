@@ -28,7 +28,7 @@ class StepRecording:
         if not self._monitoring:  # (a progress bar only, if any: `ProgressOnly`)
             self.monitor.record_step(self.step, metrics, samples=0, step_time=step_time)
             return metrics
-        comm = None
+        comm, pipeline = None, None
         log_every = self.monitor_log_every
         if self._measuring:  # this step's communication was timed: keep its own times
             self._measured_times = (step_time, data_time)
@@ -48,6 +48,11 @@ class StepRecording:
         own = None
         if self.step % log_every == 0 and self._own_time is not None:
             own, self._own_time = max(0.0, _seconds(self._own_time) - (comm or 0.0)), None  # less its wait in backward
+            if pipeline:
+                # A pipeline step reports no communication time: its waits for the other stages' activations
+                # and gradients were all "own work", alike on every rank. Its own is its stage's compute, as the
+                # pipeline's timing of a step of this window measured it.
+                own = (pipeline["pipeline/forward_ms"] + pipeline["pipeline/backward_ms"]) / 1e3
         if self.step % log_every == 0:
             # The measured step's wait for the others before it trained (the straggler probe's, a per-batch
             # agreement's: a slower peer's data) is communication too, not this rank's compute.
