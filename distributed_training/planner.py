@@ -16,7 +16,7 @@ measures activations by counting what autograd saves for backward, on any device
 from __future__ import annotations
 
 import math
-
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -91,6 +91,10 @@ def state_bytes(strategy: str, num_params: int, world_size: int, *, largest_unit
     optimizer state: 4P + 4P + 8P/N). Without `largest_unit_params`, a unit is taken as 1/12 of the model."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    for name, value in (("num_params", num_params), ("largest_unit_params", largest_unit_params)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                  or not 0 <= value < math.inf):
+            raise ValueError(f"{name} must be a finite count >= 0, got {value!r}")
     p, n = float(num_params), float(world_size)
     unit = float(largest_unit_params if largest_unit_params is not None else max(1, num_params // 12))
     table = {
@@ -142,6 +146,11 @@ def activation_bytes_per_sample(model: nn.Module, make_batch: Callable[[int], tu
 def max_batch_size_for_budget(budget_bytes: float, fixed_bytes: float, bytes_per_sample: float,
                               multiple_of: int = 1) -> int:
     """The largest batch whose activations fit what the budget leaves after the fixed (model) bytes."""
+    for name, value in (("budget_bytes", budget_bytes), ("fixed_bytes", fixed_bytes), ("bytes_per_sample", bytes_per_sample)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{name} must be a finite number of bytes >= 0, got {value!r}")
+    if not bytes_per_sample > 0:
+        raise ValueError("bytes_per_sample must be > 0: a sample's activations take some memory")
     room = budget_bytes - fixed_bytes
     if room < bytes_per_sample:
         raise ValueError(f"the memory budget ({budget_bytes / GIB:.2f} GiB) leaves no room for one sample after "

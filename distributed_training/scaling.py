@@ -161,8 +161,11 @@ def calibrate_link(n: int, sizes: list[float], seconds: list[float], op: str = "
     }
     if op not in formulas:
         raise ValueError(f"op must be one of {list(formulas)}, got {op!r}")
-    if n < 2:
-        raise ValueError("a link is calibrated from a collective over at least 2 ranks")
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 2:
+        raise ValueError(f"a link is calibrated from a collective over at least 2 ranks: n must be an integer >= 2, "
+                         f"got {n!r}")
+    if any(not _number(x) or not 0 < x < math.inf for x in sizes):
+        raise ValueError(f"calibrate_link needs message sizes > 0 bytes, got {list(sizes)!r}")
     if any(not _number(t) or not 0 < t < math.inf for t in seconds):
         raise ValueError(f"calibrate_link needs measured times > 0 seconds, got {list(seconds)!r}")
     if len(sizes) != len(seconds) or len(sizes) < 2:
@@ -222,8 +225,8 @@ class StepProfile:
         # (overhead_s is measured as a difference of two step times: slightly negative is noise, kept)
         for name in ("params", "bucket_bytes", "grad_bytes", "gather_bytes", "units"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"StepProfile.{name} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"StepProfile.{name} must be a positive finite number, got {value!r}")
         if not isinstance(self.units, int):  # (a count of ZeRO-3 units: 2.5 was taken)
             raise ValueError(f"StepProfile.units is a number of ZeRO-3 units, an integer >= 1, got {self.units!r}")
         if not isinstance(self.topk_ratio, bool) and _number(self.topk_ratio) and self.topk_ratio == 0:
@@ -360,6 +363,11 @@ def project(profile: StepProfile, gpus: list[int], gpus_per_node: int, intra: Li
     """
     from .planner import state_bytes
 
+    for name, value, low in (("memory_bytes", memory_bytes, 0.0), ("activation_bytes", activation_bytes, 0.0),
+                             ("compression_gain", compression_gain, 1.0)):
+        if value is not None and (not _number(value) or not low <= value < math.inf or (name == "memory_bytes" and not value > 0)):
+            raise ValueError(f"project: {name} must be a finite number {'> 0' if name == 'memory_bytes' else f'>= {low:g}'}"
+                             f", got {value!r}")
     base = profile.compute_s + profile.optimizer_s  # the bare model on one GPU
     rows = []
     for n in gpus:

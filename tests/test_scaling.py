@@ -132,3 +132,25 @@ def test_break_even_bandwidth_is_where_compression_stops_paying():
     assert break_even_bandwidth(costly, 4, "ddp_bf16", 5e-6) is None
     with pytest.raises(ValueError, match="compressed"):
         break_even_bandwidth(profile, 4, "ddp", 5e-6)
+
+
+def test_impossible_inputs_are_refused_by_name():
+    """Session 50's trial: state_bytes gave -160 bytes for -10 parameters, max_batch_size_for_budget divided by
+    zero, calibrate_link took negative sizes and 2.5 ranks, project took negative memory and a compression
+    gain of 0 (always PowerSGD), StepProfile(params=inf) overflowed."""
+    from distributed_training import planner, scaling
+
+    link = scaling.Link(alpha=1e-5, bandwidth=1e10)
+    profile = scaling.StepProfile(params=1000, compute_s=0.1, optimizer_s=0.01)
+    cases = {"num_params": lambda: planner.state_bytes("ddp", -10, 2),
+             "bytes_per_sample": lambda: planner.max_batch_size_for_budget(1e9, 0, 0),
+             "budget_bytes": lambda: planner.max_batch_size_for_budget(float("nan"), 0, 10),
+             "sizes": lambda: scaling.calibrate_link(2, [-1, 2], [1e-3, 2e-3]),
+             "n must be an integer": lambda: scaling.calibrate_link(2.5, [1, 2], [1e-3, 2e-3]),
+             "memory_bytes": lambda: scaling.project(profile, [2], 8, link, link, memory_bytes=-1),
+             "activation_bytes": lambda: scaling.project(profile, [2], 8, link, link, activation_bytes=-1e12),
+             "compression_gain": lambda: scaling.project(profile, [2], 8, link, link, compression_gain=0),
+             "StepProfile.params": lambda: scaling.StepProfile(params=float("inf"), compute_s=1, optimizer_s=0)}
+    for name, call in cases.items():
+        with pytest.raises(ValueError, match=name):
+            call()
