@@ -109,8 +109,13 @@ class Stepping:
             # FSDP gathers parameters in every forward: the replicas must run as many micro-batches as each
             # other, and a replica whose batch has fewer rows than `parts` (an epoch's short last batch)
             # runs fewer. They agree on the fewest (each micro-batch's weight keeps the whole batch's loss).
-            parts = fewest(max(1, min(parts, batch_size_of(batch))), self.context.mesh.host_group("data"))
+            # A replica with no rows runs as many empty ones as the others run (it made them all run their
+            # whole batch in one forward: the memory accumulation was asked to bound).
+            rows = batch_size_of(batch)
+            parts = fewest(min(parts, rows) if rows else parts, self.context.mesh.host_group("data"))
         micro_batches = split_batch(batch, parts) if loss_sum is None else []
+        if len(micro_batches) == 1 and micro_batches[0][1] == 0:
+            micro_batches *= parts  # (an empty batch: `parts` empty micro-batches, where the replicas agreed on it)
         # Each micro-batch's loss weighted so that the accumulated gradient is that of the whole batch's
         # loss, even when the batch does not split evenly or its micro-batches ignore different numbers of
         # targets (`loss_weights`). (One micro-batch: weight 1, and no kernel launched for it.)

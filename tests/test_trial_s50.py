@@ -379,3 +379,42 @@ def test_under_a_pipeline_a_stages_own_work_is_its_compute(tmp_path):
     view called the other rank the slowest in 4 of 10 windows."""
     slowest = run_distributed(_slow_stage, 2, args=(str(tmp_path),), timeout=120)[0]
     assert len(slowest) >= 3 and set(slowest) == {1}, slowest
+
+
+# ------------------------------------------------------------------ accumulation beside an empty replica
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.rows = nn.Linear(4, 2), []
+
+    def forward(self, x):
+        self.rows.append(x.shape[0])
+        return self.net(x)
+
+
+def _beside_an_empty_replica(rank, world):
+    from distributed_training import DistributedTrainer
+
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+    reference = Counting()
+    opt = torch.optim.SGD(reference.net.parameters(), lr=0.5)
+    F.mse_loss(reference(x), y).backward()
+    opt.step()
+    model = Counting()
+    trainer = DistributedTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.5), strategy="zero3", progress=False,
+                                 gradient_accumulation_steps=2)
+    mine = slice(0, 4) if rank == 0 else slice(0, 0)  # rank 1 has no rows this step
+    trainer.train_step((x[mine], y[mine]), F.mse_loss)
+    state = trainer.full_state_dict()
+    trainer.close()
+    worst = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) if state else 0.0
+    return model.rows, worst
+
+
+def test_accumulation_beside_an_empty_replica_keeps_its_micro_batches():
+    """Under ZeRO-2/3 (a gather in every forward) the replicas agree on how many micro-batches to run; one
+    with no rows made every replica run its whole batch in one forward, the memory accumulation bounds."""
+    (rows0, worst), (rows1, _) = run_distributed(_beside_an_empty_replica, 2, timeout=120)
+    assert rows0 == [2, 2] and rows1 == [0, 0] and worst < 1e-6, (rows0, rows1, worst)
