@@ -441,20 +441,18 @@ trainer.close()
 '''
 
 
-def test_a_run_resumed_mid_epoch_with_loader_workers_is_bit_identical(tmp_path):
+def test_a_run_resumed_mid_epoch_with_loader_workers_is_bit_identical(tmp_path, warm_python):
     """Each worker's generator advanced over the samples it happened to read since the epoch began, so a
     resume (its workers restarted at another sample) drew other augmentations: 1.9 off in a trial."""
-    import subprocess
-    import sys
-
     script = tmp_path / "job.py"
     script.write_text(RESUMED_JOB)
     env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..")}
 
     def run(directory, steps, workers):
         out = tmp_path / f"{directory}_{steps}_{workers}.pt"
-        done = subprocess.run([sys.executable, str(script), str(tmp_path / directory), str(steps), str(workers),
-                               str(out)], env=env, capture_output=True, text=True, timeout=120)
+        # (each run forked from a warm interpreter: four fresh ones were ~12 s of imports on 2 loaded cores)
+        done = warm_python([str(script), str(tmp_path / directory), str(steps), str(workers), str(out)], env=env,
+                           timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
         return torch.load(out, weights_only=True)
 
