@@ -334,7 +334,8 @@ def decay_by_segments(optimizer: torch.optim.Optimizer) -> bool:
     Such a group's ``weight_decay`` moves to ``segment_weight_decay`` (the optimizer itself then decays
     nothing there) and a step pre-hook applies it to the layers not in the group's ``exclude``, exactly
     as the optimizer would have: AdamW's decoupled ``p *= 1 - lr * wd`` (what its step does first),
-    SGD's ``grad += wd * p`` (what it adds before momentum). The other layers, and the padding, are left
+    SGD's ``grad += wd * p`` (what it adds before momentum; ``grad -= wd * p`` with ``maximize``, which
+    negates the gradient first). The other layers, and the padding, are left
     alone. Per-parameter groups (DDP) need none of this: `param_groups` gives the exclusions a group."""
     decoupled = isinstance(optimizer, torch.optim.AdamW)
     if not decoupled and not isinstance(optimizer, torch.optim.SGD):
@@ -369,8 +370,9 @@ def decay_by_segments(optimizer: torch.optim.Optimizer) -> bool:
                 with torch.no_grad():
                     if decoupled:  # the same scalar AdamW multiplies by, cast as it casts it
                         p.copy_(torch.where(keep, p * (1 - g["lr"] * wd), p))
-                    else:
-                        p.grad.copy_(torch.where(keep, p.grad.add(p, alpha=wd), p.grad))
+                    else:  # (SGD with maximize negates the gradient, then adds wd * p: the hook's term, too)
+                        sign = -1.0 if g.get("maximize") else 1.0
+                        p.grad.copy_(torch.where(keep, p.grad.add(p, alpha=sign * wd), p.grad))
 
     if groups:
         optimizer.register_step_pre_hook(decay)

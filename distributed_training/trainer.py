@@ -51,8 +51,8 @@ from .trainer_closing import Closing, released_if_it_raises
 from .trainer_fit import Fitting
 from .trainer_peers import PeerWatching
 from .trainer_arguments import (check_arguments, check_optimizer, check_optimizer_after_setup, check_optimizer_layout,
-                                check_parallel_arguments, check_same_options, check_scheduler, compile_options_of,
-                                describe_compile)
+                                check_no_closure, check_parallel_arguments, check_same_options, check_scheduler,
+                                compile_options_of, describe_compile)
 from .trainer_step import Stepping
 from .trainer_state import TrainerState
 from .trainer_weights import FullWeights
@@ -413,9 +413,11 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
             self.model.compile(**(compile if isinstance(compile, dict) else {}))
         self.optimizer = strategy.setup_optimizer(optimizer, self.model)
         check_optimizer_after_setup(optimizer, model_params, self.model)
+        check_no_closure(self.optimizer)
         check_optimizer_layout(self.optimizer, self.model, tensor.enabled)
         # Communication is timed (DDP: perf/comm_hidden_pct, perf/comm_wire_ms) on one step per log window, the
-        # first (`_record_step` arms it after each log step), and read at the window's log step.
+        # straggler probe's (`_record_step` arms it before that step; the first step too), and read at the
+        # window's log step.
         if log_dir is not None:
             strategy.measure_communication(self.model, True)
             strategy.time_pipeline(self.model, True)  # a pipeline's stage times and bubble, likewise

@@ -3,6 +3,7 @@ argument, and every rank raises alike (no rank waits in a collective the others 
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import warnings
@@ -12,7 +13,7 @@ from .amp import check_precision_argument
 
 __all__ = ["check_arguments", "check_optimizer", "check_optimizer_after_setup", "check_parallel_arguments",
            "check_optimizer_layout", "check_same_options", "check_scheduler", "compile_options_of",
-           "describe_compile"]
+           "describe_compile", "check_no_closure", "per_element"]
 
 
 def compile_options_of(compiled: Any) -> dict[str, Any] | None:
@@ -281,6 +282,64 @@ def _same_setting(a: Any, b: Any) -> bool:
 _SHAPED = re.compile(r"lamb|lars|adafactor|muon|shampoo|soap|novograd|lbfgs", re.IGNORECASE)
 
 
+def check_no_closure(optimizer: Any) -> None:
+    """The trainer calls ``optimizer.step()`` without a closure: an optimizer whose step needs one (LBFGS,
+    which evaluates the loss several times a step) failed at the first step with torch's TypeError."""
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(f"optimizer {type(optimizer).__name__}'s step needs a closure (it evaluates the loss again "
+                         "within a step), and the trainer steps once per batch without one: use an optimizer whose "
+                         "closure is optional (SGD, Adam, ...), or your own loop with the DDP wrapper")
+
+
+def per_element(optimizer: Any) -> bool | None:
+    """Whether `optimizer`'s update of each element depends on that element alone (SGD, Adam, ...), tried on
+    two small tensors against their concatenation, as a flat shard holds them (two steps of its class with
+    its first group's settings, on the CPU): False for one that reads a tensor's shape, rows or whole norm
+    (Adafactor, LAMB, one's own); None where it cannot be tried (its constructor takes other arguments, its
+    step needs a closure). A list of names found only those it knew (a row-wise optimizer of one's own ran
+    another algorithm under ZeRO, 7e-2 off one process in 5 steps, without a word)."""
+    import torch
+
+    cached = getattr(type(optimizer), "_dt_per_element", {})
+    settings = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults
+                and k not in ("params", "foreach", "fused", "capturable", "differentiable")}
+    try:  # (only what its constructor takes: AdamW's defaults hold Adam's decoupled_weight_decay)
+        taken = inspect.signature(type(optimizer).__init__).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in taken.values()):
+            settings = {k: v for k, v in settings.items() if k in taken}
+    except (TypeError, ValueError):
+        pass
+    key = repr(sorted(settings.items()))
+    if key in cached:
+        return cached[key]
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(3, 4, generator=g) + 2, torch.randn(5, generator=g)]
+    grads = [[torch.randn(v.shape, generator=g) for v in values] for _ in range(2)]
+    apart = [v.clone().requires_grad_() for v in values]
+    joined = torch.cat([v.flatten() for v in values]).requires_grad_()
+    try:
+        one, other = type(optimizer)(apart, **settings), type(optimizer)([joined], **settings)
+        for step in grads:
+            for p, grad in zip(apart, step):
+                p.grad = grad.clone()
+            joined.grad = torch.cat([grad.flatten() for grad in step])
+            one.step()
+            other.step()
+        result = bool(torch.allclose(torch.cat([p.detach().flatten() for p in apart]), joined.detach(),
+                                     rtol=1e-5, atol=1e-7))
+    except Exception:  # (whatever it raises: it cannot be tried here, which says nothing of it)
+        result = None
+    try:
+        type(optimizer)._dt_per_element = {**cached, key: result}
+    except (AttributeError, TypeError):
+        pass
+    return result
+
+
 def check_optimizer_layout(optimizer: Any, module: Any, tensor_parallel: bool) -> None:
     """The optimizer the strategy built, against what it is handed: our LARS / LAMB need each layer's whole
     norm, which ZeRO-2/3's shards carry (``segments``) but ZeRO-1's flat shards and tensor parallelism's
@@ -307,7 +366,7 @@ def check_optimizer_layout(optimizer: Any, module: Any, tensor_parallel: bool) -
             raise ValueError(f"optimizer {name} needs each layer's whole norm, which it does not see under {where}: "
                              "use strategy ddp, zero2 or zero3 (their shards tell it the layers)")
         return
-    if _SHAPED.search(name):
+    if per_element(optimizer) is False or (per_element(optimizer) is None and _SHAPED.search(name)):
         warnings.warn(f"optimizer {name} computes with each tensor's shape or whole norm, but under {where} it is "
                       "handed slices: it then runs another algorithm than on one process, silently. Use DDP, or "
                       "an elementwise optimizer (SGD, Adam, AdamW, ...)", stacklevel=4)

@@ -418,3 +418,48 @@ def test_accumulation_beside_an_empty_replica_keeps_its_micro_batches():
     with no rows made every replica run its whole batch in one forward, the memory accumulation bounds."""
     (rows0, worst), (rows1, _) = run_distributed(_beside_an_empty_replica, 2, timeout=120)
     assert rows0 == [2, 2] and rows1 == [0, 0] and worst < 1e-6, (rows0, rows1, worst)
+
+
+# ------------------------------------------------------------------ optimizers that are not per element
+class RowScaled(torch.optim.Optimizer):
+    """An optimizer of one's own: a row-wise second moment for matrices, one for a whole vector."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    v = p.grad.pow(2).mean(dim=-1, keepdim=True) if p.dim() > 1 else p.grad.pow(2).mean()
+                    p.add_(p.grad / (v.sqrt() + 1e-8), alpha=-group["lr"])
+
+
+def _optimizer_kinds(rank, world):
+    import warnings
+
+    from distributed_training import DistributedTrainer
+
+    said = {}
+    for strategy, make in (("zero3", RowScaled), ("ddp", RowScaled), ("zero1", lambda ps: torch.optim.AdamW(ps)),
+                           ("zero3", lambda ps: torch.optim.LBFGS(ps))):
+        key = f"{strategy} {make.__name__ if isinstance(make, type) else 'adamw' if strategy == 'zero1' else 'lbfgs'}"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                DistributedTrainer(_mlp(), make, strategy=strategy, progress=False).close()
+                said[key] = [str(w.message) for w in caught if "shape or whole norm" in str(w.message)]
+            except ValueError as err:
+                said[key] = f"refused: {err}"
+    return said
+
+
+def test_an_optimizer_that_is_not_per_element_is_found_by_what_it_does():
+    """A row-wise optimizer of one's own ran another algorithm under ZeRO (7e-2 off one process in 5 steps)
+    without a word: only names (adafactor, lamb, ...) were warned of. It is tried on two tensors against their
+    concatenation now. LBFGS, whose step needs a closure the trainer never passes, is refused at the start."""
+    said = run_distributed(_optimizer_kinds, 2, timeout=120)[0]
+    assert len(said["zero3 RowScaled"]) == 1 and "RowScaled" in said["zero3 RowScaled"][0], said
+    assert said["ddp RowScaled"] == [] and said["zero1 adamw"] == [], said
+    assert said["zero3 lbfgs"].startswith("refused: optimizer LBFGS's step needs a closure"), said
