@@ -414,6 +414,9 @@ class DistributedTrainer(Stepping, Fitting, Checkpointing, AutoBatchSize, Evalua
         self.optimizer = strategy.setup_optimizer(optimizer, self.model)
         check_optimizer_after_setup(optimizer, model_params, self.model)
         check_no_closure(self.optimizer)
+        held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        self._left_out = [p for p in self.model.parameters() if p.requires_grad and id(p) not in held] if (
+            self.optimizer is optimizer) else []  # (an object over some of the model, stepped as given: `_zero_grad`)
         check_optimizer_layout(self.optimizer, self.model, tensor.enabled)
         # Communication is timed (DDP: perf/comm_hidden_pct, perf/comm_wire_ms) on one step per log window, the
         # straggler probe's (`_record_step` arms it before that step; the first step too), and read at the
