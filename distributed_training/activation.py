@@ -73,7 +73,8 @@ def restore_key_value_cache(model: nn.Module) -> None:
 
 def checkpoint_module(module: nn.Module) -> None:
     """Checkpoint `module`'s forward (an instance attribute; marked so it is never wrapped twice)."""
-    module.forward = functools.partial(_run_checkpointed, module, module.forward)
+    statistics = any(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules())
+    module.forward = functools.partial(_run_checkpointed, module, module.forward, statistics)
     module._dt_checkpointed = True
 
 
@@ -96,8 +97,22 @@ class _KeepRunningStatistics:
                 buffer.copy_(value)
 
 
-def _run_checkpointed(module: nn.Module, forward: Callable, *args, **kwargs):
+def _run_checkpointed(module: nn.Module, forward: Callable, statistics: bool, *args, **kwargs):
+    """`statistics`: whether `module` holds a normalisation layer whose running statistics a recompute would
+    update a second time (put back by the recompute's context)."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if not statistics:
+        # (no context: torch.compile traces a checkpoint, but not one with a context_fn of one's own, and
+        # `compile=` with activation checkpointing failed at the first step under every strategy)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return _keeping_running_statistics(module, forward, *args, **kwargs)
+
+
+@torch.compiler.disable
+def _keeping_running_statistics(module: nn.Module, forward: Callable, *args, **kwargs):
+    """A checkpoint whose recompute puts `module`'s running statistics back. Inside a compiled model it runs
+    eagerly, between the compiled graphs: dynamo cannot trace a checkpoint with a context of one's own."""
     return checkpoint(forward, *args, use_reentrant=False,
                       context_fn=lambda: (nullcontext(), _KeepRunningStatistics(module)), **kwargs)
+

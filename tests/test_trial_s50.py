@@ -494,3 +494,42 @@ def test_an_optimizer_over_part_of_the_model_with_clipping_matches_one_process()
     (0.64 for a step whose gradients' norm was 0.46): the trained layer went 4.4e-3 off one process."""
     for worst in run_distributed(_partial_optimizer, 2, timeout=120):
         assert max(n for n, _ in worst) < 1e-5 and max(p for _, p in worst) < 1e-6, worst
+
+
+# ------------------------------------------------------------------ compile= with activation checkpointing
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.bn, self.head = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def _compiled_and_checkpointed(rank, world):
+    from distributed_training import DistributedTrainer
+
+    out = {}
+    for name, make, shape, checkpointed in (("mlp", _mlp, (6,), {nn.Linear}), ("cnn", SmallCNN, (3, 8, 8), {nn.BatchNorm2d})):
+        runs = []
+        for compile in (False, {"backend": "aot_eager"}):
+            torch._dynamo.reset()
+            trainer = DistributedTrainer(make(), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), progress=False,
+                                         activation_checkpointing=checkpointed, compile=compile)
+            for step in range(2):
+                g = torch.Generator().manual_seed(step)
+                x, y = torch.randn(4 * world, *shape, generator=g), torch.randint(0, 3, (4 * world,), generator=g)
+                trainer.train_step((x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]), F.cross_entropy)
+            runs.append({k: v.clone() for k, v in trainer.module.state_dict().items()})
+            trainer.close()
+        out[name] = max((runs[0][k].float() - runs[1][k].float()).abs().max().item() for k in runs[0])
+    return out
+
+
+def test_compile_with_activation_checkpointing_trains_as_eager():
+    """`compile=` with `activation_checkpointing=` failed at the first step under every strategy ("checkpoint
+    not implemented for ... context_fn"): the checkpoint's context that puts BatchNorm's running statistics
+    back is passed only where there are some, and such a module runs eagerly between the compiled graphs."""
+    for out in run_distributed(_compiled_and_checkpointed, 2, timeout=180):
+        assert out["mlp"] < 1e-6 and out["cnn"] < 1e-6, out
