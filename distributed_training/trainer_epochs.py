@@ -156,7 +156,8 @@ class EpochLoop(StepRecording):
                     self._probe_wait = waited + (agreed - fetched)  # (its communication: a wait for the others)
                 if self.step % log_every == 0 or self.step % self._log_every == 0:  # (fit's or the bar's)
                     metrics = self._with_global_loss(metrics)  # (alike on every rank: the arguments are)
-                metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - began)
+                metrics = self._record_step(batch, metrics, step_time=now - last_end, data_time=fetched - began,
+                                            span=now - began)
                 # (what checkpoints record: with a log_dir, a log step's hold the communication figures too)
                 if not self._best_checked and (self.step % log_every == 0 or not self._monitoring):
                     self._best_checked = self._check_best_metric(evaluation, metrics)

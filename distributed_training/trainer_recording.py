@@ -22,16 +22,19 @@ class StepRecording:
     """`_record_step` and `_straggler_probe`, on the trainer's monitor, strategy, model and step."""
 
     def _record_step(self, batch: Any, metrics: dict[str, torch.Tensor], *, step_time: float,
-                     data_time: float) -> dict[str, torch.Tensor]:
+                     data_time: float, span: float | None = None) -> dict[str, torch.Tensor]:
         """Hand the step just trained to the monitor (with the strategy's communication figures, and a
-        pipeline's stage times and bubble, on log steps); returns the metrics with those figures added."""
+        pipeline's stage times and bubble, on log steps); returns the metrics with those figures added.
+        `step_time` runs from the last step's end (its logging, callbacks and saves included: the loop's
+        pace); `span`, from this step's fetch on: what the measured step's compute is read from (its time
+        less its data and communication), or the last log step's logging counted as the next one's compute."""
         if not self._monitoring:  # (a progress bar only, if any: `ProgressOnly`)
             self.monitor.record_step(self.step, metrics, samples=0, step_time=step_time)
             return metrics
         comm, pipeline = None, None
         log_every = self.monitor_log_every
         if self._measuring:  # this step's communication was timed: keep its own times
-            self._measured_times = (step_time, data_time)
+            self._measured_times = (step_time if span is None else span, data_time)
         if self.step % log_every == 0:
             comm, extra = self.strategy.pop_communication_metrics(self.model)
             if extra:
