@@ -73,8 +73,12 @@ def restore_key_value_cache(model: nn.Module) -> None:
 
 def checkpoint_module(module: nn.Module) -> None:
     """Checkpoint `module`'s forward (an instance attribute; marked so it is never wrapped twice)."""
-    statistics = any(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules())
-    module.forward = functools.partial(_run_checkpointed, module, module.forward, statistics)
+    keeping = None
+    if any(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules()):
+        # (disabled for torch.compile here, not where it is defined: that imports dynamo, whose sympy adds
+        # warning filters, with the package)
+        keeping = torch.compiler.disable(functools.partial(_keeping_running_statistics, module, module.forward))
+    module.forward = functools.partial(_run_checkpointed, module.forward, keeping)
     module._dt_checkpointed = True
 
 
@@ -97,19 +101,18 @@ class _KeepRunningStatistics:
                 buffer.copy_(value)
 
 
-def _run_checkpointed(module: nn.Module, forward: Callable, statistics: bool, *args, **kwargs):
-    """`statistics`: whether `module` holds a normalisation layer whose running statistics a recompute would
-    update a second time (put back by the recompute's context)."""
+def _run_checkpointed(forward: Callable, keeping: Callable | None, *args, **kwargs):
+    """`keeping`: where the module holds normalisation layers whose running statistics a recompute would
+    update a second time, `_keeping_running_statistics` over it (else None)."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    if not statistics:
+    if keeping is None:
         # (no context: torch.compile traces a checkpoint, but not one with a context_fn of one's own, and
         # `compile=` with activation checkpointing failed at the first step under every strategy)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return _keeping_running_statistics(module, forward, *args, **kwargs)
+    return keeping(*args, **kwargs)
 
 
-@torch.compiler.disable
 def _keeping_running_statistics(module: nn.Module, forward: Callable, *args, **kwargs):
     """A checkpoint whose recompute puts `module`'s running statistics back. Inside a compiled model it runs
     eagerly, between the compiled graphs: dynamo cannot trace a checkpoint with a context of one's own."""
